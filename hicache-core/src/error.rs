@@ -71,6 +71,27 @@ pub enum CoreError {
         /// What was wrong.
         reason: String,
     },
+    /// A tenant id that was never issued by this tree.
+    #[error("unknown tenant id {0}")]
+    UnknownTenant(u32),
+    /// A node of one tenant used where another tenant's key or node was expected.
+    #[error("node {node} belongs to tenant {node_tenant}, not to tenant {tenant}")]
+    WrongTenant {
+        /// The node, rendered.
+        node: String,
+        /// Its tenant.
+        node_tenant: u32,
+        /// The tenant of the operation.
+        tenant: u32,
+    },
+    /// A write or load id that is not (or no longer) pending.
+    #[error("unknown {kind} id {id}: not pending (already finished, or issued before a reset)")]
+    UnknownTransfer {
+        /// "write" or "load".
+        kind: &'static str,
+        /// The id.
+        id: u64,
+    },
 }
 
 /// Result alias of `hicache-core`.

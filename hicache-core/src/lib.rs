@@ -7,6 +7,9 @@
 //!   modes.
 //! - [`layout`]: KV shapes ([`KvShape`]) and host layouts ([`LayoutKind`]).
 //! - [`region`]: the [`MemoryRegion`] descriptor of the pinned host pool.
+//! - [`tree`]: the [`HiRadixTree`], which pages live in device and host memory.
+//! - [`eviction`]: eviction strategies behind [`EvictionStrategy`].
+//! - [`policy`]: write and prefetch policies; [`event`]: KV events.
 //!
 //! Everything else in the workspace builds on these descriptors, so that `hicache-storage` and
 //! `hicache-host` need not know each other.
@@ -14,13 +17,26 @@
 #![warn(missing_docs)]
 
 pub mod error;
+pub mod event;
+pub mod eviction;
 pub mod hash;
 pub mod key;
 pub mod layout;
+pub mod policy;
 pub mod region;
+pub mod tree;
 
 pub use error::{CoreError, Result};
+pub use event::{KvEvent, Medium};
+pub use eviction::{EvictionStrategy, NodeStats, StrategyKind};
 pub use hash::{ChainStart, FORMAT_VERSION, HashMode, Namespace, PageHasher};
 pub use key::{NamespaceId, PageHash, PageKey, tokens_from_i64, tokens_from_u64};
 pub use layout::{DType, KvKind, KvShape, LayoutKind};
+pub use policy::{PrefetchConfig, PrefetchPolicy, WritePolicy};
 pub use region::MemoryRegion;
+pub use tree::{
+    BackupFragment, BackupPlan, DeviceSlot, EvictHostOutcome, EvictOutcome, FinishedBackup,
+    HiRadixTree, HostAllocator, HostInsertResult, HostSlot, InsertOptions, InsertResult,
+    LoadBackPlan, LoadId, MatchResult, NoHost, NodeId, NodeInfo, StagedWriteBack, TenantId,
+    TreeConfig, TreeStats, WriteId, page_aligned,
+};

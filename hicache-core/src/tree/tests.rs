@@ -1,0 +1,712 @@
+//! Unit tests of every tree operation and eviction path.
+
+use super::*;
+use crate::error::CoreError;
+use crate::eviction::StrategyKind;
+use crate::hash::PageHasher;
+use crate::policy::WritePolicy;
+
+const PS: u32 = 4;
+
+fn cfg(policy: WritePolicy) -> TreeConfig {
+    TreeConfig {
+        write_policy: policy,
+        ..TreeConfig::new(PS)
+    }
+}
+
+fn tree(policy: WritePolicy) -> HiRadixTree {
+    HiRadixTree::new(cfg(policy)).unwrap()
+}
+
+/// `pages` pages whose tokens start at `base` (distinct bases give distinct pages).
+fn toks(base: u32, pages: usize) -> Vec<u32> {
+    (0..pages as u32 * PS).map(|t| base * 1000 + t).collect()
+}
+
+fn cat(a: &[u32], b: &[u32]) -> Vec<u32> {
+    [a, b].concat()
+}
+
+/// Slots `[from, from + n)`.
+fn slots(from: u32, n: usize) -> Vec<u32> {
+    (from..from + n as u32).collect()
+}
+
+const T: TenantId = TenantId::DEFAULT;
+
+fn ins(t: &mut HiRadixTree, tokens: &[u32], first_slot: u32) -> InsertResult {
+    let r = t
+        .insert(
+            T,
+            tokens,
+            &slots(first_slot, tokens.len() / PS as usize),
+            InsertOptions::default(),
+        )
+        .unwrap();
+    t.check_invariants().unwrap();
+    r
+}
+
+fn ok(t: &HiRadixTree) {
+    t.check_invariants().unwrap();
+}
+
+/// Backs a node up completely (begin, commit with `host_from`, finish).
+fn backup(t: &mut HiRadixTree, n: NodeId, host_from: u32) -> FinishedBackup {
+    let plan = t.begin_backup(n).unwrap().expect("backup allowed");
+    let w = t.commit_backup(n, &slots(host_from, plan.pages())).unwrap();
+    ok(t);
+    let f = t.finish_backup(w).unwrap();
+    ok(t);
+    f
+}
+
+#[test]
+fn insert_then_match_returns_slots_and_splits_on_partial_match() {
+    let mut t = tree(WritePolicy::WriteThroughSelective);
+    let a = toks(1, 3);
+    let r = ins(&mut t, &a, 100);
+    assert_eq!(r.prefix_pages, 0);
+    let m = t.match_prefix(T, &a).unwrap();
+    assert_eq!(m.device_slots, vec![100, 101, 102]);
+    assert_eq!(m.last_node, r.last_node);
+    assert_eq!(m.host_hit_pages, 0);
+    // A key sharing 2 pages then diverging splits the node after page 2.
+    let b = cat(&a[..8], &toks(2, 1));
+    let m = t.match_prefix(T, &b).unwrap();
+    ok(&t);
+    assert_eq!(m.device_slots, vec![100, 101]);
+    assert_eq!(t.node_info(m.last_node).unwrap().pages, 2);
+    assert_eq!(t.node_info(r.last_node).unwrap().pages, 1);
+    assert_eq!(t.node_info(r.last_node).unwrap().parent, Some(m.last_node));
+    // A key that differs inside the first page matches nothing (siblings by whole page).
+    let mut c = a.clone();
+    c[1] = 999_999;
+    let m = t.match_prefix(T, &c).unwrap();
+    assert!(m.device_slots.is_empty());
+    assert_eq!(m.last_node, t.tenant_root(T).unwrap());
+    // Empty key.
+    let m = t.match_prefix(T, &[]).unwrap();
+    assert_eq!(m.last_device_node, t.tenant_root(T).unwrap());
+}
+
+#[test]
+fn insert_reports_cached_prefix_and_new_leaf() {
+    let mut t = tree(WritePolicy::WriteThroughSelective);
+    let a = toks(1, 2);
+    ins(&mut t, &a, 0);
+    let b = cat(&a, &toks(2, 2));
+    let r = ins(&mut t, &b, 10);
+    assert_eq!(r.prefix_pages, 2);
+    assert_eq!(t.device_slots(r.last_node).unwrap(), &[12, 13]);
+    let m = t.match_prefix(T, &b).unwrap();
+    assert_eq!(m.device_slots, vec![0, 1, 12, 13]);
+    assert_eq!(t.stats().device_pages, 4);
+    assert_eq!(t.evictable_pages(), 4);
+}
+
+#[test]
+fn bad_input_is_a_typed_error_and_changes_nothing() {
+    let mut t = tree(WritePolicy::WriteThrough);
+    let a = toks(1, 2);
+    ins(&mut t, &a, 0);
+    let before = format!("{:?}", t.stats());
+    let clock = t.clock();
+    assert!(matches!(
+        t.match_prefix(T, &a[..5]),
+        Err(CoreError::Unaligned { len: 5, .. })
+    ));
+    assert!(matches!(
+        t.insert(T, &a[..6], &[1], InsertOptions::default()),
+        Err(CoreError::Unaligned { .. })
+    ));
+    assert!(matches!(
+        t.insert(T, &a, &[1], InsertOptions::default()),
+        Err(CoreError::LengthMismatch { .. })
+    ));
+    assert!(matches!(
+        t.match_prefix(TenantId(9), &a),
+        Err(CoreError::UnknownTenant(9))
+    ));
+    let leaf = t.match_prefix(T, &a).unwrap().last_node;
+    assert!(matches!(
+        t.unlock(leaf),
+        Err(CoreError::InvalidState { .. })
+    ));
+    assert!(matches!(
+        t.release_host(leaf),
+        Err(CoreError::InvalidState { .. })
+    ));
+    assert!(matches!(
+        t.split(leaf, 0),
+        Err(CoreError::InvalidState { .. })
+    ));
+    assert!(matches!(
+        t.split(leaf, 2),
+        Err(CoreError::InvalidState { .. })
+    ));
+    assert!(t.finish_backup(WriteId(77)).is_err());
+    assert!(t.finish_load_back(LoadId(77)).is_err());
+    assert_eq!(format!("{:?}", t.stats()), before);
+    assert_eq!(t.clock(), clock + 1);
+    ok(&t);
+    assert_eq!(page_aligned(&a[..7], PS), &a[..4]);
+    // Config validation.
+    assert!(HiRadixTree::new(TreeConfig::new(0)).is_err());
+    let mut c = TreeConfig::new(4);
+    c.events = true;
+    assert!(matches!(
+        HiRadixTree::new(c.clone()),
+        Err(CoreError::InvalidPolicy {
+            field: "events",
+            ..
+        })
+    ));
+    c.hasher = Some(PageHasher::sglang(8).unwrap());
+    assert!(matches!(
+        HiRadixTree::new(c),
+        Err(CoreError::InvalidPolicy {
+            field: "hasher",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn tenants_never_share_nodes() {
+    let mut t = tree(WritePolicy::WriteThroughSelective);
+    let lora = t.tenant(Some("lora-a"), None).unwrap();
+    let salt = t.tenant(None, Some("lora-a")).unwrap();
+    assert_ne!(lora, salt);
+    assert_eq!(t.tenant(Some("lora-a"), None).unwrap(), lora);
+    assert_eq!(t.tenant_info(salt).unwrap(), (None, Some("lora-a")));
+    let a = toks(1, 2);
+    ins(&mut t, &a, 0);
+    assert!(t.match_prefix(lora, &a).unwrap().device_slots.is_empty());
+    let r = t
+        .insert(lora, &a, &[5, 6], InsertOptions::default())
+        .unwrap();
+    assert_eq!(r.prefix_pages, 0);
+    assert_eq!(t.match_prefix(lora, &a).unwrap().device_slots, vec![5, 6]);
+    assert_eq!(t.match_prefix(T, &a).unwrap().device_slots, vec![0, 1]);
+    // A host insert under another tenant's anchor is refused.
+    let root = t.tenant_root(T).unwrap();
+    assert!(matches!(
+        t.insert_host_only(lora, root, &toks(3, 1), &[1], None),
+        Err(CoreError::WrongTenant { .. })
+    ));
+    ok(&t);
+}
+
+#[test]
+fn locks_propagate_and_protect_from_eviction() {
+    let mut t = tree(WritePolicy::WriteThroughSelective);
+    let a = toks(1, 2);
+    let b = cat(&a, &toks(2, 1));
+    ins(&mut t, &a, 0);
+    let leaf = ins(&mut t, &b, 10).last_node;
+    t.lock(leaf).unwrap();
+    ok(&t);
+    assert_eq!(t.protected_pages(), 3);
+    assert_eq!(t.evictable_pages(), 0);
+    let out = t.evict(10, &mut NoHost);
+    assert_eq!(out.freed_pages, 0);
+    t.lock(leaf).unwrap();
+    t.unlock(leaf).unwrap();
+    t.unlock(leaf).unwrap();
+    ok(&t);
+    assert_eq!(t.evictable_pages(), 3);
+    assert!(t.unlock(leaf).is_err());
+    // Locking the root is a no-op (SGLang stops at the root).
+    let root = t.tenant_root(T).unwrap();
+    t.lock(root).unwrap();
+    t.unlock(root).unwrap();
+    ok(&t);
+}
+
+#[test]
+fn evict_deletes_lru_leaves_and_promotes_parents() {
+    let mut t = tree(WritePolicy::WriteThroughSelective);
+    let a = toks(1, 2);
+    let b = cat(&a, &toks(2, 1));
+    let c = cat(&a, &toks(3, 1));
+    ins(&mut t, &b, 0); // [a][b'] after split below
+    ins(&mut t, &c, 10);
+    // Touch b so that c is the oldest leaf.
+    t.match_prefix(T, &b).unwrap();
+    let out = t.evict(1, &mut NoHost);
+    ok(&t);
+    assert_eq!(out.freed_pages, 1);
+    assert_eq!(out.deleted_pages, 1);
+    assert_eq!(out.device_slots, vec![12]);
+    assert_eq!(t.match_prefix(T, &c).unwrap().device_slots, vec![0, 1]);
+    // Evict everything: b's leaf, then the shared parent once childless.
+    let out = t.evict(100, &mut NoHost);
+    ok(&t);
+    assert_eq!(out.freed_pages, 3);
+    let mut freed = out.device_slots.clone();
+    freed.sort();
+    assert_eq!(freed, vec![0, 1, 2]);
+    assert_eq!(t.stats().nodes, 0);
+}
+
+#[test]
+fn write_through_due_lists_follow_policy_and_thresholds() {
+    let a = toks(1, 1);
+    let b = cat(&a, &toks(2, 1));
+    // write_through: new leaves are due at once.
+    let mut t = tree(WritePolicy::WriteThrough);
+    let r = ins(&mut t, &a, 0);
+    assert_eq!(r.write_through, vec![r.last_node]);
+    // selective: due on the second hit.
+    let mut t = tree(WritePolicy::WriteThroughSelective);
+    let r1 = ins(&mut t, &a, 0);
+    assert!(r1.write_through.is_empty());
+    let r2 = ins(&mut t, &b, 10);
+    assert_eq!(r2.write_through, vec![r1.last_node]);
+    assert_eq!(t.node_info(r1.last_node).unwrap().hit_count, 2);
+    // chunked inserts do not count.
+    let r3 = t
+        .insert(
+            T,
+            &b,
+            &[20, 21],
+            InsertOptions {
+                chunked: true,
+                priority: 0,
+            },
+        )
+        .unwrap();
+    assert!(r3.write_through.is_empty());
+    assert_eq!(t.node_info(r1.last_node).unwrap().hit_count, 2);
+    // write_back: never.
+    let mut t = tree(WritePolicy::WriteBack);
+    ins(&mut t, &a, 0);
+    assert!(ins(&mut t, &a, 5).write_through.is_empty());
+    assert_eq!(t.node_info(r1.last_node).unwrap().hit_count, 0);
+}
+
+#[test]
+fn backup_requires_backed_parent_and_survives_splits() {
+    let mut t = tree(WritePolicy::WriteThrough);
+    let a = toks(1, 3);
+    let b = cat(&a, &toks(2, 1));
+    let na = ins(&mut t, &a, 0).last_node;
+    let nb = ins(&mut t, &b, 10).last_node;
+    // Child before parent: refused.
+    assert!(t.begin_backup(nb).unwrap().is_none());
+    assert!(t.commit_backup(nb, &[1]).is_err());
+    let plan = t.begin_backup(na).unwrap().unwrap();
+    assert_eq!(plan.device_slots, vec![0, 1, 2]);
+    assert!(t.commit_backup(na, &[7]).is_err());
+    let w = t.commit_backup(na, &[50, 51, 52]).unwrap();
+    ok(&t);
+    let info = t.node_info(na).unwrap();
+    assert!(info.backed_up && info.write_pending && info.lock_ref == 1);
+    assert_eq!(t.protected_pages(), 3);
+    // A second backup of the same node is refused while (and after) it is backed up.
+    assert!(t.begin_backup(na).unwrap().is_none());
+    // Split the pending node: the write still covers both fragments.
+    let upper = t.split(na, 1).unwrap();
+    ok(&t);
+    let f = t.finish_backup(w).unwrap();
+    ok(&t);
+    assert_eq!(f.node, na);
+    assert_eq!(f.fragments.len(), 2);
+    assert_eq!(f.fragments[0].node, upper);
+    assert_eq!(f.host_slots(), vec![50, 51, 52]);
+    assert_eq!(t.protected_pages(), 0);
+    assert!(!t.node_info(upper).unwrap().write_pending);
+    assert!(t.finish_backup(w).is_err());
+    // Now the child may go.
+    let plan = t.begin_backup(nb).unwrap().unwrap();
+    assert_eq!(plan.pages(), 1);
+    let w = t.commit_backup(nb, &[60]).unwrap();
+    t.finish_backup(w).unwrap();
+    ok(&t);
+    assert_eq!(t.host_pages(), 4);
+    assert!(t.begin_backup(t.tenant_root(T).unwrap()).is_err());
+}
+
+#[test]
+fn backed_up_leaves_are_demoted_and_rematerialised_by_insert() {
+    let mut t = tree(WritePolicy::WriteThrough);
+    let a = toks(1, 2);
+    let b = cat(&a, &toks(2, 2));
+    let na = ins(&mut t, &a, 0).last_node;
+    let nb = ins(&mut t, &b, 10).last_node;
+    backup(&mut t, na, 100);
+    backup(&mut t, nb, 200);
+    let out = t.evict(2, &mut NoHost);
+    ok(&t);
+    assert_eq!(out.demoted_pages, 2);
+    assert_eq!(out.device_slots, vec![12, 13]);
+    let info = t.node_info(nb).unwrap();
+    assert!(!info.on_device && info.backed_up);
+    let m = t.match_prefix(T, &b).unwrap();
+    assert_eq!(m.device_slots, vec![0, 1]);
+    assert_eq!(m.last_device_node, na);
+    assert_eq!(m.last_host_node, nb);
+    assert_eq!(m.last_node, nb);
+    assert_eq!(m.host_hit_pages, 2);
+    assert_eq!(t.stats().host_candidates, 1);
+    // Insert recomputed KV: the evicted node takes the request's slots; not counted as prefix.
+    let r = ins(&mut t, &b, 30);
+    assert_eq!(r.prefix_pages, 2);
+    assert_eq!(t.device_slots(nb).unwrap(), &[32, 33]);
+    assert_eq!(t.stats().host_candidates, 0);
+    assert_eq!(t.evictable_pages(), 4);
+}
+
+#[test]
+fn evict_host_removes_host_only_leaves_and_cascades() {
+    let mut t = tree(WritePolicy::WriteThrough);
+    let a = toks(1, 1);
+    let b = cat(&a, &toks(2, 1));
+    let na = ins(&mut t, &a, 0).last_node;
+    let nb = ins(&mut t, &b, 10).last_node;
+    backup(&mut t, na, 100);
+    backup(&mut t, nb, 200);
+    // On device: host copies are not evictable.
+    assert_eq!(t.evict_host(10).freed_pages, 0);
+    t.evict(10, &mut NoHost);
+    ok(&t);
+    assert_eq!(t.device_pages(), 0);
+    // Protected leaf is skipped; its parent is not a leaf.
+    t.protect_host(nb).unwrap();
+    assert_eq!(t.evict_host(10).freed_pages, 0);
+    t.release_host(nb).unwrap();
+    let out = t.evict_host(1);
+    ok(&t);
+    assert_eq!(out.host_slots, vec![200]);
+    assert!(t.node_info(nb).is_err(), "deleted node ids are stale");
+    assert!(matches!(t.lock(nb), Err(CoreError::StaleNode(_))));
+    let out = t.evict_host(1);
+    assert_eq!(out.host_slots, vec![100]);
+    assert_eq!(t.stats().nodes, 0);
+    ok(&t);
+}
+
+#[test]
+fn load_back_is_all_or_nothing_with_threshold_and_quota() {
+    let mut c = cfg(WritePolicy::WriteThrough);
+    c.load_back_threshold_tokens = 3 * PS;
+    let mut t = HiRadixTree::new(c).unwrap();
+    let a = toks(1, 1);
+    let b = cat(&a, &toks(2, 2));
+    let d = cat(&b, &toks(3, 1));
+    let na = ins(&mut t, &a, 0).last_node;
+    let nb = ins(&mut t, &b, 10).last_node;
+    let nd = ins(&mut t, &d, 20).last_node;
+    for (n, h) in [(na, 100), (nb, 200), (nd, 300)] {
+        backup(&mut t, n, h);
+    }
+    // Evict b and d (leaves first), keep a.
+    t.lock(na).unwrap();
+    t.evict(10, &mut NoHost);
+    t.unlock(na).unwrap();
+    ok(&t);
+    // On-device node: nothing to load.
+    assert!(t.plan_load_back(na, None).unwrap().is_none());
+    // b alone is 2 pages < threshold 3.
+    assert!(t.plan_load_back(nb, None).unwrap().is_none());
+    // d's chain is b+d = 3 pages; quota 3 minus a's 1 newly protected page is too small.
+    assert!(t.plan_load_back(nd, Some(3)).unwrap().is_none());
+    ok(&t);
+    let plan = t.plan_load_back(nd, Some(4)).unwrap().unwrap();
+    ok(&t);
+    assert_eq!(plan.pages(), 3);
+    assert_eq!(plan.host_slots(), &[200, 201, 300]);
+    assert_eq!(plan.nodes(), &[nb, nd]);
+    assert_eq!(plan.ancestor(), na);
+    assert_eq!(t.node_info(na).unwrap().lock_ref, 1);
+    // Pinned chain survives host eviction.
+    assert_eq!(t.evict_host(10).freed_pages, 0);
+    t.abort_load_back(plan).unwrap();
+    ok(&t);
+    let plan = t.plan_load_back(nd, None).unwrap().unwrap();
+    assert!(t.commit_load_back(plan, &[1, 2]).is_err());
+    ok(&t);
+    let plan = t.plan_load_back(nd, None).unwrap().unwrap();
+    let load = t.commit_load_back(plan, &[40, 41, 42]).unwrap();
+    ok(&t);
+    assert_eq!(
+        t.match_prefix(T, &d).unwrap().device_slots,
+        vec![0, 40, 41, 42]
+    );
+    assert_eq!(t.node_info(nd).unwrap().lock_ref, 1);
+    assert_eq!(t.finish_load_back(load).unwrap(), nd);
+    ok(&t);
+    assert_eq!(t.protected_pages(), 0);
+}
+
+#[test]
+fn write_back_eviction_stages_copies_or_drops_under_host_pressure() {
+    struct Pool(Vec<u32>, Vec<u32>);
+    impl HostAllocator for Pool {
+        fn alloc(&mut self, pages: usize) -> Option<Vec<u32>> {
+            (self.0.len() >= pages).then(|| self.0.drain(..pages).collect())
+        }
+        fn free(&mut self, s: &[u32]) {
+            self.1.extend_from_slice(s);
+            self.0.extend_from_slice(s);
+        }
+    }
+    let mut t = tree(WritePolicy::WriteBack);
+    let a = toks(1, 2);
+    let b = cat(&a, &toks(2, 1));
+    let na = ins(&mut t, &a, 0).last_node;
+    let nb = ins(&mut t, &b, 10).last_node;
+    let mut pool = Pool(vec![500, 501], vec![]);
+    let out = t.evict(1, &mut pool);
+    ok(&t);
+    assert_eq!(out.freed_pages, 1);
+    assert_eq!(out.write_back.len(), 1);
+    let s = &out.write_back[0];
+    assert_eq!(
+        (s.node, s.device_slots.clone(), s.host_slots.clone()),
+        (nb, vec![12], vec![500])
+    );
+    assert!(t.node_info(nb).unwrap().host_ref == 1 && t.node_info(nb).unwrap().write_pending);
+    // Host full for `a` (2 pages, 1 free): b's subtree is protected by the pending write, so
+    // `a` cannot be dropped either; nothing is freed.
+    let out2 = t.evict(1, &mut pool);
+    ok(&t);
+    assert_eq!(out2.freed_pages, 0);
+    // Finish the staged copy: b is an ordinary host-only node now.
+    let f = t.finish_backup(s.write_id).unwrap();
+    assert_eq!(f.host_slots(), vec![500]);
+    ok(&t);
+    // Now `a` cannot be staged (1 host page free, but b is evicted to make room: 2 free).
+    let out3 = t.evict(1, &mut pool);
+    ok(&t);
+    assert_eq!(out3.write_back.len(), 1);
+    assert_eq!(pool.1, vec![500]);
+    assert_eq!(out3.write_back[0].node, na);
+    t.finish_backup(out3.write_back[0].write_id).unwrap();
+    ok(&t);
+    // With no host at all, a fresh leaf is dropped with its subtree.
+    let mut t = tree(WritePolicy::WriteBack);
+    ins(&mut t, &a, 0);
+    let out = t.evict(1, &mut NoHost);
+    ok(&t);
+    assert_eq!(out.dropped_pages, 2);
+    assert_eq!(out.device_slots, vec![0, 1]);
+    assert_eq!(t.stats().nodes, 0);
+}
+
+#[test]
+fn host_inserts_dedupe_adopt_and_create_host_only_nodes() {
+    let mut t = tree(WritePolicy::WriteThroughSelective);
+    let a = toks(1, 2);
+    let b = cat(&a, &toks(2, 2));
+    let root = t.tenant_root(T).unwrap();
+    // `a` on device, not backed up: the fetched copy is adopted, the rest becomes host-only.
+    let na = ins(&mut t, &a, 0).last_node;
+    let r = t
+        .insert_host_only(T, root, &b, &[70, 71, 72, 73], None)
+        .unwrap();
+    ok(&t);
+    assert_eq!(r.present_pages, 2);
+    assert_eq!(r.adopted_pages, 2);
+    assert_eq!(r.new_pages, 2);
+    assert!(r.duplicate_slots.is_empty());
+    assert_eq!(t.host_slots(na).unwrap(), &[70, 71]);
+    let m = t.match_prefix(T, &b).unwrap();
+    assert_eq!(m.host_hit_pages, 2);
+    assert_eq!(m.last_host_node, r.last_node.unwrap());
+    // Same pages again: all duplicates; a partial key splits the host-only node.
+    let r2 = t
+        .insert_host_only(T, root, &b[..12], &[80, 81, 82], None)
+        .unwrap();
+    ok(&t);
+    assert_eq!(r2.duplicate_slots, vec![80, 81, 82]);
+    assert_eq!(r2.new_pages, 0);
+    // Anchored below: only the suffix is given.
+    let c = toks(3, 1);
+    let r3 = t
+        .insert_host_only(T, r.last_node.unwrap(), &c, &[90], None)
+        .unwrap();
+    ok(&t);
+    assert_eq!(r3.new_pages, 1);
+    let m = t.match_prefix(T, &cat(&b, &c)).unwrap();
+    assert_eq!(m.host_hit_pages, 3);
+    // Anchor not backed up: refused.
+    let e = ins(&mut t, &toks(5, 1), 40).last_node;
+    assert!(t.insert_host_only(T, e, &c, &[1], None).is_err());
+    assert!(t.insert_host_only(T, root, &c, &[1, 2], None).is_err());
+    ok(&t);
+}
+
+#[test]
+fn page_hashes_chain_through_splits_and_events_report_tiers() {
+    let hasher = PageHasher::sglang(PS).unwrap();
+    let mut c = cfg(WritePolicy::WriteThrough);
+    c.hasher = Some(hasher.clone());
+    c.events = true;
+    let mut t = HiRadixTree::new(c).unwrap();
+    let a = toks(1, 3);
+    let na = ins(&mut t, &a, 0).last_node;
+    let want = hasher.hash_pages(None, &a);
+    assert_eq!(t.page_hashes(na).unwrap(), &want[..]);
+    let b = cat(&a[..4], &toks(2, 1));
+    let nb = ins(&mut t, &b, 10).last_node;
+    assert_eq!(t.prefix_hashes(nb).unwrap(), hasher.hash_pages(None, &b));
+    assert_eq!(t.last_page_hash(na).unwrap(), Some(want[2]));
+    assert_eq!(t.last_page_hash(t.tenant_root(T).unwrap()).unwrap(), None);
+    let events = t.drain_events();
+    assert_eq!(events.len(), 2);
+    assert!(
+        matches!(&events[0], KvEvent::BlockStored { medium: Medium::Gpu, block_hashes, .. } if block_hashes.len() == 3)
+    );
+    match &events[1] {
+        KvEvent::BlockStored {
+            parent_block_hash,
+            block_hashes,
+            ..
+        } => {
+            assert_eq!(*parent_block_hash, Some(want[0]));
+            assert_eq!(block_hashes.len(), 1);
+        }
+        e => panic!("{e:?}"),
+    }
+    let upper = t.node_info(na).unwrap().parent.unwrap();
+    let f = backup(&mut t, upper, 100);
+    assert_eq!(f.hashes(), vec![want[0]]);
+    assert_eq!(f.prior_hash, None);
+    let f = backup(&mut t, na, 200);
+    assert_eq!(f.prior_hash, Some(want[0]));
+    let ev = t.drain_events();
+    assert!(ev.iter().all(|e| e.medium() == Some(Medium::CpuPinned)));
+    t.evict(10, &mut NoHost);
+    assert!(t.drain_events().iter().any(|e| matches!(
+        e,
+        KvEvent::BlockRemoved {
+            medium: Medium::Gpu,
+            ..
+        }
+    )));
+    t.reset();
+    assert_eq!(t.drain_events(), vec![KvEvent::AllBlocksCleared]);
+    ok(&t);
+}
+
+#[test]
+fn namespaced_tenants_seed_their_chains() {
+    use crate::hash::{HashMode, Namespace};
+    use crate::layout::{DType, KvKind, LayoutKind};
+    let ns = Namespace::single_rank(
+        "m",
+        DType::Bf16,
+        LayoutKind::PageFirst,
+        KvKind::Mla { kv_dim: 576 },
+        4,
+        PS,
+    );
+    let hasher = PageHasher::new(HashMode::Namespaced, &ns).unwrap();
+    let mut c = cfg(WritePolicy::WriteThrough);
+    c.hasher = Some(hasher.clone());
+    let mut t = HiRadixTree::new(c).unwrap();
+    let x = t.tenant(Some("x"), None).unwrap();
+    let a = toks(1, 1);
+    let n0 = ins(&mut t, &a, 0).last_node;
+    let n1 = t
+        .insert(x, &a, &[1], InsertOptions::default())
+        .unwrap()
+        .last_node;
+    assert_ne!(t.page_hashes(n0).unwrap(), t.page_hashes(n1).unwrap());
+    let start = t.chain_start(x).unwrap().unwrap();
+    assert_eq!(
+        t.page_hashes(n1).unwrap(),
+        &hasher.hash_pages(start.prior, &a)[..]
+    );
+    ok(&t);
+}
+
+#[test]
+fn reset_returns_every_slot_and_stales_old_ids() {
+    let mut t = tree(WritePolicy::WriteThrough);
+    let a = toks(1, 2);
+    let n = ins(&mut t, &a, 0).last_node;
+    backup(&mut t, n, 100);
+    let old_root = t.tenant_root(T).unwrap();
+    let (mut d, h) = t.reset();
+    d.sort();
+    assert_eq!(d, vec![0, 1]);
+    assert_eq!(h, vec![100, 101]);
+    ok(&t);
+    assert!(t.node_info(n).is_err());
+    assert!(t.node_info(old_root).is_err());
+    assert!(t.match_prefix(T, &a).unwrap().device_slots.is_empty());
+    ins(&mut t, &a, 0);
+}
+
+#[test]
+fn every_strategy_evicts_consistently() {
+    for kind in StrategyKind::ALL {
+        let mut c = cfg(WritePolicy::WriteThrough);
+        c.eviction = kind;
+        let mut t = HiRadixTree::new(c).unwrap();
+        let mut leaves = Vec::new();
+        for i in 0..8 {
+            let key = cat(&toks(100, 1), &toks(i, 1 + i as usize % 3));
+            let r = ins(&mut t, &key, i * 10);
+            if i % 2 == 0 {
+                for n in r.write_through {
+                    if let Some(p) = t.begin_backup(n).unwrap() {
+                        let w = t
+                            .commit_backup(n, &slots(1000 + i * 10, p.pages()))
+                            .unwrap();
+                        t.finish_backup(w).unwrap();
+                    }
+                }
+            }
+            leaves.push(key);
+        }
+        for key in &leaves[..4] {
+            t.match_prefix(T, key).unwrap();
+        }
+        let mut freed = 0;
+        while t.evictable_pages() > 0 {
+            let out = t.evict(2, &mut NoHost);
+            assert!(out.freed_pages > 0, "{kind}");
+            freed += out.freed_pages;
+            ok(&t);
+        }
+        assert_eq!(
+            freed,
+            1 + (0..8).map(|i| 1 + i % 3).sum::<usize>(),
+            "{kind}"
+        );
+        while t.stats().host_candidates > 0 {
+            assert!(t.evict_host(1).freed_pages > 0);
+            ok(&t);
+        }
+        assert_eq!(t.host_pages(), 0, "{kind}");
+    }
+}
+
+#[test]
+fn lru_eviction_order_is_by_last_access() {
+    let mut t = tree(WritePolicy::WriteThroughSelective);
+    let keys: Vec<Vec<u32>> = (0..4).map(|i| toks(i, 1)).collect();
+    for (i, k) in keys.iter().enumerate() {
+        ins(&mut t, k, i as u32);
+    }
+    t.match_prefix(T, &keys[0]).unwrap();
+    t.match_prefix(T, &keys[2]).unwrap();
+    let order: Vec<u32> = (0..4)
+        .map(|_| t.evict(1, &mut NoHost).device_slots[0])
+        .collect();
+    assert_eq!(order, vec![1, 3, 0, 2]);
+}
+
+#[test]
+fn metadata_accounting_is_reported() {
+    let mut t = tree(WritePolicy::WriteThroughSelective);
+    ins(&mut t, &toks(1, 8), 0);
+    let (meta, tokens) = t.memory_bytes();
+    assert_eq!(tokens, 8 * PS as usize * 4);
+    assert!(meta > 8 * 8);
+}
