@@ -8,5 +8,6 @@
 pub mod cmd;
 pub mod error;
 pub mod record;
+pub mod trace;
 
 pub use error::{BenchError, Result};

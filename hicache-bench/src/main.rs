@@ -17,6 +17,15 @@ struct Cli {
 enum Command {
     /// Print the page hashes of token ids read from standard input, one hex digest per page.
     Hash(cmd::hash::HashArgs),
+    /// Replay a request trace through the HiRadixTree and report requests/s (the default).
+    Tree(cmd::tree::TreeArgs),
+}
+
+/// The arguments of the main job: `tree` with its defaults plus the big-tree lookup case.
+#[derive(Debug, Parser)]
+struct MainJob {
+    #[command(flatten)]
+    tree: cmd::tree::TreeArgs,
 }
 
 fn main() -> ExitCode {
@@ -25,10 +34,12 @@ fn main() -> ExitCode {
         Some(Command::Hash(args)) => {
             cmd::hash::run(&args, std::io::stdin().lock(), std::io::stdout().lock())
         }
+        Some(Command::Tree(args)) => cmd::tree::run(&args, std::io::stdout().lock()),
         None => {
-            use clap::CommandFactory;
-            Cli::command().print_help().ok();
-            Ok(())
+            // The most complete workload that exists so far: the tree replay.
+            let mut job = MainJob::parse_from(["hicache-bench"]);
+            job.tree.big_tree_pages = 1 << 20;
+            cmd::tree::run(&job.tree, std::io::stdout().lock())
         }
     };
     match result {

@@ -1,0 +1,789 @@
+//! `hicache-bench tree`: replays a request trace through the HiRadixTree.
+//!
+//! Replay rule (normative; it reproduces SGLang's `RadixCache` request by request): page size
+//! P, capacity C pages or unlimited; key = tokens truncated to whole pages (n pages). Per
+//! request: (1) n = 0 ⇒ a miss, nothing else; (2) m = match(key) (splits on a partial match);
+//! (3) lock the matched node and its ancestors; (4) need = n − m; if need > 0 and free < need,
+//! evict(need − free) (whole leaves, oldest stamp first, so more may go); (5) if still free <
+//! need, a skipped insert; otherwise allocate need pages and insert(key) — also when need = 0,
+//! which re-stamps the path; (6) unlock. Free pages = C − pages held by the tree. The tree's
+//! logical clock ticks once per match and once per insert.
+//!
+//! Timing: requests/s is measured on replays without per-phase timers (the trace is parsed and
+//! every tree is built before the clock starts), repeated for at least `--min-time-ms` and
+//! reported as the median. Per-phase times come from one separate replay with timers. The
+//! reference is the rate of a loop that only compares each request's key with a copy of it
+//! (the memory traffic any matcher must pay), measured in the same run.
+
+use std::fmt;
+use std::hint::black_box;
+use std::io::Write;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use hicache_core::{
+    HiRadixTree, InsertOptions, NoHost, NodeId, StrategyKind, TenantId, TreeConfig,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::error::{BenchError, Result};
+use crate::record::Record;
+use crate::trace::{self, MultiTurn, Request};
+
+/// A capacity on the command line: `unlimited`, a number of pages, or a percentage of the
+/// unique pages of the trace (`25%`).
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub enum Capacity {
+    /// No limit.
+    Unlimited,
+    /// A number of pages.
+    Pages(usize),
+    /// A share of the trace's unique pages.
+    Percent(f64),
+}
+
+impl FromStr for Capacity {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let s = s.trim();
+        if s == "unlimited" {
+            return Ok(Capacity::Unlimited);
+        }
+        if let Some(p) = s.strip_suffix('%') {
+            let v: f64 = p
+                .parse()
+                .map_err(|_| format!("bad percentage {s:?}: expected e.g. 25%"))?;
+            if !(v > 0.0 && v.is_finite()) {
+                return Err(format!("bad percentage {s:?}: must be > 0"));
+            }
+            return Ok(Capacity::Percent(v));
+        }
+        s.parse::<usize>()
+            .map(Capacity::Pages)
+            .map_err(|_| format!("bad capacity {s:?}: expected unlimited, N pages or P%"))
+    }
+}
+
+impl fmt::Display for Capacity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Capacity::Unlimited => f.write_str("unlimited"),
+            Capacity::Pages(n) => write!(f, "{n}"),
+            Capacity::Percent(p) => write!(f, "{p}%"),
+        }
+    }
+}
+
+/// Arguments of `tree`.
+#[derive(Debug, Args)]
+pub struct TreeArgs {
+    /// Trace file (JSON Lines, optionally gzip). Without it a multi-turn trace is generated.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Tokens per page.
+    #[arg(long, default_value_t = 64)]
+    pub page_size: u32,
+    /// Capacities to replay at, comma-separated: `unlimited`, pages, or `P%` of the unique
+    /// pages of the trace.
+    #[arg(long = "capacity-pages", value_delimiter = ',', default_value = "unlimited,25%")]
+    pub capacity: Vec<Capacity>,
+    /// Eviction strategy (lru, lfu, fifo, mru, filo, priority, slru, s3-fifo, sieve).
+    #[arg(long, default_value = "lru")]
+    pub policy: String,
+    /// Write one line per request (tab-separated, with a header) to this file. Needs exactly
+    /// one capacity.
+    #[arg(long)]
+    pub log: Option<PathBuf>,
+    /// Print one JSON object per measured case instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Seed of the generated trace.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Generated trace: conversations.
+    #[arg(long, default_value_t = 32)]
+    pub clients: usize,
+    /// Generated trace: rounds per conversation.
+    #[arg(long, default_value_t = 8)]
+    pub rounds: usize,
+    /// Generated trace: tokens of the shared system prompt.
+    #[arg(long, default_value_t = 1024)]
+    pub system_tokens: usize,
+    /// Generated trace: tokens per user turn.
+    #[arg(long, default_value_t = 512)]
+    pub user_tokens: usize,
+    /// Generated trace: tokens per answer.
+    #[arg(long, default_value_t = 256)]
+    pub answer_tokens: usize,
+    /// Write the trace used (generated or read) to this file as JSON Lines.
+    #[arg(long)]
+    pub write_trace: Option<PathBuf>,
+    /// Repeat the timed replay for at least this long.
+    #[arg(long, default_value_t = 1000)]
+    pub min_time_ms: u64,
+    /// Also measure single `match_prefix` latency in a tree of this many cached pages
+    /// (0: skip; the main job uses 1048576).
+    #[arg(long, default_value_t = 0)]
+    pub big_tree_pages: usize,
+    /// Key length of the big-tree lookups, in tokens.
+    #[arg(long, default_value_t = 16384)]
+    pub big_key_tokens: usize,
+}
+
+/// Per-request outcome (the `--log` line).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RequestOutcome {
+    /// Tokens of the page-aligned key.
+    pub key_tokens: usize,
+    /// Tokens matched on device.
+    pub hit_tokens: usize,
+    /// Tokens evicted while serving this request.
+    pub evicted_tokens: usize,
+    /// Whether the insert was skipped for lack of room.
+    pub skipped: bool,
+}
+
+/// Totals of one replay.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Totals {
+    /// Requests replayed.
+    pub requests: usize,
+    /// Σ key tokens.
+    pub key_tokens: usize,
+    /// Σ hit tokens.
+    pub hit_tokens: usize,
+    /// Skipped inserts.
+    pub skipped: usize,
+    /// Σ evicted tokens.
+    pub evicted_tokens: usize,
+    /// Time in match + lock.
+    pub match_time: Duration,
+    /// Time in allocation + insert + unlock.
+    pub insert_time: Duration,
+    /// Time in eviction.
+    pub evict_time: Duration,
+}
+
+impl Totals {
+    /// `hit_tokens / key_tokens`.
+    pub fn hit_ratio(&self) -> f64 {
+        if self.key_tokens == 0 {
+            0.0
+        } else {
+            self.hit_tokens as f64 / self.key_tokens as f64
+        }
+    }
+}
+
+/// Replays `trace` under the replay rule. With `TIMED`, phases are timed; with `log`, every
+/// request's outcome is recorded. Returns the totals and the final tree.
+pub fn replay<const TIMED: bool>(
+    trace: &[Request],
+    page_size: u32,
+    capacity: Option<usize>,
+    kind: StrategyKind,
+    mut log: Option<&mut Vec<RequestOutcome>>,
+) -> Result<(Totals, HiRadixTree)> {
+    let mut tree = HiRadixTree::new(TreeConfig {
+        eviction: kind,
+        ..TreeConfig::new(page_size)
+    })?;
+    let ps = page_size as usize;
+    let t = TenantId::DEFAULT;
+    let mut totals = Totals::default();
+    let mut free_slots: Vec<u32> = match capacity {
+        Some(c) => (0..c as u32).rev().collect(),
+        None => Vec::new(),
+    };
+    let mut next_slot = 0u32;
+    let now = || if TIMED { Some(Instant::now()) } else { None };
+    let since = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
+        (Some(a), Some(b)) => b - a,
+        _ => Duration::ZERO,
+    };
+    for req in trace {
+        totals.requests += 1;
+        let n = req.tokens.len() / ps;
+        let mut outcome = RequestOutcome {
+            key_tokens: n * ps,
+            ..Default::default()
+        };
+        if n > 0 {
+            let key = &req.tokens[..n * ps];
+            let t0 = now();
+            let m = tree.match_prefix(t, key)?;
+            let locked: NodeId = m.last_device_node;
+            tree.lock(locked)?;
+            let t1 = now();
+            let have = m.device_slots.len();
+            let need = n - have;
+            outcome.hit_tokens = have * ps;
+            if let Some(cap) = capacity {
+                let free = cap - tree.device_pages();
+                if need > 0 && free < need {
+                    let out = tree.evict(need - free, &mut NoHost);
+                    outcome.evicted_tokens = out.freed_pages * ps;
+                    free_slots.extend_from_slice(&out.device_slots);
+                }
+            }
+            let t2 = now();
+            let room = capacity.is_none_or(|cap| cap - tree.device_pages() >= need);
+            if room {
+                let mut slots = m.device_slots;
+                if capacity.is_some() {
+                    let at = free_slots.len() - need;
+                    slots.extend(free_slots.drain(at..));
+                } else {
+                    slots.extend(next_slot..next_slot + need as u32);
+                    next_slot += need as u32;
+                }
+                let r = tree.insert(t, key, &slots, InsertOptions::default())?;
+                if r.prefix_pages != have {
+                    return Err(BenchError::CheckFailed(format!(
+                        "request {}: insert found {} cached pages, match found {have}",
+                        req.id, r.prefix_pages
+                    )));
+                }
+            } else {
+                outcome.skipped = true;
+            }
+            tree.unlock(locked)?;
+            let t3 = now();
+            totals.match_time += since(t0, t1);
+            totals.evict_time += since(t1, t2);
+            totals.insert_time += since(t2, t3);
+        }
+        totals.key_tokens += outcome.key_tokens;
+        totals.hit_tokens += outcome.hit_tokens;
+        totals.evicted_tokens += outcome.evicted_tokens;
+        totals.skipped += usize::from(outcome.skipped);
+        if let Some(l) = log.as_deref_mut() {
+            l.push(outcome);
+        }
+    }
+    Ok((totals, tree))
+}
+
+/// The reference loop: compares each request's page-aligned key with a copy of it.
+fn scan_rate(trace: &[Request], copy: &[Request], ps: usize, min_time: Duration) -> f64 {
+    let mut rates = Vec::new();
+    let start = Instant::now();
+    while rates.len() < 3 || (start.elapsed() < min_time && rates.len() < 100_000) {
+        let t0 = Instant::now();
+        let mut equal = 0usize;
+        for (a, b) in trace.iter().zip(copy) {
+            let n = a.tokens.len() / ps * ps;
+            equal += usize::from(black_box(&a.tokens[..n]) == black_box(&b.tokens[..n]));
+        }
+        black_box(equal);
+        rates.push(trace.len() as f64 / t0.elapsed().as_secs_f64());
+    }
+    median(&mut rates)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// One measured capacity.
+#[derive(Clone, Debug)]
+pub struct CaseResult {
+    /// The capacity in pages (`None`: unlimited).
+    pub capacity: Option<usize>,
+    /// Median requests/s of the untimed replays.
+    pub req_per_s: f64,
+    /// Replays measured.
+    pub reps: usize,
+    /// Totals of the timed replay.
+    pub totals: Totals,
+    /// Pages in the tree at the end.
+    pub cached_pages: usize,
+    /// Tree metadata and token bytes at the end.
+    pub memory: (usize, usize),
+}
+
+/// Measures one capacity.
+pub fn measure(
+    trace: &[Request],
+    ps: u32,
+    capacity: Option<usize>,
+    kind: StrategyKind,
+    min_time: Duration,
+) -> Result<CaseResult> {
+    // Warm-up and the per-phase figures.
+    let (totals, tree) = replay::<true>(trace, ps, capacity, kind, None)?;
+    let cached_pages = tree.device_pages();
+    let memory = tree.memory_bytes();
+    drop(tree);
+    let mut rates = Vec::new();
+    let start = Instant::now();
+    while rates.len() < 3 || (start.elapsed() < min_time && rates.len() < 100_000) {
+        let t0 = Instant::now();
+        let (again, tree) = replay::<false>(trace, ps, capacity, kind, None)?;
+        let dt = t0.elapsed();
+        drop(tree);
+        if (again.hit_tokens, again.skipped, again.evicted_tokens)
+            != (totals.hit_tokens, totals.skipped, totals.evicted_tokens)
+        {
+            return Err(BenchError::CheckFailed(
+                "two replays of the same trace disagree".into(),
+            ));
+        }
+        rates.push(trace.len() as f64 / dt.as_secs_f64());
+    }
+    let reps = rates.len();
+    Ok(CaseResult {
+        capacity,
+        req_per_s: median(&mut rates),
+        reps,
+        totals,
+        cached_pages,
+        memory,
+    })
+}
+
+/// Result of the big-tree lookup case.
+#[derive(Clone, Debug)]
+pub struct BigTreeResult {
+    /// Pages cached.
+    pub pages: usize,
+    /// Nodes.
+    pub nodes: usize,
+    /// Keys inserted.
+    pub keys: usize,
+    /// Lookups measured.
+    pub lookups: usize,
+    /// Median, p99 and mean latency of one `match_prefix`, in µs.
+    pub match_us: (f64, f64, f64),
+    /// Median latency of comparing the key with a copy, in µs (reference).
+    pub memcmp_us: f64,
+    /// Mean nodes on a lookup path.
+    pub mean_depth: f64,
+    /// Tree metadata and token bytes.
+    pub memory: (usize, usize),
+}
+
+/// Builds a tree of about `pages` pages from keys of `key_tokens` tokens, each sharing a
+/// random-length prefix with a random earlier key (a random trie, as conversations branch),
+/// then times `match_prefix` of random full keys, each in cold order.
+pub fn big_tree(pages: usize, ps: u32, key_tokens: usize, seed: u64) -> Result<BigTreeResult> {
+    let psz = ps as usize;
+    let key_pages = (key_tokens / psz).max(1);
+    let mut tree = HiRadixTree::new(TreeConfig::new(ps))?;
+    let t = TenantId::DEFAULT;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut leaves: Vec<NodeId> = Vec::new();
+    let mut next_slot = 0u32;
+    let mut key = Vec::with_capacity(key_pages * psz);
+    while tree.device_pages() < pages {
+        key.clear();
+        if !leaves.is_empty() {
+            let parent = leaves[rng.random_range(0..leaves.len())];
+            let shared = rng.random_range(0..key_pages);
+            path_into(&tree, parent, &mut key)?;
+            key.truncate(shared * psz);
+        }
+        while key.len() < key_pages * psz {
+            key.push(rng.random_range(0..128_000));
+        }
+        let slots: Vec<u32> = (next_slot..next_slot + key_pages as u32).collect();
+        next_slot += key_pages as u32;
+        let r = tree.insert(t, &key, &slots, InsertOptions::default())?;
+        leaves.push(r.last_node);
+    }
+    let lookups = 1000.min(leaves.len() * 4);
+    let mut queries = Vec::with_capacity(lookups);
+    let mut copies = Vec::with_capacity(lookups);
+    let mut depth = 0usize;
+    for _ in 0..lookups {
+        let leaf = leaves[rng.random_range(0..leaves.len())];
+        let mut k = Vec::new();
+        depth += path_into(&tree, leaf, &mut k)?;
+        copies.push(k.clone());
+        queries.push(k);
+    }
+    let mut lat = Vec::with_capacity(lookups);
+    for q in &queries {
+        let t0 = Instant::now();
+        let m = tree.match_prefix(t, black_box(q))?;
+        let dt = t0.elapsed();
+        if m.device_slots.len() != key_pages {
+            return Err(BenchError::CheckFailed(format!(
+                "big tree: a full key matched {} of {key_pages} pages",
+                m.device_slots.len()
+            )));
+        }
+        black_box(m);
+        lat.push(dt.as_secs_f64() * 1e6);
+    }
+    // The reference runs on other copies so that it is as cold as the lookups.
+    let mut ref_lat = Vec::with_capacity(lookups);
+    let mut shuffled: Vec<usize> = (0..lookups).collect();
+    shuffled.reverse();
+    for &i in &shuffled {
+        let t0 = Instant::now();
+        let eq = black_box(&queries[i][..]) == black_box(&copies[(i + 1) % lookups][..]);
+        let dt = t0.elapsed();
+        black_box(eq);
+        ref_lat.push(dt.as_secs_f64() * 1e6);
+    }
+    let mean = lat.iter().sum::<f64>() / lat.len() as f64;
+    lat.sort_by(f64::total_cmp);
+    let p99 = lat[(lat.len() * 99 / 100).min(lat.len() - 1)];
+    Ok(BigTreeResult {
+        pages: tree.device_pages(),
+        nodes: tree.stats().nodes,
+        keys: leaves.len(),
+        lookups,
+        match_us: (lat[lat.len() / 2], p99, mean),
+        memcmp_us: median(&mut ref_lat),
+        mean_depth: depth as f64 / lookups as f64,
+        memory: tree.memory_bytes(),
+    })
+}
+
+/// Appends the tokens from the root to the end of `node`; returns the number of nodes.
+fn path_into(tree: &HiRadixTree, node: NodeId, out: &mut Vec<u32>) -> Result<usize> {
+    let mut chain = Vec::new();
+    let mut n = node;
+    loop {
+        let info = tree.node_info(n)?;
+        if info.is_root {
+            break;
+        }
+        chain.push(n);
+        n = info.parent.expect("a non-root node has a parent");
+    }
+    for &c in chain.iter().rev() {
+        out.extend_from_slice(tree.tokens(c)?);
+    }
+    Ok(chain.len())
+}
+
+fn load_trace(args: &TreeArgs) -> Result<Vec<Request>> {
+    match &args.trace {
+        Some(p) => trace::read_file(p),
+        None => Ok(MultiTurn {
+            clients: args.clients,
+            rounds: args.rounds,
+            system_tokens: args.system_tokens,
+            user_tokens: args.user_tokens,
+            answer_tokens: args.answer_tokens,
+            seed: args.seed,
+            ..MultiTurn::default()
+        }
+        .generate()),
+    }
+}
+
+/// Runs `tree`, writing the table or JSON lines to `out`.
+pub fn run(args: &TreeArgs, mut out: impl Write) -> Result<()> {
+    let kind: StrategyKind = args.policy.parse()?;
+    if args.page_size == 0 || args.page_size > 65536 {
+        return Err(BenchError::Usage(format!(
+            "--page-size {} must be between 1 and 65536",
+            args.page_size
+        )));
+    }
+    if args.capacity.is_empty() {
+        return Err(BenchError::Usage("--capacity-pages needs a value".into()));
+    }
+    if args.log.is_some() && args.capacity.len() != 1 {
+        return Err(BenchError::Usage(
+            "--log needs exactly one --capacity-pages value".into(),
+        ));
+    }
+    let trace = load_trace(args)?;
+    if let Some(p) = &args.write_trace {
+        let mut f = std::io::BufWriter::new(std::fs::File::create(p).map_err(BenchError::io(p))?);
+        trace::write(&mut f, &trace)
+            .and_then(|()| f.flush())
+            .map_err(BenchError::io(p))?;
+    }
+    let ps = args.page_size;
+    let min_time = Duration::from_millis(args.min_time_ms);
+    let source = match &args.trace {
+        Some(p) => p.display().to_string(),
+        None => format!(
+            "generated {}x{} (system {}, user {}, answer {}, seed {})",
+            args.clients,
+            args.rounds,
+            args.system_tokens,
+            args.user_tokens,
+            args.answer_tokens,
+            args.seed
+        ),
+    };
+    // Unique pages of the trace: the tree size after an unlimited replay.
+    let (_, full) = replay::<false>(&trace, ps, None, kind, None)?;
+    let unique = full.device_pages();
+    drop(full);
+    let copy = trace.clone();
+    let reference = scan_rate(&trace, &copy, ps as usize, min_time);
+
+    let wr = |e: std::io::Error| BenchError::io("<stdout>")(e);
+    if !args.json {
+        writeln!(
+            out,
+            "tree replay: {} requests, {source}; page {ps}, policy {kind}, {unique} unique pages",
+            trace.len()
+        )
+        .map_err(wr)?;
+        writeln!(
+            out,
+            "reference (compare each key with a copy): {:.0} req/s",
+            reference
+        )
+        .map_err(wr)?;
+        writeln!(
+            out,
+            "{:>10} {:>12} {:>7} {:>9} {:>9} {:>9} {:>11} {:>6} {:>8} {:>10} {:>9}",
+            "capacity", "req/s", "ratio", "match us", "insert us", "evict us", "hit tokens",
+            "hit %", "skipped", "evicted", "meta B/pg"
+        )
+        .map_err(wr)?;
+    }
+    for cap in &args.capacity {
+        let pages = match *cap {
+            Capacity::Unlimited => None,
+            Capacity::Pages(n) => Some(n),
+            Capacity::Percent(p) => Some(((unique as f64 * p / 100.0).round() as usize).max(1)),
+        };
+        let r = measure(&trace, ps, pages, kind, min_time)?;
+        if let Some(path) = &args.log {
+            let mut log = Vec::new();
+            replay::<false>(&trace, ps, pages, kind, Some(&mut log))?;
+            write_log(path, &trace, &log)?;
+        }
+        let per_req = |d: Duration| d.as_secs_f64() * 1e6 / r.totals.requests.max(1) as f64;
+        let meta_per_page = r.memory.0 as f64 / r.cached_pages.max(1) as f64;
+        let tok_per_page = r.memory.1 as f64 / r.cached_pages.max(1) as f64;
+        let cap_name = pages.map_or("unlimited".to_string(), |p| p.to_string());
+        if args.json {
+            let rec = Record::new("tree", format!("replay/page{ps}/{kind}/{cap_name}"), r.req_per_s, "req/s")
+                .with_reference(reference)
+                .with("reference_what", "compare each key with a copy (req/s)")
+                .with("capacity_pages", pages.map_or(serde_json::Value::Null, |p| p.into()))
+                .with("unique_pages", unique)
+                .with("requests", r.totals.requests)
+                .with("key_tokens", r.totals.key_tokens)
+                .with("hit_tokens", r.totals.hit_tokens)
+                .with("hit_ratio", r.totals.hit_ratio())
+                .with("skipped", r.totals.skipped)
+                .with("evicted_tokens", r.totals.evicted_tokens)
+                .with("match_us_per_req", per_req(r.totals.match_time))
+                .with("insert_us_per_req", per_req(r.totals.insert_time))
+                .with("evict_us_per_req", per_req(r.totals.evict_time))
+                .with("match_s", r.totals.match_time.as_secs_f64())
+                .with("insert_s", r.totals.insert_time.as_secs_f64())
+                .with("evict_s", r.totals.evict_time.as_secs_f64())
+                .with("cached_pages", r.cached_pages)
+                .with("metadata_bytes_per_page", meta_per_page)
+                .with("token_bytes_per_page", tok_per_page)
+                .with("replays", r.reps);
+            writeln!(out, "{}", rec.to_json_line()).map_err(wr)?;
+        } else {
+            writeln!(
+                out,
+                "{:>10} {:>12.0} {:>7.3} {:>9.3} {:>9.3} {:>9.3} {:>11} {:>6.1} {:>8} {:>10} {:>9.1}",
+                cap_name,
+                r.req_per_s,
+                r.req_per_s / reference,
+                per_req(r.totals.match_time),
+                per_req(r.totals.insert_time),
+                per_req(r.totals.evict_time),
+                r.totals.hit_tokens,
+                100.0 * r.totals.hit_ratio(),
+                r.totals.skipped,
+                r.totals.evicted_tokens,
+                meta_per_page,
+            )
+            .map_err(wr)?;
+        }
+    }
+    if args.big_tree_pages > 0 {
+        let b = big_tree(args.big_tree_pages, ps, args.big_key_tokens, args.seed)?;
+        let meta = b.memory.0 as f64 / b.pages as f64;
+        let toks = b.memory.1 as f64 / b.pages as f64;
+        if args.json {
+            let rec = Record::new(
+                "tree",
+                format!("match/{}tok/{}pages", args.big_key_tokens, b.pages),
+                b.match_us.0,
+                "us",
+            )
+            .with_reference(b.memcmp_us)
+            .with("reference_what", "compare the key with a copy (us)")
+            .with("p99_us", b.match_us.1)
+            .with("mean_us", b.match_us.2)
+            .with("lookups", b.lookups)
+            .with("keys", b.keys)
+            .with("nodes", b.nodes)
+            .with("mean_nodes_per_lookup", b.mean_depth)
+            .with("metadata_bytes_per_page", meta)
+            .with("token_bytes_per_page", toks);
+            writeln!(out, "{}", rec.to_json_line()).map_err(wr)?;
+        } else {
+            writeln!(
+                out,
+                "match_prefix of a {}-token key in a tree of {} pages ({} nodes, {} keys, {:.1} nodes per lookup): median {:.2} us, p99 {:.2} us, mean {:.2} us; reference (compare key with a copy) {:.2} us; metadata {:.1} B/page (+{:.0} B/page of token ids)",
+                args.big_key_tokens,
+                b.pages,
+                b.nodes,
+                b.keys,
+                b.mean_depth,
+                b.match_us.0,
+                b.match_us.1,
+                b.match_us.2,
+                b.memcmp_us,
+                meta,
+                toks
+            )
+            .map_err(wr)?;
+        }
+    }
+    Ok(())
+}
+
+fn write_log(path: &PathBuf, trace: &[Request], log: &[RequestOutcome]) -> Result<()> {
+    let f = std::fs::File::create(path).map_err(BenchError::io(path))?;
+    let mut w = std::io::BufWriter::new(f);
+    let mut body = || -> std::io::Result<()> {
+        writeln!(w, "id\tkey_tokens\thit_tokens\tevicted_tokens\tskipped")?;
+        for (r, o) in trace.iter().zip(log) {
+            writeln!(
+                w,
+                "{}\t{}\t{}\t{}\t{}",
+                r.id,
+                o.key_tokens,
+                o.hit_tokens,
+                o.evicted_tokens,
+                u8::from(o.skipped)
+            )?;
+        }
+        w.flush()
+    };
+    body().map_err(BenchError::io(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small() -> Vec<Request> {
+        MultiTurn {
+            clients: 4,
+            rounds: 3,
+            system_tokens: 8,
+            user_tokens: 4,
+            answer_tokens: 4,
+            ..MultiTurn::default()
+        }
+        .generate()
+    }
+
+    #[test]
+    fn unlimited_replay_hits_the_shared_history() {
+        let trace = small();
+        let mut log = Vec::new();
+        let (tot, tree) = replay::<true>(&trace, 4, None, StrategyKind::Lru, Some(&mut log)).unwrap();
+        // Round 0: client 0 misses, the others hit the 2-page system prompt.
+        assert_eq!(log[0].hit_tokens, 0);
+        assert_eq!(log[1].hit_tokens, 8);
+        // Round 1: the whole previous request is cached (system + user = 12 tokens).
+        assert_eq!(log[4].hit_tokens, 12);
+        assert_eq!(tot.skipped, 0);
+        assert_eq!(tot.evicted_tokens, 0);
+        assert_eq!(tot.requests, 12);
+        // Unique pages: system 2 + per client 3 user pages + 2 answer pages.
+        assert_eq!(tree.device_pages(), 2 + 4 * (3 + 2));
+        tree.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn capacity_replay_evicts_and_skips_by_the_rule() {
+        let trace = small();
+        let mut log = Vec::new();
+        let (tot, tree) = replay::<false>(&trace, 4, Some(5), StrategyKind::Lru, Some(&mut log)).unwrap();
+        tree.check_invariants().unwrap();
+        assert!(tree.device_pages() <= 5);
+        assert!(tot.evicted_tokens > 0);
+        // A request of more than 5 pages can never be inserted.
+        for (r, o) in trace.iter().zip(&log) {
+            if r.tokens.len() / 4 > 5 {
+                assert!(o.skipped, "{}", r.id);
+            }
+        }
+        assert_eq!(tot.skipped, log.iter().filter(|o| o.skipped).count());
+        // The same replay twice gives the same outcome.
+        let mut log2 = Vec::new();
+        replay::<false>(&trace, 4, Some(5), StrategyKind::Lru, Some(&mut log2)).unwrap();
+        assert_eq!(log, log2);
+    }
+
+    #[test]
+    fn capacities_parse() {
+        assert_eq!("unlimited".parse::<Capacity>().unwrap(), Capacity::Unlimited);
+        assert_eq!("740".parse::<Capacity>().unwrap(), Capacity::Pages(740));
+        assert_eq!("25%".parse::<Capacity>().unwrap(), Capacity::Percent(25.0));
+        assert!("x%".parse::<Capacity>().is_err());
+        assert!("-3".parse::<Capacity>().is_err());
+        assert!("0%".parse::<Capacity>().is_err());
+    }
+
+    #[test]
+    fn run_prints_json_records_and_the_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("log.tsv");
+        let args = TreeArgs {
+            trace: None,
+            page_size: 4,
+            capacity: vec![Capacity::Percent(50.0)],
+            policy: "lru".into(),
+            log: Some(log.clone()),
+            json: true,
+            seed: 1,
+            clients: 4,
+            rounds: 3,
+            system_tokens: 8,
+            user_tokens: 4,
+            answer_tokens: 4,
+            write_trace: Some(dir.path().join("t.jsonl")),
+            min_time_ms: 1,
+            big_tree_pages: 64,
+            big_key_tokens: 32,
+        };
+        let mut out = Vec::new();
+        run(&args, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<serde_json::Value> =
+            text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[0]["unit"], "req/s");
+        assert_eq!(lines[0]["requests"], 12);
+        assert!(lines[0]["ratio"].as_f64().unwrap() > 0.0);
+        assert_eq!(lines[1]["unit"], "us");
+        let log = std::fs::read_to_string(&log).unwrap();
+        assert!(log.starts_with("id\tkey_tokens\thit_tokens\tevicted_tokens\tskipped\n"));
+        assert_eq!(log.lines().count(), 13);
+        // The written trace reads back and replays the same.
+        let back = trace::read_file(&dir.path().join("t.jsonl")).unwrap();
+        assert_eq!(back, small());
+        // Bad input: unknown policy, --log with two capacities.
+        let bad = TreeArgs {
+            policy: "arc".into(),
+            ..args
+        };
+        assert_eq!(run(&bad, Vec::new()).unwrap_err().exit_code(), 2);
+        let two = TreeArgs {
+            policy: "lru".into(),
+            capacity: vec![Capacity::Unlimited, Capacity::Pages(3)],
+            ..bad
+        };
+        assert_eq!(run(&two, Vec::new()).unwrap_err().exit_code(), 2);
+    }
+}
