@@ -17,6 +17,8 @@ struct Cli {
 enum Command {
     /// Print the page hashes of token ids read from standard input, one hex digest per page.
     Hash(cmd::hash::HashArgs),
+    /// L1<->L2 page transfers (backup, per-layer load) against bulk pinned copies.
+    Transfer(cmd::transfer::TransferArgs),
 }
 
 fn main() -> ExitCode {
@@ -25,6 +27,7 @@ fn main() -> ExitCode {
         Some(Command::Hash(args)) => {
             cmd::hash::run(&args, std::io::stdin().lock(), std::io::stdout().lock())
         }
+        Some(Command::Transfer(args)) => cmd::transfer::run(&args, std::io::stdout().lock()),
         None => {
             use clap::CommandFactory;
             Cli::command().print_help().ok();

@@ -17,6 +17,11 @@
 //! reference ([`copy::copy_reference`]) and DMA copies by memcpy.
 #![warn(missing_docs)]
 
+/// The README's example, run as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 pub mod copy;
 pub mod cuda;
 pub mod device;
@@ -36,3 +41,22 @@ pub use plan::{Direction, MemcpyOp};
 pub use pool::{DevicePool, DeviceRegion, DeviceSlot, EngineLayer};
 pub use registration::HostRegistration;
 pub use transfer::{Completion, IoBackend, LoadHandle, TransferConfig, TransferEngine};
+
+#[cfg(test)]
+mod tests {
+    /// The controller shares these across threads.
+    #[test]
+    fn public_types_are_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<super::Device>();
+        check::<super::DevicePool>();
+        check::<super::TransferEngine>();
+        check::<super::LoadHandle>();
+        check::<super::Completion>();
+        check::<super::LayerDoneCounter>();
+        check::<super::HostRegistration>();
+        check::<super::Stream>();
+        check::<super::Event>();
+        check::<hicache_host::HostPool>();
+    }
+}

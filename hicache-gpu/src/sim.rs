@@ -10,51 +10,44 @@
 //! 3. `wait(event)` on a stream holds the stream's later work until the event's record that
 //!    was latest *at the time of the wait call* completes (a never-recorded event is done).
 
-use std::alloc::Layout;
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use parking_lot::{Condvar, Mutex};
 
+use hicache_host::{HostMemory, HugePagePolicy};
+
 use crate::error::{GpuError, Result};
 
-/// Alignment of sim allocations (cudaMalloc gives at least 256).
-pub const SIM_ALIGN: usize = 256;
+/// Alignment of sim allocations (at least what cudaMalloc gives, 256).
+pub const SIM_ALIGN: usize = 4096;
 
-/// An owned, zeroed sim allocation.
+/// An owned, zeroed sim allocation: an anonymous, populated mapping (huge pages when
+/// available), like the host pool, so sim "device" memory behaves like RAM that was touched
+/// before (no first-touch faults inside a timed transfer).
 #[derive(Debug)]
 pub struct SimMemory {
-    ptr: *mut u8,
+    map: HostMemory,
     len: usize,
 }
-
-// SAFETY: a plain heap allocation with no thread affinity; accesses go through raw pointers
-// whose users follow the pools' ownership rules.
-unsafe impl Send for SimMemory {}
-// SAFETY: as above.
-unsafe impl Sync for SimMemory {}
 
 impl SimMemory {
     /// `len` zeroed bytes aligned to [`SIM_ALIGN`].
     pub fn new(len: usize) -> Result<Self> {
-        let layout = Layout::from_size_align(len.max(1), SIM_ALIGN)
-            .map_err(|e| GpuError::InvalidConfig(format!("sim allocation of {len} bytes: {e}")))?;
-        // SAFETY: layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            return Err(GpuError::BufferTooSmall {
-                what: "sim device memory (allocation failed)".into(),
-                got: 0,
-                need: len,
-            });
-        }
-        Ok(Self { ptr, len })
+        // Huge pages only where they can pay off (a 2 MiB mapping per small buffer would not).
+        let policy = if len >= 2 << 20 {
+            HugePagePolicy::Auto
+        } else {
+            HugePagePolicy::Off
+        };
+        let map = HostMemory::new(len.max(1), policy)?;
+        Ok(Self { map, len })
     }
 
     /// Address (the sim's device pointer).
     pub fn addr(&self) -> u64 {
-        self.ptr as u64
+        self.map.as_ptr() as u64
     }
 
     /// Bytes.
@@ -65,14 +58,6 @@ impl SimMemory {
     /// Whether zero bytes were asked for.
     pub fn is_empty(&self) -> bool {
         self.len == 0
-    }
-}
-
-impl Drop for SimMemory {
-    fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.len.max(1), SIM_ALIGN).expect("checked in new");
-        // SAFETY: allocated in `new` with this layout, freed once.
-        unsafe { std::alloc::dealloc(self.ptr, layout) };
     }
 }
 

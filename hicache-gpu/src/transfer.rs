@@ -30,7 +30,7 @@ use std::sync::Arc;
 use hicache_host::{HostPool, HostSlot, Slot};
 
 use crate::copy::CopyParams;
-use crate::device::{Device, DeviceBuffer, Event, Scratch, Stream};
+use crate::device::{Device, DeviceBuffer, DeviceKind, Event, Scratch, Stream};
 use crate::error::{GpuError, Result};
 use crate::plan::{self, Direction, MemcpyOp, PlanGeometry};
 use crate::pool::{DevicePool, DeviceSlot};
@@ -288,12 +288,12 @@ impl TransferEngine {
         self.word_bytes
     }
 
-    /// SMs a kernel transfer can occupy at most (`min(ctas, SMs)`; 0 for `direct`, which
-    /// uses the copy engines).
+    /// SMs a kernel transfer can occupy at most (`min(ctas, SMs)`); 0 for `direct`, which
+    /// uses the copy engines, and on the sim device, which has no SMs.
     pub fn sms_used(&self) -> u32 {
-        match self.config.io {
-            IoBackend::Kernel => self.config.ctas.min(self.device.sm_count()),
-            IoBackend::Direct => 0,
+        match (self.config.io, self.device.kind()) {
+            (IoBackend::Kernel, DeviceKind::Cuda) => self.config.ctas.min(self.device.sm_count()),
+            _ => 0,
         }
     }
 

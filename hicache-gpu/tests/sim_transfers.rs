@@ -389,3 +389,14 @@ fn backups_poll_without_blocking() {
     // A CUDA-only helper on sim and vice versa.
     assert!(compute.sim_gate().is_ok());
 }
+
+#[test]
+fn cuda_without_a_driver_is_a_clear_error() {
+    if Device::cuda_driver_available() {
+        println!("SKIPPED cuda_without_a_driver_is_a_clear_error: this machine has libcuda");
+        return;
+    }
+    let e = Device::cuda(0).unwrap_err();
+    assert!(matches!(e, GpuError::NoDriver(_)), "{e}");
+    assert!(e.to_string().contains("libcuda"), "{e}");
+}
