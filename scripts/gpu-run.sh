@@ -17,6 +17,6 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     for model in llama3-8b deepseek-v3-mla; do
         .gpu/hicache-bench transfer --device cuda --model "$model" --pages 64,256,1024 \
-            --layout page_first,layer_first,page_first_direct --io kernel,direct --json
+            --layout page_first,layer_first,page_first_direct --io kernel,direct,staged --json
     done
 fi

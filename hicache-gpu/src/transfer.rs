@@ -10,6 +10,11 @@
 //! - `kernel`: one launch of the page-copy kernel per backup (all layers) or per loaded layer,
 //!   reading/writing the page-locked host pool directly over PCIe with 16-byte accesses, on a
 //!   bounded number of CTAs ([`TransferConfig::ctas`]: at most that many SMs are used).
+//!   With [`TransferConfig::staged_backup_pages`] `> 0`, backups are staged instead: the same
+//!   kernel gathers a batch of pages into a device buffer laid out like the host pool, and
+//!   DMA copies move each contiguous host run (one copy per page half and run of consecutive
+//!   host pages for `page_first`) on a third stream, double-buffered so gathers overlap DMA.
+//!   Which of the two is faster is for the `transfer` bench on the GPU to say.
 //! - `direct`: DMA copies (`cuMemcpyAsync` / `cuMemcpy2DAsync`) queued back to back, with
 //!   contiguous runs coalesced and `page_first` pages moved as one 2D copy per run and layer
 //!   (see [`crate::plan`]).
@@ -27,7 +32,8 @@ use std::ops::Range;
 use std::str::FromStr;
 use std::sync::Arc;
 
-use hicache_host::{HostPool, HostSlot, Slot};
+use hicache_host::{HostLayout, HostPool, HostSlot, Slot};
+use parking_lot::Mutex;
 
 use crate::copy::CopyParams;
 use crate::device::{Device, DeviceBuffer, DeviceKind, Event, Scratch, Stream};
@@ -80,6 +86,13 @@ pub struct TransferConfig {
     pub threads_per_cta: u32,
     /// Bytes of a page half-layer handled by one warp at a time (≥ 512).
     pub chunk_bytes: u32,
+    /// `kernel` io only: 0 (default) makes backups write the host pool directly from the
+    /// kernel (zero-copy); `n > 0` stages them instead: the kernel gathers up to `n` pages at a
+    /// time into a device staging buffer laid out like the host pool, and DMA copies move
+    /// each contiguous host run (a whole page half for `page_first`), double-buffered so the
+    /// gather of one batch overlaps the DMA of the previous one. Uses `2·n` pages of device
+    /// memory. Loads are always zero-copy (a staged load could not signal layer by layer).
+    pub staged_backup_pages: u32,
 }
 
 impl Default for TransferConfig {
@@ -89,6 +102,7 @@ impl Default for TransferConfig {
             ctas: 16,
             threads_per_cta: 512,
             chunk_bytes: 16 << 10,
+            staged_backup_pages: 0,
         }
     }
 }
@@ -108,6 +122,11 @@ impl TransferConfig {
                 "threads_per_cta must be a multiple of 32 in 32..=1024, got {}",
                 self.threads_per_cta
             )));
+        }
+        if self.staged_backup_pages > 0 && self.io != IoBackend::Kernel {
+            return Err(GpuError::InvalidConfig(
+                "staged_backup_pages needs the kernel io backend".into(),
+            ));
         }
         if self.chunk_bytes < 512 {
             return Err(GpuError::InvalidConfig(format!(
@@ -208,6 +227,26 @@ pub struct TransferEngine {
     word_bytes: u32,
     write_stream: Stream,
     load_stream: Stream,
+    staging: Option<Staging>,
+}
+
+/// Device staging of backups (see [`TransferConfig::staged_backup_pages`]).
+struct Staging {
+    buffers: [DeviceBuffer; 2],
+    /// The host layout with `pages` pages: the arrangement of each staging buffer.
+    layout: HostLayout,
+    pages: usize,
+    word_bytes: [u32; 2],
+    /// Runs the DMA copies, so the next gather (write stream) overlaps them.
+    copy_stream: Stream,
+    /// Per buffer, the end of the last DMA that reads it; held while a backup is queued,
+    /// which also serialises concurrent staged backups.
+    state: Mutex<StagingState>,
+}
+
+struct StagingState {
+    next: usize,
+    dma_done: [Option<Event>; 2],
 }
 
 impl std::fmt::Debug for TransferEngine {
@@ -252,7 +291,36 @@ impl TransferEngine {
             ..Default::default()
         };
         let word_bytes = probe.word_bytes(dev_pool.layer_table().iter().copied());
+        let staging = match config.staged_backup_pages as usize {
+            0 => None,
+            pages => {
+                let layout = HostLayout::new(ds, host.pool().layout_kind(), pages)?;
+                let buffers = [
+                    device.alloc_zeroed(layout.total_bytes())?,
+                    device.alloc_zeroed(layout.total_bytes())?,
+                ];
+                let word = |b: &DeviceBuffer| {
+                    CopyParams {
+                        host_base: b.addr(),
+                        ..probe
+                    }
+                    .word_bytes(dev_pool.layer_table().iter().copied())
+                };
+                Some(Staging {
+                    word_bytes: [word(&buffers[0]), word(&buffers[1])],
+                    buffers,
+                    layout,
+                    pages,
+                    copy_stream: device.new_stream("staged-copy")?,
+                    state: Mutex::new(StagingState {
+                        next: 0,
+                        dma_done: [None, None],
+                    }),
+                })
+            }
+        };
         Ok(Self {
+            staging,
             write_stream: device.new_stream("write")?,
             load_stream: device.new_stream("load")?,
             device,
@@ -316,7 +384,88 @@ impl TransferEngine {
         after: &[&Event],
     ) -> Result<Completion> {
         let layers = 0..self.dev_pool.shape().layers;
-        self.copy_layers(Direction::ToHost, device, host, layers, after)
+        match &self.staging {
+            Some(st) => self.backup_staged(st, device, host, after),
+            None => self.copy_layers(Direction::ToHost, device, host, layers, after),
+        }
+    }
+
+    /// Staged backup (see [`TransferConfig::staged_backup_pages`]).
+    fn backup_staged(
+        &self,
+        st: &Staging,
+        device: &[DeviceSlot],
+        host: &[HostSlot],
+        after: &[&Event],
+    ) -> Result<Completion> {
+        let layers = 0..self.dev_pool.shape().layers;
+        let (dev, hst) = self.validate(Direction::ToHost, device, host, &layers)?;
+        let ws = &self.write_stream;
+        for e in after {
+            ws.wait(e)?;
+        }
+        if dev.is_empty() {
+            return Ok(Completion {
+                event: ws.record()?,
+            });
+        }
+        // Host-page order: consecutive host pages land in consecutive staging pages, so each
+        // contiguous host run is one DMA copy per part.
+        let mut pairs: Vec<(u32, u32)> = hst.into_iter().zip(dev).collect();
+        pairs.sort_unstable();
+        let host_layout = self.host.pool().layout();
+        let host_base = self.host.pool().base_ptr() as u64;
+        let mut state = st.state.lock();
+        let mut last = None;
+        for chunk in pairs.chunks(st.pages) {
+            let b = state.next;
+            state.next ^= 1;
+            if let Some(e) = &state.dma_done[b] {
+                ws.wait(e)?;
+            }
+            let n = chunk.len() as u32;
+            let scratch = self.upload(
+                ws,
+                chunk.iter().map(|&(_, d)| d).collect(),
+                (0..n).collect(),
+            )?;
+            let target = (st.buffers[b].addr(), st.layout.strides(), st.word_bytes[b]);
+            self.launch_to(ws, Direction::ToHost, &scratch, n, layers.clone(), target)?;
+            let gathered = ws.record()?;
+            st.copy_stream.wait(&gathered)?;
+            let mut ops: Vec<MemcpyOp> = Vec::new();
+            for part in 0..st.layout.parts_per_page() {
+                for (k, &(h, _)) in chunk.iter().enumerate() {
+                    let src = st.layout.part(k, part);
+                    let dst = host_layout.part(h as usize, part);
+                    let op = MemcpyOp::Linear {
+                        dev: st.buffers[b].addr() + src.offset as u64,
+                        host: host_base + dst.offset as u64,
+                        bytes: src.len as u64,
+                    };
+                    match (ops.last_mut(), op) {
+                        (
+                            Some(MemcpyOp::Linear { dev, host, bytes }),
+                            MemcpyOp::Linear {
+                                dev: d2,
+                                host: h2,
+                                bytes: n2,
+                            },
+                        ) if *dev + *bytes == d2 && *host + *bytes == h2 => *bytes += n2,
+                        _ => ops.push(op),
+                    }
+                }
+            }
+            // SAFETY: staging offsets are inside buffer b (k < pages); host offsets are parts
+            // of validated host pages.
+            unsafe { st.copy_stream.run_plan(Direction::ToHost, ops)? };
+            let done = st.copy_stream.record()?;
+            state.dma_done[b] = Some(done.clone());
+            last = Some(done);
+        }
+        Ok(Completion {
+            event: last.expect("at least one chunk"),
+        })
     }
 
     /// Loads `host[i]` into `device[i]` (H2D) layer by layer on the load stream, after the
@@ -441,9 +590,12 @@ impl TransferEngine {
         })
     }
 
-    /// Blocks until both streams are idle.
+    /// Blocks until every stream of the engine is idle.
     pub fn synchronize(&self) -> Result<()> {
         self.write_stream.synchronize()?;
+        if let Some(st) = &self.staging {
+            st.copy_stream.synchronize()?;
+        }
         self.load_stream.synchronize()
     }
 
@@ -506,16 +658,34 @@ impl TransferEngine {
         num_pairs: u32,
         layers: Range<u32>,
     ) -> Result<()> {
+        let target = (
+            self.host.device_addr(),
+            self.host.pool().layout().strides(),
+            self.word_bytes,
+        );
+        self.launch_to(stream, dir, scratch, num_pairs, layers, target)
+    }
+
+    /// Launches the copy kernel between the device pool and `target` = (device-visible base,
+    /// layout strides, word width): the host pool, or a staging buffer in the host layout.
+    fn launch_to(
+        &self,
+        stream: &Stream,
+        dir: Direction,
+        scratch: &[Scratch; 2],
+        num_pairs: u32,
+        layers: Range<u32>,
+        (base, s, word_bytes): (u64, hicache_host::Strides, u32),
+    ) -> Result<()> {
         if num_pairs == 0 || layers.is_empty() {
             return Ok(());
         }
         let shape = self.dev_pool.shape();
-        let s = self.host.pool().layout().strides();
         let params = CopyParams {
             dev_table: self.dev_pool.table_addr(),
             dev_pages: scratch[0].addr(),
             host_pages: scratch[1].addr(),
-            host_base: self.host.device_addr(),
+            host_base: base,
             host_half_stride: s.half as u64,
             host_page_stride: s.page as u64,
             host_layer_stride: s.layer as u64,
@@ -533,13 +703,14 @@ impl TransferEngine {
             chunks_per_unit: 0,
         }
         .with_chunk_bytes(self.config.chunk_bytes);
-        // SAFETY: pages validated against both pools; the table, index lists and pools stay
-        // alive until the work completes (scratch is stream-ordered / held by the sim task;
-        // the pools are held by the engine, which synchronises on drop).
+        // SAFETY: pages validated against both pools (staging pages are 0..num_pairs of a
+        // staging buffer of at least that many pages); the table, index lists, pools and
+        // staging buffers stay alive until the work completes (scratch is stream-ordered or
+        // held by the sim task; the rest is held by the engine, which synchronises on drop).
         unsafe {
             stream.launch_copy(
                 params,
-                self.word_bytes,
+                word_bytes,
                 self.config.ctas,
                 self.config.threads_per_cta,
                 &[&scratch[0], &scratch[1]],

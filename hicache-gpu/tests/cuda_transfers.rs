@@ -53,7 +53,11 @@ fn kernels_and_direct_path_match_the_cpu_reference() {
     shapes.push(KvShape::deepseek_v3_mla(16));
     for shape in shapes {
         for layout in LayoutKind::ALL {
-            for io in [IoBackend::Kernel, IoBackend::Direct] {
+            for (io, staged) in [
+                (IoBackend::Kernel, 0),
+                (IoBackend::Kernel, 3),
+                (IoBackend::Direct, 0),
+            ] {
                 for (engine, misalign) in [(false, 0), (true, 0), (true, 4)] {
                     let case = Case {
                         shape,
@@ -63,9 +67,11 @@ fn kernels_and_direct_path_match_the_cpu_reference() {
                         misalign,
                         device_pages: 11,
                         host_pages: 13,
+                        staged,
                     };
                     let config = TransferConfig {
                         io,
+                        staged_backup_pages: staged,
                         ..TransferConfig::default()
                     };
                     let g = Fixture::with_config(&gpu, case, config);
@@ -116,6 +122,7 @@ fn launch_geometries_all_agree() {
         misalign: 0,
         device_pages: 11,
         host_pages: 13,
+        staged: 0,
     };
     for (ctas, threads, chunk) in [
         (1, 32, 512),
@@ -128,6 +135,7 @@ fn launch_geometries_all_agree() {
             ctas,
             threads_per_cta: threads,
             chunk_bytes: chunk,
+            staged_backup_pages: 0,
         };
         let fx = Fixture::with_config(&device, case, cfg);
         check_all_pair_lists(&fx, ctas as u64);

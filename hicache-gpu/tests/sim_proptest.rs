@@ -13,15 +13,15 @@ fn case_strategy() -> impl Strategy<Value = Case> {
     (
         0..shapes.len(),
         0..3usize,
-        any::<bool>(),
+        0..3usize,
         0..3usize,
         1usize..10,
         1usize..10,
     )
-        .prop_map(move |(s, l, direct, reg, dp, hp)| Case {
+        .prop_map(move |(s, l, io, reg, dp, hp)| Case {
             shape: shapes[s],
             layout: LayoutKind::ALL[l],
-            io: if direct {
+            io: if io == 2 {
                 IoBackend::Direct
             } else {
                 IoBackend::Kernel
@@ -30,6 +30,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
             misalign: if reg == 2 { 1 } else { 0 },
             device_pages: dp,
             host_pages: hp,
+            staged: if io == 1 { 2 } else { 0 },
         })
 }
 
@@ -63,14 +64,20 @@ proptest! {
         }
         let l = case.shape.layers;
         let (a, b) = (layer_pick.0 % (l + 1), layer_pick.1 % (l + 1));
-        let layers = a.min(b)..a.max(b);
+        let mut layers = a.min(b)..a.max(b);
         fx.randomize(seed);
         let before = fx.snapshot();
-        fx.engine
-            .copy_layers(dir, &dslots(&dev), &hslots(&host), layers.clone(), &[])
-            .unwrap()
-            .wait()
-            .unwrap();
+        if dir == Direction::ToHost && case.staged > 0 {
+            // Staging applies to whole backups.
+            layers = 0..l;
+            fx.engine.backup(&dslots(&dev), &hslots(&host), &[]).unwrap().wait().unwrap();
+        } else {
+            fx.engine
+                .copy_layers(dir, &dslots(&dev), &hslots(&host), layers.clone(), &[])
+                .unwrap()
+                .wait()
+                .unwrap();
+        }
         let want = fx.expected(&before, dir, &dev, &host, layers);
         prop_assert!(fx.snapshot() == want, "{:?} {:?} dev {:?} host {:?}", case, dir, dev, host);
     }

@@ -37,6 +37,7 @@ fn default_launch_geometry_matches_too() {
         misalign: 0,
         device_pages: 11,
         host_pages: 13,
+        staged: 0,
     };
     let fx = Fixture::with_config(&device, case, TransferConfig::default());
     assert_eq!(fx.engine.word_bytes(), 16);
@@ -52,6 +53,7 @@ fn small_case(layout: LayoutKind, io: IoBackend) -> Case {
         misalign: 0,
         device_pages: 8,
         host_pages: 8,
+        staged: 0,
     }
 }
 

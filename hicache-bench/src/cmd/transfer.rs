@@ -70,6 +70,9 @@ pub enum IoArg {
     Kernel,
     /// Batched DMA copies.
     Direct,
+    /// Kernels, with backups gathered into device staging buffers of `--staged-pages` pages
+    /// and moved by DMA (loads as `kernel`).
+    Staged,
 }
 
 /// Host layout.
@@ -129,6 +132,9 @@ pub struct TransferArgs {
     /// Bytes per warp work item.
     #[arg(long, default_value_t = TransferConfig::default().chunk_bytes)]
     pub chunk_bytes: u32,
+    /// Pages per staging buffer of the `staged` io variant.
+    #[arg(long, default_value_t = 32)]
+    pub staged_pages: u32,
     /// Timed runs per figure (the median is reported).
     #[arg(long, default_value_t = 5)]
     pub iters: usize,
@@ -224,12 +230,17 @@ pub fn run(args: &TransferArgs, mut out: impl Write) -> Result<()> {
             for &io in &args.io {
                 let config = TransferConfig {
                     io: match io {
-                        IoArg::Kernel => IoBackend::Kernel,
+                        IoArg::Kernel | IoArg::Staged => IoBackend::Kernel,
                         IoArg::Direct => IoBackend::Direct,
                     },
                     ctas: args.ctas,
                     threads_per_cta: args.threads,
                     chunk_bytes: args.chunk_bytes,
+                    staged_backup_pages: if io == IoArg::Staged {
+                        args.staged_pages
+                    } else {
+                        0
+                    },
                 };
                 let engine = TransferEngine::new(device_pool.clone(), reg.clone(), config)
                     .map_err(gpu_err)?;
@@ -261,7 +272,10 @@ pub fn run(args: &TransferArgs, mut out: impl Write) -> Result<()> {
                         Direction::ToHost => "backup",
                         Direction::ToDevice => "load",
                     };
-                    let io_name = config.io.as_str();
+                    let io_name = match io {
+                        IoArg::Staged => "staged",
+                        _ => config.io.as_str(),
+                    };
                     let rec = Record::new(
                         "transfer",
                         format!(
@@ -284,6 +298,7 @@ pub fn run(args: &TransferArgs, mut out: impl Write) -> Result<()> {
                     .with("threads", config.threads_per_cta)
                     .with("word_bytes", engine.word_bytes())
                     .with("direct_copies", copies as u64)
+                    .with("staged_pages", config.staged_backup_pages)
                     .with("iters", args.iters as u64);
                     if args.json {
                         w(&mut out, rec.to_json_line())?;
@@ -336,6 +351,10 @@ mod tests {
             "4",
             "--layout",
             "layer_first,page_first_direct",
+            "--io",
+            "kernel,direct,staged",
+            "--staged-pages",
+            "2",
             "--iters",
             "1",
             "--json",
@@ -347,8 +366,8 @@ mod tests {
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
             .collect();
-        // 2 layouts × 2 io × 2 directions.
-        assert_eq!(lines.len(), 8);
+        // 2 layouts × 3 io × 2 directions.
+        assert_eq!(lines.len(), 12);
         assert_eq!(
             lines[0]["case"],
             "deepseek-v3-mla/layer_first/kernel/backup/3p"

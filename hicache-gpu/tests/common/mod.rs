@@ -25,6 +25,8 @@ pub struct Case {
     pub misalign: u64,
     pub device_pages: usize,
     pub host_pages: usize,
+    /// `TransferConfig::staged_backup_pages` (kernel io only).
+    pub staged: u32,
 }
 
 /// MHA and MLA rows of every element size, including rows that are not a multiple of 16
@@ -65,7 +67,11 @@ pub fn cases() -> Vec<Case> {
     let mut v = Vec::new();
     for shape in shapes() {
         for layout in LayoutKind::ALL {
-            for io in [IoBackend::Kernel, IoBackend::Direct] {
+            for (io, staged) in [
+                (IoBackend::Kernel, 0),
+                (IoBackend::Kernel, 2),
+                (IoBackend::Direct, 0),
+            ] {
                 for (engine, misalign) in [(false, 0), (true, 0), (true, 2)] {
                     v.push(Case {
                         shape,
@@ -75,6 +81,7 @@ pub fn cases() -> Vec<Case> {
                         misalign,
                         device_pages: 11,
                         host_pages: 13,
+                        staged,
                     });
                 }
             }
@@ -129,6 +136,7 @@ impl Fixture {
                 ctas: 3,
                 threads_per_cta: 64,
                 chunk_bytes: 512,
+                staged_backup_pages: case.staged,
             },
         )
     }
