@@ -17,6 +17,8 @@ struct Cli {
 enum Command {
     /// Print the page hashes of token ids read from standard input, one hex digest per page.
     Hash(cmd::hash::HashArgs),
+    /// L1<->L2 page transfers (backup, per-layer load) against bulk pinned copies.
+    Transfer(cmd::transfer::TransferArgs),
     /// Replay a request trace through the HiRadixTree and report requests/s (the default).
     Tree(cmd::tree::TreeArgs),
 }
@@ -35,6 +37,7 @@ fn main() -> ExitCode {
             cmd::hash::run(&args, std::io::stdin().lock(), std::io::stdout().lock())
         }
         Some(Command::Tree(args)) => cmd::tree::run(&args, std::io::stdout().lock()),
+        Some(Command::Transfer(args)) => cmd::transfer::run(&args, std::io::stdout().lock()),
         None => {
             // The most complete workload that exists so far: the tree replay.
             let mut job = MainJob::parse_from(["hicache-bench"]);

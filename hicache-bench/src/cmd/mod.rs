@@ -1,4 +1,5 @@
 //! One module per subcommand.
 
 pub mod hash;
+pub mod transfer;
 pub mod tree;

@@ -1,0 +1,390 @@
+//! `hicache-bench transfer`: L1↔L2 page transfers of scattered pages, next to the bulk pinned
+//! copy of the same byte count measured in the same run.
+//!
+//! For each page count, host layout and io backend it measures
+//! - `backup`: all layers of N scattered device pages into N scattered host pages (D2H),
+//! - `load`: the same pages back, layer by layer with an event per layer (H2D),
+//!
+//! and as the reference, one bulk copy of the same bytes between a device buffer and the
+//! page-locked host pool (`cuMemcpy{DtoH,HtoD}Async`; on the sim device a plain memcpy, so
+//! sim figures are CPU memcpy-bound and say nothing about a GPU). Each figure is the median of
+//! `--iters` timed runs after one warm-up run.
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::{Args, ValueEnum};
+use hicache_core::{KvShape, LayoutKind};
+use hicache_gpu::{
+    Device, DevicePool, DeviceSlot, Direction, HostRegistration, IoBackend, TransferConfig,
+    TransferEngine,
+};
+use hicache_host::{HostPool, HostPoolConfig, HostSlot, PoolSize};
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+
+use crate::error::{BenchError, Result};
+use crate::record::Record;
+
+/// Which device runs the transfers.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DeviceArg {
+    /// CUDA device 0.
+    Cuda,
+    /// The sim device (host memory; CPU memcpy-bound figures).
+    Sim,
+}
+
+/// KV shape.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ModelArg {
+    /// 32 layers, 8 KV heads of 128, bf16 (MHA).
+    #[value(name = "llama3-8b")]
+    Llama3_8b,
+    /// 61 layers, 576-wide latent, bf16 (MLA).
+    #[value(name = "deepseek-v3-mla")]
+    DeepseekV3Mla,
+}
+
+impl ModelArg {
+    fn shape(self, page_size: u32) -> KvShape {
+        match self {
+            ModelArg::Llama3_8b => KvShape::llama3_8b(page_size),
+            ModelArg::DeepseekV3Mla => KvShape::deepseek_v3_mla(page_size),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            ModelArg::Llama3_8b => "llama3-8b",
+            ModelArg::DeepseekV3Mla => "deepseek-v3-mla",
+        }
+    }
+}
+
+/// Io backend.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum IoArg {
+    /// Gather/scatter kernels.
+    Kernel,
+    /// Batched DMA copies.
+    Direct,
+    /// Kernels, with backups gathered into device staging buffers of `--staged-pages` pages
+    /// and moved by DMA (loads as `kernel`).
+    Staged,
+}
+
+/// Host layout.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub enum LayoutArg {
+    /// `[h][l][p·ps+t][row]`.
+    LayerFirst,
+    /// `[h][p·ps+t][l][row]`.
+    PageFirst,
+    /// `[h][p][l][t][row]`.
+    PageFirstDirect,
+}
+
+impl LayoutArg {
+    fn kind(self) -> LayoutKind {
+        match self {
+            LayoutArg::LayerFirst => LayoutKind::LayerFirst,
+            LayoutArg::PageFirst => LayoutKind::PageFirst,
+            LayoutArg::PageFirstDirect => LayoutKind::PageFirstDirect,
+        }
+    }
+}
+
+/// Arguments of `transfer`.
+#[derive(Debug, Args)]
+pub struct TransferArgs {
+    /// Device.
+    #[arg(long, value_enum, default_value = "sim")]
+    pub device: DeviceArg,
+    /// KV shape.
+    #[arg(long, value_enum, default_value = "llama3-8b")]
+    pub model: ModelArg,
+    /// Page counts, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "64,256,1024")]
+    pub pages: Vec<usize>,
+    /// Io backends, comma-separated.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "kernel,direct"
+    )]
+    pub io: Vec<IoArg>,
+    /// Host layouts, comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "page_first")]
+    pub layout: Vec<LayoutArg>,
+    /// Tokens per page.
+    #[arg(long, default_value_t = 64)]
+    pub page_size: u32,
+    /// CTAs per kernel launch (bounds the SMs used).
+    #[arg(long, default_value_t = TransferConfig::default().ctas)]
+    pub ctas: u32,
+    /// Threads per CTA.
+    #[arg(long, default_value_t = TransferConfig::default().threads_per_cta)]
+    pub threads: u32,
+    /// Bytes per warp work item.
+    #[arg(long, default_value_t = TransferConfig::default().chunk_bytes)]
+    pub chunk_bytes: u32,
+    /// Pages per staging buffer of the `staged` io variant.
+    #[arg(long, default_value_t = 32)]
+    pub staged_pages: u32,
+    /// Timed runs per figure (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    pub iters: usize,
+    /// Seed of the page scattering.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// One JSON object per case instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn gpu_err(e: hicache_gpu::GpuError) -> BenchError {
+    BenchError::Usage(format!("transfer: {e}"))
+}
+
+fn host_err(e: hicache_host::HostError) -> BenchError {
+    BenchError::Usage(format!("transfer: {e}"))
+}
+
+/// Median seconds of `iters` runs of `f` after one warm-up.
+fn median_secs(iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut t: Vec<f64> = (0..iters.max(1))
+        .map(|_| {
+            let t0 = Instant::now();
+            f().map(|_| t0.elapsed().as_secs_f64())
+        })
+        .collect::<Result<_>>()?;
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+/// Runs the bench, writing records (or a table) to `out`.
+pub fn run(args: &TransferArgs, mut out: impl Write) -> Result<()> {
+    if args.pages.is_empty() || args.pages.contains(&0) {
+        return Err(BenchError::Usage(
+            "--pages needs positive page counts".into(),
+        ));
+    }
+    let device = match args.device {
+        DeviceArg::Cuda => Device::cuda(0).map_err(gpu_err)?,
+        DeviceArg::Sim => Device::sim(),
+    };
+    let shape = args.model.shape(args.page_size);
+    shape.validate()?;
+    let w =
+        |out: &mut dyn Write, s: String| writeln!(out, "{s}").map_err(BenchError::io("<stdout>"));
+    if !args.json {
+        w(
+            &mut out,
+            format!(
+                "transfer on {} ({:?}); reference = one bulk pinned copy of the same bytes{}",
+                device.name(),
+                device.kind(),
+                if args.device == DeviceArg::Sim {
+                    " (sim: CPU memcpy, not GPU speed)"
+                } else {
+                    ""
+                }
+            ),
+        )?;
+        w(
+            &mut out,
+            format!(
+                "{:<16} {:<18} {:<7} {:>6} {:<7} {:>9} {:>9} {:>6} {:>4}",
+                "model", "layout", "io", "pages", "dir", "GB/s", "ref GB/s", "ratio", "SMs"
+            ),
+        )?;
+    }
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
+    for &n in &args.pages {
+        // Pools a quarter larger than the transfer, so scattered pages leave gaps.
+        let pool_pages = n + n / 4 + 1;
+        let device_pool = Arc::new(DevicePool::new(&device, shape, pool_pages).map_err(gpu_err)?);
+        let bytes = n * shape.page_bytes();
+        let scratch = device.alloc_zeroed(bytes).map_err(gpu_err)?;
+        let mut dev: Vec<u32> = (0..pool_pages as u32).collect();
+        dev.shuffle(&mut rng);
+        let dev: Vec<DeviceSlot> = dev[..n].iter().map(|&p| DeviceSlot(p)).collect();
+        for &layout in &args.layout {
+            let host_pool = Arc::new(
+                HostPool::new(HostPoolConfig::new(
+                    shape,
+                    layout.kind(),
+                    PoolSize::Pages(pool_pages),
+                ))
+                .map_err(host_err)?,
+            );
+            let mut host: Vec<u32> = (0..pool_pages as u32).collect();
+            host.shuffle(&mut rng);
+            let host: Vec<HostSlot> = host[..n].iter().map(|&p| HostSlot(p)).collect();
+            let reg = HostRegistration::new(&device, host_pool.clone()).map_err(gpu_err)?;
+            for &io in &args.io {
+                let config = TransferConfig {
+                    io: match io {
+                        IoArg::Kernel | IoArg::Staged => IoBackend::Kernel,
+                        IoArg::Direct => IoBackend::Direct,
+                    },
+                    ctas: args.ctas,
+                    threads_per_cta: args.threads,
+                    chunk_bytes: args.chunk_bytes,
+                    staged_backup_pages: if io == IoArg::Staged {
+                        args.staged_pages
+                    } else {
+                        0
+                    },
+                };
+                let engine = TransferEngine::new(device_pool.clone(), reg.clone(), config)
+                    .map_err(gpu_err)?;
+                let copies = engine
+                    .direct_plan(&dev, &host, 0..shape.layers)
+                    .map_err(gpu_err)?
+                    .len();
+                for dir in [Direction::ToHost, Direction::ToDevice] {
+                    let t = median_secs(args.iters, || {
+                        match dir {
+                            Direction::ToHost => {
+                                engine.backup(&dev, &host, &[]).and_then(|c| c.wait())
+                            }
+                            Direction::ToDevice => {
+                                engine.load(&host, &dev, &[]).and_then(|h| h.wait())
+                            }
+                        }
+                        .map_err(gpu_err)
+                    })?;
+                    let r = median_secs(args.iters, || {
+                        engine
+                            .bulk_copy(dir, &scratch, bytes, &[])
+                            .and_then(|c| c.wait())
+                            .map_err(gpu_err)
+                    })?;
+                    let gbs = bytes as f64 / t / 1e9;
+                    let ref_gbs = bytes as f64 / r / 1e9;
+                    let dir_name = match dir {
+                        Direction::ToHost => "backup",
+                        Direction::ToDevice => "load",
+                    };
+                    let io_name = match io {
+                        IoArg::Staged => "staged",
+                        _ => config.io.as_str(),
+                    };
+                    let rec = Record::new(
+                        "transfer",
+                        format!(
+                            "{}/{}/{}/{}/{}p",
+                            args.model.name(),
+                            layout.kind().as_str(),
+                            io_name,
+                            dir_name,
+                            n
+                        ),
+                        gbs,
+                        "GB/s",
+                    )
+                    .with_reference(ref_gbs)
+                    .with("device", device.name())
+                    .with("bytes", bytes as u64)
+                    .with("pages", n as u64)
+                    .with("sms", engine.sms_used())
+                    .with("ctas", config.ctas)
+                    .with("threads", config.threads_per_cta)
+                    .with("word_bytes", engine.word_bytes())
+                    .with("direct_copies", copies as u64)
+                    .with("staged_pages", config.staged_backup_pages)
+                    .with("iters", args.iters as u64);
+                    if args.json {
+                        w(&mut out, rec.to_json_line())?;
+                    } else {
+                        w(
+                            &mut out,
+                            format!(
+                                "{:<16} {:<18} {:<7} {:>6} {:<7} {:>9.2} {:>9.2} {:>6.3} {:>4}",
+                                args.model.name(),
+                                layout.kind().as_str(),
+                                io_name,
+                                n,
+                                dir_name,
+                                gbs,
+                                ref_gbs,
+                                gbs / ref_gbs,
+                                engine.sms_used()
+                            ),
+                        )?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: TransferArgs,
+    }
+
+    #[test]
+    fn sim_run_writes_one_record_per_case() {
+        let cli = Cli::parse_from([
+            "t",
+            "--device",
+            "sim",
+            "--model",
+            "deepseek-v3-mla",
+            "--pages",
+            "3",
+            "--page-size",
+            "4",
+            "--layout",
+            "layer_first,page_first_direct",
+            "--io",
+            "kernel,direct,staged",
+            "--staged-pages",
+            "2",
+            "--iters",
+            "1",
+            "--json",
+        ]);
+        let mut out = Vec::new();
+        run(&cli.args, &mut out).unwrap();
+        let lines: Vec<serde_json::Value> = String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        // 2 layouts × 3 io × 2 directions.
+        assert_eq!(lines.len(), 12);
+        assert_eq!(
+            lines[0]["case"],
+            "deepseek-v3-mla/layer_first/kernel/backup/3p"
+        );
+        for l in &lines {
+            assert_eq!(l["bench"], "transfer");
+            assert_eq!(l["device"], "sim");
+            assert!(l["value"].as_f64().unwrap() > 0.0);
+            assert!(l["reference"].as_f64().unwrap() > 0.0);
+            assert!(l["ratio"].is_number());
+        }
+    }
+
+    #[test]
+    fn bad_page_counts_are_usage_errors() {
+        let cli = Cli::parse_from(["t", "--pages", "0"]);
+        let e = run(&cli.args, Vec::new()).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+    }
+}

@@ -1,0 +1,428 @@
+//! The CUDA backend: thin, checked wrappers over the driver API (through cudarc with dynamic
+//! loading, so nothing of CUDA is linked at build time).
+//!
+//! Rules:
+//! 1. [`CudaDevice::open`] checks that libcuda can be loaded before the first driver call
+//!    (cudarc panics otherwise) and returns [`GpuError::NoDriver`].
+//! 2. Every driver call made from a thread binds the device's context first
+//!    ([`CudaDevice::bind`]); the context is the device's primary context, shared with the
+//!    engine (PyTorch uses the primary context too).
+//! 3. Per-transfer scratch (page index lists) is allocated and freed in stream order
+//!    (`cuMemAllocAsync` / `cuMemFreeAsync` on the transfer's stream), so it lives exactly as long
+//!    as the work that reads it, whatever the host side does.
+//! 4. The kernels are compiled by NVRTC for the device's architecture at first use
+//!    ([`crate::kernels::compile_ptx`]) and loaded once per device.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig,
+    PushKernelArg, result, sys,
+};
+use parking_lot::Mutex;
+
+use crate::copy::CopyParams;
+use crate::error::{GpuError, Result};
+use crate::kernels;
+use crate::plan::{Direction, MemcpyOp};
+
+// SAFETY: CopyParams is repr(C) plain old data (u64/u32 fields only), matching the kernel's
+// struct layout (checked by a unit test in `copy`).
+unsafe impl DeviceRepr for CopyParams {}
+
+/// Whether libcuda can be loaded (never panics).
+pub fn driver_available() -> bool {
+    // SAFETY: only tries to dlopen the library under its known names.
+    unsafe { sys::is_culib_present() }
+}
+
+/// The loaded kernels of one device.
+pub struct Kernels {
+    _module: Arc<CudaModule>,
+    functions: Vec<(u32, CudaFunction)>,
+}
+
+impl Kernels {
+    fn function(&self, word_bytes: u32) -> &CudaFunction {
+        &self
+            .functions
+            .iter()
+            .find(|(w, _)| *w == word_bytes)
+            .or_else(|| self.functions.last())
+            .expect("five entry points are loaded")
+            .1
+    }
+}
+
+/// One CUDA device (its primary context).
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    name: String,
+    sm_count: u32,
+    compute_capability: (u32, u32),
+    kernels: Mutex<Option<Arc<Kernels>>>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("name", &self.name)
+            .field("ordinal", &self.ctx.ordinal())
+            .field("sm_count", &self.sm_count)
+            .field("compute_capability", &self.compute_capability)
+            .finish()
+    }
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal` (rule 1).
+    pub fn open(ordinal: usize) -> Result<Self> {
+        if !driver_available() {
+            return Err(GpuError::NoDriver(
+                "libcuda.so could not be loaded (no NVIDIA driver on this machine, or its \
+                 directory is not on LD_LIBRARY_PATH)"
+                    .into(),
+            ));
+        }
+        let count = CudaContext::device_count().map_err(GpuError::driver("cuDeviceGetCount"))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(GpuError::NoDriver(format!(
+                "device {ordinal} requested but {count} CUDA device(s) present"
+            )));
+        }
+        let ctx =
+            CudaContext::new(ordinal).map_err(GpuError::driver("cuDevicePrimaryCtxRetain"))?;
+        let name = ctx.name().map_err(GpuError::driver("cuDeviceGetName"))?;
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(GpuError::driver("cuDeviceGetAttribute"))? as u32;
+        let (maj, min) = ctx
+            .compute_capability()
+            .map_err(GpuError::driver("cuDeviceGetAttribute"))?;
+        Ok(Self {
+            ctx,
+            name,
+            sm_count,
+            compute_capability: (maj as u32, min as u32),
+            kernels: Mutex::new(None),
+        })
+    }
+
+    /// Makes the context current on this thread (rule 2).
+    pub fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(GpuError::driver("cuCtxSetCurrent"))
+    }
+
+    /// Device name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Streaming multiprocessors.
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    /// Compute capability.
+    pub fn compute_capability(&self) -> (u32, u32) {
+        self.compute_capability
+    }
+
+    /// The kernels, compiled and loaded at first use (rule 4).
+    pub fn kernels(&self) -> Result<Arc<Kernels>> {
+        let mut slot = self.kernels.lock();
+        if let Some(k) = slot.as_ref() {
+            return Ok(k.clone());
+        }
+        let (maj, min) = self.compute_capability;
+        let arch: String = format!("compute_{maj}{min}");
+        let ptx = kernels::compile_ptx(Some(&arch))?;
+        self.bind()?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx.to_string()))
+            .map_err(GpuError::driver("cuModuleLoadData"))?;
+        let mut functions = Vec::new();
+        for (w, name) in kernels::ENTRY_POINTS {
+            let f = module
+                .load_function(name)
+                .map_err(GpuError::driver("cuModuleGetFunction"))?;
+            functions.push((w, f));
+        }
+        let k = Arc::new(Kernels {
+            _module: module,
+            functions,
+        });
+        *slot = Some(k.clone());
+        Ok(k)
+    }
+
+    /// A new non-blocking stream.
+    pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
+        self.bind()?;
+        self.ctx
+            .new_stream()
+            .map_err(GpuError::driver("cuStreamCreate"))
+    }
+
+    /// A new event without timing.
+    pub fn new_event(&self) -> Result<CudaEvent> {
+        self.bind()?;
+        self.ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(GpuError::driver("cuEventCreate"))
+    }
+
+    /// `len` zeroed bytes of device memory.
+    pub fn alloc_zeroed(&self, len: usize) -> Result<CudaMemory> {
+        self.bind()?;
+        // SAFETY: plain allocation in the bound context; freed in CudaMemory's Drop.
+        let ptr =
+            unsafe { result::malloc_sync(len.max(1)) }.map_err(GpuError::driver("cuMemAlloc"))?;
+        let mem = CudaMemory {
+            ctx: self.ctx.clone(),
+            ptr,
+            len,
+        };
+        // SAFETY: ptr..ptr+len was just allocated.
+        unsafe { result::memset_d8_sync(ptr, 0, len) }.map_err(GpuError::driver("cuMemsetD8"))?;
+        Ok(mem)
+    }
+
+    /// Copies device bytes to `dst` (synchronous).
+    ///
+    /// # Safety
+    /// `src..src+dst.len()` must be device memory of this context.
+    pub unsafe fn read(&self, src: u64, dst: &mut [u8]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: per the contract; dst is a valid Rust buffer.
+        unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(GpuError::driver("cuMemcpyDtoH"))
+    }
+
+    /// Copies `src` to device bytes (synchronous).
+    ///
+    /// # Safety
+    /// `dst..dst+src.len()` must be device memory of this context that nothing else uses.
+    pub unsafe fn write(&self, dst: u64, src: &[u8]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: per the contract.
+        unsafe { result::memcpy_htod_sync(dst, src) }.map_err(GpuError::driver("cuMemcpyHtoD"))
+    }
+
+    /// The allocation that contains `ptr`: `(base, size)`.
+    pub fn address_range(&self, ptr: u64) -> Result<(u64, usize)> {
+        self.bind()?;
+        let mut base = 0u64;
+        let mut size = 0usize;
+        // SAFETY: out-pointers to locals; the driver only inspects its allocation table.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+            .result()
+            .map_err(GpuError::driver("cuMemGetAddressRange"))?;
+        Ok((base, size))
+    }
+
+    /// Page-locks `len` bytes at `addr` and maps them for the device; returns the device
+    /// address of `addr`.
+    ///
+    /// # Safety
+    /// `addr..addr+len` must be a live mapping that stays mapped until
+    /// [`CudaDevice::unregister_host`] is called for it.
+    pub unsafe fn register_host(&self, addr: usize, len: usize) -> Result<u64> {
+        self.bind()?;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: per the contract.
+        unsafe { sys::cuMemHostRegister_v2(addr as *mut _, len, flags) }
+            .result()
+            .map_err(GpuError::driver("cuMemHostRegister"))?;
+        let mut dptr = 0u64;
+        // SAFETY: addr was registered just above with DEVICEMAP.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, addr as *mut _, 0) }.result();
+        if let Err(e) = r {
+            // SAFETY: undo the registration made above.
+            unsafe { sys::cuMemHostUnregister(addr as *mut _) };
+            return Err(GpuError::driver("cuMemHostGetDevicePointer")(e));
+        }
+        Ok(dptr)
+    }
+
+    /// Undoes [`CudaDevice::register_host`].
+    ///
+    /// # Safety
+    /// `addr` must have been registered by `register_host` and no transfer may still use it.
+    pub unsafe fn unregister_host(&self, addr: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: per the contract.
+        unsafe { sys::cuMemHostUnregister(addr as *mut _) }
+            .result()
+            .map_err(GpuError::driver("cuMemHostUnregister"))
+    }
+
+    /// Uploads `data` into a stream-ordered allocation (rule 3).
+    pub fn upload_u32(&self, stream: &Arc<CudaStream>, data: &[u32]) -> Result<StreamScratch> {
+        self.bind()?;
+        let bytes = std::mem::size_of_val(data).max(4);
+        // SAFETY: stream-ordered allocation on a live stream of this context.
+        let ptr = unsafe { result::malloc_async(stream.cu_stream(), bytes) }
+            .map_err(GpuError::driver("cuMemAllocAsync"))?;
+        let scratch = StreamScratch {
+            stream: stream.clone(),
+            ptr,
+        };
+        if !data.is_empty() {
+            // SAFETY: ptr holds `bytes` ≥ size_of_val(data); a pageable source is consumed
+            // before the call returns.
+            unsafe { result::memcpy_htod_async(ptr, data, stream.cu_stream()) }
+                .map_err(GpuError::driver("cuMemcpyHtoDAsync"))?;
+        }
+        Ok(scratch)
+    }
+
+    /// Launches the copy kernel for `params`.
+    pub fn launch_copy(
+        &self,
+        stream: &Arc<CudaStream>,
+        params: &CopyParams,
+        word_bytes: u32,
+        ctas: u32,
+        threads: u32,
+    ) -> Result<()> {
+        let kernels = self.kernels()?;
+        self.bind()?;
+        let cfg = LaunchConfig {
+            grid_dim: (ctas, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = kernels.function(word_bytes);
+        let mut b = stream.launch_builder(f);
+        b.arg(params);
+        // SAFETY: the params reach only memory the transfer engine validated (device pool
+        // layers, registered host pool, stream-ordered index scratch), per `copy`'s contract.
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(GpuError::driver("cuLaunchKernel"))
+    }
+
+    /// Queues the DMA copies of a plan.
+    ///
+    /// # Safety
+    /// Every op's device addresses must be device memory of this context and its host
+    /// addresses page-locked host memory that stays registered until the work completes.
+    pub unsafe fn run_plan(
+        &self,
+        stream: &Arc<CudaStream>,
+        dir: Direction,
+        ops: &[MemcpyOp],
+    ) -> Result<()> {
+        self.bind()?;
+        let s = stream.cu_stream();
+        for op in ops {
+            // SAFETY: per the function's contract.
+            let r = unsafe {
+                match (*op, dir) {
+                    (MemcpyOp::Linear { dev, host, bytes }, Direction::ToHost) => {
+                        sys::cuMemcpyDtoHAsync_v2(host as *mut _, dev, bytes as usize, s)
+                    }
+                    (MemcpyOp::Linear { dev, host, bytes }, Direction::ToDevice) => {
+                        sys::cuMemcpyHtoDAsync_v2(dev, host as *const _, bytes as usize, s)
+                    }
+                    (
+                        MemcpyOp::Pitched {
+                            dev,
+                            dev_pitch,
+                            host,
+                            host_pitch,
+                            width,
+                            height,
+                        },
+                        dir,
+                    ) => {
+                        let mut c: sys::CUDA_MEMCPY2D = std::mem::zeroed();
+                        c.WidthInBytes = width as usize;
+                        c.Height = height as usize;
+                        match dir {
+                            Direction::ToHost => {
+                                c.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+                                c.srcDevice = dev;
+                                c.srcPitch = dev_pitch as usize;
+                                c.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
+                                c.dstHost = host as *mut _;
+                                c.dstPitch = host_pitch as usize;
+                            }
+                            Direction::ToDevice => {
+                                c.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
+                                c.srcHost = host as *const _;
+                                c.srcPitch = host_pitch as usize;
+                                c.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+                                c.dstDevice = dev;
+                                c.dstPitch = dev_pitch as usize;
+                            }
+                        }
+                        sys::cuMemcpy2DAsync_v2(&c, s)
+                    }
+                }
+            };
+            r.result().map_err(GpuError::driver("cuMemcpyAsync"))?;
+        }
+        Ok(())
+    }
+}
+
+/// Device memory allocated with `cuMemAlloc`, freed on drop.
+pub struct CudaMemory {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+    len: usize,
+}
+
+impl CudaMemory {
+    /// Device address.
+    pub fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether zero bytes were asked for.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for CudaMemory {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by cuMemAlloc in this context, freed once; owners keep it alive
+            // until the work using it has been synchronised.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// A stream-ordered allocation, freed in stream order on drop (rule 3).
+pub struct StreamScratch {
+    stream: Arc<CudaStream>,
+    ptr: u64,
+}
+
+impl StreamScratch {
+    /// Device address.
+    pub fn addr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for StreamScratch {
+    fn drop(&mut self) {
+        if self.stream.context().bind_to_thread().is_ok() {
+            // SAFETY: allocated with cuMemAllocAsync on this stream; the free is ordered after
+            // every piece of work queued on the stream so far (which includes all its users).
+            let _ = unsafe { result::free_async(self.ptr, self.stream.cu_stream()) };
+        }
+    }
+}

@@ -1,0 +1,481 @@
+//! [`Device`]: one accelerator, CUDA or sim, behind one API: memory ([`DeviceBuffer`]),
+//! [`Stream`]s and [`Event`]s. The transfer engine and the pools are written once against it.
+//!
+//! The sim device (module [`crate::sim`]) keeps "device" memory in host RAM, runs each stream
+//! on a worker thread and replaces every kernel by its CPU reference; everything else (page
+//! validation, plans, events, layer counters) is the same code path as on CUDA.
+
+use std::sync::Arc;
+
+use crate::copy::{self, CopyParams};
+use crate::cuda::{self, CudaDevice, CudaMemory, StreamScratch};
+use crate::error::{GpuError, Result};
+use crate::plan::{self, Direction, MemcpyOp};
+use crate::sim::{SimEvent, SimMemory, SimStream};
+
+/// Which implementation a [`Device`] is.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum DeviceKind {
+    /// A CUDA GPU.
+    Cuda,
+    /// Host memory and CPU threads, kernels replaced by their CPU references.
+    Sim,
+}
+
+pub(crate) enum Backend {
+    Cuda(CudaDevice),
+    Sim,
+}
+
+/// One device. Cheap to clone (an `Arc`).
+#[derive(Clone)]
+pub struct Device {
+    backend: Arc<Backend>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &*self.backend {
+            Backend::Cuda(c) => c.fmt(f),
+            Backend::Sim => f.write_str("SimDevice"),
+        }
+    }
+}
+
+impl Device {
+    /// CUDA device `ordinal`. Errors (never panics) when libcuda is missing or the device
+    /// does not exist. NVRTC is needed only by the `kernel` io backend, and checked when the
+    /// kernels are first compiled.
+    pub fn cuda(ordinal: usize) -> Result<Self> {
+        Ok(Self {
+            backend: Arc::new(Backend::Cuda(CudaDevice::open(ordinal)?)),
+        })
+    }
+
+    /// The sim device.
+    pub fn sim() -> Self {
+        Self {
+            backend: Arc::new(Backend::Sim),
+        }
+    }
+
+    /// Whether libcuda can be loaded on this machine.
+    pub fn cuda_driver_available() -> bool {
+        cuda::driver_available()
+    }
+
+    /// CUDA or sim.
+    pub fn kind(&self) -> DeviceKind {
+        match &*self.backend {
+            Backend::Cuda(_) => DeviceKind::Cuda,
+            Backend::Sim => DeviceKind::Sim,
+        }
+    }
+
+    /// A human name (`NVIDIA H100 80GB HBM3`, `sim`).
+    pub fn name(&self) -> String {
+        match &*self.backend {
+            Backend::Cuda(c) => c.name().to_string(),
+            Backend::Sim => "sim".into(),
+        }
+    }
+
+    /// Streaming multiprocessors (the sim reports the CPU threads available).
+    pub fn sm_count(&self) -> u32 {
+        match &*self.backend {
+            Backend::Cuda(c) => c.sm_count(),
+            Backend::Sim => std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+        }
+    }
+
+    /// Compute capability (CUDA only).
+    pub fn compute_capability(&self) -> Option<(u32, u32)> {
+        match &*self.backend {
+            Backend::Cuda(c) => Some(c.compute_capability()),
+            Backend::Sim => None,
+        }
+    }
+
+    /// Compiles and loads the transfer kernels now instead of at the first transfer (CUDA;
+    /// a no-op on sim). Errors when NVRTC is missing or compilation fails.
+    pub fn prepare_kernels(&self) -> Result<()> {
+        match &*self.backend {
+            Backend::Cuda(c) => c.kernels().map(|_| ()),
+            Backend::Sim => Ok(()),
+        }
+    }
+
+    /// Whether `other` is the same device (same `Device::cuda`/`Device::sim` call).
+    pub fn same_as(&self, other: &Device) -> bool {
+        Arc::ptr_eq(&self.backend, &other.backend)
+    }
+
+    /// `len` zeroed bytes of device memory.
+    pub fn alloc_zeroed(&self, len: usize) -> Result<DeviceBuffer> {
+        let mem = match &*self.backend {
+            Backend::Cuda(c) => Mem::Cuda(c.alloc_zeroed(len)?),
+            Backend::Sim => Mem::Sim(SimMemory::new(len)?),
+        };
+        Ok(DeviceBuffer {
+            device: self.clone(),
+            mem,
+        })
+    }
+
+    /// A new stream.
+    pub fn new_stream(&self, name: &str) -> Result<Stream> {
+        let inner = match &*self.backend {
+            Backend::Cuda(c) => StreamInner::Cuda(c.new_stream()?),
+            Backend::Sim => StreamInner::Sim(SimStream::new(name)?),
+        };
+        Ok(Stream {
+            device: self.clone(),
+            inner,
+        })
+    }
+
+    pub(crate) fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    /// Synchronous device → host copy.
+    ///
+    /// # Safety
+    /// `src..src+dst.len()` must be device memory of this device that no running work writes.
+    pub(crate) unsafe fn read_raw(&self, src: u64, dst: &mut [u8]) -> Result<()> {
+        match &*self.backend {
+            // SAFETY: per the contract.
+            Backend::Cuda(c) => unsafe { c.read(src, dst) },
+            Backend::Sim => {
+                // SAFETY: sim device memory is host memory; valid per the contract.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len())
+                };
+                Ok(())
+            }
+        }
+    }
+
+    /// Synchronous host → device copy.
+    ///
+    /// # Safety
+    /// `dst..dst+src.len()` must be device memory of this device that no running work uses.
+    pub(crate) unsafe fn write_raw(&self, dst: u64, src: &[u8]) -> Result<()> {
+        match &*self.backend {
+            // SAFETY: per the contract.
+            Backend::Cuda(c) => unsafe { c.write(dst, src) },
+            Backend::Sim => {
+                // SAFETY: sim device memory is host memory; valid per the contract.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+                Ok(())
+            }
+        }
+    }
+}
+
+enum Mem {
+    Cuda(CudaMemory),
+    Sim(SimMemory),
+}
+
+/// Device memory we allocated; freed on drop.
+///
+/// Dropping a buffer while queued work still uses it is the owner's responsibility to avoid
+/// (the pools and the transfer engine synchronise their streams before they drop theirs).
+pub struct DeviceBuffer {
+    device: Device,
+    mem: Mem,
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+impl DeviceBuffer {
+    /// Device address.
+    pub fn addr(&self) -> u64 {
+        match &self.mem {
+            Mem::Cuda(m) => m.addr(),
+            Mem::Sim(m) => m.addr(),
+        }
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        match &self.mem {
+            Mem::Cuda(m) => m.len(),
+            Mem::Sim(m) => m.len(),
+        }
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The device it lives on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Copies `dst.len()` bytes at `offset` to `dst` (synchronous; no queued work may be
+    /// writing them).
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check(offset, dst.len())?;
+        // SAFETY: in bounds of our allocation (checked).
+        unsafe { self.device.read_raw(self.addr() + offset as u64, dst) }
+    }
+
+    /// Copies `src` to `offset` (synchronous; no queued work may be using those bytes).
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check(offset, src.len())?;
+        // SAFETY: in bounds of our allocation (checked).
+        unsafe { self.device.write_raw(self.addr() + offset as u64, src) }
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        if offset.checked_add(len).is_some_and(|e| e <= self.len()) {
+            Ok(())
+        } else {
+            Err(GpuError::BufferTooSmall {
+                what: format!("device buffer access at offset {offset}"),
+                got: self.len(),
+                need: offset.saturating_add(len),
+            })
+        }
+    }
+}
+
+enum StreamInner {
+    Cuda(Arc<cudarc::driver::CudaStream>),
+    Sim(SimStream),
+}
+
+/// An in-order queue of device work.
+pub struct Stream {
+    device: Device,
+    inner: StreamInner,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream")
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+/// Index lists uploaded for one transfer; released in stream order.
+pub(crate) enum Scratch {
+    Cuda(#[allow(dead_code)] StreamScratch),
+    Sim(Arc<Vec<u32>>),
+}
+
+impl Scratch {
+    pub(crate) fn addr(&self) -> u64 {
+        match self {
+            Scratch::Cuda(s) => s.addr(),
+            Scratch::Sim(v) => v.as_ptr() as u64,
+        }
+    }
+}
+
+impl Stream {
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Records a new event at the current end of the queue.
+    pub fn record(&self) -> Result<Event> {
+        match (&self.inner, self.device.backend()) {
+            (StreamInner::Cuda(s), Backend::Cuda(c)) => {
+                let e = c.new_event()?;
+                e.record(s).map_err(GpuError::driver("cuEventRecord"))?;
+                Ok(Event {
+                    inner: EventInner::Cuda(Arc::new(e)),
+                })
+            }
+            (StreamInner::Sim(s), _) => {
+                let e = SimEvent::new();
+                s.record(&e)?;
+                Ok(Event {
+                    inner: EventInner::Sim(e),
+                })
+            }
+            _ => unreachable!("a stream's backend is its device's"),
+        }
+    }
+
+    /// Holds the stream's later work until `event` completes.
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        match (&self.inner, &event.inner) {
+            (StreamInner::Cuda(s), EventInner::Cuda(e)) => {
+                s.wait(e).map_err(GpuError::driver("cuStreamWaitEvent"))
+            }
+            (StreamInner::Sim(s), EventInner::Sim(e)) => s.wait(e),
+            _ => Err(GpuError::WrongDevice("event")),
+        }
+    }
+
+    /// Blocks until everything queued so far has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        match &self.inner {
+            StreamInner::Cuda(s) => s
+                .synchronize()
+                .map_err(GpuError::driver("cuStreamSynchronize")),
+            StreamInner::Sim(s) => s.synchronize(),
+        }
+    }
+
+    /// Sim only: holds the stream's later work until the returned gate is opened (or
+    /// dropped). For tests of asynchronous behaviour; errors on CUDA streams.
+    pub fn sim_gate(&self) -> Result<SimGate> {
+        match &self.inner {
+            StreamInner::Sim(s) => {
+                let (tx, rx) = std::sync::mpsc::channel::<()>();
+                s.run(move || {
+                    let _ = rx.recv();
+                })?;
+                Ok(SimGate { tx: Some(tx) })
+            }
+            StreamInner::Cuda(_) => Err(GpuError::InvalidConfig(
+                "sim_gate is only available on sim streams".into(),
+            )),
+        }
+    }
+
+    /// Uploads a list of page indices, freed in stream order when the returned scratch drops.
+    pub(crate) fn upload_u32(&self, data: Vec<u32>) -> Result<Scratch> {
+        match (&self.inner, self.device.backend()) {
+            (StreamInner::Cuda(s), Backend::Cuda(c)) => Ok(Scratch::Cuda(c.upload_u32(s, &data)?)),
+            (StreamInner::Sim(_), _) => Ok(Scratch::Sim(Arc::new(data))),
+            _ => unreachable!("a stream's backend is its device's"),
+        }
+    }
+
+    /// Queues the page copy kernel (sim: its CPU reference). `scratch` must hold the index
+    /// lists the params point at.
+    ///
+    /// # Safety
+    /// The params must satisfy [`copy::copy_reference`]'s contract (on sim) or reach only
+    /// device memory of this device and registered host memory (on CUDA), valid until the
+    /// work completes.
+    pub(crate) unsafe fn launch_copy(
+        &self,
+        params: CopyParams,
+        word_bytes: u32,
+        ctas: u32,
+        threads: u32,
+        scratch: &[&Scratch],
+    ) -> Result<()> {
+        match (&self.inner, self.device.backend()) {
+            (StreamInner::Cuda(s), Backend::Cuda(c)) => {
+                c.launch_copy(s, &params, word_bytes, ctas, threads)
+            }
+            (StreamInner::Sim(s), _) => {
+                let keep: Vec<Arc<Vec<u32>>> = scratch
+                    .iter()
+                    .filter_map(|x| match x {
+                        Scratch::Sim(v) => Some(v.clone()),
+                        Scratch::Cuda(_) => None,
+                    })
+                    .collect();
+                s.run(move || {
+                    // SAFETY: per the function's contract; `keep` holds the index lists.
+                    unsafe { copy::copy_reference(&params) };
+                    drop(keep);
+                })
+            }
+            _ => unreachable!("a stream's backend is its device's"),
+        }
+    }
+
+    /// Queues the DMA copies of a plan.
+    ///
+    /// # Safety
+    /// Every op must reach only device memory of this device and (registered) host memory,
+    /// valid until the work completes, with no destination overlapping a source.
+    pub(crate) unsafe fn run_plan(&self, dir: Direction, ops: Vec<MemcpyOp>) -> Result<()> {
+        match (&self.inner, self.device.backend()) {
+            // SAFETY: per the function's contract.
+            (StreamInner::Cuda(s), Backend::Cuda(c)) => unsafe { c.run_plan(s, dir, &ops) },
+            (StreamInner::Sim(s), _) => s.run(move || {
+                // SAFETY: per the function's contract.
+                unsafe { plan::run_plan_on_cpu(dir, &ops) }
+            }),
+            _ => unreachable!("a stream's backend is its device's"),
+        }
+    }
+}
+
+/// A closed gate on a sim stream (see [`Stream::sim_gate`]); opens on drop.
+#[derive(Debug)]
+pub struct SimGate {
+    tx: Option<std::sync::mpsc::Sender<()>>,
+}
+
+impl SimGate {
+    /// Lets the stream go on.
+    pub fn open(mut self) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl Drop for SimGate {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+#[derive(Clone)]
+enum EventInner {
+    Cuda(Arc<cudarc::driver::CudaEvent>),
+    Sim(SimEvent),
+}
+
+/// A point in a stream's queue. Cheap to clone.
+#[derive(Clone)]
+pub struct Event {
+    inner: EventInner,
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Event").finish_non_exhaustive()
+    }
+}
+
+impl Event {
+    /// Whether the work before the event has completed (never blocks).
+    pub fn is_done(&self) -> Result<bool> {
+        match &self.inner {
+            EventInner::Cuda(e) => e
+                .try_is_complete()
+                .map_err(GpuError::driver("cuEventQuery")),
+            EventInner::Sim(e) => Ok(e.is_done()),
+        }
+    }
+
+    /// Blocks until the work before the event has completed.
+    pub fn wait(&self) -> Result<()> {
+        match &self.inner {
+            EventInner::Cuda(e) => e
+                .synchronize()
+                .map_err(GpuError::driver("cuEventSynchronize")),
+            EventInner::Sim(e) => {
+                e.wait();
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! GPU tests: every kernel width and the direct path on a real GPU, against the naive
+//! reference and against the CPU reference (the sim device) on the same random data.
+//!
+//! Run on a GPU machine with `HICACHE_TEST_CUDA=1` (and NVRTC on `LD_LIBRARY_PATH`); without
+//! it every test prints why it is skipped and passes.
+
+mod common;
+
+use common::{Case, Fixture, cases, check_all_pair_lists, dslots, hslots, pair_lists};
+use hicache_core::{KvShape, LayoutKind};
+use hicache_gpu::{
+    Device, DevicePool, DeviceRegion, Direction, EngineLayer, GpuError, IoBackend, TransferConfig,
+};
+
+fn cuda_device(test: &str) -> Option<Device> {
+    if std::env::var("HICACHE_TEST_CUDA").as_deref() != Ok("1") {
+        println!("SKIPPED {test}: set HICACHE_TEST_CUDA=1 on a machine with a GPU to run it");
+        return None;
+    }
+    let d = Device::cuda(0).unwrap_or_else(|e| panic!("HICACHE_TEST_CUDA=1 but no GPU: {e}"));
+    println!(
+        "{test} on {} ({} SMs, cc {:?})",
+        d.name(),
+        d.sm_count(),
+        d.compute_capability()
+    );
+    Some(d)
+}
+
+#[test]
+fn every_case_matches_the_naive_reference_on_the_gpu() {
+    let Some(device) = cuda_device("every_case_matches_the_naive_reference_on_the_gpu") else {
+        return;
+    };
+    let mut checked = 0;
+    for (i, case) in cases().into_iter().enumerate() {
+        let fx = Fixture::new(&device, case);
+        checked += check_all_pair_lists(&fx, i as u64 * 1000);
+    }
+    println!("{checked} transfers checked on the GPU");
+}
+
+/// The same operations on the GPU and on the sim device (whose kernels are the CPU
+/// references), from the same random bytes, must leave identical pools.
+#[test]
+fn kernels_and_direct_path_match_the_cpu_reference() {
+    let Some(gpu) = cuda_device("kernels_and_direct_path_match_the_cpu_reference") else {
+        return;
+    };
+    let sim = Device::sim();
+    let mut shapes = common::shapes();
+    shapes.push(KvShape::llama3_8b(16));
+    shapes.push(KvShape::deepseek_v3_mla(16));
+    for shape in shapes {
+        for layout in LayoutKind::ALL {
+            for (io, staged) in [
+                (IoBackend::Kernel, 0),
+                (IoBackend::Kernel, 3),
+                (IoBackend::Direct, 0),
+            ] {
+                for (engine, misalign) in [(false, 0), (true, 0), (true, 4)] {
+                    let case = Case {
+                        shape,
+                        layout,
+                        io,
+                        engine,
+                        misalign,
+                        device_pages: 11,
+                        host_pages: 13,
+                        staged,
+                    };
+                    let config = TransferConfig {
+                        io,
+                        staged_backup_pages: staged,
+                        ..TransferConfig::default()
+                    };
+                    let g = Fixture::with_config(&gpu, case, config);
+                    let s = Fixture::with_config(&sim, case, config);
+                    for (i, (dev, host)) in pair_lists(11, 13, 5).into_iter().enumerate() {
+                        let seed = i as u64 * 17;
+                        for dir in [Direction::ToHost, Direction::ToDevice] {
+                            g.randomize(seed);
+                            s.randomize(seed);
+                            for fx in [&g, &s] {
+                                match dir {
+                                    Direction::ToHost => fx
+                                        .engine
+                                        .backup(&dslots(&dev), &hslots(&host), &[])
+                                        .unwrap()
+                                        .wait()
+                                        .unwrap(),
+                                    Direction::ToDevice => fx
+                                        .engine
+                                        .load(&hslots(&host), &dslots(&dev), &[])
+                                        .unwrap()
+                                        .wait()
+                                        .unwrap(),
+                                }
+                            }
+                            assert!(
+                                g.snapshot() == s.snapshot(),
+                                "GPU and CPU reference differ: {case:?} {dir:?} list {i}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn launch_geometries_all_agree() {
+    let Some(device) = cuda_device("launch_geometries_all_agree") else {
+        return;
+    };
+    let case = Case {
+        shape: KvShape::llama3_8b(64),
+        layout: LayoutKind::PageFirst,
+        io: IoBackend::Kernel,
+        engine: false,
+        misalign: 0,
+        device_pages: 11,
+        host_pages: 13,
+        staged: 0,
+    };
+    for (ctas, threads, chunk) in [
+        (1, 32, 512),
+        (2, 1024, 4096),
+        (16, 512, 16384),
+        (132, 256, 65536),
+    ] {
+        let cfg = TransferConfig {
+            io: IoBackend::Kernel,
+            ctas,
+            threads_per_cta: threads,
+            chunk_bytes: chunk,
+            staged_backup_pages: 0,
+        };
+        let fx = Fixture::with_config(&device, case, cfg);
+        check_all_pair_lists(&fx, ctas as u64);
+    }
+}
+
+#[test]
+fn undersized_engine_buffers_are_caught_by_the_driver_check() {
+    let Some(device) = cuda_device("undersized_engine_buffers_are_caught_by_the_driver_check")
+    else {
+        return;
+    };
+    let shape = common::shapes()[1]; // MLA
+    let need = shape.page_layer_bytes() * 4;
+    let bufs: Vec<_> = (0..shape.layers)
+        .map(|_| device.alloc_zeroed(need).unwrap())
+        .collect();
+    // Declared large enough, but the allocation behind the last layer is too short when the
+    // pointer is moved inside it.
+    let mut layers: Vec<EngineLayer> = bufs
+        .iter()
+        .map(|b| EngineLayer {
+            k: DeviceRegion {
+                ptr: b.addr(),
+                len: need,
+            },
+            v: None,
+        })
+        .collect();
+    // SAFETY: every region is inside a live allocation of `bufs`.
+    unsafe {
+        assert!(DevicePool::from_engine(&device, shape, 4, &layers).is_ok());
+        layers[2].k.ptr += 64;
+        let e = DevicePool::from_engine(&device, shape, 4, &layers).unwrap_err();
+        assert!(matches!(e, GpuError::BufferTooSmall { .. }), "{e}");
+        layers[2].k.ptr = 0x1000;
+        let e = DevicePool::from_engine(&device, shape, 4, &layers).unwrap_err();
+        assert!(matches!(e, GpuError::BadRegistration(_)), "{e}");
+    }
+}

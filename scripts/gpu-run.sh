@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs the staged GPU tests and the transfer bench on a GPU machine (see stage-gpu.sh).
+# Usage: bash scripts/gpu-run.sh [tests|bench|all]   (default all)
+# NVRTC: the CUDA toolkit's (13.0 on our GPU machine); PTX from a newer NVRTC than the driver
+# fails to load.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-all}"
+for d in /usr/local/cuda-13.0/targets/x86_64-linux/lib /usr/local/cuda/lib64; do
+    [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+done
+nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv || true
+if [ "$what" = tests ] || [ "$what" = all ]; then
+    HICACHE_REQUIRE_NVRTC=1 .gpu/nvrtc_compile --nocapture
+    HICACHE_TEST_CUDA=1 .gpu/cuda_transfers --nocapture --test-threads=1
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+    for model in llama3-8b deepseek-v3-mla; do
+        .gpu/hicache-bench transfer --device cuda --model "$model" --pages 64,256,1024 \
+            --layout page_first,layer_first,page_first_direct --io kernel,direct,staged --json
+    done
+fi
