@@ -140,11 +140,16 @@ pub async fn case_async<H: Harness>(h: &H, case: Case) {
 }
 
 /// Expands to one `#[test]` per conformance [`Case`], each opening backends through the
-/// harness expression given (evaluated once per test).
+/// harness expression given (evaluated once per test), in a module named `conformance` or the
+/// name given first (`conformance_tests!(buffered, MyHarness::buffered())`), so one test file
+/// can run the suite on several configurations.
 #[macro_export]
 macro_rules! conformance_tests {
     ($harness:expr) => {
-        $crate::conformance_tests!(@cases $harness;
+        $crate::conformance_tests!(conformance, $harness);
+    };
+    ($module:ident, $harness:expr) => {
+        $crate::conformance_tests!(@cases $module, $harness;
             round_trip => RoundTrip,
             exists_leading_run => ExistsLeadingRun,
             mixed_outcomes => MixedOutcomes,
@@ -161,8 +166,8 @@ macro_rules! conformance_tests {
             restart => Restart,
         );
     };
-    (@cases $harness:expr; $($name:ident => $case:ident,)*) => {
-        mod conformance {
+    (@cases $module:ident, $harness:expr; $($name:ident => $case:ident,)*) => {
+        mod $module {
             #[allow(unused_imports)]
             use super::*;
             $(
