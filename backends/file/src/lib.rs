@@ -1,0 +1,898 @@
+//! # hicache-backend-file
+//!
+//! An L3 backend of hicache-rs on a local (or shared) file system: one file per page, written
+//! crash-safely, verified on every read, bounded by a capacity with eviction, recovered on
+//! restart, and usable by several processes at once. The on-disk format and the shared-mode
+//! rules are in the crate README and in [`format`].
+//!
+//! ```no_run
+//! # async fn f() -> hicache_storage::Result<()> {
+//! use hicache_backend_file::{FileBackend, FileOptions};
+//! use hicache_storage::{LayoutKind, Storage, StorageExt, pattern};
+//! let mut options = FileOptions::new("/var/cache/hicache");
+//! options.capacity_bytes = Some(100 << 30);
+//! let storage = FileBackend::open(options)?;
+//! let key = pattern::page_key(pattern::namespace(1), 7, 0);
+//! storage.put(LayoutKind::PageFirst, key, &pattern::page_bytes(&key, 1 << 20)).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Invariants
+//! 1. **Visible only when complete.** A page is written to a temp file under `tmp/`, synced
+//!    per the fsync policy, then renamed to its final name; a file under `pages/` is therefore
+//!    always a complete write. Its header and data checksums are verified on every read, so
+//!    even a file damaged after the fact (or, under `fsync: none`, torn by a power loss) reads
+//!    as `Corrupt`, never as a hit.
+//! 2. **Acknowledged means committed.** `Stored` is returned only after the rename (and, under
+//!    `batch`/`always`, after data and directory syncs).
+//! 3. **Bounded.** Committed plus in-flight file bytes never exceed the capacity in this
+//!    process's view (see [`index`]); in shared mode the janitor bounds the directory total.
+//! 4. **Recovered.** Opening scans `pages/`, keeps every file whose header and size check out,
+//!    deletes the rest and every stale temp file, counting them in `discarded_on_open`.
+#![warn(missing_docs)]
+
+pub mod format;
+pub mod index;
+pub mod options;
+mod pageio;
+mod par;
+mod sys;
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs::{self, File};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use hicache_core::PageKey;
+use hicache_storage::backend::bump;
+use hicache_storage::{
+    BackendContext, BackendFactory, BackendInfo, CommonConfig, ConfigFields, PageBuf, PageBufMut,
+    PageError, PageMeta, PageOutcome, Registry, Result, StatsCounters, Storage, StorageError,
+    StorageStats, check_batch,
+};
+use parking_lot::Mutex;
+
+use crate::format::{HEADER_LEN, Layout, MARKER, MARKER_CONTENTS, file_bytes};
+use crate::index::{Entry, Index};
+pub use crate::options::{DirectIo, FileOptions, FsyncPolicy};
+use crate::pageio::{IoCtx, ReadResult};
+use crate::sys::BufPool;
+
+const NAME: &str = "file";
+
+/// What [`FileBackend::open`] found and did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OpenReport {
+    /// Committed pages indexed.
+    pub pages: u64,
+    /// Page files found invalid (bad header, wrong size, bad name) and deleted.
+    pub discarded_pages: u64,
+    /// Stale temp files (writes interrupted by a crash) deleted.
+    pub discarded_temp: u64,
+    /// Pages evicted at open because the capacity is below what the directory held.
+    pub evicted: u64,
+    /// Whether O_DIRECT is in use.
+    pub direct: bool,
+}
+
+/// The file backend. See the [crate documentation](crate).
+pub struct FileBackend {
+    opts: FileOptions,
+    paths: Layout,
+    instance_tmp: PathBuf,
+    instance_lock_path: PathBuf,
+    direct: bool,
+    capacity: u64,
+    rescan_bytes: u64,
+    index: Mutex<Index>,
+    counters: StatsCounters,
+    bufs: BufPool,
+    tmp_seq: AtomicU64,
+    written_since_rescan: AtomicU64,
+    report: OpenReport,
+    _dir_lock: File,
+    _instance_lock: File,
+}
+
+impl std::fmt::Debug for FileBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileBackend")
+            .field("dir", &self.paths.root)
+            .field("direct", &self.direct)
+            .field("capacity", &self.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+fn backend_err(reason: impl Into<String>) -> StorageError {
+    StorageError::Backend {
+        backend: NAME.into(),
+        reason: reason.into(),
+    }
+}
+
+/// Removes a file, treating "already gone" as success; returns whether it existed.
+fn remove_file(path: &Path) -> io::Result<bool> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Counts and removes the files of a directory tree; returns how many files it held.
+fn remove_tree_counting(path: &Path) -> u64 {
+    let mut n = 0;
+    if let Ok(rd) = fs::read_dir(path) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                n += remove_tree_counting(&p);
+                let _ = fs::remove_dir(&p);
+            } else if remove_file(&p).unwrap_or(false) {
+                n += 1;
+            }
+        }
+    }
+    let _ = fs::remove_dir(path);
+    n
+}
+
+impl FileBackend {
+    /// Opens (creating if needed) the storage directory of `opts`, recovering what a previous
+    /// run committed. Blocking: it scans the directory.
+    pub fn open(opts: FileOptions) -> Result<Self> {
+        sys::raise_nofile_limit();
+        let root = opts.dir.clone();
+        let paths = Layout { root: root.clone() };
+        fs::create_dir_all(&root).map_err(StorageError::io("create directory", &root))?;
+        let marker = root.join(MARKER);
+        match fs::read_to_string(&marker) {
+            Ok(s) if s == MARKER_CONTENTS => {}
+            Ok(s) => {
+                return Err(backend_err(format!(
+                    "{} holds {:?}: not a hicache-file v1 directory",
+                    marker.display(),
+                    s.trim()
+                )));
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                fs::write(&marker, MARKER_CONTENTS)
+                    .map_err(StorageError::io("write format marker", &marker))?;
+            }
+            Err(e) => return Err(StorageError::io("read format marker", &marker)(e)),
+        }
+        // 1. The directory lock: exclusive, or shared among shared-mode processes.
+        let lock_path = root.join("dir.lock");
+        let dir_lock = File::create(&lock_path).map_err(StorageError::io("create", &lock_path))?;
+        if !sys::try_flock(&dir_lock, !opts.shared).map_err(StorageError::io("lock", &lock_path))? {
+            return Err(backend_err(format!(
+                "{} is in use by another process{}; to share a directory, every process must \
+                 open it with \"shared\": true",
+                root.display(),
+                if opts.shared {
+                    " in exclusive mode"
+                } else {
+                    ""
+                }
+            )));
+        }
+        // 2. Fan-out directories.
+        for b in 0..=255u8 {
+            let d = paths.pages().join(format!("{b:02x}"));
+            fs::create_dir_all(&d).map_err(StorageError::io("create directory", &d))?;
+        }
+        let tmp = paths.tmp();
+        fs::create_dir_all(&tmp).map_err(StorageError::io("create directory", &tmp))?;
+        // 3. Stale temp files: everything in exclusive mode; dead instances' in shared mode.
+        let discarded_temp = Self::clean_temp(&tmp, opts.shared)?;
+        // 4. This instance's temp directory, locked for its life.
+        let instance = format!(
+            "{}-{:x}",
+            std::process::id(),
+            SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0)
+        );
+        let instance_lock_path = tmp.join(format!("{instance}.lock"));
+        let instance_lock = File::create(&instance_lock_path)
+            .map_err(StorageError::io("create", &instance_lock_path))?;
+        sys::try_flock(&instance_lock, true)
+            .map_err(StorageError::io("lock", &instance_lock_path))?;
+        let instance_tmp = tmp.join(&instance);
+        fs::create_dir_all(&instance_tmp)
+            .map_err(StorageError::io("create directory", &instance_tmp))?;
+        // 5. O_DIRECT probe.
+        let direct = match opts.direct_io {
+            DirectIo::Off => false,
+            mode => {
+                let ok = Self::probe_direct(&instance_tmp);
+                if !ok && mode == DirectIo::On {
+                    return Err(backend_err(format!(
+                        "{}: the file system refuses O_DIRECT (direct_io: \"on\")",
+                        root.display()
+                    )));
+                }
+                if !ok {
+                    tracing::info!(dir = %root.display(), "file backend: O_DIRECT refused, using buffered I/O");
+                }
+                ok
+            }
+        };
+        // 6. Scan committed pages.
+        let (found, discarded_pages) = Self::scan(&paths, opts.io_threads, opts.verify_on_open);
+        let used: u64 = found.iter().map(|(_, m, _)| file_bytes(m.len)).sum();
+        let capacity = match opts.capacity_bytes {
+            Some(c) => c,
+            None => {
+                let free = sys::free_bytes(&root).map_err(StorageError::io("statvfs", &root))?;
+                (free + used) / 10 * 9
+            }
+        };
+        let mut index = Index::new(capacity, opts.eviction);
+        let mut found = found;
+        found.sort_by_key(|(_, _, t)| *t);
+        for (k, m, _) in &found {
+            index.insert(*k, *m);
+        }
+        let mut victims = Vec::new();
+        index.reserve(0, &mut victims);
+        for (k, _) in &victims {
+            let _ = remove_file(&paths.page_path(k));
+        }
+        let counters = StatsCounters::default();
+        bump(
+            &counters.discarded_on_open,
+            discarded_pages + discarded_temp,
+        );
+        bump(&counters.evicted_pages, victims.len() as u64);
+        bump(
+            &counters.evicted_bytes,
+            victims.iter().map(|(_, e)| e.meta.len as u64).sum(),
+        );
+        let report = OpenReport {
+            pages: index.len() as u64,
+            discarded_pages,
+            discarded_temp,
+            evicted: victims.len() as u64,
+            direct,
+        };
+        tracing::info!(dir = %root.display(), ?report, capacity, "file backend opened");
+        Ok(Self {
+            rescan_bytes: opts.rescan_bytes.unwrap_or((capacity / 16).max(1)),
+            bufs: BufPool::new(opts.io_threads * 2),
+            opts,
+            paths,
+            instance_tmp,
+            instance_lock_path,
+            direct,
+            capacity,
+            index: Mutex::new(index),
+            counters,
+            tmp_seq: AtomicU64::new(0),
+            written_since_rescan: AtomicU64::new(0),
+            report,
+            _dir_lock: dir_lock,
+            _instance_lock: instance_lock,
+        })
+    }
+
+    fn clean_temp(tmp: &Path, shared: bool) -> Result<u64> {
+        let mut n = 0;
+        let rd = fs::read_dir(tmp).map_err(StorageError::io("list", tmp))?;
+        let mut live: BTreeSet<String> = BTreeSet::new();
+        let mut entries = Vec::new();
+        for e in rd.flatten() {
+            entries.push(e.path());
+        }
+        if shared {
+            for p in &entries {
+                let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
+                    continue;
+                };
+                if let Some(inst) = name.strip_suffix(".lock") {
+                    let Ok(f) = File::open(p) else { continue };
+                    if !sys::try_flock(&f, true).unwrap_or(false) {
+                        live.insert(inst.to_string());
+                    }
+                }
+            }
+        }
+        for p in &entries {
+            let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
+                continue;
+            };
+            let inst = name.strip_suffix(".lock").unwrap_or(name);
+            if live.contains(inst) {
+                continue;
+            }
+            if p.is_dir() {
+                n += remove_tree_counting(p);
+            } else if name.ends_with(".lock") {
+                let _ = remove_file(p);
+            } else if remove_file(p).unwrap_or(false) {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    fn probe_direct(dir: &Path) -> bool {
+        let p = dir.join("direct-probe");
+        let r = (|| -> io::Result<()> {
+            let f = sys::create_new(&p, true)?;
+            let buf = memmap2::MmapMut::map_anon(4096)?;
+            sys::pwritev_all(&f, &mut [io::IoSlice::new(&buf)], 0)
+        })();
+        let _ = remove_file(&p);
+        r.is_ok()
+    }
+
+    /// Lists and checks every page file; returns the valid ones (key, meta, mtime) and the
+    /// number of invalid files deleted.
+    fn scan(
+        paths: &Layout,
+        threads: usize,
+        verify: bool,
+    ) -> (Vec<(PageKey, PageMeta, SystemTime)>, u64) {
+        let buckets: Vec<PathBuf> = (0..=255u8)
+            .map(|b| paths.pages().join(format!("{b:02x}")))
+            .collect();
+        let per_bucket = par::par_map(threads, buckets, |bucket| {
+            let mut ok = Vec::new();
+            let mut bad = 0u64;
+            let Ok(rd) = fs::read_dir(&bucket) else {
+                return (ok, bad);
+            };
+            for e in rd.flatten() {
+                let p = e.path();
+                let name = e.file_name();
+                let key = name
+                    .to_str()
+                    .and_then(format::key_from_file_name)
+                    .filter(|k| format::bucket_matches(&bucket, k));
+                let checked = match key {
+                    None => Err("not a page file name".to_string()),
+                    Some(k) => pageio::check_page_file(&p, verify).and_then(|h| {
+                        if h.key == k {
+                            Ok(h)
+                        } else {
+                            Err(format!("header names key {}", h.key))
+                        }
+                    }),
+                };
+                match checked {
+                    Ok(h) => {
+                        let mtime = e
+                            .metadata()
+                            .and_then(|m| m.modified())
+                            .unwrap_or(SystemTime::UNIX_EPOCH);
+                        ok.push((h.key, h.meta, mtime));
+                    }
+                    Err(why) => {
+                        tracing::warn!(path = %p.display(), %why, "file backend: discarding invalid page file");
+                        if remove_file(&p).unwrap_or(false) {
+                            bad += 1;
+                        }
+                    }
+                }
+            }
+            (ok, bad)
+        });
+        let mut all = Vec::new();
+        let mut bad = 0;
+        for (ok, b) in per_bucket {
+            all.extend(ok);
+            bad += b;
+        }
+        (all, bad)
+    }
+
+    /// What opening found and did.
+    pub fn open_report(&self) -> &OpenReport {
+        &self.report
+    }
+
+    /// The committed file of `key` (for tools and fault-injection tests).
+    pub fn page_path(&self, key: &PageKey) -> PathBuf {
+        self.paths.page_path(key)
+    }
+
+    /// The storage directory.
+    pub fn dir(&self) -> &Path {
+        &self.paths.root
+    }
+
+    /// Whether O_DIRECT is in use.
+    pub fn direct_io(&self) -> bool {
+        self.direct
+    }
+
+    /// The options it was opened with.
+    pub fn options(&self) -> &FileOptions {
+        &self.opts
+    }
+
+    fn io(&self) -> IoCtx<'_> {
+        IoCtx {
+            direct: self.direct,
+            bufs: &self.bufs,
+        }
+    }
+
+    fn temp_path(&self) -> PathBuf {
+        let n = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
+        self.instance_tmp.join(format!("{n}.tmp"))
+    }
+
+    /// Shared mode: if `key` is already committed on disk with `meta` (by another process),
+    /// adopts it.
+    fn adopt_from_disk(&self, key: &PageKey, meta: Option<PageMeta>) -> Option<PageMeta> {
+        let h = pageio::check_page_file(&self.paths.page_path(key), false).ok()?;
+        if h.key != *key || meta.is_some_and(|m| m != h.meta) {
+            return None;
+        }
+        let mut ix = self.index.lock();
+        if !ix.contains(key) {
+            let mut victims = Vec::new();
+            if ix.reserve(file_bytes(h.meta.len), &mut victims) {
+                ix.insert(*key, h.meta);
+                ix.release(file_bytes(h.meta.len));
+            }
+            drop(ix);
+            self.drop_victims(&victims);
+        }
+        Some(h.meta)
+    }
+
+    fn drop_victims(&self, victims: &[(PageKey, Entry)]) {
+        for (k, e) in victims {
+            if let Err(err) = remove_file(&self.paths.page_path(k)) {
+                tracing::warn!(key = %k, %err, "file backend: could not delete an evicted page");
+            }
+            bump(&self.counters.evicted_pages, 1);
+            bump(&self.counters.evicted_bytes, e.meta.len as u64);
+        }
+    }
+
+    fn set_blocking(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Vec<PageOutcome> {
+        let n = keys.len();
+        let mut out: Vec<Option<PageOutcome>> = vec![None; n];
+        let mut jobs: Vec<usize> = Vec::new();
+        let mut dups: Vec<(usize, usize)> = Vec::new();
+        let mut reserved = 0u64;
+        let mut victims = Vec::new();
+        {
+            let mut ix = self.index.lock();
+            let mut first: HashMap<PageKey, usize> = HashMap::new();
+            for (i, (k, p)) in keys.iter().zip(src).enumerate() {
+                if p.is_empty() {
+                    out[i] = Some(PageOutcome::Failed(PageError::EmptyPage));
+                    continue;
+                }
+                if file_bytes(p.len()) > self.capacity {
+                    out[i] = Some(PageOutcome::Failed(PageError::TooLarge {
+                        len: p.len(),
+                        max: (self.capacity as usize).saturating_sub(HEADER_LEN),
+                    }));
+                    continue;
+                }
+                if ix.get(k).is_some_and(|e| e.meta == p.meta()) {
+                    ix.touch(k);
+                    out[i] = Some(PageOutcome::Present);
+                    continue;
+                }
+                if let Some(&f) = first.get(k) {
+                    dups.push((i, f));
+                    continue;
+                }
+                first.insert(*k, i);
+                let need = file_bytes(p.len());
+                if ix.reserve(need, &mut victims) {
+                    reserved += need;
+                    jobs.push(i);
+                } else {
+                    out[i] = Some(PageOutcome::Failed(PageError::NoSpace));
+                }
+            }
+        }
+        self.drop_victims(&victims);
+
+        // Phase 1: write every page to a temp file (in parallel).
+        let policy = self.opts.fsync;
+        let shared = self.opts.shared;
+        let io = self.io();
+        enum Step {
+            Written(PathBuf, File),
+            Adopted,
+            Committed,
+            Failed(PageError),
+        }
+        let steps = par::par_map(self.opts.io_threads, jobs.clone(), |i| {
+            let key = &keys[i];
+            let page = &src[i];
+            if shared && self.adopt_from_disk(key, Some(page.meta())).is_some() {
+                return Step::Adopted;
+            }
+            let tmp = self.temp_path();
+            match pageio::write_page_file(io, &tmp, key, page, policy == FsyncPolicy::Always) {
+                Err(e) => {
+                    let _ = remove_file(&tmp);
+                    Step::Failed(PageError::io("write", &e))
+                }
+                Ok(file) if policy == FsyncPolicy::Always => {
+                    drop(file);
+                    let dst = self.paths.page_path(key);
+                    let r = fs::rename(&tmp, &dst)
+                        .map_err(|e| PageError::io("rename", &e))
+                        .and_then(|()| {
+                            sys::sync_dir(&self.paths.bucket(key))
+                                .map_err(|e| PageError::io("sync directory", &e))
+                        });
+                    match r {
+                        Ok(()) => Step::Committed,
+                        Err(e) => {
+                            let _ = remove_file(&tmp);
+                            Step::Failed(e)
+                        }
+                    }
+                }
+                Ok(file) => Step::Written(tmp, file),
+            }
+        });
+        // Phase 2 (batch): sync every written file's data, in parallel.
+        let steps: Vec<Step> = if policy == FsyncPolicy::Batch {
+            par::par_map(self.opts.io_threads, steps, |s| match s {
+                Step::Written(tmp, file) => match file.sync_data() {
+                    Ok(()) => Step::Written(tmp, file),
+                    Err(e) => {
+                        let _ = remove_file(&tmp);
+                        Step::Failed(PageError::io("sync", &e))
+                    }
+                },
+                other => other,
+            })
+        } else {
+            steps
+        };
+        // Phase 3: rename into place (commit); phase 4 (batch): sync the touched directories.
+        let mut buckets: BTreeSet<PathBuf> = BTreeSet::new();
+        let mut results: Vec<(usize, Result<bool, PageError>)> = Vec::with_capacity(jobs.len());
+        for (i, s) in jobs.iter().copied().zip(steps) {
+            let r = match s {
+                Step::Written(tmp, file) => {
+                    drop(file);
+                    let dst = self.paths.page_path(&keys[i]);
+                    match fs::rename(&tmp, &dst) {
+                        Ok(()) => {
+                            buckets.insert(self.paths.bucket(&keys[i]));
+                            Ok(true)
+                        }
+                        Err(e) => {
+                            let _ = remove_file(&tmp);
+                            Err(PageError::io("rename", &e))
+                        }
+                    }
+                }
+                Step::Committed => Ok(true),
+                Step::Adopted => Ok(false),
+                Step::Failed(e) => Err(e),
+            };
+            results.push((i, r));
+        }
+        if policy == FsyncPolicy::Batch && !buckets.is_empty() {
+            let synced = par::par_map(
+                self.opts.io_threads,
+                buckets.into_iter().collect(),
+                |b: PathBuf| sys::sync_dir(&b).map_err(|e| (b, e)),
+            );
+            if let Some(Err((b, e))) = synced.into_iter().find(|r| r.is_err()) {
+                // The renames happened but may not survive a power loss: report, do not ack.
+                tracing::warn!(dir = %b.display(), %e, "file backend: directory sync failed");
+                for (_, r) in results.iter_mut() {
+                    if matches!(r, Ok(true)) {
+                        *r = Err(PageError::io("sync directory", &e));
+                    }
+                }
+            }
+        }
+        // Phase 5: publish to the index, end the reservation.
+        let mut stored_bytes = 0u64;
+        {
+            let mut ix = self.index.lock();
+            for (i, r) in results {
+                out[i] = Some(match r {
+                    Ok(true) => {
+                        ix.insert(keys[i], src[i].meta());
+                        stored_bytes += file_bytes(src[i].len());
+                        PageOutcome::Stored
+                    }
+                    Ok(false) => PageOutcome::Present,
+                    Err(e) => {
+                        tracing::warn!(key = %keys[i], error = %e, "file backend: page write failed");
+                        PageOutcome::Failed(e)
+                    }
+                });
+            }
+            ix.release(reserved);
+        }
+        for (i, f) in dups {
+            out[i] = Some(match out[f].clone() {
+                Some(PageOutcome::Stored) => PageOutcome::Present,
+                Some(o) => o,
+                None => PageOutcome::Failed(PageError::Backend(
+                    "internal: duplicate without outcome".into(),
+                )),
+            });
+        }
+        if shared && stored_bytes > 0 {
+            let w = self
+                .written_since_rescan
+                .fetch_add(stored_bytes, Ordering::Relaxed)
+                + stored_bytes;
+            if w >= self.rescan_bytes {
+                self.written_since_rescan.store(0, Ordering::Relaxed);
+                self.janitor();
+            }
+        }
+        out.into_iter()
+            .map(|o| {
+                o.unwrap_or_else(|| {
+                    PageOutcome::Failed(PageError::Backend("internal: no outcome".into()))
+                })
+            })
+            .collect()
+    }
+
+    fn get_blocking(&self, keys: &[PageKey], dst: &mut [PageBufMut<'_>]) -> Vec<PageOutcome> {
+        let n = keys.len();
+        let mut out: Vec<Option<PageOutcome>> = vec![None; n];
+        let mut want = vec![false; n];
+        {
+            let mut ix = self.index.lock();
+            for (i, (k, d)) in keys.iter().zip(dst.iter()).enumerate() {
+                match ix.get(k) {
+                    Some(e) if e.meta != d.meta() => {
+                        bump(&self.counters.meta_mismatches, 1);
+                        out[i] = Some(PageOutcome::Miss);
+                    }
+                    Some(_) => {
+                        ix.touch(k);
+                        want[i] = true;
+                    }
+                    None if self.opts.shared && !d.is_empty() => want[i] = true,
+                    None => out[i] = Some(PageOutcome::Miss),
+                }
+            }
+        }
+        let jobs: Vec<(usize, &mut PageBufMut<'_>)> = dst
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| want[*i])
+            .collect();
+        let io = self.io();
+        let shared = self.opts.shared;
+        let results = par::par_map(self.opts.io_threads, jobs, |(i, d)| {
+            let path = self.paths.page_path(&keys[i]);
+            let r = pageio::read_page_file(io, &path, &keys[i], d);
+            match &r {
+                ReadResult::Corrupt(_) => d.zero(),
+                ReadResult::Hit(f) if shared => {
+                    let _ = sys::touch_mtime(f);
+                }
+                _ => {}
+            }
+            (i, r, d.meta())
+        });
+        for (i, r, meta) in results {
+            let key = &keys[i];
+            out[i] = Some(match r {
+                ReadResult::Hit(_) => {
+                    if shared {
+                        let mut ix = self.index.lock();
+                        if !ix.contains(key) {
+                            let mut v = Vec::new();
+                            if ix.reserve(file_bytes(meta.len), &mut v) {
+                                ix.insert(*key, meta);
+                                ix.release(file_bytes(meta.len));
+                            }
+                            drop(ix);
+                            self.drop_victims(&v);
+                        }
+                    }
+                    PageOutcome::Hit
+                }
+                ReadResult::Missing => {
+                    self.index.lock().remove(key);
+                    PageOutcome::Miss
+                }
+                ReadResult::Mismatch(stored) => {
+                    tracing::debug!(key = %key, ?stored, wanted = ?meta, "file backend: metadata mismatch");
+                    bump(&self.counters.meta_mismatches, 1);
+                    PageOutcome::Miss
+                }
+                ReadResult::Corrupt(why) => {
+                    tracing::warn!(key = %key, %why, "file backend: corrupt page dropped");
+                    self.index.lock().remove(key);
+                    let _ = remove_file(&self.paths.page_path(key));
+                    PageOutcome::Corrupt
+                }
+                ReadResult::Io(e) => PageOutcome::Failed(PageError::io("read", &e)),
+            });
+        }
+        out.into_iter()
+            .map(|o| {
+                o.unwrap_or_else(|| {
+                    PageOutcome::Failed(PageError::Backend("internal: no outcome".into()))
+                })
+            })
+            .collect()
+    }
+
+    /// Shared mode: if no other process is doing it, rescans the directory and deletes the
+    /// least recently used page files (by modification time, which readers refresh) until the
+    /// directory's total is within the capacity.
+    fn janitor(&self) {
+        let lock_path = self.paths.root.join("janitor.lock");
+        let Ok(lock) = File::create(&lock_path) else {
+            return;
+        };
+        if !sys::try_flock(&lock, true).unwrap_or(false) {
+            return;
+        }
+        let mut files: Vec<(SystemTime, u64, PageKey, PathBuf)> = Vec::new();
+        for b in 0..=255u8 {
+            let Ok(rd) = fs::read_dir(self.paths.pages().join(format!("{b:02x}"))) else {
+                continue;
+            };
+            for e in rd.flatten() {
+                let Some(k) = e.file_name().to_str().and_then(format::key_from_file_name) else {
+                    continue;
+                };
+                let Ok(m) = e.metadata() else { continue };
+                files.push((
+                    m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+                    m.len(),
+                    k,
+                    e.path(),
+                ));
+            }
+        }
+        let mut total: u64 = files.iter().map(|f| f.1).sum();
+        if total > self.capacity {
+            files.sort_by_key(|f| f.0);
+            for (_, len, k, p) in files {
+                if total <= self.capacity {
+                    break;
+                }
+                if remove_file(&p).unwrap_or(false) {
+                    total -= len;
+                    let e = self.index.lock().remove(&k);
+                    bump(&self.counters.evicted_pages, 1);
+                    bump(
+                        &self.counters.evicted_bytes,
+                        e.map_or(len.saturating_sub(HEADER_LEN as u64), |e| e.meta.len as u64),
+                    );
+                }
+            }
+        }
+        sys::unflock(&lock);
+    }
+}
+
+impl Drop for FileBackend {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.instance_tmp);
+        let _ = fs::remove_file(&self.instance_lock_path);
+    }
+}
+
+#[async_trait]
+impl Storage for FileBackend {
+    fn info(&self) -> BackendInfo {
+        let mut i = BackendInfo::new(NAME, self.opts.max_batch);
+        i.zero_copy = self.direct;
+        i.persistent = true;
+        i.shared = self.opts.shared;
+        i.capacity_bytes = Some(self.capacity);
+        i.max_page_bytes = (self.capacity as usize).saturating_sub(HEADER_LEN);
+        i
+    }
+
+    async fn batch_exists(&self, keys: &[PageKey]) -> Result<usize> {
+        check_batch("batch_exists", self.opts.max_batch, keys.len(), keys.len())?;
+        let mut hits = {
+            let ix = self.index.lock();
+            keys.iter().take_while(|k| ix.contains(k)).count()
+        };
+        if self.opts.shared && hits < keys.len() {
+            hits += par::blocking(|| {
+                keys[hits..]
+                    .iter()
+                    .take_while(|k| self.adopt_from_disk(k, None).is_some())
+                    .count()
+            });
+        }
+        self.counters
+            .record_exists((hits + 1).min(keys.len()), hits);
+        Ok(hits)
+    }
+
+    async fn batch_get(
+        &self,
+        keys: &[PageKey],
+        dst: &mut [PageBufMut<'_>],
+    ) -> Result<Vec<PageOutcome>> {
+        check_batch("batch_get", self.opts.max_batch, keys.len(), dst.len())?;
+        let out = par::blocking(|| self.get_blocking(keys, dst));
+        self.counters.record_get(&out, dst.iter().map(|d| d.len()));
+        Ok(out)
+    }
+
+    async fn batch_set(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Result<Vec<PageOutcome>> {
+        check_batch("batch_set", self.opts.max_batch, keys.len(), src.len())?;
+        let out = par::blocking(|| self.set_blocking(keys, src));
+        self.counters.record_set(&out, src.iter().map(|p| p.len()));
+        Ok(out)
+    }
+
+    async fn delete(&self, keys: &[PageKey]) -> Result<usize> {
+        let n = par::blocking(|| {
+            let mut n = 0;
+            for k in keys {
+                let known = self.index.lock().remove(k).is_some();
+                if known || self.opts.shared {
+                    match remove_file(&self.paths.page_path(k)) {
+                        Ok(existed) => n += usize::from(existed || known),
+                        Err(e) => tracing::warn!(key = %k, %e, "file backend: delete failed"),
+                    }
+                }
+            }
+            n
+        });
+        bump(&self.counters.deleted_pages, n as u64);
+        Ok(n)
+    }
+
+    fn stats(&self) -> StorageStats {
+        let (pages, bytes) = {
+            let ix = self.index.lock();
+            (ix.len() as u64, ix.data_bytes())
+        };
+        self.counters.snapshot(pages, bytes, Some(self.capacity))
+    }
+}
+
+/// Registers [`FileBackend`] as `file`.
+#[derive(Copy, Clone, Debug, Default)]
+pub struct FileFactory;
+
+#[async_trait]
+impl BackendFactory for FileFactory {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    async fn open(
+        &self,
+        common: &CommonConfig,
+        fields: ConfigFields,
+        _ctx: &BackendContext,
+    ) -> Result<Arc<dyn Storage>> {
+        let opts = FileOptions::from_config(common, fields)?;
+        let backend = tokio::task::spawn_blocking(move || FileBackend::open(opts))
+            .await
+            .map_err(|e| backend_err(format!("open task failed: {e}")))??;
+        Ok(Arc::new(backend))
+    }
+}
+
+/// Adds the file backend to `registry` (one call, as any third-party backend would).
+pub fn register(registry: &Registry) -> Result<()> {
+    registry.register(FileFactory)
+}

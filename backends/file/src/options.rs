@@ -1,0 +1,189 @@
+//! [`FileOptions`]: the file backend's extra-config fields, parsed strictly.
+
+use std::path::PathBuf;
+
+use hicache_storage::{CommonConfig, ConfigFields, EvictionPolicy, Result};
+
+/// When written pages are flushed to stable storage before `Stored` is returned.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum FsyncPolicy {
+    /// Never: pages are complete and atomic (temp + rename, checksummed) but a power loss may
+    /// lose acknowledged pages. A process crash loses nothing acknowledged.
+    None,
+    /// Once per batch (default): every page's data, then every rename, is made durable
+    /// before the batch returns; the syncs of a batch run in parallel.
+    #[default]
+    Batch,
+    /// Every page is made durable on its own (data sync, rename, directory sync) before the
+    /// next step of that page.
+    Always,
+}
+
+impl FsyncPolicy {
+    /// Configuration spellings.
+    pub const NAMES: [&'static str; 3] = ["none", "batch", "always"];
+
+    fn parse(s: &str) -> Self {
+        match s {
+            "none" => Self::None,
+            "always" => Self::Always,
+            _ => Self::Batch,
+        }
+    }
+}
+
+/// Whether page data bypasses the page cache.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DirectIo {
+    /// O_DIRECT where the file system accepts it, buffered I/O otherwise (default).
+    #[default]
+    Auto,
+    /// O_DIRECT or fail to open.
+    On,
+    /// Always buffered.
+    Off,
+}
+
+impl DirectIo {
+    /// Configuration spellings.
+    pub const NAMES: [&'static str; 3] = ["auto", "on", "off"];
+
+    fn parse(s: &str) -> Self {
+        match s {
+            "on" => Self::On,
+            "off" => Self::Off,
+            _ => Self::Auto,
+        }
+    }
+}
+
+/// Options of a [`FileBackend`](crate::FileBackend).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FileOptions {
+    /// The storage directory (`dir`, required).
+    pub dir: PathBuf,
+    /// Capacity in bytes of page files, headers and padding included (common field
+    /// `capacity`). `None`: 90% of what the directory holds plus the file system's free space,
+    /// measured at open.
+    pub capacity_bytes: Option<u64>,
+    /// Durability of acknowledged pages (`fsync`: `none` | `batch` | `always`, default `batch`).
+    pub fsync: FsyncPolicy,
+    /// O_DIRECT use (`direct_io`: `auto` | `on` | `off`, default `auto`).
+    pub direct_io: DirectIo,
+    /// Eviction order (`eviction`: `lru` | `fifo`, default `lru`).
+    pub eviction: EvictionPolicy,
+    /// Threads a batch's page I/O is spread over (`io_threads`, 1–256, default 16).
+    pub io_threads: usize,
+    /// Largest batch accepted (`max_batch`, 128–4096, default 256).
+    pub max_batch: usize,
+    /// Several processes may use the directory at once (`shared`, default false).
+    pub shared: bool,
+    /// Shared mode: bytes a process writes between two janitor rescans of the directory
+    /// (`rescan_bytes`, default capacity / 16).
+    pub rescan_bytes: Option<u64>,
+    /// Verify every page's data checksum when opening (`verify_on_open`, default false:
+    /// headers and sizes are checked at open, data on every read).
+    pub verify_on_open: bool,
+}
+
+impl FileOptions {
+    /// Options for `dir` with every default.
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self {
+            dir: dir.into(),
+            capacity_bytes: None,
+            fsync: FsyncPolicy::Batch,
+            direct_io: DirectIo::Auto,
+            eviction: EvictionPolicy::Lru,
+            io_threads: 16,
+            max_batch: 256,
+            shared: false,
+            rescan_bytes: None,
+            verify_on_open: false,
+        }
+    }
+
+    /// Reads the options from the common config and the backend's fields (strict: unknown
+    /// fields, wrong types and out-of-range values are errors naming the field).
+    pub fn from_config(common: &CommonConfig, mut f: ConfigFields) -> Result<Self> {
+        let dir = f.opt_path("dir")?.ok_or_else(|| {
+            hicache_storage::StorageError::config(
+                f.scope(),
+                "dir",
+                "<missing>",
+                "required: the directory to store pages in",
+            )
+        })?;
+        let d = Self::new(dir);
+        let o = Self {
+            fsync: FsyncPolicy::parse(f.choice("fsync", "batch", &FsyncPolicy::NAMES)?),
+            direct_io: DirectIo::parse(f.choice("direct_io", "auto", &DirectIo::NAMES)?),
+            eviction: EvictionPolicy::parse(f.choice("eviction", "lru", &EvictionPolicy::NAMES)?)
+                .unwrap_or_default(),
+            io_threads: f.u64("io_threads", d.io_threads as u64, 1..=256)? as usize,
+            max_batch: f.u64("max_batch", d.max_batch as u64, 128..=4096)? as usize,
+            shared: f.bool("shared", false)?,
+            rescan_bytes: f.opt_bytes("rescan_bytes", 1)?,
+            verify_on_open: f.bool("verify_on_open", false)?,
+            capacity_bytes: common.capacity_bytes,
+            dir: d.dir,
+        };
+        f.finish()?;
+        Ok(o)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hicache_storage::StorageConfig;
+
+    fn parse(extra: &str) -> Result<FileOptions> {
+        let c = StorageConfig::parse(Some("file"), Some(extra))?;
+        FileOptions::from_config(&c.common, c.backend_fields)
+    }
+
+    #[test]
+    fn defaults_and_every_field() {
+        let o = parse(r#"{"dir": "/d"}"#).unwrap();
+        assert_eq!(o, FileOptions::new("/d"));
+        let o = parse(
+            r#"{"dir": "/d", "capacity": "2GiB", "fsync": "always", "direct_io": "off",
+                "eviction": "fifo", "io_threads": 4, "max_batch": 512, "shared": true,
+                "rescan_bytes": "64MiB", "verify_on_open": true}"#,
+        )
+        .unwrap();
+        assert_eq!(o.capacity_bytes, Some(2 << 30));
+        assert_eq!(o.fsync, FsyncPolicy::Always);
+        assert_eq!(o.direct_io, DirectIo::Off);
+        assert_eq!(o.eviction, EvictionPolicy::Fifo);
+        assert_eq!((o.io_threads, o.max_batch), (4, 512));
+        assert!(o.shared && o.verify_on_open);
+        assert_eq!(o.rescan_bytes, Some(64 << 20));
+    }
+
+    #[test]
+    fn every_error_names_its_field() {
+        for (extra, field) in [
+            (r#"{}"#, "dir"),
+            (r#"{"dir": ""}"#, "dir"),
+            (r#"{"dir": 5}"#, "dir"),
+            (r#"{"dir": "/d", "fsync": "sometimes"}"#, "fsync"),
+            (r#"{"dir": "/d", "fsync": true}"#, "fsync"),
+            (r#"{"dir": "/d", "direct_io": "yes"}"#, "direct_io"),
+            (r#"{"dir": "/d", "eviction": "random"}"#, "eviction"),
+            (r#"{"dir": "/d", "io_threads": 0}"#, "io_threads"),
+            (r#"{"dir": "/d", "io_threads": 1000}"#, "io_threads"),
+            (r#"{"dir": "/d", "io_threads": "8"}"#, "io_threads"),
+            (r#"{"dir": "/d", "max_batch": 64}"#, "max_batch"),
+            (r#"{"dir": "/d", "shared": "yes"}"#, "shared"),
+            (r#"{"dir": "/d", "rescan_bytes": "x"}"#, "rescan_bytes"),
+            (r#"{"dir": "/d", "verify_on_open": 1}"#, "verify_on_open"),
+            (r#"{"dir": "/d", "capacity": -5}"#, "capacity"),
+            (r#"{"dir": "/d", "max_size": 5}"#, "max_size"),
+        ] {
+            let e = parse(extra).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{field}`")), "{extra}: {e}");
+        }
+    }
+}

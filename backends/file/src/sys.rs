@@ -1,0 +1,291 @@
+//! The thin layer over the OS this crate needs beyond `std`: O_DIRECT opens, positioned
+//! vectored I/O, `flock`, `fdatasync`, `futimens`, `statvfs`, and page-aligned buffers.
+//!
+//! Every `unsafe` block here is a single libc call on a valid file descriptor with pointers
+//! derived from live Rust slices; each names its invariant.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, IoSlice, IoSliceMut};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+use memmap2::MmapMut;
+use parking_lot::Mutex;
+
+/// The largest number of iovecs one `preadv`/`pwritev` takes on Linux.
+pub const IOV_MAX: usize = 1024;
+
+/// Opens `path` for writing, creating it exclusively, with O_DIRECT if `direct`.
+pub fn create_new(path: &Path, direct: bool) -> io::Result<File> {
+    let mut o = OpenOptions::new();
+    o.write(true).create_new(true);
+    if direct {
+        o.custom_flags(libc::O_DIRECT);
+    }
+    o.open(path)
+}
+
+/// Opens `path` read-only, with O_DIRECT if `direct`.
+pub fn open_read(path: &Path, direct: bool) -> io::Result<File> {
+    let mut o = OpenOptions::new();
+    o.read(true);
+    if direct {
+        o.custom_flags(libc::O_DIRECT);
+    }
+    o.open(path)
+}
+
+/// Writes every byte of `bufs` at `offset`, retrying short writes.
+pub fn pwritev_all(file: &File, bufs: &mut [IoSlice<'_>], mut offset: u64) -> io::Result<()> {
+    let mut bufs = bufs;
+    while !bufs.is_empty() {
+        let n = bufs.len().min(IOV_MAX);
+        // SAFETY: `IoSlice` is guaranteed ABI-compatible with `iovec` on Unix; the first `n`
+        // slices are live borrows for the duration of the call; the fd is open for writing.
+        let r = unsafe {
+            libc::pwritev(
+                file.as_raw_fd(),
+                bufs.as_ptr().cast::<libc::iovec>(),
+                n as libc::c_int,
+                offset as libc::off_t,
+            )
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if r == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "pwritev wrote nothing",
+            ));
+        }
+        offset += r as u64;
+        IoSlice::advance_slices(&mut bufs, r as usize);
+    }
+    Ok(())
+}
+
+/// Reads into `bufs` from `offset` until they are full or the file ends; returns the number of
+/// bytes read.
+pub fn preadv_all(file: &File, bufs: &mut [IoSliceMut<'_>], mut offset: u64) -> io::Result<usize> {
+    let mut bufs = bufs;
+    let mut total = 0;
+    while !bufs.is_empty() {
+        let n = bufs.len().min(IOV_MAX);
+        // SAFETY: `IoSliceMut` is guaranteed ABI-compatible with `iovec` on Unix; the first `n`
+        // slices are live exclusive borrows for the duration of the call; the fd is readable.
+        let r = unsafe {
+            libc::preadv(
+                file.as_raw_fd(),
+                bufs.as_mut_ptr().cast::<libc::iovec>(),
+                n as libc::c_int,
+                offset as libc::off_t,
+            )
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if r == 0 {
+            break;
+        }
+        offset += r as u64;
+        total += r as usize;
+        IoSliceMut::advance_slices(&mut bufs, r as usize);
+    }
+    Ok(total)
+}
+
+/// `flock` on a file: exclusive or shared, never blocking. Returns `Ok(false)` if another
+/// open file description holds a conflicting lock.
+pub fn try_flock(file: &File, exclusive: bool) -> io::Result<bool> {
+    let op = if exclusive {
+        libc::LOCK_EX
+    } else {
+        libc::LOCK_SH
+    } | libc::LOCK_NB;
+    loop {
+        // SAFETY: flock on an open fd has no memory effects.
+        let r = unsafe { libc::flock(file.as_raw_fd(), op) };
+        if r == 0 {
+            return Ok(true);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EWOULDBLOCK) => return Ok(false),
+            Some(libc::EINTR) => continue,
+            _ => return Err(e),
+        }
+    }
+}
+
+/// Releases a `flock`.
+pub fn unflock(file: &File) {
+    // SAFETY: flock on an open fd has no memory effects; failure only leaves the lock held
+    // until the fd closes.
+    unsafe {
+        libc::flock(file.as_raw_fd(), libc::LOCK_UN);
+    }
+}
+
+/// Sets the file's modification time to now (shared-mode recency for the janitor).
+pub fn touch_mtime(file: &File) -> io::Result<()> {
+    let times = [
+        libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_OMIT,
+        },
+        libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_NOW,
+        },
+    ];
+    // SAFETY: `times` is a live array of two timespecs as futimens requires.
+    let r = unsafe { libc::futimens(file.as_raw_fd(), times.as_ptr()) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Bytes available to unprivileged users on the file system holding `path`.
+pub fn free_bytes(path: &Path) -> io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path has a NUL byte"))?;
+    // SAFETY: statvfs is plain data; zeroed is a valid initial value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a live statvfs to fill.
+    let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// Whether a buffer may take part in O_DIRECT I/O: address and length multiples of `align`.
+pub fn is_aligned(ptr: *const u8, len: usize, align: usize) -> bool {
+    (ptr as usize).is_multiple_of(align) && len.is_multiple_of(align)
+}
+
+/// A pool of page-aligned anonymous buffers (aligned for O_DIRECT), reused across I/Os so
+/// that large staging buffers are not faulted in again for every page.
+#[derive(Debug, Default)]
+pub struct BufPool {
+    free: Mutex<Vec<MmapMut>>,
+    keep: usize,
+}
+
+impl BufPool {
+    /// A pool that keeps at most `keep` idle buffers.
+    pub fn new(keep: usize) -> Self {
+        Self {
+            free: Mutex::new(Vec::new()),
+            keep,
+        }
+    }
+
+    /// A buffer of at least `len` bytes (its contents are whatever it last held).
+    pub fn take(&self, len: usize) -> io::Result<MmapMut> {
+        let mut free = self.free.lock();
+        if let Some(i) = free
+            .iter()
+            .position(|b| b.len() >= len && b.len() <= len * 2 + 4096)
+        {
+            return Ok(free.swap_remove(i));
+        }
+        drop(free);
+        MmapMut::map_anon(len.max(4096))
+    }
+
+    /// Returns a buffer for reuse.
+    pub fn give(&self, buf: MmapMut) {
+        let mut free = self.free.lock();
+        if free.len() < self.keep {
+            free.push(buf);
+        } else if let Some(i) = free.iter().position(|b| b.len() < buf.len()) {
+            free[i] = buf;
+        }
+    }
+}
+
+/// Raises the soft limit of open files to the hard limit (a batch keeps its page files open
+/// until they are synced).
+pub fn raise_nofile_limit() {
+    // SAFETY: rlimit is plain data; getrlimit/setrlimit only read and write it.
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
+
+/// Flushes a directory's entries (renames into it) to stable storage.
+pub fn sync_dir(path: &Path) -> io::Result<()> {
+    File::open(path)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vectored_io_round_trips() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        let f = create_new(&p, false).unwrap();
+        let a = vec![1u8; 3000];
+        let b = vec![2u8; 5000];
+        pwritev_all(&f, &mut [IoSlice::new(&a), IoSlice::new(&b)], 10).unwrap();
+        drop(f);
+        let f = open_read(&p, false).unwrap();
+        let mut x = vec![0u8; 3010];
+        let mut y = vec![0u8; 6000];
+        let n = preadv_all(
+            &f,
+            &mut [IoSliceMut::new(&mut x), IoSliceMut::new(&mut y)],
+            0,
+        )
+        .unwrap();
+        assert_eq!(n, 8010);
+        assert!(x[10..].iter().all(|&v| v == 1) && y[..5000].iter().all(|&v| v == 2));
+        assert!(
+            create_new(&p, false).is_err(),
+            "create_new refuses an existing file"
+        );
+    }
+
+    #[test]
+    fn flock_conflicts_between_descriptions() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("l");
+        let a = File::create(&p).unwrap();
+        let b = File::open(&p).unwrap();
+        assert!(try_flock(&a, true).unwrap());
+        assert!(!try_flock(&b, false).unwrap());
+        unflock(&a);
+        assert!(try_flock(&b, false).unwrap());
+        assert!(try_flock(&a, false).unwrap(), "shared locks coexist");
+    }
+
+    #[test]
+    fn pool_buffers_are_aligned_and_reused() {
+        let pool = BufPool::new(2);
+        let b = pool.take(10_000).unwrap();
+        assert!(is_aligned(b.as_ptr(), 4096, 4096));
+        let addr = b.as_ptr();
+        pool.give(b);
+        assert_eq!(pool.take(9000).unwrap().as_ptr(), addr);
+    }
+}

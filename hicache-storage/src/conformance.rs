@@ -1,0 +1,896 @@
+//! The public conformance suite: every rule of the [`Storage`] contract, as test cases any
+//! backend crate runs against itself.
+//!
+//! A backend provides a [`Harness`] (how to open a fresh, empty instance, how to damage a stored
+//! page behind the backend's back, and for persistent backends how to reopen one) and invokes
+//! [`conformance_tests!`](crate::conformance_tests) in a test file, which expands to one
+//! `#[test]` per [`Case`]:
+//!
+//! ```ignore
+//! // tests/conformance.rs of a backend crate
+//! hicache_storage::conformance_tests!(my_backend::tests::Harness::new());
+//! ```
+//!
+//! Or drive cases directly with [`run_case`] / [`run_all`]. Cases panic with a message naming
+//! the rule broken; they never depend on timing. See `docs/backend-authors.md` for a worked
+//! example.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use hicache_core::{LayoutKind, PageKey};
+
+use crate::backend::Storage;
+use crate::error::{Result, StorageError};
+use crate::page::{PageBuf, PageBufMut, PageError, PageOutcome};
+use crate::pattern::{check_page, namespace, page_bytes, page_key};
+
+/// How the suite opens and damages instances of a backend.
+#[async_trait]
+pub trait Harness: Send + Sync + 'static {
+    /// The backend type (`dyn Storage` works for backends loaded at run time).
+    type Backend: Storage + ?Sized;
+
+    /// Opens a fresh, empty instance. `capacity_bytes` is the capacity to configure; `None`
+    /// asks for room for at least 256 MiB of pages.
+    async fn open(&self, capacity_bytes: Option<u64>) -> Result<Arc<Self::Backend>>;
+
+    /// Damages the stored data of `key` (flips a byte of the page's bytes) behind the backend's
+    /// back, as a disk or memory fault would. Returns `Ok(false)` if the page is absent.
+    async fn corrupt(&self, backend: &Self::Backend, key: &PageKey) -> Result<bool>;
+
+    /// For persistent backends: drops `backend` and opens the same storage again, as after a
+    /// restart. `Ok(None)` (the default) means the backend does not persist.
+    async fn reopen(&self, backend: Arc<Self::Backend>) -> Result<Option<Arc<Self::Backend>>> {
+        drop(backend);
+        Ok(None)
+    }
+}
+
+/// One rule of the contract.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Case {
+    /// Pages of every size class, contiguous and scattered, round-trip bit-exact.
+    RoundTrip,
+    /// `batch_exists` returns the leading run.
+    ExistsLeadingRun,
+    /// Mixed batches report one outcome per page, in order.
+    MixedOutcomes,
+    /// Setting a present page again is harmless.
+    IdempotentSet,
+    /// Re-setting a key returns one whole version; new metadata replaces the page.
+    Overwrite,
+    /// Many tasks read and write at once; every hit is exact.
+    Concurrency,
+    /// Stored bytes stay within capacity; eviction makes room; oversize pages fail.
+    CapacityEviction,
+    /// Batches over `max_batch` fail whole; batches at `max_batch` work; empty batches work.
+    BatchLimits,
+    /// Key/buffer count mismatches fail; wrong destination lengths or layouts are misses.
+    WrongLengths,
+    /// A damaged page reads as `Corrupt`, counts, and is gone afterwards.
+    Corruption,
+    /// Two namespaces never see each other's pages.
+    NamespaceIsolation,
+    /// `delete` removes exactly the named pages.
+    Delete,
+    /// Counters follow the outcomes.
+    Stats,
+    /// A persistent backend serves its pages after a reopen (skipped if not persistent).
+    Restart,
+}
+
+impl Case {
+    /// Every case, in a sensible order.
+    pub const ALL: [Case; 14] = [
+        Case::RoundTrip,
+        Case::ExistsLeadingRun,
+        Case::MixedOutcomes,
+        Case::IdempotentSet,
+        Case::Overwrite,
+        Case::Concurrency,
+        Case::CapacityEviction,
+        Case::BatchLimits,
+        Case::WrongLengths,
+        Case::Corruption,
+        Case::NamespaceIsolation,
+        Case::Delete,
+        Case::Stats,
+        Case::Restart,
+    ];
+}
+
+/// Runs one case on a fresh multi-threaded tokio runtime (so callers need no runtime of their
+/// own). Panics, naming the broken rule, if the backend fails it.
+pub fn run_case<H: Harness>(harness: &H, case: Case) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    rt.block_on(case_async(harness, case));
+}
+
+/// Runs every case, in order.
+pub fn run_all<H: Harness>(harness: &H) {
+    for case in Case::ALL {
+        run_case(harness, case);
+    }
+}
+
+/// Runs one case inside the caller's runtime (which must be multi-threaded if the backend
+/// needs it).
+pub async fn case_async<H: Harness>(h: &H, case: Case) {
+    match case {
+        Case::RoundTrip => round_trip(h).await,
+        Case::ExistsLeadingRun => exists_leading_run(h).await,
+        Case::MixedOutcomes => mixed_outcomes(h).await,
+        Case::IdempotentSet => idempotent_set(h).await,
+        Case::Overwrite => overwrite(h).await,
+        Case::Concurrency => concurrency(h).await,
+        Case::CapacityEviction => capacity_eviction(h).await,
+        Case::BatchLimits => batch_limits(h).await,
+        Case::WrongLengths => wrong_lengths(h).await,
+        Case::Corruption => corruption(h).await,
+        Case::NamespaceIsolation => namespace_isolation(h).await,
+        Case::Delete => delete(h).await,
+        Case::Stats => stats(h).await,
+        Case::Restart => restart(h).await,
+    }
+}
+
+/// Expands to one `#[test]` per conformance [`Case`], each opening backends through the
+/// harness expression given (evaluated once per test), in a module named `conformance` or the
+/// name given first (`conformance_tests!(buffered, MyHarness::buffered())`), so one test file
+/// can run the suite on several configurations.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($harness:expr) => {
+        $crate::conformance_tests!(conformance, $harness);
+    };
+    ($module:ident, $harness:expr) => {
+        $crate::conformance_tests!(@cases $module, $harness;
+            round_trip => RoundTrip,
+            exists_leading_run => ExistsLeadingRun,
+            mixed_outcomes => MixedOutcomes,
+            idempotent_set => IdempotentSet,
+            overwrite => Overwrite,
+            concurrency => Concurrency,
+            capacity_eviction => CapacityEviction,
+            batch_limits => BatchLimits,
+            wrong_lengths => WrongLengths,
+            corruption => Corruption,
+            namespace_isolation => NamespaceIsolation,
+            delete => Delete,
+            stats => Stats,
+            restart => Restart,
+        );
+    };
+    (@cases $module:ident, $harness:expr; $($name:ident => $case:ident,)*) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[test]
+                fn $name() {
+                    let harness = $harness;
+                    $crate::conformance::run_case(&harness, $crate::conformance::Case::$case);
+                }
+            )*
+        }
+    };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers.
+
+const LAYOUT: LayoutKind = LayoutKind::PageFirst;
+
+fn key(ns: u64, i: u64) -> PageKey {
+    page_key(namespace(ns), 0xc0f0, i)
+}
+
+async fn open<H: Harness>(h: &H, capacity: Option<u64>) -> Arc<H::Backend> {
+    h.open(capacity)
+        .await
+        .unwrap_or_else(|e| panic!("harness could not open a backend: {e}"))
+}
+
+async fn set_pages<S: Storage + ?Sized>(
+    s: &S,
+    keys: &[PageKey],
+    pages: &[Vec<u8>],
+) -> Vec<PageOutcome> {
+    let bufs: Vec<PageBuf<'_>> = pages
+        .iter()
+        .map(|p| PageBuf::contiguous(LAYOUT, p))
+        .collect();
+    s.batch_set(keys, &bufs)
+        .await
+        .unwrap_or_else(|e| panic!("batch_set of {} pages failed: {e}", keys.len()))
+}
+
+async fn set_ok<S: Storage + ?Sized>(s: &S, keys: &[PageKey], len: usize) {
+    let pages: Vec<Vec<u8>> = keys.iter().map(|k| page_bytes(k, len)).collect();
+    for (i, o) in set_pages(s, keys, &pages).await.iter().enumerate() {
+        assert!(
+            matches!(o, PageOutcome::Stored | PageOutcome::Present),
+            "rule 1: batch_set of a valid {len}-byte page {i} gave {o:?}"
+        );
+    }
+}
+
+/// Reads `keys` as `len`-byte pages; returns outcomes and buffers.
+async fn get_pages<S: Storage + ?Sized>(
+    s: &S,
+    keys: &[PageKey],
+    len: usize,
+    layout: LayoutKind,
+) -> (Vec<PageOutcome>, Vec<Vec<u8>>) {
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; len]).collect();
+    let out = {
+        let mut dst: Vec<PageBufMut<'_>> = bufs
+            .iter_mut()
+            .map(|b| PageBufMut::contiguous(layout, b))
+            .collect();
+        s.batch_get(keys, &mut dst)
+            .await
+            .unwrap_or_else(|e| panic!("batch_get of {} pages failed: {e}", keys.len()))
+    };
+    assert_eq!(out.len(), keys.len(), "rule 5: one outcome per key");
+    (out, bufs)
+}
+
+/// Asserts every key reads back as its exact pattern page.
+async fn assert_hits<S: Storage + ?Sized>(s: &S, keys: &[PageKey], len: usize, what: &str) {
+    let (out, bufs) = get_pages(s, keys, len, LAYOUT).await;
+    for (i, (o, b)) in out.iter().zip(&bufs).enumerate() {
+        assert_eq!(
+            *o,
+            PageOutcome::Hit,
+            "{what}: page {i} of {len} bytes not a hit"
+        );
+        assert!(
+            check_page(&keys[i], b),
+            "{what}: page {i} of {len} bytes has wrong bytes"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cases.
+
+/// Page size classes: sub-sector, odd, 4 KiB, odd 64 KiB, 256 KiB (small Llama page), an MLA
+/// DeepSeek-V3 page (4.5 MB), an 8 MiB Llama-3-8B page.
+const SIZE_CLASSES: [usize; 7] = [1, 511, 4096, 65_543, 256 << 10, 1152 * 61 * 64, 8 << 20];
+
+async fn round_trip<H: Harness>(h: &H) {
+    let s = open(h, None).await;
+    let keys: Vec<PageKey> = (0..SIZE_CLASSES.len() as u64).map(|i| key(1, i)).collect();
+    let pages: Vec<Vec<u8>> = keys
+        .iter()
+        .zip(SIZE_CLASSES)
+        .map(|(k, n)| page_bytes(k, n))
+        .collect();
+    // Contiguous write, one batch of every class.
+    let out = set_pages(&*s, &keys, &pages).await;
+    assert!(
+        out.iter().all(|o| *o == PageOutcome::Stored),
+        "rule 1: a fresh batch of valid pages must be Stored, got {out:?}"
+    );
+    for (i, (k, n)) in keys.iter().zip(SIZE_CLASSES).enumerate() {
+        let (o, b) = get_pages(&*s, &[*k], n, LAYOUT).await;
+        assert_eq!(o[0], PageOutcome::Hit, "size class {n}: not a hit");
+        assert_eq!(b[0], pages[i], "size class {n}: bytes differ");
+    }
+    // Scattered (layer_first-like) write of an 8 MiB page in 64 parts, read back into 3 parts
+    // and into one.
+    let k = key(1, 100);
+    let n = 8 << 20;
+    let page = page_bytes(&k, n);
+    let parts = PageBuf::from_parts(LayoutKind::LayerFirst, page.chunks(n / 64));
+    let out = s
+        .batch_set(&[k], &[parts])
+        .await
+        .expect("scattered batch_set");
+    assert_eq!(
+        out,
+        vec![PageOutcome::Stored],
+        "scattered page must be Stored"
+    );
+    let mut back = vec![0u8; n];
+    {
+        let (a, rest) = back.split_at_mut(1000);
+        let (b, c) = rest.split_at_mut(n / 2);
+        let mut dst = [PageBufMut::from_parts(LayoutKind::LayerFirst, [a, b, c])];
+        let out = s.batch_get(&[k], &mut dst).await.expect("scattered get");
+        assert_eq!(out, vec![PageOutcome::Hit], "scattered page must be a hit");
+    }
+    assert!(
+        back == page,
+        "a page written from 64 parts must read back exactly into 3 parts"
+    );
+    let (o, b) = get_pages(&*s, &[k], n, LayoutKind::LayerFirst).await;
+    assert!(
+        o[0] == PageOutcome::Hit && b[0] == page,
+        "and into one part"
+    );
+}
+
+async fn exists_leading_run<H: Harness>(h: &H) {
+    let s = open(h, None).await;
+    let keys: Vec<PageKey> = (0..10).map(|i| key(2, i)).collect();
+    set_ok(&*s, &keys[..5], 4096).await;
+    set_ok(&*s, &keys[6..7], 4096).await;
+    let q = |ks: Vec<PageKey>| {
+        let s = s.clone();
+        async move { s.batch_exists(&ks).await.expect("batch_exists") }
+    };
+    assert_eq!(
+        q(keys.clone()).await,
+        5,
+        "rule 4: leading run of 0..5 present, 5 absent"
+    );
+    assert_eq!(q(keys[..5].to_vec()).await, 5, "rule 4: all present");
+    assert_eq!(
+        q(vec![keys[5], keys[0]]).await,
+        0,
+        "rule 4: first absent gives 0"
+    );
+    assert_eq!(
+        q(vec![keys[6], keys[0], keys[5]]).await,
+        2,
+        "rule 4: out-of-order run"
+    );
+    assert_eq!(q(vec![]).await, 0, "rule 4: empty batch");
+}
+
+async fn mixed_outcomes<H: Harness>(h: &H) {
+    let s = open(h, None).await;
+    let k: Vec<PageKey> = (0..5).map(|i| key(3, i)).collect();
+    set_ok(&*s, &[k[0], k[2], k[3]], 8192).await;
+    let mut bufs = [
+        vec![0u8; 8192],
+        vec![0u8; 8192],
+        vec![0u8; 4096],
+        vec![0u8; 8192],
+        vec![0u8; 8192],
+    ];
+    let out = {
+        let mut dst: Vec<PageBufMut<'_>> = bufs
+            .iter_mut()
+            .map(|b| PageBufMut::contiguous(LAYOUT, b))
+            .collect();
+        s.batch_get(&k, &mut dst).await.expect("mixed batch_get")
+    };
+    use PageOutcome::{Hit, Miss};
+    assert_eq!(
+        out,
+        vec![Hit, Miss, Miss, Hit, Miss],
+        "rule 5: [present, absent, wrong length, present, absent]"
+    );
+    assert!(check_page(&k[0], &bufs[0]) && check_page(&k[3], &bufs[3]));
+    // Mixed set: valid, empty, valid.
+    let ks = [key(3, 10), key(3, 11), key(3, 12)];
+    let a = page_bytes(&ks[0], 4096);
+    let c = page_bytes(&ks[2], 4096);
+    let src = [
+        PageBuf::contiguous(LAYOUT, &a),
+        PageBuf::contiguous(LAYOUT, &[]),
+        PageBuf::contiguous(LAYOUT, &c),
+    ];
+    let out = s.batch_set(&ks, &src).await.expect("mixed batch_set");
+    assert_eq!(
+        out,
+        vec![
+            PageOutcome::Stored,
+            PageOutcome::Failed(PageError::EmptyPage),
+            PageOutcome::Stored
+        ],
+        "rule 5: an empty page fails alone"
+    );
+    assert_hits(&*s, &[ks[0], ks[2]], 4096, "pages beside a failed one").await;
+    assert_eq!(
+        s.batch_exists(&ks[1..2]).await.unwrap(),
+        0,
+        "failed page absent"
+    );
+}
+
+async fn idempotent_set<H: Harness>(h: &H) {
+    let s = open(h, None).await;
+    let ks: Vec<PageKey> = (0..4).map(|i| key(4, i)).collect();
+    set_ok(&*s, &ks, 65_536).await;
+    let before = s.stats();
+    set_ok(&*s, &ks, 65_536).await;
+    set_ok(&*s, &ks[1..3], 65_536).await;
+    let after = s.stats();
+    assert_eq!(
+        after.pages, before.pages,
+        "rule 6: re-setting present pages adds none"
+    );
+    assert_eq!(
+        after.bytes, before.bytes,
+        "rule 6: re-setting present pages adds no bytes"
+    );
+    assert_hits(&*s, &ks, 65_536, "rule 6: after repeated sets").await;
+}
+
+async fn overwrite<H: Harness>(h: &H) {
+    let s = open(h, None).await;
+    let k = key(5, 0);
+    let a = page_bytes(&key(5, 1000), 16_384);
+    let b = page_bytes(&key(5, 2000), 16_384);
+    assert!(set_pages(&*s, &[k], std::slice::from_ref(&a)).await[0].is_ok());
+    assert!(set_pages(&*s, &[k], std::slice::from_ref(&b)).await[0].is_ok());
+    let (o, got) = get_pages(&*s, &[k], 16_384, LAYOUT).await;
+    assert_eq!(
+        o[0],
+        PageOutcome::Hit,
+        "rule 6: re-set page must be readable"
+    );
+    assert!(
+        got[0] == a || got[0] == b,
+        "rule 6: a re-set page reads as one whole version"
+    );
+    // New metadata (length) replaces the page.
+    let c = page_bytes(&key(5, 3000), 32_768);
+    assert_eq!(
+        set_pages(&*s, &[k], std::slice::from_ref(&c)).await[0],
+        PageOutcome::Stored,
+        "rule 6: a set with a new length must be Stored"
+    );
+    let (o, got) = get_pages(&*s, &[k], 32_768, LAYOUT).await;
+    assert!(
+        o[0] == PageOutcome::Hit && got[0] == c,
+        "rule 6: the new version replaces the old"
+    );
+    let (o, _) = get_pages(&*s, &[k], 16_384, LAYOUT).await;
+    assert_eq!(
+        o[0],
+        PageOutcome::Miss,
+        "rule 3: the old length no longer matches"
+    );
+    // New layout too.
+    let d = page_bytes(&key(5, 4000), 32_768);
+    let out = s
+        .batch_set(&[k], &[PageBuf::contiguous(LayoutKind::LayerFirst, &d)])
+        .await
+        .unwrap();
+    assert_eq!(
+        out[0],
+        PageOutcome::Stored,
+        "rule 6: a set with a new layout must be Stored"
+    );
+    let (o, got) = get_pages(&*s, &[k], 32_768, LayoutKind::LayerFirst).await;
+    assert!(
+        o[0] == PageOutcome::Hit && got[0] == d,
+        "rule 6: new layout replaces"
+    );
+    assert_eq!(s.stats().pages, 1, "one key, one page");
+}
+
+async fn concurrency<H: Harness>(h: &H) {
+    const TASKS: u64 = 16;
+    const ROUNDS: u64 = 6;
+    const KEYS: u64 = 48;
+    const LEN: usize = 32 << 10;
+    let s = open(h, None).await;
+    let mut tasks = Vec::new();
+    for t in 0..TASKS {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut hits = 0u64;
+            for r in 0..ROUNDS {
+                // Overlapping writers: each task writes 8 keys of a shared pool of 48.
+                let ks: Vec<PageKey> = (0..8).map(|j| key(6, (t * 5 + r * 3 + j) % KEYS)).collect();
+                set_ok(&*s, &ks, LEN).await;
+                // Readers of keys other tasks may be writing right now.
+                let rs: Vec<PageKey> = (0..8)
+                    .map(|j| key(6, (t * 7 + r * 11 + j * 5) % KEYS))
+                    .collect();
+                let (out, bufs) = get_pages(&*s, &rs, LEN, LAYOUT).await;
+                for (i, o) in out.iter().enumerate() {
+                    match o {
+                        PageOutcome::Hit => {
+                            assert!(
+                                check_page(&rs[i], &bufs[i]),
+                                "rule 8: a concurrent hit has wrong bytes"
+                            );
+                            hits += 1;
+                        }
+                        PageOutcome::Miss => {}
+                        other => panic!("rule 8: concurrent read gave {other:?}"),
+                    }
+                }
+                // Own writes are visible to oneself.
+                assert_eq!(
+                    s.batch_exists(&ks).await.unwrap(),
+                    ks.len(),
+                    "rule 1: own writes visible"
+                );
+            }
+            hits
+        }));
+    }
+    let mut hits = 0;
+    for t in tasks {
+        hits += t.await.expect("a conformance task panicked");
+    }
+    assert!(
+        hits > 0,
+        "concurrent readers found none of the written pages"
+    );
+    let all: Vec<PageKey> = (0..KEYS).map(|i| key(6, i)).collect();
+    let n = s.batch_exists(&all).await.unwrap();
+    assert_eq!(
+        n as u64, KEYS,
+        "every key of the pool was written by some task"
+    );
+    assert_hits(&*s, &all, LEN, "after concurrent writers").await;
+}
+
+async fn capacity_eviction<H: Harness>(h: &H) {
+    const LEN: usize = 64 << 10;
+    let capacity = 16 * LEN as u64;
+    let s = open(h, Some(capacity)).await;
+    for b in 0..8u64 {
+        let ks: Vec<PageKey> = (0..8).map(|j| key(7, b * 8 + j)).collect();
+        set_ok(&*s, &ks, LEN).await;
+        let st = s.stats();
+        assert!(
+            st.bytes <= capacity,
+            "rule 7: {} bytes stored over a capacity of {capacity}",
+            st.bytes
+        );
+        assert_eq!(
+            s.batch_exists(&ks).await.unwrap(),
+            8,
+            "rule 7: the batch just written must be present (eviction must take older pages)"
+        );
+        assert_hits(&*s, &ks, LEN, "rule 7: newest batch").await;
+    }
+    let st = s.stats();
+    assert!(
+        st.evicted_pages >= 48,
+        "rule 7: 64 pages through 16 slots evict ≥ 48, counted {}",
+        st.evicted_pages
+    );
+    assert!(
+        st.pages <= 16,
+        "rule 7: at most 16 pages fit, {} stored",
+        st.pages
+    );
+    let all: Vec<PageKey> = (0..64).map(|i| key(7, i)).collect();
+    let (out, bufs) = get_pages(&*s, &all, LEN, LAYOUT).await;
+    let mut present = 0;
+    for (i, o) in out.iter().enumerate() {
+        if *o == PageOutcome::Hit {
+            assert!(
+                check_page(&all[i], &bufs[i]),
+                "rule 7: survivor {i} has wrong bytes"
+            );
+            present += 1;
+        } else {
+            assert_eq!(
+                *o,
+                PageOutcome::Miss,
+                "rule 7: an evicted page is a plain miss"
+            );
+        }
+    }
+    assert!((8..=16).contains(&present), "rule 7: {present} survivors");
+    // A page larger than the whole capacity fails alone.
+    let big = key(7, 1000);
+    let out = set_pages(
+        &*s,
+        &[big, key(7, 1001)],
+        &[
+            page_bytes(&big, capacity as usize + 4096),
+            page_bytes(&key(7, 1001), LEN),
+        ],
+    )
+    .await;
+    assert!(
+        matches!(out[0], PageOutcome::Failed(PageError::TooLarge { .. })),
+        "rule 7: a page over capacity must fail TooLarge, got {:?}",
+        out[0]
+    );
+    assert_eq!(
+        out[1],
+        PageOutcome::Stored,
+        "rule 5: its neighbour is unaffected"
+    );
+    assert!(s.stats().bytes <= capacity, "rule 7: still within capacity");
+}
+
+async fn batch_limits<H: Harness>(h: &H) {
+    let s = open(h, None).await;
+    let max = s.info().max_batch;
+    assert!(
+        max >= crate::STORAGE_BATCH_SIZE,
+        "max_batch {max} below the controller's 128"
+    );
+    let over: Vec<PageKey> = (0..max as u64 + 1).map(|i| key(8, i)).collect();
+    let is_too_large = |e: &StorageError| matches!(e, StorageError::BatchTooLarge { len, max: m } if *len == max + 1 && *m == max);
+    let e = s
+        .batch_exists(&over)
+        .await
+        .expect_err("rule 5: oversize batch_exists must fail");
+    assert!(is_too_large(&e), "rule 5: wrong error {e}");
+    let pages: Vec<Vec<u8>> = over.iter().map(|k| page_bytes(k, 512)).collect();
+    let bufs: Vec<PageBuf<'_>> = pages
+        .iter()
+        .map(|p| PageBuf::contiguous(LAYOUT, p))
+        .collect();
+    let e = s
+        .batch_set(&over, &bufs)
+        .await
+        .expect_err("rule 5: oversize batch_set must fail");
+    assert!(is_too_large(&e), "rule 5: wrong error {e}");
+    assert_eq!(
+        s.batch_exists(&over[..1]).await.unwrap(),
+        0,
+        "rule 5: a refused batch writes nothing"
+    );
+    let mut bufs_mut: Vec<Vec<u8>> = over.iter().map(|_| vec![0u8; 512]).collect();
+    let mut dst: Vec<PageBufMut<'_>> = bufs_mut
+        .iter_mut()
+        .map(|b| PageBufMut::contiguous(LAYOUT, b))
+        .collect();
+    let e = s
+        .batch_get(&over, &mut dst)
+        .await
+        .expect_err("rule 5: oversize batch_get must fail");
+    assert!(is_too_large(&e), "rule 5: wrong error {e}");
+    drop(dst);
+    // Exactly max_batch works (bounded, to keep the test quick for huge limits).
+    if max <= 4096 {
+        let ks = &over[..max];
+        set_ok(&*s, ks, 512).await;
+        assert_eq!(
+            s.batch_exists(ks).await.unwrap(),
+            max,
+            "rule 5: a full batch is accepted"
+        );
+        assert_hits(&*s, ks, 512, "rule 5: full batch").await;
+    }
+    // Empty batches.
+    assert_eq!(
+        s.batch_set(&[], &[]).await.unwrap(),
+        vec![],
+        "empty batch_set"
+    );
+    assert_eq!(
+        s.batch_get(&[], &mut []).await.unwrap(),
+        vec![],
+        "empty batch_get"
+    );
+    assert_eq!(s.delete(&[]).await.unwrap(), 0, "empty delete");
+}
+
+async fn wrong_lengths<H: Harness>(h: &H) {
+    let s = open(h, None).await;
+    let ks = [key(9, 0), key(9, 1)];
+    set_ok(&*s, &ks, 8192).await;
+    let p = page_bytes(&ks[0], 8192);
+    let e = s
+        .batch_set(&ks, &[PageBuf::contiguous(LAYOUT, &p)])
+        .await
+        .expect_err("rule 5: 2 keys, 1 buffer must fail");
+    assert!(
+        matches!(
+            e,
+            StorageError::LengthMismatch {
+                keys: 2,
+                buffers: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let mut b = vec![0u8; 8192];
+    let e = s
+        .batch_get(&ks, &mut [PageBufMut::contiguous(LAYOUT, &mut b)])
+        .await
+        .expect_err("rule 5: 2 keys, 1 destination must fail");
+    assert!(
+        matches!(
+            e,
+            StorageError::LengthMismatch {
+                keys: 2,
+                buffers: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let before = s.stats().meta_mismatches;
+    for len in [8191, 8193, 4096, 16_384] {
+        let (o, _) = get_pages(&*s, &ks[..1], len, LAYOUT).await;
+        assert_eq!(
+            o[0],
+            PageOutcome::Miss,
+            "rule 3: a {len}-byte destination for an 8192-byte page is a miss"
+        );
+    }
+    let (o, _) = get_pages(&*s, &ks[..1], 8192, LayoutKind::LayerFirst).await;
+    assert_eq!(o[0], PageOutcome::Miss, "rule 3: another layout is a miss");
+    assert_eq!(
+        s.stats().meta_mismatches,
+        before + 5,
+        "rule 3: each mismatch is counted"
+    );
+    assert_hits(
+        &*s,
+        &ks,
+        8192,
+        "rule 3: mismatched reads leave the page intact",
+    )
+    .await;
+}
+
+async fn corruption<H: Harness>(h: &H) {
+    let s = open(h, None).await;
+    let ks: Vec<PageKey> = (0..3).map(|i| key(10, i)).collect();
+    set_ok(&*s, &ks, 65_536).await;
+    let damaged = h
+        .corrupt(&s, &ks[1])
+        .await
+        .unwrap_or_else(|e| panic!("harness could not damage a page: {e}"));
+    assert!(damaged, "harness reported the page absent");
+    let before = s.stats().get_corrupt;
+    let (out, bufs) = get_pages(&*s, &ks, 65_536, LAYOUT).await;
+    assert_eq!(out[0], PageOutcome::Hit, "an undamaged neighbour is a hit");
+    assert_eq!(
+        out[1],
+        PageOutcome::Corrupt,
+        "rule 2: a damaged page must read as Corrupt, never as a hit"
+    );
+    assert!(!check_page(&ks[1], &bufs[1]) || out[1] != PageOutcome::Hit);
+    assert_eq!(out[2], PageOutcome::Hit, "an undamaged neighbour is a hit");
+    assert_eq!(
+        s.stats().get_corrupt,
+        before + 1,
+        "rule 2: corruption is counted"
+    );
+    let (o, _) = get_pages(&*s, &ks[1..2], 65_536, LAYOUT).await;
+    assert_eq!(
+        o[0],
+        PageOutcome::Miss,
+        "rule 2: the damaged copy is dropped"
+    );
+    assert_eq!(
+        s.batch_exists(&ks).await.unwrap(),
+        1,
+        "rule 2: dropped page no longer exists"
+    );
+    set_ok(&*s, &ks[1..2], 65_536).await;
+    assert_hits(&*s, &ks, 65_536, "a dropped page can be stored again").await;
+}
+
+async fn namespace_isolation<H: Harness>(h: &H) {
+    let s = open(h, None).await;
+    let a = key(11, 0);
+    let b = PageKey::new(namespace(12), a.hash);
+    set_ok(&*s, &[a], 4096).await;
+    assert_eq!(
+        s.batch_exists(&[b]).await.unwrap(),
+        0,
+        "rule 3: same hash, other namespace, absent"
+    );
+    let (o, _) = get_pages(&*s, &[b], 4096, LAYOUT).await;
+    assert_eq!(o[0], PageOutcome::Miss, "rule 3: other namespace is a miss");
+    set_ok(&*s, &[b], 4096).await;
+    assert_hits(
+        &*s,
+        &[a, b],
+        4096,
+        "rule 3: each namespace reads its own page",
+    )
+    .await;
+    assert_eq!(s.delete(&[b]).await.unwrap(), 1);
+    assert_hits(
+        &*s,
+        &[a],
+        4096,
+        "rule 3: deleting in one namespace leaves the other",
+    )
+    .await;
+}
+
+async fn delete<H: Harness>(h: &H) {
+    let s = open(h, None).await;
+    let ks: Vec<PageKey> = (0..4).map(|i| key(13, i)).collect();
+    set_ok(&*s, &ks, 4096).await;
+    let before = s.stats();
+    let n = s
+        .delete(&[ks[1], ks[3], key(13, 99)])
+        .await
+        .expect("delete");
+    assert_eq!(n, 2, "delete counts the pages it removed");
+    assert_eq!(
+        s.batch_exists(&ks).await.unwrap(),
+        1,
+        "deleted page 1 ends the run"
+    );
+    let (o, _) = get_pages(&*s, &ks, 4096, LAYOUT).await;
+    use PageOutcome::{Hit, Miss};
+    assert_eq!(
+        o,
+        vec![Hit, Miss, Hit, Miss],
+        "exactly the deleted pages miss"
+    );
+    let after = s.stats();
+    assert_eq!(
+        after.deleted_pages,
+        before.deleted_pages + 2,
+        "deletes are counted"
+    );
+    assert_eq!(
+        after.pages + 2,
+        before.pages,
+        "deleted pages leave the occupancy"
+    );
+    assert_eq!(
+        after.bytes + 2 * 4096,
+        before.bytes,
+        "deleted bytes leave the occupancy"
+    );
+    assert_eq!(
+        s.delete(&[ks[1]]).await.unwrap(),
+        0,
+        "deleting again removes nothing"
+    );
+}
+
+async fn stats<H: Harness>(h: &H) {
+    let s = open(h, None).await;
+    let st0 = s.stats();
+    let ks: Vec<PageKey> = (0..3).map(|i| key(14, i)).collect();
+    set_ok(&*s, &ks[..2], 4096).await;
+    let _ = get_pages(&*s, &ks, 4096, LAYOUT).await;
+    let _ = s.batch_exists(&ks).await.unwrap();
+    let st = s.stats();
+    assert_eq!(st.set_pages - st0.set_pages, 2, "set_pages");
+    assert_eq!(st.set_stored - st0.set_stored, 2, "set_stored");
+    assert_eq!(st.set_bytes - st0.set_bytes, 8192, "set_bytes");
+    assert_eq!(st.get_pages - st0.get_pages, 3, "get_pages");
+    assert_eq!(st.get_hits - st0.get_hits, 2, "get_hits");
+    assert_eq!(st.get_misses - st0.get_misses, 1, "get_misses");
+    assert_eq!(st.get_bytes - st0.get_bytes, 8192, "get_bytes");
+    assert_eq!(st.exists_calls - st0.exists_calls, 1, "exists_calls");
+    assert_eq!(st.exists_hits - st0.exists_hits, 2, "exists_hits");
+    assert_eq!(st.pages, 2, "pages");
+    assert_eq!(st.bytes, 8192, "bytes");
+}
+
+async fn restart<H: Harness>(h: &H) {
+    let s = open(h, None).await;
+    if !s.info().persistent {
+        return;
+    }
+    let ks: Vec<PageKey> = (0..6).map(|i| key(15, i)).collect();
+    set_ok(&*s, &ks[..3], 4096).await;
+    set_ok(&*s, &ks[3..], 300_000).await;
+    assert_eq!(s.delete(&ks[1..2]).await.unwrap(), 1);
+    let before = s.stats();
+    let s = h
+        .reopen(s)
+        .await
+        .unwrap_or_else(|e| panic!("reopen failed: {e}"))
+        .expect("a persistent backend's harness must implement reopen");
+    let after = s.stats();
+    assert_eq!(after.pages, before.pages, "restart: page count restored");
+    assert_eq!(
+        after.bytes, before.bytes,
+        "restart: byte accounting restored"
+    );
+    assert_hits(&*s, &[ks[0], ks[2]], 4096, "restart: committed small pages").await;
+    assert_hits(&*s, &ks[3..], 300_000, "restart: committed large pages").await;
+    assert_eq!(
+        s.batch_exists(&ks[1..2]).await.unwrap(),
+        0,
+        "restart: a deleted page stays deleted"
+    );
+}

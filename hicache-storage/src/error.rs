@@ -1,0 +1,122 @@
+//! The error type of `hicache-storage` and of every backend built on it.
+//!
+//! Batch-level failures (bad arguments, a backend that cannot be opened or reached) are
+//! [`StorageError`]s; failures of single pages inside a batch are
+//! [`PageOutcome::Failed`](crate::PageOutcome::Failed) with a [`PageError`](crate::PageError),
+//! so one bad page never hides the outcome of the others.
+
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+/// Everything that can go wrong at the level of a whole call. Each variant names what was wrong
+/// and where, so a log line alone finds the cause.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum StorageError {
+    /// A configuration field is unknown, has the wrong type or is out of range.
+    #[error("invalid storage config: {scope}: field `{field}` = {value}: {reason}")]
+    Config {
+        /// Where the field was read: `extra-config` for HiCache-level fields, `backend <name>`
+        /// for a backend's own fields.
+        scope: String,
+        /// The field name as spelled in the configuration.
+        field: String,
+        /// The offending value, rendered as JSON (or `<missing>`).
+        value: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// The extra-config document is not valid JSON or not an object.
+    #[error("invalid storage extra-config ({source_name}): {reason}")]
+    ConfigSyntax {
+        /// `<inline>` or the file it was read from.
+        source_name: String,
+        /// The parser's message.
+        reason: String,
+    },
+    /// No backend of that name is registered.
+    #[error("unknown storage backend `{name}`; known backends: {}", known.join(", "))]
+    UnknownBackend {
+        /// The name asked for.
+        name: String,
+        /// Every registered name.
+        known: Vec<String>,
+    },
+    /// A backend of that name is already registered.
+    #[error("a storage backend named `{0}` is already registered")]
+    DuplicateBackend(String),
+    /// A batch has more pages than the backend's `max_batch`. Split it (the
+    /// [`StorageExt`](crate::StorageExt) helpers do) or ask the backend for a larger limit.
+    #[error("batch of {len} pages exceeds the backend's max_batch of {max}")]
+    BatchTooLarge {
+        /// Pages in the batch.
+        len: usize,
+        /// The backend's limit ([`BackendInfo::max_batch`](crate::BackendInfo::max_batch)).
+        max: usize,
+    },
+    /// The key list and the buffer list of one call differ in length.
+    #[error("{op}: {keys} keys but {buffers} page buffers")]
+    LengthMismatch {
+        /// Which call (`batch_get`, `batch_set`).
+        op: &'static str,
+        /// Number of keys.
+        keys: usize,
+        /// Number of buffers.
+        buffers: usize,
+    },
+    /// An I/O error on a named path that concerns the backend as a whole (opening its
+    /// directory, its lock files).
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was being done (`create directory`, `lock`, …).
+        op: &'static str,
+        /// The path concerned.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The backend cannot serve calls any more (closed, its server gone, a worker died).
+    #[error("storage backend `{backend}` unavailable: {reason}")]
+    Unavailable {
+        /// The backend's name.
+        backend: String,
+        /// Why.
+        reason: String,
+    },
+    /// Any other backend-specific failure, with the backend's name.
+    #[error("storage backend `{backend}`: {reason}")]
+    Backend {
+        /// The backend's name.
+        backend: String,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+impl StorageError {
+    /// A [`StorageError::Config`] error.
+    pub fn config(
+        scope: impl Into<String>,
+        field: impl Into<String>,
+        value: impl Into<String>,
+        reason: impl Into<String>,
+    ) -> Self {
+        StorageError::Config {
+            scope: scope.into(),
+            field: field.into(),
+            value: value.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// Wraps an I/O error with the operation and the path it concerns.
+    pub fn io(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
+        let path = path.into();
+        move |source| StorageError::Io { op, path, source }
+    }
+}
+
+/// Result alias of `hicache-storage`.
+pub type Result<T, E = StorageError> = std::result::Result<T, E>;

@@ -1,0 +1,351 @@
+//! [`MemoryBackend`]: the in-memory reference backend.
+//!
+//! Pages are owned copies in a hash map, bounded by a capacity in bytes with an eviction
+//! policy (LRU by default), each with its XXH3-64 checksum verified before any byte is copied
+//! to a caller. It is what the conformance suite's expectations are modelled on, what tests
+//! use, and an embedded default where L3 need not persist.
+//!
+//! Extra-config (`backend memory`): `capacity` (common field; default 1 GiB), `eviction`
+//! (`lru` | `fifo`, default `lru`), `max_batch` (pages per call, default 256).
+//!
+//! Invariants:
+//! 1. `bytes` equals the sum of the stored pages' lengths and never exceeds `capacity` after a
+//!    call returns; the evictor tracks exactly the keys of `pages`. Both change under one lock.
+//! 2. A stored page is immutable (`Arc`): readers copy outside the lock, and a replaced or
+//!    evicted page stays valid for readers that already hold it.
+//! 3. A page whose checksum fails is removed (if still the same copy) and reported `Corrupt`
+//!    without touching the destination.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use hicache_core::PageKey;
+use parking_lot::Mutex;
+
+use crate::backend::{BackendInfo, StatsCounters, Storage, StorageStats, bump, check_batch};
+use crate::checksum::checksum;
+use crate::config::{CommonConfig, ConfigFields};
+use crate::error::Result;
+use crate::evict::{EvictionPolicy, Evictor};
+use crate::page::{PageBuf, PageBufMut, PageError, PageMeta, PageOutcome};
+use crate::registry::{BackendContext, BackendFactory};
+
+/// Default capacity of the memory backend: 1 GiB.
+pub const DEFAULT_MEMORY_CAPACITY: u64 = 1 << 30;
+
+/// Options of a [`MemoryBackend`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryOptions {
+    /// Capacity in bytes of page data.
+    pub capacity_bytes: u64,
+    /// Which page to drop first when full.
+    pub eviction: EvictionPolicy,
+    /// Largest batch accepted.
+    pub max_batch: usize,
+}
+
+impl Default for MemoryOptions {
+    fn default() -> Self {
+        Self {
+            capacity_bytes: DEFAULT_MEMORY_CAPACITY,
+            eviction: EvictionPolicy::Lru,
+            max_batch: 256,
+        }
+    }
+}
+
+impl MemoryOptions {
+    /// Reads the options from the common config and the backend's fields (strict).
+    pub fn from_config(common: &CommonConfig, mut fields: ConfigFields) -> Result<Self> {
+        let d = Self::default();
+        let eviction = fields.choice("eviction", "lru", &EvictionPolicy::NAMES)?;
+        let max_batch = fields.u64("max_batch", d.max_batch as u64, 128..=65_536)? as usize;
+        fields.finish()?;
+        Ok(Self {
+            capacity_bytes: common.capacity_bytes.unwrap_or(d.capacity_bytes),
+            eviction: EvictionPolicy::parse(eviction).unwrap_or_default(),
+            max_batch,
+        })
+    }
+}
+
+struct Stored {
+    meta: PageMeta,
+    checksum: u64,
+    data: Box<[u8]>,
+}
+
+struct Inner {
+    pages: HashMap<PageKey, Arc<Stored>>,
+    evictor: Box<dyn Evictor<PageKey>>,
+    bytes: u64,
+}
+
+/// The in-memory reference backend. See the [module documentation](self).
+pub struct MemoryBackend {
+    options: MemoryOptions,
+    inner: Mutex<Inner>,
+    counters: StatsCounters,
+}
+
+impl std::fmt::Debug for MemoryBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryBackend")
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryBackend {
+    /// An empty backend.
+    pub fn new(options: MemoryOptions) -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                pages: HashMap::new(),
+                evictor: options.eviction.build(),
+                bytes: 0,
+            }),
+            options,
+            counters: StatsCounters::default(),
+        }
+    }
+
+    /// An empty backend with default options and the given capacity.
+    pub fn with_capacity(capacity_bytes: u64) -> Self {
+        Self::new(MemoryOptions {
+            capacity_bytes,
+            ..MemoryOptions::default()
+        })
+    }
+
+    /// Fault injection: flips one byte of the stored copy of `key` without updating its
+    /// checksum, as a memory fault would. Returns whether the page was present. For tests of
+    /// the verification path (the conformance suite uses it) and of alerting.
+    pub fn corrupt_page(&self, key: &PageKey) -> bool {
+        let mut inner = self.inner.lock();
+        let Some(old) = inner.pages.get(key) else {
+            return false;
+        };
+        let mut data = old.data.clone();
+        let i = data.len() / 2;
+        data[i] ^= 0x5a;
+        let bad = Arc::new(Stored {
+            meta: old.meta,
+            checksum: old.checksum,
+            data,
+        });
+        inner.pages.insert(*key, bad);
+        true
+    }
+
+    fn set_one(&self, key: &PageKey, page: &PageBuf<'_>) -> PageOutcome {
+        let len = page.len();
+        if len == 0 {
+            return PageOutcome::Failed(PageError::EmptyPage);
+        }
+        if len as u64 > self.options.capacity_bytes {
+            return PageOutcome::Failed(PageError::TooLarge {
+                len,
+                max: self.options.capacity_bytes as usize,
+            });
+        }
+        {
+            let mut inner = self.inner.lock();
+            if inner.pages.get(key).is_some_and(|s| s.meta == page.meta()) {
+                inner.evictor.touch(key);
+                return PageOutcome::Present;
+            }
+        }
+        // Copy and checksum outside the lock.
+        let data = page.to_vec().into_boxed_slice();
+        let stored = Arc::new(Stored {
+            meta: page.meta(),
+            checksum: checksum(&data),
+            data,
+        });
+        let mut inner = self.inner.lock();
+        if let Some(old) = inner.pages.remove(key) {
+            inner.bytes -= old.meta.len as u64;
+            inner.evictor.remove(key);
+        }
+        while inner.bytes + len as u64 > self.options.capacity_bytes {
+            let Some(victim) = inner.evictor.pop_victim() else {
+                break;
+            };
+            if let Some(v) = inner.pages.remove(&victim) {
+                inner.bytes -= v.meta.len as u64;
+                bump(&self.counters.evicted_pages, 1);
+                bump(&self.counters.evicted_bytes, v.meta.len as u64);
+            }
+        }
+        inner.bytes += len as u64;
+        inner.pages.insert(*key, stored);
+        inner.evictor.insert(*key);
+        PageOutcome::Stored
+    }
+
+    fn get_one(&self, key: &PageKey, dst: &mut PageBufMut<'_>) -> PageOutcome {
+        let stored = {
+            let mut inner = self.inner.lock();
+            let Some(s) = inner.pages.get(key).cloned() else {
+                return PageOutcome::Miss;
+            };
+            inner.evictor.touch(key);
+            s
+        };
+        if stored.meta != dst.meta() {
+            bump(&self.counters.meta_mismatches, 1);
+            return PageOutcome::Miss;
+        }
+        if checksum(&stored.data) != stored.checksum {
+            tracing::warn!(key = %key, "memory backend: checksum mismatch, page dropped");
+            let mut inner = self.inner.lock();
+            if inner
+                .pages
+                .get(key)
+                .is_some_and(|s| Arc::ptr_eq(s, &stored))
+            {
+                inner.pages.remove(key);
+                inner.evictor.remove(key);
+                inner.bytes -= stored.meta.len as u64;
+            }
+            return PageOutcome::Corrupt;
+        }
+        dst.copy_from(&stored.data);
+        PageOutcome::Hit
+    }
+}
+
+#[async_trait]
+impl Storage for MemoryBackend {
+    fn info(&self) -> BackendInfo {
+        let mut i = BackendInfo::new("memory", self.options.max_batch);
+        i.capacity_bytes = Some(self.options.capacity_bytes);
+        i.max_page_bytes = self.options.capacity_bytes as usize;
+        i
+    }
+
+    async fn batch_exists(&self, keys: &[PageKey]) -> Result<usize> {
+        check_batch(
+            "batch_exists",
+            self.options.max_batch,
+            keys.len(),
+            keys.len(),
+        )?;
+        let inner = self.inner.lock();
+        let hits = keys
+            .iter()
+            .take_while(|k| inner.pages.contains_key(k))
+            .count();
+        drop(inner);
+        self.counters
+            .record_exists((hits + 1).min(keys.len()), hits);
+        Ok(hits)
+    }
+
+    async fn batch_get(
+        &self,
+        keys: &[PageKey],
+        dst: &mut [PageBufMut<'_>],
+    ) -> Result<Vec<PageOutcome>> {
+        check_batch("batch_get", self.options.max_batch, keys.len(), dst.len())?;
+        let out: Vec<PageOutcome> = keys
+            .iter()
+            .zip(dst.iter_mut())
+            .map(|(k, d)| self.get_one(k, d))
+            .collect();
+        self.counters.record_get(&out, dst.iter().map(|d| d.len()));
+        Ok(out)
+    }
+
+    async fn batch_set(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Result<Vec<PageOutcome>> {
+        check_batch("batch_set", self.options.max_batch, keys.len(), src.len())?;
+        let out: Vec<PageOutcome> = keys
+            .iter()
+            .zip(src)
+            .map(|(k, p)| self.set_one(k, p))
+            .collect();
+        self.counters.record_set(&out, src.iter().map(|p| p.len()));
+        Ok(out)
+    }
+
+    async fn delete(&self, keys: &[PageKey]) -> Result<usize> {
+        let mut inner = self.inner.lock();
+        let mut n = 0;
+        for k in keys {
+            if let Some(s) = inner.pages.remove(k) {
+                inner.bytes -= s.meta.len as u64;
+                inner.evictor.remove(k);
+                n += 1;
+            }
+        }
+        bump(&self.counters.deleted_pages, n as u64);
+        Ok(n)
+    }
+
+    fn stats(&self) -> StorageStats {
+        let (pages, bytes) = {
+            let inner = self.inner.lock();
+            (inner.pages.len() as u64, inner.bytes)
+        };
+        self.counters
+            .snapshot(pages, bytes, Some(self.options.capacity_bytes))
+    }
+}
+
+/// Registers [`MemoryBackend`] as `memory`.
+#[derive(Copy, Clone, Debug, Default)]
+pub struct MemoryFactory;
+
+#[async_trait]
+impl BackendFactory for MemoryFactory {
+    fn name(&self) -> &str {
+        "memory"
+    }
+
+    async fn open(
+        &self,
+        common: &CommonConfig,
+        fields: ConfigFields,
+        _ctx: &BackendContext,
+    ) -> Result<Arc<dyn Storage>> {
+        Ok(Arc::new(MemoryBackend::new(MemoryOptions::from_config(
+            common, fields,
+        )?)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::StorageConfig;
+
+    #[test]
+    fn options_are_strict() {
+        let cfg = StorageConfig::parse(Some("memory"), Some(r#"{"eviction": "random"}"#)).unwrap();
+        let e = MemoryOptions::from_config(&cfg.common, cfg.backend_fields)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("eviction") && e.contains("random") && e.contains("lru, fifo"),
+            "{e}"
+        );
+        let cfg = StorageConfig::parse(
+            Some("memory"),
+            Some(r#"{"capacity": "2MiB", "eviction": "fifo", "max_batch": 512}"#),
+        )
+        .unwrap();
+        let o = MemoryOptions::from_config(&cfg.common, cfg.backend_fields).unwrap();
+        assert_eq!(
+            o,
+            MemoryOptions {
+                capacity_bytes: 2 << 20,
+                eviction: EvictionPolicy::Fifo,
+                max_batch: 512
+            }
+        );
+        let cfg = StorageConfig::parse(Some("memory"), Some(r#"{"max_batch": 3}"#)).unwrap();
+        assert!(MemoryOptions::from_config(&cfg.common, cfg.backend_fields).is_err());
+    }
+}

@@ -1,0 +1,26 @@
+//! The conformance suite on the in-memory reference backend.
+
+use std::sync::Arc;
+
+use hicache_storage::conformance::Harness;
+use hicache_storage::{MemoryBackend, PageKey, Result, async_trait};
+
+/// Opens fresh memory backends; damages pages through the backend's fault-injection hook.
+struct MemoryHarness;
+
+#[async_trait]
+impl Harness for MemoryHarness {
+    type Backend = MemoryBackend;
+
+    async fn open(&self, capacity_bytes: Option<u64>) -> Result<Arc<MemoryBackend>> {
+        Ok(Arc::new(MemoryBackend::with_capacity(
+            capacity_bytes.unwrap_or(256 << 20),
+        )))
+    }
+
+    async fn corrupt(&self, backend: &MemoryBackend, key: &PageKey) -> Result<bool> {
+        Ok(backend.corrupt_page(key))
+    }
+}
+
+hicache_storage::conformance_tests!(MemoryHarness);
