@@ -93,6 +93,12 @@ impl CudaDevice {
         let ctx =
             CudaContext::new(ordinal).map_err(GpuError::driver("cuDevicePrimaryCtxRetain"))?;
         let name = ctx.name().map_err(GpuError::driver("cuDeviceGetName"))?;
+        if !ctx.has_async_alloc() {
+            return Err(GpuError::NoDriver(format!(
+                "{name} has no stream-ordered memory pools (cuMemAllocAsync), which the \
+                 transfer engine needs"
+            )));
+        }
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(GpuError::driver("cuDeviceGetAttribute"))? as u32;
