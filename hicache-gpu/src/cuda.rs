@@ -105,6 +105,10 @@ impl CudaDevice {
         let (maj, min) = ctx
             .compute_capability()
             .map_err(GpuError::driver("cuDeviceGetAttribute"))?;
+        // SAFETY: we never use cudarc's CudaSlice (whose cross-stream safety relies on event
+        // tracking); every ordering between our streams is explicit (events), and tracking would
+        // make the first stream creation synchronise the whole (engine-shared) context.
+        unsafe { ctx.disable_event_tracking() };
         Ok(Self {
             ctx,
             name,
@@ -171,6 +175,16 @@ impl CudaDevice {
         self.ctx
             .new_stream()
             .map_err(GpuError::driver("cuStreamCreate"))
+    }
+
+    /// Wraps a stream owned by someone else (the engine).
+    ///
+    /// # Safety
+    /// `raw` must be a live `CUstream` of this device's primary context that outlives the
+    /// wrapper.
+    pub unsafe fn borrow_stream(&self, raw: sys::CUstream) -> Arc<CudaStream> {
+        // SAFETY: per the contract.
+        unsafe { self.ctx.wrap_borrowed_stream(raw) }
     }
 
     /// A new event without timing.
