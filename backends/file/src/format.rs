@@ -6,8 +6,11 @@
 //! DIR/janitor.lock               flock: held by the process doing a shared-mode rescan
 //! DIR/pages/<hh>/<key>.page      committed pages; <key> = 96 hex digits of the PageKey,
 //!                                <hh> = the first byte of the page hash, in hex
+//! DIR/pages/<hh>/<key>.<instance>.<n>.tmp
+//!                                a page being written by process instance <instance>
+//!                                (committed by a same-directory rename to <key>.page)
 //! DIR/tmp/<instance>.lock        flock held for the life of a process instance
-//! DIR/tmp/<instance>/<n>.tmp     that instance's pages being written
+//! DIR/tmp/<instance>/            that instance's scratch directory (O_DIRECT probe)
 //! ```
 //!
 //! A page file is a 4096-byte header followed by the page's bytes, zero-padded to a multiple
@@ -176,10 +179,26 @@ impl Layout {
         self.pages().join(format!("{:02x}", key.hash.0[0]))
     }
 
+    /// The temp file of a key written by `instance` (its `n`-th write).
+    pub fn temp_path(&self, key: &PageKey, instance: &str, n: u64) -> PathBuf {
+        self.bucket(key)
+            .join(format!("{}.{instance}.{n}.tmp", key.to_hex()))
+    }
+
     /// The committed file of a key.
     pub fn page_path(&self, key: &PageKey) -> PathBuf {
         self.bucket(key).join(format!("{}.page", key.to_hex()))
     }
+}
+
+/// The instance that owns a temp file name (`<key>.<instance>.<n>.tmp`), if it is one.
+pub fn temp_instance(name: &str) -> Option<&str> {
+    let rest = name.strip_suffix(".tmp")?;
+    let mut it = rest.rsplitn(3, '.');
+    let _seq = it.next()?;
+    let inst = it.next()?;
+    let _key = it.next()?;
+    Some(inst)
 }
 
 /// Parses a committed page's file name back into its key.
@@ -247,6 +266,11 @@ mod tests {
         let name = p.file_name().unwrap().to_str().unwrap();
         assert_eq!(key_from_file_name(name), Some(k));
         assert_eq!(key_from_file_name("x.page"), None);
+        let t = l.temp_path(&k, "123-abc", 7);
+        let tn = t.file_name().unwrap().to_str().unwrap();
+        assert_eq!(temp_instance(tn), Some("123-abc"));
+        assert_eq!(key_from_file_name(tn), None);
+        assert_eq!(temp_instance(name), None);
         assert_eq!(pad(1), 512);
         assert_eq!(pad(512), 512);
         assert_eq!(file_bytes(4096), 8192);

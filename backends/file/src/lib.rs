@@ -83,6 +83,7 @@ pub struct OpenReport {
 pub struct FileBackend {
     opts: FileOptions,
     paths: Layout,
+    instance: String,
     instance_tmp: PathBuf,
     instance_lock_path: PathBuf,
     direct: bool,
@@ -161,7 +162,10 @@ impl FileBackend {
                 )));
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                fs::write(&marker, MARKER_CONTENTS)
+                // Written aside and renamed, so a concurrent opener never reads it half-written.
+                let aside = root.join(format!("{MARKER}.{}.tmp", std::process::id()));
+                fs::write(&aside, MARKER_CONTENTS)
+                    .and_then(|()| fs::rename(&aside, &marker))
                     .map_err(StorageError::io("write format marker", &marker))?;
             }
             Err(e) => return Err(StorageError::io("read format marker", &marker)(e)),
@@ -189,7 +193,7 @@ impl FileBackend {
         let tmp = paths.tmp();
         fs::create_dir_all(&tmp).map_err(StorageError::io("create directory", &tmp))?;
         // 3. Stale temp files: everything in exclusive mode; dead instances' in shared mode.
-        let discarded_temp = Self::clean_temp(&tmp, opts.shared)?;
+        let (stale_temp_dirs, live) = Self::clean_temp(&tmp, opts.shared)?;
         // 4. This instance's temp directory, locked for its life.
         let instance = format!(
             "{}-{:x}",
@@ -205,6 +209,7 @@ impl FileBackend {
         sys::try_flock(&instance_lock, true)
             .map_err(StorageError::io("lock", &instance_lock_path))?;
         let instance_tmp = tmp.join(&instance);
+        debug_assert!(!instance.contains('.'), "temp names split on '.'");
         fs::create_dir_all(&instance_tmp)
             .map_err(StorageError::io("create directory", &instance_tmp))?;
         // 5. O_DIRECT probe.
@@ -225,7 +230,9 @@ impl FileBackend {
             }
         };
         // 6. Scan committed pages.
-        let (found, discarded_pages) = Self::scan(&paths, opts.io_threads, opts.verify_on_open);
+        let (found, discarded_pages, stale_temp_files) =
+            Self::scan(&paths, opts.io_threads, opts.verify_on_open, &live);
+        let discarded_temp = stale_temp_dirs + stale_temp_files;
         let used: u64 = found.iter().map(|(_, m, _)| file_bytes(m.len)).sum();
         let capacity = match opts.capacity_bytes {
             Some(c) => c,
@@ -268,6 +275,7 @@ impl FileBackend {
             bufs: BufPool::new(opts.io_threads * 2),
             opts,
             paths,
+            instance,
             instance_tmp,
             instance_lock_path,
             direct,
@@ -282,7 +290,9 @@ impl FileBackend {
         })
     }
 
-    fn clean_temp(tmp: &Path, shared: bool) -> Result<u64> {
+    /// Removes dead instances' lock files and temp directories; returns how many files they
+    /// held and the names of the live instances (shared mode).
+    fn clean_temp(tmp: &Path, shared: bool) -> Result<(u64, BTreeSet<String>)> {
         let mut n = 0;
         let rd = fs::read_dir(tmp).map_err(StorageError::io("list", tmp))?;
         let mut live: BTreeSet<String> = BTreeSet::new();
@@ -319,7 +329,7 @@ impl FileBackend {
                 n += 1;
             }
         }
-        Ok(n)
+        Ok((n, live))
     }
 
     fn probe_direct(dir: &Path) -> bool {
@@ -333,25 +343,35 @@ impl FileBackend {
         r.is_ok()
     }
 
-    /// Lists and checks every page file; returns the valid ones (key, meta, mtime) and the
-    /// number of invalid files deleted.
+    /// Lists and checks every page file; returns the valid ones (key, meta, mtime), the
+    /// number of invalid files deleted and the number of stale temp files (of instances not in
+    /// `live`) deleted.
+    #[allow(clippy::type_complexity)]
     fn scan(
         paths: &Layout,
         threads: usize,
         verify: bool,
-    ) -> (Vec<(PageKey, PageMeta, SystemTime)>, u64) {
+        live: &BTreeSet<String>,
+    ) -> (Vec<(PageKey, PageMeta, SystemTime)>, u64, u64) {
         let buckets: Vec<PathBuf> = (0..=255u8)
             .map(|b| paths.pages().join(format!("{b:02x}")))
             .collect();
         let per_bucket = par::par_map(threads, buckets, |bucket| {
             let mut ok = Vec::new();
             let mut bad = 0u64;
+            let mut temp = 0u64;
             let Ok(rd) = fs::read_dir(&bucket) else {
-                return (ok, bad);
+                return (ok, bad, temp);
             };
             for e in rd.flatten() {
                 let p = e.path();
                 let name = e.file_name();
+                if let Some(inst) = name.to_str().and_then(format::temp_instance) {
+                    if !live.contains(inst) && remove_file(&p).unwrap_or(false) {
+                        temp += 1;
+                    }
+                    continue;
+                }
                 let key = name
                     .to_str()
                     .and_then(format::key_from_file_name)
@@ -382,15 +402,17 @@ impl FileBackend {
                     }
                 }
             }
-            (ok, bad)
+            (ok, bad, temp)
         });
         let mut all = Vec::new();
         let mut bad = 0;
-        for (ok, b) in per_bucket {
+        let mut temp = 0;
+        for (ok, b, t) in per_bucket {
             all.extend(ok);
             bad += b;
+            temp += t;
         }
-        (all, bad)
+        (all, bad, temp)
     }
 
     /// What opening found and did.
@@ -425,9 +447,10 @@ impl FileBackend {
         }
     }
 
-    fn temp_path(&self) -> PathBuf {
+    /// A fresh temp name in the key's own bucket, so the commit is a same-directory rename.
+    fn temp_path(&self, key: &PageKey) -> PathBuf {
         let n = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
-        self.instance_tmp.join(format!("{n}.tmp"))
+        self.paths.temp_path(key, &self.instance, n)
     }
 
     /// Shared mode: if `key` is already committed on disk with `meta` (by another process),
@@ -503,12 +526,14 @@ impl FileBackend {
         }
         self.drop_victims(&victims);
 
-        // Phase 1: write every page to a temp file (in parallel).
+        // Phase 1, in parallel: write every page to a temp file next to its final name and,
+        // unless the policy is `none`, sync its data; under `always`, also commit it (rename)
+        // and sync its directory.
         let policy = self.opts.fsync;
         let shared = self.opts.shared;
         let io = self.io();
         enum Step {
-            Written(PathBuf, File),
+            Written(PathBuf),
             Adopted,
             Committed,
             Failed(PageError),
@@ -519,73 +544,57 @@ impl FileBackend {
             if shared && self.adopt_from_disk(key, Some(page.meta())).is_some() {
                 return Step::Adopted;
             }
-            let tmp = self.temp_path();
-            match pageio::write_page_file(io, &tmp, key, page, policy == FsyncPolicy::Always) {
+            let tmp = self.temp_path(key);
+            let written = pageio::write_page_file(io, &tmp, key, page, policy != FsyncPolicy::None);
+            if let Err(e) = written {
+                let _ = remove_file(&tmp);
+                return Step::Failed(PageError::io("write", &e));
+            }
+            if policy != FsyncPolicy::Always {
+                return Step::Written(tmp);
+            }
+            let r = fs::rename(&tmp, self.paths.page_path(key))
+                .map_err(|e| PageError::io("rename", &e))
+                .and_then(|()| {
+                    sys::sync_dir(&self.paths.bucket(key))
+                        .map_err(|e| PageError::io("sync directory", &e))
+                });
+            match r {
+                Ok(()) => Step::Committed,
                 Err(e) => {
                     let _ = remove_file(&tmp);
-                    Step::Failed(PageError::io("write", &e))
+                    Step::Failed(e)
                 }
-                Ok(file) if policy == FsyncPolicy::Always => {
-                    drop(file);
-                    let dst = self.paths.page_path(key);
-                    let r = fs::rename(&tmp, &dst)
-                        .map_err(|e| PageError::io("rename", &e))
-                        .and_then(|()| {
-                            sys::sync_dir(&self.paths.bucket(key))
-                                .map_err(|e| PageError::io("sync directory", &e))
-                        });
-                    match r {
-                        Ok(()) => Step::Committed,
-                        Err(e) => {
-                            let _ = remove_file(&tmp);
-                            Step::Failed(e)
-                        }
-                    }
-                }
-                Ok(file) => Step::Written(tmp, file),
             }
         });
-        // Phase 2 (batch): sync every written file's data, in parallel.
-        let steps: Vec<Step> = if policy == FsyncPolicy::Batch {
-            par::par_map(self.opts.io_threads, steps, |s| match s {
-                Step::Written(tmp, file) => match file.sync_data() {
-                    Ok(()) => Step::Written(tmp, file),
-                    Err(e) => {
-                        let _ = remove_file(&tmp);
-                        Step::Failed(PageError::io("sync", &e))
-                    }
-                },
-                other => other,
-            })
-        } else {
-            steps
-        };
-        // Phase 3: rename into place (commit); phase 4 (batch): sync the touched directories.
-        let mut buckets: BTreeSet<PathBuf> = BTreeSet::new();
-        let mut results: Vec<(usize, Result<bool, PageError>)> = Vec::with_capacity(jobs.len());
-        for (i, s) in jobs.iter().copied().zip(steps) {
-            let r = match s {
-                Step::Written(tmp, file) => {
-                    drop(file);
-                    let dst = self.paths.page_path(&keys[i]);
-                    match fs::rename(&tmp, &dst) {
-                        Ok(()) => {
-                            buckets.insert(self.paths.bucket(&keys[i]));
-                            Ok(true)
-                        }
+        // Phase 2, in parallel: commit (same-directory rename) every written page.
+        let renamed = par::par_map(
+            self.opts.io_threads,
+            jobs.iter().copied().zip(steps).collect(),
+            |(i, s)| {
+                let r = match s {
+                    Step::Written(tmp) => match fs::rename(&tmp, self.paths.page_path(&keys[i])) {
+                        Ok(()) => Ok(true),
                         Err(e) => {
                             let _ = remove_file(&tmp);
                             Err(PageError::io("rename", &e))
                         }
-                    }
-                }
-                Step::Committed => Ok(true),
-                Step::Adopted => Ok(false),
-                Step::Failed(e) => Err(e),
-            };
-            results.push((i, r));
-        }
-        if policy == FsyncPolicy::Batch && !buckets.is_empty() {
+                    },
+                    Step::Committed => Ok(true),
+                    Step::Adopted => Ok(false),
+                    Step::Failed(e) => Err(e),
+                };
+                (i, r)
+            },
+        );
+        let mut results: Vec<(usize, Result<bool, PageError>)> = renamed;
+        // Phase 3 (batch): make the renames durable, one sync per touched directory.
+        if policy == FsyncPolicy::Batch {
+            let buckets: BTreeSet<PathBuf> = results
+                .iter()
+                .filter(|(_, r)| matches!(r, Ok(true)))
+                .map(|(i, _)| self.paths.bucket(&keys[*i]))
+                .collect();
             let synced = par::par_map(
                 self.opts.io_threads,
                 buckets.into_iter().collect(),

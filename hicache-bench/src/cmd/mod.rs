@@ -1,3 +1,7 @@
 //! One module per subcommand.
 
 pub mod hash;
+pub mod storage;
+pub mod storage_check;
+pub mod storage_common;
+pub mod storage_write;
