@@ -87,7 +87,6 @@ fn write_then_check_and_detect_damage() {
     let p = d
         .path()
         .join("pages")
-        .join(format!("{:02x}", victim.hash.0[0]))
         .join(format!("{}.page", victim.to_hex()));
     let mut b = std::fs::read(&p).unwrap();
     let n = b.len();

@@ -63,6 +63,8 @@ use crate::pageio::{IoCtx, ReadResult};
 use crate::sys::BufPool;
 
 const NAME: &str = "file";
+/// Lock file in `tmp/` serialising instance registration and stale-temp cleanup.
+const REGISTRY_LOCK: &str = "registry.lock";
 
 /// What [`FileBackend::open`] found and did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -185,15 +187,19 @@ impl FileBackend {
                 }
             )));
         }
-        // 2. Fan-out directories.
-        for b in 0..=255u8 {
-            let d = paths.pages().join(format!("{b:02x}"));
-            fs::create_dir_all(&d).map_err(StorageError::io("create directory", &d))?;
-        }
+        // 2. The page directory.
+        let pages_dir = paths.pages();
+        fs::create_dir_all(&pages_dir).map_err(StorageError::io("create directory", &pages_dir))?;
         let tmp = paths.tmp();
         fs::create_dir_all(&tmp).map_err(StorageError::io("create directory", &tmp))?;
-        // 3. Stale temp files: everything in exclusive mode; dead instances' in shared mode.
-        let (stale_temp_dirs, live) = Self::clean_temp(&tmp, opts.shared)?;
+        // 3. Under the registry lock (so no instance is seen between creating and locking
+        // its lock file): remove dead instances' leftovers (everything in exclusive mode),
+        // then register this instance with a lock file it holds for its whole life.
+        let registry_path = tmp.join(REGISTRY_LOCK);
+        let registry =
+            File::create(&registry_path).map_err(StorageError::io("create", &registry_path))?;
+        sys::flock_wait(&registry).map_err(StorageError::io("lock", &registry_path))?;
+        let stale_temp_dirs = Self::clean_temp(&tmp, opts.shared)?;
         // 4. This instance's temp directory, locked for its life.
         let instance = format!(
             "{}-{:x}",
@@ -208,6 +214,8 @@ impl FileBackend {
             .map_err(StorageError::io("create", &instance_lock_path))?;
         sys::try_flock(&instance_lock, true)
             .map_err(StorageError::io("lock", &instance_lock_path))?;
+        sys::unflock(&registry);
+        drop(registry);
         let instance_tmp = tmp.join(&instance);
         debug_assert!(!instance.contains('.'), "temp names split on '.'");
         fs::create_dir_all(&instance_tmp)
@@ -231,7 +239,7 @@ impl FileBackend {
         };
         // 6. Scan committed pages.
         let (found, discarded_pages, stale_temp_files) =
-            Self::scan(&paths, opts.io_threads, opts.verify_on_open, &live);
+            Self::scan(&paths, opts.io_threads, opts.verify_on_open, opts.shared);
         let discarded_temp = stale_temp_dirs + stale_temp_files;
         let used: u64 = found.iter().map(|(_, m, _)| file_bytes(m.len)).sum();
         let capacity = match opts.capacity_bytes {
@@ -290,46 +298,41 @@ impl FileBackend {
         })
     }
 
-    /// Removes dead instances' lock files and temp directories; returns how many files they
-    /// held and the names of the live instances (shared mode).
-    fn clean_temp(tmp: &Path, shared: bool) -> Result<(u64, BTreeSet<String>)> {
+    /// Removes dead instances' lock files and scratch directories; returns how many files
+    /// they held.
+    fn clean_temp(tmp: &Path, shared: bool) -> Result<u64> {
         let mut n = 0;
         let rd = fs::read_dir(tmp).map_err(StorageError::io("list", tmp))?;
-        let mut live: BTreeSet<String> = BTreeSet::new();
-        let mut entries = Vec::new();
         for e in rd.flatten() {
-            entries.push(e.path());
-        }
-        if shared {
-            for p in &entries {
-                let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
-                    continue;
-                };
-                if let Some(inst) = name.strip_suffix(".lock") {
-                    let Ok(f) = File::open(p) else { continue };
-                    if !sys::try_flock(&f, true).unwrap_or(false) {
-                        live.insert(inst.to_string());
-                    }
-                }
-            }
-        }
-        for p in &entries {
+            let p = e.path();
             let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
                 continue;
             };
+            if name == REGISTRY_LOCK {
+                continue;
+            }
             let inst = name.strip_suffix(".lock").unwrap_or(name);
-            if live.contains(inst) {
+            if shared && Self::instance_alive(tmp, inst) {
                 continue;
             }
             if p.is_dir() {
-                n += remove_tree_counting(p);
+                n += remove_tree_counting(&p);
             } else if name.ends_with(".lock") {
-                let _ = remove_file(p);
-            } else if remove_file(p).unwrap_or(false) {
+                let _ = remove_file(&p);
+            } else if remove_file(&p).unwrap_or(false) {
                 n += 1;
             }
         }
-        Ok((n, live))
+        Ok(n)
+    }
+
+    /// Whether the process instance `inst` still runs: it holds the lock on its lock file for
+    /// its whole life, and creates that file before any temp file.
+    fn instance_alive(tmp: &Path, inst: &str) -> bool {
+        match File::open(tmp.join(format!("{inst}.lock"))) {
+            Ok(f) => !sys::try_flock(&f, true).unwrap_or(true),
+            Err(_) => false,
+        }
     }
 
     fn probe_direct(dir: &Path) -> bool {
@@ -344,38 +347,50 @@ impl FileBackend {
     }
 
     /// Lists and checks every page file; returns the valid ones (key, meta, mtime), the
-    /// number of invalid files deleted and the number of stale temp files (of instances not in
-    /// `live`) deleted.
+    /// number of invalid files deleted and the number of stale temp files deleted (every temp
+    /// file in exclusive mode; those of dead instances in shared mode).
     #[allow(clippy::type_complexity)]
     fn scan(
         paths: &Layout,
         threads: usize,
         verify: bool,
-        live: &BTreeSet<String>,
+        shared: bool,
     ) -> (Vec<(PageKey, PageMeta, SystemTime)>, u64, u64) {
-        let buckets: Vec<PathBuf> = (0..=255u8)
-            .map(|b| paths.pages().join(format!("{b:02x}")))
-            .collect();
-        let per_bucket = par::par_map(threads, buckets, |bucket| {
+        let alive: Mutex<HashMap<String, bool>> = Mutex::new(HashMap::new());
+        let tmp = paths.tmp();
+        let is_live = |inst: &str| {
+            shared
+                && *alive
+                    .lock()
+                    .entry(inst.to_string())
+                    .or_insert_with(|| Self::instance_alive(&tmp, inst))
+        };
+        let entries: Vec<fs::DirEntry> = match fs::read_dir(paths.pages()) {
+            Ok(rd) => rd.flatten().collect(),
+            Err(_) => Vec::new(),
+        };
+        let chunks: Vec<Vec<fs::DirEntry>> = {
+            let mut it = entries.into_iter().peekable();
+            let mut v = Vec::new();
+            while it.peek().is_some() {
+                v.push(it.by_ref().take(256).collect());
+            }
+            v
+        };
+        let per_chunk = par::par_map(threads, chunks, |chunk| {
             let mut ok = Vec::new();
             let mut bad = 0u64;
             let mut temp = 0u64;
-            let Ok(rd) = fs::read_dir(&bucket) else {
-                return (ok, bad, temp);
-            };
-            for e in rd.flatten() {
+            for e in chunk {
                 let p = e.path();
                 let name = e.file_name();
                 if let Some(inst) = name.to_str().and_then(format::temp_instance) {
-                    if !live.contains(inst) && remove_file(&p).unwrap_or(false) {
+                    if !is_live(inst) && remove_file(&p).unwrap_or(false) {
                         temp += 1;
                     }
                     continue;
                 }
-                let key = name
-                    .to_str()
-                    .and_then(format::key_from_file_name)
-                    .filter(|k| format::bucket_matches(&bucket, k));
+                let key = name.to_str().and_then(format::key_from_file_name);
                 let checked = match key {
                     None => Err("not a page file name".to_string()),
                     Some(k) => pageio::check_page_file(&p, verify).and_then(|h| {
@@ -407,7 +422,7 @@ impl FileBackend {
         let mut all = Vec::new();
         let mut bad = 0;
         let mut temp = 0;
-        for (ok, b, t) in per_bucket {
+        for (ok, b, t) in per_chunk {
             all.extend(ok);
             bad += b;
             temp += t;
@@ -755,10 +770,7 @@ impl FileBackend {
             return;
         }
         let mut files: Vec<(SystemTime, u64, PageKey, PathBuf)> = Vec::new();
-        for b in 0..=255u8 {
-            let Ok(rd) = fs::read_dir(self.paths.pages().join(format!("{b:02x}"))) else {
-                continue;
-            };
+        if let Ok(rd) = fs::read_dir(self.paths.pages()) {
             for e in rd.flatten() {
                 let Some(k) = e.file_name().to_str().and_then(format::key_from_file_name) else {
                     continue;

@@ -144,6 +144,21 @@ pub fn try_flock(file: &File, exclusive: bool) -> io::Result<bool> {
     }
 }
 
+/// An exclusive `flock`, waiting for it.
+pub fn flock_wait(file: &File) -> io::Result<()> {
+    loop {
+        // SAFETY: flock on an open fd has no memory effects.
+        let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
+    }
+}
+
 /// Releases a `flock`.
 pub fn unflock(file: &File) {
     // SAFETY: flock on an open fd has no memory effects; failure only leaves the lock held
