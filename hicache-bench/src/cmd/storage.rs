@@ -200,8 +200,14 @@ async fn backend_round(
     dst: &mut MmapMut,
     (page_bytes, pages): (usize, usize),
     seed: u64,
-    mut between: impl FnMut() -> Result<()>,
-) -> Result<(f64, f64, f64)> {
+    reference_first: bool,
+    reference: &mut dyn FnMut(Phase) -> Result<f64>,
+) -> Result<Round> {
+    let mut write_ref = 0.0;
+    let mut read_ref = 0.0;
+    if reference_first {
+        write_ref = reference(Phase::Write)?;
+    }
     let batch = args.batch.min(storage.info().max_batch);
     let keys: Vec<PageKey> = (0..pages as u64).map(|i| seed_key(seed, i)).collect();
     let t = Instant::now();
@@ -219,7 +225,14 @@ async fn backend_round(
         }
     }
     let write = t.elapsed().as_secs_f64();
-    between()?;
+    if !reference_first {
+        write_ref = reference(Phase::Write)?;
+    }
+    let mut dropped = drop_caches();
+    if reference_first {
+        read_ref = reference(Phase::Read)?;
+        dropped &= drop_caches();
+    }
     let t = Instant::now();
     for chunk in keys.chunks(batch) {
         let mut bufs: Vec<PageBufMut<'_>> = dst
@@ -235,6 +248,10 @@ async fn backend_round(
         }
     }
     let read = t.elapsed().as_secs_f64();
+    if !reference_first {
+        dropped &= drop_caches();
+        read_ref = reference(Phase::Read)?;
+    }
     // Warm batch_exists of a full controller batch (128 keys).
     let probe = &keys[..keys.len().min(128)];
     let calls = 2000;
@@ -249,7 +266,21 @@ async fn backend_round(
         }
     }
     let exists_us = t.elapsed().as_secs_f64() * 1e6 / calls as f64;
-    Ok((write, read, exists_us))
+    Ok(Round {
+        write_ref,
+        write,
+        read_ref,
+        read,
+        exists_us,
+        dropped,
+    })
+}
+
+/// Which half of the reference a round asks for.
+#[derive(Copy, Clone, Debug)]
+enum Phase {
+    Write,
+    Read,
 }
 
 /// Runs `storage`, writing the table or JSON lines to `out`.
@@ -296,11 +327,6 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                 let _ = std::fs::remove_dir_all(d);
             }
             let raw_path = base.as_ref().map(|b| b.join("bench-raw.bin"));
-            // Reference write.
-            let write_ref = match &raw_path {
-                Some(p) => raw_write(p, &src, page_bytes, pages, args.raw_threads)?,
-                None => memcpy_secs(&src, page_bytes, pages)?,
-            };
             let mut overrides: Vec<(&str, Value)> = Vec::new();
             if let Some(d) = &store_dir {
                 overrides.push(("dir", Value::String(d.display().to_string())));
@@ -308,9 +334,19 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             overrides.push(("capacity", Value::from(bytes * 2 + (64 << 20))));
             let mut bargs = args.backend.clone();
             bargs.dir = None;
-            let mut dropped = false;
-            let mut read_ref = 0.0;
-            let (write, read, exists_us) = rt.block_on(async {
+            let mut reference = |phase: Phase| -> Result<f64> {
+                match (phase, &raw_path) {
+                    (Phase::Write, Some(p)) => {
+                        raw_write(p, &src, page_bytes, pages, args.raw_threads)
+                    }
+                    (Phase::Read, Some(p)) => raw_read(p, page_bytes, pages, args.raw_threads),
+                    (_, None) => memcpy_secs(&src, page_bytes, pages),
+                }
+            };
+            // Alternate which side goes first, so neither always meets the disk in the same
+            // state.
+            let reference_first = round % 2 == 0;
+            let r = rt.block_on(async {
                 let storage = bargs.open(&overrides, page_bytes).await?;
                 zero_copy = storage.info().zero_copy;
                 let r = backend_round(
@@ -320,17 +356,8 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                     &mut dst,
                     (page_bytes, pages),
                     round as u64,
-                    || {
-                        // Between the backend's write and read: drop the page cache, then the
-                        // reference read (cold too), so both reads see a cold cache.
-                        dropped = drop_caches();
-                        read_ref = match &raw_path {
-                            Some(p) => raw_read(p, page_bytes, pages, args.raw_threads)?,
-                            None => memcpy_secs(&src, page_bytes, pages)?,
-                        };
-                        dropped &= drop_caches();
-                        Ok(())
-                    },
+                    reference_first,
+                    &mut reference,
                 )
                 .await;
                 drop(storage);
@@ -342,14 +369,7 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             if let Some(p) = &raw_path {
                 let _ = std::fs::remove_file(p);
             }
-            rounds.push(Round {
-                write_ref,
-                write,
-                read_ref,
-                read,
-                exists_us,
-                dropped,
-            });
+            rounds.push(r);
         }
         let best = |f: fn(&Round) -> f64| rounds.iter().map(f).fold(f64::INFINITY, f64::min);
         let label = size_label(page_bytes);
@@ -369,26 +389,33 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                 .with("reference_kind", reference)
                 .with("zero_copy", zero_copy)
         };
-        records.push(common(
+        let mut write = common(
             Record::new(
                 "storage",
                 format!("{b}/write/{label}"),
                 gbps(bytes, best(|r| r.write)),
                 "GB/s",
             )
-            .with_reference(gbps(bytes, best(|r| r.write_ref)))
-            .with("durable", "default fsync policy, reference fdatasync"),
-        ));
-        records.push(common(
+            .with_reference(gbps(bytes, best(|r| r.write_ref))),
+        );
+        let mut read = common(
             Record::new(
                 "storage",
                 format!("{b}/read/{label}"),
                 gbps(bytes, best(|r| r.read)),
                 "GB/s",
             )
-            .with_reference(gbps(bytes, best(|r| r.read_ref)))
-            .with("cold", cold),
-        ));
+            .with_reference(gbps(bytes, best(|r| r.read_ref))),
+        );
+        if file_like {
+            write = write.with(
+                "durable",
+                "backend fsync policy; reference ends with fdatasync",
+            );
+            read = read.with("cold", cold);
+        }
+        records.push(write);
+        records.push(read);
         records.push(
             Record::new(
                 "storage",
