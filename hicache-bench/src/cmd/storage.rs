@@ -199,10 +199,12 @@ async fn backend_round(
     src: &MmapMut,
     dst: &mut MmapMut,
     (page_bytes, pages): (usize, usize),
-    seed: u64,
-    reference_first: bool,
+    round: usize,
     reference: &mut dyn FnMut(Phase) -> Result<f64>,
 ) -> Result<Round> {
+    // Alternate which side goes first, so neither always meets the disk in the same state.
+    let reference_first = round.is_multiple_of(2);
+    let seed = round as u64;
     let mut write_ref = 0.0;
     let mut read_ref = 0.0;
     if reference_first {
@@ -343,9 +345,6 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                     (_, None) => memcpy_secs(&src, page_bytes, pages),
                 }
             };
-            // Alternate which side goes first, so neither always meets the disk in the same
-            // state.
-            let reference_first = round % 2 == 0;
             let r = rt.block_on(async {
                 let storage = bargs.open(&overrides, page_bytes).await?;
                 zero_copy = storage.info().zero_copy;
@@ -355,8 +354,7 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                     &src,
                     &mut dst,
                     (page_bytes, pages),
-                    round as u64,
-                    reference_first,
+                    round,
                     &mut reference,
                 )
                 .await;
