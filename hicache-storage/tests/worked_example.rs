@@ -36,6 +36,7 @@ pub struct Tiny {
 }
 
 impl Tiny {
+    /// An empty store of `capacity` bytes.
     pub fn new(capacity: u64, eviction: EvictionPolicy) -> Self {
         Self {
             capacity,
