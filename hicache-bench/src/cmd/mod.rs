@@ -3,3 +3,7 @@
 pub mod hash;
 pub mod transfer;
 pub mod tree;
+pub mod storage;
+pub mod storage_check;
+pub mod storage_common;
+pub mod storage_write;
