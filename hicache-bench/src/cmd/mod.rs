@@ -1,9 +1,9 @@
 //! One module per subcommand.
 
 pub mod hash;
-pub mod transfer;
-pub mod tree;
 pub mod storage;
 pub mod storage_check;
 pub mod storage_common;
 pub mod storage_write;
+pub mod transfer;
+pub mod tree;
