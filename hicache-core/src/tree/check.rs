@@ -119,6 +119,9 @@ impl HiRadixTree {
                 dev_kids += u32::from(k.on_device());
                 lock_sum += u64::from(k.lock_ref);
             }
+            if kids.len() != n.n_children as usize {
+                return fail("child count is wrong");
+            }
             if dev_kids != n.dev_children {
                 return fail("device-children count is wrong");
             }

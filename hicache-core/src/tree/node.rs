@@ -13,6 +13,12 @@ use hashbrown::HashTable;
 use crate::eviction::{NodeStats, StatsTable};
 use crate::key::PageHash;
 
+/// Tokens of a first page that enter its child-table hash.
+pub(crate) const HASHED_TOKENS: usize = 16;
+
+/// Parents with at most this many children are searched by scanning their sibling list.
+const SCAN_CHILDREN: u32 = 4;
+
 /// "No node" in the intrusive links.
 pub(crate) const NIL: u32 = u32::MAX;
 
@@ -40,6 +46,7 @@ pub(crate) struct Node {
     pub lock_ref: u32,
     pub host_ref: u32,
     pub dev_children: u32,
+    pub n_children: u32,
     pub tenant: u16,
     pub flags: u8,
 }
@@ -59,6 +66,7 @@ impl Node {
             lock_ref: 0,
             host_ref: 0,
             dev_children: 0,
+            n_children: 0,
             tenant: 0,
             flags: 0,
         }
@@ -133,11 +141,13 @@ pub(crate) fn make_buf(tokens: &[u32], device: Option<&[u32]>, host: Option<&[u3
     v.into_boxed_slice()
 }
 
-/// Hash of a child's table key: its parent's index and its first page. Four independent
-/// multiply-xor lanes over 64-bit words keep the dependency chain short (a 64-token page is 8
-/// rounds).
+/// Hash of a child's table key: its parent's index and its first page (at most its first
+/// [`HASHED_TOKENS`] tokens: siblings almost always differ early, and the table verifies the
+/// whole page anyway, so a longer hash would only cost time). Four independent multiply-xor
+/// lanes over 64-bit words keep the dependency chain short.
 #[inline]
 pub(crate) fn child_hash(parent: u32, page: &[u32]) -> u64 {
+    let page = &page[..page.len().min(HASHED_TOKENS)];
     const K: [u64; 4] = [
         0x9E37_79B9_7F4A_7C15,
         0xC2B2_AE3D_27D4_EB4F,
@@ -211,9 +221,23 @@ impl Arena {
         &self.nodes[i as usize].buf[..self.ps]
     }
 
-    /// The child of `parent` whose first page is `page`.
+    /// The child of `parent` whose first page is `page`. A parent with few children is
+    /// scanned through its sibling list (no hashing, no table probe: the common chain case);
+    /// others go through the child table.
     #[inline]
     pub fn find_child(&self, parent: u32, page: &[u32]) -> Option<u32> {
+        let p = &self.nodes[parent as usize];
+        if p.n_children <= SCAN_CHILDREN {
+            let mut c = p.first_child;
+            while c != NIL {
+                let n = &self.nodes[c as usize];
+                if n.buf[0] == page[0] && n.buf[..self.ps] == *page {
+                    return Some(c);
+                }
+                c = n.next;
+            }
+            return None;
+        }
         let h = child_hash(parent, page);
         let nodes = &self.nodes;
         let ps = self.ps;
@@ -271,7 +295,9 @@ impl Arena {
         if head != NIL {
             self.nodes[head as usize].prev = child;
         }
-        self.nodes[parent as usize].first_child = child;
+        let p = &mut self.nodes[parent as usize];
+        p.first_child = child;
+        p.n_children += 1;
     }
 
     /// Unlinks `child` from its parent's sibling list (parent pointer kept).
@@ -284,6 +310,9 @@ impl Arena {
             self.nodes[prev as usize].next = next;
         } else if parent != NIL {
             self.nodes[parent as usize].first_child = next;
+        }
+        if parent != NIL {
+            self.nodes[parent as usize].n_children -= 1;
         }
         if next != NIL {
             self.nodes[next as usize].prev = prev;
@@ -329,20 +358,23 @@ impl Arena {
         out
     }
 
-    /// Number of pages in which `tokens` (page-aligned) agrees with node `i` from its start.
+    /// Number of pages in which `tokens` (page-aligned) agrees with node `i` from its start,
+    /// given that the first page is already known to agree (it was verified by
+    /// [`Arena::find_child`]).
     #[inline]
     pub fn common_pages(&self, i: u32, tokens: &[u32]) -> usize {
         let ps = self.ps;
         let own = self.nodes[i as usize].tokens(ps);
         let n = own.len().min(tokens.len());
-        if own[..n] == tokens[..n] {
+        debug_assert!(n >= ps && own[..ps] == tokens[..ps]);
+        if own[ps..n] == tokens[ps..n] {
             return n / ps;
         }
-        own[..n]
+        1 + own[ps..n]
             .chunks_exact(ps)
-            .zip(tokens[..n].chunks_exact(ps))
+            .zip(tokens[ps..n].chunks_exact(ps))
             .position(|(a, b)| a != b)
-            .unwrap_or(n / ps)
+            .unwrap_or(n / ps - 1)
     }
 }
 
@@ -371,7 +403,7 @@ mod tests {
         let page: Vec<u32> = (0..64).collect();
         let h = child_hash(3, &page);
         assert_ne!(h, child_hash(4, &page));
-        for i in 0..64 {
+        for i in 0..HASHED_TOKENS {
             let mut p = page.clone();
             p[i] ^= 1;
             assert_ne!(h, child_hash(3, &p), "token {i}");

@@ -329,6 +329,7 @@ impl HiRadixTree {
             m.flags = flags & (LIVE | DEVICE | super::HOST | super::WRITE_PENDING);
             m.dev_children = u32::from(on_dev);
             m.first_child = NIL;
+            m.n_children = 0;
         }
         self.arena.replace_in_siblings(c, nn);
         {
