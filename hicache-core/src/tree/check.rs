@@ -45,6 +45,9 @@ impl HiRadixTree {
                 if n.buf.len() != p * (ps + 2) {
                     return fail("buffer length does not match pages");
                 }
+                if n.first_token != n.buf[0] {
+                    return fail("cached first token is stale");
+                }
                 let hashing = self.cfg.hasher.is_some();
                 if n.hashes.len() != if hashing { p } else { 0 } {
                     return fail("wrong number of page hashes");

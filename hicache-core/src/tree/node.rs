@@ -17,7 +17,7 @@ use crate::key::PageHash;
 pub(crate) const HASHED_TOKENS: usize = 16;
 
 /// Parents with at most this many children are searched by scanning their sibling list.
-const SCAN_CHILDREN: u32 = 4;
+const SCAN_CHILDREN: u32 = 2;
 
 /// "No node" in the intrusive links.
 pub(crate) const NIL: u32 = u32::MAX;
@@ -47,6 +47,8 @@ pub(crate) struct Node {
     pub host_ref: u32,
     pub dev_children: u32,
     pub n_children: u32,
+    /// `buf[0]` (the first token), kept in the node so that a sibling scan touches only nodes.
+    pub first_token: u32,
     pub tenant: u16,
     pub flags: u8,
 }
@@ -67,9 +69,16 @@ impl Node {
             host_ref: 0,
             dev_children: 0,
             n_children: 0,
+            first_token: 0,
             tenant: 0,
             flags: 0,
         }
+    }
+
+    /// Installs a new `[tokens | device | host]` buffer.
+    pub fn set_buf(&mut self, buf: Box<[u32]>) {
+        self.first_token = buf.first().copied().unwrap_or(0);
+        self.buf = buf;
     }
 
     #[inline]
@@ -231,7 +240,7 @@ impl Arena {
             let mut c = p.first_child;
             while c != NIL {
                 let n = &self.nodes[c as usize];
-                if n.buf[0] == page[0] && n.buf[..self.ps] == *page {
+                if n.first_token == page[0] && n.buf[..self.ps] == *page {
                     return Some(c);
                 }
                 c = n.next;
@@ -244,7 +253,7 @@ impl Arena {
         self.children
             .find(h, |&c| {
                 let n = &nodes[c as usize];
-                n.parent == parent && &n.buf[..ps] == page
+                n.parent == parent && n.first_token == page[0] && &n.buf[..ps] == page
             })
             .copied()
     }

@@ -224,7 +224,7 @@ impl HiRadixTree {
         let tenant = self.node(parent).tenant;
         {
             let n = self.node_mut(i);
-            n.buf = make_buf(tokens, device, host);
+            n.set_buf(make_buf(tokens, device, host));
             n.hashes = hashes;
             n.pages = pages;
             n.tenant = tenant;
@@ -317,7 +317,7 @@ impl HiRadixTree {
         };
         {
             let m = self.node_mut(nn);
-            m.buf = upper;
+            m.set_buf(upper);
             m.hashes = hu;
             m.pages = k;
             m.stats = stats;
@@ -334,7 +334,7 @@ impl HiRadixTree {
         self.arena.replace_in_siblings(c, nn);
         {
             let n = self.node_mut(c);
-            n.buf = lower;
+            n.set_buf(lower);
             n.hashes = hl;
             n.pages -= k;
         }
