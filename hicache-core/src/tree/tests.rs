@@ -710,3 +710,102 @@ fn metadata_accounting_is_reported() {
     assert_eq!(tokens, 8 * PS as usize * 4);
     assert!(meta > 8 * 8);
 }
+
+#[test]
+fn load_back_plan_survives_a_split_of_its_chain() {
+    let mut t = tree(WritePolicy::WriteThrough);
+    let a = toks(1, 1);
+    let b = cat(&a, &toks(2, 3));
+    let na = ins(&mut t, &a, 0).last_node;
+    let nb = ins(&mut t, &b, 10).last_node;
+    backup(&mut t, na, 100);
+    backup(&mut t, nb, 200);
+    t.lock(na).unwrap();
+    t.evict(10, &mut NoHost);
+    t.unlock(na).unwrap();
+    let plan = t.plan_load_back(nb, None).unwrap().unwrap();
+    // A lookup ending inside the planned chain splits it.
+    let m = t.match_prefix(T, &b[..8]).unwrap();
+    assert_ne!(m.last_node, nb);
+    ok(&t);
+    let load = t.commit_load_back(plan, &[50, 51, 52]).unwrap();
+    ok(&t);
+    assert_eq!(
+        t.match_prefix(T, &b).unwrap().device_slots,
+        vec![0, 50, 51, 52]
+    );
+    t.finish_load_back(load).unwrap();
+    ok(&t);
+}
+
+#[test]
+fn priorities_are_maxed_along_the_path_and_drive_the_priority_strategy() {
+    let mut c = cfg(WritePolicy::WriteThroughSelective);
+    c.eviction = StrategyKind::Priority;
+    let mut t = HiRadixTree::new(c).unwrap();
+    let low = toks(1, 1);
+    let high = toks(2, 1);
+    let opts = |priority| InsertOptions {
+        chunked: false,
+        priority,
+    };
+    let nl = t.insert(T, &low, &[0], opts(1)).unwrap().last_node;
+    let nh = t.insert(T, &high, &[1], opts(5)).unwrap().last_node;
+    // A later, more recent hit on `low` at priority 0 keeps its priority 1.
+    t.insert(T, &low, &[2], opts(0)).unwrap();
+    assert_eq!(t.node_info(nl).unwrap().priority, 1);
+    assert_eq!(t.node_info(nh).unwrap().priority, 5);
+    assert_eq!(t.evict(1, &mut NoHost).device_slots, vec![0]);
+    ok(&t);
+}
+
+#[test]
+fn host_inserts_and_subtree_drops_emit_events() {
+    let mut c = cfg(WritePolicy::WriteBack);
+    c.hasher = Some(PageHasher::sglang(PS).unwrap());
+    c.events = true;
+    let mut t = HiRadixTree::new(c).unwrap();
+    let root = t.tenant_root(T).unwrap();
+    let a = toks(1, 1);
+    let b = cat(&a, &toks(2, 1));
+    ins(&mut t, &a, 0);
+    t.drain_events();
+    let r = t.insert_host_only(T, root, &b, &[7, 8], None).unwrap();
+    ok(&t);
+    assert_eq!((r.adopted_pages, r.new_pages), (1, 1));
+    let ev = t.drain_events();
+    assert_eq!(ev.len(), 2);
+    assert!(ev.iter().all(|e| e.medium() == Some(Medium::CpuPinned)));
+    // The adopted node is now backed up; its host-only child is dropped only with host eviction.
+    let out = t.evict_host(1);
+    assert_eq!(out.host_slots, vec![8]);
+    let out = t.evict(1, &mut NoHost);
+    assert_eq!(out.demoted_pages, 1);
+    ok(&t);
+    let kinds: Vec<_> = t.drain_events().iter().map(KvEvent::medium).collect();
+    assert_eq!(kinds, vec![Some(Medium::CpuPinned), Some(Medium::Gpu)]);
+}
+
+#[test]
+fn stale_ids_are_errors_for_every_operation() {
+    let mut t = tree(WritePolicy::WriteThrough);
+    let n = ins(&mut t, &toks(1, 1), 0).last_node;
+    t.evict(1, &mut NoHost);
+    let stale = |e: Result<(), CoreError>| assert!(matches!(e, Err(CoreError::StaleNode(_))));
+    stale(t.lock(n));
+    stale(t.unlock(n));
+    stale(t.protect_host(n));
+    stale(t.release_host(n));
+    stale(t.begin_backup(n).map(|_| ()));
+    stale(t.commit_backup(n, &[1]).map(|_| ()));
+    stale(t.plan_load_back(n, None).map(|_| ()));
+    stale(t.split(n, 1).map(|_| ()));
+    stale(
+        t.insert_host_only(T, n, &toks(2, 1), &[1], None)
+            .map(|_| ()),
+    );
+    stale(t.tokens(n).map(|_| ()));
+    stale(t.children(n).map(|_| ()));
+    stale(t.last_page_hash(n).map(|_| ()));
+    ok(&t);
+}
