@@ -31,26 +31,29 @@ pub(crate) const WRITE_PENDING: u8 = 1 << 4;
 /// in the same call; cleared before the call returns.
 pub(crate) const SKIPPED: u8 = 1 << 5;
 
-/// One node of the radix tree.
+/// One node of the radix tree: two cache lines. The first holds everything a lookup reads
+/// on its way down (buffer, first token, links, counts, flags); the second the page hashes
+/// and the eviction stats.
 #[derive(Debug)]
+#[repr(C, align(64))]
 pub(crate) struct Node {
     pub buf: Box<[u32]>,
-    pub hashes: Box<[PageHash]>,
-    pub stats: NodeStats,
-    pub parent: u32,
-    pub first_child: u32,
-    pub next: u32,
-    pub prev: u32,
-    pub pages: u32,
-    pub generation: u32,
-    pub lock_ref: u32,
-    pub host_ref: u32,
-    pub dev_children: u32,
-    pub n_children: u32,
     /// `buf[0]` (the first token), kept in the node so that a sibling scan touches only nodes.
     pub first_token: u32,
+    pub pages: u32,
+    pub n_children: u32,
+    pub first_child: u32,
+    pub next: u32,
+    pub parent: u32,
+    pub generation: u32,
+    pub lock_ref: u32,
+    pub dev_children: u32,
+    pub host_ref: u32,
+    pub prev: u32,
     pub tenant: u16,
     pub flags: u8,
+    pub hashes: Box<[PageHash]>,
+    pub stats: NodeStats,
 }
 
 impl Node {
@@ -419,6 +422,12 @@ mod tests {
         }
         assert_ne!(child_hash(0, &[1]), child_hash(0, &[2]));
         assert_ne!(child_hash(0, &[1, 2, 3]), child_hash(0, &[1, 2, 4]));
+    }
+
+    #[test]
+    fn nodes_are_two_cache_lines() {
+        assert_eq!(std::mem::size_of::<Node>(), 128);
+        assert_eq!(std::mem::align_of::<Node>(), 64);
     }
 
     #[test]

@@ -63,7 +63,7 @@ impl HiRadixTree {
         self.clock += 1;
         let now = self.clock;
         let ps = self.ps;
-        let mut slots = Vec::new();
+        let mut slots = Vec::with_capacity(tokens.len() / ps);
         let mut node = root;
         let mut rest = tokens;
         while !rest.is_empty() {
