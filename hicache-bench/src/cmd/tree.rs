@@ -634,6 +634,7 @@ pub fn run(args: &TreeArgs, mut out: impl Write) -> Result<()> {
             .with("cached_pages", r.cached_pages)
             .with("metadata_bytes_per_page", meta_per_page)
             .with("token_bytes_per_page", tok_per_page)
+            .with("best_req_per_s", r.best_req_per_s)
             .with("replays", r.reps);
             writeln!(out, "{}", rec.to_json_line()).map_err(wr)?;
         } else {
