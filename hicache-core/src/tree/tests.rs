@@ -515,7 +515,7 @@ fn host_inserts_dedupe_adopt_and_create_host_only_nodes() {
     assert_eq!(t.host_slots(na).unwrap(), &[70, 71]);
     let m = t.match_prefix(T, &b).unwrap();
     assert_eq!(m.host_hit_pages, 2);
-    assert_eq!(m.last_host_node, r.last_node.unwrap());
+    assert_eq!(m.last_host_node, r.last_node);
     // Same pages again: all duplicates; a partial key splits the host-only node.
     let r2 = t
         .insert_host_only(T, root, &b[..12], &[80, 81, 82], None)
@@ -525,9 +525,7 @@ fn host_inserts_dedupe_adopt_and_create_host_only_nodes() {
     assert_eq!(r2.new_pages, 0);
     // Anchored below: only the suffix is given.
     let c = toks(3, 1);
-    let r3 = t
-        .insert_host_only(T, r.last_node.unwrap(), &c, &[90], None)
-        .unwrap();
+    let r3 = t.insert_host_only(T, r.last_node, &c, &[90], None).unwrap();
     ok(&t);
     assert_eq!(r3.new_pages, 1);
     let m = t.match_prefix(T, &cat(&b, &c)).unwrap();
@@ -808,4 +806,37 @@ fn stale_ids_are_errors_for_every_operation() {
     stale(t.children(n).map(|_| ()));
     stale(t.last_page_hash(n).map(|_| ()));
     ok(&t);
+}
+
+#[test]
+fn page_size_one_works_token_by_token() {
+    let mut t = HiRadixTree::new(TreeConfig {
+        hasher: Some(PageHasher::sglang(1).unwrap()),
+        events: true,
+        ..TreeConfig::new(1)
+    })
+    .unwrap();
+    let a = [1, 2, 3, 4];
+    let b = [1, 2, 9];
+    let r = t
+        .insert(T, &a, &[10, 11, 12, 13], InsertOptions::default())
+        .unwrap();
+    ok(&t);
+    let m = t.match_prefix(T, &b).unwrap();
+    ok(&t);
+    assert_eq!(m.device_slots, vec![10, 11]);
+    let r2 = t
+        .insert(T, &b, &[20, 21, 22], InsertOptions::default())
+        .unwrap();
+    ok(&t);
+    assert_eq!(r2.prefix_pages, 2);
+    assert_eq!(
+        t.prefix_hashes(r2.last_node).unwrap(),
+        PageHasher::sglang(1).unwrap().hash_pages(None, &b)
+    );
+    // The oldest leaf is the split-off tail [3, 4]: the whole node goes.
+    assert_eq!(t.node_info(r.last_node).unwrap().pages, 2);
+    assert_eq!(t.evict(1, &mut NoHost).device_slots, vec![12, 13]);
+    ok(&t);
+    assert!(t.node_info(r.last_node).is_err());
 }

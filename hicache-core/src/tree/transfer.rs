@@ -118,7 +118,7 @@ impl LoadBackPlan {
 }
 
 /// What [`HiRadixTree::insert_host_only`] did.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostInsertResult {
     /// Pages of the key that were already in the tree.
     pub present_pages: usize,
@@ -129,7 +129,7 @@ pub struct HostInsertResult {
     /// The caller's host slots the tree did not take (duplicates): free them.
     pub duplicate_slots: Vec<HostSlot>,
     /// The node holding the key's last page (the anchor for an empty key).
-    pub last_node: Option<NodeId>,
+    pub last_node: NodeId,
 }
 
 impl HiRadixTree {
@@ -435,7 +435,13 @@ impl HiRadixTree {
             self.touch(a, now);
         }
         let ps = self.ps;
-        let mut out = HostInsertResult::default();
+        let mut out = HostInsertResult {
+            present_pages: 0,
+            adopted_pages: 0,
+            new_pages: 0,
+            duplicate_slots: Vec::new(),
+            last_node: anchor,
+        };
         let mut node = a;
         let mut off = 0usize;
         while off < pages {
@@ -481,7 +487,7 @@ impl HiRadixTree {
             out.new_pages = pages - off;
             node = leaf;
         }
-        out.last_node = Some(self.id(node));
+        out.last_node = self.id(node);
         Ok(out)
     }
 }
