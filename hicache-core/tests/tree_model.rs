@@ -612,7 +612,10 @@ fn strategy() -> impl Strategy<Value = StrategyKind> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    // 256 cases by default; `PROPTEST_CASES=N` for a longer search.
+    #![proptest_config(ProptestConfig::with_cases(
+        std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(256)
+    ))]
 
     #[test]
     fn tree_matches_the_naive_model(
