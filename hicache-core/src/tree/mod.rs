@@ -590,9 +590,11 @@ impl HiRadixTree {
         self.host_pages
     }
 
-    /// Bytes of tree metadata (nodes, slots, hashes, child table, candidate sets), excluding
-    /// the token ids, and bytes of token ids, as `(metadata, tokens)`.
+    /// Bytes of tree metadata (nodes, slots, hashes, child table, candidate sets, and an
+    /// estimated 16 bytes of allocator overhead per heap block), excluding the token ids, and
+    /// bytes of token ids, as `(metadata, tokens)`.
     pub fn memory_bytes(&self) -> (usize, usize) {
+        const MALLOC_OVERHEAD: usize = 16;
         let mut meta = self.arena.nodes.capacity() * std::mem::size_of::<Node>()
             + self.arena.free.capacity() * 4
             + self.arena.children.capacity() * (std::mem::size_of::<u32>() + 1)
@@ -603,7 +605,10 @@ impl HiRadixTree {
             if n.has(LIVE) && !n.is_root() {
                 let t = n.pages as usize * self.ps;
                 tokens += t * 4;
-                meta += (n.buf.len() - t) * 4 + n.hashes.len() * std::mem::size_of::<PageHash>();
+                meta += (n.buf.len() - t) * 4 + MALLOC_OVERHEAD;
+                if !n.hashes.is_empty() {
+                    meta += n.hashes.len() * std::mem::size_of::<PageHash>() + MALLOC_OVERHEAD;
+                }
             }
         }
         (meta, tokens)
