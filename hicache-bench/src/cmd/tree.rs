@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use hicache_core::{
-    HiRadixTree, InsertOptions, NoHost, NodeId, StrategyKind, TenantId, TreeConfig,
+    HiRadixTree, InsertOptions, NoHost, NodeId, PageHasher, StrategyKind, TenantId, TreeConfig,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -138,6 +138,9 @@ pub struct TreeArgs {
     /// Key length of the big-tree lookups, in tokens.
     #[arg(long, default_value_t = 16384)]
     pub big_key_tokens: usize,
+    /// Compute a SHA-256 page hash for every inserted page (as with L3 or KV events on).
+    #[arg(long)]
+    pub hashing: bool,
 }
 
 /// Per-request outcome (the `--log` line).
@@ -194,10 +197,21 @@ pub fn replay<const TIMED: bool>(
     kind: StrategyKind,
     log: Option<&mut Vec<RequestOutcome>>,
 ) -> Result<(Totals, HiRadixTree)> {
-    let mut tree = HiRadixTree::new(TreeConfig {
+    let cfg = TreeConfig {
         eviction: kind,
         ..TreeConfig::new(page_size)
-    })?;
+    };
+    replay_with::<TIMED>(trace, cfg, capacity, log)
+}
+
+/// [`replay`] on a fresh tree of the given configuration.
+pub fn replay_with<const TIMED: bool>(
+    trace: &[Request],
+    cfg: TreeConfig,
+    capacity: Option<usize>,
+    log: Option<&mut Vec<RequestOutcome>>,
+) -> Result<(Totals, HiRadixTree)> {
+    let mut tree = HiRadixTree::new(cfg)?;
     let totals = replay_into::<TIMED>(&mut tree, trace, capacity, log)?;
     Ok((totals, tree))
 }
@@ -332,14 +346,13 @@ pub struct CaseResult {
 /// Measures one capacity.
 pub fn measure(
     trace: &[Request],
-    ps: u32,
+    cfg: &TreeConfig,
     capacity: Option<usize>,
-    kind: StrategyKind,
     min_time: Duration,
 ) -> Result<CaseResult> {
     // Warm-up on a fresh tree, then the per-phase figures on the flushed tree (the same
     // conditions as the timed replays below).
-    let (_, mut tree) = replay::<false>(trace, ps, capacity, kind, None)?;
+    let (_, mut tree) = replay_with::<false>(trace, cfg.clone(), capacity, None)?;
     tree.reset();
     let totals = replay_into::<true>(&mut tree, trace, capacity, None)?;
     let cached_pages = tree.device_pages();
@@ -554,6 +567,15 @@ pub fn run(args: &TreeArgs, mut out: impl Write) -> Result<()> {
             args.seed
         ),
     };
+    let cfg = TreeConfig {
+        eviction: kind,
+        hasher: if args.hashing {
+            Some(PageHasher::sglang(ps)?)
+        } else {
+            None
+        },
+        ..TreeConfig::new(ps)
+    };
     // Unique pages of the trace: the tree size after an unlimited replay.
     let (_, full) = replay::<false>(&trace, ps, None, kind, None)?;
     let unique = full.device_pages();
@@ -565,8 +587,13 @@ pub fn run(args: &TreeArgs, mut out: impl Write) -> Result<()> {
     if !args.json {
         writeln!(
             out,
-            "tree replay: {} requests, {source}; page {ps}, policy {kind}, {unique} unique pages",
-            trace.len()
+            "tree replay: {} requests, {source}; page {ps}, policy {kind}, {unique} unique pages{}",
+            trace.len(),
+            if args.hashing {
+                ", page hashing on"
+            } else {
+                ""
+            }
         )
         .map_err(wr)?;
         writeln!(
@@ -599,10 +626,10 @@ pub fn run(args: &TreeArgs, mut out: impl Write) -> Result<()> {
             Capacity::Pages(n) => Some(n),
             Capacity::Percent(p) => Some(((unique as f64 * p / 100.0).round() as usize).max(1)),
         };
-        let r = measure(&trace, ps, pages, kind, min_time)?;
+        let r = measure(&trace, &cfg, pages, min_time)?;
         if let Some(path) = &args.log {
             let mut log = Vec::new();
-            replay::<false>(&trace, ps, pages, kind, Some(&mut log))?;
+            replay_with::<false>(&trace, cfg.clone(), pages, Some(&mut log))?;
             write_log(path, &trace, &log)?;
         }
         let per_req = |d: Duration| d.as_secs_f64() * 1e6 / r.totals.requests.max(1) as f64;
@@ -817,6 +844,7 @@ mod tests {
             min_time_ms: 1,
             big_tree_pages: 64,
             big_key_tokens: 32,
+            hashing: true,
         };
         let mut out = Vec::new();
         run(&args, &mut out).unwrap();
