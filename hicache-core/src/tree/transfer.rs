@@ -377,6 +377,11 @@ impl HiRadixTree {
         Ok(id)
     }
 
+    /// The loads pending, oldest first.
+    pub fn pending_loads(&self) -> Vec<LoadId> {
+        self.loads.keys().copied().collect()
+    }
+
     /// The ack of a load: unlocks its node. Returns the node.
     pub fn finish_load_back(&mut self, load_id: LoadId) -> Result<NodeId> {
         let node = *self.loads.get(&load_id).ok_or(CoreError::UnknownTransfer {
