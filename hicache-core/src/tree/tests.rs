@@ -840,3 +840,9 @@ fn page_size_one_works_token_by_token() {
     ok(&t);
     assert!(t.node_info(r.last_node).is_err());
 }
+
+#[test]
+fn the_tree_can_move_between_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<HiRadixTree>();
+}
