@@ -1,0 +1,6 @@
+//! # hicache
+//!
+//! The crate an inference engine depends on.
+#![warn(missing_docs)]
+
+pub mod rank;
