@@ -281,8 +281,7 @@ impl Metrics {
     where
         L: Clone + std::hash::Hash + Eq,
     {
-        let value = family.get_or_create(&label).get();
-        value
+        family.get_or_create(&label).get()
     }
 
     /// The current values as plain numbers.
