@@ -832,12 +832,15 @@ impl HiCache {
         self.end_prefetch(seq, 0, PrefetchOutcome::aborted)
     }
 
-    /// Frees pages that finished prefetch tasks handed back. With `wait`, waits for every
-    /// draining task to exit first.
+    /// Frees pages that finished prefetch tasks handed back. With `wait`, waits (up to 10 s
+    /// in all) for every draining task to exit first; pages of a task still stuck in a
+    /// backend call after that are left allocated (never reused while it may write them)
+    /// and reported.
     pub(crate) fn collect_leftovers(&mut self, wait: bool) -> Result<()> {
         let Some(l3) = self.l3.as_mut() else {
             return Ok(());
         };
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
         let mut back = Vec::new();
         l3.draining.retain(|s| {
             loop {
@@ -850,6 +853,13 @@ impl HiCache {
                 }
                 if !wait {
                     return true;
+                }
+                if Instant::now() >= deadline {
+                    tracing::warn!(
+                        pages = st.slots.as_ref().map_or(0, |v| v.len() - st.completed),
+                        "a prefetch task is stuck in its backend; its host pages stay allocated"
+                    );
+                    return false;
                 }
                 drop(st);
                 std::thread::sleep(std::time::Duration::from_micros(200));
