@@ -15,6 +15,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// The controller's own cost per scheduler tick with many running requests (sim device).
+    Controller(cmd::controller::ControllerArgs),
     /// Print the page hashes of token ids read from standard input, one hex digest per page.
     Hash(cmd::hash::HashArgs),
     /// L1<->L2 page transfers (backup, per-layer load) against bulk pinned copies.
@@ -42,6 +44,7 @@ fn main() -> ExitCode {
         Some(Command::Hash(args)) => {
             cmd::hash::run(&args, std::io::stdin().lock(), std::io::stdout().lock())
         }
+        Some(Command::Controller(args)) => cmd::controller::run(&args, std::io::stdout().lock()),
         Some(Command::Tree(args)) => cmd::tree::run(&args, std::io::stdout().lock()),
         Some(Command::Transfer(args)) => cmd::transfer::run(&args, std::io::stdout().lock()),
         Some(Command::Storage(args)) => {

@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod controller;
 pub mod hash;
 pub mod storage;
 pub mod storage_check;
