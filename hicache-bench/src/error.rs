@@ -25,6 +25,9 @@ pub enum BenchError {
     /// An error from hicache-core.
     #[error(transparent)]
     Core(#[from] hicache_core::CoreError),
+    /// An error from a storage backend or its configuration.
+    #[error(transparent)]
+    Storage(#[from] hicache_storage::StorageError),
 }
 
 impl BenchError {
@@ -34,6 +37,12 @@ impl BenchError {
         match self {
             BenchError::Usage(_) | BenchError::Io { .. } | BenchError::Core(_) => 2,
             BenchError::CheckFailed(_) => 1,
+            BenchError::Storage(e) => match e {
+                hicache_storage::StorageError::Config { .. }
+                | hicache_storage::StorageError::ConfigSyntax { .. }
+                | hicache_storage::StorageError::UnknownBackend { .. } => 2,
+                _ => 1,
+            },
         }
     }
 

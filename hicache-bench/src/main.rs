@@ -19,6 +19,8 @@ enum Command {
     Hash(cmd::hash::HashArgs),
     /// L1<->L2 page transfers (backup, per-layer load) against bulk pinned copies.
     Transfer(cmd::transfer::TransferArgs),
+    /// The plugin ABI's cost: the memory backend natively vs through the example plugin.
+    Plugin(cmd::plugin::PluginArgs),
     /// Replay a request trace through the HiRadixTree and report requests/s (the default).
     Tree(cmd::tree::TreeArgs),
 }
@@ -36,6 +38,7 @@ fn main() -> ExitCode {
         Some(Command::Hash(args)) => {
             cmd::hash::run(&args, std::io::stdin().lock(), std::io::stdout().lock())
         }
+        Some(Command::Plugin(args)) => cmd::plugin::run(&args, std::io::stdout().lock()),
         Some(Command::Tree(args)) => cmd::tree::run(&args, std::io::stdout().lock()),
         Some(Command::Transfer(args)) => cmd::transfer::run(&args, std::io::stdout().lock()),
         None => {
