@@ -23,6 +23,12 @@ enum Command {
     Plugin(cmd::plugin::PluginArgs),
     /// Replay a request trace through the HiRadixTree and report requests/s (the default).
     Tree(cmd::tree::TreeArgs),
+    /// Storage backend throughput next to raw O_DIRECT I/O of the same bytes (or memcpy).
+    Storage(cmd::storage::StorageArgs),
+    /// Write deterministic pages, printing `acked <i>` after each acknowledged batch.
+    StorageWrite(cmd::storage_write::StorageWriteArgs),
+    /// Reopen a storage and check that acknowledged pages are present and bit-exact.
+    StorageCheck(cmd::storage_check::StorageCheckArgs),
 }
 
 /// The arguments of the main job: `tree` with its defaults plus the big-tree lookup case.
@@ -41,6 +47,15 @@ fn main() -> ExitCode {
         Some(Command::Plugin(args)) => cmd::plugin::run(&args, std::io::stdout().lock()),
         Some(Command::Tree(args)) => cmd::tree::run(&args, std::io::stdout().lock()),
         Some(Command::Transfer(args)) => cmd::transfer::run(&args, std::io::stdout().lock()),
+        Some(Command::Storage(args)) => {
+            cmd::storage::run(&args, std::io::stdout().lock()).map(drop)
+        }
+        Some(Command::StorageWrite(args)) => {
+            cmd::storage_write::run(&args, std::io::stdout().lock())
+        }
+        Some(Command::StorageCheck(args)) => {
+            cmd::storage_check::run(&args, std::io::stdout().lock()).map(drop)
+        }
         None => {
             // The most complete workload that exists so far: the tree replay.
             let mut job = MainJob::parse_from(["hicache-bench"]);

@@ -62,7 +62,8 @@ impl MultiTurn {
     pub fn generate(&self) -> Vec<Request> {
         let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
         let vocab = self.vocab.max(1);
-        let mut draw = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab)).collect() };
+        let mut draw =
+            |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab)).collect() };
         let system = draw(self.system_tokens);
         let mut history: Vec<Vec<u32>> = vec![system; self.clients];
         let mut out = Vec::with_capacity(self.clients * self.rounds);
@@ -203,8 +204,11 @@ mod tests {
 
     #[test]
     fn bad_lines_name_the_line_and_token() {
-        let e = read("t", &b"{\"id\": \"a\", \"tokens\": [1, 2]}\n{\"id\": 3, \"tokens\": [1, 4294967296]}\n"[..])
-            .unwrap_err();
+        let e = read(
+            "t",
+            &b"{\"id\": \"a\", \"tokens\": [1, 2]}\n{\"id\": 3, \"tokens\": [1, 4294967296]}\n"[..],
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("t:2: token 1"), "{e}");
         assert_eq!(e.exit_code(), 2);
         let e = read("t", &b"{\"id\": \"a\", \"tokens\": [-1]}"[..]).unwrap_err();
@@ -213,6 +217,9 @@ mod tests {
         assert!(e.to_string().starts_with("t:1:"), "{e}");
         let e = read("t", &b"{\"tokens\": [1]}"[..]).unwrap_err();
         assert!(e.to_string().contains("t:1"), "{e}");
-        assert_eq!(read("t", &b"\n{\"id\": 7, \"tokens\": []}\n"[..]).unwrap()[0].id, "7");
+        assert_eq!(
+            read("t", &b"\n{\"id\": 7, \"tokens\": []}\n"[..]).unwrap()[0].id,
+            "7"
+        );
     }
 }

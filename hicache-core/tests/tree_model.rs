@@ -30,6 +30,8 @@ enum Op {
     Protect(u8, Vec<u8>),
     Release(usize),
     Finish(usize),
+    Split(u8, Vec<u8>, usize),
+    Reset,
 }
 
 fn key() -> impl Strategy<Value = Vec<u8>> {
@@ -50,6 +52,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..2, key()).prop_map(|(t, k)| Op::Protect(t, k)),
         1 => any::<usize>().prop_map(Op::Release),
         2 => any::<usize>().prop_map(Op::Finish),
+        1 => (0u8..2, key(), any::<usize>()).prop_map(|(t, k, at)| Op::Split(t, k, at)),
+        1 => Just(Op::Reset),
     ]
 }
 
@@ -447,6 +451,43 @@ impl Harness {
                     self.t.release_host(id).unwrap();
                 }
             }
+            Op::Split(tn, words, at) => {
+                let toks = tokens_of(words);
+                let m = self
+                    .t
+                    .match_prefix(self.tenants[*tn as usize], &toks)
+                    .unwrap();
+                let info = self.t.node_info(m.last_node).unwrap();
+                if info.pages > 1 {
+                    let upper = self
+                        .t
+                        .split(m.last_node, 1 + at % (info.pages - 1))
+                        .unwrap();
+                    assert_eq!(self.t.node_info(m.last_node).unwrap().parent, Some(upper));
+                } else {
+                    assert!(self.t.split(m.last_node, 1).is_err());
+                }
+            }
+            Op::Reset => {
+                let (dev, host) = self.t.reset();
+                let want_dev = self.model.values().filter(|p| p.dev.is_some()).count();
+                let want_host = self.model.values().filter(|p| p.host.is_some()).count();
+                assert_eq!((dev.len(), host.len()), (want_dev, want_host));
+                self.host.used -= host.len();
+                self.model.clear();
+                self.locks.clear();
+                self.protects.clear();
+                self.pending.clear();
+                for &t in &self.tenants {
+                    assert!(
+                        self.t
+                            .match_prefix(t, &tokens_of(&[0]))
+                            .unwrap()
+                            .device_slots
+                            .is_empty()
+                    );
+                }
+            }
             Op::Finish(i) => {
                 if !self.pending.is_empty() {
                     match self.pending.remove(i % self.pending.len()) {
@@ -612,7 +653,10 @@ fn strategy() -> impl Strategy<Value = StrategyKind> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    // 256 cases by default; `PROPTEST_CASES=N` for a longer search.
+    #![proptest_config(ProptestConfig::with_cases(
+        std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(256)
+    ))]
 
     #[test]
     fn tree_matches_the_naive_model(

@@ -93,12 +93,22 @@ impl CudaDevice {
         let ctx =
             CudaContext::new(ordinal).map_err(GpuError::driver("cuDevicePrimaryCtxRetain"))?;
         let name = ctx.name().map_err(GpuError::driver("cuDeviceGetName"))?;
+        if !ctx.has_async_alloc() {
+            return Err(GpuError::NoDriver(format!(
+                "{name} has no stream-ordered memory pools (cuMemAllocAsync), which the \
+                 transfer engine needs"
+            )));
+        }
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(GpuError::driver("cuDeviceGetAttribute"))? as u32;
         let (maj, min) = ctx
             .compute_capability()
             .map_err(GpuError::driver("cuDeviceGetAttribute"))?;
+        // SAFETY: we never use cudarc's CudaSlice (whose cross-stream safety relies on event
+        // tracking); every ordering between our streams is explicit (events), and tracking would
+        // make the first stream creation synchronise the whole (engine-shared) context.
+        unsafe { ctx.disable_event_tracking() };
         Ok(Self {
             ctx,
             name,
@@ -165,6 +175,16 @@ impl CudaDevice {
         self.ctx
             .new_stream()
             .map_err(GpuError::driver("cuStreamCreate"))
+    }
+
+    /// Wraps a stream owned by someone else (the engine).
+    ///
+    /// # Safety
+    /// `raw` must be a live `CUstream` of this device's primary context that outlives the
+    /// wrapper.
+    pub unsafe fn borrow_stream(&self, raw: sys::CUstream) -> Arc<CudaStream> {
+        // SAFETY: per the contract.
+        unsafe { self.ctx.wrap_borrowed_stream(raw) }
     }
 
     /// A new event without timing.

@@ -333,6 +333,35 @@ impl Stream {
         }
     }
 
+    /// Wraps a CUDA stream owned by the engine (e.g. the stream its attention runs on), so
+    /// transfers can wait for its events and it can wait for layer events
+    /// ([`LayerDoneCounter::stream_wait`](crate::LayerDoneCounter::stream_wait)). Dropping the
+    /// wrapper leaves the stream alone. Errors on the sim device.
+    ///
+    /// # Safety
+    /// `raw` must be a live `CUstream` of `device`'s primary context (the one PyTorch and
+    /// SGLang use) that outlives the returned wrapper.
+    pub unsafe fn borrow_cuda(device: &Device, raw: *mut std::ffi::c_void) -> Result<Stream> {
+        match device.backend() {
+            Backend::Cuda(c) => Ok(Stream {
+                device: device.clone(),
+                // SAFETY: per the contract.
+                inner: StreamInner::Cuda(unsafe { c.borrow_stream(raw.cast()) }),
+            }),
+            Backend::Sim => Err(GpuError::InvalidConfig(
+                "borrow_cuda needs a CUDA device".into(),
+            )),
+        }
+    }
+
+    /// The `CUstream` (CUDA only), for an engine to queue on or wait for with its own API.
+    pub fn as_raw_cuda(&self) -> Option<*mut std::ffi::c_void> {
+        match &self.inner {
+            StreamInner::Cuda(s) => Some(s.cu_stream().cast()),
+            StreamInner::Sim(_) => None,
+        }
+    }
+
     /// Sim only: holds the stream's later work until the returned gate is opened (or
     /// dropped). For tests of asynchronous behaviour; errors on CUDA streams.
     pub fn sim_gate(&self) -> Result<SimGate> {
@@ -463,6 +492,15 @@ impl Event {
                 .try_is_complete()
                 .map_err(GpuError::driver("cuEventQuery")),
             EventInner::Sim(e) => Ok(e.is_done()),
+        }
+    }
+
+    /// The `CUevent` (CUDA only), for an engine to wait on with its own API. Valid while this
+    /// event (or a clone) lives.
+    pub fn as_raw_cuda(&self) -> Option<*mut std::ffi::c_void> {
+        match &self.inner {
+            EventInner::Cuda(e) => Some(e.cu_event().cast()),
+            EventInner::Sim(_) => None,
         }
     }
 

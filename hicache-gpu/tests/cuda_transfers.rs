@@ -176,3 +176,45 @@ fn undersized_engine_buffers_are_caught_by_the_driver_check() {
         assert!(matches!(e, GpuError::BadRegistration(_)), "{e}");
     }
 }
+
+/// An engine-owned stream (here: a raw handle of one of ours) drives a load and waits for its
+/// layers through the LayerDoneCounter.
+#[test]
+fn borrowed_engine_stream_orders_loads_and_layers() {
+    let Some(device) = cuda_device("borrowed_engine_stream_orders_loads_and_layers") else {
+        return;
+    };
+    let case = Case {
+        shape: KvShape::llama3_8b(16),
+        layout: LayoutKind::PageFirst,
+        io: IoBackend::Kernel,
+        engine: true,
+        misalign: 0,
+        device_pages: 11,
+        host_pages: 13,
+        staged: 0,
+    };
+    let fx = Fixture::new(&device, case);
+    let owner = device.new_stream("engine").unwrap();
+    // SAFETY: `owner` outlives `compute`.
+    let compute =
+        unsafe { hicache_gpu::Stream::borrow_cuda(&device, owner.as_raw_cuda().unwrap()) }.unwrap();
+    fx.randomize(9);
+    let before = fx.snapshot();
+    let ready = compute.record().unwrap();
+    assert!(ready.as_raw_cuda().is_some());
+    let load = fx
+        .engine
+        .load(&hslots(&[1, 2, 3]), &dslots(&[4, 5, 6]), &[&ready])
+        .unwrap();
+    let counter = hicache_gpu::LayerDoneCounter::new(load.num_layers(), 3).unwrap();
+    let id = counter.publish(load.clone()).unwrap();
+    counter.set_consumer(id).unwrap();
+    for l in 0..load.num_layers() {
+        counter.stream_wait(&compute, l).unwrap();
+    }
+    compute.synchronize().unwrap();
+    assert!(load.is_done().unwrap());
+    let want = fx.expected(&before, Direction::ToDevice, &[4, 5, 6], &[1, 2, 3], 0..32);
+    assert!(fx.snapshot() == want);
+}

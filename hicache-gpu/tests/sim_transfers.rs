@@ -402,3 +402,14 @@ fn cuda_without_a_driver_is_a_clear_error() {
     assert!(matches!(e, GpuError::NoDriver(_)), "{e}");
     assert!(e.to_string().contains("libcuda"), "{e}");
 }
+
+#[test]
+fn cuda_interop_is_refused_on_sim() {
+    let device = Device::sim();
+    // SAFETY: the sim device refuses before touching the pointer.
+    let e = unsafe { hicache_gpu::Stream::borrow_cuda(&device, std::ptr::null_mut()) }.unwrap_err();
+    assert!(matches!(e, GpuError::InvalidConfig(_)), "{e}");
+    let s = device.new_stream("x").unwrap();
+    assert!(s.record().unwrap().as_raw_cuda().is_none());
+    assert!(s.as_raw_cuda().is_none());
+}

@@ -63,6 +63,8 @@ use crate::pageio::{IoCtx, ReadResult};
 use crate::sys::BufPool;
 
 const NAME: &str = "file";
+/// Lock file in `tmp/` serialising instance registration and stale-temp cleanup.
+const REGISTRY_LOCK: &str = "registry.lock";
 
 /// What [`FileBackend::open`] found and did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -83,6 +85,7 @@ pub struct OpenReport {
 pub struct FileBackend {
     opts: FileOptions,
     paths: Layout,
+    instance: String,
     instance_tmp: PathBuf,
     instance_lock_path: PathBuf,
     direct: bool,
@@ -161,7 +164,10 @@ impl FileBackend {
                 )));
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                fs::write(&marker, MARKER_CONTENTS)
+                // Written aside and renamed, so a concurrent opener never reads it half-written.
+                let aside = root.join(format!("{MARKER}.{}.tmp", std::process::id()));
+                fs::write(&aside, MARKER_CONTENTS)
+                    .and_then(|()| fs::rename(&aside, &marker))
                     .map_err(StorageError::io("write format marker", &marker))?;
             }
             Err(e) => return Err(StorageError::io("read format marker", &marker)(e)),
@@ -181,15 +187,19 @@ impl FileBackend {
                 }
             )));
         }
-        // 2. Fan-out directories.
-        for b in 0..=255u8 {
-            let d = paths.pages().join(format!("{b:02x}"));
-            fs::create_dir_all(&d).map_err(StorageError::io("create directory", &d))?;
-        }
+        // 2. The page directory.
+        let pages_dir = paths.pages();
+        fs::create_dir_all(&pages_dir).map_err(StorageError::io("create directory", &pages_dir))?;
         let tmp = paths.tmp();
         fs::create_dir_all(&tmp).map_err(StorageError::io("create directory", &tmp))?;
-        // 3. Stale temp files: everything in exclusive mode; dead instances' in shared mode.
-        let discarded_temp = Self::clean_temp(&tmp, opts.shared)?;
+        // 3. Under the registry lock (so no instance is seen between creating and locking
+        // its lock file): remove dead instances' leftovers (everything in exclusive mode),
+        // then register this instance with a lock file it holds for its whole life.
+        let registry_path = tmp.join(REGISTRY_LOCK);
+        let registry =
+            File::create(&registry_path).map_err(StorageError::io("create", &registry_path))?;
+        sys::flock_wait(&registry).map_err(StorageError::io("lock", &registry_path))?;
+        let stale_temp_dirs = Self::clean_temp(&tmp, opts.shared)?;
         // 4. This instance's temp directory, locked for its life.
         let instance = format!(
             "{}-{:x}",
@@ -204,7 +214,10 @@ impl FileBackend {
             .map_err(StorageError::io("create", &instance_lock_path))?;
         sys::try_flock(&instance_lock, true)
             .map_err(StorageError::io("lock", &instance_lock_path))?;
+        sys::unflock(&registry);
+        drop(registry);
         let instance_tmp = tmp.join(&instance);
+        debug_assert!(!instance.contains('.'), "temp names split on '.'");
         fs::create_dir_all(&instance_tmp)
             .map_err(StorageError::io("create directory", &instance_tmp))?;
         // 5. O_DIRECT probe.
@@ -225,7 +238,9 @@ impl FileBackend {
             }
         };
         // 6. Scan committed pages.
-        let (found, discarded_pages) = Self::scan(&paths, opts.io_threads, opts.verify_on_open);
+        let (found, discarded_pages, stale_temp_files) =
+            Self::scan(&paths, opts.io_threads, opts.verify_on_open, opts.shared);
+        let discarded_temp = stale_temp_dirs + stale_temp_files;
         let used: u64 = found.iter().map(|(_, m, _)| file_bytes(m.len)).sum();
         let capacity = match opts.capacity_bytes {
             Some(c) => c,
@@ -268,6 +283,7 @@ impl FileBackend {
             bufs: BufPool::new(opts.io_threads * 2),
             opts,
             paths,
+            instance,
             instance_tmp,
             instance_lock_path,
             direct,
@@ -282,44 +298,41 @@ impl FileBackend {
         })
     }
 
+    /// Removes dead instances' lock files and scratch directories; returns how many files
+    /// they held.
     fn clean_temp(tmp: &Path, shared: bool) -> Result<u64> {
         let mut n = 0;
         let rd = fs::read_dir(tmp).map_err(StorageError::io("list", tmp))?;
-        let mut live: BTreeSet<String> = BTreeSet::new();
-        let mut entries = Vec::new();
         for e in rd.flatten() {
-            entries.push(e.path());
-        }
-        if shared {
-            for p in &entries {
-                let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
-                    continue;
-                };
-                if let Some(inst) = name.strip_suffix(".lock") {
-                    let Ok(f) = File::open(p) else { continue };
-                    if !sys::try_flock(&f, true).unwrap_or(false) {
-                        live.insert(inst.to_string());
-                    }
-                }
-            }
-        }
-        for p in &entries {
+            let p = e.path();
             let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
                 continue;
             };
+            if name == REGISTRY_LOCK {
+                continue;
+            }
             let inst = name.strip_suffix(".lock").unwrap_or(name);
-            if live.contains(inst) {
+            if shared && Self::instance_alive(tmp, inst) {
                 continue;
             }
             if p.is_dir() {
-                n += remove_tree_counting(p);
+                n += remove_tree_counting(&p);
             } else if name.ends_with(".lock") {
-                let _ = remove_file(p);
-            } else if remove_file(p).unwrap_or(false) {
+                let _ = remove_file(&p);
+            } else if remove_file(&p).unwrap_or(false) {
                 n += 1;
             }
         }
         Ok(n)
+    }
+
+    /// Whether the process instance `inst` still runs: it holds the lock on its lock file for
+    /// its whole life, and creates that file before any temp file.
+    fn instance_alive(tmp: &Path, inst: &str) -> bool {
+        match File::open(tmp.join(format!("{inst}.lock"))) {
+            Ok(f) => !sys::try_flock(&f, true).unwrap_or(true),
+            Err(_) => false,
+        }
     }
 
     fn probe_direct(dir: &Path) -> bool {
@@ -333,29 +346,51 @@ impl FileBackend {
         r.is_ok()
     }
 
-    /// Lists and checks every page file; returns the valid ones (key, meta, mtime) and the
-    /// number of invalid files deleted.
+    /// Lists and checks every page file; returns the valid ones (key, meta, mtime), the
+    /// number of invalid files deleted and the number of stale temp files deleted (every temp
+    /// file in exclusive mode; those of dead instances in shared mode).
+    #[allow(clippy::type_complexity)]
     fn scan(
         paths: &Layout,
         threads: usize,
         verify: bool,
-    ) -> (Vec<(PageKey, PageMeta, SystemTime)>, u64) {
-        let buckets: Vec<PathBuf> = (0..=255u8)
-            .map(|b| paths.pages().join(format!("{b:02x}")))
-            .collect();
-        let per_bucket = par::par_map(threads, buckets, |bucket| {
+        shared: bool,
+    ) -> (Vec<(PageKey, PageMeta, SystemTime)>, u64, u64) {
+        let alive: Mutex<HashMap<String, bool>> = Mutex::new(HashMap::new());
+        let tmp = paths.tmp();
+        let is_live = |inst: &str| {
+            shared
+                && *alive
+                    .lock()
+                    .entry(inst.to_string())
+                    .or_insert_with(|| Self::instance_alive(&tmp, inst))
+        };
+        let entries: Vec<fs::DirEntry> = match fs::read_dir(paths.pages()) {
+            Ok(rd) => rd.flatten().collect(),
+            Err(_) => Vec::new(),
+        };
+        let chunks: Vec<Vec<fs::DirEntry>> = {
+            let mut it = entries.into_iter().peekable();
+            let mut v = Vec::new();
+            while it.peek().is_some() {
+                v.push(it.by_ref().take(256).collect());
+            }
+            v
+        };
+        let per_chunk = par::par_map(threads, chunks, |chunk| {
             let mut ok = Vec::new();
             let mut bad = 0u64;
-            let Ok(rd) = fs::read_dir(&bucket) else {
-                return (ok, bad);
-            };
-            for e in rd.flatten() {
+            let mut temp = 0u64;
+            for e in chunk {
                 let p = e.path();
                 let name = e.file_name();
-                let key = name
-                    .to_str()
-                    .and_then(format::key_from_file_name)
-                    .filter(|k| format::bucket_matches(&bucket, k));
+                if let Some(inst) = name.to_str().and_then(format::temp_instance) {
+                    if !is_live(inst) && remove_file(&p).unwrap_or(false) {
+                        temp += 1;
+                    }
+                    continue;
+                }
+                let key = name.to_str().and_then(format::key_from_file_name);
                 let checked = match key {
                     None => Err("not a page file name".to_string()),
                     Some(k) => pageio::check_page_file(&p, verify).and_then(|h| {
@@ -382,15 +417,17 @@ impl FileBackend {
                     }
                 }
             }
-            (ok, bad)
+            (ok, bad, temp)
         });
         let mut all = Vec::new();
         let mut bad = 0;
-        for (ok, b) in per_bucket {
+        let mut temp = 0;
+        for (ok, b, t) in per_chunk {
             all.extend(ok);
             bad += b;
+            temp += t;
         }
-        (all, bad)
+        (all, bad, temp)
     }
 
     /// What opening found and did.
@@ -425,9 +462,10 @@ impl FileBackend {
         }
     }
 
-    fn temp_path(&self) -> PathBuf {
+    /// A fresh temp name in the key's own bucket, so the commit is a same-directory rename.
+    fn temp_path(&self, key: &PageKey) -> PathBuf {
         let n = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
-        self.instance_tmp.join(format!("{n}.tmp"))
+        self.paths.temp_path(key, &self.instance, n)
     }
 
     /// Shared mode: if `key` is already committed on disk with `meta` (by another process),
@@ -503,12 +541,14 @@ impl FileBackend {
         }
         self.drop_victims(&victims);
 
-        // Phase 1: write every page to a temp file (in parallel).
+        // Phase 1, in parallel: write every page to a temp file next to its final name and,
+        // unless the policy is `none`, sync its data; under `always`, also commit it (rename)
+        // and sync its directory.
         let policy = self.opts.fsync;
         let shared = self.opts.shared;
         let io = self.io();
         enum Step {
-            Written(PathBuf, File),
+            Written(PathBuf),
             Adopted,
             Committed,
             Failed(PageError),
@@ -519,73 +559,57 @@ impl FileBackend {
             if shared && self.adopt_from_disk(key, Some(page.meta())).is_some() {
                 return Step::Adopted;
             }
-            let tmp = self.temp_path();
-            match pageio::write_page_file(io, &tmp, key, page, policy == FsyncPolicy::Always) {
+            let tmp = self.temp_path(key);
+            let written = pageio::write_page_file(io, &tmp, key, page, policy != FsyncPolicy::None);
+            if let Err(e) = written {
+                let _ = remove_file(&tmp);
+                return Step::Failed(PageError::io("write", &e));
+            }
+            if policy != FsyncPolicy::Always {
+                return Step::Written(tmp);
+            }
+            let r = fs::rename(&tmp, self.paths.page_path(key))
+                .map_err(|e| PageError::io("rename", &e))
+                .and_then(|()| {
+                    sys::sync_dir(&self.paths.bucket(key))
+                        .map_err(|e| PageError::io("sync directory", &e))
+                });
+            match r {
+                Ok(()) => Step::Committed,
                 Err(e) => {
                     let _ = remove_file(&tmp);
-                    Step::Failed(PageError::io("write", &e))
+                    Step::Failed(e)
                 }
-                Ok(file) if policy == FsyncPolicy::Always => {
-                    drop(file);
-                    let dst = self.paths.page_path(key);
-                    let r = fs::rename(&tmp, &dst)
-                        .map_err(|e| PageError::io("rename", &e))
-                        .and_then(|()| {
-                            sys::sync_dir(&self.paths.bucket(key))
-                                .map_err(|e| PageError::io("sync directory", &e))
-                        });
-                    match r {
-                        Ok(()) => Step::Committed,
-                        Err(e) => {
-                            let _ = remove_file(&tmp);
-                            Step::Failed(e)
-                        }
-                    }
-                }
-                Ok(file) => Step::Written(tmp, file),
             }
         });
-        // Phase 2 (batch): sync every written file's data, in parallel.
-        let steps: Vec<Step> = if policy == FsyncPolicy::Batch {
-            par::par_map(self.opts.io_threads, steps, |s| match s {
-                Step::Written(tmp, file) => match file.sync_data() {
-                    Ok(()) => Step::Written(tmp, file),
-                    Err(e) => {
-                        let _ = remove_file(&tmp);
-                        Step::Failed(PageError::io("sync", &e))
-                    }
-                },
-                other => other,
-            })
-        } else {
-            steps
-        };
-        // Phase 3: rename into place (commit); phase 4 (batch): sync the touched directories.
-        let mut buckets: BTreeSet<PathBuf> = BTreeSet::new();
-        let mut results: Vec<(usize, Result<bool, PageError>)> = Vec::with_capacity(jobs.len());
-        for (i, s) in jobs.iter().copied().zip(steps) {
-            let r = match s {
-                Step::Written(tmp, file) => {
-                    drop(file);
-                    let dst = self.paths.page_path(&keys[i]);
-                    match fs::rename(&tmp, &dst) {
-                        Ok(()) => {
-                            buckets.insert(self.paths.bucket(&keys[i]));
-                            Ok(true)
-                        }
+        // Phase 2, in parallel: commit (same-directory rename) every written page.
+        let renamed = par::par_map(
+            self.opts.io_threads,
+            jobs.iter().copied().zip(steps).collect(),
+            |(i, s)| {
+                let r = match s {
+                    Step::Written(tmp) => match fs::rename(&tmp, self.paths.page_path(&keys[i])) {
+                        Ok(()) => Ok(true),
                         Err(e) => {
                             let _ = remove_file(&tmp);
                             Err(PageError::io("rename", &e))
                         }
-                    }
-                }
-                Step::Committed => Ok(true),
-                Step::Adopted => Ok(false),
-                Step::Failed(e) => Err(e),
-            };
-            results.push((i, r));
-        }
-        if policy == FsyncPolicy::Batch && !buckets.is_empty() {
+                    },
+                    Step::Committed => Ok(true),
+                    Step::Adopted => Ok(false),
+                    Step::Failed(e) => Err(e),
+                };
+                (i, r)
+            },
+        );
+        let mut results: Vec<(usize, Result<bool, PageError>)> = renamed;
+        // Phase 3 (batch): make the renames durable, one sync per touched directory.
+        if policy == FsyncPolicy::Batch {
+            let buckets: BTreeSet<PathBuf> = results
+                .iter()
+                .filter(|(_, r)| matches!(r, Ok(true)))
+                .map(|(i, _)| self.paths.bucket(&keys[*i]))
+                .collect();
             let synced = par::par_map(
                 self.opts.io_threads,
                 buckets.into_iter().collect(),
@@ -746,10 +770,7 @@ impl FileBackend {
             return;
         }
         let mut files: Vec<(SystemTime, u64, PageKey, PathBuf)> = Vec::new();
-        for b in 0..=255u8 {
-            let Ok(rd) = fs::read_dir(self.paths.pages().join(format!("{b:02x}"))) else {
-                continue;
-            };
+        if let Ok(rd) = fs::read_dir(self.paths.pages()) {
             for e in rd.flatten() {
                 let Some(k) = e.file_name().to_str().and_then(format::key_from_file_name) else {
                     continue;

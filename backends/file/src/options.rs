@@ -72,7 +72,7 @@ pub struct FileOptions {
     pub direct_io: DirectIo,
     /// Eviction order (`eviction`: `lru` | `fifo`, default `lru`).
     pub eviction: EvictionPolicy,
-    /// Threads a batch's page I/O is spread over (`io_threads`, 1–256, default 16).
+    /// Threads a batch's page I/O is spread over (`io_threads`, 1–256, default 32).
     pub io_threads: usize,
     /// Largest batch accepted (`max_batch`, 128–4096, default 256).
     pub max_batch: usize,
@@ -95,7 +95,7 @@ impl FileOptions {
             fsync: FsyncPolicy::Batch,
             direct_io: DirectIo::Auto,
             eviction: EvictionPolicy::Lru,
-            io_threads: 16,
+            io_threads: 32,
             max_batch: 256,
             shared: false,
             rescan_bytes: None,

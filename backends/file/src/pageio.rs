@@ -49,6 +49,7 @@ pub fn write_page_file(
             page.parts().len(),
         );
     let file = sys::create_new(path, ctx.direct)?;
+    sys::preallocate(&file, (HEADER_LEN + padded) as u64)?;
     let result = if direct_in_place {
         let mut hbuf = ctx.bufs.take(HEADER_LEN)?;
         header.encode(&mut hbuf);

@@ -36,6 +36,23 @@ pub fn open_read(path: &Path, direct: bool) -> io::Result<File> {
     o.open(path)
 }
 
+/// Allocates `len` bytes for a new file up front and sets its size, so that the O_DIRECT
+/// write that follows does not extend the file (ext4 serialises extending direct writes on
+/// its orphan list) and running out of space fails here, before any data is written. File
+/// systems without `fallocate` fall back to `ftruncate`.
+pub fn preallocate(file: &File, len: u64) -> io::Result<()> {
+    // SAFETY: fallocate on an open fd has no memory effects.
+    let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => file.set_len(len),
+        _ => Err(e),
+    }
+}
+
 /// Writes every byte of `bufs` at `offset`, retrying short writes.
 pub fn pwritev_all(file: &File, bufs: &mut [IoSlice<'_>], mut offset: u64) -> io::Result<()> {
     let mut bufs = bufs;
@@ -123,6 +140,21 @@ pub fn try_flock(file: &File, exclusive: bool) -> io::Result<bool> {
             Some(libc::EWOULDBLOCK) => return Ok(false),
             Some(libc::EINTR) => continue,
             _ => return Err(e),
+        }
+    }
+}
+
+/// An exclusive `flock`, waiting for it.
+pub fn flock_wait(file: &File) -> io::Result<()> {
+    loop {
+        // SAFETY: flock on an open fd has no memory effects.
+        let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
         }
     }
 }

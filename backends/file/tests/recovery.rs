@@ -117,6 +117,12 @@ async fn restart_discards_torn_files_and_restores_accounting() {
     fs::write(tmp.join("999999-dead/0.tmp"), vec![1u8; 5000]).unwrap();
     fs::write(tmp.join("999999-dead.lock"), b"").unwrap();
     fs::write(tmp.join("stray.tmp"), b"x").unwrap();
+    let bucket = p_trunc.parent().unwrap().to_path_buf();
+    fs::write(
+        bucket.join(format!("{}.999999-dead.0.tmp", ks[3].to_hex())),
+        vec![2u8; 9000],
+    )
+    .unwrap();
     let f = fs::OpenOptions::new().write(true).open(&p_trunc).unwrap();
     f.set_len(HEADER_LEN as u64 + 100).unwrap();
     drop(f);
@@ -133,13 +139,21 @@ async fn restart_discards_torn_files_and_restores_accounting() {
         "truncated, bad header, bad name: {r:?}"
     );
     assert_eq!(
-        r.discarded_temp, 2,
-        "dead instance's temp file and the stray: {r:?}"
+        r.discarded_temp, 3,
+        "dead instance's temp files (tmp/ and bucket) and the stray: {r:?}"
     );
     let st = s.stats();
     assert_eq!(st.pages, before.pages - 2);
     assert_eq!(st.bytes, before.bytes - 20_000);
-    assert_eq!(st.discarded_on_open, 5);
+    assert_eq!(st.discarded_on_open, 6);
+    assert!(
+        fs::read_dir(&bucket).unwrap().all(|e| !e
+            .unwrap()
+            .file_name()
+            .to_str()
+            .unwrap()
+            .ends_with(".tmp"))
+    );
     assert!(!tmp.join("999999-dead").exists() && !tmp.join("stray.tmp").exists());
     // Every intact page is served, the damaged ones are misses.
     let good: Vec<PageKey> = ks
@@ -330,10 +344,8 @@ async fn several_processes_share_a_directory() {
     // The janitors kept the directory within capacity plus at most one rescan interval per
     // process.
     let mut on_disk = 0u64;
-    for b in fs::read_dir(dir.path().join("pages")).unwrap() {
-        for f in fs::read_dir(b.unwrap().path()).unwrap() {
-            on_disk += f.unwrap().metadata().unwrap().len();
-        }
+    for f in fs::read_dir(dir.path().join("pages")).unwrap() {
+        on_disk += f.unwrap().metadata().unwrap().len();
     }
     let slack = children * file_bytes(LEN) * 8;
     assert!(

@@ -2,5 +2,9 @@
 
 pub mod hash;
 pub mod plugin;
+pub mod storage;
+pub mod storage_check;
+pub mod storage_common;
+pub mod storage_write;
 pub mod transfer;
 pub mod tree;

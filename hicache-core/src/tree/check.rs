@@ -45,6 +45,9 @@ impl HiRadixTree {
                 if n.buf.len() != p * (ps + 2) {
                     return fail("buffer length does not match pages");
                 }
+                if n.first_token != n.buf[0] {
+                    return fail("cached first token is stale");
+                }
                 let hashing = self.cfg.hasher.is_some();
                 if n.hashes.len() != if hashing { p } else { 0 } {
                     return fail("wrong number of page hashes");
@@ -118,6 +121,9 @@ impl HiRadixTree {
                 prev = c;
                 dev_kids += u32::from(k.on_device());
                 lock_sum += u64::from(k.lock_ref);
+            }
+            if kids.len() != n.n_children as usize {
+                return fail("child count is wrong");
             }
             if dev_kids != n.dev_children {
                 return fail("device-children count is wrong");

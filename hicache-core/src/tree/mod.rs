@@ -21,6 +21,51 @@
 //!   with it. No decision depends on wall-clock time or hash-map iteration order, so the same
 //!   operations give the same tree on every TP rank.
 //!
+//! # Example
+//!
+//! ```
+//! use hicache_core::{HiRadixTree, InsertOptions, NoHost, TenantId, TreeConfig, WritePolicy};
+//!
+//! let mut tree = HiRadixTree::new(TreeConfig {
+//!     write_policy: WritePolicy::WriteThrough,
+//!     ..TreeConfig::new(4)
+//! })?;
+//! let t = TenantId::DEFAULT;
+//! let prompt: Vec<u32> = (0..12).collect(); // 3 pages of 4 tokens
+//!
+//! // A request: match, pin, compute the missing pages, insert, unpin.
+//! let m = tree.match_prefix(t, &prompt)?;
+//! assert_eq!(m.device_pages(), 0);
+//! tree.lock(m.last_device_node)?;
+//! let r = tree.insert(t, &prompt, &[7, 8, 9], InsertOptions::default())?;
+//! tree.unlock(m.last_device_node)?;
+//!
+//! // Write-through: the new node is due for backup. The controller copies its device pages
+//! // to host pages it allocated, and acks.
+//! for node in r.write_through {
+//!     let plan = tree.begin_backup(node)?.expect("parent is the root");
+//!     let write = tree.commit_backup(node, &[100, 101, 102])?; // D2H copy launched
+//!     assert_eq!(plan.device_slots, vec![7, 8, 9]);
+//!     let done = tree.finish_backup(write)?; // D2H copy acknowledged
+//!     assert_eq!(done.host_slots(), vec![100, 101, 102]);
+//! }
+//!
+//! // Device pressure: the node is demoted to host; the caller frees the device slots.
+//! let out = tree.evict(3, &mut NoHost);
+//! assert_eq!(out.device_slots, vec![7, 8, 9]);
+//! let m = tree.match_prefix(t, &prompt)?;
+//! assert_eq!((m.device_pages(), m.host_hit_pages), (0, 3));
+//!
+//! // Load it back: plan, allocate device pages, commit (H2D copy launched), finish on ack.
+//! let plan = tree.plan_load_back(m.last_node, None)?.expect("3 pages >= threshold");
+//! assert_eq!(plan.host_slots(), &[100, 101, 102]);
+//! let load = tree.commit_load_back(plan, &[4, 5, 6])?;
+//! tree.finish_load_back(load)?;
+//! assert_eq!(tree.match_prefix(t, &prompt)?.device_slots, vec![4, 5, 6]);
+//! tree.check_invariants().unwrap();
+//! # Ok::<(), hicache_core::CoreError>(())
+//! ```
+//!
 //! # Invariants (checked by [`HiRadixTree::check_invariants`])
 //!
 //! 1. Device residency is prefix-closed: a node on device has every ancestor on device.
@@ -590,9 +635,11 @@ impl HiRadixTree {
         self.host_pages
     }
 
-    /// Bytes of tree metadata (nodes, slots, hashes, child table, candidate sets), excluding
-    /// the token ids, and bytes of token ids, as `(metadata, tokens)`.
+    /// Bytes of tree metadata (nodes, slots, hashes, child table, candidate sets, and an
+    /// estimated 16 bytes of allocator overhead per heap block), excluding the token ids, and
+    /// bytes of token ids, as `(metadata, tokens)`.
     pub fn memory_bytes(&self) -> (usize, usize) {
+        const MALLOC_OVERHEAD: usize = 16;
         let mut meta = self.arena.nodes.capacity() * std::mem::size_of::<Node>()
             + self.arena.free.capacity() * 4
             + self.arena.children.capacity() * (std::mem::size_of::<u32>() + 1)
@@ -603,7 +650,10 @@ impl HiRadixTree {
             if n.has(LIVE) && !n.is_root() {
                 let t = n.pages as usize * self.ps;
                 tokens += t * 4;
-                meta += (n.buf.len() - t) * 4 + n.hashes.len() * std::mem::size_of::<PageHash>();
+                meta += (n.buf.len() - t) * 4 + MALLOC_OVERHEAD;
+                if !n.hashes.is_empty() {
+                    meta += n.hashes.len() * std::mem::size_of::<PageHash>() + MALLOC_OVERHEAD;
+                }
             }
         }
         (meta, tokens)

@@ -13,6 +13,12 @@ use hashbrown::HashTable;
 use crate::eviction::{NodeStats, StatsTable};
 use crate::key::PageHash;
 
+/// Tokens of a first page that enter its child-table hash.
+pub(crate) const HASHED_TOKENS: usize = 16;
+
+/// Parents with at most this many children are searched by scanning their sibling list.
+const SCAN_CHILDREN: u32 = 2;
+
 /// "No node" in the intrusive links.
 pub(crate) const NIL: u32 = u32::MAX;
 
@@ -25,23 +31,29 @@ pub(crate) const WRITE_PENDING: u8 = 1 << 4;
 /// in the same call; cleared before the call returns.
 pub(crate) const SKIPPED: u8 = 1 << 5;
 
-/// One node of the radix tree.
+/// One node of the radix tree: two cache lines. The first holds everything a lookup reads
+/// on its way down (buffer, first token, links, counts, flags); the second the page hashes
+/// and the eviction stats.
 #[derive(Debug)]
+#[repr(C, align(64))]
 pub(crate) struct Node {
     pub buf: Box<[u32]>,
-    pub hashes: Box<[PageHash]>,
-    pub stats: NodeStats,
-    pub parent: u32,
+    /// `buf[0]` (the first token), kept in the node so that a sibling scan touches only nodes.
+    pub first_token: u32,
+    pub pages: u32,
+    pub n_children: u32,
     pub first_child: u32,
     pub next: u32,
-    pub prev: u32,
-    pub pages: u32,
+    pub parent: u32,
     pub generation: u32,
     pub lock_ref: u32,
-    pub host_ref: u32,
     pub dev_children: u32,
+    pub host_ref: u32,
+    pub prev: u32,
     pub tenant: u16,
     pub flags: u8,
+    pub hashes: Box<[PageHash]>,
+    pub stats: NodeStats,
 }
 
 impl Node {
@@ -59,9 +71,17 @@ impl Node {
             lock_ref: 0,
             host_ref: 0,
             dev_children: 0,
+            n_children: 0,
+            first_token: 0,
             tenant: 0,
             flags: 0,
         }
+    }
+
+    /// Installs a new `[tokens | device | host]` buffer.
+    pub fn set_buf(&mut self, buf: Box<[u32]>) {
+        self.first_token = buf.first().copied().unwrap_or(0);
+        self.buf = buf;
     }
 
     #[inline]
@@ -133,11 +153,13 @@ pub(crate) fn make_buf(tokens: &[u32], device: Option<&[u32]>, host: Option<&[u3
     v.into_boxed_slice()
 }
 
-/// Hash of a child's table key: its parent's index and its first page. Four independent
-/// multiply-xor lanes over 64-bit words keep the dependency chain short (a 64-token page is 8
-/// rounds).
+/// Hash of a child's table key: its parent's index and its first page (at most its first
+/// [`HASHED_TOKENS`] tokens: siblings almost always differ early, and the table verifies the
+/// whole page anyway, so a longer hash would only cost time). Four independent multiply-xor
+/// lanes over 64-bit words keep the dependency chain short.
 #[inline]
 pub(crate) fn child_hash(parent: u32, page: &[u32]) -> u64 {
+    let page = &page[..page.len().min(HASHED_TOKENS)];
     const K: [u64; 4] = [
         0x9E37_79B9_7F4A_7C15,
         0xC2B2_AE3D_27D4_EB4F,
@@ -211,16 +233,30 @@ impl Arena {
         &self.nodes[i as usize].buf[..self.ps]
     }
 
-    /// The child of `parent` whose first page is `page`.
+    /// The child of `parent` whose first page is `page`. A parent with few children is
+    /// scanned through its sibling list (no hashing, no table probe: the common chain case);
+    /// others go through the child table.
     #[inline]
     pub fn find_child(&self, parent: u32, page: &[u32]) -> Option<u32> {
+        let p = &self.nodes[parent as usize];
+        if p.n_children <= SCAN_CHILDREN {
+            let mut c = p.first_child;
+            while c != NIL {
+                let n = &self.nodes[c as usize];
+                if n.first_token == page[0] && n.buf[..self.ps] == *page {
+                    return Some(c);
+                }
+                c = n.next;
+            }
+            return None;
+        }
         let h = child_hash(parent, page);
         let nodes = &self.nodes;
         let ps = self.ps;
         self.children
             .find(h, |&c| {
                 let n = &nodes[c as usize];
-                n.parent == parent && &n.buf[..ps] == page
+                n.parent == parent && n.first_token == page[0] && &n.buf[..ps] == page
             })
             .copied()
     }
@@ -271,7 +307,9 @@ impl Arena {
         if head != NIL {
             self.nodes[head as usize].prev = child;
         }
-        self.nodes[parent as usize].first_child = child;
+        let p = &mut self.nodes[parent as usize];
+        p.first_child = child;
+        p.n_children += 1;
     }
 
     /// Unlinks `child` from its parent's sibling list (parent pointer kept).
@@ -284,6 +322,9 @@ impl Arena {
             self.nodes[prev as usize].next = next;
         } else if parent != NIL {
             self.nodes[parent as usize].first_child = next;
+        }
+        if parent != NIL {
+            self.nodes[parent as usize].n_children -= 1;
         }
         if next != NIL {
             self.nodes[next as usize].prev = prev;
@@ -329,20 +370,23 @@ impl Arena {
         out
     }
 
-    /// Number of pages in which `tokens` (page-aligned) agrees with node `i` from its start.
+    /// Number of pages in which `tokens` (page-aligned) agrees with node `i` from its start,
+    /// given that the first page is already known to agree (it was verified by
+    /// [`Arena::find_child`]).
     #[inline]
     pub fn common_pages(&self, i: u32, tokens: &[u32]) -> usize {
         let ps = self.ps;
         let own = self.nodes[i as usize].tokens(ps);
         let n = own.len().min(tokens.len());
-        if own[..n] == tokens[..n] {
+        debug_assert!(n >= ps && own[..ps] == tokens[..ps]);
+        if own[ps..n] == tokens[ps..n] {
             return n / ps;
         }
-        own[..n]
+        1 + own[ps..n]
             .chunks_exact(ps)
-            .zip(tokens[..n].chunks_exact(ps))
+            .zip(tokens[ps..n].chunks_exact(ps))
             .position(|(a, b)| a != b)
-            .unwrap_or(n / ps)
+            .unwrap_or(n / ps - 1)
     }
 }
 
@@ -371,13 +415,19 @@ mod tests {
         let page: Vec<u32> = (0..64).collect();
         let h = child_hash(3, &page);
         assert_ne!(h, child_hash(4, &page));
-        for i in 0..64 {
+        for i in 0..HASHED_TOKENS {
             let mut p = page.clone();
             p[i] ^= 1;
             assert_ne!(h, child_hash(3, &p), "token {i}");
         }
         assert_ne!(child_hash(0, &[1]), child_hash(0, &[2]));
         assert_ne!(child_hash(0, &[1, 2, 3]), child_hash(0, &[1, 2, 4]));
+    }
+
+    #[test]
+    fn nodes_are_two_cache_lines() {
+        assert_eq!(std::mem::size_of::<Node>(), 128);
+        assert_eq!(std::mem::align_of::<Node>(), 64);
     }
 
     #[test]

@@ -63,7 +63,7 @@ impl HiRadixTree {
         self.clock += 1;
         let now = self.clock;
         let ps = self.ps;
-        let mut slots = Vec::new();
+        let mut slots = Vec::with_capacity(tokens.len() / ps);
         let mut node = root;
         let mut rest = tokens;
         while !rest.is_empty() {
@@ -224,7 +224,7 @@ impl HiRadixTree {
         let tenant = self.node(parent).tenant;
         {
             let n = self.node_mut(i);
-            n.buf = make_buf(tokens, device, host);
+            n.set_buf(make_buf(tokens, device, host));
             n.hashes = hashes;
             n.pages = pages;
             n.tenant = tenant;
@@ -317,7 +317,7 @@ impl HiRadixTree {
         };
         {
             let m = self.node_mut(nn);
-            m.buf = upper;
+            m.set_buf(upper);
             m.hashes = hu;
             m.pages = k;
             m.stats = stats;
@@ -329,11 +329,12 @@ impl HiRadixTree {
             m.flags = flags & (LIVE | DEVICE | super::HOST | super::WRITE_PENDING);
             m.dev_children = u32::from(on_dev);
             m.first_child = NIL;
+            m.n_children = 0;
         }
         self.arena.replace_in_siblings(c, nn);
         {
             let n = self.node_mut(c);
-            n.buf = lower;
+            n.set_buf(lower);
             n.hashes = hl;
             n.pages -= k;
         }

@@ -515,7 +515,7 @@ fn host_inserts_dedupe_adopt_and_create_host_only_nodes() {
     assert_eq!(t.host_slots(na).unwrap(), &[70, 71]);
     let m = t.match_prefix(T, &b).unwrap();
     assert_eq!(m.host_hit_pages, 2);
-    assert_eq!(m.last_host_node, r.last_node.unwrap());
+    assert_eq!(m.last_host_node, r.last_node);
     // Same pages again: all duplicates; a partial key splits the host-only node.
     let r2 = t
         .insert_host_only(T, root, &b[..12], &[80, 81, 82], None)
@@ -525,9 +525,7 @@ fn host_inserts_dedupe_adopt_and_create_host_only_nodes() {
     assert_eq!(r2.new_pages, 0);
     // Anchored below: only the suffix is given.
     let c = toks(3, 1);
-    let r3 = t
-        .insert_host_only(T, r.last_node.unwrap(), &c, &[90], None)
-        .unwrap();
+    let r3 = t.insert_host_only(T, r.last_node, &c, &[90], None).unwrap();
     ok(&t);
     assert_eq!(r3.new_pages, 1);
     let m = t.match_prefix(T, &cat(&b, &c)).unwrap();
@@ -709,4 +707,142 @@ fn metadata_accounting_is_reported() {
     let (meta, tokens) = t.memory_bytes();
     assert_eq!(tokens, 8 * PS as usize * 4);
     assert!(meta > 8 * 8);
+}
+
+#[test]
+fn load_back_plan_survives_a_split_of_its_chain() {
+    let mut t = tree(WritePolicy::WriteThrough);
+    let a = toks(1, 1);
+    let b = cat(&a, &toks(2, 3));
+    let na = ins(&mut t, &a, 0).last_node;
+    let nb = ins(&mut t, &b, 10).last_node;
+    backup(&mut t, na, 100);
+    backup(&mut t, nb, 200);
+    t.lock(na).unwrap();
+    t.evict(10, &mut NoHost);
+    t.unlock(na).unwrap();
+    let plan = t.plan_load_back(nb, None).unwrap().unwrap();
+    // A lookup ending inside the planned chain splits it.
+    let m = t.match_prefix(T, &b[..8]).unwrap();
+    assert_ne!(m.last_node, nb);
+    ok(&t);
+    let load = t.commit_load_back(plan, &[50, 51, 52]).unwrap();
+    ok(&t);
+    assert_eq!(
+        t.match_prefix(T, &b).unwrap().device_slots,
+        vec![0, 50, 51, 52]
+    );
+    t.finish_load_back(load).unwrap();
+    ok(&t);
+}
+
+#[test]
+fn priorities_are_maxed_along_the_path_and_drive_the_priority_strategy() {
+    let mut c = cfg(WritePolicy::WriteThroughSelective);
+    c.eviction = StrategyKind::Priority;
+    let mut t = HiRadixTree::new(c).unwrap();
+    let low = toks(1, 1);
+    let high = toks(2, 1);
+    let opts = |priority| InsertOptions {
+        chunked: false,
+        priority,
+    };
+    let nl = t.insert(T, &low, &[0], opts(1)).unwrap().last_node;
+    let nh = t.insert(T, &high, &[1], opts(5)).unwrap().last_node;
+    // A later, more recent hit on `low` at priority 0 keeps its priority 1.
+    t.insert(T, &low, &[2], opts(0)).unwrap();
+    assert_eq!(t.node_info(nl).unwrap().priority, 1);
+    assert_eq!(t.node_info(nh).unwrap().priority, 5);
+    assert_eq!(t.evict(1, &mut NoHost).device_slots, vec![0]);
+    ok(&t);
+}
+
+#[test]
+fn host_inserts_and_subtree_drops_emit_events() {
+    let mut c = cfg(WritePolicy::WriteBack);
+    c.hasher = Some(PageHasher::sglang(PS).unwrap());
+    c.events = true;
+    let mut t = HiRadixTree::new(c).unwrap();
+    let root = t.tenant_root(T).unwrap();
+    let a = toks(1, 1);
+    let b = cat(&a, &toks(2, 1));
+    ins(&mut t, &a, 0);
+    t.drain_events();
+    let r = t.insert_host_only(T, root, &b, &[7, 8], None).unwrap();
+    ok(&t);
+    assert_eq!((r.adopted_pages, r.new_pages), (1, 1));
+    let ev = t.drain_events();
+    assert_eq!(ev.len(), 2);
+    assert!(ev.iter().all(|e| e.medium() == Some(Medium::CpuPinned)));
+    // The adopted node is now backed up; its host-only child is dropped only with host eviction.
+    let out = t.evict_host(1);
+    assert_eq!(out.host_slots, vec![8]);
+    let out = t.evict(1, &mut NoHost);
+    assert_eq!(out.demoted_pages, 1);
+    ok(&t);
+    let kinds: Vec<_> = t.drain_events().iter().map(KvEvent::medium).collect();
+    assert_eq!(kinds, vec![Some(Medium::CpuPinned), Some(Medium::Gpu)]);
+}
+
+#[test]
+fn stale_ids_are_errors_for_every_operation() {
+    let mut t = tree(WritePolicy::WriteThrough);
+    let n = ins(&mut t, &toks(1, 1), 0).last_node;
+    t.evict(1, &mut NoHost);
+    let stale = |e: Result<(), CoreError>| assert!(matches!(e, Err(CoreError::StaleNode(_))));
+    stale(t.lock(n));
+    stale(t.unlock(n));
+    stale(t.protect_host(n));
+    stale(t.release_host(n));
+    stale(t.begin_backup(n).map(|_| ()));
+    stale(t.commit_backup(n, &[1]).map(|_| ()));
+    stale(t.plan_load_back(n, None).map(|_| ()));
+    stale(t.split(n, 1).map(|_| ()));
+    stale(
+        t.insert_host_only(T, n, &toks(2, 1), &[1], None)
+            .map(|_| ()),
+    );
+    stale(t.tokens(n).map(|_| ()));
+    stale(t.children(n).map(|_| ()));
+    stale(t.last_page_hash(n).map(|_| ()));
+    ok(&t);
+}
+
+#[test]
+fn page_size_one_works_token_by_token() {
+    let mut t = HiRadixTree::new(TreeConfig {
+        hasher: Some(PageHasher::sglang(1).unwrap()),
+        events: true,
+        ..TreeConfig::new(1)
+    })
+    .unwrap();
+    let a = [1, 2, 3, 4];
+    let b = [1, 2, 9];
+    let r = t
+        .insert(T, &a, &[10, 11, 12, 13], InsertOptions::default())
+        .unwrap();
+    ok(&t);
+    let m = t.match_prefix(T, &b).unwrap();
+    ok(&t);
+    assert_eq!(m.device_slots, vec![10, 11]);
+    let r2 = t
+        .insert(T, &b, &[20, 21, 22], InsertOptions::default())
+        .unwrap();
+    ok(&t);
+    assert_eq!(r2.prefix_pages, 2);
+    assert_eq!(
+        t.prefix_hashes(r2.last_node).unwrap(),
+        PageHasher::sglang(1).unwrap().hash_pages(None, &b)
+    );
+    // The oldest leaf is the split-off tail [3, 4]: the whole node goes.
+    assert_eq!(t.node_info(r.last_node).unwrap().pages, 2);
+    assert_eq!(t.evict(1, &mut NoHost).device_slots, vec![12, 13]);
+    ok(&t);
+    assert!(t.node_info(r.last_node).is_err());
+}
+
+#[test]
+fn the_tree_can_move_between_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<HiRadixTree>();
 }

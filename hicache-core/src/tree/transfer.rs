@@ -118,7 +118,7 @@ impl LoadBackPlan {
 }
 
 /// What [`HiRadixTree::insert_host_only`] did.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostInsertResult {
     /// Pages of the key that were already in the tree.
     pub present_pages: usize,
@@ -129,7 +129,7 @@ pub struct HostInsertResult {
     /// The caller's host slots the tree did not take (duplicates): free them.
     pub duplicate_slots: Vec<HostSlot>,
     /// The node holding the key's last page (the anchor for an empty key).
-    pub last_node: Option<NodeId>,
+    pub last_node: NodeId,
 }
 
 impl HiRadixTree {
@@ -377,6 +377,11 @@ impl HiRadixTree {
         Ok(id)
     }
 
+    /// The loads pending, oldest first.
+    pub fn pending_loads(&self) -> Vec<LoadId> {
+        self.loads.keys().copied().collect()
+    }
+
     /// The ack of a load: unlocks its node. Returns the node.
     pub fn finish_load_back(&mut self, load_id: LoadId) -> Result<NodeId> {
         let node = *self.loads.get(&load_id).ok_or(CoreError::UnknownTransfer {
@@ -435,7 +440,13 @@ impl HiRadixTree {
             self.touch(a, now);
         }
         let ps = self.ps;
-        let mut out = HostInsertResult::default();
+        let mut out = HostInsertResult {
+            present_pages: 0,
+            adopted_pages: 0,
+            new_pages: 0,
+            duplicate_slots: Vec::new(),
+            last_node: anchor,
+        };
         let mut node = a;
         let mut off = 0usize;
         while off < pages {
@@ -481,7 +492,7 @@ impl HiRadixTree {
             out.new_pages = pages - off;
             node = leaf;
         }
-        out.last_node = Some(self.id(node));
+        out.last_node = self.id(node);
         Ok(out)
     }
 }

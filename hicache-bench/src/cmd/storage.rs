@@ -1,0 +1,453 @@
+//! `hicache-bench storage`: write and read throughput of a storage backend next to the physical
+//! limit measured in the same run on the same directory.
+//!
+//! For a file-system backend the reference is raw sequential O_DIRECT I/O of the same bytes in
+//! the same directory: one file, page-sized chunks, `--raw-threads` requests in flight, and
+//! one `fdatasync` at the end of the write. Headline figures are durable and cold: backend
+//! writes include its fsync policy's cost (the default unless `--extra-config` says
+//! otherwise), and reads run after `sync; echo 3 > /proc/sys/vm/drop_caches` (when permitted;
+//! both sides also read with O_DIRECT from page-aligned buffers, so they are cold either way).
+//! For the memory backend the reference is a memcpy of the same bytes.
+//!
+//! Each figure is the best of `--rounds` rounds; a round measures the reference and the backend
+//! back to back, so both see the same disk state.
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use clap::Args;
+use hicache_storage::{
+    PageBuf, PageBufMut, PageKey, PageOutcome, Storage, parse_byte_size, pattern,
+};
+use memmap2::MmapMut;
+use serde_json::Value;
+
+use crate::cmd::storage_common::{BackendArgs, LAYOUT, aligned_region, runtime, seed_key};
+use crate::error::{BenchError, Result};
+use crate::record::Record;
+
+/// Arguments of `storage`.
+#[derive(Debug, Args)]
+pub struct StorageArgs {
+    /// Backend selection (`--backend file --dir DIR`, or `--backend memory`).
+    #[command(flatten)]
+    pub backend: BackendArgs,
+    /// Bytes per page; default: both 8 MiB (Llama-3-8B, 64 tokens) and 256 KiB.
+    #[arg(long)]
+    pub page_bytes: Option<usize>,
+    /// Pages per batch.
+    #[arg(long, default_value_t = 128)]
+    pub batch: usize,
+    /// Bytes written and read per page size and round (e.g. `2GiB`).
+    #[arg(long, default_value = "2GiB")]
+    pub total: String,
+    /// Rounds; each figure is the best round.
+    #[arg(long, default_value_t = 2)]
+    pub rounds: usize,
+    /// Requests in flight for the raw O_DIRECT reference.
+    #[arg(long, default_value_t = 32)]
+    pub raw_threads: usize,
+    /// One JSON object per case instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn size_label(n: usize) -> String {
+    if n.is_multiple_of(1 << 20) {
+        format!("{}MiB", n >> 20)
+    } else if n.is_multiple_of(1 << 10) {
+        format!("{}KiB", n >> 10)
+    } else {
+        format!("{n}B")
+    }
+}
+
+fn gbps(bytes: u64, secs: f64) -> f64 {
+    bytes as f64 / 1e9 / secs.max(1e-9)
+}
+
+/// Drops the page cache (root only). Returns whether it was dropped.
+fn drop_caches() -> bool {
+    let _ = std::process::Command::new("sync").status();
+    std::fs::write("/proc/sys/vm/drop_caches", "3\n").is_ok()
+}
+
+/// Runs `f(i)` for `i` in `0..n` on `threads` threads.
+fn parallel(
+    threads: usize,
+    n: usize,
+    f: impl Fn(usize, usize) -> std::io::Result<()> + Sync,
+) -> std::io::Result<()> {
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads.min(n).max(1))
+            .map(|t| {
+                let next = &next;
+                let f = &f;
+                s.spawn(move || -> std::io::Result<()> {
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= n {
+                            return Ok(());
+                        }
+                        f(t, i)?;
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().expect("raw I/O thread panicked"))
+    })
+}
+
+/// Raw sequential O_DIRECT write of `pages` chunks of the source region, then fdatasync.
+fn raw_write(
+    path: &Path,
+    src: &MmapMut,
+    page_bytes: usize,
+    pages: usize,
+    threads: usize,
+) -> Result<f64> {
+    let _ = std::fs::remove_file(path);
+    let f = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .map_err(BenchError::io(path))?;
+    let per_batch = src.len() / page_bytes;
+    // Sized up front so no request extends the file: the reference is the disk's best case.
+    f.set_len((pages * page_bytes) as u64)
+        .map_err(BenchError::io(path))?;
+    let t = Instant::now();
+    parallel(threads, pages, |_, i| {
+        let c = &src[(i % per_batch) * page_bytes..][..page_bytes];
+        f.write_all_at(c, (i * page_bytes) as u64)
+    })
+    .and_then(|()| f.sync_data())
+    .map_err(BenchError::io(path))?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Raw sequential O_DIRECT read of the file `raw_write` made.
+fn raw_read(path: &Path, page_bytes: usize, pages: usize, threads: usize) -> Result<f64> {
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .map_err(BenchError::io(path))?;
+    let threads = threads.min(pages).max(1);
+    let bufs: Vec<parking::Slot> = (0..threads)
+        .map(|_| aligned_region(1, page_bytes).map(parking::Slot::new))
+        .collect::<Result<_>>()?;
+    let t = Instant::now();
+    parallel(threads, pages, |th, i| {
+        let mut b = bufs[th].lock();
+        f.read_exact_at(&mut b[..], (i * page_bytes) as u64)
+    })
+    .map_err(BenchError::io(path))?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// A per-thread buffer behind a mutex (each thread only locks its own).
+mod parking {
+    use memmap2::MmapMut;
+    use std::sync::{Mutex, MutexGuard};
+
+    pub struct Slot(Mutex<MmapMut>);
+
+    impl Slot {
+        pub fn new(m: MmapMut) -> Self {
+            Self(Mutex::new(m))
+        }
+        pub fn lock(&self) -> MutexGuard<'_, MmapMut> {
+            self.0.lock().unwrap_or_else(|e| e.into_inner())
+        }
+    }
+}
+
+/// memcpy of the same bytes (the memory backend's physical limit).
+fn memcpy_secs(src: &MmapMut, page_bytes: usize, pages: usize) -> Result<f64> {
+    let mut dst = aligned_region(1, page_bytes)?;
+    let per_batch = src.len() / page_bytes;
+    dst.fill(1);
+    let t = Instant::now();
+    for i in 0..pages {
+        dst.copy_from_slice(&src[(i % per_batch) * page_bytes..][..page_bytes]);
+    }
+    std::hint::black_box(&dst);
+    Ok(t.elapsed().as_secs_f64())
+}
+
+struct Round {
+    write_ref: f64,
+    write: f64,
+    read_ref: f64,
+    read: f64,
+    exists_us: f64,
+    dropped: bool,
+}
+
+async fn backend_round(
+    args: &StorageArgs,
+    storage: &dyn Storage,
+    src: &MmapMut,
+    dst: &mut MmapMut,
+    (page_bytes, pages): (usize, usize),
+    round: usize,
+    reference: &mut dyn FnMut(Phase) -> Result<f64>,
+) -> Result<Round> {
+    // Alternate which side goes first, so neither always meets the disk in the same state.
+    let reference_first = round.is_multiple_of(2);
+    let seed = round as u64;
+    let mut write_ref = 0.0;
+    let mut read_ref = 0.0;
+    if reference_first {
+        write_ref = reference(Phase::Write)?;
+    }
+    let batch = args.batch.min(storage.info().max_batch);
+    let keys: Vec<PageKey> = (0..pages as u64).map(|i| seed_key(seed, i)).collect();
+    let t = Instant::now();
+    for chunk in keys.chunks(batch) {
+        let bufs: Vec<PageBuf<'_>> = src
+            .chunks(page_bytes)
+            .take(chunk.len())
+            .map(|c| PageBuf::contiguous(LAYOUT, c))
+            .collect();
+        let out = storage.batch_set(chunk, &bufs).await?;
+        if let Some(o) = out.iter().find(|o| **o != PageOutcome::Stored) {
+            return Err(BenchError::CheckFailed(format!(
+                "bench write not stored: {o:?}"
+            )));
+        }
+    }
+    let write = t.elapsed().as_secs_f64();
+    if !reference_first {
+        write_ref = reference(Phase::Write)?;
+    }
+    let mut dropped = drop_caches();
+    if reference_first {
+        read_ref = reference(Phase::Read)?;
+        dropped &= drop_caches();
+    }
+    let t = Instant::now();
+    for chunk in keys.chunks(batch) {
+        let mut bufs: Vec<PageBufMut<'_>> = dst
+            .chunks_mut(page_bytes)
+            .take(chunk.len())
+            .map(|c| PageBufMut::contiguous(LAYOUT, c))
+            .collect();
+        let out = storage.batch_get(chunk, &mut bufs).await?;
+        if let Some(o) = out.iter().find(|o| **o != PageOutcome::Hit) {
+            return Err(BenchError::CheckFailed(format!(
+                "bench read not a hit: {o:?}"
+            )));
+        }
+    }
+    let read = t.elapsed().as_secs_f64();
+    if !reference_first {
+        dropped &= drop_caches();
+        read_ref = reference(Phase::Read)?;
+    }
+    // Warm batch_exists of a full controller batch (128 keys).
+    let probe = &keys[..keys.len().min(128)];
+    let calls = 2000;
+    let t = Instant::now();
+    for _ in 0..calls {
+        let n = storage.batch_exists(probe).await?;
+        if n != probe.len() {
+            return Err(BenchError::CheckFailed(format!(
+                "batch_exists found {n} of {}",
+                probe.len()
+            )));
+        }
+    }
+    let exists_us = t.elapsed().as_secs_f64() * 1e6 / calls as f64;
+    Ok(Round {
+        write_ref,
+        write,
+        read_ref,
+        read,
+        exists_us,
+        dropped,
+    })
+}
+
+/// Which half of the reference a round asks for.
+#[derive(Copy, Clone, Debug)]
+enum Phase {
+    Write,
+    Read,
+}
+
+/// Runs `storage`, writing the table or JSON lines to `out`.
+pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
+    let total = parse_byte_size(&args.total)
+        .ok_or_else(|| BenchError::Usage(format!("--total {:?} is not a byte size", args.total)))?;
+    if args.batch == 0 || args.rounds == 0 || args.raw_threads == 0 {
+        return Err(BenchError::Usage(
+            "--batch, --rounds and --raw-threads must be at least 1".into(),
+        ));
+    }
+    let sizes = match args.page_bytes {
+        Some(0) => return Err(BenchError::Usage("--page-bytes must be at least 1".into())),
+        Some(n) => vec![n],
+        None => vec![8 << 20, 256 << 10],
+    };
+    let file_like = args.backend.backend != "memory";
+    let base: Option<PathBuf> = args.backend.dir.clone();
+    if file_like && base.is_none() {
+        return Err(BenchError::Usage(format!(
+            "--backend {} needs --dir (a directory on the disk to measure, not /dev/shm)",
+            args.backend.backend
+        )));
+    }
+    if let Some(b) = &base {
+        std::fs::create_dir_all(b).map_err(BenchError::io(b))?;
+    }
+    let rt = runtime()?;
+    let mut records = Vec::new();
+    for &page_bytes in &sizes {
+        let pages = ((total / page_bytes as u64) as usize).max(args.batch);
+        let bytes = (pages * page_bytes) as u64;
+        let batch_pages = args.batch.min(pages);
+        let mut src = aligned_region(batch_pages, page_bytes)?;
+        for (i, c) in src.chunks_mut(page_bytes).enumerate() {
+            pattern::fill_page(&seed_key(u64::MAX, i as u64), c);
+        }
+        let mut dst = aligned_region(batch_pages, page_bytes)?;
+        let mut rounds = Vec::new();
+        let mut zero_copy = false;
+        for round in 0..args.rounds {
+            let store_dir = base.as_ref().map(|b| b.join("bench-store"));
+            if let Some(d) = &store_dir {
+                let _ = std::fs::remove_dir_all(d);
+            }
+            let raw_path = base.as_ref().map(|b| b.join("bench-raw.bin"));
+            let mut overrides: Vec<(&str, Value)> = Vec::new();
+            if let Some(d) = &store_dir {
+                overrides.push(("dir", Value::String(d.display().to_string())));
+            }
+            overrides.push(("capacity", Value::from(bytes * 2 + (64 << 20))));
+            let mut bargs = args.backend.clone();
+            bargs.dir = None;
+            let mut reference = |phase: Phase| -> Result<f64> {
+                match (phase, &raw_path) {
+                    (Phase::Write, Some(p)) => {
+                        raw_write(p, &src, page_bytes, pages, args.raw_threads)
+                    }
+                    (Phase::Read, Some(p)) => raw_read(p, page_bytes, pages, args.raw_threads),
+                    (_, None) => memcpy_secs(&src, page_bytes, pages),
+                }
+            };
+            let r = rt.block_on(async {
+                let storage = bargs.open(&overrides, page_bytes).await?;
+                zero_copy = storage.info().zero_copy;
+                let r = backend_round(
+                    args,
+                    &*storage,
+                    &src,
+                    &mut dst,
+                    (page_bytes, pages),
+                    round,
+                    &mut reference,
+                )
+                .await;
+                drop(storage);
+                r
+            })?;
+            if let Some(d) = &store_dir {
+                let _ = std::fs::remove_dir_all(d);
+            }
+            if let Some(p) = &raw_path {
+                let _ = std::fs::remove_file(p);
+            }
+            rounds.push(r);
+        }
+        let best = |f: fn(&Round) -> f64| rounds.iter().map(f).fold(f64::INFINITY, f64::min);
+        let label = size_label(page_bytes);
+        let b = &args.backend.backend;
+        let reference = if file_like { "raw-odirect" } else { "memcpy" };
+        let cold = if rounds.iter().all(|r| r.dropped) {
+            "drop_caches"
+        } else {
+            "o_direct-only"
+        };
+        let common = |r: Record| {
+            r.with("pages", pages as u64)
+                .with("page_bytes", page_bytes as u64)
+                .with("bytes", bytes)
+                .with("batch", args.batch as u64)
+                .with("rounds", args.rounds as u64)
+                .with("reference_kind", reference)
+                .with("zero_copy", zero_copy)
+        };
+        let mut write = common(
+            Record::new(
+                "storage",
+                format!("{b}/write/{label}"),
+                gbps(bytes, best(|r| r.write)),
+                "GB/s",
+            )
+            .with_reference(gbps(bytes, best(|r| r.write_ref))),
+        );
+        let mut read = common(
+            Record::new(
+                "storage",
+                format!("{b}/read/{label}"),
+                gbps(bytes, best(|r| r.read)),
+                "GB/s",
+            )
+            .with_reference(gbps(bytes, best(|r| r.read_ref))),
+        );
+        if file_like {
+            write = write.with(
+                "durable",
+                "backend fsync policy; reference ends with fdatasync",
+            );
+            read = read.with("cold", cold);
+        }
+        records.push(write);
+        records.push(read);
+        records.push(
+            Record::new(
+                "storage",
+                format!("{b}/exists128/{label}"),
+                best(|r| r.exists_us),
+                "us",
+            )
+            .with("target_us", 50.0)
+            .with("warm", true),
+        );
+    }
+    if args.json {
+        for r in &records {
+            writeln!(out, "{}", r.to_json_line()).map_err(BenchError::io("<stdout>"))?;
+        }
+    } else {
+        writeln!(
+            out,
+            "{:<28} {:>10} {:>6} {:>10} {:>7}",
+            "case", "value", "unit", "reference", "ratio"
+        )
+        .map_err(BenchError::io("<stdout>"))?;
+        for r in &records {
+            writeln!(
+                out,
+                "{:<28} {:>10.3} {:>6} {:>10} {:>7}",
+                r.case,
+                r.value,
+                r.unit,
+                r.reference.map_or("-".into(), |v| format!("{v:.3}")),
+                r.ratio.map_or("-".into(), |v| format!("{v:.3}")),
+            )
+            .map_err(BenchError::io("<stdout>"))?;
+        }
+    }
+    Ok(records)
+}

@@ -1,0 +1,23 @@
+//! Backends compiled into this build, by cargo feature.
+
+use hicache_storage::Registry;
+
+use crate::error::Result;
+
+/// The registry of every backend compiled in: `memory` always, `file` with the `file`
+/// feature (default).
+pub fn builtin_registry() -> Result<Registry> {
+    let r = Registry::with_builtins();
+    #[cfg(feature = "file")]
+    hicache_backend_file::register(&r)?;
+    Ok(r)
+}
+
+/// The cargo feature that builds the backend `name`, for backends this crate knows of.
+pub fn feature_for(name: &str) -> Option<&'static str> {
+    match name {
+        "file" => Some("file"),
+        "plugin" => Some("plugin"),
+        _ => None,
+    }
+}

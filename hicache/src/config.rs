@@ -1,0 +1,341 @@
+//! [`HiCacheConfig`]: the cache's settings, named and defaulted like SGLang's server flags
+//! (spec §9) so users recognise them, as serde data with validation that names the field.
+//!
+//! | field | default | meaning |
+//! |---|---|---|
+//! | `page_size` | 64 | tokens per page (SGLang resolves its default to 1; 64 is what L3 wants) |
+//! | `hicache_ratio` | 2.0 | host pages = device pages × ratio (ignored when `hicache_size` > 0) |
+//! | `hicache_size` | 0 | host pool size in GB (1e9 bytes) per rank; overrides the ratio |
+//! | `write_policy` | `write_through` | `write_through`, `write_through_selective`, `write_back` |
+//! | `io_backend` | `kernel` | `kernel` (gather/scatter kernels) or `direct` (DMA copies) |
+//! | `mem_layout` | `page_first` | `layer_first`, `page_first`, `page_first_direct` |
+//! | `storage_backend` | none | L3 backend name (`file`, `memory`, `plugin`, …); none = no L3 |
+//! | `storage_prefetch_policy` | `timeout` | `best_effort`, `wait_complete`, `timeout` |
+//! | `storage_backend_extra_config` | none | JSON object as a string, or `@path` to a JSON file |
+//! | `eviction_policy` | `lru` | `lru`, `lfu`, `fifo`, `mru`, `filo`, `priority`, `slru`, `s3fifo`, `sieve` |
+//! | `hash_mode` | `namespaced` | `namespaced` (seeded per model/tenant) or `sglang` (bit-exact keys) |
+//! | `model_name` | `default` | model fingerprint that enters the L3 namespace |
+//! | `load_back_threshold` | 10 | host hits shorter than this many tokens are recomputed |
+//! | `storage_batch_pages` | 128 | pages per L3 batch (backup, lookup, fetch) |
+//! | `prefetch_capacity_ratio` | 0.5 | share of the host pool in-flight prefetches may hold |
+//! | `enable_kv_events` | false | collect BlockStored/BlockRemoved events for routers |
+//! | `host_reserve_bytes` | 10 GiB (capped) | host RAM to leave free when sizing the pool |
+//!
+//! The prefetch thresholds and timeouts (`prefetch_threshold`, `prefetch_timeout_base`,
+//! `prefetch_timeout_per_ki_token`, `prefetch_timeout_max`) are read from the extra-config, as
+//! in SGLang.
+
+use std::path::PathBuf;
+
+use hicache_core::{HashMode, LayoutKind, PrefetchPolicy, StrategyKind, WritePolicy};
+use hicache_gpu::IoBackend;
+use hicache_storage::StorageConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{HiCacheError, Result};
+
+/// How pages move between L1 and L2 (serde form of [`IoBackend`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IoBackendKind {
+    /// Gather/scatter kernels.
+    #[default]
+    Kernel,
+    /// DMA copies.
+    Direct,
+}
+
+impl From<IoBackendKind> for IoBackend {
+    fn from(k: IoBackendKind) -> Self {
+        match k {
+            IoBackendKind::Kernel => IoBackend::Kernel,
+            IoBackendKind::Direct => IoBackend::Direct,
+        }
+    }
+}
+
+/// The cache's settings. See the module documentation for every field and its default.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HiCacheConfig {
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Host pages per device page.
+    pub hicache_ratio: f64,
+    /// Host pool size in GB (1e9 bytes) per rank; 0 uses the ratio.
+    pub hicache_size: f64,
+    /// When device pages are backed up to host.
+    pub write_policy: WritePolicy,
+    /// L1↔L2 transfer method.
+    pub io_backend: IoBackendKind,
+    /// Host (and L3) page layout.
+    pub mem_layout: LayoutKind,
+    /// L3 backend name; `None` disables L3.
+    pub storage_backend: Option<String>,
+    /// When an L3 prefetch may stop.
+    pub storage_prefetch_policy: PrefetchPolicy,
+    /// Extra-config: a JSON object as a string, or `@path` of a JSON file.
+    pub storage_backend_extra_config: Option<String>,
+    /// Eviction order for both tiers.
+    pub eviction_policy: StrategyKind,
+    /// How page hashes are chained.
+    pub hash_mode: HashMode,
+    /// Model fingerprint (part of the L3 namespace).
+    pub model_name: String,
+    /// Host hits shorter than this many tokens are recomputed instead of loaded.
+    pub load_back_threshold: u32,
+    /// Pages per L3 batch.
+    pub storage_batch_pages: usize,
+    /// Share of the host pool that in-flight prefetches may hold (0 < r ≤ 1).
+    pub prefetch_capacity_ratio: f64,
+    /// Collect KV events.
+    pub enable_kv_events: bool,
+    /// Host RAM to leave free when sizing the host pool (`None`: the host crate's default).
+    pub host_reserve_bytes: Option<u64>,
+}
+
+impl Default for HiCacheConfig {
+    fn default() -> Self {
+        Self {
+            page_size: 64,
+            hicache_ratio: 2.0,
+            hicache_size: 0.0,
+            write_policy: WritePolicy::WriteThrough,
+            io_backend: IoBackendKind::Kernel,
+            mem_layout: LayoutKind::PageFirst,
+            storage_backend: None,
+            storage_prefetch_policy: PrefetchPolicy::Timeout,
+            storage_backend_extra_config: None,
+            eviction_policy: StrategyKind::Lru,
+            hash_mode: HashMode::Namespaced,
+            model_name: "default".into(),
+            load_back_threshold: 10,
+            storage_batch_pages: hicache_storage::STORAGE_BATCH_SIZE,
+            prefetch_capacity_ratio: 0.5,
+            enable_kv_events: false,
+            host_reserve_bytes: None,
+        }
+    }
+}
+
+impl HiCacheConfig {
+    /// Parses a JSON object; unknown fields and wrong types are errors naming the field.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let cfg: Self = serde_json::from_str(text).map_err(|e| {
+            HiCacheError::config("config", truncate(text), format!("not a valid config: {e}"))
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks every field and the combinations that contradict each other.
+    pub fn validate(&self) -> Result<()> {
+        if self.page_size == 0 || self.page_size > 65536 {
+            return Err(HiCacheError::config(
+                "page_size",
+                self.page_size,
+                "must be between 1 and 65536 tokens",
+            ));
+        }
+        if !self.hicache_size.is_finite() || self.hicache_size < 0.0 {
+            return Err(HiCacheError::config(
+                "hicache_size",
+                self.hicache_size,
+                "must be a finite number of GB >= 0",
+            ));
+        }
+        if self.hicache_size == 0.0 {
+            if !self.hicache_ratio.is_finite() || self.hicache_ratio <= 0.0 {
+                return Err(HiCacheError::config(
+                    "hicache_ratio",
+                    self.hicache_ratio,
+                    "must be a finite number > 0",
+                ));
+            }
+            if self.hicache_ratio < 1.0 && self.write_policy == WritePolicy::WriteThrough {
+                return Err(HiCacheError::config(
+                    "hicache_ratio",
+                    self.hicache_ratio,
+                    "below 1 with write_policy = write_through: every device page is written \
+                     to host at once, so a smaller host pool stops backing up new pages; use \
+                     write_through_selective or write_back, or a ratio >= 1",
+                ));
+            }
+        }
+        if self.load_back_threshold == 0 {
+            return Err(HiCacheError::config(
+                "load_back_threshold",
+                0,
+                "must be at least 1 token",
+            ));
+        }
+        if self.storage_batch_pages == 0 || self.storage_batch_pages > 4096 {
+            return Err(HiCacheError::config(
+                "storage_batch_pages",
+                self.storage_batch_pages,
+                "must be between 1 and 4096",
+            ));
+        }
+        if !(self.prefetch_capacity_ratio > 0.0 && self.prefetch_capacity_ratio <= 1.0) {
+            return Err(HiCacheError::config(
+                "prefetch_capacity_ratio",
+                self.prefetch_capacity_ratio,
+                "must be in (0, 1]",
+            ));
+        }
+        if self.model_name.is_empty() {
+            return Err(HiCacheError::config(
+                "model_name",
+                "\"\"",
+                "must not be empty (it keeps models apart in L3)",
+            ));
+        }
+        if self.storage_backend.is_none() && self.storage_backend_extra_config.is_some() {
+            // The extra-config may name the backend itself (`{"backend": "plugin", …}`).
+            let cfg = self.storage_config()?;
+            if cfg.is_none() {
+                return Err(HiCacheError::config(
+                    "storage_backend_extra_config",
+                    "…",
+                    "given without storage_backend",
+                ));
+            }
+        } else {
+            self.storage_config()?;
+        }
+        Ok(())
+    }
+
+    /// The L3 configuration: backend name plus the parsed extra-config, or `None` without L3.
+    /// The extra-config is strict: its errors name the field.
+    pub fn storage_config(&self) -> Result<Option<StorageConfig>> {
+        let extra = match &self.storage_backend_extra_config {
+            None => None,
+            Some(s) => Some(read_extra_config(s)?),
+        };
+        if self.storage_backend.is_none() && extra.is_none() {
+            return Ok(None);
+        }
+        let cfg = StorageConfig::parse(self.storage_backend.as_deref(), extra.as_deref())?;
+        Ok(Some(cfg))
+    }
+}
+
+/// Reads the extra-config: a JSON object, or `@path` naming a JSON file.
+fn read_extra_config(s: &str) -> Result<String> {
+    match s.strip_prefix('@') {
+        Some(path) => {
+            let path = PathBuf::from(path);
+            std::fs::read_to_string(&path).map_err(|e| {
+                HiCacheError::config(
+                    "storage_backend_extra_config",
+                    path.display(),
+                    format!("cannot read the file: {e}"),
+                )
+            })
+        }
+        None => Ok(s.to_string()),
+    }
+}
+
+fn truncate(s: &str) -> String {
+    if s.len() <= 120 {
+        s.to_string()
+    } else {
+        let mut end = 120;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        format!("{}…", &s[..end])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_sglangs_and_valid() {
+        let c = HiCacheConfig::default();
+        assert_eq!(c.hicache_ratio, 2.0);
+        assert_eq!(c.write_policy, WritePolicy::WriteThrough);
+        assert_eq!(c.storage_prefetch_policy, PrefetchPolicy::Timeout);
+        assert_eq!(c.mem_layout, LayoutKind::PageFirst);
+        c.validate().unwrap();
+        assert!(c.storage_config().unwrap().is_none());
+    }
+
+    #[test]
+    fn json_uses_sglang_names() {
+        let c = HiCacheConfig::from_json(
+            r#"{"page_size": 16, "hicache_ratio": 3, "write_policy": "write_back",
+                "io_backend": "direct", "mem_layout": "layer_first",
+                "storage_prefetch_policy": "wait_complete", "eviction_policy": "lfu"}"#,
+        )
+        .unwrap();
+        assert_eq!(c.page_size, 16);
+        assert_eq!(c.write_policy, WritePolicy::WriteBack);
+        assert_eq!(c.io_backend, IoBackendKind::Direct);
+        assert_eq!(c.eviction_policy, StrategyKind::Lfu);
+    }
+
+    fn err(json: &str) -> String {
+        HiCacheConfig::from_json(json).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        assert!(err(r#"{"page_size": 0}"#).contains("page_size"));
+        assert!(err(r#"{"hicache_ratio": 0.5}"#).contains("write_through"));
+        assert!(err(r#"{"write_policy": "sometimes"}"#).contains("write_policy"));
+        assert!(err(r#"{"storage_prefetch_policy": "eager"}"#).contains("storage_prefetch_policy"));
+        assert!(err(r#"{"pagesize": 4}"#).contains("pagesize"));
+        assert!(err(r#"{"page_size": "big"}"#).contains("page_size"));
+        assert!(err(r#"{"storage_batch_pages": 0}"#).contains("storage_batch_pages"));
+        assert!(err(r#"{"model_name": ""}"#).contains("model_name"));
+        assert!(err("not json").contains("not a valid config"));
+    }
+
+    #[test]
+    fn ratio_below_one_is_fine_with_selective_writes() {
+        HiCacheConfig::from_json(
+            r#"{"hicache_ratio": 0.5, "write_policy": "write_through_selective"}"#,
+        )
+        .unwrap();
+        HiCacheConfig::from_json(r#"{"hicache_ratio": 0.5, "hicache_size": 1.0}"#).unwrap();
+    }
+
+    #[test]
+    fn extra_config_is_parsed_strictly() {
+        let mut c = HiCacheConfig {
+            storage_backend: Some("memory".into()),
+            storage_backend_extra_config: Some(r#"{"prefetch_threshold": 512}"#.into()),
+            ..Default::default()
+        };
+        let s = c.storage_config().unwrap().unwrap();
+        assert_eq!(s.backend, "memory");
+        assert_eq!(s.common.prefetch_threshold, 512);
+        c.storage_backend_extra_config = Some("{not json".into());
+        assert!(c.validate().is_err());
+        c.storage_backend_extra_config = Some(r#"{"prefetch_threshold": "many"}"#.into());
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("prefetch_threshold"), "{e}");
+        c.storage_backend_extra_config = Some("@/nonexistent/extra.json".into());
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/extra.json"), "{e}");
+    }
+
+    #[test]
+    fn extra_config_from_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("extra.json");
+        std::fs::write(&p, r#"{"prefetch_timeout_base": 1.5}"#).unwrap();
+        let c = HiCacheConfig {
+            storage_backend: Some("memory".into()),
+            storage_backend_extra_config: Some(format!("@{}", p.display())),
+            ..Default::default()
+        };
+        let s = c.storage_config().unwrap().unwrap();
+        assert_eq!(s.common.prefetch_timeout_base, 1.5);
+    }
+}

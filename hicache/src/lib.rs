@@ -1,0 +1,90 @@
+//! # hicache
+//!
+//! A hierarchical KV cache for LLM inference engines: **L1** device memory, **L2** pinned
+//! host memory, **L3** pluggable storage, with a radix tree (`hicache-core`'s
+//! [`HiRadixTree`]) recording which token pages live in which tier. This crate is the facade an
+//! engine depends on: it wires the tree, the pools and the transfer engine (`hicache-host`,
+//! `hicache-gpu`) and L3 (`hicache-storage` and the backends) into SGLang HiCache's
+//! behaviour, and re-exports what an engine needs.
+//!
+//! ## One scheduler tick
+//!
+//! ```text
+//! on request arrival      cache.arrive(req, &prompt)        match; start the L3 prefetch
+//! every iteration:
+//!   1. cache.poll()                                          acks, prefetch progress, D2H launch
+//!   2. for each waiting request (FCFS):
+//!        cache.prefetch_ready(req)?  → false: skip it this tick
+//!        cache.admit(req, &prompt)   → cached prefix slots (L2 load-backs queued)
+//!        cache.alloc_device(pages)   → slots for the rest (evicts if needed)
+//!   3. cache.start_loading()   → Some(producer): counter.set_consumer(producer)
+//!   4. forward pass: attention layer i calls counter.wait_until(i) (or stream_wait)
+//!   5. cache.cache_unfinished(req, &tokens, &slots) after a prefill chunk,
+//!      cache.cache_finished(req, &tokens, &slots) when a request ends
+//! on abort                 cache.abort(req)
+//! at the end               cache.shutdown()                  drains writes and L3 backups
+//! ```
+//!
+//! Every call runs on the engine thread (`&mut self`); copies run on the device's streams and
+//! L3 I/O on a small runtime owned by the cache, and their completions are picked up by
+//! `poll`. With tensor parallelism every rank runs the same calls in the same order and
+//! `poll` agrees on every count through one exchange per tick ([`rank`]), so every rank's tree
+//! keeps the same shape.
+//!
+//! ```
+//! use hicache::{HiCache, HiCacheConfig, KvShape};
+//! let mut cache = HiCache::builder(HiCacheConfig { page_size: 4, ..Default::default() })
+//!     .shape(KvShape::llama3_8b(4))
+//!     .device_pages(32)
+//!     .host_reserve_bytes(0)
+//!     .build()?;
+//! let prompt: Vec<u32> = (0..16).collect();
+//! cache.arrive(1, &prompt)?;
+//! cache.poll()?;
+//! let adm = cache.admit(1, &prompt)?;                    // nothing cached yet
+//! assert_eq!(adm.cached_pages(), 0);
+//! let slots = cache.alloc_device(4)?.expect("room");     // the engine computes the KV here
+//! cache.start_loading()?;
+//! cache.cache_finished(1, &prompt, &slots)?;
+//! cache.poll()?;                                         // write-through to host launches
+//!
+//! cache.arrive(2, &prompt)?;
+//! let adm = cache.admit(2, &prompt)?;
+//! assert_eq!(adm.device_pages, 4);                       // an L1 hit
+//! cache.abort(2)?;
+//! cache.shutdown()?;
+//! # Ok::<(), hicache::HiCacheError>(())
+//! ```
+//!
+//! ## Features
+//! - `file` (default): the file-system L3 backend.
+//!
+//! The CUDA device is always available at run time where libcuda is (it is loaded
+//! dynamically); the `sim` device runs everywhere.
+#![warn(missing_docs)]
+
+pub mod backends;
+mod builder;
+mod cache;
+pub mod config;
+pub mod error;
+mod l3;
+pub mod metrics;
+pub mod rank;
+mod tick;
+mod write;
+
+pub use builder::HiCacheBuilder;
+pub use cache::{Admission, Arrival, HiCache, RequestId};
+pub use config::{HiCacheConfig, IoBackendKind};
+pub use error::{HiCacheError, Result};
+pub use rank::{RankError, RankGroup, SingleRank, TcpRankGroup};
+pub use tick::PollReport;
+
+pub use hicache_core::{
+    CoreError, DType, HashMode, HiRadixTree, KvEvent, KvKind, KvShape, LayoutKind, Medium,
+    PrefetchPolicy, StrategyKind, TenantId, WritePolicy,
+};
+pub use hicache_gpu::{Device, DevicePool, GpuError, LayerDoneCounter, TransferConfig};
+pub use hicache_host::HostError;
+pub use hicache_storage::{Registry, Storage, StorageConfig, StorageError};

@@ -1,0 +1,486 @@
+//! Whole request flows on the sim device: L1, L2 and L3 hits with KV contents checked, every
+//! write policy × prefetch policy, slow and failing backends, small host pools, bad input.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{Engine, Faulty, assert_no_pins, prompt, small_shape, test_config};
+use hicache::{HiCache, HiCacheConfig, HiCacheError, PrefetchPolicy, StorageConfig, WritePolicy};
+use hicache_storage::{MemoryBackend, Storage};
+
+fn cache(cfg: HiCacheConfig, device_pages: usize) -> HiCache {
+    HiCache::builder(cfg.clone())
+        .shape(small_shape(cfg.page_size))
+        .device_pages(device_pages)
+        .build()
+        .unwrap()
+}
+
+fn with_storage(cfg: HiCacheConfig, device_pages: usize, storage: Arc<dyn Storage>) -> HiCache {
+    HiCache::builder(cfg.clone())
+        .shape(small_shape(cfg.page_size))
+        .device_pages(device_pages)
+        .storage(storage)
+        .build()
+        .unwrap()
+}
+
+fn l3_config(policy: PrefetchPolicy, write: WritePolicy, ps: u32) -> HiCacheConfig {
+    HiCacheConfig {
+        storage_prefetch_policy: policy,
+        write_policy: write,
+        storage_backend: Some("memory".into()),
+        // A threshold of two pages so small prompts still prefetch.
+        storage_backend_extra_config: Some(format!(r#"{{"prefetch_threshold": {}}}"#, 2 * ps)),
+        hicache_ratio: 2.0,
+        ..test_config(ps)
+    }
+}
+
+#[test]
+fn l1_hit_serves_the_whole_prompt() {
+    let mut e = Engine::new(cache(test_config(4), 64));
+    let p = prompt(1, 40);
+    let first = e.run(None, &p);
+    assert_eq!(first.admission.cached_pages(), 0);
+    let second = e.run(None, &p);
+    assert_eq!(second.admission.device_pages, 10);
+    assert_eq!(second.admission.host_pages, 0);
+    // A longer prompt sharing the prefix hits the shared pages only.
+    let mut longer = p.clone();
+    longer.extend(prompt(2, 12));
+    let third = e.run(None, &longer);
+    assert_eq!(third.admission.device_pages, 10);
+    e.settle();
+}
+
+#[test]
+fn l2_hit_after_l1_eviction_loads_back_with_layer_waits() {
+    // 12 device pages: a second 8-page prompt forces the first out of L1 (to L2, as
+    // write-through backed it up).
+    let mut e = Engine::new(cache(test_config(4), 12));
+    let a = prompt(10, 32);
+    let b = prompt(11, 32);
+    e.run(None, &a);
+    e.settle();
+    e.run(None, &b);
+    e.settle();
+    let again = e.run(None, &a);
+    assert_eq!(again.admission.device_pages + again.admission.host_pages, 8);
+    assert!(again.admission.host_pages > 0, "{:?}", again.admission);
+    let snap = e.cache.metrics().snapshot();
+    assert!(snap.h2d.pages >= again.admission.host_pages as u64);
+    assert!(snap.d2h.pages >= 16);
+    e.settle();
+}
+
+#[test]
+fn l3_round_trip_after_flush_serves_the_prompt_from_storage() {
+    // SGLang's acceptance test: a 768-token prompt, flush L1 and L2, the same prompt again:
+    // more than 700 tokens served from cache. Page 64, ratio 1.2, wait_complete, file L3.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = HiCacheConfig {
+        page_size: 64,
+        hicache_ratio: 1.2,
+        storage_backend: Some("file".into()),
+        storage_backend_extra_config: Some(format!(
+            r#"{{"dir": "{}", "prefetch_threshold": 256}}"#,
+            dir.path().display()
+        )),
+        storage_prefetch_policy: PrefetchPolicy::WaitComplete,
+        host_reserve_bytes: Some(0),
+        ..Default::default()
+    };
+    let mut e = Engine::new(cache(cfg, 40));
+    let p = prompt(42, 768 + 30);
+    e.run(None, &p);
+    e.settle();
+    e.cache.flush().unwrap();
+    assert_eq!(e.cache.tree().device_pages(), 0);
+    assert_eq!(e.cache.tree().host_pages(), 0);
+    let again = e.run(None, &p);
+    let served = again.admission.cached_pages() * 64;
+    assert!(
+        served > 700,
+        "only {served} tokens served: {:?}",
+        again.admission
+    );
+    assert_eq!(again.admission.storage_pages, 12);
+    let snap = e.cache.metrics().snapshot();
+    assert_eq!(snap.l3_to_l2.pages, 12);
+    assert_eq!(snap.prefetch_completed, 1);
+    e.settle();
+    e.cache.shutdown().unwrap();
+}
+
+#[test]
+fn every_write_policy_with_every_prefetch_policy_keeps_kv_exact() {
+    for write in [
+        WritePolicy::WriteThrough,
+        WritePolicy::WriteThroughSelective,
+        WritePolicy::WriteBack,
+    ] {
+        for policy in [
+            PrefetchPolicy::BestEffort,
+            PrefetchPolicy::WaitComplete,
+            PrefetchPolicy::Timeout,
+        ] {
+            let storage: Arc<dyn Storage> = Arc::new(MemoryBackend::with_capacity(64 << 20));
+            let mut e = Engine::new(with_storage(l3_config(policy, write, 4), 24, storage));
+            let prompts: Vec<Vec<u32>> = (0..6).map(|i| prompt(100 + i, 28)).collect();
+            // Shared system prompt + suffixes, several rounds, small device pool: every tier
+            // gets used.
+            for round in 0..3 {
+                for p in &prompts {
+                    let mut full = prompts[0][..8].to_vec();
+                    full.extend_from_slice(p);
+                    full.extend(prompt(round, 4));
+                    e.run(None, &full);
+                }
+            }
+            e.settle();
+            e.cache.flush().unwrap();
+            for p in &prompts {
+                let mut full = prompts[0][..8].to_vec();
+                full.extend_from_slice(p);
+                e.run(None, &full);
+            }
+            e.settle();
+            let snap = e.cache.metrics().snapshot();
+            // Under write_through every page reached L3 before the flush; the other policies
+            // only back up pages hit twice or evicted, so the leading pages may be missing.
+            if write == WritePolicy::WriteThrough && policy == PrefetchPolicy::WaitComplete {
+                assert!(snap.hit_tokens_l3 > 0, "{write:?}/{policy:?}: {snap:?}");
+            }
+            e.cache.shutdown().unwrap();
+        }
+    }
+}
+
+#[test]
+fn slow_backend_with_timeout_policy_cuts_prefetches_and_stays_exact() {
+    let mem: Arc<dyn Storage> = Arc::new(MemoryBackend::with_capacity(64 << 20));
+    let faulty = Arc::new(Faulty::new(mem.clone()));
+    let mut cfg = l3_config(PrefetchPolicy::Timeout, WritePolicy::WriteThrough, 4);
+    cfg.storage_backend_extra_config = Some(
+        r#"{"prefetch_threshold": 8, "prefetch_timeout_base": 0.05, "prefetch_timeout_per_ki_token": 0, "prefetch_timeout_max": 0.05}"#
+            .into(),
+    );
+    let mut e = Engine::new(with_storage(cfg, 64, faulty.clone()));
+    let p = prompt(7, 64);
+    e.run(None, &p);
+    e.settle();
+    e.cache.flush().unwrap();
+    // Reads now hang: only the timeout can end the prefetch, with nothing fetched.
+    faulty
+        .gate
+        .store(false, std::sync::atomic::Ordering::Release);
+    let again = e.run(None, &p);
+    assert_eq!(again.admission.storage_pages, 0, "{:?}", again.admission);
+    assert_eq!(again.admission.cached_pages(), 0);
+    let snap = e.cache.metrics().snapshot();
+    assert_eq!(snap.prefetch_completed, 0);
+    assert_eq!(snap.prefetch_partial, 1);
+    // The hung read returns later; its pages come back to the pool.
+    faulty
+        .gate
+        .store(true, std::sync::atomic::Ordering::Release);
+    e.settle();
+    let third = e.run(None, &p);
+    assert_eq!(third.admission.device_pages, 16);
+    e.cache.shutdown().unwrap();
+    assert_eq!(
+        e.cache.host_pool().available(),
+        e.cache.host_pool().num_pages() - e.cache.tree().host_pages()
+    );
+}
+
+#[test]
+fn failing_and_corrupting_backends_degrade_to_recompute() {
+    for (fail_every, corrupt_every, fail_all) in [(5, 0, false), (0, 3, false), (0, 0, true)] {
+        let mem: Arc<dyn Storage> = Arc::new(MemoryBackend::with_capacity(64 << 20));
+        let mut faulty = Faulty::new(mem);
+        faulty.fail_every = fail_every;
+        faulty.corrupt_every = corrupt_every;
+        faulty.fail_all_gets = fail_all;
+        let cfg = l3_config(PrefetchPolicy::WaitComplete, WritePolicy::WriteThrough, 4);
+        let mut e = Engine::new(with_storage(cfg, 64, Arc::new(faulty)));
+        let p = prompt(9, 64);
+        e.run(None, &p);
+        e.settle();
+        e.cache.flush().unwrap();
+        // Engine::run checks every served page; anything past the first bad page is
+        // recomputed.
+        let again = e.run(None, &p);
+        assert!(again.admission.storage_pages < 16, "{:?}", again.admission);
+        e.run(None, &p);
+        e.settle();
+        e.cache.shutdown().unwrap();
+    }
+}
+
+#[test]
+fn host_pool_smaller_than_device_pool() {
+    let cfg = HiCacheConfig {
+        hicache_ratio: 0.5,
+        write_policy: WritePolicy::WriteThroughSelective,
+        ..test_config(4)
+    };
+    let mut e = Engine::new(cache(cfg, 32));
+    assert!(e.cache.host_pool().num_pages() < 32);
+    for round in 0..4 {
+        for i in 0..5 {
+            let mut p = prompt(i, 24);
+            p.extend(prompt(1000 + round, 4));
+            e.run(None, &p);
+        }
+    }
+    e.settle();
+}
+
+#[test]
+fn write_back_stages_on_eviction_and_serves_from_host() {
+    let cfg = HiCacheConfig {
+        write_policy: WritePolicy::WriteBack,
+        ..test_config(4)
+    };
+    let mut e = Engine::new(cache(cfg, 12));
+    let a = prompt(20, 32);
+    let b = prompt(21, 32);
+    e.run(None, &a);
+    assert_eq!(
+        e.cache.tree().host_pages(),
+        0,
+        "write_back writes nothing on insert"
+    );
+    e.run(None, &b);
+    assert!(
+        e.cache.tree().host_pages() > 0,
+        "eviction staged pages to host"
+    );
+    let again = e.run(None, &a);
+    assert!(again.admission.host_pages > 0);
+    e.settle();
+}
+
+#[test]
+fn write_back_with_a_full_host_drops_and_counts() {
+    let cfg = HiCacheConfig {
+        write_policy: WritePolicy::WriteBack,
+        hicache_ratio: 0.3,
+        ..test_config(4)
+    };
+    let mut e = Engine::new(cache(cfg, 16));
+    for i in 0..6 {
+        e.run(None, &prompt(30 + i, 32));
+    }
+    let snap = e.cache.metrics().snapshot();
+    assert!(snap.dropped_tokens > 0, "{snap:?}");
+    e.settle();
+}
+
+#[test]
+fn tenants_never_share_pages() {
+    let storage: Arc<dyn Storage> = Arc::new(MemoryBackend::with_capacity(64 << 20));
+    let cfg = l3_config(PrefetchPolicy::WaitComplete, WritePolicy::WriteThrough, 4);
+    let mut e = Engine::new(with_storage(cfg, 64, storage));
+    let a = e.cache.tenant(Some("lora-a"), None).unwrap();
+    let b = e.cache.tenant(Some("lora-b"), None).unwrap();
+    let p = prompt(3, 32);
+    e.salt = 1;
+    e.run(Some(a), &p);
+    e.settle();
+    e.salt = 2;
+    let other = e.run(Some(b), &p);
+    assert_eq!(other.admission.cached_pages(), 0);
+    e.settle();
+    e.cache.flush().unwrap();
+    // L3 keeps tenants apart too.
+    let again_b = e.run(Some(b), &p);
+    assert_eq!(again_b.admission.storage_pages, 8);
+    e.salt = 1;
+    let again_a = e.run(Some(a), &p);
+    assert_eq!(again_a.admission.storage_pages, 8);
+    e.settle();
+}
+
+#[test]
+fn chunked_prefill_moves_the_lock_and_frees_duplicates() {
+    let mut e = Engine::new(cache(test_config(4), 64));
+    let p = prompt(5, 40);
+    e.run(None, &p);
+    let before = e.cache.device_pages_free();
+    e.cache.arrive(100, &p).unwrap();
+    let adm = e.cache.admit(100, &p[..16]).unwrap();
+    assert_eq!(adm.device_pages, 4);
+    // The engine recomputed pages 4..8 itself (e.g. it did not use the hit).
+    let own = e.cache.alloc_device(4).unwrap().unwrap();
+    let mut slots = adm.prefix_slots.clone();
+    slots.extend(&own);
+    let now = e.cache.cache_unfinished(100, &p[..32], &slots).unwrap();
+    // Pages 4..8 were already cached: the engine's copies were freed, the tree's returned.
+    assert_eq!(now.len(), 8);
+    assert_eq!(e.cache.device_pages_free(), before);
+    e.check_pages(&p, &now);
+    e.cache.abort(100).unwrap();
+    e.settle();
+}
+
+#[test]
+fn attach_detach_at_run_time() {
+    let mut e = Engine::new(cache(test_config(4), 64));
+    assert!(e.cache.storage_backend().is_none());
+    e.cache.detach_storage().unwrap(); // idempotent without a backend
+    let mut sc =
+        StorageConfig::parse(Some("memory"), Some(r#"{"prefetch_threshold": 8}"#)).unwrap();
+    e.cache.attach_storage(sc.clone()).unwrap();
+    assert_eq!(e.cache.storage_backend().as_deref(), Some("memory"));
+    // Same backend again: only the policy fields change.
+    sc.common.prefetch_threshold = 12;
+    e.cache.attach_storage(sc).unwrap();
+    let other = StorageConfig::parse(Some("file"), Some(r#"{"dir": "/nonexistent"}"#)).unwrap();
+    assert!(matches!(
+        e.cache.attach_storage(other),
+        Err(HiCacheError::NotIdle(_))
+    ));
+    let p = prompt(77, 32);
+    e.run(None, &p);
+    e.cache.arrive(500, &p).unwrap();
+    assert!(matches!(
+        e.cache.attach_storage_instance(
+            StorageConfig::new("memory"),
+            Arc::new(MemoryBackend::with_capacity(1 << 20))
+        ),
+        Err(HiCacheError::NotIdle(_))
+    ));
+    e.cache.abort(500).unwrap();
+    e.cache.detach_storage().unwrap();
+    e.cache.detach_storage().unwrap();
+    assert!(e.cache.storage_backend().is_none());
+    e.run(None, &p);
+    e.settle();
+}
+
+#[test]
+fn shutdown_drains_backups_so_nothing_acknowledged_is_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = HiCacheConfig {
+        storage_backend: Some("file".into()),
+        storage_backend_extra_config: Some(format!(r#"{{"dir": "{}"}}"#, dir.path().display())),
+        ..test_config(4)
+    };
+    let p = prompt(55, 48);
+    {
+        let mut e = Engine::new(cache(cfg.clone(), 64));
+        e.run(None, &p);
+        // No settle: the write and its L3 backup may be in flight.
+        e.cache.shutdown().unwrap();
+        assert!(matches!(e.cache.poll(), Err(HiCacheError::Closed)));
+        assert!(matches!(e.cache.shutdown(), Err(HiCacheError::Closed)));
+    }
+    // A new instance on the same directory finds every page (L1 and L2 start empty).
+    let mut e = Engine::new(cache(
+        HiCacheConfig {
+            storage_prefetch_policy: PrefetchPolicy::WaitComplete,
+            storage_backend_extra_config: Some(format!(
+                r#"{{"dir": "{}", "prefetch_threshold": 8}}"#,
+                dir.path().display()
+            )),
+            ..cfg
+        },
+        64,
+    ));
+    let again = e.run(None, &p);
+    assert_eq!(again.admission.storage_pages, 12);
+    e.cache.shutdown().unwrap();
+}
+
+#[test]
+fn bad_calls_are_errors_and_leave_no_pins() {
+    let mut e = Engine::new(cache(test_config(4), 32));
+    let p = prompt(1, 16);
+    assert!(matches!(
+        e.cache.arrive(1, &[]),
+        Err(HiCacheError::Request { .. })
+    ));
+    e.cache.arrive(1, &p).unwrap();
+    assert!(matches!(
+        e.cache.arrive(1, &p),
+        Err(HiCacheError::Request { .. })
+    ));
+    assert!(matches!(
+        e.cache.cache_finished(1, &p, &[]),
+        Err(HiCacheError::Request { .. })
+    ));
+    let adm = e.cache.admit(1, &p).unwrap();
+    assert!(e.cache.admit(1, &p).is_err());
+    let slots = e.cache.alloc_device(4).unwrap().unwrap();
+    // Wrong slot count.
+    assert!(e.cache.cache_finished(1, &p, &slots[..3]).is_err());
+    let mut all = adm.prefix_slots.clone();
+    all.extend(&slots);
+    e.cache.cache_finished(1, &p, &all).unwrap();
+    // Finishing twice.
+    assert!(matches!(
+        e.cache.cache_finished(1, &p, &all),
+        Err(HiCacheError::Request { .. })
+    ));
+    assert!(e.cache.abort(99).is_err());
+    assert!(e.cache.prefetch_ready(99).is_err());
+    // Unaligned prompts are truncated to whole pages; the tail is the engine's.
+    let mut odd = prompt(2, 18);
+    e.cache.arrive(2, &odd).unwrap();
+    let adm = e.cache.admit(2, &odd).unwrap();
+    assert_eq!(adm.cached_pages(), 0);
+    let fresh = e.cache.alloc_device(5).unwrap().unwrap();
+    e.cache.cache_finished(2, &odd, &fresh).unwrap();
+    odd.truncate(16);
+    let m = e.cache.arrive(3, &odd).unwrap();
+    assert_eq!(m.device_pages, 4);
+    e.cache.abort(3).unwrap();
+    e.settle();
+    assert_no_pins(&e.cache);
+    e.cache.shutdown().unwrap();
+    assert!(matches!(e.cache.arrive(4, &p), Err(HiCacheError::Closed)));
+}
+
+#[test]
+fn contradictory_config_and_unknown_backends_are_clear_errors() {
+    let build = |cfg: HiCacheConfig| {
+        HiCache::builder(cfg.clone())
+            .shape(small_shape(cfg.page_size))
+            .device_pages(16)
+            .build()
+    };
+    let e = build(HiCacheConfig {
+        hicache_ratio: 0.5,
+        ..test_config(4)
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("hicache_ratio"), "{e}");
+    let e = build(HiCacheConfig {
+        storage_backend: Some("nosuch".into()),
+        ..test_config(4)
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("nosuch"), "{e}");
+    let e = build(HiCacheConfig {
+        storage_backend: Some("file".into()),
+        storage_backend_extra_config: Some("{not json".into()),
+        ..test_config(4)
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("extra"), "{e}");
+    let e = HiCache::builder(test_config(4))
+        .shape(small_shape(8))
+        .device_pages(16)
+        .build()
+        .unwrap_err();
+    assert!(e.to_string().contains("page_size"), "{e}");
+    let e = HiCache::builder(test_config(4))
+        .device_pages(16)
+        .build()
+        .unwrap_err();
+    assert!(e.to_string().contains("shape"), "{e}");
+}

@@ -1,0 +1,111 @@
+//! Tensor parallelism: four ranks in one process, each with its own cache, pools and L3
+//! latency, agreeing through the TCP rank group. Their trees must have the same shape after
+//! every tick, and every rank must serve the same prefixes.
+
+mod common;
+
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{Engine, Faulty, prompt, small_shape, test_config};
+use hicache::{HiCache, HiCacheConfig, PrefetchPolicy, RankGroup, TcpRankGroup};
+use hicache_storage::{MemoryBackend, Storage};
+
+/// Per rank: the tree shape after every poll, and (L1, L2, L3, polls waited) per request.
+type RankRun = (Vec<common::TreeShape>, Vec<(usize, usize, usize, usize)>);
+
+fn run_rank(
+    rank: usize,
+    size: usize,
+    hub: std::net::SocketAddr,
+    policy: PrefetchPolicy,
+) -> RankRun {
+    let group: Arc<dyn RankGroup> =
+        Arc::new(TcpRankGroup::connect(rank, size, hub, Duration::from_secs(30)).unwrap());
+    let mut faulty = Faulty::new(Arc::new(MemoryBackend::with_capacity(64 << 20)));
+    faulty.latency = Duration::from_millis(rank as u64 * 3);
+    let storage: Arc<dyn Storage> = Arc::new(faulty);
+    let cfg = HiCacheConfig {
+        storage_backend: Some("memory".into()),
+        storage_backend_extra_config: Some(
+            r#"{"prefetch_threshold": 8, "prefetch_timeout_base": 0.02, "prefetch_timeout_per_ki_token": 0, "prefetch_timeout_max": 0.02}"#.into(),
+        ),
+        storage_prefetch_policy: policy,
+        ..test_config(4)
+    };
+    let cache = HiCache::builder(cfg)
+        .shape(small_shape(4))
+        .device_pages(20)
+        .rank_group(group)
+        .storage(storage)
+        .build()
+        .unwrap();
+    let mut e = Engine::new(cache);
+    e.shapes = Some(Vec::new());
+    let mut served = Vec::new();
+    let system = prompt(1, 12);
+    for round in 0..3u64 {
+        for client in 0..4u64 {
+            let mut p = system.clone();
+            p.extend(prompt(10 + client, 20));
+            p.extend(prompt(100 + round, 4));
+            let s = e.run(None, &p);
+            let a = s.admission;
+            served.push((
+                a.device_pages,
+                a.host_pages,
+                a.storage_pages,
+                s.polls_waiting,
+            ));
+        }
+        if round == 1 {
+            e.settle();
+            e.cache.flush().unwrap();
+        }
+    }
+    e.settle();
+    e.cache.shutdown().unwrap();
+    (e.shapes.take().unwrap(), served)
+}
+
+fn four_ranks(policy: PrefetchPolicy) {
+    let hub = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let handles: Vec<_> = (0..4)
+        .map(|r| std::thread::spawn(move || run_rank(r, 4, hub, policy)))
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let (shapes0, served0) = &results[0];
+    assert!(shapes0.len() > 20);
+    // Only wait_complete guarantees hits; the other policies cut prefetches by time.
+    assert!(served0.iter().any(|s| s.2 > 0) || policy != PrefetchPolicy::WaitComplete);
+    for (r, (shapes, served)) in results.iter().enumerate().skip(1) {
+        assert_eq!(
+            shapes.len(),
+            shapes0.len(),
+            "rank {r} polled a different number of times"
+        );
+        for (tick, (a, b)) in shapes0.iter().zip(shapes).enumerate() {
+            assert_eq!(a, b, "rank {r} tree differs from rank 0 after tick {tick}");
+        }
+        assert_eq!(served, served0, "rank {r} served different prefixes");
+    }
+}
+
+#[test]
+fn four_ranks_keep_identical_trees_with_wait_complete() {
+    four_ranks(PrefetchPolicy::WaitComplete);
+}
+
+#[test]
+fn four_ranks_keep_identical_trees_with_timeout() {
+    four_ranks(PrefetchPolicy::Timeout);
+}
+
+#[test]
+fn four_ranks_keep_identical_trees_with_best_effort() {
+    four_ranks(PrefetchPolicy::BestEffort);
+}
