@@ -81,8 +81,14 @@ impl PluginLibrary {
         let canonical = if is_bare_name {
             path.to_path_buf()
         } else {
-            path.canonicalize().map_err(|_| PluginError::NotFound {
-                path: path.to_path_buf(),
+            path.canonicalize().map_err(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => PluginError::NotFound {
+                    path: path.to_path_buf(),
+                },
+                _ => PluginError::Load {
+                    path: path.to_path_buf(),
+                    reason: e.to_string(),
+                },
             })?
         };
         let mut map = loaded().lock();
