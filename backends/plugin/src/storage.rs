@@ -23,7 +23,7 @@
 //! 3. A non-OK status fails the call with the plugin's error text (read from the host-owned
 //!    buffer only after the call returned, at most its capacity, lossy UTF-8).
 //! 4. The instance is destroyed exactly once, in `Drop`, when no call can be in flight (calls
-//!    borrow `&self`).
+//!    borrow `&self`). `destroy` runs on the dropping thread, directly.
 
 use std::ffi::{c_char, c_void};
 use std::path::Path;
@@ -710,8 +710,10 @@ impl Drop for PluginStorage {
     fn drop(&mut self) {
         let destroy = self.vt().destroy.expect("checked at load");
         let handle = self.handle.as_ptr();
+        // Called in place, not in a blocking section: a drop may run while a runtime shuts
+        // down, where handing the worker away is not possible, and a panic in `drop` aborts.
         // SAFETY: invariant 4: the instance is live, no call is in flight (`&mut self`), and it
         // is never used again.
-        blocking(|| unsafe { destroy(handle) });
+        unsafe { destroy(handle) };
     }
 }
