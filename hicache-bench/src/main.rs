@@ -21,6 +21,8 @@ enum Command {
     Hash(cmd::hash::HashArgs),
     /// L1<->L2 page transfers (backup, per-layer load) against bulk pinned copies.
     Transfer(cmd::transfer::TransferArgs),
+    /// The plugin ABI's cost: the memory backend natively vs through the example plugin.
+    Plugin(cmd::plugin::PluginArgs),
     /// Replay a request trace through the HiRadixTree and report requests/s (the default).
     Tree(cmd::tree::TreeArgs),
     /// Storage backend throughput next to raw O_DIRECT I/O of the same bytes (or memcpy).
@@ -45,6 +47,7 @@ fn main() -> ExitCode {
             cmd::hash::run(&args, std::io::stdin().lock(), std::io::stdout().lock())
         }
         Some(Command::Controller(args)) => cmd::controller::run(&args, std::io::stdout().lock()),
+        Some(Command::Plugin(args)) => cmd::plugin::run(&args, std::io::stdout().lock()),
         Some(Command::Tree(args)) => cmd::tree::run(&args, std::io::stdout().lock()),
         Some(Command::Transfer(args)) => cmd::transfer::run(&args, std::io::stdout().lock()),
         Some(Command::Storage(args)) => {

@@ -5,11 +5,13 @@ use hicache_storage::Registry;
 use crate::error::Result;
 
 /// The registry of every backend compiled in: `memory` always, `file` with the `file`
-/// feature (default).
+/// feature (default), `plugin` with the `plugin` feature (default).
 pub fn builtin_registry() -> Result<Registry> {
     let r = Registry::with_builtins();
     #[cfg(feature = "file")]
     hicache_backend_file::register(&r)?;
+    #[cfg(feature = "plugin")]
+    hicache_backend_plugin::register(&r)?;
     Ok(r)
 }
 

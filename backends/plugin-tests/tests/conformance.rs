@@ -1,0 +1,19 @@
+//! `hicache_storage::conformance` through the loader, for both example plugins (and the C one
+//! built as if against a newer ABI minor version, whose larger vtable the host reads through
+//! the common prefix).
+//!
+//! The Rust example is a cdylib: if it is missing, run `cargo build --workspace --all-features`
+//! (CI does) — the tests fail with that instruction rather than skip.
+
+use hicache_backend_plugin::conformance::PluginHarness;
+use hicache_plugin_tests::{c_plugin, rust_plugin};
+
+hicache_storage::conformance_tests!(
+    rust_example,
+    PluginHarness::new(rust_plugin("hicache-plugin-example"))
+);
+hicache_storage::conformance_tests!(c_example, PluginHarness::new(c_plugin("hicache_c_memory")));
+hicache_storage::conformance_tests!(
+    c_example_newer_minor,
+    PluginHarness::new(c_plugin("hicache_c_memory_next"))
+);

@@ -1,0 +1,719 @@
+//! [`PluginStorage`]: one plugin instance used as a [`Storage`].
+//!
+//! # How calls are made
+//!
+//! Plugin calls are synchronous and may block. They borrow the caller's page buffers, which
+//! rules out `spawn_blocking` (it needs `'static` data, and a cancelled future would leave the
+//! plugin writing into freed buffers). So a call runs in place inside
+//! [`tokio::task::block_in_place`] when the current runtime is multi-threaded: the worker hands
+//! its other tasks to another thread first, so the runtime keeps running while the plugin
+//! blocks. Outside a runtime, or on a current-thread runtime (which cannot hand its tasks
+//! away), the call runs directly on the calling thread.
+//!
+//! # What is checked (invariants)
+//!
+//! 1. Batch rules are the host's: key and buffer counts, and `max_batch` from the plugin's
+//!    info, are checked before the plugin is called ([`check_batch`]).
+//! 2. Nothing coming back is trusted. Result arrays are pre-filled with `HICACHE_PAGE_UNSET`,
+//!    so a page the plugin left unwritten is an error; a code that is unknown or of the wrong
+//!    kind for the call, or a hit whose reported length is not the page's, becomes
+//!    `PageOutcome::Failed` for that page (the other pages are unaffected); a count larger
+//!    than the batch fails the call. Each violation is logged and counted in
+//!    [`PluginStorage::protocol_violations`].
+//! 3. A non-OK status fails the call with the plugin's error text (read from the host-owned
+//!    buffer only after the call returned, at most its capacity, lossy UTF-8).
+//! 4. The instance is destroyed exactly once, in `Drop`, when no call can be in flight (calls
+//!    borrow `&self`). `destroy` runs on the dropping thread, directly.
+
+use std::ffi::{c_char, c_void};
+use std::path::Path;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use async_trait::async_trait;
+use hicache_core::{MemoryRegion, PageKey};
+use hicache_storage::{
+    BackendContext, BackendInfo, CommonConfig, PageBuf, PageBufMut, PageError, PageOutcome, Result,
+    Storage, StorageError, StorageStats, check_batch,
+};
+
+use crate::abi::{self, Vtable};
+use crate::error::PluginError;
+use crate::host_log;
+use crate::library::PluginLibrary;
+
+/// Capacity of the error buffer the host lends each call.
+const ERROR_CAPACITY: usize = 1024;
+
+/// What the host tells a plugin's `create` besides its JSON configuration.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HostParams {
+    /// The extra-config's `capacity`; `None` lets the plugin choose.
+    pub capacity_bytes: Option<u64>,
+    /// The deployment the backend serves.
+    pub context: BackendContext,
+}
+
+impl HostParams {
+    /// From the common extra-config fields and the engine's context.
+    pub fn new(common: &CommonConfig, context: &BackendContext) -> Self {
+        Self {
+            capacity_bytes: common.capacity_bytes,
+            context: context.clone(),
+        }
+    }
+
+    /// With a capacity.
+    pub fn with_capacity(mut self, capacity_bytes: Option<u64>) -> Self {
+        self.capacity_bytes = capacity_bytes;
+        self
+    }
+}
+
+/// Runs a plugin call: inside `block_in_place` on a multi-threaded runtime, else directly (see
+/// the [module documentation](self)).
+pub(crate) fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
+/// The host-owned error buffer of one call.
+struct ErrorText {
+    buf: [u8; ERROR_CAPACITY],
+}
+
+impl ErrorText {
+    fn new() -> Self {
+        Self {
+            buf: [0; ERROR_CAPACITY],
+        }
+    }
+
+    /// The ABI view, valid while `self` is neither moved nor dropped.
+    fn abi(&mut self) -> abi::ErrorBuf {
+        abi::ErrorBuf {
+            message: self.buf.as_mut_ptr().cast::<c_char>(),
+            capacity: ERROR_CAPACITY as u64,
+        }
+    }
+
+    /// The text up to the first NUL (or the whole buffer), lossy UTF-8.
+    fn text(&self) -> String {
+        let end = self
+            .buf
+            .iter()
+            .position(|b| *b == 0)
+            .unwrap_or(self.buf.len());
+        String::from_utf8_lossy(&self.buf[..end]).into_owned()
+    }
+
+    fn text_or(&self, default: &str) -> String {
+        let t = self.text();
+        if t.is_empty() { default.to_string() } else { t }
+    }
+}
+
+/// One instance of a plugin, used as a [`Storage`]. See the [module documentation](self).
+pub struct PluginStorage {
+    lib: &'static PluginLibrary,
+    handle: NonNull<abi::PluginHandle>,
+    info: BackendInfo,
+    violations: AtomicU64,
+}
+
+// SAFETY: the ABI's threading rule (header §3): every function but `destroy` may be called
+// concurrently from any thread on one instance; `destroy` runs in `Drop`, with `&mut self`.
+unsafe impl Send for PluginStorage {}
+// SAFETY: as above.
+unsafe impl Sync for PluginStorage {}
+
+impl std::fmt::Debug for PluginStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PluginStorage")
+            .field("library", &self.lib)
+            .field("info", &self.info)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PluginStorage {
+    /// Loads the plugin at `path` (once per process) and creates an instance from
+    /// `config_json` (a JSON object).
+    pub fn open(
+        path: impl AsRef<Path>,
+        config_json: &str,
+        params: &HostParams,
+    ) -> Result<Self, PluginError> {
+        Self::create(PluginLibrary::load(path)?, config_json, params)
+    }
+
+    /// Creates an instance of an already loaded plugin.
+    pub fn create(
+        lib: &'static PluginLibrary,
+        config_json: &str,
+        params: &HostParams,
+    ) -> Result<Self, PluginError> {
+        let vt = lib.vtable();
+        let ctx = &params.context;
+        let host = abi::Host {
+            struct_size: std::mem::size_of::<abi::Host>() as u32,
+            abi_major: abi::ABI_MAJOR,
+            abi_minor: abi::ABI_MINOR,
+            max_log_level: host_log::max_level(),
+            log: Some(host_log::host_log),
+            log_ctx: lib.log_ctx(),
+            capacity_bytes: params.capacity_bytes.unwrap_or(0),
+            page_bytes: ctx.page_bytes as u64,
+            layout: abi::layout_tag(ctx.layout),
+            tp_rank: ctx.tp_rank,
+            tp_size: ctx.tp_size,
+            pp_rank: ctx.pp_rank,
+            pp_size: ctx.pp_size,
+            has_namespace: u32::from(ctx.namespace.is_some()),
+            namespace_id: ctx.namespace.map(|n| n.0).unwrap_or_default(),
+        };
+        // The config text, NUL-terminated (the header promises a NUL after `config_len` bytes).
+        let mut config = Vec::with_capacity(config_json.len() + 1);
+        config.extend_from_slice(config_json.as_bytes());
+        config.push(0);
+        let mut err = ErrorText::new();
+        let mut out: *mut abi::PluginHandle = std::ptr::null_mut();
+        let create = vt.create.expect("checked at load");
+        let status = blocking(|| {
+            let mut eb = err.abi();
+            // SAFETY: every pointer is valid for the call: `config` holds `len` bytes and a
+            // NUL, `host` and `out` are locals, `eb` points into `err`.
+            unsafe {
+                create(
+                    config.as_ptr().cast::<c_char>(),
+                    config_json.len() as u64,
+                    &host,
+                    &mut out,
+                    &mut eb,
+                )
+            }
+        });
+        if status != abi::OK {
+            return Err(PluginError::Create {
+                plugin: lib.name().to_string(),
+                path: lib.path().to_path_buf(),
+                status,
+                status_name: abi::status_name(status),
+                message: err.text_or("(the plugin gave no error text)"),
+            });
+        }
+        let handle = NonNull::new(out).ok_or_else(|| PluginError::Protocol {
+            plugin: lib.name().to_string(),
+            op: "create",
+            detail: "returned HICACHE_OK but no instance (NULL)".into(),
+        })?;
+        // From here on the instance is owned: dropping `storage` destroys it.
+        let mut storage = PluginStorage {
+            lib,
+            handle,
+            info: BackendInfo::new(crate::NAME, 1),
+            violations: AtomicU64::new(0),
+        };
+        storage.info = storage.fetch_info()?;
+        tracing::debug!(
+            target: "hicache_plugin",
+            plugin = lib.name(),
+            info = ?storage.info,
+            "plugin instance created"
+        );
+        Ok(storage)
+    }
+
+    fn fetch_info(&self) -> Result<BackendInfo, PluginError> {
+        let mut info = abi::Info {
+            struct_size: std::mem::size_of::<abi::Info>() as u32,
+            ..Default::default()
+        };
+        let mut err = ErrorText::new();
+        let get_info = self.vt().get_info.expect("checked at load");
+        let status = blocking(|| {
+            let mut eb = err.abi();
+            // SAFETY: a live instance; `info` and `eb` are valid locals for the call.
+            unsafe { get_info(self.handle.as_ptr(), &mut info, &mut eb) }
+        });
+        if status != abi::OK {
+            return Err(PluginError::call(
+                self.plugin(),
+                "get_info",
+                status,
+                err.text(),
+            ));
+        }
+        if info.max_batch == 0 {
+            return Err(self.protocol("get_info", "max_batch is 0 (must be at least 1)".into()));
+        }
+        let mut i = BackendInfo::new(
+            crate::NAME,
+            usize::try_from(info.max_batch).unwrap_or(usize::MAX),
+        );
+        i.zero_copy = info.flags & abi::INFO_ZERO_COPY != 0;
+        i.persistent = info.flags & abi::INFO_PERSISTENT != 0;
+        i.shared = info.flags & abi::INFO_SHARED != 0;
+        i.max_page_bytes = match info.max_page_bytes {
+            0 => usize::MAX,
+            n => usize::try_from(n).unwrap_or(usize::MAX),
+        };
+        i.capacity_bytes = (info.capacity_bytes != 0).then_some(info.capacity_bytes);
+        Ok(i)
+    }
+
+    /// The library this instance belongs to (name, version, path, ABI version).
+    pub fn library(&self) -> &'static PluginLibrary {
+        self.lib
+    }
+
+    /// How many results of this instance broke the ABI's rules and were turned into errors
+    /// (see invariant 2 of the [module documentation](self)).
+    pub fn protocol_violations(&self) -> u64 {
+        self.violations.load(Ordering::Relaxed)
+    }
+
+    /// Test hook: asks the plugin to damage the stored copy of `key` (capability
+    /// `HICACHE_CAP_TEST_CORRUPT`); `Ok(false)` if the page is absent.
+    pub fn test_corrupt_page(&self, key: &PageKey) -> Result<bool, PluginError> {
+        let f = match self.vt().test_corrupt_page {
+            Some(f) if self.vt().capabilities & abi::CAP_TEST_CORRUPT != 0 => f,
+            _ => {
+                return Err(PluginError::Unsupported {
+                    plugin: self.plugin().to_string(),
+                    op: "test_corrupt_page",
+                });
+            }
+        };
+        let k = abi::Key::from(key);
+        let mut found = 0u32;
+        let mut err = ErrorText::new();
+        let status = blocking(|| {
+            let mut eb = err.abi();
+            // SAFETY: a live instance; `k`, `found` and `eb` are valid locals for the call.
+            unsafe { f(self.handle.as_ptr(), &k, &mut found, &mut eb) }
+        });
+        if status != abi::OK {
+            return Err(PluginError::call(
+                self.plugin(),
+                "test_corrupt_page",
+                status,
+                err.text(),
+            ));
+        }
+        Ok(found != 0)
+    }
+
+    fn vt(&self) -> &Vtable {
+        self.lib.vtable()
+    }
+
+    fn plugin(&self) -> &str {
+        self.lib.name()
+    }
+
+    fn protocol(&self, op: &'static str, detail: String) -> PluginError {
+        self.violations.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(target: "hicache_plugin", plugin = self.plugin(), op, "{detail}");
+        PluginError::Protocol {
+            plugin: self.plugin().to_string(),
+            op,
+            detail,
+        }
+    }
+
+    /// A per-page protocol violation: counted, logged, and the page's outcome.
+    fn bad_page(&self, op: &'static str, detail: String) -> PageOutcome {
+        let e = self.protocol(op, detail);
+        PageOutcome::Failed(PageError::Backend(e.to_string()))
+    }
+
+    fn call_error(&self, op: &'static str, status: i32, n: usize, err: &ErrorText) -> StorageError {
+        if status == abi::ERR_BATCH_TOO_LARGE {
+            return StorageError::BatchTooLarge {
+                len: n,
+                max: self.info.max_batch,
+            };
+        }
+        PluginError::call(self.plugin(), op, status, err.text_or("(no error text)")).into()
+    }
+
+    /// The outcome of a per-page error code, with the call's error text as detail.
+    fn page_error(&self, code: abi::PageResult, len: usize, err: &ErrorText) -> PageOutcome {
+        let detail = || {
+            format!(
+                "plugin `{}`: {}",
+                self.plugin(),
+                err.text_or("no detail given")
+            )
+        };
+        PageOutcome::Failed(match code {
+            abi::PAGE_ERR_EMPTY => PageError::EmptyPage,
+            abi::PAGE_ERR_TOO_LARGE => PageError::TooLarge {
+                len,
+                max: self.info.max_page_bytes,
+            },
+            abi::PAGE_ERR_NO_SPACE => PageError::NoSpace,
+            abi::PAGE_ERR_IO => PageError::Io {
+                op: "plugin",
+                detail: detail(),
+            },
+            _ => PageError::Backend(detail()),
+        })
+    }
+
+    /// Maps one `batch_get` result, checking its kind and length.
+    fn get_outcome(
+        &self,
+        i: usize,
+        code: abi::PageResult,
+        written: u64,
+        len: usize,
+        err: &ErrorText,
+    ) -> PageOutcome {
+        match code {
+            abi::PAGE_HIT if written == len as u64 => PageOutcome::Hit,
+            abi::PAGE_HIT => self.bad_page(
+                "batch_get",
+                format!("page {i}: reported a hit with {written} bytes for a {len}-byte page"),
+            ),
+            abi::PAGE_MISS => PageOutcome::Miss,
+            abi::PAGE_CORRUPT => PageOutcome::Corrupt,
+            abi::PAGE_ERR_EMPTY
+            | abi::PAGE_ERR_TOO_LARGE
+            | abi::PAGE_ERR_NO_SPACE
+            | abi::PAGE_ERR_IO
+            | abi::PAGE_ERR_BACKEND => self.page_error(code, len, err),
+            abi::PAGE_UNSET => self.bad_page(
+                "batch_get",
+                format!("page {i}: no result written (HICACHE_PAGE_UNSET)"),
+            ),
+            other => self.bad_page(
+                "batch_get",
+                format!("page {i}: result code {other} is not a batch_get result"),
+            ),
+        }
+    }
+
+    /// Maps one `batch_set` result, checking its kind.
+    fn set_outcome(
+        &self,
+        i: usize,
+        code: abi::PageResult,
+        len: usize,
+        err: &ErrorText,
+    ) -> PageOutcome {
+        match code {
+            abi::PAGE_STORED => PageOutcome::Stored,
+            abi::PAGE_PRESENT => PageOutcome::Present,
+            abi::PAGE_ERR_EMPTY
+            | abi::PAGE_ERR_TOO_LARGE
+            | abi::PAGE_ERR_NO_SPACE
+            | abi::PAGE_ERR_IO
+            | abi::PAGE_ERR_BACKEND => self.page_error(code, len, err),
+            abi::PAGE_UNSET => self.bad_page(
+                "batch_set",
+                format!("page {i}: no result written (HICACHE_PAGE_UNSET)"),
+            ),
+            other => self.bad_page(
+                "batch_set",
+                format!("page {i}: result code {other} is not a batch_set result"),
+            ),
+        }
+    }
+}
+
+/// Builds the iovec array of a batch, then the page array pointing into it. The iovec vector
+/// is complete before any page takes a pointer into it, so the pointers stay valid.
+fn describe_pages<'p, I>(pages: I, n: usize) -> (Vec<abi::Iovec>, Vec<abi::Page>)
+where
+    I: Iterator<Item = (hicache_core::LayoutKind, usize, Vec<abi::Iovec>)> + 'p,
+{
+    let mut iovs = Vec::new();
+    let mut spans = Vec::with_capacity(n);
+    for (layout, len, parts) in pages {
+        spans.push((iovs.len(), parts.len(), layout, len));
+        iovs.extend(parts);
+    }
+    let base = iovs.as_ptr();
+    let descs = spans
+        .into_iter()
+        .map(|(start, count, layout, len)| abi::Page {
+            // In bounds: `start + count <= iovs.len()`.
+            parts: base.wrapping_add(start),
+            part_count: count as u64,
+            len: len as u64,
+            layout: abi::layout_tag(layout),
+            reserved: 0,
+        })
+        .collect();
+    (iovs, descs)
+}
+
+#[async_trait]
+impl Storage for PluginStorage {
+    fn info(&self) -> BackendInfo {
+        self.info.clone()
+    }
+
+    async fn batch_exists(&self, keys: &[PageKey]) -> Result<usize> {
+        check_batch("batch_exists", self.info.max_batch, keys.len(), keys.len())?;
+        let ckeys: Vec<abi::Key> = keys.iter().map(abi::Key::from).collect();
+        let mut present = 0u64;
+        let mut err = ErrorText::new();
+        let f = self.vt().batch_exists.expect("checked at load");
+        let status = blocking(|| {
+            let mut eb = err.abi();
+            // SAFETY: a live instance; `ckeys` holds `len` keys; out-params are locals.
+            unsafe {
+                f(
+                    self.handle.as_ptr(),
+                    ckeys.as_ptr(),
+                    ckeys.len() as u64,
+                    &mut present,
+                    &mut eb,
+                )
+            }
+        });
+        if status != abi::OK {
+            return Err(self.call_error("batch_exists", status, keys.len(), &err));
+        }
+        if present > keys.len() as u64 {
+            return Err(self
+                .protocol(
+                    "batch_exists",
+                    format!("{present} keys present out of a batch of {}", keys.len()),
+                )
+                .into());
+        }
+        Ok(present as usize)
+    }
+
+    async fn batch_get(
+        &self,
+        keys: &[PageKey],
+        dst: &mut [PageBufMut<'_>],
+    ) -> Result<Vec<PageOutcome>> {
+        check_batch("batch_get", self.info.max_batch, keys.len(), dst.len())?;
+        let n = keys.len();
+        let ckeys: Vec<abi::Key> = keys.iter().map(abi::Key::from).collect();
+        let lens: Vec<usize> = dst.iter().map(|d| d.len()).collect();
+        let (_iovs, pages) = describe_pages(
+            dst.iter_mut().map(|d| {
+                let (layout, len) = (d.layout(), d.len());
+                let parts = d
+                    .parts_mut()
+                    .iter_mut()
+                    .map(|p| abi::Iovec {
+                        base: p.as_mut_ptr().cast::<c_void>(),
+                        len: p.len() as u64,
+                    })
+                    .collect();
+                (layout, len, parts)
+            }),
+            n,
+        );
+        let mut results = vec![abi::PAGE_UNSET; n];
+        let mut written = vec![0u64; n];
+        let mut err = ErrorText::new();
+        let f = self.vt().batch_get.expect("checked at load");
+        let status = blocking(|| {
+            let mut eb = err.abi();
+            // SAFETY: a live instance; `ckeys`, `pages`, `results`, `written` hold `n` entries;
+            // the iovecs point into the caller's buffers, borrowed mutably for this call.
+            unsafe {
+                f(
+                    self.handle.as_ptr(),
+                    ckeys.as_ptr(),
+                    pages.as_ptr(),
+                    n as u64,
+                    results.as_mut_ptr(),
+                    written.as_mut_ptr(),
+                    &mut eb,
+                )
+            }
+        });
+        if status != abi::OK {
+            return Err(self.call_error("batch_get", status, n, &err));
+        }
+        Ok((0..n)
+            .map(|i| self.get_outcome(i, results[i], written[i], lens[i], &err))
+            .collect())
+    }
+
+    async fn batch_set(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Result<Vec<PageOutcome>> {
+        check_batch("batch_set", self.info.max_batch, keys.len(), src.len())?;
+        let n = keys.len();
+        let ckeys: Vec<abi::Key> = keys.iter().map(abi::Key::from).collect();
+        let (_iovs, pages) = describe_pages(
+            src.iter().map(|p| {
+                let parts = p
+                    .parts()
+                    .iter()
+                    .map(|part| abi::Iovec {
+                        // Read-only for the plugin (header §5); the C type has no const.
+                        base: part.as_ptr().cast_mut().cast::<c_void>(),
+                        len: part.len() as u64,
+                    })
+                    .collect();
+                (p.layout(), p.len(), parts)
+            }),
+            n,
+        );
+        let mut results = vec![abi::PAGE_UNSET; n];
+        let mut err = ErrorText::new();
+        let f = self.vt().batch_set.expect("checked at load");
+        let status = blocking(|| {
+            let mut eb = err.abi();
+            // SAFETY: a live instance; `ckeys`, `pages`, `results` hold `n` entries; the
+            // iovecs point into the caller's buffers, borrowed for this call.
+            unsafe {
+                f(
+                    self.handle.as_ptr(),
+                    ckeys.as_ptr(),
+                    pages.as_ptr(),
+                    n as u64,
+                    results.as_mut_ptr(),
+                    &mut eb,
+                )
+            }
+        });
+        if status != abi::OK {
+            return Err(self.call_error("batch_set", status, n, &err));
+        }
+        Ok((0..n)
+            .map(|i| self.set_outcome(i, results[i], src[i].len(), &err))
+            .collect())
+    }
+
+    fn register_memory(&self, region: MemoryRegion) -> Result<()> {
+        let f = match self.vt().register_memory {
+            Some(f) if self.vt().capabilities & abi::CAP_REGISTER_MEMORY != 0 => f,
+            _ => return Ok(()),
+        };
+        let mut flags = 0;
+        if region.cuda_registered {
+            flags |= abi::MEMORY_CUDA_REGISTERED;
+        }
+        if region.huge_pages {
+            flags |= abi::MEMORY_HUGE_PAGES;
+        }
+        let mut err = ErrorText::new();
+        let status = blocking(|| {
+            let mut eb = err.abi();
+            // SAFETY: a live instance; the region is only described here (its owner keeps it
+            // mapped while the instance lives, as the trait's contract requires).
+            unsafe {
+                f(
+                    self.handle.as_ptr(),
+                    region.addr as *mut c_void,
+                    region.len as u64,
+                    flags,
+                    &mut eb,
+                )
+            }
+        });
+        if status != abi::OK {
+            return Err(self.call_error("register_memory", status, 0, &err));
+        }
+        Ok(())
+    }
+
+    async fn delete(&self, keys: &[PageKey]) -> Result<usize> {
+        let ckeys: Vec<abi::Key> = keys.iter().map(abi::Key::from).collect();
+        let mut removed = 0u64;
+        let mut err = ErrorText::new();
+        let f = self.vt().batch_delete.expect("checked at load");
+        let status = blocking(|| {
+            let mut eb = err.abi();
+            // SAFETY: a live instance; `ckeys` holds `len` keys; out-params are locals.
+            unsafe {
+                f(
+                    self.handle.as_ptr(),
+                    ckeys.as_ptr(),
+                    ckeys.len() as u64,
+                    &mut removed,
+                    &mut eb,
+                )
+            }
+        });
+        if status != abi::OK {
+            return Err(self.call_error("batch_delete", status, keys.len(), &err));
+        }
+        if removed > keys.len() as u64 {
+            return Err(self
+                .protocol(
+                    "batch_delete",
+                    format!("removed {removed} pages out of a batch of {}", keys.len()),
+                )
+                .into());
+        }
+        Ok(removed as usize)
+    }
+
+    fn stats(&self) -> StorageStats {
+        let mut s = abi::Stats {
+            struct_size: std::mem::size_of::<abi::Stats>() as u32,
+            ..Default::default()
+        };
+        let mut err = ErrorText::new();
+        let f = self.vt().get_stats.expect("checked at load");
+        let status = blocking(|| {
+            let mut eb = err.abi();
+            // SAFETY: a live instance; `s` and `eb` are valid locals for the call.
+            unsafe { f(self.handle.as_ptr(), &mut s, &mut eb) }
+        });
+        let mut out = StorageStats::default();
+        out.capacity_bytes = self.info.capacity_bytes;
+        if status != abi::OK {
+            tracing::warn!(
+                target: "hicache_plugin",
+                plugin = self.plugin(),
+                "get_stats failed with {} ({status}): {}; reporting zeros",
+                abi::status_name(status),
+                err.text()
+            );
+            return out;
+        }
+        out.pages = s.pages;
+        out.bytes = s.bytes;
+        if s.capacity_bytes != 0 {
+            out.capacity_bytes = Some(s.capacity_bytes);
+        }
+        out.exists_calls = s.exists_calls;
+        out.exists_keys = s.exists_keys;
+        out.exists_hits = s.exists_hits;
+        out.get_pages = s.get_pages;
+        out.get_hits = s.get_hits;
+        out.get_misses = s.get_misses;
+        out.meta_mismatches = s.meta_mismatches;
+        out.get_corrupt = s.get_corrupt;
+        out.get_errors = s.get_errors;
+        out.get_bytes = s.get_bytes;
+        out.set_pages = s.set_pages;
+        out.set_stored = s.set_stored;
+        out.set_present = s.set_present;
+        out.set_errors = s.set_errors;
+        out.set_bytes = s.set_bytes;
+        out.evicted_pages = s.evicted_pages;
+        out.evicted_bytes = s.evicted_bytes;
+        out.deleted_pages = s.deleted_pages;
+        out.discarded_on_open = s.discarded_on_open;
+        out
+    }
+}
+
+impl Drop for PluginStorage {
+    fn drop(&mut self) {
+        let destroy = self.vt().destroy.expect("checked at load");
+        let handle = self.handle.as_ptr();
+        // Called in place, not in a blocking section: a drop may run while a runtime shuts
+        // down, where handing the worker away is not possible, and a panic in `drop` aborts.
+        // SAFETY: invariant 4: the instance is live, no call is in flight (`&mut self`), and it
+        // is never used again.
+        unsafe { destroy(handle) };
+    }
+}
