@@ -58,6 +58,7 @@
 //!
 //! ## Features
 //! - `file` (default): the file-system L3 backend.
+//! - `plugin` (default): L3 backends loaded from a `.so` through the versioned C ABI.
 //!
 //! The CUDA device is always available at run time where libcuda is (it is loaded
 //! dynamically); the `sim` device runs everywhere.

@@ -541,69 +541,41 @@ impl FileBackend {
         }
         self.drop_victims(&victims);
 
-        // Phase 1, in parallel: write every page to a temp file next to its final name and,
-        // unless the policy is `none`, sync its data; under `always`, also commit it (rename)
-        // and sync its directory.
+        // Phase 1, in parallel, page by page: write to a temp file beside the final name,
+        // sync its data (unless the policy is `none`), commit it by renaming (so the renames of
+        // early pages overlap the writes of later ones) and, under `always`, sync the directory.
         let policy = self.opts.fsync;
         let shared = self.opts.shared;
         let io = self.io();
-        enum Step {
-            Written(PathBuf),
-            Adopted,
-            Committed,
-            Failed(PageError),
-        }
-        let steps = par::par_map(self.opts.io_threads, jobs.clone(), |i| {
-            let key = &keys[i];
-            let page = &src[i];
-            if shared && self.adopt_from_disk(key, Some(page.meta())).is_some() {
-                return Step::Adopted;
-            }
-            let tmp = self.temp_path(key);
-            let written = pageio::write_page_file(io, &tmp, key, page, policy != FsyncPolicy::None);
-            if let Err(e) = written {
-                let _ = remove_file(&tmp);
-                return Step::Failed(PageError::io("write", &e));
-            }
-            if policy != FsyncPolicy::Always {
-                return Step::Written(tmp);
-            }
-            let r = fs::rename(&tmp, self.paths.page_path(key))
-                .map_err(|e| PageError::io("rename", &e))
-                .and_then(|()| {
-                    sys::sync_dir(&self.paths.bucket(key))
-                        .map_err(|e| PageError::io("sync directory", &e))
-                });
-            match r {
-                Ok(()) => Step::Committed,
-                Err(e) => {
-                    let _ = remove_file(&tmp);
-                    Step::Failed(e)
+        let mut results: Vec<(usize, Result<bool, PageError>)> =
+            par::par_map(self.opts.io_threads, jobs.clone(), |i| {
+                let key = &keys[i];
+                let page = &src[i];
+                if shared && self.adopt_from_disk(key, Some(page.meta())).is_some() {
+                    return (i, Ok(false));
                 }
-            }
-        });
-        // Phase 2, in parallel: commit (same-directory rename) every written page.
-        let renamed = par::par_map(
-            self.opts.io_threads,
-            jobs.iter().copied().zip(steps).collect(),
-            |(i, s)| {
-                let r = match s {
-                    Step::Written(tmp) => match fs::rename(&tmp, self.paths.page_path(&keys[i])) {
-                        Ok(()) => Ok(true),
-                        Err(e) => {
-                            let _ = remove_file(&tmp);
-                            Err(PageError::io("rename", &e))
+                let tmp = self.temp_path(key);
+                let r = pageio::write_page_file(io, &tmp, key, page, policy != FsyncPolicy::None)
+                    .map_err(|e| PageError::io("write", &e))
+                    .and_then(|_file| {
+                        fs::rename(&tmp, self.paths.page_path(key))
+                            .map_err(|e| PageError::io("rename", &e))
+                    })
+                    .and_then(|()| {
+                        if policy == FsyncPolicy::Always {
+                            sys::sync_dir(&self.paths.bucket(key))
+                                .map_err(|e| PageError::io("sync directory", &e))
+                        } else {
+                            Ok(())
                         }
-                    },
-                    Step::Committed => Ok(true),
-                    Step::Adopted => Ok(false),
-                    Step::Failed(e) => Err(e),
-                };
-                (i, r)
-            },
-        );
-        let mut results: Vec<(usize, Result<bool, PageError>)> = renamed;
-        // Phase 3 (batch): make the renames durable, one sync per touched directory.
+                    });
+                if r.is_err() {
+                    let _ = remove_file(&tmp);
+                }
+                (i, r.map(|()| true))
+            });
+        // Phase 2 (batch): make the renames durable, one sync per touched directory, before
+        // any page of the batch is acknowledged.
         if policy == FsyncPolicy::Batch {
             let buckets: BTreeSet<PathBuf> = results
                 .iter()
@@ -625,7 +597,7 @@ impl FileBackend {
                 }
             }
         }
-        // Phase 5: publish to the index, end the reservation.
+        // Phase 3: publish to the index, end the reservation.
         let mut stored_bytes = 0u64;
         {
             let mut ix = self.index.lock();
