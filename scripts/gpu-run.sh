@@ -19,4 +19,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
         .gpu/hicache-bench transfer --device cuda --model "$model" --pages 64,256,1024 \
             --layout page_first,layer_first,page_first_direct --io kernel,direct,staged --json
     done
+    # A 32k-token load-back through the controller, overlapped with a simulated forward.
+    for io in kernel direct; do
+        .gpu/hicache-bench loadback --device cuda --model llama3-8b --tokens 32768 --io "$io" --json
+    done
 fi

@@ -17,6 +17,8 @@ struct Cli {
 enum Command {
     /// The controller's own cost per scheduler tick with many running requests (sim device).
     Controller(cmd::controller::ControllerArgs),
+    /// A long load-back from L2 overlapped with a simulated forward, against a bulk copy.
+    Loadback(cmd::loadback::LoadbackArgs),
     /// Print the page hashes of token ids read from standard input, one hex digest per page.
     Hash(cmd::hash::HashArgs),
     /// L1<->L2 page transfers (backup, per-layer load) against bulk pinned copies.
@@ -48,6 +50,7 @@ fn main() -> ExitCode {
         }
         Some(Command::Controller(args)) => cmd::controller::run(&args, std::io::stdout().lock()),
         Some(Command::Plugin(args)) => cmd::plugin::run(&args, std::io::stdout().lock()),
+        Some(Command::Loadback(args)) => cmd::loadback::run(&args, std::io::stdout().lock()),
         Some(Command::Tree(args)) => cmd::tree::run(&args, std::io::stdout().lock()),
         Some(Command::Transfer(args)) => cmd::transfer::run(&args, std::io::stdout().lock()),
         Some(Command::Storage(args)) => {

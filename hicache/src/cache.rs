@@ -226,6 +226,12 @@ impl HiCache {
         &self.counter
     }
 
+    /// The transfer engine (for benches and engines that run their own copies on its
+    /// streams).
+    pub fn transfer_engine(&self) -> &TransferEngine {
+        &self.engine
+    }
+
     /// The tree (read-only: for inspection, tests and reports).
     pub fn tree(&self) -> &HiRadixTree {
         &self.tree

@@ -2,6 +2,7 @@
 
 pub mod controller;
 pub mod hash;
+pub mod loadback;
 pub mod plugin;
 pub mod storage;
 pub mod storage_check;

@@ -48,14 +48,16 @@ pub enum ModelArg {
 }
 
 impl ModelArg {
-    fn shape(self, page_size: u32) -> KvShape {
+    /// The KV shape of this model at `page_size`.
+    pub fn shape(self, page_size: u32) -> KvShape {
         match self {
             ModelArg::Llama3_8b => KvShape::llama3_8b(page_size),
             ModelArg::DeepseekV3Mla => KvShape::deepseek_v3_mla(page_size),
         }
     }
 
-    fn name(self) -> &'static str {
+    /// The command-line spelling.
+    pub fn name(self) -> &'static str {
         match self {
             ModelArg::Llama3_8b => "llama3-8b",
             ModelArg::DeepseekV3Mla => "deepseek-v3-mla",
