@@ -188,7 +188,10 @@ impl HiCacheBuilder {
             }
         };
         let device = device_pool.device().clone();
-        let size = if cfg.hicache_size > 0.0 {
+        let size = if !cfg.enable_hierarchical_cache {
+            // No host tier: the smallest pool (one page), never used.
+            PoolSize::Pages(1)
+        } else if cfg.hicache_size > 0.0 {
             PoolSize::Bytes((cfg.hicache_size * 1e9) as u64)
         } else {
             PoolSize::Ratio {
@@ -226,7 +229,13 @@ impl HiCacheBuilder {
         let hasher = PageHasher::new(cfg.hash_mode, &namespace)?;
         let tree = hicache_core::HiRadixTree::new(TreeConfig {
             page_size: cfg.page_size,
-            write_policy: cfg.write_policy,
+            // Without a host tier nothing is ever written: evictions delete, as in a plain
+            // radix cache.
+            write_policy: if cfg.enable_hierarchical_cache {
+                cfg.write_policy
+            } else {
+                hicache_core::WritePolicy::WriteThroughSelective
+            },
             eviction: cfg.eviction_policy,
             load_back_threshold_tokens: cfg.load_back_threshold,
             hasher: Some(hasher),

@@ -440,6 +440,18 @@ impl HiCache {
         Ok(admission)
     }
 
+    /// Undoes an admission the engine could not complete (e.g. no device room for the rest of
+    /// the request): unlocks the prefix; the request stays live and may be admitted again.
+    /// Pages loaded back for it stay cached (their copy is launched by the next
+    /// `start_loading`).
+    pub fn unadmit(&mut self, req: RequestId) -> Result<()> {
+        self.check_open()?;
+        let a = self.admitted(req)?;
+        self.tree.unlock(a.lock)?;
+        self.requests.get_mut(&req).expect("admitted").admitted = None;
+        Ok(())
+    }
+
     /// Allocates `pages` device pages for new tokens, evicting cached pages if needed.
     /// `None` when even eviction cannot free enough (pinned pages).
     pub fn alloc_device(&mut self, pages: usize) -> Result<Option<Vec<u32>>> {

@@ -3,6 +3,7 @@
 //!
 //! | field | default | meaning |
 //! |---|---|---|
+//! | `enable_hierarchical_cache` | true | false: L1 only, a plain radix cache (no host tier, no L3) |
 //! | `page_size` | 64 | tokens per page (SGLang resolves its default to 1; 64 is what L3 wants) |
 //! | `hicache_ratio` | 2.0 | host pages = device pages × ratio (ignored when `hicache_size` > 0) |
 //! | `hicache_size` | 0 | host pool size in GB (1e9 bytes) per rank; overrides the ratio |
@@ -58,6 +59,8 @@ impl From<IoBackendKind> for IoBackend {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HiCacheConfig {
+    /// Whether the host tier (and L3) is used; false gives a plain device radix cache.
+    pub enable_hierarchical_cache: bool,
     /// Tokens per page.
     pub page_size: u32,
     /// Host pages per device page.
@@ -97,6 +100,7 @@ pub struct HiCacheConfig {
 impl Default for HiCacheConfig {
     fn default() -> Self {
         Self {
+            enable_hierarchical_cache: true,
             page_size: 64,
             hicache_ratio: 2.0,
             hicache_size: 0.0,
@@ -144,7 +148,7 @@ impl HiCacheConfig {
                 "must be a finite number of GB >= 0",
             ));
         }
-        if self.hicache_size == 0.0 {
+        if self.enable_hierarchical_cache && self.hicache_size == 0.0 {
             if !self.hicache_ratio.is_finite() || self.hicache_ratio <= 0.0 {
                 return Err(HiCacheError::config(
                     "hicache_ratio",
@@ -188,6 +192,13 @@ impl HiCacheConfig {
                 "model_name",
                 "\"\"",
                 "must not be empty (it keeps models apart in L3)",
+            ));
+        }
+        if !self.enable_hierarchical_cache && self.storage_backend.is_some() {
+            return Err(HiCacheError::config(
+                "storage_backend",
+                self.storage_backend.as_deref().unwrap_or_default(),
+                "L3 needs the host tier: enable_hierarchical_cache is false",
             ));
         }
         if self.storage_backend.is_none() && self.storage_backend_extra_config.is_some() {
@@ -323,6 +334,18 @@ mod tests {
         c.storage_backend_extra_config = Some("@/nonexistent/extra.json".into());
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("/nonexistent/extra.json"), "{e}");
+    }
+
+    #[test]
+    fn l3_needs_the_host_tier() {
+        let e = HiCacheConfig::from_json(
+            r#"{"enable_hierarchical_cache": false, "storage_backend": "memory"}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("enable_hierarchical_cache"), "{e}");
+        HiCacheConfig::from_json(r#"{"enable_hierarchical_cache": false, "hicache_ratio": 0.1}"#)
+            .unwrap();
     }
 
     #[test]

@@ -83,6 +83,9 @@ impl HiCache {
     /// host memory can be found (after evicting host-only nodes) are skipped: they stay
     /// device-only, as in SGLang.
     pub(crate) fn launch_writes(&mut self) -> Result<()> {
+        if !self.cfg.enable_hierarchical_cache {
+            self.due_writes.clear();
+        }
         if self.due_writes.is_empty() {
             return Ok(());
         }

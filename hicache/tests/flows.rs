@@ -484,3 +484,42 @@ fn contradictory_config_and_unknown_backends_are_clear_errors() {
         .unwrap_err();
     assert!(e.to_string().contains("shape"), "{e}");
 }
+
+#[test]
+fn without_the_hierarchical_cache_it_is_a_plain_radix_cache() {
+    let cfg = HiCacheConfig {
+        enable_hierarchical_cache: false,
+        ..test_config(4)
+    };
+    let mut e = Engine::new(cache(cfg, 12));
+    let a = prompt(60, 32);
+    let b = prompt(61, 32);
+    e.run(None, &a);
+    e.run(None, &b);
+    assert_eq!(e.cache.tree().host_pages(), 0);
+    // `a` was evicted from L1 and nothing else holds it: recomputed.
+    let again = e.run(None, &a);
+    assert_eq!(again.admission.host_pages, 0);
+    assert!(again.admission.device_pages < 8);
+    assert_eq!(e.cache.metrics().snapshot().d2h.pages, 0);
+    e.settle();
+}
+
+#[test]
+fn unadmit_releases_the_prefix_and_keeps_the_request() {
+    let mut e = Engine::new(cache(test_config(4), 32));
+    let p = prompt(62, 32);
+    e.run(None, &p);
+    e.settle(); // the write-through of `p` holds its pages until the D2H ack
+    e.cache.arrive(9, &p).unwrap();
+    let adm = e.cache.admit(9, &p).unwrap();
+    assert_eq!(adm.device_pages, 8);
+    assert!(e.cache.tree().protected_pages() > 0);
+    e.cache.unadmit(9).unwrap();
+    assert_eq!(e.cache.tree().protected_pages(), 0);
+    assert!(e.cache.unadmit(9).is_err());
+    let again = e.cache.admit(9, &p).unwrap();
+    assert_eq!(again.prefix_slots, adm.prefix_slots);
+    e.cache.abort(9).unwrap();
+    e.settle();
+}
