@@ -65,7 +65,7 @@ impl Default for Arrivals {
         Self {
             distribution: Distribution::Poisson,
             rate: 16.0,
-            max_parallel: 64,
+            max_parallel: 4,
             round_barrier: false,
             ready_policy: ReadyPolicy::Fifo,
             seed: 1,

@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub mod hash;
+pub mod multiturn;
 pub mod storage;
 pub mod storage_check;
 pub mod storage_common;

@@ -18,8 +18,9 @@
 //!   3.35 TB/s: 6.0 ms per step + 49 ns per context token.
 //! - **L2 → L1 loads**: 50 GB/s (92% of the 54.3 GB/s bulk pinned H2D copy measured on our H100,
 //!   PCIe 5.0 x16; see `machines.md`), overlapped layer by layer with the forward.
-//! - **L3 → L2 prefetch**: 6 GB/s after 0.5 ms (one PCIe 4.0 NVMe drive's sequential read),
-//!   one link shared by all prefetches, starting when the request arrives.
+//! - **L3 → L2 prefetch**: 12 GB/s after 0.5 ms (a 100 Gb/s RDMA link, 12.5 GB/s line rate, as
+//!   Mooncake and 3FS deployments use; about two PCIe 4.0 NVMe drives), one link shared by all
+//!   prefetches, starting when the request arrives.
 //! - **Step overhead**: 0 (scheduling and launch costs are not modelled unless asked).
 
 use hicache_core::{DType, KvKind, KvShape};
@@ -124,7 +125,7 @@ impl ComputeModel {
             decode_s_per_context_token: model.token_bytes() as f64 / hbm,
             step_overhead_s: 0.0,
             h2d_bytes_per_s: 50e9,
-            l3_bytes_per_s: 6e9,
+            l3_bytes_per_s: 12e9,
             l3_latency_s: 0.5e-3,
         }
     }
