@@ -326,3 +326,18 @@ fn a_cache_that_breaks_accounting_fails_the_check() {
         "the report is still written"
     );
 }
+
+#[test]
+fn the_defaults_plan_within_the_default_device() {
+    for args in [&[][..], &["--long-context"][..], &["--compare"][..]] {
+        let p = multiturn::plan(&MultiturnArgs::try_parse(args).unwrap()).unwrap();
+        assert_eq!(p.setup.device_pages, 128, "{args:?}");
+        assert!(p.workload.longest_request_tokens <= 128 * 64, "{args:?}");
+    }
+    let p = multiturn::plan(&MultiturnArgs::defaults()).unwrap();
+    assert_eq!(p.workload.requests, 80);
+    assert_eq!(p.engine.page_bytes, 8 << 20);
+    assert!(p.title().contains("16 clients × 5 rounds"), "{}", p.title());
+    let p = multiturn::plan(&MultiturnArgs::try_parse(&["--device-gb", "2"]).unwrap()).unwrap();
+    assert_eq!(p.setup.device_pages, 238, "2e9 / 8 MiB");
+}

@@ -106,8 +106,8 @@ pub struct MultiturnArgs {
     /// Long context: documents.
     #[arg(long, default_value_t = 2, help_heading = "Workload")]
     pub documents: usize,
-    /// Long context: tokens per document.
-    #[arg(long, default_value_t = 16_384, help_heading = "Workload")]
+    /// Long context: tokens per document (the default fits the default L1 of 128 pages).
+    #[arg(long, default_value_t = 6144, help_heading = "Workload")]
     pub document_tokens: usize,
     /// Long context: questions per document.
     #[arg(long, default_value_t = 16, help_heading = "Workload")]

@@ -184,7 +184,8 @@ pub trait CacheUnderTest {
     /// prefetch steps.
     fn poll(&mut self) -> CacheResult<()>;
 
-    /// Whether the request may be scheduled now (its prefetch finished per policy).
+    /// Whether the request may be scheduled now (its prefetch finished per policy). The engine
+    /// calls it (with `poll` in between) until it returns `Ready`, and not again afterwards.
     fn prefetch_status(&mut self, req: RequestId) -> CacheResult<PrefetchStatus>;
 
     /// Admission: match again, load back host pages (allocating device pages, evicting), lock
