@@ -36,7 +36,7 @@ fn config(budget: usize) -> EngineConfig {
         max_prefill_tokens: budget,
         layers: 32,
         page_bytes: PAGE_BYTES,
-        prefetch_wait_limit: Duration::from_secs(5),
+        wall_wait_limit: Duration::from_secs(5),
     }
 }
 
@@ -388,4 +388,86 @@ fn pending_prefetches_are_waited_for_and_their_time_modelled() {
     assert!((q.prefetch_done - q.arrival - expected).abs() < 1e-12);
     assert!(q.admitted >= q.prefetch_done);
     assert!(q.ttft() > expected);
+}
+
+/// A cache that refuses its first `refusals` admissions (memory held by copies in flight).
+struct Busy {
+    inner: NoCache,
+    refusals: usize,
+}
+
+impl CacheUnderTest for Busy {
+    fn page_size(&self) -> usize {
+        self.inner.page_size()
+    }
+    fn device_pages(&self) -> usize {
+        self.inner.device_pages()
+    }
+    fn arrive(&mut self, req: RequestId, tokens: &[u32]) -> CacheResult<()> {
+        self.inner.arrive(req, tokens)
+    }
+    fn poll(&mut self) -> CacheResult<()> {
+        self.inner.poll()
+    }
+    fn prefetch_status(&mut self, req: RequestId) -> CacheResult<PrefetchStatus> {
+        self.inner.prefetch_status(req)
+    }
+    fn admit(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        n: usize,
+    ) -> CacheResult<Option<Admission>> {
+        if self.refusals > 0 {
+            self.refusals -= 1;
+            return Ok(None);
+        }
+        self.inner.admit(req, tokens, n)
+    }
+    fn start_loading(&mut self) -> CacheResult<Option<usize>> {
+        self.inner.start_loading()
+    }
+    fn wait_layer(&mut self, idx: usize, layer: usize) -> CacheResult<()> {
+        self.inner.wait_layer(idx, layer)
+    }
+    fn cache_finished(&mut self, req: RequestId, tokens: &[u32], slots: &[u32]) -> CacheResult<()> {
+        self.inner.cache_finished(req, tokens, slots)
+    }
+    fn shutdown(&mut self) -> CacheResult<()> {
+        self.inner.shutdown()
+    }
+    fn stats(&self) -> CacheStats {
+        self.inner.stats()
+    }
+}
+
+#[test]
+fn transient_refusals_with_nothing_running_are_waited_out_without_simulated_time() {
+    let plain = run_with(&mut NoCache::new(PS, 48, PAGE_BYTES), conversations(), 2048);
+    let mut busy = Busy {
+        inner: NoCache::new(PS, 48, PAGE_BYTES),
+        refusals: 20,
+    };
+    let r = run_with(&mut busy, conversations(), 2048);
+    assert_eq!(busy.refusals, 0);
+    assert_eq!(
+        r.requests, plain.requests,
+        "the simulated clock did not move while waiting"
+    );
+
+    let mut stuck = Busy {
+        inner: NoCache::new(PS, 48, PAGE_BYTES),
+        refusals: usize::MAX,
+    };
+    let mut w = Workload::new(conversations(), arrivals()).unwrap();
+    let cfg = EngineConfig {
+        wall_wait_limit: Duration::from_millis(20),
+        ..config(2048)
+    };
+    let e = engine::run(&mut w, &mut stuck, &compute(), &cfg, &mut |_, _| {}).unwrap_err();
+    assert_eq!(e.exit_code(), 1);
+    assert!(
+        e.to_string().contains("refused admission") && e.to_string().contains("request 0"),
+        "{e}"
+    );
 }

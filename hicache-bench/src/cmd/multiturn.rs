@@ -514,7 +514,7 @@ pub fn plan(args: &MultiturnArgs) -> Result<Plan> {
             max_prefill_tokens: args.max_prefill_tokens,
             layers: model.layers,
             page_bytes,
-            prefetch_wait_limit: Duration::from_secs(120),
+            wall_wait_limit: Duration::from_secs(120),
         },
         model,
         compute,

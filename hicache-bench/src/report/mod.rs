@@ -308,7 +308,7 @@ mod tests {
                 max_prefill_tokens: 100,
                 layers: 32,
                 page_bytes: 100,
-                prefetch_wait_limit: Duration::from_secs(1),
+                wall_wait_limit: Duration::from_secs(1),
             },
             page_size: 64,
             baseline: Summary::new("no cache", &run(0, 0.2, 0)),

@@ -24,7 +24,10 @@
 //! 4. Otherwise, if requests are decoding, one decode step produces a token for each;
 //!    requests that produced their whole answer finish ([`CacheUnderTest::cache_finished`]
 //!    with prompt and answer) and the workload releases their successors.
-//! 5. Otherwise the clock jumps to the next arrival or the next modelled prefetch completion.
+//! 5. Otherwise, if the cache refused a request that is due while no request runs (its memory
+//!    is held by copies in flight), the engine polls in wall time without advancing the clock,
+//!    for at most [`EngineConfig::wall_wait_limit`]; else the clock jumps to the next arrival or
+//!    the next modelled prefetch completion.
 //!
 //! The run ends when every request has finished; then [`CacheUnderTest::shutdown`].
 //!
@@ -61,9 +64,11 @@ pub struct EngineConfig {
     pub layers: u32,
     /// Bytes of one page.
     pub page_bytes: u64,
-    /// Longest wall time to wait for one prefetch to become ready before giving up.
+    /// Longest wall time the engine waits for the cache to make progress on its own (a pending
+    /// prefetch, or device memory held by in-flight copies while no request runs) before it
+    /// gives up with an error.
     #[serde(skip)]
-    pub prefetch_wait_limit: Duration,
+    pub wall_wait_limit: Duration,
 }
 
 /// What happened to one request.
@@ -249,15 +254,36 @@ impl<'a> Engine<'a> {
 
     fn run(mut self, progress: &mut dyn FnMut(usize, usize)) -> Result<RunResult> {
         let wall = Instant::now();
+        let mut stalled_since: Option<Instant> = None;
         while !self.workload.is_done() {
             self.accept_arrivals()?;
             self.cache.poll().map_err(cache_err)?;
-            let admitted = self.schedule()?;
+            let (admitted, refused) = self.schedule()?;
             if !self.prefilling.is_empty() {
+                stalled_since = None;
                 self.prefill_step(admitted, progress)?;
             } else if !self.decoding.is_empty() {
+                stalled_since = None;
                 self.decode_step(progress)?;
+            } else if let Some(req) = refused {
+                // Nothing runs, yet the cache refused a request that is due: its memory is
+                // held by work in flight (copies awaiting acknowledgement). Wait in wall time,
+                // polling, without advancing the simulated clock.
+                let since = *stalled_since.get_or_insert_with(Instant::now);
+                if since.elapsed() > self.config.wall_wait_limit {
+                    let r = &self.requests[req as usize];
+                    return Err(BenchError::Cache(format!(
+                        "request {req} ({}, {} prompt tokens): the cache refused admission for \
+                         {:?} with no request running ({} device pages)",
+                        r.conversation,
+                        r.prompt_tokens,
+                        self.config.wall_wait_limit,
+                        self.cache.device_pages()
+                    )));
+                }
+                std::thread::sleep(Duration::from_micros(50));
             } else {
+                stalled_since = None;
                 self.idle()?;
             }
         }
@@ -312,12 +338,12 @@ impl<'a> Engine<'a> {
             match self.cache.prefetch_status(sent.id).map_err(cache_err)? {
                 PrefetchStatus::Ready { l3_pages } => break l3_pages,
                 PrefetchStatus::Pending => {
-                    if started.elapsed() > self.config.prefetch_wait_limit {
+                    if started.elapsed() > self.config.wall_wait_limit {
                         return Err(BenchError::Cache(format!(
                             "request {} ({}): prefetch still pending after {:?}",
                             sent.id,
                             self.requests[sent.id as usize].conversation,
-                            self.config.prefetch_wait_limit
+                            self.config.wall_wait_limit
                         )));
                     }
                     std::thread::sleep(Duration::from_micros(50));
@@ -344,14 +370,16 @@ impl<'a> Engine<'a> {
     }
 
     /// Builds this step's prefill batch (rule 2 of the loop); returns the bytes its new
-    /// admissions load from host memory. The batch is `self.prefilling` with per-request token
-    /// counts decided in `prefill_step`.
-    fn schedule(&mut self) -> Result<u64> {
+    /// admissions load from host memory and the request the cache refused, if the scan ended
+    /// on a refusal. The batch is `self.prefilling` with per-request token counts decided in
+    /// `prefill_step`.
+    fn schedule(&mut self) -> Result<(u64, Option<u64>)> {
         let mut budget = self.config.max_prefill_tokens;
         for a in &self.prefilling {
             budget = budget.saturating_sub(a.to_compute);
         }
         let mut load_bytes = 0;
+        let mut refused = None;
         let mut i = 0;
         while i < self.waiting.len() && budget > 0 {
             let (_, done) = self.resolve_prefetch(i)?;
@@ -368,6 +396,7 @@ impl<'a> Engine<'a> {
                 .admit(sent.id, prompt, answer)
                 .map_err(cache_err)?
             else {
+                refused = Some(sent.id);
                 break;
             };
             self.check_admission(&sent, prompt_len, answer, &adm)?;
@@ -392,28 +421,7 @@ impl<'a> Engine<'a> {
                 slots,
             });
         }
-        if self.prefilling.is_empty()
-            && self.decoding.is_empty()
-            && self
-                .waiting
-                .iter()
-                .any(|w| matches!(w.prefetch, Some((_, d)) if d <= self.now))
-        {
-            let w = self
-                .waiting
-                .iter()
-                .find(|w| matches!(w.prefetch, Some((_, d)) if d <= self.now))
-                .expect("checked above");
-            return Err(BenchError::Cache(format!(
-                "request {} ({}, {} prompt tokens): the cache refused admission with no request \
-                 running ({} device pages)",
-                w.sent.id,
-                self.requests[w.sent.id as usize].conversation,
-                self.prompt(&w.sent).len(),
-                self.cache.device_pages()
-            )));
-        }
-        Ok(load_bytes)
+        Ok((load_bytes, refused))
     }
 
     fn check_admission(
