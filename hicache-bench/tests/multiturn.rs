@@ -211,6 +211,8 @@ fn bad_input_is_exit_code_2_with_a_clear_message() {
         ),
         (&["--long-context", "--documents", "0"][..], "--documents"),
         (&["--system-tokens", "0", "--user-tokens", "0"][..], "empty"),
+        (&["--model-layers", "0"][..], "--model-layers"),
+        (&["--model-params-b", "0"][..], "--model-params-b"),
     ] {
         let e = bad(extra);
         assert_eq!(e.exit_code(), 2, "{extra:?}: {e}");
@@ -340,4 +342,35 @@ fn the_defaults_plan_within_the_default_device() {
     assert!(p.title().contains("16 clients × 5 rounds"), "{}", p.title());
     let p = multiturn::plan(&MultiturnArgs::try_parse(&["--device-gb", "2"]).unwrap()).unwrap();
     assert_eq!(p.setup.device_pages, 238, "2e9 / 8 MiB");
+}
+
+#[test]
+fn model_overrides_change_page_bytes_and_costs() {
+    let base = multiturn::plan(&MultiturnArgs::defaults()).unwrap();
+    let args = MultiturnArgs::try_parse(&[
+        "--model-layers",
+        "80",
+        "--model-q-heads",
+        "64",
+        "--model-params-b",
+        "70.6",
+        "--device-pages",
+        "200",
+    ])
+    .unwrap();
+    let p = multiturn::plan(&args).unwrap();
+    assert_eq!(
+        p.engine.page_bytes,
+        20 << 20,
+        "80 layers × 8 KV heads × 128 × 2 B × 2 × 64"
+    );
+    assert_eq!(p.engine.layers, 80);
+    assert!(
+        p.model.name.starts_with("custom model (80 layers"),
+        "{}",
+        p.model.name
+    );
+    let ratio = p.compute.prefill_s_per_token / base.compute.prefill_s_per_token;
+    assert!((ratio - 70.6 / 8.03).abs() < 1e-9);
+    assert!(p.compute.attention_s_per_pair > base.compute.attention_s_per_pair * 4.9);
 }

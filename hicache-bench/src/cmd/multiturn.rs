@@ -168,6 +168,23 @@ pub struct MultiturnArgs {
     #[arg(long, help_heading = "Cache")]
     pub compare: bool,
 
+    // --- Model --------------------------------------------------------------------------------
+    /// Layers of the simulated model [default: 32, Llama-3-8B].
+    #[arg(long, help_heading = "Model")]
+    pub model_layers: Option<u32>,
+    /// Query heads (attention FLOPs) [default: 32].
+    #[arg(long, help_heading = "Model")]
+    pub model_q_heads: Option<u32>,
+    /// KV heads per rank (KV bytes) [default: 8].
+    #[arg(long, help_heading = "Model")]
+    pub model_kv_heads: Option<u32>,
+    /// Elements per head [default: 128].
+    #[arg(long, help_heading = "Model")]
+    pub model_head_dim: Option<u32>,
+    /// Parameters per rank in billions (weights FLOPs and bytes) [default: 8.03].
+    #[arg(long, help_heading = "Model")]
+    pub model_params_b: Option<f64>,
+
     // --- Engine and compute model -----------------------------------------------------------
     /// Most prompt tokens computed per prefill step (chunked prefill).
     #[arg(long, default_value_t = 16_384, help_heading = "Engine")]
@@ -391,6 +408,41 @@ fn workload_of(args: &MultiturnArgs) -> Result<(Vec<Conversation>, &'static str,
     Ok((g.conversations(), "multi_turn", params))
 }
 
+/// Llama-3-8B with the `--model-*` overrides.
+fn model_of(args: &MultiturnArgs) -> Result<ModelShape> {
+    let mut m = ModelShape::llama3_8b();
+    let overrides = [
+        ("--model-layers", args.model_layers, &mut m.layers),
+        ("--model-q-heads", args.model_q_heads, &mut m.q_heads),
+        ("--model-kv-heads", args.model_kv_heads, &mut m.kv_heads),
+        ("--model-head-dim", args.model_head_dim, &mut m.head_dim),
+    ];
+    let mut custom = args.model_params_b.is_some();
+    for (name, v, field) in overrides {
+        if let Some(v) = v {
+            if v == 0 {
+                return Err(usage(format!("{name} must be at least 1")));
+            }
+            *field = v;
+            custom = true;
+        }
+    }
+    if let Some(b) = args.model_params_b {
+        m.params = positive("--model-params-b", b)? * 1e9;
+    }
+    if custom {
+        m.name = format!(
+            "custom model ({} layers, {} q / {} kv heads of {}, {:.2} B params)",
+            m.layers,
+            m.q_heads,
+            m.kv_heads,
+            m.head_dim,
+            m.params / 1e9
+        );
+    }
+    Ok(m)
+}
+
 /// Validates the arguments into a [`Plan`] (bad input: [`BenchError::Usage`], exit code 2).
 pub fn plan(args: &MultiturnArgs) -> Result<Plan> {
     if args.vocab == 0 {
@@ -442,7 +494,7 @@ pub fn plan(args: &MultiturnArgs) -> Result<Plan> {
              answer): no page could ever be cached"
         )));
     }
-    let model = ModelShape::llama3_8b();
+    let model = model_of(args)?;
     let kv_shape = model.kv_shape(args.page_size);
     kv_shape.validate()?;
     let page_bytes = kv_shape.page_bytes() as u64;
