@@ -399,6 +399,62 @@ mod tests {
         assert_ne!(one[..8], (0..8).collect::<Vec<_>>()[..], "not FIFO");
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Against the rules: every turn is sent once, turns of a conversation in order and
+        /// after the previous one completed, never more than `max_parallel` in flight, send
+        /// times never decrease, and with the barrier no turn before its round opened.
+        #[test]
+        fn the_sender_keeps_its_rules(
+            clients in 1usize..6,
+            rounds in 1usize..5,
+            max_parallel in 1usize..5,
+            rate in proptest::prop_oneof![proptest::prelude::Just(f64::INFINITY), 0.5f64..50.0],
+            service in 0.0f64..2.0,
+            barrier: bool,
+            random: bool,
+            seed: u64,
+        ) {
+            let a = Arrivals {
+                distribution: if seed % 2 == 0 { Distribution::Poisson } else { Distribution::Uniform },
+                rate,
+                max_parallel,
+                round_barrier: barrier,
+                ready_policy: if random { ReadyPolicy::Random } else { ReadyPolicy::Fifo },
+                seed,
+            };
+            let sends = drive(Workload::new(convs(clients, rounds), a).unwrap(), service);
+            proptest::prop_assert_eq!(sends.len(), clients * rounds);
+            let mut seen = std::collections::HashSet::new();
+            for s in &sends {
+                proptest::prop_assert!(seen.insert((s.conversation, s.round)));
+                if s.round > 0 {
+                    let prev = sends
+                        .iter()
+                        .find(|p| p.conversation == s.conversation && p.round == s.round - 1)
+                        .unwrap();
+                    proptest::prop_assert!(prev.id < s.id);
+                    proptest::prop_assert!(s.time >= prev.time + service - 1e-9);
+                }
+                let in_flight = sends
+                    .iter()
+                    .filter(|p| p.time <= s.time && s.time < p.time + service)
+                    .count();
+                proptest::prop_assert!(in_flight <= max_parallel, "{} in flight", in_flight);
+                if barrier && s.round > 0 {
+                    let last_of_prev_round = sends
+                        .iter()
+                        .filter(|p| p.round == s.round - 1)
+                        .map(|p| p.time + service)
+                        .fold(0.0, f64::max);
+                    proptest::prop_assert!(s.time >= last_of_prev_round - 1e-9);
+                }
+            }
+            proptest::prop_assert!(sends.windows(2).all(|p| p[1].time >= p[0].time));
+        }
+    }
+
     #[test]
     fn bad_parameters_are_refused() {
         for rate in [0.0, -1.0, f64::NAN] {

@@ -471,3 +471,57 @@ fn transient_refusals_with_nothing_running_are_waited_out_without_simulated_time
         "{e}"
     );
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(32))]
+
+    /// Whatever the workload, memory and budget: every request finishes, every prompt token
+    /// is a hit or computed, the cache's counts equal the engine's, prefill steps stay within
+    /// the budget, every H2D page is an L2/L3 hit page, and nothing stays locked.
+    #[test]
+    fn accounting_holds_for_any_shape(
+        clients in 1usize..5,
+        rounds in 1usize..4,
+        system in 0usize..80,
+        user in 1usize..60,
+        answer in 0usize..20,
+        extra_pages in 0usize..40,
+        host_pages in 0usize..60,
+        storage: bool,
+        budget in 16usize..300,
+        seed: u64,
+    ) {
+        let convs = MultiTurn {
+            clients, rounds, system_tokens: system, user_tokens: user, answer_tokens: answer,
+            vocab: 50, seed,
+        }
+        .conversations();
+        let longest = system + rounds * (user + answer);
+        let device_pages = longest.div_ceil(PS) + extra_pages;
+        let storage = storage && host_pages > 0;
+        let mut cache = double(device_pages, host_pages, storage);
+        let mut w = Workload::new(convs, Arrivals { seed, ..arrivals() }).unwrap();
+        let r = engine::run(&mut w, &mut cache, &compute(), &config(budget), &mut |_, _| {}).unwrap();
+        proptest::prop_assert_eq!(r.requests.len(), clients * rounds);
+        let mut hits = [0u64; 3];
+        for q in &r.requests {
+            proptest::prop_assert_eq!(q.hit() + q.computed, q.prompt_tokens);
+            proptest::prop_assert!(q.first_token <= q.finished && q.arrival <= q.admitted);
+            hits[0] += q.hit_l1 as u64;
+            hits[1] += q.hit_l2 as u64;
+            hits[2] += q.hit_l3 as u64;
+        }
+        let s = r.cache;
+        proptest::prop_assert_eq!([s.hit_tokens_l1, s.hit_tokens_l2, s.hit_tokens_l3], hits);
+        proptest::prop_assert_eq!(s.h2d.pages * PS as u64, hits[1] + hits[2]);
+        for step in &r.steps {
+            if step.kind == StepKind::Prefill {
+                proptest::prop_assert!(step.tokens <= budget);
+            }
+        }
+        proptest::prop_assert_eq!(cache.lock_count(), 0);
+        if host_pages == 0 {
+            proptest::prop_assert_eq!(s.hit_tokens_l2 + s.hit_tokens_l3, 0);
+        }
+    }
+}
