@@ -256,6 +256,7 @@ fn unknown_flags_and_bad_values_are_clap_errors_with_exit_code_2() {
     let d = MultiturnArgs::defaults();
     assert_eq!((d.clients, d.rounds, d.page_size), (16, 5, 64));
     assert!(!d.compare);
+    assert!(MultiturnArgs::main_job().compare);
 }
 
 #[test]

@@ -239,6 +239,14 @@ impl MultiturnArgs {
         Standalone::parse_from(["multiturn"]).args
     }
 
+    /// What `hicache-bench` runs with no subcommand: every default, with `--compare`.
+    pub fn main_job() -> Self {
+        Self {
+            compare: true,
+            ..Self::defaults()
+        }
+    }
+
     /// Parses `multiturn` arguments (without the program or subcommand name); clap errors
     /// (unknown flags, bad values) are returned, not printed.
     pub fn try_parse(args: &[&str]) -> std::result::Result<Self, clap::Error> {
