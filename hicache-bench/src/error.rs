@@ -22,6 +22,9 @@ pub enum BenchError {
     /// A check that found missing or wrong data (e.g. `storage-check`). Exit code 1.
     #[error("check failed: {0}")]
     CheckFailed(String),
+    /// A failure of the cache under test in the simulated engine. Exit code 1.
+    #[error("cache: {0}")]
+    Cache(String),
     /// An error from hicache-core.
     #[error(transparent)]
     Core(#[from] hicache_core::CoreError),
@@ -36,7 +39,7 @@ impl BenchError {
     pub fn exit_code(&self) -> u8 {
         match self {
             BenchError::Usage(_) | BenchError::Io { .. } | BenchError::Core(_) => 2,
-            BenchError::CheckFailed(_) => 1,
+            BenchError::CheckFailed(_) | BenchError::Cache(_) => 1,
             BenchError::Storage(e) => match e {
                 hicache_storage::StorageError::Config { .. }
                 | hicache_storage::StorageError::ConfigSyntax { .. }

@@ -8,6 +8,10 @@
 pub mod cmd;
 pub mod error;
 pub mod record;
+pub mod report;
+pub mod setup;
+pub mod sim;
 pub mod trace;
+pub mod workload;
 
 pub use error::{BenchError, Result};

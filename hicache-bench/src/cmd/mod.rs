@@ -4,6 +4,7 @@ pub mod controller;
 pub mod hash;
 pub mod loadback;
 pub mod plugin;
+pub mod multiturn;
 pub mod storage;
 pub mod storage_check;
 pub mod storage_common;

@@ -1,0 +1,388 @@
+//! The report of the main job: a side-by-side table (no cache and each cache configuration),
+//! JSON records in the bench convention, `report.json` and SVG plots in a report directory.
+//!
+//! TTFT and throughput are simulated (the compute model of [`crate::sim::model`]); bytes moved
+//! and GB/s are what the cache measured on this machine (on the sim device, CPU memcpy and the
+//! local disk: they say nothing about a GPU).
+
+pub mod plot;
+pub mod summary;
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::error::{BenchError, Result};
+use crate::record::Record;
+use crate::sim::engine::EngineConfig;
+use crate::sim::model::{ComputeModel, ModelShape};
+pub use summary::{Hits, Percentiles, RoundSummary, Summary, percentile};
+
+/// Everything one invocation measured, as written to `report.json`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// One line describing the workload.
+    pub title: String,
+    /// The workload's parameters.
+    pub workload: serde_json::Value,
+    /// The cache configuration (without tiers; each run names its own).
+    pub setup: serde_json::Value,
+    /// The simulated model.
+    pub model: ModelShape,
+    /// Its costs.
+    pub compute: ComputeModel,
+    /// Scheduler settings.
+    pub engine: EngineConfig,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// The same workload without prefix caching.
+    pub baseline: Summary,
+    /// The cache configurations run.
+    pub runs: Vec<Summary>,
+}
+
+fn slug(label: &str) -> String {
+    label
+        .chars()
+        .map(|c| match c {
+            ' ' => '_',
+            c => c.to_ascii_lowercase(),
+        })
+        .collect()
+}
+
+fn gb(bytes: u64) -> f64 {
+    bytes as f64 / 1e9
+}
+
+impl Report {
+    /// The baseline followed by every run.
+    pub fn all(&self) -> impl Iterator<Item = &Summary> {
+        std::iter::once(&self.baseline).chain(&self.runs)
+    }
+
+    /// Every consistency violation of every configuration (empty when consistent).
+    pub fn check(&self) -> Vec<String> {
+        self.all().flat_map(|s| s.check(self.page_size)).collect()
+    }
+
+    /// The human table.
+    pub fn table(&self) -> String {
+        let cols: Vec<&Summary> = self.all().collect();
+        let mut out = String::new();
+        let _ = writeln!(out, "{}", self.title);
+        let row = |out: &mut String, name: &str, cells: Vec<String>| {
+            let _ = write!(out, "{name:<24}");
+            for c in cells {
+                let _ = write!(out, " {c:>19}");
+            }
+            out.push('\n');
+        };
+        row(&mut out, "", cols.iter().map(|s| s.label.clone()).collect());
+        let each = |f: &dyn Fn(&Summary) -> String| cols.iter().map(|s| f(s)).collect::<Vec<_>>();
+        row(&mut out, "requests", each(&|s| s.requests.to_string()));
+        row(
+            &mut out,
+            "prompt tokens",
+            each(&|s| s.prompt_tokens.to_string()),
+        );
+        let pct = |s: &Summary, t: u64| format!("{t} {:>5.1}%", s.share(t) * 100.0);
+        row(&mut out, "hit tokens L1", each(&|s| pct(s, s.hits.l1)));
+        row(&mut out, "hit tokens L2", each(&|s| pct(s, s.hits.l2)));
+        row(&mut out, "hit tokens L3", each(&|s| pct(s, s.hits.l3)));
+        row(
+            &mut out,
+            "hit ratio",
+            each(&|s| format!("{:.1}%", s.hit_ratio() * 100.0)),
+        );
+        row(
+            &mut out,
+            "recomputed tokens",
+            each(&|s| s.computed_tokens.to_string()),
+        );
+        for (i, name) in [
+            "moved L1→L2 (D2H)",
+            "moved L2→L1 (H2D)",
+            "moved L2→L3",
+            "moved L3→L2",
+        ]
+        .iter()
+        .enumerate()
+        {
+            row(
+                &mut out,
+                name,
+                each(&|s| {
+                    let t = s.transfers()[i].1;
+                    if t.pages == 0 {
+                        "-".to_string()
+                    } else {
+                        format!("{:.2} GB {:.1} GB/s", gb(t.bytes), t.gbps())
+                    }
+                }),
+            );
+        }
+        let ms = |x: f64| format!("{:.1}", x * 1e3);
+        row(&mut out, "TTFT p50 (ms)", each(&|s| ms(s.ttft.p50)));
+        row(&mut out, "TTFT p90 (ms)", each(&|s| ms(s.ttft.p90)));
+        row(&mut out, "TTFT p99 (ms)", each(&|s| ms(s.ttft.p99)));
+        row(&mut out, "TTFT mean (ms)", each(&|s| ms(s.ttft.mean)));
+        row(
+            &mut out,
+            "load stall (ms)",
+            each(&|s| ms(s.load_stall_seconds)),
+        );
+        row(
+            &mut out,
+            "throughput (req/s)",
+            each(&|s| format!("{:.2}", s.request_throughput)),
+        );
+        row(
+            &mut out,
+            "input (tok/s)",
+            each(&|s| format!("{:.0}", s.input_throughput)),
+        );
+        row(
+            &mut out,
+            "evicted pages L1/L2",
+            each(&|s| format!("{}/{}", s.cache.evicted_pages_l1, s.cache.evicted_pages_l2)),
+        );
+        row(
+            &mut out,
+            "wall time (s)",
+            each(&|s| format!("{:.2}", s.wall_seconds)),
+        );
+        let _ = writeln!(
+            out,
+            "TTFT and throughput: simulated ({} on the compute model); bytes and GB/s: measured \
+             on this machine.",
+            self.model.name
+        );
+        out
+    }
+
+    /// One record per figure (DESIGN.md §7). TTFT and throughput carry the no-cache figure as
+    /// their reference.
+    pub fn records(&self) -> Vec<Record> {
+        let base = &self.baseline;
+        let mut out = Vec::new();
+        for s in self.all() {
+            let label = slug(&s.label);
+            let is_base = std::ptr::eq(s, base);
+            let with_ref = |r: Record, reference: f64| {
+                if is_base {
+                    r
+                } else {
+                    r.with_reference(reference)
+                }
+            };
+            for (name, v, b) in [
+                ("ttft_p50", s.ttft.p50, base.ttft.p50),
+                ("ttft_p90", s.ttft.p90, base.ttft.p90),
+                ("ttft_p99", s.ttft.p99, base.ttft.p99),
+            ] {
+                out.push(with_ref(
+                    Record::new("multiturn", format!("{label}/{name}"), v * 1e3, "ms"),
+                    b * 1e3,
+                ));
+            }
+            out.push(with_ref(
+                Record::new(
+                    "multiturn",
+                    format!("{label}/throughput"),
+                    s.request_throughput,
+                    "req/s",
+                ),
+                base.request_throughput,
+            ));
+            out.push(
+                Record::new(
+                    "multiturn",
+                    format!("{label}/hit_ratio"),
+                    s.hit_ratio() * 100.0,
+                    "%",
+                )
+                .with("requests", s.requests)
+                .with("prompt_tokens", s.prompt_tokens)
+                .with("hit_tokens_l1", s.hits.l1)
+                .with("hit_tokens_l2", s.hits.l2)
+                .with("hit_tokens_l3", s.hits.l3)
+                .with("recomputed_tokens", s.computed_tokens),
+            );
+            for (dir, t) in s.transfers() {
+                if t.pages > 0 {
+                    out.push(
+                        Record::new("multiturn", format!("{label}/{dir}"), t.gbps(), "GB/s")
+                            .with("pages", t.pages)
+                            .with("bytes", t.bytes)
+                            .with("seconds", t.seconds),
+                    );
+                }
+            }
+        }
+        out
+    }
+
+    /// Writes `report.json` and the plots into `dir` (which must exist); returns the paths.
+    pub fn write_to(&self, dir: &Path) -> Result<Vec<PathBuf>> {
+        let json = dir.join("report.json");
+        let text = serde_json::to_string_pretty(self)
+            .map_err(|e| BenchError::Usage(format!("report.json: {e}")))?;
+        std::fs::write(&json, text).map_err(BenchError::io(&json))?;
+        let hits = dir.join("hit_ratio_per_round.svg");
+        let cdf = dir.join("ttft_cdf.svg");
+        let bw = dir.join("bandwidth.svg");
+        // The baseline has no hits and moves nothing: plotted only in the TTFT CDF.
+        let plot_err = |e: String| BenchError::Usage(format!("writing a plot: {e}"));
+        plot::hit_ratio_per_round(&hits, &self.runs, 1).map_err(plot_err)?;
+        plot::ttft_cdf(&cdf, &self.all().cloned().collect::<Vec<_>>()).map_err(plot_err)?;
+        plot::bandwidth(&bw, &self.runs, 1).map_err(plot_err)?;
+        Ok(vec![json, hits, cdf, bw])
+    }
+}
+
+/// Creates `dir` if needed and checks that a file can be written in it (so that a bad report
+/// directory fails before the run, not after).
+pub fn prepare_dir(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(BenchError::io(dir))?;
+    let probe = dir.join(".hicache-bench-write-test");
+    std::fs::write(&probe, b"").map_err(BenchError::io(dir))?;
+    std::fs::remove_file(&probe).map_err(BenchError::io(&probe))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::cache::{CacheStats, TransferStats};
+    use crate::sim::engine::{RequestRecord, RunResult};
+    use std::time::Duration;
+
+    fn run(hit: usize, ttft: f64, h2d_pages: u64) -> RunResult {
+        let requests = (0..4)
+            .map(|i| RequestRecord {
+                id: i,
+                conversation: format!("c{i}"),
+                round: i as usize / 2,
+                prompt_tokens: 128,
+                answer_tokens: 8,
+                arrival: i as f64,
+                admitted: i as f64,
+                first_token: i as f64 + ttft * (1.0 + i as f64 / 10.0),
+                finished: i as f64 + 1.0,
+                hit_l2: hit,
+                computed: 128 - hit,
+                ..RequestRecord::default()
+            })
+            .collect();
+        RunResult {
+            requests,
+            steps: Vec::new(),
+            cache: CacheStats {
+                page_bytes: 100,
+                h2d: TransferStats {
+                    pages: h2d_pages,
+                    bytes: h2d_pages * 100,
+                    seconds: 1e-6,
+                    batches: 1,
+                },
+                hit_tokens_l2: 4 * hit as u64,
+                request_tokens: 512,
+                ..CacheStats::default()
+            },
+            sim_seconds: 5.0,
+            wall_seconds: 0.01,
+        }
+    }
+
+    fn report() -> Report {
+        let model = ModelShape::llama3_8b();
+        Report {
+            title: "test workload".into(),
+            workload: serde_json::json!({"clients": 2}),
+            setup: serde_json::json!({"page_size": 64}),
+            compute: ComputeModel::h100(&model),
+            model,
+            engine: EngineConfig {
+                max_prefill_tokens: 100,
+                layers: 32,
+                page_bytes: 100,
+                wall_wait_limit: Duration::from_secs(1),
+            },
+            page_size: 64,
+            baseline: Summary::new("no cache", &run(0, 0.2, 0)),
+            runs: vec![Summary::new("L1+L2", &run(64, 0.1, 4))],
+        }
+    }
+
+    #[test]
+    fn table_lists_every_configuration_side_by_side() {
+        let r = report();
+        assert!(r.check().is_empty(), "{:?}", r.check());
+        let t = r.table();
+        let header = t.lines().nth(1).unwrap();
+        assert!(
+            header.contains("no cache") && header.contains("L1+L2"),
+            "{t}"
+        );
+        let p50 = t.lines().find(|l| l.starts_with("TTFT p50")).unwrap();
+        assert!(p50.contains("220.0") && p50.contains("110.0"), "{p50}");
+        let h2d = t.lines().find(|l| l.starts_with("moved L2→L1")).unwrap();
+        assert!(h2d.contains('-') && h2d.contains("GB/s"), "{h2d}");
+        assert!(t.contains("hit ratio") && t.contains("50.0%"), "{t}");
+    }
+
+    #[test]
+    fn records_carry_the_no_cache_reference() {
+        let recs = report().records();
+        let p50 = recs.iter().find(|r| r.case == "l1+l2/ttft_p50").unwrap();
+        assert_eq!(p50.unit, "ms");
+        assert!((p50.reference.unwrap() - 220.0).abs() < 1e-9);
+        assert!((p50.ratio.unwrap() - 0.5).abs() < 1e-9);
+        let base = recs.iter().find(|r| r.case == "no_cache/ttft_p50").unwrap();
+        assert!(base.reference.is_none());
+        let h2d = recs.iter().find(|r| r.case == "l1+l2/h2d").unwrap();
+        assert_eq!(h2d.extra["pages"], 4);
+        assert!(
+            !recs.iter().any(|r| r.case == "no_cache/h2d"),
+            "idle directions omitted"
+        );
+        let hr = recs.iter().find(|r| r.case == "l1+l2/hit_ratio").unwrap();
+        assert_eq!(hr.value, 50.0);
+        for r in &recs {
+            serde_json::from_str::<serde_json::Value>(&r.to_json_line()).unwrap();
+        }
+    }
+
+    #[test]
+    fn writes_json_and_plots() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = report().write_to(dir.path()).unwrap();
+        assert_eq!(paths.len(), 4);
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&paths[0]).unwrap()).unwrap();
+        assert_eq!(v["runs"][0]["label"], "L1+L2");
+        assert_eq!(v["baseline"]["hits"]["l2"], 0);
+        assert_eq!(v["runs"][0]["rounds"].as_array().unwrap().len(), 2);
+        for p in &paths[1..] {
+            let svg = std::fs::read_to_string(p).unwrap();
+            assert!(
+                svg.starts_with("<svg") && svg.contains("L1+L2"),
+                "{}",
+                p.display()
+            );
+        }
+    }
+
+    #[test]
+    fn an_unwritable_directory_is_bad_input() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"x").unwrap();
+        let e = prepare_dir(&file.join("sub")).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        assert!(e.to_string().contains("sub"), "{e}");
+        prepare_dir(&dir.path().join("a/b")).unwrap();
+    }
+}

@@ -1,0 +1,170 @@
+//! [`CacheSetup`]: the cache configuration the `multiturn` command collects from its flags, in
+//! plain data with SGLang's names, for whoever builds the cache under test (the `hicache`
+//! adapter turns it into a `HiCacheConfig`).
+
+use std::path::PathBuf;
+
+use hicache_core::{KvShape, LayoutKind, PrefetchPolicy, StrategyKind, WritePolicy};
+use hicache_gpu::IoBackend;
+use serde::{Serialize, Serializer};
+
+use crate::error::Result;
+use crate::sim::cache::CacheUnderTest;
+
+/// Which device holds L1.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceKind {
+    /// The sim device (host memory; every kernel replaced by its CPU reference).
+    Sim,
+    /// CUDA device 0.
+    Cuda,
+}
+
+/// Size of the L2 host pool (SGLang: `--hicache-ratio`, or `--hicache-size` which overrides it).
+#[derive(Copy, Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HostSize {
+    /// Host tokens = device tokens × ratio (`hicache_ratio`).
+    Ratio(f64),
+    /// Gigabytes (1e9 bytes) per rank (`hicache_size`).
+    Gigabytes(f64),
+}
+
+/// Which tiers a run uses. L1 always exists; L3 needs L2.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Tiers {
+    /// The L2 host pool.
+    pub host: bool,
+    /// The L3 storage backend.
+    pub storage: bool,
+}
+
+impl Tiers {
+    /// L1 only.
+    pub const L1: Tiers = Tiers {
+        host: false,
+        storage: false,
+    };
+    /// L1 and L2.
+    pub const L1_L2: Tiers = Tiers {
+        host: true,
+        storage: false,
+    };
+    /// All three tiers.
+    pub const L1_L2_L3: Tiers = Tiers {
+        host: true,
+        storage: true,
+    };
+
+    /// The label of the configuration: `L1`, `L1+L2` or `L1+L2+L3`.
+    pub fn label(self) -> &'static str {
+        match (self.host, self.storage) {
+            (false, _) => "L1",
+            (true, false) => "L1+L2",
+            (true, true) => "L1+L2+L3",
+        }
+    }
+}
+
+/// The L3 backend and its extra-config.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StorageSetup {
+    /// Backend name (`storage_backend`).
+    pub backend: String,
+    /// The extra-config object (`storage_backend_extra_config`), already checked to parse as a
+    /// `hicache_storage::StorageConfig` for `backend`. For the `file` backend without a `dir`,
+    /// the command adds a fresh temporary directory per run.
+    pub extra_config: serde_json::Map<String, serde_json::Value>,
+}
+
+fn io_backend_name<S: Serializer>(io: &IoBackend, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(io.as_str())
+}
+
+/// The cache configuration of one run.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CacheSetup {
+    /// L1 device.
+    pub device: DeviceKind,
+    /// KV shape of one rank, page size included (`page_size`).
+    pub kv_shape: KvShape,
+    /// L1 pages.
+    pub device_pages: usize,
+    /// L2 size (`hicache_ratio` / `hicache_size`).
+    pub host_size: HostSize,
+    /// `write_policy`.
+    pub write_policy: WritePolicy,
+    /// `storage_prefetch_policy`.
+    pub prefetch_policy: PrefetchPolicy,
+    /// `io_backend`.
+    #[serde(serialize_with = "io_backend_name")]
+    pub io_backend: IoBackend,
+    /// `mem_layout` of the host pool.
+    pub mem_layout: LayoutKind,
+    /// Eviction strategy of the tree (`radix_eviction_policy`).
+    pub eviction_policy: StrategyKind,
+    /// L3 (used when `tiers.storage`).
+    pub storage: StorageSetup,
+    /// Tiers of this run.
+    pub tiers: Tiers,
+    /// Directory the command created for this run's L3 (removed at the end), if any.
+    pub scratch_dir: Option<PathBuf>,
+}
+
+/// Builds the cache under test for one run.
+pub trait CacheFactory {
+    /// A fresh, empty cache configured by `setup`. Configuration errors should be
+    /// [`BenchError::Usage`](crate::BenchError::Usage) (exit code 2).
+    fn build(&self, setup: &CacheSetup) -> Result<Box<dyn CacheUnderTest>>;
+}
+
+impl<F> CacheFactory for F
+where
+    F: Fn(&CacheSetup) -> Result<Box<dyn CacheUnderTest>>,
+{
+    fn build(&self, setup: &CacheSetup) -> Result<Box<dyn CacheUnderTest>> {
+        self(setup)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tier_labels() {
+        assert_eq!(Tiers::L1.label(), "L1");
+        assert_eq!(Tiers::L1_L2.label(), "L1+L2");
+        assert_eq!(Tiers::L1_L2_L3.label(), "L1+L2+L3");
+    }
+
+    #[test]
+    fn serialises_with_config_names() {
+        let s = CacheSetup {
+            device: DeviceKind::Sim,
+            kv_shape: KvShape::llama3_8b(64),
+            device_pages: 10,
+            host_size: HostSize::Ratio(2.0),
+            write_policy: WritePolicy::WriteThrough,
+            prefetch_policy: PrefetchPolicy::WaitComplete,
+            io_backend: IoBackend::Direct,
+            mem_layout: LayoutKind::PageFirst,
+            eviction_policy: StrategyKind::Lru,
+            storage: StorageSetup {
+                backend: "file".into(),
+                extra_config: serde_json::Map::new(),
+            },
+            tiers: Tiers::L1_L2,
+            scratch_dir: None,
+        };
+        let v = serde_json::to_value(&s).unwrap();
+        assert_eq!(v["io_backend"], "direct");
+        assert_eq!(v["write_policy"], "write_through");
+        assert_eq!(v["prefetch_policy"], "wait_complete");
+        assert_eq!(v["mem_layout"], "page_first");
+        assert_eq!(v["eviction_policy"], "lru");
+        assert_eq!(v["host_size"]["ratio"], 2.0);
+        assert_eq!(v["device"], "sim");
+    }
+}

@@ -1,0 +1,217 @@
+//! The contract between the simulated engine and the cache it drives.
+//!
+//! The engine calls these methods in the order of one SGLang scheduler tick (spec §8):
+//!
+//! 1. [`arrive`](CacheUnderTest::arrive) for each request as it joins the waiting queue
+//!    (match, start the L3 prefetch of the uncached suffix);
+//! 2. [`poll`](CacheUnderTest::poll) once per tick before scheduling;
+//! 3. for each waiting request in FCFS order: [`prefetch_status`](CacheUnderTest::prefetch_status)
+//!    (a `Pending` request is skipped and stays queued), then
+//!    [`admit`](CacheUnderTest::admit) (match again, load back host pages, allocate every device
+//!    page the request needs, lock the prefix), which is all-or-nothing;
+//! 4. [`start_loading`](CacheUnderTest::start_loading) once the batch is built, then during the
+//!    forward [`wait_layer`](CacheUnderTest::wait_layer) before each layer's attention;
+//! 5. [`cache_finished`](CacheUnderTest::cache_finished) when a request has produced its last
+//!    token;
+//! 6. [`shutdown`](CacheUnderTest::shutdown) at the end, then [`stats`](CacheUnderTest::stats).
+//!
+//! # Rules an implementation keeps (the engine and the report rely on them)
+//!
+//! 1. **Whole pages.** Prefixes are whole pages and never cover the last prompt token (an
+//!    engine computes at least one token to get logits): `prefix_slots.len() · page_size <
+//!    tokens.len()`.
+//! 2. **All or nothing.** `admit` either returns `Some` with every page the request needs —
+//!    `prefix_slots` (`l1_pages + l2_pages + l3_pages` of them, in prefix order) and
+//!    `new_slots` (`ceil((tokens.len() + new_tokens) / page_size) − prefix pages`) — or returns
+//!    `None` and changes nothing the engine can observe (the request retries on a later tick).
+//! 3. **Ownership.** From `admit` until `cache_finished` the engine owns `new_slots`; the
+//!    prefix stays locked. `cache_finished` hands every slot back (prefix then new, one per
+//!    page of `tokens`, a partial last page included): the cache keeps the whole pages it
+//!    inserts, frees duplicates and the partial page, and unlocks the prefix.
+//! 4. **One count per admission.** `stats().hit_tokens_*` count each admitted request's prefix
+//!    once, by the tier it came from; `request_tokens` counts each admitted prompt once.
+//! 5. **Determinism.** The engine's clock is simulated; wall time passes only while the cache
+//!    works. An implementation should make `poll` finish what is already due (acknowledged
+//!    copies) rather than depend on how fast the machine is, so runs repeat.
+//!
+//! The engine never sees tiers or slots beyond what these types carry, so any cache (the
+//! `hicache` controller, a baseline without prefix caching, a test model) can be measured.
+
+use serde::Serialize;
+use thiserror::Error;
+
+/// A request's id, unique within one run.
+pub type RequestId = u64;
+
+/// Why a cache call failed (the run stops with this message).
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+#[error("{0}")]
+pub struct CacheError(pub String);
+
+impl From<String> for CacheError {
+    fn from(s: String) -> Self {
+        CacheError(s)
+    }
+}
+
+impl From<&str> for CacheError {
+    fn from(s: &str) -> Self {
+        CacheError(s.to_string())
+    }
+}
+
+/// Result of a cache call.
+pub type CacheResult<T> = Result<T, CacheError>;
+
+/// Where a request's L3 prefetch stands.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum PrefetchStatus {
+    /// Still running and the policy says wait: skip the request this tick.
+    Pending,
+    /// Finished (or there was nothing to fetch): the request may be scheduled. `l3_pages` is
+    /// how many pages this request's prefetch brought from L3 into L2 (0 without L3).
+    Ready {
+        /// Pages fetched from L3 for this request.
+        l3_pages: usize,
+    },
+}
+
+/// What admission gave a request (rules 1–3 of the module docs).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Admission {
+    /// Prefix pages that were already on the device.
+    pub l1_pages: usize,
+    /// Prefix pages loaded back from L2 that were in L2 before this request arrived.
+    pub l2_pages: usize,
+    /// Prefix pages loaded back from L2 that this request's prefetch brought from L3.
+    pub l3_pages: usize,
+    /// Device slots of the prefix, in order (`l1_pages + l2_pages + l3_pages` of them).
+    pub prefix_slots: Vec<u32>,
+    /// Device slots for the rest of the prompt and the new tokens.
+    pub new_slots: Vec<u32>,
+}
+
+impl Admission {
+    /// Pages of the matched prefix (every tier).
+    pub fn prefix_pages(&self) -> usize {
+        self.l1_pages + self.l2_pages + self.l3_pages
+    }
+
+    /// Pages this admission copies from host to device before the forward (L2 and L3 hits).
+    pub fn load_pages(&self) -> usize {
+        self.l2_pages + self.l3_pages
+    }
+}
+
+/// Totals of one transfer direction.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Serialize)]
+pub struct TransferStats {
+    /// Pages moved.
+    pub pages: u64,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Sum of the batches' durations in seconds (wall time on this machine).
+    pub seconds: f64,
+    /// Batched transfers.
+    pub batches: u64,
+}
+
+impl TransferStats {
+    /// Achieved bandwidth over the batches' durations in GB/s (1e9 bytes), 0 when idle.
+    pub fn gbps(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.bytes as f64 / self.seconds / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+/// What the cache did during one run (the names of `hicache::metrics`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Serialize)]
+pub struct CacheStats {
+    /// Bytes of one page (all layers, K and V).
+    pub page_bytes: u64,
+    /// L1 → L2 (backup).
+    pub d2h: TransferStats,
+    /// L2 → L1 (load-back).
+    pub h2d: TransferStats,
+    /// L2 → L3 (storage backup).
+    pub l2_to_l3: TransferStats,
+    /// L3 → L2 (prefetch).
+    pub l3_to_l2: TransferStats,
+    /// Prompt tokens served from L1.
+    pub hit_tokens_l1: u64,
+    /// Prompt tokens served from L2.
+    pub hit_tokens_l2: u64,
+    /// Prompt tokens served from L3.
+    pub hit_tokens_l3: u64,
+    /// Prompt tokens of admitted requests.
+    pub request_tokens: u64,
+    /// Prefetches that brought every hit page.
+    pub prefetch_completed: u64,
+    /// Prefetches terminated by policy with part of the hit.
+    pub prefetch_partial: u64,
+    /// Prefetches whose hit was below the threshold.
+    pub prefetch_below_threshold: u64,
+    /// Prefetches not started for the in-flight limit.
+    pub prefetch_rate_limited: u64,
+    /// Prefetches without host memory for the hit.
+    pub prefetch_no_host_memory: u64,
+    /// Prefetches that failed in the backend.
+    pub prefetch_failed: u64,
+    /// Cached tokens dropped without a copy in any tier (write_back under host pressure).
+    pub dropped_tokens: u64,
+    /// Pages evicted from L1.
+    pub evicted_pages_l1: u64,
+    /// Pages evicted from L2.
+    pub evicted_pages_l2: u64,
+}
+
+/// A cache the simulated engine can drive. See the [module documentation](self) for the call
+/// order and the rules.
+pub trait CacheUnderTest {
+    /// Tokens per page.
+    fn page_size(&self) -> usize;
+
+    /// Pages of device (L1) memory in total.
+    fn device_pages(&self) -> usize;
+
+    /// Request arrival: match and start the L3 prefetch of the uncached suffix.
+    fn arrive(&mut self, req: RequestId, tokens: &[u32]) -> CacheResult<()>;
+
+    /// Once per tick before scheduling: drain acknowledgements, finish writes, loads and
+    /// prefetch steps.
+    fn poll(&mut self) -> CacheResult<()>;
+
+    /// Whether the request may be scheduled now (its prefetch finished per policy). The engine
+    /// calls it (with `poll` in between) until it returns `Ready`, and not again afterwards.
+    fn prefetch_status(&mut self, req: RequestId) -> CacheResult<PrefetchStatus>;
+
+    /// Admission: match again, load back host pages (allocating device pages, evicting), lock
+    /// the prefix, and allocate device pages for the rest of `tokens` plus `new_tokens` more.
+    /// `None` when device memory cannot hold it now (retry later); rule 2.
+    fn admit(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        new_tokens: usize,
+    ) -> CacheResult<Option<Admission>>;
+
+    /// Launches the host-to-device loads of this tick's admissions; `Some(producer index)` if
+    /// there are any.
+    fn start_loading(&mut self) -> CacheResult<Option<usize>>;
+
+    /// Waits until layer `layer` of producer `idx` is loaded (the attention layer's wait).
+    fn wait_layer(&mut self, idx: usize, layer: usize) -> CacheResult<()>;
+
+    /// The request finished: insert `tokens` (prompt and output), taking back every slot
+    /// (rule 3).
+    fn cache_finished(&mut self, req: RequestId, tokens: &[u32], slots: &[u32]) -> CacheResult<()>;
+
+    /// Graceful end: drain pending writes and backups.
+    fn shutdown(&mut self) -> CacheResult<()>;
+
+    /// Totals of the run so far.
+    fn stats(&self) -> CacheStats;
+}

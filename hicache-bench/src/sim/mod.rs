@@ -1,0 +1,16 @@
+//! The simulated engine that drives a cache through a workload on a simulated clock: the
+//! cache contract ([`cache`]), the model and its costs ([`model`]), the scheduler loop
+//! ([`engine`]) and the baseline without prefix caching ([`nocache`]).
+
+pub mod cache;
+pub mod engine;
+pub mod model;
+pub mod nocache;
+
+pub use cache::{
+    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, PrefetchStatus, RequestId,
+    TransferStats,
+};
+pub use engine::{EngineConfig, RequestRecord, RunResult, StepKind, StepRecord};
+pub use model::{ComputeModel, ModelShape};
+pub use nocache::NoCache;
