@@ -76,12 +76,21 @@ pub(crate) struct Request {
     pub storage_pages: usize,
     /// Set once admitted: the locked node and the pages the request shares with the tree.
     pub admitted: Option<Admitted>,
+    /// Pages loaded back for this request by admissions that were undone (`unadmit`): they
+    /// are on device now but count as host or storage hits when it is admitted again.
+    pub carried_loaded: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Admitted {
     pub lock: NodeId,
     pub shared_pages: usize,
+    /// Hit pages per tier and prompt tokens, recorded in the metrics once the admission is
+    /// final (the request finishes, completes a chunk or is aborted), so an undone admission
+    /// is never counted.
+    pub hits: Option<(usize, usize, usize, usize)>,
+    /// Pages loaded back by this admission.
+    pub loaded: usize,
 }
 
 pub(crate) struct Parts {
@@ -342,6 +351,7 @@ impl HiCache {
             prefetch: None,
             storage_pages: 0,
             admitted: None,
+            carried_loaded: 0,
         };
         if self.l3.is_some() {
             let matched = m.device_pages() + m.host_hit_pages;
@@ -372,7 +382,7 @@ impl HiCache {
     /// device-resident prefix (the rest is recomputed).
     pub fn admit(&mut self, req: RequestId, tokens: &[u32]) -> Result<Admission> {
         self.check_open()?;
-        let (tenant, storage_pages) = {
+        let (tenant, storage_pages, carried) = {
             let r = self
                 .requests
                 .get(&req)
@@ -386,10 +396,12 @@ impl HiCache {
                     "its L3 prefetch is still running (check prefetch_ready)",
                 ));
             }
-            (r.tenant, r.storage_pages)
+            (r.tenant, r.storage_pages, r.carried_loaded)
         };
         let key = self.aligned(tokens);
         let m = self.tree.match_prefix(tenant, key)?;
+        // Pages an undone admission loaded are at the end of the device prefix now.
+        let carried = carried.min(m.device_pages());
         let mut prefix: Vec<u32> = m.device_slots.clone();
         let mut lock = m.last_device_node;
         let mut loaded = 0;
@@ -418,24 +430,25 @@ impl HiCache {
             }
         }
         self.tree.lock(lock)?;
-        let storage = storage_pages.min(loaded);
+        let from_host = loaded + carried;
+        let storage = storage_pages.min(from_host);
         let admission = Admission {
-            device_pages: m.device_pages(),
-            host_pages: loaded - storage,
+            device_pages: m.device_pages() - carried,
+            host_pages: from_host - storage,
             storage_pages: storage,
             prefix_slots: prefix,
         };
-        let ps = self.cfg.page_size as u64;
-        self.metrics.request(key.len() as u64);
-        self.metrics
-            .hit(Tier::l1, admission.device_pages as u64 * ps);
-        self.metrics.hit(Tier::l2, admission.host_pages as u64 * ps);
-        self.metrics
-            .hit(Tier::l3, admission.storage_pages as u64 * ps);
         let r = self.requests.get_mut(&req).expect("checked above");
         r.admitted = Some(Admitted {
             lock,
             shared_pages: admission.prefix_slots.len(),
+            hits: Some((
+                admission.device_pages,
+                admission.host_pages,
+                admission.storage_pages,
+                key.len(),
+            )),
+            loaded,
         });
         Ok(admission)
     }
@@ -448,7 +461,9 @@ impl HiCache {
         self.check_open()?;
         let a = self.admitted(req)?;
         self.tree.unlock(a.lock)?;
-        self.requests.get_mut(&req).expect("admitted").admitted = None;
+        let r = self.requests.get_mut(&req).expect("admitted");
+        r.admitted = None;
+        r.carried_loaded += a.loaded;
         Ok(())
     }
 
@@ -496,6 +511,7 @@ impl HiCache {
             .tree
             .insert(tenant, key, &slots[..n], InsertOptions::default())?;
         self.tree.unlock(admitted.lock)?;
+        self.record_hits(admitted);
         let lo = admitted.shared_pages.min(res.prefix_pages);
         let mut free: Vec<u32> = slots[lo..res.prefix_pages].to_vec();
         free.extend_from_slice(&slots[n..]);
@@ -539,10 +555,13 @@ impl HiCache {
         self.tree.unlock(admitted.lock)?;
         let mut out = m.device_slots;
         out.extend_from_slice(&slots[n..]);
+        self.record_hits(admitted);
         let r = self.requests.get_mut(&req).expect("admitted above");
         r.admitted = Some(Admitted {
             lock: m.last_node,
             shared_pages: n,
+            hits: None,
+            loaded: 0,
         });
         self.due_writes.extend(res.write_through);
         Ok(out)
@@ -562,8 +581,30 @@ impl HiCache {
         }
         if let Some(a) = r.admitted {
             self.tree.unlock(a.lock)?;
+            self.record_hits(a);
         }
         Ok(())
+    }
+
+    /// Records an admission's hits in the metrics, once.
+    fn record_hits(&self, a: Admitted) {
+        if let Some((l1, l2, l3, tokens)) = a.hits {
+            let ps = self.cfg.page_size as u64;
+            self.metrics.request(tokens as u64);
+            self.metrics.hit(Tier::l1, l1 as u64 * ps);
+            self.metrics.hit(Tier::l2, l2 as u64 * ps);
+            self.metrics.hit(Tier::l3, l3 as u64 * ps);
+        }
+    }
+
+    /// Pages this request's L3 prefetch inserted into the tree (0 while it runs or without
+    /// one).
+    pub fn prefetched_pages(&self, req: RequestId) -> Result<usize> {
+        Ok(self
+            .requests
+            .get(&req)
+            .ok_or_else(|| HiCacheError::request(req, "unknown request"))?
+            .storage_pages)
     }
 
     fn admitted(&self, req: RequestId) -> Result<Admitted> {

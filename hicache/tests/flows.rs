@@ -521,5 +521,9 @@ fn unadmit_releases_the_prefix_and_keeps_the_request() {
     let again = e.cache.admit(9, &p).unwrap();
     assert_eq!(again.prefix_slots, adm.prefix_slots);
     e.cache.abort(9).unwrap();
+    // The undone admission is not counted: two admitted prompts of 32 tokens.
+    let snap = e.cache.metrics().snapshot();
+    assert_eq!(snap.request_tokens, 64);
+    assert_eq!(snap.hit_tokens_l1, 32);
     e.settle();
 }

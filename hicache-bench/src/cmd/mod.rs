@@ -3,8 +3,8 @@
 pub mod controller;
 pub mod hash;
 pub mod loadback;
-pub mod plugin;
 pub mod multiturn;
+pub mod plugin;
 pub mod storage;
 pub mod storage_check;
 pub mod storage_common;
