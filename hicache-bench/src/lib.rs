@@ -7,6 +7,7 @@
 
 pub mod cmd;
 pub mod error;
+pub mod hicache_adapter;
 pub mod record;
 pub mod report;
 pub mod setup;

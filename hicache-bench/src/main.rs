@@ -19,13 +19,15 @@ enum Command {
     Controller(cmd::controller::ControllerArgs),
     /// A long load-back from L2 overlapped with a simulated forward, against a bulk copy.
     Loadback(cmd::loadback::LoadbackArgs),
+    /// The main job: a multi-turn serving simulation through the whole stack, per tier.
+    Multiturn(Box<cmd::multiturn::MultiturnArgs>),
     /// Print the page hashes of token ids read from standard input, one hex digest per page.
     Hash(cmd::hash::HashArgs),
     /// L1<->L2 page transfers (backup, per-layer load) against bulk pinned copies.
     Transfer(cmd::transfer::TransferArgs),
     /// The plugin ABI's cost: the memory backend natively vs through the example plugin.
     Plugin(cmd::plugin::PluginArgs),
-    /// Replay a request trace through the HiRadixTree and report requests/s (the default).
+    /// Replay a request trace through the HiRadixTree and report requests/s.
     Tree(cmd::tree::TreeArgs),
     /// Storage backend throughput next to raw O_DIRECT I/O of the same bytes (or memcpy).
     Storage(cmd::storage::StorageArgs),
@@ -33,13 +35,6 @@ enum Command {
     StorageWrite(cmd::storage_write::StorageWriteArgs),
     /// Reopen a storage and check that acknowledged pages are present and bit-exact.
     StorageCheck(cmd::storage_check::StorageCheckArgs),
-}
-
-/// The arguments of the main job: `tree` with its defaults plus the big-tree lookup case.
-#[derive(Debug, Parser)]
-struct MainJob {
-    #[command(flatten)]
-    tree: cmd::tree::TreeArgs,
 }
 
 fn main() -> ExitCode {
@@ -51,6 +46,12 @@ fn main() -> ExitCode {
         Some(Command::Controller(args)) => cmd::controller::run(&args, std::io::stdout().lock()),
         Some(Command::Plugin(args)) => cmd::plugin::run(&args, std::io::stdout().lock()),
         Some(Command::Loadback(args)) => cmd::loadback::run(&args, std::io::stdout().lock()),
+        Some(Command::Multiturn(args)) => cmd::multiturn::run(
+            &args,
+            std::io::stdout().lock(),
+            &hicache_bench::hicache_adapter::HiCacheFactory,
+        )
+        .map(drop),
         Some(Command::Tree(args)) => cmd::tree::run(&args, std::io::stdout().lock()),
         Some(Command::Transfer(args)) => cmd::transfer::run(&args, std::io::stdout().lock()),
         Some(Command::Storage(args)) => {
@@ -62,12 +63,14 @@ fn main() -> ExitCode {
         Some(Command::StorageCheck(args)) => {
             cmd::storage_check::run(&args, std::io::stdout().lock()).map(drop)
         }
-        None => {
-            // The most complete workload that exists so far: the tree replay.
-            let mut job = MainJob::parse_from(["hicache-bench"]);
-            job.tree.big_tree_pages = 1 << 20;
-            cmd::tree::run(&job.tree, std::io::stdout().lock())
-        }
+        // The main job: the multi-turn workload on the embedded default (sim device, host
+        // pool, file L3 in a temp dir), every tier side by side.
+        None => cmd::multiturn::run(
+            &cmd::multiturn::MultiturnArgs::main_job(),
+            std::io::stdout().lock(),
+            &hicache_bench::hicache_adapter::HiCacheFactory,
+        )
+        .map(drop),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -79,13 +79,15 @@ pub(crate) struct Request {
     /// Pages loaded back for this request by admissions that were undone (`unadmit`): they
     /// are on device now but count as host or storage hits when it is admitted again.
     pub carried_loaded: usize,
+    /// Prompt length at arrival (the denominator of the hit ratio).
+    pub prompt_tokens: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Admitted {
     pub lock: NodeId,
     pub shared_pages: usize,
-    /// Hit pages per tier and prompt tokens, recorded in the metrics once the admission is
+    /// Hit pages per tier and prompt tokens (as given at arrival), recorded in the metrics once the admission is
     /// final (the request finishes, completes a chunk or is aborted), so an undone admission
     /// is never counted.
     pub hits: Option<(usize, usize, usize, usize)>,
@@ -352,6 +354,7 @@ impl HiCache {
             storage_pages: 0,
             admitted: None,
             carried_loaded: 0,
+            prompt_tokens: tokens.len(),
         };
         if self.l3.is_some() {
             let matched = m.device_pages() + m.host_hit_pages;
@@ -382,7 +385,7 @@ impl HiCache {
     /// device-resident prefix (the rest is recomputed).
     pub fn admit(&mut self, req: RequestId, tokens: &[u32]) -> Result<Admission> {
         self.check_open()?;
-        let (tenant, storage_pages, carried) = {
+        let (tenant, storage_pages, carried, prompt_tokens) = {
             let r = self
                 .requests
                 .get(&req)
@@ -396,7 +399,7 @@ impl HiCache {
                     "its L3 prefetch is still running (check prefetch_ready)",
                 ));
             }
-            (r.tenant, r.storage_pages, r.carried_loaded)
+            (r.tenant, r.storage_pages, r.carried_loaded, r.prompt_tokens)
         };
         let key = self.aligned(tokens);
         let m = self.tree.match_prefix(tenant, key)?;
@@ -446,7 +449,7 @@ impl HiCache {
                 admission.device_pages,
                 admission.host_pages,
                 admission.storage_pages,
-                key.len(),
+                prompt_tokens,
             )),
             loaded,
         });

@@ -179,7 +179,7 @@ impl Metrics {
         );
         registry.register(
             "request_tokens",
-            "Prompt tokens of admitted requests (page-aligned)",
+            "Prompt tokens of admitted requests",
             request_tokens.clone(),
         );
         registry.register(
@@ -235,7 +235,7 @@ impl Metrics {
             .inc_by(tokens);
     }
 
-    /// Records the (page-aligned) prompt length of an admitted request.
+    /// Records the prompt length of an admitted request.
     pub fn request(&self, tokens: u64) {
         self.request_tokens.inc_by(tokens);
     }
@@ -370,7 +370,7 @@ pub struct MetricsSnapshot {
     pub hit_tokens_l2: u64,
     /// Prompt tokens served from L3 (prefetched).
     pub hit_tokens_l3: u64,
-    /// Page-aligned prompt tokens of admitted requests.
+    /// Prompt tokens of admitted requests.
     pub request_tokens: u64,
     /// Prefetches that brought every hit page.
     pub prefetch_completed: u64,

@@ -1,0 +1,79 @@
+//! The main job through the real `hicache` controller on the sim device (tiny parameters):
+//! the report is consistent (hits + recomputed = prompt tokens, bytes = pages × page bytes,
+//! the cache's counts equal the engine's) and every tier adds hits.
+
+use hicache_bench::cmd::multiturn::{self, MultiturnArgs};
+use hicache_bench::hicache_adapter::HiCacheFactory;
+
+fn tiny(extra: &[&str], dir: &std::path::Path) -> MultiturnArgs {
+    let d = dir.display().to_string();
+    let mut args = vec![
+        "--quiet",
+        "--clients",
+        "6",
+        "--rounds",
+        "4",
+        "--system-tokens",
+        "128",
+        "--user-tokens",
+        "96",
+        "--answer-tokens",
+        "48",
+        "--page-size",
+        "16",
+        "--device-pages",
+        "60",
+        "--max-parallel",
+        "2",
+        "--report-dir",
+        &d,
+    ];
+    args.extend_from_slice(extra);
+    MultiturnArgs::try_parse(&args).unwrap()
+}
+
+#[test]
+fn main_job_through_hicache_is_consistent_and_every_tier_helps() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut out = Vec::new();
+    let report =
+        multiturn::run(&tiny(&["--compare"], dir.path()), &mut out, &HiCacheFactory).unwrap();
+    assert!(report.check().is_empty(), "{:?}", report.check());
+    for s in report.all() {
+        assert_eq!(s.requests, 24);
+        assert_eq!(s.hits.total() + s.computed_tokens, s.prompt_tokens);
+        for (_, t) in s.transfers() {
+            assert_eq!(t.bytes, t.pages * s.cache.page_bytes);
+        }
+    }
+    let [l1, l2, l3] = [&report.runs[0], &report.runs[1], &report.runs[2]];
+    assert!(
+        l1.hits.total() < l2.hits.total() && l2.hits.total() < l3.hits.total(),
+        "{:?}",
+        [l1.hits, l2.hits, l3.hits]
+    );
+    assert!(report.baseline.ttft.p50 > l1.ttft.p50);
+    let text = String::from_utf8(out).unwrap();
+    assert!(text.contains("L1+L2+L3"), "{text}");
+    assert!(dir.path().join("report.json").is_file());
+}
+
+#[test]
+fn main_job_through_hicache_with_the_memory_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = multiturn::run(
+        &tiny(
+            &[
+                "--storage-backend",
+                "memory",
+                "--prefetch-policy",
+                "timeout",
+            ],
+            dir.path(),
+        ),
+        &mut Vec::new(),
+        &HiCacheFactory,
+    )
+    .unwrap();
+    assert!(report.check().is_empty(), "{:?}", report.check());
+}
