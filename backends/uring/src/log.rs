@@ -1,0 +1,302 @@
+//! The index log (format in [`format`](crate::format)): appending records, replaying them at
+//! open with a torn tail cut off, and compacting the log to one `put` per live page.
+//!
+//! # Invariants
+//! 1. **Prefix.** The file is always a header followed by whole, valid records, except for a
+//!    torn tail a crash may leave after the last append; [`IndexLog::open`] finds the first
+//!    invalid record, counts it and everything after it as discarded, and truncates there.
+//! 2. **Atomic compaction.** A compacted log is written to `index.log.tmp`, synced, and renamed
+//!    over `index.log` (then the directory is synced), so a crash leaves either log whole.
+
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+
+use hicache_storage::PageKey;
+
+use crate::format::{INDEX_FILE, INDEX_TMP_FILE, Put, RECORD_LEN, Record, VERSION};
+
+/// What replaying the log found.
+#[derive(Debug, Default)]
+pub struct Replay {
+    /// Live pages, oldest commit first.
+    pub puts: Vec<Put>,
+    /// Records of the torn tail discarded (a partial record counts as one).
+    pub discarded: u64,
+    /// Valid records read (header excluded).
+    pub records: u64,
+    /// Highest sequence number seen.
+    pub max_seq: u64,
+}
+
+/// The open index log.
+#[derive(Debug)]
+pub struct IndexLog {
+    dir: PathBuf,
+    file: File,
+    /// Records in the file (header excluded).
+    records: u64,
+}
+
+/// A log file's error with the path it concerns.
+fn at(path: &Path, what: &str, e: io::Error) -> io::Error {
+    io::Error::new(e.kind(), format!("{what} {}: {e}", path.display()))
+}
+
+/// Syncs a directory (makes a rename in it durable).
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir).and_then(|d| d.sync_all())
+}
+
+impl IndexLog {
+    /// Opens (creating) the log of `dir` and replays it.
+    pub fn open(dir: &Path) -> io::Result<(Self, Replay)> {
+        let _ = fs::remove_file(dir.join(INDEX_TMP_FILE));
+        let path = dir.join(INDEX_FILE);
+        let mut file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .open(&path)
+            .map_err(|e| at(&path, "open", e))?;
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes)
+            .map_err(|e| at(&path, "read", e))?;
+        if bytes.len() < RECORD_LEN {
+            // New (or a creation torn before its header was whole): start afresh.
+            file.set_len(0).map_err(|e| at(&path, "truncate", e))?;
+            file.write_all(&Record::Header { version: VERSION }.encode())
+                .and_then(|()| file.sync_all())
+                .and_then(|()| sync_dir(dir))
+                .map_err(|e| at(&path, "write header of", e))?;
+            let replay = Replay {
+                discarded: u64::from(!bytes.is_empty()),
+                ..Replay::default()
+            };
+            let log = Self {
+                dir: dir.to_path_buf(),
+                file,
+                records: 0,
+            };
+            return Ok((log, replay));
+        }
+        match Record::decode(bytes[..RECORD_LEN].try_into().expect("one record")) {
+            Ok(Record::Header { version: VERSION }) => {}
+            Ok(Record::Header { version }) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "{}: index format version {version}, this build reads {VERSION}",
+                        path.display()
+                    ),
+                ));
+            }
+            _ => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "{}: not a hicache-uring index log (bad header); refusing to overwrite it",
+                        path.display()
+                    ),
+                ));
+            }
+        }
+        let mut replay = Replay::default();
+        let mut live: HashMap<PageKey, Put> = HashMap::new();
+        let mut owners: HashMap<(u64, u64), PageKey> = HashMap::new();
+        let mut good = RECORD_LEN;
+        for chunk in bytes[RECORD_LEN..].chunks(RECORD_LEN) {
+            let Ok(rec) = chunk
+                .try_into()
+                .map_err(|_| ())
+                .and_then(|c: &[u8; RECORD_LEN]| Record::decode(c).map_err(|_| ()))
+            else {
+                break;
+            };
+            match rec {
+                Record::Header { .. } => break,
+                Record::Put(p) => {
+                    replay.max_seq = replay.max_seq.max(p.seq);
+                    if let Some(old) = live.remove(&p.key) {
+                        owners.remove(&(old.slot_bytes, old.slot));
+                    }
+                    if let Some(other) = owners.insert((p.slot_bytes, p.slot), p.key) {
+                        live.remove(&other);
+                    }
+                    live.insert(p.key, p);
+                }
+                Record::Del { seq, key } => {
+                    replay.max_seq = replay.max_seq.max(seq);
+                    if let Some(old) = live.remove(&key) {
+                        owners.remove(&(old.slot_bytes, old.slot));
+                    }
+                }
+            }
+            replay.records += 1;
+            good += RECORD_LEN;
+        }
+        if good < bytes.len() {
+            replay.discarded = (bytes.len() - good).div_ceil(RECORD_LEN) as u64;
+            tracing::warn!(
+                path = %path.display(),
+                records = replay.discarded,
+                "uring backend: torn index-log tail discarded"
+            );
+            file.set_len(good as u64)
+                .and_then(|()| file.sync_all())
+                .map_err(|e| at(&path, "truncate torn tail of", e))?;
+        }
+        replay.puts = live.into_values().collect();
+        replay.puts.sort_by_key(|p| p.seq);
+        let log = Self {
+            dir: dir.to_path_buf(),
+            file,
+            records: replay.records,
+        };
+        Ok((log, replay))
+    }
+
+    /// Records in the file, header excluded.
+    pub fn records(&self) -> u64 {
+        self.records
+    }
+
+    /// Appends `records` (already encoded) in one write; syncs them if `sync`.
+    pub fn append(&mut self, records: &[[u8; RECORD_LEN]], sync: bool) -> io::Result<()> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let buf: Vec<u8> = records.iter().flatten().copied().collect();
+        self.file.write_all(&buf)?;
+        self.records += records.len() as u64;
+        if sync {
+            self.file.sync_data()?;
+        }
+        Ok(())
+    }
+
+    /// Replaces the log by a header and one `put` per page of `live` (oldest first).
+    pub fn compact(&mut self, live: &[Put]) -> io::Result<()> {
+        let tmp = self.dir.join(INDEX_TMP_FILE);
+        let path = self.dir.join(INDEX_FILE);
+        let mut buf = Vec::with_capacity((live.len() + 1) * RECORD_LEN);
+        buf.extend_from_slice(&Record::Header { version: VERSION }.encode());
+        for p in live {
+            buf.extend_from_slice(&Record::Put(*p).encode());
+        }
+        let mut f = File::create(&tmp).map_err(|e| at(&tmp, "create", e))?;
+        f.write_all(&buf)
+            .and_then(|()| f.sync_all())
+            .map_err(|e| at(&tmp, "write", e))?;
+        drop(f);
+        fs::rename(&tmp, &path).map_err(|e| at(&path, "rename compacted log to", e))?;
+        sync_dir(&self.dir).map_err(|e| at(&self.dir, "sync", e))?;
+        self.file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .open(&path)
+            .map_err(|e| at(&path, "reopen", e))?;
+        self.records = live.len() as u64;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hicache_storage::pattern::{namespace, page_key};
+    use hicache_storage::{LayoutKind, PageMeta};
+
+    fn put(i: u64, slot: u64, seq: u64) -> Put {
+        Put {
+            seq,
+            key: page_key(namespace(1), 5, i),
+            meta: PageMeta {
+                layout: LayoutKind::PageFirst,
+                len: 4096,
+            },
+            slot_bytes: 4096,
+            slot,
+            sum: i,
+        }
+    }
+
+    #[test]
+    fn replay_applies_puts_dels_and_slot_reuse() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut log, r) = IndexLog::open(dir.path()).unwrap();
+        assert!(r.puts.is_empty() && r.discarded == 0);
+        let recs = [
+            Record::Put(put(0, 0, 1)),
+            Record::Put(put(1, 1, 2)),
+            Record::Put(put(2, 2, 3)),
+            Record::Del {
+                seq: 4,
+                key: put(1, 0, 0).key,
+            },
+            // Slot 0 reused by page 3 without a del of page 0 (lost in a crash).
+            Record::Put(put(3, 0, 5)),
+            // Page 2 moved to slot 1.
+            Record::Put(put(2, 1, 6)),
+        ];
+        let enc: Vec<_> = recs.iter().map(Record::encode).collect();
+        log.append(&enc, true).unwrap();
+        drop(log);
+        let (log, r) = IndexLog::open(dir.path()).unwrap();
+        assert_eq!(r.puts, vec![put(3, 0, 5), put(2, 1, 6)]);
+        assert_eq!((r.records, r.max_seq, r.discarded), (6, 6, 0));
+        assert_eq!(log.records(), 6);
+    }
+
+    #[test]
+    fn torn_tails_are_cut_and_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(INDEX_FILE);
+        {
+            let (mut log, _) = IndexLog::open(dir.path()).unwrap();
+            let enc: Vec<_> = (0..4)
+                .map(|i| Record::Put(put(i, i, i + 1)).encode())
+                .collect();
+            log.append(&enc, true).unwrap();
+        }
+        // Half a record.
+        let full = fs::read(&path).unwrap();
+        fs::write(&path, &full[..full.len() - 60]).unwrap();
+        let (_, r) = IndexLog::open(dir.path()).unwrap();
+        assert_eq!((r.puts.len(), r.discarded), (3, 1));
+        assert_eq!(fs::metadata(&path).unwrap().len(), 4 * RECORD_LEN as u64);
+        // Garbage after the valid records: two records' worth.
+        let mut b = fs::read(&path).unwrap();
+        b.extend(std::iter::repeat_n(0xa5u8, 2 * RECORD_LEN));
+        fs::write(&path, &b).unwrap();
+        let (_, r) = IndexLog::open(dir.path()).unwrap();
+        assert_eq!((r.puts.len(), r.discarded), (3, 2));
+        // A damaged record in the middle ends the log there.
+        let mut b = fs::read(&path).unwrap();
+        b[2 * RECORD_LEN + 40] ^= 1;
+        fs::write(&path, &b).unwrap();
+        let (_, r) = IndexLog::open(dir.path()).unwrap();
+        assert_eq!((r.puts.len(), r.discarded), (1, 2));
+    }
+
+    #[test]
+    fn compaction_keeps_live_pages_and_a_foreign_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut log, _) = IndexLog::open(dir.path()).unwrap();
+        let enc: Vec<_> = (0..10)
+            .map(|i| Record::Put(put(i % 3, i, i + 1)).encode())
+            .collect();
+        log.append(&enc, false).unwrap();
+        log.compact(&[put(1, 7, 8), put(2, 8, 9)]).unwrap();
+        log.append(&[Record::Put(put(5, 1, 10)).encode()], true)
+            .unwrap();
+        drop(log);
+        let (log, r) = IndexLog::open(dir.path()).unwrap();
+        assert_eq!(r.puts, vec![put(1, 7, 8), put(2, 8, 9), put(5, 1, 10)]);
+        assert_eq!(log.records(), 3);
+        fs::write(dir.path().join(INDEX_FILE), vec![7u8; 1000]).unwrap();
+        let e = IndexLog::open(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("not a hicache-uring index log"), "{e}");
+    }
+}

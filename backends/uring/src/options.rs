@@ -1,0 +1,166 @@
+//! [`UringOptions`]: the uring backend's extra-config fields, parsed strictly.
+
+use std::path::PathBuf;
+
+use hicache_storage::{CommonConfig, ConfigFields, EvictionPolicy, Result, StorageError};
+
+/// When written pages are made durable before `Stored` is returned.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum FsyncPolicy {
+    /// Never: pages are complete (data written before its index record, both checksummed),
+    /// and a process crash loses nothing acknowledged, but a power loss may.
+    None,
+    /// Once per batch (default): one `fdatasync` per slab touched after the batch's data,
+    /// then the batch's index records are appended and synced.
+    #[default]
+    Batch,
+    /// Every page's data is written with `RWF_DSYNC` (durable when its write completes, FUA
+    /// on NVMe), and index appends are synced; deletes too.
+    Always,
+}
+
+impl FsyncPolicy {
+    /// Configuration spellings.
+    pub const NAMES: [&'static str; 3] = ["none", "batch", "always"];
+
+    fn parse(s: &str) -> Self {
+        match s {
+            "none" => Self::None,
+            "always" => Self::Always,
+            _ => Self::Batch,
+        }
+    }
+}
+
+/// Options of a [`UringBackend`](crate::UringBackend).
+#[derive(Clone, Debug, PartialEq)]
+pub struct UringOptions {
+    /// The storage directory (`dir`, required), on the NVMe to use.
+    pub dir: PathBuf,
+    /// Capacity in bytes of slab slots (common field `capacity`). `None`: 90% of what the
+    /// slabs hold plus the file system's free space, measured at open.
+    pub capacity_bytes: Option<u64>,
+    /// Durability of acknowledged pages (`fsync`: `none` | `batch` | `always`, default
+    /// `batch`).
+    pub fsync: FsyncPolicy,
+    /// Eviction order (`eviction`: `lru` | `fifo`, default `lru`).
+    pub eviction: EvictionPolicy,
+    /// Requests in flight at once (`queue_depth`, 1–4096, default 64).
+    pub queue_depth: u32,
+    /// Largest batch accepted (`max_batch`, 128–4096, default 256).
+    pub max_batch: usize,
+    /// Register the memory announced by `register_memory` as io_uring fixed buffers
+    /// (`fixed_buffers`, default true).
+    pub fixed_buffers: bool,
+    /// Register slab files with the ring (`fixed_files`, default true).
+    pub fixed_files: bool,
+    /// Step by which a slab file grows (`grow_bytes`, default 256 MiB, at least 4096).
+    pub grow_bytes: u64,
+    /// The deployment's page size (`page_bytes`): its slab is created at open. Default: the
+    /// engine's page size when it passes one, else none (slabs appear with their first page).
+    pub page_bytes: Option<u64>,
+}
+
+impl UringOptions {
+    /// Options for `dir` with every default.
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self {
+            dir: dir.into(),
+            capacity_bytes: None,
+            fsync: FsyncPolicy::Batch,
+            eviction: EvictionPolicy::Lru,
+            queue_depth: 64,
+            max_batch: 256,
+            fixed_buffers: true,
+            fixed_files: true,
+            grow_bytes: 256 << 20,
+            page_bytes: None,
+        }
+    }
+
+    /// Reads the options from the common config and the backend's fields (strict: unknown
+    /// fields, wrong types and out-of-range values are errors naming the field).
+    pub fn from_config(common: &CommonConfig, mut f: ConfigFields) -> Result<Self> {
+        let dir = f.opt_path("dir")?.ok_or_else(|| {
+            StorageError::config(
+                f.scope(),
+                "dir",
+                "<missing>",
+                "required: the directory (on the NVMe device) to store pages in",
+            )
+        })?;
+        let d = Self::new(dir);
+        let o = Self {
+            fsync: FsyncPolicy::parse(f.choice("fsync", "batch", &FsyncPolicy::NAMES)?),
+            eviction: EvictionPolicy::parse(f.choice("eviction", "lru", &EvictionPolicy::NAMES)?)
+                .unwrap_or_default(),
+            queue_depth: f.u64("queue_depth", d.queue_depth as u64, 1..=4096)? as u32,
+            max_batch: f.u64("max_batch", d.max_batch as u64, 128..=4096)? as usize,
+            fixed_buffers: f.bool("fixed_buffers", d.fixed_buffers)?,
+            fixed_files: f.bool("fixed_files", d.fixed_files)?,
+            grow_bytes: f.opt_bytes("grow_bytes", 4096)?.unwrap_or(d.grow_bytes),
+            page_bytes: f.opt_bytes("page_bytes", 1)?,
+            capacity_bytes: common.capacity_bytes,
+            dir: d.dir,
+        };
+        f.finish()?;
+        Ok(o)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hicache_storage::StorageConfig;
+
+    fn parse(extra: &str) -> Result<UringOptions> {
+        let c = StorageConfig::parse(Some("uring"), Some(extra))?;
+        UringOptions::from_config(&c.common, c.backend_fields)
+    }
+
+    #[test]
+    fn defaults_and_every_field() {
+        let o = parse(r#"{"dir": "/d"}"#).unwrap();
+        assert_eq!(o, UringOptions::new("/d"));
+        let o = parse(
+            r#"{"dir": "/d", "capacity": "2GiB", "fsync": "always", "eviction": "fifo",
+                "queue_depth": 256, "max_batch": 512, "fixed_buffers": false,
+                "fixed_files": false, "grow_bytes": "64MiB", "page_bytes": 262144}"#,
+        )
+        .unwrap();
+        assert_eq!(o.capacity_bytes, Some(2 << 30));
+        assert_eq!(o.fsync, FsyncPolicy::Always);
+        assert_eq!(o.eviction, EvictionPolicy::Fifo);
+        assert_eq!((o.queue_depth, o.max_batch), (256, 512));
+        assert!(!o.fixed_buffers && !o.fixed_files);
+        assert_eq!(o.grow_bytes, 64 << 20);
+        assert_eq!(o.page_bytes, Some(262_144));
+    }
+
+    #[test]
+    fn every_error_names_its_field() {
+        for (extra, field) in [
+            (r#"{}"#, "dir"),
+            (r#"{"dir": ""}"#, "dir"),
+            (r#"{"dir": 5}"#, "dir"),
+            (r#"{"dir": "/d", "fsync": "sometimes"}"#, "fsync"),
+            (r#"{"dir": "/d", "fsync": true}"#, "fsync"),
+            (r#"{"dir": "/d", "eviction": "random"}"#, "eviction"),
+            (r#"{"dir": "/d", "queue_depth": 0}"#, "queue_depth"),
+            (r#"{"dir": "/d", "queue_depth": 5000}"#, "queue_depth"),
+            (r#"{"dir": "/d", "queue_depth": "8"}"#, "queue_depth"),
+            (r#"{"dir": "/d", "max_batch": 64}"#, "max_batch"),
+            (r#"{"dir": "/d", "fixed_buffers": "yes"}"#, "fixed_buffers"),
+            (r#"{"dir": "/d", "fixed_files": 1}"#, "fixed_files"),
+            (r#"{"dir": "/d", "grow_bytes": 100}"#, "grow_bytes"),
+            (r#"{"dir": "/d", "grow_bytes": "lots"}"#, "grow_bytes"),
+            (r#"{"dir": "/d", "page_bytes": 0}"#, "page_bytes"),
+            (r#"{"dir": "/d", "page_bytes": -1}"#, "page_bytes"),
+            (r#"{"dir": "/d", "capacity": "many"}"#, "capacity"),
+            (r#"{"dir": "/d", "io_threads": 4}"#, "io_threads"),
+        ] {
+            let e = parse(extra).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{field}`")), "{extra}: {e}");
+        }
+    }
+}
