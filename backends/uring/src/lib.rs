@@ -301,7 +301,7 @@ impl UringBackend {
         let mut file_slots = Vec::new();
         for &s in &sizes {
             let (slab, len) = Self::make_slab(&ring, &dir, s, slabs.len())?;
-            file_slots.push(u32::try_from(len / s).unwrap_or(u32::MAX));
+            file_slots.push(u32::try_from(len.div_ceil(s)).unwrap_or(u32::MAX));
             slabs.push(Arc::new(slab));
         }
         if slabs.is_empty() {
@@ -454,7 +454,7 @@ impl UringBackend {
         let mut ix = self.index.lock();
         let id = ix.add_class(
             slot_bytes,
-            u32::try_from(len / slot_bytes).unwrap_or(u32::MAX),
+            u32::try_from(len.div_ceil(slot_bytes)).unwrap_or(u32::MAX),
         );
         self.slabs.write().push(Arc::new(slab));
         debug_assert_eq!(id as usize, n);
@@ -1103,4 +1103,78 @@ impl BackendFactory for UringFactory {
 /// Adds the uring backend to `registry` (one call, as any third-party backend would).
 pub fn register(registry: &Registry) -> Result<()> {
     registry.register(UringFactory)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unavailable_io_uring_names_the_file_backend() {
+        let e = unavailable(&io::Error::from_raw_os_error(libc::EPERM)).to_string();
+        assert!(
+            e.contains("io_uring is unavailable")
+                && e.contains("`file` backend")
+                && e.contains("uring"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn plans_pick_fixed_vectored_or_bounce() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut o = UringOptions::new(dir.path());
+        o.capacity_bytes = Some(64 << 20);
+        let s = UringBackend::open(o).unwrap();
+        let class = s.class_of(8192).unwrap();
+        let slab = s.slabs.read()[class as usize].clone();
+        let mut region = AlignedBuf::zeroed(1 << 20);
+        let base = region.as_mut_ptr() as usize;
+        // Unregistered, aligned, two parts: one vectored request.
+        let p = s.plan(
+            Dir::Write,
+            0,
+            &slab,
+            0,
+            &[(base, 4096), (base + 8192, 4096)],
+            false,
+        );
+        assert_eq!(
+            (p.reqs.len(), p.reqs[0].iov.len(), p.bounce.is_some()),
+            (1, 2, false)
+        );
+        // Unaligned: a bounce buffer of the slot's size.
+        let p = s.plan(Dir::Read, 0, &slab, 8192, &[(base + 1, 5000)], false);
+        assert!(p.bounce.as_ref().is_some_and(|b| b.len() == 8192));
+        assert_eq!(p.reqs[0].offset, 8192);
+        // Registered: one fixed request per part.
+        s.register_memory(MemoryRegion {
+            addr: base,
+            len: region.len(),
+            cuda_registered: false,
+            huge_pages: false,
+        })
+        .unwrap();
+        let p = s.plan(
+            Dir::Write,
+            0,
+            &slab,
+            0,
+            &[(base, 4096), (base + 8192, 4096)],
+            true,
+        );
+        assert_eq!(p.reqs.len(), 2);
+        assert!(p.reqs.iter().all(|r| r.fixed_buf == Some(0) && r.dsync));
+        assert_eq!(p.reqs[1].offset, 4096);
+        // Partly outside the region: not fixed.
+        let p = s.plan(
+            Dir::Write,
+            0,
+            &slab,
+            0,
+            &[(base + (1 << 20) - 4096, 8192)],
+            false,
+        );
+        assert!(p.reqs.iter().all(|r| r.fixed_buf.is_none()));
+    }
 }
