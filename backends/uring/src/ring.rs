@@ -199,7 +199,11 @@ pub struct RingCounters {
     pub submits: AtomicU64,
 }
 
-type Done = mpsc::Sender<(usize, io::Result<()>)>;
+/// Outcomes of requests: `(tag, result)`.
+type Outcomes = Vec<(usize, io::Result<()>)>;
+/// Where a batch's outcomes go: one message per batch per reaping pass, so a caller wakes once
+/// for all of its requests that completed together.
+type Done = Arc<mpsc::Sender<Outcomes>>;
 
 enum Msg {
     Batch(Vec<Req>, Done),
@@ -350,6 +354,7 @@ impl Ring {
     /// Hands `reqs` to the ring; their outcomes come from the returned [`Pending`].
     pub fn submit(&self, reqs: Vec<Req>) -> Pending {
         let (tx, rx) = mpsc::channel();
+        let tx = Arc::new(tx);
         let left = reqs.len();
         for r in &reqs {
             let c = match (r.fixed_buf, r.iov.len()) {
@@ -365,12 +370,14 @@ impl Ring {
             // Nothing was handed over (the driver is gone): report every request failed.
             return Pending {
                 rx,
+                ready: VecDeque::new(),
                 left: 0,
                 failed: Some((left, e.to_string())),
             };
         }
         Pending {
             rx,
+            ready: VecDeque::new(),
             left,
             failed: None,
         }
@@ -389,7 +396,8 @@ impl Drop for Ring {
 
 /// The outcomes of one submitted batch. Dropping it waits for every request (invariant 1).
 pub struct Pending {
-    rx: mpsc::Receiver<(usize, io::Result<()>)>,
+    rx: mpsc::Receiver<Outcomes>,
+    ready: VecDeque<(usize, io::Result<()>)>,
     left: usize,
     failed: Option<(usize, String)>,
 }
@@ -401,8 +409,14 @@ impl Pending {
         if self.left == 0 {
             return None;
         }
+        if let Some(r) = self.ready.pop_front() {
+            self.left -= 1;
+            return Some(r);
+        }
         match self.rx.recv() {
-            Ok(r) => {
+            Ok(v) => {
+                self.ready.extend(v);
+                let r = self.ready.pop_front()?;
                 self.left -= 1;
                 Some(r)
             }
@@ -509,7 +523,13 @@ impl Driver {
                 self.flights[id] = Some(f);
                 self.inflight += 1;
             }
-            let want = usize::from(self.inflight > 0);
+            // While requests wait for room, refill in groups of an eighth of the depth (fewer
+            // wake-ups); otherwise report each completion as it comes.
+            let want = if self.queue.is_empty() {
+                usize::from(self.inflight > 0)
+            } else {
+                self.inflight.min((self.qd / 8).max(1))
+            };
             self.counters.submits.fetch_add(1, Ordering::Relaxed);
             match self.ring.submit_and_wait(want) {
                 Ok(_) => {}
@@ -523,9 +543,8 @@ impl Driver {
                     // completes (we keep reaping).
                     tracing::error!(error = %e, "uring backend: io_uring_enter failed");
                     for f in self.queue.drain(..) {
-                        let _ = f
-                            .done
-                            .send((f.req.tag, Err(io::Error::new(e.kind(), e.to_string()))));
+                        let err = io::Error::new(e.kind(), e.to_string());
+                        let _ = f.done.send(vec![(f.req.tag, Err(err))]);
                     }
                 }
             }
@@ -553,6 +572,14 @@ impl Driver {
             .completion()
             .map(|c| (c.user_data(), c.result()))
             .collect();
+        let mut out: Vec<(Done, Outcomes)> = Vec::new();
+        let mut deliver = |done: &Done, r: (usize, io::Result<()>)| match out
+            .iter_mut()
+            .find(|(d, _)| Arc::ptr_eq(d, done))
+        {
+            Some((_, v)) => v.push(r),
+            None => out.push((done.clone(), vec![r])),
+        };
         for (id, res) in done {
             if id == WAKE {
                 let mut b = [0u8; 8];
@@ -571,14 +598,14 @@ impl Driver {
                 if errno == libc::EINTR || errno == libc::EAGAIN {
                     self.queue.push_front(f);
                 } else {
-                    let _ = f.done.send((tag, Err(io::Error::from_raw_os_error(errno))));
+                    deliver(&f.done, (tag, Err(io::Error::from_raw_os_error(errno))));
                 }
                 continue;
             }
             let n = res as usize;
             let want = f.req.bytes();
             if n >= want {
-                let _ = f.done.send((tag, Ok(())));
+                deliver(&f.done, (tag, Ok(())));
             } else if n == 0 {
                 let e = match f.req.dir {
                     Dir::Read => io::Error::new(
@@ -590,12 +617,15 @@ impl Driver {
                         format!("write stopped {want} bytes short"),
                     ),
                 };
-                let _ = f.done.send((tag, Err(e)));
+                deliver(&f.done, (tag, Err(e)));
             } else {
                 self.counters.short.fetch_add(1, Ordering::Relaxed);
                 f.req.advance(n);
                 self.queue.push_front(f);
             }
+        }
+        for (d, v) in out {
+            let _ = d.send(v);
         }
     }
 

@@ -21,9 +21,8 @@ use std::time::Instant;
 
 use clap::Args;
 use hicache_storage::{
-    PageBuf, PageBufMut, PageKey, PageOutcome, Storage, parse_byte_size, pattern,
+    MemoryRegion, PageBuf, PageBufMut, PageKey, PageOutcome, Storage, parse_byte_size, pattern,
 };
-use memmap2::MmapMut;
 use serde_json::Value;
 
 use crate::cmd::storage_common::{BackendArgs, LAYOUT, aligned_region, runtime, seed_key};
@@ -54,6 +53,10 @@ pub struct StorageArgs {
     /// One JSON object per case instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Announce the bench's page buffers to the backend with `register_memory`, as an engine
+    /// does with its host pool (uring registers them as io_uring fixed buffers).
+    #[arg(long)]
+    pub register_memory: bool,
 }
 
 fn size_label(n: usize) -> String {
@@ -108,7 +111,7 @@ fn parallel(
 /// Raw sequential O_DIRECT write of `pages` chunks of the source region, then fdatasync.
 fn raw_write(
     path: &Path,
-    src: &MmapMut,
+    src: &[u8],
     page_bytes: usize,
     pages: usize,
     threads: usize,
@@ -172,7 +175,7 @@ mod parking {
 }
 
 /// memcpy of the same bytes (the memory backend's physical limit).
-fn memcpy_secs(src: &MmapMut, page_bytes: usize, pages: usize) -> Result<f64> {
+fn memcpy_secs(src: &[u8], page_bytes: usize, pages: usize) -> Result<f64> {
     let mut dst = aligned_region(1, page_bytes)?;
     let per_batch = src.len() / page_bytes;
     dst.fill(1);
@@ -196,8 +199,8 @@ struct Round {
 async fn backend_round(
     args: &StorageArgs,
     storage: &dyn Storage,
-    src: &MmapMut,
-    dst: &mut MmapMut,
+    src: &[u8],
+    dst: &mut [u8],
     (page_bytes, pages): (usize, usize),
     round: usize,
     reference: &mut dyn FnMut(Phase) -> Result<f64>,
@@ -316,11 +319,19 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
         let pages = ((total / page_bytes as u64) as usize).max(args.batch);
         let bytes = (pages * page_bytes) as u64;
         let batch_pages = args.batch.min(pages);
-        let mut src = aligned_region(batch_pages, page_bytes)?;
+        // Source and destination pages in one mapping (one region to register).
+        let mut pool = aligned_region(2 * batch_pages, page_bytes)?;
+        let region = MemoryRegion {
+            addr: pool.as_ptr() as usize,
+            len: pool.len(),
+            cuda_registered: false,
+            huge_pages: false,
+        };
+        let (src, dst) = pool.split_at_mut(batch_pages * page_bytes);
         for (i, c) in src.chunks_mut(page_bytes).enumerate() {
             pattern::fill_page(&seed_key(u64::MAX, i as u64), c);
         }
-        let mut dst = aligned_region(batch_pages, page_bytes)?;
+        let src: &[u8] = src;
         let mut rounds = Vec::new();
         let mut zero_copy = false;
         for round in 0..args.rounds {
@@ -339,20 +350,23 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             let mut reference = |phase: Phase| -> Result<f64> {
                 match (phase, &raw_path) {
                     (Phase::Write, Some(p)) => {
-                        raw_write(p, &src, page_bytes, pages, args.raw_threads)
+                        raw_write(p, src, page_bytes, pages, args.raw_threads)
                     }
                     (Phase::Read, Some(p)) => raw_read(p, page_bytes, pages, args.raw_threads),
-                    (_, None) => memcpy_secs(&src, page_bytes, pages),
+                    (_, None) => memcpy_secs(src, page_bytes, pages),
                 }
             };
             let r = rt.block_on(async {
                 let storage = bargs.open(&overrides, page_bytes).await?;
+                if args.register_memory {
+                    storage.register_memory(region)?;
+                }
                 zero_copy = storage.info().zero_copy;
                 let r = backend_round(
                     args,
                     &*storage,
-                    &src,
-                    &mut dst,
+                    src,
+                    dst,
                     (page_bytes, pages),
                     round,
                     &mut reference,
@@ -386,6 +400,7 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                 .with("rounds", args.rounds as u64)
                 .with("reference_kind", reference)
                 .with("zero_copy", zero_copy)
+                .with("registered", args.register_memory)
         };
         let mut write = common(
             Record::new(
