@@ -959,6 +959,18 @@ impl UringBackend {
     }
 }
 
+impl Drop for UringBackend {
+    fn drop(&mut self) {
+        // Records of evictions and dropped pages not yet logged (they ride on the next append
+        // otherwise); unlogged ones would only bring back pages whose slots may be reused.
+        let recs: Vec<[u8; format::RECORD_LEN]> =
+            self.dels.get_mut().drain(..).map(|r| r.encode()).collect();
+        if let Err(e) = self.log.get_mut().append(&recs, false) {
+            tracing::warn!(error = %e, "uring backend: index log append at close failed");
+        }
+    }
+}
+
 #[async_trait]
 impl Storage for UringBackend {
     fn info(&self) -> BackendInfo {

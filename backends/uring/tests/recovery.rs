@@ -405,3 +405,27 @@ async fn the_registry_opens_it_with_strict_fields() {
         "{e}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_dropped_as_corrupt_stays_dropped_after_a_restart() {
+    let dir = test_dir();
+    let ks = keys(12, 3);
+    {
+        let s = UringBackend::open(test_opts(dir.path())).unwrap();
+        put_all(&s, &ks, 65_536).await;
+        assert!(common::corrupt_page(&s, &ks[1]).unwrap());
+        assert_eq!(
+            read_back(&s, &ks, 65_536).await,
+            vec![Some(true), None, Some(true)]
+        );
+        assert_eq!(s.stats().get_corrupt, 1);
+    }
+    let s = UringBackend::open(test_opts(dir.path())).unwrap();
+    assert_eq!(s.stats().pages, 2);
+    assert_eq!(s.batch_exists(&ks[1..2]).await.unwrap(), 0);
+    assert_eq!(
+        read_back(&s, &ks, 65_536).await,
+        vec![Some(true), None, Some(true)]
+    );
+    assert_eq!(s.stats().get_corrupt, 0, "not found corrupt a second time");
+}
