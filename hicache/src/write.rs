@@ -160,11 +160,12 @@ impl HiCache {
             ids.push(q.load_id);
         }
         // The counter's ring reuses slots: make sure the load that last used the next slot
-        // finished (a deeper overlap than the ring allows would otherwise be an error).
-        if self.loads.len() >= hicache_gpu::LayerDoneCounter::DEFAULT_DEPTH
-            && let Some(oldest) = self.loads.front()
-        {
-            oldest.handle.wait()?;
+        // finished (a deeper overlap than the ring allows would otherwise be an error). That
+        // is the load published `DEFAULT_DEPTH` launches ago; `loads` holds every launched
+        // load not yet finished, in launch order (finished ones are done).
+        let depth = hicache_gpu::LayerDoneCounter::DEFAULT_DEPTH;
+        if let Some(i) = self.loads.len().checked_sub(depth) {
+            self.loads[i].handle.wait()?;
         }
         let handle = self.engine.load(&host, &dev, &[])?;
         let producer = self.counter.publish(handle.clone())?;

@@ -484,3 +484,55 @@ fn contradictory_config_and_unknown_backends_are_clear_errors() {
         .unwrap_err();
     assert!(e.to_string().contains("shape"), "{e}");
 }
+
+#[test]
+fn more_loads_in_flight_than_the_layer_ring_without_polls() {
+    // Five load-back batches launched without a poll in between, the second to fourth held
+    // on the load stream: the fifth reuses the ring slot of the second and must wait for
+    // it, not fail (and leak its nodes' pins).
+    let mut e = Engine::new(cache(test_config(4), 64));
+    let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(300 + i, 16)).collect();
+    for p in &prompts {
+        e.run(None, p);
+    }
+    e.settle();
+    e.cache.evict(64).unwrap();
+    assert_eq!(e.cache.tree().device_pages(), 0);
+    let counter = e.cache.layer_done_counter().clone();
+    let layers = e.cache.shape().layers as usize;
+    let mut admitted = Vec::new();
+    let mut gate = None;
+    for (i, p) in prompts.iter().enumerate() {
+        let req = 1000 + i as u64;
+        e.cache.arrive(req, p).unwrap();
+        let adm = e.cache.admit(req, p).unwrap();
+        assert_eq!(adm.host_pages, 4, "{adm:?}");
+        if i == 4 {
+            // Opens the stream later, from another thread: start_loading has to wait for it.
+            let g: hicache_gpu::SimGate = gate.take().unwrap();
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                g.open();
+            });
+        }
+        let producer = e.cache.start_loading().unwrap().expect("a load");
+        if i == 0 {
+            counter.set_consumer(producer).unwrap();
+            for l in 0..layers {
+                counter.wait_until(l).unwrap();
+            }
+            gate = Some(e.cache.transfer_engine().load_stream().sim_gate().unwrap());
+        }
+        admitted.push((req, producer, adm));
+    }
+    let (_, last, _) = admitted.last().unwrap();
+    counter.set_consumer(*last).unwrap();
+    for l in 0..layers {
+        counter.wait_until(l).unwrap();
+    }
+    for ((req, _, adm), p) in admitted.iter().zip(&prompts) {
+        e.check_pages(p, &adm.prefix_slots);
+        e.cache.abort(*req).unwrap();
+    }
+    e.settle();
+}
