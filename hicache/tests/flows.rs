@@ -536,3 +536,31 @@ fn more_loads_in_flight_than_the_layer_ring_without_polls() {
     }
     e.settle();
 }
+
+#[test]
+fn write_through_backs_up_a_node_split_before_the_next_poll() {
+    // A node due for write-through is split (by a match of a shorter prompt) before the poll
+    // that launches its backup: both halves must still be backed up.
+    let mut e = Engine::new(cache(test_config(4), 64));
+    let p = prompt(400, 32);
+    e.cache.arrive(1, &p).unwrap();
+    e.cache.admit(1, &p).unwrap();
+    let slots = e.cache.alloc_device(8).unwrap().unwrap();
+    for (i, &s) in slots.iter().enumerate() {
+        let data = common::page_pattern(&p, i, 4, e.cache.shape().page_bytes(), 0);
+        e.cache
+            .device_pool()
+            .write_page(hicache_gpu::DeviceSlot(s), &data)
+            .unwrap();
+    }
+    e.cache.cache_finished(1, &p, &slots).unwrap();
+    e.cache.arrive(2, &p[..16]).unwrap();
+    e.cache.abort(2).unwrap();
+    e.settle();
+    assert_eq!(e.cache.tree().host_pages(), 8);
+    // Evicted from device, the whole prompt is served from host.
+    e.cache.evict(64).unwrap();
+    let again = e.run(None, &p);
+    assert_eq!(again.admission.host_pages, 8, "{:?}", again.admission);
+    e.settle();
+}
