@@ -24,9 +24,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Faulty, page_pattern, prompt, small_shape};
+use common::{Faulty, TreeShape, page_pattern, prompt, small_shape, tree_shape};
 use hicache::{
-    HiCache, HiCacheConfig, HiCacheError, LayoutKind, PrefetchPolicy, TenantId, WritePolicy,
+    HashMode, HiCache, HiCacheConfig, HiCacheError, IoBackendKind, KvEvent, KvKind, KvShape,
+    LayoutKind, PrefetchPolicy, RankGroup, StrategyKind, TcpRankGroup, TenantId, WritePolicy,
 };
 use hicache_gpu::DeviceSlot;
 use hicache_host::HostSlot;
@@ -51,6 +52,54 @@ struct Setup {
     threshold_pages: u32,
     capacity_ratio: f64,
     batch_pages: usize,
+    /// L3 calls take a little time, so prefetches and backups span several steps.
+    slow: bool,
+    /// Everything else: MLA instead of MHA, eviction order, io backend, hash mode, KV events.
+    misc: Misc,
+}
+
+#[derive(Clone, Debug)]
+struct Misc {
+    mla: bool,
+    eviction: StrategyKind,
+    direct_io: bool,
+    sglang_hashes: bool,
+    events: bool,
+}
+
+fn misc() -> impl Strategy<Value = Misc> {
+    (
+        prop::bool::weighted(0.25),
+        prop_oneof![
+            4 => Just(StrategyKind::Lru),
+            1 => Just(StrategyKind::Lfu),
+            1 => Just(StrategyKind::Fifo),
+            1 => Just(StrategyKind::Mru),
+            1 => Just(StrategyKind::Filo),
+            1 => Just(StrategyKind::Priority),
+            1 => Just(StrategyKind::Slru),
+            1 => Just(StrategyKind::S3Fifo),
+            1 => Just(StrategyKind::Sieve),
+        ],
+        any::<bool>(),
+        prop::bool::weighted(0.2),
+        prop::bool::weighted(0.3),
+    )
+        .prop_map(|(mla, eviction, direct_io, sglang_hashes, events)| Misc {
+            mla,
+            eviction,
+            direct_io,
+            sglang_hashes,
+            events,
+        })
+}
+
+fn shape(s: &Setup) -> KvShape {
+    let mut shape = small_shape(s.page_size);
+    if s.misc.mla {
+        shape.kind = KvKind::Mla { kv_dim: 48 };
+    }
+    shape
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
@@ -80,8 +129,11 @@ fn setup() -> impl Strategy<Value = Setup> {
             prop_oneof![Just(0usize), Just(0), Just(7)],
         ),
         1u32..3,
-        prop_oneof![Just(0.5f64), Just(1.0)],
-        prop_oneof![Just(1usize), Just(2), Just(128)],
+        (
+            prop_oneof![Just(0.1f64), Just(0.5), Just(1.0)],
+            prop::bool::weighted(0.25),
+        ),
+        (prop_oneof![Just(1usize), Just(2), Just(128)], misc()),
     )
         .prop_map(
             |(
@@ -95,8 +147,8 @@ fn setup() -> impl Strategy<Value = Setup> {
                 l3_pages,
                 (fail_every, corrupt_every),
                 threshold_pages,
-                capacity_ratio,
-                batch_pages,
+                (capacity_ratio, slow),
+                (batch_pages, misc),
             )| {
                 // A host pool smaller than the device pool is refused with write_through.
                 let ratio = if ratio < 1.0 && write == WritePolicy::WriteThrough {
@@ -118,6 +170,8 @@ fn setup() -> impl Strategy<Value = Setup> {
                     threshold_pages,
                     capacity_ratio,
                     batch_pages,
+                    slow,
+                    misc,
                 }
             },
         )
@@ -146,8 +200,8 @@ enum Op {
     Compute(u8, u8),
     /// The i-th request's prefill chunk ends: `cache_unfinished` with what it computed.
     Unfinished(u8),
-    /// The i-th request finishes (when it computed every page).
-    Finish(u8),
+    /// The i-th request finishes (when it computed every page) after decoding n tokens.
+    Finish(u8, u8),
     Abort(u8),
     /// `start_loading`, then the forward pass waits for every layer.
     StartLoading,
@@ -177,7 +231,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<u8>().prop_map(Op::Admit),
         1 => (any::<u8>(), 1u8..6).prop_map(|(i, n)| Op::Compute(i, n)),
         2 => any::<u8>().prop_map(Op::Unfinished),
-        1 => any::<u8>().prop_map(Op::Finish),
+        1 => (any::<u8>(), 0u8..9).prop_map(|(i, n)| Op::Finish(i, n)),
         2 => any::<u8>().prop_map(Op::Abort),
         2 => Just(Op::StartLoading),
         1 => (1u8..8).prop_map(Op::Evict),
@@ -253,29 +307,50 @@ fn config(s: &Setup) -> HiCacheConfig {
         load_back_threshold: 1,
         storage_batch_pages: s.batch_pages,
         prefetch_capacity_ratio: s.capacity_ratio,
+        eviction_policy: s.misc.eviction,
+        io_backend: if s.misc.direct_io {
+            IoBackendKind::Direct
+        } else {
+            IoBackendKind::Kernel
+        },
+        hash_mode: if s.misc.sglang_hashes {
+            HashMode::Sglang
+        } else {
+            HashMode::Namespaced
+        },
+        enable_kv_events: s.misc.events,
         host_reserve_bytes: Some(0),
         ..Default::default()
     }
 }
 
-fn storage(s: &Setup) -> Arc<dyn Storage> {
-    let page_bytes = small_shape(s.page_size).page_bytes();
+/// The L3 of one rank: the memory backend behind `Faulty`. Ranks differ in latency and in
+/// which reads fail, so their prefetches progress differently and must still agree.
+fn storage(s: &Setup, rank: usize) -> Arc<dyn Storage> {
+    let page_bytes = shape(s).page_bytes();
     // Room for the pages plus the memory backend's per-entry overhead.
     let mem: Arc<dyn Storage> = Arc::new(MemoryBackend::with_capacity(
         (s.l3_pages * (page_bytes + 256)) as u64,
     ));
     let mut f = Faulty::new(mem);
-    f.fail_every = s.fail_every;
+    f.fail_every = s.fail_every + rank * (s.fail_every > 0) as usize;
     f.corrupt_every = s.corrupt_every;
+    if s.slow || rank > 0 {
+        f.latency = Duration::from_micros(300 * (1 + rank as u64));
+    }
     Arc::new(f)
 }
 
 impl Model {
-    fn new(setup: Setup) -> Self {
-        let storage = storage(&setup);
+    fn new(setup: Setup, group: Option<Arc<dyn RankGroup>>) -> Self {
+        let rank = group.as_ref().map_or(0, |g| g.rank());
+        let storage = storage(&setup, rank);
         let mut builder = HiCache::builder(config(&setup))
-            .shape(small_shape(setup.page_size))
+            .shape(shape(&setup))
             .device_pages(setup.device_pages);
+        if let Some(g) = group {
+            builder = builder.rank_group(g);
+        }
         if setup.l3 {
             builder = builder.storage(storage.clone());
         }
@@ -351,6 +426,13 @@ impl Model {
             }
             Op::Poll => {
                 self.cache.poll().unwrap();
+                let events = self.cache.drain_events();
+                assert!(
+                    self.setup.misc.events
+                        || events
+                            .iter()
+                            .all(|e| matches!(e, KvEvent::AllBlocksCleared))
+                );
             }
             Op::Admit(i) => {
                 let Some(id) = self.nth(i) else { return };
@@ -437,14 +519,21 @@ impl Model {
                 assert_eq!(now.len(), slots.len());
                 // The request's own slots past the cached pages are unchanged.
                 assert_eq!(now[done / ps..], slots[done / ps..]);
-                if let Stage::Admitted { slots, shared, .. } =
-                    &mut self.reqs.get_mut(&id).unwrap().stage
+                // The tree's slots it now holds may be pages a queued load-back fills: the
+                // next chunk's forward pass waits for the loads, as after an admission.
+                let queued = self.loads_queued;
+                if let Stage::Admitted {
+                    slots,
+                    shared,
+                    started,
+                } = &mut self.reqs.get_mut(&id).unwrap().stage
                 {
                     *slots = now;
                     *shared = done / ps;
+                    *started = !queued;
                 }
             }
-            Op::Finish(i) => {
+            Op::Finish(i, out) => {
                 let Some(id) = self.nth(i) else { return };
                 let ps = self.ps();
                 let r = &self.reqs[&id];
@@ -459,10 +548,29 @@ impl Model {
                 if slots.len() != r.tokens.len().div_ceil(ps) {
                     return;
                 }
-                let (tokens, slots) = (r.tokens.clone(), slots.clone());
+                // Decode: `out` output tokens follow the prompt; their KV goes into the
+                // prompt's partial last page (rewritten: the pattern covers the whole page)
+                // and new pages.
+                let (tenant, mut tokens, mut slots) = (r.tenant, r.tokens.clone(), slots.clone());
+                let prompt_len = tokens.len();
+                tokens.extend(prompt(id ^ 0xdec0de, out as usize));
+                let need = tokens.len().div_ceil(ps) - slots.len();
+                let Some(fresh) = self.cache.alloc_device(need).unwrap() else {
+                    return;
+                };
+                slots.extend(fresh);
+                for page in prompt_len / ps..slots.len() {
+                    let data = self.pattern(tenant, &tokens, page);
+                    self.cache
+                        .device_pool()
+                        .write_page(DeviceSlot(slots[page]), &data)
+                        .unwrap();
+                }
                 self.cache.cache_finished(id, &tokens, &slots).unwrap();
                 self.reqs.remove(&id);
+                self.history.push((tenant, tokens));
                 self.count("finished", 1);
+                self.count("output_tokens", out as usize);
             }
             Op::Abort(i) => {
                 let Some(id) = self.nth(i) else { return };
@@ -529,7 +637,7 @@ impl Model {
                     Stage::Admitted { slots, .. } if slots.len() < r.tokens.len().div_ceil(ps) => {
                         Op::Compute(i, 16)
                     }
-                    Stage::Admitted { .. } => Op::Finish(i),
+                    Stage::Admitted { .. } => Op::Finish(i, (id % 7) as u8),
                 };
                 let before = self.cache.device_pages_free();
                 self.step(&next);
@@ -602,21 +710,28 @@ impl Model {
             assert_eq!(info.lock_ref, 0, "{:?} still locked", info.id);
             assert_eq!(info.host_ref, 0, "{:?} still host-protected", info.id);
         });
-        // Prefetch tasks that were cut hand their pages back when they exit.
+        // Prefetch tasks that were cut hand their pages back when they exit. With several
+        // ranks, every rank polls until all of them got their pages back (polls are
+        // collectives: the ranks agree through the group when to stop).
         let host = self.cache.host_pool().clone();
         let t0 = Instant::now();
         loop {
             let in_tree = self.cache.tree().host_pages();
-            if host.available() + in_tree == host.num_pages() {
-                break;
-            }
             assert!(
-                host.available() + in_tree < host.num_pages(),
+                host.available() + in_tree <= host.num_pages(),
                 "host pages freed twice: {} free + {} in the tree > {}",
                 host.available(),
                 in_tree,
                 host.num_pages()
             );
+            let mut done = [(host.available() + in_tree == host.num_pages()) as u64];
+            self.cache
+                .rank_group()
+                .exchange(&mut done, &mut [])
+                .unwrap();
+            if done[0] == 1 {
+                break;
+            }
             assert!(
                 t0.elapsed() < Duration::from_secs(10),
                 "host pages leaked: {} free + {} in the tree < {}",
@@ -663,7 +778,7 @@ impl Model {
         // [h][l][t][row] -> [h][t][l][row]
         let shape = self.cache.shape();
         let (layers, ps) = (shape.layers as usize, self.ps());
-        let halves = 2;
+        let halves = if self.setup.misc.mla { 1 } else { 2 };
         let row = dev.len() / (halves * layers * ps);
         let mut out = vec![0u8; dev.len()];
         for h in 0..halves {
@@ -773,17 +888,25 @@ impl Model {
     }
 }
 
-fn run(setup: Setup, ops: Vec<Op>) {
-    let mut m = Model::new(setup);
-    for op in &ops {
+/// Runs `ops` on one rank (of `group`, if given); returns the tree's shape after every step.
+fn run_rank(setup: Setup, ops: &[Op], group: Option<Arc<dyn RankGroup>>) -> Vec<TreeShape> {
+    let mut m = Model::new(setup, group);
+    let mut shapes = Vec::with_capacity(ops.len());
+    for op in ops {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             m.step(op);
             m.check();
         }));
         if let Err(e) = r {
-            eprintln!("setup: {:?}\nsteps:\n  {}", m.setup, m.log.join("\n  "));
+            eprintln!(
+                "rank {}: setup: {:?}\nsteps:\n  {}",
+                m.cache.rank_group().rank(),
+                m.setup,
+                m.log.join("\n  ")
+            );
             std::panic::resume_unwind(e);
         }
+        shapes.push(tree_shape(&m.cache));
     }
     m.quiesce();
     m.cache.shutdown().unwrap();
@@ -806,6 +929,42 @@ fn run(setup: Setup, ops: Vec<Op>) {
             snap.prefetch_no_host_memory,
             snap.prefetch_aborted,
             snap.prefetch_failed,
+        );
+    }
+    shapes
+}
+
+fn run(setup: Setup, ops: Vec<Op>) {
+    run_rank(setup, &ops, None);
+}
+
+/// Two ranks with their own pools and L3 (different latency and faults) run the same calls
+/// through the TCP rank group: their trees must have the same shape after every step.
+fn run_two_ranks(setup: Setup, ops: Vec<Op>) {
+    let hub = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let ops = Arc::new(ops);
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let (setup, ops) = (setup.clone(), ops.clone());
+            std::thread::spawn(move || {
+                let group: Arc<dyn RankGroup> =
+                    Arc::new(TcpRankGroup::connect(rank, 2, hub, Duration::from_secs(20)).unwrap());
+                run_rank(setup, &ops, Some(group))
+            })
+        })
+        .collect();
+    let shapes: Vec<Vec<TreeShape>> = handles
+        .into_iter()
+        .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+        .collect();
+    for (step, (a, b)) in shapes[0].iter().zip(&shapes[1]).enumerate() {
+        assert_eq!(
+            a, b,
+            "rank 1's tree differs from rank 0's after step {step} ({:?})",
+            ops[step]
         );
     }
 }
@@ -831,5 +990,22 @@ proptest! {
         ops in prop::collection::vec(op(), 20..200),
     ) {
         run(setup, ops);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: cases().div_ceil(4),
+        max_shrink_iters: 500,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn two_ranks_keep_the_same_tree_after_every_step(
+        setup in setup(),
+        ops in prop::collection::vec(op(), 20..150),
+    ) {
+        run_two_ranks(setup, ops);
     }
 }
