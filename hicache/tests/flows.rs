@@ -564,3 +564,37 @@ fn write_through_backs_up_a_node_split_before_the_next_poll() {
     assert_eq!(again.admission.host_pages, 8, "{:?}", again.admission);
     e.settle();
 }
+
+#[test]
+fn slots_the_request_does_not_own_are_refused_before_the_tree_changes() {
+    let mut e = Engine::new(cache(test_config(4), 16));
+    let p = prompt(1, 18);
+    e.cache.arrive(1, &p).unwrap();
+    let adm = e.cache.admit(1, &p).unwrap();
+    assert_eq!(adm.cached_pages(), 0);
+    let own = e.cache.alloc_device(5).unwrap().unwrap();
+    let never_allocated = (0..16u32).find(|s| !own.contains(s)).unwrap();
+    // Out of range, never allocated, given twice (also for the partial page).
+    for bad in [
+        vec![9999, own[1], own[2], own[3], own[4]],
+        vec![own[0], never_allocated, own[2], own[3], own[4]],
+        vec![own[0], own[0], own[2], own[3], own[4]],
+        vec![own[0], own[1], own[2], own[3], own[3]],
+    ] {
+        assert!(matches!(
+            e.cache.cache_unfinished(1, &p, &bad),
+            Err(HiCacheError::Request { .. })
+        ));
+        assert!(matches!(
+            e.cache.cache_finished(1, &p, &bad),
+            Err(HiCacheError::Request { .. })
+        ));
+        assert_eq!(e.cache.tree().device_pages(), 0);
+    }
+    assert_eq!(e.cache.device_pages_free(), 11);
+    e.cache.cache_finished(1, &p, &own).unwrap();
+    assert_eq!(e.cache.tree().device_pages(), 4);
+    assert_eq!(e.cache.evict(16).unwrap(), 4);
+    e.settle();
+    assert_eq!(e.cache.device_pages_free(), 16);
+}
