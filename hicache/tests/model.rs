@@ -559,11 +559,11 @@ impl Model {
                     return;
                 };
                 slots.extend(fresh);
-                for page in prompt_len / ps..slots.len() {
+                for (page, &slot) in slots.iter().enumerate().skip(prompt_len / ps) {
                     let data = self.pattern(tenant, &tokens, page);
                     self.cache
                         .device_pool()
-                        .write_page(DeviceSlot(slots[page]), &data)
+                        .write_page(DeviceSlot(slot), &data)
                         .unwrap();
                 }
                 self.cache.cache_finished(id, &tokens, &slots).unwrap();
