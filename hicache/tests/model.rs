@@ -190,8 +190,8 @@ enum Op {
         pages: u8,
         tail: u8,
     },
-    /// A request arrives with the prompt of one of the last four arrivals (a new turn of the
-    /// same conversation, or a retry).
+    /// A request arrives with the prompt and output of one of the last four finished
+    /// requests (a new turn of the same conversation, or a retry).
     Repeat(u8),
     Poll,
     /// Admits the i-th live request if its prefetch is ready.
@@ -213,6 +213,10 @@ enum Op {
     Attach,
     /// Aborts every live request, drains and checks the quiescent state.
     Quiesce,
+    /// Flush, then a recent prompt again (served from L3 if it got there).
+    Reload(u8),
+    /// Advances the i-th request up to eight times, until it finishes.
+    Run(u8),
     /// The i-th request's next natural step: admit it (or poll while its prefetch runs),
     /// run the forward pass for its load-backs, compute up to three pages (or poll when the
     /// device is full), or finish it.
@@ -238,7 +242,9 @@ fn op() -> impl Strategy<Value = Op> {
         2 => Just(Op::Flush),
         1 => Just(Op::Drain),
         1 => Just(Op::Detach),
-        1 => Just(Op::Attach),
+        2 => Just(Op::Attach),
+        2 => any::<u8>().prop_map(Op::Reload),
+        6 => any::<u8>().prop_map(Op::Run),
         1 => Just(Op::Quiesce),
     ]
 }
@@ -273,7 +279,7 @@ struct Model {
     sys: Vec<Vec<u32>>,
     conv: Vec<Vec<u32>>,
     reqs: BTreeMap<u64, Req>,
-    /// Prompts that arrived, newest last.
+    /// Token sequences of finished requests, newest last.
     history: Vec<(TenantId, Vec<u32>)>,
     next_id: u64,
     /// Admissions since the last `start_loading` queued load-backs.
@@ -626,6 +632,19 @@ impl Model {
                 }
             }
             Op::Quiesce => self.quiesce(),
+            Op::Run(i) => {
+                let Some(id) = self.nth(i) else { return };
+                for _ in 0..8 {
+                    let Some(k) = self.reqs.keys().position(|&r| r == id) else {
+                        break;
+                    };
+                    self.step(&Op::Advance(k as u8));
+                }
+            }
+            Op::Reload(i) => {
+                self.step(&Op::Flush);
+                self.step(&Op::Repeat(i));
+            }
             Op::Advance(i) => {
                 let Some(id) = self.nth(i) else { return };
                 let ps = self.ps();
@@ -657,7 +676,6 @@ impl Model {
         let id = self.next_id;
         self.next_id += 1;
         self.cache.arrive_for(id, tenant, &tokens).unwrap();
-        self.history.push((tenant, tokens.clone()));
         self.reqs.insert(
             id,
             Req {
