@@ -631,6 +631,12 @@ impl HiCache {
         if (total - matched_pages) * ps < threshold {
             return Ok(None);
         }
+        let tracked = self.l3.as_ref().expect("attached").prefetches.len();
+        if tracked >= crate::tick::MAX_TRACKED_PREFETCHES {
+            // Every rank tracks the same prefetches, so every rank skips this one.
+            self.metrics.prefetch(PrefetchOutcome::rate_limited);
+            return Ok(None);
+        }
         let anchor = m.last_host_node;
         // Pages between the anchor's end and the end of the match (device-only nodes).
         let mut below = 0;
