@@ -136,9 +136,10 @@ impl HiCache {
         self.drain()?;
         let (dev, host) = self.tree.reset();
         self.device_pool.free(&crate::cache::dev_slots(&dev))?;
-        self.host_pool.free(&crate::cache::host_slots(&host))?;
+        self.free_host(&crate::cache::host_slots(&host))?;
+        // Pages handed back by prefetch tasks go to the pool only: a task stuck in its
+        // backend keeps its pages on one rank, and the budget stays what every rank has.
         self.collect_leftovers(true)?;
-        self.host_budget = self.host_pool.available();
         self.events.push(hicache_core::KvEvent::AllBlocksCleared);
         Ok(())
     }
