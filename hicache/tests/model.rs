@@ -969,7 +969,7 @@ fn run_two_ranks(setup: Setup, ops: Vec<Op>) {
             let (setup, ops) = (setup.clone(), ops.clone());
             std::thread::spawn(move || {
                 let group: Arc<dyn RankGroup> =
-                    Arc::new(TcpRankGroup::connect(rank, 2, hub, Duration::from_secs(20)).unwrap());
+                    Arc::new(TcpRankGroup::connect(rank, 2, hub, Duration::from_secs(5)).unwrap());
                 run_rank(setup, &ops, Some(group))
             })
         })
@@ -1014,7 +1014,8 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: cases().div_ceil(4),
-        max_shrink_iters: 500,
+        // A diverged case fails after the group's timeout: keep shrinking short.
+        max_shrink_iters: 64,
         failure_persistence: None,
         ..ProptestConfig::default()
     })]
