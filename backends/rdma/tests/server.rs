@@ -9,9 +9,7 @@ use common::{client_opts, eventually, server_opts};
 use hicache_backend_rdma::protocol::{
     self, AllocStatus, MAGIC, PageReq, ReadStatus, Reply, Request, VERSION, code, op,
 };
-use hicache_backend_rdma::{
-    Connection, RdmaError, RdmaServer, RdmaStorage, ServerOptions, register,
-};
+use hicache_backend_rdma::{Connection, RdmaServer, RdmaStorage, ServerOptions, register};
 use hicache_storage::{
     BackendContext, LayoutKind, PageBuf, PageBufMut, PageKey, PageOutcome, Registry, Storage,
     StorageConfig, StorageError, pattern,
@@ -554,7 +552,6 @@ async fn verbs_transport_needs_the_feature() {
     o.transport = hicache_backend_rdma::Transport::Verbs;
     let e = RdmaStorage::connect(o).await.unwrap_err().to_string();
     assert!(e.contains("`verbs` cargo feature"), "{e}");
-    let _ = RdmaError::VerbsNotBuilt;
 }
 
 #[cfg(feature = "verbs")]
@@ -568,10 +565,8 @@ async fn verbs_transport_fails_cleanly_without_a_device() {
         Ok(_) => eprintln!("an RDMA device is present; verbs transport opened"),
         Err(e) => {
             let e = e.to_string();
-            assert!(
-                e.contains("no RDMA device found") || e.contains("verbs"),
-                "{e}"
-            );
+            eprintln!("verbs open: {e}");
+            assert!(e.contains("no RDMA device found"), "{e}");
         }
     }
 }

@@ -91,8 +91,9 @@ pub struct RdmaStorage {
     backoff: Mutex<Option<(Instant, String)>>,
     counters: StatsCounters,
     occupancy: Mutex<Occupancy>,
+    /// The verbs data plane and the control connection its queue pair is tied to.
     #[cfg(feature = "verbs")]
-    verbs: Option<crate::verbs::ClientVerbs>,
+    verbs: Option<(crate::verbs::ClientVerbs, tokio::sync::Mutex<Connection>)>,
     /// A server this client started (`spawn_server`); it lives as long as the client.
     _spawned: Option<ServerHandle>,
 }
@@ -175,7 +176,8 @@ impl RdmaStorage {
             })?;
             (addr, None)
         };
-        let first = Connection::connect(
+        #[allow(unused_mut)]
+        let mut first = Connection::connect(
             &addr,
             &opts.client_name,
             opts.connect_timeout,
@@ -185,7 +187,22 @@ impl RdmaStorage {
         let info = first.info().clone();
         #[cfg(feature = "verbs")]
         let verbs = match opts.transport {
-            Transport::Verbs => Some(crate::verbs::ClientVerbs::open(&opts, &info)?),
+            Transport::Verbs => {
+                let v = crate::verbs::ClientVerbs::open(&opts, &info)?;
+                let mine = v.endpoint()?;
+                let mut ctl = Connection::connect(
+                    &addr,
+                    &opts.client_name,
+                    opts.connect_timeout,
+                    opts.io_timeout,
+                )
+                .await?;
+                match ctl.call(&Request::VerbsConnect { endpoint: mine }).await? {
+                    (_, Reply::VerbsConnect(theirs)) => v.connect(&theirs)?,
+                    (_, other) => return Err(ctl.mismatch("VERBS_CONNECT reply", &other).into()),
+                }
+                Some((v, tokio::sync::Mutex::new(ctl)))
+            }
             Transport::Tcp => None,
         };
         #[cfg(not(feature = "verbs"))]
@@ -511,6 +528,11 @@ impl Storage for RdmaStorage {
             return Ok(Vec::new());
         }
         let lens: Vec<usize> = dst.iter().map(|d| d.len()).collect();
+        #[cfg(feature = "verbs")]
+        if let Some(out) = self.get_verbs(keys, dst).await? {
+            self.counters.record_get(&out, lens.into_iter());
+            return Ok(out);
+        }
         let ranges = stripes(&lens, self.opts.stripe_bytes, self.pool.len());
         let base = self.base_slot();
         let mut futs = Vec::with_capacity(ranges.len());
@@ -544,6 +566,11 @@ impl Storage for RdmaStorage {
             return Ok(Vec::new());
         }
         let lens: Vec<usize> = src.iter().map(|s| s.len()).collect();
+        #[cfg(feature = "verbs")]
+        if let Some(out) = self.set_verbs(keys, src).await? {
+            self.counters.record_set(&out, lens.into_iter());
+            return Ok(out);
+        }
         let ranges = stripes(&lens, self.opts.stripe_bytes, self.pool.len());
         let base = self.base_slot();
         let futs: Vec<_> = ranges
@@ -571,7 +598,7 @@ impl Storage for RdmaStorage {
 
     fn register_memory(&self, region: MemoryRegion) -> Result<()> {
         #[cfg(feature = "verbs")]
-        if let Some(v) = &self.verbs {
+        if let Some((v, _)) = &self.verbs {
             return v.register(region).map_err(Into::into);
         }
         let _ = region;
@@ -607,6 +634,196 @@ impl Storage for RdmaStorage {
         s.evicted_pages = o.evicted_pages;
         s.evicted_bytes = o.evicted_bytes;
         s
+    }
+}
+
+#[cfg(feature = "verbs")]
+impl RdmaStorage {
+    /// `batch_get` over RDMA READ, when every destination part lies in the registered region;
+    /// `None` otherwise (the caller goes over TCP).
+    async fn get_verbs(
+        &self,
+        keys: &[PageKey],
+        dst: &mut [PageBufMut<'_>],
+    ) -> Result<Option<Vec<PageOutcome>>> {
+        use crate::protocol::LookupStatus;
+        use crate::verbs::Transfer;
+        let Some((v, ctl)) = &self.verbs else {
+            return Ok(None);
+        };
+        let ranges = dst
+            .iter()
+            .flat_map(|d| d.parts().iter().map(|p| (p.as_ptr() as usize, p.len())));
+        let Some(lkey) = v.lkey_for(ranges) else {
+            return Ok(None);
+        };
+        let pages: Vec<PageReq> = keys
+            .iter()
+            .zip(dst.iter())
+            .map(|(k, d)| PageReq {
+                key: *k,
+                len: d.len() as u64,
+                layout: d.layout().tag(),
+            })
+            .collect();
+        let mut c = ctl.lock().await;
+        let (occ, reply) = c.call(&Request::Lookup { pages }).await?;
+        self.note(occ);
+        let statuses = match reply {
+            Reply::Lookup(s) if s.len() == keys.len() => s,
+            other => return Err(c.mismatch("LOOKUP reply", &other).into()),
+        };
+        let mut ops = Vec::new();
+        let mut leases = Vec::new();
+        for (i, s) in statuses.iter().enumerate() {
+            if let LookupStatus::Hit {
+                region,
+                offset,
+                lease,
+                ..
+            } = *s
+            {
+                leases.push(lease);
+                let (mut remote, rkey) =
+                    v.remote(region, offset).ok_or_else(|| RdmaError::Verbs {
+                        call: "LOOKUP",
+                        detail: format!("server named unregistered region {region}"),
+                    })?;
+                for p in dst[i].parts_mut() {
+                    ops.push(Transfer {
+                        local: p.as_mut_ptr() as u64,
+                        len: p.len(),
+                        lkey,
+                        remote,
+                        rkey,
+                    });
+                    remote += p.len() as u64;
+                }
+            }
+        }
+        let read = v.read(&ops);
+        let (occ, _) = c.call(&Request::Release { leases }).await?;
+        self.note(occ);
+        read?;
+        let mut out = Vec::with_capacity(keys.len());
+        let mut drops = Vec::new();
+        for (i, s) in statuses.iter().enumerate() {
+            out.push(match *s {
+                LookupStatus::Miss => PageOutcome::Miss,
+                LookupStatus::Mismatch => {
+                    bump(&self.counters.meta_mismatches, 1);
+                    PageOutcome::Miss
+                }
+                LookupStatus::Hit { checksum, .. } => {
+                    if checksum_page_mut(&dst[i]) == checksum {
+                        PageOutcome::Hit
+                    } else {
+                        dst[i].zero();
+                        drops.push((keys[i], checksum));
+                        PageOutcome::Corrupt
+                    }
+                }
+            });
+        }
+        if !drops.is_empty() {
+            let (occ, _) = c.call(&Request::Drop { pages: drops }).await?;
+            self.note(occ);
+        }
+        Ok(Some(out))
+    }
+
+    /// `batch_set` over RDMA WRITE, when every source part lies in the registered region;
+    /// `None` otherwise.
+    async fn set_verbs(
+        &self,
+        keys: &[PageKey],
+        src: &[PageBuf<'_>],
+    ) -> Result<Option<Vec<PageOutcome>>> {
+        use crate::verbs::Transfer;
+        let Some((v, ctl)) = &self.verbs else {
+            return Ok(None);
+        };
+        let ranges = src
+            .iter()
+            .flat_map(|s| s.parts().iter().map(|p| (p.as_ptr() as usize, p.len())));
+        let Some(lkey) = v.lkey_for(ranges) else {
+            return Ok(None);
+        };
+        let pages: Vec<PageReq> = keys
+            .iter()
+            .zip(src)
+            .map(|(k, s)| PageReq {
+                key: *k,
+                len: s.len() as u64,
+                layout: s.layout().tag(),
+            })
+            .collect();
+        let mut c = ctl.lock().await;
+        let (occ, reply) = c.call(&Request::Allocate { pages }).await?;
+        self.note(occ);
+        let statuses = match reply {
+            Reply::Allocate(s) if s.len() == keys.len() => s,
+            other => return Err(c.mismatch("ALLOCATE reply", &other).into()),
+        };
+        let mut out = Vec::with_capacity(keys.len());
+        let mut ops = Vec::new();
+        let mut commits = Vec::new();
+        for (i, s) in statuses.iter().enumerate() {
+            out.push(match *s {
+                AllocStatus::Slot { id, region, offset } => {
+                    let (mut remote, rkey) =
+                        v.remote(region, offset).ok_or_else(|| RdmaError::Verbs {
+                            call: "ALLOCATE",
+                            detail: format!("server named unregistered region {region}"),
+                        })?;
+                    for p in src[i].parts() {
+                        ops.push(Transfer {
+                            local: p.as_ptr() as u64,
+                            len: p.len(),
+                            lkey,
+                            remote,
+                            rkey,
+                        });
+                        remote += p.len() as u64;
+                    }
+                    commits.push((i, id, checksum_page(&src[i])));
+                    PageOutcome::Stored
+                }
+                AllocStatus::Present => PageOutcome::Present,
+                AllocStatus::TooLarge { max } => PageOutcome::Failed(PageError::TooLarge {
+                    len: src[i].len(),
+                    max: max as usize,
+                }),
+                AllocStatus::NoSpace => PageOutcome::Failed(PageError::NoSpace),
+                AllocStatus::Empty => PageOutcome::Failed(PageError::EmptyPage),
+            });
+        }
+        if commits.is_empty() {
+            return Ok(Some(out));
+        }
+        if let Err(e) = v.write(&ops) {
+            let slots = commits.iter().map(|c| c.1).collect();
+            let _ = c.call(&Request::Abort { slots }).await;
+            return Err(e.into());
+        }
+        let (occ, reply) = c
+            .call(&Request::Commit {
+                slots: commits.iter().map(|c| (c.1, c.2)).collect(),
+            })
+            .await?;
+        self.note(occ);
+        let ok = match reply {
+            Reply::Commit(v) if v.len() == commits.len() => v,
+            other => return Err(c.mismatch("COMMIT reply", &other).into()),
+        };
+        for (k, &(i, _, _)) in commits.iter().enumerate() {
+            if !ok[k] {
+                out[i] = PageOutcome::Failed(PageError::Backend(format!(
+                    "rdma: the reservation for page {i} expired before it was committed"
+                )));
+            }
+        }
+        Ok(Some(out))
     }
 }
 

@@ -376,6 +376,10 @@ struct ConnGuard {
 impl Drop for ConnGuard {
     fn drop(&mut self) {
         self.shared.index.lock().connection_closed(self.conn);
+        #[cfg(feature = "verbs")]
+        if let Some(v) = &self.shared.verbs {
+            v.connection_closed(self.conn);
+        }
     }
 }
 
@@ -654,7 +658,7 @@ async fn handle(
             #[cfg(feature = "verbs")]
             {
                 match &shared.verbs {
-                    Some(v) => match v.accept(endpoint) {
+                    Some(v) => match v.accept(conn, endpoint) {
                         Ok(mine) => Reply::VerbsConnect(mine),
                         Err(e) => {
                             let _ = send_error(w, id, code::INTERNAL, &e.to_string()).await;
