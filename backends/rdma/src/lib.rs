@@ -55,7 +55,7 @@
 //! ## Extra-config (`--storage-backend rdma`)
 //!
 //! See [`RdmaOptions`]: `server` ("host:port", required unless `spawn_server`),
-//! `spawn_server`, `transport` (`tcp` | `verbs`), `connections`, `connect_timeout_ms`,
+//! `spawn_server`, `spawn_populate`, `transport` (`tcp` | `verbs`), `connections`, `connect_timeout_ms`,
 //! `io_timeout_ms`, `retry_backoff_ms`, `max_batch`, `stripe_bytes`, `client_name`,
 //! `device`, `ib_port`, `gid_index`; the common `capacity` sizes a spawned server's pool.
 #![warn(missing_docs)]

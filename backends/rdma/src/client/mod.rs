@@ -166,6 +166,7 @@ impl RdmaStorage {
             let h = RdmaServer::start(ServerOptions {
                 pool_bytes: opts.spawn_pool_bytes,
                 region_bytes: opts.spawn_pool_bytes.min(1 << 30),
+                populate: opts.spawn_populate,
                 ..ServerOptions::default()
             })
             .await?;

@@ -22,6 +22,9 @@ pub struct RdmaOptions {
     /// `spawn_server`: start an in-process server on `127.0.0.1:0` (pool = `capacity`, default
     /// 1 GiB) and connect to it over loopback TCP. For single-node tests and benches.
     pub spawn_server: bool,
+    /// `spawn_populate`: pre-fault a spawned server's pool at start, as a long-running
+    /// server's memory is (default false).
+    pub spawn_populate: bool,
     /// `transport`: `tcp` (default) or `verbs`.
     pub transport: Transport,
     /// `connections`: connections in the pool; a batch is striped over them (default 4).
@@ -55,6 +58,7 @@ impl Default for RdmaOptions {
         Self {
             server: None,
             spawn_server: false,
+            spawn_populate: false,
             transport: Transport::Tcp,
             connections: 4,
             connect_timeout: Duration::from_millis(1000),
@@ -86,6 +90,15 @@ impl RdmaOptions {
         let d = Self::default();
         let server = f.opt_string("server")?;
         let spawn_server = f.bool("spawn_server", false)?;
+        let spawn_populate = f.bool("spawn_populate", false)?;
+        if spawn_populate && !spawn_server {
+            return Err(StorageError::config(
+                f.scope(),
+                "spawn_populate",
+                "true",
+                "only applies with \"spawn_server\": true",
+            ));
+        }
         if let Some(s) = &server
             && !valid_host_port(s)
         {
@@ -126,6 +139,7 @@ impl RdmaOptions {
         let o = Self {
             server,
             spawn_server,
+            spawn_populate,
             transport,
             connections: f.u64("connections", d.connections as u64, 1..=64)? as usize,
             connect_timeout: ms(&mut f, "connect_timeout_ms", d.connect_timeout, 1)?,
@@ -197,6 +211,10 @@ mod tests {
             (r#"{"server": 7470}"#, "server"),
             (r#"{"server": "h:1", "spawn_server": true}"#, "spawn_server"),
             (r#"{"spawn_server": "yes"}"#, "spawn_server"),
+            (
+                r#"{"server": "h:1", "spawn_populate": true}"#,
+                "spawn_populate",
+            ),
             (r#"{"server": "h:1", "transport": "udp"}"#, "transport"),
             (r#"{"server": "h:1", "connections": 0}"#, "connections"),
             (r#"{"server": "h:1", "connections": 65}"#, "connections"),
