@@ -47,6 +47,12 @@ pub const MAX_BODY: u32 = 16 << 20;
 pub const MAX_ENTRIES: usize = 65_536;
 /// Largest payload of one frame (64 GiB: far above any batch, small enough to catch garbage).
 pub const MAX_PAYLOAD: u64 = 64 << 30;
+/// Read buffer of a connection. Small on purpose: tokio's `BufReader` hands a read of at
+/// least its capacity straight to the socket, so page payloads land in page memory with one
+/// copy; only frame heads and bodies (and a payload's first and last few bytes) are buffered.
+pub const READ_BUFFER: usize = 16 << 10;
+/// Write buffer of a connection (the same reasoning: payload writes bypass it).
+pub const WRITE_BUFFER: usize = 64 << 10;
 /// Set in the op of every reply (except `ERROR`).
 pub const REPLY_BIT: u8 = 0x80;
 

@@ -534,6 +534,26 @@ async fn registry_opens_and_checks_config() {
         let e = r.open(&cfg, &ctx).await.err().expect(json).to_string();
         assert!(e.contains(&format!("`{field}`")), "{json}: {e}");
     }
+    // A client batch limit above the server's is refused at open, naming both.
+    let small = RdmaServer::start(ServerOptions {
+        max_batch: 128,
+        ..server_opts(1 << 20)
+    })
+    .await
+    .unwrap();
+    let cfg = StorageConfig::parse(
+        Some("rdma"),
+        Some(&format!(
+            r#"{{"server": "{}", "max_batch": 256}}"#,
+            small.local_addr()
+        )),
+    )
+    .unwrap();
+    let e = r.open(&cfg, &ctx).await.err().unwrap().to_string();
+    assert!(
+        e.contains("`max_batch`") && e.contains("limit of 128"),
+        "{e}"
+    );
     // Nothing listening: a clear, quick error naming the address.
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let free = l.local_addr().unwrap().to_string();

@@ -61,8 +61,8 @@ impl Connection {
         let _ = stream.set_nodelay(true);
         let (r, w) = stream.into_split();
         let mut c = Self {
-            r: BufReader::with_capacity(256 << 10, r),
-            w: BufWriter::with_capacity(256 << 10, w),
+            r: BufReader::with_capacity(crate::protocol::READ_BUFFER, r),
+            w: BufWriter::with_capacity(crate::protocol::WRITE_BUFFER, w),
             peer,
             info: ServerInfo {
                 version: 0,

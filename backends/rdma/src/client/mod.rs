@@ -186,6 +186,17 @@ impl RdmaStorage {
         )
         .await?;
         let info = first.info().clone();
+        if opts.max_batch > info.max_batch as usize {
+            return Err(StorageError::config(
+                "backend rdma",
+                "max_batch",
+                opts.max_batch.to_string(),
+                format!(
+                    "exceeds the server's limit of {} pages per request (its --max-batch)",
+                    info.max_batch
+                ),
+            ));
+        }
         #[cfg(feature = "verbs")]
         let verbs = match opts.transport {
             Transport::Verbs => {

@@ -419,8 +419,8 @@ async fn connection(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr, co
     };
     let _ = stream.set_nodelay(true);
     let (r, w) = stream.into_split();
-    let mut r = BufReader::with_capacity(256 << 10, r);
-    let mut w = BufWriter::with_capacity(256 << 10, w);
+    let mut r = BufReader::with_capacity(crate::protocol::READ_BUFFER, r);
+    let mut w = BufWriter::with_capacity(crate::protocol::WRITE_BUFFER, w);
     match serve(&shared, &mut r, &mut w, conn).await {
         Ok(()) => {}
         Err(FrameError::Protocol(e)) => {
