@@ -590,3 +590,28 @@ async fn verbs_transport_fails_cleanly_without_a_device() {
         }
     }
 }
+
+/// A server restarted on the same address: the client's pooled connections are stale, and the
+/// next call goes through on a fresh connection instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_costs_no_failed_call() {
+    let first = RdmaServer::start(server_opts(8 << 20)).await.unwrap();
+    let addr = first.local_addr();
+    let mut o = client_opts(&first);
+    o.connections = 1;
+    let client = RdmaStorage::connect(o).await.unwrap();
+    let k = key(9, 0);
+    put(&client, &[k], 4096).await;
+    assert_eq!(client.batch_exists(&[k]).await.unwrap(), 1);
+    first.shutdown().await;
+    let second = RdmaServer::start(ServerOptions {
+        listen: addr.to_string(),
+        ..server_opts(8 << 20)
+    })
+    .await
+    .unwrap();
+    // The new server is empty (the pool is not persistent), and the call succeeds.
+    assert_eq!(client.batch_exists(&[k]).await.unwrap(), 0);
+    assert_eq!(put(&client, &[k], 4096).await, vec![PageOutcome::Stored]);
+    assert_eq!(second.stats().occupancy.pages, 1);
+}
