@@ -52,6 +52,17 @@
 //!   pins memory for long. A client whose read took longer than its lease still verifies the
 //!   checksum, so a page reused under it reads as corrupt, never as a wrong hit.
 //!
+//! ## Known limits
+//!
+//! - One server per client (no sharding or replication across servers); pages live as long as
+//!   the server process (not persistent).
+//! - The allocator is best fit without compaction: with uniform page sizes (the normal case
+//!   for a KV cache) an eviction frees exactly one slot, while with mixed sizes an allocation
+//!   may evict several pages before a large enough run appears.
+//! - verbs: the queue pair is tied to one dedicated control connection; if that connection
+//!   breaks, verbs calls fail until the backend is reopened (TCP calls are unaffected).
+//!   Completions are busy-polled on the calling thread. Not yet run on RDMA hardware.
+//!
 //! ## Extra-config (`--storage-backend rdma`)
 //!
 //! See [`RdmaOptions`]: `server` ("host:port", required unless `spawn_server`),
