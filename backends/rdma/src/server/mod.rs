@@ -1,5 +1,5 @@
 //! The memory-pool server: owns the pool's regions and the [`index`], and serves the
-//! [protocol](crate::protocol) on a TCP listener.
+//! [`crate::protocol`] on a TCP listener.
 //!
 //! Start it in-process with [`RdmaServer::start`] (tests bind `127.0.0.1:0` and read
 //! [`ServerHandle::local_addr`]) or as the `hicache-rdma-server` binary.
