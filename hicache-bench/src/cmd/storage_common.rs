@@ -34,6 +34,8 @@ pub fn registry() -> Result<Registry> {
     let r = Registry::with_builtins();
     #[cfg(feature = "file")]
     hicache_backend_file::register(&r)?;
+    #[cfg(feature = "rdma")]
+    hicache_backend_rdma::register(&r)?;
     Ok(r)
 }
 
