@@ -16,9 +16,9 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig,
-    PushKernelArg, result, sys,
+    CudaContext, CudaFunction, CudaModule, DeviceRepr, LaunchConfig, PushKernelArg, result, sys,
 };
+pub use cudarc::driver::{CudaEvent, CudaStream};
 use parking_lot::Mutex;
 
 use crate::copy::CopyParams;

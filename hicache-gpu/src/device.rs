@@ -252,7 +252,7 @@ impl DeviceBuffer {
 }
 
 enum StreamInner {
-    Cuda(Arc<cudarc::driver::CudaStream>),
+    Cuda(Arc<cuda::CudaStream>),
     Sim(SimStream),
 }
 
@@ -468,7 +468,7 @@ impl Drop for SimGate {
 
 #[derive(Clone)]
 enum EventInner {
-    Cuda(Arc<cudarc::driver::CudaEvent>),
+    Cuda(Arc<cuda::CudaEvent>),
     Sim(SimEvent),
 }
 

@@ -11,6 +11,12 @@ pub enum GpuError {
     /// The CUDA driver library (libcuda) cannot be loaded.
     #[error("CUDA driver unavailable: {0}")]
     NoDriver(String),
+    /// This build of `hicache-gpu` has no CUDA backend (its `cuda` feature is off).
+    #[error(
+        "{0}: hicache-gpu was built without its `cuda` feature (enable the `cuda` feature of \
+         hicache / hicache-gpu, on by default) or use the sim device"
+    )]
+    CudaNotBuilt(String),
     /// The NVRTC library cannot be loaded (needed to compile the transfer kernels).
     #[error("NVRTC unavailable: {0}")]
     NoNvrtc(String),
@@ -115,7 +121,7 @@ pub type Result<T, E = GpuError> = std::result::Result<T, E>;
 
 impl GpuError {
     /// Wraps a cudarc driver error with the call that failed.
-    pub(crate) fn driver(call: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Self {
+    pub(crate) fn driver<E: std::fmt::Display>(call: &'static str) -> impl FnOnce(E) -> Self {
         move |e| GpuError::Driver {
             call,
             message: e.to_string(),

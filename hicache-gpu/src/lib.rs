@@ -23,9 +23,15 @@
 struct ReadmeDoctests;
 
 pub mod copy;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+/// The CUDA backend's stand-in when the `cuda` feature is off (every type uninhabited).
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_off.rs"]
 pub mod cuda;
 pub mod device;
 pub mod error;
+#[cfg(feature = "cuda")]
 pub mod kernels;
 pub mod layer;
 pub mod plan;

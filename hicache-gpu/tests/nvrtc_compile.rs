@@ -1,6 +1,8 @@
 //! Every transfer kernel compiles to PTX with NVRTC, for the default target and for sm_90
 //! (H100). Needs no GPU; skipped with a printed reason only when NVRTC cannot be loaded.
 
+#![cfg(feature = "cuda")]
+
 use hicache_gpu::kernels::{self, ENTRY_POINTS};
 
 /// Whether NVRTC must be present (CI sets `HICACHE_REQUIRE_NVRTC=1` after installing it).

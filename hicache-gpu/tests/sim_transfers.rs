@@ -393,6 +393,7 @@ fn backups_poll_without_blocking() {
 }
 
 #[test]
+#[cfg(feature = "cuda")]
 fn cuda_without_a_driver_is_a_clear_error() {
     if Device::cuda_driver_available() {
         println!("SKIPPED cuda_without_a_driver_is_a_clear_error: this machine has libcuda");

@@ -5,13 +5,16 @@ use hicache_storage::Registry;
 use crate::error::Result;
 
 /// The registry of every backend compiled in: `memory` always, `file` with the `file`
-/// feature (default), `plugin` with the `plugin` feature (default).
+/// feature (default), `plugin` with the `plugin` feature (default), `rdma` with the `rdma`
+/// feature (its verbs transport with `rdma-verbs`).
 pub fn builtin_registry() -> Result<Registry> {
     let r = Registry::with_builtins();
     #[cfg(feature = "file")]
     hicache_backend_file::register(&r)?;
     #[cfg(feature = "plugin")]
     hicache_backend_plugin::register(&r)?;
+    #[cfg(feature = "rdma")]
+    hicache_backend_rdma::register(&r)?;
     Ok(r)
 }
 
@@ -20,6 +23,7 @@ pub fn feature_for(name: &str) -> Option<&'static str> {
     match name {
         "file" => Some("file"),
         "plugin" => Some("plugin"),
+        "rdma" => Some("rdma"),
         _ => None,
     }
 }

@@ -646,6 +646,26 @@ impl HiCache {
                 ),
             ));
         }
+        // The tree takes these slots: a slot that is not an allocated device page, or given
+        // twice, would end up freed twice (and its page reused while cached).
+        let mut seen = std::collections::HashSet::with_capacity(slots.len());
+        for (page, &slot) in slots.iter().enumerate() {
+            if !self.device_pool.is_allocated(DeviceSlot(slot)) {
+                return Err(HiCacheError::request(
+                    req,
+                    format!(
+                        "slot {slot} of page {page} is not an allocated device page (pool of {})",
+                        self.device_pool.num_pages()
+                    ),
+                ));
+            }
+            if !seen.insert(slot) {
+                return Err(HiCacheError::request(
+                    req,
+                    format!("slot {slot} is given twice (again for page {page})"),
+                ));
+            }
+        }
         Ok(())
     }
 

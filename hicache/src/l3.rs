@@ -22,6 +22,10 @@
 //!    agreed ack; the task only reads them.
 //! 4. **Capacity.** In-flight prefetches hold at most `prefetch_capacity_ratio` of the host
 //!    pool, counted in allocated hit pages (not candidate tokens, as SGLang does).
+//! 5. **Rank-replicated KV.** MLA KV is the same on every TP rank (and so is its namespace):
+//!    only rank 0 writes it to L3. Every other rank still tracks each backup (done at once),
+//!    pins its nodes and finishes it at the agreed count, so that all ranks count the same
+//!    backups and keep the same host pins (SGLang: "others still ack").
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -108,6 +112,8 @@ pub(crate) struct BackupOp {
     pub pages: usize,
     pub started: Instant,
     pub shared: Arc<BackupShared>,
+    /// Written by rank 0 for this rank (MLA, invariant 5): nothing was stored here.
+    pub skipped: bool,
 }
 
 /// The attached L3 tier.
@@ -515,8 +521,7 @@ impl HiCache {
 
     /// Starts copying a finished write's pages to L3 (after the D2H ack).
     pub(crate) fn start_backup(&mut self, fin: FinishedBackup) -> Result<()> {
-        let l3 = self.l3.as_ref().expect("called with L3 attached");
-        if l3.backup_skip || fin.fragments.is_empty() {
+        if fin.fragments.is_empty() {
             return Ok(());
         }
         let Some(start) = self.tree.chain_start(fin.tenant)? else {
@@ -538,21 +543,29 @@ impl HiCache {
         }
         let l3 = self.l3.as_mut().expect("attached");
         let shared = Arc::new(BackupShared::default());
-        let job = BackupJob {
-            storage: l3.storage.clone(),
-            pool: self.host_pool.clone(),
-            keys,
-            slots: crate::cache::host_slots(&slots),
-            batch: l3.batch,
-            layout: self.cfg.mem_layout,
-            shared: shared.clone(),
-        };
-        l3.runtime.spawn(job.run());
+        if l3.backup_skip {
+            // Rank 0 writes these pages for every rank (invariant 5): this rank's backup is
+            // done at once, but it is tracked, pinned and finished like rank 0's so that every
+            // rank counts the same backups and keeps the same pins.
+            shared.done.store(true, Ordering::Release);
+        } else {
+            let job = BackupJob {
+                storage: l3.storage.clone(),
+                pool: self.host_pool.clone(),
+                keys,
+                slots: crate::cache::host_slots(&slots),
+                batch: l3.batch,
+                layout: self.cfg.mem_layout,
+                shared: shared.clone(),
+            };
+            l3.runtime.spawn(job.run());
+        }
         l3.backups.push_back(BackupOp {
             nodes,
             pages: slots.len(),
             started: Instant::now(),
             shared,
+            skipped: l3.backup_skip,
         });
         Ok(())
     }
@@ -575,6 +588,9 @@ impl HiCache {
             };
             for node in &op.nodes {
                 self.tree.release_host(*node)?;
+            }
+            if op.skipped {
+                continue;
             }
             let stored = op.shared.stored_pages.load(Ordering::Relaxed);
             self.metrics.transfer(
@@ -613,6 +629,12 @@ impl HiCache {
             l3.prefetch.threshold_tokens(self.cfg.page_size) as usize
         };
         if (total - matched_pages) * ps < threshold {
+            return Ok(None);
+        }
+        let tracked = self.l3.as_ref().expect("attached").prefetches.len();
+        if tracked >= crate::tick::MAX_TRACKED_PREFETCHES {
+            // Every rank tracks the same prefetches, so every rank skips this one.
+            self.metrics.prefetch(PrefetchOutcome::rate_limited);
             return Ok(None);
         }
         let anchor = m.last_host_node;

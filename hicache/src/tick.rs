@@ -13,13 +13,23 @@
 //!
 //! Every rank tracks the same prefetches in the same order (they are created and ended by
 //! calls every rank makes identically, or by decisions taken from agreed values), so the
-//! shape is the same everywhere; `TcpRankGroup` checks it. Decisions then use only agreed
+//! shape is the same everywhere; `TcpRankGroup` checks it. At most
+//! [`MAX_TRACKED_PREFETCHES`] are tracked, so the vector always fits one exchange
+//! ([`crate::rank::MAX_EXCHANGE_LEN`]); arrivals beyond that start no prefetch. Decisions then use only agreed
 //! numbers, so all trees change identically: a rank whose storage is slower simply holds
 //! the others back (wait_complete) or makes all of them cut the prefetch at the same page
 //! (best_effort, timeout).
 
 use crate::cache::HiCache;
 use crate::error::Result;
+
+/// Values of the per-tick exchange before the prefetches.
+const FIXED_VALUES: usize = 4;
+/// Values per tracked prefetch.
+const VALUES_PER_PREFETCH: usize = 4;
+/// Most prefetches tracked at once: the per-tick vector must fit one exchange.
+pub(crate) const MAX_TRACKED_PREFETCHES: usize =
+    (crate::rank::MAX_EXCHANGE_LEN - FIXED_VALUES) / VALUES_PER_PREFETCH;
 
 /// What one [`HiCache::poll`] did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -126,9 +136,10 @@ impl HiCache {
         self.drain()?;
         let (dev, host) = self.tree.reset();
         self.device_pool.free(&crate::cache::dev_slots(&dev))?;
-        self.host_pool.free(&crate::cache::host_slots(&host))?;
+        self.free_host(&crate::cache::host_slots(&host))?;
+        // Pages handed back by prefetch tasks go to the pool only: a task stuck in its
+        // backend keeps its pages on one rank, and the budget stays what every rank has.
         self.collect_leftovers(true)?;
-        self.host_budget = self.host_pool.available();
         self.events.push(hicache_core::KvEvent::AllBlocksCleared);
         Ok(())
     }

@@ -13,7 +13,7 @@
 
 use std::time::Instant;
 
-use hicache_core::{HostAllocator, LoadId, StagedWriteBack, WriteId};
+use hicache_core::{HostAllocator, LoadId, NodeId, StagedWriteBack, WriteId};
 use hicache_gpu::{Completion, DeviceSlot, Event, LoadHandle};
 use hicache_host::{HostPool, HostSlot};
 
@@ -78,10 +78,10 @@ impl HiCache {
         })
     }
 
-    /// Launches one D2H batch for every node due for write-through (invariant 1). Nodes
-    /// whose parent is not backed up yet, nodes evicted meanwhile, and nodes for which no
-    /// host memory can be found (after evicting host-only nodes) are skipped: they stay
-    /// device-only, as in SGLang.
+    /// Launches one D2H batch for every node due for write-through (invariant 1), after its
+    /// ancestors that are not backed up (see [`Self::with_unbacked_ancestors`]). Nodes evicted
+    /// meanwhile, nodes for which no host memory can be found (after evicting host-only
+    /// nodes) and nodes below those are skipped: they stay device-only, as in SGLang.
     pub(crate) fn launch_writes(&mut self) -> Result<()> {
         if !self.cfg.enable_hierarchical_cache {
             self.due_writes.clear();
@@ -90,6 +90,7 @@ impl HiCache {
             return Ok(());
         }
         let due = std::mem::take(&mut self.due_writes);
+        let due = self.with_unbacked_ancestors(due)?;
         let mut dev = Vec::new();
         let mut host = Vec::new();
         let mut ids = Vec::new();
@@ -124,6 +125,39 @@ impl HiCache {
             started: Instant::now(),
         });
         Ok(())
+    }
+
+    /// The due nodes preceded (root-first, once each) by their ancestors that are on device
+    /// but not backed up. Backups are deferred to the next poll, so a due node may have been
+    /// split meanwhile (a match ending inside it): its upper part is a new node, not backed
+    /// up, with the same hit count, and the due node's own backup would be refused for its
+    /// parent (host residency stays prefix-closed). Backing up those ancestors first keeps
+    /// write-through complete.
+    fn with_unbacked_ancestors(&self, due: Vec<NodeId>) -> Result<Vec<NodeId>> {
+        let mut out = Vec::with_capacity(due.len());
+        let mut seen = std::collections::HashSet::new();
+        for node in due {
+            let mut chain = vec![node];
+            let mut at = match self.tree.node_info(node) {
+                Ok(info) => info.parent,
+                Err(hicache_core::CoreError::StaleNode(_)) => None,
+                Err(e) => return Err(e.into()),
+            };
+            while let Some(p) = at {
+                let info = self.tree.node_info(p)?;
+                if info.is_root || info.backed_up || !info.on_device {
+                    break;
+                }
+                chain.push(p);
+                at = info.parent;
+            }
+            for n in chain.into_iter().rev() {
+                if seen.insert(n) {
+                    out.push(n);
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Write-back eviction staged nodes: copy them to host now (blocking, as SGLang's
@@ -163,11 +197,12 @@ impl HiCache {
             ids.push(q.load_id);
         }
         // The counter's ring reuses slots: make sure the load that last used the next slot
-        // finished (a deeper overlap than the ring allows would otherwise be an error).
-        if self.loads.len() >= hicache_gpu::LayerDoneCounter::DEFAULT_DEPTH
-            && let Some(oldest) = self.loads.front()
-        {
-            oldest.handle.wait()?;
+        // finished (a deeper overlap than the ring allows would otherwise be an error). That
+        // is the load published `DEFAULT_DEPTH` launches ago; `loads` holds every launched
+        // load not yet finished, in launch order (finished ones are done).
+        let depth = hicache_gpu::LayerDoneCounter::DEFAULT_DEPTH;
+        if let Some(i) = self.loads.len().checked_sub(depth) {
+            self.loads[i].handle.wait()?;
         }
         let handle = self.engine.load(&host, &dev, &[])?;
         let producer = self.counter.publish(handle.clone())?;

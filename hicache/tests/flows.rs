@@ -486,6 +486,120 @@ fn contradictory_config_and_unknown_backends_are_clear_errors() {
 }
 
 #[test]
+fn more_loads_in_flight_than_the_layer_ring_without_polls() {
+    // Five load-back batches launched without a poll in between, the second to fourth held
+    // on the load stream: the fifth reuses the ring slot of the second and must wait for
+    // it, not fail (and leak its nodes' pins).
+    let mut e = Engine::new(cache(test_config(4), 64));
+    let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(300 + i, 16)).collect();
+    for p in &prompts {
+        e.run(None, p);
+    }
+    e.settle();
+    e.cache.evict(64).unwrap();
+    assert_eq!(e.cache.tree().device_pages(), 0);
+    let counter = e.cache.layer_done_counter().clone();
+    let layers = e.cache.shape().layers as usize;
+    let mut admitted = Vec::new();
+    let mut gate = None;
+    for (i, p) in prompts.iter().enumerate() {
+        let req = 1000 + i as u64;
+        e.cache.arrive(req, p).unwrap();
+        let adm = e.cache.admit(req, p).unwrap();
+        assert_eq!(adm.host_pages, 4, "{adm:?}");
+        if i == 4 {
+            // Opens the stream later, from another thread: start_loading has to wait for it.
+            let g: hicache_gpu::SimGate = gate.take().unwrap();
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                g.open();
+            });
+        }
+        let producer = e.cache.start_loading().unwrap().expect("a load");
+        if i == 0 {
+            counter.set_consumer(producer).unwrap();
+            for l in 0..layers {
+                counter.wait_until(l).unwrap();
+            }
+            gate = Some(e.cache.transfer_engine().load_stream().sim_gate().unwrap());
+        }
+        admitted.push((req, producer, adm));
+    }
+    let (_, last, _) = admitted.last().unwrap();
+    counter.set_consumer(*last).unwrap();
+    for l in 0..layers {
+        counter.wait_until(l).unwrap();
+    }
+    for ((req, _, adm), p) in admitted.iter().zip(&prompts) {
+        e.check_pages(p, &adm.prefix_slots);
+        e.cache.abort(*req).unwrap();
+    }
+    e.settle();
+}
+
+#[test]
+fn write_through_backs_up_a_node_split_before_the_next_poll() {
+    // A node due for write-through is split (by a match of a shorter prompt) before the poll
+    // that launches its backup: both halves must still be backed up.
+    let mut e = Engine::new(cache(test_config(4), 64));
+    let p = prompt(400, 32);
+    e.cache.arrive(1, &p).unwrap();
+    e.cache.admit(1, &p).unwrap();
+    let slots = e.cache.alloc_device(8).unwrap().unwrap();
+    for (i, &s) in slots.iter().enumerate() {
+        let data = common::page_pattern(&p, i, 4, e.cache.shape().page_bytes(), 0);
+        e.cache
+            .device_pool()
+            .write_page(hicache_gpu::DeviceSlot(s), &data)
+            .unwrap();
+    }
+    e.cache.cache_finished(1, &p, &slots).unwrap();
+    e.cache.arrive(2, &p[..16]).unwrap();
+    e.cache.abort(2).unwrap();
+    e.settle();
+    assert_eq!(e.cache.tree().host_pages(), 8);
+    // Evicted from device, the whole prompt is served from host.
+    e.cache.evict(64).unwrap();
+    let again = e.run(None, &p);
+    assert_eq!(again.admission.host_pages, 8, "{:?}", again.admission);
+    e.settle();
+}
+
+#[test]
+fn slots_the_request_does_not_own_are_refused_before_the_tree_changes() {
+    let mut e = Engine::new(cache(test_config(4), 16));
+    let p = prompt(1, 18);
+    e.cache.arrive(1, &p).unwrap();
+    let adm = e.cache.admit(1, &p).unwrap();
+    assert_eq!(adm.cached_pages(), 0);
+    let own = e.cache.alloc_device(5).unwrap().unwrap();
+    let never_allocated = (0..16u32).find(|s| !own.contains(s)).unwrap();
+    // Out of range, never allocated, given twice (also for the partial page).
+    for bad in [
+        vec![9999, own[1], own[2], own[3], own[4]],
+        vec![own[0], never_allocated, own[2], own[3], own[4]],
+        vec![own[0], own[0], own[2], own[3], own[4]],
+        vec![own[0], own[1], own[2], own[3], own[3]],
+    ] {
+        assert!(matches!(
+            e.cache.cache_unfinished(1, &p, &bad),
+            Err(HiCacheError::Request { .. })
+        ));
+        assert!(matches!(
+            e.cache.cache_finished(1, &p, &bad),
+            Err(HiCacheError::Request { .. })
+        ));
+        assert_eq!(e.cache.tree().device_pages(), 0);
+    }
+    assert_eq!(e.cache.device_pages_free(), 11);
+    e.cache.cache_finished(1, &p, &own).unwrap();
+    assert_eq!(e.cache.tree().device_pages(), 4);
+    assert_eq!(e.cache.evict(16).unwrap(), 4);
+    e.settle();
+    assert_eq!(e.cache.device_pages_free(), 16);
+}
+
+#[test]
 fn without_the_hierarchical_cache_it_is_a_plain_radix_cache() {
     let cfg = HiCacheConfig {
         enable_hierarchical_cache: false,

@@ -109,3 +109,104 @@ fn four_ranks_keep_identical_trees_with_timeout() {
 fn four_ranks_keep_identical_trees_with_best_effort() {
     four_ranks(PrefetchPolicy::BestEffort);
 }
+
+/// MLA KV is the same on every rank, so only rank 0 writes it to L3 (the namespaces of all
+/// ranks are equal: they share the pages). The other ranks must still count the same
+/// backups, or the agreed count stays 0 and rank 0's backups never finish.
+fn mla_rank(rank: usize, hub: std::net::SocketAddr, storage: Arc<dyn Storage>) -> usize {
+    let group: Arc<dyn RankGroup> =
+        Arc::new(TcpRankGroup::connect(rank, 2, hub, Duration::from_secs(5)).unwrap());
+    let cfg = HiCacheConfig {
+        storage_backend: Some("memory".into()),
+        storage_backend_extra_config: Some(r#"{"prefetch_threshold": 8}"#.into()),
+        storage_prefetch_policy: PrefetchPolicy::WaitComplete,
+        ..test_config(4)
+    };
+    let shape = hicache::KvShape {
+        kind: hicache::KvKind::Mla { kv_dim: 64 },
+        ..small_shape(4)
+    };
+    let cache = HiCache::builder(cfg)
+        .shape(shape)
+        .device_pages(32)
+        .rank_group(group)
+        .storage(storage)
+        .build()
+        .unwrap();
+    let mut e = Engine::new(cache);
+    let p = prompt(7, 40);
+    e.run(None, &p);
+    e.settle();
+    common::assert_no_pins(&e.cache);
+    e.cache.flush().unwrap();
+    let again = e.run(None, &p);
+    e.settle();
+    e.cache.shutdown().unwrap();
+    again.admission.storage_pages
+}
+
+#[test]
+fn mla_ranks_agree_on_backups_only_rank_0_writes() {
+    let hub = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let storage: Arc<dyn Storage> = Arc::new(MemoryBackend::with_capacity(64 << 20));
+    let handles: Vec<_> = (0..2)
+        .map(|r| {
+            let s = storage.clone();
+            std::thread::spawn(move || mla_rank(r, hub, s))
+        })
+        .collect();
+    let served: Vec<usize> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(served, vec![10, 10]);
+}
+
+/// More requests waiting for their prefetch than one exchange can carry (4 values each):
+/// the prefetches past the limit are not started, instead of every rank's poll failing.
+fn burst_rank(rank: usize, hub: std::net::SocketAddr) -> (usize, usize) {
+    let group: Arc<dyn RankGroup> =
+        Arc::new(TcpRankGroup::connect(rank, 2, hub, Duration::from_secs(10)).unwrap());
+    let cfg = HiCacheConfig {
+        storage_backend: Some("memory".into()),
+        storage_backend_extra_config: Some(r#"{"prefetch_threshold": 8}"#.into()),
+        storage_prefetch_policy: PrefetchPolicy::WaitComplete,
+        ..test_config(4)
+    };
+    let mut cache = HiCache::builder(cfg)
+        .shape(small_shape(4))
+        .device_pages(16)
+        .rank_group(group)
+        .storage(Arc::new(MemoryBackend::with_capacity(1 << 20)))
+        .build()
+        .unwrap();
+    let n = hicache::rank::MAX_EXCHANGE_LEN / 4 + 100;
+    let mut started = 0;
+    for req in 0..n as u64 {
+        let a = cache.arrive(req, &prompt(req, 16)).unwrap();
+        started += (a.prefetch_pages > 0) as usize;
+    }
+    let report = cache.poll().unwrap();
+    let mut ready = 0;
+    for req in 0..n as u64 {
+        ready += cache.prefetch_ready(req).unwrap() as usize;
+        cache.abort(req).unwrap();
+    }
+    cache.shutdown().unwrap();
+    assert!(report.prefetches_in_flight <= started);
+    (started, ready)
+}
+
+#[test]
+fn a_burst_of_prefetches_beyond_one_exchange_is_capped() {
+    let hub = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let handles: Vec<_> = (0..2)
+        .map(|r| std::thread::spawn(move || burst_rank(r, hub)))
+        .collect();
+    let out: Vec<(usize, usize)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(out[0], out[1]);
+    assert!(out[0].0 > 0 && out[0].0 < hicache::rank::MAX_EXCHANGE_LEN / 4);
+}

@@ -9,5 +9,6 @@ pub mod storage;
 pub mod storage_check;
 pub mod storage_common;
 pub mod storage_write;
+pub mod tcp_loopback;
 pub mod transfer;
 pub mod tree;

@@ -7,7 +7,9 @@
 //! writes include its fsync policy's cost (the default unless `--extra-config` says
 //! otherwise), and reads run after `sync; echo 3 > /proc/sys/vm/drop_caches` (when permitted;
 //! both sides also read with O_DIRECT from page-aligned buffers, so they are cold either way).
-//! For the memory backend the reference is a memcpy of the same bytes.
+//! For the memory backend the reference is a memcpy of the same bytes; for the rdma backend
+//! (a server named by `--extra-config`, or `{"spawn_server": true}`) it is raw TCP loopback
+//! of the same bytes between two threads ([`tcp_loopback`]), not RDMA.
 //!
 //! Each figure is the best of `--rounds` rounds; a round measures the reference and the backend
 //! back to back, so both see the same disk state.
@@ -26,6 +28,7 @@ use hicache_storage::{
 use serde_json::Value;
 
 use crate::cmd::storage_common::{BackendArgs, LAYOUT, aligned_region, runtime, seed_key};
+use crate::cmd::tcp_loopback;
 use crate::error::{BenchError, Result};
 use crate::record::Record;
 
@@ -302,7 +305,8 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
         Some(n) => vec![n],
         None => vec![8 << 20, 256 << 10],
     };
-    let file_like = args.backend.backend != "memory";
+    let file_like = !matches!(args.backend.backend.as_str(), "memory" | "rdma");
+    let rdma = args.backend.backend == "rdma";
     let base: Option<PathBuf> = args.backend.dir.clone();
     if file_like && base.is_none() {
         return Err(BenchError::Usage(format!(
@@ -353,6 +357,7 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                         raw_write(p, src, page_bytes, pages, args.raw_threads)
                     }
                     (Phase::Read, Some(p)) => raw_read(p, page_bytes, pages, args.raw_threads),
+                    (_, None) if rdma => tcp_loopback::secs(src, page_bytes, pages),
                     (_, None) => memcpy_secs(src, page_bytes, pages),
                 }
             };
@@ -386,7 +391,11 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
         let best = |f: fn(&Round) -> f64| rounds.iter().map(f).fold(f64::INFINITY, f64::min);
         let label = size_label(page_bytes);
         let b = &args.backend.backend;
-        let reference = if file_like { "raw-odirect" } else { "memcpy" };
+        let reference = match (file_like, rdma) {
+            (true, _) => "raw-odirect",
+            (false, true) => "tcp-loopback",
+            (false, false) => "memcpy",
+        };
         let cold = if rounds.iter().all(|r| r.dropped) {
             "drop_caches"
         } else {

@@ -36,6 +36,8 @@ pub fn registry() -> Result<Registry> {
     hicache_backend_file::register(&r)?;
     #[cfg(feature = "uring")]
     hicache_backend_uring::register(&r)?;
+    #[cfg(feature = "rdma")]
+    hicache_backend_rdma::register(&r)?;
     Ok(r)
 }
 

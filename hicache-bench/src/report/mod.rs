@@ -245,9 +245,15 @@ impl Report {
 /// Creates `dir` if needed and checks that a file can be written in it (so that a bad report
 /// directory fails before the run, not after).
 pub fn prepare_dir(dir: &Path) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(BenchError::io(dir))?;
+    let unusable = |what: &str, e: std::io::Error| {
+        BenchError::Usage(format!(
+            "report directory {}: cannot {what} it: {e}",
+            dir.display()
+        ))
+    };
+    std::fs::create_dir_all(dir).map_err(|e| unusable("create", e))?;
     let probe = dir.join(".hicache-bench-write-test");
-    std::fs::write(&probe, b"").map_err(BenchError::io(dir))?;
+    std::fs::write(&probe, b"").map_err(|e| unusable("write in", e))?;
     std::fs::remove_file(&probe).map_err(BenchError::io(&probe))?;
     Ok(())
 }

@@ -1,0 +1,115 @@
+//! `hicache-rdma-server`: the memory-pool server of the `rdma` L3 backend.
+//!
+//! ```text
+//! hicache-rdma-server --listen 0.0.0.0:7470 --pool 64GiB
+//! ```
+//! Clients then use `--storage-backend rdma` with extra-config
+//! `{"server": "<this host>:7470"}`.
+
+use clap::Parser;
+use hicache_backend_rdma::{RdmaServer, ServerOptions};
+use hicache_storage::{EvictionPolicy, parse_byte_size};
+
+/// Memory-pool server of the hicache-rs `rdma` L3 backend.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0:7470")]
+    listen: String,
+    /// Bytes of the pool (e.g. `64GiB`, `100gb`, or a plain number).
+    #[arg(long, default_value = "1GiB", value_parser = bytes)]
+    pool: u64,
+    /// Bytes of one region (one mapping and RDMA registration; a page never spans two).
+    #[arg(long, default_value = "1GiB", value_parser = bytes)]
+    region: u64,
+    /// Allocation granule ("page class"): pages occupy whole granules (power of two).
+    #[arg(long, default_value = "4KiB", value_parser = bytes)]
+    granule: u64,
+    /// Largest page accepted.
+    #[arg(long, default_value = "256MiB", value_parser = bytes)]
+    max_page: u64,
+    /// Eviction when full: `lru`, `fifo`, or `none` (refuse new pages).
+    #[arg(long, default_value = "lru")]
+    eviction: String,
+    /// Lifetime of a read lease (verbs `LOOKUP`), in milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    lease_ms: u32,
+    /// Lifetime of an uncommitted reservation, in milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    alloc_ttl_ms: u32,
+    /// Largest list in one request.
+    #[arg(long, default_value_t = 4096)]
+    max_batch: u32,
+    /// Pre-fault the pool at start (slower start, no page faults later).
+    #[arg(long)]
+    populate: bool,
+    /// Do not register the pool for RDMA even when a device is present.
+    #[arg(long)]
+    no_verbs: bool,
+}
+
+fn bytes(s: &str) -> Result<u64, String> {
+    parse_byte_size(s).ok_or_else(|| format!("{s:?} is not a byte size (e.g. 4GiB, 512MiB)"))
+}
+
+fn main() {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let eviction = match args.eviction.as_str() {
+        "none" => None,
+        s => match EvictionPolicy::parse(s) {
+            Some(p) => Some(p),
+            None => {
+                eprintln!("error: --eviction {s:?}: expected lru, fifo or none");
+                std::process::exit(2);
+            }
+        },
+    };
+    let opts = ServerOptions {
+        listen: args.listen,
+        pool_bytes: args.pool,
+        region_bytes: args.region,
+        granule: args.granule,
+        max_page_bytes: args.max_page,
+        eviction,
+        lease_ms: args.lease_ms,
+        alloc_ttl_ms: args.alloc_ttl_ms,
+        max_batch: args.max_batch,
+        populate: args.populate,
+        verbs: !args.no_verbs,
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: tokio runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    rt.block_on(async {
+        let handle = match RdmaServer::start(opts).await {
+            Ok(h) => h,
+            Err(e) => {
+                eprintln!("error: {e}");
+                std::process::exit(2);
+            }
+        };
+        println!(
+            "hicache-rdma-server listening on {} (pool {} bytes, verbs {})",
+            handle.local_addr(),
+            handle.info().pool_bytes,
+            if handle.info().verbs { "on" } else { "off" }
+        );
+        let _ = tokio::signal::ctrl_c().await;
+        eprintln!("shutting down");
+        handle.shutdown().await;
+    });
+}

@@ -1,0 +1,252 @@
+//! One client connection to the server: handshake, framed requests and replies, payload
+//! streaming, every socket step bounded by a timeout.
+//!
+//! [`Connection`] is public so tools and tests can speak the protocol step by step (allocate
+//! without committing, pipeline by hand); [`RdmaStorage`](crate::RdmaStorage) is built on it.
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+
+use crate::error::{RdmaError, Result};
+use crate::protocol::{
+    self, HEAD_LEN, MAGIC, Occupancy, ProtocolError, REPLY_BIT, Reply, ReplyFrame, Request,
+    ServerInfo, VERSION, op,
+};
+
+/// Largest step of a payload transfer bounded by one timeout.
+const STEP: usize = 8 << 20;
+
+/// A connected, handshaken connection.
+#[derive(Debug)]
+pub struct Connection {
+    r: BufReader<OwnedReadHalf>,
+    w: BufWriter<OwnedWriteHalf>,
+    peer: String,
+    info: ServerInfo,
+    io_timeout: Duration,
+    next_id: u64,
+}
+
+impl Connection {
+    /// Connects to `addr`, with `connect_timeout` for the TCP connect and `io_timeout` for
+    /// every later step, and performs the handshake.
+    pub async fn connect(
+        addr: &str,
+        client_name: &str,
+        connect_timeout: Duration,
+        io_timeout: Duration,
+    ) -> Result<Self> {
+        let peer = addr.to_string();
+        let stream = match tokio::time::timeout(connect_timeout, TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                return Err(RdmaError::Io {
+                    op: "connect",
+                    peer,
+                    source: e,
+                });
+            }
+            Err(_) => {
+                return Err(RdmaError::Timeout {
+                    op: "connect",
+                    peer,
+                    ms: connect_timeout.as_millis() as u64,
+                });
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (r, w) = stream.into_split();
+        let mut c = Self {
+            r: BufReader::with_capacity(crate::protocol::READ_BUFFER, r),
+            w: BufWriter::with_capacity(crate::protocol::WRITE_BUFFER, w),
+            peer,
+            info: ServerInfo {
+                version: 0,
+                server_id: 0,
+                pool_bytes: 0,
+                max_page_bytes: 0,
+                max_batch: 0,
+                lease_ms: 0,
+                alloc_ttl_ms: 0,
+                verbs: false,
+                regions: Vec::new(),
+            },
+            io_timeout,
+            next_id: 1,
+        };
+        let hello = Request::Hello {
+            magic: MAGIC,
+            version: VERSION,
+            client: client_name.to_string(),
+        };
+        match c.call(&hello).await? {
+            (_, Reply::Hello(info)) => {
+                if info.version != VERSION {
+                    return Err(c.protocol(ProtocolError::Version {
+                        got: info.version,
+                        want: VERSION,
+                    }));
+                }
+                c.info = info;
+                Ok(c)
+            }
+            (_, other) => Err(c.mismatch("HELLO reply", &other)),
+        }
+    }
+
+    /// What the server said at the handshake.
+    pub fn info(&self) -> &ServerInfo {
+        &self.info
+    }
+
+    /// The server's address.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn protocol(&self, source: ProtocolError) -> RdmaError {
+        RdmaError::Protocol {
+            peer: self.peer.clone(),
+            source,
+        }
+    }
+
+    /// An error for a reply that does not answer the request.
+    pub fn mismatch(&self, expected: &str, got: &Reply) -> RdmaError {
+        self.protocol(ProtocolError::Mismatch {
+            expected: expected.to_string(),
+            got: format!("{got:?}").chars().take(200).collect(),
+        })
+    }
+
+    /// Queues a request (head and body) announcing `payload_len` payload bytes, which the
+    /// caller then writes with [`write_payload`](Self::write_payload). Returns its id.
+    pub async fn send(&mut self, req: &Request, payload_len: u64) -> Result<u64> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let body = req.encode();
+        let (peer, t) = (self.peer.clone(), self.io_timeout);
+        let w = &mut self.w;
+        timed_io(
+            &peer,
+            t,
+            "send request",
+            protocol::write_frame(w, id, req.op(), &body, payload_len),
+        )
+        .await?;
+        Ok(id)
+    }
+
+    /// Writes payload bytes of the request just sent.
+    pub async fn write_payload(&mut self, bytes: &[u8]) -> Result<()> {
+        let (peer, t) = (self.peer.clone(), self.io_timeout);
+        for step in bytes.chunks(STEP) {
+            timed_io(&peer, t, "send payload", self.w.write_all(step)).await?;
+        }
+        Ok(())
+    }
+
+    /// Sends everything queued.
+    pub async fn flush(&mut self) -> Result<()> {
+        let (peer, t) = (self.peer.clone(), self.io_timeout);
+        timed_io(&peer, t, "send", self.w.flush()).await
+    }
+
+    /// Reads the reply to request `id`; returns its occupancy, body and payload length (the
+    /// caller reads the payload with [`read_payload`](Self::read_payload)). An `ERROR` reply
+    /// is [`RdmaError::Refused`].
+    pub async fn recv(&mut self, id: u64) -> Result<(Occupancy, Reply, u64)> {
+        let mut h = [0u8; HEAD_LEN];
+        let (peer, t) = (self.peer.clone(), self.io_timeout);
+        timed_io(&peer, t, "read reply", self.r.read_exact(&mut h))
+            .await
+            .map_err(|e| match e {
+                RdmaError::Io { op, peer, source }
+                    if source.kind() == std::io::ErrorKind::UnexpectedEof =>
+                {
+                    RdmaError::Io {
+                        op,
+                        peer,
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            "server closed the connection",
+                        ),
+                    }
+                }
+                e => e,
+            })?;
+        let head = protocol::FrameHead::decode(&h).map_err(|e| self.protocol(e))?;
+        let mut body = vec![0u8; head.body_len as usize];
+        let (peer, t) = (self.peer.clone(), self.io_timeout);
+        timed_io(&peer, t, "read reply", self.r.read_exact(&mut body)).await?;
+        let frame = ReplyFrame::decode(head.op, &body).map_err(|e| self.protocol(e))?;
+        match frame {
+            ReplyFrame::Error { code, message } => Err(RdmaError::Refused {
+                peer: self.peer.clone(),
+                code,
+                message,
+            }),
+            ReplyFrame::Ok(occ, reply) => {
+                if head.id != id {
+                    return Err(self.protocol(ProtocolError::Mismatch {
+                        expected: format!("reply to request {id}"),
+                        got: format!("reply to request {}", head.id),
+                    }));
+                }
+                debug_assert_eq!(head.op & REPLY_BIT, REPLY_BIT);
+                Ok((occ, reply, head.payload_len))
+            }
+        }
+    }
+
+    /// Reads payload bytes of the reply just received.
+    pub async fn read_payload(&mut self, dst: &mut [u8]) -> Result<()> {
+        let (peer, t) = (self.peer.clone(), self.io_timeout);
+        for step in dst.chunks_mut(STEP) {
+            timed_io(&peer, t, "read payload", self.r.read_exact(step)).await?;
+        }
+        Ok(())
+    }
+
+    /// Sends a request without payload and reads its reply (which must have no payload).
+    pub async fn call(&mut self, req: &Request) -> Result<(Occupancy, Reply)> {
+        let id = self.send(req, 0).await?;
+        self.flush().await?;
+        let (occ, reply, payload) = self.recv(id).await?;
+        if payload != 0 {
+            return Err(self.protocol(ProtocolError::Invalid {
+                what: "payload on a reply without payload",
+                value: payload,
+            }));
+        }
+        if reply.op() != req.op() | REPLY_BIT && req.op() != op::HELLO {
+            return Err(self.mismatch(&format!("reply to op {:#04x}", req.op()), &reply));
+        }
+        Ok((occ, reply))
+    }
+}
+
+async fn timed_io<T>(
+    peer: &str,
+    t: Duration,
+    op: &'static str,
+    f: impl Future<Output = std::io::Result<T>>,
+) -> Result<T> {
+    match tokio::time::timeout(t, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(RdmaError::Io {
+            op,
+            peer: peer.to_string(),
+            source: e,
+        }),
+        Err(_) => Err(RdmaError::Timeout {
+            op,
+            peer: peer.to_string(),
+            ms: t.as_millis() as u64,
+        }),
+    }
+}

@@ -1,0 +1,861 @@
+//! The client: [`RdmaStorage`], the [`Storage`] implementation over a pool of
+//! [`Connection`]s to one server.
+//!
+//! # How a call runs
+//!
+//! - A batch is cut into stripes of at least `stripe_bytes`, at most one per connection, and
+//!   the stripes run in parallel, each on its own pooled connection.
+//! - `batch_get` stripe: `READ` → the server leases the hits, replies with per-page statuses
+//!   followed by the hits' bytes, which are read straight into the caller's page buffers
+//!   (scattered over their parts), then releases the leases. Each hit's XXH3-64 is checked
+//!   against the checksum stored at commit: a mismatch is [`PageOutcome::Corrupt`], the buffer
+//!   is zeroed, and the client asks the server to `DROP` that copy (only if its checksum is
+//!   still the bad one, so a concurrent rewrite is kept).
+//! - `batch_set` stripe: `ALLOCATE` (present pages with the same metadata are skipped), then
+//!   `WRITE` (the bytes, straight from the caller's parts) and `COMMIT` (with checksums)
+//!   pipelined back to back; a page is `Stored` only once its commit is acknowledged.
+//! - A socket error or timeout drops that connection (a fresh one is made next time) and
+//!   fails the call with [`StorageError::Unavailable`] naming the server and the cause; a call
+//!   on a connection that had been idle in the pool is retried once on a fresh connection, so
+//!   a server restart costs no failed call. After a failed connection attempt, calls fail fast
+//!   for `retry_backoff_ms`. Nothing waits longer than `io_timeout_ms` without progress.
+//! - Occupancy (`pages`, `bytes`, evictions) comes from the server with every reply; the
+//!   newest (by the server's sequence number) is what [`Storage::stats`] reports.
+
+pub mod conn;
+pub mod options;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::Poll;
+use std::time::Instant;
+
+use async_trait::async_trait;
+use hicache_core::{MemoryRegion, PageKey};
+use hicache_storage::backend::bump;
+use hicache_storage::checksum::{checksum_page, checksum_page_mut};
+use hicache_storage::{
+    BackendInfo, PageBuf, PageBufMut, PageError, PageOutcome, Result, StatsCounters, Storage,
+    StorageError, StorageStats, check_batch,
+};
+use parking_lot::Mutex;
+
+use crate::error::RdmaError;
+use crate::protocol::{AllocStatus, Occupancy, PageReq, ReadStatus, Reply, Request, ServerInfo};
+use crate::server::{RdmaServer, ServerHandle, ServerOptions};
+pub use conn::Connection;
+pub use options::{RdmaOptions, Transport};
+
+/// Runs `$body` (a future using the connection `$c`) on pooled connection `$slot`,
+/// connecting if needed. A failure drops the connection; a failure on a connection that was
+/// reused from the pool is retried once on a fresh one. Evaluates to `Result<T, StorageError>`.
+macro_rules! with_conn {
+    ($self:ident, $slot:expr, $c:ident => $body:expr) => {{
+        let mut guard = $self.pool[$slot % $self.pool.len()].lock().await;
+        let mut attempt = 0;
+        loop {
+            let reused = guard.is_some();
+            if guard.is_none() {
+                match $self.open_connection().await {
+                    Ok(c) => *guard = Some(c),
+                    Err(e) => break Err(StorageError::from(e)),
+                }
+            }
+            let $c: &mut Connection = guard.as_mut().expect("connected above");
+            match $body.await {
+                Ok(v) => break Ok(v),
+                Err(e) => {
+                    *guard = None;
+                    let retry = attempt == 0
+                        && reused
+                        && matches!(e, RdmaError::Io { .. } | RdmaError::Protocol { .. });
+                    if !retry {
+                        break Err(StorageError::from(e));
+                    }
+                    tracing::debug!("rdma: retrying on a fresh connection after: {e}");
+                    attempt += 1;
+                }
+            }
+        }
+    }};
+}
+
+/// The `rdma` backend: a client of one memory-pool server.
+pub struct RdmaStorage {
+    opts: RdmaOptions,
+    addr: String,
+    pool: Vec<tokio::sync::Mutex<Option<Connection>>>,
+    next: AtomicUsize,
+    info: ServerInfo,
+    backoff: Mutex<Option<(Instant, String)>>,
+    counters: StatsCounters,
+    occupancy: Mutex<Occupancy>,
+    /// The verbs data plane and the control connection its queue pair is tied to.
+    #[cfg(feature = "verbs")]
+    verbs: Option<(crate::verbs::ClientVerbs, tokio::sync::Mutex<Connection>)>,
+    /// A server this client started (`spawn_server`); it lives as long as the client.
+    _spawned: Option<ServerHandle>,
+}
+
+impl std::fmt::Debug for RdmaStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaStorage")
+            .field("server", &self.addr)
+            .field("transport", &self.opts.transport)
+            .field("connections", &self.pool.len())
+            .finish()
+    }
+}
+
+/// Runs futures concurrently and returns their outputs in order.
+async fn join_all<F: Future>(futs: Vec<F>) -> Vec<F::Output> {
+    let mut futs: Vec<Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match f.as_mut().poll(cx) {
+                    Poll::Ready(v) => *o = Some(v),
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter()
+        .map(|o| o.expect("every future completed"))
+        .collect()
+}
+
+/// Cuts `lens` (page byte lengths) into at most `max` consecutive stripes of at least
+/// `stripe` bytes each; returns the stripe boundaries.
+fn stripes(lens: &[usize], stripe: u64, max: usize) -> Vec<std::ops::Range<usize>> {
+    let total: u64 = lens.iter().map(|&l| l as u64).sum();
+    let n = ((total / stripe.max(1)) as usize)
+        .clamp(1, max.max(1))
+        .min(lens.len().max(1));
+    let per = total.div_ceil(n as u64);
+    let mut v = Vec::with_capacity(n);
+    let (mut start, mut acc) = (0, 0u64);
+    for (i, &l) in lens.iter().enumerate() {
+        acc += l as u64;
+        if acc >= per && v.len() + 1 < n {
+            v.push(start..i + 1);
+            start = i + 1;
+            acc = 0;
+        }
+    }
+    if start < lens.len() || v.is_empty() {
+        v.push(start..lens.len());
+    }
+    v
+}
+
+impl RdmaStorage {
+    /// Connects to the server (or starts one, with `spawn_server`) and performs the handshake
+    /// on one connection; the others connect on first use.
+    pub async fn connect(opts: RdmaOptions) -> Result<Self> {
+        let (addr, spawned) = if opts.spawn_server {
+            let h = RdmaServer::start(ServerOptions {
+                pool_bytes: opts.spawn_pool_bytes,
+                region_bytes: opts.spawn_pool_bytes.min(1 << 30),
+                populate: opts.spawn_populate,
+                ..ServerOptions::default()
+            })
+            .await?;
+            (h.local_addr().to_string(), Some(h))
+        } else {
+            let addr = opts.server.clone().ok_or_else(|| {
+                StorageError::config("backend rdma", "server", "<missing>", "required field")
+            })?;
+            (addr, None)
+        };
+        #[allow(unused_mut)]
+        let mut first = Connection::connect(
+            &addr,
+            &opts.client_name,
+            opts.connect_timeout,
+            opts.io_timeout,
+        )
+        .await?;
+        let info = first.info().clone();
+        if opts.max_batch > info.max_batch as usize {
+            return Err(StorageError::config(
+                "backend rdma",
+                "max_batch",
+                opts.max_batch.to_string(),
+                format!(
+                    "exceeds the server's limit of {} pages per request (its --max-batch)",
+                    info.max_batch
+                ),
+            ));
+        }
+        #[cfg(feature = "verbs")]
+        let verbs = match opts.transport {
+            Transport::Verbs => {
+                let v = crate::verbs::ClientVerbs::open(&opts, &info)?;
+                let mine = v.endpoint()?;
+                let mut ctl = Connection::connect(
+                    &addr,
+                    &opts.client_name,
+                    opts.connect_timeout,
+                    opts.io_timeout,
+                )
+                .await?;
+                match ctl.call(&Request::VerbsConnect { endpoint: mine }).await? {
+                    (_, Reply::VerbsConnect(theirs)) => v.connect(&theirs)?,
+                    (_, other) => return Err(ctl.mismatch("VERBS_CONNECT reply", &other).into()),
+                }
+                Some((v, tokio::sync::Mutex::new(ctl)))
+            }
+            Transport::Tcp => None,
+        };
+        #[cfg(not(feature = "verbs"))]
+        if opts.transport == Transport::Verbs {
+            return Err(RdmaError::VerbsNotBuilt.into());
+        }
+        let pool: Vec<_> = (0..opts.connections)
+            .map(|_| tokio::sync::Mutex::new(None))
+            .collect();
+        *pool[0].try_lock().expect("fresh mutex") = Some(first);
+        Ok(Self {
+            addr,
+            pool,
+            next: AtomicUsize::new(0),
+            info,
+            backoff: Mutex::new(None),
+            counters: StatsCounters::default(),
+            occupancy: Mutex::new(Occupancy::default()),
+            #[cfg(feature = "verbs")]
+            verbs,
+            _spawned: spawned,
+            opts,
+        })
+    }
+
+    /// The server's address.
+    pub fn server_addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// What the server said at the handshake.
+    pub fn server_info(&self) -> &ServerInfo {
+        &self.info
+    }
+
+    /// The options in use.
+    pub fn options(&self) -> &RdmaOptions {
+        &self.opts
+    }
+
+    /// The server's counters (one `STATS` call).
+    pub async fn server_stats(&self) -> Result<crate::protocol::ServerStats> {
+        let r: (Occupancy, Reply) = with_conn!(self, 0, c => c.call(&Request::Stats))?;
+        match r {
+            (_, Reply::Stats(s)) => Ok(s),
+            _ => Err(StorageError::Backend {
+                backend: crate::BACKEND_NAME.into(),
+                reason: "STATS answered with another reply".into(),
+            }),
+        }
+    }
+
+    fn note(&self, occ: Occupancy) {
+        let mut o = self.occupancy.lock();
+        if occ.seq > o.seq {
+            *o = occ;
+        }
+    }
+
+    async fn open_connection(&self) -> crate::error::Result<Connection> {
+        if let Some((until, last)) = self.backoff.lock().clone()
+            && Instant::now() < until
+        {
+            return Err(RdmaError::Backoff {
+                peer: self.addr.clone(),
+                retry_ms: self.opts.retry_backoff.as_millis() as u64,
+                last,
+            });
+        }
+        match Connection::connect(
+            &self.addr,
+            &self.opts.client_name,
+            self.opts.connect_timeout,
+            self.opts.io_timeout,
+        )
+        .await
+        {
+            Ok(c) => {
+                *self.backoff.lock() = None;
+                Ok(c)
+            }
+            Err(e) => {
+                if !self.opts.retry_backoff.is_zero() {
+                    *self.backoff.lock() =
+                        Some((Instant::now() + self.opts.retry_backoff, e.to_string()));
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn base_slot(&self) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed)
+    }
+
+    async fn get_stripe(
+        &self,
+        slot: usize,
+        keys: &[PageKey],
+        dst: &mut [PageBufMut<'_>],
+    ) -> Result<Vec<PageOutcome>> {
+        let pages: Vec<PageReq> = keys
+            .iter()
+            .zip(dst.iter())
+            .map(|(k, d)| PageReq {
+                key: *k,
+                len: d.len() as u64,
+                layout: d.layout().tag(),
+            })
+            .collect();
+        let (outcomes, mismatches) =
+            with_conn!(self, slot, c => self.get_on(c, &pages, &mut *dst))?;
+        bump(&self.counters.meta_mismatches, mismatches);
+        Ok(outcomes)
+    }
+
+    async fn get_on(
+        &self,
+        c: &mut Connection,
+        pages: &[PageReq],
+        dst: &mut [PageBufMut<'_>],
+    ) -> crate::error::Result<(Vec<PageOutcome>, u64)> {
+        let id = c
+            .send(
+                &Request::Read {
+                    pages: pages.to_vec(),
+                },
+                0,
+            )
+            .await?;
+        c.flush().await?;
+        let (occ, reply, payload) = c.recv(id).await?;
+        let statuses = match reply {
+            Reply::Read(v) if v.len() == pages.len() => v,
+            other => return Err(c.mismatch("READ reply, one status per page", &other)),
+        };
+        let expect: u64 = statuses
+            .iter()
+            .zip(pages)
+            .filter(|(s, _)| matches!(s, ReadStatus::Hit { .. }))
+            .map(|(_, p)| p.len)
+            .sum();
+        if payload != expect {
+            return Err(c.mismatch(
+                &format!("READ payload of {expect} bytes"),
+                &Reply::Read(statuses),
+            ));
+        }
+        let mut out = Vec::with_capacity(pages.len());
+        let mut drops = Vec::new();
+        let mut mismatches = 0u64;
+        for (i, s) in statuses.iter().enumerate() {
+            match *s {
+                ReadStatus::Miss => out.push(PageOutcome::Miss),
+                ReadStatus::Mismatch => {
+                    mismatches += 1;
+                    out.push(PageOutcome::Miss);
+                }
+                ReadStatus::Hit { checksum } => {
+                    let d = &mut dst[i];
+                    for part in d.parts_mut() {
+                        c.read_payload(part).await?;
+                    }
+                    if checksum_page_mut(d) == checksum {
+                        out.push(PageOutcome::Hit);
+                    } else {
+                        d.zero();
+                        drops.push((pages[i].key, checksum));
+                        out.push(PageOutcome::Corrupt);
+                    }
+                }
+            }
+        }
+        let mut occ = occ;
+        if !drops.is_empty() {
+            tracing::warn!(
+                "rdma: {} page(s) from {} failed checksum verification; dropping them",
+                drops.len(),
+                c.peer()
+            );
+            occ = c.call(&Request::Drop { pages: drops }).await?.0;
+        }
+        self.note(occ);
+        Ok((out, mismatches))
+    }
+
+    async fn set_stripe(
+        &self,
+        slot: usize,
+        keys: &[PageKey],
+        src: &[PageBuf<'_>],
+    ) -> Result<Vec<PageOutcome>> {
+        let pages: Vec<PageReq> = keys
+            .iter()
+            .zip(src)
+            .map(|(k, s)| PageReq {
+                key: *k,
+                len: s.len() as u64,
+                layout: s.layout().tag(),
+            })
+            .collect();
+        with_conn!(self, slot, c => self.set_on(c, &pages, src))
+    }
+
+    async fn set_on(
+        &self,
+        c: &mut Connection,
+        pages: &[PageReq],
+        src: &[PageBuf<'_>],
+    ) -> crate::error::Result<Vec<PageOutcome>> {
+        let (occ, reply) = c
+            .call(&Request::Allocate {
+                pages: pages.to_vec(),
+            })
+            .await?;
+        self.note(occ);
+        let statuses = match reply {
+            Reply::Allocate(v) if v.len() == pages.len() => v,
+            other => return Err(c.mismatch("ALLOCATE reply, one status per page", &other)),
+        };
+        let mut out: Vec<PageOutcome> = Vec::with_capacity(pages.len());
+        let mut writes = Vec::new(); // (index, slot id)
+        for (i, s) in statuses.iter().enumerate() {
+            out.push(match *s {
+                AllocStatus::Slot { id, .. } => {
+                    writes.push((i, id));
+                    PageOutcome::Stored
+                }
+                AllocStatus::Present => PageOutcome::Present,
+                AllocStatus::TooLarge { max } => PageOutcome::Failed(PageError::TooLarge {
+                    len: src[i].len(),
+                    max: max as usize,
+                }),
+                AllocStatus::NoSpace => PageOutcome::Failed(PageError::NoSpace),
+                AllocStatus::Empty => PageOutcome::Failed(PageError::EmptyPage),
+            });
+        }
+        if writes.is_empty() {
+            return Ok(out);
+        }
+        let slots: Vec<(u64, u64)> = writes
+            .iter()
+            .map(|&(i, id)| (id, src[i].len() as u64))
+            .collect();
+        let commits: Vec<(u64, u64)> = writes
+            .iter()
+            .map(|&(i, id)| (id, checksum_page(&src[i])))
+            .collect();
+        let total: u64 = slots.iter().map(|s| s.1).sum();
+        // WRITE and COMMIT pipelined: the server handles them in order.
+        let wid = c.send(&Request::Write { slots }, total).await?;
+        for &(i, _) in &writes {
+            for part in src[i].parts() {
+                c.write_payload(part).await?;
+            }
+        }
+        let cid = c.send(&Request::Commit { slots: commits }, 0).await?;
+        c.flush().await?;
+        let written = match c.recv(wid).await? {
+            (_, Reply::Write(v), 0) if v.len() == writes.len() => v,
+            (_, other, _) => return Err(c.mismatch("WRITE reply", &other)),
+        };
+        let (occ, committed) = match c.recv(cid).await? {
+            (occ, Reply::Commit(v), 0) if v.len() == writes.len() => (occ, v),
+            (_, other, _) => return Err(c.mismatch("COMMIT reply", &other)),
+        };
+        self.note(occ);
+        for (k, &(i, _)) in writes.iter().enumerate() {
+            if !(written[k] && committed[k]) {
+                out[i] = PageOutcome::Failed(PageError::Backend(format!(
+                    "rdma: the reservation for page {i} expired before it was committed \
+                         (server {})",
+                    c.peer()
+                )));
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[async_trait]
+impl Storage for RdmaStorage {
+    fn info(&self) -> BackendInfo {
+        let mut i = BackendInfo::new(crate::BACKEND_NAME, self.opts.max_batch);
+        i.zero_copy = true;
+        i.shared = true;
+        i.persistent = false;
+        i.max_page_bytes = self.info.max_page_bytes as usize;
+        i.capacity_bytes = Some(self.info.pool_bytes);
+        i
+    }
+
+    async fn batch_exists(&self, keys: &[PageKey]) -> Result<usize> {
+        check_batch("batch_exists", self.opts.max_batch, keys.len(), keys.len())?;
+        if keys.is_empty() {
+            self.counters.record_exists(0, 0);
+            return Ok(0);
+        }
+        let req = Request::Exists {
+            keys: keys.to_vec(),
+        };
+        let slot = self.base_slot();
+        let (occ, reply) = with_conn!(self, slot, c => c.call(&req))?;
+        self.note(occ);
+        let Reply::Exists { run } = reply else {
+            return Err(StorageError::Backend {
+                backend: crate::BACKEND_NAME.into(),
+                reason: format!("EXISTS answered with {reply:?}"),
+            });
+        };
+        let run = (run as usize).min(keys.len());
+        self.counters.record_exists((run + 1).min(keys.len()), run);
+        Ok(run)
+    }
+
+    async fn batch_get(
+        &self,
+        keys: &[PageKey],
+        dst: &mut [PageBufMut<'_>],
+    ) -> Result<Vec<PageOutcome>> {
+        check_batch("batch_get", self.opts.max_batch, keys.len(), dst.len())?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let lens: Vec<usize> = dst.iter().map(|d| d.len()).collect();
+        #[cfg(feature = "verbs")]
+        if let Some(out) = self.get_verbs(keys, dst).await? {
+            self.counters.record_get(&out, lens.into_iter());
+            return Ok(out);
+        }
+        let ranges = stripes(&lens, self.opts.stripe_bytes, self.pool.len());
+        let base = self.base_slot();
+        let mut futs = Vec::with_capacity(ranges.len());
+        let mut rest: &mut [PageBufMut<'_>] = dst;
+        for (n, r) in ranges.iter().enumerate() {
+            let (mine, tail) = rest.split_at_mut(r.len());
+            rest = tail;
+            futs.push(self.get_stripe(base + n, &keys[r.clone()], mine));
+        }
+        let mut out = Vec::with_capacity(keys.len());
+        let mut first_err = None;
+        for r in join_all(futs).await {
+            match r {
+                Ok(v) => out.extend(v),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            bump(&self.counters.get_errors, keys.len() as u64);
+            return Err(e);
+        }
+        self.counters.record_get(&out, lens.into_iter());
+        Ok(out)
+    }
+
+    async fn batch_set(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Result<Vec<PageOutcome>> {
+        check_batch("batch_set", self.opts.max_batch, keys.len(), src.len())?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let lens: Vec<usize> = src.iter().map(|s| s.len()).collect();
+        #[cfg(feature = "verbs")]
+        if let Some(out) = self.set_verbs(keys, src).await? {
+            self.counters.record_set(&out, lens.into_iter());
+            return Ok(out);
+        }
+        let ranges = stripes(&lens, self.opts.stripe_bytes, self.pool.len());
+        let base = self.base_slot();
+        let futs: Vec<_> = ranges
+            .iter()
+            .enumerate()
+            .map(|(n, r)| self.set_stripe(base + n, &keys[r.clone()], &src[r.clone()]))
+            .collect();
+        let mut out = Vec::with_capacity(keys.len());
+        let mut first_err = None;
+        for r in join_all(futs).await {
+            match r {
+                Ok(v) => out.extend(v),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            bump(&self.counters.set_errors, keys.len() as u64);
+            return Err(e);
+        }
+        self.counters.record_set(&out, lens.into_iter());
+        Ok(out)
+    }
+
+    fn register_memory(&self, region: MemoryRegion) -> Result<()> {
+        #[cfg(feature = "verbs")]
+        if let Some((v, _)) = &self.verbs {
+            return v.register(region).map_err(Into::into);
+        }
+        let _ = region;
+        Ok(())
+    }
+
+    async fn delete(&self, keys: &[PageKey]) -> Result<usize> {
+        check_batch("delete", self.opts.max_batch, keys.len(), keys.len())?;
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let req = Request::Delete {
+            keys: keys.to_vec(),
+        };
+        let slot = self.base_slot();
+        let (occ, reply) = with_conn!(self, slot, c => c.call(&req))?;
+        self.note(occ);
+        let Reply::Delete { n } = reply else {
+            return Err(StorageError::Backend {
+                backend: crate::BACKEND_NAME.into(),
+                reason: format!("DELETE answered with {reply:?}"),
+            });
+        };
+        bump(&self.counters.deleted_pages, n as u64);
+        Ok(n as usize)
+    }
+
+    fn stats(&self) -> StorageStats {
+        let o = *self.occupancy.lock();
+        let mut s = self
+            .counters
+            .snapshot(o.pages, o.bytes, Some(self.info.pool_bytes));
+        s.evicted_pages = o.evicted_pages;
+        s.evicted_bytes = o.evicted_bytes;
+        s
+    }
+}
+
+#[cfg(feature = "verbs")]
+impl RdmaStorage {
+    /// `batch_get` over RDMA READ, when every destination part lies in the registered region;
+    /// `None` otherwise (the caller goes over TCP).
+    async fn get_verbs(
+        &self,
+        keys: &[PageKey],
+        dst: &mut [PageBufMut<'_>],
+    ) -> Result<Option<Vec<PageOutcome>>> {
+        use crate::protocol::LookupStatus;
+        use crate::verbs::Transfer;
+        let Some((v, ctl)) = &self.verbs else {
+            return Ok(None);
+        };
+        let ranges = dst
+            .iter()
+            .flat_map(|d| d.parts().iter().map(|p| (p.as_ptr() as usize, p.len())));
+        let Some(lkey) = v.lkey_for(ranges) else {
+            return Ok(None);
+        };
+        let pages: Vec<PageReq> = keys
+            .iter()
+            .zip(dst.iter())
+            .map(|(k, d)| PageReq {
+                key: *k,
+                len: d.len() as u64,
+                layout: d.layout().tag(),
+            })
+            .collect();
+        let mut c = ctl.lock().await;
+        let (occ, reply) = c.call(&Request::Lookup { pages }).await?;
+        self.note(occ);
+        let statuses = match reply {
+            Reply::Lookup(s) if s.len() == keys.len() => s,
+            other => return Err(c.mismatch("LOOKUP reply", &other).into()),
+        };
+        let mut ops = Vec::new();
+        let mut leases = Vec::new();
+        for (i, s) in statuses.iter().enumerate() {
+            if let LookupStatus::Hit {
+                region,
+                offset,
+                lease,
+                ..
+            } = *s
+            {
+                leases.push(lease);
+                let (mut remote, rkey) =
+                    v.remote(region, offset).ok_or_else(|| RdmaError::Verbs {
+                        call: "LOOKUP",
+                        detail: format!("server named unregistered region {region}"),
+                    })?;
+                for p in dst[i].parts_mut() {
+                    ops.push(Transfer {
+                        local: p.as_mut_ptr() as u64,
+                        len: p.len(),
+                        lkey,
+                        remote,
+                        rkey,
+                    });
+                    remote += p.len() as u64;
+                }
+            }
+        }
+        let read = v.read(&ops);
+        let (occ, _) = c.call(&Request::Release { leases }).await?;
+        self.note(occ);
+        read?;
+        let mut out = Vec::with_capacity(keys.len());
+        let mut drops = Vec::new();
+        for (i, s) in statuses.iter().enumerate() {
+            out.push(match *s {
+                LookupStatus::Miss => PageOutcome::Miss,
+                LookupStatus::Mismatch => {
+                    bump(&self.counters.meta_mismatches, 1);
+                    PageOutcome::Miss
+                }
+                LookupStatus::Hit { checksum, .. } => {
+                    if checksum_page_mut(&dst[i]) == checksum {
+                        PageOutcome::Hit
+                    } else {
+                        dst[i].zero();
+                        drops.push((keys[i], checksum));
+                        PageOutcome::Corrupt
+                    }
+                }
+            });
+        }
+        if !drops.is_empty() {
+            let (occ, _) = c.call(&Request::Drop { pages: drops }).await?;
+            self.note(occ);
+        }
+        Ok(Some(out))
+    }
+
+    /// `batch_set` over RDMA WRITE, when every source part lies in the registered region;
+    /// `None` otherwise.
+    async fn set_verbs(
+        &self,
+        keys: &[PageKey],
+        src: &[PageBuf<'_>],
+    ) -> Result<Option<Vec<PageOutcome>>> {
+        use crate::verbs::Transfer;
+        let Some((v, ctl)) = &self.verbs else {
+            return Ok(None);
+        };
+        let ranges = src
+            .iter()
+            .flat_map(|s| s.parts().iter().map(|p| (p.as_ptr() as usize, p.len())));
+        let Some(lkey) = v.lkey_for(ranges) else {
+            return Ok(None);
+        };
+        let pages: Vec<PageReq> = keys
+            .iter()
+            .zip(src)
+            .map(|(k, s)| PageReq {
+                key: *k,
+                len: s.len() as u64,
+                layout: s.layout().tag(),
+            })
+            .collect();
+        let mut c = ctl.lock().await;
+        let (occ, reply) = c.call(&Request::Allocate { pages }).await?;
+        self.note(occ);
+        let statuses = match reply {
+            Reply::Allocate(s) if s.len() == keys.len() => s,
+            other => return Err(c.mismatch("ALLOCATE reply", &other).into()),
+        };
+        let mut out = Vec::with_capacity(keys.len());
+        let mut ops = Vec::new();
+        let mut commits = Vec::new();
+        for (i, s) in statuses.iter().enumerate() {
+            out.push(match *s {
+                AllocStatus::Slot { id, region, offset } => {
+                    let (mut remote, rkey) =
+                        v.remote(region, offset).ok_or_else(|| RdmaError::Verbs {
+                            call: "ALLOCATE",
+                            detail: format!("server named unregistered region {region}"),
+                        })?;
+                    for p in src[i].parts() {
+                        ops.push(Transfer {
+                            local: p.as_ptr() as u64,
+                            len: p.len(),
+                            lkey,
+                            remote,
+                            rkey,
+                        });
+                        remote += p.len() as u64;
+                    }
+                    commits.push((i, id, checksum_page(&src[i])));
+                    PageOutcome::Stored
+                }
+                AllocStatus::Present => PageOutcome::Present,
+                AllocStatus::TooLarge { max } => PageOutcome::Failed(PageError::TooLarge {
+                    len: src[i].len(),
+                    max: max as usize,
+                }),
+                AllocStatus::NoSpace => PageOutcome::Failed(PageError::NoSpace),
+                AllocStatus::Empty => PageOutcome::Failed(PageError::EmptyPage),
+            });
+        }
+        if commits.is_empty() {
+            return Ok(Some(out));
+        }
+        if let Err(e) = v.write(&ops) {
+            let slots = commits.iter().map(|c| c.1).collect();
+            let _ = c.call(&Request::Abort { slots }).await;
+            return Err(e.into());
+        }
+        let (occ, reply) = c
+            .call(&Request::Commit {
+                slots: commits.iter().map(|c| (c.1, c.2)).collect(),
+            })
+            .await?;
+        self.note(occ);
+        let ok = match reply {
+            Reply::Commit(v) if v.len() == commits.len() => v,
+            other => return Err(c.mismatch("COMMIT reply", &other).into()),
+        };
+        for (k, &(i, _, _)) in commits.iter().enumerate() {
+            if !ok[k] {
+                out[i] = PageOutcome::Failed(PageError::Backend(format!(
+                    "rdma: the reservation for page {i} expired before it was committed"
+                )));
+            }
+        }
+        Ok(Some(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stripes_cover_in_order() {
+        let lens = vec![256 << 10; 128];
+        let s = stripes(&lens, 2 << 20, 4);
+        assert_eq!(s.len(), 4);
+        assert_eq!(s.first().unwrap().start, 0);
+        assert_eq!(s.last().unwrap().end, 128);
+        for w in s.windows(2) {
+            assert_eq!(w[0].end, w[1].start);
+        }
+        assert_eq!(stripes(&[10, 10], 2 << 20, 4), vec![0..2]);
+        assert_eq!(stripes(&[8 << 20], 2 << 20, 4), vec![0..1]);
+        let s = stripes(&[8 << 20; 3], 2 << 20, 4);
+        assert_eq!(s, vec![0..1, 1..2, 2..3]);
+    }
+}

@@ -1,0 +1,1355 @@
+//! The wire protocol between clients and the memory-pool server.
+//!
+//! # Framing
+//!
+//! Every message, in both directions, is one frame:
+//!
+//! ```text
+//! u32 body_len | u64 payload_len | u64 request_id | u8 op | body (body_len) | payload (payload_len)
+//! ```
+//!
+//! All integers are little-endian. The *body* is the encoded message (below); the *payload* is
+//! raw page bytes that follow it (`WRITE` requests, `READ` replies), streamed straight between
+//! the socket and page memory so large pages are never buffered whole. A reply carries the
+//! request id of its request and the request's op with the high bit set ([`REPLY_BIT`]), or
+//! [`op::ERROR`].
+//!
+//! # Rules
+//!
+//! 1. The first frame of a connection is `HELLO`, whose body starts with [`MAGIC`] and the
+//!    client's [`VERSION`]. The server answers `HELLO` with its [`ServerInfo`], or with an
+//!    `ERROR` frame (bad magic, other version) and closes the connection.
+//! 2. A connection may pipeline: the client sends several requests before reading replies. The
+//!    server handles the requests of one connection in order and replies in the same order;
+//!    the client checks every reply's id against the request it expects.
+//! 3. Limits: a body is at most [`MAX_BODY`] bytes and a list at most [`MAX_ENTRIES`] entries;
+//!    a frame over a limit, an unknown op, a truncated body or trailing bytes are protocol
+//!    errors. The server answers a protocol error with an `ERROR` frame naming it and closes
+//!    the connection (the stream may no longer be in step).
+//! 4. Every reply except `ERROR` starts with an [`Occupancy`] snapshot stamped with a
+//!    server-wide sequence number, so clients keep an up-to-date view of the pool's occupancy
+//!    without extra calls (the newest sequence wins).
+
+use bytes::{Buf, BufMut};
+use hicache_core::{LayoutKind, PageKey};
+use thiserror::Error;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// The 8 bytes that open a `HELLO` body.
+pub const MAGIC: [u8; 8] = *b"HICRDMA\0";
+/// The protocol version this crate speaks.
+pub const VERSION: u16 = 1;
+/// Bytes of the fixed frame head.
+pub const HEAD_LEN: usize = 21;
+/// Largest body accepted (16 MiB; a `READ` of 65 536 keys is about 3.5 MiB).
+pub const MAX_BODY: u32 = 16 << 20;
+/// Largest list in one message.
+pub const MAX_ENTRIES: usize = 65_536;
+/// Largest payload of one frame (64 GiB: far above any batch, small enough to catch garbage).
+pub const MAX_PAYLOAD: u64 = 64 << 30;
+/// Read buffer of a connection. Small on purpose: tokio's `BufReader` hands a read of at
+/// least its capacity straight to the socket, so page payloads land in page memory with one
+/// copy; only frame heads and bodies (and a payload's first and last few bytes) are buffered.
+pub const READ_BUFFER: usize = 16 << 10;
+/// Write buffer of a connection (the same reasoning: payload writes bypass it).
+pub const WRITE_BUFFER: usize = 64 << 10;
+/// Set in the op of every reply (except `ERROR`).
+pub const REPLY_BIT: u8 = 0x80;
+
+/// Operation codes.
+pub mod op {
+    /// Handshake: magic, version, client name.
+    pub const HELLO: u8 = 1;
+    /// Leading run of present keys.
+    pub const EXISTS: u8 = 2;
+    /// Read pages; the reply's payload carries the hits' bytes (TCP data plane).
+    pub const READ: u8 = 3;
+    /// Look pages up and lease them; the reply names where they lie (verbs data plane).
+    pub const LOOKUP: u8 = 4;
+    /// Release leases taken by `LOOKUP`.
+    pub const RELEASE: u8 = 5;
+    /// Reserve slots for pages to be written.
+    pub const ALLOCATE: u8 = 6;
+    /// Write page bytes (the payload) into reserved slots (TCP data plane).
+    pub const WRITE: u8 = 7;
+    /// Make written slots visible under their keys.
+    pub const COMMIT: u8 = 8;
+    /// Give reserved slots back without committing them.
+    pub const ABORT: u8 = 9;
+    /// Drop pages whose stored checksum is the one given (a client found them corrupt).
+    pub const DROP: u8 = 10;
+    /// Delete pages.
+    pub const DELETE: u8 = 11;
+    /// Server counters.
+    pub const STATS: u8 = 12;
+    /// Exchange RDMA queue-pair endpoints (verbs data plane).
+    pub const VERBS_CONNECT: u8 = 13;
+    /// A refused request; body: code, message.
+    pub const ERROR: u8 = 0x7f;
+}
+
+/// Error codes of `ERROR` frames.
+pub mod code {
+    /// The frame could not be parsed or broke a protocol rule.
+    pub const PROTOCOL: u16 = 1;
+    /// The client speaks another protocol version.
+    pub const VERSION: u16 = 2;
+    /// The request is valid but the server cannot serve it (e.g. verbs not available).
+    pub const UNSUPPORTED: u16 = 3;
+    /// The server failed internally.
+    pub const INTERNAL: u16 = 4;
+}
+
+/// What was wrong with a frame.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ProtocolError {
+    /// The handshake did not start with [`MAGIC`].
+    #[error("bad magic {0:02x?}: not a hicache-rdma peer")]
+    BadMagic(Vec<u8>),
+    /// The peer speaks another version.
+    #[error("unsupported protocol version {got} (this side speaks {want})")]
+    Version {
+        /// The peer's version.
+        got: u16,
+        /// Ours.
+        want: u16,
+    },
+    /// An op code this side does not know (or not in this direction).
+    #[error("unknown op {0:#04x}")]
+    UnknownOp(u8),
+    /// A frame over a size limit.
+    #[error("{what} of {len} exceeds the limit of {max}")]
+    TooLarge {
+        /// Which field.
+        what: &'static str,
+        /// Its value.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// A body ended early.
+    #[error("truncated body: {0} missing")]
+    Truncated(&'static str),
+    /// A body had bytes after its message.
+    #[error("{0} trailing bytes after the message")]
+    Trailing(usize),
+    /// A field has a value outside its domain.
+    #[error("invalid {what}: {value}")]
+    Invalid {
+        /// Which field.
+        what: &'static str,
+        /// Its value.
+        value: u64,
+    },
+    /// A reply did not match the request it answers.
+    #[error("reply mismatch: expected {expected}, got {got}")]
+    Mismatch {
+        /// What was expected.
+        expected: String,
+        /// What came.
+        got: String,
+    },
+    /// The first frame was not `HELLO`.
+    #[error("expected HELLO as the first frame, got op {0:#04x}")]
+    NoHello(u8),
+}
+
+/// The fixed head of a frame.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct FrameHead {
+    /// Bytes of the body.
+    pub body_len: u32,
+    /// Bytes of raw payload after the body.
+    pub payload_len: u64,
+    /// Request id (echoed in the reply).
+    pub id: u64,
+    /// Operation code.
+    pub op: u8,
+}
+
+impl FrameHead {
+    /// Encodes the head.
+    pub fn encode(&self) -> [u8; HEAD_LEN] {
+        let mut b = [0u8; HEAD_LEN];
+        b[..4].copy_from_slice(&self.body_len.to_le_bytes());
+        b[4..12].copy_from_slice(&self.payload_len.to_le_bytes());
+        b[12..20].copy_from_slice(&self.id.to_le_bytes());
+        b[20] = self.op;
+        b
+    }
+
+    /// Decodes and checks the limits.
+    pub fn decode(b: &[u8; HEAD_LEN]) -> Result<Self, ProtocolError> {
+        let h = Self {
+            body_len: u32::from_le_bytes(b[..4].try_into().expect("4 bytes")),
+            payload_len: u64::from_le_bytes(b[4..12].try_into().expect("8 bytes")),
+            id: u64::from_le_bytes(b[12..20].try_into().expect("8 bytes")),
+            op: b[20],
+        };
+        if h.body_len > MAX_BODY {
+            return Err(ProtocolError::TooLarge {
+                what: "frame body",
+                len: h.body_len as u64,
+                max: MAX_BODY as u64,
+            });
+        }
+        if h.payload_len > MAX_PAYLOAD {
+            return Err(ProtocolError::TooLarge {
+                what: "frame payload",
+                len: h.payload_len,
+                max: MAX_PAYLOAD,
+            });
+        }
+        Ok(h)
+    }
+}
+
+/// One page of a `READ`, `LOOKUP` or `ALLOCATE`: its key and the metadata the caller has.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct PageReq {
+    /// The page's key (namespace included).
+    pub key: PageKey,
+    /// Byte length.
+    pub len: u64,
+    /// Layout tag ([`LayoutKind::tag`]).
+    pub layout: u8,
+}
+
+/// The layout of a tag, if valid.
+pub fn layout_of(tag: u8) -> Option<LayoutKind> {
+    [
+        LayoutKind::LayerFirst,
+        LayoutKind::PageFirst,
+        LayoutKind::PageFirstDirect,
+    ]
+    .into_iter()
+    .find(|l| l.tag() == tag)
+}
+
+/// A memory region of the server's pool, as published to clients.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct RegionDesc {
+    /// Region number (slots name it).
+    pub id: u32,
+    /// Bytes.
+    pub len: u64,
+    /// Virtual address on the server (for RDMA; 0 when not registered).
+    pub addr: u64,
+    /// Remote key of its RDMA registration (0 when not registered).
+    pub rkey: u32,
+}
+
+/// What the server tells a client at the handshake.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerInfo {
+    /// The server's protocol version.
+    pub version: u16,
+    /// A random id of this server process (a client notices a restart).
+    pub server_id: u64,
+    /// Bytes of the whole pool.
+    pub pool_bytes: u64,
+    /// Largest page accepted.
+    pub max_page_bytes: u64,
+    /// Largest list accepted in one request.
+    pub max_batch: u32,
+    /// Lifetime of a `LOOKUP` lease, in milliseconds.
+    pub lease_ms: u32,
+    /// Lifetime of an uncommitted reservation, in milliseconds.
+    pub alloc_ttl_ms: u32,
+    /// Whether the regions are registered for RDMA (verbs data plane available).
+    pub verbs: bool,
+    /// The pool's regions.
+    pub regions: Vec<RegionDesc>,
+}
+
+/// The pool's occupancy, stamped with a server-wide sequence number.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Occupancy {
+    /// Increases with every reply the server sends.
+    pub seq: u64,
+    /// Committed pages.
+    pub pages: u64,
+    /// Bytes of committed pages.
+    pub bytes: u64,
+    /// Pages evicted since the server started.
+    pub evicted_pages: u64,
+    /// Bytes evicted since the server started.
+    pub evicted_bytes: u64,
+}
+
+/// Server counters (`STATS`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServerStats {
+    /// Occupancy now.
+    pub occupancy: Occupancy,
+    /// Bytes of the pool.
+    pub pool_bytes: u64,
+    /// Bytes reserved by uncommitted allocations.
+    pub reserved_bytes: u64,
+    /// Uncommitted reservations.
+    pub reservations: u64,
+    /// Live leases (held by in-flight reads).
+    pub leases: u64,
+    /// Reservations given back because their connection closed or their time ran out.
+    pub reclaimed_reservations: u64,
+    /// Leases that ran out before being released.
+    pub expired_leases: u64,
+    /// Connections accepted since start.
+    pub connections: u64,
+    /// Frames refused as protocol errors.
+    pub protocol_errors: u64,
+}
+
+/// An RDMA RC queue pair's address, exchanged by `VERBS_CONNECT`.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct VerbsEndpoint {
+    /// Port LID (InfiniBand).
+    pub lid: u16,
+    /// Queue pair number.
+    pub qpn: u32,
+    /// Initial packet sequence number.
+    pub psn: u32,
+    /// Port GID (RoCE).
+    pub gid: [u8; 16],
+}
+
+/// Per-page answer of `READ`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum ReadStatus {
+    /// Absent.
+    Miss,
+    /// Present with other metadata (layout or length).
+    Mismatch,
+    /// Present; its bytes follow in the payload, in page order.
+    Hit {
+        /// XXH3-64 stored at commit.
+        checksum: u64,
+    },
+}
+
+/// Per-page answer of `LOOKUP`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum LookupStatus {
+    /// Absent.
+    Miss,
+    /// Present with other metadata.
+    Mismatch,
+    /// Present and leased.
+    Hit {
+        /// Region of the page.
+        region: u32,
+        /// Offset in the region.
+        offset: u64,
+        /// XXH3-64 stored at commit.
+        checksum: u64,
+        /// Lease to release after reading.
+        lease: u64,
+    },
+}
+
+/// Per-page answer of `ALLOCATE`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum AllocStatus {
+    /// A slot reserved for the page.
+    Slot {
+        /// Reservation id (for `WRITE` / `COMMIT` / `ABORT`).
+        id: u64,
+        /// Region of the slot.
+        region: u32,
+        /// Offset in the region.
+        offset: u64,
+    },
+    /// The page is committed with the same metadata; nothing to write.
+    Present,
+    /// The page is larger than the server accepts.
+    TooLarge {
+        /// The largest page accepted.
+        max: u64,
+    },
+    /// No room, and nothing evictable.
+    NoSpace,
+    /// The page has no bytes.
+    Empty,
+}
+
+/// A request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Request {
+    /// Handshake.
+    Hello {
+        /// Must be [`MAGIC`].
+        magic: [u8; 8],
+        /// The client's [`VERSION`].
+        version: u16,
+        /// A name for logs.
+        client: String,
+    },
+    /// Leading run.
+    Exists {
+        /// Keys, in order.
+        keys: Vec<PageKey>,
+    },
+    /// Read pages over TCP.
+    Read {
+        /// Pages, in order.
+        pages: Vec<PageReq>,
+    },
+    /// Look up and lease pages (verbs).
+    Lookup {
+        /// Pages, in order.
+        pages: Vec<PageReq>,
+    },
+    /// Release leases.
+    Release {
+        /// Lease ids.
+        leases: Vec<u64>,
+    },
+    /// Reserve slots.
+    Allocate {
+        /// Pages, in order.
+        pages: Vec<PageReq>,
+    },
+    /// Write the payload into slots: `(reservation, len)` in payload order.
+    Write {
+        /// Slots and their byte counts.
+        slots: Vec<(u64, u64)>,
+    },
+    /// Commit slots: `(reservation, checksum)`.
+    Commit {
+        /// Slots and the XXH3-64 of their bytes.
+        slots: Vec<(u64, u64)>,
+    },
+    /// Give slots back.
+    Abort {
+        /// Reservation ids.
+        slots: Vec<u64>,
+    },
+    /// Drop pages whose stored checksum matches.
+    Drop {
+        /// Keys and the checksum they were read with.
+        pages: Vec<(PageKey, u64)>,
+    },
+    /// Delete pages.
+    Delete {
+        /// Keys.
+        keys: Vec<PageKey>,
+    },
+    /// Counters.
+    Stats,
+    /// Queue-pair exchange.
+    VerbsConnect {
+        /// The client's endpoint.
+        endpoint: VerbsEndpoint,
+    },
+}
+
+/// A reply body.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// Handshake accepted.
+    Hello(ServerInfo),
+    /// Leading run.
+    Exists {
+        /// Number of leading keys present.
+        run: u32,
+    },
+    /// Per page; hits' bytes follow in the payload.
+    Read(Vec<ReadStatus>),
+    /// Per page.
+    Lookup(Vec<LookupStatus>),
+    /// Leases released.
+    Release {
+        /// How many were still live.
+        released: u32,
+    },
+    /// Per page.
+    Allocate(Vec<AllocStatus>),
+    /// Per slot: whether it was written (false: the reservation is gone).
+    Write(Vec<bool>),
+    /// Per slot: whether it was committed (false: the reservation is gone).
+    Commit(Vec<bool>),
+    /// Reservations given back.
+    Abort {
+        /// How many were live.
+        n: u32,
+    },
+    /// Pages dropped.
+    Drop {
+        /// How many.
+        n: u32,
+    },
+    /// Pages deleted.
+    Delete {
+        /// How many.
+        n: u32,
+    },
+    /// Counters.
+    Stats(ServerStats),
+    /// The server's endpoint.
+    VerbsConnect(VerbsEndpoint),
+}
+
+/// A whole reply: occupancy plus the body, or an error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReplyFrame {
+    /// A successful reply.
+    Ok(Occupancy, Reply),
+    /// A refused request.
+    Error {
+        /// One of [`code`].
+        code: u16,
+        /// What was wrong.
+        message: String,
+    },
+}
+
+// ---------------------------------------------------------------------------------------------
+// Encoding.
+
+fn put_keys(b: &mut Vec<u8>, keys: &[PageKey]) {
+    b.put_u32_le(keys.len() as u32);
+    for k in keys {
+        b.put_slice(&k.to_bytes());
+    }
+}
+
+fn put_pages(b: &mut Vec<u8>, pages: &[PageReq]) {
+    b.put_u32_le(pages.len() as u32);
+    for p in pages {
+        b.put_slice(&p.key.to_bytes());
+        b.put_u64_le(p.len);
+        b.put_u8(p.layout);
+    }
+}
+
+fn put_pairs(b: &mut Vec<u8>, pairs: &[(u64, u64)]) {
+    b.put_u32_le(pairs.len() as u32);
+    for (a, c) in pairs {
+        b.put_u64_le(*a);
+        b.put_u64_le(*c);
+    }
+}
+
+fn put_u64s(b: &mut Vec<u8>, v: &[u64]) {
+    b.put_u32_le(v.len() as u32);
+    for x in v {
+        b.put_u64_le(*x);
+    }
+}
+
+fn put_bools(b: &mut Vec<u8>, v: &[bool]) {
+    b.put_u32_le(v.len() as u32);
+    for x in v {
+        b.put_u8(*x as u8);
+    }
+}
+
+fn put_endpoint(b: &mut Vec<u8>, e: &VerbsEndpoint) {
+    b.put_u16_le(e.lid);
+    b.put_u32_le(e.qpn);
+    b.put_u32_le(e.psn);
+    b.put_slice(&e.gid);
+}
+
+impl Request {
+    /// The op code.
+    pub fn op(&self) -> u8 {
+        match self {
+            Request::Hello { .. } => op::HELLO,
+            Request::Exists { .. } => op::EXISTS,
+            Request::Read { .. } => op::READ,
+            Request::Lookup { .. } => op::LOOKUP,
+            Request::Release { .. } => op::RELEASE,
+            Request::Allocate { .. } => op::ALLOCATE,
+            Request::Write { .. } => op::WRITE,
+            Request::Commit { .. } => op::COMMIT,
+            Request::Abort { .. } => op::ABORT,
+            Request::Drop { .. } => op::DROP,
+            Request::Delete { .. } => op::DELETE,
+            Request::Stats => op::STATS,
+            Request::VerbsConnect { .. } => op::VERBS_CONNECT,
+        }
+    }
+
+    /// Encodes the body.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        match self {
+            Request::Hello {
+                magic,
+                version,
+                client,
+            } => {
+                b.put_slice(magic);
+                b.put_u16_le(*version);
+                b.put_u32_le(client.len() as u32);
+                b.put_slice(client.as_bytes());
+            }
+            Request::Exists { keys } | Request::Delete { keys } => put_keys(&mut b, keys),
+            Request::Read { pages } | Request::Lookup { pages } | Request::Allocate { pages } => {
+                put_pages(&mut b, pages)
+            }
+            Request::Release { leases } => put_u64s(&mut b, leases),
+            Request::Write { slots } | Request::Commit { slots } => put_pairs(&mut b, slots),
+            Request::Abort { slots } => put_u64s(&mut b, slots),
+            Request::Drop { pages } => {
+                b.put_u32_le(pages.len() as u32);
+                for (k, c) in pages {
+                    b.put_slice(&k.to_bytes());
+                    b.put_u64_le(*c);
+                }
+            }
+            Request::Stats => {}
+            Request::VerbsConnect { endpoint } => put_endpoint(&mut b, endpoint),
+        }
+        b
+    }
+
+    /// Decodes a body of op `op`.
+    pub fn decode(op: u8, body: &[u8]) -> Result<Self, ProtocolError> {
+        let mut r = Rd(body);
+        let req = match op {
+            op::HELLO => {
+                let magic: [u8; 8] = r.array("magic")?;
+                if magic != MAGIC {
+                    return Err(ProtocolError::BadMagic(magic.to_vec()));
+                }
+                let version = r.u16("version")?;
+                let n = r.u32("client name length")? as usize;
+                if n > 4096 {
+                    return Err(ProtocolError::TooLarge {
+                        what: "client name",
+                        len: n as u64,
+                        max: 4096,
+                    });
+                }
+                let client = String::from_utf8_lossy(r.bytes(n, "client name")?).into_owned();
+                Request::Hello {
+                    magic,
+                    version,
+                    client,
+                }
+            }
+            op::EXISTS => Request::Exists { keys: r.keys()? },
+            op::DELETE => Request::Delete { keys: r.keys()? },
+            op::READ => Request::Read { pages: r.pages()? },
+            op::LOOKUP => Request::Lookup { pages: r.pages()? },
+            op::ALLOCATE => Request::Allocate { pages: r.pages()? },
+            op::RELEASE => Request::Release {
+                leases: r.u64s("leases")?,
+            },
+            op::WRITE => Request::Write {
+                slots: r.pairs("write slots")?,
+            },
+            op::COMMIT => Request::Commit {
+                slots: r.pairs("commit slots")?,
+            },
+            op::ABORT => Request::Abort {
+                slots: r.u64s("abort slots")?,
+            },
+            op::DROP => {
+                let n = r.count("drop list")?;
+                let mut pages = Vec::with_capacity(n);
+                for _ in 0..n {
+                    pages.push((r.key()?, r.u64("checksum")?));
+                }
+                Request::Drop { pages }
+            }
+            op::STATS => Request::Stats,
+            op::VERBS_CONNECT => Request::VerbsConnect {
+                endpoint: r.endpoint()?,
+            },
+            other => return Err(ProtocolError::UnknownOp(other)),
+        };
+        r.finish()?;
+        Ok(req)
+    }
+}
+
+fn put_occupancy(b: &mut Vec<u8>, o: &Occupancy) {
+    b.put_u64_le(o.seq);
+    b.put_u64_le(o.pages);
+    b.put_u64_le(o.bytes);
+    b.put_u64_le(o.evicted_pages);
+    b.put_u64_le(o.evicted_bytes);
+}
+
+impl Reply {
+    /// The reply op (request op with [`REPLY_BIT`]).
+    pub fn op(&self) -> u8 {
+        REPLY_BIT
+            | match self {
+                Reply::Hello(_) => op::HELLO,
+                Reply::Exists { .. } => op::EXISTS,
+                Reply::Read(_) => op::READ,
+                Reply::Lookup(_) => op::LOOKUP,
+                Reply::Release { .. } => op::RELEASE,
+                Reply::Allocate(_) => op::ALLOCATE,
+                Reply::Write(_) => op::WRITE,
+                Reply::Commit(_) => op::COMMIT,
+                Reply::Abort { .. } => op::ABORT,
+                Reply::Drop { .. } => op::DROP,
+                Reply::Delete { .. } => op::DELETE,
+                Reply::Stats(_) => op::STATS,
+                Reply::VerbsConnect(_) => op::VERBS_CONNECT,
+            }
+    }
+}
+
+impl ReplyFrame {
+    /// The op code of the frame.
+    pub fn op(&self) -> u8 {
+        match self {
+            ReplyFrame::Ok(_, r) => r.op(),
+            ReplyFrame::Error { .. } => op::ERROR,
+        }
+    }
+
+    /// Encodes the body.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        let (occ, reply) = match self {
+            ReplyFrame::Error { code, message } => {
+                b.put_u16_le(*code);
+                let m = &message.as_bytes()[..message.len().min(64 << 10)];
+                b.put_u32_le(m.len() as u32);
+                b.put_slice(m);
+                return b;
+            }
+            ReplyFrame::Ok(o, r) => (o, r),
+        };
+        put_occupancy(&mut b, occ);
+        match reply {
+            Reply::Hello(i) => {
+                b.put_u16_le(i.version);
+                b.put_u64_le(i.server_id);
+                b.put_u64_le(i.pool_bytes);
+                b.put_u64_le(i.max_page_bytes);
+                b.put_u32_le(i.max_batch);
+                b.put_u32_le(i.lease_ms);
+                b.put_u32_le(i.alloc_ttl_ms);
+                b.put_u8(i.verbs as u8);
+                b.put_u32_le(i.regions.len() as u32);
+                for r in &i.regions {
+                    b.put_u32_le(r.id);
+                    b.put_u64_le(r.len);
+                    b.put_u64_le(r.addr);
+                    b.put_u32_le(r.rkey);
+                }
+            }
+            Reply::Exists { run } => b.put_u32_le(*run),
+            Reply::Read(v) => {
+                b.put_u32_le(v.len() as u32);
+                for s in v {
+                    match s {
+                        ReadStatus::Miss => b.put_u8(0),
+                        ReadStatus::Mismatch => b.put_u8(1),
+                        ReadStatus::Hit { checksum } => {
+                            b.put_u8(2);
+                            b.put_u64_le(*checksum);
+                        }
+                    }
+                }
+            }
+            Reply::Lookup(v) => {
+                b.put_u32_le(v.len() as u32);
+                for s in v {
+                    match s {
+                        LookupStatus::Miss => b.put_u8(0),
+                        LookupStatus::Mismatch => b.put_u8(1),
+                        LookupStatus::Hit {
+                            region,
+                            offset,
+                            checksum,
+                            lease,
+                        } => {
+                            b.put_u8(2);
+                            b.put_u32_le(*region);
+                            b.put_u64_le(*offset);
+                            b.put_u64_le(*checksum);
+                            b.put_u64_le(*lease);
+                        }
+                    }
+                }
+            }
+            Reply::Allocate(v) => {
+                b.put_u32_le(v.len() as u32);
+                for s in v {
+                    match s {
+                        AllocStatus::Slot { id, region, offset } => {
+                            b.put_u8(0);
+                            b.put_u64_le(*id);
+                            b.put_u32_le(*region);
+                            b.put_u64_le(*offset);
+                        }
+                        AllocStatus::Present => b.put_u8(1),
+                        AllocStatus::TooLarge { max } => {
+                            b.put_u8(2);
+                            b.put_u64_le(*max);
+                        }
+                        AllocStatus::NoSpace => b.put_u8(3),
+                        AllocStatus::Empty => b.put_u8(4),
+                    }
+                }
+            }
+            Reply::Write(v) | Reply::Commit(v) => put_bools(&mut b, v),
+            Reply::Release { released: n }
+            | Reply::Abort { n }
+            | Reply::Drop { n }
+            | Reply::Delete { n } => b.put_u32_le(*n),
+            Reply::Stats(s) => {
+                put_occupancy(&mut b, &s.occupancy);
+                for x in [
+                    s.pool_bytes,
+                    s.reserved_bytes,
+                    s.reservations,
+                    s.leases,
+                    s.reclaimed_reservations,
+                    s.expired_leases,
+                    s.connections,
+                    s.protocol_errors,
+                ] {
+                    b.put_u64_le(x);
+                }
+            }
+            Reply::VerbsConnect(e) => put_endpoint(&mut b, e),
+        }
+        b
+    }
+
+    /// Decodes a reply frame of op `op`.
+    pub fn decode(op: u8, body: &[u8]) -> Result<Self, ProtocolError> {
+        let mut r = Rd(body);
+        if op == op::ERROR {
+            let code = r.u16("error code")?;
+            let n = r.u32("error message length")? as usize;
+            let message = String::from_utf8_lossy(r.bytes(n, "error message")?).into_owned();
+            r.finish()?;
+            return Ok(ReplyFrame::Error { code, message });
+        }
+        if op & REPLY_BIT == 0 {
+            return Err(ProtocolError::UnknownOp(op));
+        }
+        let occ = r.occupancy()?;
+        let reply = match op & !REPLY_BIT {
+            op::HELLO => {
+                let version = r.u16("version")?;
+                let server_id = r.u64("server id")?;
+                let pool_bytes = r.u64("pool bytes")?;
+                let max_page_bytes = r.u64("max page bytes")?;
+                let max_batch = r.u32("max batch")?;
+                let lease_ms = r.u32("lease ms")?;
+                let alloc_ttl_ms = r.u32("alloc ttl ms")?;
+                let verbs = r.u8("verbs flag")? != 0;
+                let n = r.count("regions")?;
+                let mut regions = Vec::with_capacity(n);
+                for _ in 0..n {
+                    regions.push(RegionDesc {
+                        id: r.u32("region id")?,
+                        len: r.u64("region len")?,
+                        addr: r.u64("region addr")?,
+                        rkey: r.u32("region rkey")?,
+                    });
+                }
+                Reply::Hello(ServerInfo {
+                    version,
+                    server_id,
+                    pool_bytes,
+                    max_page_bytes,
+                    max_batch,
+                    lease_ms,
+                    alloc_ttl_ms,
+                    verbs,
+                    regions,
+                })
+            }
+            op::EXISTS => Reply::Exists { run: r.u32("run")? },
+            op::READ => {
+                let n = r.count("read statuses")?;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(match r.u8("read status")? {
+                        0 => ReadStatus::Miss,
+                        1 => ReadStatus::Mismatch,
+                        2 => ReadStatus::Hit {
+                            checksum: r.u64("checksum")?,
+                        },
+                        x => {
+                            return Err(ProtocolError::Invalid {
+                                what: "read status",
+                                value: x as u64,
+                            });
+                        }
+                    });
+                }
+                Reply::Read(v)
+            }
+            op::LOOKUP => {
+                let n = r.count("lookup statuses")?;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(match r.u8("lookup status")? {
+                        0 => LookupStatus::Miss,
+                        1 => LookupStatus::Mismatch,
+                        2 => LookupStatus::Hit {
+                            region: r.u32("region")?,
+                            offset: r.u64("offset")?,
+                            checksum: r.u64("checksum")?,
+                            lease: r.u64("lease")?,
+                        },
+                        x => {
+                            return Err(ProtocolError::Invalid {
+                                what: "lookup status",
+                                value: x as u64,
+                            });
+                        }
+                    });
+                }
+                Reply::Lookup(v)
+            }
+            op::ALLOCATE => {
+                let n = r.count("allocate statuses")?;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(match r.u8("allocate status")? {
+                        0 => AllocStatus::Slot {
+                            id: r.u64("slot id")?,
+                            region: r.u32("region")?,
+                            offset: r.u64("offset")?,
+                        },
+                        1 => AllocStatus::Present,
+                        2 => AllocStatus::TooLarge { max: r.u64("max")? },
+                        3 => AllocStatus::NoSpace,
+                        4 => AllocStatus::Empty,
+                        x => {
+                            return Err(ProtocolError::Invalid {
+                                what: "allocate status",
+                                value: x as u64,
+                            });
+                        }
+                    });
+                }
+                Reply::Allocate(v)
+            }
+            op::WRITE => Reply::Write(r.bools("write statuses")?),
+            op::COMMIT => Reply::Commit(r.bools("commit statuses")?),
+            op::RELEASE => Reply::Release {
+                released: r.u32("released")?,
+            },
+            op::ABORT => Reply::Abort { n: r.u32("n")? },
+            op::DROP => Reply::Drop { n: r.u32("n")? },
+            op::DELETE => Reply::Delete { n: r.u32("n")? },
+            op::STATS => {
+                let occupancy = r.occupancy()?;
+                let mut x = [0u64; 8];
+                for v in &mut x {
+                    *v = r.u64("stats counter")?;
+                }
+                Reply::Stats(ServerStats {
+                    occupancy,
+                    pool_bytes: x[0],
+                    reserved_bytes: x[1],
+                    reservations: x[2],
+                    leases: x[3],
+                    reclaimed_reservations: x[4],
+                    expired_leases: x[5],
+                    connections: x[6],
+                    protocol_errors: x[7],
+                })
+            }
+            op::VERBS_CONNECT => Reply::VerbsConnect(r.endpoint()?),
+            _ => return Err(ProtocolError::UnknownOp(op)),
+        };
+        r.finish()?;
+        Ok(ReplyFrame::Ok(occ, reply))
+    }
+}
+
+/// A bounds-checked reader over a body.
+struct Rd<'a>(&'a [u8]);
+
+impl<'a> Rd<'a> {
+    fn need(&self, n: usize, what: &'static str) -> Result<(), ProtocolError> {
+        if self.0.remaining() < n {
+            Err(ProtocolError::Truncated(what))
+        } else {
+            Ok(())
+        }
+    }
+    fn u8(&mut self, what: &'static str) -> Result<u8, ProtocolError> {
+        self.need(1, what)?;
+        Ok(self.0.get_u8())
+    }
+    fn u16(&mut self, what: &'static str) -> Result<u16, ProtocolError> {
+        self.need(2, what)?;
+        Ok(self.0.get_u16_le())
+    }
+    fn u32(&mut self, what: &'static str) -> Result<u32, ProtocolError> {
+        self.need(4, what)?;
+        Ok(self.0.get_u32_le())
+    }
+    fn u64(&mut self, what: &'static str) -> Result<u64, ProtocolError> {
+        self.need(8, what)?;
+        Ok(self.0.get_u64_le())
+    }
+    fn bytes(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], ProtocolError> {
+        self.need(n, what)?;
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+    fn array<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N], ProtocolError> {
+        Ok(self.bytes(N, what)?.try_into().expect("N bytes"))
+    }
+    fn count(&mut self, what: &'static str) -> Result<usize, ProtocolError> {
+        let n = self.u32(what)? as usize;
+        if n > MAX_ENTRIES {
+            return Err(ProtocolError::TooLarge {
+                what,
+                len: n as u64,
+                max: MAX_ENTRIES as u64,
+            });
+        }
+        Ok(n)
+    }
+    fn key(&mut self) -> Result<PageKey, ProtocolError> {
+        Ok(PageKey::from_bytes(&self.array("page key")?))
+    }
+    fn keys(&mut self) -> Result<Vec<PageKey>, ProtocolError> {
+        let n = self.count("key list")?;
+        (0..n).map(|_| self.key()).collect()
+    }
+    fn pages(&mut self) -> Result<Vec<PageReq>, ProtocolError> {
+        let n = self.count("page list")?;
+        let mut v = Vec::with_capacity(n);
+        for _ in 0..n {
+            let key = self.key()?;
+            let len = self.u64("page length")?;
+            let layout = self.u8("layout tag")?;
+            if layout_of(layout).is_none() {
+                return Err(ProtocolError::Invalid {
+                    what: "layout tag",
+                    value: layout as u64,
+                });
+            }
+            v.push(PageReq { key, len, layout });
+        }
+        Ok(v)
+    }
+    fn pairs(&mut self, what: &'static str) -> Result<Vec<(u64, u64)>, ProtocolError> {
+        let n = self.count(what)?;
+        (0..n)
+            .map(|_| Ok((self.u64(what)?, self.u64(what)?)))
+            .collect()
+    }
+    fn u64s(&mut self, what: &'static str) -> Result<Vec<u64>, ProtocolError> {
+        let n = self.count(what)?;
+        (0..n).map(|_| self.u64(what)).collect()
+    }
+    fn bools(&mut self, what: &'static str) -> Result<Vec<bool>, ProtocolError> {
+        let n = self.count(what)?;
+        (0..n)
+            .map(|_| match self.u8(what)? {
+                0 => Ok(false),
+                1 => Ok(true),
+                x => Err(ProtocolError::Invalid {
+                    what,
+                    value: x as u64,
+                }),
+            })
+            .collect()
+    }
+    fn endpoint(&mut self) -> Result<VerbsEndpoint, ProtocolError> {
+        Ok(VerbsEndpoint {
+            lid: self.u16("lid")?,
+            qpn: self.u32("qpn")?,
+            psn: self.u32("psn")?,
+            gid: self.array("gid")?,
+        })
+    }
+    fn occupancy(&mut self) -> Result<Occupancy, ProtocolError> {
+        Ok(Occupancy {
+            seq: self.u64("occupancy")?,
+            pages: self.u64("occupancy")?,
+            bytes: self.u64("occupancy")?,
+            evicted_pages: self.u64("occupancy")?,
+            evicted_bytes: self.u64("occupancy")?,
+        })
+    }
+    fn finish(self) -> Result<(), ProtocolError> {
+        if self.0.is_empty() {
+            Ok(())
+        } else {
+            Err(ProtocolError::Trailing(self.0.len()))
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Frame I/O.
+
+/// Either a protocol violation or an I/O error while reading or writing a frame.
+#[derive(Debug, Error)]
+pub enum FrameError {
+    /// The peer broke the protocol.
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// The connection failed.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// Writes a frame's head and body (the caller writes `payload_len` payload bytes after it).
+pub async fn write_frame<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    id: u64,
+    op: u8,
+    body: &[u8],
+    payload_len: u64,
+) -> std::io::Result<()> {
+    let head = FrameHead {
+        body_len: body.len() as u32,
+        payload_len,
+        id,
+        op,
+    };
+    let mut buf = Vec::with_capacity(HEAD_LEN + body.len());
+    buf.extend_from_slice(&head.encode());
+    buf.extend_from_slice(body);
+    w.write_all(&buf).await
+}
+
+/// Reads a frame's head and body (the caller reads or skips the payload).
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+) -> Result<(FrameHead, Vec<u8>), FrameError> {
+    let mut h = [0u8; HEAD_LEN];
+    r.read_exact(&mut h).await?;
+    let head = FrameHead::decode(&h)?;
+    let mut body = vec![0u8; head.body_len as usize];
+    r.read_exact(&mut body).await?;
+    Ok((head, body))
+}
+
+/// Reads and discards `n` payload bytes.
+pub async fn skip_payload<R: AsyncRead + Unpin>(r: &mut R, mut n: u64) -> std::io::Result<()> {
+    let mut buf = vec![0u8; n.min(1 << 20) as usize];
+    while n > 0 {
+        let k = n.min(buf.len() as u64) as usize;
+        r.read_exact(&mut buf[..k]).await?;
+        n -= k as u64;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hicache_core::{NamespaceId, PageHash};
+    use proptest::prelude::*;
+
+    fn key(i: u8) -> PageKey {
+        PageKey::new(NamespaceId([i; 16]), PageHash([i.wrapping_mul(3); 32]))
+    }
+
+    fn requests() -> Vec<Request> {
+        vec![
+            Request::Hello {
+                magic: MAGIC,
+                version: VERSION,
+                client: "rank-0".into(),
+            },
+            Request::Exists {
+                keys: vec![key(1), key(2)],
+            },
+            Request::Read {
+                pages: vec![PageReq {
+                    key: key(3),
+                    len: 4096,
+                    layout: 2,
+                }],
+            },
+            Request::Lookup { pages: vec![] },
+            Request::Release {
+                leases: vec![1, 2, 3],
+            },
+            Request::Allocate {
+                pages: vec![PageReq {
+                    key: key(4),
+                    len: 8 << 20,
+                    layout: 1,
+                }],
+            },
+            Request::Write {
+                slots: vec![(7, 4096)],
+            },
+            Request::Commit {
+                slots: vec![(7, 0xdead_beef)],
+            },
+            Request::Abort { slots: vec![9] },
+            Request::Drop {
+                pages: vec![(key(5), 42)],
+            },
+            Request::Delete { keys: vec![key(6)] },
+            Request::Stats,
+            Request::VerbsConnect {
+                endpoint: VerbsEndpoint {
+                    lid: 3,
+                    qpn: 77,
+                    psn: 5,
+                    gid: [9; 16],
+                },
+            },
+        ]
+    }
+
+    #[test]
+    fn requests_round_trip() {
+        for r in requests() {
+            let b = r.encode();
+            assert_eq!(Request::decode(r.op(), &b).unwrap(), r);
+            // Every strict prefix is truncated (or, for empty bodies, trailing checks pass).
+            for cut in 0..b.len() {
+                assert!(
+                    Request::decode(r.op(), &b[..cut]).is_err(),
+                    "{r:?} cut {cut}"
+                );
+            }
+            let mut long = b.clone();
+            long.push(0);
+            assert_eq!(
+                Request::decode(r.op(), &long),
+                Err(ProtocolError::Trailing(1))
+            );
+        }
+    }
+
+    #[test]
+    fn replies_round_trip() {
+        let occ = Occupancy {
+            seq: 9,
+            pages: 2,
+            bytes: 100,
+            evicted_pages: 1,
+            evicted_bytes: 50,
+        };
+        let replies = vec![
+            Reply::Hello(ServerInfo {
+                version: VERSION,
+                server_id: 1,
+                pool_bytes: 1 << 30,
+                max_page_bytes: 1 << 28,
+                max_batch: 4096,
+                lease_ms: 5000,
+                alloc_ttl_ms: 30000,
+                verbs: false,
+                regions: vec![RegionDesc {
+                    id: 0,
+                    len: 1 << 30,
+                    addr: 0,
+                    rkey: 0,
+                }],
+            }),
+            Reply::Exists { run: 3 },
+            Reply::Read(vec![
+                ReadStatus::Miss,
+                ReadStatus::Mismatch,
+                ReadStatus::Hit { checksum: 5 },
+            ]),
+            Reply::Lookup(vec![LookupStatus::Hit {
+                region: 1,
+                offset: 4096,
+                checksum: 3,
+                lease: 8,
+            }]),
+            Reply::Allocate(vec![
+                AllocStatus::Slot {
+                    id: 1,
+                    region: 0,
+                    offset: 0,
+                },
+                AllocStatus::Present,
+                AllocStatus::TooLarge { max: 10 },
+                AllocStatus::NoSpace,
+                AllocStatus::Empty,
+            ]),
+            Reply::Write(vec![true, false]),
+            Reply::Commit(vec![true]),
+            Reply::Release { released: 1 },
+            Reply::Abort { n: 2 },
+            Reply::Drop { n: 0 },
+            Reply::Delete { n: 4 },
+            Reply::Stats(ServerStats {
+                occupancy: occ,
+                pool_bytes: 10,
+                ..ServerStats::default()
+            }),
+            Reply::VerbsConnect(VerbsEndpoint::default()),
+        ];
+        for r in replies {
+            let f = ReplyFrame::Ok(occ, r);
+            let b = f.encode();
+            assert_eq!(ReplyFrame::decode(f.op(), &b).unwrap(), f);
+        }
+        let e = ReplyFrame::Error {
+            code: code::VERSION,
+            message: "nope".into(),
+        };
+        assert_eq!(ReplyFrame::decode(op::ERROR, &e.encode()).unwrap(), e);
+    }
+
+    #[test]
+    fn heads_check_limits() {
+        let h = FrameHead {
+            body_len: MAX_BODY + 1,
+            payload_len: 0,
+            id: 1,
+            op: op::EXISTS,
+        };
+        assert!(matches!(
+            FrameHead::decode(&h.encode()),
+            Err(ProtocolError::TooLarge { .. })
+        ));
+        let ok = FrameHead {
+            body_len: 10,
+            payload_len: 1 << 20,
+            id: 99,
+            op: op::WRITE,
+        };
+        assert_eq!(FrameHead::decode(&ok.encode()).unwrap(), ok);
+    }
+
+    #[test]
+    fn bad_magic_and_unknown_ops() {
+        let mut b = Request::Hello {
+            magic: MAGIC,
+            version: 1,
+            client: String::new(),
+        }
+        .encode();
+        b[0] = b'X';
+        assert!(matches!(
+            Request::decode(op::HELLO, &b),
+            Err(ProtocolError::BadMagic(_))
+        ));
+        assert_eq!(
+            Request::decode(0x42, &[]),
+            Err(ProtocolError::UnknownOp(0x42))
+        );
+        assert_eq!(
+            ReplyFrame::decode(op::EXISTS, &[]),
+            Err(ProtocolError::UnknownOp(op::EXISTS))
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        /// Decoding arbitrary bytes never panics, whatever the op.
+        #[test]
+        fn garbage_never_panics(op in any::<u8>(), body in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = Request::decode(op, &body);
+            let _ = ReplyFrame::decode(op, &body);
+        }
+    }
+}
