@@ -5,7 +5,7 @@ use hicache_storage::Registry;
 use crate::error::Result;
 
 /// The registry of every backend compiled in: `memory` always, `file` with the `file`
-/// feature (default), `plugin` with the `plugin` feature (default), `rdma` with the `rdma`
+/// feature (default), `plugin` with the `plugin` feature (default), `uring` with the `uring` feature, `rdma` with the `rdma`
 /// feature (its verbs transport with `rdma-verbs`).
 pub fn builtin_registry() -> Result<Registry> {
     let r = Registry::with_builtins();
@@ -13,6 +13,8 @@ pub fn builtin_registry() -> Result<Registry> {
     hicache_backend_file::register(&r)?;
     #[cfg(feature = "plugin")]
     hicache_backend_plugin::register(&r)?;
+    #[cfg(feature = "uring")]
+    hicache_backend_uring::register(&r)?;
     #[cfg(feature = "rdma")]
     hicache_backend_rdma::register(&r)?;
     Ok(r)
@@ -23,6 +25,7 @@ pub fn feature_for(name: &str) -> Option<&'static str> {
     match name {
         "file" => Some("file"),
         "plugin" => Some("plugin"),
+        "uring" => Some("uring"),
         "rdma" => Some("rdma"),
         _ => None,
     }

@@ -55,6 +55,14 @@ fn file_backend_serves_the_prompt_from_l3() {
     l3_round_trip("file", &format!(r#""dir": "{}", "#, dir.path().display()));
 }
 
+#[cfg(feature = "uring")]
+#[test]
+fn uring_backend_serves_the_prompt_from_l3() {
+    // The host pool is registered as io_uring fixed buffers when L3 attaches.
+    let dir = tempfile::tempdir().unwrap();
+    l3_round_trip("uring", &format!(r#""dir": "{}", "#, dir.path().display()));
+}
+
 #[cfg(feature = "rdma")]
 #[test]
 fn rdma_backend_serves_the_prompt_from_l3() {
