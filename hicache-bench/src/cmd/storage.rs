@@ -2,8 +2,10 @@
 //! limit measured in the same run on the same directory.
 //!
 //! For a file-system backend the reference is raw sequential O_DIRECT I/O of the same bytes in
-//! the same directory: one file, page-sized chunks, `--raw-threads` requests in flight, and
-//! one `fdatasync` at the end of the write. Headline figures are durable and cold: backend
+//! the same directory ([`storage_raw`](crate::cmd::storage_raw)): one file, page-sized
+//! requests, `--raw-depth` of them in flight (default: the batch size, as many as the backend
+//! may have in flight), through io_uring, and one `fdatasync` at the end of the write.
+//! Headline figures are durable and cold: backend
 //! writes include its fsync policy's cost (the default unless `--extra-config` says
 //! otherwise), and reads run after `sync; echo 3 > /proc/sys/vm/drop_caches` (when permitted;
 //! both sides also read with O_DIRECT from page-aligned buffers, so they are cold either way).
@@ -12,11 +14,8 @@
 //! Each figure is the best of `--rounds` rounds; a round measures the reference and the backend
 //! back to back, so both see the same disk state.
 
-use std::fs::OpenOptions;
 use std::io::Write;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
@@ -27,6 +26,7 @@ use memmap2::MmapMut;
 use serde_json::Value;
 
 use crate::cmd::storage_common::{BackendArgs, LAYOUT, aligned_region, runtime, seed_key};
+use crate::cmd::storage_raw::{Raw, RawEngine, engine_name};
 use crate::error::{BenchError, Result};
 use crate::record::Record;
 
@@ -48,9 +48,13 @@ pub struct StorageArgs {
     /// Rounds; each figure is the best round.
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
-    /// Requests in flight for the raw O_DIRECT reference.
-    #[arg(long, default_value_t = 32)]
-    pub raw_threads: usize,
+    /// Requests in flight for the raw O_DIRECT reference; default: `--batch` (as many as the
+    /// backend may have in flight). `--raw-threads` is an older name.
+    #[arg(long, alias = "raw-threads")]
+    pub raw_depth: Option<usize>,
+    /// How the raw reference issues its requests.
+    #[arg(long, value_enum, default_value_t = RawEngine::Uring)]
+    pub raw_engine: RawEngine,
     /// One JSON object per case instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -74,101 +78,6 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
 fn drop_caches() -> bool {
     let _ = std::process::Command::new("sync").status();
     std::fs::write("/proc/sys/vm/drop_caches", "3\n").is_ok()
-}
-
-/// Runs `f(i)` for `i` in `0..n` on `threads` threads.
-fn parallel(
-    threads: usize,
-    n: usize,
-    f: impl Fn(usize, usize) -> std::io::Result<()> + Sync,
-) -> std::io::Result<()> {
-    let next = AtomicUsize::new(0);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads.min(n).max(1))
-            .map(|t| {
-                let next = &next;
-                let f = &f;
-                s.spawn(move || -> std::io::Result<()> {
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        if i >= n {
-                            return Ok(());
-                        }
-                        f(t, i)?;
-                    }
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .try_for_each(|h| h.join().expect("raw I/O thread panicked"))
-    })
-}
-
-/// Raw sequential O_DIRECT write of `pages` chunks of the source region, then fdatasync.
-fn raw_write(
-    path: &Path,
-    src: &MmapMut,
-    page_bytes: usize,
-    pages: usize,
-    threads: usize,
-) -> Result<f64> {
-    let _ = std::fs::remove_file(path);
-    let f = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .map_err(BenchError::io(path))?;
-    let per_batch = src.len() / page_bytes;
-    // Sized up front so no request extends the file: the reference is the disk's best case.
-    f.set_len((pages * page_bytes) as u64)
-        .map_err(BenchError::io(path))?;
-    let t = Instant::now();
-    parallel(threads, pages, |_, i| {
-        let c = &src[(i % per_batch) * page_bytes..][..page_bytes];
-        f.write_all_at(c, (i * page_bytes) as u64)
-    })
-    .and_then(|()| f.sync_data())
-    .map_err(BenchError::io(path))?;
-    Ok(t.elapsed().as_secs_f64())
-}
-
-/// Raw sequential O_DIRECT read of the file `raw_write` made.
-fn raw_read(path: &Path, page_bytes: usize, pages: usize, threads: usize) -> Result<f64> {
-    let f = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .map_err(BenchError::io(path))?;
-    let threads = threads.min(pages).max(1);
-    let bufs: Vec<parking::Slot> = (0..threads)
-        .map(|_| aligned_region(1, page_bytes).map(parking::Slot::new))
-        .collect::<Result<_>>()?;
-    let t = Instant::now();
-    parallel(threads, pages, |th, i| {
-        let mut b = bufs[th].lock();
-        f.read_exact_at(&mut b[..], (i * page_bytes) as u64)
-    })
-    .map_err(BenchError::io(path))?;
-    Ok(t.elapsed().as_secs_f64())
-}
-
-/// A per-thread buffer behind a mutex (each thread only locks its own).
-mod parking {
-    use memmap2::MmapMut;
-    use std::sync::{Mutex, MutexGuard};
-
-    pub struct Slot(Mutex<MmapMut>);
-
-    impl Slot {
-        pub fn new(m: MmapMut) -> Self {
-            Self(Mutex::new(m))
-        }
-        pub fn lock(&self) -> MutexGuard<'_, MmapMut> {
-            self.0.lock().unwrap_or_else(|e| e.into_inner())
-        }
-    }
 }
 
 /// memcpy of the same bytes (the memory backend's physical limit).
@@ -200,7 +109,7 @@ async fn backend_round(
     dst: &mut MmapMut,
     (page_bytes, pages): (usize, usize),
     round: usize,
-    reference: &mut dyn FnMut(Phase) -> Result<f64>,
+    reference: &mut dyn FnMut(Phase, &mut MmapMut) -> Result<f64>,
 ) -> Result<Round> {
     // Alternate which side goes first, so neither always meets the disk in the same state.
     let reference_first = round.is_multiple_of(2);
@@ -208,7 +117,7 @@ async fn backend_round(
     let mut write_ref = 0.0;
     let mut read_ref = 0.0;
     if reference_first {
-        write_ref = reference(Phase::Write)?;
+        write_ref = reference(Phase::Write, dst)?;
     }
     let batch = args.batch.min(storage.info().max_batch);
     let keys: Vec<PageKey> = (0..pages as u64).map(|i| seed_key(seed, i)).collect();
@@ -228,11 +137,11 @@ async fn backend_round(
     }
     let write = t.elapsed().as_secs_f64();
     if !reference_first {
-        write_ref = reference(Phase::Write)?;
+        write_ref = reference(Phase::Write, dst)?;
     }
     let mut dropped = drop_caches();
     if reference_first {
-        read_ref = reference(Phase::Read)?;
+        read_ref = reference(Phase::Read, dst)?;
         dropped &= drop_caches();
     }
     let t = Instant::now();
@@ -252,7 +161,7 @@ async fn backend_round(
     let read = t.elapsed().as_secs_f64();
     if !reference_first {
         dropped &= drop_caches();
-        read_ref = reference(Phase::Read)?;
+        read_ref = reference(Phase::Read, dst)?;
     }
     // Warm batch_exists of a full controller batch (128 keys).
     let probe = &keys[..keys.len().min(128)];
@@ -289,9 +198,10 @@ enum Phase {
 pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
     let total = parse_byte_size(&args.total)
         .ok_or_else(|| BenchError::Usage(format!("--total {:?} is not a byte size", args.total)))?;
-    if args.batch == 0 || args.rounds == 0 || args.raw_threads == 0 {
+    let raw_depth = args.raw_depth.unwrap_or(args.batch);
+    if args.batch == 0 || args.rounds == 0 || raw_depth == 0 {
         return Err(BenchError::Usage(
-            "--batch, --rounds and --raw-threads must be at least 1".into(),
+            "--batch, --rounds and --raw-depth must be at least 1".into(),
         ));
     }
     let sizes = match args.page_bytes {
@@ -323,6 +233,7 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
         let mut dst = aligned_region(batch_pages, page_bytes)?;
         let mut rounds = Vec::new();
         let mut zero_copy = false;
+        let mut raw_engine = None;
         for round in 0..args.rounds {
             let store_dir = base.as_ref().map(|b| b.join("bench-store"));
             if let Some(d) = &store_dir {
@@ -336,12 +247,20 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             overrides.push(("capacity", Value::from(bytes * 2 + (64 << 20))));
             let mut bargs = args.backend.clone();
             bargs.dir = None;
-            let mut reference = |phase: Phase| -> Result<f64> {
-                match (phase, &raw_path) {
-                    (Phase::Write, Some(p)) => {
-                        raw_write(p, &src, page_bytes, pages, args.raw_threads)
-                    }
-                    (Phase::Read, Some(p)) => raw_read(p, page_bytes, pages, args.raw_threads),
+            let raw = raw_path.as_deref().map(|path| Raw {
+                path,
+                page_bytes,
+                pages,
+                depth: raw_depth.min(batch_pages),
+                engine: args.raw_engine,
+            });
+            if let Some(r) = &raw {
+                raw_engine = Some(r.effective_engine());
+            }
+            let mut reference = |phase: Phase, dst: &mut MmapMut| -> Result<f64> {
+                match (phase, &raw) {
+                    (Phase::Write, Some(r)) => r.write(&src),
+                    (Phase::Read, Some(r)) => r.read(dst),
                     (_, None) => memcpy_secs(&src, page_bytes, pages),
                 }
             };
@@ -379,6 +298,12 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             "o_direct-only"
         };
         let common = |r: Record| {
+            let r = match raw_engine {
+                Some(e) => r
+                    .with("reference_engine", engine_name(e))
+                    .with("reference_depth", raw_depth.min(batch_pages) as u64),
+                None => r,
+            };
             r.with("pages", pages as u64)
                 .with("page_bytes", page_bytes as u64)
                 .with("bytes", bytes)
