@@ -1,10 +1,13 @@
 //! `hicache-bench storage`: write and read throughput of a storage backend next to the physical
 //! limit measured in the same run on the same directory.
 //!
-//! For a file-system backend the reference is raw sequential O_DIRECT I/O of the same bytes in
-//! the same directory ([`storage_raw`](crate::cmd::storage_raw)): one file, page-sized
-//! requests, `--raw-depth` of them in flight (default: the batch size, as many as the backend
-//! may have in flight), through io_uring, and one `fdatasync` at the end of the write.
+//! For a file-system backend the headline reference is raw sequential O_DIRECT I/O of the same
+//! bytes in the same directory ([`storage_raw`](crate::cmd::storage_raw)): one preallocated
+//! file, page-sized requests at consecutive offsets, `--raw-depth` (default 32) of them in
+//! flight on as many threads, and one `fdatasync` at the end of the write. With
+//! `--qd-reference` a second raw reference is measured beside it and reported under its own
+//! fields (`qd_reference`, `qd_ratio`): the same sequential I/O through one io_uring with
+//! `--batch` requests in flight, the queue depth the backend itself may use.
 //! Headline figures are durable and cold: backend
 //! writes include its fsync policy's cost (the default unless `--extra-config` says
 //! otherwise), and reads run after `sync; echo 3 > /proc/sys/vm/drop_caches` (when permitted;
@@ -48,13 +51,17 @@ pub struct StorageArgs {
     /// Rounds; each figure is the best round.
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
-    /// Requests in flight for the raw O_DIRECT reference; default: `--batch` (as many as the
-    /// backend may have in flight). `--raw-threads` is an older name.
-    #[arg(long, alias = "raw-threads")]
-    pub raw_depth: Option<usize>,
-    /// How the raw reference issues its requests.
-    #[arg(long, value_enum, default_value_t = RawEngine::Uring)]
+    /// Requests in flight for the headline raw O_DIRECT reference (`--raw-threads` is an older
+    /// name).
+    #[arg(long, alias = "raw-threads", default_value_t = 32)]
+    pub raw_depth: usize,
+    /// How the headline raw reference issues its requests.
+    #[arg(long, value_enum, default_value_t = RawEngine::Threads)]
     pub raw_engine: RawEngine,
+    /// Also measure a second raw reference (reported as `qd_reference` / `qd_ratio`): io_uring
+    /// with `--batch` requests in flight.
+    #[arg(long)]
+    pub qd_reference: bool,
     /// One JSON object per case instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -93,11 +100,18 @@ fn memcpy_secs(src: &MmapMut, page_bytes: usize, pages: usize) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
+/// Measures one phase of the raw reference into the given read destinations: seconds of the
+/// headline reference, and of the `--qd-reference` one where measured.
+type Reference<'a> = dyn FnMut(Phase, &mut MmapMut) -> Result<(f64, Option<f64>)> + 'a;
+
 struct Round {
     write_ref: f64,
     write: f64,
     read_ref: f64,
     read: f64,
+    /// The `--qd-reference` figures, where measured.
+    write_qd: Option<f64>,
+    read_qd: Option<f64>,
     exists_us: f64,
     dropped: bool,
 }
@@ -109,13 +123,13 @@ async fn backend_round(
     dst: &mut MmapMut,
     (page_bytes, pages): (usize, usize),
     round: usize,
-    reference: &mut dyn FnMut(Phase, &mut MmapMut) -> Result<f64>,
+    reference: &mut Reference<'_>,
 ) -> Result<Round> {
     // Alternate which side goes first, so neither always meets the disk in the same state.
     let reference_first = round.is_multiple_of(2);
     let seed = round as u64;
-    let mut write_ref = 0.0;
-    let mut read_ref = 0.0;
+    let mut write_ref = (0.0, None);
+    let mut read_ref = (0.0, None);
     if reference_first {
         write_ref = reference(Phase::Write, dst)?;
     }
@@ -178,10 +192,12 @@ async fn backend_round(
     }
     let exists_us = t.elapsed().as_secs_f64() * 1e6 / calls as f64;
     Ok(Round {
-        write_ref,
+        write_ref: write_ref.0,
         write,
-        read_ref,
+        read_ref: read_ref.0,
         read,
+        write_qd: write_ref.1,
+        read_qd: read_ref.1,
         exists_us,
         dropped,
     })
@@ -198,7 +214,7 @@ enum Phase {
 pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
     let total = parse_byte_size(&args.total)
         .ok_or_else(|| BenchError::Usage(format!("--total {:?} is not a byte size", args.total)))?;
-    let raw_depth = args.raw_depth.unwrap_or(args.batch);
+    let raw_depth = args.raw_depth;
     if args.batch == 0 || args.rounds == 0 || raw_depth == 0 {
         return Err(BenchError::Usage(
             "--batch, --rounds and --raw-depth must be at least 1".into(),
@@ -234,12 +250,14 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
         let mut rounds = Vec::new();
         let mut zero_copy = false;
         let mut raw_engine = None;
+        let mut qd_engine = None;
         for round in 0..args.rounds {
             let store_dir = base.as_ref().map(|b| b.join("bench-store"));
             if let Some(d) = &store_dir {
                 let _ = std::fs::remove_dir_all(d);
             }
             let raw_path = base.as_ref().map(|b| b.join("bench-raw.bin"));
+            let qd_path = base.as_ref().map(|b| b.join("bench-raw-qd.bin"));
             let mut overrides: Vec<(&str, Value)> = Vec::new();
             if let Some(d) = &store_dir {
                 overrides.push(("dir", Value::String(d.display().to_string())));
@@ -254,15 +272,36 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                 depth: raw_depth.min(batch_pages),
                 engine: args.raw_engine,
             });
+            let qd = qd_path
+                .as_deref()
+                .filter(|_| args.qd_reference)
+                .map(|path| Raw {
+                    path,
+                    page_bytes,
+                    pages,
+                    depth: batch_pages,
+                    engine: RawEngine::Uring,
+                });
             if let Some(r) = &raw {
                 raw_engine = Some(r.effective_engine());
             }
-            let mut reference = |phase: Phase, dst: &mut MmapMut| -> Result<f64> {
-                match (phase, &raw) {
-                    (Phase::Write, Some(r)) => r.write(&src),
-                    (Phase::Read, Some(r)) => r.read(dst),
-                    (_, None) => memcpy_secs(&src, page_bytes, pages),
-                }
+            if let Some(r) = &qd {
+                qd_engine = Some(r.effective_engine());
+            }
+            let mut reference = |phase: Phase, dst: &mut MmapMut| -> Result<(f64, Option<f64>)> {
+                let Some(r) = &raw else {
+                    return Ok((memcpy_secs(&src, page_bytes, pages)?, None));
+                };
+                let head = match phase {
+                    Phase::Write => r.write(&src)?,
+                    Phase::Read => r.read(dst)?,
+                };
+                let extra = match (phase, &qd) {
+                    (Phase::Write, Some(q)) => Some(q.write(&src)?),
+                    (Phase::Read, Some(q)) => Some(q.read(dst)?),
+                    (_, None) => None,
+                };
+                Ok((head, extra))
             };
             let r = rt.block_on(async {
                 let storage = bargs.open(&overrides, page_bytes).await?;
@@ -283,12 +322,30 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             if let Some(d) = &store_dir {
                 let _ = std::fs::remove_dir_all(d);
             }
-            if let Some(p) = &raw_path {
+            for p in raw_path.iter().chain(&qd_path) {
                 let _ = std::fs::remove_file(p);
             }
             rounds.push(r);
         }
         let best = |f: fn(&Round) -> f64| rounds.iter().map(f).fold(f64::INFINITY, f64::min);
+        let best_qd = |f: fn(&Round) -> Option<f64>| {
+            rounds
+                .iter()
+                .map(f)
+                .try_fold(f64::INFINITY, |m, x| x.map(|x| m.min(x)))
+        };
+        // The `--qd-reference` figures of a record whose backend figure is `value` GB/s.
+        let qd_fields = |r: Record, secs: Option<f64>| match (secs, qd_engine) {
+            (Some(s), Some(e)) => {
+                let q = gbps(bytes, s);
+                let ratio = r.value / q;
+                r.with("qd_reference", q)
+                    .with("qd_ratio", ratio)
+                    .with("qd_reference_engine", engine_name(e))
+                    .with("qd_reference_depth", batch_pages as u64)
+            }
+            _ => r,
+        };
         let label = size_label(page_bytes);
         let b = &args.backend.backend;
         let reference = if file_like { "raw-odirect" } else { "memcpy" };
@@ -312,7 +369,11 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                 .with("reference_kind", reference)
                 .with("zero_copy", zero_copy)
         };
-        let mut write = common(
+        let common = |r: Record| match &args.backend.extra_config {
+            Some(c) => common(r).with("extra_config", c.as_str()),
+            None => common(r),
+        };
+        let write = common(
             Record::new(
                 "storage",
                 format!("{b}/write/{label}"),
@@ -321,7 +382,8 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             )
             .with_reference(gbps(bytes, best(|r| r.write_ref))),
         );
-        let mut read = common(
+        let mut write = qd_fields(write, best_qd(|r| r.write_qd));
+        let read = common(
             Record::new(
                 "storage",
                 format!("{b}/read/{label}"),
@@ -330,6 +392,7 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             )
             .with_reference(gbps(bytes, best(|r| r.read_ref))),
         );
+        let mut read = qd_fields(read, best_qd(|r| r.read_qd));
         if file_like {
             write = write.with(
                 "durable",
@@ -357,19 +420,23 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
     } else {
         writeln!(
             out,
-            "{:<28} {:>10} {:>6} {:>10} {:>7}",
-            "case", "value", "unit", "reference", "ratio"
+            "{:<28} {:>10} {:>6} {:>10} {:>7} {:>9}",
+            "case", "value", "unit", "reference", "ratio", "qd_ratio"
         )
         .map_err(BenchError::io("<stdout>"))?;
         for r in &records {
             writeln!(
                 out,
-                "{:<28} {:>10.3} {:>6} {:>10} {:>7}",
+                "{:<28} {:>10.3} {:>6} {:>10} {:>7} {:>9}",
                 r.case,
                 r.value,
                 r.unit,
                 r.reference.map_or("-".into(), |v| format!("{v:.3}")),
                 r.ratio.map_or("-".into(), |v| format!("{v:.3}")),
+                r.extra
+                    .get("qd_ratio")
+                    .and_then(serde_json::Value::as_f64)
+                    .map_or("-".into(), |v| format!("{v:.3}")),
             )
             .map_err(BenchError::io("<stdout>"))?;
         }
