@@ -383,6 +383,8 @@ pub struct ReadJob<'d, 'b, 'k> {
     io: Option<ReadIo<'d, 'b>>,
     ctx: IoCtx<'k>,
     res: [Option<i32>; KINDS],
+    /// The outcome, once settled while other pages were still in flight.
+    settled: Option<Outcome<ReadResult>>,
 }
 
 impl<'d, 'b, 'k> ReadJob<'d, 'b, 'k> {
@@ -394,10 +396,30 @@ impl<'d, 'b, 'k> ReadJob<'d, 'b, 'k> {
             io: Some(io),
             ctx,
             res: [None; KINDS],
+            settled: None,
+        }
+    }
+
+    /// Once both of its requests have completed (so none of its buffers is in use by the
+    /// kernel any more), verifies the page at once: the checksum of one page overlaps the
+    /// transfers of the pages still in flight instead of all running after the batch.
+    fn settle_if_complete(&mut self) {
+        if self.settled.is_none()
+            && self.res[OPEN as usize].is_some()
+            && self.res[READ as usize].is_some()
+        {
+            self.settled = Some(self.evaluate());
         }
     }
 
     fn outcome(&mut self) -> Outcome<ReadResult> {
+        match self.settled.take() {
+            Some(o) => o,
+            None => self.evaluate(),
+        }
+    }
+
+    fn evaluate(&mut self) -> Outcome<ReadResult> {
         let Some(io) = self.io.take() else {
             return Outcome::Redo;
         };
@@ -447,7 +469,9 @@ impl Chains for ReadOps<'_, '_, '_, '_> {
     }
 
     fn complete(&mut self, job: usize, kind: u8, res: i32) {
-        self.jobs[job].res[kind as usize] = Some(res);
+        let j = &mut self.jobs[job];
+        j.res[kind as usize] = Some(res);
+        j.settle_if_complete();
     }
 }
 
