@@ -182,6 +182,15 @@ impl FileBackend {
     /// Opens (creating if needed) the storage directory of `opts`, recovering what a previous
     /// run committed. Blocking: it scans the directory.
     pub fn open(opts: FileOptions) -> Result<Self> {
+        Self::open_with_probe(opts, Self::probe_uring)
+    }
+
+    /// [`open`](Self::open) with the io_uring probe given (tests inject a failing one to take
+    /// the fallback path on a kernel that has io_uring).
+    fn open_with_probe(
+        opts: FileOptions,
+        probe: impl FnOnce(&Path, usize, bool, &BufPool) -> io::Result<Uring>,
+    ) -> Result<Self> {
         sys::raise_nofile_limit();
         let root = opts.dir.clone();
         let paths = Layout { root: root.clone() };
@@ -273,7 +282,7 @@ impl FileBackend {
         // 6. The I/O engine: io_uring if wanted and it works here on a real page.
         let bufs = BufPool::new(opts.io_threads.max(opts.queue_depth) * 2);
         let engine = match choose_engine(opts.io_engine, || {
-            Self::probe_uring(&instance_tmp, opts.queue_depth, direct, &bufs)
+            probe(&instance_tmp, opts.queue_depth, direct, &bufs)
         }) {
             Ok(Some(u)) => Engine::Uring(u),
             Ok(None) => Engine::Threads,
@@ -1173,5 +1182,48 @@ mod tests {
         assert_eq!(choose_engine(IoEngine::Auto, refused).unwrap(), None);
         let e = choose_engine(IoEngine::Uring, refused).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EPERM));
+    }
+
+    fn refused_probe(_: &Path, _: usize, _: bool, _: &BufPool) -> io::Result<Uring> {
+        Err(io::Error::from_raw_os_error(libc::ENOSYS))
+    }
+
+    /// A whole open whose io_uring probe fails (as under a seccomp policy or
+    /// `io_uring_disabled`): `auto` opens on the threads engine and serves pages, `uring`
+    /// refuses to open and says why.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn auto_falls_back_to_threads_when_the_probe_fails() {
+        use hicache_core::LayoutKind;
+        use hicache_storage::pattern::{check_page, namespace, page_bytes, page_key};
+        let dir = tempfile::tempdir().unwrap();
+        let mut o = FileOptions::new(dir.path());
+        o.capacity_bytes = Some(64 << 20);
+        let s = FileBackend::open_with_probe(o.clone(), refused_probe).unwrap();
+        assert!(!s.uses_uring() && !s.open_report().uring);
+        let len = 64 << 10;
+        let keys: Vec<PageKey> = (0..20).map(|i| page_key(namespace(1), 9, i)).collect();
+        let src: Vec<Vec<u8>> = keys.iter().map(|k| page_bytes(k, len)).collect();
+        let bufs: Vec<PageBuf<'_>> = src
+            .iter()
+            .map(|b| PageBuf::contiguous(LayoutKind::PageFirst, b))
+            .collect();
+        let out = s.batch_set(&keys, &bufs).await.unwrap();
+        assert!(out.iter().all(|o| *o == PageOutcome::Stored), "{out:?}");
+        let mut back = memmap2::MmapMut::map_anon(keys.len() * len).unwrap();
+        let mut dst: Vec<PageBufMut<'_>> = back
+            .chunks_mut(len)
+            .map(|c| PageBufMut::contiguous(LayoutKind::PageFirst, c))
+            .collect();
+        let out = s.batch_get(&keys, &mut dst).await.unwrap();
+        assert!(out.iter().all(|o| *o == PageOutcome::Hit), "{out:?}");
+        drop(dst);
+        for (k, c) in keys.iter().zip(back.chunks(len)) {
+            assert!(check_page(k, c), "{k}");
+        }
+        drop(s);
+        o.io_engine = IoEngine::Uring;
+        let e = FileBackend::open_with_probe(o, refused_probe).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("io_engine") && msg.contains("uring"), "{msg}");
     }
 }
