@@ -938,20 +938,24 @@ impl FileBackend {
         }
         drop(jobs);
         drop(dirs);
+        let mut redo = Vec::new();
         for ((i, tmp), o) in which.into_iter().zip(outcomes) {
-            let r = match o {
-                Outcome::Done(Ok(())) => Ok(true),
+            match o {
+                Outcome::Done(Ok(())) => out.push((i, Ok(true))),
                 Outcome::Done(Err(e)) => {
                     let _ = remove_file(&tmp);
-                    Err(PageError::io(e.op, &e.err))
+                    out.push((i, Err(PageError::io(e.op, &e.err))));
                 }
                 Outcome::Redo => {
                     let _ = remove_file(&tmp);
-                    self.write_one(&keys[i], &src[i])
+                    redo.push(i);
                 }
-            };
-            out.push((i, r));
+            }
         }
+        // Pages the ring handed back (all of them if it failed): the threads engine's way.
+        out.extend(par::par_map(self.opts.io_threads, redo, |i| {
+            (i, self.write_one(&keys[i], &src[i]))
+        }));
         out
     }
 
@@ -983,15 +987,27 @@ impl FileBackend {
             let out = u.read(&mut ring_jobs);
             which.into_iter().zip(out).collect()
         };
+        let mut redo = vec![false; jobs.len()];
         for (x, o) in outcomes {
-            results[x] = Some(match o {
-                Outcome::Done(r) => r,
-                Outcome::Redo => {
-                    let (i, d) = &mut jobs[x];
-                    let key = &keys[*i];
-                    pageio::read_page_file(io, &self.paths.page_path(key), key, d)
-                }
-            });
+            match o {
+                Outcome::Done(r) => results[x] = Some(r),
+                Outcome::Redo => redo[x] = true,
+            }
+        }
+        // Pages the ring handed back (all of them if it failed): the threads engine's way.
+        let again: Vec<(usize, &mut (usize, &mut PageBufMut<'_>))> = jobs
+            .iter_mut()
+            .enumerate()
+            .filter(|(x, _)| redo[*x])
+            .collect();
+        for (x, r) in par::par_map(self.opts.io_threads, again, |(x, (i, d))| {
+            let key = &keys[*i];
+            (
+                x,
+                pageio::read_page_file(io, &self.paths.page_path(key), key, d),
+            )
+        }) {
+            results[x] = Some(r);
         }
         results
             .into_iter()
