@@ -18,17 +18,21 @@
 //! ```
 //!
 //! # Invariants
-//! 1. **Visible only when complete.** A page is written to a temp file under `tmp/`, synced
-//!    per the fsync policy, then renamed to its final name; a file under `pages/` is therefore
-//!    always a complete write. Its header and data checksums are verified on every read, so
-//!    even a file damaged after the fact (or, under `fsync: none`, torn by a power loss) reads
-//!    as `Corrupt`, never as a hit.
+//! 1. **Visible only when complete.** A page is written to a temp file beside its final name
+//!    (`pages/<key>.<instance>.<n>.tmp`), synced per the fsync policy, then renamed to it; a
+//!    `.page` file is therefore always a complete write. Its header and data checksums are
+//!    verified on every read, so even a file damaged after the fact (or, under `fsync: none`,
+//!    torn by a power loss) reads as `Corrupt`, never as a hit.
 //! 2. **Acknowledged means committed.** `Stored` is returned only after the rename (and, under
 //!    `batch`/`always`, after data and directory syncs).
 //! 3. **Bounded.** Committed plus in-flight file bytes never exceed the capacity in this
 //!    process's view (see [`index`]); in shared mode the janitor bounds the directory total.
 //! 4. **Recovered.** Opening scans `pages/`, keeps every file whose header and size check out,
 //!    deletes the rest and every stale temp file, counting them in `discarded_on_open`.
+//! 5. **One outcome, either engine.** Page I/O goes through io_uring ([`IoEngine::Uring`],
+//!    chains of linked requests, see `uring.rs`) or a thread pool ([`IoEngine::Threads`]);
+//!    `auto` probes io_uring at open and falls back to threads. Both write the same files in
+//!    the same order of steps and verify reads the same way.
 #![warn(missing_docs)]
 
 pub mod format;
