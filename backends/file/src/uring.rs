@@ -129,13 +129,6 @@ impl Uring {
         let sq = (self.depth as usize * (MAX_CHAIN + 1)).next_power_of_two() as u32;
         let ring = IoUring::builder().setup_cqsize(sq * 2).build(sq)?;
         ring.submitter().register_files_sparse(self.depth)?;
-        // Opens, preallocations, syncs and renames block, so the kernel runs them on its
-        // worker threads, by default at most 4 per CPU: allow one per page in flight, or a
-        // batch's metadata operations (cold directory lookups, data syncs) queue behind a few.
-        let mut workers = [self.depth, 0];
-        if let Err(e) = ring.submitter().register_iowq_max_workers(&mut workers) {
-            tracing::debug!(%e, "file backend: io_uring worker limit unchanged");
-        }
         Ok(Ring {
             ring,
             free: (0..self.depth).rev().collect(),
@@ -156,6 +149,45 @@ impl Uring {
         }
     }
 
+    /// Lets the calling thread's io_uring worker pool run one worker per page in flight.
+    ///
+    /// A page's chain starts with an open (and a write's has a preallocation, syncs and a
+    /// rename): requests that block, so the kernel runs each chain on a worker of the
+    /// *submitting thread's* pool, by default at most 4 per CPU (8 on a 2-core machine, which
+    /// caps a batch at 8 pages in flight whatever `queue_depth` says). The limit is a property
+    /// of that thread's pool, which exists only once the thread has submitted something, so
+    /// it is raised per thread: a no-op first, then the limit, once per thread.
+    fn raise_workers(&self, ring: &mut Ring) -> io::Result<()> {
+        thread_local! {
+            /// The worker limit this thread's io_uring pool has been given.
+            static LIMIT: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+        }
+        if LIMIT.get() >= self.depth {
+            return Ok(());
+        }
+        LIMIT.set(self.depth);
+        let nop = opcode::Nop::new().build().user_data(u64::MAX);
+        // SAFETY: a no-op request points at no memory. The ring is idle (every flight ends
+        // with nothing queued or in flight), so its queue has room.
+        unsafe { ring.ring.submission().push(&nop) }
+            .map_err(|_| io::Error::other("io_uring submission queue full"))?;
+        loop {
+            match ring.ring.submit_and_wait(1) {
+                Ok(_) => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        // Only the no-op can be waiting here; reap it so the next flight starts clean.
+        let reaped = ring.ring.completion().count();
+        debug_assert_eq!(reaped, 1);
+        let mut workers = [self.depth, 0];
+        ring.ring
+            .submitter()
+            .register_iowq_max_workers(&mut workers)?;
+        Ok(())
+    }
+
     /// Runs the jobs of `ops` through a ring. On a ring failure the jobs not finished are
     /// reported by `ops` as to be redone.
     fn run(&self, ops: &mut dyn Chains) {
@@ -166,6 +198,18 @@ impl Uring {
                 return;
             }
         };
+        if let Err(e) = self.raise_workers(&mut ring) {
+            // Still correct, with fewer pages in flight. The no-op may still be queued or in
+            // flight (it points at no memory): use a fresh ring.
+            tracing::debug!(%e, "file backend: io_uring worker limit unchanged");
+            ring = match self.new_ring() {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(%e, "file backend: no io_uring ring; using blocking I/O");
+                    return;
+                }
+            };
+        }
         let clean = {
             let mut flight = Flight {
                 ring: &mut ring,
@@ -271,7 +315,12 @@ impl Flight<'_> {
             for &(ud, res) in &cqes {
                 let job = (ud >> 3) as usize;
                 let kind = (ud & 7) as u8;
-                match (stage[job], kind) {
+                let Some(&st) = stage.get(job) else {
+                    return Err(io::Error::other(format!(
+                        "io_uring: completion of unknown request {ud:#x}"
+                    )));
+                };
+                match (st, kind) {
                     (Stage::Closing { slot }, CLOSE) => {
                         if res < 0 {
                             // The slot may still hold the file: never hand it out again.
@@ -712,6 +761,36 @@ mod tests {
 
     fn idle_slots(u: &Uring) -> Vec<usize> {
         u.idle.lock().iter().map(|r| r.free.len()).collect()
+    }
+
+    #[test]
+    fn the_worker_limit_is_raised_once_per_thread_and_leaves_the_ring_clean() {
+        let u = Uring::new(16).unwrap();
+        std::thread::spawn(move || {
+            let mut ring = u.take().unwrap();
+            u.raise_workers(&mut ring).unwrap();
+            assert!(ring.ring.completion().is_empty());
+            // Once per thread: the second call submits nothing.
+            u.raise_workers(&mut ring).unwrap();
+            assert!(ring.ring.submission().is_empty());
+            u.give(ring);
+            let dir = tempfile::tempdir().unwrap();
+            let bufs = BufPool::new(2);
+            let ctx = IoCtx {
+                direct: false,
+                bufs: &bufs,
+            };
+            let src = pages(3, 4096);
+            let p: Vec<PageBuf<'_>> = src
+                .chunks(4096)
+                .map(|c| PageBuf::contiguous(LayoutKind::PageFirst, c))
+                .collect();
+            for o in write_all(&u, ctx, dir.path(), &p) {
+                assert!(matches!(o, Outcome::Done(Ok(()))), "{o:?}");
+            }
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]
