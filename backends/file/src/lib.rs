@@ -193,7 +193,7 @@ impl FileBackend {
     /// the fallback path on a kernel that has io_uring).
     fn open_with_probe(
         opts: FileOptions,
-        probe: impl FnOnce(&Path, usize, bool, &BufPool) -> io::Result<Uring>,
+        probe: impl FnOnce(&Path, &FileOptions, bool, &BufPool) -> io::Result<Uring>,
     ) -> Result<Self> {
         sys::raise_nofile_limit();
         let root = opts.dir.clone();
@@ -286,7 +286,7 @@ impl FileBackend {
         // 6. The I/O engine: io_uring if wanted and it works here on a real page.
         let bufs = BufPool::new(opts.io_threads.max(opts.queue_depth) * 2);
         let engine = match choose_engine(opts.io_engine, || {
-            probe(&instance_tmp, opts.queue_depth, direct, &bufs)
+            probe(&instance_tmp, &opts, direct, &bufs)
         }) {
             Ok(Some(u)) => Engine::Uring(u),
             Ok(None) => Engine::Threads,
@@ -411,9 +411,14 @@ impl FileBackend {
     /// Builds the io_uring engine and proves it here: a page written (created, preallocated,
     /// written, synced, renamed) and read back through the ring, with the backend's O_DIRECT
     /// choice, in the instance's scratch directory.
-    fn probe_uring(dir: &Path, depth: usize, direct: bool, bufs: &BufPool) -> io::Result<Uring> {
+    fn probe_uring(
+        dir: &Path,
+        opts: &FileOptions,
+        direct: bool,
+        bufs: &BufPool,
+    ) -> io::Result<Uring> {
         use hicache_core::{LayoutKind, NamespaceId, PageHash};
-        let u = Uring::new(depth)?;
+        let u = Uring::new(opts.queue_depth, opts.io_threads)?;
         let ctx = IoCtx { direct, bufs };
         let key = PageKey::new(NamespaceId([0xa5; 16]), PageHash([0x3c; 32]));
         let mut data = memmap2::MmapMut::map_anon(8192)?;
@@ -1204,7 +1209,7 @@ mod tests {
         assert_eq!(e.raw_os_error(), Some(libc::EPERM));
     }
 
-    fn refused_probe(_: &Path, _: usize, _: bool, _: &BufPool) -> io::Result<Uring> {
+    fn refused_probe(_: &Path, _: &FileOptions, _: bool, _: &BufPool) -> io::Result<Uring> {
         Err(io::Error::from_raw_os_error(libc::ENOSYS))
     }
 

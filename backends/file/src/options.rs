@@ -103,7 +103,8 @@ pub struct FileOptions {
     /// 128: a whole controller batch).
     pub queue_depth: usize,
     /// Threads engine: threads a batch's page I/O is spread over (`io_threads`, 1–256,
-    /// default 32). Also the parallelism of the scan at open.
+    /// default 32). Also the parallelism of the scan at open and, under io_uring, of the
+    /// verification of a batch's reads.
     pub io_threads: usize,
     /// Largest batch accepted (`max_batch`, 128–4096, default 256).
     pub max_batch: usize,

@@ -194,6 +194,12 @@ pub struct ReadIo<'d, 'b> {
     pub direct: bool,
 }
 
+// SAFETY: the only non-`Send` parts are the raw pointers of `iov`, and they point only into
+// memory this value owns (the header box, the staging buffer) or borrows exclusively for `'d`
+// (the destination page, itself `Send`). No other handle to that memory exists while the value
+// lives, so moving it to another thread moves that exclusive access with it.
+unsafe impl Send for ReadIo<'_, '_> {}
+
 impl<'d, 'b> ReadIo<'d, 'b> {
     /// Prepares a read of a page file into `dst`.
     pub fn new(ctx: IoCtx<'_>, dst: &'d mut PageBufMut<'b>) -> io::Result<Self> {
