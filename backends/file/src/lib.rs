@@ -3,7 +3,7 @@
 //! An L3 backend of hicache-rs on a local (or shared) file system: one file per page, written
 //! crash-safely, verified on every read, bounded by a capacity with eviction, recovered on
 //! restart, and usable by several processes at once. The on-disk format and the shared-mode
-//! rules are in the crate README and in [`format`].
+//! rules are in the crate README and in [`format`](mod@format).
 //!
 //! ```no_run
 //! # async fn f() -> hicache_storage::Result<()> {
