@@ -3,7 +3,7 @@
 //! An L3 backend of hicache-rs on a local (or shared) file system: one file per page, written
 //! crash-safely, verified on every read, bounded by a capacity with eviction, recovered on
 //! restart, and usable by several processes at once. The on-disk format and the shared-mode
-//! rules are in the crate README and in [`format`].
+//! rules are in the crate README and in [`format`](mod@format).
 //!
 //! ```no_run
 //! # async fn f() -> hicache_storage::Result<()> {
@@ -18,17 +18,21 @@
 //! ```
 //!
 //! # Invariants
-//! 1. **Visible only when complete.** A page is written to a temp file under `tmp/`, synced
-//!    per the fsync policy, then renamed to its final name; a file under `pages/` is therefore
-//!    always a complete write. Its header and data checksums are verified on every read, so
-//!    even a file damaged after the fact (or, under `fsync: none`, torn by a power loss) reads
-//!    as `Corrupt`, never as a hit.
+//! 1. **Visible only when complete.** A page is written to a temp file beside its final name
+//!    (`pages/<key>.<instance>.<n>.tmp`), synced per the fsync policy, then renamed to it; a
+//!    `.page` file is therefore always a complete write. Its header and data checksums are
+//!    verified on every read, so even a file damaged after the fact (or, under `fsync: none`,
+//!    torn by a power loss) reads as `Corrupt`, never as a hit.
 //! 2. **Acknowledged means committed.** `Stored` is returned only after the rename (and, under
 //!    `batch`/`always`, after data and directory syncs).
 //! 3. **Bounded.** Committed plus in-flight file bytes never exceed the capacity in this
 //!    process's view (see [`index`]); in shared mode the janitor bounds the directory total.
 //! 4. **Recovered.** Opening scans `pages/`, keeps every file whose header and size check out,
 //!    deletes the rest and every stale temp file, counting them in `discarded_on_open`.
+//! 5. **One outcome, either engine.** Page I/O goes through io_uring ([`IoEngine::Uring`],
+//!    chains of linked requests, see `uring.rs`) or a thread pool ([`IoEngine::Threads`]);
+//!    `auto` probes io_uring at open and falls back to threads. Both write the same files in
+//!    the same order of steps and verify reads the same way.
 #![warn(missing_docs)]
 
 pub mod format;
@@ -37,6 +41,7 @@ pub mod options;
 mod pageio;
 mod par;
 mod sys;
+mod uring;
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, File};
@@ -58,9 +63,10 @@ use parking_lot::Mutex;
 
 use crate::format::{HEADER_LEN, Layout, MARKER, MARKER_CONTENTS, file_bytes};
 use crate::index::{Entry, Index};
-pub use crate::options::{DirectIo, FileOptions, FsyncPolicy};
-use crate::pageio::{IoCtx, ReadResult};
+pub use crate::options::{DirectIo, FileOptions, FsyncPolicy, IoEngine};
+use crate::pageio::{IoCtx, ReadIo, ReadResult, WriteIo};
 use crate::sys::BufPool;
+use crate::uring::{Outcome, ReadJob, Uring, WriteJob};
 
 const NAME: &str = "file";
 /// Lock file in `tmp/` serialising instance registration and stale-temp cleanup.
@@ -79,6 +85,35 @@ pub struct OpenReport {
     pub evicted: u64,
     /// Whether O_DIRECT is in use.
     pub direct: bool,
+    /// Whether page I/O goes through io_uring (else through the threads engine).
+    pub uring: bool,
+}
+
+/// How this backend issues page I/O (see [`IoEngine`]).
+#[derive(Debug)]
+enum Engine {
+    Threads,
+    Uring(Uring),
+}
+
+/// Picks the engine for `mode`, calling `probe` (which builds the io_uring engine and proves
+/// it on a real page) unless threads are asked for. `auto` falls back to threads when the
+/// probe fails; `uring` reports the failure.
+fn choose_engine<T>(
+    mode: IoEngine,
+    probe: impl FnOnce() -> io::Result<T>,
+) -> io::Result<Option<T>> {
+    match mode {
+        IoEngine::Threads => Ok(None),
+        IoEngine::Uring => probe().map(Some),
+        IoEngine::Auto => match probe() {
+            Ok(t) => Ok(Some(t)),
+            Err(e) => {
+                tracing::info!(%e, "file backend: io_uring unavailable, using the threads engine");
+                Ok(None)
+            }
+        },
+    }
 }
 
 /// The file backend. See the [crate documentation](crate).
@@ -89,6 +124,7 @@ pub struct FileBackend {
     instance_tmp: PathBuf,
     instance_lock_path: PathBuf,
     direct: bool,
+    engine: Engine,
     capacity: u64,
     rescan_bytes: u64,
     index: Mutex<Index>,
@@ -106,6 +142,7 @@ impl std::fmt::Debug for FileBackend {
         f.debug_struct("FileBackend")
             .field("dir", &self.paths.root)
             .field("direct", &self.direct)
+            .field("engine", &self.engine)
             .field("capacity", &self.capacity)
             .finish_non_exhaustive()
     }
@@ -149,6 +186,15 @@ impl FileBackend {
     /// Opens (creating if needed) the storage directory of `opts`, recovering what a previous
     /// run committed. Blocking: it scans the directory.
     pub fn open(opts: FileOptions) -> Result<Self> {
+        Self::open_with_probe(opts, Self::probe_uring)
+    }
+
+    /// [`open`](Self::open) with the io_uring probe given (tests inject a failing one to take
+    /// the fallback path on a kernel that has io_uring).
+    fn open_with_probe(
+        opts: FileOptions,
+        probe: impl FnOnce(&Path, &FileOptions, bool, &BufPool) -> io::Result<Uring>,
+    ) -> Result<Self> {
         sys::raise_nofile_limit();
         let root = opts.dir.clone();
         let paths = Layout { root: root.clone() };
@@ -237,7 +283,21 @@ impl FileBackend {
                 ok
             }
         };
-        // 6. Scan committed pages.
+        // 6. The I/O engine: io_uring if wanted and it works here on a real page.
+        let bufs = BufPool::new(opts.io_threads.max(opts.queue_depth) * 2);
+        let engine = match choose_engine(opts.io_engine, || {
+            probe(&instance_tmp, &opts, direct, &bufs)
+        }) {
+            Ok(Some(u)) => Engine::Uring(u),
+            Ok(None) => Engine::Threads,
+            Err(e) => {
+                return Err(backend_err(format!(
+                    "{}: io_uring unavailable (io_engine: \"uring\"): {e}",
+                    root.display()
+                )));
+            }
+        };
+        // 7. Scan committed pages.
         let (found, discarded_pages, stale_temp_files) =
             Self::scan(&paths, opts.io_threads, opts.verify_on_open, opts.shared);
         let discarded_temp = stale_temp_dirs + stale_temp_files;
@@ -276,11 +336,13 @@ impl FileBackend {
             discarded_temp,
             evicted: victims.len() as u64,
             direct,
+            uring: matches!(engine, Engine::Uring(_)),
         };
         tracing::info!(dir = %root.display(), ?report, capacity, "file backend opened");
         Ok(Self {
             rescan_bytes: opts.rescan_bytes.unwrap_or((capacity / 16).max(1)),
-            bufs: BufPool::new(opts.io_threads * 2),
+            bufs,
+            engine,
             opts,
             paths,
             instance,
@@ -340,10 +402,72 @@ impl FileBackend {
         let r = (|| -> io::Result<()> {
             let f = sys::create_new(&p, true)?;
             let buf = memmap2::MmapMut::map_anon(4096)?;
-            sys::pwritev_all(&f, &mut [io::IoSlice::new(&buf)], 0)
+            sys::pwritev_all(&f, &[io::IoSlice::new(&buf)], 0)
         })();
         let _ = remove_file(&p);
         r.is_ok()
+    }
+
+    /// Builds the io_uring engine and proves it here: a page written (created, preallocated,
+    /// written, synced, renamed) and read back through the ring, with the backend's O_DIRECT
+    /// choice, in the instance's scratch directory.
+    fn probe_uring(
+        dir: &Path,
+        opts: &FileOptions,
+        direct: bool,
+        bufs: &BufPool,
+    ) -> io::Result<Uring> {
+        use hicache_core::{LayoutKind, NamespaceId, PageHash};
+        let u = Uring::new(opts.queue_depth, opts.io_threads)?;
+        let ctx = IoCtx { direct, bufs };
+        let key = PageKey::new(NamespaceId([0xa5; 16]), PageHash([0x3c; 32]));
+        let mut data = memmap2::MmapMut::map_anon(8192)?;
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = (i * 31 % 251) as u8;
+        }
+        let tmp = dir.join("uring-probe.tmp");
+        let fin = dir.join("uring-probe.page");
+        let page = PageBuf::contiguous(LayoutKind::PageFirst, &data);
+        let mut w = [WriteJob::new(
+            WriteIo::new(ctx, &key, &page)?,
+            sys::cpath(&tmp)?,
+            sys::cpath(&fin)?,
+            true,
+            None,
+        )];
+        let written = u.write(&mut w).pop();
+        if let Some(io) = w[0].take_io() {
+            io.release(bufs);
+        }
+        let fail = |what: String| io::Error::other(format!("io_uring probe: {what}"));
+        let r = (|| {
+            match written {
+                Some(Outcome::Done(Ok(()))) => {}
+                Some(Outcome::Done(Err(e))) => return Err(fail(format!("{}: {}", e.op, e.err))),
+                _ => return Err(fail("the write did not complete".into())),
+            }
+            let mut back = memmap2::MmapMut::map_anon(8192)?;
+            {
+                let mut dst = PageBufMut::contiguous(LayoutKind::PageFirst, &mut back);
+                let mut r = [ReadJob::new(
+                    sys::cpath(&fin)?,
+                    &key,
+                    ReadIo::new(ctx, &mut dst)?,
+                    ctx,
+                )];
+                match u.read(&mut r).pop() {
+                    Some(Outcome::Done(ReadResult::Hit)) => {}
+                    other => return Err(fail(format!("read back: {other:?}"))),
+                }
+            }
+            if back[..] != data[..] {
+                return Err(fail("read back other bytes".into()));
+            }
+            Ok(())
+        })();
+        let _ = remove_file(&tmp);
+        let _ = remove_file(&fin);
+        r.map(|()| u)
     }
 
     /// Lists and checks every page file; returns the valid ones (key, meta, mtime), the
@@ -450,6 +574,11 @@ impl FileBackend {
         self.direct
     }
 
+    /// Whether page I/O goes through io_uring.
+    pub fn uses_uring(&self) -> bool {
+        matches!(self.engine, Engine::Uring(_))
+    }
+
     /// The options it was opened with.
     pub fn options(&self) -> &FileOptions {
         &self.opts
@@ -541,42 +670,43 @@ impl FileBackend {
         }
         self.drop_victims(&victims);
 
-        // Phase 1, in parallel, page by page: write to a temp file beside the final name,
-        // sync its data (unless the policy is `none`), commit it by renaming (so the renames of
-        // early pages overlap the writes of later ones) and, under `always`, sync the directory.
-        let policy = self.opts.fsync;
+        // Phase 1, page by page, many pages in flight: write to a temp file beside the final
+        // name, sync its data (unless the policy is `none`), commit it by renaming (so the
+        // renames of early pages overlap the writes of later ones) and, under `always`, sync
+        // the directory. In shared mode a page another process committed meanwhile is
+        // adopted, not rewritten.
         let shared = self.opts.shared;
-        let io = self.io();
-        let mut results: Vec<(usize, Result<bool, PageError>)> =
+        let mut results: Vec<(usize, Result<bool, PageError>)> = Vec::new();
+        let todo: Vec<usize> = if shared {
             par::par_map(self.opts.io_threads, jobs.clone(), |i| {
-                let key = &keys[i];
-                let page = &src[i];
-                if shared && self.adopt_from_disk(key, Some(page.meta())).is_some() {
-                    return (i, Ok(false));
+                (
+                    i,
+                    self.adopt_from_disk(&keys[i], Some(src[i].meta()))
+                        .is_some(),
+                )
+            })
+            .into_iter()
+            .filter_map(|(i, adopted)| {
+                if adopted {
+                    results.push((i, Ok(false)));
+                    None
+                } else {
+                    Some(i)
                 }
-                let tmp = self.temp_path(key);
-                let r = pageio::write_page_file(io, &tmp, key, page, policy != FsyncPolicy::None)
-                    .map_err(|e| PageError::io("write", &e))
-                    .and_then(|_file| {
-                        fs::rename(&tmp, self.paths.page_path(key))
-                            .map_err(|e| PageError::io("rename", &e))
-                    })
-                    .and_then(|()| {
-                        if policy == FsyncPolicy::Always {
-                            sys::sync_dir(&self.paths.bucket(key))
-                                .map_err(|e| PageError::io("sync directory", &e))
-                        } else {
-                            Ok(())
-                        }
-                    });
-                if r.is_err() {
-                    let _ = remove_file(&tmp);
-                }
-                (i, r.map(|()| true))
-            });
+            })
+            .collect()
+        } else {
+            jobs.clone()
+        };
+        results.extend(match &self.engine {
+            Engine::Uring(u) => self.write_uring(u, keys, src, &todo),
+            Engine::Threads => par::par_map(self.opts.io_threads, todo, |i| {
+                (i, self.write_one(&keys[i], &src[i]))
+            }),
+        });
         // Phase 2 (batch): make the renames durable, one sync per touched directory, before
         // any page of the batch is acknowledged.
-        if policy == FsyncPolicy::Batch {
+        if self.opts.fsync == FsyncPolicy::Batch {
             let buckets: BTreeSet<PathBuf> = results
                 .iter()
                 .filter(|(_, r)| matches!(r, Ok(true)))
@@ -666,29 +796,34 @@ impl FileBackend {
                 }
             }
         }
-        let jobs: Vec<(usize, &mut PageBufMut<'_>)> = dst
+        let mut jobs: Vec<(usize, &mut PageBufMut<'_>)> = dst
             .iter_mut()
             .enumerate()
             .filter(|(i, _)| want[*i])
             .collect();
         let io = self.io();
         let shared = self.opts.shared;
-        let results = par::par_map(self.opts.io_threads, jobs, |(i, d)| {
-            let path = self.paths.page_path(&keys[i]);
-            let r = pageio::read_page_file(io, &path, &keys[i], d);
+        let results: Vec<ReadResult> = match &self.engine {
+            Engine::Uring(u) => self.read_uring(u, keys, &mut jobs),
+            Engine::Threads => par::par_map(
+                self.opts.io_threads,
+                jobs.iter_mut().map(|(i, d)| (*i, &mut **d)).collect(),
+                |(i, d)| pageio::read_page_file(io, &self.paths.page_path(&keys[i]), &keys[i], d),
+            ),
+        };
+        for ((i, d), r) in jobs.iter_mut().zip(results) {
+            let i = *i;
+            let meta = d.meta();
             match &r {
                 ReadResult::Corrupt(_) => d.zero(),
-                ReadResult::Hit(f) if shared => {
-                    let _ = sys::touch_mtime(f);
+                ReadResult::Hit if shared => {
+                    let _ = sys::touch_mtime(&self.paths.page_path(&keys[i]));
                 }
                 _ => {}
             }
-            (i, r, d.meta())
-        });
-        for (i, r, meta) in results {
             let key = &keys[i];
             out[i] = Some(match r {
-                ReadResult::Hit(_) => {
+                ReadResult::Hit => {
                     if shared {
                         let mut ix = self.index.lock();
                         if !ix.contains(key) {
@@ -727,6 +862,165 @@ impl FileBackend {
                     PageOutcome::Failed(PageError::Backend("internal: no outcome".into()))
                 })
             })
+            .collect()
+    }
+
+    /// Writes one page with blocking calls: temp file (synced per the policy), rename, and
+    /// under `always` the directory sync. Returns `Ok(true)` once committed.
+    fn write_one(&self, key: &PageKey, page: &PageBuf<'_>) -> Result<bool, PageError> {
+        let policy = self.opts.fsync;
+        let tmp = self.temp_path(key);
+        let r = pageio::write_page_file(self.io(), &tmp, key, page, policy != FsyncPolicy::None)
+            .map_err(|e| PageError::io("write", &e))
+            .and_then(|_file| {
+                fs::rename(&tmp, self.paths.page_path(key)).map_err(|e| PageError::io("rename", &e))
+            })
+            .and_then(|()| {
+                if policy == FsyncPolicy::Always {
+                    sys::sync_dir(&self.paths.bucket(key))
+                        .map_err(|e| PageError::io("sync directory", &e))
+                } else {
+                    Ok(())
+                }
+            });
+        if r.is_err() {
+            let _ = remove_file(&tmp);
+        }
+        r.map(|()| true)
+    }
+
+    /// Writes the pages `todo` (indices into `keys`/`src`) through the ring, as
+    /// [`write_one`](Self::write_one) would each; pages the ring hands back are written
+    /// with blocking calls.
+    fn write_uring(
+        &self,
+        u: &Uring,
+        keys: &[PageKey],
+        src: &[PageBuf<'_>],
+        todo: &[usize],
+    ) -> Vec<(usize, Result<bool, PageError>)> {
+        let io = self.io();
+        let policy = self.opts.fsync;
+        let mut out = Vec::with_capacity(todo.len());
+        // Under `always`, each rename is followed by a sync of its directory, open for the
+        // whole batch.
+        let mut dirs: HashMap<PathBuf, io::Result<File>> = HashMap::new();
+        let mut jobs = Vec::with_capacity(todo.len());
+        let mut which = Vec::with_capacity(todo.len());
+        for &i in todo {
+            let key = &keys[i];
+            let dir = if policy == FsyncPolicy::Always {
+                let b = self.paths.bucket(key);
+                match dirs.entry(b.clone()).or_insert_with(|| File::open(&b)) {
+                    Ok(f) => Some(std::os::fd::AsRawFd::as_raw_fd(f)),
+                    Err(e) => {
+                        out.push((i, Err(PageError::io("sync directory", e))));
+                        continue;
+                    }
+                }
+            } else {
+                None
+            };
+            let tmp = self.temp_path(key);
+            let job = (|| {
+                Ok::<_, io::Error>(WriteJob::new(
+                    WriteIo::new(io, key, &src[i])?,
+                    sys::cpath(&tmp)?,
+                    sys::cpath(&self.paths.page_path(key))?,
+                    policy != FsyncPolicy::None,
+                    dir,
+                ))
+            })();
+            match job {
+                Ok(j) => {
+                    jobs.push(j);
+                    which.push((i, tmp));
+                }
+                Err(e) => out.push((i, Err(PageError::io("write", &e)))),
+            }
+        }
+        let outcomes = u.write(&mut jobs);
+        for j in &mut jobs {
+            if let Some(w) = j.take_io() {
+                w.release(&self.bufs);
+            }
+        }
+        drop(jobs);
+        drop(dirs);
+        let mut redo = Vec::new();
+        for ((i, tmp), o) in which.into_iter().zip(outcomes) {
+            match o {
+                Outcome::Done(Ok(())) => out.push((i, Ok(true))),
+                Outcome::Done(Err(e)) => {
+                    let _ = remove_file(&tmp);
+                    out.push((i, Err(PageError::io(e.op, &e.err))));
+                }
+                Outcome::Redo => {
+                    let _ = remove_file(&tmp);
+                    redo.push(i);
+                }
+            }
+        }
+        // Pages the ring handed back (all of them if it failed): the threads engine's way.
+        out.extend(par::par_map(self.opts.io_threads, redo, |i| {
+            (i, self.write_one(&keys[i], &src[i]))
+        }));
+        out
+    }
+
+    /// Reads the pages of `jobs` (index into `keys`, destination) through the ring; results
+    /// in job order. Pages the ring hands back are read with blocking calls.
+    fn read_uring(
+        &self,
+        u: &Uring,
+        keys: &[PageKey],
+        jobs: &mut [(usize, &mut PageBufMut<'_>)],
+    ) -> Vec<ReadResult> {
+        let io = self.io();
+        let mut results: Vec<Option<ReadResult>> = (0..jobs.len()).map(|_| None).collect();
+        let outcomes: Vec<(usize, Outcome<ReadResult>)> = {
+            let mut ring_jobs = Vec::with_capacity(jobs.len());
+            let mut which = Vec::with_capacity(jobs.len());
+            for (x, (i, d)) in jobs.iter_mut().enumerate() {
+                let key = &keys[*i];
+                let job = sys::cpath(&self.paths.page_path(key))
+                    .and_then(|p| Ok(ReadJob::new(p, key, ReadIo::new(io, d)?, io)));
+                match job {
+                    Ok(j) => {
+                        ring_jobs.push(j);
+                        which.push(x);
+                    }
+                    Err(e) => results[x] = Some(ReadResult::Io(e)),
+                }
+            }
+            let out = u.read(&mut ring_jobs);
+            which.into_iter().zip(out).collect()
+        };
+        let mut redo = vec![false; jobs.len()];
+        for (x, o) in outcomes {
+            match o {
+                Outcome::Done(r) => results[x] = Some(r),
+                Outcome::Redo => redo[x] = true,
+            }
+        }
+        // Pages the ring handed back (all of them if it failed): the threads engine's way.
+        let again: Vec<(usize, &mut (usize, &mut PageBufMut<'_>))> = jobs
+            .iter_mut()
+            .enumerate()
+            .filter(|(x, _)| redo[*x])
+            .collect();
+        for (x, r) in par::par_map(self.opts.io_threads, again, |(x, (i, d))| {
+            let key = &keys[*i];
+            (
+                x,
+                pageio::read_page_file(io, &self.paths.page_path(key), key, d),
+            )
+        }) {
+            results[x] = Some(r);
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| ReadResult::Io(io::Error::other("internal: no result"))))
             .collect()
     }
 
@@ -888,4 +1182,73 @@ impl BackendFactory for FileFactory {
 /// Adds the file backend to `registry` (one call, as any third-party backend would).
 pub fn register(registry: &Registry) -> Result<()> {
     registry.register(FileFactory)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused() -> io::Result<u32> {
+        Err(io::Error::from_raw_os_error(libc::EPERM))
+    }
+
+    #[test]
+    fn engine_choice_and_fallback() {
+        let mut probed = false;
+        let r = choose_engine(IoEngine::Threads, || {
+            probed = true;
+            Ok(1)
+        });
+        assert_eq!(r.unwrap(), None);
+        assert!(!probed, "threads never touch io_uring");
+        assert_eq!(choose_engine(IoEngine::Auto, || Ok(1)).unwrap(), Some(1));
+        assert_eq!(choose_engine(IoEngine::Uring, || Ok(1)).unwrap(), Some(1));
+        // io_uring refused (old kernel, seccomp, sysctl): auto falls back, uring fails.
+        assert_eq!(choose_engine(IoEngine::Auto, refused).unwrap(), None);
+        let e = choose_engine(IoEngine::Uring, refused).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM));
+    }
+
+    fn refused_probe(_: &Path, _: &FileOptions, _: bool, _: &BufPool) -> io::Result<Uring> {
+        Err(io::Error::from_raw_os_error(libc::ENOSYS))
+    }
+
+    /// A whole open whose io_uring probe fails (as under a seccomp policy or
+    /// `io_uring_disabled`): `auto` opens on the threads engine and serves pages, `uring`
+    /// refuses to open and says why.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn auto_falls_back_to_threads_when_the_probe_fails() {
+        use hicache_core::LayoutKind;
+        use hicache_storage::pattern::{check_page, namespace, page_bytes, page_key};
+        let dir = tempfile::tempdir().unwrap();
+        let mut o = FileOptions::new(dir.path());
+        o.capacity_bytes = Some(64 << 20);
+        let s = FileBackend::open_with_probe(o.clone(), refused_probe).unwrap();
+        assert!(!s.uses_uring() && !s.open_report().uring);
+        let len = 64 << 10;
+        let keys: Vec<PageKey> = (0..20).map(|i| page_key(namespace(1), 9, i)).collect();
+        let src: Vec<Vec<u8>> = keys.iter().map(|k| page_bytes(k, len)).collect();
+        let bufs: Vec<PageBuf<'_>> = src
+            .iter()
+            .map(|b| PageBuf::contiguous(LayoutKind::PageFirst, b))
+            .collect();
+        let out = s.batch_set(&keys, &bufs).await.unwrap();
+        assert!(out.iter().all(|o| *o == PageOutcome::Stored), "{out:?}");
+        let mut back = memmap2::MmapMut::map_anon(keys.len() * len).unwrap();
+        let mut dst: Vec<PageBufMut<'_>> = back
+            .chunks_mut(len)
+            .map(|c| PageBufMut::contiguous(LayoutKind::PageFirst, c))
+            .collect();
+        let out = s.batch_get(&keys, &mut dst).await.unwrap();
+        assert!(out.iter().all(|o| *o == PageOutcome::Hit), "{out:?}");
+        drop(dst);
+        for (k, c) in keys.iter().zip(back.chunks(len)) {
+            assert!(check_page(k, c), "{k}");
+        }
+        drop(s);
+        o.io_engine = IoEngine::Uring;
+        let e = FileBackend::open_with_probe(o, refused_probe).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("io_engine") && msg.contains("uring"), "{msg}");
+    }
 }

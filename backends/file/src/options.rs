@@ -57,6 +57,31 @@ impl DirectIo {
     }
 }
 
+/// How a batch's page I/O is issued.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum IoEngine {
+    /// io_uring where the kernel allows it (probed at open), threads otherwise (default).
+    #[default]
+    Auto,
+    /// io_uring or fail to open.
+    Uring,
+    /// A pool of threads doing blocking system calls.
+    Threads,
+}
+
+impl IoEngine {
+    /// Configuration spellings.
+    pub const NAMES: [&'static str; 3] = ["auto", "uring", "threads"];
+
+    fn parse(s: &str) -> Self {
+        match s {
+            "uring" => Self::Uring,
+            "threads" => Self::Threads,
+            _ => Self::Auto,
+        }
+    }
+}
+
 /// Options of a [`FileBackend`](crate::FileBackend).
 #[derive(Clone, Debug, PartialEq)]
 pub struct FileOptions {
@@ -72,7 +97,14 @@ pub struct FileOptions {
     pub direct_io: DirectIo,
     /// Eviction order (`eviction`: `lru` | `fifo`, default `lru`).
     pub eviction: EvictionPolicy,
-    /// Threads a batch's page I/O is spread over (`io_threads`, 1–256, default 32).
+    /// How page I/O is issued (`io_engine`: `auto` | `uring` | `threads`, default `auto`).
+    pub io_engine: IoEngine,
+    /// io_uring engine: pages of a batch in flight at once (`queue_depth`, 1–1024, default
+    /// 128: a whole controller batch).
+    pub queue_depth: usize,
+    /// Threads engine: threads a batch's page I/O is spread over (`io_threads`, 1–256,
+    /// default 32). Also the parallelism of the scan at open and, under io_uring, of the
+    /// verification of a batch's reads.
     pub io_threads: usize,
     /// Largest batch accepted (`max_batch`, 128–4096, default 256).
     pub max_batch: usize,
@@ -95,6 +127,8 @@ impl FileOptions {
             fsync: FsyncPolicy::Batch,
             direct_io: DirectIo::Auto,
             eviction: EvictionPolicy::Lru,
+            io_engine: IoEngine::Auto,
+            queue_depth: 128,
             io_threads: 32,
             max_batch: 256,
             shared: false,
@@ -120,6 +154,8 @@ impl FileOptions {
             direct_io: DirectIo::parse(f.choice("direct_io", "auto", &DirectIo::NAMES)?),
             eviction: EvictionPolicy::parse(f.choice("eviction", "lru", &EvictionPolicy::NAMES)?)
                 .unwrap_or_default(),
+            io_engine: IoEngine::parse(f.choice("io_engine", "auto", &IoEngine::NAMES)?),
+            queue_depth: f.u64("queue_depth", d.queue_depth as u64, 1..=1024)? as usize,
             io_threads: f.u64("io_threads", d.io_threads as u64, 1..=256)? as usize,
             max_batch: f.u64("max_batch", d.max_batch as u64, 128..=4096)? as usize,
             shared: f.bool("shared", false)?,
@@ -149,7 +185,7 @@ mod tests {
         assert_eq!(o, FileOptions::new("/d"));
         let o = parse(
             r#"{"dir": "/d", "capacity": "2GiB", "fsync": "always", "direct_io": "off",
-                "eviction": "fifo", "io_threads": 4, "max_batch": 512, "shared": true,
+                "eviction": "fifo", "io_engine": "threads", "queue_depth": 16, "io_threads": 4, "max_batch": 512, "shared": true,
                 "rescan_bytes": "64MiB", "verify_on_open": true}"#,
         )
         .unwrap();
@@ -158,6 +194,13 @@ mod tests {
         assert_eq!(o.direct_io, DirectIo::Off);
         assert_eq!(o.eviction, EvictionPolicy::Fifo);
         assert_eq!((o.io_threads, o.max_batch), (4, 512));
+        assert_eq!((o.io_engine, o.queue_depth), (IoEngine::Threads, 16));
+        assert_eq!(
+            parse(r#"{"dir": "/d", "io_engine": "uring"}"#)
+                .unwrap()
+                .io_engine,
+            IoEngine::Uring
+        );
         assert!(o.shared && o.verify_on_open);
         assert_eq!(o.rescan_bytes, Some(64 << 20));
     }
@@ -172,6 +215,10 @@ mod tests {
             (r#"{"dir": "/d", "fsync": true}"#, "fsync"),
             (r#"{"dir": "/d", "direct_io": "yes"}"#, "direct_io"),
             (r#"{"dir": "/d", "eviction": "random"}"#, "eviction"),
+            (r#"{"dir": "/d", "io_engine": "aio"}"#, "io_engine"),
+            (r#"{"dir": "/d", "io_engine": 1}"#, "io_engine"),
+            (r#"{"dir": "/d", "queue_depth": 0}"#, "queue_depth"),
+            (r#"{"dir": "/d", "queue_depth": 4096}"#, "queue_depth"),
             (r#"{"dir": "/d", "io_threads": 0}"#, "io_threads"),
             (r#"{"dir": "/d", "io_threads": 1000}"#, "io_threads"),
             (r#"{"dir": "/d", "io_threads": "8"}"#, "io_threads"),

@@ -1,14 +1,25 @@
-//! Writing and reading one page file (see [`format`](crate::format)), with O_DIRECT straight
-//! from and into the caller's buffers when they are sector-aligned, through a pooled aligned
-//! staging buffer when writing unaligned pages with O_DIRECT, and buffered otherwise.
+//! One page file's I/O (see [`format`](crate::format)), independent of how it is issued.
+//!
+//! [`WriteIo`] prepares a page's file bytes (header, data, padding) as one iovec list and
+//! [`ReadIo`] the destination of a page file's bytes (header buffer, then the caller's page),
+//! so that a page is written with one vectored write and read with one vectored read, whether
+//! by a blocking system call ([`write_page_file`], [`read_page_file`]) or by an io_uring
+//! request ([`uring`](crate::uring)). [`ReadIo::finish`] verifies what a read brought in.
+//!
+//! With O_DIRECT, a page whose parts are sector-aligned in address and length (the pinned
+//! host pool's pages are) moves straight from and into the caller's memory; an unaligned page
+//! is written through a pooled aligned staging copy and read buffered. A page of more parts
+//! than one vectored call takes is staged through one buffer.
 
 use std::fs::File;
-use std::io::{self, IoSlice, IoSliceMut};
+use std::io;
+use std::marker::PhantomData;
 use std::path::Path;
 
 use hicache_core::PageKey;
 use hicache_storage::checksum::{checksum_page, checksum_page_mut};
 use hicache_storage::{PageBuf, PageBufMut, PageMeta};
+use memmap2::MmapMut;
 
 use crate::format::{HEADER_LEN, Header, SECTOR, pad};
 use crate::sys::{self, BufPool, IOV_MAX};
@@ -18,7 +29,7 @@ use crate::sys::{self, BufPool, IOV_MAX};
 pub struct IoCtx<'a> {
     /// O_DIRECT is available and wanted.
     pub direct: bool,
-    /// Aligned buffers for headers and staging.
+    /// Aligned buffers for staging.
     pub bufs: &'a BufPool,
 }
 
@@ -33,13 +44,104 @@ impl HeaderBuf {
     }
 }
 
+/// Zeros for the padding of buffered writes (only ever read from).
+static ZEROS: [u8; SECTOR] = [0u8; SECTOR];
+
+fn iovec(ptr: *const u8, len: usize) -> libc::iovec {
+    libc::iovec {
+        iov_base: ptr.cast_mut().cast(),
+        iov_len: len,
+    }
+}
+
 fn parts_aligned(mut parts: impl Iterator<Item = (*const u8, usize)>, count: usize) -> bool {
     count < IOV_MAX && parts.all(|(p, l)| sys::is_aligned(p, l, SECTOR))
 }
 
+/// One page's file bytes, prepared for a single vectored write at offset 0.
+///
+/// The iovecs point into the header buffer and staging copy this value owns and into the
+/// caller's page it borrows for `'a`, so they stay valid for as long as it lives.
+pub struct WriteIo<'a> {
+    _header: Box<HeaderBuf>,
+    staged: Option<MmapMut>,
+    iov: Vec<libc::iovec>,
+    total: usize,
+    /// Open the file with O_DIRECT.
+    pub direct: bool,
+    /// The file's length: header, data, padding (what to preallocate).
+    pub file_len: u64,
+    _page: PhantomData<&'a [u8]>,
+}
+
+impl<'a> WriteIo<'a> {
+    /// Prepares the file bytes of `page` under `key`.
+    pub fn new(ctx: IoCtx<'_>, key: &PageKey, page: &PageBuf<'a>) -> io::Result<Self> {
+        let meta = page.meta();
+        let mut header = HeaderBuf::new();
+        Header {
+            key: *key,
+            meta,
+            checksum: checksum_page(page),
+        }
+        .encode(&mut header.0);
+        let padded = pad(meta.len);
+        let parts = page.parts();
+        let in_place = if ctx.direct {
+            parts_aligned(parts.iter().map(|p| (p.as_ptr(), p.len())), parts.len())
+        } else {
+            parts.len() + 2 <= IOV_MAX
+        };
+        let mut iov = Vec::with_capacity(parts.len() + 2);
+        iov.push(iovec(header.0.as_ptr(), HEADER_LEN));
+        let staged = if in_place {
+            iov.extend(parts.iter().map(|p| iovec(p.as_ptr(), p.len())));
+            if padded > meta.len {
+                iov.push(iovec(ZEROS.as_ptr(), padded - meta.len));
+            }
+            None
+        } else {
+            let mut buf = ctx.bufs.take(padded)?;
+            let mut off = 0;
+            for p in parts {
+                buf[off..off + p.len()].copy_from_slice(p);
+                off += p.len();
+            }
+            buf[off..padded].fill(0);
+            iov.push(iovec(buf.as_ptr(), padded));
+            Some(buf)
+        };
+        Ok(Self {
+            _header: header,
+            staged,
+            iov,
+            total: HEADER_LEN + padded,
+            direct: ctx.direct,
+            file_len: (HEADER_LEN + padded) as u64,
+            _page: PhantomData,
+        })
+    }
+
+    /// The file's bytes, in order; valid while `self` lives. At most [`IOV_MAX`] entries.
+    pub fn iovecs(&self) -> &[libc::iovec] {
+        &self.iov
+    }
+
+    /// Bytes the iovecs hold (the file's length).
+    pub fn total(&self) -> usize {
+        self.total
+    }
+
+    /// Returns the staging buffer, if any, to the pool.
+    pub fn release(self, bufs: &BufPool) {
+        if let Some(b) = self.staged {
+            bufs.give(b);
+        }
+    }
+}
+
 /// Writes a complete page file at `path`, which must not exist (a fresh temp name). With
-/// `sync`, its data is flushed to stable storage before returning. Returns the open file, for
-/// a later sync.
+/// `sync`, its data is flushed to stable storage before returning. Returns the open file.
 pub fn write_page_file(
     ctx: IoCtx<'_>,
     path: &Path,
@@ -47,62 +149,26 @@ pub fn write_page_file(
     page: &PageBuf<'_>,
     sync: bool,
 ) -> io::Result<File> {
-    let meta = page.meta();
-    let header = Header {
-        key: *key,
-        meta,
-        checksum: checksum_page(page),
-    };
-    let padded = pad(meta.len);
-    let direct_in_place = ctx.direct
-        && parts_aligned(
-            page.parts().iter().map(|p| (p.as_ptr(), p.len())),
-            page.parts().len(),
-        );
-    let file = sys::create_new(path, ctx.direct)?;
-    sys::preallocate(&file, (HEADER_LEN + padded) as u64)?;
-    let result = if direct_in_place {
-        let mut hbuf = HeaderBuf::new();
-        header.encode(&mut hbuf.0);
-        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(page.parts().len() + 1);
-        iov.push(IoSlice::new(&hbuf.0));
-        iov.extend(page.parts().iter().map(|p| IoSlice::new(p)));
-        sys::pwritev_all(&file, &mut iov, 0)
-    } else if ctx.direct {
-        let total = HEADER_LEN + padded;
-        let mut buf = ctx.bufs.take(total)?;
-        header.encode(&mut buf);
-        let mut off = HEADER_LEN;
-        for p in page.parts() {
-            buf[off..off + p.len()].copy_from_slice(p);
-            off += p.len();
+    let w = WriteIo::new(ctx, key, page)?;
+    let r = (|| {
+        let file = sys::create_new(path, w.direct)?;
+        sys::preallocate(&file, w.file_len)?;
+        // SAFETY: `w` owns or borrows every byte its iovecs describe and outlives the call.
+        unsafe { sys::pwritev_raw(&file, w.iovecs(), 0)? };
+        if sync {
+            file.sync_data()?;
         }
-        buf[off..total].fill(0);
-        let r = sys::pwritev_all(&file, &mut [IoSlice::new(&buf[..total])], 0);
-        ctx.bufs.give(buf);
-        r
-    } else {
-        let mut hbuf = [0u8; HEADER_LEN];
-        header.encode(&mut hbuf);
-        let zeros = [0u8; SECTOR];
-        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(page.parts().len() + 2);
-        iov.push(IoSlice::new(&hbuf));
-        iov.extend(page.parts().iter().map(|p| IoSlice::new(p)));
-        iov.push(IoSlice::new(&zeros[..padded - meta.len]));
-        sys::pwritev_all(&file, &mut iov, 0)
-    };
-    result?;
-    if sync {
-        file.sync_data()?;
-    }
-    Ok(file)
+        Ok(file)
+    })();
+    w.release(ctx.bufs);
+    r
 }
 
 /// What reading a page file found.
 #[derive(Debug)]
 pub enum ReadResult {
     /// The destination holds the page, verified.
-    Hit(File),
+    Hit,
     /// No file.
     Missing,
     /// A valid page with other metadata (the destination may have been written).
@@ -113,6 +179,107 @@ pub enum ReadResult {
     Io(io::Error),
 }
 
+/// A page file's destination, prepared for a single vectored read at offset 0: the header
+/// buffer, then the caller's page (or a staging buffer standing in for it).
+///
+/// The iovecs point into the header buffer and staging buffer this value owns and into the
+/// page it borrows exclusively for `'d`, so they stay valid, and nothing else touches that
+/// memory, for as long as it lives.
+pub struct ReadIo<'d, 'b> {
+    dst: &'d mut PageBufMut<'b>,
+    header: Box<HeaderBuf>,
+    staged: Option<MmapMut>,
+    iov: Vec<libc::iovec>,
+    /// Open the file with O_DIRECT.
+    pub direct: bool,
+}
+
+// SAFETY: the only non-`Send` parts are the raw pointers of `iov`, and they point only into
+// memory this value owns (the header box, the staging buffer) or borrows exclusively for `'d`
+// (the destination page, itself `Send`). No other handle to that memory exists while the value
+// lives, so moving it to another thread moves that exclusive access with it.
+unsafe impl Send for ReadIo<'_, '_> {}
+
+impl<'d, 'b> ReadIo<'d, 'b> {
+    /// Prepares a read of a page file into `dst`.
+    pub fn new(ctx: IoCtx<'_>, dst: &'d mut PageBufMut<'b>) -> io::Result<Self> {
+        let count = dst.parts().len();
+        let direct =
+            ctx.direct && parts_aligned(dst.parts().iter().map(|p| (p.as_ptr(), p.len())), count);
+        let mut header = HeaderBuf::new();
+        let mut iov = Vec::with_capacity(count + 1);
+        iov.push(iovec(header.0.as_mut_ptr(), HEADER_LEN));
+        let staged = if direct || count < IOV_MAX {
+            iov.extend(
+                dst.parts_mut()
+                    .iter_mut()
+                    .map(|p| iovec(p.as_mut_ptr(), p.len())),
+            );
+            None
+        } else {
+            let mut buf = ctx.bufs.take(dst.len())?;
+            iov.push(iovec(buf.as_mut_ptr(), dst.len()));
+            Some(buf)
+        };
+        Ok(Self {
+            dst,
+            header,
+            staged,
+            iov,
+            direct,
+        })
+    }
+
+    /// Where the file's bytes go, in order; valid while `self` lives. At most [`IOV_MAX`]
+    /// entries.
+    pub fn iovecs(&self) -> &[libc::iovec] {
+        &self.iov
+    }
+
+    /// Bytes the iovecs take: the header and the page.
+    pub fn total(&self) -> usize {
+        HEADER_LEN + self.dst.len()
+    }
+
+    /// Verifies header, key, metadata, length and checksum after a read that returned `n`
+    /// (bytes read from offset 0, or the error), and returns the staging buffer to `bufs`.
+    /// After anything but `Hit` the destination's contents are unspecified.
+    pub fn finish(mut self, n: io::Result<usize>, key: &PageKey, bufs: &BufPool) -> ReadResult {
+        let r = self.verify(n, key);
+        if let Some(b) = self.staged.take() {
+            bufs.give(b);
+        }
+        r
+    }
+
+    fn verify(&mut self, n: io::Result<usize>, key: &PageKey) -> ReadResult {
+        let n = match n {
+            Ok(n) => n,
+            Err(e) => return ReadResult::Io(e),
+        };
+        let header = match Header::decode(&self.header.0) {
+            Ok(h) => h,
+            Err(e) => return ReadResult::Corrupt(format!("header: {e}")),
+        };
+        if header.key != *key {
+            return ReadResult::Corrupt(format!("header names key {}", header.key));
+        }
+        if header.meta != self.dst.meta() {
+            return ReadResult::Mismatch(header.meta);
+        }
+        if n < self.total() {
+            return ReadResult::Corrupt(format!("truncated: {} of {} bytes", n, self.total()));
+        }
+        if let Some(b) = &self.staged {
+            self.dst.copy_from(&b[..self.dst.len()]);
+        }
+        if checksum_page_mut(self.dst) != header.checksum {
+            return ReadResult::Corrupt("data checksum mismatch".into());
+        }
+        ReadResult::Hit
+    }
+}
+
 /// Reads the page file at `path` into `dst`, verifying header, key, metadata and checksum.
 /// After anything but `Hit` the destination's contents are unspecified.
 pub fn read_page_file(
@@ -121,46 +288,19 @@ pub fn read_page_file(
     key: &PageKey,
     dst: &mut PageBufMut<'_>,
 ) -> ReadResult {
-    let direct = ctx.direct
-        && parts_aligned(
-            dst.parts().iter().map(|p| (p.as_ptr(), p.len())),
-            dst.parts().len(),
-        );
-    let file = match sys::open_read(path, direct) {
+    let r = match ReadIo::new(ctx, dst) {
+        Ok(r) => r,
+        Err(e) => return ReadResult::Io(e),
+    };
+    let file = match sys::open_read(path, r.direct) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return ReadResult::Missing,
         Err(e) => return ReadResult::Io(e),
     };
-    let mut hbuf = HeaderBuf::new();
-    let want = dst.len();
-    let n = {
-        let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(dst.parts().len() + 1);
-        iov.push(IoSliceMut::new(&mut hbuf.0));
-        iov.extend(dst.parts_mut().iter_mut().map(|p| IoSliceMut::new(p)));
-        sys::preadv_all(&file, &mut iov, 0)
-    };
-    let header = Header::decode(&hbuf.0);
-    let n = match n {
-        Ok(n) => n,
-        Err(e) => return ReadResult::Io(e),
-    };
-    let header = match header {
-        Ok(h) => h,
-        Err(e) => return ReadResult::Corrupt(format!("header: {e}")),
-    };
-    if header.key != *key {
-        return ReadResult::Corrupt(format!("header names key {}", header.key));
-    }
-    if header.meta != dst.meta() {
-        return ReadResult::Mismatch(header.meta);
-    }
-    if n < HEADER_LEN + want {
-        return ReadResult::Corrupt(format!("truncated: {} of {} bytes", n, HEADER_LEN + want));
-    }
-    if checksum_page_mut(dst) != header.checksum {
-        return ReadResult::Corrupt("data checksum mismatch".into());
-    }
-    ReadResult::Hit(file)
+    // SAFETY: `r` borrows or owns every byte its iovecs describe, exclusively, and outlives
+    // the call.
+    let n = unsafe { sys::preadv_raw(&file, r.iovecs(), 0) };
+    r.finish(n, key, ctx.bufs)
 }
 
 /// Reads and verifies only the header of the file at `path`, and that the file's size fits

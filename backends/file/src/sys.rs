@@ -5,7 +5,7 @@
 //! derived from live Rust slices; each names its invariant.
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, IoSlice, IoSliceMut};
+use std::io::{self, IoSlice};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
@@ -53,17 +53,38 @@ pub fn preallocate(file: &File, len: u64) -> io::Result<()> {
     }
 }
 
-/// Writes every byte of `bufs` at `offset`, retrying short writes.
-pub fn pwritev_all(file: &File, bufs: &mut [IoSlice<'_>], mut offset: u64) -> io::Result<()> {
-    let mut bufs = bufs;
-    while !bufs.is_empty() {
-        let n = bufs.len().min(IOV_MAX);
-        // SAFETY: `IoSlice` is guaranteed ABI-compatible with `iovec` on Unix; the first `n`
-        // slices are live borrows for the duration of the call; the fd is open for writing.
+/// Drops the first `n` bytes from an iovec list (whole entries, then a prefix of the next).
+fn advance(iov: &mut &mut [libc::iovec], mut n: usize) {
+    let mut i = 0;
+    while i < iov.len() && n >= iov[i].iov_len {
+        n -= iov[i].iov_len;
+        i += 1;
+    }
+    let rest = std::mem::take(iov);
+    *iov = &mut rest[i..];
+    if n > 0 {
+        let v = &mut iov[0];
+        v.iov_base = v.iov_base.cast::<u8>().wrapping_add(n).cast();
+        v.iov_len -= n;
+    }
+}
+
+/// Writes every byte `iov` describes at `offset`, retrying short writes.
+///
+/// # Safety
+/// Every iovec must describe memory valid for reads for the whole call.
+pub unsafe fn pwritev_raw(file: &File, iov: &[libc::iovec], mut offset: u64) -> io::Result<()> {
+    let mut owned = iov.to_vec();
+    let mut cur: &mut [libc::iovec] = &mut owned;
+    advance(&mut cur, 0);
+    while !cur.is_empty() {
+        let n = cur.len().min(IOV_MAX);
+        // SAFETY: the caller guarantees the iovecs describe readable memory (advancing keeps
+        // them inside it); the fd is open for writing.
         let r = unsafe {
             libc::pwritev(
                 file.as_raw_fd(),
-                bufs.as_ptr().cast::<libc::iovec>(),
+                cur.as_ptr(),
                 n as libc::c_int,
                 offset as libc::off_t,
             )
@@ -82,24 +103,30 @@ pub fn pwritev_all(file: &File, bufs: &mut [IoSlice<'_>], mut offset: u64) -> io
             ));
         }
         offset += r as u64;
-        IoSlice::advance_slices(&mut bufs, r as usize);
+        advance(&mut cur, r as usize);
     }
     Ok(())
 }
 
-/// Reads into `bufs` from `offset` until they are full or the file ends; returns the number of
-/// bytes read.
-pub fn preadv_all(file: &File, bufs: &mut [IoSliceMut<'_>], mut offset: u64) -> io::Result<usize> {
-    let mut bufs = bufs;
+/// Reads into the memory `iov` describes from `offset` until it is full or the file ends;
+/// returns the number of bytes read.
+///
+/// # Safety
+/// Every iovec must describe memory valid for writes, not otherwise accessed, for the whole
+/// call.
+pub unsafe fn preadv_raw(file: &File, iov: &[libc::iovec], mut offset: u64) -> io::Result<usize> {
+    let mut owned = iov.to_vec();
+    let mut cur: &mut [libc::iovec] = &mut owned;
+    advance(&mut cur, 0);
     let mut total = 0;
-    while !bufs.is_empty() {
-        let n = bufs.len().min(IOV_MAX);
-        // SAFETY: `IoSliceMut` is guaranteed ABI-compatible with `iovec` on Unix; the first `n`
-        // slices are live exclusive borrows for the duration of the call; the fd is readable.
+    while !cur.is_empty() {
+        let n = cur.len().min(IOV_MAX);
+        // SAFETY: the caller guarantees the iovecs describe writable memory (advancing keeps
+        // them inside it); the fd is readable.
         let r = unsafe {
             libc::preadv(
                 file.as_raw_fd(),
-                bufs.as_mut_ptr().cast::<libc::iovec>(),
+                cur.as_ptr(),
                 n as libc::c_int,
                 offset as libc::off_t,
             )
@@ -116,9 +143,41 @@ pub fn preadv_all(file: &File, bufs: &mut [IoSliceMut<'_>], mut offset: u64) -> 
         }
         offset += r as u64;
         total += r as usize;
-        IoSliceMut::advance_slices(&mut bufs, r as usize);
+        advance(&mut cur, r as usize);
     }
     Ok(total)
+}
+
+/// Writes every byte of `bufs` at `offset`, retrying short writes.
+pub fn pwritev_all(file: &File, bufs: &[IoSlice<'_>], offset: u64) -> io::Result<()> {
+    // SAFETY: `IoSlice` is ABI-compatible with `iovec` on Unix, and each is a live shared
+    // borrow for the duration of the call.
+    unsafe {
+        pwritev_raw(
+            file,
+            std::slice::from_raw_parts(bufs.as_ptr().cast::<libc::iovec>(), bufs.len()),
+            offset,
+        )
+    }
+}
+
+/// Reads into `bufs` from `offset` until they are full or the file ends; returns the number of
+/// bytes read.
+#[cfg(test)]
+pub fn preadv_all(
+    file: &File,
+    bufs: &mut [std::io::IoSliceMut<'_>],
+    offset: u64,
+) -> io::Result<usize> {
+    // SAFETY: `IoSliceMut` is ABI-compatible with `iovec` on Unix, and each is a live
+    // exclusive borrow for the duration of the call.
+    unsafe {
+        preadv_raw(
+            file,
+            std::slice::from_raw_parts(bufs.as_ptr().cast::<libc::iovec>(), bufs.len()),
+            offset,
+        )
+    }
 }
 
 /// `flock` on a file: exclusive or shared, never blocking. Returns `Ok(false)` if another
@@ -168,8 +227,17 @@ pub fn unflock(file: &File) {
     }
 }
 
-/// Sets the file's modification time to now (shared-mode recency for the janitor).
-pub fn touch_mtime(file: &File) -> io::Result<()> {
+/// `path` as a C string (for system calls and io_uring requests).
+pub fn cpath(path: &Path) -> io::Result<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path has a NUL byte"))
+}
+
+/// Sets the modification time of the file at `path` to now (shared-mode recency for the
+/// janitor).
+pub fn touch_mtime(path: &Path) -> io::Result<()> {
+    let c = cpath(path)?;
     let times = [
         libc::timespec {
             tv_sec: 0,
@@ -180,8 +248,9 @@ pub fn touch_mtime(file: &File) -> io::Result<()> {
             tv_nsec: libc::UTIME_NOW,
         },
     ];
-    // SAFETY: `times` is a live array of two timespecs as futimens requires.
-    let r = unsafe { libc::futimens(file.as_raw_fd(), times.as_ptr()) };
+    // SAFETY: `c` is a NUL-terminated path and `times` a live array of two timespecs, as
+    // utimensat requires.
+    let r = unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), 0) };
     if r == 0 {
         Ok(())
     } else {
@@ -191,9 +260,7 @@ pub fn touch_mtime(file: &File) -> io::Result<()> {
 
 /// Bytes available to unprivileged users on the file system holding `path`.
 pub fn free_bytes(path: &Path) -> io::Result<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path has a NUL byte"))?;
+    let c = cpath(path)?;
     // SAFETY: statvfs is plain data; zeroed is a valid initial value.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: `c` is a NUL-terminated path and `st` a live statvfs to fill.
@@ -271,6 +338,28 @@ pub fn sync_dir(path: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::IoSliceMut;
+
+    #[test]
+    fn advance_skips_whole_and_partial_entries() {
+        let a = [0u8; 10];
+        let b = [0u8; 0];
+        let c = [0u8; 5];
+        let iov = |s: &[u8]| libc::iovec {
+            iov_base: s.as_ptr().cast_mut().cast(),
+            iov_len: s.len(),
+        };
+        let mut v = vec![iov(&a), iov(&b), iov(&c)];
+        let mut cur: &mut [libc::iovec] = &mut v;
+        advance(&mut cur, 4);
+        assert_eq!((cur.len(), cur[0].iov_len), (3, 6));
+        assert_eq!(cur[0].iov_base as usize, a.as_ptr() as usize + 4);
+        advance(&mut cur, 6);
+        assert_eq!(cur.len(), 1, "the empty entry goes with the finished one");
+        assert_eq!(cur[0].iov_base as usize, c.as_ptr() as usize);
+        advance(&mut cur, 5);
+        assert!(cur.is_empty());
+    }
 
     #[test]
     fn vectored_io_round_trips() {
@@ -279,7 +368,7 @@ mod tests {
         let f = create_new(&p, false).unwrap();
         let a = vec![1u8; 3000];
         let b = vec![2u8; 5000];
-        pwritev_all(&f, &mut [IoSlice::new(&a), IoSlice::new(&b)], 10).unwrap();
+        pwritev_all(&f, &[IoSlice::new(&a), IoSlice::new(&b)], 10).unwrap();
         drop(f);
         let f = open_read(&p, false).unwrap();
         let mut x = vec![0u8; 3010];

@@ -1,9 +1,14 @@
 //! `hicache-bench storage`: write and read throughput of a storage backend next to the physical
 //! limit measured in the same run on the same directory.
 //!
-//! For a file-system backend the reference is raw sequential O_DIRECT I/O of the same bytes in
-//! the same directory: one file, page-sized chunks, `--raw-threads` requests in flight, and
-//! one `fdatasync` at the end of the write. Headline figures are durable and cold: backend
+//! For a file-system backend the headline reference is raw sequential O_DIRECT I/O of the same
+//! bytes in the same directory ([`storage_raw`](crate::cmd::storage_raw)): one preallocated
+//! file, page-sized requests at consecutive offsets, `--raw-depth` (default 32) of them in
+//! flight on as many threads, and one `fdatasync` at the end of the write. With
+//! `--qd-reference` a second raw reference is measured beside it and reported under its own
+//! fields (`qd_reference`, `qd_ratio`): the same sequential I/O through one io_uring with
+//! `--batch` requests in flight, the queue depth the backend itself may use.
+//! Headline figures are durable and cold: backend
 //! writes include its fsync policy's cost (the default unless `--extra-config` says
 //! otherwise), and reads run after `sync; echo 3 > /proc/sys/vm/drop_caches` (when permitted;
 //! both sides also read with O_DIRECT from page-aligned buffers, so they are cold either way).
@@ -14,11 +19,8 @@
 //! Each figure is the best of `--rounds` rounds; a round measures the reference and the backend
 //! back to back, so both see the same disk state.
 
-use std::fs::OpenOptions;
 use std::io::Write;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
@@ -28,6 +30,7 @@ use hicache_storage::{
 use serde_json::Value;
 
 use crate::cmd::storage_common::{BackendArgs, LAYOUT, aligned_region, runtime, seed_key};
+use crate::cmd::storage_raw::{Raw, RawEngine, engine_name};
 use crate::cmd::tcp_loopback;
 use crate::error::{BenchError, Result};
 use crate::record::Record;
@@ -50,9 +53,17 @@ pub struct StorageArgs {
     /// Rounds; each figure is the best round.
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
-    /// Requests in flight for the raw O_DIRECT reference.
-    #[arg(long, default_value_t = 32)]
-    pub raw_threads: usize,
+    /// Requests in flight for the headline raw O_DIRECT reference (`--raw-threads` is an older
+    /// name).
+    #[arg(long, alias = "raw-threads", default_value_t = 32)]
+    pub raw_depth: usize,
+    /// How the headline raw reference issues its requests.
+    #[arg(long, value_enum, default_value_t = RawEngine::Threads)]
+    pub raw_engine: RawEngine,
+    /// Also measure a second raw reference (reported as `qd_reference` / `qd_ratio`): io_uring
+    /// with `--batch` requests in flight.
+    #[arg(long)]
+    pub qd_reference: bool,
     /// One JSON object per case instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -82,101 +93,6 @@ fn drop_caches() -> bool {
     std::fs::write("/proc/sys/vm/drop_caches", "3\n").is_ok()
 }
 
-/// Runs `f(i)` for `i` in `0..n` on `threads` threads.
-fn parallel(
-    threads: usize,
-    n: usize,
-    f: impl Fn(usize, usize) -> std::io::Result<()> + Sync,
-) -> std::io::Result<()> {
-    let next = AtomicUsize::new(0);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads.min(n).max(1))
-            .map(|t| {
-                let next = &next;
-                let f = &f;
-                s.spawn(move || -> std::io::Result<()> {
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        if i >= n {
-                            return Ok(());
-                        }
-                        f(t, i)?;
-                    }
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .try_for_each(|h| h.join().expect("raw I/O thread panicked"))
-    })
-}
-
-/// Raw sequential O_DIRECT write of `pages` chunks of the source region, then fdatasync.
-fn raw_write(
-    path: &Path,
-    src: &[u8],
-    page_bytes: usize,
-    pages: usize,
-    threads: usize,
-) -> Result<f64> {
-    let _ = std::fs::remove_file(path);
-    let f = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .map_err(BenchError::io(path))?;
-    let per_batch = src.len() / page_bytes;
-    // Sized up front so no request extends the file: the reference is the disk's best case.
-    f.set_len((pages * page_bytes) as u64)
-        .map_err(BenchError::io(path))?;
-    let t = Instant::now();
-    parallel(threads, pages, |_, i| {
-        let c = &src[(i % per_batch) * page_bytes..][..page_bytes];
-        f.write_all_at(c, (i * page_bytes) as u64)
-    })
-    .and_then(|()| f.sync_data())
-    .map_err(BenchError::io(path))?;
-    Ok(t.elapsed().as_secs_f64())
-}
-
-/// Raw sequential O_DIRECT read of the file `raw_write` made.
-fn raw_read(path: &Path, page_bytes: usize, pages: usize, threads: usize) -> Result<f64> {
-    let f = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .map_err(BenchError::io(path))?;
-    let threads = threads.min(pages).max(1);
-    let bufs: Vec<parking::Slot> = (0..threads)
-        .map(|_| aligned_region(1, page_bytes).map(parking::Slot::new))
-        .collect::<Result<_>>()?;
-    let t = Instant::now();
-    parallel(threads, pages, |th, i| {
-        let mut b = bufs[th].lock();
-        f.read_exact_at(&mut b[..], (i * page_bytes) as u64)
-    })
-    .map_err(BenchError::io(path))?;
-    Ok(t.elapsed().as_secs_f64())
-}
-
-/// A per-thread buffer behind a mutex (each thread only locks its own).
-mod parking {
-    use memmap2::MmapMut;
-    use std::sync::{Mutex, MutexGuard};
-
-    pub struct Slot(Mutex<MmapMut>);
-
-    impl Slot {
-        pub fn new(m: MmapMut) -> Self {
-            Self(Mutex::new(m))
-        }
-        pub fn lock(&self) -> MutexGuard<'_, MmapMut> {
-            self.0.lock().unwrap_or_else(|e| e.into_inner())
-        }
-    }
-}
-
 /// memcpy of the same bytes (the memory backend's physical limit).
 fn memcpy_secs(src: &[u8], page_bytes: usize, pages: usize) -> Result<f64> {
     let mut dst = aligned_region(1, page_bytes)?;
@@ -190,11 +106,18 @@ fn memcpy_secs(src: &[u8], page_bytes: usize, pages: usize) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
+/// Measures one phase of the raw reference into the given read destinations: seconds of the
+/// headline reference, and of the `--qd-reference` one where measured.
+type Reference<'a> = dyn FnMut(Phase, &mut [u8]) -> Result<(f64, Option<f64>)> + 'a;
+
 struct Round {
     write_ref: f64,
     write: f64,
     read_ref: f64,
     read: f64,
+    /// The `--qd-reference` figures, where measured.
+    write_qd: Option<f64>,
+    read_qd: Option<f64>,
     exists_us: f64,
     dropped: bool,
 }
@@ -206,15 +129,15 @@ async fn backend_round(
     dst: &mut [u8],
     (page_bytes, pages): (usize, usize),
     round: usize,
-    reference: &mut dyn FnMut(Phase) -> Result<f64>,
+    reference: &mut Reference<'_>,
 ) -> Result<Round> {
     // Alternate which side goes first, so neither always meets the disk in the same state.
     let reference_first = round.is_multiple_of(2);
     let seed = round as u64;
-    let mut write_ref = 0.0;
-    let mut read_ref = 0.0;
+    let mut write_ref = (0.0, None);
+    let mut read_ref = (0.0, None);
     if reference_first {
-        write_ref = reference(Phase::Write)?;
+        write_ref = reference(Phase::Write, dst)?;
     }
     let batch = args.batch.min(storage.info().max_batch);
     let keys: Vec<PageKey> = (0..pages as u64).map(|i| seed_key(seed, i)).collect();
@@ -234,11 +157,11 @@ async fn backend_round(
     }
     let write = t.elapsed().as_secs_f64();
     if !reference_first {
-        write_ref = reference(Phase::Write)?;
+        write_ref = reference(Phase::Write, dst)?;
     }
     let mut dropped = drop_caches();
     if reference_first {
-        read_ref = reference(Phase::Read)?;
+        read_ref = reference(Phase::Read, dst)?;
         dropped &= drop_caches();
     }
     let t = Instant::now();
@@ -258,7 +181,7 @@ async fn backend_round(
     let read = t.elapsed().as_secs_f64();
     if !reference_first {
         dropped &= drop_caches();
-        read_ref = reference(Phase::Read)?;
+        read_ref = reference(Phase::Read, dst)?;
     }
     // Warm batch_exists of a full controller batch (128 keys).
     let probe = &keys[..keys.len().min(128)];
@@ -275,10 +198,12 @@ async fn backend_round(
     }
     let exists_us = t.elapsed().as_secs_f64() * 1e6 / calls as f64;
     Ok(Round {
-        write_ref,
+        write_ref: write_ref.0,
         write,
-        read_ref,
+        read_ref: read_ref.0,
         read,
+        write_qd: write_ref.1,
+        read_qd: read_ref.1,
         exists_us,
         dropped,
     })
@@ -295,9 +220,10 @@ enum Phase {
 pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
     let total = parse_byte_size(&args.total)
         .ok_or_else(|| BenchError::Usage(format!("--total {:?} is not a byte size", args.total)))?;
-    if args.batch == 0 || args.rounds == 0 || args.raw_threads == 0 {
+    let raw_depth = args.raw_depth;
+    if args.batch == 0 || args.rounds == 0 || raw_depth == 0 {
         return Err(BenchError::Usage(
-            "--batch, --rounds and --raw-threads must be at least 1".into(),
+            "--batch, --rounds and --raw-depth must be at least 1".into(),
         ));
     }
     let sizes = match args.page_bytes {
@@ -338,12 +264,15 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
         let src: &[u8] = src;
         let mut rounds = Vec::new();
         let mut zero_copy = false;
+        let mut raw_engine = None;
+        let mut qd_engine = None;
         for round in 0..args.rounds {
             let store_dir = base.as_ref().map(|b| b.join("bench-store"));
             if let Some(d) = &store_dir {
                 let _ = std::fs::remove_dir_all(d);
             }
             let raw_path = base.as_ref().map(|b| b.join("bench-raw.bin"));
+            let qd_path = base.as_ref().map(|b| b.join("bench-raw-qd.bin"));
             let mut overrides: Vec<(&str, Value)> = Vec::new();
             if let Some(d) = &store_dir {
                 overrides.push(("dir", Value::String(d.display().to_string())));
@@ -351,15 +280,48 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             overrides.push(("capacity", Value::from(bytes * 2 + (64 << 20))));
             let mut bargs = args.backend.clone();
             bargs.dir = None;
-            let mut reference = |phase: Phase| -> Result<f64> {
-                match (phase, &raw_path) {
-                    (Phase::Write, Some(p)) => {
-                        raw_write(p, src, page_bytes, pages, args.raw_threads)
-                    }
-                    (Phase::Read, Some(p)) => raw_read(p, page_bytes, pages, args.raw_threads),
-                    (_, None) if rdma => tcp_loopback::secs(src, page_bytes, pages),
-                    (_, None) => memcpy_secs(src, page_bytes, pages),
-                }
+            let raw = raw_path.as_deref().map(|path| Raw {
+                path,
+                page_bytes,
+                pages,
+                depth: raw_depth.min(batch_pages),
+                engine: args.raw_engine,
+            });
+            let qd = qd_path
+                .as_deref()
+                .filter(|_| args.qd_reference)
+                .map(|path| Raw {
+                    path,
+                    page_bytes,
+                    pages,
+                    depth: batch_pages,
+                    engine: RawEngine::Uring,
+                });
+            if let Some(r) = &raw {
+                raw_engine = Some(r.effective_engine());
+            }
+            if let Some(r) = &qd {
+                qd_engine = Some(r.effective_engine());
+            }
+            let mut reference = |phase: Phase, dst: &mut [u8]| -> Result<(f64, Option<f64>)> {
+                let Some(r) = &raw else {
+                    let secs = if rdma {
+                        tcp_loopback::secs(src, page_bytes, pages)?
+                    } else {
+                        memcpy_secs(src, page_bytes, pages)?
+                    };
+                    return Ok((secs, None));
+                };
+                let head = match phase {
+                    Phase::Write => r.write(src)?,
+                    Phase::Read => r.read(dst)?,
+                };
+                let extra = match (phase, &qd) {
+                    (Phase::Write, Some(q)) => Some(q.write(src)?),
+                    (Phase::Read, Some(q)) => Some(q.read(dst)?),
+                    (_, None) => None,
+                };
+                Ok((head, extra))
             };
             let r = rt.block_on(async {
                 let storage = bargs.open(&overrides, page_bytes).await?;
@@ -383,12 +345,30 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             if let Some(d) = &store_dir {
                 let _ = std::fs::remove_dir_all(d);
             }
-            if let Some(p) = &raw_path {
+            for p in raw_path.iter().chain(&qd_path) {
                 let _ = std::fs::remove_file(p);
             }
             rounds.push(r);
         }
         let best = |f: fn(&Round) -> f64| rounds.iter().map(f).fold(f64::INFINITY, f64::min);
+        let best_qd = |f: fn(&Round) -> Option<f64>| {
+            rounds
+                .iter()
+                .map(f)
+                .try_fold(f64::INFINITY, |m, x| x.map(|x| m.min(x)))
+        };
+        // The `--qd-reference` figures of a record whose backend figure is `value` GB/s.
+        let qd_fields = |r: Record, secs: Option<f64>| match (secs, qd_engine) {
+            (Some(s), Some(e)) => {
+                let q = gbps(bytes, s);
+                let ratio = r.value / q;
+                r.with("qd_reference", q)
+                    .with("qd_ratio", ratio)
+                    .with("qd_reference_engine", engine_name(e))
+                    .with("qd_reference_depth", batch_pages as u64)
+            }
+            _ => r,
+        };
         let label = size_label(page_bytes);
         let b = &args.backend.backend;
         let reference = match (file_like, rdma) {
@@ -402,6 +382,12 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             "o_direct-only"
         };
         let common = |r: Record| {
+            let r = match raw_engine {
+                Some(e) => r
+                    .with("reference_engine", engine_name(e))
+                    .with("reference_depth", raw_depth.min(batch_pages) as u64),
+                None => r,
+            };
             r.with("pages", pages as u64)
                 .with("page_bytes", page_bytes as u64)
                 .with("bytes", bytes)
@@ -411,7 +397,11 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                 .with("zero_copy", zero_copy)
                 .with("registered", args.register_memory)
         };
-        let mut write = common(
+        let common = |r: Record| match &args.backend.extra_config {
+            Some(c) => common(r).with("extra_config", c.as_str()),
+            None => common(r),
+        };
+        let write = common(
             Record::new(
                 "storage",
                 format!("{b}/write/{label}"),
@@ -420,7 +410,8 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             )
             .with_reference(gbps(bytes, best(|r| r.write_ref))),
         );
-        let mut read = common(
+        let mut write = qd_fields(write, best_qd(|r| r.write_qd));
+        let read = common(
             Record::new(
                 "storage",
                 format!("{b}/read/{label}"),
@@ -429,6 +420,7 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             )
             .with_reference(gbps(bytes, best(|r| r.read_ref))),
         );
+        let mut read = qd_fields(read, best_qd(|r| r.read_qd));
         if file_like {
             write = write.with(
                 "durable",
@@ -456,19 +448,23 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
     } else {
         writeln!(
             out,
-            "{:<28} {:>10} {:>6} {:>10} {:>7}",
-            "case", "value", "unit", "reference", "ratio"
+            "{:<28} {:>10} {:>6} {:>10} {:>7} {:>9}",
+            "case", "value", "unit", "reference", "ratio", "qd_ratio"
         )
         .map_err(BenchError::io("<stdout>"))?;
         for r in &records {
             writeln!(
                 out,
-                "{:<28} {:>10.3} {:>6} {:>10} {:>7}",
+                "{:<28} {:>10.3} {:>6} {:>10} {:>7} {:>9}",
                 r.case,
                 r.value,
                 r.unit,
                 r.reference.map_or("-".into(), |v| format!("{v:.3}")),
                 r.ratio.map_or("-".into(), |v| format!("{v:.3}")),
+                r.extra
+                    .get("qd_ratio")
+                    .and_then(serde_json::Value::as_f64)
+                    .map_or("-".into(), |v| format!("{v:.3}")),
             )
             .map_err(BenchError::io("<stdout>"))?;
         }
