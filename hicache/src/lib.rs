@@ -59,9 +59,11 @@
 //! ## Features
 //! - `file` (default): the file-system L3 backend.
 //! - `plugin` (default): L3 backends loaded from a `.so` through the versioned C ABI.
-//!
-//! The CUDA device is always available at run time where libcuda is (it is loaded
-//! dynamically); the `sim` device runs everywhere.
+//! - `cuda` (default): the CUDA device (cudarc with dynamic loading, so it builds anywhere and
+//!   opening a GPU without libcuda is an error); the `sim` device is always built.
+//! - `uring`: local NVMe through io_uring + O_DIRECT.
+//! - `rdma`: remote memory pools (`hicache-rdma-server`) over TCP; `rdma-verbs` adds the
+//!   one-sided RDMA data plane.
 #![warn(missing_docs)]
 
 pub mod backends;
