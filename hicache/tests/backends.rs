@@ -38,7 +38,9 @@ fn l3_round_trip(backend: &str, extra: &str) {
         "{backend}: only {served} tokens served: {again:?}"
     );
     assert_eq!(again.admission.storage_pages, 12, "{backend}");
-    assert_eq!(e.cache.metrics().snapshot().l3_to_l2.pages, 12, "{backend}");
+    let snap = e.cache.metrics().snapshot();
+    assert_eq!(snap.l3_to_l2.pages, 12, "{backend}");
+    assert_eq!(snap.prefetch_completed, 1, "{backend}");
     e.settle();
     e.cache.shutdown().unwrap();
 }
