@@ -331,6 +331,41 @@ impl PluginStorage {
         PageOutcome::Failed(PageError::Backend(e.to_string()))
     }
 
+    /// Calls a vtable entry that answers one count for a batch of keys (`batch_exists`,
+    /// `batch_delete`: the same C signature) off the async runtime, and refuses a count larger
+    /// than the batch as a protocol violation described by `too_many(count, batch_len)`.
+    fn count_call(
+        &self,
+        op: &'static str,
+        f: abi::BatchExistsFn,
+        keys: &[PageKey],
+        too_many: impl FnOnce(u64, usize) -> String,
+    ) -> Result<usize> {
+        let ckeys: Vec<abi::Key> = keys.iter().map(abi::Key::from).collect();
+        let mut count = 0u64;
+        let mut err = ErrorText::new();
+        let status = blocking(|| {
+            let mut eb = err.abi();
+            // SAFETY: a live instance; `ckeys` holds `len` keys; out-params are locals.
+            unsafe {
+                f(
+                    self.handle.as_ptr(),
+                    ckeys.as_ptr(),
+                    ckeys.len() as u64,
+                    &mut count,
+                    &mut eb,
+                )
+            }
+        });
+        if status != abi::OK {
+            return Err(self.call_error(op, status, keys.len(), &err));
+        }
+        if count > keys.len() as u64 {
+            return Err(self.protocol(op, too_many(count, keys.len())).into());
+        }
+        Ok(count as usize)
+    }
+
     fn call_error(&self, op: &'static str, status: i32, n: usize, err: &ErrorText) -> StorageError {
         if status == abi::ERR_BATCH_TOO_LARGE {
             return StorageError::BatchTooLarge {
@@ -461,35 +496,10 @@ impl Storage for PluginStorage {
 
     async fn batch_exists(&self, keys: &[PageKey]) -> Result<usize> {
         check_batch("batch_exists", self.info.max_batch, keys.len(), keys.len())?;
-        let ckeys: Vec<abi::Key> = keys.iter().map(abi::Key::from).collect();
-        let mut present = 0u64;
-        let mut err = ErrorText::new();
         let f = self.vt().batch_exists.expect("checked at load");
-        let status = blocking(|| {
-            let mut eb = err.abi();
-            // SAFETY: a live instance; `ckeys` holds `len` keys; out-params are locals.
-            unsafe {
-                f(
-                    self.handle.as_ptr(),
-                    ckeys.as_ptr(),
-                    ckeys.len() as u64,
-                    &mut present,
-                    &mut eb,
-                )
-            }
-        });
-        if status != abi::OK {
-            return Err(self.call_error("batch_exists", status, keys.len(), &err));
-        }
-        if present > keys.len() as u64 {
-            return Err(self
-                .protocol(
-                    "batch_exists",
-                    format!("{present} keys present out of a batch of {}", keys.len()),
-                )
-                .into());
-        }
-        Ok(present as usize)
+        self.count_call("batch_exists", f, keys, |present, n| {
+            format!("{present} keys present out of a batch of {n}")
+        })
     }
 
     async fn batch_get(
@@ -623,35 +633,10 @@ impl Storage for PluginStorage {
     }
 
     async fn delete(&self, keys: &[PageKey]) -> Result<usize> {
-        let ckeys: Vec<abi::Key> = keys.iter().map(abi::Key::from).collect();
-        let mut removed = 0u64;
-        let mut err = ErrorText::new();
         let f = self.vt().batch_delete.expect("checked at load");
-        let status = blocking(|| {
-            let mut eb = err.abi();
-            // SAFETY: a live instance; `ckeys` holds `len` keys; out-params are locals.
-            unsafe {
-                f(
-                    self.handle.as_ptr(),
-                    ckeys.as_ptr(),
-                    ckeys.len() as u64,
-                    &mut removed,
-                    &mut eb,
-                )
-            }
-        });
-        if status != abi::OK {
-            return Err(self.call_error("batch_delete", status, keys.len(), &err));
-        }
-        if removed > keys.len() as u64 {
-            return Err(self
-                .protocol(
-                    "batch_delete",
-                    format!("removed {removed} pages out of a batch of {}", keys.len()),
-                )
-                .into());
-        }
-        Ok(removed as usize)
+        self.count_call("batch_delete", f, keys, |removed, n| {
+            format!("removed {removed} pages out of a batch of {n}")
+        })
     }
 
     fn stats(&self) -> StorageStats {
