@@ -134,6 +134,28 @@ async fn join_all<F: Future>(futs: Vec<F>) -> Vec<F::Output> {
         .collect()
 }
 
+/// Awaits every stripe of a batch (all run to completion, none is abandoned mid-frame) and
+/// concatenates their outcomes in batch order; the first stripe error is the batch's error.
+async fn join_stripes<F>(futs: Vec<F>, pages: usize) -> Result<Vec<PageOutcome>>
+where
+    F: Future<Output = Result<Vec<PageOutcome>>>,
+{
+    let mut out = Vec::with_capacity(pages);
+    let mut first_err = None;
+    for r in join_all(futs).await {
+        match r {
+            Ok(v) => out.extend(v),
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
+}
+
 /// Cuts `lens` (page byte lengths) into at most `max` consecutive stripes of at least
 /// `stripe` bytes each; returns the stripe boundaries.
 fn stripes(lens: &[usize], stripe: u64, max: usize) -> Vec<std::ops::Range<usize>> {
@@ -554,20 +576,13 @@ impl Storage for RdmaStorage {
             rest = tail;
             futs.push(self.get_stripe(base + n, &keys[r.clone()], mine));
         }
-        let mut out = Vec::with_capacity(keys.len());
-        let mut first_err = None;
-        for r in join_all(futs).await {
-            match r {
-                Ok(v) => out.extend(v),
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
+        let out = match join_stripes(futs, keys.len()).await {
+            Ok(out) => out,
+            Err(e) => {
+                bump(&self.counters.get_errors, keys.len() as u64);
+                return Err(e);
             }
-        }
-        if let Some(e) = first_err {
-            bump(&self.counters.get_errors, keys.len() as u64);
-            return Err(e);
-        }
+        };
         self.counters.record_get(&out, lens.into_iter());
         Ok(out)
     }
@@ -590,20 +605,13 @@ impl Storage for RdmaStorage {
             .enumerate()
             .map(|(n, r)| self.set_stripe(base + n, &keys[r.clone()], &src[r.clone()]))
             .collect();
-        let mut out = Vec::with_capacity(keys.len());
-        let mut first_err = None;
-        for r in join_all(futs).await {
-            match r {
-                Ok(v) => out.extend(v),
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
+        let out = match join_stripes(futs, keys.len()).await {
+            Ok(out) => out,
+            Err(e) => {
+                bump(&self.counters.set_errors, keys.len() as u64);
+                return Err(e);
             }
-        }
-        if let Some(e) = first_err {
-            bump(&self.counters.set_errors, keys.len() as u64);
-            return Err(e);
-        }
+        };
         self.counters.record_set(&out, lens.into_iter());
         Ok(out)
     }
