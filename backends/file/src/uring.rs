@@ -728,6 +728,18 @@ mod tests {
         out
     }
 
+    /// Writes `src`, cut into `len`-byte pages, with [`write_all`] and asserts every page was
+    /// written.
+    fn write_pages_ok(u: &Uring, ctx: IoCtx<'_>, dir: &Path, src: &[u8], len: usize) {
+        let p: Vec<PageBuf<'_>> = src
+            .chunks(len)
+            .map(|c| PageBuf::contiguous(LayoutKind::PageFirst, c))
+            .collect();
+        for o in write_all(u, ctx, dir, &p) {
+            assert!(matches!(o, Outcome::Done(Ok(()))), "{o:?}");
+        }
+    }
+
     fn read_all(
         u: &Uring,
         ctx: IoCtx<'_>,
@@ -771,14 +783,7 @@ mod tests {
                 direct: false,
                 bufs: &bufs,
             };
-            let src = pages(3, 4096);
-            let p: Vec<PageBuf<'_>> = src
-                .chunks(4096)
-                .map(|c| PageBuf::contiguous(LayoutKind::PageFirst, c))
-                .collect();
-            for o in write_all(&u, ctx, dir.path(), &p) {
-                assert!(matches!(o, Outcome::Done(Ok(()))), "{o:?}");
-            }
+            write_pages_ok(&u, ctx, dir.path(), &pages(3, 4096), 4096);
         })
         .join()
         .unwrap();
@@ -795,13 +800,7 @@ mod tests {
         let u = Uring::new(4, 2).unwrap();
         let len = 12_288;
         let src = pages(40, len);
-        let bufs_in: Vec<PageBuf<'_>> = src
-            .chunks(len)
-            .map(|c| PageBuf::contiguous(LayoutKind::PageFirst, c))
-            .collect();
-        for o in write_all(&u, ctx, dir.path(), &bufs_in) {
-            assert!(matches!(o, Outcome::Done(Ok(()))), "{o:?}");
-        }
+        write_pages_ok(&u, ctx, dir.path(), &src, len);
         assert!(!dir.path().join("0.tmp").exists(), "temp files are renamed");
         // Three more destinations than pages: their files do not exist.
         let mut back = pages(43, len);
@@ -912,13 +911,7 @@ mod tests {
         let u = Uring::new(8, 2).unwrap();
         let len = 4096;
         let src = pages(4, len);
-        let p: Vec<PageBuf<'_>> = src
-            .chunks(len)
-            .map(|c| PageBuf::contiguous(LayoutKind::PageFirst, c))
-            .collect();
-        for o in write_all(&u, ctx, dir.path(), &p) {
-            assert!(matches!(o, Outcome::Done(Ok(()))), "{o:?}");
-        }
+        write_pages_ok(&u, ctx, dir.path(), &src, len);
         // 0: truncated; 1: empty; 2: a data byte flipped; 3: intact.
         let f = std::fs::OpenOptions::new()
             .write(true)
