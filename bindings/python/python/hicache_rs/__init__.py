@@ -1,0 +1,6 @@
+"""hicache-rs L3 storage from Python: the native ``Store`` (an opened backend), the
+namespace ids that pair with SGLang's page hashes, and SGLang-compatible page hashes."""
+
+from hicache_rs._native import COMPILED_BACKENDS, Store, namespace_id, sglang_page_hashes
+
+__all__ = ["COMPILED_BACKENDS", "Store", "namespace_id", "sglang_page_hashes"]

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds the wheel with maturin, installs it into target/python-venv and runs the pytest suite.
+# pytest's exit code is passed on, except 5 (no test collected), which is a failure here too.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+bash "$here/setup-test-env.sh"
+venv="$root/target/python-venv"
+dist="$root/target/python-dist"
+rm -rf "$dist"
+(cd "$here" && "$venv/bin/maturin" build --out "$dist")
+"$venv/bin/python" -m pip install --quiet --force-reinstall --no-deps "$dist"/hicache_rs-*.whl
+cd "$here"
+set +e
+"$venv/bin/python" -m pytest -q tests
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+    echo "pytest collected no test" >&2
+    exit 1
+fi
+exit "$rc"

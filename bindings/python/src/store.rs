@@ -1,0 +1,308 @@
+//! `Store`: one opened L3 backend, callable from Python threads concurrently.
+//!
+//! Invariants:
+//! 1. Every I/O call runs with the GIL released (`Python::detach`) on this store's tokio
+//!    runtime, so SGLang's three controller threads overlap their I/O.
+//! 2. The backend lives behind a read-write lock: calls hold a clone of it; `close` takes it
+//!    out, after which every call is a `RuntimeError` saying the store is closed. A call in
+//!    flight during `close` finishes on its own clone.
+//! 3. Batches longer than the backend's `max_batch` are split, never refused.
+
+use std::sync::Arc;
+
+use hicache_core::{LayoutKind, NamespaceId, PageHash, PageKey};
+use hicache_storage::{BackendContext, BackendInfo, PageOutcome, Storage, StorageConfig};
+use parking_lot::RwLock;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::backends;
+use crate::error::{BindingError, Result};
+use crate::identity;
+use crate::pages::Pieces;
+
+/// An opened hicache-rs L3 backend.
+#[pyclass(frozen, module = "hicache_rs._native")]
+pub struct Store {
+    backend: RwLock<Option<Arc<dyn Storage>>>,
+    info: BackendInfo,
+    runtime: tokio::runtime::Runtime,
+}
+
+/// Parses the keys of a batch under one namespace.
+fn page_keys(namespace: &str, hashes: &[String]) -> Result<Vec<PageKey>> {
+    let ns = NamespaceId::from_hex(namespace)
+        .map_err(|_| BindingError::BadNamespace(namespace.chars().take(80).collect()))?;
+    hashes
+        .iter()
+        .enumerate()
+        .map(|(index, h)| {
+            PageHash::from_hex(h)
+                .map(|h| PageKey::new(ns, h))
+                .map_err(|_| BindingError::BadKey {
+                    index,
+                    key: h.chars().take(80).collect(),
+                })
+        })
+        .collect()
+}
+
+impl Store {
+    fn backend(&self, op: &'static str) -> Result<Arc<dyn Storage>> {
+        self.backend.read().clone().ok_or(BindingError::Closed(op))
+    }
+
+    fn max_batch(&self) -> usize {
+        self.info.max_batch.max(1)
+    }
+
+    fn exists(&self, keys: &[PageKey]) -> Result<usize> {
+        let backend = self.backend("batch_exists")?;
+        self.runtime.block_on(async {
+            let mut total = 0;
+            for chunk in keys.chunks(self.max_batch()) {
+                let n = backend.batch_exists(chunk).await?;
+                total += n;
+                if n < chunk.len() {
+                    break;
+                }
+            }
+            Ok(total)
+        })
+    }
+
+    fn get_into(&self, keys: &[PageKey], layout: LayoutKind, pieces: &Pieces) -> Result<Vec<bool>> {
+        let backend = self.backend("batch_get")?;
+        // SAFETY: the pieces are pool memory the Python caller keeps alive and leaves alone for
+        // this call (the contract of `Store.batch_get_into`); the views die before we return.
+        let mut dst = unsafe { pieces.destinations("batch_get", layout)? };
+        self.runtime.block_on(async {
+            let mut hits = Vec::with_capacity(keys.len());
+            let step = self.max_batch();
+            for (k, d) in keys.chunks(step).zip(dst.chunks_mut(step)) {
+                let outcomes = backend.batch_get(k, d).await?;
+                hits.extend(outcomes.iter().map(|o| matches!(o, PageOutcome::Hit)));
+            }
+            Ok(hits)
+        })
+    }
+
+    fn set_from(&self, keys: &[PageKey], layout: LayoutKind, pieces: &Pieces) -> Result<Vec<bool>> {
+        let backend = self.backend("batch_set")?;
+        // SAFETY: as in `get_into`: live, readable caller memory not written during the call.
+        let src = unsafe { pieces.sources(layout) };
+        self.runtime.block_on(async {
+            let mut ok = Vec::with_capacity(keys.len());
+            let step = self.max_batch();
+            for (k, s) in keys.chunks(step).zip(src.chunks(step)) {
+                let outcomes = backend.batch_set(k, s).await?;
+                ok.extend(
+                    outcomes
+                        .iter()
+                        .map(|o| matches!(o, PageOutcome::Stored | PageOutcome::Present)),
+                );
+            }
+            Ok(ok)
+        })
+    }
+}
+
+#[pymethods]
+impl Store {
+    /// Opens the backend an extra-config names, exactly as hicache-rs' own extra-config:
+    /// `{"backend": "file", "dir": "/var/cache/kv", ...}`. Unknown fields are errors.
+    /// `page_bytes`, `layout` and the ranks describe the deployment to the backend.
+    #[new]
+    #[pyo3(signature = (extra_config, page_bytes=0, layout="page_first", tp_rank=0, tp_size=1, pp_rank=0, pp_size=1))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        extra_config: &str,
+        page_bytes: usize,
+        layout: &str,
+        tp_rank: u32,
+        tp_size: u32,
+        pp_rank: u32,
+        pp_size: u32,
+    ) -> PyResult<Self> {
+        let layout = identity::layout(layout)?;
+        let config = StorageConfig::parse(None, Some(extra_config)).map_err(BindingError::from)?;
+        let registry = backends::registry()?;
+        backends::check_compiled(&registry, &config.backend)?;
+        let ctx = BackendContext {
+            page_bytes,
+            layout,
+            tp_rank,
+            tp_size,
+            pp_rank,
+            pp_size,
+            ..BackendContext::default()
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("hicache-py-io")
+            .enable_all()
+            .build()
+            .map_err(BindingError::Runtime)?;
+        let backend = py
+            .detach(|| runtime.block_on(registry.open(&config, &ctx)))
+            .map_err(BindingError::from)?;
+        Ok(Self {
+            info: backend.info(),
+            backend: RwLock::new(Some(backend)),
+            runtime,
+        })
+    }
+
+    /// The backend's name and capabilities.
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("name", &self.info.name)?;
+        d.set_item("zero_copy", self.info.zero_copy)?;
+        d.set_item("persistent", self.info.persistent)?;
+        d.set_item("shared", self.info.shared)?;
+        d.set_item("max_batch", self.info.max_batch)?;
+        d.set_item("capacity_bytes", self.info.capacity_bytes)?;
+        Ok(d)
+    }
+
+    /// Number of leading `hashes` (64-hex page hashes) present under `namespace` (32 hex).
+    fn batch_exists(
+        &self,
+        py: Python<'_>,
+        namespace: &str,
+        hashes: Vec<String>,
+    ) -> PyResult<usize> {
+        let keys = page_keys(namespace, &hashes)?;
+        Ok(py.detach(|| self.exists(&keys))?)
+    }
+
+    /// Reads pages straight into caller memory: page `i` is pieces `i*n .. (i+1)*n` of
+    /// `ptrs`/`sizes` (`n = len(ptrs) / len(hashes)`). One bool per page: `True` means every
+    /// byte of the page was written. The caller keeps that memory alive and untouched for the
+    /// call. `kv_interleaved`: the pieces are K0, V0, K1, V1, … (MHA `layer_first`).
+    #[pyo3(signature = (namespace, hashes, layout, ptrs, sizes, kv_interleaved=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_get_into(
+        &self,
+        py: Python<'_>,
+        namespace: &str,
+        hashes: Vec<String>,
+        layout: &str,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        kv_interleaved: bool,
+    ) -> PyResult<Vec<bool>> {
+        let keys = page_keys(namespace, &hashes)?;
+        let layout = identity::layout(layout)?;
+        let pieces = Pieces::new("batch_get", keys.len(), ptrs, sizes, kv_interleaved)?;
+        Ok(py.detach(|| self.get_into(&keys, layout, &pieces))?)
+    }
+
+    /// Writes pages straight from caller memory (same piece convention as `batch_get_into`).
+    /// One bool per page: `True` means stored (or already present).
+    #[pyo3(signature = (namespace, hashes, layout, ptrs, sizes, kv_interleaved=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_set_from(
+        &self,
+        py: Python<'_>,
+        namespace: &str,
+        hashes: Vec<String>,
+        layout: &str,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        kv_interleaved: bool,
+    ) -> PyResult<Vec<bool>> {
+        let keys = page_keys(namespace, &hashes)?;
+        let layout = identity::layout(layout)?;
+        let pieces = Pieces::new("batch_set", keys.len(), ptrs, sizes, kv_interleaved)?;
+        Ok(py.detach(|| self.set_from(&keys, layout, &pieces))?)
+    }
+
+    /// Reads one page of `length` bytes into new `bytes` (for tools), or `None` on a miss.
+    fn get_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        namespace: &str,
+        hash: String,
+        layout: &str,
+        length: usize,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let keys = page_keys(namespace, std::slice::from_ref(&hash))?;
+        let layout = identity::layout(layout)?;
+        let mut buf = vec![0u8; length];
+        let pieces = Pieces::new(
+            "get_bytes",
+            1,
+            vec![buf.as_mut_ptr() as usize],
+            vec![length],
+            false,
+        )?;
+        let hit = py.detach(|| self.get_into(&keys, layout, &pieces))?;
+        Ok(hit[0].then(|| PyBytes::new(py, &buf)))
+    }
+
+    /// Writes one page from `data` (for tools); `True` when stored or already present.
+    fn set_bytes(
+        &self,
+        py: Python<'_>,
+        namespace: &str,
+        hash: String,
+        layout: &str,
+        data: &[u8],
+    ) -> PyResult<bool> {
+        let keys = page_keys(namespace, std::slice::from_ref(&hash))?;
+        let layout = identity::layout(layout)?;
+        let pieces = Pieces::new(
+            "set_bytes",
+            1,
+            vec![data.as_ptr() as usize],
+            vec![data.len()],
+            false,
+        )?;
+        Ok(py.detach(|| self.set_from(&keys, layout, &pieces))?[0])
+    }
+
+    /// Deletes pages; returns how many were present.
+    fn delete(&self, py: Python<'_>, namespace: &str, hashes: Vec<String>) -> PyResult<usize> {
+        let keys = page_keys(namespace, &hashes)?;
+        let backend = self.backend("delete")?;
+        let n = py.detach(|| {
+            self.runtime.block_on(async {
+                let mut n = 0;
+                for chunk in keys.chunks(self.max_batch()) {
+                    n += backend.delete(chunk).await?;
+                }
+                Ok::<_, BindingError>(n)
+            })
+        })?;
+        Ok(n)
+    }
+
+    /// The backend's counters (pages, bytes, hits, misses, corrupt pages, …) as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = self.backend("stats")?.stats();
+        let value = serde_json::to_value(&stats)
+            .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(format!("stats: {e}")))?;
+        let d = PyDict::new(py);
+        if let serde_json::Value::Object(map) = value {
+            for (k, v) in map {
+                d.set_item(k, v.as_u64())?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// Closes the backend; later calls raise `RuntimeError`. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        let taken = self.backend.write().take();
+        // Dropping a backend may flush files or close connections: not under the GIL.
+        py.detach(move || drop(taken));
+    }
+
+    /// Whether `close` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.backend.read().is_none()
+    }
+}

@@ -1,0 +1,101 @@
+"""The native module on its own: a real file backend in a temporary directory, pages read and
+written in place through pointers, concurrent calls from several threads, bad input."""
+
+import ctypes
+import threading
+
+import pytest
+
+import hicache_rs
+
+NS = hicache_rs.namespace_id("m", "bfloat16", "page_first", False, 8, 128, 32, 64)
+
+
+def keys(n, start=0):
+    return hicache_rs.sglang_page_hashes(list(range(start, start + n * 4)), 4)
+
+
+def buffers(n, size, fill=None):
+    bufs = [ctypes.create_string_buffer(size) for _ in range(n)]
+    if fill is not None:
+        for i, b in enumerate(bufs):
+            ctypes.memmove(b, bytes([(fill + i) % 256]) * size, size)
+    return bufs, [ctypes.addressof(b) for b in bufs], [size] * n
+
+
+@pytest.fixture(params=["memory", "file"])
+def store(request, tmp_path):
+    cfg = '{"backend": "memory"}' if request.param == "memory" else '{"backend": "file", "dir": "%s"}' % tmp_path
+    s = hicache_rs.Store(cfg, page_bytes=4096)
+    yield s
+    s.close()
+
+
+def test_round_trip_in_place(store):
+    ks = keys(8)
+    _, ptrs, sizes = buffers(8, 4096, fill=7)
+    assert store.batch_exists(NS, ks) == 0
+    assert store.batch_set_from(NS, ks[:5], "page_first", ptrs[:5], sizes[:5]) == [True] * 5
+    assert store.batch_exists(NS, ks) == 5
+    dst, dptrs, dsizes = buffers(8, 4096)
+    got = store.batch_get_into(NS, ks, "page_first", dptrs, dsizes)
+    assert got == [True] * 5 + [False] * 3
+    for i in range(5):
+        assert dst[i].raw == bytes([(7 + i) % 256]) * 4096
+    other = hicache_rs.namespace_id("other", "bfloat16", "page_first", False, 8, 128, 32, 64)
+    assert store.batch_exists(other, ks) == 0
+    assert store.get_bytes(NS, ks[0], "page_first", 4096) == bytes([7]) * 4096
+    assert store.delete(NS, ks[:1]) == 1
+    assert store.batch_exists(NS, ks) == 0
+    assert store.stats()["set_stored"] == 5
+
+
+def test_concurrent_threads(store):
+    errors = []
+
+    def worker(t):
+        try:
+            ks = keys(16, start=1000 * t)
+            src, ptrs, sizes = buffers(16, 2048, fill=t)
+            assert all(store.batch_set_from(NS, ks, "page_first", ptrs, sizes))
+            dst, dptrs, dsizes = buffers(16, 2048)
+            assert all(store.batch_get_into(NS, ks, "page_first", dptrs, dsizes))
+            assert [d.raw for d in dst] == [s.raw for s in src]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+
+
+def test_bad_input_raises(store, tmp_path):
+    with pytest.raises(ValueError, match="key 0"):
+        store.batch_exists(NS, ["zz"])
+    _, ptrs, sizes = buffers(2, 64)
+    with pytest.raises(ValueError, match="pieces"):
+        store.batch_set_from(NS, keys(3), "page_first", ptrs, sizes)
+    with pytest.raises(ValueError, match="overlap"):
+        store.batch_get_into(NS, keys(2), "page_first", [ptrs[0], ptrs[0]], sizes)
+    with pytest.raises(ValueError, match="page_head"):
+        store.batch_get_into(NS, keys(2), "page_head", ptrs, sizes)
+    with pytest.raises(ValueError, match="no_such_field"):
+        hicache_rs.Store('{"backend": "file", "dir": "%s", "no_such_field": 1}' % tmp_path)
+    with pytest.raises(ValueError, match="redis"):
+        hicache_rs.Store('{"backend": "redis"}')
+    store.close()
+    assert store.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        store.batch_exists(NS, keys(1))
+
+
+def test_sglang_hash_matches_hashlib():
+    import hashlib
+
+    toks = list(range(8))
+    h1 = hashlib.sha256(b"".join(t.to_bytes(4, "little") for t in toks[:4])).hexdigest()
+    h2 = hashlib.sha256(bytes.fromhex(h1) + b"".join(t.to_bytes(4, "little") for t in toks[4:])).hexdigest()
+    assert hicache_rs.sglang_page_hashes(toks, 4) == [h1, h2]
