@@ -61,7 +61,14 @@ impl RedisOptions {
     /// Reads the backend's fields and refuses unknown ones.
     pub fn from_fields(mut f: ConfigFields) -> Result<Self> {
         let nodes = match f.opt_value("nodes") {
-            None => return Err(StorageError::config(f.scope(), "nodes", "<missing>", "required field: seed addresses, e.g. [\"10.0.0.1:6379\"]")),
+            None => {
+                return Err(StorageError::config(
+                    f.scope(),
+                    "nodes",
+                    "<missing>",
+                    "required field: seed addresses, e.g. [\"10.0.0.1:6379\"]",
+                ));
+            }
             Some(serde_json::Value::String(s)) => vec![s],
             Some(serde_json::Value::Array(a)) => {
                 let mut v = Vec::with_capacity(a.len());
@@ -69,33 +76,59 @@ impl RedisOptions {
                     match item.as_str() {
                         Some(s) => v.push(s.to_string()),
                         None => {
-                            return Err(f.error("nodes", &serde_json::Value::Array(a.clone()), "expected strings \"host:port\""));
+                            return Err(f.error(
+                                "nodes",
+                                &serde_json::Value::Array(a.clone()),
+                                "expected strings \"host:port\"",
+                            ));
                         }
                     }
                 }
                 v
             }
-            Some(other) => return Err(f.error("nodes", &other, "expected a list of \"host:port\"")),
+            Some(other) => {
+                return Err(f.error("nodes", &other, "expected a list of \"host:port\""));
+            }
         };
         let mut o = Self::new(nodes);
         for n in &o.nodes {
             if split_addr(n).is_none() {
-                return Err(StorageError::config(f.scope(), "nodes", format!("{n:?}"), "expected \"host:port\" with a port between 1 and 65535"));
+                return Err(StorageError::config(
+                    f.scope(),
+                    "nodes",
+                    format!("{n:?}"),
+                    "expected \"host:port\" with a port between 1 and 65535",
+                ));
             }
         }
         if o.nodes.is_empty() {
-            return Err(StorageError::config(f.scope(), "nodes", "[]", "at least one seed address is required"));
+            return Err(StorageError::config(
+                f.scope(),
+                "nodes",
+                "[]",
+                "at least one seed address is required",
+            ));
         }
         o.cluster = f.bool("cluster", true)?;
         o.username = f.opt_string("username")?;
         o.password = f.opt_string("password")?;
         if o.username.is_some() && o.password.is_none() {
-            return Err(StorageError::config(f.scope(), "password", "<missing>", "`username` needs a `password`"));
+            return Err(StorageError::config(
+                f.scope(),
+                "password",
+                "<missing>",
+                "`username` needs a `password`",
+            ));
         }
         o.tls = f.bool("tls", false)?;
         o.tls_ca_file = f.opt_path("tls_ca_file")?;
         if o.tls_ca_file.is_some() && !o.tls {
-            return Err(StorageError::config(f.scope(), "tls_ca_file", "<set>", "only meaningful with \"tls\": true"));
+            return Err(StorageError::config(
+                f.scope(),
+                "tls_ca_file",
+                "<set>",
+                "only meaningful with \"tls\": true",
+            ));
         }
         if let Some(p) = f.opt_value("key_prefix") {
             let s = p.as_str().unwrap_or_default();
@@ -107,7 +140,9 @@ impl RedisOptions {
         o.ttl_s = f.opt_u64("ttl_s", 1..=u32::MAX as u64)?;
         o.min_replicas_acked = f.u64("min_replicas_acked", 0, 0..=64)? as u32;
         o.timeout = Duration::from_millis(f.u64("timeout_ms", 10_000, 10..=3_600_000)?);
-        o.max_inflight_bytes = f.opt_bytes("max_inflight_bytes", 1 << 20)?.unwrap_or(256 << 20);
+        o.max_inflight_bytes = f
+            .opt_bytes("max_inflight_bytes", 1 << 20)?
+            .unwrap_or(256 << 20);
         f.finish()?;
         Ok(o)
     }
@@ -117,7 +152,10 @@ impl RedisOptions {
 pub fn split_addr(addr: &str) -> Option<(String, u16)> {
     let (host, port) = addr.rsplit_once(':')?;
     let port: u16 = port.parse().ok().filter(|p| *p != 0)?;
-    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
     if host.is_empty() {
         return None;
     }
@@ -130,7 +168,9 @@ mod tests {
     use serde_json::json;
 
     fn parse(v: serde_json::Value) -> Result<RedisOptions> {
-        let serde_json::Value::Object(m) = v else { panic!() };
+        let serde_json::Value::Object(m) = v else {
+            panic!()
+        };
         RedisOptions::from_fields(ConfigFields::new("backend redis", m))
     }
 
@@ -148,10 +188,19 @@ mod tests {
             (json!({"nodes": []}), "nodes"),
             (json!({"nodes": ["nohost"]}), "nodes"),
             (json!({"nodes": [7000]}), "nodes"),
-            (json!({"nodes": ["h:1"], "key_prefix": "{tag}"}), "key_prefix"),
+            (
+                json!({"nodes": ["h:1"], "key_prefix": "{tag}"}),
+                "key_prefix",
+            ),
             (json!({"nodes": ["h:1"], "username": "u"}), "password"),
-            (json!({"nodes": ["h:1"], "min_replicas_acked": -1}), "min_replicas_acked"),
-            (json!({"nodes": ["h:1"], "tls_ca_file": "/x"}), "tls_ca_file"),
+            (
+                json!({"nodes": ["h:1"], "min_replicas_acked": -1}),
+                "min_replicas_acked",
+            ),
+            (
+                json!({"nodes": ["h:1"], "tls_ca_file": "/x"}),
+                "tls_ca_file",
+            ),
             (json!({"nodes": ["h:1"], "bogus": 1}), "bogus"),
         ] {
             let e = parse(bad.clone()).unwrap_err().to_string();

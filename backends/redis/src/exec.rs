@@ -168,7 +168,9 @@ pub async fn execute(
                         match r {
                             Ok(v) => {
                                 out[i] = Some(match acked {
-                                    Some(Err(ref why)) => Reply::Failed(PageError::Backend(format!("redis {key}: {why}"))),
+                                    Some(Err(ref why)) => Reply::Failed(PageError::Backend(
+                                        format!("redis {key}: {why}"),
+                                    )),
                                     _ => Reply::Value(v),
                                 });
                             }
@@ -180,12 +182,19 @@ pub async fn execute(
                                 }
                                 Some("ASK") => match e.redirect_node() {
                                     Some((h, p)) => {
-                                        let target = if h.contains(':') { format!("[{h}]:{p}") } else { format!("{h}:{p}") };
+                                        let target = if h.contains(':') {
+                                            format!("[{h}]:{p}")
+                                        } else {
+                                            format!("{h}:{p}")
+                                        };
                                         retry.push((i, Pending::Ask(target)));
                                     }
                                     None => out[i] = Some(Reply::Failed(page_error(&key, &e))),
                                 },
-                                Some("TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN" | "READONLY") => {
+                                Some(
+                                    "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN"
+                                    | "READONLY",
+                                ) => {
                                     refresh = true;
                                     last_err.insert(i, format!("{addr}: {e}"));
                                     retry.push((i, Pending::Route));
@@ -219,7 +228,10 @@ pub async fn execute(
         let why = last_err.remove(&i).unwrap_or_else(|| "no reply".into());
         out[i] = Some(Reply::Failed(PageError::Io {
             op: "redis",
-            detail: format!("{}: no answer within the timeout; last error: {why}", String::from_utf8_lossy(&reqs[i].key)),
+            detail: format!(
+                "{}: no answer within the timeout; last error: {why}",
+                String::from_utf8_lossy(&reqs[i].key)
+            ),
         }));
     }
     out.into_iter()
@@ -249,7 +261,11 @@ async fn send(
     wait: Option<(u32, Duration)>,
 ) -> Result<PipelineResult, String> {
     let permits = ((bytes / 1024) as u32 + 1).min(inflight.total);
-    let _permit = inflight.sem.acquire_many(permits).await.map_err(|e| e.to_string())?;
+    let _permit = inflight
+        .sem
+        .acquire_many(permits)
+        .await
+        .map_err(|e| e.to_string())?;
     let mut conn = nodes.conn(addr).await.map_err(|e| e.to_string())?;
     let mut pipe = redis::pipe();
     pipe.ignore_errors();
@@ -262,17 +278,23 @@ async fn send(
     if let Some((n, t)) = wait {
         pipe.cmd("WAIT").arg(n).arg(t.as_millis() as u64);
     }
-    let mut replies: Vec<redis::RedisResult<Value>> = pipe.query_async(&mut conn).await.map_err(|e| e.to_string())?;
-    let acked = match wait {
-        None => None,
-        Some((n, _)) => Some(match replies.pop() {
-            Some(Ok(Value::Int(k))) if k >= n as i64 => Ok(()),
-            Some(Ok(Value::Int(k))) => Err(format!("WAIT: {k} of {n} replicas acknowledged the write in time (min_replicas_acked)")),
-            other => Err(format!("WAIT failed: {other:?}")),
-        }),
-    };
+    let mut replies: Vec<redis::RedisResult<Value>> = pipe
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    let acked = wait.map(|(n, _)| match replies.pop() {
+        Some(Ok(Value::Int(k))) if k >= n as i64 => Ok(()),
+        Some(Ok(Value::Int(k))) => Err(format!(
+            "WAIT: {k} of {n} replicas acknowledged the write in time (min_replicas_acked)"
+        )),
+        other => Err(format!("WAIT failed: {other:?}")),
+    });
     if replies.len() != items.len() {
-        return Err(format!("{} replies to {} commands", replies.len(), items.len()));
+        return Err(format!(
+            "{} replies to {} commands",
+            replies.len(),
+            items.len()
+        ));
     }
     Ok((replies, acked))
 }

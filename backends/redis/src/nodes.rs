@@ -10,7 +10,9 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo, Value};
+use redis::{
+    AsyncConnectionConfig, ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo, Value,
+};
 
 use crate::config::{RedisOptions, split_addr};
 use crate::error::RedisError;
@@ -34,7 +36,9 @@ impl Nodes {
     /// (cluster or standalone), and reads the slot map.
     pub async fn open(opts: Arc<RedisOptions>) -> Result<Self, RedisError> {
         let root_cert = match &opts.tls_ca_file {
-            Some(p) => Some(std::fs::read(p).map_err(|e| RedisError::Tls(format!("reading tls_ca_file {}: {e}", p.display())))?),
+            Some(p) => Some(std::fs::read(p).map_err(|e| {
+                RedisError::Tls(format!("reading tls_ca_file {}: {e}", p.display()))
+            })?),
             None => None,
         };
         if opts.tls {
@@ -53,7 +57,11 @@ impl Nodes {
         for seed in nodes.opts.nodes.clone() {
             match nodes.probe(&seed).await {
                 Ok(()) => return Ok(nodes),
-                Err(e @ (RedisError::Auth { .. } | RedisError::WrongMode { .. } | RedisError::Tls(_))) => return Err(e),
+                Err(
+                    e @ (RedisError::Auth { .. }
+                    | RedisError::WrongMode { .. }
+                    | RedisError::Tls(_)),
+                ) => return Err(e),
                 Err(e) => last = e.to_string(),
             }
         }
@@ -91,7 +99,10 @@ impl Nodes {
             .arg("proto-max-bulk-len")
             .query_async(&mut conn)
             .await;
-        if let Some(v) = limit.ok().and_then(|v| v.get(1).and_then(|s| s.parse::<u64>().ok())) {
+        if let Some(v) = limit
+            .ok()
+            .and_then(|v| v.get(1).and_then(|s| s.parse::<u64>().ok()))
+        {
             self.max_value_bytes = v;
         }
         let topology = if enabled {
@@ -100,15 +111,19 @@ impl Nodes {
                 .query_async(&mut conn)
                 .await
                 .map_err(|e| RedisError::client(seed, e))?;
-            let t = Topology::from_cluster_slots(&reply, seed).map_err(|detail| RedisError::Protocol {
-                node: seed.to_string(),
-                command: "CLUSTER SLOTS",
-                detail,
+            let t = Topology::from_cluster_slots(&reply, seed).map_err(|detail| {
+                RedisError::Protocol {
+                    node: seed.to_string(),
+                    command: "CLUSTER SLOTS",
+                    detail,
+                }
             })?;
             if t.nodes.is_empty() {
                 return Err(RedisError::WrongMode {
                     node: seed.to_string(),
-                    detail: "the cluster has no slots assigned (run `redis-cli --cluster create` first)".into(),
+                    detail:
+                        "the cluster has no slots assigned (run `redis-cli --cluster create` first)"
+                            .into(),
                 });
             }
             t
@@ -145,14 +160,17 @@ impl Nodes {
             let Ok(mut conn) = self.conn(&addr).await else {
                 continue;
             };
-            let reply: redis::RedisResult<Value> = redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut conn).await;
+            let reply: redis::RedisResult<Value> = redis::cmd("CLUSTER")
+                .arg("SLOTS")
+                .query_async(&mut conn)
+                .await;
             match reply {
                 Ok(v) => {
-                    if let Ok(t) = Topology::from_cluster_slots(&v, &addr) {
-                        if !t.nodes.is_empty() {
-                            *self.topology.write() = Arc::new(t);
-                            return;
-                        }
+                    if let Ok(t) = Topology::from_cluster_slots(&v, &addr)
+                        && !t.nodes.is_empty()
+                    {
+                        *self.topology.write() = Arc::new(t);
+                        return;
                     }
                 }
                 Err(_) => self.forget(&addr),

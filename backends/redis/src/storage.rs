@@ -39,7 +39,9 @@ pub struct RedisStorage {
 
 impl std::fmt::Debug for RedisStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisStorage").field("opts", &self.opts).finish()
+        f.debug_struct("RedisStorage")
+            .field("opts", &self.opts)
+            .finish()
     }
 }
 
@@ -84,10 +86,17 @@ impl RedisStorage {
     }
 
     fn wait(&self) -> Option<(u32, std::time::Duration)> {
-        (self.opts.min_replicas_acked > 0).then_some((self.opts.min_replicas_acked, self.opts.timeout))
+        (self.opts.min_replicas_acked > 0)
+            .then_some((self.opts.min_replicas_acked, self.opts.timeout))
     }
 
-    fn set_request<'a, 'p: 'a>(&self, rkey: Vec<u8>, key: &'a PageKey, page: &'a PageBuf<'p>, nx: bool) -> Request<'a> {
+    fn set_request<'a, 'p: 'a>(
+        &self,
+        rkey: Vec<u8>,
+        key: &'a PageKey,
+        page: &'a PageBuf<'p>,
+        nx: bool,
+    ) -> Request<'a> {
         let ttl = self.opts.ttl_s;
         let len = HEADER_LEN + page.len();
         let k = rkey.clone();
@@ -150,7 +159,9 @@ impl RedisStorage {
 }
 
 fn sub(c: &AtomicU64, n: u64) {
-    let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_sub(n)));
+    let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+        Some(v.saturating_sub(n))
+    });
 }
 
 #[async_trait]
@@ -184,7 +195,11 @@ impl Storage for RedisStorage {
     }
 
     #[tracing::instrument(skip_all, fields(pages = keys.len()))]
-    async fn batch_get(&self, keys: &[PageKey], dst: &mut [PageBufMut<'_>]) -> Result<Vec<PageOutcome>> {
+    async fn batch_get(
+        &self,
+        keys: &[PageKey],
+        dst: &mut [PageBufMut<'_>],
+    ) -> Result<Vec<PageOutcome>> {
         check_batch("batch_get", MAX_BATCH, keys.len(), dst.len())?;
         let rkeys: Vec<Vec<u8>> = keys.iter().map(|k| self.redis_key(k)).collect();
         let reqs: Vec<Request<'_>> = rkeys
@@ -229,7 +244,10 @@ impl Storage for RedisStorage {
         }
         if !damaged.is_empty() {
             // Drop bad copies so the next writer of the page stores a good one.
-            let reqs: Vec<Request<'_>> = damaged.iter().map(|i| Request::simple("DEL", &rkeys[*i])).collect();
+            let reqs: Vec<Request<'_>> = damaged
+                .iter()
+                .map(|i| Request::simple("DEL", &rkeys[*i]))
+                .collect();
             let _ = execute(&self.nodes, &self.inflight, &reqs, None, self.deadline()).await;
         }
         for (o, d) in outcomes.iter().zip(dst.iter_mut()) {
@@ -237,7 +255,8 @@ impl Storage for RedisStorage {
                 d.zero();
             }
         }
-        self.stats.record_get(&outcomes, dst.iter().map(|d| d.len()));
+        self.stats
+            .record_get(&outcomes, dst.iter().map(|d| d.len()));
         Ok(outcomes)
     }
 
@@ -251,7 +270,10 @@ impl Storage for RedisStorage {
             if page.is_empty() {
                 outcomes[i] = Some(PageOutcome::Failed(PageError::EmptyPage));
             } else if page.len() > max {
-                outcomes[i] = Some(PageOutcome::Failed(PageError::TooLarge { len: page.len(), max }));
+                outcomes[i] = Some(PageOutcome::Failed(PageError::TooLarge {
+                    len: page.len(),
+                    max,
+                }));
             } else {
                 todo.push(i);
             }
@@ -261,7 +283,14 @@ impl Storage for RedisStorage {
             .iter()
             .map(|&i| self.set_request(self.redis_key(&keys[i]), &keys[i], &src[i], true))
             .collect();
-        let replies = execute(&self.nodes, &self.inflight, &reqs, self.wait(), self.deadline()).await;
+        let replies = execute(
+            &self.nodes,
+            &self.inflight,
+            &reqs,
+            self.wait(),
+            self.deadline(),
+        )
+        .await;
         drop(reqs);
         let mut existing = Vec::new();
         for (&i, r) in todo.iter().zip(replies) {
@@ -274,14 +303,19 @@ impl Storage for RedisStorage {
                     existing.push(i);
                     continue;
                 }
-                Reply::Value(other) => PageOutcome::Failed(PageError::Backend(format!("redis SET: unexpected reply {other:?}"))),
+                Reply::Value(other) => PageOutcome::Failed(PageError::Backend(format!(
+                    "redis SET: unexpected reply {other:?}"
+                ))),
                 Reply::Failed(e) => PageOutcome::Failed(e),
             });
         }
         // Phase 2: the key exists. Same metadata: Present (keys name contents); other metadata
         // or a damaged header: overwrite.
         if !existing.is_empty() {
-            let named: Vec<(PageKey, Vec<u8>)> = existing.iter().map(|&i| (keys[i], self.redis_key(&keys[i]))).collect();
+            let named: Vec<(PageKey, Vec<u8>)> = existing
+                .iter()
+                .map(|&i| (keys[i], self.redis_key(&keys[i])))
+                .collect();
             let headers = self.headers(&named).await;
             let mut rewrite = Vec::new();
             for (&i, h) in existing.iter().zip(headers) {
@@ -294,7 +328,14 @@ impl Storage for RedisStorage {
                 .iter()
                 .map(|&(i, _)| self.set_request(self.redis_key(&keys[i]), &keys[i], &src[i], false))
                 .collect();
-            let replies = execute(&self.nodes, &self.inflight, &reqs, self.wait(), self.deadline()).await;
+            let replies = execute(
+                &self.nodes,
+                &self.inflight,
+                &reqs,
+                self.wait(),
+                self.deadline(),
+            )
+            .await;
             drop(reqs);
             for (&(i, old), r) in rewrite.iter().zip(replies) {
                 outcomes[i] = Some(match r {
@@ -302,16 +343,23 @@ impl Storage for RedisStorage {
                         self.add_stored(src[i].len(), Some(old.unwrap_or(0)));
                         PageOutcome::Stored
                     }
-                    Reply::Value(other) => PageOutcome::Failed(PageError::Backend(format!("redis SET: unexpected reply {other:?}"))),
+                    Reply::Value(other) => PageOutcome::Failed(PageError::Backend(format!(
+                        "redis SET: unexpected reply {other:?}"
+                    ))),
                     Reply::Failed(e) => PageOutcome::Failed(e),
                 });
             }
         }
         let outcomes: Vec<PageOutcome> = outcomes
             .into_iter()
-            .map(|o| o.unwrap_or_else(|| PageOutcome::Failed(PageError::Backend("redis: no outcome".into()))))
+            .map(|o| {
+                o.unwrap_or_else(|| {
+                    PageOutcome::Failed(PageError::Backend("redis: no outcome".into()))
+                })
+            })
             .collect();
-        self.stats.record_set(&outcomes, src.iter().map(|p| p.len()));
+        self.stats
+            .record_set(&outcomes, src.iter().map(|p| p.len()));
         Ok(outcomes)
     }
 
@@ -320,7 +368,10 @@ impl Storage for RedisStorage {
         check_batch("delete", MAX_BATCH, keys.len(), keys.len())?;
         let named: Vec<(PageKey, Vec<u8>)> = keys.iter().map(|k| (*k, self.redis_key(k))).collect();
         let headers = self.headers(&named).await;
-        let reqs: Vec<Request<'_>> = named.iter().map(|(_, rk)| Request::simple("DEL", rk)).collect();
+        let reqs: Vec<Request<'_>> = named
+            .iter()
+            .map(|(_, rk)| Request::simple("DEL", rk))
+            .collect();
         let replies = execute(&self.nodes, &self.inflight, &reqs, None, self.deadline()).await;
         let mut removed = 0;
         for (r, h) in replies.iter().zip(headers) {
@@ -344,6 +395,10 @@ impl Storage for RedisStorage {
     }
 
     fn stats(&self) -> StorageStats {
-        self.stats.snapshot(self.pages.load(Ordering::Relaxed), self.bytes.load(Ordering::Relaxed), None)
+        self.stats.snapshot(
+            self.pages.load(Ordering::Relaxed),
+            self.bytes.load(Ordering::Relaxed),
+            None,
+        )
     }
 }

@@ -25,7 +25,9 @@ pub fn redis_available(test: &str) -> bool {
         if std::env::var("HICACHE_REQUIRE_REDIS").as_deref() == Ok("1") {
             panic!("{test}: HICACHE_REQUIRE_REDIS=1 but redis-server / redis-cli cannot be run");
         }
-        println!("{test}: skipped: redis-server not found (apt-get install redis-server redis-tools)");
+        println!(
+            "{test}: skipped: redis-server not found (apt-get install redis-server redis-tools)"
+        );
     }
     ok
 }
@@ -62,16 +64,32 @@ impl RedisServer {
             let dir = tempfile::tempdir().expect("temp dir");
             let port = free_port();
             let mut cmd = Command::new("redis-server");
-            cmd.arg("--port").arg(port.to_string())
-                .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--protected-mode", "no"])
-                .arg("--dir").arg(dir.path());
+            cmd.arg("--port")
+                .arg(port.to_string())
+                .args([
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--protected-mode",
+                    "no",
+                ])
+                .arg("--dir")
+                .arg(dir.path());
             if cluster {
                 cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1500"])
-                    .arg("--cluster-config-file").arg(dir.path().join("nodes.conf"));
+                    .arg("--cluster-config-file")
+                    .arg(dir.path().join("nodes.conf"));
             }
             cmd.args(extra).stdout(Stdio::null()).stderr(Stdio::null());
             let child = cmd.spawn().expect("spawn redis-server");
-            let mut s = Self { child: Some(child), port, _dir: dir };
+            let mut s = Self {
+                child: Some(child),
+                port,
+                _dir: dir,
+            };
             match s.wait_ready(extra) {
                 Ok(()) => return s,
                 Err(e) => {
@@ -84,7 +102,10 @@ impl RedisServer {
     }
 
     fn wait_ready(&mut self, extra: &[&str]) -> Result<(), String> {
-        let pass = extra.windows(2).find(|w| w[0] == "--requirepass").map(|w| w[1].to_string());
+        let pass = extra
+            .windows(2)
+            .find(|w| w[0] == "--requirepass")
+            .map(|w| w[1].to_string());
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
@@ -95,7 +116,10 @@ impl RedisServer {
             if let Some(p) = &pass {
                 c.args(["-a", p, "--no-auth-warning"]);
             }
-            if c.arg("ping").output().is_ok_and(|o| o.stdout.starts_with(b"PONG")) {
+            if c.arg("ping")
+                .output()
+                .is_ok_and(|o| o.stdout.starts_with(b"PONG"))
+            {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(25));
@@ -150,10 +174,16 @@ impl RedisCluster {
     /// and every primary has its replicas attached.
     pub fn start(primaries: usize, replicas: usize, extra: &[&str]) -> Self {
         let n = primaries * (1 + replicas);
-        let servers: Vec<RedisServer> = (0..n).map(|_| RedisServer::start_mode(true, extra)).collect();
+        let servers: Vec<RedisServer> = (0..n)
+            .map(|_| RedisServer::start_mode(true, extra))
+            .collect();
         let mut args: Vec<String> = vec!["--cluster".into(), "create".into()];
         args.extend(servers.iter().map(RedisServer::addr));
-        args.extend(["--cluster-replicas".into(), replicas.to_string(), "--cluster-yes".into()]);
+        args.extend([
+            "--cluster-replicas".into(),
+            replicas.to_string(),
+            "--cluster-yes".into(),
+        ]);
         let out = Command::new("redis-cli")
             .args(&args)
             .stdin(Stdio::null())
@@ -172,7 +202,11 @@ impl RedisCluster {
 
     /// Seed addresses (every live node).
     pub fn seeds(&self) -> Vec<String> {
-        self.servers.iter().filter(|s| !s.is_killed()).map(RedisServer::addr).collect()
+        self.servers
+            .iter()
+            .filter(|s| !s.is_killed())
+            .map(RedisServer::addr)
+            .collect()
     }
 
     /// Waits (bounded) until every live node reports `cluster_state:ok` with all slots served,
@@ -191,7 +225,10 @@ impl RedisCluster {
                 let repl = cli(s.port, &["info", "replication"]);
                 if repl.contains("role:master") {
                     let want = self.expected_replicas(s.port);
-                    let got = repl.lines().filter(|l| l.starts_with("slave") && l.contains("state=online")).count();
+                    let got = repl
+                        .lines()
+                        .filter(|l| l.starts_with("slave") && l.contains("state=online"))
+                        .count();
                     got >= want
                 } else {
                     repl.contains("master_link_status:up")
@@ -209,7 +246,9 @@ impl RedisCluster {
     /// `CLUSTER NODES`.
     fn expected_replicas(&self, port: u16) -> usize {
         let nodes = cli(port, &["cluster", "nodes"]);
-        let Some(me) = nodes.lines().find(|l| l.contains("myself")) else { return 0 };
+        let Some(me) = nodes.lines().find(|l| l.contains("myself")) else {
+            return 0;
+        };
         let id = me.split_whitespace().next().unwrap_or_default();
         nodes
             .lines()
@@ -224,7 +263,11 @@ impl RedisCluster {
     pub fn a_primary(&self) -> usize {
         self.servers
             .iter()
-            .position(|s| !s.is_killed() && cli(s.port, &["info", "replication"]).contains("role:master") && self.expected_replicas(s.port) > 0)
+            .position(|s| {
+                !s.is_killed()
+                    && cli(s.port, &["info", "replication"]).contains("role:master")
+                    && self.expected_replicas(s.port) > 0
+            })
             .unwrap_or(0)
     }
 

@@ -38,7 +38,9 @@ impl Topology {
         let Value::Array(ranges) = reply else {
             return Err(format!("expected an array, got {reply:?}"));
         };
-        let from_host = crate::config::split_addr(from).map(|(h, _)| h).unwrap_or_default();
+        let from_host = crate::config::split_addr(from)
+            .map(|(h, _)| h)
+            .unwrap_or_default();
         let mut t = Self {
             nodes: Vec::new(),
             owner: vec![u16::MAX; SLOTS],
@@ -57,7 +59,11 @@ impl Topology {
                 Some(Value::SimpleString(s)) => s.clone(),
                 _ => return Err(format!("malformed node entry {primary:?}")),
             };
-            let host = if host.is_empty() || host == "?" { from_host.clone() } else { host };
+            let host = if host.is_empty() || host == "?" {
+                from_host.clone()
+            } else {
+                host
+            };
             let Some(Value::Int(port)) = primary.get(1) else {
                 return Err(format!("malformed node entry {primary:?}"));
             };
@@ -116,7 +122,12 @@ mod tests {
             ])
         };
         let reply = Value::Array(vec![
-            Value::Array(vec![Value::Int(0), Value::Int(8000), node("10.0.0.1", 7000), node("10.0.0.2", 7003)]),
+            Value::Array(vec![
+                Value::Int(0),
+                Value::Int(8000),
+                node("10.0.0.1", 7000),
+                node("10.0.0.2", 7003),
+            ]),
             Value::Array(vec![Value::Int(8001), Value::Int(16383), node("", 7001)]),
         ]);
         let t = Topology::from_cluster_slots(&reply, "10.0.0.9:7001").unwrap();

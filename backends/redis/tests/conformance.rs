@@ -31,7 +31,10 @@ impl RedisHarness {
 
     fn raw(&self) -> Box<dyn redis::ConnectionLike> {
         if self.cluster {
-            let c = redis::cluster::ClusterClient::new(self.seeds.iter().map(|s| format!("redis://{s}"))).unwrap();
+            let c = redis::cluster::ClusterClient::new(
+                self.seeds.iter().map(|s| format!("redis://{s}")),
+            )
+            .unwrap();
             Box::new(c.get_connection().unwrap())
         } else {
             let c = redis::Client::open(format!("redis://{}", self.seeds[0])).unwrap();
@@ -45,7 +48,11 @@ impl Harness for RedisHarness {
     type Backend = RedisStorage;
 
     async fn open(&self, _capacity: Option<u64>) -> Result<Arc<RedisStorage>> {
-        Ok(Arc::new(RedisStorage::open(self.options()).await.map_err(StorageError::from)?))
+        Ok(Arc::new(
+            RedisStorage::open(self.options())
+                .await
+                .map_err(StorageError::from)?,
+        ))
     }
 
     async fn corrupt(&self, backend: &RedisStorage, key: &PageKey) -> Result<bool> {
@@ -56,14 +63,28 @@ impl Harness for RedisHarness {
             return Ok(false);
         }
         let at = HEADER_LEN + (len - HEADER_LEN) / 2;
-        let byte: Vec<u8> = redis::cmd("GETRANGE").arg(&name).arg(at).arg(at).query(&mut *conn).unwrap();
-        let _: i64 = redis::cmd("SETRANGE").arg(&name).arg(at).arg(vec![byte[0] ^ 0x5a]).query(&mut *conn).unwrap();
+        let byte: Vec<u8> = redis::cmd("GETRANGE")
+            .arg(&name)
+            .arg(at)
+            .arg(at)
+            .query(&mut *conn)
+            .unwrap();
+        let _: i64 = redis::cmd("SETRANGE")
+            .arg(&name)
+            .arg(at)
+            .arg(vec![byte[0] ^ 0x5a])
+            .query(&mut *conn)
+            .unwrap();
         Ok(true)
     }
 }
 
 fn run_suite(h: RedisHarness) {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .unwrap();
     for case in Case::ALL {
         if case == Case::CapacityEviction {
             continue;
@@ -78,9 +99,16 @@ fn conformance_on_a_three_shard_cluster_with_replicas() {
         return;
     }
     let cluster = RedisCluster::start(3, 1, &[]);
-    run_suite(RedisHarness { seeds: cluster.seeds(), cluster: true, next: AtomicU64::new(0) });
+    run_suite(RedisHarness {
+        seeds: cluster.seeds(),
+        cluster: true,
+        next: AtomicU64::new(0),
+    });
     // The reverse mismatch: a cluster node configured as a standalone server.
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let mut o = RedisOptions::new(cluster.seeds());
     o.cluster = false;
     let e = rt.block_on(RedisStorage::open(o)).unwrap_err().to_string();
@@ -93,5 +121,9 @@ fn conformance_on_a_standalone_server() {
         return;
     }
     let server = RedisServer::start(&[]);
-    run_suite(RedisHarness { seeds: vec![server.addr()], cluster: false, next: AtomicU64::new(0) });
+    run_suite(RedisHarness {
+        seeds: vec![server.addr()],
+        cluster: false,
+        next: AtomicU64::new(0),
+    });
 }
