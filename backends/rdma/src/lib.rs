@@ -71,6 +71,7 @@
 //! `device`, `ib_port`, `gid_index`; the common `capacity` sizes a spawned server's pool.
 #![warn(missing_docs)]
 
+pub mod auth;
 pub mod client;
 pub mod error;
 pub mod protocol;
@@ -85,10 +86,11 @@ use hicache_storage::{
     BackendContext, BackendFactory, CommonConfig, ConfigFields, Registry, Storage,
 };
 
+pub use auth::{Grant, Tenant, TenantTable, Token};
 pub use client::{Connection, RdmaOptions, RdmaStorage, Transport};
 pub use error::RdmaError;
 pub use hicache_core::PageKey;
-pub use server::{RdmaServer, ServerHandle, ServerOptions};
+pub use server::{RdmaServer, ServerAuth, ServerHandle, ServerOptions};
 
 /// The registry name of this backend.
 pub const BACKEND_NAME: &str = "rdma";

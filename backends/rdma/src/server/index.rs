@@ -14,6 +14,7 @@
 //!    leaves the index at once (invisible) but its extent moves to `retired` and is freed when
 //!    the last pin goes. `LOOKUP` leases (remote readers) expire after their lease time so a
 //!    dead client cannot pin memory forever; the leases of a closed connection go at once.
+//!    A client releases only its own connection's leases ([`Index::release_for`]).
 //! 4. **Reservations.** A reservation belongs to one connection; only it may write or commit
 //!    it. It is freed by commit, abort, its connection closing, or expiry. Expiry skips a
 //!    reservation whose bytes are being written right now (`writing`), so its extent is never
@@ -273,7 +274,19 @@ impl Index {
             .collect()
     }
 
-    /// Releases leases; returns how many were live.
+    /// `RELEASE`: releases the leases of `conn` among `leases`; returns how many were live.
+    /// Another connection's lease ids are ignored (a client cannot unpin what another client
+    /// is reading).
+    pub fn release_for(&mut self, conn: u64, leases: &[u64]) -> usize {
+        let own: Vec<u64> = leases
+            .iter()
+            .copied()
+            .filter(|id| self.leases.get(id).is_some_and(|l| l.conn == conn))
+            .collect();
+        self.release(&own)
+    }
+
+    /// Releases leases, whoever holds them; returns how many were live.
     pub fn release(&mut self, leases: &[u64]) -> usize {
         let mut n = 0;
         for id in leases {
@@ -604,7 +617,8 @@ mod tests {
         assert_eq!(ix.delete(&[key(1)]), 1);
         assert_eq!(ix.exists(&[key(1)]), 0);
         assert_eq!(ix.free_bytes(), 0);
-        assert_eq!(ix.release(&[lease]), 1);
+        assert_eq!(ix.release_for(4, &[lease]), 0, "not connection 4's lease");
+        assert_eq!(ix.release_for(3, &[lease]), 1);
         assert_eq!(ix.free_bytes(), 4096);
         // Lease expiry.
         let st = ix.lookup(3, &[req(4, 4096)], now + Duration::from_secs(5));
