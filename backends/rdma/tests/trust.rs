@@ -559,3 +559,67 @@ async fn a_pool_the_protocol_cannot_describe_is_refused() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("no credentials configured"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_cannot_hold_more_than_its_in_flight_bytes() {
+    let server = RdmaServer::start(ServerOptions {
+        auth: two_tenants(),
+        max_tenant_inflight_bytes: Some(64 << 10),
+        ..server_opts(1 << 20)
+    })
+    .await
+    .unwrap();
+    let addr = server.local_addr().to_string();
+    let open = |tok: &'static str| {
+        let addr = addr.clone();
+        async move {
+            Connection::connect(
+                &addr,
+                "inflight",
+                Some(&token(tok)),
+                Duration::from_secs(5),
+                Duration::from_secs(5),
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let alloc = |ns: u64, from: u64, n: u64| Request::Allocate {
+        pages: (from..from + n)
+            .map(|i| PageReq {
+                key: key(ns, i),
+                len: 4096,
+                layout: L.tag(),
+            })
+            .collect(),
+    };
+    // Tenant a reserves 48 KiB and never writes; its second connection may not add 32 KiB.
+    let mut a1 = open("tenant-a-token-0123456789").await;
+    let mut a2 = open("tenant-a-token-0123456789").await;
+    let (_, r) = a1.call(&alloc(1, 0, 12)).await.unwrap();
+    let Reply::Allocate(slots) = r else { panic!() };
+    let ids: Vec<u64> = slots
+        .iter()
+        .map(|s| match s {
+            protocol::AllocStatus::Slot { id, .. } => *id,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    let e = a2.call(&alloc(1, 100, 8)).await.unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("code {}", code::BUSY)) && e.contains("in flight"),
+        "{e}"
+    );
+    // Tenant b is not affected.
+    let mut b = open("tenant-b-token-0123456789").await;
+    assert!(matches!(
+        b.call(&alloc(2, 0, 8)).await.unwrap().1,
+        Reply::Allocate(_)
+    ));
+    // Once a gives its reservations back, it may reserve again.
+    a1.call(&Request::Abort { slots: ids }).await.unwrap();
+    assert!(matches!(
+        a2.call(&alloc(1, 100, 8)).await.unwrap().1,
+        Reply::Allocate(_)
+    ));
+}

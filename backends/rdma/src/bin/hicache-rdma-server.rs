@@ -43,6 +43,10 @@ struct Args {
     /// Most connections of one tenant open at once.
     #[arg(long, default_value_t = 256)]
     max_tenant_connections: u32,
+    /// Most bytes one tenant may hold in flight (reserved for writes plus pinned by reads);
+    /// default: half the pool.
+    #[arg(long, value_parser = bytes)]
+    max_tenant_inflight: Option<u64>,
     /// Bytes of the pool (e.g. `64GiB`, `100gb`, or a plain number).
     #[arg(long, default_value = "1GiB", value_parser = bytes)]
     pool: u64,
@@ -120,6 +124,7 @@ fn main() {
         idle_ms: args.idle_ms,
         max_connections: args.max_connections,
         max_tenant_connections: args.max_tenant_connections,
+        max_tenant_inflight_bytes: Some(args.max_tenant_inflight.unwrap_or(args.pool / 2)),
         pool_bytes: args.pool,
         region_bytes: args.region,
         granule: args.granule,

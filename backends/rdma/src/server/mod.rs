@@ -83,6 +83,10 @@ pub struct ServerOptions {
     pub max_connections: u32,
     /// Most connections of one tenant open at once.
     pub max_tenant_connections: u32,
+    /// Most bytes one tenant may hold in flight: reserved for writes not yet committed plus
+    /// pinned by reads (checked per `READ`, `LOOKUP` and `ALLOCATE` against the bytes it
+    /// names; a request that would exceed it is refused with [`code::BUSY`]). `None`: no limit.
+    pub max_tenant_inflight_bytes: Option<u64>,
     /// Bytes of the whole pool.
     pub pool_bytes: u64,
     /// Bytes of one region (one mapping, one RDMA registration); a page never spans two.
@@ -114,6 +118,7 @@ impl Default for ServerOptions {
             idle_ms: 300_000,
             max_connections: 1024,
             max_tenant_connections: 256,
+            max_tenant_inflight_bytes: None,
             pool_bytes: 1 << 30,
             region_bytes: 1 << 30,
             granule: 4096,
@@ -225,8 +230,8 @@ struct Shared {
     timed_out_connections: AtomicU64,
     /// Connections open now (counted at accept, uncounted when their task ends).
     open: AtomicU64,
-    /// Open authenticated connections per tenant name.
-    tenant_conns: Mutex<HashMap<String, u32>>,
+    /// Open authenticated connections (their ids) per tenant name.
+    tenant_conns: Mutex<HashMap<String, Vec<u64>>>,
     #[cfg(feature = "verbs")]
     verbs: Option<crate::verbs::ServerVerbs>,
 }
@@ -534,6 +539,7 @@ impl Drop for ConnGuard {
 /// One authenticated connection's tenant; uncounts the connection from its tenant on drop.
 struct Session {
     shared: Arc<Shared>,
+    conn: u64,
     tenant: String,
     grant: Grant,
 }
@@ -541,9 +547,9 @@ struct Session {
 impl Drop for Session {
     fn drop(&mut self) {
         let mut m = self.shared.tenant_conns.lock();
-        if let Some(n) = m.get_mut(&self.tenant) {
-            *n -= 1;
-            if *n == 0 {
+        if let Some(v) = m.get_mut(&self.tenant) {
+            v.retain(|c| *c != self.conn);
+            if v.is_empty() {
                 m.remove(&self.tenant);
             }
         }
@@ -554,6 +560,19 @@ impl Session {
     /// The first namespace among `keys` the tenant may not use.
     fn forbidden<'k>(&self, mut keys: impl Iterator<Item = &'k PageKey>) -> Option<PageKey> {
         keys.find(|k| !self.grant.allows(&k.namespace)).copied()
+    }
+
+    /// Bytes the tenant holds in flight over all its connections.
+    fn in_flight(&self) -> u64 {
+        let conns = self
+            .shared
+            .tenant_conns
+            .lock()
+            .get(&self.tenant)
+            .cloned()
+            .unwrap_or_default();
+        let ix = self.shared.index.lock();
+        conns.iter().map(|c| ix.usage(*c).in_flight()).sum()
     }
 }
 
@@ -707,6 +726,7 @@ async fn handshake(
     shared: &Arc<Shared>,
     r: &mut Rd,
     w: &mut Wr,
+    conn: u64,
     peer: SocketAddr,
 ) -> Result<Session, End> {
     let (head, body) = protocol::read_frame(r).await?;
@@ -737,7 +757,10 @@ async fn handshake(
         nonce: server_nonce,
         auth: required,
     };
-    send(shared, w, head.id, hello, 0).await?;
+    // Not authenticated yet: the reply carries no occupancy (the pool's totals are for
+    // tenants only).
+    let f = ReplyFrame::Ok(protocol::Occupancy::default(), hello);
+    protocol::write_frame(w, head.id, f.op(), &f.encode(), 0).await?;
     w.flush().await?;
     let (head, body) = protocol::read_frame(r).await?;
     if head.op != op::AUTH {
@@ -786,8 +809,8 @@ async fn handshake(
     {
         let max = shared.opts.max_tenant_connections;
         let mut m = shared.tenant_conns.lock();
-        let n = m.entry(tenant.clone()).or_insert(0);
-        if *n >= max {
+        let conns = m.entry(tenant.clone()).or_default();
+        if conns.len() >= max as usize {
             shared.refused_connections.fetch_add(1, Ordering::Relaxed);
             return Err(End::Refused {
                 code: code::BUSY,
@@ -797,10 +820,11 @@ async fn handshake(
                 ),
             });
         }
-        *n += 1;
+        conns.push(conn);
     }
     let session = Session {
         shared: shared.clone(),
+        conn,
         tenant,
         grant,
     };
@@ -827,7 +851,7 @@ async fn serve(
         o.handshake_ms,
         "the handshake",
         false,
-        handshake(shared, r, w, peer),
+        handshake(shared, r, w, conn, peer),
     )
     .await?;
     // A connection carrying an RDMA queue pair may stay quiet (its reads bypass the socket).
@@ -917,6 +941,34 @@ async fn serve(
             )
             .await?;
             continue;
+        }
+        // Per-tenant in-flight bytes (checked per request: a tenant's concurrent requests on
+        // several connections may overshoot by at most one request each).
+        let wanted = match &req {
+            Request::Read { pages } | Request::Lookup { pages } | Request::Allocate { pages } => {
+                pages.iter().fold(0u64, |a, p| a.saturating_add(p.len))
+            }
+            _ => 0,
+        };
+        if let Some(cap) = o.max_tenant_inflight_bytes
+            && wanted > 0
+        {
+            let used = session.in_flight();
+            if used.saturating_add(wanted) > cap {
+                let message = format!(
+                    "tenant {:?} holds {used} bytes in flight (reserved or being read); \
+                     {wanted} more would exceed its limit of {cap} (--max-tenant-inflight)",
+                    session.tenant
+                );
+                bounded(
+                    o.idle_ms,
+                    "sending a reply",
+                    false,
+                    send_error(w, head.id, code::BUSY, &message),
+                )
+                .await?;
+                continue;
+            }
         }
         let attach = matches!(req, Request::VerbsConnect { .. });
         let served = handle(shared, r, w, conn, head.id, head.payload_len, req).await?;
