@@ -209,6 +209,29 @@ async fn backend_round(
     })
 }
 
+/// Starts a 3-primary Redis Cluster on loopback when `--backend redis` names no `nodes`.
+#[cfg(feature = "redis")]
+fn spawn_redis_cluster(
+    args: &StorageArgs,
+) -> Result<Option<hicache_backend_redis::testing::RedisCluster>> {
+    use hicache_backend_redis::testing::{RedisCluster, redis_available};
+    let names_nodes = args
+        .backend
+        .extra_config
+        .as_deref()
+        .is_some_and(|c| c.contains("\"nodes\""));
+    if args.backend.backend != "redis" || names_nodes {
+        return Ok(None);
+    }
+    if !redis_available("storage --backend redis") {
+        return Err(BenchError::Usage(
+            "--backend redis without \"nodes\" starts a local cluster and needs redis-server"
+                .into(),
+        ));
+    }
+    Ok(Some(RedisCluster::start(3, 0, &[])))
+}
+
 /// Which half of the reference a round asks for.
 #[derive(Copy, Clone, Debug)]
 enum Phase {
@@ -231,8 +254,16 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
         Some(n) => vec![n],
         None => vec![8 << 20, 256 << 10],
     };
-    let file_like = !matches!(args.backend.backend.as_str(), "memory" | "rdma");
-    let rdma = args.backend.backend == "rdma";
+    let file_like = !matches!(args.backend.backend.as_str(), "memory" | "rdma" | "redis");
+    // Network backends are measured against raw TCP loopback of the same bytes.
+    let rdma = matches!(args.backend.backend.as_str(), "rdma" | "redis");
+    // `--backend redis` without `nodes`: a 3-primary cluster on loopback for the run.
+    #[cfg(feature = "redis")]
+    let _cluster = spawn_redis_cluster(args)?;
+    #[cfg(feature = "redis")]
+    let cluster_nodes: Option<Value> = _cluster.as_ref().map(|c| Value::from(c.seeds()));
+    #[cfg(not(feature = "redis"))]
+    let cluster_nodes: Option<Value> = None;
     let base: Option<PathBuf> = args.backend.dir.clone();
     if file_like && base.is_none() {
         return Err(BenchError::Usage(format!(
@@ -278,6 +309,9 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                 overrides.push(("dir", Value::String(d.display().to_string())));
             }
             overrides.push(("capacity", Value::from(bytes * 2 + (64 << 20))));
+            if let Some(n) = &cluster_nodes {
+                overrides.push(("nodes", n.clone()));
+            }
             let mut bargs = args.backend.clone();
             bargs.dir = None;
             let raw = raw_path.as_deref().map(|path| Raw {
