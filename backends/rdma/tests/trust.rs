@@ -273,6 +273,17 @@ async fn a_client_without_valid_credentials_gets_nothing() {
         .unwrap();
     expect_error(&mut s, code::PROTOCOL, "").await;
     expect_closed(&mut s).await;
+    // A HELLO announcing a 1 MiB body: refused before anything is allocated or read.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let head = protocol::FrameHead {
+        body_len: 1 << 20,
+        payload_len: 0,
+        id: 1,
+        op: op::HELLO,
+    };
+    s.write_all(&head.encode()).await.unwrap();
+    expect_error(&mut s, code::PROTOCOL, "exceeds the limit of 8192").await;
+    expect_closed(&mut s).await;
     let st = server.stats();
     assert_eq!(st.auth_failures, 4, "{st:?}");
     // The page is untouched and the owner still reads it.
@@ -622,4 +633,25 @@ async fn a_tenant_cannot_hold_more_than_its_in_flight_bytes() {
         a2.call(&alloc(1, 100, 8)).await.unwrap().1,
         Reply::Allocate(_)
     ));
+}
+
+/// A client of protocol version 1 (HELLO without a nonce) gets an error naming both versions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_client_gets_a_clear_version_error() {
+    let server = RdmaServer::start(server_opts(1 << 20)).await.unwrap();
+    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
+    let mut body = MAGIC.to_vec();
+    body.extend_from_slice(&1u16.to_le_bytes());
+    body.extend_from_slice(&6u32.to_le_bytes());
+    body.extend_from_slice(b"old-v1");
+    protocol::write_frame(&mut s, 1, op::HELLO, &body, 0)
+        .await
+        .unwrap();
+    expect_error(
+        &mut s,
+        code::VERSION,
+        &format!("unsupported protocol version 1 (this side speaks {VERSION})"),
+    )
+    .await;
+    expect_closed(&mut s).await;
 }
