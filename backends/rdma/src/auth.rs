@@ -143,12 +143,24 @@ fn hex_of(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// Reads at most [`MAX_FILE_BYTES`] of a regular file as UTF-8.
+/// Reads at most [`MAX_FILE_BYTES`] of a regular file as UTF-8 (warning when others may read
+/// it: these files hold secrets).
 fn read_small(path: &Path) -> Result<String> {
     let bad = |why: String| RdmaError::Setup(format!("{}: {why}", path.display()));
     let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
     if !meta.is_file() {
         return Err(bad("not a regular file".into()));
+    }
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            tracing::warn!(
+                "{} holds secrets but is readable or writable by group or others (mode {mode:o}); \
+                 chmod 600 it",
+                path.display()
+            );
+        }
     }
     let mut buf = Vec::new();
     std::fs::File::open(path)

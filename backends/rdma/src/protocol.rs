@@ -51,6 +51,8 @@ pub const VERSION: u16 = 2;
 pub const HEAD_LEN: usize = 21;
 /// Largest body accepted (16 MiB; a `READ` of 65 536 keys is about 3.5 MiB).
 pub const MAX_BODY: u32 = 16 << 20;
+/// Largest body of a handshake frame (`HELLO`, `AUTH`), before the peer is authenticated.
+pub const MAX_HANDSHAKE_BODY: u32 = 8 << 10;
 /// Largest list in one message.
 pub const MAX_ENTRIES: usize = 65_536;
 /// Largest payload of one frame (64 GiB: far above any batch, small enough to catch garbage).
@@ -1238,9 +1240,27 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
 pub async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
 ) -> Result<(FrameHead, Vec<u8>), FrameError> {
+    read_frame_limited(r, MAX_BODY).await
+}
+
+/// [`read_frame`] refusing a body over `max_body` bytes before allocating it (the handshake
+/// uses [`MAX_HANDSHAKE_BODY`], so an unauthenticated peer cannot make the server allocate
+/// [`MAX_BODY`]).
+pub async fn read_frame_limited<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max_body: u32,
+) -> Result<(FrameHead, Vec<u8>), FrameError> {
     let mut h = [0u8; HEAD_LEN];
     r.read_exact(&mut h).await?;
     let head = FrameHead::decode(&h)?;
+    if head.body_len > max_body {
+        return Err(ProtocolError::TooLarge {
+            what: "frame body",
+            len: head.body_len as u64,
+            max: max_body as u64,
+        }
+        .into());
+    }
     let mut body = vec![0u8; head.body_len as usize];
     r.read_exact(&mut body).await?;
     Ok((head, body))

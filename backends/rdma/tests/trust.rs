@@ -273,6 +273,17 @@ async fn a_client_without_valid_credentials_gets_nothing() {
         .unwrap();
     expect_error(&mut s, code::PROTOCOL, "").await;
     expect_closed(&mut s).await;
+    // A HELLO announcing a 1 MiB body: refused before anything is allocated or read.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let head = protocol::FrameHead {
+        body_len: 1 << 20,
+        payload_len: 0,
+        id: 1,
+        op: op::HELLO,
+    };
+    s.write_all(&head.encode()).await.unwrap();
+    expect_error(&mut s, code::PROTOCOL, "exceeds the limit of 8192").await;
+    expect_closed(&mut s).await;
     let st = server.stats();
     assert_eq!(st.auth_failures, 4, "{st:?}");
     // The page is untouched and the owner still reads it.
@@ -414,33 +425,36 @@ async fn an_unconsumed_read_lease_expires_and_the_page_can_be_evicted() {
         put(&writer, &[first], BIG).await.unwrap(),
         vec![PageOutcome::Stored]
     );
-    // A reader asks for the page and never reads the reply (far larger than the socket
-    // buffers, so the server's send blocks with the page pinned).
-    let mut stalled = Connection::connect(
-        &server.local_addr().to_string(),
-        "stalled",
-        Some(&test_token()),
-        Duration::from_secs(5),
-        Duration::from_secs(5),
-    )
-    .await
-    .unwrap();
-    let id = stalled
-        .send(
-            &Request::Read {
-                pages: vec![PageReq {
-                    key: first,
-                    len: BIG as u64,
-                    layout: L.tag(),
-                }],
-            },
-            0,
-        )
+    // A reader asks for the page and never reads the reply: its receive buffer is fixed
+    // small (no autotuning), so the server's send blocks with the page pinned.
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = sock.connect(server.local_addr()).await.unwrap();
+    let (server_nonce, _) = raw_hello(&mut stalled, [8; 32]).await;
+    let mac = auth::client_mac(&test_token(), &[8; 32], &server_nonce);
+    let req = Request::Auth { mac: Some(mac) };
+    protocol::write_frame(&mut stalled, 2, op::AUTH, &req.encode(), 0)
         .await
         .unwrap();
-    stalled.flush().await.unwrap();
-    let _ = id;
-    eventually("the pin is taken", || server.stats().leases == 1).await;
+    assert!(matches!(
+        read_reply(&mut stalled).await,
+        ReplyFrame::Ok(_, Reply::Auth { .. })
+    ));
+    let req = Request::Read {
+        pages: vec![PageReq {
+            key: first,
+            len: BIG as u64,
+            layout: L.tag(),
+        }],
+    };
+    protocol::write_frame(&mut stalled, 3, op::READ, &req.encode(), 0)
+        .await
+        .unwrap();
+    eventually("the pin is taken (or already expired)", || {
+        let s = server.stats();
+        s.leases == 1 || s.timed_out_connections >= 1
+    })
+    .await;
     // The lease runs out: the connection is closed and the pin released.
     eventually("the unconsumed lease expires", || {
         let s = server.stats();
@@ -622,4 +636,25 @@ async fn a_tenant_cannot_hold_more_than_its_in_flight_bytes() {
         a2.call(&alloc(1, 100, 8)).await.unwrap().1,
         Reply::Allocate(_)
     ));
+}
+
+/// A client of protocol version 1 (HELLO without a nonce) gets an error naming both versions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_client_gets_a_clear_version_error() {
+    let server = RdmaServer::start(server_opts(1 << 20)).await.unwrap();
+    let mut s = TcpStream::connect(server.local_addr()).await.unwrap();
+    let mut body = MAGIC.to_vec();
+    body.extend_from_slice(&1u16.to_le_bytes());
+    body.extend_from_slice(&6u32.to_le_bytes());
+    body.extend_from_slice(b"old-v1");
+    protocol::write_frame(&mut s, 1, op::HELLO, &body, 0)
+        .await
+        .unwrap();
+    expect_error(
+        &mut s,
+        code::VERSION,
+        &format!("unsupported protocol version 1 (this side speaks {VERSION})"),
+    )
+    .await;
+    expect_closed(&mut s).await;
 }

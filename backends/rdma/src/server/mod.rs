@@ -729,7 +729,7 @@ async fn handshake(
     conn: u64,
     peer: SocketAddr,
 ) -> Result<Session, End> {
-    let (head, body) = protocol::read_frame(r).await?;
+    let (head, body) = protocol::read_frame_limited(r, protocol::MAX_HANDSHAKE_BODY).await?;
     if head.op != op::HELLO {
         return Err(ProtocolError::NoHello(head.op).into());
     }
@@ -762,7 +762,7 @@ async fn handshake(
     let f = ReplyFrame::Ok(protocol::Occupancy::default(), hello);
     protocol::write_frame(w, head.id, f.op(), &f.encode(), 0).await?;
     w.flush().await?;
-    let (head, body) = protocol::read_frame(r).await?;
+    let (head, body) = protocol::read_frame_limited(r, protocol::MAX_HANDSHAKE_BODY).await?;
     if head.op != op::AUTH {
         return Err(ProtocolError::NoAuth(head.op).into());
     }
