@@ -32,10 +32,9 @@ impl RedisBench {
     /// Seconds `redis-benchmark` takes for `pages` requests of `op` on values of `page_bytes`
     /// (derived from the requests per second it reports).
     pub fn secs(&self, op: Op, page_bytes: usize, pages: usize) -> Result<f64> {
-        let (host, port) = self
-            .node
-            .rsplit_once(':')
-            .ok_or_else(|| BenchError::Usage(format!("redis node {:?} is not host:port", self.node)))?;
+        let (host, port) = self.node.rsplit_once(':').ok_or_else(|| {
+            BenchError::Usage(format!("redis node {:?} is not host:port", self.node))
+        })?;
         let test = match op {
             Op::Set => "set",
             Op::Get => "get",
@@ -50,9 +49,11 @@ impl RedisBench {
         if self.cluster {
             cmd.arg("--cluster");
         }
-        let out = cmd
-            .output()
-            .map_err(|e| BenchError::Usage(format!("cannot run redis-benchmark: {e} (apt-get install redis-tools)")))?;
+        let out = cmd.output().map_err(|e| {
+            BenchError::Usage(format!(
+                "cannot run redis-benchmark: {e} (apt-get install redis-tools)"
+            ))
+        })?;
         let text = String::from_utf8_lossy(&out.stdout);
         let rps = text
             .lines()
