@@ -107,6 +107,7 @@ pub(crate) struct Parts {
     pub rank: Arc<dyn RankGroup>,
     pub metrics: Arc<Metrics>,
     pub registry: Arc<Registry>,
+    pub endpoints: crate::observe::Endpoints,
 }
 
 /// The hierarchical KV cache of one rank: tree, pools, transfer engine, L3 and the pipelines
@@ -139,6 +140,8 @@ pub struct HiCache {
     pub(crate) compute_stream: Option<Stream>,
     pub(crate) closed: bool,
     pub(crate) events: Vec<KvEvent>,
+    /// KV-event publisher and metrics endpoint (stopped when the cache is dropped).
+    pub(crate) endpoints: crate::observe::Endpoints,
 }
 
 impl std::fmt::Debug for HiCache {
@@ -195,6 +198,7 @@ impl HiCache {
             compute_stream: None,
             closed: false,
             events: Vec::new(),
+            endpoints: p.endpoints,
         }
     }
 
@@ -259,11 +263,47 @@ impl HiCache {
         self.metrics.render()
     }
 
-    /// KV events collected since the last call (with `enable_kv_events`).
+    /// KV events collected since the last call (with `enable_kv_events`). With a publisher
+    /// (`kv_events_config`), every poll hands its events to the publisher, so this returns only
+    /// the events since the last poll.
     pub fn drain_events(&mut self) -> Vec<KvEvent> {
         let mut out = std::mem::take(&mut self.events);
         out.extend(self.tree.drain_events());
         out
+    }
+
+    /// Publishes the events collected since the last call (end of every poll, when a publisher
+    /// runs), L3 events under the attached backend's medium.
+    pub(crate) fn publish_events(&mut self) {
+        if !self.endpoints.publishes() {
+            return;
+        }
+        let events = self.drain_events();
+        if events.is_empty() {
+            return;
+        }
+        let l3 = self
+            .l3
+            .as_ref()
+            .map_or(crate::observe::wire::L3Medium::External, |l| {
+                crate::observe::wire::L3Medium::of_backend(&l.backend_name())
+            });
+        self.endpoints.publish(&events, l3);
+    }
+
+    /// The bound KV-event PUB endpoint (`tcp://IP:PORT`), when a publisher runs.
+    pub fn kv_events_endpoint(&self) -> Option<&str> {
+        self.endpoints.kv_events().map(|p| p.endpoint())
+    }
+
+    /// The bound KV-event replay endpoint, when configured.
+    pub fn kv_events_replay_endpoint(&self) -> Option<&str> {
+        self.endpoints.kv_events().and_then(|p| p.replay_endpoint())
+    }
+
+    /// The bound metrics endpoint address, when `metrics_addr` is set.
+    pub fn metrics_endpoint(&self) -> Option<std::net::SocketAddr> {
+        self.endpoints.metrics().map(|m| m.addr())
     }
 
     /// The rank group.

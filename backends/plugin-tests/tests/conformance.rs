@@ -2,8 +2,8 @@
 //! built as if against a newer ABI minor version, whose larger vtable the host reads through
 //! the common prefix).
 //!
-//! The Rust example is a cdylib: if it is missing, run `cargo build --workspace --all-features`
-//! (CI does) — the tests fail with that instruction rather than skip.
+//! The Rust example is a cdylib that `hicache_plugin_tests::rust_plugin` builds with cargo on
+//! first use; a build failure fails the tests rather than skipping them.
 
 use hicache_backend_plugin::conformance::PluginHarness;
 use hicache_plugin_tests::{c_plugin, rust_plugin};
