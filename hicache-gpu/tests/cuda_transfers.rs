@@ -227,10 +227,9 @@ fn sim_gate_is_refused_on_a_cuda_stream() {
         return;
     };
     let s = device.new_stream("compute").unwrap();
-    let e = s
-        .sim_gate()
-        .err()
-        .expect("sim_gate on a CUDA stream must be refused");
+    let Err(e) = s.sim_gate() else {
+        panic!("sim_gate on a CUDA stream must be refused");
+    };
     assert!(matches!(e, GpuError::InvalidConfig(_)), "{e}");
     assert!(s.as_raw_cuda().is_some());
     assert!(s.record().unwrap().as_raw_cuda().is_some());

@@ -457,8 +457,8 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
     } else {
         writeln!(
             out,
-            "{:<28} {:>10} {:>6} {:>10} {:>7}  {}",
-            "case", "value", "unit", "reference", "ratio", "reference name (every candidate, GB/s)"
+            "{:<28} {:>10} {:>6} {:>10} {:>7}  reference name (every candidate, GB/s)",
+            "case", "value", "unit", "reference", "ratio"
         )
         .map_err(BenchError::io("<stdout>"))?;
         for r in &records {
