@@ -81,6 +81,9 @@ pub(crate) struct Request {
     pub carried_loaded: usize,
     /// Prompt length at arrival (the denominator of the hit ratio).
     pub prompt_tokens: usize,
+    /// Request priority (SGLang's `req.priority`): nodes this request inserts or walks keep the
+    /// highest priority of their requests, which the `priority` eviction policy orders by.
+    pub priority: i32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -365,6 +368,18 @@ impl HiCache {
         self.arrive_for(req, tenant, tokens)
     }
 
+    /// Sets a request's priority (default 0; higher is kept longer): the pages it inserts carry
+    /// it, and with `eviction_policy = priority` the lowest-priority pages are evicted first
+    /// (ties by recency), as SGLang's `--radix-eviction-policy priority` with `req.priority`.
+    pub fn set_priority(&mut self, req: RequestId, priority: i32) -> Result<()> {
+        let r = self
+            .requests
+            .get_mut(&req)
+            .ok_or_else(|| HiCacheError::request(req, "unknown request"))?;
+        r.priority = priority;
+        Ok(())
+    }
+
     /// A request of `tenant` arrived: matches its prompt and, with L3, starts prefetching
     /// the part cached in neither L1 nor L2 (if it is at least `prefetch_threshold` tokens).
     /// Tokens past the last whole page are ignored. An empty prompt is an error.
@@ -395,6 +410,7 @@ impl HiCache {
             admitted: None,
             carried_loaded: 0,
             prompt_tokens: tokens.len(),
+            priority: 0,
         };
         if self.l3.is_some() {
             let matched = m.device_pages() + m.host_hit_pages;
@@ -424,6 +440,18 @@ impl HiCache {
     /// cached prefix for the request. A load-back that finds no device room falls back to the
     /// device-resident prefix (the rest is recomputed).
     pub fn admit(&mut self, req: RequestId, tokens: &[u32]) -> Result<Admission> {
+        self.admit_with_quota(req, tokens, None)
+    }
+
+    /// [`HiCache::admit`] with SGLang's `mem_quota`: the device pages the scheduler can spend
+    /// on this request. A load-back longer than the quota (less the pages the admission newly
+    /// locks) is not done and the host-resident part is recomputed; `None` is unlimited.
+    pub fn admit_with_quota(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        mem_quota_pages: Option<usize>,
+    ) -> Result<Admission> {
         self.check_open()?;
         let (tenant, storage_pages, carried, prompt_tokens) = {
             let r = self
@@ -449,7 +477,7 @@ impl HiCache {
         let mut lock = m.last_device_node;
         let mut loaded = 0;
         if m.host_hit_pages > 0
-            && let Some(plan) = self.tree.plan_load_back(m.last_node, None)?
+            && let Some(plan) = self.tree.plan_load_back(m.last_node, mem_quota_pages)?
         {
             let pages = plan.pages();
             match self.alloc_device_pages(pages)? {
@@ -550,9 +578,16 @@ impl HiCache {
         self.check_slots(req, tokens, slots, admitted.shared_pages)?;
         let key = self.aligned(tokens);
         let n = key.len() / self.page_size();
-        let res = self
-            .tree
-            .insert(tenant, key, &slots[..n], InsertOptions::default())?;
+        let priority = self.requests[&req].priority;
+        let res = self.tree.insert(
+            tenant,
+            key,
+            &slots[..n],
+            InsertOptions {
+                priority,
+                ..Default::default()
+            },
+        )?;
         self.tree.unlock(admitted.lock)?;
         self.record_hits(admitted);
         let lo = admitted.shared_pages.min(res.prefix_pages);
@@ -586,7 +621,7 @@ impl HiCache {
             &slots[..n],
             InsertOptions {
                 chunked: true,
-                ..Default::default()
+                priority: self.requests[&req].priority,
             },
         )?;
         let lo = admitted.shared_pages.min(res.prefix_pages);
