@@ -95,11 +95,15 @@ pub struct TransferConfig {
     pub staged_backup_pages: u32,
 }
 
+/// Default CTA count of the copy kernel: 8 CTAs × 512 threads keep enough 16-byte loads in
+/// flight to fill PCIe while leaving every other SM to the engine's compute.
+pub const DEFAULT_CTAS: u32 = 8;
+
 impl Default for TransferConfig {
     fn default() -> Self {
         Self {
             io: IoBackend::Kernel,
-            ctas: 16,
+            ctas: DEFAULT_CTAS,
             threads_per_cta: 512,
             chunk_bytes: 16 << 10,
             staged_backup_pages: 0,
@@ -728,6 +732,7 @@ impl TransferEngine {
             row_bytes: shape.row_bytes() as u32,
             host_base: self.host.pool().base_ptr() as u64,
             host: self.host.pool().layout().strides(),
+            dev_one_allocation: !self.dev_pool.is_engine_owned(),
         };
         plan::plan_direct(&g, dev, hst, layers)
     }

@@ -27,7 +27,7 @@ fn every_case_matches_the_naive_reference() {
 
 #[test]
 fn default_launch_geometry_matches_too() {
-    // The default config (16 CTAs × 512 threads, 16 KiB chunks) on a Llama-shaped row.
+    // The default config (8 CTAs × 512 threads, 16 KiB chunks) on a Llama-shaped row.
     let device = Device::sim();
     let case = Case {
         shape: KvShape::llama3_8b(4),
