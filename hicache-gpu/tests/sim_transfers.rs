@@ -388,8 +388,12 @@ fn backups_poll_without_blocking() {
     gate.open();
     c.wait().unwrap();
     assert!(c.is_done().unwrap());
-    // A CUDA-only helper on sim and vice versa.
+    // The sim-only helper works on a sim stream, and the CUDA-only helpers answer "none" there;
+    // the other direction (sim_gate refused on a CUDA stream) is
+    // `sim_gate_is_refused_on_a_cuda_stream` in cuda_transfers.rs, which needs a GPU.
     assert!(compute.sim_gate().is_ok());
+    assert!(compute.as_raw_cuda().is_none());
+    assert!(compute.record().unwrap().as_raw_cuda().is_none());
 }
 
 #[test]
