@@ -181,12 +181,18 @@ impl CudaDevice {
         Ok(k)
     }
 
-    /// A new non-blocking stream.
+    /// A new non-blocking stream at the context's highest priority: transfers must not
+    /// queue behind the engine's compute (default-priority) work.
     pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
         self.bind()?;
+        let (mut least, mut greatest) = (0, 0);
+        // SAFETY: out-pointers to locals.
+        unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) }
+            .result()
+            .map_err(GpuError::driver("cuCtxGetStreamPriorityRange"))?;
         self.ctx
-            .new_stream()
-            .map_err(GpuError::driver("cuStreamCreate"))
+            .new_stream_with_priority(greatest)
+            .map_err(GpuError::driver("cuStreamCreateWithPriority"))
     }
 
     /// Wraps a stream owned by someone else (the engine).

@@ -289,12 +289,29 @@ impl TransferEngine {
         if config.io == IoBackend::Kernel {
             device.prepare_kernels()?;
         }
+        // Every u32 field of CopyParams derived from the shape below fits once this does
+        // (page_size and layers are u32 already).
+        let row_bytes = u32::try_from(ds.row_bytes()).map_err(|_| {
+            GpuError::InvalidConfig(format!(
+                "rows of {} bytes do not fit the copy kernel's 32-bit row size",
+                ds.row_bytes()
+            ))
+        })?;
         let probe = CopyParams {
-            row_bytes: ds.row_bytes() as u32,
+            row_bytes,
             host_base: host.device_addr(),
             ..Default::default()
         };
         let word_bytes = probe.word_bytes(dev_pool.layer_table().iter().copied());
+        if word_bytes < 16 && config.io == IoBackend::Kernel {
+            tracing::warn!(
+                word_bytes,
+                row_bytes,
+                host_base = format_args!("{:#x}", host.device_addr()),
+                "rows or buffers are not 16-byte aligned: the copy kernel falls back to \
+                 {word_bytes}-byte accesses (slower); align engine buffers and rows to 16 bytes"
+            );
+        }
         let staging = match config.staged_backup_pages as usize {
             0 => None,
             pages => {

@@ -96,6 +96,9 @@ fn emulated() -> Option<(Device, Counters)> {
 
 const PAGES: usize = 256;
 
+/// The counters are process-wide: tests that reset and read them run one at a time.
+static COUNTED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn shape() -> KvShape {
     KvShape {
         kind: KvKind::Mha {
@@ -119,6 +122,7 @@ fn all_layer_backup_and_load_of_256_pages_cost_bounded_launches_and_calls() {
     let Some((device, counters)) = emulated() else {
         return;
     };
+    let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
     let layers = shape().layers as u64;
     for io in [IoBackend::Kernel, IoBackend::Direct] {
         for layout in LayoutKind::ALL {
@@ -176,4 +180,30 @@ fn all_layer_backup_and_load_of_256_pages_cost_bounded_launches_and_calls() {
             assert!(l_calls <= bound, "load: {l_calls} calls > {bound}");
         }
     }
+}
+
+#[test]
+fn transfer_streams_are_created_at_the_highest_priority() {
+    let Some((device, counters)) = emulated() else {
+        return;
+    };
+    let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
+    counters.reset();
+    let case = Case {
+        shape: shape(),
+        layout: LayoutKind::PageFirst,
+        io: IoBackend::Kernel,
+        engine: false,
+        misalign: 0,
+        device_pages: 4,
+        host_pages: 4,
+        staged: 0,
+    };
+    let _fx = Fixture::with_config(&device, case, TransferConfig::default());
+    assert!(counters.calls("cuStreamCreateWithPriority") >= 2);
+    assert_eq!(
+        counters.calls("cuStreamCreate"),
+        0,
+        "a default-priority stream"
+    );
 }
