@@ -6,11 +6,34 @@ use clap::{Parser, Subcommand};
 use hicache_bench::cmd;
 
 /// hicache-rs benches and the multi-turn serving simulation.
+///
+/// With no subcommand it runs the main job, `multiturn --compare`, and accepts every flag of
+/// `multiturn` (`hicache-bench --clients 4 --report-dir DIR` is
+/// `hicache-bench multiturn --compare --clients 4 --report-dir DIR`).
 #[derive(Debug, Parser)]
-#[command(name = "hicache-bench", version, about)]
+#[command(
+    name = "hicache-bench",
+    version,
+    about,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    /// The main job's flags (those of `multiturn`), used when no subcommand is given.
+    #[command(flatten)]
+    main_job: Box<cmd::multiturn::MultiturnArgs>,
+}
+
+impl Cli {
+    /// The main job's arguments: `multiturn` with the given flags and `--compare` always on.
+    fn main_job_args(
+        mut main_job: Box<cmd::multiturn::MultiturnArgs>,
+    ) -> Box<cmd::multiturn::MultiturnArgs> {
+        main_job.compare = true;
+        main_job
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -66,7 +89,7 @@ fn main() -> ExitCode {
         // The main job: the multi-turn workload on the embedded default (sim device, host
         // pool, file L3 in a temp dir), every tier side by side.
         None => cmd::multiturn::run(
-            &cmd::multiturn::MultiturnArgs::main_job(),
+            &Cli::main_job_args(cli.main_job),
             std::io::stdout().lock(),
             &hicache_bench::hicache_adapter::HiCacheFactory,
         )
@@ -78,5 +101,48 @@ fn main() -> ExitCode {
             eprintln!("hicache-bench: error: {e}");
             ExitCode::from(e.exit_code())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("hicache-bench").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn no_subcommand_is_the_main_job_with_its_flags() {
+        let cli = parse(&["--report-dir", "/tmp/r", "--clients", "4", "--rounds", "2"]).unwrap();
+        assert!(cli.command.is_none());
+        let args = Cli::main_job_args(cli.main_job);
+        let expected = cmd::multiturn::MultiturnArgs::try_parse(&[
+            "--compare",
+            "--report-dir",
+            "/tmp/r",
+            "--clients",
+            "4",
+            "--rounds",
+            "2",
+        ])
+        .unwrap();
+        assert_eq!(format!("{args:?}"), format!("{expected:?}"));
+    }
+
+    #[test]
+    fn bare_invocation_is_the_default_main_job() {
+        let cli = parse(&[]).unwrap();
+        let args = Cli::main_job_args(cli.main_job);
+        let expected = cmd::multiturn::MultiturnArgs::main_job();
+        assert_eq!(format!("{args:?}"), format!("{expected:?}"));
+    }
+
+    #[test]
+    fn subcommands_still_parse_and_main_job_flags_do_not_mix_with_them() {
+        let cli = parse(&["multiturn", "--clients", "2"]).unwrap();
+        assert!(matches!(cli.command, Some(Command::Multiturn(ref a)) if a.clients == 2));
+        assert!(parse(&["--clients", "2", "tree"]).is_err());
+        assert!(parse(&["--no-such-flag"]).is_err());
     }
 }

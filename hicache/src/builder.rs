@@ -239,8 +239,15 @@ impl HiCacheBuilder {
             eviction: cfg.eviction_policy,
             load_back_threshold_tokens: cfg.load_back_threshold,
             hasher: Some(hasher),
-            events: cfg.enable_kv_events,
+            events: cfg.enable_kv_events || cfg.kv_events_config.is_some(),
         })?;
+        let metrics = Arc::new(Metrics::new());
+        metrics.set_geometry(
+            cfg.page_size,
+            device_pool.num_pages() as u64,
+            host_pool.num_pages() as u64,
+        );
+        let endpoints = crate::observe::Endpoints::start(&cfg, &metrics)?;
         let registry = match self.registry {
             Some(r) => r,
             None => Arc::new(crate::backends::builtin_registry()?),
@@ -255,8 +262,9 @@ impl HiCacheBuilder {
             engine,
             counter,
             rank: self.rank,
-            metrics: Arc::new(Metrics::new()),
+            metrics,
             registry,
+            endpoints,
         });
         let storage_cfg = cache.config().storage_config()?;
         match (storage_cfg, self.storage) {

@@ -81,6 +81,9 @@ pub(crate) struct Request {
     pub carried_loaded: usize,
     /// Prompt length at arrival (the denominator of the hit ratio).
     pub prompt_tokens: usize,
+    /// Request priority (SGLang's `req.priority`): nodes this request inserts or walks keep the
+    /// highest priority of their requests, which the `priority` eviction policy orders by.
+    pub priority: i32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -107,6 +110,7 @@ pub(crate) struct Parts {
     pub rank: Arc<dyn RankGroup>,
     pub metrics: Arc<Metrics>,
     pub registry: Arc<Registry>,
+    pub endpoints: crate::observe::Endpoints,
 }
 
 /// The hierarchical KV cache of one rank: tree, pools, transfer engine, L3 and the pipelines
@@ -139,6 +143,8 @@ pub struct HiCache {
     pub(crate) compute_stream: Option<Stream>,
     pub(crate) closed: bool,
     pub(crate) events: Vec<KvEvent>,
+    /// KV-event publisher and metrics endpoint (stopped when the cache is dropped).
+    pub(crate) endpoints: crate::observe::Endpoints,
 }
 
 impl std::fmt::Debug for HiCache {
@@ -195,6 +201,7 @@ impl HiCache {
             compute_stream: None,
             closed: false,
             events: Vec::new(),
+            endpoints: p.endpoints,
         }
     }
 
@@ -259,11 +266,47 @@ impl HiCache {
         self.metrics.render()
     }
 
-    /// KV events collected since the last call (with `enable_kv_events`).
+    /// KV events collected since the last call (with `enable_kv_events`). With a publisher
+    /// (`kv_events_config`), every poll hands its events to the publisher, so this returns only
+    /// the events since the last poll.
     pub fn drain_events(&mut self) -> Vec<KvEvent> {
         let mut out = std::mem::take(&mut self.events);
         out.extend(self.tree.drain_events());
         out
+    }
+
+    /// Publishes the events collected since the last call (end of every poll, when a publisher
+    /// runs), L3 events under the attached backend's medium.
+    pub(crate) fn publish_events(&mut self) {
+        if !self.endpoints.publishes() {
+            return;
+        }
+        let events = self.drain_events();
+        if events.is_empty() {
+            return;
+        }
+        let l3 = self
+            .l3
+            .as_ref()
+            .map_or(crate::observe::wire::L3Medium::External, |l| {
+                crate::observe::wire::L3Medium::of_backend(&l.backend_name())
+            });
+        self.endpoints.publish(&events, l3);
+    }
+
+    /// The bound KV-event PUB endpoint (`tcp://IP:PORT`), when a publisher runs.
+    pub fn kv_events_endpoint(&self) -> Option<&str> {
+        self.endpoints.kv_events().map(|p| p.endpoint())
+    }
+
+    /// The bound KV-event replay endpoint, when configured.
+    pub fn kv_events_replay_endpoint(&self) -> Option<&str> {
+        self.endpoints.kv_events().and_then(|p| p.replay_endpoint())
+    }
+
+    /// The bound metrics endpoint address, when `metrics_addr` is set.
+    pub fn metrics_endpoint(&self) -> Option<std::net::SocketAddr> {
+        self.endpoints.metrics().map(|m| m.addr())
     }
 
     /// The rank group.
@@ -325,6 +368,18 @@ impl HiCache {
         self.arrive_for(req, tenant, tokens)
     }
 
+    /// Sets a request's priority (default 0; higher is kept longer): the pages it inserts carry
+    /// it, and with `eviction_policy = priority` the lowest-priority pages are evicted first
+    /// (ties by recency), as SGLang's `--radix-eviction-policy priority` with `req.priority`.
+    pub fn set_priority(&mut self, req: RequestId, priority: i32) -> Result<()> {
+        let r = self
+            .requests
+            .get_mut(&req)
+            .ok_or_else(|| HiCacheError::request(req, "unknown request"))?;
+        r.priority = priority;
+        Ok(())
+    }
+
     /// A request of `tenant` arrived: matches its prompt and, with L3, starts prefetching
     /// the part cached in neither L1 nor L2 (if it is at least `prefetch_threshold` tokens).
     /// Tokens past the last whole page are ignored. An empty prompt is an error.
@@ -355,6 +410,7 @@ impl HiCache {
             admitted: None,
             carried_loaded: 0,
             prompt_tokens: tokens.len(),
+            priority: 0,
         };
         if self.l3.is_some() {
             let matched = m.device_pages() + m.host_hit_pages;
@@ -384,6 +440,18 @@ impl HiCache {
     /// cached prefix for the request. A load-back that finds no device room falls back to the
     /// device-resident prefix (the rest is recomputed).
     pub fn admit(&mut self, req: RequestId, tokens: &[u32]) -> Result<Admission> {
+        self.admit_with_quota(req, tokens, None)
+    }
+
+    /// [`HiCache::admit`] with SGLang's `mem_quota`: the device pages the scheduler can spend
+    /// on this request. A load-back longer than the quota (less the pages the admission newly
+    /// locks) is not done and the host-resident part is recomputed; `None` is unlimited.
+    pub fn admit_with_quota(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        mem_quota_pages: Option<usize>,
+    ) -> Result<Admission> {
         self.check_open()?;
         let (tenant, storage_pages, carried, prompt_tokens) = {
             let r = self
@@ -409,7 +477,7 @@ impl HiCache {
         let mut lock = m.last_device_node;
         let mut loaded = 0;
         if m.host_hit_pages > 0
-            && let Some(plan) = self.tree.plan_load_back(m.last_node, None)?
+            && let Some(plan) = self.tree.plan_load_back(m.last_node, mem_quota_pages)?
         {
             let pages = plan.pages();
             match self.alloc_device_pages(pages)? {
@@ -510,9 +578,16 @@ impl HiCache {
         self.check_slots(req, tokens, slots, admitted.shared_pages)?;
         let key = self.aligned(tokens);
         let n = key.len() / self.page_size();
-        let res = self
-            .tree
-            .insert(tenant, key, &slots[..n], InsertOptions::default())?;
+        let priority = self.requests[&req].priority;
+        let res = self.tree.insert(
+            tenant,
+            key,
+            &slots[..n],
+            InsertOptions {
+                priority,
+                ..Default::default()
+            },
+        )?;
         self.tree.unlock(admitted.lock)?;
         self.record_hits(admitted);
         let lo = admitted.shared_pages.min(res.prefix_pages);
@@ -546,7 +621,7 @@ impl HiCache {
             &slots[..n],
             InsertOptions {
                 chunked: true,
-                ..Default::default()
+                priority: self.requests[&req].priority,
             },
         )?;
         let lo = admitted.shared_pages.min(res.prefix_pages);

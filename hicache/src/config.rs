@@ -20,6 +20,8 @@
 //! | `storage_batch_pages` | 128 | pages per L3 batch (backup, lookup, fetch) |
 //! | `prefetch_capacity_ratio` | 0.5 | share of the host pool in-flight prefetches may hold |
 //! | `enable_kv_events` | false | collect BlockStored/BlockRemoved events for routers |
+//! | `kv_events_config` | none | SGLang's `--kv-events-config` JSON: publish events on ZMQ in SGLang's format (implies `enable_kv_events`) |
+//! | `metrics_addr` | none | `IP:PORT` of a Prometheus endpoint serving `GET /metrics` |
 //! | `host_reserve_bytes` | 10 GiB (capped) | host RAM to leave free when sizing the pool |
 //!
 //! The prefetch thresholds and timeouts (`prefetch_threshold`, `prefetch_timeout_base`,
@@ -93,6 +95,11 @@ pub struct HiCacheConfig {
     pub prefetch_capacity_ratio: f64,
     /// Collect KV events.
     pub enable_kv_events: bool,
+    /// SGLang's `--kv-events-config` JSON (see [`crate::observe::KvEventsConfig`]): with
+    /// `"publisher": "zmq"` every poll publishes its events; implies `enable_kv_events`.
+    pub kv_events_config: Option<String>,
+    /// `IP:PORT` of the Prometheus scrape endpoint (`GET /metrics`); none serves nothing.
+    pub metrics_addr: Option<String>,
     /// Host RAM to leave free when sizing the host pool (`None`: the host crate's default).
     pub host_reserve_bytes: Option<u64>,
 }
@@ -117,6 +124,8 @@ impl Default for HiCacheConfig {
             storage_batch_pages: hicache_storage::STORAGE_BATCH_SIZE,
             prefetch_capacity_ratio: 0.5,
             enable_kv_events: false,
+            kv_events_config: None,
+            metrics_addr: None,
             host_reserve_bytes: None,
         }
     }
@@ -214,7 +223,21 @@ impl HiCacheConfig {
         } else {
             self.storage_config()?;
         }
+        self.kv_events()?;
+        if let Some(addr) = &self.metrics_addr {
+            addr.parse::<std::net::SocketAddr>().map_err(|e| {
+                HiCacheError::config("metrics_addr", addr, format!("must be IP:PORT: {e}"))
+            })?;
+        }
         Ok(())
+    }
+
+    /// The parsed `kv_events_config`, or `None` when not set.
+    pub fn kv_events(&self) -> Result<Option<crate::observe::KvEventsConfig>> {
+        self.kv_events_config
+            .as_deref()
+            .map(crate::observe::KvEventsConfig::from_json)
+            .transpose()
     }
 
     /// The L3 configuration: backend name plus the parsed extra-config, or `None` without L3.

@@ -33,8 +33,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use hicache_core::{
-    FinishedBackup, KvKind, MatchResult, NamespaceId, NodeId, PageHash, PageHasher, PageKey,
-    PrefetchConfig, PrefetchPolicy, TenantId,
+    FinishedBackup, KvEvent, KvKind, MatchResult, Medium, NamespaceId, NodeId, PageHash,
+    PageHasher, PageKey, PrefetchConfig, PrefetchPolicy, TenantId,
 };
 use hicache_host::{HostPool, HostSlot};
 use hicache_storage::{BackendContext, LayoutKind, PageBuf, PageBufMut, Storage, StorageConfig};
@@ -110,6 +110,9 @@ pub(crate) struct BackupShared {
 pub(crate) struct BackupOp {
     pub nodes: Vec<NodeId>,
     pub pages: usize,
+    /// `BlockStored(L3)` events for the pages, made at launch (while the nodes hold exactly
+    /// these pages) and emitted once every page is stored; empty when events are off.
+    pub events: Vec<KvEvent>,
     pub started: Instant,
     pub shared: Arc<BackupShared>,
     /// Written by rank 0 for this rank (MLA, invariant 5): nothing was stored here.
@@ -437,6 +440,7 @@ impl HiCache {
             ((self.host_pool.num_pages() as f64) * self.cfg.prefetch_capacity_ratio) as usize;
         let backup_skip = matches!(self.shape.kind, KvKind::Mla { .. }) && self.rank.rank() != 0;
         tracing::info!(backend = %info.name, batch, capacity_pages, "L3 attached");
+        self.metrics.set_storage(Some(storage.clone()));
         self.l3 = Some(L3 {
             runtime,
             storage,
@@ -500,6 +504,7 @@ impl HiCache {
         self.finish_backups(n)?;
         self.collect_leftovers(true)?;
         let l3 = self.l3.take().expect("attached");
+        self.metrics.set_storage(None);
         l3.runtime
             .shutdown_timeout(std::time::Duration::from_secs(10));
         tracing::info!("L3 detached");
@@ -541,6 +546,10 @@ impl HiCache {
         for &n in &nodes {
             self.tree.protect_host(n)?;
         }
+        let mut events = Vec::new();
+        for &n in &nodes {
+            events.extend(self.tree.stored_event(n, Medium::Storage)?);
+        }
         let l3 = self.l3.as_mut().expect("attached");
         let shared = Arc::new(BackupShared::default());
         if l3.backup_skip {
@@ -563,6 +572,7 @@ impl HiCache {
         l3.backups.push_back(BackupOp {
             nodes,
             pages: slots.len(),
+            events,
             started: Instant::now(),
             shared,
             skipped: l3.backup_skip,
@@ -599,6 +609,9 @@ impl HiCache {
                 stored * self.shape.page_bytes() as u64,
                 op.started.elapsed().as_secs_f64(),
             );
+            if stored as usize == op.pages {
+                self.events.extend(op.events);
+            }
             if op.shared.failed.load(Ordering::Relaxed) {
                 tracing::warn!(
                     pages = op.pages,
@@ -709,13 +722,15 @@ impl HiCache {
             Phase::Querying => (0, false),
             Phase::Fetching { .. } => (st.completed, st.done),
         };
-        let pages = op.tokens.len() / self.page_size();
+        // As SGLang: the budget grows with the pages the query found (`len(hash)` after the
+        // query; none while it runs), not with the candidate suffix, and counts from the op's
+        // creation, query time included.
         let can = match l3.prefetch.policy {
             PrefetchPolicy::BestEffort => true,
             PrefetchPolicy::WaitComplete => fetch_done,
             PrefetchPolicy::Timeout => {
                 fetch_done
-                    || op.started.elapsed() > l3.prefetch.timeout((pages * self.page_size()) as u64)
+                    || op.started.elapsed() > l3.prefetch.timeout(hit * self.page_size() as u64)
             }
         };
         [query_done, hit, completed as u64, can as u64]

@@ -73,6 +73,7 @@ pub mod config;
 pub mod error;
 mod l3;
 pub mod metrics;
+pub mod observe;
 pub mod rank;
 mod tick;
 mod write;

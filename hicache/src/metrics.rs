@@ -4,8 +4,22 @@
 //! Names follow Prometheus conventions: `hicache_` prefix, `_total` counters, base units
 //! (bytes, seconds). Labels: `direction` (`d2h`, `h2d`, `l2_to_l3`, `l3_to_l2`), `tier`
 //! (`l1`, `l2`, `l3`), `outcome` for prefetches, `reason` for dropped tokens.
+//!
+//! Besides our own: `hicache_storage_*{backend}`, the attached L3 backend's own statistics
+//! (read at scrape time), `hicache_capacity_pages{tier}` beside `hicache_resident_pages{tier}`,
+//! and SGLang's names for the quantities both systems measure the same way
+//! (`sglang:hicache_host_used_tokens`, `sglang:hicache_host_total_tokens`,
+//! `sglang:prefetched_tokens_total`, `sglang:backuped_tokens_total`), so dashboards built for
+//! SGLang's HiCache read ours.
 
-use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
@@ -121,6 +135,9 @@ pub struct Metrics {
     dropped_tokens: Family<ReasonLabel, Counter>,
     evicted_pages: Family<TierLabel, Counter>,
     resident_pages: Family<TierLabel, Gauge>,
+    capacity_pages: Family<TierLabel, Gauge>,
+    page_size: Arc<AtomicU64>,
+    storage: crate::observe::StorageSlot,
     registry: Registry,
 }
 
@@ -154,7 +171,17 @@ impl Metrics {
         let dropped_tokens = Family::<ReasonLabel, Counter>::default();
         let evicted_pages = Family::<TierLabel, Counter>::default();
         let resident_pages = Family::<TierLabel, Gauge>::default();
-        let mut registry = Registry::with_prefix("hicache");
+        let capacity_pages = Family::<TierLabel, Gauge>::default();
+        let page_size = Arc::new(AtomicU64::new(0));
+        let storage = crate::observe::StorageSlot::default();
+        let mut root = Registry::default();
+        root.register_collector(Box::new(SglangCollector {
+            pages: pages.clone(),
+            resident_pages: resident_pages.clone(),
+            capacity_pages: capacity_pages.clone(),
+            page_size: page_size.clone(),
+        }));
+        let registry = root.sub_registry_with_prefix("hicache");
         registry.register("transfer_pages", "Pages moved between tiers", pages.clone());
         registry.register("transfer_bytes", "Bytes moved between tiers", bytes.clone());
         registry.register(
@@ -202,6 +229,12 @@ impl Metrics {
             "Pages currently held by the tree in each tier",
             resident_pages.clone(),
         );
+        registry.register(
+            "capacity_pages",
+            "Pages each tier can hold (L3: while a backend is attached and bounded)",
+            capacity_pages.clone(),
+        );
+        registry.register_collector(Box::new(crate::observe::StorageCollector(storage.clone())));
         Self {
             pages,
             bytes,
@@ -214,8 +247,31 @@ impl Metrics {
             dropped_tokens,
             evicted_pages,
             resident_pages,
-            registry,
+            capacity_pages,
+            page_size,
+            storage,
+            registry: root,
         }
+    }
+
+    /// Sets the pool sizes and tokens per page (once, when the cache is built).
+    pub fn set_geometry(&self, page_size: u32, device_pages: u64, host_pages: u64) {
+        self.page_size
+            .store(u64::from(page_size), Ordering::Relaxed);
+        self.set_capacity(Tier::l1, device_pages);
+        self.set_capacity(Tier::l2, host_pages);
+    }
+
+    /// Sets the number of pages `tier` can hold.
+    pub fn set_capacity(&self, tier: Tier, pages: u64) {
+        self.capacity_pages
+            .get_or_create(&TierLabel { tier })
+            .set(pages as i64);
+    }
+
+    /// Sets (attach) or clears (detach) the L3 backend whose statistics are exported.
+    pub fn set_storage(&self, storage: Option<Arc<dyn hicache_storage::Storage>>) {
+        self.storage.set(storage);
     }
 
     /// Records one finished batched transfer.
@@ -326,6 +382,59 @@ impl Metrics {
             evicted_pages_l1: self.counter(&self.evicted_pages, TierLabel { tier: Tier::l1 }),
             evicted_pages_l2: self.counter(&self.evicted_pages, TierLabel { tier: Tier::l2 }),
         }
+    }
+}
+
+/// SGLang's names (its `metrics_collector.py`) for figures read from our families at scrape
+/// time: host-pool tokens used and total, tokens prefetched from and backed up to L3.
+#[derive(Debug)]
+struct SglangCollector {
+    pages: Family<DirectionLabel, Counter>,
+    resident_pages: Family<TierLabel, Gauge>,
+    capacity_pages: Family<TierLabel, Gauge>,
+    page_size: Arc<AtomicU64>,
+}
+
+impl Collector for SglangCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let ps = self.page_size.load(Ordering::Relaxed) as i64;
+        let tier = |f: &Family<TierLabel, Gauge>, tier| f.get_or_create(&TierLabel { tier }).get();
+        let moved = |direction| {
+            self.pages
+                .get_or_create(&DirectionLabel { direction })
+                .get()
+        };
+        for (name, help, pages) in [
+            (
+                "sglang:hicache_host_used_tokens",
+                "Tokens held in the host (L2) pool",
+                tier(&self.resident_pages, Tier::l2),
+            ),
+            (
+                "sglang:hicache_host_total_tokens",
+                "Token capacity of the host (L2) pool",
+                tier(&self.capacity_pages, Tier::l2),
+            ),
+        ] {
+            let metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            ConstGauge::new(pages.saturating_mul(ps)).encode(metric)?;
+        }
+        for (name, help, pages) in [
+            (
+                "sglang:prefetched_tokens",
+                "Tokens prefetched from L3 into the host pool",
+                moved(Direction::l3_to_l2),
+            ),
+            (
+                "sglang:backuped_tokens",
+                "Tokens backed up from the host pool to L3",
+                moved(Direction::l2_to_l3),
+            ),
+        ] {
+            let metric = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            ConstCounter::new(pages.saturating_mul(ps as u64)).encode(metric)?;
+        }
+        Ok(())
     }
 }
 

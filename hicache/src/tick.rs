@@ -88,6 +88,7 @@ impl HiCache {
         report.writes_launched = self.writes.len() - before;
         report.prefetches_in_flight = self.prefetch_seqs().len();
         self.refresh_gauges();
+        self.publish_events();
         Ok(report)
     }
 

@@ -2,8 +2,8 @@
 //! ABI, loaded from its `.so`) named in the extra-config, as an operator would. SGLang's
 //! acceptance test: a 768-token prompt, flush L1 and L2, the same prompt again served from L3.
 //!
-//! The example plugin is a cdylib, which `cargo test` does not build: run
-//! `cargo build --workspace --all-features` first (CI does).
+//! The example plugin is a cdylib, which `cargo test` does not build by itself:
+//! `hicache_plugin_tests::rust_plugin` builds it with cargo on first use.
 #![cfg(feature = "plugin")]
 
 mod common;
@@ -14,19 +14,7 @@ use common::{Engine, prompt, small_shape};
 use hicache::{HiCache, HiCacheConfig, PrefetchPolicy};
 
 fn example_plugin() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .unwrap()
-        .join("libhicache_plugin_example.so");
-    assert!(
-        p.exists(),
-        "{} is missing: `cargo test` does not build cdylib crates; run \
-         `cargo build --workspace --all-features` first, as CI does",
-        p.display()
-    );
-    p
+    hicache_plugin_tests::rust_plugin("hicache-plugin-example")
 }
 
 #[test]

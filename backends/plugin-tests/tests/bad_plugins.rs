@@ -1,8 +1,8 @@
 //! Bad input at every step of loading and calling a plugin: each is a clear error naming the
 //! library and the cause, and the host process carries on.
 //!
-//! C plugins are built by this crate's build script; the faulty Rust plugin is a cdylib built
-//! by `cargo build --workspace --all-features` (run it first if the test says it is missing).
+//! C plugins are built by this crate's build script; the Rust plugins are cdylibs that
+//! `hicache_plugin_tests::rust_plugin` builds with cargo on first use.
 
 use std::path::Path;
 

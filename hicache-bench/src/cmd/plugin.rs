@@ -400,18 +400,10 @@ mod tests {
         }
     }
 
-    /// The example plugin of this build (a cdylib, built by `cargo build --workspace`, which
-    /// CI runs before the tests).
+    /// The example plugin, built with cargo on first use (`cargo test` does not build cdylibs
+    /// by itself; see `hicache_plugin_tests::rust_plugin`).
     fn example() -> PathBuf {
-        let exe = std::env::current_exe().unwrap();
-        let p = exe.parent().unwrap().parent().unwrap().join(EXAMPLE);
-        assert!(
-            p.exists(),
-            "{} is missing: run `cargo build --workspace --all-features` first (cargo test does \
-             not build cdylib crates)",
-            p.display()
-        );
-        p
+        hicache_plugin_tests::rust_plugin("hicache-plugin-example")
     }
 
     #[test]

@@ -925,21 +925,36 @@ impl HiRadixTree {
         if !self.cfg.events {
             return;
         }
+        let e = self.stored_event_at(i, medium);
+        self.events.push(e);
+    }
+
+    fn stored_event_at(&self, i: u32, medium: Medium) -> KvEvent {
         let n = self.node(i);
         let parent_block_hash = if self.node(n.parent).is_root() {
             None
         } else {
             self.node(n.parent).hashes.last().copied()
         };
-        let e = KvEvent::BlockStored {
+        KvEvent::BlockStored {
             tenant: TenantId(u32::from(n.tenant)),
             block_hashes: n.hashes.to_vec(),
             parent_block_hash,
             token_ids: n.tokens(self.ps).to_vec(),
             block_size: self.cfg.page_size,
             medium,
-        };
-        self.events.push(e);
+        }
+    }
+
+    /// A `BlockStored` event for the pages `id` holds now, in `medium`: for tiers the tree does
+    /// not track itself (L3, whose copies the controller makes). `None` when events are off or
+    /// `id` is the root.
+    pub fn stored_event(&self, id: NodeId, medium: Medium) -> Result<Option<KvEvent>> {
+        let i = self.get(id)?;
+        if !self.cfg.events || self.node(i).is_root() {
+            return Ok(None);
+        }
+        Ok(Some(self.stored_event_at(i, medium)))
     }
 
     fn emit_removed(&mut self, i: u32, medium: Medium) {

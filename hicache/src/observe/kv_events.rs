@@ -1,0 +1,448 @@
+//! A KV-event publisher on ZMQ that speaks SGLang's protocol (see [`super::wire`]), so the
+//! routers that consume SGLang's events (SGLang's own, Dynamo's) consume ours.
+//!
+//! Configured with the JSON of SGLang's `--kv-events-config` ([`KvEventsConfig`]). A PUB socket
+//! sends each batch as `[topic, seq (8 bytes big-endian), payload]`; with `replay_endpoint`, a
+//! ROUTER socket answers a DEALER's `[b"", start_seq]` with every buffered batch from
+//! `start_seq` on, in the same three frames, then `[b"", -1 as 8 bytes, b""]`.
+//!
+//! Invariants:
+//! 1. Sockets are bound when the cache is built: a bad endpoint or a port in use is a build
+//!    error, never an error at the first event.
+//! 2. The engine thread never blocks on the publisher: batches go through a bounded queue
+//!    (`max_queue_size` batches); when it is full the batch is dropped and counted
+//!    ([`KvEventPublisher::dropped_batches`]), and the sequence numbers of later batches stay
+//!    consecutive (a gap is never silent: the subscriber sees every sequence number it missed
+//!    through replay, and the dropped count says what was lost before numbering).
+//! 3. Sequence numbers start at 0 and grow by one per published batch; the replay buffer holds
+//!    the last `buffer_steps` batches.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::JoinHandle;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use super::wire::{WireEvent, encode_batch};
+use crate::error::{HiCacheError, Result};
+
+/// SGLang's end-of-replay sequence number (-1 as 8 bytes big-endian).
+const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
+
+/// SGLang's `--kv-events-config` (the fields this publisher implements; any other field is an
+/// error that names it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvEventsConfig {
+    /// `null` (events are only collected in-process) or `zmq`.
+    pub publisher: String,
+    /// `tcp://HOST:PORT` the PUB socket binds (`*` for every interface; port 0 picks one).
+    pub endpoint: String,
+    /// `tcp://HOST:PORT` of the ROUTER socket that replays buffered batches.
+    pub replay_endpoint: Option<String>,
+    /// Batches kept for replay.
+    pub buffer_steps: usize,
+    /// Batches queued for the publisher thread before new ones are dropped.
+    pub max_queue_size: usize,
+    /// The first frame of every message (subscribers filter on it).
+    pub topic: String,
+    /// `default` (SGLang's format; the only one implemented).
+    pub format: String,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        Self {
+            publisher: "null".into(),
+            // SGLang binds every interface (`tcp://*:5557`) by default; we bind loopback unless
+            // told otherwise, so a router on another host is an explicit choice.
+            endpoint: "tcp://127.0.0.1:5557".into(),
+            replay_endpoint: None,
+            buffer_steps: 10_000,
+            max_queue_size: 100_000,
+            topic: String::new(),
+            format: "default".into(),
+        }
+    }
+}
+
+impl KvEventsConfig {
+    /// Parses the JSON (SGLang's `--kv-events-config` value) and checks every field.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let cfg: Self = serde_json::from_str(text).map_err(|e| {
+            HiCacheError::config("kv_events_config", text, format!("not a valid config: {e}"))
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks the publisher name, the endpoints and the sizes.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &'static str, value: &dyn std::fmt::Display, why: &str| {
+            Err(HiCacheError::config(field, value, why.to_string()))
+        };
+        if !matches!(self.publisher.as_str(), "null" | "zmq") {
+            return bad(
+                "kv_events_config.publisher",
+                &self.publisher,
+                "unknown publisher (known: null, zmq)",
+            );
+        }
+        if self.format != "default" {
+            return bad(
+                "kv_events_config.format",
+                &self.format,
+                "only SGLang's `default` event format is implemented",
+            );
+        }
+        bind_address(&self.endpoint).map_err(|why| {
+            HiCacheError::config("kv_events_config.endpoint", &self.endpoint, why)
+        })?;
+        if let Some(r) = &self.replay_endpoint {
+            bind_address(r)
+                .map_err(|why| HiCacheError::config("kv_events_config.replay_endpoint", r, why))?;
+        }
+        if self.buffer_steps == 0 {
+            return bad("kv_events_config.buffer_steps", &0, "must be at least 1");
+        }
+        if self.max_queue_size == 0 {
+            return bad("kv_events_config.max_queue_size", &0, "must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+/// The socket address of a `tcp://HOST:PORT` endpoint (`*` is every IPv4 interface).
+fn bind_address(endpoint: &str) -> std::result::Result<std::net::SocketAddr, String> {
+    let rest = endpoint
+        .strip_prefix("tcp://")
+        .ok_or_else(|| "must be tcp://HOST:PORT".to_string())?;
+    let rest = rest
+        .strip_prefix("*:")
+        .map_or_else(|| rest.to_string(), |port| format!("0.0.0.0:{port}"));
+    rest.parse()
+        .map_err(|e| format!("must be tcp://HOST:PORT with a numeric host: {e}"))
+}
+
+/// One queued batch.
+struct Batch {
+    ts: f64,
+    events: Vec<WireEvent>,
+}
+
+/// The running publisher: a thread with its own small runtime owning the sockets.
+pub struct KvEventPublisher {
+    tx: Option<tokio::sync::mpsc::Sender<Batch>>,
+    thread: Option<JoinHandle<()>>,
+    endpoint: String,
+    replay_endpoint: Option<String>,
+    dropped: Arc<AtomicU64>,
+    published: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for KvEventPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvEventPublisher")
+            .field("endpoint", &self.endpoint)
+            .field("replay_endpoint", &self.replay_endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvEventPublisher {
+    /// Binds the sockets and starts the publisher thread; `None` for the `null` publisher.
+    pub fn start(cfg: &KvEventsConfig) -> Result<Option<Self>> {
+        cfg.validate()?;
+        if cfg.publisher == "null" {
+            return Ok(None);
+        }
+        let pub_addr = bind_address(&cfg.endpoint).expect("validated");
+        let replay_addr = cfg
+            .replay_endpoint
+            .as_deref()
+            .map(|r| bind_address(r).expect("validated"));
+        // Bind here, on the caller's thread, so that errors are build errors (invariant 1).
+        let pub_listener = bind(&cfg.endpoint, pub_addr)?;
+        let replay_listener = match (&cfg.replay_endpoint, replay_addr) {
+            (Some(r), Some(a)) => Some(bind(r, a)?),
+            _ => None,
+        };
+        let endpoint = local_endpoint(&pub_listener)?;
+        let replay_endpoint = replay_listener.as_ref().map(local_endpoint).transpose()?;
+        let (tx, rx) = tokio::sync::mpsc::channel(cfg.max_queue_size);
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
+        let published = Arc::new(AtomicU64::new(0));
+        let worker = Worker {
+            topic: Bytes::from(cfg.topic.clone().into_bytes()),
+            buffer: VecDeque::new(),
+            buffer_steps: cfg.buffer_steps,
+            next_seq: 0,
+            published: published.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("hicache-kv-events".into())
+            .spawn(move || worker.run(pub_listener, replay_listener, rx, ready_tx))
+            .map_err(|e| HiCacheError::config("kv_events_config", "thread", e.to_string()))?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(why)) => {
+                let _ = thread.join();
+                return Err(HiCacheError::config(
+                    "kv_events_config.endpoint",
+                    &cfg.endpoint,
+                    why,
+                ));
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(HiCacheError::config(
+                    "kv_events_config",
+                    &cfg.endpoint,
+                    "the publisher thread stopped while starting".to_string(),
+                ));
+            }
+        }
+        tracing::info!(%endpoint, replay = ?replay_endpoint, "publishing KV events");
+        Ok(Some(Self {
+            tx: Some(tx),
+            thread: Some(thread),
+            endpoint,
+            replay_endpoint,
+            dropped: Arc::new(AtomicU64::new(0)),
+            published,
+        }))
+    }
+
+    /// The bound PUB endpoint (`tcp://IP:PORT`, the port resolved when 0 was asked for).
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The bound replay endpoint, if configured.
+    pub fn replay_endpoint(&self) -> Option<&str> {
+        self.replay_endpoint.as_deref()
+    }
+
+    /// Batches dropped because the queue was full (invariant 2).
+    pub fn dropped_batches(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Batches handed to the PUB socket so far.
+    pub fn published_batches(&self) -> u64 {
+        self.published.load(Ordering::Relaxed)
+    }
+
+    /// Queues one batch (stamped now); never blocks (invariant 2). Empty batches are skipped.
+    pub fn publish(&self, events: Vec<WireEvent>) {
+        if events.is_empty() {
+            return;
+        }
+        let ts = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        let Some(tx) = &self.tx else { return };
+        if tx.try_send(Batch { ts, events }).is_err() {
+            let n = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+            if n.is_power_of_two() {
+                tracing::warn!(dropped = n, "KV event queue full: batches dropped");
+            }
+        }
+    }
+}
+
+impl Drop for KvEventPublisher {
+    /// Closes the queue; the thread publishes what is queued, then stops.
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn bind(endpoint: &str, addr: std::net::SocketAddr) -> Result<std::net::TcpListener> {
+    std::net::TcpListener::bind(addr).map_err(|e| {
+        HiCacheError::config("kv_events_config", endpoint, format!("cannot bind: {e}"))
+    })
+}
+
+fn local_endpoint(l: &std::net::TcpListener) -> Result<String> {
+    let a = l
+        .local_addr()
+        .map_err(|e| HiCacheError::config("kv_events_config", "socket", e.to_string()))?;
+    Ok(format!("tcp://{a}"))
+}
+
+/// The publisher thread's state.
+struct Worker {
+    topic: Bytes,
+    buffer: VecDeque<(u64, Bytes)>,
+    buffer_steps: usize,
+    next_seq: u64,
+    published: Arc<AtomicU64>,
+}
+
+impl Worker {
+    fn run(
+        mut self,
+        pub_listener: std::net::TcpListener,
+        replay_listener: Option<std::net::TcpListener>,
+        mut rx: tokio::sync::mpsc::Receiver<Batch>,
+        ready: std::sync::mpsc::SyncSender<std::result::Result<(), String>>,
+    ) {
+        let rt = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt,
+            Err(e) => {
+                let _ = ready.send(Err(format!("cannot start the publisher runtime: {e}")));
+                return;
+            }
+        };
+        rt.block_on(async move {
+            let mut publisher = PubSocket::new();
+            if let Err(e) = publisher.bind_listener(pub_listener).await {
+                let _ = ready.send(Err(format!("cannot listen: {e}")));
+                return;
+            }
+            let mut replay = None;
+            if let Some(l) = replay_listener {
+                let mut router = RouterSocket::new();
+                if let Err(e) = router.bind_listener(l).await {
+                    let _ = ready.send(Err(format!("cannot listen for replay: {e}")));
+                    return;
+                }
+                replay = Some(router);
+            }
+            let _ = ready.send(Ok(()));
+            loop {
+                let request = async {
+                    match replay.as_mut() {
+                        Some(r) => r.recv().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    batch = rx.recv() => match batch {
+                        Some(b) => self.send(&mut publisher, b).await,
+                        None => break,
+                    },
+                    req = request => {
+                        if let (Ok(req), Some(r)) = (req, replay.as_mut()) {
+                            self.replay(r, req).await;
+                        }
+                    }
+                }
+            }
+            // Let the socket tasks hand the last batches to the kernel before the runtime goes.
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        });
+    }
+
+    async fn send(&mut self, publisher: &mut PubSocket, batch: Batch) {
+        let payload = match encode_batch(batch.ts, &batch.events, None) {
+            Ok(p) => Bytes::from(p),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot encode a KV event batch");
+                return;
+            }
+        };
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let msg = three_frames(self.topic.clone(), seq.to_be_bytes(), payload.clone());
+        if let Err(e) = publisher.send(msg).await {
+            tracing::warn!(error = %e, seq, "KV event batch not sent (kept for replay)");
+        }
+        self.published.fetch_add(1, Ordering::Relaxed);
+        self.buffer.push_back((seq, payload));
+        while self.buffer.len() > self.buffer_steps {
+            self.buffer.pop_front();
+        }
+    }
+
+    /// Answers `[client, b"", start_seq]` with every buffered batch from `start_seq` on.
+    async fn replay(&self, router: &mut RouterSocket, req: ZmqMessage) {
+        let frames = req.into_vec();
+        if frames.len() != 3 || frames[2].len() != 8 {
+            tracing::warn!(frames = frames.len(), "invalid KV event replay request");
+            return;
+        }
+        let client = frames[0].clone();
+        let start = u64::from_be_bytes(frames[2][..8].try_into().expect("8 bytes"));
+        for (seq, payload) in self.buffer.iter().filter(|(s, _)| *s >= start) {
+            let mut msg = three_frames(self.topic.clone(), seq.to_be_bytes(), payload.clone());
+            msg.push_front(Bytes::new());
+            msg.push_front(client.clone());
+            if router.send(msg).await.is_err() {
+                return;
+            }
+        }
+        let mut end = three_frames(Bytes::new(), END_SEQ, Bytes::new());
+        end.push_front(Bytes::new());
+        end.push_front(client);
+        let _ = router.send(end).await;
+    }
+}
+
+fn three_frames(topic: Bytes, seq: [u8; 8], payload: Bytes) -> ZmqMessage {
+    ZmqMessage::try_from(vec![topic, Bytes::copy_from_slice(&seq), payload])
+        .expect("three frames is a valid message")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_configs_name_the_field() {
+        let e = KvEventsConfig::from_json(r#"{"publisher": "kafka"}"#).unwrap_err();
+        assert!(
+            e.to_string().contains("publisher") && e.to_string().contains("kafka"),
+            "{e}"
+        );
+        let e = KvEventsConfig::from_json(r#"{"publisher": "zmq", "endpoint": "ipc:///x"}"#)
+            .unwrap_err();
+        assert!(e.to_string().contains("endpoint"), "{e}");
+        let e = KvEventsConfig::from_json(r#"{"publisher": "zmq", "hwm": 5}"#).unwrap_err();
+        assert!(e.to_string().contains("hwm"), "{e}");
+        let e = KvEventsConfig::from_json(r#"{"buffer_steps": 0}"#).unwrap_err();
+        assert!(e.to_string().contains("buffer_steps"), "{e}");
+        let e = KvEventsConfig::from_json(r#"{"format": "dynamo"}"#).unwrap_err();
+        assert!(e.to_string().contains("format"), "{e}");
+    }
+
+    #[test]
+    fn wildcard_hosts_bind_every_interface() {
+        assert_eq!(
+            bind_address("tcp://*:5557").unwrap(),
+            "0.0.0.0:5557".parse().unwrap()
+        );
+        assert!(bind_address("tcp://localhost:1").is_err());
+    }
+
+    #[test]
+    fn a_port_in_use_is_an_error_at_start() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let cfg = KvEventsConfig {
+            publisher: "zmq".into(),
+            endpoint: format!("tcp://{}", taken.local_addr().unwrap()),
+            ..Default::default()
+        };
+        let e = KvEventPublisher::start(&cfg).unwrap_err();
+        assert!(e.to_string().contains("cannot bind"), "{e}");
+    }
+
+    #[test]
+    fn the_null_publisher_starts_nothing() {
+        assert!(
+            KvEventPublisher::start(&KvEventsConfig::default())
+                .unwrap()
+                .is_none()
+        );
+    }
+}

@@ -1,0 +1,72 @@
+//! Observability endpoints an operator points tools at: KV events on ZMQ in SGLang's wire format
+//! (for routers), and a Prometheus scrape endpoint (controller metrics, the L3 backend's own
+//! statistics, per-tier resident pages and capacity).
+
+mod collectors;
+mod kv_events;
+mod metrics_http;
+pub mod wire;
+
+pub use collectors::{StorageCollector, StorageSlot};
+pub use kv_events::{KvEventPublisher, KvEventsConfig};
+pub use metrics_http::{MetricsServer, RenderFn};
+
+use std::sync::Arc;
+
+use hicache_core::KvEvent;
+
+use crate::config::HiCacheConfig;
+use crate::error::Result;
+use crate::metrics::Metrics;
+
+/// The endpoints a cache serves, started when it is built and stopped when it is dropped.
+#[derive(Debug, Default)]
+pub struct Endpoints {
+    kv_events: Option<KvEventPublisher>,
+    metrics: Option<MetricsServer>,
+}
+
+impl Endpoints {
+    /// Binds what `cfg` asks for (`kv_events_config`, `metrics_addr`); errors name the field.
+    pub fn start(cfg: &HiCacheConfig, metrics: &Arc<Metrics>) -> Result<Self> {
+        let kv_events = match cfg.kv_events()? {
+            Some(k) => KvEventPublisher::start(&k)?,
+            None => None,
+        };
+        let metrics = match &cfg.metrics_addr {
+            Some(addr) => {
+                let m = metrics.clone();
+                Some(MetricsServer::start(addr, Arc::new(move || m.render()))?)
+            }
+            None => None,
+        };
+        Ok(Self { kv_events, metrics })
+    }
+
+    /// The KV-event publisher, if one runs.
+    pub fn kv_events(&self) -> Option<&KvEventPublisher> {
+        self.kv_events.as_ref()
+    }
+
+    /// The metrics endpoint, if one runs.
+    pub fn metrics(&self) -> Option<&MetricsServer> {
+        self.metrics.as_ref()
+    }
+
+    /// Whether a publisher takes the events (so the cache hands them over at every poll).
+    pub fn publishes(&self) -> bool {
+        self.kv_events.is_some()
+    }
+
+    /// Publishes one poll's events as one batch; `l3` names the medium of L3 events.
+    pub fn publish(&self, events: &[KvEvent], l3: wire::L3Medium) {
+        if let Some(p) = &self.kv_events {
+            p.publish(
+                events
+                    .iter()
+                    .map(|e| wire::WireEvent::from_event(e, l3))
+                    .collect(),
+            );
+        }
+    }
+}
