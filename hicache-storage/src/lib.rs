@@ -56,7 +56,9 @@ pub mod registry;
 pub use backend::{
     BackendInfo, STORAGE_BATCH_SIZE, StatsCounters, Storage, StorageStats, check_batch,
 };
-pub use config::{CommonConfig, ConfigFields, DYNAMIC_BACKEND, StorageConfig, parse_byte_size};
+pub use config::{
+    CommonConfig, ConfigFields, DYNAMIC_BACKEND, StorageConfig, parse_byte_size, read_config_file,
+};
 pub use error::{Result, StorageError};
 pub use evict::{EvictionPolicy, Evictor};
 pub use ext::StorageExt;
