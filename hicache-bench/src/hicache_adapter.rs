@@ -68,6 +68,8 @@ pub fn config_for(setup: &CacheSetup) -> Result<HiCacheConfig> {
         storage_prefetch_policy: setup.prefetch_policy,
         storage_backend_extra_config: extra,
         eviction_policy: setup.eviction_policy,
+        metrics_addr: setup.observe.metrics_addr.clone(),
+        kv_events_config: setup.observe.kv_events.clone(),
         ..Default::default()
     })
 }
@@ -87,6 +89,13 @@ impl CacheFactory for HiCacheFactory {
             .device_pages(setup.device_pages)
             .build()
             .map_err(|e| BenchError::Usage(format!("cannot build the cache: {e}")))?;
+        if let Some(addr) = cache.metrics_endpoint() {
+            eprintln!("metrics: http://{addr}/metrics");
+        }
+        if let Some(ep) = cache.kv_events_endpoint() {
+            let replay = cache.kv_events_replay_endpoint().unwrap_or("none");
+            eprintln!("kv events: {ep} (replay: {replay})");
+        }
         let counter = cache.layer_done_counter().clone();
         Ok(Box::new(HiCacheUnderTest {
             cache,

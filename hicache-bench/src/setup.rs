@@ -110,6 +110,18 @@ pub struct CacheSetup {
     pub tiers: Tiers,
     /// Directory the command created for this run's L3 (removed at the end), if any.
     pub scratch_dir: Option<PathBuf>,
+    /// Endpoints an operator watches the run through.
+    pub observe: ObserveSetup,
+}
+
+/// `--metrics-addr` and `--kv-events`: the cache's Prometheus endpoint and KV-event publisher
+/// (the same settings as `metrics_addr` and `kv_events_config` of the cache's config).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ObserveSetup {
+    /// `IP:PORT` of `GET /metrics`.
+    pub metrics_addr: Option<String>,
+    /// SGLang's `--kv-events-config` JSON.
+    pub kv_events: Option<String>,
 }
 
 /// Builds the cache under test for one run.
@@ -157,6 +169,7 @@ mod tests {
             },
             tiers: Tiers::L1_L2,
             scratch_dir: None,
+            observe: ObserveSetup::default(),
         };
         let v = serde_json::to_value(&s).unwrap();
         assert_eq!(v["io_backend"], "direct");

@@ -77,3 +77,26 @@ fn main_job_through_hicache_with_the_memory_backend() {
     .unwrap();
     assert!(report.check().is_empty(), "{:?}", report.check());
 }
+
+#[test]
+fn observe_flags_reach_the_cache_config_and_bad_ones_are_usage_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let kv = r#"{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "topic": "kv"}"#;
+    let args = tiny(
+        &["--metrics-addr", "127.0.0.1:0", "--kv-events", kv],
+        dir.path(),
+    );
+    let plan = multiturn::plan(&args).unwrap();
+    let cfg = hicache_bench::hicache_adapter::config_for(&plan.setup).unwrap();
+    assert_eq!(cfg.metrics_addr.as_deref(), Some("127.0.0.1:0"));
+    assert_eq!(cfg.kv_events_config.as_deref(), Some(kv));
+    // A run with both endpoints serves them while it runs and completes.
+    let mut out = Vec::new();
+    let report = multiturn::run(&args, &mut out, &HiCacheFactory).unwrap();
+    assert!(report.check().is_empty(), "{:?}", report.check());
+    // An endpoint that cannot work fails before the first request, naming the setting.
+    let bad = tiny(&["--kv-events", r#"{"publisher": "nats"}"#], dir.path());
+    let e = multiturn::run(&bad, Vec::new(), &HiCacheFactory).unwrap_err();
+    assert_eq!(e.exit_code(), 2, "{e}");
+    assert!(e.to_string().contains("nats"), "{e}");
+}

@@ -7,7 +7,10 @@
 
 mod durability;
 
-use hicache_backend_rdma::{RdmaServer, ServerOptions};
+use hicache_backend_rdma::{RdmaServer, ServerAuth, ServerOptions, TenantTable, Token};
+
+/// The token the server lets in and the killed clients authenticate with.
+const TOKEN: &str = "durability-test-token-5e1f";
 
 #[test]
 fn rdma_client_crash_rounds_never_lose_acknowledged_pages() {
@@ -22,12 +25,16 @@ fn rdma_client_crash_rounds_never_lose_acknowledged_pages() {
         .block_on(RdmaServer::start(ServerOptions {
             pool_bytes: 4 << 30,
             eviction: None,
+            auth: ServerAuth::Tenants(TenantTable::shared(Token::new(TOKEN, "test").unwrap())),
             ..ServerOptions::default()
         }))
         .unwrap();
-    let extra = format!(r#"{{"server": "{}"}}"#, server.local_addr());
+    let extra = format!(
+        r#"{{"server": "{}", "token": "{TOKEN}"}}"#,
+        server.local_addr()
+    );
     let extra_few = format!(
-        r#"{{"server": "{}", "connections": 1}}"#,
+        r#"{{"server": "{}", "connections": 1, "token": "{TOKEN}"}}"#,
         server.local_addr()
     );
     durability::crash_rounds(

@@ -1,6 +1,8 @@
 //! Cache policies as plain serde data with validation: the write policy (when device pages are
 //! copied to the host tier), the prefetch policy (when an L3 prefetch may stop) and the
-//! thresholds that gate load-back and prefetch. Defaults are SGLang's (spec §2.1, §2.6, §2.13).
+//! thresholds that gate load-back and prefetch. Thresholds and timeouts default to SGLang's
+//! (spec §2.1, §2.6, §2.13); the two policy enums default to their mildest variant, and
+//! `HiCacheConfig` sets SGLang's server defaults (`write_through`, `timeout`).
 
 use std::time::Duration;
 
@@ -14,7 +16,9 @@ use crate::error::{CoreError, Result};
 pub enum WritePolicy {
     /// Every new node is written to host at once (write-through threshold 1).
     WriteThrough,
-    /// A node is written to host on its second hit (threshold 2). SGLang's default.
+    /// A node is written to host on its second hit (threshold 2). The default of this enum
+    /// (the most conservative for a bare tree); SGLang's server default, and `HiCacheConfig`'s,
+    /// is `write_through`.
     #[default]
     WriteThroughSelective,
     /// Nodes are written to host only when evicted from the device.
@@ -69,7 +73,8 @@ impl std::str::FromStr for WritePolicy {
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PrefetchPolicy {
-    /// Stop whenever the scheduler wants to run the request. SGLang's default.
+    /// Stop whenever the scheduler wants to run the request. The default of this enum;
+    /// SGLang's server default, and `HiCacheConfig`'s, is `timeout`.
     #[default]
     BestEffort,
     /// Wait until every hit page has arrived.

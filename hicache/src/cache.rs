@@ -81,6 +81,9 @@ pub(crate) struct Request {
     pub carried_loaded: usize,
     /// Prompt length at arrival (the denominator of the hit ratio).
     pub prompt_tokens: usize,
+    /// Request priority (SGLang's `req.priority`): nodes this request inserts or walks keep the
+    /// highest priority of their requests, which the `priority` eviction policy orders by.
+    pub priority: i32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -365,6 +368,18 @@ impl HiCache {
         self.arrive_for(req, tenant, tokens)
     }
 
+    /// Sets a request's priority (default 0; higher is kept longer): the pages it inserts carry
+    /// it, and with `eviction_policy = priority` the lowest-priority pages are evicted first
+    /// (ties by recency), as SGLang's `--radix-eviction-policy priority` with `req.priority`.
+    pub fn set_priority(&mut self, req: RequestId, priority: i32) -> Result<()> {
+        let r = self
+            .requests
+            .get_mut(&req)
+            .ok_or_else(|| HiCacheError::request(req, "unknown request"))?;
+        r.priority = priority;
+        Ok(())
+    }
+
     /// A request of `tenant` arrived: matches its prompt and, with L3, starts prefetching
     /// the part cached in neither L1 nor L2 (if it is at least `prefetch_threshold` tokens).
     /// Tokens past the last whole page are ignored. An empty prompt is an error.
@@ -395,6 +410,7 @@ impl HiCache {
             admitted: None,
             carried_loaded: 0,
             prompt_tokens: tokens.len(),
+            priority: 0,
         };
         if self.l3.is_some() {
             let matched = m.device_pages() + m.host_hit_pages;
@@ -550,9 +566,16 @@ impl HiCache {
         self.check_slots(req, tokens, slots, admitted.shared_pages)?;
         let key = self.aligned(tokens);
         let n = key.len() / self.page_size();
-        let res = self
-            .tree
-            .insert(tenant, key, &slots[..n], InsertOptions::default())?;
+        let priority = self.requests[&req].priority;
+        let res = self.tree.insert(
+            tenant,
+            key,
+            &slots[..n],
+            InsertOptions {
+                priority,
+                ..Default::default()
+            },
+        )?;
         self.tree.unlock(admitted.lock)?;
         self.record_hits(admitted);
         let lo = admitted.shared_pages.min(res.prefix_pages);
@@ -586,7 +609,7 @@ impl HiCache {
             &slots[..n],
             InsertOptions {
                 chunked: true,
-                ..Default::default()
+                priority: self.requests[&req].priority,
             },
         )?;
         let lo = admitted.shared_pages.min(res.prefix_pages);

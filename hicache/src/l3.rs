@@ -722,13 +722,15 @@ impl HiCache {
             Phase::Querying => (0, false),
             Phase::Fetching { .. } => (st.completed, st.done),
         };
-        let pages = op.tokens.len() / self.page_size();
+        // As SGLang: the budget grows with the pages the query found (`len(hash)` after the
+        // query; none while it runs), not with the candidate suffix, and counts from the op's
+        // creation, query time included.
         let can = match l3.prefetch.policy {
             PrefetchPolicy::BestEffort => true,
             PrefetchPolicy::WaitComplete => fetch_done,
             PrefetchPolicy::Timeout => {
                 fetch_done
-                    || op.started.elapsed() > l3.prefetch.timeout((pages * self.page_size()) as u64)
+                    || op.started.elapsed() > l3.prefetch.timeout(hit * self.page_size() as u64)
             }
         };
         [query_done, hit, completed as u64, can as u64]

@@ -304,3 +304,85 @@ fn endpoints_that_cannot_bind_fail_the_build() {
     assert!(err.to_string().contains("nats"), "{err}");
     assert!(t0.elapsed() < Duration::from_secs(5));
 }
+
+/// The Python interpreter with SGLang installed (`HICACHE_SGLANG_PYTHON`), or `None` to skip;
+/// CI sets `HICACHE_REQUIRE_SGLANG=1`, which turns a missing interpreter into a failure.
+fn sglang_python() -> Option<String> {
+    match std::env::var("HICACHE_SGLANG_PYTHON") {
+        Ok(p) if !p.is_empty() => Some(p),
+        _ => {
+            assert!(
+                std::env::var("HICACHE_REQUIRE_SGLANG").as_deref() != Ok("1"),
+                "HICACHE_REQUIRE_SGLANG=1 but HICACHE_SGLANG_PYTHON is not set"
+            );
+            eprintln!(
+                "skipped: set HICACHE_SGLANG_PYTHON to a python with sglang (--no-deps), pyzmq, \
+                 msgspec and pydantic (see .ci/run) to decode with SGLang's own classes"
+            );
+            None
+        }
+    }
+}
+
+#[test]
+fn sglangs_own_event_classes_decode_every_batch() {
+    let Some(python) = sglang_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let topic = "hicache";
+    let mut e = Engine::new(cache(dir.path(), topic));
+    let p = prompt(11, 768 + 30);
+    e.run(None, &p);
+    e.settle();
+    e.cache.flush().unwrap();
+    e.run(None, &p);
+    e.settle();
+    let replay_ep = e.cache.kv_events_replay_endpoint().unwrap().to_string();
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/python/sglang_kv_subscriber.py"
+    );
+    let out = std::process::Command::new(&python)
+        .args([script, &replay_ep, topic])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let start = e
+        .cache
+        .tree()
+        .chain_start(TenantId::DEFAULT)
+        .unwrap()
+        .unwrap();
+    let hasher = PageHasher::new(e.cache.config().hash_mode, e.cache.namespace()).unwrap();
+    let want: Vec<i64> = hasher
+        .hash_pages(start.prior, &p[..(p.len() / PS) * PS])
+        .iter()
+        .map(wire_hash)
+        .collect();
+    for medium in ["GPU", "CPU_PINNED", "DISK"] {
+        let got: Vec<i64> = lines
+            .iter()
+            .filter(|l| l["type"] == "BlockStored" && l["medium"] == medium)
+            .flat_map(|l| l["block_hashes"].as_array().unwrap().clone())
+            .map(|h| h.as_i64().unwrap())
+            .collect();
+        for h in &want {
+            assert!(
+                got.contains(h),
+                "{medium}: {h} not decoded by SGLang's classes"
+            );
+        }
+    }
+    assert!(lines.iter().any(|l| l["type"] == "AllBlocksCleared"));
+    e.cache.shutdown().unwrap();
+}

@@ -50,6 +50,15 @@ pub enum RdmaError {
         /// The server's message.
         message: String,
     },
+    /// The handshake could not authenticate (client side: missing credentials, a server that
+    /// does not require or cannot prove them).
+    #[error("authentication with {peer}: {reason}")]
+    Auth {
+        /// The server's address.
+        peer: String,
+        /// What went wrong.
+        reason: String,
+    },
     /// The server was unreachable recently; calls fail fast until the back-off ends.
     #[error("server {peer} unreachable (retrying after {retry_ms} ms back-off): {last}")]
     Backoff {

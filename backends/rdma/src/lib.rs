@@ -19,8 +19,9 @@
 //!
 //! ## Protocol (summary; details in [`protocol`])
 //!
-//! Length-prefixed frames (`u32 body | u64 payload | u64 request id | u8 op`), a `HELLO`
-//! handshake with magic and version, pipelined requests answered in order. Ops: `EXISTS`
+//! Length-prefixed frames (`u32 body | u64 payload | u64 request id | u8 op`), a `HELLO` →
+//! `AUTH` handshake (magic, version, HMAC-SHA256 challenge-response over both sides' nonces:
+//! [`auth`]), pipelined requests answered in order. Ops: `EXISTS`
 //! (leading run), `READ` (statuses + bytes), `LOOKUP`/`RELEASE` (leased locations for RDMA
 //! READ), `ALLOCATE` → `WRITE` → `COMMIT` (or `ABORT`), `DROP` (a corrupt copy), `DELETE`,
 //! `STATS`, `VERBS_CONNECT`.
@@ -40,12 +41,18 @@
 //!    a `Corrupt` outcome (a miss, counted), the destination is zeroed, and the bad copy is
 //!    dropped on the server. Bad bytes are never a hit.
 //! 6. Namespaces are part of the key: clients of different namespaces sharing a server never
-//!    see each other's pages.
+//!    see each other's pages, and a tenant's token is bound to the namespaces it may use:
+//!    every key of every request is checked before the index is touched (threat model in the
+//!    crate README).
+//! 7. No connection holds server resources without progress: the handshake, an idle
+//!    connection, a `READ` reply (`lease_ms`) and a `WRITE` slot (`alloc_ttl_ms`) are all
+//!    bounded in time, and connections are capped per server and per tenant.
 //!
 //! ## Lease rules
 //!
 //! - `READ` (TCP): the server pins the hits while it sends their bytes and unpins when the
-//!   send ends, however it ends (a dead reader's connection closes and its pins go).
+//!   send ends, however it ends (a dead reader's connection closes and its pins go). The
+//!   reply must be consumed within `lease_ms`, or the connection is closed and the pins go.
 //! - `LOOKUP` (verbs): leases last `lease_ms` (server flag `--lease-ms`, default 10 s); the
 //!   client releases them after its RDMA READs complete; a lease not released in time
 //!   expires, and a connection that closes releases all of its leases, so a dead client never
@@ -65,12 +72,13 @@
 //!
 //! ## Extra-config (`--storage-backend rdma`)
 //!
-//! See [`RdmaOptions`]: `server` ("host:port", required unless `spawn_server`),
-//! `spawn_server`, `spawn_populate`, `transport` (`tcp` | `verbs`), `connections`, `connect_timeout_ms`,
+//! See [`RdmaOptions`]: `server` ("host:port", required unless `spawn_server`), `token` or
+//! `token_file` (required by every server not started `--insecure-no-auth`), `spawn_server`, `spawn_populate`, `transport` (`tcp` | `verbs`), `connections`, `connect_timeout_ms`,
 //! `io_timeout_ms`, `retry_backoff_ms`, `max_batch`, `stripe_bytes`, `client_name`,
 //! `device`, `ib_port`, `gid_index`; the common `capacity` sizes a spawned server's pool.
 #![warn(missing_docs)]
 
+pub mod auth;
 pub mod client;
 pub mod error;
 pub mod protocol;
@@ -85,10 +93,11 @@ use hicache_storage::{
     BackendContext, BackendFactory, CommonConfig, ConfigFields, Registry, Storage,
 };
 
+pub use auth::{Grant, Tenant, TenantTable, Token};
 pub use client::{Connection, RdmaOptions, RdmaStorage, Transport};
 pub use error::RdmaError;
 pub use hicache_core::PageKey;
-pub use server::{RdmaServer, ServerHandle, ServerOptions};
+pub use server::{RdmaServer, ServerAuth, ServerHandle, ServerOptions};
 
 /// The registry name of this backend.
 pub const BACKEND_NAME: &str = "rdma";

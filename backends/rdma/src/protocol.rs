@@ -17,8 +17,14 @@
 //! # Rules
 //!
 //! 1. The first frame of a connection is `HELLO`, whose body starts with [`MAGIC`] and the
-//!    client's [`VERSION`]. The server answers `HELLO` with its [`ServerInfo`], or with an
-//!    `ERROR` frame (bad magic, other version) and closes the connection.
+//!    client's [`VERSION`] (checked before the rest of the body, so a client of another
+//!    version gets a [`code::VERSION`] error naming both versions), then the client's nonce.
+//!    The server answers with its own nonce and whether it requires credentials; the client
+//!    sends `AUTH` with its MAC ([`crate::auth`]); the server answers `AUTH` with its
+//!    [`ServerInfo`] and its proof. Any failure is an `ERROR` frame (bad magic, other
+//!    version, [`code::AUTH`]) and the server closes the connection. Nothing but `HELLO` and
+//!    then `AUTH` is accepted before the handshake completes, and it must complete within the
+//!    server's handshake timeout.
 //! 2. A connection may pipeline: the client sends several requests before reading replies. The
 //!    server handles the requests of one connection in order and replies in the same order;
 //!    the client checks every reply's id against the request it expects.
@@ -31,6 +37,8 @@
 //!    without extra calls (the newest sequence wins).
 
 use bytes::{Buf, BufMut};
+
+use crate::auth::{MAC_LEN, NONCE_LEN};
 use hicache_core::{LayoutKind, PageKey};
 use thiserror::Error;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -38,11 +46,13 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 /// The 8 bytes that open a `HELLO` body.
 pub const MAGIC: [u8; 8] = *b"HICRDMA\0";
 /// The protocol version this crate speaks.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Bytes of the fixed frame head.
 pub const HEAD_LEN: usize = 21;
 /// Largest body accepted (16 MiB; a `READ` of 65 536 keys is about 3.5 MiB).
 pub const MAX_BODY: u32 = 16 << 20;
+/// Largest body of a handshake frame (`HELLO`, `AUTH`), before the peer is authenticated.
+pub const MAX_HANDSHAKE_BODY: u32 = 8 << 10;
 /// Largest list in one message.
 pub const MAX_ENTRIES: usize = 65_536;
 /// Largest payload of one frame (64 GiB: far above any batch, small enough to catch garbage).
@@ -53,12 +63,14 @@ pub const MAX_PAYLOAD: u64 = 64 << 30;
 pub const READ_BUFFER: usize = 16 << 10;
 /// Write buffer of a connection (the same reasoning: payload writes bypass it).
 pub const WRITE_BUFFER: usize = 64 << 10;
+/// Largest number of regions a [`ServerInfo`] describes.
+pub const MAX_REGIONS: usize = MAX_ENTRIES;
 /// Set in the op of every reply (except `ERROR`).
 pub const REPLY_BIT: u8 = 0x80;
 
 /// Operation codes.
 pub mod op {
-    /// Handshake: magic, version, client name.
+    /// Handshake, step 1: magic, version, client name, client nonce.
     pub const HELLO: u8 = 1;
     /// Leading run of present keys.
     pub const EXISTS: u8 = 2;
@@ -84,6 +96,8 @@ pub mod op {
     pub const STATS: u8 = 12;
     /// Exchange RDMA queue-pair endpoints (verbs data plane).
     pub const VERBS_CONNECT: u8 = 13;
+    /// Handshake, step 2: the client's MAC over both nonces; answered with [`super::ServerInfo`].
+    pub const AUTH: u8 = 14;
     /// A refused request; body: code, message.
     pub const ERROR: u8 = 0x7f;
 }
@@ -98,6 +112,14 @@ pub mod code {
     pub const UNSUPPORTED: u16 = 3;
     /// The server failed internally.
     pub const INTERNAL: u16 = 4;
+    /// Authentication failed (no credentials where the server requires them, a wrong MAC).
+    pub const AUTH: u16 = 5;
+    /// The tenant may not use a namespace named in the request.
+    pub const FORBIDDEN: u16 = 6;
+    /// A limit was reached (connections of the server or of the tenant); try again later.
+    pub const BUSY: u16 = 7;
+    /// The peer took too long (handshake, idle connection, an unconsumed reply).
+    pub const TIMEOUT: u16 = 8;
 }
 
 /// What was wrong with a frame.
@@ -108,7 +130,10 @@ pub enum ProtocolError {
     #[error("bad magic {0:02x?}: not a hicache-rdma peer")]
     BadMagic(Vec<u8>),
     /// The peer speaks another version.
-    #[error("unsupported protocol version {got} (this side speaks {want})")]
+    #[error(
+        "unsupported protocol version {got} (this side speaks {want}): run the same \
+         hicache-rdma release on client and server"
+    )]
     Version {
         /// The peer's version.
         got: u16,
@@ -153,6 +178,9 @@ pub enum ProtocolError {
     /// The first frame was not `HELLO`.
     #[error("expected HELLO as the first frame, got op {0:#04x}")]
     NoHello(u8),
+    /// The second frame was not `AUTH`.
+    #[error("expected AUTH after HELLO, got op {0:#04x}")]
+    NoAuth(u8),
 }
 
 /// The fixed head of a frame.
@@ -299,6 +327,16 @@ pub struct ServerStats {
     pub connections: u64,
     /// Frames refused as protocol errors.
     pub protocol_errors: u64,
+    /// Handshakes refused for bad or missing credentials.
+    pub auth_failures: u64,
+    /// Requests refused because a key's namespace is not the tenant's.
+    pub forbidden: u64,
+    /// Connections refused at a connection limit.
+    pub refused_connections: u64,
+    /// Connections closed for a timeout (handshake, idle, an unconsumed reply).
+    pub timed_out_connections: u64,
+    /// Connections open now (authenticated or not).
+    pub open_connections: u64,
 }
 
 /// An RDMA RC queue pair's address, exchanged by `VERBS_CONNECT`.
@@ -376,7 +414,7 @@ pub enum AllocStatus {
 /// A request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Request {
-    /// Handshake.
+    /// Handshake, step 1.
     Hello {
         /// Must be [`MAGIC`].
         magic: [u8; 8],
@@ -384,6 +422,13 @@ pub enum Request {
         version: u16,
         /// A name for logs.
         client: String,
+        /// The client's fresh nonce.
+        nonce: [u8; NONCE_LEN],
+    },
+    /// Handshake, step 2.
+    Auth {
+        /// The client's MAC ([`crate::auth::client_mac`]); `None` without credentials.
+        mac: Option<[u8; MAC_LEN]>,
     },
     /// Leading run.
     Exists {
@@ -447,8 +492,21 @@ pub enum Request {
 /// A reply body.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Reply {
+    /// Handshake, step 1 answered.
+    Hello {
+        /// The server's fresh nonce.
+        nonce: [u8; NONCE_LEN],
+        /// Whether the server requires credentials (`false`: started with
+        /// `--insecure-no-auth`).
+        auth: bool,
+    },
     /// Handshake accepted.
-    Hello(ServerInfo),
+    Auth {
+        /// What the client needs to know.
+        info: ServerInfo,
+        /// The server's proof ([`crate::auth::server_proof`]); `None` without credentials.
+        proof: Option<[u8; MAC_LEN]>,
+    },
     /// Leading run.
     Exists {
         /// Number of leading keys present.
@@ -545,6 +603,16 @@ fn put_bools(b: &mut Vec<u8>, v: &[bool]) {
     }
 }
 
+fn put_mac(b: &mut Vec<u8>, mac: &Option<[u8; MAC_LEN]>) {
+    match mac {
+        Some(m) => {
+            b.put_u8(1);
+            b.put_slice(m);
+        }
+        None => b.put_u8(0),
+    }
+}
+
 fn put_endpoint(b: &mut Vec<u8>, e: &VerbsEndpoint) {
     b.put_u16_le(e.lid);
     b.put_u32_le(e.qpn);
@@ -557,6 +625,7 @@ impl Request {
     pub fn op(&self) -> u8 {
         match self {
             Request::Hello { .. } => op::HELLO,
+            Request::Auth { .. } => op::AUTH,
             Request::Exists { .. } => op::EXISTS,
             Request::Read { .. } => op::READ,
             Request::Lookup { .. } => op::LOOKUP,
@@ -580,12 +649,15 @@ impl Request {
                 magic,
                 version,
                 client,
+                nonce,
             } => {
                 b.put_slice(magic);
                 b.put_u16_le(*version);
                 b.put_u32_le(client.len() as u32);
                 b.put_slice(client.as_bytes());
+                b.put_slice(nonce);
             }
+            Request::Auth { mac } => put_mac(&mut b, mac),
             Request::Exists { keys } | Request::Delete { keys } => put_keys(&mut b, keys),
             Request::Read { pages } | Request::Lookup { pages } | Request::Allocate { pages } => {
                 put_pages(&mut b, pages)
@@ -616,6 +688,12 @@ impl Request {
                     return Err(ProtocolError::BadMagic(magic.to_vec()));
                 }
                 let version = r.u16("version")?;
+                if version != VERSION {
+                    return Err(ProtocolError::Version {
+                        got: version,
+                        want: VERSION,
+                    });
+                }
                 let n = r.u32("client name length")? as usize;
                 if n > 4096 {
                     return Err(ProtocolError::TooLarge {
@@ -629,8 +707,12 @@ impl Request {
                     magic,
                     version,
                     client,
+                    nonce: r.array("client nonce")?,
                 }
             }
+            op::AUTH => Request::Auth {
+                mac: r.opt_mac("client MAC")?,
+            },
             op::EXISTS => Request::Exists { keys: r.keys()? },
             op::DELETE => Request::Delete { keys: r.keys()? },
             op::READ => Request::Read { pages: r.pages()? },
@@ -680,7 +762,8 @@ impl Reply {
     pub fn op(&self) -> u8 {
         REPLY_BIT
             | match self {
-                Reply::Hello(_) => op::HELLO,
+                Reply::Hello { .. } => op::HELLO,
+                Reply::Auth { .. } => op::AUTH,
                 Reply::Exists { .. } => op::EXISTS,
                 Reply::Read(_) => op::READ,
                 Reply::Lookup(_) => op::LOOKUP,
@@ -721,7 +804,12 @@ impl ReplyFrame {
         };
         put_occupancy(&mut b, occ);
         match reply {
-            Reply::Hello(i) => {
+            Reply::Hello { nonce, auth } => {
+                b.put_slice(nonce);
+                b.put_u8(*auth as u8);
+            }
+            Reply::Auth { info: i, proof } => {
+                put_mac(&mut b, proof);
                 b.put_u16_le(i.version);
                 b.put_u64_le(i.server_id);
                 b.put_u64_le(i.pool_bytes);
@@ -809,6 +897,11 @@ impl ReplyFrame {
                     s.expired_leases,
                     s.connections,
                     s.protocol_errors,
+                    s.auth_failures,
+                    s.forbidden,
+                    s.refused_connections,
+                    s.timed_out_connections,
+                    s.open_connections,
                 ] {
                     b.put_u64_le(x);
                 }
@@ -833,7 +926,12 @@ impl ReplyFrame {
         }
         let occ = r.occupancy()?;
         let reply = match op & !REPLY_BIT {
-            op::HELLO => {
+            op::HELLO => Reply::Hello {
+                nonce: r.array("server nonce")?,
+                auth: r.u8("auth flag")? != 0,
+            },
+            op::AUTH => {
+                let proof = r.opt_mac("server proof")?;
                 let version = r.u16("version")?;
                 let server_id = r.u64("server id")?;
                 let pool_bytes = r.u64("pool bytes")?;
@@ -852,17 +950,20 @@ impl ReplyFrame {
                         rkey: r.u32("region rkey")?,
                     });
                 }
-                Reply::Hello(ServerInfo {
-                    version,
-                    server_id,
-                    pool_bytes,
-                    max_page_bytes,
-                    max_batch,
-                    lease_ms,
-                    alloc_ttl_ms,
-                    verbs,
-                    regions,
-                })
+                Reply::Auth {
+                    info: ServerInfo {
+                        version,
+                        server_id,
+                        pool_bytes,
+                        max_page_bytes,
+                        max_batch,
+                        lease_ms,
+                        alloc_ttl_ms,
+                        verbs,
+                        regions,
+                    },
+                    proof,
+                }
             }
             op::EXISTS => Reply::Exists { run: r.u32("run")? },
             op::READ => {
@@ -942,7 +1043,7 @@ impl ReplyFrame {
             op::DELETE => Reply::Delete { n: r.u32("n")? },
             op::STATS => {
                 let occupancy = r.occupancy()?;
-                let mut x = [0u64; 8];
+                let mut x = [0u64; 13];
                 for v in &mut x {
                     *v = r.u64("stats counter")?;
                 }
@@ -956,6 +1057,11 @@ impl ReplyFrame {
                     expired_leases: x[5],
                     connections: x[6],
                     protocol_errors: x[7],
+                    auth_failures: x[8],
+                    forbidden: x[9],
+                    refused_connections: x[10],
+                    timed_out_connections: x[11],
+                    open_connections: x[12],
                 })
             }
             op::VERBS_CONNECT => Reply::VerbsConnect(r.endpoint()?),
@@ -1060,6 +1166,16 @@ impl<'a> Rd<'a> {
             })
             .collect()
     }
+    fn opt_mac(&mut self, what: &'static str) -> Result<Option<[u8; MAC_LEN]>, ProtocolError> {
+        match self.u8(what)? {
+            0 => Ok(None),
+            1 => Ok(Some(self.array(what)?)),
+            x => Err(ProtocolError::Invalid {
+                what,
+                value: x as u64,
+            }),
+        }
+    }
     fn endpoint(&mut self) -> Result<VerbsEndpoint, ProtocolError> {
         Ok(VerbsEndpoint {
             lid: self.u16("lid")?,
@@ -1124,9 +1240,27 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
 pub async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
 ) -> Result<(FrameHead, Vec<u8>), FrameError> {
+    read_frame_limited(r, MAX_BODY).await
+}
+
+/// [`read_frame`] refusing a body over `max_body` bytes before allocating it (the handshake
+/// uses [`MAX_HANDSHAKE_BODY`], so an unauthenticated peer cannot make the server allocate
+/// [`MAX_BODY`]).
+pub async fn read_frame_limited<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max_body: u32,
+) -> Result<(FrameHead, Vec<u8>), FrameError> {
     let mut h = [0u8; HEAD_LEN];
     r.read_exact(&mut h).await?;
     let head = FrameHead::decode(&h)?;
+    if head.body_len > max_body {
+        return Err(ProtocolError::TooLarge {
+            what: "frame body",
+            len: head.body_len as u64,
+            max: max_body as u64,
+        }
+        .into());
+    }
     let mut body = vec![0u8; head.body_len as usize];
     r.read_exact(&mut body).await?;
     Ok((head, body))
@@ -1159,6 +1293,11 @@ mod tests {
                 magic: MAGIC,
                 version: VERSION,
                 client: "rank-0".into(),
+                nonce: [7; NONCE_LEN],
+            },
+            Request::Auth { mac: None },
+            Request::Auth {
+                mac: Some([3; MAC_LEN]),
             },
             Request::Exists {
                 keys: vec![key(1), key(2)],
@@ -1234,23 +1373,45 @@ mod tests {
             evicted_pages: 1,
             evicted_bytes: 50,
         };
+        let info = ServerInfo {
+            version: VERSION,
+            server_id: 2,
+            pool_bytes: 4096,
+            max_page_bytes: 4096,
+            max_batch: 128,
+            lease_ms: 1,
+            alloc_ttl_ms: 1,
+            verbs: true,
+            regions: vec![],
+        };
         let replies = vec![
-            Reply::Hello(ServerInfo {
-                version: VERSION,
-                server_id: 1,
-                pool_bytes: 1 << 30,
-                max_page_bytes: 1 << 28,
-                max_batch: 4096,
-                lease_ms: 5000,
-                alloc_ttl_ms: 30000,
-                verbs: false,
-                regions: vec![RegionDesc {
-                    id: 0,
-                    len: 1 << 30,
-                    addr: 0,
-                    rkey: 0,
-                }],
-            }),
+            Reply::Hello {
+                nonce: [1; NONCE_LEN],
+                auth: true,
+            },
+            Reply::Auth {
+                proof: None,
+                info: info.clone(),
+            },
+            Reply::Auth {
+                proof: Some([4; MAC_LEN]),
+                info: ServerInfo {
+                    version: VERSION,
+                    server_id: 1,
+                    pool_bytes: 1 << 30,
+                    max_page_bytes: 1 << 28,
+                    max_batch: 4096,
+                    lease_ms: 5000,
+                    alloc_ttl_ms: 30000,
+                    verbs: false,
+                    regions: vec![RegionDesc {
+                        id: 0,
+                        len: 1 << 30,
+                        addr: 0,
+                        rkey: 0,
+                    }],
+                },
+            },
             Reply::Exists { run: 3 },
             Reply::Read(vec![
                 ReadStatus::Miss,
@@ -1283,6 +1444,7 @@ mod tests {
             Reply::Stats(ServerStats {
                 occupancy: occ,
                 pool_bytes: 10,
+                timed_out_connections: 3,
                 ..ServerStats::default()
             }),
             Reply::VerbsConnect(VerbsEndpoint::default()),
@@ -1324,8 +1486,9 @@ mod tests {
     fn bad_magic_and_unknown_ops() {
         let mut b = Request::Hello {
             magic: MAGIC,
-            version: 1,
+            version: VERSION,
             client: String::new(),
+            nonce: [0; NONCE_LEN],
         }
         .encode();
         b[0] = b'X';
@@ -1333,6 +1496,19 @@ mod tests {
             Request::decode(op::HELLO, &b),
             Err(ProtocolError::BadMagic(_))
         ));
+        // A version-1 HELLO (magic, version, name; no nonce) is a version error, not a
+        // truncated body: an old client learns what is wrong.
+        let mut old = MAGIC.to_vec();
+        old.extend_from_slice(&1u16.to_le_bytes());
+        old.extend_from_slice(&3u32.to_le_bytes());
+        old.extend_from_slice(b"old");
+        assert_eq!(
+            Request::decode(op::HELLO, &old),
+            Err(ProtocolError::Version {
+                got: 1,
+                want: VERSION
+            })
+        );
         assert_eq!(
             Request::decode(0x42, &[]),
             Err(ProtocolError::UnknownOp(0x42))

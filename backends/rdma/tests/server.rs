@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{client_opts, eventually, server_opts};
+use common::{TEST_TOKEN, client_opts, eventually, server_opts, test_token};
 use hicache_backend_rdma::protocol::{
     self, AllocStatus, MAGIC, PageReq, ReadStatus, Reply, Request, VERSION, code, op,
 };
@@ -45,6 +45,7 @@ async fn raw(server: &hicache_backend_rdma::ServerHandle) -> Connection {
     Connection::connect(
         &server.local_addr().to_string(),
         "raw-test",
+        Some(&test_token()),
         Duration::from_secs(5),
         Duration::from_secs(5),
     )
@@ -367,6 +368,33 @@ async fn silent_server_times_out() {
     assert!(e.to_string().contains("timed out after 100 ms"), "{e}");
 }
 
+/// The whole handshake on a raw socket, with [`TEST_TOKEN`].
+async fn raw_handshake(s: &mut TcpStream) {
+    let client_nonce = [9u8; 32];
+    let hello = Request::Hello {
+        magic: MAGIC,
+        version: VERSION,
+        client: "t".into(),
+        nonce: client_nonce,
+    };
+    protocol::write_frame(s, 1, op::HELLO, &hello.encode(), 0)
+        .await
+        .unwrap();
+    let protocol::ReplyFrame::Ok(_, Reply::Hello { nonce, auth: true }) = read_reply(s).await
+    else {
+        panic!("HELLO answered with a nonce, authentication required")
+    };
+    let mac = hicache_backend_rdma::auth::client_mac(&test_token(), &client_nonce, &nonce);
+    let req = Request::Auth { mac: Some(mac) };
+    protocol::write_frame(s, 2, op::AUTH, &req.encode(), 0)
+        .await
+        .unwrap();
+    assert!(matches!(
+        read_reply(s).await,
+        protocol::ReplyFrame::Ok(_, Reply::Auth { .. })
+    ));
+}
+
 /// Reads one frame from a raw socket and decodes it as a reply.
 async fn read_reply(s: &mut TcpStream) -> protocol::ReplyFrame {
     let (head, body) = protocol::read_frame(s).await.expect("a reply frame");
@@ -406,6 +434,7 @@ async fn protocol_errors_are_answered_clearly() {
         magic: MAGIC,
         version: 99,
         client: "old".into(),
+        nonce: [0; 32],
     };
     protocol::write_frame(&mut s, 1, op::HELLO, &hello.encode(), 0)
         .await
@@ -452,18 +481,7 @@ async fn protocol_errors_are_answered_clearly() {
         (op::EXISTS, vec![5, 0, 0, 0, 1], "truncated"),
     ] {
         let mut s = TcpStream::connect(addr).await.unwrap();
-        let hello = Request::Hello {
-            magic: MAGIC,
-            version: VERSION,
-            client: "t".into(),
-        };
-        protocol::write_frame(&mut s, 1, op::HELLO, &hello.encode(), 0)
-            .await
-            .unwrap();
-        assert!(matches!(
-            read_reply(&mut s).await,
-            protocol::ReplyFrame::Ok(..)
-        ));
+        raw_handshake(&mut s).await;
         protocol::write_frame(&mut s, 2, opcode, &body, 0)
             .await
             .unwrap();
@@ -544,7 +562,7 @@ async fn registry_opens_and_checks_config() {
     let cfg = StorageConfig::parse(
         Some("rdma"),
         Some(&format!(
-            r#"{{"server": "{}", "max_batch": 256}}"#,
+            r#"{{"server": "{}", "max_batch": 256, "token": "{TEST_TOKEN}"}}"#,
             small.local_addr()
         )),
     )

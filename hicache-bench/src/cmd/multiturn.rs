@@ -225,6 +225,13 @@ pub struct MultiturnArgs {
     /// No progress bar.
     #[arg(long, help_heading = "Output")]
     pub quiet: bool,
+    /// Serve the cache's Prometheus metrics at http://ADDR/metrics while it runs (`IP:PORT`).
+    #[arg(long, value_name = "ADDR", help_heading = "Output")]
+    pub metrics_addr: Option<String>,
+    /// Publish KV events on ZMQ while it runs: SGLang's `--kv-events-config` JSON, e.g.
+    /// '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "topic": "kv"}'.
+    #[arg(long, value_name = "JSON", help_heading = "Output")]
+    pub kv_events: Option<String>,
 }
 
 #[derive(Parser)]
@@ -595,6 +602,10 @@ pub fn plan(args: &MultiturnArgs) -> Result<Plan> {
             },
             tiers: configurations[0],
             scratch_dir: None,
+            observe: crate::setup::ObserveSetup {
+                metrics_addr: args.metrics_addr.clone(),
+                kv_events: args.kv_events.clone(),
+            },
         },
         configurations,
         report_dir: args.report_dir.clone().unwrap_or_else(default_report_dir),

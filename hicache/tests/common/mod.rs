@@ -83,6 +83,8 @@ pub struct Engine {
     pub salt: u64,
     /// When set, the tree's shape after every poll is recorded here.
     pub shapes: Option<Vec<TreeShape>>,
+    /// Priority given to the requests `run` makes (`HiCache::set_priority`).
+    pub priority: i32,
 }
 
 /// See [`tree_shape`].
@@ -95,6 +97,7 @@ impl Engine {
             next_req: 1,
             salt: 0,
             shapes: None,
+            priority: 0,
         }
     }
 
@@ -139,6 +142,7 @@ impl Engine {
             Some(t) => self.cache.arrive_for(req, t, tokens).unwrap(),
             None => self.cache.arrive(req, tokens).unwrap(),
         };
+        self.cache.set_priority(req, self.priority).unwrap();
         self.poll();
         let polls_waiting = self.wait_prefetch(req);
         let admission = self.cache.admit(req, tokens).unwrap();

@@ -1,22 +1,52 @@
 //! `hicache-rdma-server`: the memory-pool server of the `rdma` L3 backend.
 //!
 //! ```text
-//! hicache-rdma-server --listen 0.0.0.0:7470 --pool 64GiB
+//! hicache-rdma-server --listen 10.0.0.5:7470 --pool 64GiB --tenants /etc/hicache/tenants.json
 //! ```
 //! Clients then use `--storage-backend rdma` with extra-config
-//! `{"server": "<this host>:7470"}`.
+//! `{"server": "10.0.0.5:7470", "token_file": "/etc/hicache/team-a.token"}`. Without
+//! `--tenants` or `--secret-file` the server refuses to start unless told
+//! `--insecure-no-auth` (loopback addresses only).
 
 use clap::Parser;
-use hicache_backend_rdma::{RdmaServer, ServerOptions};
+use std::path::PathBuf;
+
+use hicache_backend_rdma::{RdmaServer, ServerAuth, ServerOptions, TenantTable, Token};
 use hicache_storage::{EvictionPolicy, parse_byte_size};
 
 /// Memory-pool server of the hicache-rs `rdma` L3 backend.
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Args {
-    /// Address to listen on.
-    #[arg(long, default_value = "0.0.0.0:7470")]
+    /// Address to listen on (loopback by default; give the interface clients reach).
+    #[arg(long, default_value = "127.0.0.1:7470")]
     listen: String,
+    /// Tenant file (JSON): each tenant's name, token (or token file) and namespaces.
+    #[arg(long, conflicts_with_all = ["secret_file", "insecure_no_auth"])]
+    tenants: Option<PathBuf>,
+    /// A file holding one shared token that may use every namespace.
+    #[arg(long, conflicts_with = "insecure_no_auth")]
+    secret_file: Option<PathBuf>,
+    /// Let anyone who reaches the port read, write and delete every page. Loopback only;
+    /// for tests.
+    #[arg(long)]
+    insecure_no_auth: bool,
+    /// Time a new connection has to authenticate, in milliseconds.
+    #[arg(long, default_value_t = 5_000)]
+    handshake_ms: u32,
+    /// Close a connection that sends nothing for this long, in milliseconds.
+    #[arg(long, default_value_t = 300_000)]
+    idle_ms: u32,
+    /// Most connections open at once (further ones are refused with a "busy" error).
+    #[arg(long, default_value_t = 1024)]
+    max_connections: u32,
+    /// Most connections of one tenant open at once.
+    #[arg(long, default_value_t = 256)]
+    max_tenant_connections: u32,
+    /// Most bytes one tenant may hold in flight (reserved for writes plus pinned by reads);
+    /// default: half the pool.
+    #[arg(long, value_parser = bytes)]
+    max_tenant_inflight: Option<u64>,
     /// Bytes of the pool (e.g. `64GiB`, `100gb`, or a plain number).
     #[arg(long, default_value = "1GiB", value_parser = bytes)]
     pool: u64,
@@ -32,7 +62,8 @@ struct Args {
     /// Eviction when full: `lru`, `fifo`, or `none` (refuse new pages).
     #[arg(long, default_value = "lru")]
     eviction: String,
-    /// Lifetime of a read lease (verbs `LOOKUP`), in milliseconds.
+    /// Lifetime of a read lease, in milliseconds: a verbs `LOOKUP` lease, and the time a
+    /// client has to consume a TCP `READ` reply.
     #[arg(long, default_value_t = 10_000)]
     lease_ms: u32,
     /// Lifetime of an uncommitted reservation, in milliseconds.
@@ -71,8 +102,29 @@ fn main() {
             }
         },
     };
+    let auth = match (&args.tenants, &args.secret_file, args.insecure_no_auth) {
+        (Some(f), _, _) => TenantTable::from_file(f).map(ServerAuth::Tenants),
+        (None, Some(f), _) => {
+            Token::from_file(f).map(|t| ServerAuth::Tenants(TenantTable::shared(t)))
+        }
+        (None, None, true) => Ok(ServerAuth::InsecureNoAuth),
+        (None, None, false) => Ok(ServerAuth::default()),
+    };
+    let auth = match auth {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
     let opts = ServerOptions {
         listen: args.listen,
+        auth,
+        handshake_ms: args.handshake_ms,
+        idle_ms: args.idle_ms,
+        max_connections: args.max_connections,
+        max_tenant_connections: args.max_tenant_connections,
+        max_tenant_inflight_bytes: Some(args.max_tenant_inflight.unwrap_or(args.pool / 2)),
         pool_bytes: args.pool,
         region_bytes: args.region,
         granule: args.granule,

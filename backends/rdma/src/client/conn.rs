@@ -11,10 +11,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
+use crate::auth::{self, Token};
 use crate::error::{RdmaError, Result};
 use crate::protocol::{
     self, HEAD_LEN, MAGIC, Occupancy, ProtocolError, REPLY_BIT, Reply, ReplyFrame, Request,
-    ServerInfo, VERSION, op,
+    ServerInfo, VERSION,
 };
 
 /// Largest step of a payload transfer bounded by one timeout.
@@ -33,10 +34,13 @@ pub struct Connection {
 
 impl Connection {
     /// Connects to `addr`, with `connect_timeout` for the TCP connect and `io_timeout` for
-    /// every later step, and performs the handshake.
+    /// every later step, and performs the handshake ([`crate::auth`]): with `token`, the
+    /// server must require authentication and prove it knows the token; without, the server
+    /// must be one started with `--insecure-no-auth`.
     pub async fn connect(
         addr: &str,
         client_name: &str,
+        token: Option<&Token>,
         connect_timeout: Duration,
         io_timeout: Duration,
     ) -> Result<Self> {
@@ -78,23 +82,78 @@ impl Connection {
             io_timeout,
             next_id: 1,
         };
+        let client_nonce = auth::random_bytes::<{ auth::NONCE_LEN }>()?;
         let hello = Request::Hello {
             magic: MAGIC,
             version: VERSION,
             client: client_name.to_string(),
+            nonce: client_nonce,
         };
-        match c.call(&hello).await? {
-            (_, Reply::Hello(info)) => {
+        let (server_nonce, required) = match c.call(&hello).await {
+            Ok((_, Reply::Hello { nonce, auth })) => (nonce, auth),
+            Ok((_, other)) => return Err(c.mismatch("HELLO reply", &other)),
+            Err(RdmaError::Refused {
+                peer,
+                code: protocol::code::PROTOCOL,
+                message,
+            }) => {
+                return Err(RdmaError::Refused {
+                    peer,
+                    code: protocol::code::PROTOCOL,
+                    message: format!(
+                        "{message} (an older hicache-rdma-server? this client speaks protocol \
+                         version {VERSION})"
+                    ),
+                });
+            }
+            Err(e) => return Err(e),
+        };
+        let mac = match (required, token) {
+            (true, Some(t)) => Some(auth::client_mac(t, &client_nonce, &server_nonce)),
+            (true, None) => {
+                return Err(c.auth_error(
+                    "the server requires authentication: set `token` or `token_file` in the \
+                     rdma extra-config",
+                ));
+            }
+            (false, Some(_)) => {
+                return Err(c.auth_error(
+                    "the server runs without authentication (--insecure-no-auth) but this \
+                     client has a token: refusing to trust an unauthenticated server",
+                ));
+            }
+            (false, None) => None,
+        };
+        match c.call(&Request::Auth { mac }).await? {
+            (_, Reply::Auth { info, proof }) => {
                 if info.version != VERSION {
                     return Err(c.protocol(ProtocolError::Version {
                         got: info.version,
                         want: VERSION,
                     }));
                 }
+                if let Some(t) = token {
+                    let proven = proof.is_some_and(|p| {
+                        auth::verify_server_proof(t, &client_nonce, &server_nonce, &p)
+                    });
+                    if !proven {
+                        return Err(c.auth_error(
+                            "the server did not prove it knows the token: not the server \
+                             this client was configured for",
+                        ));
+                    }
+                }
                 c.info = info;
                 Ok(c)
             }
-            (_, other) => Err(c.mismatch("HELLO reply", &other)),
+            (_, other) => Err(c.mismatch("AUTH reply", &other)),
+        }
+    }
+
+    fn auth_error(&self, reason: &str) -> RdmaError {
+        RdmaError::Auth {
+            peer: self.peer.clone(),
+            reason: reason.to_string(),
         }
     }
 
@@ -223,7 +282,7 @@ impl Connection {
                 value: payload,
             }));
         }
-        if reply.op() != req.op() | REPLY_BIT && req.op() != op::HELLO {
+        if reply.op() != req.op() | REPLY_BIT {
             return Err(self.mismatch(&format!("reply to op {:#04x}", req.op()), &reply));
         }
         Ok((occ, reply))

@@ -41,9 +41,10 @@ use hicache_storage::{
 };
 use parking_lot::Mutex;
 
+use crate::auth::{TenantTable, Token};
 use crate::error::RdmaError;
 use crate::protocol::{AllocStatus, Occupancy, PageReq, ReadStatus, Reply, Request, ServerInfo};
-use crate::server::{RdmaServer, ServerHandle, ServerOptions};
+use crate::server::{RdmaServer, ServerAuth, ServerHandle, ServerOptions};
 pub use conn::Connection;
 pub use options::{RdmaOptions, Transport};
 
@@ -184,11 +185,21 @@ impl RdmaStorage {
     /// Connects to the server (or starts one, with `spawn_server`) and performs the handshake
     /// on one connection; the others connect on first use.
     pub async fn connect(opts: RdmaOptions) -> Result<Self> {
+        let mut opts = opts;
         let (addr, spawned) = if opts.spawn_server {
+            // A spawned server listens on loopback; it lets in only this client's token (a
+            // fresh random one unless the caller gave one), so other local users cannot use
+            // it.
+            let token = match &opts.token {
+                Some(t) => t.clone(),
+                None => Token::random()?,
+            };
+            opts.token = Some(token.clone());
             let h = RdmaServer::start(ServerOptions {
                 pool_bytes: opts.spawn_pool_bytes,
                 region_bytes: opts.spawn_pool_bytes.min(1 << 30),
                 populate: opts.spawn_populate,
+                auth: ServerAuth::Tenants(TenantTable::shared(token)),
                 ..ServerOptions::default()
             })
             .await?;
@@ -203,6 +214,7 @@ impl RdmaStorage {
         let mut first = Connection::connect(
             &addr,
             &opts.client_name,
+            opts.token.as_ref(),
             opts.connect_timeout,
             opts.io_timeout,
         )
@@ -227,6 +239,7 @@ impl RdmaStorage {
                 let mut ctl = Connection::connect(
                     &addr,
                     &opts.client_name,
+                    opts.token.as_ref(),
                     opts.connect_timeout,
                     opts.io_timeout,
                 )
@@ -309,6 +322,7 @@ impl RdmaStorage {
         match Connection::connect(
             &self.addr,
             &self.opts.client_name,
+            self.opts.token.as_ref(),
             self.opts.connect_timeout,
             self.opts.io_timeout,
         )

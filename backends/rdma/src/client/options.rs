@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use hicache_storage::{CommonConfig, ConfigFields, Result, StorageError};
 
+use crate::auth::Token;
+
 /// Which data plane moves page bytes.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub enum Transport {
@@ -25,6 +27,10 @@ pub struct RdmaOptions {
     /// `spawn_populate`: pre-fault a spawned server's pool at start, as a long-running
     /// server's memory is (default false).
     pub spawn_populate: bool,
+    /// `token` or `token_file`: the tenant's secret token (the file's content, surrounding
+    /// whitespace trimmed). Required by every server not started with `--insecure-no-auth`;
+    /// a spawned server gets a fresh random one when none is given.
+    pub token: Option<Token>,
     /// `transport`: `tcp` (default) or `verbs`.
     pub transport: Transport,
     /// `connections`: connections in the pool; a batch is striped over them (default 4).
@@ -59,6 +65,7 @@ impl Default for RdmaOptions {
             server: None,
             spawn_server: false,
             spawn_populate: false,
+            token: None,
             transport: Transport::Tcp,
             connections: 4,
             connect_timeout: Duration::from_millis(1000),
@@ -76,11 +83,20 @@ impl Default for RdmaOptions {
 }
 
 impl RdmaOptions {
-    /// Options pointing at `server` with every other field at its default.
+    /// Options pointing at `server` with every other field at its default (no token: only
+    /// for a server started with `--insecure-no-auth`).
     pub fn new(server: impl Into<String>) -> Self {
         Self {
             server: Some(server.into()),
             ..Self::default()
+        }
+    }
+
+    /// Options pointing at `server`, authenticating with `token`.
+    pub fn with_token(server: impl Into<String>, token: Token) -> Self {
+        Self {
+            token: Some(token),
+            ..Self::new(server)
         }
     }
 
@@ -128,6 +144,23 @@ impl RdmaOptions {
             }
             _ => {}
         }
+        let token = match (f.opt_string("token")?, f.opt_string("token_file")?) {
+            (Some(_), Some(_)) => {
+                return Err(StorageError::config(
+                    f.scope(),
+                    "token_file",
+                    "<set>",
+                    "conflicts with `token`: give one or the other",
+                ));
+            }
+            (Some(t), None) => Some(Token::new(&t, "token").map_err(|e| {
+                StorageError::config(f.scope(), "token", "<redacted>", e.to_string())
+            })?),
+            (None, Some(p)) => Some(Token::from_file(std::path::Path::new(&p)).map_err(|e| {
+                StorageError::config(f.scope(), "token_file", format!("\"{p}\""), e.to_string())
+            })?),
+            (None, None) => None,
+        };
         let transport = match f.choice("transport", "tcp", &["tcp", "verbs"])? {
             "verbs" => Transport::Verbs,
             _ => Transport::Tcp,
@@ -140,6 +173,7 @@ impl RdmaOptions {
             server,
             spawn_server,
             spawn_populate,
+            token,
             transport,
             connections: f.u64("connections", d.connections as u64, 1..=64)? as usize,
             connect_timeout: ms(&mut f, "connect_timeout_ms", d.connect_timeout, 1)?,
@@ -195,6 +229,9 @@ mod tests {
         assert_eq!(o.retry_backoff, Duration::ZERO);
         assert_eq!(o.stripe_bytes, 4 << 20);
         assert_eq!((o.ib_port, o.gid_index), (2, 3));
+        assert_eq!(o.token, None);
+        let o = parse(r#"{"server": "h:1", "token": "0123456789abcdef"}"#).unwrap();
+        assert_eq!(o.token.unwrap().expose(), "0123456789abcdef");
         let o = parse(r#"{"spawn_server": true, "capacity": "64MiB"}"#).unwrap();
         assert!(o.spawn_server);
         assert_eq!(o.spawn_pool_bytes, 64 << 20);
@@ -231,6 +268,20 @@ mod tests {
             (r#"{"server": "h:1", "ib_port": 0}"#, "ib_port"),
             (r#"{"server": "h:1", "gid_index": 256}"#, "gid_index"),
             (r#"{"server": "h:1", "bogus": 1}"#, "bogus"),
+            (r#"{"server": "h:1", "token": "short"}"#, "token"),
+            (r#"{"server": "h:1", "token": 5}"#, "token"),
+            (
+                r#"{"server": "h:1", "token": "0123456789abcdef", "token_file": "/x"}"#,
+                "token_file",
+            ),
+            (
+                r#"{"server": "h:1", "token_file": "/nonexistent/hicache.token"}"#,
+                "token_file",
+            ),
+            (
+                r#"{"server": "h:1", "token_file": "/dev/zero"}"#,
+                "token_file",
+            ),
         ] {
             let e = parse(json).expect_err(json).to_string();
             assert!(

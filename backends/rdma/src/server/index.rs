@@ -14,13 +14,16 @@
 //!    leaves the index at once (invisible) but its extent moves to `retired` and is freed when
 //!    the last pin goes. `LOOKUP` leases (remote readers) expire after their lease time so a
 //!    dead client cannot pin memory forever; the leases of a closed connection go at once.
+//!    A client releases only its own connection's leases ([`Index::release_for`]).
 //! 4. **Reservations.** A reservation belongs to one connection; only it may write or commit
 //!    it. It is freed by commit, abort, its connection closing, or expiry. Expiry skips a
 //!    reservation whose bytes are being written right now (`writing`), so its extent is never
 //!    handed to someone else mid-write.
 //! 5. **Accounting.** `bytes` is the sum of committed pages' lengths, `reserved` the sum of
 //!    reserved extents; allocated extents = committed + reserved + retired, within the pool.
-//!    The evictor tracks exactly the keys of `pages` (when eviction is on).
+//!    The evictor tracks exactly the keys of `pages` (when eviction is on). `usage` holds, per
+//!    connection, the bytes of its reservations and of the pages its leases pin (entries at
+//!    zero are removed), so per-tenant limits can be checked without a scan.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -59,6 +62,8 @@ struct Reservation {
 struct Lease {
     start: (u32, u64),
     conn: u64,
+    /// Bytes of the pinned page (counted in its connection's usage).
+    len: u64,
     /// `None`: held by the server itself for the duration of a send (released explicitly).
     deadline: Option<Instant>,
 }
@@ -72,6 +77,22 @@ pub struct Pinned {
     pub extent: Extent,
     /// How many bytes to send.
     pub len: u64,
+}
+
+/// What one connection holds in flight.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Bytes of its uncommitted reservations.
+    pub reserved_bytes: u64,
+    /// Bytes of the pages its leases pin.
+    pub leased_bytes: u64,
+}
+
+impl Usage {
+    /// Reserved plus leased bytes.
+    pub fn in_flight(&self) -> u64 {
+        self.reserved_bytes + self.leased_bytes
+    }
 }
 
 /// Counters the index keeps.
@@ -103,6 +124,7 @@ pub struct Index {
     pins: HashMap<(u32, u64), u32>,
     retired: HashMap<(u32, u64), Extent>,
     leases: HashMap<u64, Lease>,
+    usage: HashMap<u64, Usage>,
     next_id: u64,
     c: IndexCounters,
 }
@@ -131,6 +153,7 @@ impl Index {
             pins: HashMap::new(),
             retired: HashMap::new(),
             leases: HashMap::new(),
+            usage: HashMap::new(),
             next_id: 1,
             c: IndexCounters::default(),
         }
@@ -192,14 +215,36 @@ impl Index {
             .count()
     }
 
-    fn pin(&mut self, start: (u32, u64), conn: u64, deadline: Option<Instant>) -> u64 {
+    /// What connection `conn` holds in flight.
+    pub fn usage(&self, conn: u64) -> Usage {
+        self.usage.get(&conn).copied().unwrap_or_default()
+    }
+
+    /// Adds (or, with `add` false, removes) bytes to `conn`'s usage.
+    fn account(&mut self, conn: u64, reserved: u64, leased: u64, add: bool) {
+        let u = self.usage.entry(conn).or_default();
+        if add {
+            u.reserved_bytes += reserved;
+            u.leased_bytes += leased;
+        } else {
+            u.reserved_bytes -= reserved;
+            u.leased_bytes -= leased;
+        }
+        if *u == Usage::default() {
+            self.usage.remove(&conn);
+        }
+    }
+
+    fn pin(&mut self, start: (u32, u64), conn: u64, len: u64, deadline: Option<Instant>) -> u64 {
         *self.pins.entry(start).or_insert(0) += 1;
+        self.account(conn, 0, len, true);
         let id = self.id();
         self.leases.insert(
             id,
             Lease {
                 start,
                 conn,
+                len,
                 deadline,
             },
         );
@@ -207,6 +252,7 @@ impl Index {
     }
 
     fn unpin(&mut self, lease: Lease) {
+        self.account(lease.conn, 0, lease.len, false);
         let n = self
             .pins
             .get_mut(&lease.start)
@@ -240,7 +286,7 @@ impl Index {
                 None => (ReadStatus::Miss, None),
                 Some(Err(())) => (ReadStatus::Mismatch, None),
                 Some(Ok(page)) => {
-                    let lease = self.pin(page.extent.start(), conn, None);
+                    let lease = self.pin(page.extent.start(), conn, page.len, None);
                     (
                         ReadStatus::Hit {
                             checksum: page.checksum,
@@ -267,13 +313,25 @@ impl Index {
                     region: page.extent.region,
                     offset: page.extent.offset,
                     checksum: page.checksum,
-                    lease: self.pin(page.extent.start(), conn, Some(deadline)),
+                    lease: self.pin(page.extent.start(), conn, page.len, Some(deadline)),
                 },
             })
             .collect()
     }
 
-    /// Releases leases; returns how many were live.
+    /// `RELEASE`: releases the leases of `conn` among `leases`; returns how many were live.
+    /// Another connection's lease ids are ignored (a client cannot unpin what another client
+    /// is reading).
+    pub fn release_for(&mut self, conn: u64, leases: &[u64]) -> usize {
+        let own: Vec<u64> = leases
+            .iter()
+            .copied()
+            .filter(|id| self.leases.get(id).is_some_and(|l| l.conn == conn))
+            .collect();
+        self.release(&own)
+    }
+
+    /// Releases leases, whoever holds them; returns how many were live.
     pub fn release(&mut self, leases: &[u64]) -> usize {
         let mut n = 0;
         for id in leases {
@@ -363,6 +421,7 @@ impl Index {
                 };
                 let id = self.id();
                 self.c.reserved_bytes += extent.len;
+                self.account(conn, extent.len, 0, true);
                 self.reservations.insert(
                     id,
                     Reservation {
@@ -412,6 +471,7 @@ impl Index {
         }
         let r = self.reservations.remove(&id).expect("checked above");
         self.c.reserved_bytes -= r.extent.len;
+        self.account(r.conn, r.extent.len, 0, false);
         self.remove_page(&r.key);
         self.pages.insert(
             r.key,
@@ -433,6 +493,7 @@ impl Index {
     fn free_reservation(&mut self, id: u64) {
         if let Some(r) = self.reservations.remove(&id) {
             self.c.reserved_bytes -= r.extent.len;
+            self.account(r.conn, r.extent.len, 0, false);
             self.alloc.free(r.extent);
         }
     }
@@ -561,8 +622,10 @@ mod tests {
         assert!(matches!(out[0], AllocStatus::Slot { .. }));
         assert_eq!(ix.exists(&[key(1)]), 0);
         assert_eq!(ix.free_bytes(), 2 * 4096);
+        assert_eq!(ix.usage(7).reserved_bytes, 2 * 4096);
         ix.connection_closed(7);
         assert_eq!(ix.free_bytes(), 4 * 4096);
+        assert_eq!(ix.usage(7), Usage::default());
         assert_eq!(ix.counters().reclaimed_reservations, 2);
         // Expiry reclaims too, but not while being written.
         let out = ix.allocate(8, &[req(3, 4096), req(4, 4096)], now);
@@ -604,7 +667,8 @@ mod tests {
         assert_eq!(ix.delete(&[key(1)]), 1);
         assert_eq!(ix.exists(&[key(1)]), 0);
         assert_eq!(ix.free_bytes(), 0);
-        assert_eq!(ix.release(&[lease]), 1);
+        assert_eq!(ix.release_for(4, &[lease]), 0, "not connection 4's lease");
+        assert_eq!(ix.release_for(3, &[lease]), 1);
         assert_eq!(ix.free_bytes(), 4096);
         // Lease expiry.
         let st = ix.lookup(3, &[req(4, 4096)], now + Duration::from_secs(5));
@@ -714,6 +778,7 @@ mod tests {
             let ks: Vec<PageKey> = (0..12).map(key).collect();
             ix.delete(&ks);
             prop_assert_eq!(ix.free_bytes(), 6 * 4096, "everything freed at the end");
+            prop_assert!(ix.usage.is_empty(), "no usage left: {:?}", ix.usage);
         }
     }
 }

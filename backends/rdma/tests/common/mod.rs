@@ -4,23 +4,35 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use hicache_backend_rdma::{RdmaOptions, RdmaServer, RdmaStorage, ServerHandle, ServerOptions};
+use hicache_backend_rdma::{
+    RdmaOptions, RdmaServer, RdmaStorage, ServerAuth, ServerHandle, ServerOptions, TenantTable,
+    Token,
+};
 use hicache_storage::conformance::Harness;
 use hicache_storage::{PageKey, Result, StorageError, async_trait};
 use parking_lot::Mutex;
 
-/// Server options for a pool of `pool` bytes.
+/// The shared token of the test servers.
+pub const TEST_TOKEN: &str = "hicache-rdma-test-token-0001";
+
+/// [`TEST_TOKEN`] as a token.
+pub fn test_token() -> Token {
+    Token::new(TEST_TOKEN, "test token").unwrap()
+}
+
+/// Server options for a pool of `pool` bytes, letting in [`TEST_TOKEN`] for every namespace.
 pub fn server_opts(pool: u64) -> ServerOptions {
     ServerOptions {
         pool_bytes: pool,
         region_bytes: pool.min(256 << 20),
+        auth: ServerAuth::Tenants(TenantTable::shared(test_token())),
         ..ServerOptions::default()
     }
 }
 
-/// Client options for `server` with short timeouts.
+/// Client options for `server` with short timeouts, authenticating with [`TEST_TOKEN`].
 pub fn client_opts(server: &ServerHandle) -> RdmaOptions {
-    let mut o = RdmaOptions::new(server.local_addr().to_string());
+    let mut o = RdmaOptions::with_token(server.local_addr().to_string(), test_token());
     o.io_timeout = Duration::from_secs(5);
     o
 }
