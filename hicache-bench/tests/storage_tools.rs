@@ -145,7 +145,13 @@ fn bad_tool_input_is_a_clear_usage_error() {
     };
     let dir_s = d.path().display().to_string();
     let (code, err) = run(&[
-        "storage", "--backend", "file", "--dir", &dir_s, "--total", "0",
+        "storage",
+        "--backend",
+        "file",
+        "--dir",
+        &dir_s,
+        "--total",
+        "0",
     ]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--total"), "{err}");
@@ -160,7 +166,10 @@ fn bad_tool_input_is_a_clear_usage_error() {
         &huge,
     ]);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("--page-bytes") && err.contains("too large"), "{err}");
+    assert!(
+        err.contains("--page-bytes") && err.contains("too large"),
+        "{err}"
+    );
     let (code, err) = run(&[
         "storage-check",
         "--backend",
@@ -175,5 +184,8 @@ fn bad_tool_input_is_a_clear_usage_error() {
         "@/dev/zero",
     ]);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("/dev/zero") && err.contains("not a regular file"), "{err}");
+    assert!(
+        err.contains("/dev/zero") && err.contains("not a regular file"),
+        "{err}"
+    );
 }

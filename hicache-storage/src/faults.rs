@@ -738,7 +738,10 @@ async fn disk_full<T: FaultTarget>(t: &T) {
         acked.len()
     );
     let before = read_back(&*s, &acked, pb).await;
-    assert_eq!(before.wrong, 0, "{what}: pages read back WRONG ({before:?})");
+    assert_eq!(
+        before.wrong, 0,
+        "{what}: pages read back WRONG ({before:?})"
+    );
     assert!(
         before.lost <= evicted,
         "{what}: {} acknowledged pages lost, {evicted} evicted ({before:?})",
@@ -747,7 +750,10 @@ async fn disk_full<T: FaultTarget>(t: &T) {
     drop(s);
     let s = t_open_again(t, &dir).await;
     let r = read_back(&*s, &acked, pb).await;
-    assert_eq!(r.wrong, 0, "{what}, reopened: pages read back WRONG ({r:?})");
+    assert_eq!(
+        r.wrong, 0,
+        "{what}, reopened: pages read back WRONG ({r:?})"
+    );
     assert_eq!(
         r.intact, before.intact,
         "{what}, reopened: pages served before the restart are gone ({before:?} then {r:?})"

@@ -95,7 +95,9 @@ fn describe(head: &[u8], len: u64) -> Option<String> {
     let (class, data, machine) = host();
     if head[4] != class {
         let bits = if head[4] == ELFCLASS32 { 32 } else { 64 };
-        return Some(format!("a {bits}-bit ELF file; this process is not {bits}-bit"));
+        return Some(format!(
+            "a {bits}-bit ELF file; this process is not {bits}-bit"
+        ));
     }
     if head[5] != data {
         return Some("an ELF file of the other byte order".into());

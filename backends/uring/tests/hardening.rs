@@ -69,7 +69,11 @@ async fn a_damaged_log_record_costs_only_its_own_page() {
     want[2] = false;
     assert_eq!(intact(&s, &ks).await, want, "every later page is kept");
     let kept = fs::read(r.preserved.as_ref().expect("the damaged bytes preserved")).unwrap();
-    assert_eq!(kept[..], b[3 * RECORD_LEN..], "the damaged region was preserved");
+    assert_eq!(
+        kept[..],
+        b[3 * RECORD_LEN..],
+        "the damaged region was preserved"
+    );
     assert!(
         r.preserved
             .unwrap()
