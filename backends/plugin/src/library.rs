@@ -115,13 +115,15 @@ impl PluginLibrary {
 
     fn open(path: &Path, canonical: &Path) -> Result<PluginLibrary, PluginError> {
         let path_buf = path.to_path_buf();
-        if canonical.is_absolute() {
-            if let Some(what) = crate::elf::not_a_shared_object(canonical) {
-                return Err(PluginError::NotSharedObject {
-                    path: path_buf,
-                    what,
-                });
-            }
+        if let Some(what) = canonical
+            .is_absolute()
+            .then(|| crate::elf::not_a_shared_object(canonical))
+            .flatten()
+        {
+            return Err(PluginError::NotSharedObject {
+                path: path_buf,
+                what,
+            });
         }
         // SAFETY: loading a library runs its initialisers; that is what configuring a plugin
         // asks for. The operator named this file as a hicache plugin.
