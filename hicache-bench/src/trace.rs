@@ -416,7 +416,9 @@ mod tests {
         assert_eq!(cs.len(), 2);
         assert_eq!(cs[0].prompt(0), &[1, 2, 3]);
         assert_eq!(cs[0].answer_len(0), 5);
-        assert!(cs[0].tokens.iter().all(|&t| t < 10 || t <= 3));
+        // The answer follows the prompt and its tokens come from the vocabulary 0..10.
+        assert_eq!(cs[0].tokens.len(), 3 + 5);
+        assert!(cs[0].with_answer(0)[3..].iter().all(|&t| t < 10));
         assert_eq!(cs[1].id, "b");
         assert_eq!(conversations_of(trace, 5, 10, 1), cs);
     }

@@ -8,6 +8,7 @@
 #![warn(missing_docs)]
 
 pub mod cpu_kernels;
+pub mod driver;
 pub mod error;
 
 pub use cpu_kernels::{AccessCheck, CpuKernel};

@@ -7,9 +7,13 @@
 //! 2. Every driver call made from a thread binds the device's context first
 //!    ([`CudaDevice::bind`]); the context is the device's primary context, shared with the
 //!    engine (PyTorch uses the primary context too).
-//! 3. Per-transfer scratch (page index lists) is allocated and freed in stream order
-//!    (`cuMemAllocAsync` / `cuMemFreeAsync` on the transfer's stream), so it lives exactly as long
-//!    as the work that reads it, whatever the host side does.
+//! 3. Per-transfer scratch (page index lists) lives in page-locked, device-mapped host buffers
+//!    that the kernel reads directly ([`ScratchPool`]): no copy from pageable memory (which the
+//!    driver may synchronise) and no allocation per transfer. A buffer is handed out again only
+//!    after the event recorded behind the work that read it has completed.
+//! 5. Synchronous helpers (`alloc_zeroed`, `write`) run on the device's own non-blocking
+//!    stream and wait for it, never on the legacy NULL stream, which nothing orders our
+//!    non-blocking transfer streams after.
 //! 4. The kernels are compiled by NVRTC for the device's architecture at first use
 //!    ([`crate::kernels::compile_ptx`]) and loaded once per device.
 
@@ -61,6 +65,9 @@ pub struct CudaDevice {
     sm_count: u32,
     compute_capability: (u32, u32),
     kernels: Mutex<Option<Arc<Kernels>>>,
+    /// Stream of the synchronous helpers (rule 5), created at first use.
+    sync_stream: Mutex<Option<Arc<CudaStream>>>,
+    scratch: Arc<ScratchPool>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -110,11 +117,16 @@ impl CudaDevice {
         // make the first stream creation synchronise the whole (engine-shared) context.
         unsafe { ctx.disable_event_tracking() };
         Ok(Self {
-            ctx,
             name,
             sm_count,
             compute_capability: (maj as u32, min as u32),
             kernels: Mutex::new(None),
+            sync_stream: Mutex::new(None),
+            scratch: Arc::new(ScratchPool {
+                ctx: ctx.clone(),
+                idle: Mutex::new(Vec::new()),
+            }),
+            ctx,
         })
     }
 
@@ -169,12 +181,18 @@ impl CudaDevice {
         Ok(k)
     }
 
-    /// A new non-blocking stream.
+    /// A new non-blocking stream at the context's highest priority: transfers must not
+    /// queue behind the engine's compute (default-priority) work.
     pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
         self.bind()?;
+        let (mut least, mut greatest) = (0, 0);
+        // SAFETY: out-pointers to locals.
+        unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) }
+            .result()
+            .map_err(GpuError::driver("cuCtxGetStreamPriorityRange"))?;
         self.ctx
-            .new_stream()
-            .map_err(GpuError::driver("cuStreamCreate"))
+            .new_stream_with_priority(greatest)
+            .map_err(GpuError::driver("cuStreamCreateWithPriority"))
     }
 
     /// Wraps a stream owned by someone else (the engine).
@@ -206,8 +224,14 @@ impl CudaDevice {
             ptr,
             len,
         };
-        // SAFETY: ptr..ptr+len was just allocated.
-        unsafe { result::memset_d8_sync(ptr, 0, len) }.map_err(GpuError::driver("cuMemsetD8"))?;
+        let stream = self.sync_stream()?;
+        // SAFETY: ptr..ptr+len was just allocated; the memset completes before we return, so
+        // no later transfer on any stream can be overtaken by it (rule 5).
+        unsafe { result::memset_d8_async(ptr, 0, len, stream.cu_stream()) }
+            .map_err(GpuError::driver("cuMemsetD8Async"))?;
+        stream
+            .synchronize()
+            .map_err(GpuError::driver("cuStreamSynchronize"))?;
         Ok(mem)
     }
 
@@ -227,8 +251,40 @@ impl CudaDevice {
     /// `dst..dst+src.len()` must be device memory of this context that nothing else uses.
     pub unsafe fn write(&self, dst: u64, src: &[u8]) -> Result<()> {
         self.bind()?;
-        // SAFETY: per the contract.
-        unsafe { result::memcpy_htod_sync(dst, src) }.map_err(GpuError::driver("cuMemcpyHtoD"))
+        if src.is_empty() {
+            return Ok(());
+        }
+        // Through a page-locked bounce buffer on the helper stream, waited for (rule 5): a
+        // pageable cuMemcpyHtoD returns before its DMA lands, on the NULL stream.
+        let stream = self.sync_stream()?;
+        let buf = self.scratch.take(src.len())?;
+        // SAFETY: the buffer is idle (its last reader completed) and holds ≥ src.len() bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), buf.host as *mut u8, src.len()) };
+        // SAFETY: dst per the contract; the source is page-locked and outlives the copy (we
+        // wait for the stream before the buffer goes back to the pool).
+        let r = unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, buf.host as *const _, src.len(), stream.cu_stream())
+        }
+        .result()
+        .map_err(GpuError::driver("cuMemcpyHtoDAsync"))
+        .and_then(|()| {
+            stream
+                .synchronize()
+                .map_err(GpuError::driver("cuStreamSynchronize"))
+        });
+        self.scratch.give_back(buf, None)?;
+        r
+    }
+
+    /// The helper stream of rule 5.
+    fn sync_stream(&self) -> Result<Arc<CudaStream>> {
+        let mut slot = self.sync_stream.lock();
+        if let Some(s) = slot.as_ref() {
+            return Ok(s.clone());
+        }
+        let s = self.new_stream()?;
+        *slot = Some(s.clone());
+        Ok(s)
     }
 
     /// The allocation that contains `ptr`: `(base, size)`.
@@ -279,24 +335,20 @@ impl CudaDevice {
             .map_err(GpuError::driver("cuMemHostUnregister"))
     }
 
-    /// Uploads `data` into a stream-ordered allocation (rule 3).
+    /// Puts `data` where the kernels read it: a page-locked, device-mapped buffer of the
+    /// scratch pool (rule 3), handed back behind the stream's work when the scratch drops.
     pub fn upload_u32(&self, stream: &Arc<CudaStream>, data: &[u32]) -> Result<StreamScratch> {
         self.bind()?;
         let bytes = std::mem::size_of_val(data).max(4);
-        // SAFETY: stream-ordered allocation on a live stream of this context.
-        let ptr = unsafe { result::malloc_async(stream.cu_stream(), bytes) }
-            .map_err(GpuError::driver("cuMemAllocAsync"))?;
-        let scratch = StreamScratch {
+        let buf = self.scratch.take(bytes)?;
+        // SAFETY: the buffer is idle (the event behind its last reader completed) and holds
+        // at least `bytes` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.host as *mut u32, data.len()) };
+        Ok(StreamScratch {
             stream: stream.clone(),
-            ptr,
-        };
-        if !data.is_empty() {
-            // SAFETY: ptr holds `bytes` ≥ size_of_val(data); a pageable source is consumed
-            // before the call returns.
-            unsafe { result::memcpy_htod_async(ptr, data, stream.cu_stream()) }
-                .map_err(GpuError::driver("cuMemcpyHtoDAsync"))?;
-        }
-        Ok(scratch)
+            pool: self.scratch.clone(),
+            buf: Some(buf),
+        })
     }
 
     /// Launches the copy kernel for `params`.
@@ -359,9 +411,26 @@ impl CudaDevice {
                         },
                         dir,
                     ) => {
-                        let mut c: sys::CUDA_MEMCPY2D = std::mem::zeroed();
-                        c.WidthInBytes = width as usize;
-                        c.Height = height as usize;
+                        // Every field written: the memory types are enums without a zero
+                        // value, so a zeroed CUDA_MEMCPY2D is undefined behaviour (an abort).
+                        let mut c = sys::CUDA_MEMCPY2D {
+                            srcXInBytes: 0,
+                            srcY: 0,
+                            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+                            srcHost: std::ptr::null(),
+                            srcDevice: 0,
+                            srcArray: std::ptr::null_mut(),
+                            srcPitch: 0,
+                            dstXInBytes: 0,
+                            dstY: 0,
+                            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+                            dstHost: std::ptr::null_mut(),
+                            dstDevice: 0,
+                            dstArray: std::ptr::null_mut(),
+                            dstPitch: 0,
+                            WidthInBytes: width as usize,
+                            Height: height as usize,
+                        };
                         match dir {
                             Direction::ToHost => {
                                 c.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
@@ -424,25 +493,109 @@ impl Drop for CudaMemory {
     }
 }
 
-/// A stream-ordered allocation, freed in stream order on drop (rule 3).
+/// One page-locked, device-mapped host buffer of a [`ScratchPool`].
+pub struct PinnedBuf {
+    host: usize,
+    dev: u64,
+    cap: usize,
+    /// Recorded behind the last work that read the buffer; `None` before the first use.
+    done: Option<CudaEvent>,
+}
+
+/// Page-locked index-list buffers, reused once the work that read them completed (rule 3).
+pub struct ScratchPool {
+    ctx: Arc<CudaContext>,
+    idle: Mutex<Vec<PinnedBuf>>,
+}
+
+impl ScratchPool {
+    /// An idle buffer of at least `bytes` bytes (a new one when none is free).
+    fn take(&self, bytes: usize) -> Result<PinnedBuf> {
+        {
+            let mut idle = self.idle.lock();
+            let free = idle
+                .iter()
+                .position(|b| b.cap >= bytes && b.done.as_ref().is_none_or(|e| e.is_complete()));
+            if let Some(i) = free {
+                return Ok(idle.swap_remove(i));
+            }
+        }
+        let cap = bytes.next_power_of_two().max(4096);
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: plain page-locked allocation in the bound context; freed in Drop.
+        let host = unsafe { result::malloc_host(cap, flags) }
+            .map_err(GpuError::driver("cuMemHostAlloc"))? as usize;
+        let mut dev = 0u64;
+        // SAFETY: host was just allocated with DEVICEMAP.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut _, 0) }.result();
+        if let Err(e) = r {
+            // SAFETY: undo the allocation made above.
+            let _ = unsafe { result::free_host(host as *mut _) };
+            return Err(GpuError::driver("cuMemHostGetDevicePointer")(e));
+        }
+        Ok(PinnedBuf {
+            host,
+            dev,
+            cap,
+            done: None,
+        })
+    }
+
+    /// Returns `buf`, recording its event behind `stream`'s queued work first (if given).
+    fn give_back(&self, mut buf: PinnedBuf, stream: Option<&Arc<CudaStream>>) -> Result<()> {
+        if let Some(s) = stream {
+            let ev = match buf.done.take() {
+                Some(e) => e,
+                None => self
+                    .ctx
+                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                    .map_err(GpuError::driver("cuEventCreate"))?,
+            };
+            ev.record(s).map_err(GpuError::driver("cuEventRecord"))?;
+            buf.done = Some(ev);
+        }
+        self.idle.lock().push(buf);
+        Ok(())
+    }
+}
+
+impl Drop for ScratchPool {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        for b in self.idle.get_mut().drain(..) {
+            if let Some(e) = &b.done {
+                let _ = e.synchronize();
+            }
+            // SAFETY: allocated by cuMemHostAlloc, no longer read (its event completed).
+            let _ = unsafe { result::free_host(b.host as *mut _) };
+        }
+    }
+}
+
+/// An index list in a pinned scratch buffer; on drop the buffer goes back to the pool behind
+/// the stream's queued work (rule 3).
 pub struct StreamScratch {
     stream: Arc<CudaStream>,
-    ptr: u64,
+    pool: Arc<ScratchPool>,
+    buf: Option<PinnedBuf>,
 }
 
 impl StreamScratch {
     /// Device address.
     pub fn addr(&self) -> u64 {
-        self.ptr
+        self.buf.as_ref().map_or(0, |b| b.dev)
     }
 }
 
 impl Drop for StreamScratch {
     fn drop(&mut self) {
-        if self.stream.context().bind_to_thread().is_ok() {
-            // SAFETY: allocated with cuMemAllocAsync on this stream; the free is ordered after
-            // every piece of work queued on the stream so far (which includes all its users).
-            let _ = unsafe { result::free_async(self.ptr, self.stream.cu_stream()) };
+        let Some(buf) = self.buf.take() else { return };
+        if self.stream.context().bind_to_thread().is_ok()
+            && let Err(e) = self.pool.give_back(buf, Some(&self.stream))
+        {
+            tracing::error!(error = %e, "returning an index-list buffer failed; it is leaked");
         }
     }
 }

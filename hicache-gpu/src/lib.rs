@@ -46,7 +46,9 @@ pub use layer::LayerDoneCounter;
 pub use plan::{Direction, MemcpyOp};
 pub use pool::{DevicePool, DeviceRegion, DeviceSlot, EngineLayer};
 pub use registration::HostRegistration;
-pub use transfer::{Completion, IoBackend, LoadHandle, TransferConfig, TransferEngine};
+pub use transfer::{
+    Completion, DEFAULT_CTAS, IoBackend, LoadHandle, TransferConfig, TransferEngine,
+};
 
 #[cfg(test)]
 mod tests {

@@ -12,9 +12,9 @@
 //!      row pattern (`page == ps·token`): `page_first`, whose page is one contiguous run across
 //!      all layers, so one 2D copy moves a whole run of pages of one layer;
 //!    - otherwise one block per page (`page_first_direct` runs of more than one page).
-//! 3. When more than one layer is copied and a block is contiguous on both sides, and both the
-//!    device layers (engine buffers may be anywhere; our own pool is one allocation) and the
-//!    host layers are equally spaced, the per-layer blocks of all layers become one 2D copy
+//! 3. When more than one layer is copied and a block is contiguous on both sides, the device
+//!    layers are one allocation (our own pool; engine buffers are separate allocations, and a
+//!    driver copy may not span two) and both they and the host layers are equally spaced, the per-layer blocks of all layers become one 2D copy
 //!    (`height = layers`, pitches = the two layer strides): `page_first_direct` moves a whole
 //!    page half in one copy and `layer_first` a whole run.
 //!
@@ -91,6 +91,10 @@ pub struct PlanGeometry<'a> {
     pub host_base: u64,
     /// Host layout strides.
     pub host: hicache_host::Strides,
+    /// Whether every device layer lies in one allocation (our own pool). Only then may one
+    /// 2D copy span several layers: a driver copy must stay inside one allocation, and engine
+    /// buffers are separate allocations even where they happen to be equally spaced.
+    pub dev_one_allocation: bool,
 }
 
 /// Runs of `(device page, host page, pages)`, sorted by host page (step 1).
@@ -156,6 +160,7 @@ pub fn plan_direct(
                 let dev_addr = |l: u32| row(l) + (d0 as u64 + first) * dps;
                 let host_addr = |l: u32| host_at(h0 as u64 + first, l);
                 let merge = nl > 1
+                    && g.dev_one_allocation
                     && dev_stride.is_some_and(|st| st >= width && st <= MAX_PITCH)
                     && hls >= width
                     && hls <= MAX_PITCH;

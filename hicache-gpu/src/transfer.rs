@@ -95,11 +95,15 @@ pub struct TransferConfig {
     pub staged_backup_pages: u32,
 }
 
+/// Default CTA count of the copy kernel: 8 CTAs × 512 threads keep enough 16-byte loads in
+/// flight to fill PCIe while leaving every other SM to the engine's compute.
+pub const DEFAULT_CTAS: u32 = 8;
+
 impl Default for TransferConfig {
     fn default() -> Self {
         Self {
             io: IoBackend::Kernel,
-            ctas: 16,
+            ctas: DEFAULT_CTAS,
             threads_per_cta: 512,
             chunk_bytes: 16 << 10,
             staged_backup_pages: 0,
@@ -285,12 +289,29 @@ impl TransferEngine {
         if config.io == IoBackend::Kernel {
             device.prepare_kernels()?;
         }
+        // Every u32 field of CopyParams derived from the shape below fits once this does
+        // (page_size and layers are u32 already).
+        let row_bytes = u32::try_from(ds.row_bytes()).map_err(|_| {
+            GpuError::InvalidConfig(format!(
+                "rows of {} bytes do not fit the copy kernel's 32-bit row size",
+                ds.row_bytes()
+            ))
+        })?;
         let probe = CopyParams {
-            row_bytes: ds.row_bytes() as u32,
+            row_bytes,
             host_base: host.device_addr(),
             ..Default::default()
         };
         let word_bytes = probe.word_bytes(dev_pool.layer_table().iter().copied());
+        if word_bytes < 16 && config.io == IoBackend::Kernel {
+            tracing::warn!(
+                word_bytes,
+                row_bytes,
+                host_base = format_args!("{:#x}", host.device_addr()),
+                "rows or buffers are not 16-byte aligned: the copy kernel falls back to \
+                 {word_bytes}-byte accesses (slower); align engine buffers and rows to 16 bytes"
+            );
+        }
         let staging = match config.staged_backup_pages as usize {
             0 => None,
             pages => {
@@ -728,6 +749,7 @@ impl TransferEngine {
             row_bytes: shape.row_bytes() as u32,
             host_base: self.host.pool().base_ptr() as u64,
             host: self.host.pool().layout().strides(),
+            dev_one_allocation: !self.dev_pool.is_engine_owned(),
         };
         plan::plan_direct(&g, dev, hst, layers)
     }

@@ -218,3 +218,19 @@ fn borrowed_engine_stream_orders_loads_and_layers() {
     let want = fx.expected(&before, Direction::ToDevice, &[4, 5, 6], &[1, 2, 3], 0..32);
     assert!(fx.snapshot() == want);
 }
+
+/// The sim-only test helper is refused on a CUDA stream, and the CUDA-only helpers answer there
+/// (the sim side of both is `backups_poll_without_blocking` in sim_transfers.rs).
+#[test]
+fn sim_gate_is_refused_on_a_cuda_stream() {
+    let Some(device) = cuda_device("sim_gate_is_refused_on_a_cuda_stream") else {
+        return;
+    };
+    let s = device.new_stream("compute").unwrap();
+    let Err(e) = s.sim_gate() else {
+        panic!("sim_gate on a CUDA stream must be refused");
+    };
+    assert!(matches!(e, GpuError::InvalidConfig(_)), "{e}");
+    assert!(s.as_raw_cuda().is_some());
+    assert!(s.record().unwrap().as_raw_cuda().is_some());
+}

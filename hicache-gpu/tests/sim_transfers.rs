@@ -27,7 +27,7 @@ fn every_case_matches_the_naive_reference() {
 
 #[test]
 fn default_launch_geometry_matches_too() {
-    // The default config (16 CTAs × 512 threads, 16 KiB chunks) on a Llama-shaped row.
+    // The default config (8 CTAs × 512 threads, 16 KiB chunks) on a Llama-shaped row.
     let device = Device::sim();
     let case = Case {
         shape: KvShape::llama3_8b(4),
@@ -388,8 +388,12 @@ fn backups_poll_without_blocking() {
     gate.open();
     c.wait().unwrap();
     assert!(c.is_done().unwrap());
-    // A CUDA-only helper on sim and vice versa.
+    // The sim-only helper works on a sim stream, and the CUDA-only helpers answer "none" there;
+    // the other direction (sim_gate refused on a CUDA stream) is
+    // `sim_gate_is_refused_on_a_cuda_stream` in cuda_transfers.rs, which needs a GPU.
     assert!(compute.sim_gate().is_ok());
+    assert!(compute.as_raw_cuda().is_none());
+    assert!(compute.record().unwrap().as_raw_cuda().is_none());
 }
 
 #[test]

@@ -318,8 +318,6 @@ pub struct CommonConfig {
     /// Capacity of the backend in bytes (`capacity`, an integer or `"4gb"`-style string).
     /// `None`: the backend's default.
     pub capacity_bytes: Option<u64>,
-    /// LCM of the TP sizes sharing the storage, for head splitting (`tp_lcm_size`).
-    pub tp_lcm_size: Option<u64>,
 }
 
 impl Default for CommonConfig {
@@ -331,7 +329,6 @@ impl Default for CommonConfig {
             prefetch_timeout_max: 30.0,
             pass_prefix_keys: false,
             capacity_bytes: None,
-            tp_lcm_size: None,
         }
     }
 }
@@ -364,7 +361,6 @@ impl CommonConfig {
             pass_prefix_keys: fields
                 .bool("hicache_storage_pass_prefix_keys", d.pass_prefix_keys)?,
             capacity_bytes: fields.opt_bytes("capacity", 1)?,
-            tp_lcm_size: fields.opt_u64("tp_lcm_size", 1..=65_536)?,
         };
         if c.prefetch_timeout_max < c.prefetch_timeout_base {
             return Err(StorageError::config(
@@ -621,7 +617,10 @@ mod tests {
         assert!(e.contains("prefetch_timeout_max"), "{e}");
         let e = err(Some("file"), r#"{"capacity": 0}"#);
         assert!(e.contains("capacity"), "{e}");
-        let e = err(Some("file"), r#"{"tp_lcm_size": 0}"#);
+        // `tp_lcm_size` (SGLang's head splitting across TP sizes) is not implemented, so it is
+        // no common field: it stays with the backend's fields, whose strict check names it.
+        let c = StorageConfig::parse(Some("file"), Some(r#"{"tp_lcm_size": 4}"#)).unwrap();
+        let e = c.backend_fields.finish().unwrap_err().to_string();
         assert!(e.contains("tp_lcm_size"), "{e}");
         let e = err(Some("file"), r#"{"prefetch_threshold": 1e99}"#);
         assert!(e.contains("prefetch_threshold"), "{e}");

@@ -11,8 +11,13 @@
 //! hicache_storage::conformance_tests!(my_backend::tests::Harness::new());
 //! ```
 //!
-//! Or drive cases directly with [`run_case`] / [`run_all`]. Cases panic with a message naming
-//! the rule broken; they never depend on timing. See `docs/backend-authors.md` for a worked
+//! A backend that does not persist declares it (`conformance_tests!(MyHarness, not_persistent)`):
+//! its `restart` test is then reported as ignored ("not applicable") rather than passing without
+//! checking anything, and a `not_persistent_as_declared` test checks the declaration.
+//!
+//! Or drive cases directly with [`run_case`] / [`run_all`], which say for each case whether it
+//! was checked or did not apply. Cases panic with a message naming the rule broken; they never
+//! depend on timing. See `docs/backend-authors.md` for a worked
 //! example.
 
 use std::sync::Arc;
@@ -76,7 +81,8 @@ pub enum Case {
     Delete,
     /// Counters follow the outcomes.
     Stats,
-    /// A persistent backend serves its pages after a reopen (skipped if not persistent).
+    /// A persistent backend serves its pages after a reopen (not applicable, and reported so,
+    /// if the backend does not persist).
     Restart,
 }
 
@@ -100,27 +106,37 @@ impl Case {
     ];
 }
 
+/// What running a case established.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum CaseOutcome {
+    /// The case ran its checks and the backend passed them.
+    Checked,
+    /// The rule does not apply to this backend (the reason says why); nothing was checked.
+    NotApplicable(&'static str),
+}
+
 /// Runs one case on a fresh multi-threaded tokio runtime (so callers need no runtime of their
 /// own). Panics, naming the broken rule, if the backend fails it.
-pub fn run_case<H: Harness>(harness: &H, case: Case) {
+pub fn run_case<H: Harness>(harness: &H, case: Case) -> CaseOutcome {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
         .enable_all()
         .build()
         .expect("a tokio runtime");
-    rt.block_on(case_async(harness, case));
+    rt.block_on(case_async(harness, case))
 }
 
-/// Runs every case, in order.
-pub fn run_all<H: Harness>(harness: &H) {
-    for case in Case::ALL {
-        run_case(harness, case);
-    }
+/// Runs every case, in order; returns what each established.
+pub fn run_all<H: Harness>(harness: &H) -> Vec<(Case, CaseOutcome)> {
+    Case::ALL
+        .into_iter()
+        .map(|case| (case, run_case(harness, case)))
+        .collect()
 }
 
 /// Runs one case inside the caller's runtime (which must be multi-threaded if the backend
 /// needs it).
-pub async fn case_async<H: Harness>(h: &H, case: Case) {
+pub async fn case_async<H: Harness>(h: &H, case: Case) -> CaseOutcome {
     match case {
         Case::RoundTrip => round_trip(h).await,
         Case::ExistsLeadingRun => exists_leading_run(h).await,
@@ -135,21 +151,40 @@ pub async fn case_async<H: Harness>(h: &H, case: Case) {
         Case::NamespaceIsolation => namespace_isolation(h).await,
         Case::Delete => delete(h).await,
         Case::Stats => stats(h).await,
-        Case::Restart => restart(h).await,
+        // The one case that can be not applicable answers for itself.
+        Case::Restart => return restart(h).await,
     }
+    CaseOutcome::Checked
 }
 
 /// Expands to one `#[test]` per conformance [`Case`], each opening backends through the
 /// harness expression given (evaluated once per test), in a module named `conformance` or the
 /// name given first (`conformance_tests!(buffered, MyHarness::buffered())`), so one test file
 /// can run the suite on several configurations.
+///
+/// A backend that does not persist adds `not_persistent` last
+/// (`conformance_tests!(MyHarness, not_persistent)`): its `restart` test is generated ignored,
+/// with the reason "not applicable", and a `not_persistent_as_declared` test checks that the
+/// backend indeed reports `persistent: false`. Without it, `restart` fails on a backend that
+/// does not persist, saying to declare it, so no test passes without checking anything.
 #[macro_export]
 macro_rules! conformance_tests {
+    ($module:ident, $harness:expr, not_persistent) => {
+        $crate::conformance_tests!(@cases $module, $harness, not_persistent;);
+    };
+    ($harness:expr, not_persistent) => {
+        $crate::conformance_tests!(@cases conformance, $harness, not_persistent;);
+    };
     ($harness:expr) => {
         $crate::conformance_tests!(conformance, $harness);
     };
     ($module:ident, $harness:expr) => {
-        $crate::conformance_tests!(@cases $module, $harness;
+        $crate::conformance_tests!(@cases $module, $harness, persistent;
+            restart => Restart,
+        );
+    };
+    (@cases $module:ident, $harness:expr, $persistence:ident; $($extra:ident => $extra_case:ident,)*) => {
+        $crate::conformance_tests!(@tests $module, $harness, $persistence;
             round_trip => RoundTrip,
             exists_leading_run => ExistsLeadingRun,
             mixed_outcomes => MixedOutcomes,
@@ -163,10 +198,10 @@ macro_rules! conformance_tests {
             namespace_isolation => NamespaceIsolation,
             delete => Delete,
             stats => Stats,
-            restart => Restart,
+            $($extra => $extra_case,)*
         );
     };
-    (@cases $module:ident, $harness:expr; $($name:ident => $case:ident,)*) => {
+    (@tests $module:ident, $harness:expr, $persistence:ident; $($name:ident => $case:ident,)*) => {
         mod $module {
             #[allow(unused_imports)]
             use super::*;
@@ -174,11 +209,57 @@ macro_rules! conformance_tests {
                 #[test]
                 fn $name() {
                     let harness = $harness;
-                    $crate::conformance::run_case(&harness, $crate::conformance::Case::$case);
+                    let outcome =
+                        $crate::conformance::run_case(&harness, $crate::conformance::Case::$case);
+                    assert_eq!(
+                        outcome,
+                        $crate::conformance::CaseOutcome::Checked,
+                        "case {:?} checked nothing; if the backend does not persist, declare it: \
+                         conformance_tests!(..., not_persistent)",
+                        $crate::conformance::Case::$case
+                    );
                 }
             )*
+            $crate::conformance_tests!(@volatile $harness, $persistence);
         }
     };
+    (@volatile $harness:expr, persistent) => {};
+    (@volatile $harness:expr, not_persistent) => {
+        #[test]
+        #[ignore = "not applicable: the backend does not persist"]
+        fn restart() {
+            let harness = $harness;
+            let outcome =
+                $crate::conformance::run_case(&harness, $crate::conformance::Case::Restart);
+            assert!(
+                matches!(outcome, $crate::conformance::CaseOutcome::NotApplicable(_)),
+                "declared not_persistent, yet the restart case ran: {outcome:?}"
+            );
+        }
+
+        #[test]
+        fn not_persistent_as_declared() {
+            $crate::conformance::assert_not_persistent(&$harness);
+        }
+    };
+}
+
+/// Checks a `not_persistent` declaration: the backend the harness opens reports
+/// `persistent: false` (else its `restart` case applies and must run).
+pub fn assert_not_persistent<H: Harness>(harness: &H) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    rt.block_on(async {
+        let s = open(harness, None).await;
+        assert!(
+            !s.info().persistent,
+            "declared not_persistent, but the backend reports persistent: true; drop the \
+             declaration so its restart case runs"
+        );
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -747,8 +828,11 @@ async fn corruption<H: Harness>(h: &H) {
         PageOutcome::Corrupt,
         "rule 2: a damaged page must read as Corrupt, never as a hit"
     );
-    assert!(!check_page(&ks[1], &bufs[1]) || out[1] != PageOutcome::Hit);
     assert_eq!(out[2], PageOutcome::Hit, "an undamaged neighbour is a hit");
+    assert!(
+        check_page(&ks[0], &bufs[0]) && check_page(&ks[2], &bufs[2]),
+        "rule 2: the undamaged neighbours of a damaged page read back exactly"
+    );
     assert_eq!(
         s.stats().get_corrupt,
         before + 1,
@@ -865,10 +949,12 @@ async fn stats<H: Harness>(h: &H) {
     assert_eq!(st.bytes, 8192, "bytes");
 }
 
-async fn restart<H: Harness>(h: &H) {
+async fn restart<H: Harness>(h: &H) -> CaseOutcome {
     let s = open(h, None).await;
     if !s.info().persistent {
-        return;
+        return CaseOutcome::NotApplicable(
+            "the backend does not persist (BackendInfo::persistent)",
+        );
     }
     let ks: Vec<PageKey> = (0..6).map(|i| key(15, i)).collect();
     set_ok(&*s, &ks[..3], 4096).await;
@@ -893,4 +979,5 @@ async fn restart<H: Harness>(h: &H) {
         0,
         "restart: a deleted page stays deleted"
     );
+    CaseOutcome::Checked
 }

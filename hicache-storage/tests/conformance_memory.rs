@@ -23,4 +23,4 @@ impl Harness for MemoryHarness {
     }
 }
 
-hicache_storage::conformance_tests!(MemoryHarness);
+hicache_storage::conformance_tests!(MemoryHarness, not_persistent);

@@ -230,7 +230,7 @@ impl Harness for TinyHarness {
     }
 }
 
-hicache_storage::conformance_tests!(TinyHarness);
+hicache_storage::conformance_tests!(TinyHarness, not_persistent);
 
 #[tokio::test]
 async fn registers_and_opens_from_a_config() {

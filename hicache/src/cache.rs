@@ -440,6 +440,18 @@ impl HiCache {
     /// cached prefix for the request. A load-back that finds no device room falls back to the
     /// device-resident prefix (the rest is recomputed).
     pub fn admit(&mut self, req: RequestId, tokens: &[u32]) -> Result<Admission> {
+        self.admit_with_quota(req, tokens, None)
+    }
+
+    /// [`HiCache::admit`] with SGLang's `mem_quota`: the device pages the scheduler can spend
+    /// on this request. A load-back longer than the quota (less the pages the admission newly
+    /// locks) is not done and the host-resident part is recomputed; `None` is unlimited.
+    pub fn admit_with_quota(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        mem_quota_pages: Option<usize>,
+    ) -> Result<Admission> {
         self.check_open()?;
         let (tenant, storage_pages, carried, prompt_tokens) = {
             let r = self
@@ -465,7 +477,7 @@ impl HiCache {
         let mut lock = m.last_device_node;
         let mut loaded = 0;
         if m.host_hit_pages > 0
-            && let Some(plan) = self.tree.plan_load_back(m.last_node, None)?
+            && let Some(plan) = self.tree.plan_load_back(m.last_node, mem_quota_pages)?
         {
             let pages = plan.pages();
             match self.alloc_device_pages(pages)? {

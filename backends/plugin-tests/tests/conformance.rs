@@ -10,10 +10,16 @@ use hicache_plugin_tests::{c_plugin, rust_plugin};
 
 hicache_storage::conformance_tests!(
     rust_example,
-    PluginHarness::new(rust_plugin("hicache-plugin-example"))
+    PluginHarness::new(rust_plugin("hicache-plugin-example")),
+    not_persistent
 );
-hicache_storage::conformance_tests!(c_example, PluginHarness::new(c_plugin("hicache_c_memory")));
+hicache_storage::conformance_tests!(
+    c_example,
+    PluginHarness::new(c_plugin("hicache_c_memory")),
+    not_persistent
+);
 hicache_storage::conformance_tests!(
     c_example_newer_minor,
-    PluginHarness::new(c_plugin("hicache_c_memory_next"))
+    PluginHarness::new(c_plugin("hicache_c_memory_next")),
+    not_persistent
 );

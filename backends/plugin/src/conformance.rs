@@ -4,7 +4,8 @@
 //! ```ignore
 //! // tests/conformance.rs
 //! hicache_storage::conformance_tests!(
-//!     hicache_backend_plugin::conformance::PluginHarness::new("/path/to/libmy_plugin.so")
+//!     hicache_backend_plugin::conformance::PluginHarness::new("/path/to/libmy_plugin.so"),
+//!     not_persistent // leave out if the plugin persists (its restart case then runs)
 //! );
 //! ```
 //!

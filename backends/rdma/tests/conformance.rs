@@ -2,4 +2,4 @@
 
 mod common;
 
-hicache_storage::conformance_tests!(tcp, common::RdmaHarness::default());
+hicache_storage::conformance_tests!(tcp, common::RdmaHarness::default(), not_persistent);

@@ -425,33 +425,36 @@ async fn an_unconsumed_read_lease_expires_and_the_page_can_be_evicted() {
         put(&writer, &[first], BIG).await.unwrap(),
         vec![PageOutcome::Stored]
     );
-    // A reader asks for the page and never reads the reply (far larger than the socket
-    // buffers, so the server's send blocks with the page pinned).
-    let mut stalled = Connection::connect(
-        &server.local_addr().to_string(),
-        "stalled",
-        Some(&test_token()),
-        Duration::from_secs(5),
-        Duration::from_secs(5),
-    )
-    .await
-    .unwrap();
-    let id = stalled
-        .send(
-            &Request::Read {
-                pages: vec![PageReq {
-                    key: first,
-                    len: BIG as u64,
-                    layout: L.tag(),
-                }],
-            },
-            0,
-        )
+    // A reader asks for the page and never reads the reply: its receive buffer is fixed
+    // small (no autotuning), so the server's send blocks with the page pinned.
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = sock.connect(server.local_addr()).await.unwrap();
+    let (server_nonce, _) = raw_hello(&mut stalled, [8; 32]).await;
+    let mac = auth::client_mac(&test_token(), &[8; 32], &server_nonce);
+    let req = Request::Auth { mac: Some(mac) };
+    protocol::write_frame(&mut stalled, 2, op::AUTH, &req.encode(), 0)
         .await
         .unwrap();
-    stalled.flush().await.unwrap();
-    let _ = id;
-    eventually("the pin is taken", || server.stats().leases == 1).await;
+    assert!(matches!(
+        read_reply(&mut stalled).await,
+        ReplyFrame::Ok(_, Reply::Auth { .. })
+    ));
+    let req = Request::Read {
+        pages: vec![PageReq {
+            key: first,
+            len: BIG as u64,
+            layout: L.tag(),
+        }],
+    };
+    protocol::write_frame(&mut stalled, 3, op::READ, &req.encode(), 0)
+        .await
+        .unwrap();
+    eventually("the pin is taken (or already expired)", || {
+        let s = server.stats();
+        s.leases == 1 || s.timed_out_connections >= 1
+    })
+    .await;
     // The lease runs out: the connection is closed and the pin released.
     eventually("the unconsumed lease expires", || {
         let s = server.stats();

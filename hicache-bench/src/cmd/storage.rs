@@ -1,13 +1,14 @@
 //! `hicache-bench storage`: write and read throughput of a storage backend next to the physical
 //! limit measured in the same run on the same directory.
 //!
-//! For a file-system backend the headline reference is raw sequential O_DIRECT I/O of the same
-//! bytes in the same directory ([`storage_raw`](crate::cmd::storage_raw)): one preallocated
-//! file, page-sized requests at consecutive offsets, `--raw-depth` (default 32) of them in
-//! flight on as many threads, and one `fdatasync` at the end of the write. With
-//! `--qd-reference` a second raw reference is measured beside it and reported under its own
-//! fields (`qd_reference`, `qd_ratio`): the same sequential I/O through one io_uring with
-//! `--batch` requests in flight, the queue depth the backend itself may use.
+//! For a file-system backend the reference is raw sequential O_DIRECT I/O of the same bytes in
+//! the same directory ([`storage_raw`](crate::cmd::storage_raw)): one preallocated file,
+//! page-sized requests at consecutive offsets, one `fdatasync` at the end of the write. Two
+//! such references are measured in every round: `--raw-depth` (default 32) requests in flight
+//! on as many threads (`--raw-engine`), and one io_uring with `--batch` requests in flight (the
+//! queue depth the backend itself may use). The headline `reference` and `ratio` are against
+//! the **stronger** of the two for each phase (the higher GB/s), named in `reference_engine`
+//! and `reference_depth`; every candidate's figure is kept under `references`.
 //! Headline figures are durable and cold: backend
 //! writes include its fsync policy's cost (the default unless `--extra-config` says
 //! otherwise), and reads run after `sync; echo 3 > /proc/sys/vm/drop_caches` (when permitted;
@@ -60,10 +61,6 @@ pub struct StorageArgs {
     /// How the headline raw reference issues its requests.
     #[arg(long, value_enum, default_value_t = RawEngine::Threads)]
     pub raw_engine: RawEngine,
-    /// Also measure a second raw reference (reported as `qd_reference` / `qd_ratio`): io_uring
-    /// with `--batch` requests in flight.
-    #[arg(long)]
-    pub qd_reference: bool,
     /// One JSON object per case instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -106,18 +103,17 @@ fn memcpy_secs(src: &[u8], page_bytes: usize, pages: usize) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
-/// Measures one phase of the raw reference into the given read destinations: seconds of the
-/// headline reference, and of the `--qd-reference` one where measured.
-type Reference<'a> = dyn FnMut(Phase, &mut [u8]) -> Result<(f64, Option<f64>)> + 'a;
+/// Measures one phase of every reference candidate into the given read destinations: the
+/// seconds of each, in the order of the candidates.
+type Reference<'a> = dyn FnMut(Phase, &mut [u8]) -> Result<Vec<f64>> + 'a;
 
 struct Round {
-    write_ref: f64,
+    /// Seconds of each reference candidate's write.
+    write_refs: Vec<f64>,
     write: f64,
-    read_ref: f64,
+    /// Seconds of each reference candidate's read.
+    read_refs: Vec<f64>,
     read: f64,
-    /// The `--qd-reference` figures, where measured.
-    write_qd: Option<f64>,
-    read_qd: Option<f64>,
     exists_us: f64,
     dropped: bool,
 }
@@ -134,8 +130,8 @@ async fn backend_round(
     // Alternate which side goes first, so neither always meets the disk in the same state.
     let reference_first = round.is_multiple_of(2);
     let seed = round as u64;
-    let mut write_ref = (0.0, None);
-    let mut read_ref = (0.0, None);
+    let mut write_ref = Vec::new();
+    let mut read_ref = Vec::new();
     if reference_first {
         write_ref = reference(Phase::Write, dst)?;
     }
@@ -198,12 +194,10 @@ async fn backend_round(
     }
     let exists_us = t.elapsed().as_secs_f64() * 1e6 / calls as f64;
     Ok(Round {
-        write_ref: write_ref.0,
+        write_refs: write_ref,
         write,
-        read_ref: read_ref.0,
+        read_refs: read_ref,
         read,
-        write_qd: write_ref.1,
-        read_qd: read_ref.1,
         exists_us,
         dropped,
     })
@@ -280,15 +274,14 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
         let src: &[u8] = src;
         let mut rounds = Vec::new();
         let mut zero_copy = false;
-        let mut raw_engine = None;
-        let mut qd_engine = None;
+        // Names of the reference candidates ("threads@32", "io_uring@128"), with their depth.
+        let mut candidates: Vec<(String, &'static str, usize)> = Vec::new();
         for round in 0..args.rounds {
             let store_dir = base.as_ref().map(|b| b.join("bench-store"));
             if let Some(d) = &store_dir {
                 let _ = std::fs::remove_dir_all(d);
             }
             let raw_path = base.as_ref().map(|b| b.join("bench-raw.bin"));
-            let qd_path = base.as_ref().map(|b| b.join("bench-raw-qd.bin"));
             let mut overrides: Vec<(&str, Value)> = Vec::new();
             if let Some(d) = &store_dir {
                 overrides.push(("dir", Value::String(d.display().to_string())));
@@ -296,48 +289,60 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             overrides.push(("capacity", Value::from(bytes * 2 + (64 << 20))));
             let mut bargs = args.backend.clone();
             bargs.dir = None;
-            let raw = raw_path.as_deref().map(|path| Raw {
-                path,
-                page_bytes,
-                pages,
-                depth: raw_depth.min(batch_pages),
-                engine: args.raw_engine,
-            });
-            let qd = qd_path
-                .as_deref()
-                .filter(|_| args.qd_reference)
-                .map(|path| Raw {
-                    path,
-                    page_bytes,
-                    pages,
-                    depth: batch_pages,
-                    engine: RawEngine::Uring,
-                });
-            if let Some(r) = &raw {
-                raw_engine = Some(r.effective_engine());
+            // The raw candidates: the configured one, and io_uring at the backend's own depth
+            // (one of them only where both would run the same engine at the same depth).
+            let mut raws: Vec<Raw<'_>> = Vec::new();
+            if let Some(path) = raw_path.as_deref() {
+                for (engine, depth) in [
+                    (args.raw_engine, raw_depth.min(batch_pages)),
+                    (RawEngine::Uring, batch_pages),
+                ] {
+                    let r = Raw {
+                        path,
+                        page_bytes,
+                        pages,
+                        depth,
+                        engine,
+                    };
+                    let e = r.effective_engine();
+                    if !raws
+                        .iter()
+                        .any(|o| o.effective_engine() == e && o.depth == depth)
+                    {
+                        raws.push(r);
+                    }
+                }
             }
-            if let Some(r) = &qd {
-                qd_engine = Some(r.effective_engine());
-            }
-            let mut reference = |phase: Phase, dst: &mut [u8]| -> Result<(f64, Option<f64>)> {
-                let Some(r) = &raw else {
+            candidates = if raws.is_empty() {
+                let name = if rdma { "tcp-loopback" } else { "memcpy" };
+                vec![(name.to_string(), name, 0)]
+            } else {
+                raws.iter()
+                    .map(|r| {
+                        let e = engine_name(r.effective_engine());
+                        (format!("{e}@{}", r.depth), e, r.depth)
+                    })
+                    .collect()
+            };
+            let mut reference = |phase: Phase, dst: &mut [u8]| -> Result<Vec<f64>> {
+                if raws.is_empty() {
                     let secs = if rdma {
                         tcp_loopback::secs(src, page_bytes, pages)?
                     } else {
                         memcpy_secs(src, page_bytes, pages)?
                     };
-                    return Ok((secs, None));
-                };
-                let head = match phase {
-                    Phase::Write => r.write(src)?,
-                    Phase::Read => r.read(dst)?,
-                };
-                let extra = match (phase, &qd) {
-                    (Phase::Write, Some(q)) => Some(q.write(src)?),
-                    (Phase::Read, Some(q)) => Some(q.read(dst)?),
-                    (_, None) => None,
-                };
-                Ok((head, extra))
+                    return Ok(vec![secs]);
+                }
+                raws.iter()
+                    .map(|r| match phase {
+                        Phase::Write => r.write(src),
+                        Phase::Read => {
+                            // Each candidate reads cold, like the backend.
+                            drop_caches();
+                            r.read(dst)
+                        }
+                    })
+                    .collect()
             };
             let r = rt.block_on(async {
                 let storage = bargs.open(&overrides, page_bytes).await?;
@@ -361,29 +366,41 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             if let Some(d) = &store_dir {
                 let _ = std::fs::remove_dir_all(d);
             }
-            for p in raw_path.iter().chain(&qd_path) {
+            if let Some(p) = &raw_path {
                 let _ = std::fs::remove_file(p);
             }
             rounds.push(r);
         }
         let best = |f: fn(&Round) -> f64| rounds.iter().map(f).fold(f64::INFINITY, f64::min);
-        let best_qd = |f: fn(&Round) -> Option<f64>| {
-            rounds
-                .iter()
-                .map(f)
-                .try_fold(f64::INFINITY, |m, x| x.map(|x| m.min(x)))
+        // The best seconds of candidate `i` over the rounds, for one phase.
+        let best_ref = |f: fn(&Round) -> &Vec<f64>, i: usize| {
+            rounds.iter().map(|r| f(r)[i]).fold(f64::INFINITY, f64::min)
         };
-        // The `--qd-reference` figures of a record whose backend figure is `value` GB/s.
-        let qd_fields = |r: Record, secs: Option<f64>| match (secs, qd_engine) {
-            (Some(s), Some(e)) => {
-                let q = gbps(bytes, s);
-                let ratio = r.value / q;
-                r.with("qd_reference", q)
-                    .with("qd_ratio", ratio)
-                    .with("qd_reference_engine", engine_name(e))
-                    .with("qd_reference_depth", batch_pages as u64)
+        // The headline reference of a phase: the stronger (higher GB/s) candidate, with every
+        // candidate's figure beside it.
+        let with_references = |r: Record, f: fn(&Round) -> &Vec<f64>| {
+            let figures: Vec<f64> = (0..candidates.len())
+                .map(|i| gbps(bytes, best_ref(f, i)))
+                .collect();
+            let strongest = (0..figures.len())
+                .max_by(|&a, &b| figures[a].total_cmp(&figures[b]))
+                .unwrap_or(0);
+            let all: serde_json::Map<String, Value> = candidates
+                .iter()
+                .zip(&figures)
+                .map(|((name, _, _), g)| (name.clone(), Value::from(*g)))
+                .collect();
+            let (name, engine, depth) = &candidates[strongest];
+            let r = r
+                .with_reference(figures[strongest])
+                .with("reference_name", name.as_str())
+                .with("references", Value::Object(all));
+            if *depth > 0 {
+                r.with("reference_engine", *engine)
+                    .with("reference_depth", *depth as u64)
+            } else {
+                r
             }
-            _ => r,
         };
         let label = size_label(page_bytes);
         let b = &args.backend.backend;
@@ -398,12 +415,6 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             "o_direct-only"
         };
         let common = |r: Record| {
-            let r = match raw_engine {
-                Some(e) => r
-                    .with("reference_engine", engine_name(e))
-                    .with("reference_depth", raw_depth.min(batch_pages) as u64),
-                None => r,
-            };
             r.with("pages", pages as u64)
                 .with("page_bytes", page_bytes as u64)
                 .with("bytes", bytes)
@@ -417,26 +428,24 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             Some(c) => common(r).with("extra_config", c.as_str()),
             None => common(r),
         };
-        let write = common(
-            Record::new(
+        let mut write = with_references(
+            common(Record::new(
                 "storage",
                 format!("{b}/write/{label}"),
                 gbps(bytes, best(|r| r.write)),
                 "GB/s",
-            )
-            .with_reference(gbps(bytes, best(|r| r.write_ref))),
+            )),
+            |r| &r.write_refs,
         );
-        let mut write = qd_fields(write, best_qd(|r| r.write_qd));
-        let read = common(
-            Record::new(
+        let mut read = with_references(
+            common(Record::new(
                 "storage",
                 format!("{b}/read/{label}"),
                 gbps(bytes, best(|r| r.read)),
                 "GB/s",
-            )
-            .with_reference(gbps(bytes, best(|r| r.read_ref))),
+            )),
+            |r| &r.read_refs,
         );
-        let mut read = qd_fields(read, best_qd(|r| r.read_qd));
         if file_like {
             write = write.with(
                 "durable",
@@ -464,23 +473,35 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
     } else {
         writeln!(
             out,
-            "{:<28} {:>10} {:>6} {:>10} {:>7} {:>9}",
-            "case", "value", "unit", "reference", "ratio", "qd_ratio"
+            "{:<28} {:>10} {:>6} {:>10} {:>7}  reference name (every candidate, GB/s)",
+            "case", "value", "unit", "reference", "ratio"
         )
         .map_err(BenchError::io("<stdout>"))?;
         for r in &records {
+            let candidates = r
+                .extra
+                .get("references")
+                .and_then(Value::as_object)
+                .map(|m| {
+                    m.iter()
+                        .map(|(k, v)| format!("{k} {:.3}", v.as_f64().unwrap_or(f64::NAN)))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                })
+                .unwrap_or_default();
+            let name = r
+                .extra
+                .get("reference_name")
+                .and_then(Value::as_str)
+                .unwrap_or("-");
             writeln!(
                 out,
-                "{:<28} {:>10.3} {:>6} {:>10} {:>7} {:>9}",
+                "{:<28} {:>10.3} {:>6} {:>10} {:>7}  {name} ({candidates})",
                 r.case,
                 r.value,
                 r.unit,
                 r.reference.map_or("-".into(), |v| format!("{v:.3}")),
                 r.ratio.map_or("-".into(), |v| format!("{v:.3}")),
-                r.extra
-                    .get("qd_ratio")
-                    .and_then(serde_json::Value::as_f64)
-                    .map_or("-".into(), |v| format!("{v:.3}")),
             )
             .map_err(BenchError::io("<stdout>"))?;
         }

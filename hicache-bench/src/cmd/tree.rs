@@ -411,7 +411,9 @@ pub struct BigTreeResult {
 
 /// Builds a tree of about `pages` pages from keys of `key_tokens` tokens, each sharing a
 /// random-length prefix with a random earlier key (a random trie, as conversations branch),
-/// then times `match_prefix` of random full keys, each in cold order.
+/// then times `match_prefix` of random full keys, each in cold order: the keys are sampled while
+/// the tree is built (a reservoir, so no walk of the tree warms the looked-up nodes before they
+/// are timed) and the mean depth is measured after the timed lookups.
 pub fn big_tree(pages: usize, ps: u32, key_tokens: usize, seed: u64) -> Result<BigTreeResult> {
     let psz = ps as usize;
     let key_pages = (key_tokens / psz).max(1);
@@ -419,6 +421,10 @@ pub fn big_tree(pages: usize, ps: u32, key_tokens: usize, seed: u64) -> Result<B
     let t = TenantId::DEFAULT;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut leaves: Vec<NodeId> = Vec::new();
+    // A uniform sample of up to MAX_LOOKUPS inserted keys (reservoir sampling), kept as the
+    // caller of a lookup would hold them: copies that never came from walking the tree.
+    const MAX_LOOKUPS: usize = 1000;
+    let mut sample: Vec<(NodeId, Vec<u32>)> = Vec::with_capacity(MAX_LOOKUPS);
     let mut next_slot = 0u32;
     let mut key = Vec::with_capacity(key_pages * psz);
     while tree.device_pages() < pages {
@@ -436,17 +442,36 @@ pub fn big_tree(pages: usize, ps: u32, key_tokens: usize, seed: u64) -> Result<B
         next_slot += key_pages as u32;
         let r = tree.insert(t, &key, &slots, InsertOptions::default())?;
         leaves.push(r.last_node);
+        if sample.len() < MAX_LOOKUPS {
+            sample.push((r.last_node, key.clone()));
+        } else {
+            let j = rng.random_range(0..leaves.len());
+            if j < MAX_LOOKUPS {
+                sample[j] = (r.last_node, key.clone());
+            }
+        }
     }
-    let lookups = 1000.min(leaves.len() * 4);
+    // Small trees: draw with replacement (up to 4 lookups per key); big ones: every sampled key
+    // once, in random order.
+    let lookups = MAX_LOOKUPS.min(leaves.len() * 4);
     let mut queries = Vec::with_capacity(lookups);
     let mut copies = Vec::with_capacity(lookups);
-    let mut depth = 0usize;
-    for _ in 0..lookups {
-        let leaf = leaves[rng.random_range(0..leaves.len())];
-        let mut k = Vec::new();
-        depth += path_into(&tree, leaf, &mut k)?;
-        copies.push(k.clone());
-        queries.push(k);
+    let mut query_nodes = Vec::with_capacity(lookups);
+    for i in 0..lookups {
+        let pick = if sample.len() < lookups {
+            rng.random_range(0..sample.len())
+        } else {
+            i
+        };
+        query_nodes.push(sample[pick].0);
+        copies.push(sample[pick].1.clone());
+        queries.push(sample[pick].1.clone());
+    }
+    for i in (1..lookups).rev() {
+        let j = rng.random_range(0..=i);
+        queries.swap(i, j);
+        copies.swap(i, j);
+        query_nodes.swap(i, j);
     }
     let mut lat = Vec::with_capacity(lookups);
     for q in &queries {
@@ -479,6 +504,13 @@ pub fn big_tree(pages: usize, ps: u32, key_tokens: usize, seed: u64) -> Result<B
             ));
         }
         ref_lat.push(dt.as_secs_f64() * 1e6);
+    }
+    // Depth after the timed lookups, so that these walks warm nothing that was measured.
+    let mut depth = 0usize;
+    let mut walked = Vec::new();
+    for &n in &query_nodes {
+        walked.clear();
+        depth += path_into(&tree, n, &mut walked)?;
     }
     let mean = lat.iter().sum::<f64>() / lat.len() as f64;
     lat.sort_by(f64::total_cmp);

@@ -17,7 +17,8 @@
 //!   running request's KV (`token_bytes` per context token), at 80% of the H100 SXM's
 //!   3.35 TB/s: 6.0 ms per step + 49 ns per context token.
 //! - **L2 → L1 loads**: 50 GB/s (92% of the 54.3 GB/s bulk pinned H2D copy measured on our H100,
-//!   PCIe 5.0 x16; see `machines.md`), overlapped layer by layer with the forward.
+//!   PCIe 5.0 x16; see "Machines" in `docs/benchmarks.md`), overlapped layer by layer with the
+//!   forward.
 //! - **L3 → L2 prefetch**: 12 GB/s after 0.5 ms (a 100 Gb/s RDMA link, 12.5 GB/s line rate, as
 //!   Mooncake and 3FS deployments use; about two PCIe 4.0 NVMe drives), one link shared by all
 //!   prefetches, starting when the request arrives.
