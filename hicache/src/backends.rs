@@ -6,7 +6,7 @@ use crate::error::Result;
 
 /// The registry of every backend compiled in: `memory` always, `file` with the `file`
 /// feature (default), `plugin` with the `plugin` feature (default), `uring` with the `uring` feature, `rdma` with the `rdma`
-/// feature (its verbs transport with `rdma-verbs`).
+/// feature (its verbs transport with `rdma-verbs`), `redis` with the `redis` feature.
 pub fn builtin_registry() -> Result<Registry> {
     let r = Registry::with_builtins();
     #[cfg(feature = "file")]
@@ -17,6 +17,8 @@ pub fn builtin_registry() -> Result<Registry> {
     hicache_backend_uring::register(&r)?;
     #[cfg(feature = "rdma")]
     hicache_backend_rdma::register(&r)?;
+    #[cfg(feature = "redis")]
+    hicache_backend_redis::register(&r)?;
     Ok(r)
 }
 
@@ -27,6 +29,7 @@ pub fn feature_for(name: &str) -> Option<&'static str> {
         "plugin" => Some("plugin"),
         "uring" => Some("uring"),
         "rdma" => Some("rdma"),
+        "redis" => Some("redis"),
         _ => None,
     }
 }

@@ -71,3 +71,22 @@ fn rdma_backend_serves_the_prompt_from_l3() {
     // An in-process hicache-rdma-server on 127.0.0.1, data over TCP.
     l3_round_trip("rdma", r#""spawn_server": true, "capacity": "64MiB", "#);
 }
+
+#[cfg(feature = "redis")]
+#[test]
+fn redis_backend_serves_the_prompt_from_l3() {
+    // A real 3-primary + 3-replica Redis Cluster on loopback; acknowledged by one replica.
+    use hicache_backend_redis::testing::{RedisCluster, redis_available};
+    if !redis_available("redis_backend_serves_the_prompt_from_l3") {
+        return;
+    }
+    let cluster = RedisCluster::start(3, 1, &[]);
+    let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("{s:?}")).collect();
+    l3_round_trip(
+        "redis",
+        &format!(
+            r#""nodes": [{}], "min_replicas_acked": 1, "#,
+            seeds.join(", ")
+        ),
+    );
+}

@@ -5,6 +5,7 @@ pub mod hash;
 pub mod loadback;
 pub mod multiturn;
 pub mod plugin;
+pub mod redis_benchmark;
 pub mod storage;
 pub mod storage_check;
 pub mod storage_common;

@@ -32,7 +32,7 @@ use serde_json::Value;
 
 use crate::cmd::storage_common::{BackendArgs, LAYOUT, aligned_region, runtime, seed_key};
 use crate::cmd::storage_raw::{Raw, RawEngine, engine_name};
-use crate::cmd::tcp_loopback;
+use crate::cmd::{redis_benchmark, tcp_loopback};
 use crate::error::{BenchError, Result};
 use crate::record::Record;
 
@@ -203,6 +203,61 @@ async fn backend_round(
     })
 }
 
+/// Starts a 3-primary Redis Cluster on loopback when `--backend redis` names no `nodes`.
+#[cfg(feature = "redis")]
+fn spawn_redis_cluster(
+    args: &StorageArgs,
+) -> Result<Option<hicache_backend_redis::testing::RedisCluster>> {
+    use hicache_backend_redis::testing::{RedisCluster, redis_available};
+    let names_nodes = args
+        .backend
+        .extra_config
+        .as_deref()
+        .is_some_and(|c| c.contains("\"nodes\""));
+    if args.backend.backend != "redis" || names_nodes {
+        return Ok(None);
+    }
+    if !redis_available("storage --backend redis") {
+        return Err(BenchError::Usage(
+            "--backend redis without \"nodes\" starts a local cluster and needs redis-server"
+                .into(),
+        ));
+    }
+    Ok(Some(RedisCluster::start(3, 0, &[])))
+}
+
+/// `redis-benchmark` aimed at the first node of the cluster the backend uses (the spawned one,
+/// or the extra-config's `nodes`), with `batch` connections (the backend's pages in flight).
+fn redis_reference(
+    args: &StorageArgs,
+    spawned: Option<&Value>,
+    batch: usize,
+) -> Result<redis_benchmark::RedisBench> {
+    let doc: Value = match (spawned, args.backend.extra_config.as_deref()) {
+        (Some(nodes), _) => serde_json::json!({ "nodes": nodes }),
+        (None, Some(c)) => {
+            let text = match c.trim().strip_prefix('@') {
+                Some(p) => std::fs::read_to_string(p).map_err(BenchError::io(p))?,
+                None => c.to_string(),
+            };
+            serde_json::from_str(&text)
+                .map_err(|e| BenchError::Usage(format!("--extra-config: {e}")))?
+        }
+        (None, None) => return Err(BenchError::Usage("--backend redis needs nodes".into())),
+    };
+    let node = match &doc["nodes"] {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(a) => a.first().and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+    .ok_or_else(|| BenchError::Usage("--extra-config: `nodes` must name a node".into()))?;
+    Ok(redis_benchmark::RedisBench {
+        node,
+        cluster: doc["cluster"].as_bool().unwrap_or(true),
+        clients: batch.min(32),
+    })
+}
+
 /// Which half of the reference a round asks for.
 #[derive(Copy, Clone, Debug)]
 enum Phase {
@@ -230,8 +285,20 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
         Some(n) => vec![n],
         None => vec![8 << 20, 256 << 10],
     };
-    let file_like = !matches!(args.backend.backend.as_str(), "memory" | "rdma");
-    let rdma = args.backend.backend == "rdma";
+    let file_like = !matches!(args.backend.backend.as_str(), "memory" | "rdma" | "redis");
+    // Network backends are measured against raw TCP loopback of the same bytes.
+    let rdma = matches!(args.backend.backend.as_str(), "rdma" | "redis");
+    // `--backend redis` without `nodes`: a 3-primary cluster on loopback for the run.
+    #[cfg(feature = "redis")]
+    let _cluster = spawn_redis_cluster(args)?;
+    #[cfg(feature = "redis")]
+    let cluster_nodes: Option<Value> = _cluster.as_ref().map(|c| Value::from(c.seeds()));
+    #[cfg(not(feature = "redis"))]
+    let cluster_nodes: Option<Value> = None;
+    // The redis backend's reference: redis-benchmark against the same cluster.
+    let redis_ref = (args.backend.backend == "redis")
+        .then(|| redis_reference(args, cluster_nodes.as_ref(), args.batch))
+        .transpose()?;
     let base: Option<PathBuf> = args.backend.dir.clone();
     if file_like && base.is_none() {
         return Err(BenchError::Usage(format!(
@@ -287,6 +354,9 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                 overrides.push(("dir", Value::String(d.display().to_string())));
             }
             overrides.push(("capacity", Value::from(bytes * 2 + (64 << 20))));
+            if let Some(n) = &cluster_nodes {
+                overrides.push(("nodes", n.clone()));
+            }
             let mut bargs = args.backend.clone();
             bargs.dir = None;
             // The raw candidates: the configured one, and io_uring at the backend's own depth
@@ -314,7 +384,13 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                 }
             }
             candidates = if raws.is_empty() {
-                let name = if rdma { "tcp-loopback" } else { "memcpy" };
+                let name = if redis_ref.is_some() {
+                    "redis-benchmark"
+                } else if rdma {
+                    "tcp-loopback"
+                } else {
+                    "memcpy"
+                };
                 vec![(name.to_string(), name, 0)]
             } else {
                 raws.iter()
@@ -326,7 +402,13 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             };
             let mut reference = |phase: Phase, dst: &mut [u8]| -> Result<Vec<f64>> {
                 if raws.is_empty() {
-                    let secs = if rdma {
+                    let secs = if let Some(rb) = &redis_ref {
+                        let op = match phase {
+                            Phase::Write => redis_benchmark::Op::Set,
+                            Phase::Read => redis_benchmark::Op::Get,
+                        };
+                        rb.secs(op, page_bytes, pages)?
+                    } else if rdma {
                         tcp_loopback::secs(src, page_bytes, pages)?
                     } else {
                         memcpy_secs(src, page_bytes, pages)?
@@ -406,6 +488,7 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
         let b = &args.backend.backend;
         let reference = match (file_like, rdma) {
             (true, _) => "raw-odirect",
+            _ if redis_ref.is_some() => "redis-benchmark",
             (false, true) => "tcp-loopback",
             (false, false) => "memcpy",
         };

@@ -38,6 +38,8 @@ pub fn registry() -> Result<Registry> {
     hicache_backend_uring::register(&r)?;
     #[cfg(feature = "rdma")]
     hicache_backend_rdma::register(&r)?;
+    #[cfg(feature = "redis")]
+    hicache_backend_redis::register(&r)?;
     Ok(r)
 }
 

@@ -1,0 +1,140 @@
+//! Hash slots and the slot map: which primary owns which of the 16384 slots.
+//!
+//! Keys never carry a hash tag (the key prefix may not contain braces and page names are
+//! hex), so a key's slot is CRC16-XMODEM of the whole key modulo 16384, exactly as Redis
+//! Cluster computes it, and a request's pages spread over every shard.
+
+use redis::Value;
+
+/// Number of hash slots of a Redis Cluster.
+pub const SLOTS: usize = 16384;
+
+/// The slot of `key` (the whole key: our keys have no hash tag).
+pub fn slot(key: &[u8]) -> u16 {
+    crc16::State::<crc16::XMODEM>::calculate(key) % SLOTS as u16
+}
+
+/// Which node owns each slot. A standalone server owns every slot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Topology {
+    /// Primary addresses, `host:port`.
+    pub nodes: Vec<String>,
+    /// Slot → index into `nodes`; `u16::MAX` where no node serves the slot.
+    owner: Vec<u16>,
+}
+
+impl Topology {
+    /// One standalone server owning every slot.
+    pub fn standalone(addr: &str) -> Self {
+        Self {
+            nodes: vec![addr.to_string()],
+            owner: vec![0; SLOTS],
+        }
+    }
+
+    /// Parses a `CLUSTER SLOTS` reply received from `from` (whose host stands in where the
+    /// reply leaves a node's address empty).
+    pub fn from_cluster_slots(reply: &Value, from: &str) -> Result<Self, String> {
+        let Value::Array(ranges) = reply else {
+            return Err(format!("expected an array, got {reply:?}"));
+        };
+        let from_host = crate::config::split_addr(from)
+            .map(|(h, _)| h)
+            .unwrap_or_default();
+        let mut t = Self {
+            nodes: Vec::new(),
+            owner: vec![u16::MAX; SLOTS],
+        };
+        for r in ranges {
+            let Value::Array(fields) = r else {
+                return Err(format!("expected a slot range array, got {r:?}"));
+            };
+            let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(primary))) =
+                (fields.first(), fields.get(1), fields.get(2))
+            else {
+                return Err(format!("malformed slot range {fields:?}"));
+            };
+            let host = match primary.first() {
+                Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+                Some(Value::SimpleString(s)) => s.clone(),
+                _ => return Err(format!("malformed node entry {primary:?}")),
+            };
+            let host = if host.is_empty() || host == "?" {
+                from_host.clone()
+            } else {
+                host
+            };
+            let Some(Value::Int(port)) = primary.get(1) else {
+                return Err(format!("malformed node entry {primary:?}"));
+            };
+            let addr = if host.contains(':') {
+                format!("[{host}]:{port}")
+            } else {
+                format!("{host}:{port}")
+            };
+            let idx = match t.nodes.iter().position(|n| *n == addr) {
+                Some(i) => i,
+                None => {
+                    t.nodes.push(addr);
+                    t.nodes.len() - 1
+                }
+            };
+            let (start, end) = (*start as usize, *end as usize);
+            if start > end || end >= SLOTS {
+                return Err(format!("slot range {start}-{end} out of bounds"));
+            }
+            t.owner[start..=end].fill(idx as u16);
+        }
+        Ok(t)
+    }
+
+    /// The address owning `slot`, if any node serves it.
+    pub fn owner(&self, slot: u16) -> Option<&str> {
+        let i = *self.owner.get(slot as usize)?;
+        self.nodes.get(i as usize).map(String::as_str)
+    }
+
+    /// How many slots no node serves.
+    pub fn uncovered(&self) -> usize {
+        self.owner.iter().filter(|o| **o == u16::MAX).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_match_redis() {
+        // Values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(slot(b"123456789"), 0x31C3);
+        assert_eq!(slot(b"foo"), 12182);
+        assert_eq!(slot(b"bar"), 5061);
+    }
+
+    #[test]
+    fn parses_cluster_slots() {
+        let node = |h: &str, p: i64| {
+            Value::Array(vec![
+                Value::BulkString(h.as_bytes().to_vec()),
+                Value::Int(p),
+                Value::BulkString(b"id".to_vec()),
+            ])
+        };
+        let reply = Value::Array(vec![
+            Value::Array(vec![
+                Value::Int(0),
+                Value::Int(8000),
+                node("10.0.0.1", 7000),
+                node("10.0.0.2", 7003),
+            ]),
+            Value::Array(vec![Value::Int(8001), Value::Int(16383), node("", 7001)]),
+        ]);
+        let t = Topology::from_cluster_slots(&reply, "10.0.0.9:7001").unwrap();
+        assert_eq!(t.owner(0), Some("10.0.0.1:7000"));
+        assert_eq!(t.owner(8000), Some("10.0.0.1:7000"));
+        assert_eq!(t.owner(16383), Some("10.0.0.9:7001"));
+        assert_eq!(t.uncovered(), 0);
+        assert!(Topology::from_cluster_slots(&Value::Int(1), "h:1").is_err());
+    }
+}
