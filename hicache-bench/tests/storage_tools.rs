@@ -129,3 +129,63 @@ fn crash_rounds_never_lose_acknowledged_pages() {
         ],
     );
 }
+
+/// Issue 13, item 6: bad tool input is a usage error (exit code 2) that says what is wrong;
+/// before, `--total 0` silently ran 128 pages, a huge `--page-bytes` overflowed into a
+/// confusing message, and `@/dev/zero` as extra-config read forever.
+#[test]
+fn bad_tool_input_is_a_clear_usage_error() {
+    let d = dir();
+    let run = |args: &[&str]| {
+        let out = Command::new(EXE).args(args).output().unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let dir_s = d.path().display().to_string();
+    let (code, err) = run(&[
+        "storage",
+        "--backend",
+        "file",
+        "--dir",
+        &dir_s,
+        "--total",
+        "0",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--total"), "{err}");
+    let huge = usize::MAX.to_string();
+    let (code, err) = run(&[
+        "storage",
+        "--backend",
+        "file",
+        "--dir",
+        &dir_s,
+        "--page-bytes",
+        &huge,
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--page-bytes") && err.contains("too large"),
+        "{err}"
+    );
+    let (code, err) = run(&[
+        "storage-check",
+        "--backend",
+        "file",
+        "--dir",
+        &dir_s,
+        "--page-bytes",
+        "4096",
+        "--seed",
+        "1",
+        "--extra-config",
+        "@/dev/zero",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("/dev/zero") && err.contains("not a regular file"),
+        "{err}"
+    );
+}

@@ -396,6 +396,55 @@ pub struct StorageConfig {
     pub backend_fields: ConfigFields,
 }
 
+/// Largest extra-config file [`read_config_file`] accepts.
+pub const MAX_CONFIG_FILE_BYTES: u64 = 1 << 20;
+
+/// Reads a configuration file named by `@path`: it must be a regular file (a FIFO, a device
+/// such as `/dev/zero` or a directory is refused before it is opened, so the read can neither
+/// block nor run forever) of at most [`MAX_CONFIG_FILE_BYTES`], in UTF-8.
+pub fn read_config_file(path: &Path) -> Result<String> {
+    use std::io::Read;
+    let refuse = |reason: String| StorageError::ConfigSyntax {
+        source_name: path.display().to_string(),
+        reason,
+    };
+    let kind = |m: &std::fs::Metadata| {
+        use std::os::unix::fs::FileTypeExt;
+        let t = m.file_type();
+        if t.is_dir() {
+            "a directory"
+        } else if t.is_fifo() {
+            "a FIFO"
+        } else if t.is_char_device() {
+            "a character device"
+        } else if t.is_block_device() {
+            "a block device"
+        } else if t.is_socket() {
+            "a socket"
+        } else {
+            "not a regular file"
+        }
+    };
+    let meta = std::fs::metadata(path).map_err(StorageError::io("read extra-config", path))?;
+    if !meta.is_file() {
+        return Err(refuse(format!(
+            "is {}, not a regular file; an extra-config file must be a regular JSON file",
+            kind(&meta)
+        )));
+    }
+    let file = std::fs::File::open(path).map_err(StorageError::io("read extra-config", path))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_CONFIG_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(StorageError::io("read extra-config", path))?;
+    if bytes.len() as u64 > MAX_CONFIG_FILE_BYTES {
+        return Err(refuse(format!(
+            "larger than {MAX_CONFIG_FILE_BYTES} bytes; an extra-config is a small JSON object"
+        )));
+    }
+    String::from_utf8(bytes).map_err(|e| refuse(format!("not UTF-8: {e}")))
+}
+
 impl StorageConfig {
     /// A configuration with defaults and no backend fields.
     pub fn new(backend: impl Into<String>) -> Self {
@@ -420,10 +469,9 @@ impl StorageConfig {
         Self::from_value(cli_backend, value, "<inline>")
     }
 
-    /// Reads the extra-config from a JSON file.
+    /// Reads the extra-config from a JSON file (see [`read_config_file`]).
     pub fn from_file(cli_backend: Option<&str>, path: &Path) -> Result<Self> {
-        let text =
-            std::fs::read_to_string(path).map_err(StorageError::io("read extra-config", path))?;
+        let text = read_config_file(path)?;
         let name = path.display().to_string();
         Self::from_value(cli_backend, parse_json(&name, &text)?, &name)
     }
@@ -616,6 +664,41 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("extra.json"), "{e}");
+    }
+
+    /// Issue 13: `@/dev/zero` or a FIFO read forever (or blocked); both are refused now, and
+    /// an oversized file is refused after a bounded read.
+    #[test]
+    fn extra_config_files_must_be_small_regular_files() {
+        let e = StorageConfig::parse(None, Some("@/dev/zero"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("/dev/zero") && e.contains("character device"),
+            "{e}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .is_ok_and(|s| s.success());
+        if made {
+            let e = StorageConfig::parse(None, Some(&format!("@{}", fifo.display())))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("a FIFO"), "{e}");
+        }
+        let e = StorageConfig::parse(None, Some(&format!("@{}", dir.path().display())))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("a directory"), "{e}");
+        let big = dir.path().join("big.json");
+        std::fs::write(&big, vec![b' '; MAX_CONFIG_FILE_BYTES as usize + 10]).unwrap();
+        let e = StorageConfig::parse(None, Some(&format!("@{}", big.display())))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("larger than"), "{e}");
     }
 
     #[test]

@@ -16,7 +16,9 @@
 //!   one `register` call.
 //! - [`MemoryBackend`] (feature `memory`, default): the in-memory reference backend.
 //! - [`conformance`]: the public suite every backend runs from its own tests
-//!   ([`conformance_tests!`]).
+//!   ([`conformance_tests!`]); [`faults`]: the fault-injection suite every persistent backend
+//!   runs ([`fault_tests!`]): bit flips, truncation, garbage files, foreign directories, a
+//!   second opener, a full disk.
 //! - [`StorageExt`]: owned-bytes helpers that batch automatically, for simple callers.
 //!
 //! Page keys are [`hicache_core::PageKey`] (namespace id + page hash, 48 bytes), re-exported
@@ -44,6 +46,7 @@ pub mod conformance;
 pub mod error;
 pub mod evict;
 pub mod ext;
+pub mod faults;
 #[cfg(feature = "memory")]
 pub mod memory;
 pub mod page;
@@ -53,7 +56,9 @@ pub mod registry;
 pub use backend::{
     BackendInfo, STORAGE_BATCH_SIZE, StatsCounters, Storage, StorageStats, check_batch,
 };
-pub use config::{CommonConfig, ConfigFields, DYNAMIC_BACKEND, StorageConfig, parse_byte_size};
+pub use config::{
+    CommonConfig, ConfigFields, DYNAMIC_BACKEND, StorageConfig, parse_byte_size, read_config_file,
+};
 pub use error::{Result, StorageError};
 pub use evict::{EvictionPolicy, Evictor};
 pub use ext::StorageExt;

@@ -260,7 +260,7 @@ fn read_extra_config(s: &str) -> Result<String> {
     match s.strip_prefix('@') {
         Some(path) => {
             let path = PathBuf::from(path);
-            std::fs::read_to_string(&path).map_err(|e| {
+            hicache_storage::read_config_file(&path).map_err(|e| {
                 HiCacheError::config(
                     "storage_backend_extra_config",
                     path.display(),

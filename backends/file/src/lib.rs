@@ -182,6 +182,129 @@ fn remove_tree_counting(path: &Path) -> u64 {
     n
 }
 
+/// Refuses a capacity that cannot hold one page of `page_bytes` (with its header), which
+/// would otherwise evict every stored page at open and store nothing.
+fn check_capacity(capacity: u64, page_bytes: usize) -> Result<()> {
+    let need = file_bytes(page_bytes);
+    if capacity < need {
+        return Err(StorageError::config(
+            "extra-config",
+            "capacity",
+            capacity.to_string(),
+            format!(
+                "cannot hold one page of {page_bytes} bytes ({need} bytes on disk with its \
+                 header)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether a name in the storage directory is one an opener writes while creating the marker
+/// (`hicache-file.json.<pid>.tmp`), so a directory holding only such names counts as empty.
+fn is_marker_temp(name: &str) -> bool {
+    name.strip_prefix(MARKER)
+        .and_then(|r| r.strip_prefix('.'))
+        .and_then(|r| r.strip_suffix(".tmp"))
+        .is_some_and(|pid| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Makes `root` this backend's directory or refuses it: a directory carrying the format
+/// marker is ours; an empty one is marked (the marker written aside and renamed, so a
+/// concurrent opener never reads it half-written); a non-empty unmarked one, or one whose
+/// marker says something else, is refused with an error naming it, and nothing in it is
+/// touched.
+fn claim_directory(root: &Path) -> Result<()> {
+    let marker = root.join(MARKER);
+    match fs::read_to_string(&marker) {
+        Ok(s) if s == MARKER_CONTENTS => return Ok(()),
+        Ok(s) => {
+            return Err(backend_err(format!(
+                "{} holds {:?}: not a hicache-file v1 directory",
+                marker.display(),
+                s.trim()
+            )));
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(StorageError::io("read format marker", &marker)(e)),
+    }
+    let foreign: Vec<String> = fs::read_dir(root)
+        .map_err(StorageError::io("list", root))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !is_marker_temp(n))
+        .collect();
+    if !foreign.is_empty() {
+        let mut shown: Vec<&str> = foreign.iter().map(String::as_str).take(5).collect();
+        shown.sort_unstable();
+        return Err(backend_err(format!(
+            "{} is not empty and has no {MARKER}: refusing to use a directory the file backend \
+             did not create ({} entries, e.g. {}); give an empty or new directory",
+            root.display(),
+            foreign.len(),
+            shown.join(", ")
+        )));
+    }
+    let aside = root.join(format!("{MARKER}.{}.tmp", std::process::id()));
+    fs::write(&aside, MARKER_CONTENTS)
+        .and_then(|()| fs::rename(&aside, &marker))
+        .map_err(StorageError::io("write format marker", &marker))
+}
+
+/// Creates (if needed) a subdirectory of the storage directory and checks it is a real
+/// directory: a symlink there (to somewhere this backend does not own) is refused, never
+/// followed.
+fn own_subdir(path: &Path) -> Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_dir() => Ok(()),
+        Ok(m) => Err(backend_err(format!(
+            "{} is a {}, not a directory the file backend created; refusing to use it",
+            path.display(),
+            if m.file_type().is_symlink() {
+                "symlink"
+            } else {
+                "file"
+            }
+        ))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            fs::create_dir(path).map_err(StorageError::io("create directory", path))
+        }
+        Err(e) => Err(StorageError::io("inspect", path)(e)),
+    }
+}
+
+/// Records who holds the directory lock in its file: `pid P on host H` for an exclusive owner,
+/// nothing for shared owners.
+fn write_holder(lock: &File, exclusive: bool) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    lock.set_len(0)?;
+    if exclusive {
+        let host = fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let text = format!("pid {} on host {}\n", std::process::id(), host.trim());
+        lock.write_all_at(text.as_bytes(), 0)?;
+    }
+    Ok(())
+}
+
+/// The instance of a temp page file name this backend writes (`<key>.<instance>.<n>.tmp`,
+/// with a whole key and an instance name of its form), if `name` is one.
+fn owned_temp_instance(name: &str) -> Option<&str> {
+    let inst = format::temp_instance(name)?;
+    let key_hex = name.split('.').next()?;
+    let is_key = key_hex.len() == 96 && key_hex.bytes().all(|b| b.is_ascii_hexdigit());
+    (is_key && is_instance_name(inst)).then_some(inst)
+}
+
+/// Whether `name` is an instance name this backend creates in `tmp/`: `<pid>-<hex>`.
+fn is_instance_name(name: &str) -> bool {
+    name.split_once('-').is_some_and(|(pid, t)| {
+        !pid.is_empty()
+            && !t.is_empty()
+            && pid.bytes().all(|b| b.is_ascii_digit())
+            && t.bytes().all(|b| b.is_ascii_hexdigit())
+    })
+}
+
 impl FileBackend {
     /// Opens (creating if needed) the storage directory of `opts`, recovering what a previous
     /// run committed. Blocking: it scans the directory.
@@ -198,32 +321,32 @@ impl FileBackend {
         sys::raise_nofile_limit();
         let root = opts.dir.clone();
         let paths = Layout { root: root.clone() };
-        fs::create_dir_all(&root).map_err(StorageError::io("create directory", &root))?;
-        let marker = root.join(MARKER);
-        match fs::read_to_string(&marker) {
-            Ok(s) if s == MARKER_CONTENTS => {}
-            Ok(s) => {
-                return Err(backend_err(format!(
-                    "{} holds {:?}: not a hicache-file v1 directory",
-                    marker.display(),
-                    s.trim()
-                )));
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                // Written aside and renamed, so a concurrent opener never reads it half-written.
-                let aside = root.join(format!("{MARKER}.{}.tmp", std::process::id()));
-                fs::write(&aside, MARKER_CONTENTS)
-                    .and_then(|()| fs::rename(&aside, &marker))
-                    .map_err(StorageError::io("write format marker", &marker))?;
-            }
-            Err(e) => return Err(StorageError::io("read format marker", &marker)(e)),
+        if let Some(c) = opts.capacity_bytes {
+            check_capacity(c, 1)?;
         }
-        // 1. The directory lock: exclusive, or shared among shared-mode processes.
+        // 0. Ownership: the directory is ours only if it carries our marker, or is empty (or
+        // new) and we mark it now. A non-empty unmarked directory is refused untouched.
+        fs::create_dir_all(&root).map_err(StorageError::io("create directory", &root))?;
+        claim_directory(&root)?;
+        // 1. The directory lock: exclusive, or shared among shared-mode processes. The lock
+        // file is never truncated before the lock is held, so a refused opener can name the
+        // holder an exclusive owner wrote into it.
         let lock_path = root.join("dir.lock");
-        let dir_lock = File::create(&lock_path).map_err(StorageError::io("create", &lock_path))?;
+        let dir_lock = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock_path)
+            .map_err(StorageError::io("create", &lock_path))?;
         if !sys::try_flock(&dir_lock, !opts.shared).map_err(StorageError::io("lock", &lock_path))? {
+            let holder = fs::read_to_string(&lock_path).unwrap_or_default();
+            let holder = match holder.trim() {
+                "" => "processes in shared mode".to_string(),
+                h => h.to_string(),
+            };
             return Err(backend_err(format!(
-                "{} is in use by another process{}; to share a directory, every process must \
+                "{} is in use by {holder}{}; to share a directory, every process must \
                  open it with \"shared\": true",
                 root.display(),
                 if opts.shared {
@@ -233,11 +356,14 @@ impl FileBackend {
                 }
             )));
         }
+        // Any text in the lock file now is a dead owner's: an exclusive owner names itself,
+        // shared owners leave it empty.
+        write_holder(&dir_lock, !opts.shared).map_err(StorageError::io("write", &lock_path))?;
         // 2. The page directory.
         let pages_dir = paths.pages();
-        fs::create_dir_all(&pages_dir).map_err(StorageError::io("create directory", &pages_dir))?;
+        own_subdir(&pages_dir)?;
         let tmp = paths.tmp();
-        fs::create_dir_all(&tmp).map_err(StorageError::io("create directory", &tmp))?;
+        own_subdir(&tmp)?;
         // 3. Under the registry lock (so no instance is seen between creating and locking
         // its lock file): remove dead instances' leftovers (everything in exclusive mode),
         // then register this instance with a lock file it holds for its whole life.
@@ -360,8 +486,9 @@ impl FileBackend {
         })
     }
 
-    /// Removes dead instances' lock files and scratch directories; returns how many files
-    /// they held.
+    /// Removes dead instances' lock files and scratch directories (only names of the form
+    /// this backend creates, `<pid>-<hex>` and `<pid>-<hex>.lock`, and never through a
+    /// symlink); returns how many files they held. Anything else in `tmp/` is left alone.
     fn clean_temp(tmp: &Path, shared: bool) -> Result<u64> {
         let mut n = 0;
         let rd = fs::read_dir(tmp).map_err(StorageError::io("list", tmp))?;
@@ -370,19 +497,18 @@ impl FileBackend {
             let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
                 continue;
             };
-            if name == REGISTRY_LOCK {
+            let Ok(ty) = e.file_type() else { continue };
+            let (inst, is_lock) = match name.strip_suffix(".lock") {
+                Some(inst) => (inst, true),
+                None => (name, false),
+            };
+            if !is_instance_name(inst) || (shared && Self::instance_alive(tmp, inst)) {
                 continue;
             }
-            let inst = name.strip_suffix(".lock").unwrap_or(name);
-            if shared && Self::instance_alive(tmp, inst) {
-                continue;
-            }
-            if p.is_dir() {
-                n += remove_tree_counting(&p);
-            } else if name.ends_with(".lock") {
+            if is_lock && ty.is_file() {
                 let _ = remove_file(&p);
-            } else if remove_file(&p).unwrap_or(false) {
-                n += 1;
+            } else if !is_lock && ty.is_dir() {
+                n += remove_tree_counting(&p);
             }
         }
         Ok(n)
@@ -508,15 +634,20 @@ impl FileBackend {
             for e in chunk {
                 let p = e.path();
                 let name = e.file_name();
-                if let Some(inst) = name.to_str().and_then(format::temp_instance) {
+                // Only regular files with names this backend writes are touched: anything
+                // else (foreign files, directories, symlinks) is left alone.
+                if !e.file_type().is_ok_and(|t| t.is_file()) {
+                    continue;
+                }
+                let Some(name) = name.to_str() else { continue };
+                if let Some(inst) = owned_temp_instance(name) {
                     if !is_live(inst) && remove_file(&p).unwrap_or(false) {
                         temp += 1;
                     }
                     continue;
                 }
-                let key = name.to_str().and_then(format::key_from_file_name);
-                let checked = match key {
-                    None => Err("not a page file name".to_string()),
+                let checked = match format::key_from_file_name(name) {
+                    None => continue,
                     Some(k) => pageio::check_page_file(&p, verify).and_then(|h| {
                         if h.key == k {
                             Ok(h)
@@ -1042,6 +1173,9 @@ impl FileBackend {
                     continue;
                 };
                 let Ok(m) = e.metadata() else { continue };
+                if !m.file_type().is_file() {
+                    continue;
+                }
                 files.push((
                     m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
                     m.len(),
@@ -1169,9 +1303,12 @@ impl BackendFactory for FileFactory {
         &self,
         common: &CommonConfig,
         fields: ConfigFields,
-        _ctx: &BackendContext,
+        ctx: &BackendContext,
     ) -> Result<Arc<dyn Storage>> {
         let opts = FileOptions::from_config(common, fields)?;
+        if let Some(c) = opts.capacity_bytes {
+            check_capacity(c, ctx.page_bytes.max(1))?;
+        }
         let backend = tokio::task::spawn_blocking(move || FileBackend::open(opts))
             .await
             .map_err(|e| backend_err(format!("open task failed: {e}")))??;

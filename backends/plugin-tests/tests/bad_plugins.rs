@@ -54,8 +54,23 @@ fn a_file_that_is_not_a_shared_library() {
     let p = dir.path().join("libfake.so");
     std::fs::write(&p, "this is not an ELF file\n").unwrap();
     let (e, t) = open_err(&p, "{}");
-    assert!(matches!(e, PluginError::Load { .. }), "{e:?}");
-    assert!(t.contains("libfake.so") && t.contains("cannot load"), "{t}");
+    // Issue 13: the message says what the file is and why it was refused (it said only that
+    // the dynamic loader failed).
+    assert!(matches!(e, PluginError::NotSharedObject { .. }), "{e:?}");
+    assert!(
+        t.contains("libfake.so")
+            && t.contains("a text file")
+            && t.contains("must be an ELF shared object"),
+        "{t}"
+    );
+    std::fs::write(&p, "").unwrap();
+    let (_, t) = open_err(&p, "{}");
+    assert!(t.contains("empty"), "{t}");
+    std::fs::write(&p, "#!/bin/sh\nexit 0\n").unwrap();
+    let (_, t) = open_err(&p, "{}");
+    assert!(t.contains("a script"), "{t}");
+    let (_, t) = open_err(dir.path(), "{}");
+    assert!(t.contains("a directory"), "{t}");
 }
 
 #[test]

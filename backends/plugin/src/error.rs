@@ -20,6 +20,18 @@ pub enum PluginError {
         /// The configured path.
         path: PathBuf,
     },
+    /// The file is not an ELF shared object (checked before the dynamic loader sees it): what
+    /// it is instead (empty, text, an executable, another architecture …).
+    #[error(
+        "plugin {path}: refused: {what}; a plugin must be an ELF shared object (.so) built for \
+         this machine"
+    )]
+    NotSharedObject {
+        /// The configured path.
+        path: PathBuf,
+        /// What the file is, from its first bytes.
+        what: String,
+    },
     /// The dynamic loader refused the file (not a shared object, wrong architecture, missing
     /// dependencies, …).
     #[error("plugin {path}: cannot load the shared library: {reason}")]

@@ -50,6 +50,7 @@ pub mod abi;
 #[cfg(feature = "loader")]
 pub mod conformance;
 #[cfg(feature = "loader")]
+mod elf;
 mod error;
 #[cfg(feature = "loader")]
 mod factory;

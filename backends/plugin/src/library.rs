@@ -3,15 +3,19 @@
 //! Loading (in this order; the first failure is the error):
 //! 1. A path containing `/` must exist ([`PluginError::NotFound`]); a bare file name is left to
 //!    the dynamic loader's search path.
-//! 2. `dlopen` ([`PluginError::Load`]), then `dlsym` of the entry symbol
+//! 2. A file named by path must be an ELF shared object of this machine's class, byte order
+//!    and architecture; otherwise it is refused before `dlopen` with what it is instead
+//!    ([`PluginError::NotSharedObject`]: empty, text or a script, an executable, an object
+//!    file, another architecture …).
+//! 3. `dlopen` ([`PluginError::Load`]), then `dlsym` of the entry symbol
 //!    ([`PluginError::MissingEntry`]); the entry function returns the vtable (null:
 //!    [`PluginError::NullVtable`]).
-//! 3. The three header fields are read first: another major version is refused
+//! 4. The three header fields are read first: another major version is refused
 //!    ([`PluginError::AbiMismatch`]), a `struct_size` below the v1.0 vtable too
 //!    ([`PluginError::VtableTooSmall`]). Then `min(struct_size, size_of::<Vtable>())` bytes are
 //!    copied into a zeroed host-side vtable: a newer plugin is used through the common prefix,
 //!    and fields an older plugin lacks read as absent.
-//! 4. Every required function must be non-null, and every function a capability flag promises
+//! 5. Every required function must be non-null, and every function a capability flag promises
 //!    too; name and version must be NUL-terminated within 255 bytes
 //!    ([`PluginError::InvalidVtable`]).
 //!
@@ -111,6 +115,16 @@ impl PluginLibrary {
 
     fn open(path: &Path, canonical: &Path) -> Result<PluginLibrary, PluginError> {
         let path_buf = path.to_path_buf();
+        if let Some(what) = canonical
+            .is_absolute()
+            .then(|| crate::elf::not_a_shared_object(canonical))
+            .flatten()
+        {
+            return Err(PluginError::NotSharedObject {
+                path: path_buf,
+                what,
+            });
+        }
         // SAFETY: loading a library runs its initialisers; that is what configuring a plugin
         // asks for. The operator named this file as a hicache plugin.
         let lib = unsafe { Library::new(canonical) }.map_err(|e| PluginError::Load {

@@ -4,6 +4,7 @@
 //! DIR/lock                    flock held exclusively by the owning process (its pid inside)
 //! DIR/index.log               the index log: fixed 128-byte records, appended
 //! DIR/index.log.tmp           a compaction in progress (deleted at open)
+//! DIR/index.log.damaged-<n>   damaged log bytes copied aside before recovery cut them
 //! DIR/slab-<S>.dat            slab of page size class S: slot i holds bytes [i·S, (i+1)·S)
 //! ```
 //!
@@ -34,9 +35,10 @@
 //! | 120 | 8 | XXH3-64 of bytes 0..120 | same | same |
 //!
 //! Replay applies records in order: a `put` maps its key to its slot (dropping the key's
-//! previous slot, and any other key the slot was mapped to), a `del` unmaps its key. The first
-//! record that is short or fails its checksum ends the log: it and everything after it are a
-//! torn tail, discarded (and truncated away) at open.
+//! previous slot, and any other key the slot was mapped to), a `del` unmaps its key. A record
+//! that is short or fails its checksum is skipped and counted; invalid records after the last
+//! valid one are a torn tail. Both are copied to `index.log.damaged-<n>` before the log is cut
+//! (torn tail) or rewritten (damage inside).
 
 use hicache_storage::{LayoutKind, PageKey, PageMeta};
 
@@ -52,6 +54,9 @@ pub const VERSION: u64 = 1;
 pub const INDEX_FILE: &str = "index.log";
 /// Name of a compacted index log being written.
 pub const INDEX_TMP_FILE: &str = "index.log.tmp";
+/// Prefix of the copies of damaged index-log regions made before recovery cuts or rewrites
+/// the log (`index.log.damaged-<unix nanoseconds>`).
+pub const DAMAGED_PREFIX: &str = "index.log.damaged-";
 /// Name of the lock file.
 pub const LOCK_FILE: &str = "lock";
 

@@ -43,8 +43,11 @@ pub struct Entry {
 
 /// The disk operations the index asks for while it holds its lock.
 pub trait SlabDisk {
-    /// Allocates blocks for slots `from..to` of `class` (extending the slab file).
-    fn grow(&self, class: u16, from: u32, to: u32) -> io::Result<()>;
+    /// Allocates blocks for slots `from..to` of `class` (extending the slab file), or for as
+    /// many of them as the file system has room for; returns the end of the slots allocated
+    /// (greater than `from`). With no room for one slot it fails with `ENOSPC` and leaves the
+    /// slab as it was (no partial allocation left behind).
+    fn grow(&self, class: u16, from: u32, to: u32) -> io::Result<u32>;
     /// Releases the blocks of `slot` of `class` (a hole; the file keeps its size).
     fn punch(&self, class: u16, slot: u32);
 }
@@ -204,7 +207,23 @@ impl Index {
                 let to = u32::try_from(from as u64 + step).map_err(|_| {
                     ReserveError::Io(io::Error::other("slab has 2^32 slots already"))
                 })?;
-                disk.grow(class, from, to).map_err(ReserveError::Io)?;
+                let to = match disk.grow(class, from, to) {
+                    Ok(to) => to,
+                    Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
+                        // The file system is full below the capacity: the capacity becomes
+                        // what the slabs hold, and room comes from eviction from now on.
+                        tracing::warn!(
+                            capacity = self.capacity,
+                            on_disk = self.disk,
+                            "uring backend: file system full below the capacity; capacity \
+                             lowered to the slabs' size, evicting to make room"
+                        );
+                        self.capacity = self.disk;
+                        continue;
+                    }
+                    Err(e) => return Err(ReserveError::Io(e)),
+                };
+                let step = u64::from(to - from);
                 let cl = &mut self.classes[c];
                 cl.next = to;
                 cl.free.extend((from + 1..to).rev());
@@ -373,9 +392,9 @@ mod tests {
     }
 
     impl SlabDisk for FakeDisk {
-        fn grow(&self, class: u16, from: u32, to: u32) -> io::Result<()> {
+        fn grow(&self, class: u16, from: u32, to: u32) -> io::Result<u32> {
             self.grown.borrow_mut().push((class, from, to));
-            Ok(())
+            Ok(to)
         }
         fn punch(&self, class: u16, slot: u32) {
             self.punched.borrow_mut().push((class, slot));

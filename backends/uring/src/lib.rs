@@ -96,6 +96,10 @@ pub struct OpenReport {
     pub pages: u64,
     /// Torn index-log records cut off the tail.
     pub discarded_records: u64,
+    /// Damaged index-log records skipped inside the log (later valid records kept).
+    pub skipped_records: u64,
+    /// Where the damaged index-log bytes were copied before recovery cut them, if any.
+    pub preserved: Option<PathBuf>,
     /// `put` records ignored because their slab or slot does not exist.
     pub discarded_pages: u64,
     /// Pages evicted at open because the capacity is below what the slabs held.
@@ -138,17 +142,44 @@ impl Slab {
     }
 }
 
+/// Free space a slab never grows into: the index log's appends and compactions need room on
+/// a file system the slabs have filled (at least this, or 1/256 of the file system).
+const MIN_FS_HEADROOM: u64 = 4 << 20;
+
 /// The disk operations of the index, on the slabs.
 struct Disk<'a>(&'a [Arc<Slab>]);
 
 impl SlabDisk for Disk<'_> {
-    fn grow(&self, class: u16, from: u32, to: u32) -> io::Result<()> {
+    /// Grows by the whole step when the file system has room, else by the most slots it has
+    /// room for (halving the step); a failed `fallocate` is undone by cutting the file back,
+    /// so a partial allocation never leaves the file system full.
+    fn grow(&self, class: u16, from: u32, to: u32) -> io::Result<u32> {
         let s = &self.0[class as usize];
-        sys::allocate(
-            &s.file,
-            from as u64 * s.slot_bytes,
-            (to - from) as u64 * s.slot_bytes,
-        )
+        let start = from as u64 * s.slot_bytes;
+        // Leave room for the index log (its appends and a compaction's copy) and others.
+        let (avail, total) = sys::fs_space(&s.file)?;
+        let headroom = (total / 256).max(MIN_FS_HEADROOM);
+        let room = avail.saturating_sub(headroom) / s.slot_bytes;
+        if room == 0 {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        let mut to = to.min(from.saturating_add(u32::try_from(room).unwrap_or(u32::MAX)));
+        loop {
+            let len = (to - from) as u64 * s.slot_bytes;
+            match sys::allocate(&s.file, start, len) {
+                Ok(()) => return Ok(to),
+                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
+                    if s.file.metadata()?.len() > start {
+                        s.file.set_len(start)?;
+                    }
+                    if to - from == 1 {
+                        return Err(e);
+                    }
+                    to = from + (to - from) / 2;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     fn punch(&self, class: u16, slot: u32) {
@@ -201,6 +232,59 @@ fn unavailable(e: &io::Error) -> StorageError {
 }
 
 /// Takes the directory lock, or says who holds it.
+/// Refuses a capacity that cannot hold one page of `page_bytes` (one slot of its size class),
+/// which would otherwise evict every stored page at open and store nothing.
+fn check_capacity(capacity: u64, page_bytes: usize) -> Result<()> {
+    let need = slot_bytes(page_bytes.max(1));
+    if capacity < need {
+        return Err(StorageError::config(
+            "extra-config",
+            "capacity",
+            capacity.to_string(),
+            format!("cannot hold one page of {page_bytes} bytes (a {need}-byte slot)"),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `dir` may be used: it holds this backend's index log, or nothing but names this
+/// backend writes (the lock file with a pid in it, the O_DIRECT probe, slab files and copies
+/// of damaged log bytes: a directory whose log was lost is still this backend's). A
+/// foreign index log or any other content is refused with an error naming the directory,
+/// before anything in it is written.
+fn claim_directory(dir: &Path) -> Result<()> {
+    if IndexLog::check_owner(dir).map_err(|e| backend_err(e.to_string()))? {
+        return Ok(());
+    }
+    let ours_before_log = |name: &str| match name {
+        LOCK_FILE => fs::read_to_string(dir.join(LOCK_FILE))
+            .is_ok_and(|s| s.trim().bytes().all(|b| b.is_ascii_digit())),
+        format::INDEX_FILE | format::INDEX_TMP_FILE | "direct-probe.tmp" => true,
+        n => n.starts_with(format::DAMAGED_PREFIX) || format::parse_slab_file_name(n).is_some(),
+    };
+    let foreign: Vec<String> = fs::read_dir(dir)
+        .map_err(StorageError::io("list", dir))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !ours_before_log(n))
+        .collect();
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    Err(backend_err(format!(
+        "{} is not empty and has no hicache-uring index log: refusing to use a directory the \
+         uring backend did not create ({} entries, e.g. {}); give an empty or new directory",
+        dir.display(),
+        foreign.len(),
+        foreign
+            .iter()
+            .take(5)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", ")
+    )))
+}
+
 fn lock_dir(dir: &Path) -> Result<File> {
     let path = dir.join(LOCK_FILE);
     let mut f = OpenOptions::new()
@@ -273,6 +357,11 @@ impl UringBackend {
     pub fn open(opts: UringOptions) -> Result<Self> {
         let dir = opts.dir.clone();
         fs::create_dir_all(&dir).map_err(StorageError::io("create directory", &dir))?;
+        if let Some(c) = opts.capacity_bytes {
+            check_capacity(c, opts.page_bytes.unwrap_or(1) as usize)?;
+        }
+        // Ownership before anything is written, the lock file included.
+        claim_directory(&dir)?;
         let lock = lock_dir(&dir)?;
         let ring = Ring::new(opts.queue_depth, opts.fixed_files).map_err(|e| unavailable(&e))?;
         let (mut log, replay) =
@@ -352,6 +441,8 @@ impl UringBackend {
         let mut report = OpenReport {
             pages: index.len() as u64,
             discarded_records: replay.discarded,
+            skipped_records: replay.skipped,
+            preserved: replay.preserved.clone(),
             discarded_pages,
             evicted: victims.len() as u64,
             compacted: false,
@@ -359,7 +450,7 @@ impl UringBackend {
         let counters = StatsCounters::default();
         bump(
             &counters.discarded_on_open,
-            replay.discarded + discarded_pages,
+            replay.discarded + replay.skipped + discarded_pages,
         );
         bump(&counters.evicted_pages, victims.len() as u64);
         bump(

@@ -2,9 +2,13 @@
 //! open with a torn tail cut off, and compacting the log to one `put` per live page.
 //!
 //! # Invariants
-//! 1. **Prefix.** The file is always a header followed by whole, valid records, except for a
-//!    torn tail a crash may leave after the last append; [`IndexLog::open`] finds the first
-//!    invalid record, counts it and everything after it as discarded, and truncates there.
+//! 1. **Nothing lost beyond the damage.** The file is a header followed by whole records;
+//!    a crash may leave a torn tail after the last append, and a disk fault may damage any
+//!    record. [`IndexLog::open`] skips every invalid record and keeps every valid one (a
+//!    damaged `put` loses its own page only: pages are verified against their `put`'s
+//!    checksum, so a skipped `del` or an older `put` never yields wrong bytes). Before the
+//!    file is cut (torn tail) or rewritten (damage inside), the damaged region is copied to
+//!    `index.log.damaged-<n>` and synced; what was skipped is counted and logged.
 //! 2. **Atomic compaction.** A compacted log is written to `index.log.tmp`, synced, and renamed
 //!    over `index.log` (then the directory is synced), so a crash leaves either log whole.
 
@@ -15,7 +19,9 @@ use std::path::{Path, PathBuf};
 
 use hicache_storage::PageKey;
 
-use crate::format::{INDEX_FILE, INDEX_TMP_FILE, Put, RECORD_LEN, Record, VERSION};
+use crate::format::{
+    DAMAGED_PREFIX, INDEX_FILE, INDEX_TMP_FILE, MAGIC, Put, RECORD_LEN, Record, VERSION,
+};
 
 /// What replaying the log found.
 #[derive(Debug, Default)]
@@ -24,6 +30,11 @@ pub struct Replay {
     pub puts: Vec<Put>,
     /// Records of the torn tail discarded (a partial record counts as one).
     pub discarded: u64,
+    /// Damaged records skipped inside the log (later valid records were kept); a damaged
+    /// header record counts as one.
+    pub skipped: u64,
+    /// Where the damaged region was copied before the log was cut or rewritten.
+    pub preserved: Option<PathBuf>,
     /// Valid records read (header excluded).
     pub records: u64,
     /// Highest sequence number seen.
@@ -81,7 +92,9 @@ impl IndexLog {
             };
             return Ok((log, replay));
         }
-        match Record::decode(bytes[..RECORD_LEN].try_into().expect("one record")) {
+        let header: &[u8; RECORD_LEN] = bytes[..RECORD_LEN].try_into().expect("one record");
+        let mut damaged_header = false;
+        match Record::decode(header) {
             Ok(Record::Header { version: VERSION }) => {}
             Ok(Record::Header { version }) => {
                 return Err(io::Error::new(
@@ -92,6 +105,7 @@ impl IndexLog {
                     ),
                 ));
             }
+            _ if Self::is_ours(&bytes) => damaged_header = true,
             _ => {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
@@ -105,18 +119,20 @@ impl IndexLog {
         let mut replay = Replay::default();
         let mut live: HashMap<PageKey, Put> = HashMap::new();
         let mut owners: HashMap<(u64, u64), PageKey> = HashMap::new();
-        let mut good = RECORD_LEN;
-        for chunk in bytes[RECORD_LEN..].chunks(RECORD_LEN) {
-            let Ok(rec) = chunk
-                .try_into()
-                .map_err(|_| ())
-                .and_then(|c: &[u8; RECORD_LEN]| Record::decode(c).map_err(|_| ()))
-            else {
-                break;
-            };
+        // End of the last valid record, and offsets of the invalid ones before it.
+        let mut good_end = RECORD_LEN;
+        let mut bad: Vec<usize> = Vec::new();
+        for (i, chunk) in bytes[RECORD_LEN..].chunks(RECORD_LEN).enumerate() {
+            let offset = RECORD_LEN * (i + 1);
+            let rec = <&[u8; RECORD_LEN]>::try_from(chunk)
+                .ok()
+                .and_then(|c| Record::decode(c).ok());
             match rec {
-                Record::Header { .. } => break,
-                Record::Put(p) => {
+                None | Some(Record::Header { .. }) => {
+                    bad.push(offset);
+                    continue;
+                }
+                Some(Record::Put(p)) => {
                     replay.max_seq = replay.max_seq.max(p.seq);
                     if let Some(old) = live.remove(&p.key) {
                         owners.remove(&(old.slot_bytes, old.slot));
@@ -126,7 +142,7 @@ impl IndexLog {
                     }
                     live.insert(p.key, p);
                 }
-                Record::Del { seq, key } => {
+                Some(Record::Del { seq, key }) => {
                     replay.max_seq = replay.max_seq.max(seq);
                     if let Some(old) = live.remove(&key) {
                         owners.remove(&(old.slot_bytes, old.slot));
@@ -134,27 +150,110 @@ impl IndexLog {
                 }
             }
             replay.records += 1;
-            good += RECORD_LEN;
+            good_end = offset + RECORD_LEN;
         }
-        if good < bytes.len() {
-            replay.discarded = (bytes.len() - good).div_ceil(RECORD_LEN) as u64;
-            tracing::warn!(
-                path = %path.display(),
-                records = replay.discarded,
-                "uring backend: torn index-log tail discarded"
-            );
-            file.set_len(good as u64)
-                .and_then(|()| file.sync_all())
-                .map_err(|e| at(&path, "truncate torn tail of", e))?;
+        bad.retain(|&o| o < good_end);
+        replay.skipped = bad.len() as u64 + u64::from(damaged_header);
+        if good_end < bytes.len() {
+            replay.discarded = (bytes.len() - good_end).div_ceil(RECORD_LEN) as u64;
         }
         replay.puts = live.into_values().collect();
         replay.puts.sort_by_key(|p| p.seq);
-        let log = Self {
+        let first_bad = if damaged_header {
+            Some(0)
+        } else {
+            bad.first()
+                .copied()
+                .or((good_end < bytes.len()).then_some(good_end))
+        };
+        let mut log = Self {
             dir: dir.to_path_buf(),
             file,
             records: replay.records,
         };
+        if let Some(from) = first_bad {
+            // Recovery loses nothing extra: the damaged region is copied aside (durably)
+            // before the log is cut or rewritten.
+            let kept = Self::preserve(dir, &bytes[from..])?;
+            tracing::warn!(
+                path = %path.display(),
+                skipped = replay.skipped,
+                torn_tail = replay.discarded,
+                kept_records = replay.records,
+                preserved = %kept.display(),
+                "uring backend: damaged index-log records discarded (bytes preserved)"
+            );
+            replay.preserved = Some(kept);
+            if replay.skipped > 0 {
+                // Damage inside the log: rewrite it as the live pages it names.
+                log.compact(&replay.puts)?;
+            } else {
+                log.file
+                    .set_len(good_end as u64)
+                    .and_then(|()| log.file.sync_all())
+                    .map_err(|e| at(&path, "truncate torn tail of", e))?;
+            }
+        }
         Ok((log, replay))
+    }
+
+    /// Checks, touching nothing, that an existing log in `dir` is this backend's: `Ok(true)`
+    /// if one is there, `Ok(false)` if none (or a creation torn before its header), an
+    /// `InvalidData` error naming the file if it is someone else's.
+    pub fn check_owner(dir: &Path) -> io::Result<bool> {
+        let path = dir.join(INDEX_FILE);
+        let mut bytes = Vec::new();
+        match File::open(&path) {
+            Ok(mut f) => f
+                .read_to_end(&mut bytes)
+                .map_err(|e| at(&path, "read", e))?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(at(&path, "open", e)),
+        };
+        if bytes.len() < RECORD_LEN {
+            return Ok(false);
+        }
+        let header: &[u8; RECORD_LEN] = bytes[..RECORD_LEN].try_into().expect("one record");
+        if matches!(Record::decode(header), Ok(Record::Header { .. })) || Self::is_ours(&bytes) {
+            Ok(true)
+        } else {
+            Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "{}: not a hicache-uring index log (bad header); refusing to use {}",
+                    path.display(),
+                    dir.display()
+                ),
+            ))
+        }
+    }
+
+    /// Whether a log with an invalid header record is still this backend's: its magic is
+    /// intact, or a later record is valid (a foreign file holds no checksummed records).
+    fn is_ours(bytes: &[u8]) -> bool {
+        bytes[..MAGIC.len()] == MAGIC[..]
+            || bytes[RECORD_LEN..]
+                .chunks_exact(RECORD_LEN)
+                .any(|c| Record::decode(c.try_into().expect("one record")).is_ok())
+    }
+
+    /// Copies `bytes` (a damaged region of the log) to a new `index.log.damaged-<n>` file,
+    /// synced with its directory; returns its path.
+    fn preserve(dir: &Path, bytes: &[u8]) -> io::Result<PathBuf> {
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let path = dir.join(format!("{DAMAGED_PREFIX}{stamp}"));
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| at(&path, "create", e))?;
+        f.write_all(bytes)
+            .and_then(|()| f.sync_all())
+            .and_then(|()| sync_dir(dir))
+            .map_err(|e| at(&path, "write", e))?;
+        Ok(path)
     }
 
     /// Records in the file, header excluded.
@@ -272,12 +371,18 @@ mod tests {
         fs::write(&path, &b).unwrap();
         let (_, r) = IndexLog::open(dir.path()).unwrap();
         assert_eq!((r.puts.len(), r.discarded), (3, 2));
-        // A damaged record in the middle ends the log there.
+        // A damaged record in the middle costs that record only; the log is rewritten
+        // after the damaged bytes were preserved.
         let mut b = fs::read(&path).unwrap();
         b[2 * RECORD_LEN + 40] ^= 1;
         fs::write(&path, &b).unwrap();
         let (_, r) = IndexLog::open(dir.path()).unwrap();
-        assert_eq!((r.puts.len(), r.discarded), (1, 2));
+        assert_eq!((r.puts.len(), r.discarded, r.skipped), (2, 0, 1));
+        let kept = fs::read(r.preserved.as_ref().unwrap()).unwrap();
+        assert_eq!(kept[..], b[2 * RECORD_LEN..]);
+        let (_, r) = IndexLog::open(dir.path()).unwrap();
+        assert_eq!((r.puts.len(), r.discarded, r.skipped), (2, 0, 0));
+        assert!(r.preserved.is_none());
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! The few OS calls `std` lacks: `fallocate` (grow a slab, punch a freed slot), `statvfs`
-//! (the default capacity) and `eventfd` (waking the ring thread). Each `unsafe` block is one
+//! (the default capacity, the room left for a slab to grow) and `eventfd` (waking the ring thread). Each `unsafe` block is one
 //! libc call on a valid descriptor or a live, NUL-terminated path.
 
 use std::ffi::CString;
@@ -58,6 +58,19 @@ pub fn free_bytes(path: &Path) -> io::Result<u64> {
         return Err(io::Error::last_os_error());
     }
     Ok(s.f_bavail as u64 * s.f_frsize as u64)
+}
+
+/// Bytes available to unprivileged users, and the total size, of the file system holding
+/// `file`.
+pub fn fs_space(file: &File) -> io::Result<(u64, u64)> {
+    // SAFETY: an all-zero statvfs is a valid value of this plain C struct.
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: an open descriptor; `s` is a valid, exclusive out-pointer.
+    if unsafe { libc::fstatvfs(file.as_raw_fd(), &mut s) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let unit = s.f_frsize as u64;
+    Ok((s.f_bavail as u64 * unit, s.f_blocks as u64 * unit))
 }
 
 /// A non-blocking eventfd.

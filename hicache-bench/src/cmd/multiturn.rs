@@ -326,7 +326,8 @@ fn read_extra_config(arg: Option<&str>) -> Result<Map<String, Value>> {
     };
     let (text, name) = match s.strip_prefix('@') {
         Some(p) => (
-            std::fs::read_to_string(p).map_err(BenchError::io(p))?,
+            hicache_storage::read_config_file(std::path::Path::new(p))
+                .map_err(|e| usage(format!("--extra-config: {e}")))?,
             p.to_string(),
         ),
         None => (s.to_string(), "--extra-config".to_string()),

@@ -269,6 +269,11 @@ enum Phase {
 pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
     let total = parse_byte_size(&args.total)
         .ok_or_else(|| BenchError::Usage(format!("--total {:?} is not a byte size", args.total)))?;
+    if total == 0 {
+        return Err(BenchError::Usage(
+            "--total must be at least one page (got 0 bytes)".into(),
+        ));
+    }
     let raw_depth = args.raw_depth;
     if args.batch == 0 || args.rounds == 0 || raw_depth == 0 {
         return Err(BenchError::Usage(
@@ -308,7 +313,18 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
     let mut records = Vec::new();
     for &page_bytes in &sizes {
         let pages = ((total / page_bytes as u64) as usize).max(args.batch);
-        let bytes = (pages * page_bytes) as u64;
+        let bytes = pages
+            .checked_mul(page_bytes)
+            .and_then(|b| b.checked_mul(2))
+            .ok_or_else(|| {
+                BenchError::Usage(format!(
+                    "--page-bytes {page_bytes} is too large: {pages} pages of it (at least \
+                     --batch {}) overflow a {}-bit byte count",
+                    args.batch,
+                    usize::BITS
+                ))
+            })? as u64
+            / 2;
         let batch_pages = args.batch.min(pages);
         // Source and destination pages in one mapping (one region to register).
         let mut pool = aligned_region(2 * batch_pages, page_bytes)?;

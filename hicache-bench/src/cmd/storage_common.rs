@@ -51,7 +51,8 @@ impl BackendArgs {
             None | Some("") => serde_json::Map::new(),
             Some(s) => {
                 let text = match s.strip_prefix('@') {
-                    Some(p) => std::fs::read_to_string(p).map_err(BenchError::io(p))?,
+                    Some(p) => hicache_storage::read_config_file(std::path::Path::new(p))
+                        .map_err(|e| BenchError::Usage(format!("--extra-config: {e}")))?,
                     None => s.to_string(),
                 };
                 match serde_json::from_str::<Value>(&text) {
@@ -103,7 +104,14 @@ pub fn seed_key(seed: u64, index: u64) -> PageKey {
 /// A page-aligned region of `pages` pages of `page_bytes` each (as the pinned host pool is),
 /// so backends can use their zero-copy paths.
 pub fn aligned_region(pages: usize, page_bytes: usize) -> Result<MmapMut> {
-    MmapMut::map_anon((pages * page_bytes).max(1)).map_err(|e| {
+    let len = pages.checked_mul(page_bytes).ok_or_else(|| {
+        BenchError::Usage(format!(
+            "--page-bytes {page_bytes} is too large: {pages} pages of it overflow a {}-bit \
+             byte count",
+            usize::BITS
+        ))
+    })?;
+    MmapMut::map_anon(len.max(1)).map_err(|e| {
         BenchError::Usage(format!(
             "cannot map {pages} pages of {page_bytes} bytes: {e}"
         ))

@@ -1,0 +1,119 @@
+//! Issue 13, items 1 and 6 on the file backend: it uses only a directory it marked as its own
+//! (or an empty one it marks), never follows a symlink out of it, names the holder of a
+//! directory in use, and refuses a capacity that cannot hold one page. Each test failed
+//! before the fix it covers.
+
+mod common;
+
+use std::fs;
+use std::os::unix::fs::symlink;
+
+use common::test_dir;
+use hicache_backend_file::format::MARKER;
+use hicache_backend_file::{FileBackend, FileOptions};
+use hicache_storage::{BackendContext, Registry, StorageConfig};
+
+fn opts(dir: &std::path::Path) -> FileOptions {
+    let mut o = FileOptions::new(dir);
+    o.capacity_bytes = Some(64 << 20);
+    o
+}
+
+#[test]
+fn a_non_empty_unmarked_directory_is_refused_untouched() {
+    let d = test_dir();
+    // What `{"dir": "/var"}` looked like to the backend: a tmp/ and other files.
+    fs::create_dir_all(d.path().join("tmp/cache")).unwrap();
+    fs::write(d.path().join("tmp/cache/file"), b"mine").unwrap();
+    fs::create_dir_all(d.path().join("pages")).unwrap();
+    fs::write(d.path().join("pages/notes"), b"mine too").unwrap();
+    let e = FileBackend::open(opts(d.path())).unwrap_err().to_string();
+    assert!(e.contains(&d.path().display().to_string()), "{e}");
+    assert!(e.contains("not empty") && e.contains(MARKER), "{e}");
+    assert_eq!(fs::read(d.path().join("tmp/cache/file")).unwrap(), b"mine");
+    assert_eq!(fs::read(d.path().join("pages/notes")).unwrap(), b"mine too");
+    assert!(
+        !d.path().join(MARKER).exists(),
+        "a refused directory was marked"
+    );
+}
+
+#[test]
+fn an_empty_directory_is_marked_and_reopened() {
+    let d = test_dir();
+    drop(FileBackend::open(opts(d.path())).unwrap());
+    assert!(d.path().join(MARKER).is_file());
+    drop(FileBackend::open(opts(d.path())).unwrap());
+}
+
+#[test]
+fn a_symlinked_tmp_in_a_marked_directory_is_refused_not_followed() {
+    let d = test_dir();
+    let store = d.path().join("store");
+    drop(FileBackend::open(opts(&store)).unwrap());
+    let elsewhere = d.path().join("elsewhere");
+    fs::create_dir_all(elsewhere.join("999-abc")).unwrap();
+    fs::write(elsewhere.join("999-abc.lock"), b"").unwrap();
+    fs::write(elsewhere.join("999-abc/x"), b"keep").unwrap();
+    fs::remove_dir_all(store.join("tmp")).unwrap();
+    symlink(&elsewhere, store.join("tmp")).unwrap();
+    let e = FileBackend::open(opts(&store)).unwrap_err().to_string();
+    assert!(e.contains("symlink") && e.contains("tmp"), "{e}");
+    assert_eq!(fs::read(elsewhere.join("999-abc/x")).unwrap(), b"keep");
+    assert!(elsewhere.join("999-abc.lock").exists());
+}
+
+#[test]
+fn the_in_use_error_names_the_holder() {
+    let d = test_dir();
+    let first = FileBackend::open(opts(d.path())).unwrap();
+    let e = FileBackend::open(opts(d.path())).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("pid {}", std::process::id())),
+        "the holder is not named: {e}"
+    );
+    drop(first);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capacity_below_one_page_is_refused_and_evicts_nothing() {
+    let d = test_dir();
+    let page = 64 << 10;
+    {
+        use hicache_storage::{LayoutKind, StorageExt, pattern};
+        let s = FileBackend::open(opts(d.path())).unwrap();
+        let k = pattern::page_key(pattern::namespace(1), 1, 0);
+        s.put(LayoutKind::PageFirst, k, &pattern::page_bytes(&k, page))
+            .await
+            .unwrap();
+    }
+    let mut o = opts(d.path());
+    o.capacity_bytes = Some(100);
+    let e = FileBackend::open(o).unwrap_err().to_string();
+    assert!(e.contains("capacity") && e.contains("100"), "{e}");
+    // Through the registry the deployment's page size is known: one page must fit.
+    let r = Registry::new();
+    hicache_backend_file::register(&r).unwrap();
+    let cfg = StorageConfig::parse(
+        Some("file"),
+        Some(&format!(
+            r#"{{"dir": "{}", "capacity": 8192}}"#,
+            d.path().display()
+        )),
+    )
+    .unwrap();
+    let ctx = BackendContext {
+        page_bytes: page,
+        ..BackendContext::default()
+    };
+    let e = match r.open(&cfg, &ctx).await {
+        Ok(_) => panic!("a capacity below one page was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("capacity") && e.contains("cannot hold one page"),
+        "{e}"
+    );
+    let s = FileBackend::open(opts(d.path())).unwrap();
+    assert_eq!(s.open_report().pages, 1, "the refused opens evicted pages");
+}

@@ -1,0 +1,181 @@
+//! Issue 13, items 3, 5 and 6 on the uring backend. Each test failed before its fix.
+
+mod common;
+
+use std::fs;
+
+use common::{test_dir, test_opts};
+use hicache_backend_uring::format::{DAMAGED_PREFIX, INDEX_FILE, LOCK_FILE, RECORD_LEN};
+use hicache_backend_uring::{UringBackend, UringOptions};
+use hicache_storage::faults::SmallFs;
+use hicache_storage::pattern::{check_page, namespace, page_bytes, page_key};
+use hicache_storage::{LayoutKind, PageKey, PageOutcome, Storage, StorageExt};
+
+const L: LayoutKind = LayoutKind::PageFirst;
+const LEN: usize = 16 << 10;
+
+fn keys(seed: u64, n: u64) -> Vec<PageKey> {
+    (0..n).map(|i| page_key(namespace(13), seed, i)).collect()
+}
+
+async fn put_each(s: &UringBackend, ks: &[PageKey]) -> usize {
+    let mut stored = 0;
+    for chunk in ks.chunks(64) {
+        let pages: Vec<(PageKey, bytes::Bytes)> = chunk
+            .iter()
+            .map(|k| (*k, bytes::Bytes::from(page_bytes(k, LEN))))
+            .collect();
+        if let Ok(outcomes) = s.put_pages(L, &pages).await {
+            stored += outcomes
+                .iter()
+                .filter(|o| **o == PageOutcome::Stored)
+                .count();
+        }
+    }
+    stored
+}
+
+async fn intact(s: &UringBackend, ks: &[PageKey]) -> Vec<bool> {
+    s.get_pages(L, LEN, ks)
+        .await
+        .unwrap()
+        .iter()
+        .zip(ks)
+        .map(|(g, k)| g.as_ref().is_some_and(|b| check_page(k, b)))
+        .collect()
+}
+
+/// Item 3: a damaged record inside the log costs its own page only; every later record is
+/// kept, the damaged bytes are preserved before the log is rewritten, and the open reports it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_log_record_costs_only_its_own_page() {
+    let dir = test_dir();
+    let ks = keys(1, 10);
+    {
+        let s = UringBackend::open(test_opts(dir.path())).unwrap();
+        assert_eq!(put_each(&s, &ks).await, 10);
+    }
+    let log = dir.path().join(INDEX_FILE);
+    let mut b = fs::read(&log).unwrap();
+    // Record 0 is the header; the put of page 2 is record 3.
+    let at = 3 * RECORD_LEN + 50;
+    b[at] ^= 0x10;
+    fs::write(&log, &b).unwrap();
+    let s = UringBackend::open(test_opts(dir.path())).unwrap();
+    let r = s.open_report().clone();
+    assert_eq!(r.skipped_records, 1, "{r:?}");
+    assert_eq!(s.stats().discarded_on_open, 1);
+    let mut want = vec![true; 10];
+    want[2] = false;
+    assert_eq!(intact(&s, &ks).await, want, "every later page is kept");
+    let kept = fs::read(r.preserved.as_ref().expect("the damaged bytes preserved")).unwrap();
+    assert_eq!(
+        kept[..],
+        b[3 * RECORD_LEN..],
+        "the damaged region was preserved"
+    );
+    assert!(
+        r.preserved
+            .unwrap()
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with(DAMAGED_PREFIX)
+    );
+    drop(s);
+    let s = UringBackend::open(test_opts(dir.path())).unwrap();
+    assert_eq!(s.open_report().skipped_records, 0);
+    assert_eq!(s.stats().pages, 9);
+}
+
+/// Item 6: a directory that is not the backend's (a foreign `index.log`, or files without one)
+/// is refused before anything in it is written: the foreign `lock` file keeps its bytes.
+#[test]
+fn a_foreign_directory_is_refused_and_its_lock_file_untouched() {
+    let dir = test_dir();
+    fs::write(dir.path().join(LOCK_FILE), b"someone else's lock\n").unwrap();
+    fs::write(dir.path().join(INDEX_FILE), vec![b'x'; 4096]).unwrap();
+    let e = UringBackend::open(test_opts(dir.path()))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not a hicache-uring index log"), "{e}");
+    assert_eq!(
+        fs::read(dir.path().join(LOCK_FILE)).unwrap(),
+        b"someone else's lock\n"
+    );
+    let other = test_dir();
+    fs::write(other.path().join("data.bin"), b"mine").unwrap();
+    let e = UringBackend::open(test_opts(other.path()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&other.path().display().to_string()) && e.contains("not empty"),
+        "{e}"
+    );
+    assert!(!other.path().join(LOCK_FILE).exists());
+}
+
+/// Item 6: a capacity below one page is refused before anything is evicted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capacity_below_one_page_is_refused() {
+    let dir = test_dir();
+    let ks = keys(2, 3);
+    {
+        let s = UringBackend::open(test_opts(dir.path())).unwrap();
+        assert_eq!(put_each(&s, &ks).await, 3);
+    }
+    let mut o = test_opts(dir.path());
+    o.capacity_bytes = Some(100);
+    let e = UringBackend::open(o).unwrap_err().to_string();
+    assert!(e.contains("capacity") && e.contains("100"), "{e}");
+    let mut o = test_opts(dir.path());
+    o.capacity_bytes = Some(LEN as u64 - 1);
+    o.page_bytes = Some(LEN as u64);
+    assert!(UringBackend::open(o).is_err());
+    let s = UringBackend::open(test_opts(dir.path())).unwrap();
+    assert_eq!(intact(&s, &ks).await, vec![true; 3], "nothing was evicted");
+}
+
+/// Item 5: with a capacity above the free space (and the default 256 MiB growth step, more
+/// than the file system holds) the backend still writes, never leaves the file system full
+/// with a partial slab, and keeps working by evicting once the disk is full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capacity_above_the_free_space_still_writes() {
+    let root = test_dir();
+    let small = match SmallFs::mount(root.path(), 96 << 20) {
+        Ok(m) => m,
+        Err(why) => {
+            println!("SKIPPED: cannot mount a small file system: {why}");
+            return;
+        }
+    };
+    let dir = small.path().join("store");
+    let mut o = UringOptions::new(&dir);
+    o.capacity_bytes = Some(10 << 30);
+    let s = match UringBackend::open(o) {
+        Ok(s) => s,
+        Err(e) if e.to_string().contains("O_DIRECT") => {
+            println!("SKIPPED: the small file system refuses O_DIRECT: {e}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let first = keys(3, 8);
+    assert_eq!(put_each(&s, &first).await, 8, "nothing could be written");
+    assert_eq!(intact(&s, &first).await, vec![true; 8]);
+    // Fill it past its end: every write still succeeds (older pages evicted, counted).
+    let many = keys(4, (160 << 20) / LEN as u64);
+    let stored = put_each(&s, &many).await;
+    assert_eq!(stored, many.len(), "writes failed on a full file system");
+    assert!(s.stats().evicted_pages > 0);
+    let tail = &many[many.len() - 8..];
+    assert_eq!(intact(&s, tail).await, vec![true; 8]);
+    drop(s);
+    let s = UringBackend::open({
+        let mut o = UringOptions::new(&dir);
+        o.capacity_bytes = Some(10 << 30);
+        o
+    })
+    .unwrap();
+    assert_eq!(intact(&s, tail).await, vec![true; 8]);
+}
