@@ -146,10 +146,12 @@ impl DevicePool {
                 )));
             }
             if let Backend::Cuda(c) = device.backend() {
-                let (base, size) = c.address_range(r.ptr).map_err(|e| {
+                // Across consecutive VMM mappings (expandable segments) when the buffer
+                // continues past the chunk the driver reports first.
+                let end = c.reachable_end(r.ptr, need).map_err(|e| {
                     GpuError::BadRegistration(format!("{what}: not device memory ({e})"))
                 })?;
-                let avail = (base + size as u64).saturating_sub(r.ptr) as usize;
+                let avail = end.saturating_sub(r.ptr) as usize;
                 if avail < need {
                     return Err(GpuError::BufferTooSmall {
                         what: format!("{what} (driver allocation)"),
