@@ -272,8 +272,8 @@ def test_bad_input_is_an_exception_naming_it(tmp_path):
     head_pool.layout = "page_head"
     with pytest.raises(ValueError, match="page_head"):
         create({"backend": "memory"}, head_pool)
-    # Local directories have one owner: MLA with TP > 1 needs a shared backend.
-    with pytest.raises(ValueError, match="shared backend"):
+    # A local directory has one owner unless `shared`: MLA with TP > 1 must say so.
+    with pytest.raises(ValueError, match='"shared": true'):
         create({"backend": "file", "dir": str(tmp_path / "y")}, make_pool("mla", "page_first"),
                mla=True, tp=(0, 2))
 
@@ -287,5 +287,25 @@ def test_file_storage_path_becomes_dir_and_ranks_get_their_own_directory(tmp_pat
     r1 = create({"backend": "file", "file_storage_path": str(base)}, make_pool("mha", "page_first"),
                 tp=(1, 2))
     assert sorted(p.name for p in base.iterdir()) == ["tp0-pp0-cp0", "tp1-pp0-cp0"]
+    r0.close()
+    r1.close()
+
+
+def test_mla_ranks_share_one_shared_directory(tmp_path):
+    # The file backend's `shared` mode: one directory, several openers. The MLA writer rank's
+    # pages serve the other TP rank (same namespace), which itself writes nothing.
+    ours = {"backend": "file", "dir": str(tmp_path / "mla"), "shared": True}
+    p0, p1 = make_pool("mla", "page_first"), make_pool("mla", "page_first")
+    r0 = create(ours, p0, mla=True, tp=(0, 2))
+    r1 = create(ours, p1, mla=True, tp=(1, 2))
+    ks = keys(3)
+    i0 = p0.alloc(3 * p0.page_size)
+    written = fill_pages(p0, i0, seed=21)
+    assert r0.batch_set_v1(ks, i0) == [True] * 3
+    i1 = p1.alloc(3 * p1.page_size)
+    assert r1.batch_exists(ks) == 3
+    assert r1.batch_get_v1(ks, i1) == [True] * 3
+    assert all(same(a, b) for a, b in zip(read_pages(p1, i1), written))
+    assert r1.backend_stats()["set_pages"] == 0
     r0.close()
     r1.close()

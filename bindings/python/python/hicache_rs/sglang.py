@@ -120,17 +120,23 @@ class HiCacheRsStorage(HiCacheStorage):
         # when it opens, in register_mem_pool_host).
         self.backend_name = check_extra_config(self._config_json)
         ranks = storage_config.tp_size * storage_config.pp_size * storage_config.attn_cp_size
+        # A local directory has one owner process unless the file backend runs `shared`
+        # (several processes, one directory); namespaces keep the ranks' pages apart either way.
+        shared_dir = self.backend_name == "file" and self._extra.get("shared") is True
         if (
             self.backend_name in LOCAL_DIR_BACKENDS
+            and not shared_dir
             and storage_config.is_mla_model
             and storage_config.tp_size > 1
         ):
             raise ValueError(
-                f"backend {self.backend_name!r} keeps pages in one local directory per rank, "
-                "but an MLA model's TP ranks read the pages of one writer rank: use a shared "
-                "backend (rdma, or a plugin) for MLA with tp_size > 1"
+                f"backend {self.backend_name!r} without `\"shared\": true` keeps one directory "
+                "per rank, but an MLA model's TP ranks read the pages of one writer rank: use "
+                "the file backend with \"shared\": true, or a shared backend (rdma, redis)"
             )
-        self._per_rank_dir = self.backend_name in LOCAL_DIR_BACKENDS and ranks > 1
+        self._per_rank_dir = (
+            self.backend_name in LOCAL_DIR_BACKENDS and not shared_dir and ranks > 1
+        )
         self.mem_pool_host = None
         self._store: Optional[Store] = None
         self._closed = False
