@@ -121,7 +121,11 @@ fn pages_round_trip_over_tls_to_a_real_redis_server() {
     // A client trusting another CA: the server's certificate is refused.
     let (other_ca, _, _) = pki(dir.path(), "another");
     let e = rt
-        .block_on(RedisStorage::open(opts(tls_addr.clone(), true, Some(&other_ca))))
+        .block_on(RedisStorage::open(opts(
+            tls_addr.clone(),
+            true,
+            Some(&other_ca),
+        )))
         .unwrap_err()
         .to_string();
     assert!(
