@@ -20,8 +20,8 @@ use hicache_gpu::IoBackend;
 use crate::error::{BenchError, Result};
 use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize};
 use crate::sim::cache::{
-    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, PrefetchStatus, RequestId,
-    TransferStats,
+    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
+    RequestId, TransferStats,
 };
 
 /// Builds `HiCache` instances for the main job.
@@ -187,7 +187,12 @@ impl CacheUnderTest for HiCacheUnderTest {
             .map_err(|e| CacheError(e.to_string()))
     }
 
-    fn cache_finished(&mut self, req: RequestId, tokens: &[u32], slots: &[u32]) -> CacheResult<()> {
+    fn cache_finished(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        slots: &[DeviceSlot],
+    ) -> CacheResult<()> {
         self.cache.cache_finished(req, tokens, slots).map_err(err)
     }
 

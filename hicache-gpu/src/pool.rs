@@ -15,31 +15,12 @@
 //!    as long as the pool (and any transfer engine using it) lives.
 //! 3. The pointer table (`[h·L + l]`) is also on the device, for the kernels.
 
-use hicache_core::KvShape;
-use hicache_host::{PageAllocator, Slot};
+use hicache_core::{DeviceSlot, KvShape};
+use hicache_host::PageAllocator;
 use parking_lot::Mutex;
 
 use crate::device::{Backend, Device, DeviceBuffer};
 use crate::error::{GpuError, Result};
-
-/// A page of the device pool (L1), by index.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct DeviceSlot(pub u32);
-
-impl Slot for DeviceSlot {
-    fn from_index(index: u32) -> Self {
-        DeviceSlot(index)
-    }
-    fn index(self) -> u32 {
-        self.0
-    }
-}
-
-impl std::fmt::Display for DeviceSlot {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "device page {}", self.0)
-    }
-}
 
 /// A range of device memory owned by someone else (the engine).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]

@@ -50,7 +50,7 @@ pub struct Admission {
     /// One device slot per cached page, in order; these pages are locked for the request
     /// until [`HiCache::cache_finished`] or [`HiCache::abort`]. Pages loaded back from host
     /// are valid once [`HiCache::start_loading`]'s layer events fire.
-    pub prefix_slots: Vec<u32>,
+    pub prefix_slots: Vec<DeviceSlot>,
     /// Pages that were already on device (L1 hits).
     pub device_pages: usize,
     /// Pages loaded back from host that were there before this request (L2 hits).
@@ -157,18 +157,6 @@ impl std::fmt::Debug for HiCache {
             .field("l3", &self.l3.as_ref().map(|l| l.backend_name()))
             .finish_non_exhaustive()
     }
-}
-
-pub(crate) fn dev_slots(s: &[u32]) -> Vec<DeviceSlot> {
-    s.iter().map(|&x| DeviceSlot(x)).collect()
-}
-
-pub(crate) fn host_slots(s: &[u32]) -> Vec<HostSlot> {
-    s.iter().map(|&x| HostSlot(x)).collect()
-}
-
-pub(crate) fn raw_host(s: &[HostSlot]) -> Vec<u32> {
-    s.iter().map(|x| x.0).collect()
 }
 
 impl HiCache {
@@ -473,7 +461,7 @@ impl HiCache {
         let m = self.tree.match_prefix(tenant, key)?;
         // Pages an undone admission loaded are at the end of the device prefix now.
         let carried = carried.min(m.device_pages());
-        let mut prefix: Vec<u32> = m.device_slots.clone();
+        let mut prefix: Vec<DeviceSlot> = m.device_slots.clone();
         let mut lock = m.last_device_node;
         let mut loaded = 0;
         if m.host_hit_pages > 0
@@ -488,8 +476,8 @@ impl HiCache {
                     prefix.extend_from_slice(&slots);
                     self.queued_loads.push(QueuedLoad {
                         load_id,
-                        host: host_slots(&host),
-                        device: dev_slots(&slots),
+                        host,
+                        device: slots,
                     });
                     lock = node;
                     loaded = pages;
@@ -540,12 +528,12 @@ impl HiCache {
 
     /// Allocates `pages` device pages for new tokens, evicting cached pages if needed.
     /// `None` when even eviction cannot free enough (pinned pages).
-    pub fn alloc_device(&mut self, pages: usize) -> Result<Option<Vec<u32>>> {
+    pub fn alloc_device(&mut self, pages: usize) -> Result<Option<Vec<DeviceSlot>>> {
         self.check_open()?;
         self.alloc_device_pages(pages)
     }
 
-    pub(crate) fn alloc_device_pages(&mut self, pages: usize) -> Result<Option<Vec<u32>>> {
+    pub(crate) fn alloc_device_pages(&mut self, pages: usize) -> Result<Option<Vec<DeviceSlot>>> {
         if pages == 0 {
             return Ok(Some(Vec::new()));
         }
@@ -553,17 +541,14 @@ impl HiCache {
         if free < pages {
             self.evict_device(pages - free)?;
         }
-        Ok(self
-            .device_pool
-            .alloc(pages)
-            .map(|v| v.into_iter().map(|s| s.0).collect()))
+        Ok(self.device_pool.alloc(pages))
     }
 
     /// Returns device pages the engine allocated and does not hand to the tree (e.g. those of
     /// an aborted request). Freeing a page the tree owns is an error of the pool (double
     /// free) only if it was freed already; the engine must not free tree pages.
-    pub fn free_device(&mut self, slots: &[u32]) -> Result<()> {
-        self.device_pool.free(&dev_slots(slots))?;
+    pub fn free_device(&mut self, slots: &[DeviceSlot]) -> Result<()> {
+        self.device_pool.free(slots)?;
         Ok(())
     }
 
@@ -571,7 +556,12 @@ impl HiCache {
     /// per page including a final partial page, frees the slots the tree already had (and
     /// the partial page's), unlocks the request's prefix and removes the request. Nodes due
     /// for write-through are backed up at the next poll, in one batch.
-    pub fn cache_finished(&mut self, req: RequestId, tokens: &[u32], slots: &[u32]) -> Result<()> {
+    pub fn cache_finished(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        slots: &[DeviceSlot],
+    ) -> Result<()> {
         self.check_open()?;
         let admitted = self.admitted(req)?;
         let tenant = self.requests[&req].tenant;
@@ -591,9 +581,9 @@ impl HiCache {
         self.tree.unlock(admitted.lock)?;
         self.record_hits(admitted);
         let lo = admitted.shared_pages.min(res.prefix_pages);
-        let mut free: Vec<u32> = slots[lo..res.prefix_pages].to_vec();
+        let mut free: Vec<DeviceSlot> = slots[lo..res.prefix_pages].to_vec();
         free.extend_from_slice(&slots[n..]);
-        self.device_pool.free(&dev_slots(&free))?;
+        self.device_pool.free(&free)?;
         self.due_writes.extend(res.write_through);
         self.requests.remove(&req);
         Ok(())
@@ -607,8 +597,8 @@ impl HiCache {
         &mut self,
         req: RequestId,
         tokens: &[u32],
-        slots: &[u32],
-    ) -> Result<Vec<u32>> {
+        slots: &[DeviceSlot],
+    ) -> Result<Vec<DeviceSlot>> {
         self.check_open()?;
         let admitted = self.admitted(req)?;
         let tenant = self.requests[&req].tenant;
@@ -625,8 +615,7 @@ impl HiCache {
             },
         )?;
         let lo = admitted.shared_pages.min(res.prefix_pages);
-        self.device_pool
-            .free(&dev_slots(&slots[lo..res.prefix_pages]))?;
+        self.device_pool.free(&slots[lo..res.prefix_pages])?;
         let m = self.tree.match_prefix(tenant, key)?;
         debug_assert_eq!(m.device_pages(), n, "inserted pages are on device");
         self.tree.lock(m.last_node)?;
@@ -697,7 +686,7 @@ impl HiCache {
         &self,
         req: RequestId,
         tokens: &[u32],
-        slots: &[u32],
+        slots: &[DeviceSlot],
         shared: usize,
     ) -> Result<()> {
         let ps = self.page_size();
@@ -725,7 +714,7 @@ impl HiCache {
         // twice, would end up freed twice (and its page reused while cached).
         let mut seen = std::collections::HashSet::with_capacity(slots.len());
         for (page, &slot) in slots.iter().enumerate() {
-            if !self.device_pool.is_allocated(DeviceSlot(slot)) {
+            if !self.device_pool.is_allocated(slot) {
                 return Err(HiCacheError::request(
                     req,
                     format!(
@@ -761,7 +750,7 @@ impl HiCache {
             failed: false,
         };
         let out = self.tree.evict(pages, &mut host);
-        self.device_pool.free(&dev_slots(&out.device_slots))?;
+        self.device_pool.free(&out.device_slots)?;
         self.metrics
             .evicted(Tier::l1, (out.demoted_pages + out.deleted_pages) as u64);
         if out.dropped_pages > 0 {
@@ -784,7 +773,7 @@ impl HiCache {
     /// Returns the pages freed.
     pub(crate) fn evict_host(&mut self, pages: usize) -> Result<usize> {
         let out = self.tree.evict_host(pages);
-        self.host_pool.free(&host_slots(&out.host_slots))?;
+        self.host_pool.free(&out.host_slots)?;
         self.host_budget += out.host_slots.len();
         self.metrics.evicted(Tier::l2, out.freed_pages as u64);
         Ok(out.freed_pages)

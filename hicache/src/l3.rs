@@ -41,7 +41,7 @@ use hicache_storage::{BackendContext, LayoutKind, PageBuf, PageBufMut, Storage, 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
-use crate::cache::{HiCache, RequestId, raw_host};
+use crate::cache::{HiCache, RequestId};
 use crate::error::{HiCacheError, Result};
 use crate::metrics::{Direction, PrefetchOutcome};
 
@@ -534,6 +534,7 @@ impl HiCache {
         };
         let hashes = fin.hashes();
         let slots = fin.host_slots();
+        let pages = slots.len();
         if hashes.len() != slots.len() {
             // Pages without hashes cannot be named in L3.
             return Ok(());
@@ -562,7 +563,7 @@ impl HiCache {
                 storage: l3.storage.clone(),
                 pool: self.host_pool.clone(),
                 keys,
-                slots: crate::cache::host_slots(&slots),
+                slots,
                 batch: l3.batch,
                 layout: self.cfg.mem_layout,
                 shared: shared.clone(),
@@ -571,7 +572,7 @@ impl HiCache {
         }
         l3.backups.push_back(BackupOp {
             nodes,
-            pages: slots.len(),
+            pages,
             events,
             started: Instant::now(),
             shared,
@@ -832,11 +833,11 @@ impl HiCache {
                     op.tenant,
                     op.anchor,
                     &op.tokens[..agreed * ps],
-                    &raw_host(&host[..agreed]),
+                    &host[..agreed],
                     Some(&hashes),
                 )?;
                 new_pages = res.new_pages;
-                self.free_host(&crate::cache::host_slots(&res.duplicate_slots))?;
+                self.free_host(&res.duplicate_slots)?;
                 let bytes = (agreed * self.shape.page_bytes()) as u64;
                 self.metrics.transfer(
                     Direction::l3_to_l2,

@@ -86,8 +86,8 @@ pub use rank::{RankError, RankGroup, SingleRank, TcpRankGroup};
 pub use tick::PollReport;
 
 pub use hicache_core::{
-    CoreError, DType, HashMode, HiRadixTree, KvEvent, KvKind, KvShape, LayoutKind, Medium,
-    PrefetchPolicy, StrategyKind, TenantId, WritePolicy,
+    CoreError, DType, DeviceSlot, HashMode, HiRadixTree, HostSlot, KvEvent, KvKind, KvShape,
+    LayoutKind, Medium, PrefetchPolicy, StrategyKind, TenantId, WritePolicy,
 };
 pub use hicache_gpu::{Device, DevicePool, GpuError, LayerDoneCounter, TransferConfig};
 pub use hicache_host::HostError;

@@ -136,8 +136,8 @@ impl HiCache {
         }
         self.drain()?;
         let (dev, host) = self.tree.reset();
-        self.device_pool.free(&crate::cache::dev_slots(&dev))?;
-        self.free_host(&crate::cache::host_slots(&host))?;
+        self.device_pool.free(&dev)?;
+        self.free_host(&host)?;
         // Pages handed back by prefetch tasks go to the pool only: a task stuck in its
         // backend keeps its pages on one rank, and the budget stays what every rank has.
         self.collect_leftovers(true)?;

@@ -17,7 +17,7 @@ use hicache_core::{HostAllocator, LoadId, NodeId, StagedWriteBack, WriteId};
 use hicache_gpu::{Completion, DeviceSlot, Event, LoadHandle};
 use hicache_host::{HostPool, HostSlot};
 
-use crate::cache::{HiCache, dev_slots, host_slots, raw_host};
+use crate::cache::HiCache;
 use crate::error::Result;
 use crate::metrics::Direction;
 
@@ -52,18 +52,18 @@ pub(crate) struct BudgetHost<'a> {
 }
 
 impl HostAllocator for BudgetHost<'_> {
-    fn alloc(&mut self, pages: usize) -> Option<Vec<u32>> {
+    fn alloc(&mut self, pages: usize) -> Option<Vec<HostSlot>> {
         if *self.budget < pages {
             self.failed = true;
             return None;
         }
         let v = self.pool.alloc(pages)?;
         *self.budget -= pages;
-        Some(raw_host(&v))
+        Some(v)
     }
 
-    fn free(&mut self, slots: &[u32]) {
-        match self.pool.free(&host_slots(slots)) {
+    fn free(&mut self, slots: &[HostSlot]) {
+        match self.pool.free(slots) {
             Ok(()) => *self.budget += slots.len(),
             Err(e) => tracing::error!(error = %e, "the tree freed host pages twice"),
         }
@@ -108,8 +108,8 @@ impl HiCache {
                 );
                 continue;
             };
-            let id = self.tree.commit_backup(node, &raw_host(&h))?;
-            dev.extend(dev_slots(&plan.device_slots));
+            let id = self.tree.commit_backup(node, &h)?;
+            dev.extend_from_slice(&plan.device_slots);
             host.extend(h);
             ids.push(id);
         }
@@ -166,8 +166,8 @@ impl HiCache {
         let mut dev = Vec::new();
         let mut host = Vec::new();
         for s in &staged {
-            dev.extend(dev_slots(&s.device_slots));
-            host.extend(host_slots(&s.host_slots));
+            dev.extend_from_slice(&s.device_slots);
+            host.extend_from_slice(&s.host_slots);
         }
         let started = Instant::now();
         let after = self.after_compute()?;

@@ -62,7 +62,7 @@ fn tokens(seed: u64, n: usize) -> Vec<u32> {
 struct Running {
     id: u64,
     tokens: Vec<u32>,
-    slots: Vec<u32>,
+    slots: Vec<hicache::DeviceSlot>,
 }
 
 /// Runs the bench, writing the table or JSON lines to `out`.
