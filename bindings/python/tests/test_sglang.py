@@ -309,3 +309,16 @@ def test_mla_ranks_share_one_shared_directory(tmp_path):
     assert r1.backend_stats()["set_pages"] == 0
     r0.close()
     r1.close()
+
+
+def test_fp8_pools_stored_as_uint8_get_their_own_namespace():
+    # SGLang keeps fp8 KV caches in uint8 buffers; they get a namespace of their own.
+    u8 = create({"backend": "memory"}, make_pool("mha", "page_first", dtype=torch.uint8))
+    bf = create({"backend": "memory"}, make_pool("mha", "page_first"))
+    assert u8.namespace != bf.namespace
+    idx = u8.mem_pool_host.alloc(2 * u8.page_size)
+    u8.mem_pool_host.kv_buffer.view(-1)[:].fill_(7)
+    assert u8.batch_set_v1(keys(2), idx) == [True, True]
+    assert u8.batch_exists(keys(2)) == 2
+    u8.close()
+    bf.close()
