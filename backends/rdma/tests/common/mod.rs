@@ -171,3 +171,78 @@ impl Drop for ServerProcess {
         let _ = self.kill();
     }
 }
+
+/// Test certificates made by rcgen: a CA, a server certificate for `localhost` and
+/// `127.0.0.1` and a client certificate, both signed by the CA, as PEM files.
+pub struct TestPki {
+    _dir: tempfile::TempDir,
+    /// The CA certificate.
+    pub ca: std::path::PathBuf,
+    /// The server's certificate and key.
+    pub server_cert: std::path::PathBuf,
+    /// The server's key.
+    pub server_key: std::path::PathBuf,
+    /// A client certificate (for servers that require one).
+    pub client_cert: std::path::PathBuf,
+    /// Its key.
+    pub client_key: std::path::PathBuf,
+}
+
+impl TestPki {
+    /// Makes a fresh CA (common name `cn`) and certificates.
+    pub fn new(cn: &str) -> Self {
+        use rcgen::{
+            BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose,
+            IsCa, KeyPair,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params.distinguished_name.push(DnType::CommonName, cn);
+        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+        let leaf = |names: Vec<String>, usage: ExtendedKeyUsagePurpose| {
+            let key = KeyPair::generate().unwrap();
+            let mut p = CertificateParams::new(names).unwrap();
+            p.extended_key_usages = vec![usage];
+            let cert = p.signed_by(&key, &ca).unwrap();
+            (cert.pem(), key.serialize_pem())
+        };
+        let (sc, sk) = leaf(
+            vec!["localhost".into(), "127.0.0.1".into()],
+            ExtendedKeyUsagePurpose::ServerAuth,
+        );
+        let (cc, ck) = leaf(vec!["client".into()], ExtendedKeyUsagePurpose::ClientAuth);
+        let write = |name: &str, pem: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, pem).unwrap();
+            p
+        };
+        Self {
+            ca: write("ca.pem", &ca.pem()),
+            server_cert: write("server.pem", &sc),
+            server_key: write("server.key", &sk),
+            client_cert: write("client.pem", &cc),
+            client_key: write("client.key", &ck),
+            _dir: dir,
+        }
+    }
+
+    /// Server-side TLS with these files (requiring client certificates if `mutual`).
+    pub fn server_tls(&self, mutual: bool) -> hicache_backend_rdma::tls::ServerTls {
+        hicache_backend_rdma::tls::ServerTls::from_files(
+            &self.server_cert,
+            &self.server_key,
+            mutual.then_some(self.ca.as_path()),
+        )
+        .unwrap()
+    }
+
+    /// Client-side TLS trusting this CA (presenting the client certificate if `mutual`).
+    pub fn client_tls(&self, mutual: bool) -> hicache_backend_rdma::tls::ClientTls {
+        hicache_backend_rdma::tls::ClientTls {
+            ca_file: self.ca.clone(),
+            server_name: None,
+            client_cert: mutual.then(|| (self.client_cert.clone(), self.client_key.clone())),
+        }
+    }
+}
