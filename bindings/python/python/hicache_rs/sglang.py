@@ -191,6 +191,19 @@ class HiCacheRsStorage(HiCacheStorage):
         )
         self.mem_pool_host = pool
 
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """SGLang's hybrid controller registers every host pool of the group here: the KV
+        pool is ours; sidecar pools (Mamba, SWA, DSA indexer, draft) need the v2 methods,
+        which hicache-rs does not implement, so they fail the attach instead of being
+        silently skipped."""
+        name = getattr(host_pool_name, "value", host_pool_name)
+        if name != "kv":
+            raise ValueError(
+                f"host pool {name!r} ({type(host_pool).__name__}) is a sidecar pool of a "
+                "hybrid model; hicache-rs serves only the KV pool (no batch_*_v2 methods)"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
     def _namespace(self, pool) -> str:
         cfg = self.storage_config
         model = cfg.model_name or ""
