@@ -175,7 +175,7 @@ class HiCacheRsStorage(HiCacheStorage):
         self.namespace = self._namespace(pool)
         cfg = self.storage_config
         extra = self._config_json
-        if self._per_rank_dir:
+        if self._per_rank_dir and isinstance(self._extra.get("dir"), str):
             # One owner per directory: each rank opens its own subdirectory.
             own = dict(self._extra)
             own["dir"] = f"{own['dir'].rstrip('/')}/tp{cfg.tp_rank}-pp{cfg.pp_rank}-cp{cfg.attn_cp_rank}"
@@ -191,6 +191,19 @@ class HiCacheRsStorage(HiCacheStorage):
         )
         self.mem_pool_host = pool
 
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """SGLang's hybrid controller registers every host pool of the group here: the KV
+        pool is ours; sidecar pools (Mamba, SWA, DSA indexer, draft) need the v2 methods,
+        which hicache-rs does not implement, so they fail the attach instead of being
+        silently skipped."""
+        name = getattr(host_pool_name, "value", host_pool_name)
+        if name != "kv":
+            raise ValueError(
+                f"host pool {name!r} ({type(host_pool).__name__}) is a sidecar pool of a "
+                "hybrid model; hicache-rs serves only the KV pool (no batch_*_v2 methods)"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
     def _namespace(self, pool) -> str:
         cfg = self.storage_config
         model = cfg.model_name or ""
@@ -204,9 +217,16 @@ class HiCacheRsStorage(HiCacheStorage):
             v_head_dim = int(getattr(pool, "v_head_dim", head_dim))
             if v_head_dim != head_dim:
                 shard.append(f"v{v_head_dim}")
+        dtype = str(pool.dtype)
+        if pool.dtype == torch.uint8:
+            # SGLang stores fp8 KV caches as uint8: which fp8 format is not recorded here, so
+            # the namespace marks the storage type (deployments of one model name with
+            # e4m3 and e5m2 KV need different `tenant`s).
+            dtype = "float8_e4m3fn"
+            shard.append("uint8-storage")
         return namespace_id(
             model,
-            str(pool.dtype),
+            dtype,
             self.layout,
             self.mla,
             heads,
