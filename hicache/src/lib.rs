@@ -83,7 +83,7 @@ pub use cache::{Admission, Arrival, HiCache, RequestId};
 pub use config::{HiCacheConfig, IoBackendKind};
 pub use error::{HiCacheError, Result};
 pub use rank::{RankError, RankGroup, SingleRank, TcpRankGroup};
-pub use tick::PollReport;
+pub use tick::{EXCHANGE_BACKUPS_FINISHED, EXCHANGE_WRITES_FINISHED, InFlight, PollReport};
 
 pub use hicache_core::{
     CoreError, DType, HashMode, HiRadixTree, KvEvent, KvKind, KvShape, LayoutKind, Medium,

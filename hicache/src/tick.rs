@@ -23,6 +23,11 @@
 use crate::cache::HiCache;
 use crate::error::Result;
 
+/// Index of "D2H batches finished" in the per-tick exchange's `min` vector (see the table
+/// above). A [`crate::RankGroup`] that lowers it holds write-through acknowledgements back.
+pub const EXCHANGE_WRITES_FINISHED: usize = 0;
+/// Index of "L3 backups finished" in the per-tick exchange's `min` vector.
+pub const EXCHANGE_BACKUPS_FINISHED: usize = 2;
 /// Values of the per-tick exchange before the prefetches.
 const FIXED_VALUES: usize = 4;
 /// Values per tracked prefetch.
@@ -46,7 +51,40 @@ pub struct PollReport {
     pub writes_launched: usize,
 }
 
+/// Background work launched and not yet finished by [`HiCache::poll`], oldest first: for a
+/// caller that models how long it takes (the bench's simulated clock charges copy time on its
+/// links and holds acknowledgements back through its rank group until then).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InFlight {
+    /// Each D2H (write-through) batch: pages, and whether its copy has completed.
+    pub writes: Vec<(usize, bool)>,
+    /// Each L2→L3 backup: pages, and whether its task has finished.
+    pub backups: Vec<(usize, bool)>,
+    /// Prefetches whose L3 lookup is still running.
+    pub lookups: usize,
+}
+
 impl HiCache {
+    /// What is in flight now (see [`InFlight`]).
+    pub fn in_flight(&self) -> Result<InFlight> {
+        let mut out = InFlight::default();
+        for w in &self.writes {
+            out.writes.push((w.pages, w.done.is_done()?));
+        }
+        if let Some(l3) = &self.l3 {
+            for b in &l3.backups {
+                let done = b.shared.done.load(std::sync::atomic::Ordering::Acquire);
+                out.backups.push((b.pages, done));
+            }
+            out.lookups = l3
+                .prefetches
+                .values()
+                .filter(|op| op.shared.query.lock().is_none())
+                .count();
+        }
+        Ok(out)
+    }
+
     /// The per-tick pump; call it once per scheduler iteration, before scheduling: finishes
     /// the copies and L3 operations that completed on every rank, advances prefetches per
     /// policy, and launches the D2H batch of the nodes that became due since the last poll.
@@ -59,9 +97,9 @@ impl HiCache {
         self.collect_leftovers(false)?;
         let seqs = self.prefetch_seqs();
         let mut min = Vec::with_capacity(4 + 4 * seqs.len());
-        min.push(self.ready_writes()? as u64);
+        min.push(self.ready_writes()? as u64); // EXCHANGE_WRITES_FINISHED
         min.push(self.ready_loads()? as u64);
-        min.push(self.ready_backups() as u64);
+        min.push(self.ready_backups() as u64); // EXCHANGE_BACKUPS_FINISHED
         min.push(self.host_pool.available() as u64);
         if let Some(l3) = &self.l3 {
             for seq in &seqs {

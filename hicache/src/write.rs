@@ -25,6 +25,8 @@ use crate::metrics::Direction;
 pub(crate) struct WriteBatch {
     pub done: Completion,
     pub ids: Vec<WriteId>,
+    /// Pages copied by the batch.
+    pub pages: usize,
     pub started: Instant,
 }
 
@@ -122,6 +124,7 @@ impl HiCache {
         self.writes.push_back(WriteBatch {
             done,
             ids,
+            pages: dev.len(),
             started: Instant::now(),
         });
         Ok(())
