@@ -2,7 +2,8 @@
 # Runs CMD… against the emulated CUDA driver (hicache-cuda-emu): builds it if needed, links it as
 # libcuda.so / libcuda.so.1 in <target>/<profile>/cuda-emu/ (never in <target>/<profile>/ itself,
 # where cargo's own library path would hand it to every test), fetches NVRTC 13.0 from PyPI into
-# target/nvrtc-13.0 as .ci/run does, puts both on LD_LIBRARY_PATH and runs CMD….
+# <target>/nvrtc-13.0 (target/nvrtc-13.0 without CARGO_TARGET_DIR, as .ci/run does), puts both on
+# LD_LIBRARY_PATH and runs CMD….
 #
 #   scripts/with-cuda-emu.sh env HICACHE_TEST_CUDA=1 cargo test -p hicache-gpu --test cuda_transfers
 #
@@ -26,7 +27,7 @@ mkdir -p "$emu_dir"
 ln -sf "$lib" "$emu_dir/libcuda.so"
 ln -sf "$lib" "$emu_dir/libcuda.so.1"
 
-nvrtc_dir="$repo/target/nvrtc-13.0"
+nvrtc_dir="$target/nvrtc-13.0"
 nvrtc_lib="$nvrtc_dir/nvidia/cu13/lib"
 if [ ! -e "$nvrtc_lib/libnvrtc.so.13" ]; then
     rm -rf "$nvrtc_dir.tmp" && mkdir -p "$nvrtc_dir.tmp"

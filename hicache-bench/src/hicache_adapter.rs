@@ -27,8 +27,8 @@ use crate::copy_gate::{Clock, ClockRank, L3Clock, gated_registry};
 use crate::error::{BenchError, Result};
 use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize};
 use crate::sim::cache::{
-    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, PrefetchStatus, RequestId,
-    TransferStats,
+    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
+    RequestId, TransferStats,
 };
 use crate::sim::links::Links;
 
@@ -301,7 +301,12 @@ impl CacheUnderTest for HiCacheUnderTest {
             .map_err(|e| CacheError(e.to_string()))
     }
 
-    fn cache_finished(&mut self, req: RequestId, tokens: &[u32], slots: &[u32]) -> CacheResult<()> {
+    fn cache_finished(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        slots: &[DeviceSlot],
+    ) -> CacheResult<()> {
         self.cache.cache_finished(req, tokens, slots).map_err(err)
     }
 

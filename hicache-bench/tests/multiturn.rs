@@ -300,7 +300,7 @@ fn a_cache_that_breaks_accounting_fails_the_check() {
             &mut self,
             r: u64,
             t: &[u32],
-            s: &[u32],
+            s: &[hicache_bench::sim::DeviceSlot],
         ) -> hicache_bench::sim::CacheResult<()> {
             self.0.cache_finished(r, t, s)
         }

@@ -9,8 +9,8 @@ use std::time::Duration;
 use common::{ExactPrefix, ExactPrefixConfig};
 use hicache_bench::sim::engine::{self, EngineConfig, RunResult, StepKind};
 use hicache_bench::sim::{
-    Admission, CacheResult, CacheStats, CacheUnderTest, ComputeModel, ModelShape, NoCache,
-    PrefetchStatus, RequestId,
+    Admission, CacheResult, CacheStats, CacheUnderTest, ComputeModel, DeviceSlot, ModelShape,
+    NoCache, PrefetchStatus, RequestId,
 };
 use hicache_bench::trace::{Conversation, LongContext, MultiTurn};
 use hicache_bench::workload::{Arrivals, Workload};
@@ -277,7 +277,12 @@ impl CacheUnderTest for Greedy {
     fn wait_layer(&mut self, idx: usize, layer: usize) -> CacheResult<()> {
         self.0.wait_layer(idx, layer)
     }
-    fn cache_finished(&mut self, req: RequestId, tokens: &[u32], slots: &[u32]) -> CacheResult<()> {
+    fn cache_finished(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        slots: &[DeviceSlot],
+    ) -> CacheResult<()> {
         self.0.cache_finished(req, tokens, slots)
     }
     fn shutdown(&mut self) -> CacheResult<()> {
@@ -356,7 +361,12 @@ impl CacheUnderTest for Slow {
     fn wait_layer(&mut self, idx: usize, layer: usize) -> CacheResult<()> {
         self.inner.wait_layer(idx, layer)
     }
-    fn cache_finished(&mut self, req: RequestId, tokens: &[u32], slots: &[u32]) -> CacheResult<()> {
+    fn cache_finished(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        slots: &[DeviceSlot],
+    ) -> CacheResult<()> {
         self.inner.cache_finished(req, tokens, slots)
     }
     fn shutdown(&mut self) -> CacheResult<()> {
@@ -431,7 +441,12 @@ impl CacheUnderTest for Busy {
     fn wait_layer(&mut self, idx: usize, layer: usize) -> CacheResult<()> {
         self.inner.wait_layer(idx, layer)
     }
-    fn cache_finished(&mut self, req: RequestId, tokens: &[u32], slots: &[u32]) -> CacheResult<()> {
+    fn cache_finished(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        slots: &[DeviceSlot],
+    ) -> CacheResult<()> {
         self.inner.cache_finished(req, tokens, slots)
     }
     fn shutdown(&mut self) -> CacheResult<()> {

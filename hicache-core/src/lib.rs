@@ -7,6 +7,7 @@
 //!   modes.
 //! - [`layout`]: KV shapes ([`KvShape`]) and host layouts ([`LayoutKind`]).
 //! - [`region`]: the [`MemoryRegion`] descriptor of the pinned host pool.
+//! - [`slot`]: page slots of the device and host pools ([`DeviceSlot`], [`HostSlot`]).
 //! - [`tree`]: the [`HiRadixTree`], which pages live in device and host memory.
 //! - [`eviction`]: eviction strategies behind [`EvictionStrategy`].
 //! - [`policy`]: write and prefetch policies; [`event`]: KV events.
@@ -24,6 +25,7 @@ pub mod key;
 pub mod layout;
 pub mod policy;
 pub mod region;
+pub mod slot;
 pub mod tree;
 
 pub use error::{CoreError, Result};
@@ -34,9 +36,10 @@ pub use key::{NamespaceId, PageHash, PageKey, tokens_from_i64, tokens_from_u64};
 pub use layout::{DType, KvKind, KvShape, LayoutKind};
 pub use policy::{PrefetchConfig, PrefetchPolicy, WritePolicy};
 pub use region::MemoryRegion;
+pub use slot::{DeviceSlot, HostSlot};
 pub use tree::{
-    BackupFragment, BackupPlan, DeviceSlot, EvictHostOutcome, EvictOutcome, FinishedBackup,
-    HiRadixTree, HostAllocator, HostInsertResult, HostSlot, InsertOptions, InsertResult,
-    LoadBackPlan, LoadId, MatchResult, NoHost, NodeId, NodeInfo, StagedWriteBack, TenantId,
-    TreeConfig, TreeStats, WriteId, page_aligned,
+    BackupFragment, BackupPlan, EvictHostOutcome, EvictOutcome, FinishedBackup, HiRadixTree,
+    HostAllocator, HostInsertResult, InsertOptions, InsertResult, LoadBackPlan, LoadId,
+    MatchResult, NoHost, NodeId, NodeInfo, StagedWriteBack, TenantId, TreeConfig, TreeStats,
+    WriteId, page_aligned,
 };

@@ -10,8 +10,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use hicache_core::{
-    HiRadixTree, HostAllocator, InsertOptions, NodeId, StrategyKind, TenantId, TreeConfig, WriteId,
-    WritePolicy,
+    DeviceSlot, HiRadixTree, HostAllocator, HostSlot, InsertOptions, NodeId, StrategyKind,
+    TenantId, TreeConfig, WriteId, WritePolicy,
 };
 use proptest::prelude::*;
 
@@ -67,8 +67,8 @@ fn tokens_of(words: &[u8]) -> Vec<u32> {
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Page {
-    dev: Option<u32>,
-    host: Option<u32>,
+    dev: Option<DeviceSlot>,
+    host: Option<HostSlot>,
 }
 
 type PageKey = (u32, Vec<u32>);
@@ -76,22 +76,24 @@ type PageKey = (u32, Vec<u32>);
 #[derive(Default)]
 struct Pool {
     next: u32,
-    freed: Vec<u32>,
+    freed: Vec<HostSlot>,
     cap: usize,
     used: usize,
 }
 
 impl HostAllocator for Pool {
-    fn alloc(&mut self, pages: usize) -> Option<Vec<u32>> {
+    fn alloc(&mut self, pages: usize) -> Option<Vec<HostSlot>> {
         if self.used + pages > self.cap {
             return None;
         }
         self.used += pages;
-        let v = (self.next..self.next + pages as u32).collect();
+        let v = (self.next..self.next + pages as u32)
+            .map(HostSlot)
+            .collect();
         self.next += pages as u32;
         Some(v)
     }
-    fn free(&mut self, slots: &[u32]) {
+    fn free(&mut self, slots: &[HostSlot]) {
         self.used -= slots.len();
         self.freed.extend_from_slice(slots);
     }
@@ -143,8 +145,10 @@ impl Harness {
         }
     }
 
-    fn dev_slots(&mut self, n: usize) -> Vec<u32> {
-        let v = (self.next_dev..self.next_dev + n as u32).collect();
+    fn dev_slots(&mut self, n: usize) -> Vec<DeviceSlot> {
+        let v = (self.next_dev..self.next_dev + n as u32)
+            .map(DeviceSlot)
+            .collect();
         self.next_dev += n as u32;
         v
     }
@@ -178,7 +182,7 @@ impl Harness {
     }
 
     /// The model's prediction for a match: device slots and host-hit pages.
-    fn predict_match(&self, tenant: u8, tokens: &[u32]) -> (Vec<u32>, usize) {
+    fn predict_match(&self, tenant: u8, tokens: &[u32]) -> (Vec<DeviceSlot>, usize) {
         let mut dev = Vec::new();
         let mut host = 0;
         for p in 0..tokens.len() / PS as usize {
@@ -193,8 +197,8 @@ impl Harness {
         (dev, host)
     }
 
-    fn release_dev(&mut self, slots: &[u32], demote_allowed: bool) {
-        let set: BTreeSet<u32> = slots.iter().copied().collect();
+    fn release_dev(&mut self, slots: &[DeviceSlot], demote_allowed: bool) {
+        let set: BTreeSet<DeviceSlot> = slots.iter().copied().collect();
         let keys: Vec<PageKey> = self
             .model
             .iter()
@@ -217,8 +221,8 @@ impl Harness {
         }
     }
 
-    fn release_host(&mut self, slots: &[u32]) {
-        let set: BTreeSet<u32> = slots.iter().copied().collect();
+    fn release_host(&mut self, slots: &[HostSlot]) {
+        let set: BTreeSet<HostSlot> = slots.iter().copied().collect();
         let keys: Vec<PageKey> = self
             .model
             .iter()
@@ -237,7 +241,7 @@ impl Harness {
         }
     }
 
-    fn set_host(&mut self, id: NodeId, slots: &[u32]) {
+    fn set_host(&mut self, id: NodeId, slots: &[HostSlot]) {
         let tenant = self.tenant_of(id);
         let path = self.path(id);
         let pages = self.t.node_info(id).unwrap().pages;
@@ -503,7 +507,7 @@ impl Harness {
         }
     }
 
-    fn set_host_by_dev(&mut self, dev: &[u32], host: &[u32]) {
+    fn set_host_by_dev(&mut self, dev: &[DeviceSlot], host: &[HostSlot]) {
         for (&d, &h) in dev.iter().zip(host) {
             let pg = self
                 .model
@@ -517,8 +521,8 @@ impl Harness {
 
     /// Host slots freed through the allocator during `evict` (by host eviction to make room, or
     /// by subtree drops, which also free device slots reported separately).
-    fn release_host_any(&mut self, slots: &[u32]) {
-        let set: BTreeSet<u32> = slots.iter().copied().collect();
+    fn release_host_any(&mut self, slots: &[HostSlot]) {
+        let set: BTreeSet<HostSlot> = slots.iter().copied().collect();
         let keys: Vec<PageKey> = self
             .model
             .iter()

@@ -163,3 +163,171 @@ fn modules_must_be_our_kernels_with_matching_parameter_blocks() {
     assert!(unsafe { stats::hicache_emu_call_count(name.as_ptr()) } >= 1);
     assert!(stats::hicache_emu_launch_count() >= before);
 }
+
+fn attrs(order: u32) -> api::MemcpyAttributes {
+    let hint = api::MemLocation { kind: 0, id: 0 };
+    api::MemcpyAttributes {
+        src_access_order: order,
+        src_loc_hint: hint,
+        dst_loc_hint: hint,
+        flags: 0,
+    }
+}
+
+#[test]
+fn batched_copies_check_their_stream_attributes_and_operands() {
+    init();
+    let (d, s) = (alloc(256), stream());
+    let pinned = vec![9u8; 256];
+    assert_eq!(
+        unsafe { api::cuMemHostRegister_v2(pinned.as_ptr() as *mut _, 256, 0) },
+        rc::SUCCESS
+    );
+    let p = pinned.as_ptr() as u64;
+    // Two host-to-device copies and one device-to-device copy in one call.
+    let dsts = [d, d + 100, d + 200];
+    let srcs = [p, p + 10, d];
+    let sizes = [50usize, 20, 40];
+    let stream_order = [attrs(1)];
+    let batch = |dsts: &[u64], srcs: &[u64], attrs: &[api::MemcpyAttributes], idxs: &[usize], s| unsafe {
+        api::cuMemcpyBatchAsync_v2(
+            dsts.as_ptr(),
+            srcs.as_ptr(),
+            sizes.as_ptr(),
+            dsts.len(),
+            attrs.as_ptr(),
+            idxs.as_ptr(),
+            attrs.len(),
+            s,
+        )
+    };
+    assert_eq!(
+        batch(&dsts[..2], &srcs[..2], &stream_order, &[0], s),
+        rc::SUCCESS
+    );
+    assert_eq!(unsafe { api::cuStreamSynchronize(s) }, rc::SUCCESS);
+    assert_eq!(
+        batch(&dsts[2..], &srcs[2..], &stream_order, &[0], s),
+        rc::SUCCESS
+    );
+    assert_eq!(unsafe { api::cuStreamSynchronize(s) }, rc::SUCCESS);
+    let mut back = [0u8; 256];
+    assert_eq!(
+        unsafe { api::cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), d, 256) },
+        rc::SUCCESS
+    );
+    assert!(back[..50].iter().all(|&b| b == 9) && back[100..120].iter().all(|&b| b == 9));
+    assert!(
+        back[200..240].iter().all(|&b| b == 9),
+        "device-to-device copy"
+    );
+    // The legacy NULL stream, an attribute table not starting at copy 0, an invalid access
+    // order, a copy past its allocation and a stream-ordered pageable source are refused.
+    assert_eq!(
+        batch(&dsts[..2], &srcs[..2], &stream_order, &[0], null_mut()),
+        rc::INVALID_VALUE
+    );
+    assert_eq!(
+        batch(&dsts[..2], &srcs[..2], &stream_order, &[1], s),
+        rc::INVALID_VALUE
+    );
+    assert_eq!(
+        batch(&dsts[..2], &srcs[..2], &[attrs(0)], &[0], s),
+        rc::INVALID_VALUE
+    );
+    assert_eq!(
+        batch(&[d + 230], &[p], &stream_order, &[0], s),
+        rc::INVALID_VALUE
+    );
+    let pageable = [1u8; 64];
+    assert_eq!(
+        batch(&[d], &[pageable.as_ptr() as u64], &stream_order, &[0], s),
+        rc::INVALID_VALUE
+    );
+    // Out of stream order, a pageable source is read at the call.
+    assert_eq!(
+        batch(&[d], &[pageable.as_ptr() as u64], &[attrs(2)], &[0], s),
+        rc::SUCCESS
+    );
+    assert_eq!(unsafe { api::cuStreamSynchronize(s) }, rc::SUCCESS);
+    assert_eq!(
+        unsafe { api::cuMemHostUnregister(pinned.as_ptr() as *mut _) },
+        rc::SUCCESS
+    );
+}
+
+#[test]
+fn vmm_mappings_are_one_range_for_copies_and_one_chunk_for_address_ranges() {
+    init();
+    const CHUNK: usize = 2 << 20;
+    let prop = [0u8; 64];
+    let mut base = 0u64;
+    assert_eq!(
+        unsafe { api::cuMemAddressReserve(&mut base, 2 * CHUNK, 0, 0, 0) },
+        rc::SUCCESS
+    );
+    let mut handles = [0u64; 2];
+    for (i, h) in handles.iter_mut().enumerate() {
+        assert_eq!(
+            unsafe { api::cuMemCreate(h, CHUNK, prop.as_ptr().cast(), 0) },
+            rc::SUCCESS
+        );
+        assert_eq!(
+            unsafe { api::cuMemMap(base + (i * CHUNK) as u64, CHUNK, 0, *h, 0) },
+            rc::SUCCESS
+        );
+    }
+    let (mut b, mut n) = (0u64, 0usize);
+    assert_eq!(
+        unsafe { api::cuMemGetAddressRange_v2(&mut b, &mut n, base + CHUNK as u64 + 5) },
+        rc::SUCCESS
+    );
+    assert_eq!((b, n), (base + CHUNK as u64, CHUNK), "one chunk per query");
+    // A copy across the boundary is one contiguous range.
+    let s = stream();
+    let across = base + CHUNK as u64 - 8;
+    assert_eq!(
+        unsafe { api::cuMemsetD8Async(across, 4, 16, s) },
+        rc::SUCCESS
+    );
+    assert_eq!(unsafe { api::cuStreamSynchronize(s) }, rc::SUCCESS);
+    let mut h = 0u64;
+    assert_eq!(
+        unsafe { api::cuMemRetainAllocationHandle(&mut h, across as *mut _) },
+        rc::SUCCESS
+    );
+    assert_eq!(unsafe { api::cuMemRelease(h) }, rc::SUCCESS);
+    let plain = alloc(64);
+    assert_eq!(
+        unsafe { api::cuMemRetainAllocationHandle(&mut h, plain as *mut _) },
+        rc::INVALID_VALUE,
+        "cuMemAlloc memory has no allocation handle"
+    );
+    // Unmapped, the second chunk is gone: copies into it fail, the first chunk stays.
+    assert_eq!(
+        unsafe { api::cuMemUnmap(base + CHUNK as u64, CHUNK) },
+        rc::SUCCESS
+    );
+    assert_eq!(
+        unsafe { api::cuMemsetD8Async(across, 4, 16, s) },
+        rc::INVALID_VALUE
+    );
+    assert_eq!(
+        unsafe { api::cuMemsetD8Async(across, 4, 8, s) },
+        rc::SUCCESS
+    );
+    assert_eq!(unsafe { api::cuStreamSynchronize(s) }, rc::SUCCESS);
+    assert_eq!(
+        unsafe { api::cuMemAddressFree(base, 2 * CHUNK) },
+        rc::INVALID_VALUE,
+        "still mapped"
+    );
+    assert_eq!(unsafe { api::cuMemUnmap(base, CHUNK) }, rc::SUCCESS);
+    for h in handles {
+        assert_eq!(unsafe { api::cuMemRelease(h) }, rc::SUCCESS);
+    }
+    assert_eq!(
+        unsafe { api::cuMemAddressFree(base, 2 * CHUNK) },
+        rc::SUCCESS
+    );
+}

@@ -11,24 +11,35 @@
 //!    that the kernel reads directly ([`ScratchPool`]): no copy from pageable memory (which the
 //!    driver may synchronise) and no allocation per transfer. A buffer is handed out again only
 //!    after the event recorded behind the work that read it has completed.
+//! 4. The kernels are compiled by NVRTC for the device's architecture at first use and loaded
+//!    once per device: a cubin for its `sm_XY` ([`crate::kernels::compile_cubin`]), which any
+//!    driver that supports the GPU loads; PTX for `compute_XY` only when that fails (PTX from
+//!    an NVRTC newer than the driver does not load).
 //! 5. Synchronous helpers (`alloc_zeroed`, `write`) run on the device's own non-blocking
 //!    stream and wait for it, never on the legacy NULL stream, which nothing orders our
 //!    non-blocking transfer streams after.
-//! 4. The kernels are compiled by NVRTC for the device's architecture at first use
-//!    ([`crate::kernels::compile_ptx`]) and loaded once per device.
+//! 6. Events are created with `CU_EVENT_BLOCKING_SYNC`: a host waiting for a transfer sleeps
+//!    instead of spinning a core the engine's scheduler needs.
+//! 7. cudarc runs the release calls of its handles (`cuEventDestroy`, `cuStreamDestroy`,
+//!    `cuModuleUnload`, …) in `Drop` and reports a failure at the next call on the context,
+//!    whatever that call is. [`CudaDevice::bind`] reports such a failure as
+//!    [`GpuError::ReleaseFailed`] naming the release call (for our events, which record it
+//!    when they drop), never as a failure of `cuCtxSetCurrent` or of the call at hand.
+//! 8. Direct (DMA) plans go to the driver as one `cuMemcpyBatchAsync` per plan where the driver
+//!    has it (CUDA 13.0 and later, checked at open), one copy call per op otherwise.
 
 use std::sync::Arc;
 
+pub use cudarc::driver::CudaStream;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, DeviceRepr, LaunchConfig, PushKernelArg, result, sys,
 };
-pub use cudarc::driver::{CudaEvent, CudaStream};
 use parking_lot::Mutex;
 
 use crate::copy::CopyParams;
 use crate::error::{GpuError, Result};
 use crate::kernels;
-use crate::plan::{Direction, MemcpyOp};
+use crate::plan::{self, Direction, MemcpyOp};
 
 // SAFETY: CopyParams is repr(C) plain old data (u64/u32 fields only), matching the kernel's
 // struct layout (checked by a unit test in `copy`).
@@ -58,16 +69,145 @@ impl Kernels {
     }
 }
 
+/// The first failed release of a handle, kept until the next [`CudaDevice::bind`] (rule 7).
+#[derive(Default)]
+struct ReleaseErrors(Mutex<Option<(&'static str, String)>>);
+
+impl ReleaseErrors {
+    fn take(&self) -> Option<GpuError> {
+        self.0
+            .lock()
+            .take()
+            .map(|(call, message)| GpuError::ReleaseFailed { call, message })
+    }
+}
+
+/// Makes `ctx` current on this thread, first reporting a failed release of an earlier
+/// handle under its own name (rule 7).
+fn bind_ctx(ctx: &CudaContext, errors: &ReleaseErrors) -> Result<()> {
+    if let Some(e) = errors.take() {
+        return Err(e);
+    }
+    ctx.check_err().map_err(|e| GpuError::ReleaseFailed {
+        call: "a release run by cudarc in a drop (cuStreamDestroy, cuModuleUnload or \
+               cuMemFreeHost)",
+        message: e.to_string(),
+    })?;
+    ctx.bind_to_thread()
+        .map_err(GpuError::driver("cuCtxSetCurrent"))
+}
+
+/// A CUDA event of this backend, created without timing and with `CU_EVENT_BLOCKING_SYNC`
+/// (rule 6; cudarc's events take one flag only). A failed `cuEventDestroy` when it drops is
+/// recorded under that name and reported by the next call (rule 7).
+pub struct CudaEvent {
+    raw: sys::CUevent,
+    ctx: Arc<CudaContext>,
+    errors: Arc<ReleaseErrors>,
+}
+
+// SAFETY: a CUevent is a driver handle usable from any thread once its context is bound (every
+// method binds it first).
+unsafe impl Send for CudaEvent {}
+// SAFETY: as above; the driver's event calls are thread-safe.
+unsafe impl Sync for CudaEvent {}
+
+fn new_event(ctx: &Arc<CudaContext>, errors: &Arc<ReleaseErrors>) -> Result<CudaEvent> {
+    let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+        | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
+    let mut raw = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local; the context is bound by the caller.
+    unsafe { sys::cuEventCreate(&mut raw, flags) }
+        .result()
+        .map_err(GpuError::driver("cuEventCreate"))?;
+    Ok(CudaEvent {
+        raw,
+        ctx: ctx.clone(),
+        errors: errors.clone(),
+    })
+}
+
+impl CudaEvent {
+    /// The `CUevent` (valid while this event lives).
+    pub fn cu_event(&self) -> sys::CUevent {
+        self.raw
+    }
+
+    /// Records the event at the current end of `stream`'s queue.
+    pub fn record(&self, stream: &CudaStream) -> Result<()> {
+        bind_ctx(&self.ctx, &self.errors)?;
+        // SAFETY: live event and stream of this context.
+        unsafe { sys::cuEventRecord(self.raw, stream.cu_stream()) }
+            .result()
+            .map_err(GpuError::driver("cuEventRecord"))
+    }
+
+    /// Makes `stream` wait (on the device) for the record current now.
+    pub fn wait_on(&self, stream: &CudaStream) -> Result<()> {
+        bind_ctx(&self.ctx, &self.errors)?;
+        // SAFETY: live event and stream of this context.
+        unsafe { sys::cuStreamWaitEvent(stream.cu_stream(), self.raw, 0) }
+            .result()
+            .map_err(GpuError::driver("cuStreamWaitEvent"))
+    }
+
+    /// Blocks (sleeping, rule 6) until the recorded work completed.
+    pub fn synchronize(&self) -> Result<()> {
+        bind_ctx(&self.ctx, &self.errors)?;
+        // SAFETY: live event.
+        unsafe { sys::cuEventSynchronize(self.raw) }
+            .result()
+            .map_err(GpuError::driver("cuEventSynchronize"))
+    }
+
+    /// Whether the recorded work completed (never blocks); errors of that work are errors.
+    pub fn is_complete(&self) -> Result<bool> {
+        bind_ctx(&self.ctx, &self.errors)?;
+        // SAFETY: live event.
+        match unsafe { sys::cuEventQuery(self.raw) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(GpuError::driver("cuEventQuery")(
+                cudarc::driver::DriverError(e),
+            )),
+        }
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        // Binds without cudarc's check of earlier errors, which would attribute them to us.
+        // SAFETY: the context outlives the event (we hold an Arc of it).
+        let r = unsafe { result::ctx::set_current(self.ctx.cu_ctx()) }
+            .map_err(GpuError::driver("cuCtxSetCurrent"))
+            .and_then(|()| {
+                // SAFETY: created by cuEventCreate, destroyed once, here.
+                unsafe { sys::cuEventDestroy_v2(self.raw) }
+                    .result()
+                    .map_err(GpuError::driver("cuEventDestroy"))
+            });
+        if let Err(e) = r {
+            let GpuError::Driver { call, message } = e else {
+                return;
+            };
+            self.errors.0.lock().get_or_insert((call, message));
+        }
+    }
+}
+
 /// One CUDA device (its primary context).
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     name: String,
     sm_count: u32,
     compute_capability: (u32, u32),
+    /// Whether the driver has `cuMemcpyBatchAsync_v2` (rule 8).
+    copy_batching: bool,
     kernels: Mutex<Option<Arc<Kernels>>>,
     /// Stream of the synchronous helpers (rule 5), created at first use.
     sync_stream: Mutex<Option<Arc<CudaStream>>>,
     scratch: Arc<ScratchPool>,
+    errors: Arc<ReleaseErrors>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -77,6 +217,7 @@ impl std::fmt::Debug for CudaDevice {
             .field("ordinal", &self.ctx.ordinal())
             .field("sm_count", &self.sm_count)
             .field("compute_capability", &self.compute_capability)
+            .field("copy_batching", &self.copy_batching)
             .finish()
     }
 }
@@ -116,25 +257,34 @@ impl CudaDevice {
         // tracking); every ordering between our streams is explicit (events), and tracking would
         // make the first stream creation synchronise the whole (engine-shared) context.
         unsafe { ctx.disable_event_tracking() };
+        let copy_batching = batch_copies_available()?;
+        let errors = Arc::new(ReleaseErrors::default());
         Ok(Self {
             name,
             sm_count,
             compute_capability: (maj as u32, min as u32),
+            copy_batching,
             kernels: Mutex::new(None),
             sync_stream: Mutex::new(None),
             scratch: Arc::new(ScratchPool {
                 ctx: ctx.clone(),
                 idle: Mutex::new(Vec::new()),
+                errors: errors.clone(),
             }),
+            errors,
             ctx,
         })
     }
 
-    /// Makes the context current on this thread (rule 2).
+    /// Makes the context current on this thread (rule 2), first reporting a failed release of
+    /// an earlier handle under its own name (rule 7).
     pub fn bind(&self) -> Result<()> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(GpuError::driver("cuCtxSetCurrent"))
+        bind_ctx(&self.ctx, &self.errors)
+    }
+
+    /// Whether direct plans are issued as one `cuMemcpyBatchAsync` each (rule 8).
+    pub fn batches_copies(&self) -> bool {
+        self.copy_batching
     }
 
     /// Device name.
@@ -159,13 +309,32 @@ impl CudaDevice {
             return Ok(k.clone());
         }
         let (maj, min) = self.compute_capability;
-        let arch: String = format!("compute_{maj}{min}");
-        let ptx = kernels::compile_ptx(Some(&arch))?;
-        self.bind()?;
-        let module = self
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx.to_string()))
-            .map_err(GpuError::driver("cuModuleLoadData"))?;
+        let sm = format!("sm_{maj}{min}");
+        let cubin = kernels::compile_cubin(&sm).and_then(|bin| {
+            self.bind()?;
+            self.ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(bin.to_vec()))
+                .map_err(GpuError::driver("cuModuleLoadData (cubin)"))
+        });
+        let module = match cubin {
+            Ok(m) => m,
+            Err(e @ GpuError::NoNvrtc(_)) => return Err(e),
+            Err(cubin_err) => {
+                tracing::warn!(
+                    error = %cubin_err,
+                    "no loadable {sm} cubin of the transfer kernels; falling back to PTX"
+                );
+                let arch = format!("compute_{maj}{min}");
+                let ptx = kernels::compile_ptx(Some(&arch))?;
+                self.bind()?;
+                self.ctx
+                    .load_module(cudarc::nvrtc::Ptx::from_src(ptx.to_string()))
+                    .map_err(|e| GpuError::Driver {
+                        call: "cuModuleLoadData",
+                        message: format!("PTX for {arch}: {e} (after the {sm} cubin: {cubin_err})"),
+                    })?
+            }
+        };
         let mut functions = Vec::new();
         for (w, name) in kernels::ENTRY_POINTS {
             let f = module
@@ -205,12 +374,10 @@ impl CudaDevice {
         unsafe { self.ctx.wrap_borrowed_stream(raw) }
     }
 
-    /// A new event without timing.
+    /// A new event without timing, whose host waits block (rule 6).
     pub fn new_event(&self) -> Result<CudaEvent> {
         self.bind()?;
-        self.ctx
-            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .map_err(GpuError::driver("cuEventCreate"))
+        new_event(&self.ctx, &self.errors)
     }
 
     /// `len` zeroed bytes of device memory.
@@ -297,6 +464,47 @@ impl CudaDevice {
             .result()
             .map_err(GpuError::driver("cuMemGetAddressRange"))?;
         Ok((base, size))
+    }
+
+    /// The end of the device memory reachable from `ptr` without a gap, looking no further
+    /// than `ptr + want`: the end of the allocation holding `ptr` and, for memory mapped with
+    /// the virtual memory API (PyTorch's expandable segments), of the following mappings of the
+    /// same contiguous range: `cuMemGetAddressRange` reports one physical chunk of such memory
+    /// per call, so an engine buffer spanning two chunks would look too short.
+    pub fn reachable_end(&self, ptr: u64, want: usize) -> Result<u64> {
+        let (base, size) = self.address_range(ptr)?;
+        let mut end = base + size as u64;
+        let target = ptr.saturating_add(want as u64);
+        // Chunks are at least the VMM granularity (2 MiB), so this is bounded by want / 2 MiB;
+        // the cap only guards against a driver answering zero-sized ranges.
+        for _ in 0..(1 << 20) {
+            if end >= target || !self.is_vmm_mapping(end - 1)? || !self.is_vmm_mapping(end)? {
+                break;
+            }
+            let (next, len) = self.address_range(end)?;
+            if next != end || len == 0 {
+                break;
+            }
+            end += len as u64;
+        }
+        Ok(end)
+    }
+
+    /// Whether `addr` lies in memory mapped with `cuMemMap` (only there does
+    /// `cuMemRetainAllocationHandle` succeed).
+    fn is_vmm_mapping(&self, addr: u64) -> Result<bool> {
+        self.bind()?;
+        let mut handle = 0;
+        // SAFETY: out-pointer to a local; the driver only looks the address up.
+        let r = unsafe { sys::cuMemRetainAllocationHandle(&mut handle, addr as *mut _) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Ok(false);
+        }
+        // SAFETY: releases the reference retained just above.
+        unsafe { sys::cuMemRelease(handle) }
+            .result()
+            .map_err(GpuError::driver("cuMemRelease"))?;
+        Ok(true)
     }
 
     /// Page-locks `len` bytes at `addr` and maps them for the device; returns the device
@@ -390,7 +598,16 @@ impl CudaDevice {
     ) -> Result<()> {
         self.bind()?;
         let s = stream.cu_stream();
-        for op in ops {
+        let mut ops = std::borrow::Cow::Borrowed(ops);
+        if self.copy_batching {
+            let (rows, rest) = plan::split_for_batch(&ops, plan::BATCH_MAX_ROWS);
+            if rows.len() > 1 {
+                // SAFETY: per the function's contract.
+                unsafe { batch_copy(s, dir, &rows)? };
+                ops = std::borrow::Cow::Owned(rest);
+            }
+        }
+        for op in ops.iter() {
             // SAFETY: per the function's contract.
             let r = unsafe {
                 match (*op, dir) {
@@ -459,6 +676,70 @@ impl CudaDevice {
     }
 }
 
+/// Whether the driver has `cuMemcpyBatchAsync_v2` (CUDA 13.0 and later; rule 8). cudarc
+/// panics on a missing symbol, so the symbol is looked up first.
+fn batch_copies_available() -> Result<bool> {
+    let mut version = 0;
+    // SAFETY: out-pointer to a local.
+    unsafe { sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(GpuError::driver("cuDriverGetVersion"))?;
+    // SAFETY: the driver library is loaded (checked by `open`); only looks a symbol up.
+    let present = unsafe {
+        sys::culib()
+            .get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync_v2\0")
+            .is_ok()
+    };
+    Ok(version >= 13000 && present)
+}
+
+/// Queues `rows` (device address, host address, bytes) as one `cuMemcpyBatchAsync`: source
+/// accessed in stream order, preferring copy engines that overlap with compute.
+///
+/// # Safety
+/// As [`CudaDevice::run_plan`]; `stream` is a stream of the bound context (never the legacy
+/// NULL stream, which the call refuses).
+unsafe fn batch_copy(
+    stream: sys::CUstream,
+    dir: Direction,
+    rows: &[(u64, u64, u64)],
+) -> Result<()> {
+    let (mut dsts, mut srcs, mut sizes): (Vec<u64>, Vec<u64>, Vec<usize>) = rows
+        .iter()
+        .map(|&(dev, host, n)| match dir {
+            Direction::ToHost => (host, dev, n as usize),
+            Direction::ToDevice => (dev, host, n as usize),
+        })
+        .collect();
+    let hint = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
+        id: 0,
+    };
+    let mut attrs = [sys::CUmemcpyAttributes {
+        srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        srcLocHint: hint,
+        dstLocHint: hint,
+        flags: sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
+    }];
+    let mut first = [0usize];
+    // SAFETY: three arrays of rows.len() entries and one attribute entry for all copies, read
+    // during the call; the memory they name per the caller's contract.
+    unsafe {
+        sys::cuMemcpyBatchAsync_v2(
+            dsts.as_mut_ptr(),
+            srcs.as_mut_ptr(),
+            sizes.as_mut_ptr(),
+            rows.len(),
+            attrs.as_mut_ptr(),
+            first.as_mut_ptr(),
+            1,
+            stream,
+        )
+    }
+    .result()
+    .map_err(GpuError::driver("cuMemcpyBatchAsync"))
+}
+
 /// Device memory allocated with `cuMemAlloc`, freed on drop.
 pub struct CudaMemory {
     ctx: Arc<CudaContext>,
@@ -506,6 +787,7 @@ pub struct PinnedBuf {
 pub struct ScratchPool {
     ctx: Arc<CudaContext>,
     idle: Mutex<Vec<PinnedBuf>>,
+    errors: Arc<ReleaseErrors>,
 }
 
 impl ScratchPool {
@@ -513,9 +795,12 @@ impl ScratchPool {
     fn take(&self, bytes: usize) -> Result<PinnedBuf> {
         {
             let mut idle = self.idle.lock();
-            let free = idle
-                .iter()
-                .position(|b| b.cap >= bytes && b.done.as_ref().is_none_or(|e| e.is_complete()));
+            let free = idle.iter().position(|b| {
+                b.cap >= bytes
+                    && b.done
+                        .as_ref()
+                        .is_none_or(|e| e.is_complete().unwrap_or(false))
+            });
             if let Some(i) = free {
                 return Ok(idle.swap_remove(i));
             }
@@ -546,12 +831,9 @@ impl ScratchPool {
         if let Some(s) = stream {
             let ev = match buf.done.take() {
                 Some(e) => e,
-                None => self
-                    .ctx
-                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                    .map_err(GpuError::driver("cuEventCreate"))?,
+                None => new_event(&self.ctx, &self.errors)?,
             };
-            ev.record(s).map_err(GpuError::driver("cuEventRecord"))?;
+            ev.record(s)?;
             buf.done = Some(ev);
         }
         self.idle.lock().push(buf);

@@ -114,6 +114,16 @@ impl CudaDevice {
     }
 
     /// Unreachable: no device exists.
+    pub fn reachable_end(&self, _ptr: u64, _want: usize) -> Result<u64> {
+        match *self {}
+    }
+
+    /// Unreachable: no device exists.
+    pub fn batches_copies(&self) -> bool {
+        match *self {}
+    }
+
+    /// Unreachable: no device exists.
     ///
     /// # Safety
     /// None needed: it cannot be called.
@@ -162,11 +172,6 @@ impl CudaDevice {
 
 impl CudaStream {
     /// Unreachable: no stream exists.
-    pub fn wait(&self, _event: &CudaEvent) -> std::result::Result<(), Infallible> {
-        match *self {}
-    }
-
-    /// Unreachable: no stream exists.
     pub fn synchronize(&self) -> std::result::Result<(), Infallible> {
         match *self {}
     }
@@ -179,17 +184,22 @@ impl CudaStream {
 
 impl CudaEvent {
     /// Unreachable: no event exists.
-    pub fn record(&self, _stream: &CudaStream) -> std::result::Result<(), Infallible> {
+    pub fn record(&self, _stream: &CudaStream) -> Result<()> {
         match *self {}
     }
 
     /// Unreachable: no event exists.
-    pub fn try_is_complete(&self) -> std::result::Result<bool, Infallible> {
+    pub fn wait_on(&self, _stream: &CudaStream) -> Result<()> {
         match *self {}
     }
 
     /// Unreachable: no event exists.
-    pub fn synchronize(&self) -> std::result::Result<(), Infallible> {
+    pub fn is_complete(&self) -> Result<bool> {
+        match *self {}
+    }
+
+    /// Unreachable: no event exists.
+    pub fn synchronize(&self) -> Result<()> {
         match *self {}
     }
 

@@ -296,7 +296,7 @@ impl Stream {
         match (&self.inner, self.device.backend()) {
             (StreamInner::Cuda(s), Backend::Cuda(c)) => {
                 let e = c.new_event()?;
-                e.record(s).map_err(GpuError::driver("cuEventRecord"))?;
+                e.record(s)?;
                 Ok(Event {
                     inner: EventInner::Cuda(Arc::new(e)),
                 })
@@ -315,9 +315,7 @@ impl Stream {
     /// Holds the stream's later work until `event` completes.
     pub fn wait(&self, event: &Event) -> Result<()> {
         match (&self.inner, &event.inner) {
-            (StreamInner::Cuda(s), EventInner::Cuda(e)) => {
-                s.wait(e).map_err(GpuError::driver("cuStreamWaitEvent"))
-            }
+            (StreamInner::Cuda(s), EventInner::Cuda(e)) => e.wait_on(s),
             (StreamInner::Sim(s), EventInner::Sim(e)) => s.wait(e),
             _ => Err(GpuError::WrongDevice("event")),
         }
@@ -488,9 +486,7 @@ impl Event {
     /// Whether the work before the event has completed (never blocks).
     pub fn is_done(&self) -> Result<bool> {
         match &self.inner {
-            EventInner::Cuda(e) => e
-                .try_is_complete()
-                .map_err(GpuError::driver("cuEventQuery")),
+            EventInner::Cuda(e) => e.is_complete(),
             EventInner::Sim(e) => Ok(e.is_done()),
         }
     }
@@ -507,9 +503,7 @@ impl Event {
     /// Blocks until the work before the event has completed.
     pub fn wait(&self) -> Result<()> {
         match &self.inner {
-            EventInner::Cuda(e) => e
-                .synchronize()
-                .map_err(GpuError::driver("cuEventSynchronize")),
+            EventInner::Cuda(e) => e.synchronize(),
             EventInner::Sim(e) => {
                 e.wait();
                 Ok(())

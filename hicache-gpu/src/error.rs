@@ -28,6 +28,17 @@ pub enum GpuError {
         /// The driver's error name and string.
         message: String,
     },
+    /// Releasing an earlier CUDA handle (in a drop) failed; reported by the next call on the
+    /// device, naming the release call rather than the call at hand.
+    #[error(
+        "CUDA {call} failed while releasing an earlier handle (reported at the next call): {message}"
+    )]
+    ReleaseFailed {
+        /// The release call.
+        call: &'static str,
+        /// The driver's error name and string.
+        message: String,
+    },
     /// NVRTC could not compile the transfer kernels.
     #[error("compiling the transfer kernels for {arch} failed: {log}")]
     Compile {

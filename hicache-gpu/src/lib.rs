@@ -42,9 +42,10 @@ pub mod transfer;
 
 pub use device::{Device, DeviceBuffer, DeviceKind, Event, SimGate, Stream};
 pub use error::{GpuError, Result};
+pub use hicache_core::DeviceSlot;
 pub use layer::LayerDoneCounter;
 pub use plan::{Direction, MemcpyOp};
-pub use pool::{DevicePool, DeviceRegion, DeviceSlot, EngineLayer};
+pub use pool::{DevicePool, DeviceRegion, EngineLayer};
 pub use registration::HostRegistration;
 pub use transfer::{
     Completion, DEFAULT_CTAS, IoBackend, LoadHandle, TransferConfig, TransferEngine,

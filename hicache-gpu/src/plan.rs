@@ -26,6 +26,35 @@ use std::ops::Range;
 /// Largest pitch used in a 2D copy (the driver's pitch limit).
 pub const MAX_PITCH: u64 = i32::MAX as u64;
 
+/// Where the driver batches copies (`cuMemcpyBatchAsync`), a pitched copy of at most this many
+/// rows goes into the batch as one copy per row; taller ones stay one 2D copy, which the copy
+/// engine walks faster than as many small copies.
+pub const BATCH_MAX_ROWS: u64 = 64;
+
+/// Splits a plan for a driver that batches copies: the copies of one batch as `(device,
+/// host, bytes)` (every linear op, and every row of pitched ops of at most `max_rows` rows),
+/// and the ops left to issue one by one. Together they move exactly the bytes of `ops`.
+pub fn split_for_batch(ops: &[MemcpyOp], max_rows: u64) -> (Vec<(u64, u64, u64)>, Vec<MemcpyOp>) {
+    let mut rows = Vec::new();
+    let mut rest = Vec::new();
+    for op in ops {
+        match *op {
+            MemcpyOp::Linear { dev, host, bytes } => rows.push((dev, host, bytes)),
+            MemcpyOp::Pitched {
+                dev,
+                dev_pitch,
+                host,
+                host_pitch,
+                width,
+                height,
+            } if height <= max_rows => rows
+                .extend((0..height).map(|i| (dev + i * dev_pitch, host + i * host_pitch, width))),
+            MemcpyOp::Pitched { .. } => rest.push(*op),
+        }
+    }
+    (rows, rest)
+}
+
 /// Which way bytes move.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Direction {
@@ -250,6 +279,48 @@ mod tests {
             vec![(u32::MAX, 0, 1), (0, 1, 1)]
         );
         assert!(coalesce(&[], &[]).is_empty());
+    }
+
+    #[test]
+    fn batches_keep_every_byte_and_leave_tall_copies_alone() {
+        let ops = [
+            MemcpyOp::Linear {
+                dev: 1000,
+                host: 5000,
+                bytes: 64,
+            },
+            MemcpyOp::Pitched {
+                dev: 2000,
+                dev_pitch: 100,
+                host: 9000,
+                host_pitch: 300,
+                width: 40,
+                height: 3,
+            },
+            MemcpyOp::Pitched {
+                dev: 40_000,
+                dev_pitch: 8,
+                host: 90_000,
+                host_pitch: 16,
+                width: 8,
+                height: 65,
+            },
+        ];
+        let (rows, rest) = split_for_batch(&ops, 64);
+        assert_eq!(
+            rows,
+            vec![
+                (1000, 5000, 64),
+                (2000, 9000, 40),
+                (2100, 9300, 40),
+                (2200, 9600, 40)
+            ]
+        );
+        assert_eq!(rest, vec![ops[2]]);
+        let moved: u64 =
+            rows.iter().map(|r| r.2).sum::<u64>() + rest.iter().map(|o| o.bytes()).sum::<u64>();
+        assert_eq!(moved, ops.iter().map(|o| o.bytes()).sum::<u64>());
+        assert_eq!(split_for_batch(&ops, 0).0.len(), 1);
     }
 
     #[test]

@@ -15,31 +15,12 @@
 //!    as long as the pool (and any transfer engine using it) lives.
 //! 3. The pointer table (`[h·L + l]`) is also on the device, for the kernels.
 
-use hicache_core::KvShape;
-use hicache_host::{PageAllocator, Slot};
+use hicache_core::{DeviceSlot, KvShape};
+use hicache_host::PageAllocator;
 use parking_lot::Mutex;
 
 use crate::device::{Backend, Device, DeviceBuffer};
 use crate::error::{GpuError, Result};
-
-/// A page of the device pool (L1), by index.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct DeviceSlot(pub u32);
-
-impl Slot for DeviceSlot {
-    fn from_index(index: u32) -> Self {
-        DeviceSlot(index)
-    }
-    fn index(self) -> u32 {
-        self.0
-    }
-}
-
-impl std::fmt::Display for DeviceSlot {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "device page {}", self.0)
-    }
-}
 
 /// A range of device memory owned by someone else (the engine).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -165,10 +146,12 @@ impl DevicePool {
                 )));
             }
             if let Backend::Cuda(c) = device.backend() {
-                let (base, size) = c.address_range(r.ptr).map_err(|e| {
+                // Across consecutive VMM mappings (expandable segments) when the buffer
+                // continues past the chunk the driver reports first.
+                let end = c.reachable_end(r.ptr, need).map_err(|e| {
                     GpuError::BadRegistration(format!("{what}: not device memory ({e})"))
                 })?;
-                let avail = (base + size as u64).saturating_sub(r.ptr) as usize;
+                let avail = end.saturating_sub(r.ptr) as usize;
                 if avail < need {
                     return Err(GpuError::BufferTooSmall {
                         what: format!("{what} (driver allocation)"),

@@ -39,8 +39,9 @@ use crate::copy::CopyParams;
 use crate::device::{Device, DeviceBuffer, DeviceKind, Event, Scratch, Stream};
 use crate::error::{GpuError, Result};
 use crate::plan::{self, Direction, MemcpyOp, PlanGeometry};
-use crate::pool::{DevicePool, DeviceSlot};
+use crate::pool::DevicePool;
 use crate::registration::HostRegistration;
+use hicache_core::DeviceSlot;
 
 /// How pages are moved.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default)]

@@ -1,15 +1,27 @@
-//! Launch efficiency through the emulated driver's call counts (`hicache-cuda-emu`): an
-//! all-layer backup and an all-layer load of 256 pages cost a bounded number of launches and
-//! driver calls, not one per page.
+//! The CUDA path through the emulated driver's counters and hooks (`hicache-cuda-emu`):
+//! - launch efficiency: an all-layer backup and an all-layer load of 256 pages cost a bounded
+//!   number of launches and driver calls, not one per page, for every io backend and layout
+//!   (the direct backend as one `cuMemcpyBatchAsync` per plan; per-op copies, still correct,
+//!   on a driver that predates it);
+//! - the kernels load as a cubin for the device's `sm_XY`, PTX only when that is refused;
+//! - every event blocks its host waits (`CU_EVENT_BLOCKING_SYNC`);
+//! - a failed release of an earlier handle is reported under its own name;
+//! - engine buffers in expandable (VMM) segments that span two mappings register and copy.
 //!
 //! Runs with `HICACHE_TEST_CUDA=1` under `scripts/with-cuda-emu.sh` (the counters are symbols
 //! of the emulated `libcuda.so`); elsewhere it prints why it is skipped and passes.
 
 mod common;
 
-use common::{Case, Fixture, dslots, hslots};
+use std::sync::Arc;
+
+use common::{Case, Fixture, check_all_pair_lists, dslots, hslots};
 use hicache_core::{DType, KvKind, KvShape, LayoutKind};
-use hicache_gpu::{DEFAULT_CTAS, Device, IoBackend, TransferConfig};
+use hicache_gpu::{
+    DEFAULT_CTAS, Device, DevicePool, DeviceRegion, EngineLayer, GpuError, HostRegistration,
+    IoBackend, TransferConfig, TransferEngine,
+};
+use hicache_host::{HostPool, HostPoolConfig, HugePagePolicy, PoolSize};
 
 /// The emulator's counters, looked up in the `libcuda.so` the CUDA path loaded.
 struct Counters {
@@ -58,6 +70,27 @@ impl Counters {
         }
     }
 
+    /// A symbol of the emulator.
+    fn sym<T: Copy>(&self, name: &str) -> T {
+        // SAFETY: callers name the emulator's exported functions with their C signatures.
+        unsafe { *self.lib.get::<T>(name.as_bytes()).unwrap() }
+    }
+
+    /// Makes the next call of `entry` fail with `code`.
+    fn fail_next(&self, entry: &str, code: u32) {
+        let c = std::ffi::CString::new(entry).unwrap();
+        let f: unsafe extern "C" fn(*const std::ffi::c_char, u32) =
+            self.sym("hicache_emu_fail_next");
+        // SAFETY: the emulator's `void hicache_emu_fail_next(const char*, uint32_t)`.
+        unsafe { f(c.as_ptr(), code) }
+    }
+
+    /// Makes the emulated driver report `version` (0: its default).
+    fn set_driver_version(&self, version: i32) {
+        let f: extern "C" fn(i32) = self.sym("hicache_emu_set_driver_version");
+        f(version)
+    }
+
     /// Calls that queue device work or move bytes.
     fn work_calls(&self) -> u64 {
         [
@@ -65,6 +98,7 @@ impl Counters {
             "cuMemcpyHtoDAsync_v2",
             "cuMemcpyDtoHAsync_v2",
             "cuMemcpy2DAsync_v2",
+            "cuMemcpyBatchAsync_v2",
             "cuMemAllocAsync",
             "cuMemFreeAsync",
             "cuEventRecord",
@@ -168,12 +202,6 @@ fn all_layer_backup_and_load_of_256_pages_cost_bounded_launches_and_calls() {
                     assert_eq!(b_launch + l_launch, 0);
                 }
             }
-            // Not yet bounded: the direct backend on page_first_direct issues one copy per
-            // (page, half) for a backup and per (page, half, layer) for a load (513 and 2052
-            // work calls here); batching them (cuMemcpyBatchAsync) is open work of issue 14.
-            if io == IoBackend::Direct && layout == LayoutKind::PageFirstDirect {
-                continue;
-            }
             // Never one call per page: bounded by layers and halves, not by 256 pages.
             let bound = 8 * layers * 2 + 8;
             assert!(b_calls <= bound, "backup: {b_calls} calls > {bound}");
@@ -206,4 +234,221 @@ fn transfer_streams_are_created_at_the_highest_priority() {
         0,
         "a default-priority stream"
     );
+}
+
+/// On a driver without `cuMemcpyBatchAsync_v2` (before CUDA 13.0) the direct backend falls
+/// back to one copy call per op, and moves the same bytes.
+#[test]
+fn direct_copies_fall_back_to_one_call_per_op_on_older_drivers() {
+    let Some((_, counters)) = emulated() else {
+        return;
+    };
+    let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
+    counters.set_driver_version(12080);
+    let old = Device::cuda(0);
+    counters.set_driver_version(0);
+    let old = old.unwrap();
+    let case = Case {
+        shape: shape(),
+        layout: LayoutKind::PageFirstDirect,
+        io: IoBackend::Direct,
+        engine: false,
+        misalign: 0,
+        device_pages: 11,
+        host_pages: 13,
+        staged: 0,
+    };
+    counters.reset();
+    let fx = Fixture::new(&old, case);
+    check_all_pair_lists(&fx, 5);
+    assert_eq!(counters.calls("cuMemcpyBatchAsync_v2"), 0);
+    assert!(counters.calls("cuMemcpyHtoDAsync_v2") > 0);
+}
+
+/// The kernels are loaded as a cubin for the device's sm_90; PTX only when the driver refuses
+/// the cubin (here: an injected CUDA_ERROR_NO_BINARY_FOR_GPU), and the PTX kernels then move
+/// the right bytes.
+#[test]
+fn kernels_load_as_a_cubin_and_fall_back_to_ptx() {
+    let Some((_, counters)) = emulated() else {
+        return;
+    };
+    let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
+    let case = Case {
+        shape: shape(),
+        layout: LayoutKind::PageFirst,
+        io: IoBackend::Kernel,
+        engine: false,
+        misalign: 0,
+        device_pages: 11,
+        host_pages: 13,
+        staged: 0,
+    };
+    counters.reset();
+    let fx = Fixture::new(&Device::cuda(0).unwrap(), case);
+    assert_eq!(counters.calls("cuModuleLoadData[cubin]"), 1);
+    assert_eq!(counters.calls("cuModuleLoadData[ptx]"), 0);
+    check_all_pair_lists(&fx, 11);
+
+    counters.reset();
+    counters.fail_next("cuModuleLoadData", 209);
+    let fx = Fixture::new(&Device::cuda(0).unwrap(), case);
+    assert_eq!(
+        counters.calls("cuModuleLoadData"),
+        2,
+        "cubin refused, then PTX"
+    );
+    assert_eq!(counters.calls("cuModuleLoadData[ptx]"), 1);
+    check_all_pair_lists(&fx, 12);
+}
+
+/// Every event the transfer path creates has CU_EVENT_BLOCKING_SYNC: a host waiting for a
+/// transfer sleeps instead of spinning a core.
+#[test]
+fn every_event_blocks_its_host_waits() {
+    let Some((device, counters)) = emulated() else {
+        return;
+    };
+    let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
+    counters.reset();
+    for io in [IoBackend::Kernel, IoBackend::Direct] {
+        let case = Case {
+            shape: shape(),
+            layout: LayoutKind::LayerFirst,
+            io,
+            engine: false,
+            misalign: 0,
+            device_pages: 11,
+            host_pages: 13,
+            staged: if io == IoBackend::Kernel { 2 } else { 0 },
+        };
+        let fx = Fixture::new(&device, case);
+        check_all_pair_lists(&fx, 3);
+    }
+    let created = counters.calls("cuEventCreate");
+    assert!(created > 0);
+    assert_eq!(counters.calls("cuEventCreate[BLOCKING_SYNC]"), created);
+}
+
+/// A failed cuEventDestroy (cudarc-style: it happens in a drop) is reported by the next call
+/// as that failure, not as a failure of cuCtxSetCurrent or of the call at hand; the call after
+/// it works again.
+#[test]
+fn a_failed_release_is_reported_under_its_own_name() {
+    let Some((device, counters)) = emulated() else {
+        return;
+    };
+    let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
+    counters.reset();
+    let stream = device.new_stream("s").unwrap();
+    let event = stream.record().unwrap();
+    event.wait().unwrap();
+    counters.fail_next("cuEventDestroy_v2", 400);
+    drop(event);
+    let e = device.alloc_zeroed(64).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        matches!(
+            e,
+            GpuError::ReleaseFailed {
+                call: "cuEventDestroy",
+                ..
+            }
+        ),
+        "{msg}"
+    );
+    assert!(!msg.contains("cuCtxSetCurrent"), "{msg}");
+    assert!(msg.contains("CUDA_ERROR_INVALID_HANDLE"), "{msg}");
+    device.alloc_zeroed(64).unwrap();
+}
+
+/// Expandable segments (PyTorch's allocator on the VMM API): one reserved range with two
+/// physical chunks mapped back to back. `cuMemGetAddressRange` reports one chunk, yet a layer
+/// buffer running across the boundary is one valid buffer: it registers, and every transfer
+/// through it (kernel and direct) moves the right bytes.
+#[test]
+fn engine_buffers_spanning_two_vmm_mappings_register_and_copy() {
+    let Some((device, counters)) = emulated() else {
+        return;
+    };
+    let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
+    const CHUNK: usize = 2 << 20;
+    type Reserve = unsafe extern "C" fn(*mut u64, usize, usize, u64, u64) -> u32;
+    type Create = unsafe extern "C" fn(*mut u64, usize, *const u8, u64) -> u32;
+    type Map = unsafe extern "C" fn(u64, usize, usize, u64, u64) -> u32;
+    type SetAccess = unsafe extern "C" fn(u64, usize, *const u8, usize) -> u32;
+    let (reserve, create, map, set_access) = (
+        counters.sym::<Reserve>("cuMemAddressReserve"),
+        counters.sym::<Create>("cuMemCreate"),
+        counters.sym::<Map>("cuMemMap"),
+        counters.sym::<SetAccess>("cuMemSetAccess"),
+    );
+    // Opaque property/descriptor blocks: the emulator only needs them non-null.
+    let prop = [0u8; 64];
+    let mut base = 0u64;
+    // SAFETY: the emulator's VMM entry points with the driver API's signatures; out-pointers
+    // to locals; handles from the emulator.
+    unsafe {
+        assert_eq!(reserve(&mut base, 2 * CHUNK, 0, 0, 0), 0);
+        for i in 0..2u64 {
+            let mut h = 0u64;
+            assert_eq!(create(&mut h, CHUNK, prop.as_ptr(), 0), 0);
+            assert_eq!(map(base + i * CHUNK as u64, CHUNK, 0, h, 0), 0);
+        }
+        assert_eq!(set_access(base, 2 * CHUNK, prop.as_ptr(), 1), 0);
+    }
+    let shape = shape();
+    let pages = 11;
+    let need = shape.page_layer_bytes() * pages;
+    // Eight layer buffers back to back, the fourth across the chunk boundary.
+    let first = base + CHUNK as u64 - 3 * need as u64 - 300;
+    let region = |i: u64| DeviceRegion {
+        ptr: first + i * need as u64,
+        len: need,
+    };
+    assert!(region(3).ptr < base + CHUNK as u64);
+    assert!(region(3).ptr + need as u64 > base + CHUNK as u64);
+    let layers: Vec<EngineLayer> = (0..shape.layers as u64)
+        .map(|l| EngineLayer {
+            k: region(l),
+            v: Some(region(shape.layers as u64 + l)),
+        })
+        .collect();
+    // SAFETY: every region lies in the mapped chunks, which stay mapped for the process.
+    let pool = unsafe { DevicePool::from_engine(&device, shape, pages, &layers) }
+        .unwrap_or_else(|e| panic!("a buffer across two VMM mappings was refused: {e}"));
+    let pool = Arc::new(pool);
+    for io in [IoBackend::Kernel, IoBackend::Direct] {
+        let case = Case {
+            shape,
+            layout: LayoutKind::PageFirst,
+            io,
+            engine: true,
+            misalign: 0,
+            device_pages: pages,
+            host_pages: 13,
+            staged: 0,
+        };
+        let host_pool = Arc::new(
+            HostPool::new(
+                HostPoolConfig::new(shape, case.layout, PoolSize::Pages(case.host_pages))
+                    .huge_pages(HugePagePolicy::Off)
+                    .reserve_bytes(0),
+            )
+            .unwrap(),
+        );
+        let reg = HostRegistration::new(&device, host_pool.clone()).unwrap();
+        let config = TransferConfig {
+            io,
+            ..TransferConfig::default()
+        };
+        let fx = Fixture {
+            case,
+            engine: TransferEngine::new(pool.clone(), reg, config).unwrap(),
+            device_pool: pool.clone(),
+            host_pool,
+            engine_buffers: Vec::new(),
+        };
+        check_all_pair_lists(&fx, 21);
+    }
 }

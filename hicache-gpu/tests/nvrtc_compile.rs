@@ -60,3 +60,33 @@ fn a_bad_architecture_is_a_clear_error() {
     let msg = e.to_string();
     assert!(msg.contains("sm_1"), "{msg}");
 }
+
+/// The device path loads a cubin for the GPU's own architecture (PTX only as the fallback):
+/// NVRTC must produce one for sm_90 holding every entry point.
+#[test]
+fn every_kernel_compiles_to_an_sm_90_cubin() {
+    if !kernels::nvrtc_available() {
+        assert!(
+            !required(),
+            "HICACHE_REQUIRE_NVRTC=1 but libnvrtc cannot be loaded"
+        );
+        println!("SKIPPED every_kernel_compiles_to_an_sm_90_cubin: libnvrtc not found");
+        return;
+    }
+    let cubin = kernels::compile_cubin("sm_90").unwrap();
+    assert_eq!(&cubin[..4], b"\x7fELF");
+    // e_machine EM_CUDA (190); e_flags carry the SM in bits 8..16.
+    assert_eq!(u16::from_le_bytes([cubin[0x12], cubin[0x13]]), 190);
+    let flags = u32::from_le_bytes(cubin[0x30..0x34].try_into().unwrap());
+    assert_eq!((flags >> 8) & 0xff, 90);
+    for (_, name) in ENTRY_POINTS {
+        let text = format!(".text.{name}\0");
+        assert!(
+            cubin.windows(text.len()).any(|w| w == text.as_bytes()),
+            "{name} missing from the cubin"
+        );
+    }
+    // A virtual architecture has no machine code: a clear error, the caller falls back to PTX.
+    let e = kernels::compile_cubin("compute_90").unwrap_err();
+    assert!(e.to_string().contains("compute_90"), "{e}");
+}

@@ -1,5 +1,6 @@
 //! [`PageAllocator`]: a free list of page indices with double-free detection, shared by the
-//! host pool ([`HostSlot`]) and the device pool (`hicache_gpu::DeviceSlot`).
+//! host pool ([`HostSlot`]) and the device pool ([`DeviceSlot`], `hicache-gpu`); both slot types
+//! are `hicache-core`'s.
 //!
 //! Invariants (checked by the property tests against a naive model):
 //! 1. Every page index in `0..capacity` is either allocated (its `used` bit set) or in exactly
@@ -24,9 +25,8 @@ pub trait Slot: Copy + Eq + Ord + std::hash::Hash + fmt::Debug + Send + Sync + '
     fn index(self) -> u32;
 }
 
-/// A page of the host pool (L2), by index.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct HostSlot(pub u32);
+use hicache_core::DeviceSlot;
+pub use hicache_core::HostSlot;
 
 impl Slot for HostSlot {
     fn from_index(index: u32) -> Self {
@@ -37,9 +37,12 @@ impl Slot for HostSlot {
     }
 }
 
-impl fmt::Display for HostSlot {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "host page {}", self.0)
+impl Slot for DeviceSlot {
+    fn from_index(index: u32) -> Self {
+        DeviceSlot(index)
+    }
+    fn index(self) -> u32 {
+        self.0
     }
 }
 

@@ -41,6 +41,14 @@
 //! SIGKILL at random points needs a writer process: the crash harness of
 //! `hicache-bench/tests/durability` (`storage-write` killed mid-batch, `storage-check` after)
 //! runs it for every backend `hicache-bench` compiles in.
+//!
+//! # Remote backends
+//! A backend whose pages live in a server process (no directory of its own) declares it,
+//! `fault_tests!(module, target, remote)` with a [`RemoteFaultTarget`]: the directory faults
+//! above are then generated ignored, each with the reason ("not applicable: …") and where its
+//! remote counterpart is checked, a `remote_as_declared` test checks the declaration, and the
+//! [`remote`] cases run instead: SIGKILL and restart of the server mid-batch, garbage on its
+//! port.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -59,6 +67,13 @@ use crate::backend::Storage;
 use crate::error::Result;
 use crate::page::{PageBuf, PageBufMut, PageOutcome};
 use crate::pattern::{check_page, fill_page, namespace, page_key};
+
+pub mod remote;
+
+pub use remote::{
+    FaultServer, RemoteFault, RemoteFaultTarget, assert_remote, remote_fault_async,
+    run_remote_fault,
+};
 
 /// How the fault suite opens a backend on a directory.
 #[async_trait]
@@ -147,8 +162,72 @@ pub async fn fault_async<T: FaultTarget>(target: &T, fault: Fault) {
 /// Expands to one `#[test]` per [`Fault`], each opening backends through the target
 /// expression given (evaluated once per test), in a module named `faults` or the name given
 /// first (`fault_tests!(direct, MyTarget::direct())`).
+///
+/// A remote backend adds `remote` last (`fault_tests!(tcp, MyRemoteTarget, remote)`, with a
+/// [`RemoteFaultTarget`]): the directory faults are generated ignored with the reason they do
+/// not apply, `remote_as_declared` checks the declaration ([`assert_remote`]), and one test
+/// per [`RemoteFault`] runs.
 #[macro_export]
 macro_rules! fault_tests {
+    ($module:ident, $target:expr, remote) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+            #[test]
+            #[ignore = "not applicable: a remote backend owns no files; damage to its stored \
+                        bytes is the conformance `corruption` case"]
+            fn bit_flips() {
+                $crate::faults::assert_remote(&$target);
+            }
+            #[test]
+            #[ignore = "not applicable: a remote backend owns no logs; frames cut short are \
+                        the `port_garbage` case"]
+            fn truncation() {
+                $crate::faults::assert_remote(&$target);
+            }
+            #[test]
+            #[ignore = "not applicable: a remote backend owns no directory; foreign bytes are \
+                        the `port_garbage` case"]
+            fn garbage_files() {
+                $crate::faults::assert_remote(&$target);
+            }
+            #[test]
+            #[ignore = "not applicable: a remote backend opens no directory"]
+            fn foreign_directory() {
+                $crate::faults::assert_remote(&$target);
+            }
+            #[test]
+            #[ignore = "not applicable: a remote server is shared by many clients by design \
+                        (`remote_as_declared` checks that it is)"]
+            fn second_opener() {
+                $crate::faults::assert_remote(&$target);
+            }
+            #[test]
+            #[ignore = "not applicable: a remote backend writes no local disk; a full pool is \
+                        the conformance `capacity_eviction` case"]
+            fn disk_full() {
+                $crate::faults::assert_remote(&$target);
+            }
+            #[test]
+            fn remote_as_declared() {
+                $crate::faults::assert_remote(&$target);
+            }
+            #[test]
+            fn server_kill() {
+                $crate::faults::run_remote_fault(
+                    &$target,
+                    $crate::faults::RemoteFault::ServerKill,
+                );
+            }
+            #[test]
+            fn port_garbage() {
+                $crate::faults::run_remote_fault(
+                    &$target,
+                    $crate::faults::RemoteFault::PortGarbage,
+                );
+            }
+        }
+    };
     ($target:expr) => {
         $crate::fault_tests!(faults, $target);
     };

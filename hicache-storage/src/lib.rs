@@ -19,6 +19,8 @@
 //!   ([`conformance_tests!`]); [`faults`]: the fault-injection suite every persistent backend
 //!   runs ([`fault_tests!`]): bit flips, truncation, garbage files, foreign directories, a
 //!   second opener, a full disk.
+//! - [`SetBatch`] / [`Outcomes`]: batch classification (empty / too large / present /
+//!   repeated) and outcome gathering, once for every backend.
 //! - [`StorageExt`]: owned-bytes helpers that batch automatically, for simple callers.
 //!
 //! Page keys are [`hicache_core::PageKey`] (namespace id + page hash, 48 bytes), re-exported
@@ -40,6 +42,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod batch;
 pub mod checksum;
 pub mod config;
 pub mod conformance;
@@ -56,6 +59,7 @@ pub mod registry;
 pub use backend::{
     BackendInfo, STORAGE_BATCH_SIZE, StatsCounters, Storage, StorageStats, check_batch,
 };
+pub use batch::{Outcomes, SetBatch};
 pub use config::{
     CommonConfig, ConfigFields, DYNAMIC_BACKEND, StorageConfig, parse_byte_size, read_config_file,
 };

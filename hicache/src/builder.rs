@@ -11,9 +11,11 @@ use hicache_storage::{Registry, Storage};
 
 use crate::cache::HiCache;
 use crate::config::HiCacheConfig;
+use crate::copies::Copies;
 use crate::error::{HiCacheError, Result};
 use crate::metrics::Metrics;
 use crate::rank::{RankGroup, SingleRank};
+use crate::tiers::Tiers;
 
 /// Builds a [`HiCache`]. Required: a [`KvShape`] and either a device page count or a device
 /// pool. Everything else has a default: the sim device, a single rank, the built-in backend
@@ -138,72 +140,12 @@ impl HiCacheBuilder {
 
     /// Validates everything, allocates the pools and, with L3 configured, opens the backend.
     pub fn build(self) -> Result<HiCache> {
-        let cfg = self.cfg;
+        let cfg = self.cfg.clone();
         cfg.validate()?;
-        let shape = match (&self.device_pool, self.shape) {
-            (Some(p), _) => p.shape(),
-            (None, Some(s)) => s,
-            (None, None) => {
-                return Err(HiCacheError::config(
-                    "shape",
-                    "none",
-                    "the builder needs a KvShape (or a device pool)",
-                ));
-            }
-        };
-        shape.validate()?;
-        if shape.page_size != cfg.page_size {
-            return Err(HiCacheError::config(
-                "page_size",
-                cfg.page_size,
-                format!("differs from the KV shape's page size {}", shape.page_size),
-            ));
-        }
-        if self.tp.1 as usize != self.rank.size() || self.tp.0 as usize >= self.rank.size() {
-            return Err(HiCacheError::config(
-                "rank_group",
-                format!("{}/{}", self.tp.0, self.tp.1),
-                "rank outside the group",
-            ));
-        }
-        let device_pool = match self.device_pool {
-            Some(p) => p,
-            None => {
-                let pages = self.device_pages.ok_or_else(|| {
-                    HiCacheError::config(
-                        "device_pages",
-                        "none",
-                        "the builder needs device_pages or a device pool",
-                    )
-                })?;
-                if pages == 0 {
-                    return Err(HiCacheError::config(
-                        "device_pages",
-                        0,
-                        "must be at least 1",
-                    ));
-                }
-                let device = self.device.unwrap_or_else(Device::sim);
-                Arc::new(DevicePool::new(&device, shape, pages)?)
-            }
-        };
+        let shape = self.checked_shape()?;
+        let device_pool = self.make_device_pool(shape)?;
         let device = device_pool.device().clone();
-        let size = if !cfg.enable_hierarchical_cache {
-            // No host tier: the smallest pool (one page), never used.
-            PoolSize::Pages(1)
-        } else if cfg.hicache_size > 0.0 {
-            PoolSize::Bytes((cfg.hicache_size * 1e9) as u64)
-        } else {
-            PoolSize::Ratio {
-                ratio: cfg.hicache_ratio,
-                device_pages: device_pool.num_pages(),
-            }
-        };
-        let mut host_cfg = HostPoolConfig::new(shape, cfg.mem_layout, size);
-        if let Some(r) = self.reserve {
-            host_cfg = host_cfg.reserve_bytes(r);
-        }
-        let host_pool = Arc::new(HostPool::new(host_cfg)?);
+        let host_pool = Arc::new(HostPool::new(self.host_pool_config(shape, &device_pool))?);
         let registration = HostRegistration::new(&device, host_pool.clone())?;
         let transfer = TransferConfig {
             io: cfg.io_backend.into(),
@@ -214,33 +156,8 @@ impl HiCacheBuilder {
             shape.layers as usize,
             LayerDoneCounter::DEFAULT_DEPTH,
         )?);
-        let mut namespace = Namespace::single_rank(
-            cfg.model_name.clone(),
-            shape.dtype,
-            cfg.mem_layout,
-            shape.kind,
-            shape.layers,
-            shape.page_size,
-        );
-        namespace.tp_rank = self.tp.0;
-        namespace.tp_size = self.tp.1;
-        namespace.pp_rank = self.pp.0;
-        namespace.pp_size = self.pp.1;
-        let hasher = PageHasher::new(cfg.hash_mode, &namespace)?;
-        let tree = hicache_core::HiRadixTree::new(TreeConfig {
-            page_size: cfg.page_size,
-            // Without a host tier nothing is ever written: evictions delete, as in a plain
-            // radix cache.
-            write_policy: if cfg.enable_hierarchical_cache {
-                cfg.write_policy
-            } else {
-                hicache_core::WritePolicy::WriteThroughSelective
-            },
-            eviction: cfg.eviction_policy,
-            load_back_threshold_tokens: cfg.load_back_threshold,
-            hasher: Some(hasher),
-            events: cfg.enable_kv_events || cfg.kv_events_config.is_some(),
-        })?;
+        let namespace = self.namespace(shape);
+        let tree = make_tree(&cfg, &namespace)?;
         let metrics = Arc::new(Metrics::new());
         metrics.set_geometry(
             cfg.page_size,
@@ -252,17 +169,19 @@ impl HiCacheBuilder {
             Some(r) => r,
             None => Arc::new(crate::backends::builtin_registry()?),
         };
+        let copies = Copies::new(
+            engine,
+            counter,
+            cfg.enable_hierarchical_cache,
+            shape.page_bytes(),
+        );
         let mut cache = HiCache::assemble(crate::cache::Parts {
             cfg,
             shape,
             namespace,
-            tree,
-            device_pool,
-            host_pool,
-            engine,
-            counter,
+            tiers: Tiers::new(tree, device_pool, host_pool, metrics),
+            copies,
             rank: self.rank,
-            metrics,
             registry,
             endpoints,
         });
@@ -278,4 +197,118 @@ impl HiCacheBuilder {
         }
         Ok(cache)
     }
+}
+
+impl HiCacheBuilder {
+    /// The KV shape (from the device pool when one is given), checked against the config.
+    fn checked_shape(&self) -> Result<KvShape> {
+        let shape = match (&self.device_pool, self.shape) {
+            (Some(p), _) => p.shape(),
+            (None, Some(s)) => s,
+            (None, None) => {
+                return Err(HiCacheError::config(
+                    "shape",
+                    "none",
+                    "the builder needs a KvShape (or a device pool)",
+                ));
+            }
+        };
+        shape.validate()?;
+        if shape.page_size != self.cfg.page_size {
+            return Err(HiCacheError::config(
+                "page_size",
+                self.cfg.page_size,
+                format!("differs from the KV shape's page size {}", shape.page_size),
+            ));
+        }
+        if self.tp.1 as usize != self.rank.size() || self.tp.0 as usize >= self.rank.size() {
+            return Err(HiCacheError::config(
+                "rank_group",
+                format!("{}/{}", self.tp.0, self.tp.1),
+                "rank outside the group",
+            ));
+        }
+        Ok(shape)
+    }
+
+    /// The device pool given, or a new one of `device_pages` on the device (sim by default).
+    fn make_device_pool(&self, shape: KvShape) -> Result<Arc<DevicePool>> {
+        if let Some(p) = &self.device_pool {
+            return Ok(p.clone());
+        }
+        let pages = self.device_pages.ok_or_else(|| {
+            HiCacheError::config(
+                "device_pages",
+                "none",
+                "the builder needs device_pages or a device pool",
+            )
+        })?;
+        if pages == 0 {
+            return Err(HiCacheError::config(
+                "device_pages",
+                0,
+                "must be at least 1",
+            ));
+        }
+        let device = self.device.clone().unwrap_or_else(Device::sim);
+        Ok(Arc::new(DevicePool::new(&device, shape, pages)?))
+    }
+
+    /// The host pool's configuration: `hicache_size` bytes, or `hicache_ratio` times the
+    /// device pool; one page when the host tier is off.
+    fn host_pool_config(&self, shape: KvShape, device_pool: &DevicePool) -> HostPoolConfig {
+        let cfg = &self.cfg;
+        let size = if !cfg.enable_hierarchical_cache {
+            // No host tier: the smallest pool (one page), never used.
+            PoolSize::Pages(1)
+        } else if cfg.hicache_size > 0.0 {
+            PoolSize::Bytes((cfg.hicache_size * 1e9) as u64)
+        } else {
+            PoolSize::Ratio {
+                ratio: cfg.hicache_ratio,
+                device_pages: device_pool.num_pages(),
+            }
+        };
+        let host_cfg = HostPoolConfig::new(shape, cfg.mem_layout, size);
+        match self.reserve {
+            Some(r) => host_cfg.reserve_bytes(r),
+            None => host_cfg,
+        }
+    }
+
+    /// This rank's L3 namespace.
+    fn namespace(&self, shape: KvShape) -> Namespace {
+        let mut namespace = Namespace::single_rank(
+            self.cfg.model_name.clone(),
+            shape.dtype,
+            self.cfg.mem_layout,
+            shape.kind,
+            shape.layers,
+            shape.page_size,
+        );
+        namespace.tp_rank = self.tp.0;
+        namespace.tp_size = self.tp.1;
+        namespace.pp_rank = self.pp.0;
+        namespace.pp_size = self.pp.1;
+        namespace
+    }
+}
+
+/// The tree, hashing pages in `namespace`.
+fn make_tree(cfg: &HiCacheConfig, namespace: &Namespace) -> Result<hicache_core::HiRadixTree> {
+    let hasher = PageHasher::new(cfg.hash_mode, namespace)?;
+    Ok(hicache_core::HiRadixTree::new(TreeConfig {
+        page_size: cfg.page_size,
+        // Without a host tier nothing is ever written: evictions delete, as in a plain
+        // radix cache.
+        write_policy: if cfg.enable_hierarchical_cache {
+            cfg.write_policy
+        } else {
+            hicache_core::WritePolicy::WriteThroughSelective
+        },
+        eviction: cfg.eviction_policy,
+        load_back_threshold_tokens: cfg.load_back_threshold,
+        hasher: Some(hasher),
+        events: cfg.enable_kv_events || cfg.kv_events_config.is_some(),
+    })?)
 }

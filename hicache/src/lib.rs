@@ -70,24 +70,27 @@ pub mod backends;
 mod builder;
 mod cache;
 pub mod config;
+mod copies;
 pub mod error;
 mod l3;
 pub mod metrics;
 pub mod observe;
 pub mod rank;
+mod requests;
 mod tick;
-mod write;
+mod tiers;
 
 pub use builder::HiCacheBuilder;
-pub use cache::{Admission, Arrival, HiCache, RequestId};
+pub use cache::HiCache;
 pub use config::{HiCacheConfig, IoBackendKind};
 pub use error::{HiCacheError, Result};
 pub use rank::{RankError, RankGroup, SingleRank, TcpRankGroup};
+pub use requests::{Admission, Arrival, RequestId};
 pub use tick::{EXCHANGE_BACKUPS_FINISHED, EXCHANGE_WRITES_FINISHED, InFlight, PollReport};
 
 pub use hicache_core::{
-    CoreError, DType, HashMode, HiRadixTree, KvEvent, KvKind, KvShape, LayoutKind, Medium,
-    PrefetchPolicy, StrategyKind, TenantId, WritePolicy,
+    CoreError, DType, DeviceSlot, HashMode, HiRadixTree, HostSlot, KvEvent, KvKind, KvShape,
+    LayoutKind, Medium, PrefetchPolicy, StrategyKind, TenantId, WritePolicy,
 };
 pub use hicache_gpu::{Device, DevicePool, GpuError, LayerDoneCounter, TransferConfig};
 pub use hicache_host::HostError;

@@ -6,7 +6,9 @@ mod common;
 use std::sync::Arc;
 
 use common::{Engine, Faulty, assert_no_pins, prompt, small_shape, test_config};
-use hicache::{HiCache, HiCacheConfig, HiCacheError, PrefetchPolicy, StorageConfig, WritePolicy};
+use hicache::{
+    DeviceSlot, HiCache, HiCacheConfig, HiCacheError, PrefetchPolicy, StorageConfig, WritePolicy,
+};
 use hicache_storage::{MemoryBackend, Storage};
 
 fn cache(cfg: HiCacheConfig, device_pages: usize) -> HiCache {
@@ -512,10 +514,7 @@ fn write_through_backs_up_a_node_split_before_the_next_poll() {
     let slots = e.cache.alloc_device(8).unwrap().unwrap();
     for (i, &s) in slots.iter().enumerate() {
         let data = common::page_pattern(&p, i, 4, e.cache.shape().page_bytes(), 0);
-        e.cache
-            .device_pool()
-            .write_page(hicache_gpu::DeviceSlot(s), &data)
-            .unwrap();
+        e.cache.device_pool().write_page(s, &data).unwrap();
     }
     e.cache.cache_finished(1, &p, &slots).unwrap();
     e.cache.arrive(2, &p[..16]).unwrap();
@@ -537,10 +536,13 @@ fn slots_the_request_does_not_own_are_refused_before_the_tree_changes() {
     let adm = e.cache.admit(1, &p).unwrap();
     assert_eq!(adm.cached_pages(), 0);
     let own = e.cache.alloc_device(5).unwrap().unwrap();
-    let never_allocated = (0..16u32).find(|s| !own.contains(s)).unwrap();
+    let never_allocated = (0..16u32)
+        .map(DeviceSlot)
+        .find(|s| !own.contains(s))
+        .unwrap();
     // Out of range, never allocated, given twice (also for the partial page).
     for bad in [
-        vec![9999, own[1], own[2], own[3], own[4]],
+        vec![DeviceSlot(9999), own[1], own[2], own[3], own[4]],
         vec![own[0], never_allocated, own[2], own[3], own[4]],
         vec![own[0], own[0], own[2], own[3], own[4]],
         vec![own[0], own[1], own[2], own[3], own[3]],

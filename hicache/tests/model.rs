@@ -30,7 +30,6 @@ use hicache::{
     LayoutKind, PrefetchPolicy, RankGroup, StrategyKind, TcpRankGroup, TenantId, WritePolicy,
 };
 use hicache_gpu::DeviceSlot;
-use hicache_host::HostSlot;
 use hicache_storage::{MemoryBackend, Storage};
 use proptest::prelude::*;
 
@@ -256,7 +255,7 @@ enum Stage {
     Arrived,
     Admitted {
         /// One device slot per computed page (the prefix served, then the request's own).
-        slots: Vec<u32>,
+        slots: Vec<DeviceSlot>,
         /// Leading slots owned by the tree (the rest are the request's).
         shared: usize,
         /// A forward pass has run since the admission (load-backs are complete).
@@ -496,10 +495,7 @@ impl Model {
                 self.count("computed_pages", k);
                 for (j, &s) in fresh.iter().enumerate() {
                     let data = self.pattern(tenant, &tokens, first + j);
-                    self.cache
-                        .device_pool()
-                        .write_page(DeviceSlot(s), &data)
-                        .unwrap();
+                    self.cache.device_pool().write_page(s, &data).unwrap();
                 }
                 if let Stage::Admitted { slots, .. } = &mut self.reqs.get_mut(&id).unwrap().stage {
                     slots.extend(fresh);
@@ -567,10 +563,7 @@ impl Model {
                 slots.extend(fresh);
                 for (page, &slot) in slots.iter().enumerate().skip(prompt_len / ps) {
                     let data = self.pattern(tenant, &tokens, page);
-                    self.cache
-                        .device_pool()
-                        .write_page(DeviceSlot(slot), &data)
-                        .unwrap();
+                    self.cache.device_pool().write_page(slot, &data).unwrap();
                 }
                 self.cache.cache_finished(id, &tokens, &slots).unwrap();
                 self.reqs.remove(&id);
@@ -829,12 +822,9 @@ impl Model {
             let hslots = tree.host_slots(info.id).unwrap();
             for (j, &s) in dslots.iter().enumerate() {
                 assert!(dev_owned.insert(s), "device slot {s} owned twice");
-                assert!(
-                    dev_pool.is_allocated(DeviceSlot(s)),
-                    "tree device slot {s} is free"
-                );
+                assert!(dev_pool.is_allocated(s), "tree device slot {s} is free");
                 if !self.loads_queued {
-                    dev_pool.read_page(DeviceSlot(s), &mut buf).unwrap();
+                    dev_pool.read_page(s, &mut buf).unwrap();
                     let want = self.pattern(tenant, toks, before + j);
                     assert!(
                         buf == want,
@@ -846,12 +836,9 @@ impl Model {
             }
             for (j, &s) in hslots.iter().enumerate() {
                 assert!(host_owned.insert(s), "host slot {s} owned twice");
-                assert!(
-                    host_pool.is_allocated(HostSlot(s)),
-                    "tree host slot {s} is free"
-                );
+                assert!(host_pool.is_allocated(s), "tree host slot {s} is free");
                 if !info.write_pending {
-                    host_pool.get_page(HostSlot(s), &mut buf).unwrap();
+                    host_pool.get_page(s, &mut buf).unwrap();
                     let want = self.host_flat(&self.pattern(tenant, toks, before + j));
                     assert!(
                         buf == want,
@@ -884,11 +871,11 @@ impl Model {
                         dev_owned.insert(s),
                         "request {id}: own slot {s} owned twice"
                     );
-                    assert!(dev_pool.is_allocated(DeviceSlot(s)));
+                    assert!(dev_pool.is_allocated(s));
                     own += 1;
                 }
                 if *started {
-                    dev_pool.read_page(DeviceSlot(s), &mut buf).unwrap();
+                    dev_pool.read_page(s, &mut buf).unwrap();
                     let want = self.pattern(r.tenant, &r.tokens, j);
                     assert!(
                         buf == want,

@@ -4,33 +4,13 @@ use std::path::PathBuf;
 
 use hicache_storage::{CommonConfig, ConfigFields, EvictionPolicy, Result};
 
-/// When written pages are flushed to stable storage before `Stored` is returned.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub enum FsyncPolicy {
-    /// Never: pages are complete and atomic (temp + rename, checksummed) but a power loss may
-    /// lose acknowledged pages. A process crash loses nothing acknowledged.
-    None,
-    /// Once per batch (default): every page's data, then every rename, is made durable
-    /// before the batch returns; the syncs of a batch run in parallel.
-    #[default]
-    Batch,
-    /// Every page is made durable on its own (data sync, rename, directory sync) before the
-    /// next step of that page.
-    Always,
-}
-
-impl FsyncPolicy {
-    /// Configuration spellings.
-    pub const NAMES: [&'static str; 3] = ["none", "batch", "always"];
-
-    fn parse(s: &str) -> Self {
-        match s {
-            "none" => Self::None,
-            "always" => Self::Always,
-            _ => Self::Batch,
-        }
-    }
-}
+/// When written pages are flushed to stable storage before `Stored` is returned (shared with
+/// the uring layout). Here: `none` never syncs (pages are complete and atomic, temp + rename,
+/// checksummed, but a power loss may lose acknowledged ones); `batch` (default) writes each
+/// page's data durably (`RWF_DSYNC`) and makes the batch's renames durable with one sync per
+/// directory, merged across concurrent batches; `always` also syncs each page's directory
+/// after its own rename.
+pub use hicache_localio::FsyncPolicy;
 
 /// Whether page data bypasses the page cache.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
@@ -150,7 +130,8 @@ impl FileOptions {
         })?;
         let d = Self::new(dir);
         let o = Self {
-            fsync: FsyncPolicy::parse(f.choice("fsync", "batch", &FsyncPolicy::NAMES)?),
+            fsync: FsyncPolicy::from_name(f.choice("fsync", "batch", &FsyncPolicy::NAMES)?)
+                .unwrap_or_default(),
             direct_io: DirectIo::parse(f.choice("direct_io", "auto", &DirectIo::NAMES)?),
             eviction: EvictionPolicy::parse(f.choice("eviction", "lru", &EvictionPolicy::NAMES)?)
                 .unwrap_or_default(),

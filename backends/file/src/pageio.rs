@@ -2,9 +2,8 @@
 //!
 //! [`WriteIo`] prepares a page's file bytes (header, data, padding) as one iovec list and
 //! [`ReadIo`] the destination of a page file's bytes (header buffer, then the caller's page),
-//! so that a page is written with one vectored write and read with one vectored read, whether
-//! by a blocking system call ([`write_page_file`], [`read_page_file`]) or by an io_uring
-//! request ([`uring`](crate::uring)). [`ReadIo::finish`] verifies what a read brought in.
+//! so that a page is written with one vectored write and read with one vectored read, through
+//! either driver of `hicache-localio`. [`ReadIo::finish`] verifies what a read brought in.
 //!
 //! With O_DIRECT, a page whose parts are sector-aligned in address and length (the pinned
 //! host pool's pages are) moves straight from and into the caller's memory; an unaligned page
@@ -19,10 +18,10 @@ use std::path::Path;
 use hicache_core::PageKey;
 use hicache_storage::checksum::{checksum_page, checksum_page_mut};
 use hicache_storage::{PageBuf, PageBufMut, PageMeta};
-use memmap2::MmapMut;
 
 use crate::format::{HEADER_LEN, Header, SECTOR, pad};
-use crate::sys::{self, BufPool, IOV_MAX};
+use hicache_localio::sys::{self, IOV_MAX};
+use hicache_localio::{AlignedBuf, BufPool};
 
 /// How page files are accessed.
 #[derive(Copy, Clone, Debug)]
@@ -64,9 +63,8 @@ fn parts_aligned(mut parts: impl Iterator<Item = (*const u8, usize)>, count: usi
 /// caller's page it borrows for `'a`, so they stay valid for as long as it lives.
 pub struct WriteIo<'a> {
     _header: Box<HeaderBuf>,
-    staged: Option<MmapMut>,
+    staged: Option<AlignedBuf>,
     iov: Vec<libc::iovec>,
-    total: usize,
     /// Open the file with O_DIRECT.
     pub direct: bool,
     /// The file's length: header, data, padding (what to preallocate).
@@ -101,7 +99,7 @@ impl<'a> WriteIo<'a> {
             }
             None
         } else {
-            let mut buf = ctx.bufs.take(padded)?;
+            let mut buf = ctx.bufs.get(padded);
             let mut off = 0;
             for p in parts {
                 buf[off..off + p.len()].copy_from_slice(p);
@@ -115,7 +113,6 @@ impl<'a> WriteIo<'a> {
             _header: header,
             staged,
             iov,
-            total: HEADER_LEN + padded,
             direct: ctx.direct,
             file_len: (HEADER_LEN + padded) as u64,
             _page: PhantomData,
@@ -127,41 +124,12 @@ impl<'a> WriteIo<'a> {
         &self.iov
     }
 
-    /// Bytes the iovecs hold (the file's length).
-    pub fn total(&self) -> usize {
-        self.total
-    }
-
     /// Returns the staging buffer, if any, to the pool.
     pub fn release(self, bufs: &BufPool) {
         if let Some(b) = self.staged {
-            bufs.give(b);
+            bufs.put(b);
         }
     }
-}
-
-/// Writes a complete page file at `path`, which must not exist (a fresh temp name). With
-/// `sync`, its data is flushed to stable storage before returning. Returns the open file.
-pub fn write_page_file(
-    ctx: IoCtx<'_>,
-    path: &Path,
-    key: &PageKey,
-    page: &PageBuf<'_>,
-    sync: bool,
-) -> io::Result<File> {
-    let w = WriteIo::new(ctx, key, page)?;
-    let r = (|| {
-        let file = sys::create_new(path, w.direct)?;
-        sys::preallocate(&file, w.file_len)?;
-        // SAFETY: `w` owns or borrows every byte its iovecs describe and outlives the call.
-        unsafe { sys::pwritev_raw(&file, w.iovecs(), 0)? };
-        if sync {
-            file.sync_data()?;
-        }
-        Ok(file)
-    })();
-    w.release(ctx.bufs);
-    r
 }
 
 /// What reading a page file found.
@@ -188,7 +156,7 @@ pub enum ReadResult {
 pub struct ReadIo<'d, 'b> {
     dst: &'d mut PageBufMut<'b>,
     header: Box<HeaderBuf>,
-    staged: Option<MmapMut>,
+    staged: Option<AlignedBuf>,
     iov: Vec<libc::iovec>,
     /// Open the file with O_DIRECT.
     pub direct: bool,
@@ -217,7 +185,7 @@ impl<'d, 'b> ReadIo<'d, 'b> {
             );
             None
         } else {
-            let mut buf = ctx.bufs.take(dst.len())?;
+            let mut buf = ctx.bufs.get(dst.len());
             iov.push(iovec(buf.as_mut_ptr(), dst.len()));
             Some(buf)
         };
@@ -247,7 +215,7 @@ impl<'d, 'b> ReadIo<'d, 'b> {
     pub fn finish(mut self, n: io::Result<usize>, key: &PageKey, bufs: &BufPool) -> ReadResult {
         let r = self.verify(n, key);
         if let Some(b) = self.staged.take() {
-            bufs.give(b);
+            bufs.put(b);
         }
         r
     }
@@ -278,29 +246,6 @@ impl<'d, 'b> ReadIo<'d, 'b> {
         }
         ReadResult::Hit
     }
-}
-
-/// Reads the page file at `path` into `dst`, verifying header, key, metadata and checksum.
-/// After anything but `Hit` the destination's contents are unspecified.
-pub fn read_page_file(
-    ctx: IoCtx<'_>,
-    path: &Path,
-    key: &PageKey,
-    dst: &mut PageBufMut<'_>,
-) -> ReadResult {
-    let r = match ReadIo::new(ctx, dst) {
-        Ok(r) => r,
-        Err(e) => return ReadResult::Io(e),
-    };
-    let file = match sys::open_read(path, r.direct) {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return ReadResult::Missing,
-        Err(e) => return ReadResult::Io(e),
-    };
-    // SAFETY: `r` borrows or owns every byte its iovecs describe, exclusively, and outlives
-    // the call.
-    let n = unsafe { sys::preadv_raw(&file, r.iovecs(), 0) };
-    r.finish(n, key, ctx.bufs)
 }
 
 /// Reads and verifies only the header of the file at `path`, and that the file's size fits

@@ -75,7 +75,9 @@
 //! See [`RdmaOptions`]: `server` ("host:port", required unless `spawn_server`), `token` or
 //! `token_file` (required by every server not started `--insecure-no-auth`), `spawn_server`, `spawn_populate`, `transport` (`tcp` | `verbs`), `connections`, `connect_timeout_ms`,
 //! `io_timeout_ms`, `retry_backoff_ms`, `max_batch`, `stripe_bytes`, `client_name`,
-//! `device`, `ib_port`, `gid_index`; the common `capacity` sizes a spawned server's pool.
+//! `device`, `ib_port`, `gid_index`, `tls_ca_file`, `tls_server_name`, `tls_cert_file`,
+//! `tls_key_file` (TLS on the TCP channel: [`tls`]); the common `capacity` sizes a spawned
+//! server's pool.
 #![warn(missing_docs)]
 
 pub mod auth;
@@ -83,6 +85,7 @@ pub mod client;
 pub mod error;
 pub mod protocol;
 pub mod server;
+pub mod tls;
 #[cfg(feature = "verbs")]
 pub mod verbs;
 

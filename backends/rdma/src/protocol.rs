@@ -327,7 +327,7 @@ pub struct ServerStats {
     pub connections: u64,
     /// Frames refused as protocol errors.
     pub protocol_errors: u64,
-    /// Handshakes refused for bad or missing credentials.
+    /// Handshakes refused for bad or missing credentials (failed TLS handshakes included).
     pub auth_failures: u64,
     /// Requests refused because a key's namespace is not the tenant's.
     pub forbidden: u64,

@@ -1,22 +1,98 @@
 //! Faults of a remote memory pool, under the invariant of the storage fault suite: every
 //! acknowledged page reads back intact or, if its own bytes were damaged, as a counted miss;
-//! never a wrong page. The pool has no files (the directory faults of
-//! `hicache_storage::faults` do not apply); its faults are flipped bits in server memory and
-//! hostile peers on the port. A SIGKILLed client is `hicache-bench/tests/storage_rdma.rs`.
+//! never a wrong page.
+//!
+//! - `hicache_storage::fault_tests!(…, remote)` on a real `hicache-rdma-server` process:
+//!   SIGKILL and restart of the server mid-batch, garbage on its port; the directory faults
+//!   are declared not applicable (the pool has no files) with their reasons.
+//! - Here, what only this backend has: many flipped pages in the pool's memory (the
+//!   conformance `corruption` case damages one), and authenticated hostile tenants and
+//!   forged handshakes beside an honest client. A SIGKILLed *client* is
+//!   `hicache-bench/tests/storage_rdma.rs`.
 
 mod common;
 
 use std::time::Duration;
 
 use common::{client_opts, server_opts};
-use hicache_backend_rdma::protocol::{self, MAGIC, PageReq, Request, VERSION, op};
+use hicache_backend_rdma::protocol::{self, FrameHead, MAGIC, PageReq, Request, VERSION, op};
 use hicache_backend_rdma::{
     Connection, Grant, RdmaOptions, RdmaServer, RdmaStorage, ServerAuth, ServerOptions, Tenant,
     TenantTable, Token,
 };
-use hicache_storage::{LayoutKind, PageBuf, PageBufMut, PageKey, PageOutcome, Storage, pattern};
-use tokio::io::AsyncWriteExt;
+use hicache_storage::faults::{FaultServer, RemoteFaultTarget};
+use hicache_storage::{
+    LayoutKind, PageBuf, PageBufMut, PageKey, PageOutcome, Result, Storage, StorageError,
+    async_trait, pattern,
+};
 use tokio::net::TcpStream;
+
+/// The fault suite's remote target: `hicache-rdma-server` processes (shared-secret auth), TCP
+/// clients.
+struct RdmaTarget;
+
+struct RdmaFaultServer(common::ServerProcess);
+
+fn io_err(what: &str, e: std::io::Error) -> StorageError {
+    StorageError::Backend {
+        backend: "rdma".into(),
+        reason: format!("{what}: {e}"),
+    }
+}
+
+#[async_trait]
+impl FaultServer for RdmaFaultServer {
+    fn addr(&self) -> String {
+        self.0.addr().to_string()
+    }
+
+    async fn kill(&mut self) -> Result<()> {
+        self.0.kill().map_err(|e| io_err("kill", e))
+    }
+
+    async fn restart(&mut self) -> Result<()> {
+        self.0.restart().map_err(|e| io_err("restart", e))
+    }
+
+    fn persistent(&self) -> bool {
+        false
+    }
+}
+
+#[async_trait]
+impl RemoteFaultTarget for RdmaTarget {
+    async fn start_server(&self, capacity_bytes: u64) -> Result<Box<dyn FaultServer>> {
+        let p = common::ServerProcess::start(capacity_bytes, &[])
+            .map_err(|e| io_err("start hicache-rdma-server", e))?;
+        Ok(Box::new(RdmaFaultServer(p)))
+    }
+
+    async fn connect(&self, addr: &str) -> Result<std::sync::Arc<dyn Storage>> {
+        let mut o = RdmaOptions::with_token(addr, common::test_token());
+        o.io_timeout = Duration::from_secs(5);
+        o.retry_backoff = Duration::from_millis(20);
+        Ok(std::sync::Arc::new(RdmaStorage::connect(o).await?))
+    }
+
+    fn greeting(&self) -> Vec<u8> {
+        let hello = Request::Hello {
+            magic: MAGIC,
+            version: VERSION,
+            client: "fault-suite".into(),
+            nonce: [7; 32],
+        };
+        let body = hello.encode();
+        let head = FrameHead {
+            body_len: body.len() as u32,
+            payload_len: 0,
+            id: 1,
+            op: op::HELLO,
+        };
+        [&head.encode()[..], &body].concat()
+    }
+}
+
+hicache_storage::fault_tests!(process, RdmaTarget, remote);
 
 const L: LayoutKind = LayoutKind::PageFirst;
 const LEN: usize = 16 << 10;
@@ -83,7 +159,7 @@ async fn bit_flips_in_server_memory_are_counted_misses_never_wrong_pages() {
     assert_eq!(tally(&client, &keys).await, (keys.len(), 0, 0));
 }
 
-/// Hostile peers on the port (garbage, forged handshakes, another tenant's deletes and
+/// Hostile peers on the port (forged handshakes, another tenant's deletes and
 /// overwrites, readers that never read) while an honest client writes and reads: every page
 /// the honest client was acknowledged reads back intact, every round.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -118,7 +194,7 @@ async fn hostile_peers_never_cost_an_honest_client_a_page() {
         .unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut hostile = Vec::new();
-    // Garbage and forged handshakes.
+    // Forged handshakes (plain garbage on the port is the fault suite's `port_garbage`).
     {
         let (addr, stop) = (addr.clone(), stop.clone());
         hostile.push(tokio::spawn(async move {
@@ -128,23 +204,19 @@ async fn hostile_peers_never_cost_an_honest_client_a_page() {
                 let Ok(mut s) = TcpStream::connect(&addr).await else {
                     continue;
                 };
-                if n.is_multiple_of(2) {
-                    let _ = s.write_all(&n.to_le_bytes().repeat(8)).await;
-                } else {
-                    let hello = Request::Hello {
-                        magic: MAGIC,
-                        version: VERSION,
-                        client: "forger".into(),
-                        nonce: [n as u8; 32],
-                    };
-                    let _ = protocol::write_frame(&mut s, 1, op::HELLO, &hello.encode(), 0).await;
-                    let _ = protocol::read_frame(&mut s).await;
-                    let auth = Request::Auth {
-                        mac: Some([n as u8; 32]),
-                    };
-                    let _ = protocol::write_frame(&mut s, 2, op::AUTH, &auth.encode(), 0).await;
-                    let _ = protocol::read_frame(&mut s).await;
-                }
+                let hello = Request::Hello {
+                    magic: MAGIC,
+                    version: VERSION,
+                    client: "forger".into(),
+                    nonce: [n as u8; 32],
+                };
+                let _ = protocol::write_frame(&mut s, 1, op::HELLO, &hello.encode(), 0).await;
+                let _ = protocol::read_frame(&mut s).await;
+                let auth = Request::Auth {
+                    mac: Some([n as u8; 32]),
+                };
+                let _ = protocol::write_frame(&mut s, 2, op::AUTH, &auth.encode(), 0).await;
+                let _ = protocol::read_frame(&mut s).await;
             }
         }));
     }

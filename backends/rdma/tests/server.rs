@@ -107,9 +107,14 @@ async fn two_clients_share_a_server_bit_exact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn lease_protects_an_in_flight_read_under_eviction() {
     const LEN: usize = 32 << 20;
-    let server = RdmaServer::start(server_opts(4 * LEN as u64))
-        .await
-        .unwrap();
+    // The reply below is held unread while eight pages are written: on a loaded machine that
+    // can take longer than the default lease (10 s), whose expiry is another test's subject.
+    let server = RdmaServer::start(ServerOptions {
+        lease_ms: 600_000,
+        ..server_opts(4 * LEN as u64)
+    })
+    .await
+    .unwrap();
     let client = RdmaStorage::connect(client_opts(&server)).await.unwrap();
     let k0 = key(3, 0);
     assert_eq!(put(&client, &[k0], LEN).await, vec![PageOutcome::Stored]);

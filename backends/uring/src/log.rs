@@ -92,66 +92,8 @@ impl IndexLog {
             };
             return Ok((log, replay));
         }
-        let header: &[u8; RECORD_LEN] = bytes[..RECORD_LEN].try_into().expect("one record");
-        let mut damaged_header = false;
-        match Record::decode(header) {
-            Ok(Record::Header { version: VERSION }) => {}
-            Ok(Record::Header { version }) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!(
-                        "{}: index format version {version}, this build reads {VERSION}",
-                        path.display()
-                    ),
-                ));
-            }
-            _ if Self::is_ours(&bytes) => damaged_header = true,
-            _ => {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!(
-                        "{}: not a hicache-uring index log (bad header); refusing to overwrite it",
-                        path.display()
-                    ),
-                ));
-            }
-        }
-        let mut replay = Replay::default();
-        let mut live: HashMap<PageKey, Put> = HashMap::new();
-        let mut owners: HashMap<(u64, u64), PageKey> = HashMap::new();
-        // End of the last valid record, and offsets of the invalid ones before it.
-        let mut good_end = RECORD_LEN;
-        let mut bad: Vec<usize> = Vec::new();
-        for (i, chunk) in bytes[RECORD_LEN..].chunks(RECORD_LEN).enumerate() {
-            let offset = RECORD_LEN * (i + 1);
-            let rec = <&[u8; RECORD_LEN]>::try_from(chunk)
-                .ok()
-                .and_then(|c| Record::decode(c).ok());
-            match rec {
-                None | Some(Record::Header { .. }) => {
-                    bad.push(offset);
-                    continue;
-                }
-                Some(Record::Put(p)) => {
-                    replay.max_seq = replay.max_seq.max(p.seq);
-                    if let Some(old) = live.remove(&p.key) {
-                        owners.remove(&(old.slot_bytes, old.slot));
-                    }
-                    if let Some(other) = owners.insert((p.slot_bytes, p.slot), p.key) {
-                        live.remove(&other);
-                    }
-                    live.insert(p.key, p);
-                }
-                Some(Record::Del { seq, key }) => {
-                    replay.max_seq = replay.max_seq.max(seq);
-                    if let Some(old) = live.remove(&key) {
-                        owners.remove(&(old.slot_bytes, old.slot));
-                    }
-                }
-            }
-            replay.records += 1;
-            good_end = offset + RECORD_LEN;
-        }
+        let damaged_header = Self::check_header(&path, &bytes)?;
+        let (mut replay, live, good_end, mut bad) = Self::scan_records(&bytes);
         bad.retain(|&o| o < good_end);
         replay.skipped = bad.len() as u64 + u64::from(damaged_header);
         if good_end < bytes.len() {
@@ -195,6 +137,74 @@ impl IndexLog {
             }
         }
         Ok((log, replay))
+    }
+
+    /// Checks the log's header record: `Ok(false)` for ours, `Ok(true)` for a damaged header
+    /// of a log that is recognisably ours; an error for another version or a foreign file.
+    fn check_header(path: &Path, bytes: &[u8]) -> io::Result<bool> {
+        let header: &[u8; RECORD_LEN] = bytes[..RECORD_LEN].try_into().expect("one record");
+        match Record::decode(header) {
+            Ok(Record::Header { version: VERSION }) => Ok(false),
+            Ok(Record::Header { version }) => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "{}: index format version {version}, this build reads {VERSION}",
+                    path.display()
+                ),
+            )),
+            _ if Self::is_ours(bytes) => Ok(true),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "{}: not a hicache-uring index log (bad header); refusing to overwrite it",
+                    path.display()
+                ),
+            )),
+        }
+    }
+
+    /// Replays the records after the header: the live `put` per key (a later record of a key
+    /// or a slot replaces the earlier), the end of the last valid record and the offsets of
+    /// the invalid ones.
+    #[allow(clippy::type_complexity)]
+    fn scan_records(bytes: &[u8]) -> (Replay, HashMap<PageKey, Put>, usize, Vec<usize>) {
+        let mut replay = Replay::default();
+        let mut live: HashMap<PageKey, Put> = HashMap::new();
+        let mut owners: HashMap<(u64, u64), PageKey> = HashMap::new();
+        // End of the last valid record, and offsets of the invalid ones before it.
+        let mut good_end = RECORD_LEN;
+        let mut bad: Vec<usize> = Vec::new();
+        for (i, chunk) in bytes[RECORD_LEN..].chunks(RECORD_LEN).enumerate() {
+            let offset = RECORD_LEN * (i + 1);
+            let rec = <&[u8; RECORD_LEN]>::try_from(chunk)
+                .ok()
+                .and_then(|c| Record::decode(c).ok());
+            match rec {
+                None | Some(Record::Header { .. }) => {
+                    bad.push(offset);
+                    continue;
+                }
+                Some(Record::Put(p)) => {
+                    replay.max_seq = replay.max_seq.max(p.seq);
+                    if let Some(old) = live.remove(&p.key) {
+                        owners.remove(&(old.slot_bytes, old.slot));
+                    }
+                    if let Some(other) = owners.insert((p.slot_bytes, p.slot), p.key) {
+                        live.remove(&other);
+                    }
+                    live.insert(p.key, p);
+                }
+                Some(Record::Del { seq, key }) => {
+                    replay.max_seq = replay.max_seq.max(seq);
+                    if let Some(old) = live.remove(&key) {
+                        owners.remove(&(old.slot_bytes, old.slot));
+                    }
+                }
+            }
+            replay.records += 1;
+            good_end = offset + RECORD_LEN;
+        }
+        (replay, live, good_end, bad)
     }
 
     /// Checks, touching nothing, that an existing log in `dir` is this backend's: `Ok(true)`

@@ -4,33 +4,12 @@ use std::path::PathBuf;
 
 use hicache_storage::{CommonConfig, ConfigFields, EvictionPolicy, Result, StorageError};
 
-/// When written pages are made durable before `Stored` is returned.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub enum FsyncPolicy {
-    /// Never: pages are complete (data written before its index record, both checksummed),
-    /// and a process crash loses nothing acknowledged, but a power loss may.
-    None,
-    /// Once per batch (default): one `fdatasync` per slab touched after the batch's data,
-    /// then the batch's index records are appended and synced.
-    #[default]
-    Batch,
-    /// Every page's data is written with `RWF_DSYNC` (durable when its write completes, FUA
-    /// on NVMe), and index appends are synced; deletes too.
-    Always,
-}
-
-impl FsyncPolicy {
-    /// Configuration spellings.
-    pub const NAMES: [&'static str; 3] = ["none", "batch", "always"];
-
-    fn parse(s: &str) -> Self {
-        match s {
-            "none" => Self::None,
-            "always" => Self::Always,
-            _ => Self::Batch,
-        }
-    }
-}
+/// When written pages are made durable before `Stored` is returned (shared with the file
+/// layout). Here: `none` never syncs (a power loss may lose acknowledged pages); `batch`
+/// (default) syncs each slab a commit group wrote once, then appends and syncs the group's
+/// index records; `always` writes each page with `RWF_DSYNC` (FUA on NVMe) and syncs index
+/// appends, deletes too.
+pub use hicache_localio::FsyncPolicy;
 
 /// Options of a [`UringBackend`](crate::UringBackend).
 #[derive(Clone, Debug, PartialEq)]
@@ -91,7 +70,8 @@ impl UringOptions {
         })?;
         let d = Self::new(dir);
         let o = Self {
-            fsync: FsyncPolicy::parse(f.choice("fsync", "batch", &FsyncPolicy::NAMES)?),
+            fsync: FsyncPolicy::from_name(f.choice("fsync", "batch", &FsyncPolicy::NAMES)?)
+                .unwrap_or_default(),
             eviction: EvictionPolicy::parse(f.choice("eviction", "lru", &EvictionPolicy::NAMES)?)
                 .unwrap_or_default(),
             queue_depth: f.u64("queue_depth", d.queue_depth as u64, 1..=4096)? as u32,

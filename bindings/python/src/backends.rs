@@ -25,6 +25,8 @@ pub fn registry() -> Result<Registry> {
     hicache_backend_rdma::register(&r)?;
     #[cfg(feature = "plugin")]
     hicache_backend_plugin::register(&r)?;
+    #[cfg(feature = "redis")]
+    hicache_backend_redis::register(&r)?;
     Ok(r)
 }
 
@@ -49,13 +51,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn redis_is_named_as_not_compiled() {
-        let r = registry().unwrap();
+    fn a_backend_left_out_is_named_with_its_feature() {
+        let r = Registry::with_builtins();
         let e = check_compiled(&r, "redis").unwrap_err().to_string();
         assert!(
             e.contains("`redis`") && e.contains("feature `redis`"),
             "{e}"
         );
+        let r = registry().unwrap();
         assert!(check_compiled(&r, "memory").is_ok());
         assert!(
             check_compiled(&r, "nope").is_ok(),

@@ -22,6 +22,7 @@ pub mod pages;
 pub mod store;
 
 use hicache_core::{PageHash, PageHasher, tokens_from_i64};
+use hicache_storage::{StorageConfig, StorageError};
 use pyo3::prelude::*;
 
 use crate::error::BindingError;
@@ -89,12 +90,31 @@ pub fn sglang_page_hashes(
         .collect())
 }
 
+/// Checks an extra-config (our own: `{"backend": "file", ...}`) without opening the backend:
+/// the JSON, the common fields, and that the backend is compiled into this build. Returns the
+/// backend's name. The backend's own fields are checked when a [`store::Store`] opens it.
+#[pyfunction]
+pub fn check_extra_config(extra_config: &str) -> PyResult<String> {
+    let config = StorageConfig::parse(None, Some(extra_config)).map_err(BindingError::from)?;
+    let registry = backends::registry()?;
+    backends::check_compiled(&registry, &config.backend)?;
+    if !registry.contains(&config.backend) {
+        return Err(BindingError::from(StorageError::UnknownBackend {
+            name: config.backend.clone(),
+            known: registry.names(),
+        })
+        .into());
+    }
+    Ok(config.backend)
+}
+
 /// The module `hicache_rs._native`.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::Store>()?;
     m.add_function(wrap_pyfunction!(namespace_id, m)?)?;
     m.add_function(wrap_pyfunction!(sglang_page_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(check_extra_config, m)?)?;
     m.add("COMPILED_BACKENDS", backends::registry()?.names())?;
     Ok(())
 }

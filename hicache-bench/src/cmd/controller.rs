@@ -81,7 +81,7 @@ fn tokens(seed: u64, n: usize) -> Vec<u32> {
 struct Running {
     id: u64,
     tokens: Vec<u32>,
-    slots: Vec<u32>,
+    slots: Vec<hicache::DeviceSlot>,
 }
 
 /// What one tick did (a tick may do several).

@@ -27,7 +27,8 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use hicache_core::{
-    HiRadixTree, InsertOptions, NoHost, NodeId, PageHasher, StrategyKind, TenantId, TreeConfig,
+    DeviceSlot, HiRadixTree, InsertOptions, NoHost, NodeId, PageHasher, StrategyKind, TenantId,
+    TreeConfig,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -229,8 +230,8 @@ pub fn replay_into<const TIMED: bool>(
     let ps = tree.page_size() as usize;
     let t = TenantId::DEFAULT;
     let mut totals = Totals::default();
-    let mut free_slots: Vec<u32> = match capacity {
-        Some(c) => (0..c as u32).rev().collect(),
+    let mut free_slots: Vec<DeviceSlot> = match capacity {
+        Some(c) => (0..c as u32).rev().map(DeviceSlot).collect(),
         None => Vec::new(),
     };
     let mut next_slot = 0u32;
@@ -272,7 +273,7 @@ pub fn replay_into<const TIMED: bool>(
                     let at = free_slots.len() - need;
                     slots.extend(free_slots.drain(at..));
                 } else {
-                    slots.extend(next_slot..next_slot + need as u32);
+                    slots.extend((next_slot..next_slot + need as u32).map(DeviceSlot));
                     next_slot += need as u32;
                 }
                 let r = tree.insert(t, key, &slots, InsertOptions::default())?;
@@ -438,7 +439,9 @@ pub fn big_tree(pages: usize, ps: u32, key_tokens: usize, seed: u64) -> Result<B
         while key.len() < key_pages * psz {
             key.push(rng.random_range(0..128_000));
         }
-        let slots: Vec<u32> = (next_slot..next_slot + key_pages as u32).collect();
+        let slots: Vec<DeviceSlot> = (next_slot..next_slot + key_pages as u32)
+            .map(DeviceSlot)
+            .collect();
         next_slot += key_pages as u32;
         let r = tree.insert(t, &key, &slots, InsertOptions::default())?;
         leaves.push(r.last_node);

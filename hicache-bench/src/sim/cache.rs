@@ -39,6 +39,7 @@
 //! The engine never sees tiers or slots beyond what these types carry, so any cache (the
 //! `hicache` controller, a baseline without prefix caching, a test model) can be measured.
 
+pub use hicache_core::DeviceSlot;
 use serde::Serialize;
 use thiserror::Error;
 
@@ -90,9 +91,9 @@ pub struct Admission {
     /// Prefix pages loaded back from L2 that this request's prefetch brought from L3.
     pub l3_pages: usize,
     /// Device slots of the prefix, in order (`l1_pages + l2_pages + l3_pages` of them).
-    pub prefix_slots: Vec<u32>,
+    pub prefix_slots: Vec<DeviceSlot>,
     /// Device slots for the rest of the prompt and the new tokens.
-    pub new_slots: Vec<u32>,
+    pub new_slots: Vec<DeviceSlot>,
 }
 
 impl Admission {
@@ -229,7 +230,12 @@ pub trait CacheUnderTest {
 
     /// The request finished: insert `tokens` (prompt and output), taking back every slot
     /// (rule 3).
-    fn cache_finished(&mut self, req: RequestId, tokens: &[u32], slots: &[u32]) -> CacheResult<()>;
+    fn cache_finished(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        slots: &[DeviceSlot],
+    ) -> CacheResult<()>;
 
     /// Graceful end: drain pending writes and backups.
     fn shutdown(&mut self) -> CacheResult<()>;

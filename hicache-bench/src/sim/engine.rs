@@ -184,7 +184,7 @@ struct Active {
     to_compute: usize,
     /// Answer tokens produced so far.
     produced: usize,
-    slots: Vec<u32>,
+    slots: Vec<crate::sim::cache::DeviceSlot>,
 }
 
 fn cache_err(e: CacheError) -> BenchError {

@@ -10,8 +10,8 @@ pub mod model;
 pub mod nocache;
 
 pub use cache::{
-    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, PrefetchStatus, RequestId,
-    TransferStats,
+    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
+    RequestId, TransferStats,
 };
 pub use engine::{EngineConfig, RequestRecord, RunResult, StepKind, StepRecord};
 pub use links::{CopyTime, Link, Links};

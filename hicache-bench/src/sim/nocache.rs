@@ -3,7 +3,8 @@
 //! column of the report is this cache run through the same engine and workload.
 
 use crate::sim::cache::{
-    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, PrefetchStatus, RequestId,
+    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
+    RequestId,
 };
 
 /// A device page allocator and nothing else.
@@ -11,7 +12,7 @@ use crate::sim::cache::{
 pub struct NoCache {
     page_size: usize,
     device_pages: usize,
-    free: Vec<u32>,
+    free: Vec<DeviceSlot>,
     stats: CacheStats,
 }
 
@@ -22,7 +23,7 @@ impl NoCache {
             page_size,
             device_pages,
             // Popped from the back: slot 0 first.
-            free: (0..device_pages as u32).rev().collect(),
+            free: (0..device_pages as u32).rev().map(DeviceSlot).collect(),
             stats: CacheStats {
                 page_bytes,
                 ..CacheStats::default()
@@ -85,7 +86,12 @@ impl CacheUnderTest for NoCache {
         )))
     }
 
-    fn cache_finished(&mut self, req: RequestId, tokens: &[u32], slots: &[u32]) -> CacheResult<()> {
+    fn cache_finished(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        slots: &[DeviceSlot],
+    ) -> CacheResult<()> {
         if slots.len() != tokens.len().div_ceil(self.page_size) {
             return Err(CacheError(format!(
                 "request {req}: {} slots for {} tokens",

@@ -13,7 +13,8 @@
 use std::collections::HashMap;
 
 use hicache_bench::sim::{
-    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, PrefetchStatus, RequestId,
+    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
+    RequestId,
 };
 
 /// Shape of the double.
@@ -33,7 +34,7 @@ pub struct ExactPrefixConfig {
 
 #[derive(Debug)]
 struct Entry {
-    slot: Option<u32>,
+    slot: Option<DeviceSlot>,
     in_l2: bool,
     in_l3: bool,
     stamp: u64,
@@ -46,7 +47,7 @@ struct Entry {
 pub struct ExactPrefix {
     cfg: ExactPrefixConfig,
     entries: HashMap<Vec<u32>, Entry>,
-    free: Vec<u32>,
+    free: Vec<DeviceSlot>,
     l2_used: usize,
     clock: u64,
     prefetched: HashMap<RequestId, usize>,
@@ -62,7 +63,7 @@ impl ExactPrefix {
     pub fn new(cfg: ExactPrefixConfig) -> Self {
         assert!(!cfg.storage || cfg.host_pages > 0, "L3 needs L2");
         Self {
-            free: (0..cfg.device_pages as u32).rev().collect(),
+            free: (0..cfg.device_pages as u32).rev().map(DeviceSlot).collect(),
             stats: CacheStats {
                 page_bytes: cfg.page_bytes,
                 ..CacheStats::default()
@@ -277,7 +278,7 @@ impl CacheUnderTest for ExactPrefix {
             }
             return Ok(None);
         }
-        let mut prefix_slots: Vec<u32> = l1_keys
+        let mut prefix_slots: Vec<DeviceSlot> = l1_keys
             .iter()
             .map(|k| self.entries[k].slot.unwrap())
             .collect();
@@ -330,7 +331,12 @@ impl CacheUnderTest for ExactPrefix {
         Ok(())
     }
 
-    fn cache_finished(&mut self, req: RequestId, tokens: &[u32], slots: &[u32]) -> CacheResult<()> {
+    fn cache_finished(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        slots: &[DeviceSlot],
+    ) -> CacheResult<()> {
         let ps = self.cfg.page_size;
         if slots.len() != tokens.len().div_ceil(ps) {
             return Err(CacheError(format!(

@@ -103,7 +103,7 @@ impl HiRadixTree {
                 }
             } else if self.node(x).first_child == NIL {
                 self.emit_removed(x, Medium::Gpu);
-                let slots = self.node(x).device(self.ps).to_vec();
+                let slots: Vec<DeviceSlot> = self.node(x).device(self.ps).collect();
                 self.remove_node(x);
                 out.device_slots.extend_from_slice(&slots);
                 out.deleted_pages += p;
@@ -149,7 +149,7 @@ impl HiRadixTree {
         let ps = self.ps;
         {
             let n = self.node_mut(x);
-            n.host_mut(ps).copy_from_slice(&slots);
+            n.set_host_slots(ps, &slots);
             n.set(HOST, true);
             n.set(WRITE_PENDING, true);
             n.host_ref += 1;
@@ -201,11 +201,11 @@ impl HiRadixTree {
             dropped += node.pages as usize;
             if node.flags & DEVICE != 0 {
                 self.emit_removed(n, Medium::Gpu);
-                dev.extend_from_slice(self.node(n).device(ps));
+                dev.extend(self.node(n).device(ps));
             }
             if self.node(n).backed() {
                 self.emit_removed(n, Medium::CpuPinned);
-                host.free(self.node(n).host(ps));
+                host.free(&self.node(n).host(ps).collect::<Vec<_>>());
             }
             self.remove_node(n);
         }
@@ -226,7 +226,7 @@ impl HiRadixTree {
             self.emit_removed(x, Medium::CpuPinned);
             let n = self.node(x);
             out.freed_pages += n.pages as usize;
-            out.host_slots.extend_from_slice(n.host(ps));
+            out.host_slots.extend(n.host(ps));
             self.remove_node(x);
         }
         out

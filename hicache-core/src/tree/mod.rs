@@ -24,8 +24,12 @@
 //! # Example
 //!
 //! ```
-//! use hicache_core::{HiRadixTree, InsertOptions, NoHost, TenantId, TreeConfig, WritePolicy};
+//! use hicache_core::{
+//!     DeviceSlot, HiRadixTree, HostSlot, InsertOptions, NoHost, TenantId, TreeConfig, WritePolicy,
+//! };
 //!
+//! let dev = |v: &[u32]| v.iter().copied().map(DeviceSlot).collect::<Vec<_>>();
+//! let host = |v: &[u32]| v.iter().copied().map(HostSlot).collect::<Vec<_>>();
 //! let mut tree = HiRadixTree::new(TreeConfig {
 //!     write_policy: WritePolicy::WriteThrough,
 //!     ..TreeConfig::new(4)
@@ -37,31 +41,31 @@
 //! let m = tree.match_prefix(t, &prompt)?;
 //! assert_eq!(m.device_pages(), 0);
 //! tree.lock(m.last_device_node)?;
-//! let r = tree.insert(t, &prompt, &[7, 8, 9], InsertOptions::default())?;
+//! let r = tree.insert(t, &prompt, &dev(&[7, 8, 9]), InsertOptions::default())?;
 //! tree.unlock(m.last_device_node)?;
 //!
 //! // Write-through: the new node is due for backup. The controller copies its device pages
 //! // to host pages it allocated, and acks.
 //! for node in r.write_through {
 //!     let plan = tree.begin_backup(node)?.expect("parent is the root");
-//!     let write = tree.commit_backup(node, &[100, 101, 102])?; // D2H copy launched
-//!     assert_eq!(plan.device_slots, vec![7, 8, 9]);
+//!     let write = tree.commit_backup(node, &host(&[100, 101, 102]))?; // D2H copy launched
+//!     assert_eq!(plan.device_slots, dev(&[7, 8, 9]));
 //!     let done = tree.finish_backup(write)?; // D2H copy acknowledged
-//!     assert_eq!(done.host_slots(), vec![100, 101, 102]);
+//!     assert_eq!(done.host_slots(), host(&[100, 101, 102]));
 //! }
 //!
 //! // Device pressure: the node is demoted to host; the caller frees the device slots.
 //! let out = tree.evict(3, &mut NoHost);
-//! assert_eq!(out.device_slots, vec![7, 8, 9]);
+//! assert_eq!(out.device_slots, dev(&[7, 8, 9]));
 //! let m = tree.match_prefix(t, &prompt)?;
 //! assert_eq!((m.device_pages(), m.host_hit_pages), (0, 3));
 //!
 //! // Load it back: plan, allocate device pages, commit (H2D copy launched), finish on ack.
 //! let plan = tree.plan_load_back(m.last_node, None)?.expect("3 pages >= threshold");
-//! assert_eq!(plan.host_slots(), &[100, 101, 102]);
-//! let load = tree.commit_load_back(plan, &[4, 5, 6])?;
+//! assert_eq!(plan.host_slots(), host(&[100, 101, 102]));
+//! let load = tree.commit_load_back(plan, &dev(&[4, 5, 6]))?;
 //! tree.finish_load_back(load)?;
-//! assert_eq!(tree.match_prefix(t, &prompt)?.device_slots, vec![4, 5, 6]);
+//! assert_eq!(tree.match_prefix(t, &prompt)?.device_slots, dev(&[4, 5, 6]));
 //! tree.check_invariants().unwrap();
 //! # Ok::<(), hicache_core::CoreError>(())
 //! ```
@@ -120,10 +124,7 @@ pub use transfer::{BackupFragment, BackupPlan, FinishedBackup, HostInsertResult,
 
 use node::{Arena, DEVICE, HOST, LIVE, NIL, Node, ROOT, SKIPPED, WRITE_PENDING};
 
-/// Index of a page in the device (L1) KV pool.
-pub type DeviceSlot = u32;
-/// Index of a page in the host (L2) KV pool.
-pub type HostSlot = u32;
+pub use crate::slot::{DeviceSlot, HostSlot};
 
 /// A node handle: arena index plus generation. A handle to a deleted node is *stale*: every
 /// operation given one returns [`CoreError::StaleNode`].
@@ -533,21 +534,25 @@ impl HiRadixTree {
     }
 
     /// The device slots of a node (empty when evicted or a root).
-    pub fn device_slots(&self, id: NodeId) -> Result<&[DeviceSlot]> {
+    pub fn device_slots(&self, id: NodeId) -> Result<Vec<DeviceSlot>> {
         let i = self.get(id)?;
         let n = self.node(i);
         Ok(if n.on_device() {
-            n.device(self.ps)
+            n.device(self.ps).collect()
         } else {
-            &[]
+            Vec::new()
         })
     }
 
     /// The host slots of a node (empty when not backed up or a root).
-    pub fn host_slots(&self, id: NodeId) -> Result<&[HostSlot]> {
+    pub fn host_slots(&self, id: NodeId) -> Result<Vec<HostSlot>> {
         let i = self.get(id)?;
         let n = self.node(i);
-        Ok(if n.backed() { n.host(self.ps) } else { &[] })
+        Ok(if n.backed() {
+            n.host(self.ps).collect()
+        } else {
+            Vec::new()
+        })
     }
 
     /// The children of a node, most recently linked first.
@@ -836,7 +841,7 @@ impl HiRadixTree {
         let n = &mut self.arena.nodes[i as usize];
         debug_assert!(!n.on_device());
         let p = n.pages;
-        n.device_mut(ps).copy_from_slice(slots);
+        n.set_device_slots(ps, slots);
         n.set(DEVICE, true);
         let parent = n.parent;
         // It leaves the host-only tier.
@@ -865,7 +870,7 @@ impl HiRadixTree {
         let fp = self.arena_fingerprint(i);
         let n = &mut self.arena.nodes[i as usize];
         debug_assert!(n.on_device() && n.lock_ref == 0);
-        let slots = n.device(ps).to_vec();
+        let slots: Vec<DeviceSlot> = n.device(ps).collect();
         let p = n.pages;
         n.set(DEVICE, false);
         let parent = n.parent;
@@ -986,10 +991,10 @@ impl HiRadixTree {
             }
             if !n.is_root() {
                 if n.on_device() {
-                    dev.extend_from_slice(n.device(ps));
+                    dev.extend(n.device(ps));
                 }
                 if n.backed() {
-                    host.extend_from_slice(n.host(ps));
+                    host.extend(n.host(ps));
                 }
             }
         }

@@ -12,6 +12,7 @@ use hashbrown::HashTable;
 
 use crate::eviction::{NodeStats, StatsTable};
 use crate::key::PageHash;
+use crate::slot::{DeviceSlot, HostSlot};
 
 /// Tokens of a first page that enter its child-table hash.
 pub(crate) const HASHED_TOKENS: usize = 16;
@@ -112,44 +113,76 @@ impl Node {
     pub fn tokens(&self, ps: usize) -> &[u32] {
         &self.buf[..self.pages as usize * ps]
     }
+    /// The device-slot half of `buf` (raw page indices).
     #[inline]
-    pub fn device(&self, ps: usize) -> &[u32] {
+    pub fn device_raw(&self, ps: usize) -> &[u32] {
         let t = self.pages as usize * ps;
         &self.buf[t..t + self.pages as usize]
     }
+    /// The host-slot half of `buf` (raw page indices).
     #[inline]
-    pub fn device_mut(&mut self, ps: usize) -> &mut [u32] {
-        let t = self.pages as usize * ps;
-        let p = self.pages as usize;
-        &mut self.buf[t..t + p]
-    }
-    #[inline]
-    pub fn host(&self, ps: usize) -> &[u32] {
+    pub fn host_raw(&self, ps: usize) -> &[u32] {
         let t = self.pages as usize * ps + self.pages as usize;
         &self.buf[t..t + self.pages as usize]
     }
+    /// The node's device slots (meaningful while `DEVICE` is set).
     #[inline]
-    pub fn host_mut(&mut self, ps: usize) -> &mut [u32] {
+    pub fn device(&self, ps: usize) -> impl ExactSizeIterator<Item = DeviceSlot> + '_ {
+        self.device_raw(ps).iter().map(|&s| DeviceSlot(s))
+    }
+    /// The node's host slots (meaningful while `HOST` is set).
+    #[inline]
+    pub fn host(&self, ps: usize) -> impl ExactSizeIterator<Item = HostSlot> + '_ {
+        self.host_raw(ps).iter().map(|&s| HostSlot(s))
+    }
+    /// Stores the node's device slots (one per page).
+    #[inline]
+    pub fn set_device_slots(&mut self, ps: usize, slots: &[DeviceSlot]) {
+        let t = self.pages as usize * ps;
+        let p = self.pages as usize;
+        for (d, s) in self.buf[t..t + p].iter_mut().zip(slots) {
+            *d = s.0;
+        }
+    }
+    /// Stores the node's host slots (one per page).
+    #[inline]
+    pub fn set_host_slots(&mut self, ps: usize, slots: &[HostSlot]) {
         let p = self.pages as usize;
         let t = p * ps + p;
-        &mut self.buf[t..t + p]
+        for (d, s) in self.buf[t..t + p].iter_mut().zip(slots) {
+            *d = s.0;
+        }
     }
 }
 
 /// Builds `[tokens | device | host]` for a node of `tokens.len() / ps` pages.
-pub(crate) fn make_buf(tokens: &[u32], device: Option<&[u32]>, host: Option<&[u32]>) -> Box<[u32]> {
-    let pages = device.map(<[u32]>::len).or(host.map(<[u32]>::len));
+pub(crate) fn make_buf(
+    tokens: &[u32],
+    device: Option<&[DeviceSlot]>,
+    host: Option<&[HostSlot]>,
+) -> Box<[u32]> {
+    let pages = device.map(<[_]>::len).or(host.map(<[_]>::len));
     let pages = pages.unwrap_or(0);
     let mut v = Vec::with_capacity(tokens.len() + 2 * pages);
     v.extend_from_slice(tokens);
     match device {
-        Some(d) => v.extend_from_slice(d),
+        Some(d) => v.extend(d.iter().map(|s| s.0)),
         None => v.resize(v.len() + pages, 0),
     }
     match host {
-        Some(h) => v.extend_from_slice(h),
+        Some(h) => v.extend(h.iter().map(|s| s.0)),
         None => v.resize(v.len() + pages, 0),
     }
+    v.into_boxed_slice()
+}
+
+/// Builds a node's `buf` from raw halves of equal length (a split of an existing node).
+pub(crate) fn make_buf_raw(tokens: &[u32], device: &[u32], host: &[u32]) -> Box<[u32]> {
+    debug_assert_eq!(device.len(), host.len());
+    let mut v = Vec::with_capacity(tokens.len() + device.len() + host.len());
+    v.extend_from_slice(tokens);
+    v.extend_from_slice(device);
+    v.extend_from_slice(host);
     v.into_boxed_slice()
 }
 
@@ -434,11 +467,12 @@ mod tests {
     fn buf_layout_and_slices() {
         let mut n = Node::vacant(0);
         n.pages = 2;
-        n.buf = make_buf(&[1, 2, 3, 4], Some(&[10, 11]), None);
+        n.buf = make_buf(&[1, 2, 3, 4], Some(&[DeviceSlot(10), DeviceSlot(11)]), None);
         assert_eq!(n.tokens(2), &[1, 2, 3, 4]);
-        assert_eq!(n.device(2), &[10, 11]);
-        assert_eq!(n.host(2), &[0, 0]);
-        n.host_mut(2).copy_from_slice(&[7, 8]);
+        assert_eq!(n.device_raw(2), &[10, 11]);
+        assert_eq!(n.host_raw(2), &[0, 0]);
+        n.set_host_slots(2, &[HostSlot(7), HostSlot(8)]);
+        assert_eq!(n.host(2).collect::<Vec<_>>(), [HostSlot(7), HostSlot(8)]);
         assert_eq!(&n.buf[..], &[1, 2, 3, 4, 10, 11, 7, 8]);
     }
 }

@@ -2,8 +2,8 @@
 
 use crate::error::Result;
 
-use super::node::{DEVICE, LIVE, NIL, make_buf};
-use super::{DeviceSlot, HiRadixTree, NodeId, TenantId};
+use super::node::{DEVICE, LIVE, NIL, make_buf, make_buf_raw};
+use super::{DeviceSlot, HiRadixTree, HostSlot, NodeId, TenantId};
 
 /// What [`HiRadixTree::match_prefix`] found.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -76,14 +76,14 @@ impl HiRadixTree {
                 let nn = self.split_idx(c, common as u32, now);
                 let n = self.node(nn);
                 if n.on_device() {
-                    slots.extend_from_slice(n.device(ps));
+                    slots.extend(n.device(ps));
                 }
                 node = nn;
                 break;
             }
             let n = self.node(c);
             if n.on_device() {
-                slots.extend_from_slice(n.device(ps));
+                slots.extend(n.device(ps));
             }
             node = c;
             rest = &rest[common * ps..];
@@ -209,7 +209,7 @@ impl HiRadixTree {
         parent: u32,
         tokens: &[u32],
         device: Option<&[DeviceSlot]>,
-        host: Option<&[u32]>,
+        host: Option<&[HostSlot]>,
         hashes: Option<&[crate::key::PageHash]>,
         now: u64,
         priority: i32,
@@ -298,10 +298,10 @@ impl HiRadixTree {
         let (upper, lower, hu, hl, on_dev) = {
             let n = self.node(c);
             let t = n.tokens(ps);
-            let d = n.device(ps);
-            let h = n.host(ps);
-            let upper = make_buf(&t[..kk * ps], Some(&d[..kk]), Some(&h[..kk]));
-            let lower = make_buf(&t[kk * ps..], Some(&d[kk..]), Some(&h[kk..]));
+            let d = n.device_raw(ps);
+            let h = n.host_raw(ps);
+            let upper = make_buf_raw(&t[..kk * ps], &d[..kk], &h[..kk]);
+            let lower = make_buf_raw(&t[kk * ps..], &d[kk..], &h[kk..]);
             let (hu, hl): (Box<[_]>, Box<[_]>) = if n.hashes.is_empty() {
                 (Box::default(), Box::default())
             } else {

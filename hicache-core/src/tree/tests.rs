@@ -28,9 +28,19 @@ fn cat(a: &[u32], b: &[u32]) -> Vec<u32> {
     [a, b].concat()
 }
 
-/// Slots `[from, from + n)`.
-fn slots(from: u32, n: usize) -> Vec<u32> {
-    (from..from + n as u32).collect()
+/// Slots `[from, from + n)` (device or host).
+fn slots<S: From<u32>>(from: u32, n: usize) -> Vec<S> {
+    (from..from + n as u32).map(S::from).collect()
+}
+
+/// Device slots with these indices.
+fn ds<const N: usize>(v: [u32; N]) -> Vec<DeviceSlot> {
+    v.into_iter().map(DeviceSlot).collect()
+}
+
+/// Host slots with these indices.
+fn hs<const N: usize>(v: [u32; N]) -> Vec<HostSlot> {
+    v.into_iter().map(HostSlot).collect()
 }
 
 const T: TenantId = TenantId::DEFAULT;
@@ -69,14 +79,14 @@ fn insert_then_match_returns_slots_and_splits_on_partial_match() {
     let r = ins(&mut t, &a, 100);
     assert_eq!(r.prefix_pages, 0);
     let m = t.match_prefix(T, &a).unwrap();
-    assert_eq!(m.device_slots, vec![100, 101, 102]);
+    assert_eq!(m.device_slots, ds([100, 101, 102]));
     assert_eq!(m.last_node, r.last_node);
     assert_eq!(m.host_hit_pages, 0);
     // A key sharing 2 pages then diverging splits the node after page 2.
     let b = cat(&a[..8], &toks(2, 1));
     let m = t.match_prefix(T, &b).unwrap();
     ok(&t);
-    assert_eq!(m.device_slots, vec![100, 101]);
+    assert_eq!(m.device_slots, ds([100, 101]));
     assert_eq!(t.node_info(m.last_node).unwrap().pages, 2);
     assert_eq!(t.node_info(r.last_node).unwrap().pages, 1);
     assert_eq!(t.node_info(r.last_node).unwrap().parent, Some(m.last_node));
@@ -99,9 +109,9 @@ fn insert_reports_cached_prefix_and_new_leaf() {
     let b = cat(&a, &toks(2, 2));
     let r = ins(&mut t, &b, 10);
     assert_eq!(r.prefix_pages, 2);
-    assert_eq!(t.device_slots(r.last_node).unwrap(), &[12, 13]);
+    assert_eq!(t.device_slots(r.last_node).unwrap(), ds([12, 13]));
     let m = t.match_prefix(T, &b).unwrap();
-    assert_eq!(m.device_slots, vec![0, 1, 12, 13]);
+    assert_eq!(m.device_slots, ds([0, 1, 12, 13]));
     assert_eq!(t.stats().device_pages, 4);
     assert_eq!(t.evictable_pages(), 4);
 }
@@ -118,11 +128,11 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
         Err(CoreError::Unaligned { len: 5, .. })
     ));
     assert!(matches!(
-        t.insert(T, &a[..6], &[1], InsertOptions::default()),
+        t.insert(T, &a[..6], &ds([1]), InsertOptions::default()),
         Err(CoreError::Unaligned { .. })
     ));
     assert!(matches!(
-        t.insert(T, &a, &[1], InsertOptions::default()),
+        t.insert(T, &a, &ds([1]), InsertOptions::default()),
         Err(CoreError::LengthMismatch { .. })
     ));
     assert!(matches!(
@@ -185,15 +195,15 @@ fn tenants_never_share_nodes() {
     ins(&mut t, &a, 0);
     assert!(t.match_prefix(lora, &a).unwrap().device_slots.is_empty());
     let r = t
-        .insert(lora, &a, &[5, 6], InsertOptions::default())
+        .insert(lora, &a, &ds([5, 6]), InsertOptions::default())
         .unwrap();
     assert_eq!(r.prefix_pages, 0);
-    assert_eq!(t.match_prefix(lora, &a).unwrap().device_slots, vec![5, 6]);
-    assert_eq!(t.match_prefix(T, &a).unwrap().device_slots, vec![0, 1]);
+    assert_eq!(t.match_prefix(lora, &a).unwrap().device_slots, ds([5, 6]));
+    assert_eq!(t.match_prefix(T, &a).unwrap().device_slots, ds([0, 1]));
     // A host insert under another tenant's anchor is refused.
     let root = t.tenant_root(T).unwrap();
     assert!(matches!(
-        t.insert_host_only(lora, root, &toks(3, 1), &[1], None),
+        t.insert_host_only(lora, root, &toks(3, 1), &hs([1]), None),
         Err(CoreError::WrongTenant { .. })
     ));
     ok(&t);
@@ -239,15 +249,15 @@ fn evict_deletes_lru_leaves_and_promotes_parents() {
     ok(&t);
     assert_eq!(out.freed_pages, 1);
     assert_eq!(out.deleted_pages, 1);
-    assert_eq!(out.device_slots, vec![12]);
-    assert_eq!(t.match_prefix(T, &c).unwrap().device_slots, vec![0, 1]);
+    assert_eq!(out.device_slots, ds([12]));
+    assert_eq!(t.match_prefix(T, &c).unwrap().device_slots, ds([0, 1]));
     // Evict everything: b's leaf, then the shared parent once childless.
     let out = t.evict(100, &mut NoHost);
     ok(&t);
     assert_eq!(out.freed_pages, 3);
     let mut freed = out.device_slots.clone();
     freed.sort();
-    assert_eq!(freed, vec![0, 1, 2]);
+    assert_eq!(freed, ds([0, 1, 2]));
     assert_eq!(t.stats().nodes, 0);
 }
 
@@ -271,7 +281,7 @@ fn write_through_due_lists_follow_policy_and_thresholds() {
         .insert(
             T,
             &b,
-            &[20, 21],
+            &ds([20, 21]),
             InsertOptions {
                 chunked: true,
                 priority: 0,
@@ -296,11 +306,11 @@ fn backup_requires_backed_parent_and_survives_splits() {
     let nb = ins(&mut t, &b, 10).last_node;
     // Child before parent: refused.
     assert!(t.begin_backup(nb).unwrap().is_none());
-    assert!(t.commit_backup(nb, &[1]).is_err());
+    assert!(t.commit_backup(nb, &hs([1])).is_err());
     let plan = t.begin_backup(na).unwrap().unwrap();
-    assert_eq!(plan.device_slots, vec![0, 1, 2]);
-    assert!(t.commit_backup(na, &[7]).is_err());
-    let w = t.commit_backup(na, &[50, 51, 52]).unwrap();
+    assert_eq!(plan.device_slots, ds([0, 1, 2]));
+    assert!(t.commit_backup(na, &hs([7])).is_err());
+    let w = t.commit_backup(na, &hs([50, 51, 52])).unwrap();
     ok(&t);
     let info = t.node_info(na).unwrap();
     assert!(info.backed_up && info.write_pending && info.lock_ref == 1);
@@ -315,14 +325,14 @@ fn backup_requires_backed_parent_and_survives_splits() {
     assert_eq!(f.node, na);
     assert_eq!(f.fragments.len(), 2);
     assert_eq!(f.fragments[0].node, upper);
-    assert_eq!(f.host_slots(), vec![50, 51, 52]);
+    assert_eq!(f.host_slots(), hs([50, 51, 52]));
     assert_eq!(t.protected_pages(), 0);
     assert!(!t.node_info(upper).unwrap().write_pending);
     assert!(t.finish_backup(w).is_err());
     // Now the child may go.
     let plan = t.begin_backup(nb).unwrap().unwrap();
     assert_eq!(plan.pages(), 1);
-    let w = t.commit_backup(nb, &[60]).unwrap();
+    let w = t.commit_backup(nb, &hs([60])).unwrap();
     t.finish_backup(w).unwrap();
     ok(&t);
     assert_eq!(t.host_pages(), 4);
@@ -341,11 +351,11 @@ fn backed_up_leaves_are_demoted_and_rematerialised_by_insert() {
     let out = t.evict(2, &mut NoHost);
     ok(&t);
     assert_eq!(out.demoted_pages, 2);
-    assert_eq!(out.device_slots, vec![12, 13]);
+    assert_eq!(out.device_slots, ds([12, 13]));
     let info = t.node_info(nb).unwrap();
     assert!(!info.on_device && info.backed_up);
     let m = t.match_prefix(T, &b).unwrap();
-    assert_eq!(m.device_slots, vec![0, 1]);
+    assert_eq!(m.device_slots, ds([0, 1]));
     assert_eq!(m.last_device_node, na);
     assert_eq!(m.last_host_node, nb);
     assert_eq!(m.last_node, nb);
@@ -354,7 +364,7 @@ fn backed_up_leaves_are_demoted_and_rematerialised_by_insert() {
     // Insert recomputed KV: the evicted node takes the request's slots; not counted as prefix.
     let r = ins(&mut t, &b, 30);
     assert_eq!(r.prefix_pages, 2);
-    assert_eq!(t.device_slots(nb).unwrap(), &[32, 33]);
+    assert_eq!(t.device_slots(nb).unwrap(), ds([32, 33]));
     assert_eq!(t.stats().host_candidates, 0);
     assert_eq!(t.evictable_pages(), 4);
 }
@@ -379,11 +389,11 @@ fn evict_host_removes_host_only_leaves_and_cascades() {
     t.release_host(nb).unwrap();
     let out = t.evict_host(1);
     ok(&t);
-    assert_eq!(out.host_slots, vec![200]);
+    assert_eq!(out.host_slots, hs([200]));
     assert!(t.node_info(nb).is_err(), "deleted node ids are stale");
     assert!(matches!(t.lock(nb), Err(CoreError::StaleNode(_))));
     let out = t.evict_host(1);
-    assert_eq!(out.host_slots, vec![100]);
+    assert_eq!(out.host_slots, hs([100]));
     assert_eq!(t.stats().nodes, 0);
     ok(&t);
 }
@@ -417,7 +427,7 @@ fn load_back_is_all_or_nothing_with_threshold_and_quota() {
     let plan = t.plan_load_back(nd, Some(4)).unwrap().unwrap();
     ok(&t);
     assert_eq!(plan.pages(), 3);
-    assert_eq!(plan.host_slots(), &[200, 201, 300]);
+    assert_eq!(plan.host_slots(), &hs([200, 201, 300]));
     assert_eq!(plan.nodes(), &[nb, nd]);
     assert_eq!(plan.ancestor(), na);
     assert_eq!(t.node_info(na).unwrap().lock_ref, 1);
@@ -426,14 +436,14 @@ fn load_back_is_all_or_nothing_with_threshold_and_quota() {
     t.abort_load_back(plan).unwrap();
     ok(&t);
     let plan = t.plan_load_back(nd, None).unwrap().unwrap();
-    assert!(t.commit_load_back(plan, &[1, 2]).is_err());
+    assert!(t.commit_load_back(plan, &ds([1, 2])).is_err());
     ok(&t);
     let plan = t.plan_load_back(nd, None).unwrap().unwrap();
-    let load = t.commit_load_back(plan, &[40, 41, 42]).unwrap();
+    let load = t.commit_load_back(plan, &ds([40, 41, 42])).unwrap();
     ok(&t);
     assert_eq!(
         t.match_prefix(T, &d).unwrap().device_slots,
-        vec![0, 40, 41, 42]
+        ds([0, 40, 41, 42])
     );
     assert_eq!(t.node_info(nd).unwrap().lock_ref, 1);
     assert_eq!(t.finish_load_back(load).unwrap(), nd);
@@ -443,12 +453,12 @@ fn load_back_is_all_or_nothing_with_threshold_and_quota() {
 
 #[test]
 fn write_back_eviction_stages_copies_or_drops_under_host_pressure() {
-    struct Pool(Vec<u32>, Vec<u32>);
+    struct Pool(Vec<HostSlot>, Vec<HostSlot>);
     impl HostAllocator for Pool {
-        fn alloc(&mut self, pages: usize) -> Option<Vec<u32>> {
+        fn alloc(&mut self, pages: usize) -> Option<Vec<HostSlot>> {
             (self.0.len() >= pages).then(|| self.0.drain(..pages).collect())
         }
-        fn free(&mut self, s: &[u32]) {
+        fn free(&mut self, s: &[HostSlot]) {
             self.1.extend_from_slice(s);
             self.0.extend_from_slice(s);
         }
@@ -458,7 +468,7 @@ fn write_back_eviction_stages_copies_or_drops_under_host_pressure() {
     let b = cat(&a, &toks(2, 1));
     let na = ins(&mut t, &a, 0).last_node;
     let nb = ins(&mut t, &b, 10).last_node;
-    let mut pool = Pool(vec![500, 501], vec![]);
+    let mut pool = Pool(hs([500, 501]), vec![]);
     let out = t.evict(1, &mut pool);
     ok(&t);
     assert_eq!(out.freed_pages, 1);
@@ -466,7 +476,7 @@ fn write_back_eviction_stages_copies_or_drops_under_host_pressure() {
     let s = &out.write_back[0];
     assert_eq!(
         (s.node, s.device_slots.clone(), s.host_slots.clone()),
-        (nb, vec![12], vec![500])
+        (nb, ds([12]), hs([500]))
     );
     assert!(t.node_info(nb).unwrap().host_ref == 1 && t.node_info(nb).unwrap().write_pending);
     // Host full for `a` (2 pages, 1 free): b's subtree is protected by the pending write, so
@@ -476,13 +486,13 @@ fn write_back_eviction_stages_copies_or_drops_under_host_pressure() {
     assert_eq!(out2.freed_pages, 0);
     // Finish the staged copy: b is an ordinary host-only node now.
     let f = t.finish_backup(s.write_id).unwrap();
-    assert_eq!(f.host_slots(), vec![500]);
+    assert_eq!(f.host_slots(), hs([500]));
     ok(&t);
     // Now `a` cannot be staged (1 host page free, but b is evicted to make room: 2 free).
     let out3 = t.evict(1, &mut pool);
     ok(&t);
     assert_eq!(out3.write_back.len(), 1);
-    assert_eq!(pool.1, vec![500]);
+    assert_eq!(pool.1, hs([500]));
     assert_eq!(out3.write_back[0].node, na);
     t.finish_backup(out3.write_back[0].write_id).unwrap();
     ok(&t);
@@ -492,7 +502,7 @@ fn write_back_eviction_stages_copies_or_drops_under_host_pressure() {
     let out = t.evict(1, &mut NoHost);
     ok(&t);
     assert_eq!(out.dropped_pages, 2);
-    assert_eq!(out.device_slots, vec![0, 1]);
+    assert_eq!(out.device_slots, ds([0, 1]));
     assert_eq!(t.stats().nodes, 0);
 }
 
@@ -505,35 +515,37 @@ fn host_inserts_dedupe_adopt_and_create_host_only_nodes() {
     // `a` on device, not backed up: the fetched copy is adopted, the rest becomes host-only.
     let na = ins(&mut t, &a, 0).last_node;
     let r = t
-        .insert_host_only(T, root, &b, &[70, 71, 72, 73], None)
+        .insert_host_only(T, root, &b, &hs([70, 71, 72, 73]), None)
         .unwrap();
     ok(&t);
     assert_eq!(r.present_pages, 2);
     assert_eq!(r.adopted_pages, 2);
     assert_eq!(r.new_pages, 2);
     assert!(r.duplicate_slots.is_empty());
-    assert_eq!(t.host_slots(na).unwrap(), &[70, 71]);
+    assert_eq!(t.host_slots(na).unwrap(), hs([70, 71]));
     let m = t.match_prefix(T, &b).unwrap();
     assert_eq!(m.host_hit_pages, 2);
     assert_eq!(m.last_host_node, r.last_node);
     // Same pages again: all duplicates; a partial key splits the host-only node.
     let r2 = t
-        .insert_host_only(T, root, &b[..12], &[80, 81, 82], None)
+        .insert_host_only(T, root, &b[..12], &hs([80, 81, 82]), None)
         .unwrap();
     ok(&t);
-    assert_eq!(r2.duplicate_slots, vec![80, 81, 82]);
+    assert_eq!(r2.duplicate_slots, hs([80, 81, 82]));
     assert_eq!(r2.new_pages, 0);
     // Anchored below: only the suffix is given.
     let c = toks(3, 1);
-    let r3 = t.insert_host_only(T, r.last_node, &c, &[90], None).unwrap();
+    let r3 = t
+        .insert_host_only(T, r.last_node, &c, &hs([90]), None)
+        .unwrap();
     ok(&t);
     assert_eq!(r3.new_pages, 1);
     let m = t.match_prefix(T, &cat(&b, &c)).unwrap();
     assert_eq!(m.host_hit_pages, 3);
     // Anchor not backed up: refused.
     let e = ins(&mut t, &toks(5, 1), 40).last_node;
-    assert!(t.insert_host_only(T, e, &c, &[1], None).is_err());
-    assert!(t.insert_host_only(T, root, &c, &[1, 2], None).is_err());
+    assert!(t.insert_host_only(T, e, &c, &hs([1]), None).is_err());
+    assert!(t.insert_host_only(T, root, &c, &hs([1, 2]), None).is_err());
     ok(&t);
 }
 
@@ -610,7 +622,7 @@ fn namespaced_tenants_seed_their_chains() {
     let a = toks(1, 1);
     let n0 = ins(&mut t, &a, 0).last_node;
     let n1 = t
-        .insert(x, &a, &[1], InsertOptions::default())
+        .insert(x, &a, &ds([1]), InsertOptions::default())
         .unwrap()
         .last_node;
     assert_ne!(t.page_hashes(n0).unwrap(), t.page_hashes(n1).unwrap());
@@ -631,8 +643,8 @@ fn reset_returns_every_slot_and_stales_old_ids() {
     let old_root = t.tenant_root(T).unwrap();
     let (mut d, h) = t.reset();
     d.sort();
-    assert_eq!(d, vec![0, 1]);
-    assert_eq!(h, vec![100, 101]);
+    assert_eq!(d, ds([0, 1]));
+    assert_eq!(h, hs([100, 101]));
     ok(&t);
     assert!(t.node_info(n).is_err());
     assert!(t.node_info(old_root).is_err());
@@ -694,10 +706,10 @@ fn lru_eviction_order_is_by_last_access() {
     }
     t.match_prefix(T, &keys[0]).unwrap();
     t.match_prefix(T, &keys[2]).unwrap();
-    let order: Vec<u32> = (0..4)
+    let order: Vec<DeviceSlot> = (0..4)
         .map(|_| t.evict(1, &mut NoHost).device_slots[0])
         .collect();
-    assert_eq!(order, vec![1, 3, 0, 2]);
+    assert_eq!(order, ds([1, 3, 0, 2]));
 }
 
 #[test]
@@ -726,11 +738,11 @@ fn load_back_plan_survives_a_split_of_its_chain() {
     let m = t.match_prefix(T, &b[..8]).unwrap();
     assert_ne!(m.last_node, nb);
     ok(&t);
-    let load = t.commit_load_back(plan, &[50, 51, 52]).unwrap();
+    let load = t.commit_load_back(plan, &ds([50, 51, 52])).unwrap();
     ok(&t);
     assert_eq!(
         t.match_prefix(T, &b).unwrap().device_slots,
-        vec![0, 50, 51, 52]
+        ds([0, 50, 51, 52])
     );
     t.finish_load_back(load).unwrap();
     ok(&t);
@@ -747,13 +759,13 @@ fn priorities_are_maxed_along_the_path_and_drive_the_priority_strategy() {
         chunked: false,
         priority,
     };
-    let nl = t.insert(T, &low, &[0], opts(1)).unwrap().last_node;
-    let nh = t.insert(T, &high, &[1], opts(5)).unwrap().last_node;
+    let nl = t.insert(T, &low, &ds([0]), opts(1)).unwrap().last_node;
+    let nh = t.insert(T, &high, &ds([1]), opts(5)).unwrap().last_node;
     // A later, more recent hit on `low` at priority 0 keeps its priority 1.
-    t.insert(T, &low, &[2], opts(0)).unwrap();
+    t.insert(T, &low, &ds([2]), opts(0)).unwrap();
     assert_eq!(t.node_info(nl).unwrap().priority, 1);
     assert_eq!(t.node_info(nh).unwrap().priority, 5);
-    assert_eq!(t.evict(1, &mut NoHost).device_slots, vec![0]);
+    assert_eq!(t.evict(1, &mut NoHost).device_slots, ds([0]));
     ok(&t);
 }
 
@@ -768,7 +780,7 @@ fn host_inserts_and_subtree_drops_emit_events() {
     let b = cat(&a, &toks(2, 1));
     ins(&mut t, &a, 0);
     t.drain_events();
-    let r = t.insert_host_only(T, root, &b, &[7, 8], None).unwrap();
+    let r = t.insert_host_only(T, root, &b, &hs([7, 8]), None).unwrap();
     ok(&t);
     assert_eq!((r.adopted_pages, r.new_pages), (1, 1));
     let ev = t.drain_events();
@@ -776,7 +788,7 @@ fn host_inserts_and_subtree_drops_emit_events() {
     assert!(ev.iter().all(|e| e.medium() == Some(Medium::CpuPinned)));
     // The adopted node is now backed up; its host-only child is dropped only with host eviction.
     let out = t.evict_host(1);
-    assert_eq!(out.host_slots, vec![8]);
+    assert_eq!(out.host_slots, hs([8]));
     let out = t.evict(1, &mut NoHost);
     assert_eq!(out.demoted_pages, 1);
     ok(&t);
@@ -795,11 +807,11 @@ fn stale_ids_are_errors_for_every_operation() {
     stale(t.protect_host(n));
     stale(t.release_host(n));
     stale(t.begin_backup(n).map(|_| ()));
-    stale(t.commit_backup(n, &[1]).map(|_| ()));
+    stale(t.commit_backup(n, &hs([1])).map(|_| ()));
     stale(t.plan_load_back(n, None).map(|_| ()));
     stale(t.split(n, 1).map(|_| ()));
     stale(
-        t.insert_host_only(T, n, &toks(2, 1), &[1], None)
+        t.insert_host_only(T, n, &toks(2, 1), &hs([1]), None)
             .map(|_| ()),
     );
     stale(t.tokens(n).map(|_| ()));
@@ -819,14 +831,14 @@ fn page_size_one_works_token_by_token() {
     let a = [1, 2, 3, 4];
     let b = [1, 2, 9];
     let r = t
-        .insert(T, &a, &[10, 11, 12, 13], InsertOptions::default())
+        .insert(T, &a, &ds([10, 11, 12, 13]), InsertOptions::default())
         .unwrap();
     ok(&t);
     let m = t.match_prefix(T, &b).unwrap();
     ok(&t);
-    assert_eq!(m.device_slots, vec![10, 11]);
+    assert_eq!(m.device_slots, ds([10, 11]));
     let r2 = t
-        .insert(T, &b, &[20, 21, 22], InsertOptions::default())
+        .insert(T, &b, &ds([20, 21, 22]), InsertOptions::default())
         .unwrap();
     ok(&t);
     assert_eq!(r2.prefix_pages, 2);
@@ -836,7 +848,7 @@ fn page_size_one_works_token_by_token() {
     );
     // The oldest leaf is the split-off tail [3, 4]: the whole node goes.
     assert_eq!(t.node_info(r.last_node).unwrap().pages, 2);
-    assert_eq!(t.evict(1, &mut NoHost).device_slots, vec![12, 13]);
+    assert_eq!(t.evict(1, &mut NoHost).device_slots, ds([12, 13]));
     ok(&t);
     assert!(t.node_info(r.last_node).is_err());
 }

@@ -161,7 +161,7 @@ impl HiRadixTree {
         }
         Ok(Some(BackupPlan {
             node,
-            device_slots: self.node(i).device(self.ps).to_vec(),
+            device_slots: self.node(i).device(self.ps).collect(),
         }))
     }
 
@@ -182,7 +182,7 @@ impl HiRadixTree {
         let ps = self.ps;
         {
             let n = self.node_mut(i);
-            n.host_mut(ps).copy_from_slice(host_slots);
+            n.set_host_slots(ps, host_slots);
             n.set(HOST, true);
             n.set(WRITE_PENDING, true);
         }
@@ -232,7 +232,7 @@ impl HiRadixTree {
             let node = self.node(c);
             fragments.push(BackupFragment {
                 node: self.id(c),
-                host_slots: node.host(ps).to_vec(),
+                host_slots: node.host(ps).collect(),
                 hashes: node.hashes.to_vec(),
             });
         }
@@ -306,7 +306,7 @@ impl HiRadixTree {
         for &c in &chain {
             self.node_mut(c).host_ref += 1;
             self.refresh_host(c);
-            host_slots.extend_from_slice(self.node(c).host(ps));
+            host_slots.extend(self.node(c).host(ps));
         }
         Ok(Some(LoadBackPlan {
             node,
@@ -467,7 +467,7 @@ impl HiRadixTree {
             } else {
                 // On device (evicted nodes are always backed up) without a host copy.
                 let n = self.node_mut(target);
-                n.host_mut(ps).copy_from_slice(mine);
+                n.set_host_slots(ps, mine);
                 n.set(HOST, true);
                 self.host_pages += common;
                 self.refresh(target);

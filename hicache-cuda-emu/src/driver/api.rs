@@ -13,8 +13,8 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use super::memory::{MemTable, RangeKind, Snapshot};
-use super::stats::{count, count_launch, violation};
+use super::memory::{MemTable, RangeKind, Side, Snapshot, VMM_GRANULARITY};
+use super::stats::{count, count_launch, count_n, take_injected, violation};
 use super::stream::{Event, Stream};
 use crate::cpu_kernels::{self, AccessCheck, CpuKernel};
 
@@ -46,10 +46,41 @@ pub mod rc {
     pub const HOST_MEMORY_NOT_REGISTERED: u32 = 713;
     /// Unsupported request.
     pub const NOT_SUPPORTED: u32 = 801;
+    /// The image has no code for this device.
+    pub const NO_BINARY_FOR_GPU: u32 = 209;
+}
+
+/// `CUDA_VERSION` the emulated driver reports by default (13.0): it has `cuMemcpyBatchAsync_v2`.
+pub const DEFAULT_DRIVER_VERSION: i32 = 13000;
+
+/// The driver version reported by `cuDriverGetVersion` (0 = not set yet: the default or
+/// `HICACHE_CUDA_EMU_DRIVER_VERSION`).
+static DRIVER_VERSION: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// The emulated driver's version: [`hicache_emu_set_driver_version`], else
+/// `HICACHE_CUDA_EMU_DRIVER_VERSION`, else [`DEFAULT_DRIVER_VERSION`]. Entry points newer than
+/// it answer `CUDA_ERROR_NOT_SUPPORTED`, as an older driver would lack them.
+pub fn driver_version() -> i32 {
+    match DRIVER_VERSION.load(Ordering::Relaxed) {
+        0 => std::env::var("HICACHE_CUDA_EMU_DRIVER_VERSION")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(DEFAULT_DRIVER_VERSION),
+        v => v,
+    }
+}
+
+/// Makes the emulated driver report `version` (e.g. 12080 to test the paths for drivers
+/// without `cuMemcpyBatchAsync_v2`); 0 restores the default.
+#[unsafe(no_mangle)]
+pub extern "C" fn hicache_emu_set_driver_version(version: i32) {
+    DRIVER_VERSION.store(version, Ordering::Relaxed);
 }
 
 const CTX: usize = 0x00c7_0000;
 const SM_COUNT: i32 = 132;
+/// Compute capability 9.0, as `major·10 + minor`.
+const SM: u32 = 90;
 
 struct Module {
     kernels: Vec<CpuKernel>,
@@ -98,6 +129,10 @@ fn guard(name: &'static str, f: impl FnOnce() -> u32) -> u32 {
     let needs_init = !matches!(name, "cuInit" | "cuGetErrorString" | "cuGetErrorName");
     if needs_init && !INIT.load(Ordering::Acquire) {
         return rc::NOT_INITIALIZED;
+    }
+    if let Some(code) = take_injected(name) {
+        violation(format!("{name}: failure {code} injected by the test"));
+        return code;
     }
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| {
         violation(format!("{name}: internal panic"));
@@ -187,7 +222,7 @@ pub unsafe extern "C" fn cuDriverGetVersion(v: *mut c_int) -> u32 {
             return rc::INVALID_VALUE;
         }
         // SAFETY: non-null out-pointer.
-        unsafe { *v = 13000 };
+        unsafe { *v = driver_version() };
         rc::SUCCESS
     })
 }
@@ -440,10 +475,14 @@ pub unsafe extern "C" fn cuStreamWaitEvent(s: *mut c_void, e: *mut c_void, _flag
 
 /// `cuEventCreate` of the driver API, emulated (see the module docs of `driver`).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventCreate(out: *mut *mut c_void, _flags: c_uint) -> u32 {
+pub unsafe extern "C" fn cuEventCreate(out: *mut *mut c_void, flags: c_uint) -> u32 {
     guard("cuEventCreate", || {
-        if out.is_null() {
+        if out.is_null() || flags & !0xf != 0 {
             return rc::INVALID_VALUE;
+        }
+        // CU_EVENT_BLOCKING_SYNC: a host wait sleeps instead of spinning a core.
+        if flags & 0x1 != 0 {
+            count("cuEventCreate[BLOCKING_SYNC]");
         }
         let id = new_handle();
         emu()
@@ -944,37 +983,384 @@ pub unsafe extern "C" fn cuMemcpy2DAsync_v2(c: *const Memcpy2D, s: *mut c_void) 
     })
 }
 
-/// Parses the declared parameter block size of `entry` from PTX (`.param .align 8 .b8
-/// NAME_param_0[112]`).
-fn ptx_param_bytes(ptx: &str, entry: &str) -> Option<usize> {
-    let key = format!("{entry}_param_0[");
-    let at = ptx.find(&key)? + key.len();
-    ptx[at..].split(']').next()?.trim().parse().ok()
+/// `CUmemLocation` (CUDA 13.0 layout).
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct MemLocation {
+    /// `CUmemLocationType`.
+    pub kind: u32,
+    /// Device ordinal or NUMA node.
+    pub id: c_int,
 }
 
-/// `cuModuleLoadData` of the driver API, emulated (see the module docs of `driver`).
+/// `CUmemcpyAttributes` (CUDA 13.0 layout).
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct MemcpyAttributes {
+    /// `CUmemcpySrcAccessOrder`: 1 stream, 2 during the API call, 3 any.
+    pub src_access_order: u32,
+    /// Hint for managed memory (ignored here, as for memory that is not managed).
+    pub src_loc_hint: MemLocation,
+    /// Hint for managed memory (ignored here).
+    pub dst_loc_hint: MemLocation,
+    /// `CUmemcpyFlags`.
+    pub flags: c_uint,
+}
+
+/// Checks the attribute table of a batch as the driver documents it: at least one entry, no
+/// more than copies, first index 0, indices strictly increasing and below `count`, every
+/// access order valid. Returns the access order of each copy.
+fn batch_orders(
+    count: usize,
+    attrs: &[MemcpyAttributes],
+    idxs: &[usize],
+) -> Result<Vec<u32>, String> {
+    if attrs.is_empty() || attrs.len() > count {
+        return Err(format!(
+            "{} attribute entries for {count} copies (1..=count needed)",
+            attrs.len()
+        ));
+    }
+    if idxs[0] != 0 {
+        return Err(format!("attrsIdxs[0] is {}, must be 0", idxs[0]));
+    }
+    if let Some(w) = idxs.windows(2).find(|w| w[1] <= w[0]) {
+        return Err(format!(
+            "attrsIdxs not strictly increasing ({} then {})",
+            w[0], w[1]
+        ));
+    }
+    if idxs[idxs.len() - 1] >= count {
+        return Err(format!(
+            "attrsIdxs entry {} ≥ count {count}",
+            idxs[idxs.len() - 1]
+        ));
+    }
+    if let Some(a) = attrs
+        .iter()
+        .find(|a| !(1..=3).contains(&a.src_access_order))
+    {
+        return Err(format!("bad srcAccessOrder {}", a.src_access_order));
+    }
+    let mut orders = Vec::with_capacity(count);
+    for (k, a) in attrs.iter().enumerate() {
+        let end = idxs.get(k + 1).copied().unwrap_or(count);
+        orders.resize(end, a.src_access_order);
+    }
+    Ok(orders)
+}
+
+/// `cuMemcpyBatchAsync_v2` of the driver API (CUDA 13.0), emulated: `count` pointer-to-pointer
+/// copies in one call, kinds inferred from the pointers, the batch in stream order (copies
+/// within it in no particular order). Refused on the legacy NULL stream and by drivers that
+/// predate it ([`driver_version`] < 13000). Stream-ordered copies from or to pageable host
+/// memory are errors (strict mode), as for every other async copy.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemcpyBatchAsync_v2(
+    dsts: *const u64,
+    srcs: *const u64,
+    sizes: *const usize,
+    count: usize,
+    attrs: *const MemcpyAttributes,
+    attrs_idxs: *const usize,
+    num_attrs: usize,
+    s: *mut c_void,
+) -> u32 {
+    guard("cuMemcpyBatchAsync_v2", || {
+        if driver_version() < 13000 {
+            return fail(
+                rc::NOT_SUPPORTED,
+                format!(
+                    "cuMemcpyBatchAsync_v2 called on an emulated driver of version {} (needs 13000)",
+                    driver_version()
+                ),
+            );
+        }
+        if (s as usize) < 2 {
+            return fail(
+                rc::INVALID_VALUE,
+                "cuMemcpyBatchAsync: the legacy NULL stream is not accepted".into(),
+            );
+        }
+        let Some(st) = stream_of(s) else {
+            return rc::INVALID_HANDLE;
+        };
+        if count == 0
+            || [dsts as usize, srcs as usize, sizes as usize].contains(&0)
+            || attrs.is_null()
+            || attrs_idxs.is_null()
+        {
+            return fail(
+                rc::INVALID_VALUE,
+                format!("cuMemcpyBatchAsync: count {count} or a null array"),
+            );
+        }
+        // SAFETY: the caller's arrays hold `count` and `num_attrs` entries (the API's contract).
+        let (dsts, srcs, sizes, attrs, idxs) = unsafe {
+            (
+                std::slice::from_raw_parts(dsts, count),
+                std::slice::from_raw_parts(srcs, count),
+                std::slice::from_raw_parts(sizes, count),
+                std::slice::from_raw_parts(attrs, num_attrs),
+                std::slice::from_raw_parts(attrs_idxs, num_attrs),
+            )
+        };
+        let orders = match batch_orders(count, attrs, idxs) {
+            Ok(o) => o,
+            Err(e) => return fail(rc::INVALID_VALUE, format!("cuMemcpyBatchAsync: {e}")),
+        };
+        let snap = snapshot();
+        let mut dev = Vec::new();
+        let mut copies = Vec::with_capacity(count);
+        for i in 0..count {
+            let n = sizes[i] as u64;
+            if n == 0 {
+                continue;
+            }
+            let (dst, src) = (dsts[i], srcs[i]);
+            let mut staged = None;
+            for (addr, is_src) in [(dst, false), (src, true)] {
+                match snap.classify(addr, n) {
+                    Ok(Side::Device) => dev.push((addr, n)),
+                    Ok(Side::PinnedHost) => {}
+                    Ok(Side::Pageable) if orders[i] == 1 => {
+                        let what = format!(
+                            "cuMemcpyBatchAsync: copy {i}: stream-ordered copy of {n} bytes \
+                             {} pageable host memory at {addr:#x}",
+                            if is_src { "from" } else { "to" }
+                        );
+                        if strict() {
+                            return fail(rc::INVALID_VALUE, what);
+                        }
+                        violation(what);
+                    }
+                    Ok(Side::Pageable) => {
+                        // Out of stream order: the driver may read the source now.
+                        if is_src {
+                            // SAFETY: the caller's source holds n bytes.
+                            staged = Some(
+                                unsafe { std::slice::from_raw_parts(src as *const u8, n as usize) }
+                                    .to_vec(),
+                            );
+                        }
+                    }
+                    Err(e) => {
+                        return fail(
+                            rc::INVALID_VALUE,
+                            format!("cuMemcpyBatchAsync: copy {i}: {e}"),
+                        );
+                    }
+                }
+            }
+            copies.push((dst, src, n as usize, staged));
+        }
+        count_n("cuMemcpyBatchAsync_v2[copies]", count as u64);
+        st.push(Box::new(move || {
+            let snap = snapshot();
+            for (a, n) in dev {
+                snap.check(a, n, true)?;
+            }
+            for (dst, src, n, staged) in copies {
+                let from = staged.as_ref().map_or(src as *const u8, |v| v.as_ptr());
+                // SAFETY: device sides rechecked just above, host sides per the caller's
+                // contract (page-locked, alive until the stream passes this point).
+                unsafe { std::ptr::copy(from, dst as *mut u8, n) };
+            }
+            Ok(())
+        }));
+        rc::SUCCESS
+    })
+}
+
+/// `cuMemGetAllocationGranularity` of the driver API, emulated: 2 MiB for every request.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemGetAllocationGranularity(
+    out: *mut usize,
+    prop: *const c_void,
+    _option: c_uint,
+) -> u32 {
+    guard("cuMemGetAllocationGranularity", || {
+        if out.is_null() || prop.is_null() {
+            return rc::INVALID_VALUE;
+        }
+        // SAFETY: non-null out-pointer.
+        unsafe { *out = VMM_GRANULARITY };
+        rc::SUCCESS
+    })
+}
+
+/// `cuMemAddressReserve` of the driver API, emulated (address space only; see `memory`).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAddressReserve(
+    out: *mut u64,
+    size: usize,
+    align: usize,
+    _addr: u64,
+    _flags: u64,
+) -> u32 {
+    guard("cuMemAddressReserve", || {
+        if out.is_null() {
+            return rc::INVALID_VALUE;
+        }
+        match emu().mem.lock().reserve(size, align) {
+            Ok(a) => {
+                // SAFETY: non-null out-pointer.
+                unsafe { *out = a };
+                rc::SUCCESS
+            }
+            Err(e) => fail(rc::INVALID_VALUE, format!("cuMemAddressReserve: {e}")),
+        }
+    })
+}
+
+/// `cuMemAddressFree` of the driver API, emulated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAddressFree(p: u64, size: usize) -> u32 {
+    guard("cuMemAddressFree", || {
+        match emu().mem.lock().unreserve(p, size) {
+            Ok(()) => rc::SUCCESS,
+            Err(e) => fail(rc::INVALID_VALUE, format!("cuMemAddressFree: {e}")),
+        }
+    })
+}
+
+/// `cuMemCreate` of the driver API, emulated (a handle with a size; see `memory`).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemCreate(
+    out: *mut u64,
+    size: usize,
+    prop: *const c_void,
+    _flags: u64,
+) -> u32 {
+    guard("cuMemCreate", || {
+        if out.is_null() || prop.is_null() {
+            return rc::INVALID_VALUE;
+        }
+        match emu().mem.lock().create_physical(size) {
+            Ok(h) => {
+                // SAFETY: non-null out-pointer.
+                unsafe { *out = h };
+                rc::SUCCESS
+            }
+            Err(e) => fail(rc::INVALID_VALUE, format!("cuMemCreate: {e}")),
+        }
+    })
+}
+
+/// `cuMemRelease` of the driver API, emulated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemRelease(handle: u64) -> u32 {
+    guard("cuMemRelease", || {
+        match emu().mem.lock().release_physical(handle) {
+            Ok(()) => rc::SUCCESS,
+            Err(e) => fail(rc::INVALID_VALUE, format!("cuMemRelease: {e}")),
+        }
+    })
+}
+
+/// `cuMemMap` of the driver API, emulated (whole physical allocations at offset 0).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemMap(
+    p: u64,
+    size: usize,
+    offset: usize,
+    handle: u64,
+    _flags: u64,
+) -> u32 {
+    guard("cuMemMap", || {
+        if offset != 0 {
+            return fail(
+                rc::NOT_SUPPORTED,
+                "cuMemMap: the emulator maps physical allocations from offset 0 only".into(),
+            );
+        }
+        match emu().mem.lock().map(p, size, handle) {
+            Ok(()) => rc::SUCCESS,
+            Err(e) => fail(rc::INVALID_VALUE, format!("cuMemMap: {e}")),
+        }
+    })
+}
+
+/// `cuMemUnmap` of the driver API, emulated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemUnmap(p: u64, size: usize) -> u32 {
+    guard("cuMemUnmap", || {
+        let _ = emu().null.synchronize();
+        match emu().mem.lock().unmap(p, size) {
+            Ok(()) => rc::SUCCESS,
+            Err(e) => fail(rc::INVALID_VALUE, format!("cuMemUnmap: {e}")),
+        }
+    })
+}
+
+/// `cuMemSetAccess` of the driver API, emulated: the range must be mapped; access is then
+/// granted to the one device.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemSetAccess(
+    p: u64,
+    size: usize,
+    desc: *const c_void,
+    count: usize,
+) -> u32 {
+    guard("cuMemSetAccess", || {
+        if desc.is_null() || count == 0 {
+            return rc::INVALID_VALUE;
+        }
+        match snapshot().check(p, size as u64, false) {
+            Ok(_) => rc::SUCCESS,
+            Err(e) => fail(rc::INVALID_VALUE, format!("cuMemSetAccess: {e}")),
+        }
+    })
+}
+
+/// `cuMemRetainAllocationHandle` of the driver API, emulated: succeeds for addresses inside a
+/// VMM mapping only (how a caller tells expandable-segment memory from `cuMemAlloc` memory).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(out: *mut u64, addr: *mut c_void) -> u32 {
+    guard("cuMemRetainAllocationHandle", || {
+        if out.is_null() {
+            return rc::INVALID_VALUE;
+        }
+        match emu().mem.lock().retain_handle(addr as u64) {
+            Some(h) => {
+                // SAFETY: non-null out-pointer.
+                unsafe { *out = h };
+                rc::SUCCESS
+            }
+            None => rc::INVALID_VALUE,
+        }
+    })
+}
+
+/// `cuModuleLoadData` of the driver API, emulated: a PTX or cubin image of our kernels (see
+/// [`super::image`]). A cubin must target the emulated device's SM (9.0), as a GPU refuses
+/// code for another architecture; every kernel's declared parameter block must equal the CPU
+/// kernel's. Counted as `cuModuleLoadData[cubin]` or `cuModuleLoadData[ptx]` as well.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuModuleLoadData(out: *mut *mut c_void, image: *const c_void) -> u32 {
     guard("cuModuleLoadData", || {
         if out.is_null() || image.is_null() {
             return rc::INVALID_VALUE;
         }
-        // SAFETY: a PTX image is NUL-terminated text; a cubin starts with the ELF magic.
-        let head = unsafe { std::slice::from_raw_parts(image as *const u8, 4) };
-        if head == b"\x7fELF" {
+        // SAFETY: a PTX string or a whole ELF file, per the driver's contract.
+        let img = match unsafe { super::image::read(image.cast()) } {
+            Ok(i) => i,
+            Err(e) => return fail(rc::INVALID_IMAGE, format!("cuModuleLoadData: {e}")),
+        };
+        if let super::image::Image::Cubin { sm, .. } = img
+            && sm != SM
+        {
             return fail(
-                rc::INVALID_IMAGE,
-                "cuModuleLoadData: cubin images are not read by the emulator; load PTX".into(),
+                rc::NO_BINARY_FOR_GPU,
+                format!("cuModuleLoadData: a cubin for sm_{sm} on an sm_{SM} device"),
             );
         }
-        // SAFETY: NUL-terminated text per the driver's contract for PTX images.
-        let ptx = unsafe { std::ffi::CStr::from_ptr(image.cast()) }.to_string_lossy();
         let mut kernels = Vec::new();
         for k in cpu_kernels::kernels() {
-            if !ptx.contains(&format!(".entry {}(", k.name())) {
+            let Some(entry) = img.entry(k.name()) else {
                 continue;
-            }
-            match ptx_param_bytes(&ptx, k.name()) {
+            };
+            match entry.param_bytes {
                 Some(n) if n == k.param_bytes() => kernels.push(k),
                 other => {
                     return fail(
@@ -995,6 +1381,11 @@ pub unsafe extern "C" fn cuModuleLoadData(out: *mut *mut c_void, image: *const c
                 "cuModuleLoadData: the image has none of our kernels (not hicache-gpu's NVRTC output)".into(),
             );
         }
+        count(if img.is_cubin() {
+            "cuModuleLoadData[cubin]"
+        } else {
+            "cuModuleLoadData[ptx]"
+        });
         let id = new_handle();
         emu().handles.lock().modules.insert(id, Module { kernels });
         // SAFETY: non-null out-pointer.

@@ -9,6 +9,7 @@
 //! 9.0, 132 SMs, memory pools, unified addressing. Device pointers are host addresses.
 
 pub mod api;
+pub mod image;
 pub mod memory;
 pub mod stats;
 pub mod stream;

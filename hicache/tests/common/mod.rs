@@ -178,10 +178,7 @@ impl Engine {
         for (k, &slot) in fresh.iter().enumerate() {
             let page = admission.prefix_slots.len() + k;
             let data = page_pattern(tokens, page, ps, pb, self.salt);
-            self.cache
-                .device_pool()
-                .write_page(hicache_gpu::DeviceSlot(slot), &data)
-                .unwrap();
+            self.cache.device_pool().write_page(slot, &data).unwrap();
         }
         let mut slots = admission.prefix_slots.clone();
         slots.extend(fresh);
@@ -194,17 +191,14 @@ impl Engine {
     }
 
     /// Checks that device pages `slots` hold the KV of the first pages of `tokens`.
-    pub fn check_pages(&self, tokens: &[u32], slots: &[u32]) {
+    pub fn check_pages(&self, tokens: &[u32], slots: &[hicache::DeviceSlot]) {
         let ps = self.ps();
         let pb = self.page_bytes();
         let mut buf = vec![0u8; pb];
         for (i, &slot) in slots.iter().enumerate() {
-            self.cache
-                .device_pool()
-                .read_page(hicache_gpu::DeviceSlot(slot), &mut buf)
-                .unwrap();
+            self.cache.device_pool().read_page(slot, &mut buf).unwrap();
             let want = page_pattern(tokens, i, ps, pb, self.salt);
-            assert!(buf == want, "page {i} (device slot {slot}) holds wrong KV");
+            assert!(buf == want, "page {i} ({slot}) holds wrong KV");
         }
     }
 

@@ -11,6 +11,7 @@
 use clap::Parser;
 use std::path::PathBuf;
 
+use hicache_backend_rdma::tls::ServerTls;
 use hicache_backend_rdma::{RdmaServer, ServerAuth, ServerOptions, TenantTable, Token};
 use hicache_storage::{EvictionPolicy, parse_byte_size};
 
@@ -78,6 +79,15 @@ struct Args {
     /// Do not register the pool for RDMA even when a device is present.
     #[arg(long)]
     no_verbs: bool,
+    /// TLS on every connection: the server's certificate chain (PEM). Needs `--tls-key`.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of `--tls-cert` (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// With TLS: clients must present a certificate signed by this CA (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
 }
 
 fn bytes(s: &str) -> Result<u64, String> {
@@ -117,6 +127,16 @@ fn main() {
             std::process::exit(2);
         }
     };
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(c), Some(k)) => match ServerTls::from_files(c, k, args.tls_client_ca.as_deref()) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                eprintln!("error: {e}");
+                std::process::exit(2);
+            }
+        },
+        _ => None,
+    };
     let opts = ServerOptions {
         listen: args.listen,
         auth,
@@ -135,6 +155,7 @@ fn main() {
         max_batch: args.max_batch,
         populate: args.populate,
         verbs: !args.no_verbs,
+        tls,
     };
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 use crate::auth::{self, Token};
 use crate::error::{RdmaError, Result};
@@ -17,19 +16,30 @@ use crate::protocol::{
     self, HEAD_LEN, MAGIC, Occupancy, ProtocolError, REPLY_BIT, Reply, ReplyFrame, Request,
     ServerInfo, VERSION,
 };
+use crate::tls::{BoxRead, BoxWrite, TlsClient};
 
 /// Largest step of a payload transfer bounded by one timeout.
 const STEP: usize = 8 << 20;
 
 /// A connected, handshaken connection.
-#[derive(Debug)]
 pub struct Connection {
-    r: BufReader<OwnedReadHalf>,
-    w: BufWriter<OwnedWriteHalf>,
+    r: BufReader<BoxRead>,
+    w: BufWriter<BoxWrite>,
     peer: String,
     info: ServerInfo,
     io_timeout: Duration,
     next_id: u64,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("peer", &self.peer)
+            .field("info", &self.info)
+            .field("io_timeout", &self.io_timeout)
+            .field("next_id", &self.next_id)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Connection {
@@ -41,6 +51,20 @@ impl Connection {
         addr: &str,
         client_name: &str,
         token: Option<&Token>,
+        connect_timeout: Duration,
+        io_timeout: Duration,
+    ) -> Result<Self> {
+        Self::connect_tls(addr, client_name, token, None, connect_timeout, io_timeout).await
+    }
+
+    /// [`connect`](Self::connect), with TLS when `tls` is given: the TLS handshake (bounded
+    /// by `io_timeout`) verifies the server's certificate before the protocol's handshake
+    /// runs inside the session.
+    pub async fn connect_tls(
+        addr: &str,
+        client_name: &str,
+        token: Option<&Token>,
+        tls: Option<&TlsClient>,
         connect_timeout: Duration,
         io_timeout: Duration,
     ) -> Result<Self> {
@@ -63,7 +87,25 @@ impl Connection {
             }
         };
         let _ = stream.set_nodelay(true);
-        let (r, w) = stream.into_split();
+        let (r, w) = match tls {
+            None => crate::tls::split_tcp(stream),
+            Some(t) => match tokio::time::timeout(io_timeout, t.connect(stream)).await {
+                Ok(Ok(s)) => crate::tls::split(s),
+                Ok(Err(e)) => {
+                    return Err(RdmaError::Auth {
+                        peer,
+                        reason: format!("TLS handshake failed: {e}"),
+                    });
+                }
+                Err(_) => {
+                    return Err(RdmaError::Timeout {
+                        op: "TLS handshake",
+                        peer,
+                        ms: io_timeout.as_millis() as u64,
+                    });
+                }
+            },
+        };
         let mut c = Self {
             r: BufReader::with_capacity(crate::protocol::READ_BUFFER, r),
             w: BufWriter::with_capacity(crate::protocol::WRITE_BUFFER, w),

@@ -45,6 +45,7 @@ use crate::auth::{TenantTable, Token};
 use crate::error::RdmaError;
 use crate::protocol::{AllocStatus, Occupancy, PageReq, ReadStatus, Reply, Request, ServerInfo};
 use crate::server::{RdmaServer, ServerAuth, ServerHandle, ServerOptions};
+use crate::tls::TlsClient;
 pub use conn::Connection;
 pub use options::{RdmaOptions, Transport};
 
@@ -97,6 +98,8 @@ pub struct RdmaStorage {
     verbs: Option<(crate::verbs::ClientVerbs, tokio::sync::Mutex<Connection>)>,
     /// A server this client started (`spawn_server`); it lives as long as the client.
     _spawned: Option<ServerHandle>,
+    /// TLS for every connection, when `tls_ca_file` is set.
+    tls: Option<TlsClient>,
 }
 
 impl std::fmt::Debug for RdmaStorage {
@@ -210,11 +213,17 @@ impl RdmaStorage {
             })?;
             (addr, None)
         };
+        let tls = opts
+            .tls
+            .as_ref()
+            .map(|t| TlsClient::new(t, &addr))
+            .transpose()?;
         #[allow(unused_mut)]
-        let mut first = Connection::connect(
+        let mut first = Connection::connect_tls(
             &addr,
             &opts.client_name,
             opts.token.as_ref(),
+            tls.as_ref(),
             opts.connect_timeout,
             opts.io_timeout,
         )
@@ -236,10 +245,11 @@ impl RdmaStorage {
             Transport::Verbs => {
                 let v = crate::verbs::ClientVerbs::open(&opts, &info)?;
                 let mine = v.endpoint()?;
-                let mut ctl = Connection::connect(
+                let mut ctl = Connection::connect_tls(
                     &addr,
                     &opts.client_name,
                     opts.token.as_ref(),
+                    tls.as_ref(),
                     opts.connect_timeout,
                     opts.io_timeout,
                 )
@@ -271,6 +281,7 @@ impl RdmaStorage {
             #[cfg(feature = "verbs")]
             verbs,
             _spawned: spawned,
+            tls,
             opts,
         })
     }
@@ -319,10 +330,11 @@ impl RdmaStorage {
                 last,
             });
         }
-        match Connection::connect(
+        match Connection::connect_tls(
             &self.addr,
             &self.opts.client_name,
             self.opts.token.as_ref(),
+            self.tls.as_ref(),
             self.opts.connect_timeout,
             self.opts.io_timeout,
         )

@@ -5,6 +5,7 @@ use std::time::Duration;
 use hicache_storage::{CommonConfig, ConfigFields, Result, StorageError};
 
 use crate::auth::Token;
+use crate::tls::ClientTls;
 
 /// Which data plane moves page bytes.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -57,6 +58,9 @@ pub struct RdmaOptions {
     pub gid_index: u8,
     /// Pool size of a spawned server: the common field `capacity` (default 1 GiB).
     pub spawn_pool_bytes: u64,
+    /// TLS to the server: `tls_ca_file` (turns it on), `tls_server_name`, and for a server
+    /// that requires client certificates `tls_cert_file` + `tls_key_file` (see [`crate::tls`]).
+    pub tls: Option<ClientTls>,
 }
 
 impl Default for RdmaOptions {
@@ -78,6 +82,7 @@ impl Default for RdmaOptions {
             ib_port: 1,
             gid_index: 0,
             spawn_pool_bytes: 1 << 30,
+            tls: None,
         }
     }
 }
@@ -186,9 +191,65 @@ impl RdmaOptions {
             ib_port: f.u64("ib_port", d.ib_port as u64, 1..=255)? as u8,
             gid_index: f.u64("gid_index", d.gid_index as u64, 0..=255)? as u8,
             spawn_pool_bytes: common.capacity_bytes.unwrap_or(d.spawn_pool_bytes),
+            tls: Self::tls_fields(&mut f, spawn_server)?,
         };
         f.finish()?;
         Ok(o)
+    }
+}
+
+impl RdmaOptions {
+    /// The `tls_*` fields: `None` without `tls_ca_file`; the others need it, and
+    /// `tls_cert_file` / `tls_key_file` go together.
+    fn tls_fields(f: &mut ConfigFields, spawn_server: bool) -> Result<Option<ClientTls>> {
+        let ca = f.opt_path("tls_ca_file")?;
+        let name = f.opt_string("tls_server_name")?;
+        let cert = f.opt_path("tls_cert_file")?;
+        let key = f.opt_path("tls_key_file")?;
+        let Some(ca_file) = ca else {
+            for (field, set) in [
+                ("tls_server_name", name.is_some()),
+                ("tls_cert_file", cert.is_some()),
+                ("tls_key_file", key.is_some()),
+            ] {
+                if set {
+                    return Err(StorageError::config(
+                        f.scope(),
+                        field,
+                        "<set>",
+                        "only meaningful with \"tls_ca_file\" (which turns TLS on)",
+                    ));
+                }
+            }
+            return Ok(None);
+        };
+        if spawn_server {
+            return Err(StorageError::config(
+                f.scope(),
+                "tls_ca_file",
+                "<set>",
+                "a spawned in-process server listens on loopback without TLS; TLS is for \
+                 \"server\"",
+            ));
+        }
+        let client_cert = match (cert, key) {
+            (Some(c), Some(k)) => Some((c, k)),
+            (None, None) => None,
+            (Some(_), None) | (None, Some(_)) => {
+                return Err(StorageError::config(
+                    f.scope(),
+                    "tls_key_file",
+                    "<one of tls_cert_file / tls_key_file>",
+                    "tls_cert_file and tls_key_file go together (a client certificate and its \
+                     key)",
+                ));
+            }
+        };
+        Ok(Some(ClientTls {
+            ca_file,
+            server_name: name,
+            client_cert,
+        }))
     }
 }
 

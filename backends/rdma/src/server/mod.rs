@@ -47,6 +47,7 @@ use crate::error::{RdmaError, Result};
 use crate::protocol::{
     self, FrameError, ProtocolError, Reply, ReplyFrame, Request, ServerInfo, ServerStats, code, op,
 };
+use crate::tls::{BoxRead, BoxWrite, ServerTls};
 use index::{Index, Pinned};
 use pool::{Allocator, Region};
 
@@ -107,6 +108,8 @@ pub struct ServerOptions {
     pub populate: bool,
     /// Register the regions for RDMA when built with `verbs` and a device is present.
     pub verbs: bool,
+    /// TLS on every connection (`None`: plain TCP). See [`crate::tls`].
+    pub tls: Option<ServerTls>,
 }
 
 impl Default for ServerOptions {
@@ -129,6 +132,7 @@ impl Default for ServerOptions {
             max_batch: 4096,
             populate: false,
             verbs: true,
+            tls: None,
         }
     }
 }
@@ -232,6 +236,8 @@ struct Shared {
     open: AtomicU64,
     /// Open authenticated connections (their ids) per tenant name.
     tenant_conns: Mutex<HashMap<String, Vec<u64>>>,
+    /// The TLS acceptor when [`ServerOptions::tls`] is set.
+    tls: Option<tokio_rustls::TlsAcceptor>,
     #[cfg(feature = "verbs")]
     verbs: Option<crate::verbs::ServerVerbs>,
 }
@@ -317,6 +323,7 @@ impl RdmaServer {
             verbs: descs.iter().any(|d| d.rkey != 0),
             regions: descs,
         };
+        let tls = opts.tls.as_ref().map(ServerTls::acceptor).transpose()?;
         let listener = TcpListener::bind(&opts.listen)
             .await
             .map_err(|e| RdmaError::Setup(format!("bind {}: {e}", opts.listen)))?;
@@ -347,6 +354,7 @@ impl RdmaServer {
             timed_out_connections: AtomicU64::new(0),
             open: AtomicU64::new(0),
             tenant_conns: Mutex::new(HashMap::new()),
+            tls,
             opts: opts.clone(),
             #[cfg(feature = "verbs")]
             verbs,
@@ -476,6 +484,7 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut tasks: Join
                             "rdma server: refusing {peer}: {max} connections open (--max-connections)"
                         );
                         tasks.spawn(refuse(
+                            shared.clone(),
                             stream,
                             code::BUSY,
                             format!(
@@ -504,11 +513,36 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut tasks: Join
 /// How long a refusal or a closing error frame may take to send.
 const FAREWELL: Duration = Duration::from_secs(1);
 
+/// The connection's byte stream: `stream` itself, or with TLS on, the TLS session after its
+/// handshake (bounded by `handshake_ms`; a failed or slow handshake ends the connection
+/// without a word, since the peer does not speak TLS or is not trusted).
+async fn open_stream(
+    shared: &Shared,
+    stream: TcpStream,
+) -> std::result::Result<(BoxRead, BoxWrite), End> {
+    let _ = stream.set_nodelay(true);
+    match &shared.tls {
+        None => Ok(crate::tls::split_tcp(stream)),
+        Some(acceptor) => {
+            let tls = bounded(
+                shared.opts.handshake_ms,
+                "the TLS handshake",
+                true,
+                acceptor.accept(stream),
+            )
+            .await?;
+            Ok(crate::tls::split(tls))
+        }
+    }
+}
+
 /// Tells a connection it is refused, then closes it once the peer has had a moment to read
 /// the error (reading what it sent meanwhile, so the close is not a reset that loses the
-/// error frame). Bounded by [`FAREWELL`] twice.
-async fn refuse(stream: TcpStream, code: u16, message: String) {
-    let (mut r, w) = stream.into_split();
+/// error frame). Bounded by [`FAREWELL`] twice (plus the TLS handshake, if on).
+async fn refuse(shared: Arc<Shared>, stream: TcpStream, code: u16, message: String) {
+    let Ok((mut r, w)) = open_stream(&shared, stream).await else {
+        return;
+    };
     let mut w = BufWriter::new(w);
     let _ = tokio::time::timeout(FAREWELL, send_error(&mut w, 0, code, &message)).await;
     let _ = tokio::time::timeout(FAREWELL, async {
@@ -602,8 +636,8 @@ impl Drop for WriteGuard<'_> {
     }
 }
 
-type Rd = BufReader<tokio::net::tcp::OwnedReadHalf>;
-type Wr = BufWriter<tokio::net::tcp::OwnedWriteHalf>;
+type Rd = BufReader<BoxRead>;
+type Wr = BufWriter<BoxWrite>;
 
 /// Why a connection ends early.
 #[derive(Debug)]
@@ -661,8 +695,14 @@ async fn connection(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr, co
         shared: shared.clone(),
         conn,
     };
-    let _ = stream.set_nodelay(true);
-    let (r, w) = stream.into_split();
+    let (r, w) = match open_stream(&shared, stream).await {
+        Ok(halves) => halves,
+        Err(e) => {
+            shared.auth_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::info!("rdma server: TLS handshake with {peer} failed: {e:?}");
+            return;
+        }
+    };
     let mut r = BufReader::with_capacity(crate::protocol::READ_BUFFER, r);
     let mut w = BufWriter::with_capacity(crate::protocol::WRITE_BUFFER, w);
     let farewell = match serve(&shared, &mut r, &mut w, conn, peer).await {

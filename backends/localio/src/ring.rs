@@ -1,6 +1,8 @@
-//! The io_uring driver: one ring owned by a dedicated thread that submits the requests of
-//! every caller, keeps up to `queue_depth` of them in flight, resubmits the remainder of
-//! short transfers, and reports each request's outcome to the caller that sent it.
+//! The io_uring driver, the one every local layout uses: one ring owned by a dedicated
+//! thread that submits the requests of every caller, keeps up to `queue_depth` of them in
+//! flight (on registered buffers and fixed files where the caller has them), resubmits the
+//! remainder of short transfers, and reports each request's outcome to the caller that sent
+//! it.
 //!
 //! A caller hands over a whole batch at once ([`Ring::submit`]) and gets a [`Pending`] that
 //! yields completions as they arrive, so it can verify early pages while later ones are still
@@ -22,7 +24,8 @@
 //!    through it is checksum-verified, so even a pool unmapped against that contract cannot
 //!    make a wrong page read as a hit.
 //! 4. **Never short.** A request completes successfully only when all its bytes moved; a
-//!    short transfer is resubmitted for the rest, and a zero-byte transfer is an error.
+//!    short transfer is resubmitted for the rest, and a zero-byte transfer is an error (or,
+//!    for a read marked [`Req::eof_ok`], the end of its success, with the bytes it moved).
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -75,6 +78,9 @@ pub struct Req {
     pub fixed_buf: Option<u16>,
     /// Write with `RWF_DSYNC` (durable on completion).
     pub dsync: bool,
+    /// A read that may end at the end of the file: reported as `Ok(bytes read)` rather than
+    /// an `UnexpectedEof` error (the caller checks the length, e.g. of a page file).
+    pub eof_ok: bool,
     /// The caller's tag, reported with the outcome.
     pub tag: usize,
 }
@@ -85,6 +91,21 @@ pub struct Req {
 unsafe impl Send for Req {}
 
 impl Req {
+    /// A transfer on an ordinary descriptor: no fixed file or buffer, no `RWF_DSYNC`, no read
+    /// allowed to end at the end of the file (set those fields after, where wanted).
+    pub fn new(dir: Dir, fd: RawFd, offset: u64, iov: Vec<libc::iovec>, tag: usize) -> Self {
+        Self {
+            dir,
+            file: FileRef { fd, fixed: None },
+            offset,
+            iov,
+            fixed_buf: None,
+            dsync: false,
+            eof_ok: false,
+            tag,
+        }
+    }
+
     fn bytes(&self) -> usize {
         self.iov.iter().map(|v| v.iov_len).sum()
     }
@@ -199,8 +220,8 @@ pub struct RingCounters {
     pub submits: AtomicU64,
 }
 
-/// Outcomes of requests: `(tag, result)`.
-type Outcomes = Vec<(usize, io::Result<()>)>;
+/// Outcomes of requests: `(tag, bytes moved or the error)`.
+type Outcomes = Vec<(usize, io::Result<usize>)>;
 /// Where a batch's outcomes go: one message per batch per reaping pass, so a caller wakes once
 /// for all of its requests that completed together.
 type Done = Arc<mpsc::Sender<Outcomes>>;
@@ -352,6 +373,7 @@ impl Ring {
     }
 
     /// Hands `reqs` to the ring; their outcomes come from the returned [`Pending`].
+    #[tracing::instrument(name = "localio.submit", skip_all, fields(reqs = reqs.len()))]
     pub fn submit(&self, reqs: Vec<Req>) -> Pending {
         let (tx, rx) = mpsc::channel();
         let tx = Arc::new(tx);
@@ -397,15 +419,15 @@ impl Drop for Ring {
 /// The outcomes of one submitted batch. Dropping it waits for every request (invariant 1).
 pub struct Pending {
     rx: mpsc::Receiver<Outcomes>,
-    ready: VecDeque<(usize, io::Result<()>)>,
+    ready: VecDeque<(usize, io::Result<usize>)>,
     left: usize,
     failed: Option<(usize, String)>,
 }
 
 impl Pending {
-    /// The next completed request's tag and outcome, in completion order; `None` when all
-    /// have been reported. Blocks.
-    pub fn wait_next(&mut self) -> Option<(usize, io::Result<()>)> {
+    /// The next completed request's tag and outcome (the bytes it moved), in completion
+    /// order; `None` when all have been reported. Blocks.
+    pub fn wait_next(&mut self) -> Option<(usize, io::Result<usize>)> {
         if self.left == 0 {
             return None;
         }
@@ -423,7 +445,7 @@ impl Pending {
             Err(_) => {
                 // The driver died holding our requests: the kernel may still write into the
                 // caller's buffers, which we can no longer keep alive. Stop here.
-                tracing::error!("uring backend: io_uring thread died with requests in flight");
+                tracing::error!("localio: io_uring thread died with requests in flight");
                 std::process::abort();
             }
         }
@@ -445,7 +467,7 @@ fn setup(queue_depth: u32, fixed_files: bool) -> io::Result<(IoUring, bool)> {
     let entries = (queue_depth + 1).next_power_of_two().max(8);
     // Single issuer + deferred task work: completions are processed when this thread
     // waits for them, not by interrupting it. Older kernels refuse the flags: plain ring.
-    let ring = match IoUring::builder()
+    let mut ring = match IoUring::builder()
         .setup_single_issuer()
         .setup_defer_taskrun()
         .setup_cqsize(entries * 2)
@@ -462,12 +484,35 @@ fn setup(queue_depth: u32, fixed_files: bool) -> io::Result<(IoUring, bool)> {
             .submitter()
             .register_files_sparse(MAX_FIXED_FILES)
             .is_ok();
+    raise_workers(&mut ring, queue_depth);
     Ok((ring, files))
+}
+
+/// Lets this (the driver's) thread's io_uring worker pool run `depth` workers: requests that
+/// block (buffered writes with `RWF_DSYNC`, syncs) run on that pool, by default at most 4 per
+/// CPU. The pool exists once the thread has submitted something, so a no-op goes first. Best
+/// effort: on failure the driver is still correct, with fewer such requests in flight.
+fn raise_workers(ring: &mut IoUring, depth: u32) {
+    let nop = opcode::Nop::new().build().user_data(WAKE - 1);
+    // SAFETY: a no-op request points at no memory; the new ring's queue is empty.
+    if unsafe { ring.submission().push(&nop) }.is_err() {
+        return;
+    }
+    if ring.submit_and_wait(1).is_err() {
+        return;
+    }
+    ring.completion().for_each(drop);
+    let mut workers = [depth.max(4), 0];
+    if let Err(e) = ring.submitter().register_iowq_max_workers(&mut workers) {
+        tracing::debug!(%e, "localio: io_uring worker limit unchanged");
+    }
 }
 
 struct Flight {
     req: Req,
     done: Done,
+    /// Bytes moved by earlier (short) completions of this request.
+    moved: usize,
 }
 
 struct Driver {
@@ -541,7 +586,7 @@ impl Driver {
                 Err(e) => {
                     // The ring itself failed: fail what is queued; what is in flight still
                     // completes (we keep reaping).
-                    tracing::error!(error = %e, "uring backend: io_uring_enter failed");
+                    tracing::error!(error = %e, "localio: io_uring_enter failed");
                     for f in self.queue.drain(..) {
                         let err = io::Error::new(e.kind(), e.to_string());
                         let _ = f.done.send(vec![(f.req.tag, Err(err))]);
@@ -573,7 +618,7 @@ impl Driver {
             .map(|c| (c.user_data(), c.result()))
             .collect();
         let mut out: Vec<(Done, Outcomes)> = Vec::new();
-        let mut deliver = |done: &Done, r: (usize, io::Result<()>)| match out
+        let mut deliver = |done: &Done, r: (usize, io::Result<usize>)| match out
             .iter_mut()
             .find(|(d, _)| Arc::ptr_eq(d, done))
         {
@@ -605,7 +650,9 @@ impl Driver {
             let n = res as usize;
             let want = f.req.bytes();
             if n >= want {
-                deliver(&f.done, (tag, Ok(())));
+                deliver(&f.done, (tag, Ok(f.moved + n)));
+            } else if n == 0 && f.req.eof_ok && f.req.dir == Dir::Read {
+                deliver(&f.done, (tag, Ok(f.moved)));
             } else if n == 0 {
                 let e = match f.req.dir {
                     Dir::Read => io::Error::new(
@@ -620,6 +667,7 @@ impl Driver {
                 deliver(&f.done, (tag, Err(e)));
             } else {
                 self.counters.short.fetch_add(1, Ordering::Relaxed);
+                f.moved += n;
                 f.req.advance(n);
                 self.queue.push_front(f);
             }
@@ -635,6 +683,7 @@ impl Driver {
                 self.queue.extend(reqs.into_iter().map(|req| Flight {
                     req,
                     done: done.clone(),
+                    moved: 0,
                 }));
             }
             Msg::RegisterBuffers(iovs, reply) => {
@@ -676,6 +725,7 @@ mod tests {
             iov: vec![iov(0x10000, 4096), iov(0x20000, 8192), iov(0x40000, 4096)],
             fixed_buf: None,
             dsync: false,
+            eof_ok: false,
             tag: 0,
         };
         r.advance(4096 + 1024);
@@ -734,6 +784,7 @@ mod tests {
                 iov: vec![iov(a.as_mut_ptr() as usize, 8192)],
                 fixed_buf: None,
                 dsync: false,
+                eof_ok: false,
                 tag: 0,
             },
             Req {
@@ -746,6 +797,7 @@ mod tests {
                 ],
                 fixed_buf: None,
                 dsync: false,
+                eof_ok: true,
                 tag: 1,
             },
         ];

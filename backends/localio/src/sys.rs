@@ -1,5 +1,6 @@
-//! The thin layer over the OS this crate needs beyond `std`: O_DIRECT opens, positioned
-//! vectored I/O, `flock`, `fdatasync`, `futimens`, `statvfs`, and page-aligned buffers.
+//! The thin layer over the OS the local layouts need beyond `std`: O_DIRECT opens, positioned
+//! vectored I/O, `flock`, `fallocate` (preallocation, slab growth, hole punching),
+//! `utimensat`, `statvfs` (free-space checks), `eventfd`, directory syncs.
 //!
 //! Every `unsafe` block here is a single libc call on a valid file descriptor with pointers
 //! derived from live Rust slices; each names its invariant.
@@ -9,9 +10,6 @@ use std::io::{self, IoSlice};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-
-use memmap2::MmapMut;
-use parking_lot::Mutex;
 
 /// The largest number of iovecs one `preadv`/`pwritev` takes on Linux.
 pub const IOV_MAX: usize = 1024;
@@ -163,7 +161,6 @@ pub fn pwritev_all(file: &File, bufs: &[IoSlice<'_>], offset: u64) -> io::Result
 
 /// Reads into `bufs` from `offset` until they are full or the file ends; returns the number of
 /// bytes read.
-#[cfg(test)]
 pub fn preadv_all(
     file: &File,
     bufs: &mut [std::io::IoSliceMut<'_>],
@@ -276,47 +273,6 @@ pub fn is_aligned(ptr: *const u8, len: usize, align: usize) -> bool {
     (ptr as usize).is_multiple_of(align) && len.is_multiple_of(align)
 }
 
-/// A pool of page-aligned anonymous buffers (aligned for O_DIRECT), reused across I/Os so
-/// that large staging buffers are not faulted in again for every page.
-#[derive(Debug, Default)]
-pub struct BufPool {
-    free: Mutex<Vec<MmapMut>>,
-    keep: usize,
-}
-
-impl BufPool {
-    /// A pool that keeps at most `keep` idle buffers.
-    pub fn new(keep: usize) -> Self {
-        Self {
-            free: Mutex::new(Vec::new()),
-            keep,
-        }
-    }
-
-    /// A buffer of at least `len` bytes (its contents are whatever it last held).
-    pub fn take(&self, len: usize) -> io::Result<MmapMut> {
-        let mut free = self.free.lock();
-        if let Some(i) = free
-            .iter()
-            .position(|b| b.len() >= len && b.len() <= len * 2 + 4096)
-        {
-            return Ok(free.swap_remove(i));
-        }
-        drop(free);
-        MmapMut::map_anon(len.max(4096))
-    }
-
-    /// Returns a buffer for reuse.
-    pub fn give(&self, buf: MmapMut) {
-        let mut free = self.free.lock();
-        if free.len() < self.keep {
-            free.push(buf);
-        } else if let Some(i) = free.iter().position(|b| b.len() < buf.len()) {
-            free[i] = buf;
-        }
-    }
-}
-
 /// Raises the soft limit of open files to the hard limit (a batch keeps its page files open
 /// until they are synced).
 pub fn raise_nofile_limit() {
@@ -333,6 +289,69 @@ pub fn raise_nofile_limit() {
 /// Flushes a directory's entries (renames into it) to stable storage.
 pub fn sync_dir(path: &Path) -> io::Result<()> {
     File::open(path)?.sync_all()
+}
+
+/// Allocates blocks for `[offset, offset + len)` of `file`, extending its size if needed.
+/// File systems without `fallocate` get a sparse extension (blocks come with the writes).
+pub fn allocate(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    // SAFETY: fallocate on an open descriptor; no memory is passed.
+    let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, offset as i64, len as i64) };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EOPNOTSUPP) => {
+            let end = offset + len;
+            if file.metadata()?.len() < end {
+                file.set_len(end)?;
+            }
+            Ok(())
+        }
+        _ => Err(e),
+    }
+}
+
+/// Releases the blocks of `[offset, offset + len)` (the file keeps its size). Best effort:
+/// a file system without hole punching keeps the blocks.
+pub fn punch_hole(file: &File, offset: u64, len: u64) {
+    // SAFETY: fallocate on an open descriptor; no memory is passed.
+    let r = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset as i64,
+            len as i64,
+        )
+    };
+    if r != 0 {
+        tracing::debug!(error = %io::Error::last_os_error(), "localio: punch hole failed");
+    }
+}
+
+/// Bytes available to unprivileged users, and the total size, of the file system holding
+/// `file`.
+pub fn fs_space(file: &File) -> io::Result<(u64, u64)> {
+    // SAFETY: an all-zero statvfs is a valid value of this plain C struct.
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: an open descriptor; `s` is a valid, exclusive out-pointer.
+    if unsafe { libc::fstatvfs(file.as_raw_fd(), &mut s) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let unit = s.f_frsize as u64;
+    Ok((s.f_bavail as u64 * unit, s.f_blocks as u64 * unit))
+}
+
+/// A non-blocking eventfd (wakes the ring's thread).
+pub fn eventfd() -> io::Result<File> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: eventfd takes no pointers.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by eventfd and is owned by nothing else.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
 #[cfg(test)]
@@ -398,15 +417,5 @@ mod tests {
         unflock(&a);
         assert!(try_flock(&b, false).unwrap());
         assert!(try_flock(&a, false).unwrap(), "shared locks coexist");
-    }
-
-    #[test]
-    fn pool_buffers_are_aligned_and_reused() {
-        let pool = BufPool::new(2);
-        let b = pool.take(10_000).unwrap();
-        assert!(is_aligned(b.as_ptr(), 4096, 4096));
-        let addr = b.as_ptr();
-        pool.give(b);
-        assert_eq!(pool.take(9000).unwrap().as_ptr(), addr);
     }
 }

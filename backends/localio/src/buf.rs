@@ -1,12 +1,14 @@
-//! 4096-aligned heap buffers (O_DIRECT bounce buffers for pages whose memory is not aligned)
-//! and a small pool that reuses them.
+//! 4096-aligned heap buffers (O_DIRECT staging and bounce buffers for pages whose memory is
+//! not aligned) and a small pool that reuses them.
 
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
 
 use parking_lot::Mutex;
 
-use crate::format::ALIGN;
+/// The alignment (address and length) of every [`AlignedBuf`]: the page size, which covers
+/// every logical block size O_DIRECT asks for.
+pub const ALIGN: usize = 4096;
 
 /// A zero-initialised heap buffer whose address and length are multiples of 4096.
 pub struct AlignedBuf {
@@ -36,6 +38,11 @@ impl AlignedBuf {
         self.len
     }
 
+    /// Whether the buffer is empty (never: at least [`ALIGN`] bytes).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// The start address (for I/O requests).
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr.as_ptr()
@@ -58,6 +65,22 @@ impl std::ops::DerefMut for AlignedBuf {
     }
 }
 
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AlignedBuf")
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for BufPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BufPool")
+            .field("max_bytes", &self.max_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         let layout = Layout::from_size_align(self.len, ALIGN).expect("as allocated");
@@ -66,7 +89,8 @@ impl Drop for AlignedBuf {
     }
 }
 
-/// Reuses bounce buffers of equal length, keeping at most `max_bytes` idle.
+/// Reuses aligned buffers of equal length, keeping at most `max_bytes` idle.
+#[derive(Default)]
 pub struct BufPool {
     idle: Mutex<Vec<AlignedBuf>>,
     max_bytes: usize,
@@ -81,8 +105,9 @@ impl BufPool {
         }
     }
 
-    /// A buffer of exactly `len` bytes (a multiple of 4096); contents unspecified.
+    /// A buffer of `len` bytes rounded up to a multiple of [`ALIGN`]; contents unspecified.
     pub fn get(&self, len: usize) -> AlignedBuf {
+        let len = len.div_ceil(ALIGN).max(1) * ALIGN;
         let mut idle = self.idle.lock();
         match idle.iter().position(|b| b.len() == len) {
             Some(i) => idle.swap_remove(i),

@@ -1,0 +1,55 @@
+//! # hicache-localio
+//!
+//! The local-disk I/O engine the `file` and `uring` backends share. It knows no backend and
+//! no on-disk format: a layout (page files, slabs with an index log) decides *what* to read
+//! and write; this crate decides *how*:
+//!
+//! - [`ring`]: the one io_uring driver (a dedicated thread, registered buffers, fixed files,
+//!   short transfers continued), and [`driver::Threads`], the thread-pool fallback, behind
+//!   one trait, [`Driver`];
+//! - [`FsyncPolicy`], the one durability setting, and [`GroupCommit`], which merges the
+//!   durability barriers of concurrent batches into one;
+//! - [`buf`]: 4096-aligned buffers and their pool (O_DIRECT staging and bounce buffers);
+//! - [`probe_direct`], the O_DIRECT probe, and [`sys`]: free-space checks, preallocation,
+//!   `flock`, directory syncs and the other system calls `std` lacks;
+//! - [`par`]: running a batch's blocking work from async code and over a few threads;
+//! - `testing` (feature `test-util`): the conformance harness and fault helpers the layouts'
+//!   tests share.
+//!
+//! ```no_run
+//! use hicache_localio::{Driver, ring::{Dir, FileRef, Req, Ring}};
+//! # fn f(fd: std::os::fd::RawFd) -> std::io::Result<()> {
+//! let ring = Ring::new(32, false)?;
+//! let mut page = vec![0u8; 4096];
+//! let req = Req {
+//!     dir: Dir::Read,
+//!     file: FileRef { fd, fixed: None },
+//!     offset: 0,
+//!     iov: vec![libc::iovec { iov_base: page.as_mut_ptr().cast(), iov_len: page.len() }],
+//!     fixed_buf: None,
+//!     dsync: false,
+//!     eof_ok: false,
+//!     tag: 0,
+//! };
+//! ring.run(vec![req], &mut |tag, r| println!("{tag}: {r:?}"));
+//! # Ok(()) }
+//! ```
+#![warn(missing_docs)]
+
+pub mod buf;
+mod direct;
+pub mod driver;
+pub mod group;
+pub mod par;
+mod policy;
+pub mod ring;
+pub mod sys;
+#[cfg(feature = "test-util")]
+pub mod testing;
+
+pub use buf::{ALIGN, AlignedBuf, BufPool};
+pub use direct::probe_direct;
+pub use driver::{Driver, Threads};
+pub use group::GroupCommit;
+pub use policy::FsyncPolicy;
+pub use ring::Ring;

@@ -1,0 +1,304 @@
+//! Opening and recovery: ownership of the directory, its lock, the slabs, the index log's
+//! replay into the index, and the capacity fit.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Seek, Write};
+use std::path::Path;
+use std::sync::Arc;
+
+use hicache_localio::{BufPool, Ring, sys};
+use hicache_storage::backend::bump;
+use hicache_storage::{Result, StatsCounters, StorageError};
+use parking_lot::{Mutex, RwLock};
+
+use crate::format::{self, LOCK_FILE, Put, slot_bytes};
+use crate::index::{Entry, Index, Loc};
+use crate::log::{IndexLog, Replay};
+use crate::slab::{Disk, Slab, open_slab};
+use crate::{NAME, OpenReport, UringBackend, UringOptions, backend_err};
+
+/// The error for a system without a usable io_uring, naming the `file` backend.
+pub(crate) fn unavailable(e: &io::Error) -> StorageError {
+    let sysctl = fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
+        .map(|s| format!(" (kernel.io_uring_disabled = {})", s.trim()))
+        .unwrap_or_default();
+    StorageError::Unavailable {
+        backend: NAME.into(),
+        reason: format!(
+            "io_uring is unavailable on this system: io_uring_setup failed: {e}{sysctl}; \
+             use the `file` backend instead (--storage-backend file), which needs no io_uring"
+        ),
+    }
+}
+
+/// Takes the directory lock, or says who holds it.
+/// Refuses a capacity that cannot hold one page of `page_bytes` (one slot of its size class),
+/// which would otherwise evict every stored page at open and store nothing.
+pub(crate) fn check_capacity(capacity: u64, page_bytes: usize) -> Result<()> {
+    let need = slot_bytes(page_bytes.max(1));
+    if capacity < need {
+        return Err(StorageError::config(
+            "extra-config",
+            "capacity",
+            capacity.to_string(),
+            format!("cannot hold one page of {page_bytes} bytes (a {need}-byte slot)"),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `dir` may be used: it holds this backend's index log, or nothing but names this
+/// backend writes (the lock file with a pid in it, the O_DIRECT probe, slab files and copies
+/// of damaged log bytes: a directory whose log was lost is still this backend's). A
+/// foreign index log or any other content is refused with an error naming the directory,
+/// before anything in it is written.
+fn claim_directory(dir: &Path) -> Result<()> {
+    if IndexLog::check_owner(dir).map_err(|e| backend_err(e.to_string()))? {
+        return Ok(());
+    }
+    let ours_before_log = |name: &str| match name {
+        LOCK_FILE => fs::read_to_string(dir.join(LOCK_FILE))
+            .is_ok_and(|s| s.trim().bytes().all(|b| b.is_ascii_digit())),
+        format::INDEX_FILE | format::INDEX_TMP_FILE | "direct-probe.tmp" => true,
+        n => n.starts_with(format::DAMAGED_PREFIX) || format::parse_slab_file_name(n).is_some(),
+    };
+    let foreign: Vec<String> = fs::read_dir(dir)
+        .map_err(StorageError::io("list", dir))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !ours_before_log(n))
+        .collect();
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    Err(backend_err(format!(
+        "{} is not empty and has no hicache-uring index log: refusing to use a directory the \
+         uring backend did not create ({} entries, e.g. {}); give an empty or new directory",
+        dir.display(),
+        foreign.len(),
+        foreign
+            .iter()
+            .take(5)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", ")
+    )))
+}
+
+fn lock_dir(dir: &Path) -> Result<File> {
+    let path = dir.join(LOCK_FILE);
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(StorageError::io("open", &path))?;
+    match f.try_lock() {
+        Ok(()) => {}
+        Err(fs::TryLockError::WouldBlock) => {
+            let mut holder = String::new();
+            let _ = f.read_to_string(&mut holder);
+            let holder = holder.trim();
+            return Err(backend_err(format!(
+                "{} is in use by another process{}: a uring directory has one owner; give each \
+                 process its own directory (or use the `file` backend with \"shared\": true to \
+                 share one)",
+                dir.display(),
+                if holder.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (pid {holder})")
+                }
+            )));
+        }
+        Err(fs::TryLockError::Error(e)) => return Err(StorageError::io("lock", &path)(e)),
+    }
+    let pid = std::process::id().to_string();
+    f.set_len(0)
+        .and_then(|()| f.rewind())
+        .and_then(|()| f.write_all(pid.as_bytes()))
+        .map_err(StorageError::io("write", &path))?;
+    Ok(f)
+}
+
+impl UringBackend {
+    /// Opens (creating if needed) the storage directory of `opts`, recovering what a previous
+    /// run committed. Blocking: it replays the index log.
+    #[tracing::instrument(name = "uring.open", skip_all, fields(dir = %opts.dir.display(), pages))]
+    pub fn open(opts: UringOptions) -> Result<Self> {
+        let dir = opts.dir.clone();
+        fs::create_dir_all(&dir).map_err(StorageError::io("create directory", &dir))?;
+        if let Some(c) = opts.capacity_bytes {
+            check_capacity(c, opts.page_bytes.unwrap_or(1) as usize)?;
+        }
+        // Ownership before anything is written, the lock file included.
+        claim_directory(&dir)?;
+        let lock = lock_dir(&dir)?;
+        let ring = Ring::new(opts.queue_depth, opts.fixed_files).map_err(|e| unavailable(&e))?;
+        let (mut log, replay) =
+            IndexLog::open(&dir).map_err(|e| backend_err(format!("index log: {e}")))?;
+        let (sizes, slabs, file_slots) = Self::open_slabs(&ring, &opts)?;
+        let used: u64 = sizes
+            .iter()
+            .zip(&file_slots)
+            .map(|(s, n)| s * *n as u64)
+            .sum();
+        let capacity = match opts.capacity_bytes {
+            Some(c) => c,
+            None => {
+                let free = sys::free_bytes(&dir).map_err(StorageError::io("statvfs", &dir))?;
+                (free + used) / 10 * 9
+            }
+        };
+        let mut index = Index::new(capacity, opts.grow_bytes, opts.eviction, replay.max_seq);
+        for (s, n) in sizes.iter().zip(&file_slots) {
+            index.add_class(*s, *n);
+        }
+        let discarded_pages = Self::restore(&mut index, &replay, &sizes);
+        let victims = index.fit(&Disk(&slabs));
+        let mut report = OpenReport {
+            pages: index.len() as u64,
+            discarded_records: replay.discarded,
+            skipped_records: replay.skipped,
+            preserved: replay.preserved.clone(),
+            discarded_pages,
+            evicted: victims.len() as u64,
+            compacted: false,
+        };
+        let counters = StatsCounters::default();
+        bump(
+            &counters.discarded_on_open,
+            replay.discarded + replay.skipped + discarded_pages,
+        );
+        bump(&counters.evicted_pages, victims.len() as u64);
+        bump(
+            &counters.evicted_bytes,
+            victims.iter().map(|(_, e)| e.meta.len as u64).sum(),
+        );
+        let live = index.len() as u64;
+        if !victims.is_empty() || discarded_pages > 0 || log.records() > 2 * live + 1024 {
+            let puts = Self::live_puts(&index);
+            log.compact(&puts)
+                .map_err(|e| backend_err(format!("index log compaction: {e}")))?;
+            report.compacted = true;
+        }
+        tracing::Span::current().record("pages", report.pages);
+        tracing::info!(dir = %dir.display(), ?report, capacity, "uring backend opened");
+        Ok(Self {
+            ring,
+            capacity,
+            slabs: RwLock::new(slabs),
+            new_slab: Mutex::new(()),
+            index: Mutex::new(index),
+            log: Mutex::new(log),
+            dels: Mutex::new(Vec::new()),
+            counters,
+            bounced: 0.into(),
+            compactions: 0.into(),
+            pool: BufPool::new(64 << 20),
+            commit: crate::commit::GroupCommit::default(),
+            report,
+            opts,
+            _lock: lock,
+        })
+    }
+
+    /// The slabs: every slab file present, plus the configured page size's (a slab the log
+    /// names but that was lost is not recreated; its pages are then ignored). Returns the
+    /// slot sizes, the slabs and the slots each file holds.
+    #[allow(clippy::type_complexity)]
+    fn open_slabs(
+        ring: &Ring,
+        opts: &UringOptions,
+    ) -> Result<(Vec<u64>, Vec<Arc<Slab>>, Vec<u32>)> {
+        let dir = &opts.dir;
+        let mut sizes: Vec<u64> = Vec::new();
+        for e in fs::read_dir(dir)
+            .map_err(StorageError::io("list", dir))?
+            .flatten()
+        {
+            if let Some(s) = e
+                .file_name()
+                .to_str()
+                .and_then(format::parse_slab_file_name)
+            {
+                sizes.push(s);
+            }
+        }
+        if let Some(p) = opts.page_bytes {
+            sizes.push(slot_bytes(p as usize));
+        }
+        sizes.sort_unstable();
+        sizes.dedup();
+        let mut slabs = Vec::new();
+        let mut file_slots = Vec::new();
+        for &s in &sizes {
+            let (slab, len) = Self::make_slab(ring, dir, s, slabs.len())?;
+            file_slots.push(u32::try_from(len.div_ceil(s)).unwrap_or(u32::MAX));
+            slabs.push(Arc::new(slab));
+        }
+        if slabs.is_empty() {
+            Self::probe_direct(dir)?;
+        }
+        Ok((sizes, slabs, file_slots))
+    }
+
+    /// Restores the replayed `put` records into `index`; returns how many name a slab or slot
+    /// that does not exist (discarded).
+    fn restore(index: &mut Index, replay: &Replay, sizes: &[u64]) -> u64 {
+        let mut discarded_pages = 0u64;
+        for p in &replay.puts {
+            let restored = sizes
+                .iter()
+                .position(|s| *s == p.slot_bytes)
+                .zip(u32::try_from(p.slot).ok())
+                .is_some_and(|(class, slot)| {
+                    index.restore(
+                        p.key,
+                        Entry {
+                            loc: Loc {
+                                class: class as u16,
+                                slot,
+                            },
+                            meta: p.meta,
+                            sum: p.sum,
+                            seq: p.seq,
+                        },
+                    )
+                });
+            if !restored {
+                discarded_pages += 1;
+            }
+        }
+        index.finish_restore();
+        discarded_pages
+    }
+
+    pub(crate) fn probe_direct(dir: &Path) -> Result<()> {
+        let p = dir.join("direct-probe.tmp");
+        let r = open_slab(&p);
+        let _ = fs::remove_file(&p);
+        r.map(drop).map_err(|e| {
+            backend_err(format!(
+                "{}: the file system refuses O_DIRECT ({e}); the uring backend needs a local \
+                 disk file system (ext4, xfs); use the `file` backend elsewhere",
+                dir.display()
+            ))
+        })
+    }
+
+    pub(crate) fn live_puts(ix: &Index) -> Vec<Put> {
+        ix.entries_by_seq()
+            .into_iter()
+            .map(|(key, e)| Put {
+                seq: e.seq,
+                key,
+                meta: e.meta,
+                slot_bytes: ix.slot_bytes(e.loc.class),
+                slot: e.loc.slot as u64,
+                sum: e.sum,
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,151 @@
+//! The slab files: one per size class, preallocated in growth steps, opened with O_DIRECT and
+//! registered with the ring as fixed files; [`Disk`] gives the index their disk operations.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use hicache_localio::ring::{self, FileRef};
+use hicache_localio::{Ring, sys};
+use hicache_storage::{Result, StorageError};
+
+use crate::format::slab_file_name;
+use crate::index::SlabDisk;
+use crate::{UringBackend, backend_err};
+
+pub(crate) struct Slab {
+    pub(crate) slot_bytes: u64,
+    pub(crate) file: File,
+    pub(crate) fixed: Option<u32>,
+}
+
+impl Slab {
+    pub(crate) fn file_ref(&self) -> FileRef {
+        FileRef {
+            fd: self.file.as_raw_fd(),
+            fixed: self.fixed,
+        }
+    }
+}
+
+/// Free space a slab never grows into: the index log's appends and compactions need room on
+/// a file system the slabs have filled (at least this, or 1/256 of the file system).
+const MIN_FS_HEADROOM: u64 = 4 << 20;
+
+/// The disk operations of the index, on the slabs.
+pub(crate) struct Disk<'a>(pub(crate) &'a [Arc<Slab>]);
+
+impl SlabDisk for Disk<'_> {
+    /// Grows by the whole step when the file system has room, else by the most slots it has
+    /// room for (halving the step); a failed `fallocate` is undone by cutting the file back,
+    /// so a partial allocation never leaves the file system full.
+    fn grow(&self, class: u16, from: u32, to: u32) -> io::Result<u32> {
+        let s = &self.0[class as usize];
+        let start = from as u64 * s.slot_bytes;
+        // Leave room for the index log (its appends and a compaction's copy) and others.
+        let (avail, total) = sys::fs_space(&s.file)?;
+        let headroom = (total / 256).max(MIN_FS_HEADROOM);
+        let room = avail.saturating_sub(headroom) / s.slot_bytes;
+        if room == 0 {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        let mut to = to.min(from.saturating_add(u32::try_from(room).unwrap_or(u32::MAX)));
+        loop {
+            let len = (to - from) as u64 * s.slot_bytes;
+            match sys::allocate(&s.file, start, len) {
+                Ok(()) => return Ok(to),
+                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
+                    if s.file.metadata()?.len() > start {
+                        s.file.set_len(start)?;
+                    }
+                    if to - from == 1 {
+                        return Err(e);
+                    }
+                    to = from + (to - from) / 2;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn punch(&self, class: u16, slot: u32) {
+        let s = &self.0[class as usize];
+        sys::punch_hole(&s.file, slot as u64 * s.slot_bytes, s.slot_bytes);
+    }
+}
+
+pub(crate) fn open_slab(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+}
+
+impl UringBackend {
+    /// Opens (creating) the slab of `slot_bytes` as class `class`, registering it with the
+    /// ring; returns it and its length.
+    pub(crate) fn make_slab(
+        ring: &Ring,
+        dir: &Path,
+        slot_bytes: u64,
+        class: usize,
+    ) -> Result<(Slab, u64)> {
+        let path = dir.join(slab_file_name(slot_bytes));
+        let file = open_slab(&path).map_err(|e| {
+            if e.raw_os_error() == Some(libc::EINVAL) {
+                backend_err(format!(
+                    "{}: the file system refuses O_DIRECT; use the `file` backend here",
+                    path.display()
+                ))
+            } else {
+                StorageError::io("open slab", &path)(e)
+            }
+        })?;
+        let len = file
+            .metadata()
+            .map_err(StorageError::io("stat", &path))?
+            .len();
+        let fixed = (ring.fixed_files() && (class as u32) < ring::MAX_FIXED_FILES)
+            .then_some(class as u32)
+            .filter(|&slot| ring.register_file(slot, file.as_raw_fd()).is_ok());
+        Ok((
+            Slab {
+                slot_bytes,
+                file,
+                fixed,
+            },
+            len,
+        ))
+    }
+
+    /// The class of `slot_bytes`, creating its slab if needed.
+    pub(crate) fn class_of(&self, slot_bytes: u64) -> Result<u16> {
+        let find = |v: &[Arc<Slab>]| v.iter().position(|s| s.slot_bytes == slot_bytes);
+        if let Some(c) = find(&self.slabs.read()) {
+            return Ok(c as u16);
+        }
+        let _g = self.new_slab.lock();
+        if let Some(c) = find(&self.slabs.read()) {
+            return Ok(c as u16);
+        }
+        let n = self.slabs.read().len();
+        if n >= u16::MAX as usize {
+            return Err(backend_err("too many page size classes"));
+        }
+        let (slab, len) = Self::make_slab(&self.ring, &self.opts.dir, slot_bytes, n)?;
+        let mut ix = self.index.lock();
+        let id = ix.add_class(
+            slot_bytes,
+            u32::try_from(len.div_ceil(slot_bytes)).unwrap_or(u32::MAX),
+        );
+        self.slabs.write().push(Arc::new(slab));
+        debug_assert_eq!(id as usize, n);
+        Ok(id)
+    }
+}

@@ -1,0 +1,468 @@
+"""SGLang's ``dynamic`` L3 backend: :class:`HiCacheRsStorage`.
+
+SGLang loads it with::
+
+    --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "hicache_rs",
+        "module_path": "hicache_rs.sglang", "class_name": "HiCacheRsStorage",
+        "interface_v1": 1, "backend": "file", "dir": "/var/cache/kv"}'
+
+Its storage factory constructs the class as ``cls(storage_config, {})``; the host KV pool
+arrives later through :meth:`HiCacheRsStorage.register_mem_pool_host`, and only then is the
+backend opened (the page geometry and layout are known only then).
+
+Model of the class (each point is kept by the code named in it):
+
+1. The extra-config is hicache-rs' own (``{"backend": "file", "dir": ...}``, ``rdma``,
+   ``uring``, ``plugin``, ``memory``), strict: unknown fields are a ``ValueError`` naming them.
+   The fields SGLang itself reads (``backend_name``, ``module_path``, ``class_name``,
+   ``interface_v1``) are taken out first (``_our_extra_config``).
+2. SGLang's keys are bare content hashes. Every key is paired with a namespace built from the
+   model name, dtype, layout, page geometry, TP/PP rank (not for MLA, whose latent cache is the
+   same on every rank), context-parallel shard and tenant (``_namespace``), so two deployments
+   that differ in any of these never read each other's pages.
+3. Zero copy: ``batch_get_v1``/``batch_set_v1`` hand the host pool's own page pieces
+   (``get_page_buffer_meta``) to the native store, which reads and writes them in place with
+   the GIL released. The bytes stored for a page are the pool's flat data page in every layout,
+   so the legacy tensor methods (``get``/``set``) and the zero-copy ones share pages.
+4. A miss is a miss: a page the backend does not have, or cannot read intact, is ``False``
+   (``None`` in the legacy methods), and a failing backend (I/O error, server gone) is logged
+   and answered as misses or failed writes, never an exception in SGLang's I/O threads. Bad
+   input (mismatched counts, an unsupported pool, a call after ``close``) raises.
+5. Only the storage writer writes: on an MLA rank that is not SGLang's storage writer the set
+   methods write nothing and report success, as SGLang's own backends do.
+6. Thread safety: the instance is immutable after ``register_mem_pool_host`` except for the
+   metrics lists and the set of stored keys, both behind one lock; the native store is safe
+   under SGLang's concurrent prefetch, query and backup threads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any, List, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from hicache_rs._native import Store, check_extra_config, namespace_id
+
+logger = logging.getLogger(__name__)
+
+#: Extra-config fields that belong to SGLang's dynamic loader, not to our backends.
+SGLANG_FIELDS = ("backend_name", "module_path", "class_name", "interface_v1")
+
+#: Host pool layouts whose page pieces we can read and write.
+SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+#: Backends whose state is one local directory with a single owner process.
+LOCAL_DIR_BACKENDS = ("file", "uring")
+
+
+def _our_extra_config(storage_config: HiCacheStorageConfig) -> dict:
+    """The extra-config without SGLang's own fields (point 1). ``file_storage_path`` (what
+    SGLang's ``--file-storage-path`` adds) becomes ``dir`` for the local-disk backends when
+    ``dir`` is not given."""
+    extra = dict(storage_config.extra_config or {})
+    for field in SGLANG_FIELDS:
+        extra.pop(field, None)
+    path = extra.pop("file_storage_path", None)
+    if path is not None:
+        if extra.get("backend") in LOCAL_DIR_BACKENDS and "dir" not in extra:
+            extra["dir"] = path
+        elif extra.get("backend") not in LOCAL_DIR_BACKENDS:
+            raise ValueError(
+                f"--file-storage-path ({path!r}) applies to the file and uring backends of "
+                f"hicache-rs, not to backend {extra.get('backend')!r}"
+            )
+    return extra
+
+
+def _pool_kind(pool: Any) -> str:
+    """``"mha"`` or ``"mla"`` for SGLang's KV host pools; a ValueError for anything else."""
+    from sglang.srt.mem_cache.pool_host.mha import (
+        AsymmetricMHATokenToKVPoolHost,
+        MHATokenToKVPoolHost,
+    )
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    if isinstance(pool, MLATokenToKVPoolHost):
+        return "mla"
+    if isinstance(pool, MHATokenToKVPoolHost) and not isinstance(
+        pool, AsymmetricMHATokenToKVPoolHost
+    ):
+        return "mha"
+    raise ValueError(
+        f"host pool {type(pool).__name__} is not supported by hicache-rs "
+        "(expected SGLang's MHATokenToKVPoolHost or MLATokenToKVPoolHost)"
+    )
+
+
+class HiCacheRsStorage(HiCacheStorage):
+    """hicache-rs' L3 backends (file, uring, rdma, plugin, memory) as SGLang's L3."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        self.storage_config = storage_config
+        self._extra = _our_extra_config(storage_config)
+        # `tenant` is ours, not the backend's: it salts the namespace (point 2).
+        self._tenant = self._extra.pop("tenant", None)
+        if self._tenant is not None and not isinstance(self._tenant, str):
+            raise ValueError(f"extra-config field `tenant` must be a string, got {self._tenant!r}")
+        self._config_json = json.dumps(self._extra)
+        # Parses the common fields and checks the backend is compiled in, now, so a bad
+        # extra-config fails SGLang's attach at once (the backend's own fields are checked
+        # when it opens, in register_mem_pool_host).
+        self.backend_name = check_extra_config(self._config_json)
+        ranks = storage_config.tp_size * storage_config.pp_size * storage_config.attn_cp_size
+        # A local directory has one owner process unless the file backend runs `shared`
+        # (several processes, one directory); namespaces keep the ranks' pages apart either way.
+        shared_dir = self.backend_name == "file" and self._extra.get("shared") is True
+        if (
+            self.backend_name in LOCAL_DIR_BACKENDS
+            and not shared_dir
+            and storage_config.is_mla_model
+            and storage_config.tp_size > 1
+        ):
+            raise ValueError(
+                f"backend {self.backend_name!r} without `\"shared\": true` keeps one directory "
+                "per rank, but an MLA model's TP ranks read the pages of one writer rank: use "
+                "the file backend with \"shared\": true, or a shared backend (rdma, redis)"
+            )
+        self._per_rank_dir = (
+            self.backend_name in LOCAL_DIR_BACKENDS and not shared_dir and ranks > 1
+        )
+        self.mem_pool_host = None
+        self._store: Optional[Store] = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._stored: set = set()
+        self._prefetch_pgs: List[int] = []
+        self._backup_pgs: List[int] = []
+        self._prefetch_bw: List[float] = []
+        self._backup_bw: List[float] = []
+
+    # ---- attach -------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """Keeps the host pool, derives the namespace from it and opens the backend."""
+        if self._store is not None:
+            raise RuntimeError("register_mem_pool_host was already called on this backend")
+        pool = mem_pool_host
+        layout = getattr(pool, "layout", None)
+        if layout not in SUPPORTED_LAYOUTS:
+            raise ValueError(
+                f"host pool layout {layout!r} is not supported by hicache-rs "
+                f"(expected one of: {', '.join(SUPPORTED_LAYOUTS)})"
+            )
+        if getattr(pool, "kv_buffer", None) is None:
+            raise ValueError(
+                f"host pool {type(pool).__name__} has no KV buffer (allocator-only pool): "
+                "hicache-rs reads and writes pages in place and needs a materialized pool"
+            )
+        if getattr(pool, "dcp_size", 1) > 1:
+            raise ValueError("hicache-rs does not support decode context parallel (dcp_size > 1)")
+        self.mla = _pool_kind(pool) == "mla"
+        self.layout = layout
+        self.page_size = int(pool.page_size)
+        self.page_bytes = int(pool.get_size_per_token()) * self.page_size
+        self.kv_interleaved = (not self.mla) and layout == "layer_first"
+        self.namespace = self._namespace(pool)
+        cfg = self.storage_config
+        extra = self._config_json
+        if self._per_rank_dir:
+            # One owner per directory: each rank opens its own subdirectory.
+            own = dict(self._extra)
+            own["dir"] = f"{own['dir'].rstrip('/')}/tp{cfg.tp_rank}-pp{cfg.pp_rank}-cp{cfg.attn_cp_rank}"
+            extra = json.dumps(own)
+        self._store = Store(
+            extra,
+            page_bytes=self.page_bytes,
+            layout=layout,
+            tp_rank=cfg.tp_rank,
+            tp_size=cfg.tp_size,
+            pp_rank=cfg.pp_rank,
+            pp_size=cfg.pp_size,
+        )
+        self.mem_pool_host = pool
+
+    def _namespace(self, pool) -> str:
+        cfg = self.storage_config
+        model = cfg.model_name or ""
+        shard = []
+        if cfg.attn_cp_size > 1:
+            shard.append(f"cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}")
+        if self.mla:
+            heads, head_dim = 1, int(pool.kv_cache_dim)
+        else:
+            heads, head_dim = int(pool.head_num), int(pool.head_dim)
+            v_head_dim = int(getattr(pool, "v_head_dim", head_dim))
+            if v_head_dim != head_dim:
+                shard.append(f"v{v_head_dim}")
+        return namespace_id(
+            model,
+            str(pool.dtype),
+            self.layout,
+            self.mla,
+            heads,
+            head_dim,
+            int(pool.layer_num),
+            self.page_size,
+            tp_rank=cfg.tp_rank,
+            tp_size=cfg.tp_size,
+            pp_rank=cfg.pp_rank,
+            pp_size=cfg.pp_size,
+            extra_key="|".join(shard) or None,
+            cache_salt=self._tenant,
+        )
+
+    def _ready(self, op: str) -> Store:
+        if self._closed:
+            raise RuntimeError(f"{op}: the hicache-rs backend is closed")
+        if self._store is None:
+            raise RuntimeError(f"{op}: register_mem_pool_host was not called")
+        return self._store
+
+    def _pieces(self, op: str, keys: List[str], host_indices: torch.Tensor):
+        expected = len(keys) * self.page_size
+        if host_indices.numel() != expected:
+            raise ValueError(
+                f"{op}: {len(keys)} keys need {expected} host indices "
+                f"({self.page_size} per page), got {host_indices.numel()}"
+            )
+        if not keys:
+            return [], []
+        return self.mem_pool_host.get_page_buffer_meta(host_indices)
+
+    # ---- zero-copy interface (interface_v1) ----------------------------------------------
+
+    def batch_exists(
+        self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> int:
+        store = self._ready("batch_exists")
+        try:
+            return store.batch_exists(self.namespace, keys)
+        except ValueError:
+            raise
+        except RuntimeError as e:
+            if store.closed:
+                raise
+            logger.warning("hicache-rs batch_exists failed, answering 0 hits: %s", e)
+            return 0
+
+    def batch_get_v1(
+        self,
+        keys: List[str],
+        host_indices: torch.Tensor,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> List[bool]:
+        store = self._ready("batch_get_v1")
+        ptrs, sizes = self._pieces("batch_get_v1", keys, host_indices)
+        if not keys:
+            return []
+        start = time.perf_counter()
+        try:
+            hits = store.batch_get_into(
+                self.namespace, keys, self.layout, ptrs, sizes, self.kv_interleaved
+            )
+        except ValueError:
+            raise
+        except RuntimeError as e:
+            if store.closed:
+                raise
+            logger.warning("hicache-rs batch_get_v1 failed, answering misses: %s", e)
+            return [False] * len(keys)
+        self._record(self._prefetch_pgs, self._prefetch_bw, sum(hits), start)
+        return hits
+
+    def batch_set_v1(
+        self,
+        keys: List[str],
+        host_indices: torch.Tensor,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> List[bool]:
+        store = self._ready("batch_set_v1")
+        ptrs, sizes = self._pieces("batch_set_v1", keys, host_indices)
+        if not keys:
+            return []
+        if not self.storage_config.is_storage_writer:
+            return [True] * len(keys)
+        start = time.perf_counter()
+        try:
+            ok = store.batch_set_from(
+                self.namespace, keys, self.layout, ptrs, sizes, self.kv_interleaved
+            )
+        except ValueError:
+            raise
+        except RuntimeError as e:
+            if store.closed:
+                raise
+            logger.warning("hicache-rs batch_set_v1 failed: %s", e)
+            return [False] * len(keys)
+        self._remember([k for k, s in zip(keys, ok) if s])
+        self._record(self._backup_pgs, self._backup_bw, sum(ok), start)
+        return ok
+
+    # ---- legacy tensor interface ---------------------------------------------------------
+
+    def _page_tensor(self, op: str, t: Any) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{op}: expected a torch.Tensor page, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(f"{op}: the page tensor is on {t.device}, expected host memory")
+        if t.numel() * t.element_size() != self.page_bytes:
+            raise ValueError(
+                f"{op}: the page tensor has {t.numel() * t.element_size()} bytes, "
+                f"a page of this pool has {self.page_bytes}"
+            )
+        return t
+
+    def batch_get(
+        self,
+        keys: List[str],
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> List[Optional[torch.Tensor]]:
+        """Reads pages into flat page tensors (new ones from the pool when none are given)."""
+        store = self._ready("batch_get")
+        if target_locations is None:
+            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        if len(target_locations) != len(keys):
+            raise ValueError(
+                f"batch_get: {len(keys)} keys and {len(target_locations)} target tensors"
+            )
+        if not keys:
+            return []
+        dst = [self._page_tensor("batch_get", t) for t in target_locations]
+        for t in dst:
+            if not t.is_contiguous():
+                raise ValueError("batch_get: target tensors must be contiguous")
+        ptrs = [t.data_ptr() for t in dst]
+        try:
+            hits = store.batch_get_into(
+                self.namespace, keys, self.layout, ptrs, [self.page_bytes] * len(keys)
+            )
+        except ValueError:
+            raise
+        except RuntimeError as e:
+            if store.closed:
+                raise
+            logger.warning("hicache-rs batch_get failed, answering misses: %s", e)
+            return [None] * len(keys)
+        return [t if hit else None for t, hit in zip(dst, hits)]
+
+    def get(
+        self,
+        key: str,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> Optional[torch.Tensor]:
+        """Reads one page into ``target_location`` (a flat page tensor); ``None`` on a miss."""
+        locs = None if target_location is None else [target_location]
+        return self.batch_get([key], locs)[0]
+
+    def batch_set(
+        self,
+        keys: List[str],
+        values: Optional[Any] = None,
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
+        """Writes flat page tensors; ``True`` when every page is stored (or already was)."""
+        store = self._ready("batch_set")
+        if values is None or len(values) != len(keys):
+            raise ValueError(
+                f"batch_set: {len(keys)} keys and "
+                f"{'no' if values is None else len(values)} values"
+            )
+        if not keys:
+            return True
+        if not self.storage_config.is_storage_writer:
+            return True
+        src = [self._page_tensor("batch_set", v).contiguous() for v in values]
+        try:
+            ok = store.batch_set_from(
+                self.namespace,
+                keys,
+                self.layout,
+                [t.data_ptr() for t in src],
+                [self.page_bytes] * len(keys),
+            )
+        except ValueError:
+            raise
+        except RuntimeError as e:
+            if store.closed:
+                raise
+            logger.warning("hicache-rs batch_set failed: %s", e)
+            return False
+        self._remember([k for k, s in zip(keys, ok) if s])
+        return all(ok)
+
+    def set(
+        self,
+        key: str,
+        value: Optional[Any] = None,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
+        """Writes one flat page tensor."""
+        return self.batch_set([key], None if value is None else [value])
+
+    def exists(self, key: str) -> bool:
+        """Whether the page is present."""
+        return self.batch_exists([key]) == 1
+
+    # ---- lifecycle and metrics ------------------------------------------------------------
+
+    def _remember(self, keys: List[str]) -> None:
+        with self._lock:
+            self._stored.update(keys)
+
+    def _record(self, pgs: list, bw: list, pages: int, start: float) -> None:
+        if not self.storage_config.enable_storage_metrics:
+            return
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        with self._lock:
+            pgs.append(pages)
+            bw.append(pages * self.page_bytes / elapsed / 1e9)
+
+    def clear(self) -> None:
+        """Deletes every page this instance stored. Our backends have no namespace-wide
+        clear: pages written by other processes, or before a restart, stay."""
+        store = self._ready("clear")
+        with self._lock:
+            keys, self._stored = list(self._stored), set()
+        if keys:
+            store.delete(self.namespace, keys)
+
+    def get_stats(self):
+        """SGLang's ``StorageMetrics`` (pages and GB/s per call since the last call), or
+        ``None`` without ``--enable-storage-metrics``."""
+        if not self.storage_config.enable_storage_metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        m = StorageMetrics()
+        with self._lock:
+            m.prefetch_pgs.extend(self._prefetch_pgs)
+            m.backup_pgs.extend(self._backup_pgs)
+            m.prefetch_bandwidth.extend(self._prefetch_bw)
+            m.backup_bandwidth.extend(self._backup_bw)
+            for lst in (self._prefetch_pgs, self._backup_pgs, self._prefetch_bw, self._backup_bw):
+                lst.clear()
+        return m
+
+    def backend_stats(self) -> dict:
+        """The backend's own counters (hits, misses, corrupt pages, bytes, ...)."""
+        return self._ready("backend_stats").stats()
+
+    def close(self) -> None:
+        """Closes the backend; later calls raise ``RuntimeError``. Idempotent."""
+        self._closed = True
+        if self._store is not None:
+            self._store.close()

@@ -1,0 +1,121 @@
+"""A real SGLang HybridCacheController, with its background threads, backing up pages to
+hicache-rs and prefetching them back: SGLang's own storage config, factory, page hashes
+(its native hash extension, JIT-built), hit query, zero-copy get/set and acks.
+
+What is not SGLang's here: the device pool and its allocator (the controller only reads
+``device``, ``layer_num`` and ``register_layer_transfer_counter`` from them; GPU copies are
+not exercised), single-rank parallel state, and the test standing in for the scheduler thread
+(it allocates host pages for the hit and hands the operation to the I/O thread, as
+``unified_radix_cache`` does)."""
+
+import json
+import threading
+
+import pytest
+
+from conftest import require_sglang
+
+require_sglang()
+
+import torch  # noqa: E402
+from sglang.srt import runtime_context  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (  # noqa: E402
+    HybridCacheController,
+)
+from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry  # noqa: E402
+from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+
+import hicache_rs  # noqa: E402
+from hicache_rs.sglang import HiCacheRsStorage  # noqa: E402
+from sglang_pools import fill_pages, make_pool, read_pages, same  # noqa: E402
+
+TIMEOUT = 120
+
+
+class DevicePool:
+    """What the controller reads from SGLang's device KV pool."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, layers):
+        self.layer_num = layers
+        self.start_layer = 0
+        self.end_layer = layers
+
+    def register_layer_transfer_counter(self, counter):
+        self.counter = counter
+
+
+class Allocator:
+    def __init__(self, device_pool):
+        self.device_pool = device_pool
+
+    def get_kvcache(self):
+        return self.device_pool
+
+
+def controller(pool, ours):
+    runtime_context.get_parallel().override_permanently(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_rank=0, attn_dcp_size=1
+    )
+    group = HostPoolGroup([
+        PoolEntry(name=PoolName.KV, host_pool=pool, device_pool=None,
+                  layer_mapper=lambda i: i, is_primary_index_anchor=True)
+    ])
+    extra, threshold, *_ = HybridCacheController.parse_storage_backend_extra_config(json.dumps({
+        "backend_name": "hicache_rs", "module_path": "hicache_rs.sglang",
+        "class_name": "HiCacheRsStorage", "interface_v1": 1, "prefetch_threshold": pool.page_size,
+        **ours,
+    }))
+    return HybridCacheController(
+        Allocator(DevicePool(pool.layer_num)), group, pool.page_size, tp_group=None,
+        load_cache_event=threading.Event(), io_backend="direct", storage_backend="dynamic",
+        prefetch_threshold=threshold, model_name="org/model", storage_backend_extra_config=extra,
+    )
+
+
+@pytest.mark.parametrize("kind,layout", [("mha", "layer_first"), ("mha", "page_first"),
+                                         ("mla", "page_first_direct")])
+def test_backup_hit_query_and_prefetch_round_trip(kind, layout, tmp_path):
+    pool = make_pool(kind, layout, device_tokens=256)
+    cc = controller(pool, {"backend": "file", "dir": str(tmp_path / "l3")})
+    try:
+        assert isinstance(cc.storage_backend, HiCacheRsStorage)
+        # interface_v1 selected SGLang's zero-copy page functions.
+        assert cc.page_get_func.__name__ == "_page_get_zero_copy"
+        assert cc.page_set_func.__name__ == "_page_set_zero_copy"
+        ps = pool.page_size
+        tokens = list(range(7, 7 + 6 * ps))
+        hashes = get_storage_hash_str(tokens, None, page_size=ps)
+        # SGLang's hash chain is ours, bit for bit.
+        assert hashes == hicache_rs.sglang_page_hashes(tokens, ps)
+
+        # Backup: the backup thread writes, the ack carries the tokens written.
+        src = pool.alloc(6 * ps)
+        written = fill_pages(pool, src, seed=11)
+        cc.write_storage(src, tokens, hash_value=hashes)
+        op = cc.ack_backup_queue.get(timeout=TIMEOUT)
+        assert op.completed_tokens == 6 * ps
+
+        # Prefetch of a longer request: the hit query finds the six stored pages.
+        more = tokens + list(range(10_000, 10_000 + 2 * ps))
+        op = cc.prefetch(CacheRequestHandle(rid="r1", attempt_id=0), more, None)
+        op = cc.prefetch_hit_queue.get(timeout=TIMEOUT)
+        assert op.storage_hit_count == 6 * ps
+        assert op.hash_value == hashes
+        # The scheduler's part: host pages for the hit, then the I/O thread reads into them.
+        dst = pool.alloc(op.storage_hit_count)
+        op.host_indices = dst
+        cc.prefetch_buffer.put(op)
+        acks = []
+        while not acks or not acks[-1].completed_req:
+            acks.append(cc.ack_prefetch_queue.get(timeout=TIMEOUT))
+        assert [a.completed_tokens for a in acks if a.completed_tokens is not None] == [6 * ps]
+        assert all(same(a, b) for a, b in zip(read_pages(pool, dst), written))
+        assert cc.storage_backend.backend_stats()["get_hits"] == 6
+    finally:
+        cc.detach_storage_backend()
+    # Detach closed the backend.
+    assert cc.storage_backend is None

@@ -1,0 +1,130 @@
+//! Attaching and detaching the L3 tier ([`HiCache::attach_storage`] and friends).
+
+use std::sync::Arc;
+
+use hicache_core::TenantId;
+use hicache_storage::{BackendContext, Storage, StorageConfig};
+
+use super::HiCache;
+use crate::error::{HiCacheError, Result};
+use crate::l3::{L3, new_runtime};
+
+impl HiCache {
+    fn backend_context(&self) -> BackendContext {
+        let tree = &self.tiers.tree;
+        BackendContext {
+            page_bytes: self.shape.page_bytes(),
+            layout: self.cfg.mem_layout,
+            namespace: tree
+                .tenant_root(TenantId(0))
+                .ok()
+                .and_then(|_| tree.chain_start(TenantId(0)).ok())
+                .flatten()
+                .map(|c| c.namespace_id),
+            tp_rank: self.namespace.tp_rank,
+            tp_size: self.namespace.tp_size,
+            pp_rank: self.namespace.pp_rank,
+            pp_size: self.namespace.pp_size,
+            memory: Some(self.tiers.host_pool.region()),
+        }
+    }
+
+    /// Attaches an L3 backend opened from `config` through the registry (idle only:
+    /// no live requests, nothing in flight). Attaching the same backend again only updates
+    /// the policy fields; a different one while attached is an error (detach first).
+    pub fn attach_storage(&mut self, config: StorageConfig) -> Result<()> {
+        self.check_open()?;
+        if let Some(l3) = &mut self.l3 {
+            if l3.config_name() == config.backend {
+                l3.update(&self.cfg, config);
+                return Ok(());
+            }
+            return Err(HiCacheError::NotIdle(format!(
+                "backend {} is attached; detach it before attaching {}",
+                l3.config_name(),
+                config.backend
+            )));
+        }
+        if !self.registry.contains(&config.backend)
+            && let Some(feature) = crate::backends::feature_for(&config.backend)
+        {
+            return Err(HiCacheError::BackendNotCompiled {
+                backend: config.backend.clone(),
+                feature,
+            });
+        }
+        let runtime = new_runtime()?;
+        let ctx = self.backend_context();
+        let storage = runtime.block_on(self.registry.open(&config, &ctx))?;
+        self.attach_with_runtime(config, storage, runtime)
+    }
+
+    /// Attaches a backend instance (idle only), with `config`'s common fields.
+    pub fn attach_storage_instance(
+        &mut self,
+        config: StorageConfig,
+        storage: Arc<dyn Storage>,
+    ) -> Result<()> {
+        self.check_open()?;
+        if let Some(l3) = &self.l3 {
+            return Err(HiCacheError::NotIdle(format!(
+                "backend {} is attached; detach it first",
+                l3.config_name()
+            )));
+        }
+        let runtime = new_runtime()?;
+        self.attach_with_runtime(config, storage, runtime)
+    }
+
+    fn attach_with_runtime(
+        &mut self,
+        config: StorageConfig,
+        storage: Arc<dyn Storage>,
+        runtime: tokio::runtime::Runtime,
+    ) -> Result<()> {
+        self.require_idle("attach a storage backend")?;
+        let l3 = L3::open(
+            &self.cfg,
+            self.shape,
+            self.rank.rank(),
+            config,
+            storage,
+            runtime,
+            &self.tiers,
+        )?;
+        self.l3 = Some(l3);
+        Ok(())
+    }
+
+    fn require_idle(&self, what: &str) -> Result<()> {
+        let busy = [
+            (self.requests.len(), "live requests"),
+            (self.copies.writes_in_flight(), "D2H batches in flight"),
+            (self.copies.loads_pending(), "loads in flight"),
+            (
+                self.l3.as_ref().map_or(0, L3::backups_in_flight),
+                "L3 backups in flight",
+            ),
+        ];
+        for (n, name) in busy {
+            if n > 0 {
+                return Err(HiCacheError::NotIdle(format!("cannot {what}: {n} {name}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Detaches the L3 backend: waits for backups in flight (nothing acknowledged is lost),
+    /// revokes prefetches, releases every pin they held. Detaching without a backend does
+    /// nothing. Requests may stay live; their prefetches are revoked.
+    pub fn detach_storage(&mut self) -> Result<()> {
+        self.check_open()?;
+        let Some(l3) = self.l3.take() else {
+            return Ok(());
+        };
+        for end in l3.close(&mut self.tiers, &mut self.events)? {
+            self.requests.prefetch_ended(end);
+        }
+        Ok(())
+    }
+}

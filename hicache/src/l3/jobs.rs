@@ -1,0 +1,293 @@
+//! The background tasks of L3 (on the cache's runtime) and the state each shares with the
+//! engine thread: [`QueryJob`] (lookup, then fetch into the host pages the engine thread
+//! allocated) and [`BackupJob`] (host pages to L3).
+//!
+//! Page ownership (see the invariants of [`crate::l3`]): a fetch writes page `i` only while
+//! `i ≥ completed`; `completed` advances under the state lock and never after `terminated`
+//! is set. A backup only reads pages the tree keeps host-protected until its agreed ack.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use hicache_core::{HostSlot, NamespaceId, PageHash, PageHasher, PageKey};
+use hicache_host::HostPool;
+use hicache_storage::{LayoutKind, PageBuf, PageBufMut, Storage};
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tracing::Instrument;
+
+use crate::error::Result;
+
+/// What a lookup found.
+#[derive(Debug, Default)]
+pub(crate) struct QueryResult {
+    /// The hashes of every page looked up.
+    pub hashes: Vec<PageHash>,
+    /// The leading pages present.
+    pub hit_pages: usize,
+}
+
+/// Progress of a prefetch's fetch, under one lock.
+#[derive(Debug, Default)]
+pub(crate) struct FetchState {
+    /// Host pages to fetch into, set by the engine thread once the hit is known.
+    pub slots: Option<Vec<HostSlot>>,
+    /// Pages fetched, from the first.
+    pub completed: usize,
+    /// The task stopped fetching (all done, a miss, an error, or terminated).
+    pub done: bool,
+    /// Set by the engine thread: stop, and never advance `completed` again.
+    pub terminated: bool,
+    /// The task met a storage error.
+    pub failed: bool,
+    /// Pages the task hands back when it exits (`slots[completed..]`).
+    pub leftover: Option<Vec<HostSlot>>,
+    /// The task exited.
+    pub exited: bool,
+}
+
+/// State shared between a prefetch's task and the engine thread.
+#[derive(Debug, Default)]
+pub(crate) struct FetchShared {
+    /// The lookup's result, once known.
+    pub query: Mutex<Option<QueryResult>>,
+    /// The fetch's progress.
+    pub state: Mutex<FetchState>,
+    /// Wakes the task when pages are given or the prefetch is terminated.
+    pub notify: Notify,
+}
+
+/// State shared between a backup's task and the engine thread.
+#[derive(Debug, Default)]
+pub(crate) struct BackupShared {
+    /// The task finished (every batch acknowledged or failed).
+    pub done: AtomicBool,
+    /// Pages stored (or already present) in L3.
+    pub stored_pages: AtomicU64,
+    /// Some batch failed.
+    pub failed: AtomicBool,
+}
+
+/// Slices of a host page for reading.
+///
+/// # Safety
+/// Nothing may write the page while the slices live (backup page ownership).
+unsafe fn read_parts(pool: &HostPool, slot: HostSlot) -> Result<Vec<&[u8]>> {
+    // SAFETY: forwarded contract.
+    Ok(unsafe { pool.page_parts_shared(slot) }?)
+}
+
+/// Slices of a host page for writing.
+///
+/// # Safety
+/// The caller must be the only user of the page while the slices live (fetch page
+/// ownership).
+// Mutable slices from a shared pool: exclusivity comes from page ownership, not from the
+// borrow of the pool, as for every page-granular allocator.
+#[allow(clippy::mut_from_ref)]
+unsafe fn write_parts(pool: &HostPool, slot: HostSlot) -> Result<Vec<&mut [u8]>> {
+    let iovs = pool.page_iovecs(slot)?;
+    Ok(iovs
+        .into_iter()
+        // SAFETY: each part is a disjoint run inside the pool's mapping, which outlives the
+        // borrow of `pool`; the caller is the page's only user.
+        .map(|iov| unsafe { std::slice::from_raw_parts_mut(iov.as_ptr(), iov.len) })
+        .collect())
+}
+
+/// A prefetch's task: looks the pages up, waits for host pages, fetches.
+pub(crate) struct QueryJob {
+    pub storage: Arc<dyn Storage>,
+    pub pool: Arc<HostPool>,
+    pub hasher: PageHasher,
+    pub namespace: NamespaceId,
+    pub prior: Option<PageHash>,
+    pub tokens: Vec<u32>,
+    pub page_size: usize,
+    pub batch: usize,
+    pub layout: LayoutKind,
+    pub shared: Arc<FetchShared>,
+}
+
+impl QueryJob {
+    /// Runs the job to its end (spawn it on the L3 runtime).
+    pub async fn run(self) {
+        let span = tracing::debug_span!("l3_prefetch", pages = self.tokens.len() / self.page_size);
+        self.run_inner().instrument(span).await;
+    }
+
+    async fn run_inner(self) {
+        let hashes = self.hasher.hash_pages(self.prior, &self.tokens);
+        let keys: Vec<PageKey> = hashes
+            .iter()
+            .map(|h| PageKey::new(self.namespace, *h))
+            .collect();
+        let hit = self.query(&keys).await;
+        *self.shared.query.lock() = Some(QueryResult {
+            hashes,
+            hit_pages: hit,
+        });
+        // Wait for host pages (or a revocation).
+        let slots = loop {
+            {
+                let st = self.shared.state.lock();
+                if st.terminated {
+                    break None;
+                }
+                if let Some(s) = &st.slots {
+                    break Some(s.clone());
+                }
+            }
+            self.shared.notify.notified().await;
+        };
+        if let Some(slots) = slots {
+            self.fetch(&keys, &slots).await;
+        }
+        let mut st = self.shared.state.lock();
+        st.done = true;
+        st.exited = true;
+        let from = st.completed;
+        st.leftover = st.slots.as_ref().map(|s| s[from..].to_vec());
+    }
+
+    /// The leading run of `keys` present in L3, batch by batch.
+    #[tracing::instrument(skip_all, fields(pages = keys.len(), hit))]
+    async fn query(&self, keys: &[PageKey]) -> usize {
+        let mut hit = 0;
+        for chunk in keys.chunks(self.batch) {
+            match self.storage.batch_exists(chunk).await {
+                Ok(n) => {
+                    hit += n.min(chunk.len());
+                    if n < chunk.len() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "L3 lookup failed; using the hits found so far");
+                    break;
+                }
+            }
+        }
+        tracing::Span::current().record("hit", hit);
+        hit
+    }
+
+    #[tracing::instrument(skip_all, fields(pages = slots.len()))]
+    async fn fetch(&self, keys: &[PageKey], slots: &[HostSlot]) {
+        let mut at = 0;
+        while at < slots.len() {
+            if self.shared.state.lock().terminated {
+                return;
+            }
+            let end = (at + self.batch).min(slots.len());
+            let outcome = {
+                let mut bufs = Vec::with_capacity(end - at);
+                for &slot in &slots[at..end] {
+                    // SAFETY: pages [at, end) are ≥ completed and this task owns them until it
+                    // advances `completed` past them.
+                    match unsafe { write_parts(&self.pool, slot) } {
+                        Ok(parts) => bufs.push(PageBufMut::from_parts(self.layout, parts)),
+                        Err(e) => {
+                            tracing::error!(error = %e, "bad host page in a prefetch");
+                            self.shared.state.lock().failed = true;
+                            return;
+                        }
+                    }
+                }
+                self.storage
+                    .batch_get(&keys[at..end], &mut bufs)
+                    .instrument(tracing::debug_span!("l3_batch_get", pages = end - at))
+                    .await
+            };
+            let lead = match outcome {
+                Ok(outcomes) => outcomes.iter().take_while(|o| o.is_hit()).count(),
+                Err(e) => {
+                    tracing::warn!(error = %e, "L3 fetch failed; keeping the pages fetched so far");
+                    self.shared.state.lock().failed = true;
+                    return;
+                }
+            };
+            let mut st = self.shared.state.lock();
+            if st.terminated {
+                return;
+            }
+            st.completed += lead;
+            if lead < end - at {
+                return;
+            }
+            at = end;
+        }
+    }
+}
+
+/// A backup's task: stores host pages in L3, batch by batch, skipping pages present.
+pub(crate) struct BackupJob {
+    pub storage: Arc<dyn Storage>,
+    pub pool: Arc<HostPool>,
+    pub keys: Vec<PageKey>,
+    pub slots: Vec<HostSlot>,
+    pub batch: usize,
+    pub layout: LayoutKind,
+    pub shared: Arc<BackupShared>,
+}
+
+impl BackupJob {
+    /// Runs the job to its end (spawn it on the L3 runtime).
+    pub async fn run(self) {
+        let span = tracing::debug_span!("l3_backup", pages = self.keys.len());
+        self.run_inner().instrument(span).await;
+        self.shared.done.store(true, Ordering::Release);
+    }
+
+    async fn run_inner(&self) {
+        let mut at = 0;
+        while at < self.keys.len() {
+            let end = (at + self.batch).min(self.keys.len());
+            let keys = &self.keys[at..end];
+            let present = match self.storage.batch_exists(keys).await {
+                Ok(n) => n.min(keys.len()),
+                Err(_) => 0,
+            };
+            let mut stored = present;
+            if present < keys.len() {
+                let mut bufs = Vec::with_capacity(keys.len() - present);
+                for &slot in &self.slots[at + present..end] {
+                    // SAFETY: the node holding this page is host-protected until this task's
+                    // ack is processed; nobody writes it meanwhile.
+                    match unsafe { read_parts(&self.pool, slot) } {
+                        Ok(parts) => bufs.push(PageBuf::from_parts(self.layout, parts)),
+                        Err(e) => {
+                            tracing::error!(error = %e, "bad host page in a backup");
+                            self.shared.failed.store(true, Ordering::Relaxed);
+                            break;
+                        }
+                    }
+                }
+                let set = self
+                    .storage
+                    .batch_set(&keys[present..], &bufs)
+                    .instrument(tracing::debug_span!("l3_batch_set", pages = bufs.len()))
+                    .await;
+                match set {
+                    Ok(outcomes) => {
+                        let ok = outcomes.iter().filter(|o| o.is_ok()).count();
+                        stored += ok;
+                        if ok < outcomes.len() {
+                            let first_bad = outcomes.iter().find(|o| !o.is_ok());
+                            tracing::warn!(outcome = ?first_bad, "some pages were not stored in L3");
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "L3 backup failed");
+                        self.shared.failed.store(true, Ordering::Relaxed);
+                        break;
+                    }
+                }
+            }
+            self.shared
+                .stored_pages
+                .fetch_add(stored as u64, Ordering::Relaxed);
+            at = end;
+        }
+    }
+}

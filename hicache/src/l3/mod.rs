@@ -1,0 +1,176 @@
+//! [`L3`]: the attached storage backend, its prefetches (L3 → L2, [`prefetch`]) and backups
+//! (L2 → L3, [`backup`]).
+//!
+//! Background work runs on a small tokio runtime owned by the tier ([`jobs`]); the engine
+//! thread never blocks on storage. Every operation has a shared state the engine thread reads
+//! in `poll`; every decision that changes the tree is taken on the engine thread from counts
+//! all ranks agreed on (see [`crate::tick`]). The invariants of each direction are written in
+//! its module.
+
+mod backup;
+mod jobs;
+mod prefetch;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hicache_core::{KvKind, KvShape, PrefetchConfig};
+use hicache_storage::{LayoutKind, Storage, StorageConfig};
+
+pub(crate) use prefetch::{MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd};
+
+use crate::config::HiCacheConfig;
+use crate::error::{HiCacheError, Result};
+use crate::metrics::PrefetchOutcome;
+use crate::tiers::Tiers;
+use backup::BackupOp;
+use jobs::FetchShared;
+use prefetch::PrefetchOp;
+
+/// L3 worker threads: lookups, fetches and backups are I/O-bound tasks.
+const WORKER_THREADS: usize = 2;
+/// How long detaching waits for the runtime's tasks to stop.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(10);
+
+/// The attached L3 tier.
+pub(crate) struct L3 {
+    runtime: tokio::runtime::Runtime,
+    storage: Arc<dyn Storage>,
+    config: StorageConfig,
+    prefetch: PrefetchConfig,
+    /// Pages per backend call.
+    batch: usize,
+    page_size: usize,
+    page_bytes: usize,
+    layout: LayoutKind,
+    prefetches: BTreeMap<u64, PrefetchOp>,
+    backups: VecDeque<BackupOp>,
+    /// Finished or revoked prefetches whose task may still hand pages back.
+    draining: Vec<Arc<FetchShared>>,
+    /// Host pages held by in-flight prefetches, and the most they may hold.
+    occupied_pages: usize,
+    capacity_pages: usize,
+    /// MLA KV is the same on every TP rank: only rank 0 writes it to L3.
+    backup_skip: bool,
+    next_seq: u64,
+}
+
+/// A new L3 runtime.
+pub(crate) fn new_runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(WORKER_THREADS)
+        .thread_name("hicache-l3")
+        .enable_all()
+        .build()
+        .map_err(HiCacheError::Runtime)
+}
+
+impl L3 {
+    /// The tier over `storage`, after checking that it takes our pages and registering the
+    /// host pool with it.
+    pub fn open(
+        cfg: &HiCacheConfig,
+        shape: KvShape,
+        rank: usize,
+        config: StorageConfig,
+        storage: Arc<dyn Storage>,
+        runtime: tokio::runtime::Runtime,
+        tiers: &Tiers,
+    ) -> Result<Self> {
+        let info = storage.info();
+        if info.max_page_bytes != 0 && info.max_page_bytes < shape.page_bytes() {
+            return Err(HiCacheError::config(
+                "storage_backend",
+                &info.name,
+                format!(
+                    "pages of {} bytes exceed the backend's maximum of {}",
+                    shape.page_bytes(),
+                    info.max_page_bytes
+                ),
+            ));
+        }
+        storage.register_memory(tiers.host_pool.region())?;
+        let batch = cfg.storage_batch_pages.min(info.max_batch.max(1));
+        let capacity_pages =
+            ((tiers.host_pool.num_pages() as f64) * cfg.prefetch_capacity_ratio) as usize;
+        let backup_skip = matches!(shape.kind, KvKind::Mla { .. }) && rank != 0;
+        tracing::info!(backend = %info.name, batch, capacity_pages, "L3 attached");
+        tiers.metrics.set_storage(Some(storage.clone()));
+        Ok(Self {
+            runtime,
+            storage,
+            prefetch: prefetch_config(cfg, &config),
+            config,
+            batch,
+            page_size: cfg.page_size as usize,
+            page_bytes: shape.page_bytes(),
+            layout: cfg.mem_layout,
+            prefetches: BTreeMap::new(),
+            backups: VecDeque::new(),
+            draining: Vec::new(),
+            occupied_pages: 0,
+            capacity_pages: capacity_pages.max(1),
+            backup_skip,
+            next_seq: 0,
+        })
+    }
+
+    /// The backend's name.
+    pub fn backend_name(&self) -> String {
+        self.storage.info().name
+    }
+
+    /// The name the tier was attached under (`StorageConfig::backend`).
+    pub fn config_name(&self) -> &str {
+        &self.config.backend
+    }
+
+    /// Updates the policy fields from `config` (the same backend attached again).
+    pub fn update(&mut self, cfg: &HiCacheConfig, config: StorageConfig) {
+        self.prefetch = prefetch_config(cfg, &config);
+        self.config = config;
+    }
+
+    /// Revokes every prefetch (their pages released), waits for every backup and finishes
+    /// it (nothing acknowledged is lost), then stops the runtime. Returns the revoked
+    /// prefetches' ends.
+    pub fn close(
+        mut self,
+        tiers: &mut Tiers,
+        events: &mut Vec<hicache_core::KvEvent>,
+    ) -> Result<Vec<PrefetchEnd>> {
+        let mut ends = Vec::new();
+        for seq in self.prefetch_seqs() {
+            ends.push(self.end_prefetch(seq, 0, PrefetchOutcome::aborted, tiers)?);
+        }
+        let n = self.backups_in_flight();
+        self.wait_backups(n);
+        self.finish_backups(n, tiers, events)?;
+        self.collect_leftovers(true, tiers)?;
+        tiers.metrics.set_storage(None);
+        self.runtime.shutdown_timeout(SHUTDOWN_WAIT);
+        tracing::info!("L3 detached");
+        Ok(ends)
+    }
+}
+
+fn prefetch_config(cfg: &HiCacheConfig, sc: &StorageConfig) -> PrefetchConfig {
+    PrefetchConfig {
+        policy: cfg.storage_prefetch_policy,
+        prefetch_threshold: sc.common.prefetch_threshold.min(u32::MAX as u64) as u32,
+        prefetch_timeout_base: sc.common.prefetch_timeout_base,
+        prefetch_timeout_per_ki_token: sc.common.prefetch_timeout_per_ki_token,
+        prefetch_timeout_max: sc.common.prefetch_timeout_max,
+    }
+}
+
+impl std::fmt::Debug for L3 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("L3")
+            .field("backend", &self.backend_name())
+            .field("prefetches", &self.prefetches.len())
+            .field("backups", &self.backups.len())
+            .finish_non_exhaustive()
+    }
+}

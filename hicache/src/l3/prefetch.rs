@@ -1,0 +1,422 @@
+//! Prefetches (L3 → L2): started at a request's arrival, advanced by the counts all ranks
+//! agreed on at each poll, ended by policy.
+//!
+//! Invariants:
+//! 1. **Anchor.** A prefetch fetches the pages after `last_host_node` (the deepest backed-up
+//!    node of the match), chained from that node's last page hash, and inserts them under that
+//!    same node. SGLang starts the tokens after the device *and* host match but chains from and
+//!    inserts under `last_host_node` (spec §13): when device-only nodes sit between the two
+//!    the chain skips their tokens and every lookup misses. Here tokens, chain and anchor
+//!    always agree; pages that are on device without a host copy are fetched too and adopted
+//!    as their host copies by the tree.
+//! 2. **Page ownership.** Host pages are allocated only after the hit is known (lazy), and
+//!    only for the hit. The fetch task writes page `i` only while `i ≥ completed`;
+//!    `completed` advances under the state lock and never after `terminated` is set. On
+//!    termination the engine thread owns pages `[0, completed)` (inserts the agreed prefix,
+//!    frees the rest); the task owns `[completed, n)` and hands them back when it exits.
+//! 3. **Capacity.** In-flight prefetches hold at most `prefetch_capacity_ratio` of the host
+//!    pool, counted in allocated hit pages (not candidate tokens, as SGLang does).
+//! 4. **Same on every rank.** Prefetches are created and ended by calls every rank makes
+//!    identically, or by decisions taken from agreed values, so every rank tracks the same
+//!    prefetches in the same (creation) order.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hicache_core::{HiRadixTree, HostSlot, MatchResult, NodeId, PrefetchPolicy, TenantId};
+
+use super::L3;
+use super::jobs::{FetchShared, QueryJob};
+use crate::error::{HiCacheError, Result};
+use crate::metrics::{Direction, PrefetchOutcome};
+use crate::requests::RequestId;
+use crate::tiers::Tiers;
+
+/// Most prefetches tracked at once: the per-tick exchange carries
+/// [`PrefetchCounts::LEN`] values for each (the tick checks that they fit one exchange).
+/// Arrivals beyond that start no prefetch.
+pub(crate) const MAX_TRACKED_PREFETCHES: usize = 1023;
+
+/// How long [`L3::collect_leftovers`] waits, in all, for draining tasks to exit.
+const LEFTOVER_WAIT: Duration = Duration::from_secs(10);
+
+#[derive(Debug)]
+enum Phase {
+    Querying,
+    Fetching { host: Vec<HostSlot> },
+}
+
+/// A prefetch tracked by the engine thread.
+#[derive(Debug)]
+pub(crate) struct PrefetchOp {
+    req: RequestId,
+    tenant: TenantId,
+    anchor: NodeId,
+    /// Tokens after the anchor (whole pages).
+    tokens: Vec<u32>,
+    started: Instant,
+    shared: Arc<FetchShared>,
+    phase: Phase,
+}
+
+/// One prefetch's values in the per-tick exchange (reduced with `min` over ranks).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PrefetchCounts {
+    /// The lookup finished.
+    pub query_done: bool,
+    /// Leading pages present in L3.
+    pub hit_pages: u64,
+    /// Pages fetched, from the first.
+    pub completed_pages: u64,
+    /// The policy allows ending the prefetch now.
+    pub may_end: bool,
+}
+
+impl PrefetchCounts {
+    /// Values per prefetch in the exchange.
+    pub const LEN: usize = 4;
+
+    /// The exchanged values.
+    pub fn encode(&self) -> [u64; Self::LEN] {
+        [
+            self.query_done as u64,
+            self.hit_pages,
+            self.completed_pages,
+            self.may_end as u64,
+        ]
+    }
+
+    /// From the exchanged values.
+    pub fn decode(v: &[u64]) -> Self {
+        Self {
+            query_done: v[0] == 1,
+            hit_pages: v[1],
+            completed_pages: v[2],
+            may_end: v[3] == 1,
+        }
+    }
+}
+
+/// A prefetch that ended: its request and the pages it inserted into the tree.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PrefetchEnd {
+    /// The request that started it.
+    pub req: RequestId,
+    /// Pages it inserted (new host-only pages).
+    pub storage_pages: usize,
+}
+
+/// Pages between the end of `anchor` and the end of `last` (its descendant on the match
+/// path): the device-only nodes below the anchor.
+fn pages_below(tree: &HiRadixTree, last: NodeId, anchor: NodeId) -> Result<usize> {
+    let mut below = 0;
+    let mut n = last;
+    while n != anchor {
+        let info = tree.node_info(n)?;
+        below += info.pages;
+        n = info
+            .parent
+            .ok_or_else(|| HiCacheError::BadArgument("match path broken".into()))?;
+    }
+    Ok(below)
+}
+
+impl L3 {
+    /// Starts a prefetch for a request at arrival, if worthwhile (invariant 1). Returns the
+    /// op's sequence number and the pages it looks up.
+    pub fn start_prefetch(
+        &mut self,
+        req: RequestId,
+        tenant: TenantId,
+        key: &[u32],
+        m: &MatchResult,
+        tiers: &mut Tiers,
+    ) -> Result<Option<(u64, usize)>> {
+        let ps = tiers.page_size();
+        let total = key.len() / ps;
+        let matched_pages = m.device_pages() + m.host_hit_pages;
+        if (total - matched_pages) * ps < self.threshold_tokens() {
+            return Ok(None);
+        }
+        if self.prefetches.len() >= MAX_TRACKED_PREFETCHES {
+            // Every rank tracks the same prefetches, so every rank skips this one.
+            tiers.metrics.prefetch(PrefetchOutcome::rate_limited);
+            return Ok(None);
+        }
+        let anchor = m.last_host_node;
+        let anchor_end = matched_pages - pages_below(&tiers.tree, m.last_node, anchor)?;
+        let prior = match tiers.tree.last_page_hash(anchor)? {
+            Some(h) => Some(h),
+            None => tiers.tree.chain_start(tenant)?.and_then(|c| c.prior),
+        };
+        let Some(start) = tiers.tree.chain_start(tenant)? else {
+            return Ok(None);
+        };
+        let hasher = tiers
+            .tree
+            .config()
+            .hasher
+            .clone()
+            .expect("the controller always configures a hasher");
+        tiers.tree.protect_host(anchor)?;
+        let tokens = key[anchor_end * ps..].to_vec();
+        let pages = tokens.len() / ps;
+        let shared = Arc::new(FetchShared::default());
+        let job = QueryJob {
+            storage: self.storage.clone(),
+            pool: tiers.host_pool.clone(),
+            hasher,
+            namespace: start.namespace_id,
+            prior,
+            tokens: tokens.clone(),
+            page_size: ps,
+            batch: self.batch,
+            layout: self.layout,
+            shared: shared.clone(),
+        };
+        self.runtime.spawn(job.run());
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.prefetches.insert(
+            seq,
+            PrefetchOp {
+                req,
+                tenant,
+                anchor,
+                tokens,
+                started: Instant::now(),
+                shared,
+                phase: Phase::Querying,
+            },
+        );
+        Ok(Some((seq, pages)))
+    }
+
+    /// This rank's view of one prefetch for the per-tick exchange.
+    pub fn prefetch_counts(&self, seq: u64, page_size: usize) -> PrefetchCounts {
+        let op = &self.prefetches[&seq];
+        let q = op.shared.query.lock();
+        let query_done = q.is_some();
+        let hit = q.as_ref().map_or(0, |q| q.hit_pages) as u64;
+        drop(q);
+        let st = op.shared.state.lock();
+        let (completed, fetch_done) = match &op.phase {
+            Phase::Querying => (0, false),
+            Phase::Fetching { .. } => (st.completed, st.done),
+        };
+        // As SGLang: the budget grows with the pages the query found (`len(hash)` after the
+        // query; none while it runs), not with the candidate suffix, and counts from the op's
+        // creation, query time included.
+        let may_end = match self.prefetch.policy {
+            PrefetchPolicy::BestEffort => true,
+            PrefetchPolicy::WaitComplete => fetch_done,
+            PrefetchPolicy::Timeout => {
+                fetch_done || op.started.elapsed() > self.prefetch.timeout(hit * page_size as u64)
+            }
+        };
+        PrefetchCounts {
+            query_done,
+            hit_pages: hit,
+            completed_pages: completed as u64,
+            may_end,
+        }
+    }
+
+    /// Applies the agreed view of one prefetch: allocates its host pages once the lookup is
+    /// done, or ends it when the policy allows. Returns the end, if it ended.
+    pub fn apply_prefetch(
+        &mut self,
+        seq: u64,
+        agreed: PrefetchCounts,
+        tiers: &mut Tiers,
+    ) -> Result<Option<PrefetchEnd>> {
+        let querying = matches!(self.prefetches[&seq].phase, Phase::Querying);
+        if querying {
+            if agreed.query_done {
+                self.allocate(seq, agreed.hit_pages as usize, tiers)
+            } else if agreed.may_end {
+                self.end_prefetch(seq, 0, PrefetchOutcome::partial, tiers)
+                    .map(Some)
+            } else {
+                Ok(None)
+            }
+        } else if agreed.may_end {
+            let done = agreed.completed_pages as usize;
+            self.end_prefetch(seq, done, PrefetchOutcome::completed, tiers)
+                .map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    fn threshold_tokens(&self) -> usize {
+        self.prefetch.threshold_tokens(self.page_size as u32) as usize
+    }
+
+    /// Allocates host pages for the agreed hit (invariants 2 and 3) and hands them to the
+    /// task, or ends the prefetch when that is not worth it.
+    fn allocate(&mut self, seq: u64, hit: usize, tiers: &mut Tiers) -> Result<Option<PrefetchEnd>> {
+        let ps = self.page_size;
+        let threshold = self.threshold_tokens();
+        let room = self.capacity_pages.saturating_sub(self.occupied_pages);
+        let end = |l3: &mut Self, outcome, tiers: &mut Tiers| {
+            l3.end_prefetch(seq, 0, outcome, tiers).map(Some)
+        };
+        if hit * ps < threshold {
+            return end(self, PrefetchOutcome::below_threshold, tiers);
+        }
+        let want = hit.min(room);
+        if want * ps < threshold {
+            return end(self, PrefetchOutcome::rate_limited, tiers);
+        }
+        let host = match tiers.alloc_host(want)? {
+            Some(h) => h,
+            None => {
+                // Shrink to what every rank has, if still worth it.
+                let can = tiers.budget.min(want);
+                match (can * ps >= threshold).then(|| tiers.alloc_host(can)) {
+                    Some(Ok(Some(h))) => h,
+                    Some(Err(e)) => return Err(e),
+                    _ => return end(self, PrefetchOutcome::no_host_memory, tiers),
+                }
+            }
+        };
+        self.occupied_pages += host.len();
+        let op = self.prefetches.get_mut(&seq).expect("tracked");
+        op.shared.state.lock().slots = Some(host.clone());
+        op.shared.notify.notify_one();
+        op.phase = Phase::Fetching { host };
+        Ok(None)
+    }
+
+    /// Ends a prefetch: terminates its task, inserts the first `agreed` pages (the count every
+    /// rank has) as host-only nodes under the anchor, frees what is not needed, releases the
+    /// anchor. `outcome` is refined from the numbers.
+    pub fn end_prefetch(
+        &mut self,
+        seq: u64,
+        agreed: usize,
+        outcome: PrefetchOutcome,
+        tiers: &mut Tiers,
+    ) -> Result<PrefetchEnd> {
+        let op = self.prefetches.remove(&seq).expect("tracked");
+        let (snap, failed) = {
+            let mut st = op.shared.state.lock();
+            st.terminated = true;
+            (st.completed, st.failed)
+        };
+        op.shared.notify.notify_one();
+        self.draining.push(op.shared.clone());
+        let mut new_pages = 0;
+        let mut outcome = outcome;
+        if let Phase::Fetching { host } = &op.phase {
+            self.occupied_pages -= host.len();
+            let agreed = agreed.min(snap);
+            if agreed > 0 {
+                new_pages = self.insert_fetched(&op, &host[..agreed], tiers)?;
+            }
+            // Pages fetched by this rank beyond the agreed count: free now (not counted in the
+            // budget: other ranks may not have them). The task hands back the rest.
+            tiers.host_pool.free(&host[agreed..snap])?;
+            if outcome == PrefetchOutcome::completed && agreed < host.len() {
+                outcome = PrefetchOutcome::partial;
+            }
+        }
+        if failed && new_pages == 0 && outcome == PrefetchOutcome::partial {
+            outcome = PrefetchOutcome::failed;
+        }
+        tiers.tree.release_host(op.anchor)?;
+        tiers.metrics.prefetch(outcome);
+        Ok(PrefetchEnd {
+            req: op.req,
+            storage_pages: new_pages,
+        })
+    }
+
+    /// Inserts the agreed fetched pages as host-only nodes under the anchor; frees the
+    /// duplicates. Returns the new pages.
+    fn insert_fetched(
+        &self,
+        op: &PrefetchOp,
+        host: &[HostSlot],
+        tiers: &mut Tiers,
+    ) -> Result<usize> {
+        let agreed = host.len();
+        let hashes = op
+            .shared
+            .query
+            .lock()
+            .as_ref()
+            .map(|q| q.hashes[..agreed].to_vec())
+            .unwrap_or_default();
+        let res = tiers.tree.insert_host_only(
+            op.tenant,
+            op.anchor,
+            &op.tokens[..agreed * self.page_size],
+            host,
+            Some(&hashes),
+        )?;
+        tiers.free_host(&res.duplicate_slots)?;
+        tiers.metrics.transfer(
+            Direction::l3_to_l2,
+            agreed as u64,
+            (agreed * self.page_bytes) as u64,
+            op.started.elapsed().as_secs_f64(),
+        );
+        Ok(res.new_pages)
+    }
+
+    /// Frees pages that finished prefetch tasks handed back. With `wait`, waits (up to
+    /// [`LEFTOVER_WAIT`] in all) for every draining task to exit first; pages of a task still
+    /// stuck in a backend call after that are left allocated (never reused while it may
+    /// write them) and reported.
+    pub fn collect_leftovers(&mut self, wait: bool, tiers: &Tiers) -> Result<()> {
+        let deadline = Instant::now() + LEFTOVER_WAIT;
+        let mut back = Vec::new();
+        self.draining.retain(|s| {
+            loop {
+                let mut st = s.state.lock();
+                if st.exited {
+                    if let Some(l) = st.leftover.take() {
+                        back.extend(l);
+                    }
+                    return false;
+                }
+                if !wait {
+                    return true;
+                }
+                if Instant::now() >= deadline {
+                    tracing::warn!(
+                        pages = st.slots.as_ref().map_or(0, |v| v.len() - st.completed),
+                        "a prefetch task is stuck in its backend; its host pages stay allocated"
+                    );
+                    return false;
+                }
+                drop(st);
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        });
+        if !back.is_empty() {
+            tiers.host_pool.free(&back)?;
+        }
+        Ok(())
+    }
+
+    /// Prefetches tracked, in the agreed (creation) order.
+    pub fn prefetch_seqs(&self) -> Vec<u64> {
+        self.prefetches.keys().copied().collect()
+    }
+
+    /// Prefetches whose L3 lookup is still running.
+    pub fn lookups_running(&self) -> usize {
+        self.prefetches
+            .values()
+            .filter(|op| op.shared.query.lock().is_none())
+            .count()
+    }
+
+    /// Whether any prefetch is tracked.
+    pub fn has_prefetches(&self) -> bool {
+        !self.prefetches.is_empty()
+    }
+}
