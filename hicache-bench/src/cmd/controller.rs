@@ -37,7 +37,8 @@ pub struct ControllerArgs {
     /// Requests running at once.
     #[arg(long, default_value_t = 256)]
     pub requests: usize,
-    /// Measured ticks per phase (after as many warm-up ticks).
+    /// Measured ticks per phase (after as many warm-up ticks; the mixed phase warms up until
+    /// the host pool has filled about twice over).
     #[arg(long, default_value_t = 2000)]
     pub ticks: usize,
     /// Tokens per page.
@@ -190,6 +191,8 @@ struct Phase<'a> {
     rng: ChaCha8Rng,
     /// Mixed: the next turn of each conversation.
     turns: Vec<u64>,
+    /// Ticks before the measured ones.
+    warmup: usize,
     running: VecDeque<Running>,
     pending: VecDeque<(u64, Vec<u32>)>,
     next: u64,
@@ -231,9 +234,18 @@ impl<'a> Phase<'a> {
             .device_pages(device_pages)
             .build()
             .map_err(|e| BenchError::Usage(format!("cannot build the cache: {e}")))?;
+        // Mixed: warm up until the host pool has filled (about twice over, at one turn's new
+        // pages per tick), so the measured ticks see L2 evictions and L3 hits.
+        let turn_pages = args.turn_tokens.div_ceil(ps).max(1);
+        let warmup = if mixed {
+            args.ticks.max(2 * 2 * device_pages / turn_pages)
+        } else {
+            args.ticks
+        };
         Ok(Self {
             args,
             cache,
+            warmup,
             system: tokens(1, args.system_tokens),
             mixed,
             rng: ChaCha8Rng::seed_from_u64(args.seed),
@@ -402,9 +414,9 @@ impl<'a> Phase<'a> {
     fn run(mut self) -> Result<(Samples, usize)> {
         self.fill()?;
         let mut samples = Samples::default();
-        for tick in 0..2 * self.args.ticks {
+        for tick in 0..self.warmup + self.args.ticks {
             let (us, kinds) = self.tick()?;
-            if tick >= self.args.ticks {
+            if tick >= self.warmup {
                 samples.push(us, &kinds);
             }
         }

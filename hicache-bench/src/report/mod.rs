@@ -208,8 +208,8 @@ impl Report {
         let c = &self.compute;
         match self.engine.copy_time {
             CopyTime::Charged => format!(
-                "copy time charged: D2H write-through {:.0} GB/s (own link), L3 {:.0} GB/s shared \
-                 by prefetch reads and backup writes, H2D {:.0} GB/s overlapped with prefill; a \
+                "copy time charged: D2H write-through {:.1} GB/s (own link), L3 {:.1} GB/s shared \
+                 by prefetch reads and backup writes, H2D {:.1} GB/s overlapped with prefill; a \
                  page counts in L2/L3 only once its copy completed in simulated time. Hits lost \
                  to copies: hit tokens of the same run with copies free minus these (negative: \
                  gained).",

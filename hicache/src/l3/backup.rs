@@ -107,7 +107,10 @@ impl L3 {
 
     /// Each backup in flight, oldest first: its pages and whether its task finished.
     pub fn backup_pages_in_flight(&self) -> Vec<(usize, bool)> {
-        self.backups.iter().map(|b| (b.pages, b.is_done())).collect()
+        self.backups
+            .iter()
+            .map(|b| (b.pages, b.is_done()))
+            .collect()
     }
 
     /// Number of backups, from the oldest, that finished.
