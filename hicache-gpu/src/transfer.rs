@@ -399,6 +399,7 @@ impl TransferEngine {
 
     /// Backs up every layer of `device[i]` into `host[i]` (D2H) on the write stream, after
     /// the events in `after`.
+    #[tracing::instrument(level = "debug", skip_all, fields(pages = device.len()))]
     pub fn backup(
         &self,
         device: &[DeviceSlot],
@@ -492,6 +493,7 @@ impl TransferEngine {
 
     /// Loads `host[i]` into `device[i]` (H2D) layer by layer on the load stream, after the
     /// events in `after`, with one event per layer.
+    #[tracing::instrument(level = "debug", skip_all, fields(pages = device.len()))]
     pub fn load(
         &self,
         host: &[HostSlot],
@@ -530,6 +532,7 @@ impl TransferEngine {
 
     /// Copies `layers` of every pair in direction `dir`, on the write stream (`ToHost`) or the
     /// load stream (`ToDevice`), after the events in `after`.
+    #[tracing::instrument(level = "debug", skip_all, fields(dir = ?dir, pages = device.len(), layers = ?layers))]
     pub fn copy_layers(
         &self,
         dir: Direction,

@@ -84,6 +84,7 @@ pub use builder::HiCacheBuilder;
 pub use cache::HiCache;
 pub use config::{HiCacheConfig, IoBackendKind};
 pub use error::{HiCacheError, Result};
+pub use l3::L3_WRITE_BATCHES_IN_FLIGHT;
 pub use rank::{RankError, RankGroup, SingleRank, TcpRankGroup};
 pub use requests::{Admission, Arrival, RequestId};
 pub use tick::{EXCHANGE_BACKUPS_FINISHED, EXCHANGE_WRITES_FINISHED, InFlight, PollReport};

@@ -1,4 +1,5 @@
-//! Property-based state-machine tests of the controller on the sim device.
+//! Property-based state-machine tests of the controller on the sim device (or CUDA with
+//! `HICACHE_TEST_DEVICE=cuda`).
 //!
 //! Random sequences of engine calls (arrive, poll, admit, compute, chunked and final inserts,
 //! aborts at every stage, start_loading with layer waits, evict, flush, drain, detach/attach of
@@ -351,6 +352,7 @@ impl Model {
         let rank = group.as_ref().map_or(0, |g| g.rank());
         let storage = storage(&setup, rank);
         let mut builder = HiCache::builder(config(&setup))
+            .device(common::test_device())
             .shape(shape(&setup))
             .device_pages(setup.device_pages);
         if let Some(g) = group {

@@ -40,11 +40,7 @@ pub(crate) fn choose_engine<T>(
 
 /// Removes a file, treating "already gone" as success; returns whether it existed.
 pub(crate) fn remove_file(path: &Path) -> io::Result<bool> {
-    match fs::remove_file(path) {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(e),
-    }
+    sys::remove_file(path)
 }
 
 /// Counts and removes the files of a directory tree; returns how many files it held.

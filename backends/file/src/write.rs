@@ -9,7 +9,7 @@
 //! [`GroupCommit`]: hicache_localio::GroupCommit
 
 use std::collections::BTreeSet;
-use std::fs::{self, File};
+use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
@@ -271,7 +271,7 @@ impl FileBackend {
     /// Renames a written temp file to its final name (under `always`, then syncs the
     /// directory): the page is now visible on disk.
     fn publish(&self, key: &PageKey, p: &PageWrite<'_>) -> Result<(), PageError> {
-        fs::rename(&p.tmp, self.paths.page_path(key)).map_err(|e| PageError::io("rename", &e))?;
+        sys::rename(&p.tmp, &self.paths.page_path(key)).map_err(|e| PageError::io("rename", &e))?;
         if self.opts.fsync == FsyncPolicy::Always {
             sys::sync_dir(&self.paths.bucket(key))
                 .map_err(|e| PageError::io("sync directory", &e))?;

@@ -82,9 +82,13 @@ fn run_one(r: &Req) -> io::Result<usize> {
         Dir::Write => {
             // SAFETY: the iovecs describe memory the caller keeps readable until `run`
             // returns (invariant 2).
-            unsafe { sys::pwritev_raw(&file, &r.iov, r.offset)? };
+            unsafe {
+                crate::journal::write_iov(r.file.fd, r.offset, &r.iov);
+                sys::pwritev_raw(&file, &r.iov, r.offset)?;
+            }
             if r.dsync {
                 file.sync_data()?;
+                crate::journal::sync(r.file.fd, Some((r.offset, want as u64)));
             }
             Ok(want)
         }

@@ -13,6 +13,8 @@
 //! - [`probe_direct`], the O_DIRECT probe, and [`sys`]: free-space checks, preallocation,
 //!   `flock`, directory syncs and the other system calls `std` lacks;
 //! - [`par`]: running a batch's blocking work from async code and over a few threads;
+//! - [`journal`]: in test mode (feature `journal`), every write, sync, create, rename and
+//!   unlink issued, and the crash states a file system may leave after any prefix of them;
 //! - `testing` (feature `test-util`): the conformance harness and fault helpers the layouts'
 //!   tests share.
 //!
@@ -40,6 +42,7 @@ pub mod buf;
 mod direct;
 pub mod driver;
 pub mod group;
+pub mod journal;
 pub mod par;
 mod policy;
 pub mod ring;

@@ -378,6 +378,24 @@ impl Ring {
         let (tx, rx) = mpsc::channel();
         let tx = Arc::new(tx);
         let left = reqs.len();
+        // The journal (tests only): writes as issued; `RWF_DSYNC` ones durable when the last
+        // request of their tag completed.
+        let mut dsync: Vec<(usize, RawFd, u64, u64)> = Vec::new();
+        let mut per_tag: std::collections::HashMap<usize, usize> = Default::default();
+        for r in reqs.iter().filter(|r| r.dir == Dir::Write) {
+            // SAFETY: a request's iovecs describe memory readable until it completes
+            // (invariant 1), and it has not been submitted yet.
+            unsafe { crate::journal::write_iov(r.file.fd, r.offset, &r.iov) };
+            if r.dsync {
+                dsync.push((r.tag, r.file.fd, r.offset, r.bytes() as u64));
+            }
+        }
+        for r in &reqs {
+            *per_tag.entry(r.tag).or_default() += 1;
+        }
+        if dsync.is_empty() {
+            per_tag.clear();
+        }
         for r in &reqs {
             let c = match (r.fixed_buf, r.iov.len()) {
                 (Some(_), _) => &self.counters.fixed,
@@ -395,6 +413,8 @@ impl Ring {
                 ready: VecDeque::new(),
                 left: 0,
                 failed: Some((left, e.to_string())),
+                dsync: Vec::new(),
+                per_tag: Default::default(),
             };
         }
         Pending {
@@ -402,6 +422,8 @@ impl Ring {
             ready: VecDeque::new(),
             left,
             failed: None,
+            dsync,
+            per_tag,
         }
     }
 }
@@ -422,6 +444,10 @@ pub struct Pending {
     ready: VecDeque<(usize, io::Result<usize>)>,
     left: usize,
     failed: Option<(usize, String)>,
+    /// `RWF_DSYNC` writes `(tag, fd, offset, len)`, for the journal.
+    dsync: Vec<(usize, RawFd, u64, u64)>,
+    /// Requests per tag not yet completed (only when `dsync` is not empty).
+    per_tag: std::collections::HashMap<usize, usize>,
 }
 
 impl Pending {
@@ -433,6 +459,7 @@ impl Pending {
         }
         if let Some(r) = self.ready.pop_front() {
             self.left -= 1;
+            self.journal(&r);
             return Some(r);
         }
         match self.rx.recv() {
@@ -440,6 +467,7 @@ impl Pending {
                 self.ready.extend(v);
                 let r = self.ready.pop_front()?;
                 self.left -= 1;
+                self.journal(&r);
                 Some(r)
             }
             Err(_) => {
@@ -447,6 +475,22 @@ impl Pending {
                 // caller's buffers, which we can no longer keep alive. Stop here.
                 tracing::error!("localio: io_uring thread died with requests in flight");
                 std::process::abort();
+            }
+        }
+    }
+
+    /// Records `RWF_DSYNC` durability in the journal once every request of a tag completed.
+    fn journal(&mut self, r: &(usize, io::Result<usize>)) {
+        if self.dsync.is_empty() {
+            return;
+        }
+        let Some(n) = self.per_tag.get_mut(&r.0) else {
+            return;
+        };
+        *n -= 1;
+        if *n == 0 && r.1.is_ok() {
+            for &(_, fd, off, len) in self.dsync.iter().filter(|d| d.0 == r.0) {
+                crate::journal::sync(fd, Some((off, len)));
             }
         }
     }

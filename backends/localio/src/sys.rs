@@ -21,7 +21,44 @@ pub fn create_new(path: &Path, direct: bool) -> io::Result<File> {
     if direct {
         o.custom_flags(libc::O_DIRECT);
     }
-    o.open(path)
+    let f = o.open(path)?;
+    crate::journal::create(path, &f);
+    Ok(f)
+}
+
+/// Renames `from` to `to` (replacing it).
+pub fn rename(from: &Path, to: &Path) -> io::Result<()> {
+    std::fs::rename(from, to)?;
+    crate::journal::rename(from, to);
+    Ok(())
+}
+
+/// Removes a file, treating "already gone" as success; returns whether it existed.
+pub fn remove_file(path: &Path) -> io::Result<bool> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {
+            crate::journal::unlink(path);
+            Ok(true)
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// `fdatasync`: the file's data (and the metadata needed to read it) made durable.
+pub fn sync_data(file: &File) -> io::Result<()> {
+    file.sync_data()?;
+    crate::journal::sync(file.as_raw_fd(), None);
+    Ok(())
+}
+
+/// Appends `buf` at the end of `file` (open for appending) in one `write_all`.
+pub fn append(file: &mut File, buf: &[u8]) -> io::Result<()> {
+    use std::io::Write;
+    let at = file.metadata()?.len();
+    file.write_all(buf)?;
+    crate::journal::write(file.as_raw_fd(), at, buf);
+    Ok(())
 }
 
 /// Opens `path` read-only, with O_DIRECT if `direct`.
@@ -42,6 +79,7 @@ pub fn preallocate(file: &File, len: u64) -> io::Result<()> {
     // SAFETY: fallocate on an open fd has no memory effects.
     let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };
     if r == 0 {
+        crate::journal::set_len(file.as_raw_fd(), len);
         return Ok(());
     }
     let e = io::Error::last_os_error();
@@ -288,7 +326,9 @@ pub fn raise_nofile_limit() {
 
 /// Flushes a directory's entries (renames into it) to stable storage.
 pub fn sync_dir(path: &Path) -> io::Result<()> {
-    File::open(path)?.sync_all()
+    File::open(path)?.sync_all()?;
+    crate::journal::sync_dir(path);
+    Ok(())
 }
 
 /// Allocates blocks for `[offset, offset + len)` of `file`, extending its size if needed.
@@ -297,6 +337,7 @@ pub fn allocate(file: &File, offset: u64, len: u64) -> io::Result<()> {
     // SAFETY: fallocate on an open descriptor; no memory is passed.
     let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, offset as i64, len as i64) };
     if r == 0 {
+        crate::journal::set_len(file.as_raw_fd(), offset + len);
         return Ok(());
     }
     let e = io::Error::last_os_error();

@@ -94,3 +94,138 @@ where
         Ok(Some(Arc::new((self.ops.open)(opts)?)))
     }
 }
+
+/// The power-loss suite: a workload of concurrent batches recorded by the
+/// [`journal`](crate::journal), then crash states recovered and checked.
+pub mod power_loss {
+    use std::collections::BTreeMap;
+    use std::path::Path;
+
+    use hicache_storage::{
+        LayoutKind, PageBuf, PageBufMut, PageKey, PageOutcome, Result, Storage, pattern,
+    };
+
+    use crate::journal::{self, Journal};
+
+    /// A recorded workload: the journal and the keys of each batch (its tag is its index).
+    pub struct Recorded {
+        /// What the layout issued.
+        pub journal: Journal,
+        /// Keys per batch.
+        pub batches: Vec<Vec<PageKey>>,
+        /// Bytes per page.
+        pub page_bytes: usize,
+    }
+
+    /// What one crash state recovered to.
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+    pub struct Outcome {
+        /// Acknowledged pages checked.
+        pub acked: usize,
+        /// Acknowledged pages not read back intact.
+        pub lost: usize,
+        /// Pages read back as hits with wrong bytes.
+        pub wrong: usize,
+    }
+
+    fn keys(seed: u64, batch: usize, n: usize) -> Vec<PageKey> {
+        (0..n as u64)
+            .map(|i| pattern::page_key(pattern::namespace(7), seed, (batch * n) as u64 + i))
+            .collect()
+    }
+
+    /// Opens the layout in `dir` (already populated by `open`'s first call is fine), starts
+    /// the journal, writes `batches` batches of `per_batch` pages with `inflight` of them at
+    /// once, marking each acknowledgement, and returns the recording.
+    pub fn record<B: Storage>(
+        dir: &Path,
+        open: &dyn Fn(&Path) -> Result<B>,
+        page_bytes: usize,
+        batches: usize,
+        per_batch: usize,
+        inflight: usize,
+    ) -> Recorded {
+        use futures_util::StreamExt;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .build()
+            .expect("a runtime");
+        let storage = open(dir).expect("the layout opens");
+        let all: Vec<Vec<PageKey>> = (0..batches).map(|b| keys(1, b, per_batch)).collect();
+        let start = journal::start(dir);
+        rt.block_on(async {
+            let storage = &storage;
+            let all = &all;
+            let mut s = futures_util::stream::iter(0..batches)
+                .map(|b| async move {
+                    let data: Vec<Vec<u8>> = all[b]
+                        .iter()
+                        .map(|k| pattern::page_bytes(k, page_bytes))
+                        .collect();
+                    let bufs: Vec<PageBuf<'_>> = data
+                        .iter()
+                        .map(|d| PageBuf::contiguous(LayoutKind::PageFirst, d))
+                        .collect();
+                    let out = storage.batch_set(&all[b], &bufs).await.expect("batch_set");
+                    if out.iter().all(|o| *o == PageOutcome::Stored) {
+                        journal::ack(b as u64);
+                    }
+                })
+                .buffer_unordered(inflight);
+            while s.next().await.is_some() {}
+        });
+        let journal = Journal::finish(start);
+        drop(storage);
+        Recorded {
+            journal,
+            batches: all,
+            page_bytes,
+        }
+    }
+
+    /// Builds the crash state after `k` events (choices by `choose`) in the empty directory
+    /// `into`, recovers it with `open` and reads every page of the workload back.
+    pub fn check<B: Storage>(
+        rec: &Recorded,
+        k: usize,
+        choose: &mut dyn FnMut(u32) -> u32,
+        into: &Path,
+        open: &dyn Fn(&Path) -> Result<B>,
+    ) -> Outcome {
+        let state: BTreeMap<_, _> = rec.journal.crash_state(k, choose);
+        rec.journal
+            .materialize(&state, into)
+            .expect("a crash state is written");
+        let acked: Vec<u64> = rec.journal.acked_before(k);
+        let storage = open(into).expect("a crash state recovers");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime");
+        let mut out = Outcome::default();
+        for (b, keys) in rec.batches.iter().enumerate() {
+            let is_acked = acked.contains(&(b as u64));
+            let mut back = vec![0u8; keys.len() * rec.page_bytes];
+            let res = {
+                let mut dst: Vec<PageBufMut<'_>> = back
+                    .chunks_mut(rec.page_bytes)
+                    .map(|c| PageBufMut::contiguous(LayoutKind::PageFirst, c))
+                    .collect();
+                rt.block_on(storage.batch_get(keys, &mut dst))
+                    .expect("batch_get")
+            };
+            for ((k, o), c) in keys.iter().zip(&res).zip(back.chunks(rec.page_bytes)) {
+                let intact = *o == PageOutcome::Hit && pattern::check_page(k, c);
+                if *o == PageOutcome::Hit && !intact {
+                    out.wrong += 1;
+                }
+                if is_acked {
+                    out.acked += 1;
+                    if !intact {
+                        out.lost += 1;
+                    }
+                }
+            }
+        }
+        out
+    }
+}

@@ -278,6 +278,7 @@ async fn send(
     if let Some((n, t)) = wait {
         pipe.cmd("WAIT").arg(n).arg(t.as_millis() as u64);
     }
+    nodes.count_round_trip(addr);
     let mut replies: Vec<redis::RedisResult<Value>> = pipe
         .query_async(&mut conn)
         .await

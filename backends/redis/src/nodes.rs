@@ -27,6 +27,8 @@ pub struct Nodes {
     root_cert: Option<Vec<u8>>,
     conns: Mutex<HashMap<String, MultiplexedConnection>>,
     topology: RwLock<Arc<Topology>>,
+    /// Pipelines sent per node (each one network round trip), for [`Nodes::round_trips`].
+    round_trips: Mutex<HashMap<String, u64>>,
     /// Largest value a node accepts (`proto-max-bulk-len`), read at open.
     pub max_value_bytes: u64,
 }
@@ -51,6 +53,7 @@ impl Nodes {
             opts,
             root_cert,
             conns: Mutex::new(HashMap::new()),
+            round_trips: Mutex::new(HashMap::new()),
             max_value_bytes: DEFAULT_MAX_BULK,
         };
         let mut last = String::new();
@@ -193,6 +196,17 @@ impl Nodes {
             .map_err(|e| RedisError::client(addr, e))?;
         self.conns.lock().insert(addr.to_string(), conn.clone());
         Ok(conn)
+    }
+
+    /// Counts one pipeline (one network round trip) sent to `addr`.
+    pub fn count_round_trip(&self, addr: &str) {
+        *self.round_trips.lock().entry(addr.to_string()).or_insert(0) += 1;
+    }
+
+    /// Pipelines of page commands sent per node (`host:port`) since open: each is one
+    /// network round trip. Connection setup and slot-map reads are not counted.
+    pub fn round_trips(&self) -> HashMap<String, u64> {
+        self.round_trips.lock().clone()
     }
 
     /// Drops the connection to `addr` (after it failed), so the next use reconnects.

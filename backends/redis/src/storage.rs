@@ -72,6 +72,15 @@ impl RedisStorage {
         k
     }
 
+    /// Pipelines of page commands sent per node (`host:port`) since open, each one network
+    /// round trip (connection setup and slot-map reads not counted). A batch costs one per
+    /// node it touches (two for `batch_set` of pages already present: `SET NX`, then their
+    /// headers), more only when a node's share exceeds a quarter of `max_inflight_bytes` or a
+    /// redirection or failure makes a request go again.
+    pub fn round_trips(&self) -> std::collections::HashMap<String, u64> {
+        self.nodes.round_trips()
+    }
+
     /// Primaries of the current slot map (`host:port`).
     pub fn primaries(&self) -> Vec<String> {
         self.nodes.topology().nodes.clone()

@@ -79,7 +79,7 @@ impl UringBackend {
                 slabs.insert(s.slot_bytes, s);
             }
             for (b, s) in slabs {
-                if let Err(e) = s.file.sync_data() {
+                if let Err(e) = hicache_localio::sys::sync_data(&s.file) {
                     failed.insert(b, e);
                 }
             }

@@ -17,6 +17,8 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
+use hicache_localio::sys;
+
 use hicache_storage::PageKey;
 
 use crate::format::{
@@ -57,7 +59,7 @@ fn at(path: &Path, what: &str, e: io::Error) -> io::Error {
 
 /// Syncs a directory (makes a rename in it durable).
 pub fn sync_dir(dir: &Path) -> io::Result<()> {
-    File::open(dir).and_then(|d| d.sync_all())
+    sys::sync_dir(dir)
 }
 
 impl IndexLog {
@@ -277,10 +279,10 @@ impl IndexLog {
             return Ok(());
         }
         let buf: Vec<u8> = records.iter().flatten().copied().collect();
-        self.file.write_all(&buf)?;
+        sys::append(&mut self.file, &buf)?;
         self.records += records.len() as u64;
         if sync {
-            self.file.sync_data()?;
+            sys::sync_data(&self.file)?;
         }
         Ok(())
     }
@@ -294,12 +296,13 @@ impl IndexLog {
         for p in live {
             buf.extend_from_slice(&Record::Put(*p).encode());
         }
-        let mut f = File::create(&tmp).map_err(|e| at(&tmp, "create", e))?;
-        f.write_all(&buf)
-            .and_then(|()| f.sync_all())
+        let _ = sys::remove_file(&tmp);
+        let mut f = sys::create_new(&tmp, false).map_err(|e| at(&tmp, "create", e))?;
+        sys::append(&mut f, &buf)
+            .and_then(|()| sys::sync_data(&f))
             .map_err(|e| at(&tmp, "write", e))?;
         drop(f);
-        fs::rename(&tmp, &path).map_err(|e| at(&path, "rename compacted log to", e))?;
+        sys::rename(&tmp, &path).map_err(|e| at(&path, "rename compacted log to", e))?;
         sync_dir(&self.dir).map_err(|e| at(&self.dir, "sync", e))?;
         self.file = OpenOptions::new()
             .read(true)

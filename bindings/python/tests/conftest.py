@@ -35,3 +35,45 @@ def require_sglang():
     if os.environ.get("HICACHE_REQUIRE_SGLANG") == "1":
         pytest.fail(msg + " and HICACHE_REQUIRE_SGLANG=1", pytrace=False)
     pytest.skip(msg, allow_module_level=True)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server on a free loopback port for the session: its address, or a skip
+    without redis-server (a failure under HICACHE_REQUIRE_REDIS=1, as in CI)."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        msg = "redis-server is not installed"
+        if os.environ.get("HICACHE_REQUIRE_REDIS") == "1":
+            pytest.fail(msg + " and HICACHE_REQUIRE_REDIS=1", pytrace=False)
+        pytest.skip(msg)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+         "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(200):  # bounded: 10 s
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"redis-server did not answer on 127.0.0.1:{port}")
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

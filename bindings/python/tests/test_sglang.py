@@ -55,11 +55,19 @@ def keys(n, start=0, page_size=4):
     return hicache_rs.sglang_page_hashes(list(range(start, start + n * page_size)), page_size)
 
 
-@pytest.fixture(params=["memory", "file"])
+@pytest.fixture(params=["memory", "file", "uring", "rdma", "redis"])
 def ours(request, tmp_path):
-    if request.param == "memory":
-        return {"backend": "memory"}
-    return {"backend": "file", "dir": str(tmp_path / "l3")}
+    if request.param == "redis":
+        # A real redis-server on loopback; each test its own key prefix.
+        return {"backend": "redis", "nodes": [request.getfixturevalue("redis_server")],
+                "cluster": False, "key_prefix": f"t{id(tmp_path)}:"}
+    return {
+        "memory": {"backend": "memory"},
+        "file": {"backend": "file", "dir": str(tmp_path / "l3")},
+        "uring": {"backend": "uring", "dir": str(tmp_path / "l3"), "capacity": "256MiB"},
+        # An in-process hicache-rdma-server on loopback, over TCP.
+        "rdma": {"backend": "rdma", "spawn_server": True, "capacity": "64MiB"},
+    }[request.param]
 
 
 def test_the_factory_loads_our_class_from_the_extra_config(ours):
@@ -267,6 +275,9 @@ def test_bad_input_is_an_exception_naming_it(tmp_path):
     with pytest.raises(ValueError, match="bytes"):
         backend.set(keys(1)[0], torch.zeros(3))
     backend.close()
+    # A dtype our namespaces do not know is named.
+    with pytest.raises(ValueError, match="float64"):
+        create({"backend": "memory"}, make_pool("mha", "page_first", dtype=torch.float64))
     # A pool we cannot serve: its layout is named.
     head_pool = make_pool("mha", "page_first")
     head_pool.layout = "page_head"
@@ -309,3 +320,16 @@ def test_mla_ranks_share_one_shared_directory(tmp_path):
     assert r1.backend_stats()["set_pages"] == 0
     r0.close()
     r1.close()
+
+
+def test_fp8_pools_stored_as_uint8_get_their_own_namespace():
+    # SGLang keeps fp8 KV caches in uint8 buffers; they get a namespace of their own.
+    u8 = create({"backend": "memory"}, make_pool("mha", "page_first", dtype=torch.uint8))
+    bf = create({"backend": "memory"}, make_pool("mha", "page_first"))
+    assert u8.namespace != bf.namespace
+    idx = u8.mem_pool_host.alloc(2 * u8.page_size)
+    u8.mem_pool_host.kv_buffer.view(-1)[:].fill_(7)
+    assert u8.batch_set_v1(keys(2), idx) == [True, True]
+    assert u8.batch_exists(keys(2)) == 2
+    u8.close()
+    bf.close()

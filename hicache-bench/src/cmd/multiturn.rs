@@ -656,7 +656,7 @@ impl Plan {
             s.device_pages as f64 * self.engine.page_bytes as f64 / 1e9,
             s.storage.backend,
             s.device,
-        )
+        ) + &emulated_note(s.device)
     }
 
     fn run_one(
@@ -831,4 +831,16 @@ pub fn run(
         )));
     }
     Ok(report)
+}
+
+/// A note for the header when the CUDA device is the emulated driver (`hicache-cuda-emu`):
+/// its bytes per second are CPU copies, never GPU speed.
+fn emulated_note(device: DeviceKind) -> String {
+    let emulated = device == DeviceKind::Cuda
+        && hicache_gpu::Device::cuda(0).is_ok_and(|d| crate::cmd::transfer::is_emulated(&d));
+    if emulated {
+        " (EMULATED CUDA driver hicache-cuda-emu: GB/s are CPU copies, not GPU speed)".into()
+    } else {
+        String::new()
+    }
 }

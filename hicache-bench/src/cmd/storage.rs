@@ -25,6 +25,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
+use futures_util::StreamExt;
 use hicache_storage::{
     MemoryRegion, PageBuf, PageBufMut, PageKey, PageOutcome, Storage, parse_byte_size, pattern,
 };
@@ -68,7 +69,16 @@ pub struct StorageArgs {
     /// does with its host pool (uring registers them as io_uring fixed buffers).
     #[arg(long)]
     pub register_memory: bool,
+    /// Batches in flight at once against the backend (writes and reads), as the controller
+    /// drives it: the next L3 batch is in flight while the previous one's durability barrier
+    /// runs. Recorded as `inflight` in the JSON. The raw reference is unchanged.
+    #[arg(long, default_value_t = DEFAULT_INFLIGHT)]
+    pub inflight: usize,
 }
+
+/// Batches the controller keeps in flight against L3 (the next one while the previous one's
+/// durability barrier runs, issue 15): the `storage` bench's default `--inflight`.
+pub const DEFAULT_INFLIGHT: usize = 2;
 
 fn size_label(n: usize) -> String {
     if n.is_multiple_of(1 << 20) {
@@ -130,54 +140,80 @@ async fn backend_round(
     // Alternate which side goes first, so neither always meets the disk in the same state.
     let reference_first = round.is_multiple_of(2);
     let seed = round as u64;
+    // `dst` holds one batch per read in flight; the reference reads into the first, as before.
+    let inflight = args.inflight.max(1);
+    let slot_bytes = dst.len() / inflight;
     let mut write_ref = Vec::new();
     let mut read_ref = Vec::new();
     if reference_first {
-        write_ref = reference(Phase::Write, dst)?;
+        write_ref = reference(Phase::Write, &mut dst[..slot_bytes])?;
     }
     let batch = args.batch.min(storage.info().max_batch);
     let keys: Vec<PageKey> = (0..pages as u64).map(|i| seed_key(seed, i)).collect();
     let t = Instant::now();
-    for chunk in keys.chunks(batch) {
-        let bufs: Vec<PageBuf<'_>> = src
-            .chunks(page_bytes)
-            .take(chunk.len())
-            .map(|c| PageBuf::contiguous(LAYOUT, c))
-            .collect();
-        let out = storage.batch_set(chunk, &bufs).await?;
-        if let Some(o) = out.iter().find(|o| **o != PageOutcome::Stored) {
+    let mut writes = futures_util::stream::iter(keys.chunks(batch))
+        .map(|chunk| async move {
+            let bufs: Vec<PageBuf<'_>> = src
+                .chunks(page_bytes)
+                .take(chunk.len())
+                .map(|c| PageBuf::contiguous(LAYOUT, c))
+                .collect();
+            storage.batch_set(chunk, &bufs).await
+        })
+        .buffer_unordered(inflight);
+    while let Some(out) = writes.next().await {
+        if let Some(o) = out?.iter().find(|o| **o != PageOutcome::Stored) {
             return Err(BenchError::CheckFailed(format!(
                 "bench write not stored: {o:?}"
             )));
         }
     }
+    drop(writes);
     let write = t.elapsed().as_secs_f64();
     if !reference_first {
-        write_ref = reference(Phase::Write, dst)?;
+        write_ref = reference(Phase::Write, &mut dst[..slot_bytes])?;
     }
     let mut dropped = drop_caches();
     if reference_first {
-        read_ref = reference(Phase::Read, dst)?;
+        read_ref = reference(Phase::Read, &mut dst[..slot_bytes])?;
         dropped &= drop_caches();
     }
     let t = Instant::now();
-    for chunk in keys.chunks(batch) {
-        let mut bufs: Vec<PageBufMut<'_>> = dst
-            .chunks_mut(page_bytes)
-            .take(chunk.len())
-            .map(|c| PageBufMut::contiguous(LAYOUT, c))
-            .collect();
-        let out = storage.batch_get(chunk, &mut bufs).await?;
-        if let Some(o) = out.iter().find(|o| **o != PageOutcome::Hit) {
-            return Err(BenchError::CheckFailed(format!(
-                "bench read not a hit: {o:?}"
-            )));
+    {
+        // Each read in flight takes a destination slot and gives it back: at most `inflight`
+        // run at once, so one is always free.
+        let slots = std::sync::Mutex::new(dst.chunks_mut(slot_bytes).collect::<Vec<_>>());
+        let slots = &slots;
+        let mut reads = futures_util::stream::iter(keys.chunks(batch))
+            .map(|chunk| async move {
+                let slot = slots
+                    .lock()
+                    .expect("no panic while held")
+                    .pop()
+                    .expect("a slot per read in flight");
+                let mut bufs: Vec<PageBufMut<'_>> = slot
+                    .chunks_mut(page_bytes)
+                    .take(chunk.len())
+                    .map(|c| PageBufMut::contiguous(LAYOUT, c))
+                    .collect();
+                let out = storage.batch_get(chunk, &mut bufs).await;
+                drop(bufs);
+                slots.lock().expect("no panic while held").push(slot);
+                out
+            })
+            .buffer_unordered(inflight);
+        while let Some(out) = reads.next().await {
+            if let Some(o) = out?.iter().find(|o| **o != PageOutcome::Hit) {
+                return Err(BenchError::CheckFailed(format!(
+                    "bench read not a hit: {o:?}"
+                )));
+            }
         }
     }
     let read = t.elapsed().as_secs_f64();
     if !reference_first {
         dropped &= drop_caches();
-        read_ref = reference(Phase::Read, dst)?;
+        read_ref = reference(Phase::Read, &mut dst[..slot_bytes])?;
     }
     // Warm batch_exists of a full controller batch (128 keys).
     let probe = &keys[..keys.len().min(128)];
@@ -275,9 +311,9 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
         ));
     }
     let raw_depth = args.raw_depth;
-    if args.batch == 0 || args.rounds == 0 || raw_depth == 0 {
+    if args.batch == 0 || args.rounds == 0 || raw_depth == 0 || args.inflight == 0 {
         return Err(BenchError::Usage(
-            "--batch, --rounds and --raw-depth must be at least 1".into(),
+            "--batch, --rounds, --raw-depth and --inflight must be at least 1".into(),
         ));
     }
     let sizes = match args.page_bytes {
@@ -327,7 +363,8 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             / 2;
         let batch_pages = args.batch.min(pages);
         // Source and destination pages in one mapping (one region to register).
-        let mut pool = aligned_region(2 * batch_pages, page_bytes)?;
+        let inflight = args.inflight.max(1);
+        let mut pool = aligned_region((1 + inflight) * batch_pages, page_bytes)?;
         let region = MemoryRegion {
             addr: pool.as_ptr() as usize,
             len: pool.len(),
@@ -506,6 +543,7 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                 .with("reference_kind", reference)
                 .with("zero_copy", zero_copy)
                 .with("registered", args.register_memory)
+                .with("inflight", args.inflight.max(1) as u64)
         };
         let common = |r: Record| match &args.backend.extra_config {
             Some(c) => common(r).with("extra_config", c.as_str()),

@@ -9,6 +9,12 @@
 //! page-locked host pool (`cuMemcpy{DtoH,HtoD}Async`; on the sim device a plain memcpy, so
 //! sim figures are CPU memcpy-bound and say nothing about a GPU). Each figure is the median of
 //! `--iters` timed runs after one warm-up run.
+//!
+//! `--verify` first runs each case once on pools filled with random bytes and compares every
+//! byte of both pools with a host-side reference written from the layout definitions (the
+//! destination pages hold exactly the source rows, every other byte is untouched); a mismatch
+//! fails the run (exit 1). It is on by default under the emulated driver (`hicache-cuda-emu`),
+//! whose figures are CPU copies: they are labelled `emulated` and are never GPU speed.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -21,8 +27,8 @@ use hicache_gpu::{
     TransferEngine,
 };
 use hicache_host::{HostPool, HostPoolConfig, HostSlot, PoolSize};
-use rand::SeedableRng;
 use rand::seq::SliceRandom;
+use rand::{RngCore, SeedableRng};
 
 use crate::error::{BenchError, Result};
 use crate::record::Record;
@@ -146,6 +152,141 @@ pub struct TransferArgs {
     /// One JSON object per case instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Check every byte of every direction against a host-side reference before timing
+    /// (`--verify`, `--verify=false`); default: on under the emulated driver, off otherwise.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    pub verify: Option<bool>,
+}
+
+/// Whether `device` is the emulated driver (`hicache-cuda-emu`), whose figures are CPU copies.
+pub fn is_emulated(device: &Device) -> bool {
+    device.name().contains("hicache-cuda-emu")
+}
+
+/// Both pools' bytes: every device page (flat `[h][l][t][row]`), every host page (flat
+/// layout order).
+type Snapshot = (Vec<Vec<u8>>, Vec<Vec<u8>>);
+
+fn snapshot(device: &DevicePool, host: &HostPool) -> Result<Snapshot> {
+    let pb = host.page_bytes();
+    let dev = (0..device.num_pages() as u32)
+        .map(|p| {
+            let mut b = vec![0u8; pb];
+            device.read_page(DeviceSlot(p), &mut b).map_err(gpu_err)?;
+            Ok(b)
+        })
+        .collect::<Result<_>>()?;
+    let hst = (0..host.num_pages() as u32)
+        .map(|p| {
+            let mut b = vec![0u8; pb];
+            host.get_page(HostSlot(p), &mut b).map_err(host_err)?;
+            Ok(b)
+        })
+        .collect::<Result<_>>()?;
+    Ok((dev, hst))
+}
+
+/// Fills every page of both pools with random bytes.
+fn randomize(device: &DevicePool, host: &HostPool, seed: u64) -> Result<()> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut page = vec![0u8; host.page_bytes()];
+    for p in 0..device.num_pages() as u32 {
+        rng.fill_bytes(&mut page);
+        device.write_page(DeviceSlot(p), &page).map_err(gpu_err)?;
+    }
+    for p in 0..host.num_pages() as u32 {
+        rng.fill_bytes(&mut page);
+        host.set_page(HostSlot(p), &page).map_err(host_err)?;
+    }
+    Ok(())
+}
+
+/// The host-side reference: `before` with every row of the pairs copied in `dir`, computed
+/// from the layout definitions alone (device rows at `((h·L + l)·ps + t)·R`, host rows at
+/// `HostLayout::flat_offset`).
+fn reference(
+    before: &Snapshot,
+    host: &HostPool,
+    dir: Direction,
+    dev: &[DeviceSlot],
+    hst: &[HostSlot],
+) -> Snapshot {
+    let (mut d, mut h) = before.clone();
+    let shape = host.shape();
+    let layout = host.layout();
+    let (r, ps, nl) = (
+        shape.row_bytes(),
+        shape.page_size as usize,
+        shape.layers as usize,
+    );
+    for (dp, hp) in dev.iter().zip(hst) {
+        let (dp, hp) = (dp.0 as usize, hp.0 as usize);
+        for half in 0..shape.halves() {
+            for l in 0..nl {
+                for t in 0..ps {
+                    let doff = ((half * nl + l) * ps + t) * r;
+                    let hoff = layout.flat_offset(half, l, t);
+                    match dir {
+                        Direction::ToHost => {
+                            h[hp][hoff..hoff + r].copy_from_slice(&before.0[dp][doff..doff + r])
+                        }
+                        Direction::ToDevice => {
+                            d[dp][doff..doff + r].copy_from_slice(&before.1[hp][hoff..hoff + r])
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (d, h)
+}
+
+/// The first difference between `got` and `want`, as `(pool, page, byte)`.
+fn first_difference(got: &Snapshot, want: &Snapshot) -> Option<(&'static str, usize, usize)> {
+    for (pool, g, w) in [("device", &got.0, &want.0), ("host", &got.1, &want.1)] {
+        for (page, (a, b)) in g.iter().zip(w).enumerate() {
+            if let Some(byte) = a.iter().zip(b).position(|(x, y)| x != y) {
+                return Some((pool, page, byte));
+            }
+        }
+    }
+    None
+}
+
+/// Runs the transfer of `dir` once on random pools and compares every byte of both pools
+/// with [`reference`]; loads also check that every layer's event completes.
+fn verify(
+    engine: &TransferEngine,
+    dir: Direction,
+    dev: &[DeviceSlot],
+    hst: &[HostSlot],
+    seed: u64,
+    case: &str,
+) -> Result<()> {
+    let (dp, hp) = (engine.device_pool(), engine.host_pool());
+    randomize(dp, hp, seed)?;
+    let before = snapshot(dp, hp)?;
+    match dir {
+        Direction::ToHost => engine
+            .backup(dev, hst, &[])
+            .and_then(|c| c.wait())
+            .map_err(gpu_err)?,
+        Direction::ToDevice => {
+            let h = engine.load(hst, dev, &[]).map_err(gpu_err)?;
+            for l in 0..h.num_layers() {
+                h.wait_layer(l).map_err(gpu_err)?;
+            }
+        }
+    }
+    let got = snapshot(dp, hp)?;
+    let want = reference(&before, hp, dir, dev, hst);
+    match first_difference(&got, &want) {
+        None => Ok(()),
+        Some((pool, page, byte)) => Err(BenchError::CheckFailed(format!(
+            "transfer {case}: {pool} page {page} differs from the host-side reference at byte \
+             {byte}"
+        ))),
+    }
 }
 
 fn gpu_err(e: hicache_gpu::GpuError) -> BenchError {
@@ -182,17 +323,26 @@ pub fn run(args: &TransferArgs, mut out: impl Write) -> Result<()> {
     };
     let shape = args.model.shape(args.page_size);
     shape.validate()?;
+    let emulated = is_emulated(&device);
+    let verify_on = args.verify.unwrap_or(emulated);
     let w =
         |out: &mut dyn Write, s: String| writeln!(out, "{s}").map_err(BenchError::io("<stdout>"));
     if !args.json {
         w(
             &mut out,
             format!(
-                "transfer on {} ({:?}); reference = one bulk pinned copy of the same bytes{}",
+                "transfer on {} ({:?}); reference = one bulk pinned copy of the same bytes{}{}",
                 device.name(),
                 device.kind(),
                 if args.device == DeviceArg::Sim {
                     " (sim: CPU memcpy, not GPU speed)"
+                } else if emulated {
+                    " (EMULATED driver: CPU copies, not GPU speed)"
+                } else {
+                    ""
+                },
+                if verify_on {
+                    "; every byte verified against the host-side reference"
                 } else {
                     ""
                 }
@@ -250,7 +400,26 @@ pub fn run(args: &TransferArgs, mut out: impl Write) -> Result<()> {
                     .direct_plan(&dev, &host, 0..shape.layers)
                     .map_err(gpu_err)?
                     .len();
+                let io_name = match io {
+                    IoArg::Staged => "staged",
+                    _ => config.io.as_str(),
+                };
                 for dir in [Direction::ToHost, Direction::ToDevice] {
+                    let dir_name = match dir {
+                        Direction::ToHost => "backup",
+                        Direction::ToDevice => "load",
+                    };
+                    let case = format!(
+                        "{}/{}/{}/{}/{}p",
+                        args.model.name(),
+                        layout.kind().as_str(),
+                        io_name,
+                        dir_name,
+                        n
+                    );
+                    if verify_on {
+                        verify(&engine, dir, &dev, &host, args.seed ^ n as u64, &case)?;
+                    }
                     let t = median_secs(args.iters, || {
                         match dir {
                             Direction::ToHost => {
@@ -270,45 +439,27 @@ pub fn run(args: &TransferArgs, mut out: impl Write) -> Result<()> {
                     })?;
                     let gbs = bytes as f64 / t / 1e9;
                     let ref_gbs = bytes as f64 / r / 1e9;
-                    let dir_name = match dir {
-                        Direction::ToHost => "backup",
-                        Direction::ToDevice => "load",
-                    };
-                    let io_name = match io {
-                        IoArg::Staged => "staged",
-                        _ => config.io.as_str(),
-                    };
-                    let rec = Record::new(
-                        "transfer",
-                        format!(
-                            "{}/{}/{}/{}/{}p",
-                            args.model.name(),
-                            layout.kind().as_str(),
-                            io_name,
-                            dir_name,
-                            n
-                        ),
-                        gbs,
-                        "GB/s",
-                    )
-                    .with_reference(ref_gbs)
-                    .with("device", device.name())
-                    .with("bytes", bytes as u64)
-                    .with("pages", n as u64)
-                    .with("sms", engine.sms_used())
-                    .with("ctas", config.ctas)
-                    .with("threads", config.threads_per_cta)
-                    .with("word_bytes", engine.word_bytes())
-                    .with("direct_copies", copies as u64)
-                    .with("staged_pages", config.staged_backup_pages)
-                    .with("iters", args.iters as u64);
+                    let rec = Record::new("transfer", case, gbs, "GB/s")
+                        .with_reference(ref_gbs)
+                        .with("device", device.name())
+                        .with("bytes", bytes as u64)
+                        .with("pages", n as u64)
+                        .with("sms", engine.sms_used())
+                        .with("ctas", config.ctas)
+                        .with("threads", config.threads_per_cta)
+                        .with("word_bytes", engine.word_bytes())
+                        .with("direct_copies", copies as u64)
+                        .with("staged_pages", config.staged_backup_pages)
+                        .with("iters", args.iters as u64)
+                        .with("verified", verify_on)
+                        .with("emulated", emulated);
                     if args.json {
                         w(&mut out, rec.to_json_line())?;
                     } else {
                         w(
                             &mut out,
                             format!(
-                                "{:<16} {:<18} {:<7} {:>6} {:<7} {:>9.2} {:>9.2} {:>6.3} {:>4}",
+                                "{:<16} {:<18} {:<7} {:>6} {:<7} {:>9.2} {:>9.2} {:>6.3} {:>4}{}",
                                 args.model.name(),
                                 layout.kind().as_str(),
                                 io_name,
@@ -317,7 +468,8 @@ pub fn run(args: &TransferArgs, mut out: impl Write) -> Result<()> {
                                 gbs,
                                 ref_gbs,
                                 gbs / ref_gbs,
-                                engine.sms_used()
+                                engine.sms_used(),
+                                if emulated { " emulated" } else { "" }
                             ),
                         )?;
                     }
@@ -381,6 +533,74 @@ mod tests {
             assert!(l["reference"].as_f64().unwrap() > 0.0);
             assert!(l["ratio"].is_number());
         }
+    }
+
+    #[test]
+    fn verify_checks_every_case_on_sim() {
+        let cli = Cli::parse_from([
+            "t",
+            "--model",
+            "llama3-8b",
+            "--pages",
+            "3",
+            "--page-size",
+            "2",
+            "--layout",
+            "layer_first,page_first,page_first_direct",
+            "--io",
+            "kernel,direct,staged",
+            "--staged-pages",
+            "2",
+            "--iters",
+            "1",
+            "--verify",
+            "--json",
+        ]);
+        assert_eq!(cli.args.verify, Some(true));
+        let mut out = Vec::new();
+        run(&cli.args, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(text.lines().count(), 18);
+        for l in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            assert_eq!(v["verified"], true);
+            assert_eq!(v["emulated"], false);
+        }
+        let off = Cli::parse_from(["t", "--verify=false"]);
+        assert_eq!(off.args.verify, Some(false));
+        assert_eq!(Cli::parse_from(["t"]).args.verify, None);
+    }
+
+    /// The reference catches a transfer that moved the wrong rows: a plan that copies the
+    /// pairs with host pages swapped differs from the reference of the requested pairs.
+    #[test]
+    fn the_reference_catches_wrong_bytes() {
+        let shape = KvShape::deepseek_v3_mla(2);
+        let device = Device::sim();
+        let dev_pool = Arc::new(DevicePool::new(&device, shape, 3).unwrap());
+        let host_pool = Arc::new(
+            HostPool::new(HostPoolConfig::new(
+                shape,
+                LayoutKind::PageFirst,
+                PoolSize::Pages(3),
+            ))
+            .unwrap(),
+        );
+        let reg = HostRegistration::new(&device, host_pool.clone()).unwrap();
+        let engine = TransferEngine::new(dev_pool, reg, TransferConfig::default()).unwrap();
+        let (d, h) = ([DeviceSlot(0), DeviceSlot(1)], [HostSlot(2), HostSlot(0)]);
+        verify(&engine, Direction::ToHost, &d, &h, 1, "ok").unwrap();
+        let (dp, hp) = (engine.device_pool(), engine.host_pool());
+        randomize(dp, hp, 2).unwrap();
+        let before = snapshot(dp, hp).unwrap();
+        engine
+            .backup(&d, &[HostSlot(0), HostSlot(2)], &[])
+            .unwrap()
+            .wait()
+            .unwrap();
+        let got = snapshot(dp, hp).unwrap();
+        let want = reference(&before, hp, Direction::ToHost, &d, &h);
+        assert_eq!(first_difference(&got, &want).map(|d| d.0), Some("host"));
     }
 
     #[test]

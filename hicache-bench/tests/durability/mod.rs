@@ -64,9 +64,11 @@ fn crash_round(
     page_bytes: usize,
     seed: u64,
     extra: &str,
+    inflight: usize,
 ) -> Option<u64> {
     let mut c = Command::new(EXE);
     c.args(["storage-write", "--backend", backend]);
+    c.args(["--inflight", &inflight.to_string()]);
     if let Some(d) = dir {
         c.arg("--dir").arg(d);
     }
@@ -112,12 +114,26 @@ pub fn crash_rounds(
     seed_base: u64,
     cases: &[(usize, &str)],
 ) {
+    crash_rounds_inflight(backend, dir, rng_seed, seed_base, 1, cases);
+}
+
+/// [`crash_rounds`] with `inflight` batches written at once (their durability barriers merge
+/// in the backend's group commit); the writer acknowledges up to its watermark, every page
+/// at or below which was acknowledged.
+pub fn crash_rounds_inflight(
+    backend: &str,
+    dir: Option<&Path>,
+    rng_seed: u64,
+    seed_base: u64,
+    inflight: usize,
+    cases: &[(usize, &str)],
+) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(rng_seed);
     let mut checked = 0;
     let mut lasts: Vec<Option<u64>> = Vec::new();
     for (round, &(page_bytes, extra)) in cases.iter().enumerate() {
         let seed = seed_base + round as u64;
-        let last = crash_round(backend, dir, &mut rng, page_bytes, seed, extra);
+        let last = crash_round(backend, dir, &mut rng, page_bytes, seed, extra, inflight);
         let (code, s) = check(backend, dir, page_bytes, seed, last, extra);
         assert_eq!(
             code, 0,

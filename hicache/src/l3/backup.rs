@@ -11,6 +11,11 @@
 //!    backups and keep the same host pins (SGLang: "others still ack").
 //! 3. `BlockStored(L3)` events of a backup are emitted only once every page of it is
 //!    acknowledged as stored.
+//! 4. **Pipelining.** A backup's batches are sent in order with up to
+//!    [`L3_WRITE_BATCHES_IN_FLIGHT`] in flight over every backup of the tier, so the next
+//!    batch is written while the previous one's durability barrier runs (a backend with group
+//!    commit merges those barriers). A backup is done, and finished at the agreed count, only
+//!    once every batch is acknowledged; backups finish in launch order.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -23,6 +28,9 @@ use super::jobs::{BackupJob, BackupShared};
 use crate::error::Result;
 use crate::metrics::Direction;
 use crate::tiers::Tiers;
+
+/// Most L3 write batches in flight at once, over every backup of a cache (invariant 4).
+pub const L3_WRITE_BATCHES_IN_FLIGHT: usize = 4;
 
 /// A backup tracked by the engine thread.
 #[derive(Debug)]
@@ -86,6 +94,7 @@ impl L3 {
                 batch: self.batch,
                 layout: self.layout,
                 shared: shared.clone(),
+                in_flight: self.write_permits.clone(),
             };
             self.runtime.spawn(job.run());
         }

@@ -13,7 +13,7 @@ use hicache_core::{HostSlot, NamespaceId, PageHash, PageHasher, PageKey};
 use hicache_host::HostPool;
 use hicache_storage::{LayoutKind, PageBuf, PageBufMut, Storage};
 use parking_lot::Mutex;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, Semaphore};
 use tracing::Instrument;
 
 use crate::error::Result;
@@ -220,7 +220,13 @@ impl QueryJob {
     }
 }
 
-/// A backup's task: stores host pages in L3, batch by batch, skipping pages present.
+/// A backup's task: stores host pages in L3, batch by batch, skipping pages present. Batches
+/// are submitted in order and pipelined: the next batch is sent while the previous one's
+/// durability barrier runs, with at most [`crate::L3_WRITE_BATCHES_IN_FLIGHT`] batches in
+/// flight over every backup of the tier (`in_flight`, a fair semaphore, so submission
+/// order is kept across backups too). A page counts as stored only once its batch is
+/// acknowledged (`batch_set` returned: durable per the backend's contract), and the backup
+/// is done only when every batch is.
 pub(crate) struct BackupJob {
     pub storage: Arc<dyn Storage>,
     pub pool: Arc<HostPool>,
@@ -229,65 +235,120 @@ pub(crate) struct BackupJob {
     pub batch: usize,
     pub layout: LayoutKind,
     pub shared: Arc<BackupShared>,
+    /// One permit per batch in flight, shared by every backup of the tier.
+    pub in_flight: Arc<Semaphore>,
 }
 
 impl BackupJob {
     /// Runs the job to its end (spawn it on the L3 runtime).
     pub async fn run(self) {
         let span = tracing::debug_span!("l3_backup", pages = self.keys.len());
+        let shared = self.shared.clone();
         self.run_inner().instrument(span).await;
-        self.shared.done.store(true, Ordering::Release);
+        shared.done.store(true, Ordering::Release);
     }
 
-    async fn run_inner(&self) {
-        let mut at = 0;
-        while at < self.keys.len() {
-            let end = (at + self.batch).min(self.keys.len());
-            let keys = &self.keys[at..end];
-            let present = match self.storage.batch_exists(keys).await {
-                Ok(n) => n.min(keys.len()),
-                Err(_) => 0,
+    async fn run_inner(self) {
+        let mut batches = Vec::new();
+        for (keys, slots) in self
+            .keys
+            .chunks(self.batch)
+            .zip(self.slots.chunks(self.batch))
+        {
+            if self.shared.failed.load(Ordering::Relaxed) {
+                // As without pipelining: nothing more is sent after a failed batch.
+                break;
+            }
+            let Ok(permit) = self.in_flight.clone().acquire_owned().await else {
+                self.shared.failed.store(true, Ordering::Relaxed);
+                break;
             };
-            let mut stored = present;
-            if present < keys.len() {
-                let mut bufs = Vec::with_capacity(keys.len() - present);
-                for &slot in &self.slots[at + present..end] {
-                    // SAFETY: the node holding this page is host-protected until this task's
-                    // ack is processed; nobody writes it meanwhile.
-                    match unsafe { read_parts(&self.pool, slot) } {
-                        Ok(parts) => bufs.push(PageBuf::from_parts(self.layout, parts)),
-                        Err(e) => {
-                            tracing::error!(error = %e, "bad host page in a backup");
-                            self.shared.failed.store(true, Ordering::Relaxed);
-                            break;
-                        }
-                    }
+            let unit = BackupBatch {
+                storage: self.storage.clone(),
+                pool: self.pool.clone(),
+                keys: keys.to_vec(),
+                slots: slots.to_vec(),
+                layout: self.layout,
+                shared: self.shared.clone(),
+            };
+            // Its own task, so that it progresses while this one waits for the next permit.
+            batches.push(tokio::spawn(
+                async move {
+                    unit.run().await;
+                    drop(permit);
                 }
-                let set = self
-                    .storage
-                    .batch_set(&keys[present..], &bufs)
-                    .instrument(tracing::debug_span!("l3_batch_set", pages = bufs.len()))
-                    .await;
-                match set {
-                    Ok(outcomes) => {
-                        let ok = outcomes.iter().filter(|o| o.is_ok()).count();
-                        stored += ok;
-                        if ok < outcomes.len() {
-                            let first_bad = outcomes.iter().find(|o| !o.is_ok());
-                            tracing::warn!(outcome = ?first_bad, "some pages were not stored in L3");
-                        }
-                    }
+                .in_current_span(),
+            ));
+        }
+        for b in batches {
+            if let Err(e) = b.await {
+                tracing::error!(error = %e, "an L3 backup batch task died");
+                self.shared.failed.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// One batch of a backup.
+struct BackupBatch {
+    storage: Arc<dyn Storage>,
+    pool: Arc<HostPool>,
+    keys: Vec<PageKey>,
+    slots: Vec<HostSlot>,
+    layout: LayoutKind,
+    shared: Arc<BackupShared>,
+}
+
+impl BackupBatch {
+    async fn run(self) {
+        let keys = &self.keys[..];
+        let present = match self
+            .storage
+            .batch_exists(keys)
+            .instrument(tracing::debug_span!("l3_batch_exists", pages = keys.len()))
+            .await
+        {
+            Ok(n) => n.min(keys.len()),
+            Err(_) => 0,
+        };
+        let mut stored = present;
+        if present < keys.len() {
+            let mut bufs = Vec::with_capacity(keys.len() - present);
+            for &slot in &self.slots[present..] {
+                // SAFETY: the node holding this page is host-protected until the backup's
+                // ack is processed, which waits for this batch; nobody writes it meanwhile.
+                match unsafe { read_parts(&self.pool, slot) } {
+                    Ok(parts) => bufs.push(PageBuf::from_parts(self.layout, parts)),
                     Err(e) => {
-                        tracing::warn!(error = %e, "L3 backup failed");
+                        tracing::error!(error = %e, "bad host page in a backup");
                         self.shared.failed.store(true, Ordering::Relaxed);
                         break;
                     }
                 }
             }
-            self.shared
-                .stored_pages
-                .fetch_add(stored as u64, Ordering::Relaxed);
-            at = end;
+            let set = self
+                .storage
+                .batch_set(&keys[present..], &bufs)
+                .instrument(tracing::debug_span!("l3_batch_set", pages = bufs.len()))
+                .await;
+            match set {
+                Ok(outcomes) => {
+                    let ok = outcomes.iter().filter(|o| o.is_ok()).count();
+                    stored += ok;
+                    if ok < outcomes.len() {
+                        let first_bad = outcomes.iter().find(|o| !o.is_ok());
+                        tracing::warn!(outcome = ?first_bad, "some pages were not stored in L3");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "L3 backup failed");
+                    self.shared.failed.store(true, Ordering::Relaxed);
+                    return;
+                }
+            }
         }
+        self.shared
+            .stored_pages
+            .fetch_add(stored as u64, Ordering::Relaxed);
     }
 }

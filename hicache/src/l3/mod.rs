@@ -18,6 +18,7 @@ use std::time::Duration;
 use hicache_core::{KvKind, KvShape, PrefetchConfig};
 use hicache_storage::{LayoutKind, Storage, StorageConfig};
 
+pub use backup::L3_WRITE_BATCHES_IN_FLIGHT;
 pub(crate) use prefetch::{MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd};
 
 use crate::config::HiCacheConfig;
@@ -46,6 +47,8 @@ pub(crate) struct L3 {
     layout: LayoutKind,
     prefetches: BTreeMap<u64, PrefetchOp>,
     backups: VecDeque<BackupOp>,
+    /// One permit per write batch in flight, over every backup.
+    write_permits: Arc<tokio::sync::Semaphore>,
     /// Finished or revoked prefetches whose task may still hand pages back.
     draining: Vec<Arc<FetchShared>>,
     /// Host pages held by in-flight prefetches, and the most they may hold.
@@ -108,6 +111,7 @@ impl L3 {
             layout: cfg.mem_layout,
             prefetches: BTreeMap::new(),
             backups: VecDeque::new(),
+            write_permits: Arc::new(tokio::sync::Semaphore::new(L3_WRITE_BATCHES_IN_FLIGHT)),
             draining: Vec::new(),
             occupied_pages: 0,
             capacity_pages: capacity_pages.max(1),

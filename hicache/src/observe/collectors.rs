@@ -63,6 +63,51 @@ fn gauge(
     ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX)).encode(metric.encode_family(label)?)
 }
 
+/// The counters of [`StorageStats`]: name, help, value, in exposition order.
+fn counters(s: &StorageStats) -> [(&'static str, &'static str, u64); 15] {
+    [
+        ("storage_exists_calls", "batch_exists calls", s.exists_calls),
+        (
+            "storage_exists_hits",
+            "Pages batch_exists found",
+            s.exists_hits,
+        ),
+        ("storage_get_pages", "Pages asked of batch_get", s.get_pages),
+        ("storage_get_hits", "Pages batch_get returned", s.get_hits),
+        ("storage_get_misses", "Pages batch_get missed", s.get_misses),
+        (
+            "storage_get_corrupt",
+            "Stored pages that failed verification (counted misses)",
+            s.get_corrupt,
+        ),
+        ("storage_get_errors", "Failed batch_get pages", s.get_errors),
+        ("storage_get_bytes", "Bytes batch_get returned", s.get_bytes),
+        (
+            "storage_set_pages",
+            "Pages offered to batch_set",
+            s.set_pages,
+        ),
+        ("storage_set_stored", "Pages batch_set stored", s.set_stored),
+        (
+            "storage_set_present",
+            "Pages batch_set found present",
+            s.set_present,
+        ),
+        ("storage_set_errors", "Failed batch_set pages", s.set_errors),
+        ("storage_set_bytes", "Bytes batch_set stored", s.set_bytes),
+        (
+            "storage_evicted_pages",
+            "Pages the backend evicted",
+            s.evicted_pages,
+        ),
+        (
+            "storage_evicted_bytes",
+            "Bytes the backend evicted",
+            s.evicted_bytes,
+        ),
+    ]
+}
+
 /// `hicache_storage_*`: the attached backend's [`StorageStats`], labelled with its name.
 #[derive(Debug)]
 pub struct StorageCollector(pub StorageSlot);
@@ -97,110 +142,9 @@ impl Collector for StorageCollector {
                 cap,
             )?;
         }
-        counter(
-            e,
-            &l,
-            "storage_exists_calls",
-            "batch_exists calls",
-            s.exists_calls,
-        )?;
-        counter(
-            e,
-            &l,
-            "storage_exists_hits",
-            "Pages batch_exists found",
-            s.exists_hits,
-        )?;
-        counter(
-            e,
-            &l,
-            "storage_get_pages",
-            "Pages asked of batch_get",
-            s.get_pages,
-        )?;
-        counter(
-            e,
-            &l,
-            "storage_get_hits",
-            "Pages batch_get returned",
-            s.get_hits,
-        )?;
-        counter(
-            e,
-            &l,
-            "storage_get_misses",
-            "Pages batch_get missed",
-            s.get_misses,
-        )?;
-        counter(
-            e,
-            &l,
-            "storage_get_corrupt",
-            "Stored pages that failed verification (counted misses)",
-            s.get_corrupt,
-        )?;
-        counter(
-            e,
-            &l,
-            "storage_get_errors",
-            "Failed batch_get pages",
-            s.get_errors,
-        )?;
-        counter(
-            e,
-            &l,
-            "storage_get_bytes",
-            "Bytes batch_get returned",
-            s.get_bytes,
-        )?;
-        counter(
-            e,
-            &l,
-            "storage_set_pages",
-            "Pages offered to batch_set",
-            s.set_pages,
-        )?;
-        counter(
-            e,
-            &l,
-            "storage_set_stored",
-            "Pages batch_set stored",
-            s.set_stored,
-        )?;
-        counter(
-            e,
-            &l,
-            "storage_set_present",
-            "Pages batch_set found present",
-            s.set_present,
-        )?;
-        counter(
-            e,
-            &l,
-            "storage_set_errors",
-            "Failed batch_set pages",
-            s.set_errors,
-        )?;
-        counter(
-            e,
-            &l,
-            "storage_set_bytes",
-            "Bytes batch_set stored",
-            s.set_bytes,
-        )?;
-        counter(
-            e,
-            &l,
-            "storage_evicted_pages",
-            "Pages the backend evicted",
-            s.evicted_pages,
-        )?;
-        counter(
-            e,
-            &l,
-            "storage_evicted_bytes",
-            "Bytes the backend evicted",
-            s.evicted_bytes,
-        )
+        for (name, help, value) in counters(&s) {
+            counter(e, &l, name, help, value)?;
+        }
+        Ok(())
     }
 }

@@ -17,6 +17,17 @@ use hicache_storage::{
     BackendInfo, MemoryRegion, PageBuf, PageBufMut, PageError, PageOutcome, Storage, StorageStats,
 };
 
+/// The device the controller tests run on: the sim device, or CUDA device 0 with
+/// `HICACHE_TEST_DEVICE=cuda` (a GPU, or the emulated driver under `scripts/with-cuda-emu.sh`).
+pub fn test_device() -> hicache::Device {
+    match std::env::var("HICACHE_TEST_DEVICE").as_deref() {
+        Ok("cuda") => hicache::Device::cuda(0)
+            .unwrap_or_else(|e| panic!("HICACHE_TEST_DEVICE=cuda, but no CUDA device: {e}")),
+        Ok("sim") | Ok("") | Err(_) => hicache::Device::sim(),
+        Ok(other) => panic!("HICACHE_TEST_DEVICE={other}: expected sim or cuda"),
+    }
+}
+
 /// A small MHA shape: pages of 2 KiB at page size 4.
 pub fn small_shape(page_size: u32) -> KvShape {
     KvShape {

@@ -175,7 +175,7 @@ class HiCacheRsStorage(HiCacheStorage):
         self.namespace = self._namespace(pool)
         cfg = self.storage_config
         extra = self._config_json
-        if self._per_rank_dir:
+        if self._per_rank_dir and isinstance(self._extra.get("dir"), str):
             # One owner per directory: each rank opens its own subdirectory.
             own = dict(self._extra)
             own["dir"] = f"{own['dir'].rstrip('/')}/tp{cfg.tp_rank}-pp{cfg.pp_rank}-cp{cfg.attn_cp_rank}"
@@ -204,9 +204,16 @@ class HiCacheRsStorage(HiCacheStorage):
             v_head_dim = int(getattr(pool, "v_head_dim", head_dim))
             if v_head_dim != head_dim:
                 shard.append(f"v{v_head_dim}")
+        dtype = str(pool.dtype)
+        if pool.dtype == torch.uint8:
+            # SGLang stores fp8 KV caches as uint8: which fp8 format is not recorded here, so
+            # the namespace marks the storage type (deployments of one model name with
+            # e4m3 and e5m2 KV need different `tenant`s).
+            dtype = "float8_e4m3fn"
+            shard.append("uint8-storage")
         return namespace_id(
             model,
-            str(pool.dtype),
+            dtype,
             self.layout,
             self.mla,
             heads,
