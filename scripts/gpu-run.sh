@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the staged GPU tests and the transfer bench on a GPU machine (see stage-gpu.sh).
 # Usage: bash scripts/gpu-run.sh [tests|bench|all]   (default all)
-# NVRTC: the CUDA toolkit's (13.0 on our GPU machine); PTX from a newer NVRTC than the driver
-# fails to load.
+# NVRTC: the CUDA toolkit's (13.0 on our GPU machine). The kernels load as a cubin for the GPU's
+# sm_XY (any driver that supports the GPU loads it); PTX, which needs a driver at least as new as
+# the NVRTC, only as the fallback.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
@@ -16,6 +17,11 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     for model in llama3-8b deepseek-v3-mla; do
+        # Every byte of every layout x io x direction checked against the host-side reference
+        # first (small pools), then the timed runs.
+        .gpu/hicache-bench transfer --device cuda --model "$model" --pages 16 \
+            --layout page_first,layer_first,page_first_direct --io kernel,direct,staged \
+            --iters 1 --verify --json
         .gpu/hicache-bench transfer --device cuda --model "$model" --pages 64,256,1024 \
             --layout page_first,layer_first,page_first_direct --io kernel,direct,staged --json
     done

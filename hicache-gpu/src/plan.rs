@@ -11,7 +11,10 @@
 //!    - a pitched block of `k·ps` rows of `R` bytes with pitch `token` when pages continue the
 //!      row pattern (`page == ps·token`): `page_first`, whose page is one contiguous run across
 //!      all layers, so one 2D copy moves a whole run of pages of one layer;
-//!    - otherwise one block per page (`page_first_direct` runs of more than one page).
+//!    - otherwise one block per page (`page_first_direct` runs of more than one page); there,
+//!      when that takes fewer copies, each layer of the run is instead one pitched block of
+//!      `k` page-layer blocks (`ps·R` bytes each, pitch = the host page stride), so a run
+//!      costs one copy per layer rather than one per page.
 //! 3. When more than one layer is copied and a block is contiguous on both sides, the device
 //!    layers are one allocation (our own pool; engine buffers are separate allocations, and a
 //!    driver copy may not span two) and both they and the host layers are equally spaced, the per-layer blocks of all layers become one 2D copy
@@ -165,6 +168,14 @@ pub fn plan_direct(
                     [..nl as usize],
             );
             let host_at = |page: u64, l: u32| g.host_base + half * hs + page * hps + l as u64 * hls;
+            // Step 3: whether the per-layer blocks of `width` bytes merge into one 2D copy.
+            let can_merge = |width: u64| {
+                nl > 1
+                    && g.dev_one_allocation
+                    && dev_stride.is_some_and(|st| st >= width && st <= MAX_PITCH)
+                    && hls >= width
+                    && hls <= MAX_PITCH
+            };
             // Contiguous blocks of this run, per layer: (first page, pages).
             let blocks: Vec<(u64, u64)> = if hts == r && (k == 1 || hps == ps * r) {
                 vec![(0, k)]
@@ -181,6 +192,22 @@ pub fn plan_direct(
                     });
                 }
                 continue;
+            } else if hts == r
+                && (hps >= dps && hps <= MAX_PITCH && dps <= MAX_PITCH)
+                && nl < if can_merge(dps) { k } else { k * nl }
+            {
+                // page_first_direct: per layer, the run's page blocks as one pitched copy.
+                for l in layers.clone() {
+                    ops.push(MemcpyOp::Pitched {
+                        dev: row(l) + d0 as u64 * dps,
+                        dev_pitch: dps,
+                        host: host_at(h0 as u64, l),
+                        host_pitch: hps,
+                        width: dps,
+                        height: k,
+                    });
+                }
+                continue;
             } else {
                 (0..k).map(|i| (i, 1)).collect()
             };
@@ -188,12 +215,7 @@ pub fn plan_direct(
                 let width = n * ps * r;
                 let dev_addr = |l: u32| row(l) + (d0 as u64 + first) * dps;
                 let host_addr = |l: u32| host_at(h0 as u64 + first, l);
-                let merge = nl > 1
-                    && g.dev_one_allocation
-                    && dev_stride.is_some_and(|st| st >= width && st <= MAX_PITCH)
-                    && hls >= width
-                    && hls <= MAX_PITCH;
-                if merge {
+                if can_merge(width) {
                     ops.push(MemcpyOp::Pitched {
                         dev: dev_addr(layers.start),
                         dev_pitch: dev_stride.expect("checked above"),

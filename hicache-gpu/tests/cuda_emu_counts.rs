@@ -236,8 +236,66 @@ fn transfer_streams_are_created_at_the_highest_priority() {
     );
 }
 
+/// Scattered pages (no two consecutive on both sides, so no runs to coalesce): the direct
+/// backend still costs one `cuMemcpyBatchAsync` per all-layer backup and one per loaded layer,
+/// not one call per page.
+#[test]
+fn scattered_pages_go_to_the_driver_as_one_batch_per_plan() {
+    let Some((device, counters)) = emulated() else {
+        return;
+    };
+    let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
+    let layers = shape().layers as u64;
+    for layout in LayoutKind::ALL {
+        let case = Case {
+            shape: shape(),
+            layout,
+            io: IoBackend::Direct,
+            engine: false,
+            misalign: 0,
+            device_pages: PAGES,
+            host_pages: PAGES,
+            staged: 0,
+        };
+        let fx = Fixture::with_config(
+            &device,
+            case,
+            TransferConfig {
+                io: IoBackend::Direct,
+                ..Default::default()
+            },
+        );
+        let dev: Vec<u32> = (0..PAGES as u32).rev().collect();
+        let host: Vec<u32> = (0..PAGES as u32).collect();
+        let (d, h) = (dslots(&dev), hslots(&host));
+        counters.reset();
+        fx.engine.backup(&d, &h, &[]).unwrap().wait().unwrap();
+        let (b_batches, b_calls) = (
+            counters.calls("cuMemcpyBatchAsync_v2"),
+            counters.work_calls(),
+        );
+        counters.reset();
+        fx.engine.load(&h, &d, &[]).unwrap().wait().unwrap();
+        let (l_batches, l_calls) = (
+            counters.calls("cuMemcpyBatchAsync_v2"),
+            counters.work_calls(),
+        );
+        println!(
+            "Direct {} scattered: backup {b_batches} batches / {b_calls} work calls; load \
+             {l_batches} batches / {l_calls} work calls",
+            layout.as_str()
+        );
+        assert_eq!(b_batches, 1, "{layout:?}");
+        assert_eq!(l_batches, layers, "{layout:?}");
+        assert!(
+            b_calls <= 2 && l_calls <= 2 * layers,
+            "{b_calls} / {l_calls}"
+        );
+    }
+}
+
 /// On a driver without `cuMemcpyBatchAsync_v2` (before CUDA 13.0) the direct backend falls
-/// back to one copy call per op, and moves the same bytes.
+/// back to one copy call per op, moves the same bytes, and stays bounded for runs of pages.
 #[test]
 fn direct_copies_fall_back_to_one_call_per_op_on_older_drivers() {
     let Some((_, counters)) = emulated() else {
@@ -263,6 +321,37 @@ fn direct_copies_fall_back_to_one_call_per_op_on_older_drivers() {
     check_all_pair_lists(&fx, 5);
     assert_eq!(counters.calls("cuMemcpyBatchAsync_v2"), 0);
     assert!(counters.calls("cuMemcpyHtoDAsync_v2") > 0);
+    // Still bounded at 256 pages: a run of pages is one pitched copy per layer.
+    let fx = Fixture::with_config(
+        &old,
+        Case {
+            device_pages: PAGES,
+            host_pages: PAGES,
+            ..case
+        },
+        TransferConfig {
+            io: IoBackend::Direct,
+            ..Default::default()
+        },
+    );
+    let pages: Vec<u32> = (0..PAGES as u32).collect();
+    let (d, h) = (dslots(&pages), hslots(&pages));
+    let layers = shape().layers as u64;
+    let bound = 8 * layers * 2 + 8;
+    counters.reset();
+    fx.engine.backup(&d, &h, &[]).unwrap().wait().unwrap();
+    let b_calls = counters.work_calls();
+    counters.reset();
+    fx.engine.load(&h, &d, &[]).unwrap().wait().unwrap();
+    let l_calls = counters.work_calls();
+    println!(
+        "pre-13.0 driver, direct page_first_direct: backup {b_calls}, load {l_calls} work calls"
+    );
+    assert!(
+        b_calls <= bound && l_calls <= bound,
+        "{b_calls} / {l_calls} > {bound}"
+    );
+    assert_eq!(counters.calls("cuMemcpyBatchAsync_v2"), 0);
 }
 
 /// The kernels are loaded as a cubin for the device's sm_90; PTX only when the driver refuses

@@ -65,6 +65,7 @@ pub fn driver_version() -> i32 {
         0 => std::env::var("HICACHE_CUDA_EMU_DRIVER_VERSION")
             .ok()
             .and_then(|v| v.parse().ok())
+            .filter(|&v| v > 0)
             .unwrap_or(DEFAULT_DRIVER_VERSION),
         v => v,
     }
