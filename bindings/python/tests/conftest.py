@@ -37,10 +37,10 @@ def require_sglang():
     pytest.skip(msg, allow_module_level=True)
 
 
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    """A real redis-server on a free loopback port for the session: its address, or a skip
-    without redis-server (a failure under HICACHE_REQUIRE_REDIS=1, as in CI)."""
+def start_redis(workdir):
+    """Starts a real redis-server on a free loopback port (bounded wait for its PONG):
+    ``(process, "127.0.0.1:port")``. Skips without redis-server, or fails under
+    HICACHE_REQUIRE_REDIS=1 (CI)."""
     import shutil
     import socket
     import subprocess
@@ -55,25 +55,30 @@ def redis_server(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    workdir = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(
         [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
          "--dir", str(workdir)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
+    for _ in range(200):  # bounded: 10 s
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
+                c.sendall(b"PING\r\n")
+                if c.recv(16).startswith(b"+PONG"):
+                    return proc, f"127.0.0.1:{port}"
+        except OSError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"redis-server did not answer on 127.0.0.1:{port}")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server on loopback for the whole session: its address."""
+    proc, addr = start_redis(tmp_path_factory.mktemp("redis"))
     try:
-        for _ in range(200):  # bounded: 10 s
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            time.sleep(0.05)
-        else:
-            pytest.fail(f"redis-server did not answer on 127.0.0.1:{port}")
-        yield f"127.0.0.1:{port}"
+        yield addr
     finally:
         proc.terminate()
         proc.wait(timeout=10)

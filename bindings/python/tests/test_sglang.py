@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from conftest import require_sglang
+from conftest import require_sglang, start_redis
 
 require_sglang()
 
@@ -341,3 +341,27 @@ def test_fp8_pools_stored_as_uint8_get_their_own_namespace():
     assert u8.batch_exists(keys(2)) == 2
     u8.close()
     bf.close()
+
+
+def test_a_failing_backend_is_misses_and_failed_writes_not_exceptions(tmp_path):
+    # The redis server dies under a running SGLang: its I/O threads get misses and failed
+    # writes (and a log line), never an exception.
+    proc, addr = start_redis(tmp_path)
+    try:
+        pool = make_pool("mha", "page_first")
+        b = create({"backend": "redis", "nodes": [addr], "cluster": False, "timeout_ms": 500},
+                   pool)
+        idx = pool.alloc(2 * pool.page_size)
+        fill_pages(pool, idx, seed=31)
+        ks = keys(2)
+        assert b.batch_set_v1(ks, idx) == [True, True]
+        assert b.batch_exists(ks) == 2
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert b.batch_exists(ks) == 0
+    assert b.batch_get_v1(ks, idx) == [False, False]
+    assert b.batch_set_v1(keys(2, start=50), idx) == [False, False]
+    assert b.batch_get(ks) == [None, None]
+    assert b.exists(ks[0]) is False
+    b.close()

@@ -259,21 +259,26 @@ class HiCacheRsStorage(HiCacheStorage):
             return [], []
         return self.mem_pool_host.get_page_buffer_meta(host_indices)
 
+    def _call(self, store: Store, op: str, fn):
+        """One backend call (point 4): bad input (``ValueError``) and a closed store raise;
+        a failing backend is logged and gives ``None``, which the caller answers as misses
+        or failed writes."""
+        try:
+            return fn()
+        except RuntimeError as e:
+            if store.closed:
+                raise
+            logger.warning("hicache-rs %s failed (answered as misses/failures): %s", op, e)
+            return None
+
     # ---- zero-copy interface (interface_v1) ----------------------------------------------
 
     def batch_exists(
         self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> int:
         store = self._ready("batch_exists")
-        try:
-            return store.batch_exists(self.namespace, keys)
-        except ValueError:
-            raise
-        except RuntimeError as e:
-            if store.closed:
-                raise
-            logger.warning("hicache-rs batch_exists failed, answering 0 hits: %s", e)
-            return 0
+        hits = self._call(store, "batch_exists", lambda: store.batch_exists(self.namespace, keys))
+        return hits or 0
 
     def batch_get_v1(
         self,
@@ -286,16 +291,9 @@ class HiCacheRsStorage(HiCacheStorage):
         if not keys:
             return []
         start = time.perf_counter()
-        try:
-            hits = store.batch_get_into(
-                self.namespace, keys, self.layout, ptrs, sizes, self.kv_interleaved
-            )
-        except ValueError:
-            raise
-        except RuntimeError as e:
-            if store.closed:
-                raise
-            logger.warning("hicache-rs batch_get_v1 failed, answering misses: %s", e)
+        hits = self._call(store, "batch_get_v1", lambda: store.batch_get_into(
+            self.namespace, keys, self.layout, ptrs, sizes, self.kv_interleaved))
+        if hits is None:
             return [False] * len(keys)
         self._record(self._prefetch_pgs, self._prefetch_bw, sum(hits), start)
         return hits
@@ -313,16 +311,9 @@ class HiCacheRsStorage(HiCacheStorage):
         if not self.storage_config.is_storage_writer:
             return [True] * len(keys)
         start = time.perf_counter()
-        try:
-            ok = store.batch_set_from(
-                self.namespace, keys, self.layout, ptrs, sizes, self.kv_interleaved
-            )
-        except ValueError:
-            raise
-        except RuntimeError as e:
-            if store.closed:
-                raise
-            logger.warning("hicache-rs batch_set_v1 failed: %s", e)
+        ok = self._call(store, "batch_set_v1", lambda: store.batch_set_from(
+            self.namespace, keys, self.layout, ptrs, sizes, self.kv_interleaved))
+        if ok is None:
             return [False] * len(keys)
         self._remember([k for k, s in zip(keys, ok) if s])
         self._record(self._backup_pgs, self._backup_bw, sum(ok), start)
@@ -363,16 +354,9 @@ class HiCacheRsStorage(HiCacheStorage):
             if not t.is_contiguous():
                 raise ValueError("batch_get: target tensors must be contiguous")
         ptrs = [t.data_ptr() for t in dst]
-        try:
-            hits = store.batch_get_into(
-                self.namespace, keys, self.layout, ptrs, [self.page_bytes] * len(keys)
-            )
-        except ValueError:
-            raise
-        except RuntimeError as e:
-            if store.closed:
-                raise
-            logger.warning("hicache-rs batch_get failed, answering misses: %s", e)
+        hits = self._call(store, "batch_get", lambda: store.batch_get_into(
+            self.namespace, keys, self.layout, ptrs, [self.page_bytes] * len(keys)))
+        if hits is None:
             return [None] * len(keys)
         return [t if hit else None for t, hit in zip(dst, hits)]
 
@@ -405,20 +389,10 @@ class HiCacheRsStorage(HiCacheStorage):
         if not self.storage_config.is_storage_writer:
             return True
         src = [self._page_tensor("batch_set", v).contiguous() for v in values]
-        try:
-            ok = store.batch_set_from(
-                self.namespace,
-                keys,
-                self.layout,
-                [t.data_ptr() for t in src],
-                [self.page_bytes] * len(keys),
-            )
-        except ValueError:
-            raise
-        except RuntimeError as e:
-            if store.closed:
-                raise
-            logger.warning("hicache-rs batch_set failed: %s", e)
+        ok = self._call(store, "batch_set", lambda: store.batch_set_from(
+            self.namespace, keys, self.layout, [t.data_ptr() for t in src],
+            [self.page_bytes] * len(keys)))
+        if ok is None:
             return False
         self._remember([k for k, s in zip(keys, ok) if s])
         return all(ok)
