@@ -1,8 +1,8 @@
 //! The write stage. A batch is classified, capacity reserved, then its pages are written:
-//! each to a fresh temp file beside its final name (created and preallocated here), its
-//! bytes through the driver in one vectored write (with `RWF_DSYNC` unless `fsync: none`),
-//! renamed to its final name as soon as its write completed (under `always`, its directory
-//! synced too). Under `batch` the renames are made durable by one sync per directory the
+//! each to a fresh temp file beside its final name (created and preallocated on `io_threads`
+//! threads), its bytes through the driver in one vectored write, then synced (`fdatasync`,
+//! unless `fsync: none`) and renamed to its final name (under `always`, its directory synced
+//! too), again on `io_threads` threads. Under `batch` the renames are made durable by one sync per directory the
 //! batch touched, merged with those of concurrent batches ([`GroupCommit`]), before any page
 //! is acknowledged; then the pages are published to the index.
 //!
@@ -207,7 +207,6 @@ impl FileBackend {
         src: &[PageBuf<'_>],
         todo: &[usize],
     ) -> Vec<(usize, Result<(), PageError>)> {
-        let policy = self.opts.fsync;
         let mut out = Vec::with_capacity(todo.len());
         let mut pages: Vec<PageWrite<'_>> = Vec::with_capacity(todo.len());
         // Creates and preallocations on `io_threads` threads: each takes a journal handle on
@@ -230,10 +229,7 @@ impl FileBackend {
         let reqs: Vec<Req> = pages
             .iter()
             .enumerate()
-            .map(|(x, p)| Req {
-                dsync: policy.durable(),
-                ..Req::new(Dir::Write, p.file.as_raw_fd(), 0, p.io.iovecs().to_vec(), x)
-            })
+            .map(|(x, p)| Req::new(Dir::Write, p.file.as_raw_fd(), 0, p.io.iovecs().to_vec(), x))
             .collect();
         let mut written: Vec<Option<io::Result<usize>>> = (0..pages.len()).map(|_| None).collect();
         self.driver.run(reqs, &mut |x, r| written[x] = Some(r));
@@ -279,9 +275,17 @@ impl FileBackend {
         }
     }
 
-    /// Renames a written temp file to its final name (under `always`, then syncs the
-    /// directory): the page is now visible on disk.
+    /// Syncs a written temp file's data (unless `fsync: none`) and renames it to its final
+    /// name (under `always`, then syncs the directory): the page is now visible on disk.
+    ///
+    /// The data sync is an `fdatasync` here, on one of `io_threads` threads, not `RWF_DSYNC`
+    /// on the write: ext4 completes direct writes on a one-at-a-time work queue, so `RWF_DSYNC`
+    /// serialised every page's journal commit (256 KiB pages at 0.07–0.16 of the reference
+    /// against 0.40 this way, same-run A/B); parallel `fdatasync`s share commits.
     fn publish(&self, key: &PageKey, p: &PageWrite<'_>) -> Result<(), PageError> {
+        if self.opts.fsync.durable() {
+            sys::sync_data(&p.file).map_err(|e| PageError::io("write", &e))?;
+        }
         sys::rename(&p.tmp, &self.paths.page_path(key)).map_err(|e| PageError::io("rename", &e))?;
         if self.opts.fsync == FsyncPolicy::Always {
             sys::sync_dir(&self.paths.bucket(key))
