@@ -38,6 +38,11 @@ pub struct UringOptions {
     /// The deployment's page size (`page_bytes`): its slab is created at open. Default: the
     /// engine's page size when it passes one, else none (slabs appear with their first page).
     pub page_bytes: Option<u64>,
+    /// Open for inspection only (`read_only`, default false): nothing in the directory is
+    /// created, modified or deleted (no lock written, no log repaired, no slab created or
+    /// punched); what a read-write open would discard is counted and reported; writes are
+    /// refused.
+    pub read_only: bool,
 }
 
 impl UringOptions {
@@ -54,6 +59,7 @@ impl UringOptions {
             fixed_files: true,
             grow_bytes: 256 << 20,
             page_bytes: None,
+            read_only: false,
         }
     }
 
@@ -80,6 +86,7 @@ impl UringOptions {
             fixed_files: f.bool("fixed_files", d.fixed_files)?,
             grow_bytes: f.opt_bytes("grow_bytes", 4096)?.unwrap_or(d.grow_bytes),
             page_bytes: f.opt_bytes("page_bytes", 1)?,
+            read_only: f.bool("read_only", false)?,
             capacity_bytes: common.capacity_bytes,
             dir: d.dir,
         };

@@ -14,7 +14,7 @@ use crate::cmd::storage_common::{BackendArgs, LAYOUT, aligned_region, runtime, s
 use crate::error::{BenchError, Result};
 
 /// Backends with a `read_only` open mode, which the check uses.
-const READ_ONLY_BACKENDS: [&str; 1] = ["file"];
+const READ_ONLY_BACKENDS: [&str; 2] = ["file", "uring"];
 
 /// Arguments of `storage-check`.
 #[derive(Debug, Args)]
