@@ -9,20 +9,31 @@
 //!    not fit, `unadmit` undoes the admission (the request stays, its hits are not counted).
 //! 3. `cache_finished` takes every slot back.
 //! 4. Hits are recorded by the controller once an admission is final.
-//! 5. `poll` first waits for the copies and L3 backups already launched (the engine models
-//!    transfer time itself), so a run does not depend on how fast this machine copies.
+//! 5. Copy time ([`crate::sim::links`]): `advance` times every write-through batch on the
+//!    D2H link and every window of L3 backups on the L3 link when they launch, and lets the
+//!    controller finish them (and lookups see the backed-up pages) only once the clock has
+//!    reached their completion ([`crate::copy_gate`]). Before it moves the clock it waits in
+//!    wall time until every launched copy, backup and lookup has really finished, so a run
+//!    does not depend on how fast this machine copies. With copy time `free` it drains
+//!    everything instead, while the clock stands still (the upper-bound model).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use hicache::{Device, HiCache, HiCacheConfig, IoBackendKind, LayerDoneCounter};
 use hicache_gpu::IoBackend;
 
+use crate::copy_gate::{Clock, ClockRank, L3Clock, gated_registry};
 use crate::error::{BenchError, Result};
 use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize};
 use crate::sim::cache::{
     Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
     RequestId, TransferStats,
 };
+use crate::sim::links::Links;
+
+/// Longest wall time `advance` waits for launched work to finish before it gives up.
+const QUIET_LIMIT: Duration = Duration::from_secs(300);
 
 /// Builds `HiCache` instances for the main job.
 #[derive(Debug, Default, Clone, Copy)]
@@ -33,6 +44,14 @@ pub struct HiCacheUnderTest {
     cache: HiCache,
     counter: Arc<LayerDoneCounter>,
     consumer: Option<usize>,
+    clock: Arc<Mutex<Clock>>,
+    l3_clock: Arc<Mutex<L3Clock>>,
+    page_bytes: u64,
+    refused_during_copies: u64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn err(e: hicache::HiCacheError) -> CacheError {
@@ -83,10 +102,17 @@ impl CacheFactory for HiCacheFactory {
                 Device::cuda(0).map_err(|e| BenchError::Usage(format!("--device cuda: {e}")))?
             }
         };
+        let clock = Arc::new(Mutex::new(Clock::default()));
+        let l3_clock = Arc::new(Mutex::new(L3Clock::default()));
+        let registry = hicache::backends::builtin_registry()
+            .and_then(|base| Ok(gated_registry(&base, &l3_clock)?))
+            .map_err(|e| BenchError::Usage(format!("cannot list the backends: {e}")))?;
         let cache = HiCache::builder(cfg)
             .shape(setup.kv_shape)
             .device(device)
             .device_pages(setup.device_pages)
+            .rank_group(Arc::new(ClockRank::new(clock.clone())))
+            .registry(Arc::new(registry))
             .build()
             .map_err(|e| BenchError::Usage(format!("cannot build the cache: {e}")))?;
         if let Some(addr) = cache.metrics_endpoint() {
@@ -98,9 +124,13 @@ impl CacheFactory for HiCacheFactory {
         }
         let counter = cache.layer_done_counter().clone();
         Ok(Box::new(HiCacheUnderTest {
+            page_bytes: cache.shape().page_bytes() as u64,
             cache,
             counter,
             consumer: None,
+            clock,
+            l3_clock,
+            refused_during_copies: 0,
         }))
     }
 }
@@ -111,6 +141,57 @@ fn transfer(t: hicache::metrics::TransferTotals) -> TransferStats {
         bytes: t.bytes,
         seconds: t.seconds,
         batches: t.batches,
+    }
+}
+
+impl HiCacheUnderTest {
+    /// Waits in wall time until every launched write-through copy, L3 backup and L3 lookup
+    /// has really finished (invariant 1 of [`crate::copy_gate`]).
+    fn wait_quiet(&self) -> CacheResult<()> {
+        let started = Instant::now();
+        loop {
+            let f = self.cache.in_flight().map_err(err)?;
+            if f.lookups == 0 && f.writes.iter().chain(&f.backups).all(|&(_, done)| done) {
+                return Ok(());
+            }
+            if started.elapsed() > QUIET_LIMIT {
+                return Err(CacheError(format!(
+                    "copies still running after {QUIET_LIMIT:?}: {f:?}"
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    /// Times what the last poll launched: new write batches on the D2H link; new backups
+    /// join the open window (timed by [`Self::close_window`]).
+    fn time_launches(&self, now: f64, links: &mut Links) -> CacheResult<()> {
+        let f = self.cache.in_flight().map_err(err)?;
+        let mut c = lock(&self.clock);
+        let known = c.writes.len();
+        for &(pages, _) in f.writes.iter().skip(known) {
+            let done = links.d2h.transfer(now, pages as u64 * self.page_bytes);
+            c.writes.push_back(done);
+        }
+        let known = c.backups.len();
+        for _ in known..f.backups.len() {
+            c.backups.push_back(f64::INFINITY);
+        }
+        Ok(())
+    }
+
+    /// Times the open window of backups (every page they stored, as one transfer on the L3
+    /// link issued now); pages stored become visible and the backups finishable when it ends.
+    fn close_window(&self, now: f64, links: &mut Links) {
+        let mut c = lock(&self.clock);
+        let mut done = now;
+        lock(&self.l3_clock).close_window(|bytes| {
+            done = links.l3.transfer(now, bytes);
+            done
+        });
+        for t in c.backups.iter_mut().filter(|t| t.is_infinite()) {
+            *t = done;
+        }
     }
 }
 
@@ -128,7 +209,37 @@ impl CacheUnderTest for HiCacheUnderTest {
     }
 
     fn poll(&mut self) -> CacheResult<()> {
+        // Copy time free: every copy counts as complete, every stored page as visible.
+        lock(&self.clock).open = true;
+        {
+            let mut l3 = lock(&self.l3_clock);
+            l3.close_window(|_| 0.0);
+            l3.set_now(f64::INFINITY);
+        }
         self.cache.drain().map_err(err)
+    }
+
+    fn advance(&mut self, now: f64, links: &mut Links) -> CacheResult<()> {
+        if !links.charged() {
+            return self.poll();
+        }
+        // Lookups started at the old time finish at the old time (invariant 1).
+        self.wait_quiet()?;
+        lock(&self.clock).now = now;
+        lock(&self.l3_clock).set_now(now);
+        loop {
+            self.cache.poll().map_err(err)?;
+            self.time_launches(now, links)?;
+            self.wait_quiet()?;
+            self.close_window(now, links);
+            if !lock(&self.clock).any_due() {
+                return Ok(());
+            }
+        }
+    }
+
+    fn next_completion(&self) -> Option<f64> {
+        lock(&self.clock).next_completion()
     }
 
     fn prefetch_status(&mut self, req: RequestId) -> CacheResult<PrefetchStatus> {
@@ -165,6 +276,9 @@ impl CacheUnderTest for HiCacheUnderTest {
                 new_slots,
             })),
             None => {
+                if !lock(&self.clock).writes.is_empty() {
+                    self.refused_during_copies += 1;
+                }
                 self.cache.unadmit(req).map_err(err)?;
                 Ok(None)
             }
@@ -197,6 +311,9 @@ impl CacheUnderTest for HiCacheUnderTest {
     }
 
     fn shutdown(&mut self) -> CacheResult<()> {
+        // Whatever is still in flight completes after the last request: nothing waits for it.
+        lock(&self.clock).open = true;
+        lock(&self.l3_clock).set_now(f64::INFINITY);
         self.cache.shutdown().map_err(err)
     }
 
@@ -221,6 +338,8 @@ impl CacheUnderTest for HiCacheUnderTest {
             dropped_tokens: m.dropped_tokens,
             evicted_pages_l1: m.evicted_pages_l1,
             evicted_pages_l2: m.evicted_pages_l2,
+            l3_pages_in_flight: lock(&self.l3_clock).pages_in_flight(),
+            refused_during_copies: self.refused_during_copies,
         }
     }
 }

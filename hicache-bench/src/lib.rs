@@ -6,6 +6,7 @@
 #![warn(missing_docs)]
 
 pub mod cmd;
+pub mod copy_gate;
 pub mod error;
 pub mod hicache_adapter;
 pub mod record;

@@ -100,3 +100,45 @@ fn observe_flags_reach_the_cache_config_and_bad_ones_are_usage_errors() {
     assert_eq!(e.exit_code(), 2, "{e}");
     assert!(e.to_string().contains("nats"), "{e}");
 }
+
+/// Copy time is charged: with a slow L3 link the hits differ from the same run with copies
+/// free (backups pin host pages and hold the link longer), the links carry every copied byte,
+/// a slow D2H link holds device pages so that admissions are refused until the clock reaches
+/// the copies' completion, and runs with charged copies repeat exactly.
+#[test]
+fn copy_time_is_charged_on_the_simulated_links() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["--tiers", "l1+l2+l3", "--storage-backend", "memory"];
+        args.extend_from_slice(extra);
+        multiturn::run(&tiny(&args, dir.path()), &mut Vec::new(), &HiCacheFactory).unwrap()
+    };
+    let slow = ["--l3-gbps", "0.05"];
+    let charged = run(&slow);
+    let free = run(&[&slow[..], &["--copy-time", "free"]].concat());
+    let (c, f) = (&charged.runs[0], &free.runs[0]);
+    assert!(charged.check().is_empty(), "{:?}", charged.check());
+    assert_ne!(c.hits, f.hits, "copy time changed nothing");
+    assert!(
+        c.hits.l3 < f.hits.l3,
+        "charged {:?} free {:?}",
+        c.hits,
+        f.hits
+    );
+    // The links carried every page copied: D2H batches, L3 prefetches and backups.
+    // (Writes launched by the shutdown's drain, after the last request, are not timed.)
+    assert!(c.links.d2h.bytes > 0 && c.links.d2h.bytes <= c.cache.d2h.bytes);
+    assert_eq!(c.links.l3_read_bytes, c.cache.l3_to_l2.bytes);
+    // Backups count pages already in L3 as stored; the link carries only what was written.
+    let written = c.links.l3.bytes - c.links.l3_read_bytes;
+    assert!(written > 0 && written <= c.cache.l2_to_l3.bytes);
+    assert_eq!(f.links.d2h.bytes, 0);
+    assert_eq!(f.cache.refused_during_copies, 0);
+    let again = run(&slow);
+    assert_eq!(again.runs[0].ttft_sorted, c.ttft_sorted);
+    assert_eq!(again.runs[0].hits, c.hits);
+    let held = run(&["--d2h-gbps", "0.05"]);
+    assert!(held.check().is_empty(), "{:?}", held.check());
+    assert!(held.runs[0].cache.refused_during_copies > 0);
+    assert!(held.runs[0].ttft.mean > c.ttft.mean);
+}

@@ -34,6 +34,7 @@ fn conversations() -> Vec<Conversation> {
 fn config(budget: usize) -> EngineConfig {
     EngineConfig {
         max_prefill_tokens: budget,
+        copy_time: Default::default(),
         layers: 32,
         page_bytes: PAGE_BYTES,
         wall_wait_limit: Duration::from_secs(5),

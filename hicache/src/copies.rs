@@ -29,6 +29,8 @@ use crate::tiers::Tiers;
 struct WriteBatch {
     done: Completion,
     ids: Vec<WriteId>,
+    /// Pages the batch copies.
+    pages: usize,
     started: Instant,
 }
 
@@ -194,6 +196,7 @@ impl Copies {
         self.writes.push_back(WriteBatch {
             done,
             ids,
+            pages: dev.len(),
             started: Instant::now(),
         });
         Ok(1)
@@ -317,6 +320,14 @@ impl Copies {
             tracing::trace!(producer = batch.producer, "load batch finished");
         }
         Ok(())
+    }
+
+    /// Each launched D2H batch, oldest first: its pages and whether its copy completed.
+    pub fn write_pages_in_flight(&self) -> Result<Vec<(usize, bool)>> {
+        self.writes
+            .iter()
+            .map(|w| Ok((w.pages, w.done.is_done()?)))
+            .collect()
     }
 
     /// Number of write batches, from the oldest, whose copies completed.

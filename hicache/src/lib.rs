@@ -87,7 +87,7 @@ pub use error::{HiCacheError, Result};
 pub use l3::L3_WRITE_BATCHES_IN_FLIGHT;
 pub use rank::{RankError, RankGroup, SingleRank, TcpRankGroup};
 pub use requests::{Admission, Arrival, RequestId};
-pub use tick::PollReport;
+pub use tick::{EXCHANGE_BACKUPS_FINISHED, EXCHANGE_WRITES_FINISHED, InFlight, PollReport};
 
 pub use hicache_core::{
     CoreError, DType, DeviceSlot, HashMode, HiRadixTree, HostSlot, KvEvent, KvKind, KvShape,

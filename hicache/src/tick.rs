@@ -28,6 +28,11 @@ use crate::rank::{MAX_EXCHANGE_LEN, RankGroup};
 use crate::requests::Requests;
 use crate::tiers::Tiers;
 
+/// Index of "D2H batches finished" in the exchanged vector (see the table above). A
+/// [`RankGroup`] that lowers it holds write-through acknowledgements back.
+pub const EXCHANGE_WRITES_FINISHED: usize = 0;
+/// Index of "L3 backups finished" in the exchanged vector.
+pub const EXCHANGE_BACKUPS_FINISHED: usize = 2;
 /// Values of the exchange before the prefetches.
 const FIXED_VALUES: usize = 4;
 
@@ -48,6 +53,30 @@ pub struct PollReport {
     pub prefetches_in_flight: usize,
     /// D2H batches launched by this poll.
     pub writes_launched: usize,
+}
+
+/// Background work launched and not yet finished by [`crate::HiCache::poll`], oldest first:
+/// for a caller that models how long it takes (the bench's simulated clock charges copy time
+/// on its links and holds acknowledgements back through its rank group until then).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InFlight {
+    /// Each D2H (write-through) batch: pages, and whether its copy has completed.
+    pub writes: Vec<(usize, bool)>,
+    /// Each L2→L3 backup: pages, and whether its task has finished.
+    pub backups: Vec<(usize, bool)>,
+    /// Prefetches whose L3 lookup is still running.
+    pub lookups: usize,
+}
+
+impl InFlight {
+    /// What `copies` and `l3` have in flight.
+    pub(crate) fn of(copies: &Copies, l3: Option<&L3>) -> Result<Self> {
+        Ok(Self {
+            writes: copies.write_pages_in_flight()?,
+            backups: l3.map_or_else(Vec::new, L3::backup_pages_in_flight),
+            lookups: l3.map_or(0, L3::lookups_running),
+        })
+    }
 }
 
 /// The counts of one tick: this rank's before the exchange, every rank's minimum after.
@@ -96,6 +125,7 @@ impl TickCounts {
     /// Every rank's minimum, through one exchange.
     pub fn agree(mut self, rank: &dyn RankGroup) -> Result<Self> {
         let mut v = Vec::with_capacity(FIXED_VALUES + PrefetchCounts::LEN * self.prefetches.len());
+        // EXCHANGE_WRITES_FINISHED, 1, EXCHANGE_BACKUPS_FINISHED, 3.
         v.extend([self.writes, self.loads, self.backups, self.host_free].map(|x| x as u64));
         for (_, p) in &self.prefetches {
             v.extend(p.encode());

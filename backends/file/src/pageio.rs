@@ -72,6 +72,12 @@ pub struct WriteIo<'a> {
     _page: PhantomData<&'a [u8]>,
 }
 
+// SAFETY: the only non-`Send` parts are the raw pointers of `iov`, and they point only into
+// memory this value owns (the header box, the staging buffer, the static zero padding) or
+// borrows shared for `'a` (the caller's page, `&[u8]`, which is `Sync`). Nothing writes
+// through them, so moving the value to another thread is as safe as sending those borrows.
+unsafe impl Send for WriteIo<'_> {}
+
 impl<'a> WriteIo<'a> {
     /// Prepares the file bytes of `page` under `key`.
     pub fn new(ctx: IoCtx<'_>, key: &PageKey, page: &PageBuf<'a>) -> io::Result<Self> {

@@ -210,8 +210,14 @@ impl FileBackend {
         let policy = self.opts.fsync;
         let mut out = Vec::with_capacity(todo.len());
         let mut pages: Vec<PageWrite<'_>> = Vec::with_capacity(todo.len());
-        for &i in todo {
-            match self.prepare(&keys[i], &src[i]) {
+        // Creates and preallocations on `io_threads` threads: each takes a journal handle on
+        // ext4 and may wait for a commit, so one thread doing them all serialises the batch
+        // behind the file system's journal.
+        let prepared = par::par_map(self.opts.io_threads, todo.to_vec(), |i| {
+            (i, self.prepare(&keys[i], &src[i]))
+        });
+        for (i, r) in prepared {
+            match r {
                 Ok((io, file, tmp)) => pages.push(PageWrite {
                     idx: i,
                     io,
@@ -229,22 +235,27 @@ impl FileBackend {
                 ..Req::new(Dir::Write, p.file.as_raw_fd(), 0, p.io.iovecs().to_vec(), x)
             })
             .collect();
-        let mut done: Vec<Option<Result<(), PageError>>> = (0..pages.len()).map(|_| None).collect();
-        self.driver.run(reqs, &mut |x, r| {
-            let p = &pages[x];
-            done[x] = Some(match r {
-                Ok(_) => self.publish(&keys[p.idx], p),
-                Err(e) => Err(PageError::io("write", &e)),
-            });
-        });
-        for (p, r) in pages.into_iter().zip(done) {
-            let r = r.unwrap_or_else(|| Err(PageError::Backend("internal: no result".into())));
-            if r.is_err() {
-                let _ = remove_file(&p.tmp);
-            }
-            p.io.release(&self.bufs);
-            out.push((p.idx, r));
-        }
+        let mut written: Vec<Option<io::Result<usize>>> = (0..pages.len()).map(|_| None).collect();
+        self.driver.run(reqs, &mut |x, r| written[x] = Some(r));
+        // Renames (and, under `always`, directory syncs) on `io_threads` threads too.
+        let done = par::par_map(
+            self.opts.io_threads,
+            pages.into_iter().zip(written).collect(),
+            |(p, r)| {
+                let r = match r {
+                    Some(Ok(_)) => self.publish(&keys[p.idx], &p),
+                    Some(Err(e)) => Err(PageError::io("write", &e)),
+                    None => Err(PageError::Backend("internal: no result".into())),
+                };
+                if r.is_err() {
+                    let _ = remove_file(&p.tmp);
+                }
+                drop(p.file);
+                p.io.release(&self.bufs);
+                (p.idx, r)
+            },
+        );
+        out.extend(done);
         out
     }
 

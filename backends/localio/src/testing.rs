@@ -107,6 +107,90 @@ pub mod power_loss {
 
     use crate::journal::{self, Journal};
 
+    /// The journal is process-wide: one recording (and its checks) at a time.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// Batches and pages per batch of the suite's workload.
+    const BATCHES: usize = 4;
+    const PER_BATCH: usize = 4;
+
+    /// A small deterministic generator of a crash state's choices.
+    fn chooser(mut seed: u64) -> impl FnMut(u32) -> u32 {
+        seed |= 1;
+        move |n| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % u64::from(n)) as u32
+        }
+    }
+
+    /// The suite for a policy that claims durability: a workload of `inflight` concurrent
+    /// batches recorded, then `cases` random crash states (proptest: crash point and choices)
+    /// and the harshest state after everything (every open choice against the layout) are
+    /// recovered; every acknowledged page must be intact and none wrong. `open` opens the
+    /// layout with the policy under test in a directory; directories are made under `base`.
+    pub fn assert_durable<B: Storage>(
+        base: &Path,
+        open: &dyn Fn(&Path) -> Result<B>,
+        page_bytes: usize,
+        inflight: usize,
+        cases: u32,
+    ) {
+        use proptest::prelude::*;
+        use proptest::test_runner::{Config, TestRunner};
+        let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        let d = super::test_dir_in(base);
+        let rec = record(d.path(), open, page_bytes, BATCHES, PER_BATCH, inflight);
+        let n = rec.journal.events.len();
+        assert_eq!(
+            rec.journal.acked_before(n).len(),
+            BATCHES,
+            "the workload was not acknowledged"
+        );
+        let mut runner = TestRunner::new(Config {
+            cases,
+            failure_persistence: None,
+            ..Config::default()
+        });
+        runner
+            .run(&(0..=n, any::<u64>()), |(k, seed)| {
+                let into = super::test_dir_in(base);
+                let o = check(&rec, k, &mut chooser(seed), into.path(), open);
+                prop_assert_eq!(o.lost, 0, "crash after {} of {} events: {:?}", k, n, o);
+                prop_assert_eq!(o.wrong, 0, "crash after {} of {} events: {:?}", k, n, o);
+                Ok(())
+            })
+            .unwrap();
+        let into = super::test_dir_in(base);
+        let o = check(&rec, n, &mut |_| 0, into.path(), open);
+        assert_eq!((o.lost, o.wrong), (0, 0), "the harshest state: {o:?}");
+        assert_eq!(o.acked, BATCHES * PER_BATCH);
+    }
+
+    /// For a policy that does not claim durability: the harshest crash state after the whole
+    /// workload loses acknowledged pages (and still returns none wrong).
+    pub fn assert_loses_pages<B: Storage>(
+        base: &Path,
+        open: &dyn Fn(&Path) -> Result<B>,
+        page_bytes: usize,
+    ) {
+        let _g = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        let d = super::test_dir_in(base);
+        let rec = record(d.path(), open, page_bytes, BATCHES, PER_BATCH, 2);
+        let into = super::test_dir_in(base);
+        let o = check(
+            &rec,
+            rec.journal.events.len(),
+            &mut |_| 0,
+            into.path(),
+            open,
+        );
+        assert_eq!(o.acked, BATCHES * PER_BATCH);
+        assert!(o.lost > 0, "every page survived a power loss: {o:?}");
+        assert_eq!(o.wrong, 0, "lost, never wrong: {o:?}");
+    }
+
     /// A recorded workload: the journal and the keys of each batch (its tag is its index).
     pub struct Recorded {
         /// What the layout issued.

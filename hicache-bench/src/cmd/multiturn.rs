@@ -24,6 +24,7 @@ use crate::error::{BenchError, Result};
 use crate::report::{self, Report, Summary};
 use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize, StorageSetup, Tiers};
 use crate::sim::engine::{self, EngineConfig, RunResult};
+use crate::sim::links::CopyTime;
 use crate::sim::model::{ComputeModel, ModelShape};
 use crate::sim::nocache::NoCache;
 use crate::trace::{self, Conversation, LongContext, MultiTurn};
@@ -207,9 +208,16 @@ pub struct MultiturnArgs {
     /// L2→L1 bandwidth of the simulated device.
     #[arg(long, default_value_t = 50.0, help_heading = "Engine")]
     pub h2d_gbps: f64,
-    /// L3→L2 bandwidth of the simulated L3.
+    /// L1→L2 bandwidth of the simulated device (write-through copies).
+    #[arg(long, default_value_t = 50.0, help_heading = "Engine")]
+    pub d2h_gbps: f64,
+    /// L3↔L2 bandwidth of the simulated L3 (prefetch reads and backup writes share it).
     #[arg(long, default_value_t = 12.0, help_heading = "Engine")]
     pub l3_gbps: f64,
+    /// charged: write-through copies and L3 backups take simulated time on their links and
+    /// count only once complete; free: they cost nothing (the old upper-bound model).
+    #[arg(long, value_enum, default_value = "charged", help_heading = "Engine")]
+    pub copy_time: CopyTime,
     /// Latency of an L3 prefetch before its first byte.
     #[arg(long, default_value_t = 0.5, help_heading = "Engine")]
     pub l3_latency_ms: f64,
@@ -563,6 +571,7 @@ pub fn plan(args: &MultiturnArgs) -> Result<Plan> {
     }
     compute.step_overhead_s = non_negative("--step-overhead-ms", args.step_overhead_ms)? * 1e-3;
     compute.h2d_bytes_per_s = positive("--h2d-gbps", args.h2d_gbps)? * 1e9;
+    compute.d2h_bytes_per_s = positive("--d2h-gbps", args.d2h_gbps)? * 1e9;
     compute.l3_bytes_per_s = positive("--l3-gbps", args.l3_gbps)? * 1e9;
     compute.l3_latency_s = non_negative("--l3-latency-ms", args.l3_latency_ms)? * 1e-3;
     if args.max_prefill_tokens == 0 {
@@ -580,6 +589,7 @@ pub fn plan(args: &MultiturnArgs) -> Result<Plan> {
         conversations,
         engine: EngineConfig {
             max_prefill_tokens: args.max_prefill_tokens,
+            copy_time: args.copy_time,
             layers: model.layers,
             page_bytes,
             wall_wait_limit: Duration::from_secs(120),
@@ -654,6 +664,15 @@ impl Plan {
         cache: &mut dyn crate::sim::CacheUnderTest,
         bar: &ProgressBar,
     ) -> Result<RunResult> {
+        self.run_with(cache, bar, &self.engine)
+    }
+
+    fn run_with(
+        &self,
+        cache: &mut dyn crate::sim::CacheUnderTest,
+        bar: &ProgressBar,
+        engine_cfg: &EngineConfig,
+    ) -> Result<RunResult> {
         let mut workload =
             Workload::new(self.conversations.clone(), self.workload.arrivals.clone())
                 .map_err(usage)?;
@@ -662,7 +681,7 @@ impl Plan {
             &mut workload,
             cache,
             &self.compute,
-            &self.engine,
+            engine_cfg,
             &mut |done, _| bar.set_position(start + done as u64),
         )
     }
@@ -681,6 +700,28 @@ fn progress_bar(total: u64, hidden: bool) -> ProgressBar {
     bar
 }
 
+/// `setup` with a fresh, empty L3 directory for the file backend unless the user named one
+/// (removed when the returned guard drops).
+fn scratch_l3(setup: &CacheSetup) -> Result<(Option<tempfile::TempDir>, CacheSetup)> {
+    let mut setup = setup.clone();
+    if !(setup.tiers.storage
+        && setup.storage.backend == "file"
+        && !setup.storage.extra_config.contains_key("dir"))
+    {
+        return Ok((None, setup));
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("hicache-bench-l3-")
+        .tempdir()
+        .map_err(BenchError::io(std::env::temp_dir()))?;
+    setup.storage.extra_config.insert(
+        "dir".into(),
+        Value::String(dir.path().display().to_string()),
+    );
+    setup.scratch_dir = Some(dir.path().to_path_buf());
+    Ok((Some(dir), setup))
+}
+
 /// Runs the main job: validates, runs the no-cache baseline and every configuration through
 /// caches built by `factory`, writes the report directory, prints the table (or JSON records
 /// with `--json`) to `out`, and returns the report. Exit code 1 when the report is
@@ -694,7 +735,17 @@ pub fn run(
     report::prepare_dir(&plan.report_dir)?;
     let per_run = plan.workload.requests as u64;
     let hidden = args.json || args.quiet || !std::io::stdout().is_terminal();
-    let bar = progress_bar(per_run * (plan.configurations.len() as u64 + 1), hidden);
+    // With --compare and copy time charged, every configuration with copies runs a second
+    // time with copies free: the hits copy time cost, per tier.
+    let counterfactual = args.compare && plan.engine.copy_time == CopyTime::Charged;
+    let runs_n = plan.configurations.len() as u64
+        + 1
+        + if counterfactual {
+            plan.configurations.iter().filter(|t| t.host).count() as u64
+        } else {
+            0
+        };
+    let bar = progress_bar(per_run * runs_n, hidden);
 
     bar.set_message("no cache");
     let mut none = NoCache::new(
@@ -709,30 +760,28 @@ pub fn run(
         bar.set_message(tiers.label());
         let mut setup = plan.setup.clone();
         setup.tiers = tiers;
-        // A fresh, empty L3 directory for the file backend unless the user named one.
-        let scratch = if tiers.storage
-            && setup.storage.backend == "file"
-            && !setup.storage.extra_config.contains_key("dir")
-        {
-            let dir = tempfile::Builder::new()
-                .prefix("hicache-bench-l3-")
-                .tempdir()
-                .map_err(BenchError::io(std::env::temp_dir()))?;
-            setup.storage.extra_config.insert(
-                "dir".into(),
-                Value::String(dir.path().display().to_string()),
-            );
-            setup.scratch_dir = Some(dir.path().to_path_buf());
-            Some(dir)
-        } else {
-            None
-        };
+        let mut free_hits = None;
+        if counterfactual && tiers.host {
+            let free_cfg = EngineConfig {
+                copy_time: CopyTime::Free,
+                ..plan.engine.clone()
+            };
+            let (_scratch, setup) = scratch_l3(&setup)?;
+            let mut cache = factory.build(&setup)?;
+            let r = plan.run_with(cache.as_mut(), &bar, &free_cfg)?;
+            let s = Summary::new(tiers.label(), &r);
+            free_hits = Some((s.hits, s.ttft));
+        }
+        let (scratch, setup) = scratch_l3(&setup)?;
         let result = {
             let mut cache = factory.build(&setup)?;
             plan.run_one(cache.as_mut(), &bar)?
         };
         drop(scratch);
-        runs.push(Summary::new(tiers.label(), &result));
+        let mut summary = Summary::new(tiers.label(), &result);
+        summary.free_copy_hits = free_hits.map(|f| f.0);
+        summary.free_copy_ttft = free_hits.map(|f| f.1);
+        runs.push(summary);
     }
     bar.finish_and_clear();
 

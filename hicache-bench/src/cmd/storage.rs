@@ -76,9 +76,9 @@ pub struct StorageArgs {
     pub inflight: usize,
 }
 
-/// Batches the controller keeps in flight against L3 (the next one while the previous one's
-/// durability barrier runs, issue 15): the `storage` bench's default `--inflight`.
-pub const DEFAULT_INFLIGHT: usize = 2;
+/// Batches the controller keeps in flight against L3 (the next ones while the previous one's
+/// durability barrier runs): the `storage` bench's default `--inflight`.
+pub const DEFAULT_INFLIGHT: usize = hicache::L3_WRITE_BATCHES_IN_FLIGHT;
 
 fn size_label(n: usize) -> String {
     if n.is_multiple_of(1 << 20) {
@@ -128,8 +128,10 @@ struct Round {
     dropped: bool,
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn backend_round(
     args: &StorageArgs,
+    inflight: usize,
     storage: &dyn Storage,
     src: &[u8],
     dst: &mut [u8],
@@ -141,7 +143,6 @@ async fn backend_round(
     let reference_first = round.is_multiple_of(2);
     let seed = round as u64;
     // `dst` holds one batch per read in flight; the reference reads into the first, as before.
-    let inflight = args.inflight.max(1);
     let slot_bytes = dst.len() / inflight;
     let mut write_ref = Vec::new();
     let mut read_ref = Vec::new();
@@ -363,7 +364,8 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             / 2;
         let batch_pages = args.batch.min(pages);
         // Source and destination pages in one mapping (one region to register).
-        let inflight = args.inflight.max(1);
+        // No more read slots than batches (8 MiB pages: 2 batches of 128 in 2 GiB).
+        let inflight = args.inflight.max(1).min(pages.div_ceil(batch_pages));
         let mut pool = aligned_region((1 + inflight) * batch_pages, page_bytes)?;
         let region = MemoryRegion {
             addr: pool.as_ptr() as usize,
@@ -471,6 +473,7 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                 zero_copy = storage.info().zero_copy;
                 let r = backend_round(
                     args,
+                    inflight,
                     &*storage,
                     src,
                     dst,
@@ -543,7 +546,7 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
                 .with("reference_kind", reference)
                 .with("zero_copy", zero_copy)
                 .with("registered", args.register_memory)
-                .with("inflight", args.inflight.max(1) as u64)
+                .with("inflight", inflight as u64)
         };
         let common = |r: Record| match &args.backend.extra_config {
             Some(c) => common(r).with("extra_config", c.as_str()),

@@ -6,6 +6,7 @@ use serde::Serialize;
 
 use crate::sim::cache::{CacheStats, TransferStats};
 use crate::sim::engine::{RunResult, StepKind};
+use crate::sim::links::Links;
 
 /// Nearest-rank percentiles of a sample, in the sample's unit.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Serialize)]
@@ -131,6 +132,13 @@ pub struct Summary {
     pub cache: CacheStats,
     /// Wall time of the run on this machine (s).
     pub wall_seconds: f64,
+    /// The simulated links of the run (bytes and busy time per link).
+    pub links: Links,
+    /// Hit tokens per tier of the same configuration run again with copy time free (the
+    /// main job's counterfactual): `free − hits` is what charging copy time cost per tier.
+    pub free_copy_hits: Option<Hits>,
+    /// TTFT of that counterfactual run (s).
+    pub free_copy_ttft: Option<Percentiles>,
 }
 
 impl Summary {
@@ -201,6 +209,9 @@ impl Summary {
             rounds,
             cache: run.cache,
             wall_seconds: run.wall_seconds,
+            links: run.links.clone(),
+            free_copy_hits: None,
+            free_copy_ttft: None,
         }
     }
 
@@ -331,6 +342,7 @@ mod tests {
             },
             sim_seconds: 4.0,
             wall_seconds: 0.1,
+            links: Default::default(),
         }
     }
 

@@ -4,7 +4,8 @@
 //!
 //! 1. [`arrive`](CacheUnderTest::arrive) for each request as it joins the waiting queue
 //!    (match, start the L3 prefetch of the uncached suffix);
-//! 2. [`poll`](CacheUnderTest::poll) once per tick before scheduling;
+//! 2. [`advance`](CacheUnderTest::advance) once per tick before scheduling, with the simulated
+//!    time and the links background copies take ([`crate::sim::links`]);
 //! 3. for each waiting request in FCFS order: [`prefetch_status`](CacheUnderTest::prefetch_status)
 //!    (a `Pending` request is skipped and stays queued), then
 //!    [`admit`](CacheUnderTest::admit) (match again, load back host pages, allocate every device
@@ -31,8 +32,9 @@
 //! 4. **One count per admission.** `stats().hit_tokens_*` count each admitted request's prefix
 //!    once, by the tier it came from; `request_tokens` counts each admitted prompt once.
 //! 5. **Determinism.** The engine's clock is simulated; wall time passes only while the cache
-//!    works. An implementation should make `poll` finish what is already due (acknowledged
-//!    copies) rather than depend on how fast the machine is, so runs repeat.
+//!    works. An implementation should make `advance` finish what is due by the simulated time
+//!    (copies whose modelled transfer on [`Links`] has completed), waiting in wall time for the
+//!    real work behind it, rather than depend on how fast the machine is, so runs repeat.
 //!
 //! The engine never sees tiers or slots beyond what these types carry, so any cache (the
 //! `hicache` controller, a baseline without prefix caching, a test model) can be measured.
@@ -40,6 +42,8 @@
 pub use hicache_core::DeviceSlot;
 use serde::Serialize;
 use thiserror::Error;
+
+use crate::sim::links::Links;
 
 /// A request's id, unique within one run.
 pub type RequestId = u64;
@@ -167,6 +171,11 @@ pub struct CacheStats {
     pub evicted_pages_l1: u64,
     /// Pages evicted from L2.
     pub evicted_pages_l2: u64,
+    /// L3 pages lookups found stored but not yet visible: their backup had not completed in
+    /// simulated time (L3 hits lost to copies in flight).
+    pub l3_pages_in_flight: u64,
+    /// Admissions refused while device pages were held by write-through copies in flight.
+    pub refused_during_copies: u64,
 }
 
 /// A cache the simulated engine can drive. See the [module documentation](self) for the call
@@ -181,9 +190,22 @@ pub trait CacheUnderTest {
     /// Request arrival: match and start the L3 prefetch of the uncached suffix.
     fn arrive(&mut self, req: RequestId, tokens: &[u32]) -> CacheResult<()>;
 
-    /// Once per tick before scheduling: drain acknowledgements, finish writes, loads and
-    /// prefetch steps.
+    /// Drain acknowledgements, finish writes, loads and prefetch steps.
     fn poll(&mut self) -> CacheResult<()>;
+
+    /// Once per tick before scheduling, at simulated time `now`: what [`poll`](Self::poll)
+    /// does, except that a cache with background copies times them on `links` and finishes
+    /// only those completed by `now` (when `links` charges copy time). The default polls.
+    fn advance(&mut self, now: f64, links: &mut Links) -> CacheResult<()> {
+        let _ = (now, links);
+        self.poll()
+    }
+
+    /// The earliest simulated time at which a copy the cache holds back completes (the engine
+    /// moves its clock there when nothing else can happen); `None` when nothing is held.
+    fn next_completion(&self) -> Option<f64> {
+        None
+    }
 
     /// Whether the request may be scheduled now (its prefetch finished per policy). The engine
     /// calls it (with `poll` in between) until it returns `Ready`, and not again afterwards.

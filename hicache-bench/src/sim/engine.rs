@@ -5,8 +5,9 @@
 //!
 //! Each iteration, at simulated time `now`:
 //!
-//! 1. Every request the workload sends at or before `now` joins the waiting queue
-//!    ([`CacheUnderTest::arrive`]); then [`CacheUnderTest::poll`].
+//! 1. [`CacheUnderTest::advance`] to `now` (copies completed on the simulated links by `now`
+//!    finish; see [`crate::sim::links`]); then every request the workload sends at or before
+//!    `now` joins the waiting queue ([`CacheUnderTest::arrive`]).
 //! 2. A prefill batch is built under a budget of `max_prefill_tokens` computed tokens:
 //!    requests whose prompt was cut by the budget in an earlier step (chunked prefill) continue
 //!    first; then the waiting queue is scanned in arrival order (FCFS). For each request its
@@ -25,9 +26,10 @@
 //!    requests that produced their whole answer finish ([`CacheUnderTest::cache_finished`]
 //!    with prompt and answer) and the workload releases their successors.
 //! 5. Otherwise, if the cache refused a request that is due while no request runs (its memory
-//!    is held by copies in flight), the engine polls in wall time without advancing the clock,
-//!    for at most [`EngineConfig::wall_wait_limit`]; else the clock jumps to the next arrival or
-//!    the next modelled prefetch completion.
+//!    is held by copies in flight), the clock jumps to the cache's next copy completion
+//!    ([`CacheUnderTest::next_completion`]); a cache that holds none is polled in wall time
+//!    without advancing the clock, for at most [`EngineConfig::wall_wait_limit`]. Else the
+//!    clock jumps to the next arrival, modelled prefetch completion or copy completion.
 //!
 //! The run ends when every request has finished; then [`CacheUnderTest::shutdown`].
 //!
@@ -40,8 +42,9 @@
 //! 3. Device memory is reserved at admission for the prompt and the whole answer, so a running
 //!    request never waits for memory.
 //! 4. Prefetches: a request's L3 prefetch starts at its arrival and takes
-//!    [`ComputeModel::l3_latency_s`] plus its pages at [`ComputeModel::l3_bytes_per_s`] on one
-//!    link shared in arrival order; the request is not admitted before it ends.
+//!    [`ComputeModel::l3_latency_s`] plus its pages at [`ComputeModel::l3_bytes_per_s`] on the
+//!    L3 link, shared with backups in the order transfers are issued ([`Links::prefetch`]);
+//!    the request is not admitted before it ends.
 //! 5. Every admission is checked against the rules of [`CacheUnderTest`]; a violation stops the
 //!    run with an error naming the request.
 
@@ -52,6 +55,7 @@ use serde::Serialize;
 
 use crate::error::{BenchError, Result};
 use crate::sim::cache::{Admission, CacheError, CacheStats, CacheUnderTest, PrefetchStatus};
+use crate::sim::links::{CopyTime, Links};
 use crate::sim::model::ComputeModel;
 use crate::workload::{Sent, Workload};
 
@@ -60,6 +64,8 @@ use crate::workload::{Sent, Workload};
 pub struct EngineConfig {
     /// Most tokens computed in one prefill step (SGLang's chunked prefill size).
     pub max_prefill_tokens: usize,
+    /// Whether write-through copies and L3 backups take simulated time ([`crate::sim::links`]).
+    pub copy_time: CopyTime,
     /// Layers of the model (layer-wise load overlap).
     pub layers: u32,
     /// Bytes of one page.
@@ -160,6 +166,8 @@ pub struct RunResult {
     pub sim_seconds: f64,
     /// Wall time of the run on this machine (s).
     pub wall_seconds: f64,
+    /// The simulated links after the run (bytes and busy time per link).
+    pub links: Links,
 }
 
 struct Waiting {
@@ -202,7 +210,7 @@ struct Engine<'a> {
     config: &'a EngineConfig,
     page_size: usize,
     now: f64,
-    l3_link_free: f64,
+    links: Links,
     waiting: VecDeque<Waiting>,
     prefilling: Vec<Active>,
     decoding: Vec<Active>,
@@ -235,7 +243,7 @@ impl<'a> Engine<'a> {
             config,
             page_size,
             now: 0.0,
-            l3_link_free: 0.0,
+            links: Links::new(compute, config.copy_time),
             waiting: VecDeque::new(),
             prefilling: Vec::new(),
             decoding: Vec::new(),
@@ -256,8 +264,10 @@ impl<'a> Engine<'a> {
         let wall = Instant::now();
         let mut stalled_since: Option<Instant> = None;
         while !self.workload.is_done() {
+            self.cache
+                .advance(self.now, &mut self.links)
+                .map_err(cache_err)?;
             self.accept_arrivals()?;
-            self.cache.poll().map_err(cache_err)?;
             let (admitted, refused) = self.schedule()?;
             if !self.prefilling.is_empty() {
                 stalled_since = None;
@@ -265,6 +275,14 @@ impl<'a> Engine<'a> {
             } else if !self.decoding.is_empty() {
                 stalled_since = None;
                 self.decode_step(progress)?;
+            } else if let Some(t) = refused
+                .and(self.cache.next_completion())
+                .filter(|&t| t > self.now)
+            {
+                // Nothing runs, yet the cache refused a request that is due: its memory is
+                // held by copies in flight. They complete at `t` on the simulated links.
+                stalled_since = None;
+                self.now = t;
             } else if let Some(req) = refused {
                 // Nothing runs, yet the cache refused a request that is due: its memory is
                 // held by work in flight (copies awaiting acknowledgement). Wait in wall time,
@@ -298,6 +316,7 @@ impl<'a> Engine<'a> {
             cache: self.cache.stats(),
             sim_seconds: if first.is_finite() { last - first } else { 0.0 },
             wall_seconds: wall.elapsed().as_secs_f64(),
+            links: self.links,
             requests: self.requests,
             steps: self.steps,
         })
@@ -347,20 +366,20 @@ impl<'a> Engine<'a> {
                         )));
                     }
                     std::thread::sleep(Duration::from_micros(50));
-                    self.cache.poll().map_err(cache_err)?;
+                    self.cache
+                        .advance(self.now, &mut self.links)
+                        .map_err(cache_err)?;
                 }
             }
         };
         let done = if l3_pages == 0 {
             sent.time
         } else {
-            let start = (sent.time + self.compute.l3_latency_s).max(self.l3_link_free);
-            let end = start
-                + self
-                    .compute
-                    .l3_transfer(l3_pages as u64 * self.config.page_bytes);
-            self.l3_link_free = end;
-            end
+            self.links.prefetch(
+                sent.time,
+                self.compute.l3_latency_s,
+                l3_pages as u64 * self.config.page_bytes,
+            )
         };
         let rec = &mut self.requests[sent.id as usize];
         rec.prefetched_pages = l3_pages;
@@ -562,11 +581,17 @@ impl<'a> Engine<'a> {
             .filter_map(|w| w.prefetch.map(|p| p.1))
             .filter(|&d| d > self.now)
             .fold(f64::INFINITY, f64::min);
+        let next_copy = self
+            .cache
+            .next_completion()
+            .filter(|&t| t > self.now)
+            .unwrap_or(f64::INFINITY);
         let next = self
             .workload
             .next_send_time()
             .unwrap_or(f64::INFINITY)
-            .min(next_prefetch);
+            .min(next_prefetch)
+            .min(next_copy);
         if !next.is_finite() {
             return Err(BenchError::Cache(format!(
                 "the simulation stalled at {:.3} s with {} requests waiting and none running",

@@ -19,9 +19,11 @@
 //! - **L2 → L1 loads**: 50 GB/s (92% of the 54.3 GB/s bulk pinned H2D copy measured on our H100,
 //!   PCIe 5.0 x16; see "Machines" in `docs/benchmarks.md`), overlapped layer by layer with the
 //!   forward.
-//! - **L3 → L2 prefetch**: 12 GB/s after 0.5 ms (a 100 Gb/s RDMA link, 12.5 GB/s line rate, as
+//! - **L1 → L2 write-through copies (D2H)**: 50 GB/s (95% of the 52.7 GB/s bulk pinned D2H
+//!   copy measured on our H100), on their own link (PCIe is full duplex); see [`crate::sim::links`].
+//! - **L3 → L2 prefetch and L2 → L3 backup**: 12 GB/s after 0.5 ms (a 100 Gb/s RDMA link, 12.5 GB/s line rate, as
 //!   Mooncake and 3FS deployments use; about two PCIe 4.0 NVMe drives), one link shared by all
-//!   prefetches, starting when the request arrives.
+//!   prefetches (each starting when its request arrives) and backups.
 //! - **Step overhead**: 0 (scheduling and launch costs are not modelled unless asked).
 
 use hicache_core::{DType, KvKind, KvShape};
@@ -94,7 +96,9 @@ pub struct ComputeModel {
     pub step_overhead_s: f64,
     /// L2 → L1 bandwidth.
     pub h2d_bytes_per_s: f64,
-    /// L3 → L2 bandwidth (one link shared by every prefetch).
+    /// L1 → L2 bandwidth (write-through copies).
+    pub d2h_bytes_per_s: f64,
+    /// L3 ↔ L2 bandwidth (one link shared by every prefetch and backup).
     pub l3_bytes_per_s: f64,
     /// Latency before a prefetch's first byte.
     pub l3_latency_s: f64,
@@ -126,6 +130,7 @@ impl ComputeModel {
             decode_s_per_context_token: model.token_bytes() as f64 / hbm,
             step_overhead_s: 0.0,
             h2d_bytes_per_s: 50e9,
+            d2h_bytes_per_s: 50e9,
             l3_bytes_per_s: 12e9,
             l3_latency_s: 0.5e-3,
         }
@@ -150,6 +155,7 @@ impl ComputeModel {
         }
         for (name, v) in [
             ("H2D bandwidth", self.h2d_bytes_per_s),
+            ("D2H bandwidth", self.d2h_bytes_per_s),
             ("L3 bandwidth", self.l3_bytes_per_s),
         ] {
             if !(v.is_finite() && v > 0.0) {

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::HiCache;
 use crate::error::{HiCacheError, Result};
-use crate::tick::{PollReport, TickCounts, TickParts};
+use crate::tick::{InFlight, PollReport, TickCounts, TickParts};
 
 /// Pause between polls while draining.
 const DRAIN_PAUSE: Duration = Duration::from_micros(100);
@@ -17,6 +17,11 @@ impl HiCache {
     pub fn poll(&mut self) -> Result<PollReport> {
         self.check_open()?;
         self.poll_inner()
+    }
+
+    /// What is in flight now (see [`InFlight`]).
+    pub fn in_flight(&self) -> Result<InFlight> {
+        InFlight::of(&self.copies, self.l3.as_ref())
     }
 
     #[tracing::instrument(level = "trace", skip_all)]

@@ -114,6 +114,14 @@ impl L3 {
         self.backups.len()
     }
 
+    /// Each backup in flight, oldest first: its pages and whether its task finished.
+    pub fn backup_pages_in_flight(&self) -> Vec<(usize, bool)> {
+        self.backups
+            .iter()
+            .map(|b| (b.pages, b.is_done()))
+            .collect()
+    }
+
     /// Number of backups, from the oldest, that finished.
     pub fn ready_backups(&self) -> usize {
         self.backups.iter().take_while(|b| b.is_done()).count()

@@ -407,6 +407,14 @@ impl L3 {
         self.prefetches.keys().copied().collect()
     }
 
+    /// Prefetches whose L3 lookup is still running.
+    pub fn lookups_running(&self) -> usize {
+        self.prefetches
+            .values()
+            .filter(|op| op.shared.query.lock().is_none())
+            .count()
+    }
+
     /// Whether any prefetch is tracked.
     pub fn has_prefetches(&self) -> bool {
         !self.prefetches.is_empty()
