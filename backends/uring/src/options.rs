@@ -112,7 +112,8 @@ mod tests {
         let o = parse(
             r#"{"dir": "/d", "capacity": "2GiB", "fsync": "always", "eviction": "fifo",
                 "queue_depth": 256, "max_batch": 512, "fixed_buffers": false,
-                "fixed_files": false, "grow_bytes": "64MiB", "page_bytes": 262144}"#,
+                "fixed_files": false, "grow_bytes": "64MiB", "page_bytes": 262144,
+                "read_only": true}"#,
         )
         .unwrap();
         assert_eq!(o.capacity_bytes, Some(2 << 30));
@@ -122,6 +123,7 @@ mod tests {
         assert!(!o.fixed_buffers && !o.fixed_files);
         assert_eq!(o.grow_bytes, 64 << 20);
         assert_eq!(o.page_bytes, Some(262_144));
+        assert!(o.read_only);
     }
 
     #[test]
@@ -142,6 +144,7 @@ mod tests {
             (r#"{"dir": "/d", "grow_bytes": 100}"#, "grow_bytes"),
             (r#"{"dir": "/d", "grow_bytes": "lots"}"#, "grow_bytes"),
             (r#"{"dir": "/d", "page_bytes": 0}"#, "page_bytes"),
+            (r#"{"dir": "/d", "read_only": "yes"}"#, "read_only"),
             (r#"{"dir": "/d", "page_bytes": -1}"#, "page_bytes"),
             (r#"{"dir": "/d", "capacity": "many"}"#, "capacity"),
             (r#"{"dir": "/d", "io_threads": 4}"#, "io_threads"),

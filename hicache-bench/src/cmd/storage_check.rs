@@ -1,4 +1,5 @@
-//! `hicache-bench storage-check`: opens a backend's storage as a restart would and checks the
+//! `hicache-bench storage-check`: opens a backend's storage as a restart would (but read-only
+//! where the backend has a read-only mode) and checks the
 //! pages `storage-write` acknowledged: pages `0..=upto` must all read back bit-exact, and no page
 //! of the seed (including ones written after the last acknowledgement) may read back wrong.
 //! Prints a JSON summary; exits 1 on a missing acknowledged page or any wrong bytes. The file
