@@ -283,7 +283,7 @@ impl FileBackend {
     }
 
     /// A read-only open (for checks): creates, modifies and deletes nothing. The directory
-    /// must be ours (or empty or missing: an empty store); the directory lock is taken shared
+    /// must exist and be ours (or empty: an empty store); the directory lock is taken shared
     /// (an exclusive owner refuses the check; the lock file is neither created nor written);
     /// no instance is registered, no probe file written (buffered reads on the threads
     /// engine); recovery is computed in memory, its report counting what a read-write open
@@ -291,6 +291,12 @@ impl FileBackend {
     fn open_read_only(mut opts: FileOptions) -> Result<Self> {
         let root = opts.dir.clone();
         let paths = Layout { root: root.clone() };
+        if !root.is_dir() {
+            return Err(backend_err(format!(
+                "{} is not a directory (a read-only open creates nothing)",
+                root.display()
+            )));
+        }
         claim_directory(&root, false)?;
         let dir_lock = Self::lock_read_only(&root)?;
         own_subdir(&paths.pages(), false)?;

@@ -120,8 +120,8 @@ async fn a_capacity_below_one_page_is_refused_and_evicts_nothing() {
 
 /// A read-only open (what `storage-check` uses) of a store with a torn page file, a dead
 /// instance's temp files and an exclusive-mode lock file changes nothing on disk, counts what
-/// a read-write open would discard, serves the intact pages and refuses writes; on a missing
-/// directory it creates nothing; an exclusive owner refuses it.
+/// a read-write open would discard, serves the intact pages and refuses writes; a missing
+/// directory is refused, not created; an exclusive owner refuses it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_only_open_changes_nothing_and_refuses_writes() {
     use hicache_core::LayoutKind;
@@ -212,11 +212,10 @@ async fn a_read_only_open_changes_nothing_and_refuses_writes() {
     let e = FileBackend::open(ro).unwrap_err().to_string();
     assert!(e.contains("in use"), "{e}");
     drop(w);
-    // A missing directory is an empty store, and stays missing.
+    // A missing directory is refused, and stays missing.
     let mut missing = opts(&d.path().join("none"));
     missing.read_only = true;
-    let s = FileBackend::open(missing).unwrap();
-    assert_eq!(s.open_report().pages, 0);
-    drop(s);
+    let e = FileBackend::open(missing).unwrap_err().to_string();
+    assert!(e.contains("none") && e.contains("not a directory"), "{e}");
     assert!(!d.path().join("none").exists());
 }

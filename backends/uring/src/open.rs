@@ -172,6 +172,11 @@ impl UringBackend {
         let ro = opts.read_only;
         if !ro {
             fs::create_dir_all(&dir).map_err(StorageError::io("create directory", &dir))?;
+        } else if !dir.is_dir() {
+            return Err(backend_err(format!(
+                "{} is not a directory (a read-only open creates nothing)",
+                dir.display()
+            )));
         }
         if let Some(c) = opts.capacity_bytes {
             check_capacity(c, opts.page_bytes.unwrap_or(1) as usize)?;
