@@ -184,14 +184,9 @@ fn truncate(p: &Path, len: u64) {
         .unwrap();
 }
 
-// FAILS today (run with `--ignored`): `storage-check` opens the backend read-write, as a
-// restart would. On the file store it deletes the torn page files (`pages/<key>.page`, cut to
-// half and to zero), rewrites `dir.lock` and touches `tmp/registry.lock` (and so the mtimes
-// of `pages/` and `tmp/`); foreign files and the symlink target are left alone. The fix needs a
-// read-only open in backends/file (and a way for storage-check to ask for it).
+// Was a defect (issue 13): `storage-check` opened the file store read-write, deleting the torn
+// page files and rewriting `dir.lock`; it now opens it with `"read_only": true`.
 #[test]
-#[ignore = "known defect: storage-check deletes torn page files and rewrites dir.lock of a \
-            file store (needs a read-only open in backends/file)"]
 fn storage_check_never_changes_a_damaged_file_store() {
     let d = dir();
     let outside = dir();
@@ -214,15 +209,11 @@ fn storage_check_never_changes_a_damaged_file_store() {
     assert_eq!(again, s);
 }
 
-// FAILS today (run with `--ignored`): on the uring store `storage-check` rewrites `lock`
-// (its pid), rewrites `index.log` past the cut (3100 -> 3200 bytes in the test: the torn tail
-// cut, recovery records appended) and creates `index.log.damaged-<n>` (the preserved damaged
-// region), changing the directory's mtime; foreign files and the symlink target are left
-// alone. The fix needs a read-only open in backends/uring.
+// Was a defect (issue 13): `storage-check` opened the uring store read-write, rewriting `lock`
+// and `index.log` and creating `index.log.damaged-<n>`; it now opens it with
+// `"read_only": true`.
 #[cfg(feature = "uring")]
 #[test]
-#[ignore = "known defect: storage-check rewrites index.log and lock and creates \
-            index.log.damaged-N in a uring store (needs a read-only open in backends/uring)"]
 fn storage_check_never_changes_a_damaged_uring_store() {
     let d = dir();
     let outside = dir();

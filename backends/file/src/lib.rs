@@ -82,9 +82,10 @@ const REGISTRY_LOCK: &str = "registry.lock";
 pub struct OpenReport {
     /// Committed pages indexed.
     pub pages: u64,
-    /// Page files found invalid (bad header, wrong size, bad name) and deleted.
+    /// Page files found invalid (bad header, wrong size, bad name) and deleted (a read-only
+    /// open: that a read-write open would delete).
     pub discarded_pages: u64,
-    /// Stale temp files (writes interrupted by a crash) deleted.
+    /// Stale temp files (writes interrupted by a crash) deleted (read-only: would delete).
     pub discarded_temp: u64,
     /// Pages evicted at open because the capacity is below what the directory held.
     pub evicted: u64,
@@ -113,8 +114,10 @@ pub struct FileBackend {
     written_since_rescan: AtomicU64,
     commit: GroupCommit<DirSyncs, DirSyncResult>,
     report: OpenReport,
-    _dir_lock: File,
-    _instance_lock: File,
+    /// The directory lock (none for a read-only open of a directory without one).
+    _dir_lock: Option<File>,
+    /// This instance's registration lock (none for a read-only open, which registers none).
+    _instance_lock: Option<File>,
 }
 
 impl std::fmt::Debug for FileBackend {
@@ -166,6 +169,22 @@ impl FileBackend {
         &self.opts
     }
 
+    /// Whether it was opened read-only ([`FileOptions::read_only`]).
+    pub fn is_read_only(&self) -> bool {
+        self.opts.read_only
+    }
+
+    /// The error for a write to a read-only instance.
+    fn refuse_if_read_only(&self, op: &str) -> Result<()> {
+        if self.opts.read_only {
+            return Err(backend_err(format!(
+                "{op} refused: {} was opened read-only (\"read_only\": true)",
+                self.paths.root.display()
+            )));
+        }
+        Ok(())
+    }
+
     fn io(&self) -> IoCtx<'_> {
         IoCtx {
             direct: self.direct,
@@ -182,6 +201,9 @@ impl FileBackend {
 
 impl Drop for FileBackend {
     fn drop(&mut self) {
+        if self.opts.read_only {
+            return;
+        }
         let _ = fs::remove_dir_all(&self.instance_tmp);
         let _ = fs::remove_file(&self.instance_lock_path);
     }
@@ -234,6 +256,7 @@ impl Storage for FileBackend {
     #[instrument(name = "file.batch_set", skip_all, fields(pages = keys.len()))]
     async fn batch_set(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Result<Vec<PageOutcome>> {
         check_batch("batch_set", self.opts.max_batch, keys.len(), src.len())?;
+        self.refuse_if_read_only("batch_set")?;
         let out = par::blocking(|| self.set_blocking(keys, src));
         self.counters.record_set(&out, src.iter().map(|p| p.len()));
         Ok(out)
@@ -241,6 +264,7 @@ impl Storage for FileBackend {
 
     #[instrument(name = "file.delete", skip_all, fields(pages = keys.len()))]
     async fn delete(&self, keys: &[PageKey]) -> Result<usize> {
+        self.refuse_if_read_only("delete")?;
         let n = par::blocking(|| {
             let mut n = 0;
             for k in keys {

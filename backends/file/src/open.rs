@@ -43,21 +43,26 @@ pub(crate) fn remove_file(path: &Path) -> io::Result<bool> {
     sys::remove_file(path)
 }
 
-/// Counts and removes the files of a directory tree; returns how many files it held.
-fn remove_tree_counting(path: &Path) -> u64 {
+/// Counts and (unless `dry`) removes the files of a directory tree; returns how many files
+/// it held.
+fn remove_tree_counting(path: &Path, dry: bool) -> u64 {
     let mut n = 0;
     if let Ok(rd) = fs::read_dir(path) {
         for e in rd.flatten() {
             let p = e.path();
             if e.file_type().is_ok_and(|t| t.is_dir()) {
-                n += remove_tree_counting(&p);
-                let _ = fs::remove_dir(&p);
-            } else if remove_file(&p).unwrap_or(false) {
+                n += remove_tree_counting(&p, dry);
+                if !dry {
+                    let _ = fs::remove_dir(&p);
+                }
+            } else if dry || remove_file(&p).unwrap_or(false) {
                 n += 1;
             }
         }
     }
-    let _ = fs::remove_dir(path);
+    if !dry {
+        let _ = fs::remove_dir(path);
+    }
     n
 }
 
@@ -92,8 +97,9 @@ fn is_marker_temp(name: &str) -> bool {
 /// marker is ours; an empty one is marked (the marker written aside and renamed, so a
 /// concurrent opener never reads it half-written); a non-empty unmarked one, or one whose
 /// marker says something else, is refused with an error naming it, and nothing in it is
-/// touched.
-fn claim_directory(root: &Path) -> Result<()> {
+/// touched. With `create` false (a read-only open) an empty or missing directory is accepted
+/// as an empty store and nothing is written.
+fn claim_directory(root: &Path, create: bool) -> Result<()> {
     let marker = root.join(MARKER);
     match fs::read_to_string(&marker) {
         Ok(s) if s == MARKER_CONTENTS => return Ok(()),
@@ -107,8 +113,11 @@ fn claim_directory(root: &Path) -> Result<()> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(StorageError::io("read format marker", &marker)(e)),
     }
-    let foreign: Vec<String> = fs::read_dir(root)
-        .map_err(StorageError::io("list", root))?
+    let listing = match fs::read_dir(root) {
+        Err(e) if !create && e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        r => r.map_err(StorageError::io("list", root))?,
+    };
+    let foreign: Vec<String> = listing
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .filter(|n| !is_marker_temp(n))
@@ -124,6 +133,9 @@ fn claim_directory(root: &Path) -> Result<()> {
             shown.join(", ")
         )));
     }
+    if !create {
+        return Ok(());
+    }
     let aside = root.join(format!("{MARKER}.{}.tmp", std::process::id()));
     fs::write(&aside, MARKER_CONTENTS)
         .and_then(|()| fs::rename(&aside, &marker))
@@ -132,8 +144,8 @@ fn claim_directory(root: &Path) -> Result<()> {
 
 /// Creates (if needed) a subdirectory of the storage directory and checks it is a real
 /// directory: a symlink there (to somewhere this backend does not own) is refused, never
-/// followed.
-fn own_subdir(path: &Path) -> Result<()> {
+/// followed. With `create` false (a read-only open) a missing one is left missing.
+fn own_subdir(path: &Path, create: bool) -> Result<()> {
     match fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_dir() => Ok(()),
         Ok(m) => Err(backend_err(format!(
@@ -145,6 +157,7 @@ fn own_subdir(path: &Path) -> Result<()> {
                 "file"
             }
         ))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound && !create => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             fs::create_dir(path).map_err(StorageError::io("create directory", path))
         }
@@ -214,9 +227,12 @@ impl FileBackend {
         if let Some(c) = opts.capacity_bytes {
             check_capacity(c, 1)?;
         }
+        if opts.read_only {
+            return Self::open_read_only(opts);
+        }
         let dir_lock = Self::lock_directory(&root, opts.shared)?;
-        own_subdir(&paths.pages())?;
-        own_subdir(&paths.tmp())?;
+        own_subdir(&paths.pages(), true)?;
+        own_subdir(&paths.tmp(), true)?;
         let inst = Self::register_instance(&paths.tmp(), opts.shared)?;
         let direct = Self::choose_direct(&opts, &inst.tmp)?;
         let (driver, uring): (Box<dyn Driver>, bool) =
@@ -261,9 +277,88 @@ impl FileBackend {
             written_since_rescan: AtomicU64::new(0),
             commit: Default::default(),
             report,
-            _dir_lock: dir_lock,
-            _instance_lock: inst.lock,
+            _dir_lock: Some(dir_lock),
+            _instance_lock: Some(inst.lock),
         })
+    }
+
+    /// A read-only open (for checks): creates, modifies and deletes nothing. The directory
+    /// must exist and be ours (or empty: an empty store); the directory lock is taken shared
+    /// (an exclusive owner refuses the check; the lock file is neither created nor written);
+    /// no instance is registered, no probe file written (buffered reads on the threads
+    /// engine); recovery is computed in memory, its report counting what a read-write open
+    /// would discard (invalid page files, dead instances' temp files) and evict.
+    fn open_read_only(mut opts: FileOptions) -> Result<Self> {
+        let root = opts.dir.clone();
+        let paths = Layout { root: root.clone() };
+        if !root.is_dir() {
+            return Err(backend_err(format!(
+                "{} is not a directory (a read-only open creates nothing)",
+                root.display()
+            )));
+        }
+        claim_directory(&root, false)?;
+        let dir_lock = Self::lock_read_only(&root)?;
+        own_subdir(&paths.pages(), false)?;
+        own_subdir(&paths.tmp(), false)?;
+        let stale = match fs::symlink_metadata(paths.tmp()) {
+            Ok(m) if m.file_type().is_dir() => Self::clean_temp(&paths.tmp(), opts.shared, true)?,
+            _ => 0,
+        };
+        let (index, capacity, mut report, evicted_bytes) = Self::recover(&paths, &opts)?;
+        report.discarded_temp += stale;
+        let counters = StatsCounters::default();
+        bump(
+            &counters.discarded_on_open,
+            report.discarded_pages + report.discarded_temp,
+        );
+        bump(&counters.evicted_pages, report.evicted);
+        bump(&counters.evicted_bytes, evicted_bytes);
+        tracing::info!(dir = %root.display(), ?report, capacity, "file backend opened read-only");
+        // Nothing is adopted, refreshed or cleaned up behind other processes: a read-only
+        // instance behaves as an exclusive one that never writes.
+        opts.shared = false;
+        Ok(Self {
+            rescan_bytes: u64::MAX,
+            bufs: BufPool::new(64 << 20),
+            driver: Box::new(Threads::new(opts.io_threads)),
+            uring: false,
+            opts,
+            paths,
+            instance: String::new(),
+            instance_tmp: PathBuf::new(),
+            instance_lock_path: PathBuf::new(),
+            direct: false,
+            capacity,
+            index: Mutex::new(index),
+            counters,
+            tmp_seq: AtomicU64::new(0),
+            written_since_rescan: AtomicU64::new(0),
+            commit: Default::default(),
+            report,
+            _dir_lock: dir_lock,
+            _instance_lock: None,
+        })
+    }
+
+    /// A shared lock on an existing `dir.lock` (none if there is none): refused while an
+    /// exclusive owner holds it. Writes nothing.
+    fn lock_read_only(root: &Path) -> Result<Option<File>> {
+        let lock_path = root.join("dir.lock");
+        let lock = match File::open(&lock_path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(StorageError::io("open", &lock_path)(e)),
+        };
+        if !sys::try_flock(&lock, false).map_err(StorageError::io("lock", &lock_path))? {
+            let holder = fs::read_to_string(&lock_path).unwrap_or_default();
+            return Err(backend_err(format!(
+                "{} is in use by {} in exclusive mode; a read-only open waits for it to stop",
+                root.display(),
+                holder.trim()
+            )));
+        }
+        Ok(Some(lock))
     }
 
     /// Ownership and the directory lock. The directory is ours only if it carries our marker,
@@ -273,7 +368,7 @@ impl FileBackend {
     /// an exclusive owner wrote into it.
     fn lock_directory(root: &Path, shared: bool) -> Result<File> {
         fs::create_dir_all(root).map_err(StorageError::io("create directory", root))?;
-        claim_directory(root)?;
+        claim_directory(root, true)?;
         let lock_path = root.join("dir.lock");
         let dir_lock = fs::OpenOptions::new()
             .read(true)
@@ -310,7 +405,7 @@ impl FileBackend {
         let registry =
             File::create(&registry_path).map_err(StorageError::io("create", &registry_path))?;
         sys::flock_wait(&registry).map_err(StorageError::io("lock", &registry_path))?;
-        let stale_files = Self::clean_temp(tmp, shared)?;
+        let stale_files = Self::clean_temp(tmp, shared, false)?;
         let name = format!(
             "{}-{:x}",
             std::process::id(),
@@ -402,7 +497,8 @@ impl FileBackend {
     /// Removes dead instances' lock files and scratch directories (only names of the form
     /// this backend creates, `<pid>-<hex>` and `<pid>-<hex>.lock`, and never through a
     /// symlink); returns how many files they held. Anything else in `tmp/` is left alone.
-    fn clean_temp(tmp: &Path, shared: bool) -> Result<u64> {
+    /// With `dry` (a read-only open) nothing is removed: the files are only counted.
+    fn clean_temp(tmp: &Path, shared: bool, dry: bool) -> Result<u64> {
         let mut n = 0;
         let rd = fs::read_dir(tmp).map_err(StorageError::io("list", tmp))?;
         for e in rd.flatten() {
@@ -419,9 +515,11 @@ impl FileBackend {
                 continue;
             }
             if is_lock && ty.is_file() {
-                let _ = remove_file(&p);
+                if !dry {
+                    let _ = remove_file(&p);
+                }
             } else if !is_lock && ty.is_dir() {
-                n += remove_tree_counting(&p);
+                n += remove_tree_counting(&p, dry);
             }
         }
         Ok(n)

@@ -96,6 +96,10 @@ pub struct FileOptions {
     /// Verify every page's data checksum when opening (`verify_on_open`, default false:
     /// headers and sizes are checked at open, data on every read).
     pub verify_on_open: bool,
+    /// Open for inspection only (`read_only`, default false): nothing in the directory is
+    /// created, modified or deleted (no lock file written, no recovery applied, no janitor);
+    /// what a read-write open would discard is counted and reported; writes are refused.
+    pub read_only: bool,
 }
 
 impl FileOptions {
@@ -114,6 +118,7 @@ impl FileOptions {
             shared: false,
             rescan_bytes: None,
             verify_on_open: false,
+            read_only: false,
         }
     }
 
@@ -142,6 +147,7 @@ impl FileOptions {
             shared: f.bool("shared", false)?,
             rescan_bytes: f.opt_bytes("rescan_bytes", 1)?,
             verify_on_open: f.bool("verify_on_open", false)?,
+            read_only: f.bool("read_only", false)?,
             capacity_bytes: common.capacity_bytes,
             dir: d.dir,
         };
@@ -167,7 +173,7 @@ mod tests {
         let o = parse(
             r#"{"dir": "/d", "capacity": "2GiB", "fsync": "always", "direct_io": "off",
                 "eviction": "fifo", "io_engine": "threads", "queue_depth": 16, "io_threads": 4, "max_batch": 512, "shared": true,
-                "rescan_bytes": "64MiB", "verify_on_open": true}"#,
+                "rescan_bytes": "64MiB", "verify_on_open": true, "read_only": true}"#,
         )
         .unwrap();
         assert_eq!(o.capacity_bytes, Some(2 << 30));
@@ -182,7 +188,7 @@ mod tests {
                 .io_engine,
             IoEngine::Uring
         );
-        assert!(o.shared && o.verify_on_open);
+        assert!(o.shared && o.verify_on_open && o.read_only);
         assert_eq!(o.rescan_bytes, Some(64 << 20));
     }
 
@@ -207,6 +213,7 @@ mod tests {
             (r#"{"dir": "/d", "shared": "yes"}"#, "shared"),
             (r#"{"dir": "/d", "rescan_bytes": "x"}"#, "rescan_bytes"),
             (r#"{"dir": "/d", "verify_on_open": 1}"#, "verify_on_open"),
+            (r#"{"dir": "/d", "read_only": "yes"}"#, "read_only"),
             (r#"{"dir": "/d", "capacity": -5}"#, "capacity"),
             (r#"{"dir": "/d", "max_size": 5}"#, "max_size"),
         ] {

@@ -99,7 +99,10 @@ impl FileBackend {
                 d.zero();
                 tracing::warn!(key = %key, %why, "file backend: corrupt page dropped");
                 self.index.lock().remove(key);
-                let _ = remove_file(&self.paths.page_path(key));
+                // A read-only instance deletes nothing (it only stops serving the page).
+                if !self.opts.read_only {
+                    let _ = remove_file(&self.paths.page_path(key));
+                }
                 PageOutcome::Corrupt
             }
             ReadResult::Io(e) => PageOutcome::Failed(PageError::io("read", &e)),

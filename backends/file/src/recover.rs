@@ -25,8 +25,13 @@ impl FileBackend {
         opts: &FileOptions,
     ) -> Result<(Index, u64, OpenReport, u64)> {
         let root = &paths.root;
-        let (found, discarded_pages, stale_temp_files) =
-            Self::scan(paths, opts.io_threads, opts.verify_on_open, opts.shared);
+        let (found, discarded_pages, stale_temp_files) = Self::scan(
+            paths,
+            opts.io_threads,
+            opts.verify_on_open,
+            opts.shared,
+            opts.read_only,
+        );
         let used: u64 = found.iter().map(|(_, m, _)| file_bytes(m.len)).sum();
         let capacity = match opts.capacity_bytes {
             Some(c) => c,
@@ -43,8 +48,11 @@ impl FileBackend {
         }
         let mut victims = Vec::new();
         index.reserve(0, &mut victims);
-        for (k, _) in &victims {
-            let _ = remove_file(&paths.page_path(k));
+        // A read-only open only counts what it would evict.
+        if !opts.read_only {
+            for (k, _) in &victims {
+                let _ = remove_file(&paths.page_path(k));
+            }
         }
         let report = OpenReport {
             pages: index.len() as u64,
@@ -61,13 +69,15 @@ impl FileBackend {
 
     /// Lists and checks every page file; returns the valid ones (key, meta, mtime), the
     /// number of invalid files deleted and the number of stale temp files deleted (every temp
-    /// file in exclusive mode; those of dead instances in shared mode).
+    /// file in exclusive mode; those of dead instances in shared mode). With `dry` (a
+    /// read-only open) nothing is deleted: the counts are what would be.
     #[allow(clippy::type_complexity)]
     fn scan(
         paths: &Layout,
         threads: usize,
         verify: bool,
         shared: bool,
+        dry: bool,
     ) -> (Vec<(PageKey, PageMeta, SystemTime)>, u64, u64) {
         let alive: Mutex<HashMap<String, bool>> = Mutex::new(HashMap::new());
         let tmp = paths.tmp();
@@ -104,7 +114,7 @@ impl FileBackend {
                 }
                 let Some(name) = name.to_str() else { continue };
                 if let Some(inst) = owned_temp_instance(name) {
-                    if !is_live(inst) && remove_file(&p).unwrap_or(false) {
+                    if !is_live(inst) && (dry || remove_file(&p).unwrap_or(false)) {
                         temp += 1;
                     }
                     continue;
@@ -129,7 +139,7 @@ impl FileBackend {
                     }
                     Err(why) => {
                         tracing::warn!(path = %p.display(), %why, "file backend: discarding invalid page file");
-                        if remove_file(&p).unwrap_or(false) {
+                        if dry || remove_file(&p).unwrap_or(false) {
                             bad += 1;
                         }
                     }

@@ -144,7 +144,8 @@ pub struct UringBackend {
     pool: BufPool,
     commit: commit::GroupCommit,
     report: OpenReport,
-    _lock: File,
+    /// The directory lock (none for a read-only open of a directory without a lock file).
+    _lock: Option<File>,
 }
 
 impl std::fmt::Debug for UringBackend {
@@ -194,6 +195,17 @@ impl UringBackend {
         ))
     }
 
+    /// The error for a write to a read-only instance ([`UringOptions::read_only`]).
+    fn refuse_if_read_only(&self, op: &str) -> Result<()> {
+        if self.opts.read_only {
+            return Err(backend_err(format!(
+                "{op} refused: {} was opened read-only (\"read_only\": true)",
+                self.opts.dir.display()
+            )));
+        }
+        Ok(())
+    }
+
     pub(crate) fn max_page_bytes(&self) -> usize {
         usize::try_from(self.capacity / ALIGN as u64 * ALIGN as u64).unwrap_or(usize::MAX)
     }
@@ -201,6 +213,9 @@ impl UringBackend {
 
 impl Drop for UringBackend {
     fn drop(&mut self) {
+        if self.opts.read_only {
+            return;
+        }
         // Records of evictions and dropped pages not yet logged (they ride on the next append
         // otherwise); unlogged ones would only bring back pages whose slots may be reused.
         let recs: Vec<[u8; format::RECORD_LEN]> =
@@ -253,6 +268,7 @@ impl Storage for UringBackend {
     #[instrument(name = "uring.batch_set", skip_all, fields(pages = keys.len()))]
     async fn batch_set(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Result<Vec<PageOutcome>> {
         check_batch("batch_set", self.opts.max_batch, keys.len(), src.len())?;
+        self.refuse_if_read_only("batch_set")?;
         if keys.is_empty() {
             return Ok(Vec::new());
         }
@@ -291,6 +307,7 @@ impl Storage for UringBackend {
 
     #[instrument(name = "uring.delete", skip_all, fields(pages = keys.len()))]
     async fn delete(&self, keys: &[PageKey]) -> Result<usize> {
+        self.refuse_if_read_only("delete")?;
         let n = blocking(|| {
             let mut log = self.log.lock();
             let mut recs: Vec<[u8; format::RECORD_LEN]> =

@@ -94,22 +94,7 @@ impl IndexLog {
             };
             return Ok((log, replay));
         }
-        let damaged_header = Self::check_header(&path, &bytes)?;
-        let (mut replay, live, good_end, mut bad) = Self::scan_records(&bytes);
-        bad.retain(|&o| o < good_end);
-        replay.skipped = bad.len() as u64 + u64::from(damaged_header);
-        if good_end < bytes.len() {
-            replay.discarded = (bytes.len() - good_end).div_ceil(RECORD_LEN) as u64;
-        }
-        replay.puts = live.into_values().collect();
-        replay.puts.sort_by_key(|p| p.seq);
-        let first_bad = if damaged_header {
-            Some(0)
-        } else {
-            bad.first()
-                .copied()
-                .or((good_end < bytes.len()).then_some(good_end))
-        };
+        let (mut replay, first_bad, good_end) = Self::analyse(&path, &bytes)?;
         let mut log = Self {
             dir: dir.to_path_buf(),
             file,
@@ -139,6 +124,74 @@ impl IndexLog {
             }
         }
         Ok((log, replay))
+    }
+
+    /// Replays the log of `dir` changing nothing (a read-only open): the replay is what
+    /// [`open`](Self::open) would recover and its counts what open would discard, but no
+    /// damaged region is preserved and nothing is cut, rewritten or created. The log is held
+    /// open for reading only (the directory itself when there is no log), so an append fails.
+    pub fn open_read_only(dir: &Path) -> io::Result<(Self, Replay)> {
+        let path = dir.join(INDEX_FILE);
+        let (file, bytes) = match File::open(&path) {
+            Ok(mut f) => {
+                let mut bytes = Vec::new();
+                f.read_to_end(&mut bytes)
+                    .map_err(|e| at(&path, "read", e))?;
+                (f, bytes)
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                (File::open(dir).map_err(|e| at(dir, "open", e))?, Vec::new())
+            }
+            Err(e) => return Err(at(&path, "open", e)),
+        };
+        let (replay, first_bad) = if bytes.len() < RECORD_LEN {
+            let replay = Replay {
+                discarded: u64::from(!bytes.is_empty()),
+                ..Replay::default()
+            };
+            (replay, None)
+        } else {
+            let (replay, first_bad, _) = Self::analyse(&path, &bytes)?;
+            (replay, first_bad)
+        };
+        if first_bad.is_some() {
+            tracing::warn!(
+                path = %path.display(),
+                skipped = replay.skipped,
+                torn_tail = replay.discarded,
+                kept_records = replay.records,
+                "uring backend: damaged index-log records a read-write open would discard \
+                 (read-only: nothing changed)"
+            );
+        }
+        let log = Self {
+            dir: dir.to_path_buf(),
+            file,
+            records: replay.records,
+        };
+        Ok((log, replay))
+    }
+
+    /// The replay of a log's `bytes` (at least a record long), the offset of its first damaged
+    /// record if any, and the end of its last whole valid record.
+    fn analyse(path: &Path, bytes: &[u8]) -> io::Result<(Replay, Option<usize>, usize)> {
+        let damaged_header = Self::check_header(path, bytes)?;
+        let (mut replay, live, good_end, mut bad) = Self::scan_records(bytes);
+        bad.retain(|&o| o < good_end);
+        replay.skipped = bad.len() as u64 + u64::from(damaged_header);
+        if good_end < bytes.len() {
+            replay.discarded = (bytes.len() - good_end).div_ceil(RECORD_LEN) as u64;
+        }
+        replay.puts = live.into_values().collect();
+        replay.puts.sort_by_key(|p| p.seq);
+        let first_bad = if damaged_header {
+            Some(0)
+        } else {
+            bad.first()
+                .copied()
+                .or((good_end < bytes.len()).then_some(good_end))
+        };
+        Ok((replay, first_bad, good_end))
     }
 
     /// Checks the log's header record: `Ok(false)` for ours, `Ok(true)` for a damaged header

@@ -12,7 +12,7 @@ use hicache_storage::{Result, StatsCounters, StorageError};
 use parking_lot::{Mutex, RwLock};
 
 use crate::format::{self, LOCK_FILE, Put, slot_bytes};
-use crate::index::{Entry, Index, Loc};
+use crate::index::{Entry, Index, Loc, SlabDisk};
 use crate::log::{IndexLog, Replay};
 use crate::slab::{Disk, Slab, open_slab};
 use crate::{NAME, OpenReport, UringBackend, UringOptions, backend_err};
@@ -85,6 +85,42 @@ fn claim_directory(dir: &Path) -> Result<()> {
     )))
 }
 
+/// A read-only open's lock: a shared lock on an existing `lock` file (none if there is
+/// none), refused while an owner holds it. Writes nothing.
+fn lock_dir_read_only(dir: &Path) -> Result<Option<File>> {
+    let path = dir.join(LOCK_FILE);
+    let mut f = match File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(StorageError::io("open", &path)(e)),
+    };
+    match f.try_lock_shared() {
+        Ok(()) => Ok(Some(f)),
+        Err(fs::TryLockError::WouldBlock) => {
+            let mut holder = String::new();
+            let _ = f.read_to_string(&mut holder);
+            Err(backend_err(format!(
+                "{} is in use by pid {}; a read-only open waits for it to stop",
+                dir.display(),
+                holder.trim()
+            )))
+        }
+        Err(fs::TryLockError::Error(e)) => Err(StorageError::io("lock", &path)(e)),
+    }
+}
+
+/// The slabs as a read-only open sees them: fitting the capacity only counts what would be
+/// evicted (no hole is punched, nothing grows).
+struct ReadOnlyDisk;
+
+impl SlabDisk for ReadOnlyDisk {
+    fn grow(&self, _class: u16, _from: u32, _to: u32) -> io::Result<u32> {
+        Err(io::Error::from(io::ErrorKind::ReadOnlyFilesystem))
+    }
+
+    fn punch(&self, _class: u16, _slot: u32) {}
+}
+
 fn lock_dir(dir: &Path) -> Result<File> {
     let path = dir.join(LOCK_FILE);
     let mut f = OpenOptions::new()
@@ -126,18 +162,39 @@ impl UringBackend {
     /// Opens (creating if needed) the storage directory of `opts`, recovering what a previous
     /// run committed. Blocking: it replays the index log.
     #[tracing::instrument(name = "uring.open", skip_all, fields(dir = %opts.dir.display(), pages))]
+    /// With [`read_only`](UringOptions::read_only) nothing in the directory is created,
+    /// modified or deleted: the lock is taken shared from an existing lock file, the log is
+    /// replayed in memory (its damage counted, not preserved, cut or rewritten), only
+    /// existing slabs are opened (for reading), and no compaction or eviction reaches the
+    /// disk; the report counts what a read-write open would discard and evict.
     pub fn open(opts: UringOptions) -> Result<Self> {
         let dir = opts.dir.clone();
-        fs::create_dir_all(&dir).map_err(StorageError::io("create directory", &dir))?;
+        let ro = opts.read_only;
+        if !ro {
+            fs::create_dir_all(&dir).map_err(StorageError::io("create directory", &dir))?;
+        } else if !dir.is_dir() {
+            return Err(backend_err(format!(
+                "{} is not a directory (a read-only open creates nothing)",
+                dir.display()
+            )));
+        }
         if let Some(c) = opts.capacity_bytes {
             check_capacity(c, opts.page_bytes.unwrap_or(1) as usize)?;
         }
         // Ownership before anything is written, the lock file included.
         claim_directory(&dir)?;
-        let lock = lock_dir(&dir)?;
+        let lock = if ro {
+            lock_dir_read_only(&dir)?
+        } else {
+            Some(lock_dir(&dir)?)
+        };
         let ring = Ring::new(opts.queue_depth, opts.fixed_files).map_err(|e| unavailable(&e))?;
-        let (mut log, replay) =
-            IndexLog::open(&dir).map_err(|e| backend_err(format!("index log: {e}")))?;
+        let (mut log, replay) = if ro {
+            IndexLog::open_read_only(&dir)
+        } else {
+            IndexLog::open(&dir)
+        }
+        .map_err(|e| backend_err(format!("index log: {e}")))?;
         let (sizes, slabs, file_slots) = Self::open_slabs(&ring, &opts)?;
         let used: u64 = sizes
             .iter()
@@ -156,7 +213,11 @@ impl UringBackend {
             index.add_class(*s, *n);
         }
         let discarded_pages = Self::restore(&mut index, &replay, &sizes);
-        let victims = index.fit(&Disk(&slabs));
+        let victims = if ro {
+            index.fit(&ReadOnlyDisk)
+        } else {
+            index.fit(&Disk(&slabs))
+        };
         let mut report = OpenReport {
             pages: index.len() as u64,
             discarded_records: replay.discarded,
@@ -177,7 +238,7 @@ impl UringBackend {
             victims.iter().map(|(_, e)| e.meta.len as u64).sum(),
         );
         let live = index.len() as u64;
-        if !victims.is_empty() || discarded_pages > 0 || log.records() > 2 * live + 1024 {
+        if !ro && (!victims.is_empty() || discarded_pages > 0 || log.records() > 2 * live + 1024) {
             let puts = Self::live_puts(&index);
             log.compact(&puts)
                 .map_err(|e| backend_err(format!("index log compaction: {e}")))?;
@@ -226,7 +287,8 @@ impl UringBackend {
                 sizes.push(s);
             }
         }
-        if let Some(p) = opts.page_bytes {
+        // A read-only open creates no slab: only those present are opened.
+        if let Some(p) = opts.page_bytes.filter(|_| !opts.read_only) {
             sizes.push(slot_bytes(p as usize));
         }
         sizes.sort_unstable();
@@ -234,11 +296,11 @@ impl UringBackend {
         let mut slabs = Vec::new();
         let mut file_slots = Vec::new();
         for &s in &sizes {
-            let (slab, len) = Self::make_slab(ring, dir, s, slabs.len())?;
+            let (slab, len) = Self::make_slab(ring, dir, s, slabs.len(), opts.read_only)?;
             file_slots.push(u32::try_from(len.div_ceil(s)).unwrap_or(u32::MAX));
             slabs.push(Arc::new(slab));
         }
-        if slabs.is_empty() {
+        if slabs.is_empty() && !opts.read_only {
             Self::probe_direct(dir)?;
         }
         Ok((sizes, slabs, file_slots))
@@ -277,7 +339,7 @@ impl UringBackend {
 
     pub(crate) fn probe_direct(dir: &Path) -> Result<()> {
         let p = dir.join("direct-probe.tmp");
-        let r = open_slab(&p);
+        let r = open_slab(&p, false);
         let _ = fs::remove_file(&p);
         r.map(drop).map_err(|e| {
             backend_err(format!(

@@ -38,6 +38,11 @@ pub struct UringOptions {
     /// The deployment's page size (`page_bytes`): its slab is created at open. Default: the
     /// engine's page size when it passes one, else none (slabs appear with their first page).
     pub page_bytes: Option<u64>,
+    /// Open for inspection only (`read_only`, default false): nothing in the directory is
+    /// created, modified or deleted (no lock written, no log repaired, no slab created or
+    /// punched); what a read-write open would discard is counted and reported; writes are
+    /// refused.
+    pub read_only: bool,
 }
 
 impl UringOptions {
@@ -54,6 +59,7 @@ impl UringOptions {
             fixed_files: true,
             grow_bytes: 256 << 20,
             page_bytes: None,
+            read_only: false,
         }
     }
 
@@ -80,6 +86,7 @@ impl UringOptions {
             fixed_files: f.bool("fixed_files", d.fixed_files)?,
             grow_bytes: f.opt_bytes("grow_bytes", 4096)?.unwrap_or(d.grow_bytes),
             page_bytes: f.opt_bytes("page_bytes", 1)?,
+            read_only: f.bool("read_only", false)?,
             capacity_bytes: common.capacity_bytes,
             dir: d.dir,
         };
@@ -105,7 +112,8 @@ mod tests {
         let o = parse(
             r#"{"dir": "/d", "capacity": "2GiB", "fsync": "always", "eviction": "fifo",
                 "queue_depth": 256, "max_batch": 512, "fixed_buffers": false,
-                "fixed_files": false, "grow_bytes": "64MiB", "page_bytes": 262144}"#,
+                "fixed_files": false, "grow_bytes": "64MiB", "page_bytes": 262144,
+                "read_only": true}"#,
         )
         .unwrap();
         assert_eq!(o.capacity_bytes, Some(2 << 30));
@@ -115,6 +123,7 @@ mod tests {
         assert!(!o.fixed_buffers && !o.fixed_files);
         assert_eq!(o.grow_bytes, 64 << 20);
         assert_eq!(o.page_bytes, Some(262_144));
+        assert!(o.read_only);
     }
 
     #[test]
@@ -135,6 +144,7 @@ mod tests {
             (r#"{"dir": "/d", "grow_bytes": 100}"#, "grow_bytes"),
             (r#"{"dir": "/d", "grow_bytes": "lots"}"#, "grow_bytes"),
             (r#"{"dir": "/d", "page_bytes": 0}"#, "page_bytes"),
+            (r#"{"dir": "/d", "read_only": "yes"}"#, "read_only"),
             (r#"{"dir": "/d", "page_bytes": -1}"#, "page_bytes"),
             (r#"{"dir": "/d", "capacity": "many"}"#, "capacity"),
             (r#"{"dir": "/d", "io_threads": 4}"#, "io_threads"),

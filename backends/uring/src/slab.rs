@@ -77,11 +77,12 @@ impl SlabDisk for Disk<'_> {
     }
 }
 
-pub(crate) fn open_slab(path: &Path) -> io::Result<File> {
+/// Opens (creating) a slab file for O_DIRECT I/O; read-only (never created) when `read_only`.
+pub(crate) fn open_slab(path: &Path, read_only: bool) -> io::Result<File> {
     OpenOptions::new()
         .read(true)
-        .write(true)
-        .create(true)
+        .write(!read_only)
+        .create(!read_only)
         .truncate(false)
         .custom_flags(libc::O_DIRECT)
         .open(path)
@@ -89,15 +90,16 @@ pub(crate) fn open_slab(path: &Path) -> io::Result<File> {
 
 impl UringBackend {
     /// Opens (creating) the slab of `slot_bytes` as class `class`, registering it with the
-    /// ring; returns it and its length.
+    /// ring; returns it and its length. `read_only`: an existing slab, opened for reading.
     pub(crate) fn make_slab(
         ring: &Ring,
         dir: &Path,
         slot_bytes: u64,
         class: usize,
+        read_only: bool,
     ) -> Result<(Slab, u64)> {
         let path = dir.join(slab_file_name(slot_bytes));
-        let file = open_slab(&path).map_err(|e| {
+        let file = open_slab(&path, read_only).map_err(|e| {
             if e.raw_os_error() == Some(libc::EINVAL) {
                 backend_err(format!(
                     "{}: the file system refuses O_DIRECT; use the `file` backend here",
@@ -138,7 +140,7 @@ impl UringBackend {
         if n >= u16::MAX as usize {
             return Err(backend_err("too many page size classes"));
         }
-        let (slab, len) = Self::make_slab(&self.ring, &self.opts.dir, slot_bytes, n)?;
+        let (slab, len) = Self::make_slab(&self.ring, &self.opts.dir, slot_bytes, n, false)?;
         let mut ix = self.index.lock();
         let id = ix.add_class(
             slot_bytes,

@@ -179,3 +179,64 @@ async fn a_capacity_above_the_free_space_still_writes() {
     .unwrap();
     assert_eq!(intact(&s, tail).await, vec![true; 8]);
 }
+
+/// Item "read-only tools": a read-only open of a store with a damaged log record changes no
+/// byte, length or name in the directory, reports what a read-write open would discard,
+/// serves every other page, refuses writes, and is refused while an owner holds the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_open_changes_nothing_and_refuses_writes() {
+    let dir = test_dir();
+    let ks = keys(7, 10);
+    {
+        let s = UringBackend::open(test_opts(dir.path())).unwrap();
+        assert_eq!(put_each(&s, &ks).await, 10);
+    }
+    let log = dir.path().join(INDEX_FILE);
+    let mut b = fs::read(&log).unwrap();
+    b[3 * RECORD_LEN + 50] ^= 0x10;
+    fs::write(&log, &b).unwrap();
+    let listing = || {
+        let mut v: Vec<(String, u64, Vec<u8>)> = fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| {
+                let m = e.metadata().unwrap();
+                let small = m.len() < (1 << 20);
+                let content = if small {
+                    fs::read(e.path()).unwrap()
+                } else {
+                    Vec::new()
+                };
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    m.len(),
+                    content,
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let before = listing();
+    let mut ro = test_opts(dir.path());
+    ro.read_only = true;
+    let s = UringBackend::open(ro.clone()).unwrap();
+    let r = s.open_report().clone();
+    assert_eq!(r.skipped_records, 1, "{r:?}");
+    assert!(r.preserved.is_none() && !r.compacted, "{r:?}");
+    assert_eq!(s.stats().discarded_on_open, 1);
+    let mut want = vec![true; 10];
+    want[2] = false;
+    assert_eq!(intact(&s, &ks).await, want);
+    let pages = vec![(ks[0], bytes::Bytes::from(page_bytes(&ks[0], LEN)))];
+    let e = s.put_pages(L, &pages).await.unwrap_err().to_string();
+    assert!(e.contains("read-only"), "{e}");
+    let e = s.delete(&ks[..1]).await.unwrap_err().to_string();
+    assert!(e.contains("read-only"), "{e}");
+    drop(s);
+    assert_eq!(listing(), before, "a read-only open changed the directory");
+    let w = UringBackend::open(test_opts(dir.path())).unwrap();
+    let e = UringBackend::open(ro).unwrap_err().to_string();
+    assert!(e.contains("in use"), "{e}");
+    drop(w);
+}

@@ -1,7 +1,9 @@
-//! `hicache-bench storage-check`: opens a backend's storage as a restart would and checks the
+//! `hicache-bench storage-check`: opens a backend's storage as a restart would (but read-only
+//! where the backend has a read-only mode) and checks the
 //! pages `storage-write` acknowledged: pages `0..=upto` must all read back bit-exact, and no page
 //! of the seed (including ones written after the last acknowledgement) may read back wrong.
-//! Prints a JSON summary; exits 1 on a missing acknowledged page or any wrong bytes.
+//! Prints a JSON summary; exits 1 on a missing acknowledged page or any wrong bytes. The file
+//! and uring backends are opened read-only: the check never changes the store it checks.
 
 use std::io::Write;
 
@@ -11,6 +13,9 @@ use serde::Serialize;
 
 use crate::cmd::storage_common::{BackendArgs, LAYOUT, aligned_region, runtime, seed_key};
 use crate::error::{BenchError, Result};
+
+/// Backends with a `read_only` open mode, which the check uses.
+const READ_ONLY_BACKENDS: [&str; 2] = ["file", "uring"];
 
 /// Arguments of `storage-check`.
 #[derive(Debug, Args)]
@@ -47,7 +52,8 @@ pub struct CheckSummary {
     pub corrupt_detected: u64,
     /// Unacknowledged pages past `upto` found present and bit-exact.
     pub beyond_present: u64,
-    /// Files or records the backend discarded when opening (torn writes, temp files).
+    /// Files or records the backend discarded when opening (torn writes, temp files); for a
+    /// read-only open (file, uring), what a read-write open would discard.
     pub discarded_on_open: u64,
     /// First missing acknowledged index, if any.
     pub first_missing: Option<u64>,
@@ -60,7 +66,17 @@ pub fn run(args: &StorageCheckArgs, mut out: impl Write) -> Result<CheckSummary>
     }
     let rt = runtime()?;
     let summary = rt.block_on(async {
-        let storage = args.backend.open(&[], args.page_bytes).await?;
+        // The check is read-only: the local-disk backends open in their read-only mode
+        // (nothing created, modified or deleted; `discarded_on_open` then counts what a
+        // read-write open would discard).
+        let read_only = [("read_only", serde_json::Value::Bool(true))];
+        let overrides: &[(&str, serde_json::Value)] =
+            if READ_ONLY_BACKENDS.contains(&args.backend.backend.as_str()) {
+                &read_only
+            } else {
+                &[]
+            };
+        let storage = args.backend.open(overrides, args.page_bytes).await?;
         let batch = storage.info().max_batch.min(128);
         let mut region = aligned_region(batch, args.page_bytes)?;
         let acked = args.upto.map_or(0, |u| u + 1);
