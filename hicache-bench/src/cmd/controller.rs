@@ -193,10 +193,18 @@ struct Phase<'a> {
     turns: Vec<u64>,
     /// Ticks before the measured ones.
     warmup: usize,
+    /// Tests only: after each tick (outside the timed region) wait until every copy, backup
+    /// and L3 lookup launched so far has completed, so which kinds of work the ticks do does
+    /// not depend on how fast background threads run on a loaded machine. The bench never
+    /// settles: its ticks see the background work as it really progresses.
+    settle: bool,
     running: VecDeque<Running>,
     pending: VecDeque<(u64, Vec<u32>)>,
     next: u64,
 }
+
+/// Bound on [`Phase::settle_in_flight`]'s 1 ms polls (a minute: far beyond any real copy).
+const SETTLE_POLLS: usize = 60_000;
 
 impl<'a> Phase<'a> {
     fn new(args: &'a ControllerArgs, mixed: bool) -> Result<Self> {
@@ -246,6 +254,7 @@ impl<'a> Phase<'a> {
             args,
             cache,
             warmup,
+            settle: false,
             system: tokens(1, args.system_tokens),
             mixed,
             rng: ChaCha8Rng::seed_from_u64(args.seed),
@@ -411,6 +420,24 @@ impl<'a> Phase<'a> {
         Ok((us, kinds))
     }
 
+    /// Waits (bounded) until nothing launched so far is still running; results are left for
+    /// the next tick's poll to collect.
+    fn settle_in_flight(&self) -> Result<()> {
+        for _ in 0..SETTLE_POLLS {
+            let f = self.cache.in_flight().map_err(fail)?;
+            let busy = f.writes.iter().any(|&(_, done)| !done)
+                || f.backups.iter().any(|&(_, done)| !done)
+                || f.lookups > 0;
+            if !busy {
+                return Ok(());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        Err(BenchError::Usage(format!(
+            "background copies still running after {SETTLE_POLLS} polls"
+        )))
+    }
+
     fn run(mut self) -> Result<(Samples, usize)> {
         self.fill()?;
         let mut samples = Samples::default();
@@ -418,6 +445,9 @@ impl<'a> Phase<'a> {
             let (us, kinds) = self.tick()?;
             if tick >= self.warmup {
                 samples.push(us, &kinds);
+            }
+            if self.settle {
+                self.settle_in_flight()?;
             }
         }
         for (id, _) in std::mem::take(&mut self.pending) {
@@ -546,7 +576,9 @@ mod tests {
             seed: 1,
             json: true,
         };
-        let (mut samples, _) = Phase::new(&args, true).unwrap().run().unwrap();
+        let mut mixed = Phase::new(&args, true).unwrap();
+        mixed.settle = true;
+        let (mut samples, _) = mixed.run().unwrap();
         let missing: Vec<&str> = [
             Kind::Insert,
             Kind::EvictL1,
@@ -566,7 +598,9 @@ mod tests {
         let (p50, p99, _) = stats(&mut samples.all);
         assert!(p50 > 0.0 && p99 >= p50);
         // The all-hit phase is (nearly: the last warm-up writes may still finish) all hits.
-        let (r, _) = Phase::new(&args, false).unwrap().run().unwrap();
+        let mut all_hit = Phase::new(&args, false).unwrap();
+        all_hit.settle = true;
+        let (r, _) = all_hit.run().unwrap();
         let hits = r.kind(Kind::AllHit).map_or(0, <[f64]>::len);
         assert!(hits >= 290, "{hits} all-hit ticks of 300");
         assert!(r.kind(Kind::L3Lookup).is_none() && r.kind(Kind::EvictL1).is_none());
