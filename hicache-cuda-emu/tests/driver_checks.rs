@@ -5,28 +5,14 @@
 //! the test and whose handles came from the driver, which is the entry points' whole contract.
 #![allow(clippy::undocumented_unsafe_blocks)]
 
-use std::ffi::{CString, c_void};
+use std::ffi::CString;
 use std::ptr::null_mut;
 
 use hicache_cuda_emu::driver::api::{self, rc};
 use hicache_cuda_emu::driver::stats;
 
-fn init() {
-    // SAFETY: plain driver calls with valid out-pointers throughout this file.
-    assert_eq!(unsafe { api::cuInit(0) }, rc::SUCCESS);
-}
-
-fn alloc(n: usize) -> u64 {
-    let mut p = 0u64;
-    assert_eq!(unsafe { api::cuMemAlloc_v2(&mut p, n) }, rc::SUCCESS);
-    p
-}
-
-fn stream() -> *mut c_void {
-    let mut s = null_mut();
-    assert_eq!(unsafe { api::cuStreamCreate(&mut s, 1) }, rc::SUCCESS);
-    s
-}
+mod common;
+use common::{alloc, init, stream};
 
 #[test]
 fn async_copy_from_pageable_memory_is_an_error() {

@@ -7,25 +7,11 @@
 #![allow(clippy::undocumented_unsafe_blocks)]
 
 use std::ffi::c_void;
-use std::ptr::null_mut;
 
 use hicache_cuda_emu::driver::api::{self, rc};
 
-fn init() {
-    assert_eq!(unsafe { api::cuInit(0) }, rc::SUCCESS);
-}
-
-fn alloc(n: usize) -> u64 {
-    let mut p = 0u64;
-    assert_eq!(unsafe { api::cuMemAlloc_v2(&mut p, n) }, rc::SUCCESS);
-    p
-}
-
-fn stream() -> *mut c_void {
-    let mut s = null_mut();
-    assert_eq!(unsafe { api::cuStreamCreate(&mut s, 1) }, rc::SUCCESS);
-    s
-}
+mod common;
+use common::{alloc, init, stream};
 
 #[test]
 fn the_null_stream_is_held_until_something_synchronises_with_it() {
