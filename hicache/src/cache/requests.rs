@@ -216,29 +216,15 @@ impl HiCache {
         tokens: &[u32],
         slots: &[DeviceSlot],
     ) -> Result<()> {
-        self.check_open()?;
-        let admitted = self.requests.admitted(req)?;
-        let ps = self.page_size();
-        check_slots(
-            &self.tiers.device_pool,
-            ps,
-            req,
-            tokens,
-            slots,
-            admitted.shared_pages,
-        )?;
-        let r = self.requests.get(req)?;
-        let (tenant, priority) = (r.tenant, r.priority);
-        let key = self.aligned(tokens);
-        let n = key.len() / ps;
-        let options = InsertOptions {
-            priority,
-            ..Default::default()
-        };
-        let res = self.tiers.tree.insert(tenant, key, &slots[..n], options)?;
+        let RequestInsert {
+            admitted,
+            pages: n,
+            shared_from: lo,
+            res,
+            ..
+        } = self.insert_request(req, tokens, slots, false)?;
         self.tiers.tree.unlock(admitted.lock)?;
-        record_hits(&self.tiers.metrics, ps, admitted);
-        let lo = admitted.shared_pages.min(res.prefix_pages);
+        record_hits(&self.tiers.metrics, self.page_size(), admitted);
         let mut free = slots[lo..res.prefix_pages].to_vec();
         free.extend_from_slice(&slots[n..]);
         self.tiers.free_device(&free)?;
@@ -257,27 +243,15 @@ impl HiCache {
         tokens: &[u32],
         slots: &[DeviceSlot],
     ) -> Result<Vec<DeviceSlot>> {
-        self.check_open()?;
-        let admitted = self.requests.admitted(req)?;
+        let RequestInsert {
+            admitted,
+            tenant,
+            key,
+            pages: n,
+            shared_from: lo,
+            res,
+        } = self.insert_request(req, tokens, slots, true)?;
         let ps = self.page_size();
-        check_slots(
-            &self.tiers.device_pool,
-            ps,
-            req,
-            tokens,
-            slots,
-            admitted.shared_pages,
-        )?;
-        let r = self.requests.get(req)?;
-        let (tenant, priority) = (r.tenant, r.priority);
-        let key = self.aligned(tokens);
-        let n = key.len() / ps;
-        let options = InsertOptions {
-            chunked: true,
-            priority,
-        };
-        let res = self.tiers.tree.insert(tenant, key, &slots[..n], options)?;
-        let lo = admitted.shared_pages.min(res.prefix_pages);
         self.tiers.free_device(&slots[lo..res.prefix_pages])?;
         let m = self.tiers.tree.match_prefix(tenant, key)?;
         debug_assert_eq!(m.device_pages(), n, "inserted pages are on device");
@@ -294,6 +268,46 @@ impl HiCache {
         });
         self.copies.queue_writes(res.write_through);
         Ok(out)
+    }
+
+    /// The first half of [`HiCache::cache_finished`] and [`HiCache::cache_unfinished`]:
+    /// checks the request's slots against its admission and inserts its page-aligned tokens
+    /// under the request's tenant and priority (`chunked` for a prefill chunk).
+    fn insert_request<'t>(
+        &mut self,
+        req: RequestId,
+        tokens: &'t [u32],
+        slots: &[DeviceSlot],
+        chunked: bool,
+    ) -> Result<RequestInsert<'t>> {
+        self.check_open()?;
+        let admitted = self.requests.admitted(req)?;
+        let ps = self.page_size();
+        check_slots(
+            &self.tiers.device_pool,
+            ps,
+            req,
+            tokens,
+            slots,
+            admitted.shared_pages,
+        )?;
+        let r = self.requests.get(req)?;
+        let (tenant, priority) = (r.tenant, r.priority);
+        let key = self.aligned(tokens);
+        let pages = key.len() / ps;
+        let options = InsertOptions { chunked, priority };
+        let res = self
+            .tiers
+            .tree
+            .insert(tenant, key, &slots[..pages], options)?;
+        Ok(RequestInsert {
+            admitted,
+            tenant,
+            key,
+            pages,
+            shared_from: admitted.shared_pages.min(res.prefix_pages),
+            res,
+        })
     }
 
     /// Drops a request at any stage: revokes its prefetch (pages already fetched are
@@ -333,4 +347,22 @@ impl HiCache {
         self.check_open()?;
         self.evict_device(pages)
     }
+}
+
+/// What [`HiCache::insert_request`] did.
+struct RequestInsert<'t> {
+    /// The request's admission before the insert.
+    admitted: Admitted,
+    /// The request's tenant.
+    tenant: TenantId,
+    /// The page-aligned tokens inserted.
+    key: &'t [u32],
+    /// Whole pages inserted (`key.len() / page_size`).
+    pages: usize,
+    /// First of the request's slots the tree already had and the admission did not share
+    /// (`shared_pages.min(prefix_pages)`): slots `shared_from..res.prefix_pages` are
+    /// duplicates the request frees.
+    shared_from: usize,
+    /// The tree's answer.
+    res: hicache_core::InsertResult,
 }
