@@ -16,12 +16,17 @@
 //!    batch is written while the previous one's durability barrier runs (a backend with group
 //!    commit merges those barriers). A backup is done, and finished at the agreed count, only
 //!    once every batch is acknowledged; backups finish in launch order.
+//! 5. **Tiering** ([`crate::tiering`]). A backup is *complete* when every rank stored every
+//!    page of it (the agreed index of the first incomplete one, [`L3::first_incomplete_backup`]).
+//!    Only complete backups record their pages as known in L3 (which lets exclusive tiering's
+//!    host eviction drop them) and, under `buffer_only`, release their nodes' host copies.
+//!    An incomplete backup's pages stay in L2.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use hicache_core::{FinishedBackup, KvEvent, Medium, NodeId, PageKey};
+use hicache_core::{FinishedBackup, HostSlot, KvEvent, Medium, NodeId, PageHash, PageKey};
 
 use super::L3;
 use super::jobs::{BackupJob, BackupShared};
@@ -32,10 +37,36 @@ use crate::tiers::Tiers;
 /// Most L3 write batches in flight at once, over every backup of a cache (invariant 4).
 pub const L3_WRITE_BATCHES_IN_FLIGHT: usize = 4;
 
+/// Polls without demotions after one that did not store every page (its pages stay in L2;
+/// retrying at once would rewrite them on every poll while the backend refuses).
+const DEMOTE_RETRY_POLLS: u32 = 64;
+
+/// Why pages go to L3.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum BackupKind {
+    /// At L2 admission (after a D2H ack): the default and `buffer_only`.
+    Admission,
+    /// Cold host-only leaves leaving L2 (exclusive): dropped from L2 once complete.
+    Demotion,
+}
+
+/// Pages a backup writes: the nodes it pins and, per page it sends, the key and host slot.
+struct BackupPages {
+    kind: BackupKind,
+    nodes: Vec<NodeId>,
+    /// Every page of the nodes (recorded as known in L3 when the backup is complete).
+    hashes: Vec<PageHash>,
+    keys: Vec<PageKey>,
+    slots: Vec<HostSlot>,
+}
+
 /// A backup tracked by the engine thread.
 #[derive(Debug)]
 pub(crate) struct BackupOp {
+    kind: BackupKind,
     nodes: Vec<NodeId>,
+    hashes: Vec<PageHash>,
+    /// Pages sent to L3 (pages already known to be there are not sent again).
     pages: usize,
     /// `BlockStored(L3)` events for the pages, made at launch (while the nodes hold exactly
     /// these pages) and emitted once every page is stored; empty when events are off.
@@ -50,47 +81,122 @@ impl BackupOp {
     fn is_done(&self) -> bool {
         self.shared.done.load(Ordering::Acquire)
     }
+
+    /// Pages stored so far.
+    fn stored(&self) -> usize {
+        self.shared.stored_pages.load(Ordering::Relaxed) as usize
+    }
 }
 
 impl L3 {
-    /// Starts copying a finished write's pages to L3 (after the D2H ack).
+    /// Starts copying a finished write's pages to L3 (after the D2H ack). Nothing under
+    /// exclusive tiering (L3 is written from cold pages instead); under `buffer_only` pages
+    /// already known to be in L3 are not sent again.
     pub fn start_backup(&mut self, fin: FinishedBackup, tiers: &mut Tiers) -> Result<()> {
-        if fin.fragments.is_empty() {
+        if fin.fragments.is_empty() || !tiers.tiering.writes_at_admission() {
             return Ok(());
         }
         let Some(start) = tiers.tree.chain_start(fin.tenant)? else {
             return Ok(());
         };
         let hashes = fin.hashes();
-        let slots = fin.host_slots();
-        if hashes.len() != slots.len() {
+        let all_slots = fin.host_slots();
+        if hashes.len() != all_slots.len() {
             // Pages without hashes cannot be named in L3.
             return Ok(());
         }
-        let keys: Vec<PageKey> = hashes
+        let dedup = tiers.tiering.dedups_admission();
+        let (keys, slots) = hashes
             .iter()
-            .map(|h| PageKey::new(start.namespace_id, *h))
-            .collect();
-        let nodes: Vec<NodeId> = fin.fragments.iter().map(|f| f.node).collect();
-        for &n in &nodes {
+            .zip(&all_slots)
+            .filter(|(h, _)| !(dedup && tiers.tiering.known.contains(h)))
+            .map(|(h, s)| (PageKey::new(start.namespace_id, *h), *s))
+            .unzip();
+        let pages = BackupPages {
+            kind: BackupKind::Admission,
+            nodes: fin.fragments.iter().map(|f| f.node).collect(),
+            hashes,
+            keys,
+            slots,
+        };
+        self.launch_backup(pages, tiers)
+    }
+
+    /// Exclusive tiering: when the agreed free host pages, plus pages of demotions in flight,
+    /// plus the coldest host-only leaves already known to be in L3 (host eviction takes those
+    /// at once when room is needed, so they stay in L2 until then), fall below the headroom
+    /// plus the shortfall, starts one backup of the coldest leaves' pages L3 lacks; once it
+    /// is complete they are known in L3 and host eviction may drop them (invariant 5).
+    /// Deterministic: the tree, the budget and the shortfall are agreed.
+    pub fn demote_cold(&mut self, tiers: &mut Tiers) -> Result<()> {
+        if self.demote_pause > 0 {
+            self.demote_pause -= 1;
+            return Ok(());
+        }
+        let headroom = tiers.tiering.headroom() + std::mem::take(&mut tiers.tiering.shortfall);
+        let have = tiers.budget + self.demoting_pages;
+        if !tiers.tiering.exclusive || have >= headroom {
+            return Ok(());
+        }
+        let mut pages = BackupPages {
+            kind: BackupKind::Demotion,
+            nodes: Vec::new(),
+            hashes: Vec::new(),
+            keys: Vec::new(),
+            slots: Vec::new(),
+        };
+        for node in tiers.tree.coldest_host_leaves(headroom - have) {
+            let hashes = tiers.tree.page_hashes(node)?.to_vec();
+            if tiers.tiering.known.contains_all(&hashes) {
+                continue;
+            }
+            let tenant = tiers.tree.node_info(node)?.tenant;
+            let slots = tiers.tree.host_slots(node)?;
+            let Some(start) = tiers.tree.chain_start(tenant)? else {
+                continue;
+            };
+            if slots.len() != hashes.len() {
+                continue;
+            }
+            // Pages of the node already in L3 (recomputed ones) are not sent again.
+            for (h, s) in hashes.iter().zip(slots) {
+                if !tiers.tiering.known.contains(h) {
+                    pages.keys.push(PageKey::new(start.namespace_id, *h));
+                    pages.slots.push(s);
+                }
+            }
+            self.demoting_pages += hashes.len();
+            pages.hashes.extend(hashes);
+            pages.nodes.push(node);
+        }
+        if pages.nodes.is_empty() {
+            return Ok(());
+        }
+        self.launch_backup(pages, tiers)
+    }
+
+    /// Pins the nodes, makes their `BlockStored(L3)` events and starts the job (or, for a
+    /// rank that does not write, or nothing to send, a backup done at once).
+    fn launch_backup(&mut self, p: BackupPages, tiers: &mut Tiers) -> Result<()> {
+        for &n in &p.nodes {
             tiers.tree.protect_host(n)?;
         }
         let mut events = Vec::new();
-        for &n in &nodes {
+        for &n in &p.nodes {
             events.extend(tiers.tree.stored_event(n, Medium::Storage)?);
         }
-        let pages = slots.len();
+        let sent = p.keys.len();
         let shared = Arc::new(BackupShared::default());
-        if self.backup_skip {
-            // Rank 0 writes these pages for every rank (invariant 2): this rank's backup is
-            // done at once, but it is tracked, pinned and finished like rank 0's.
+        if self.backup_skip || sent == 0 {
+            // Rank 0 writes these pages for every rank (invariant 2), or every page is known
+            // to be in L3: done at once, but tracked, pinned and finished like the others.
             shared.done.store(true, Ordering::Release);
         } else {
             let job = BackupJob {
                 storage: self.storage.clone(),
                 pool: tiers.host_pool.clone(),
-                keys,
-                slots,
+                keys: p.keys,
+                slots: p.slots,
                 batch: self.batch,
                 layout: self.layout,
                 shared: shared.clone(),
@@ -99,8 +205,10 @@ impl L3 {
             self.runtime.spawn(job.run());
         }
         self.backups.push_back(BackupOp {
-            nodes,
-            pages,
+            kind: p.kind,
+            nodes: p.nodes,
+            hashes: p.hashes,
+            pages: sent,
             events,
             started: Instant::now(),
             shared,
@@ -136,32 +244,55 @@ impl L3 {
         }
     }
 
-    /// Finishes the oldest `n` backups (the agreed count): releases their host pins and
-    /// appends the events of those that stored every page (invariant 3) to `events`.
+    /// The index, from the oldest, of the first finished backup that did not store every
+    /// page on this rank (`usize::MAX` when none): every rank's minimum tells which backups
+    /// are complete everywhere (invariant 5).
+    pub fn first_incomplete_backup(&self) -> usize {
+        self.backups
+            .iter()
+            .take_while(|b| b.is_done())
+            .position(|b| !b.skipped && b.stored() < b.pages)
+            .unwrap_or(usize::MAX)
+    }
+
+    /// Finishes the oldest `n` backups (the agreed count; those before index
+    /// `first_incomplete` are complete on every rank): releases their host pins, appends the
+    /// events of those that stored every page (invariant 3) to `events`, and applies the
+    /// tiering of complete ones (invariant 5).
     pub fn finish_backups(
         &mut self,
         n: usize,
+        first_incomplete: usize,
         tiers: &mut Tiers,
         events: &mut Vec<KvEvent>,
     ) -> Result<()> {
-        for _ in 0..n {
+        for k in 0..n {
             let Some(op) = self.backups.pop_front() else {
                 break;
             };
             for node in &op.nodes {
                 tiers.tree.release_host(*node)?;
             }
-            if op.skipped {
+            if op.kind == BackupKind::Demotion {
+                self.demoting_pages -= op.hashes.len();
+            }
+            let complete = k < first_incomplete;
+            if complete {
+                self.apply_tiering(&op, tiers)?;
+            } else if op.kind == BackupKind::Demotion {
+                self.demote_pause = DEMOTE_RETRY_POLLS;
+            }
+            if op.skipped || op.pages == 0 {
                 continue;
             }
-            let stored = op.shared.stored_pages.load(Ordering::Relaxed);
+            let stored = op.stored();
             tiers.metrics.transfer(
                 Direction::l2_to_l3,
-                stored,
-                stored * self.page_bytes as u64,
+                stored as u64,
+                (stored * self.page_bytes) as u64,
                 op.started.elapsed().as_secs_f64(),
             );
-            if stored as usize == op.pages {
+            if stored == op.pages {
                 events.extend(op.events);
             }
             if op.shared.failed.load(Ordering::Relaxed) {
@@ -170,6 +301,18 @@ impl L3 {
                     stored,
                     "an L3 backup stored only part of its pages"
                 );
+            }
+        }
+        Ok(())
+    }
+
+    /// A complete backup: its pages are known in L3; under `buffer_only` its nodes' host
+    /// copies go (deepest first), and a demotion's leaves leave L2.
+    fn apply_tiering(&self, op: &BackupOp, tiers: &mut Tiers) -> Result<()> {
+        tiers.tiering.known.insert_all(&op.hashes);
+        if op.kind == BackupKind::Admission && tiers.tiering.buffer_only {
+            for &node in op.nodes.iter().rev() {
+                tiers.drop_host_copy(node)?;
             }
         }
         Ok(())
