@@ -16,7 +16,11 @@
 //!    batch is written while the previous one's durability barrier runs (a backend with group
 //!    commit merges those barriers). A backup is done, and finished at the agreed count, only
 //!    once every batch is acknowledged; backups finish in launch order.
-//! 5. **Tiering** ([`crate::tiering`]). A backup is *complete* when every rank stored every
+//! 5. **Prefix keys.** With `hicache_storage_pass_prefix_keys`, every batch is sent with the
+//!    keys of the pages before it in the request: the path from the root to the first
+//!    fragment's parent, then the backup's own earlier pages (those skipped as already in L3
+//!    included). Without it, with none.
+//! 6. **Tiering** ([`crate::tiering`]). A backup is *complete* when every rank stored every
 //!    page of it (the agreed index of the first incomplete one, [`L3::first_incomplete_backup`]).
 //!    Only complete backups record their pages as known in L3 (which lets exclusive tiering's
 //!    host eviction drop them) and, under `buffer_only`, release their nodes' host copies.
@@ -26,10 +30,12 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use hicache_core::{FinishedBackup, HostSlot, KvEvent, Medium, NodeId, PageHash, PageKey};
+use hicache_core::{
+    FinishedBackup, HostSlot, KvEvent, Medium, NamespaceId, NodeId, PageHash, PageKey,
+};
 
 use super::L3;
-use super::jobs::{BackupJob, BackupShared};
+use super::jobs::{BackupJob, BackupShared, Chain};
 use crate::error::Result;
 use crate::metrics::Direction;
 use crate::tiers::Tiers;
@@ -50,13 +56,27 @@ enum BackupKind {
     Demotion,
 }
 
+/// What a backup is asked to write: one request's pages of `nodes` (root-first).
+struct ToSend {
+    kind: BackupKind,
+    namespace: NamespaceId,
+    nodes: Vec<NodeId>,
+    /// Every page of the nodes.
+    hashes: Vec<PageHash>,
+    /// Their host slots.
+    slots: Vec<HostSlot>,
+    /// Skip the leading pages already known to be in L3.
+    dedup: bool,
+}
+
 /// Pages a backup writes: the nodes it pins and, per page it sends, the key and host slot.
 struct BackupPages {
     kind: BackupKind,
     nodes: Vec<NodeId>,
     /// Every page of the nodes (recorded as known in L3 when the backup is complete).
     hashes: Vec<PageHash>,
-    keys: Vec<PageKey>,
+    /// The keys sent, after the request's earlier pages (prefix keys).
+    chain: Chain,
     slots: Vec<HostSlot>,
 }
 
@@ -105,29 +125,69 @@ impl L3 {
             // Pages without hashes cannot be named in L3.
             return Ok(());
         }
-        let dedup = tiers.tiering.dedups_admission();
-        let (keys, slots) = hashes
-            .iter()
-            .zip(&all_slots)
-            .filter(|(h, _)| !(dedup && tiers.tiering.known.contains(h)))
-            .map(|(h, s)| (PageKey::new(start.namespace_id, *h), *s))
-            .unzip();
-        let pages = BackupPages {
+        let to_send = ToSend {
             kind: BackupKind::Admission,
+            namespace: start.namespace_id,
             nodes: fin.fragments.iter().map(|f| f.node).collect(),
             hashes,
-            keys,
-            slots,
+            slots: all_slots,
+            dedup: tiers.tiering.dedups_admission(),
         };
+        let pages = self.backup_pages(to_send, tiers)?;
         self.launch_backup(pages, tiers)
+    }
+
+    /// The pages to send of `t.nodes` (one request's pages, root-first): pages already known
+    /// to be in L3 at the front are skipped when `t.dedup` (they become prefix keys, so
+    /// invariant 5 stays true), the rest are sent in order.
+    fn backup_pages(&self, t: ToSend, tiers: &Tiers) -> Result<BackupPages> {
+        let ToSend {
+            kind,
+            namespace,
+            nodes,
+            hashes,
+            slots,
+            dedup,
+        } = t;
+        let key = |h: &PageHash| PageKey::new(namespace, *h);
+        let skip = if dedup {
+            hashes
+                .iter()
+                .take_while(|h| tiers.tiering.known.contains(h))
+                .count()
+        } else {
+            0
+        };
+        // The request's pages before the first sent: the path to the first node's parent,
+        // then the skipped pages (invariant 5).
+        let prefix: Option<Vec<PageKey>> =
+            if self.config.common.pass_prefix_keys && !self.backup_skip {
+                let mut v: Vec<PageKey> = match tiers.tree.node_info(nodes[0])?.parent {
+                    Some(p) => tiers.tree.prefix_hashes(p)?.iter().map(key).collect(),
+                    None => Vec::new(),
+                };
+                v.extend(hashes[..skip].iter().map(key));
+                Some(v)
+            } else {
+                None
+            };
+        let chain = Chain::new(prefix.as_deref(), hashes[skip..].iter().map(key));
+        Ok(BackupPages {
+            kind,
+            nodes,
+            hashes,
+            chain,
+            slots: slots[skip..].to_vec(),
+        })
     }
 
     /// Exclusive tiering: when the agreed free host pages, plus pages of demotions in flight,
     /// plus the coldest host-only leaves already known to be in L3 (host eviction takes those
     /// at once when room is needed, so they stay in L2 until then), fall below the headroom
-    /// plus the shortfall, starts one backup of the coldest leaves' pages L3 lacks; once it
-    /// is complete they are known in L3 and host eviction may drop them (invariant 5).
-    /// Deterministic: the tree, the budget and the shortfall are agreed.
+    /// plus the shortfall, starts a backup of each of the coldest leaves L3 lacks (its pages
+    /// already known there are not sent); once it is complete they are known in L3 and host
+    /// eviction may drop them (invariant 6). Deterministic: the tree, the budget and the
+    /// shortfall are agreed.
     pub fn demote_cold(&mut self, tiers: &mut Tiers) -> Result<()> {
         if self.demote_pause > 0 {
             self.demote_pause -= 1;
@@ -138,41 +198,29 @@ impl L3 {
         if !tiers.tiering.exclusive || have >= headroom {
             return Ok(());
         }
-        let mut pages = BackupPages {
-            kind: BackupKind::Demotion,
-            nodes: Vec::new(),
-            hashes: Vec::new(),
-            keys: Vec::new(),
-            slots: Vec::new(),
-        };
         for node in tiers.tree.coldest_host_leaves(headroom - have) {
             let hashes = tiers.tree.page_hashes(node)?.to_vec();
-            if tiers.tiering.known.contains_all(&hashes) {
-                continue;
-            }
-            let tenant = tiers.tree.node_info(node)?.tenant;
             let slots = tiers.tree.host_slots(node)?;
+            let tenant = tiers.tree.node_info(node)?.tenant;
             let Some(start) = tiers.tree.chain_start(tenant)? else {
                 continue;
             };
-            if slots.len() != hashes.len() {
+            if tiers.tiering.known.contains_all(&hashes) || slots.len() != hashes.len() {
                 continue;
             }
-            // Pages of the node already in L3 (recomputed ones) are not sent again.
-            for (h, s) in hashes.iter().zip(slots) {
-                if !tiers.tiering.known.contains(h) {
-                    pages.keys.push(PageKey::new(start.namespace_id, *h));
-                    pages.slots.push(s);
-                }
-            }
             self.demoting_pages += hashes.len();
-            pages.hashes.extend(hashes);
-            pages.nodes.push(node);
+            let to_send = ToSend {
+                kind: BackupKind::Demotion,
+                namespace: start.namespace_id,
+                nodes: vec![node],
+                hashes,
+                slots,
+                dedup: true,
+            };
+            let pages = self.backup_pages(to_send, tiers)?;
+            self.launch_backup(pages, tiers)?;
         }
-        if pages.nodes.is_empty() {
-            return Ok(());
-        }
-        self.launch_backup(pages, tiers)
+        Ok(())
     }
 
     /// Pins the nodes, makes their `BlockStored(L3)` events and starts the job (or, for a
@@ -185,7 +233,7 @@ impl L3 {
         for &n in &p.nodes {
             events.extend(tiers.tree.stored_event(n, Medium::Storage)?);
         }
-        let sent = p.keys.len();
+        let sent = p.chain.len();
         let shared = Arc::new(BackupShared::default());
         if self.backup_skip || sent == 0 {
             // Rank 0 writes these pages for every rank (invariant 2), or every page is known
@@ -195,7 +243,7 @@ impl L3 {
             let job = BackupJob {
                 storage: self.storage.clone(),
                 pool: tiers.host_pool.clone(),
-                keys: p.keys,
+                chain: Arc::new(p.chain),
                 slots: p.slots,
                 batch: self.batch,
                 layout: self.layout,
@@ -246,7 +294,7 @@ impl L3 {
 
     /// The index, from the oldest, of the first finished backup that did not store every
     /// page on this rank (`usize::MAX` when none): every rank's minimum tells which backups
-    /// are complete everywhere (invariant 5).
+    /// are complete everywhere (invariant 6).
     pub fn first_incomplete_backup(&self) -> usize {
         self.backups
             .iter()
@@ -258,7 +306,7 @@ impl L3 {
     /// Finishes the oldest `n` backups (the agreed count; those before index
     /// `first_incomplete` are complete on every rank): releases their host pins, appends the
     /// events of those that stored every page (invariant 3) to `events`, and applies the
-    /// tiering of complete ones (invariant 5).
+    /// tiering of complete ones (invariant 6).
     pub fn finish_backups(
         &mut self,
         n: usize,
