@@ -16,7 +16,9 @@ use hicache_storage::{Result, StatsCounters, StorageError};
 use parking_lot::Mutex;
 
 use crate::format::{self, Layout, MARKER, MARKER_CONTENTS, file_bytes};
-use crate::{DirectIo, FileBackend, FileOptions, IoEngine, REGISTRY_LOCK, backend_err, backend_err_caused};
+use crate::{
+    DirectIo, FileBackend, FileOptions, IoEngine, REGISTRY_LOCK, backend_err, backend_err_caused,
+};
 
 /// Picks the engine for `mode`, calling `probe` (which builds the io_uring driver and proves
 /// it on a real file) unless threads are asked for. `auto` falls back to threads when the
