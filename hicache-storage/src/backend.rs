@@ -28,6 +28,14 @@
 //!    pages (policy per backend, LRU by default). A page larger than the capacity fails with
 //!    [`PageError::TooLarge`](crate::PageError::TooLarge).
 //! 8. **Concurrency.** All methods may be called concurrently from many tasks.
+//! 9. **Batch context.** `batch_exists_with`, `batch_get_with` and `batch_set_with` carry a
+//!    [`BatchContext`]: the keys of the pages before the batch in the same request (SGLang's
+//!    `prefix_keys`, passed when `hicache_storage_pass_prefix_keys` is on) and optional extra
+//!    info. A backend may use it for placement or read-ahead, never for what it answers: a call
+//!    with a context returns exactly what the same call without one returns (outcomes, bytes).
+//!    The defaults drop the context and call the plain methods, so a backend that has no use
+//!    for it implements nothing; one that uses it overrides the three and sets
+//!    [`BackendInfo::batch_context`]. A wrapper around another backend forwards all six.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -35,6 +43,7 @@ use async_trait::async_trait;
 use hicache_core::{MemoryRegion, PageKey};
 use serde::Serialize;
 
+use crate::context::BatchContext;
 use crate::error::{Result, StorageError};
 use crate::page::{PageBuf, PageBufMut, PageOutcome};
 
@@ -61,6 +70,10 @@ pub struct BackendInfo {
     pub max_page_bytes: usize,
     /// Capacity in bytes, when bounded.
     pub capacity_bytes: Option<u64>,
+    /// Whether the backend reads the [`BatchContext`] of the `*_with` calls (rule 9).
+    /// Informational: callers pass the context either way, and a backend without this flag
+    /// ignores it.
+    pub batch_context: bool,
 }
 
 impl BackendInfo {
@@ -75,6 +88,7 @@ impl BackendInfo {
             max_batch,
             max_page_bytes: usize::MAX,
             capacity_bytes: None,
+            batch_context: false,
         }
     }
 }
@@ -268,6 +282,37 @@ pub trait Storage: Send + Sync + 'static {
     /// returned only once the page is committed (visible, and durable per the backend's
     /// durability policy).
     async fn batch_set(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Result<Vec<PageOutcome>>;
+
+    /// [`batch_exists`](Self::batch_exists) with the batch's context (rule 9). The default
+    /// ignores the context.
+    async fn batch_exists_with(&self, keys: &[PageKey], ctx: BatchContext<'_>) -> Result<usize> {
+        let _ = ctx;
+        self.batch_exists(keys).await
+    }
+
+    /// [`batch_get`](Self::batch_get) with the batch's context (rule 9). The default ignores
+    /// the context.
+    async fn batch_get_with(
+        &self,
+        keys: &[PageKey],
+        dst: &mut [PageBufMut<'_>],
+        ctx: BatchContext<'_>,
+    ) -> Result<Vec<PageOutcome>> {
+        let _ = ctx;
+        self.batch_get(keys, dst).await
+    }
+
+    /// [`batch_set`](Self::batch_set) with the batch's context (rule 9). The default ignores
+    /// the context.
+    async fn batch_set_with(
+        &self,
+        keys: &[PageKey],
+        src: &[PageBuf<'_>],
+        ctx: BatchContext<'_>,
+    ) -> Result<Vec<PageOutcome>> {
+        let _ = ctx;
+        self.batch_set(keys, src).await
+    }
 
     /// Announces the long-lived memory region (the pinned host pool) that page buffers of later
     /// calls lie in, so the backend can register it once (io_uring fixed buffers, an RDMA
