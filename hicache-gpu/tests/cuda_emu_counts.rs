@@ -18,10 +18,10 @@ use std::sync::Arc;
 use common::{Case, Fixture, check_all_pair_lists, dslots, hslots};
 use hicache_core::{DType, KvKind, KvShape, LayoutKind};
 use hicache_gpu::{
-    DEFAULT_CTAS, Device, DevicePool, DeviceRegion, EngineLayer, GpuError, HostRegistration,
-    IoBackend, TransferConfig, TransferEngine,
+    DEFAULT_CTAS, Device, DevicePool, DeviceRegion, DeviceSlot, EngineLayer, GpuError,
+    HostRegistration, IoBackend, TransferConfig, TransferEngine,
 };
-use hicache_host::{HostPool, HostPoolConfig, HugePagePolicy, PoolSize};
+use hicache_host::{HostPool, HostPoolConfig, HostSlot, HugePagePolicy, PoolSize};
 
 /// The emulator's counters, looked up in the `libcuda.so` the CUDA path loaded.
 struct Counters {
@@ -145,6 +145,44 @@ fn shape() -> KvShape {
     }
 }
 
+/// A case of [`shape()`] with no engine buffers, no misalignment and no staging.
+fn plain_case(layout: LayoutKind, io: IoBackend, device_pages: usize, host_pages: usize) -> Case {
+    Case {
+        shape: shape(),
+        layout,
+        io,
+        engine: false,
+        misalign: 0,
+        device_pages,
+        host_pages,
+        staged: 0,
+    }
+}
+
+/// The config that selects `io`, defaults otherwise.
+fn io_config(io: IoBackend) -> TransferConfig {
+    TransferConfig {
+        io,
+        ..Default::default()
+    }
+}
+
+/// An all-layer backup of `d` into `h`, then an all-layer load back, each measured on its own:
+/// the counters are reset before each and `measure` read after it completes.
+fn backup_then_load<T>(
+    fx: &Fixture,
+    counters: &Counters,
+    (d, h): (&[DeviceSlot], &[HostSlot]),
+    measure: impl Fn(&Counters) -> T,
+) -> (T, T) {
+    counters.reset();
+    fx.engine.backup(d, h, &[]).unwrap().wait().unwrap();
+    let backup = measure(counters);
+    counters.reset();
+    fx.engine.load(h, d, &[]).unwrap().wait().unwrap();
+    (backup, measure(counters))
+}
+
 #[test]
 fn default_cta_count_is_at_most_eight() {
     assert!(TransferConfig::default().ctas <= 8);
@@ -160,34 +198,13 @@ fn all_layer_backup_and_load_of_256_pages_cost_bounded_launches_and_calls() {
     let layers = shape().layers as u64;
     for io in [IoBackend::Kernel, IoBackend::Direct] {
         for layout in LayoutKind::ALL {
-            let case = Case {
-                shape: shape(),
-                layout,
-                io,
-                engine: false,
-                misalign: 0,
-                device_pages: PAGES,
-                host_pages: PAGES,
-                staged: 0,
-            };
-            let fx = Fixture::with_config(
-                &device,
-                case,
-                TransferConfig {
-                    io,
-                    ..Default::default()
-                },
-            );
+            let case = plain_case(layout, io, PAGES, PAGES);
+            let fx = Fixture::with_config(&device, case, io_config(io));
             fx.randomize(7);
             let pages: Vec<u32> = (0..PAGES as u32).collect();
             let (d, h) = (dslots(&pages), hslots(&pages));
-
-            counters.reset();
-            fx.engine.backup(&d, &h, &[]).unwrap().wait().unwrap();
-            let (b_launch, b_calls) = (counters.launches(), counters.work_calls());
-            counters.reset();
-            fx.engine.load(&h, &d, &[]).unwrap().wait().unwrap();
-            let (l_launch, l_calls) = (counters.launches(), counters.work_calls());
+            let ((b_launch, b_calls), (l_launch, l_calls)) =
+                backup_then_load(&fx, &counters, (&d, &h), |c| (c.launches(), c.work_calls()));
             println!(
                 "{io:?} {}: backup {b_launch} launches / {b_calls} work calls; \
                  load {l_launch} launches / {l_calls} work calls ({PAGES} pages, {layers} layers)",
@@ -217,16 +234,7 @@ fn transfer_streams_are_created_at_the_highest_priority() {
     };
     let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
     counters.reset();
-    let case = Case {
-        shape: shape(),
-        layout: LayoutKind::PageFirst,
-        io: IoBackend::Kernel,
-        engine: false,
-        misalign: 0,
-        device_pages: 4,
-        host_pages: 4,
-        staged: 0,
-    };
+    let case = plain_case(LayoutKind::PageFirst, IoBackend::Kernel, 4, 4);
     let _fx = Fixture::with_config(&device, case, TransferConfig::default());
     assert!(counters.calls("cuStreamCreateWithPriority") >= 2);
     assert_eq!(
@@ -247,39 +255,15 @@ fn scattered_pages_go_to_the_driver_as_one_batch_per_plan() {
     let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
     let layers = shape().layers as u64;
     for layout in LayoutKind::ALL {
-        let case = Case {
-            shape: shape(),
-            layout,
-            io: IoBackend::Direct,
-            engine: false,
-            misalign: 0,
-            device_pages: PAGES,
-            host_pages: PAGES,
-            staged: 0,
-        };
-        let fx = Fixture::with_config(
-            &device,
-            case,
-            TransferConfig {
-                io: IoBackend::Direct,
-                ..Default::default()
-            },
-        );
+        let case = plain_case(layout, IoBackend::Direct, PAGES, PAGES);
+        let fx = Fixture::with_config(&device, case, io_config(IoBackend::Direct));
         let dev: Vec<u32> = (0..PAGES as u32).rev().collect();
         let host: Vec<u32> = (0..PAGES as u32).collect();
         let (d, h) = (dslots(&dev), hslots(&host));
-        counters.reset();
-        fx.engine.backup(&d, &h, &[]).unwrap().wait().unwrap();
-        let (b_batches, b_calls) = (
-            counters.calls("cuMemcpyBatchAsync_v2"),
-            counters.work_calls(),
-        );
-        counters.reset();
-        fx.engine.load(&h, &d, &[]).unwrap().wait().unwrap();
-        let (l_batches, l_calls) = (
-            counters.calls("cuMemcpyBatchAsync_v2"),
-            counters.work_calls(),
-        );
+        let ((b_batches, b_calls), (l_batches, l_calls)) =
+            backup_then_load(&fx, &counters, (&d, &h), |c| {
+                (c.calls("cuMemcpyBatchAsync_v2"), c.work_calls())
+            });
         println!(
             "Direct {} scattered: backup {b_batches} batches / {b_calls} work calls; load \
              {l_batches} batches / {l_calls} work calls",
@@ -306,16 +290,7 @@ fn direct_copies_fall_back_to_one_call_per_op_on_older_drivers() {
     let old = Device::cuda(0);
     counters.set_driver_version(0);
     let old = old.unwrap();
-    let case = Case {
-        shape: shape(),
-        layout: LayoutKind::PageFirstDirect,
-        io: IoBackend::Direct,
-        engine: false,
-        misalign: 0,
-        device_pages: 11,
-        host_pages: 13,
-        staged: 0,
-    };
+    let case = plain_case(LayoutKind::PageFirstDirect, IoBackend::Direct, 11, 13);
     counters.reset();
     let fx = Fixture::new(&old, case);
     check_all_pair_lists(&fx, 5);
@@ -329,21 +304,13 @@ fn direct_copies_fall_back_to_one_call_per_op_on_older_drivers() {
             host_pages: PAGES,
             ..case
         },
-        TransferConfig {
-            io: IoBackend::Direct,
-            ..Default::default()
-        },
+        io_config(IoBackend::Direct),
     );
     let pages: Vec<u32> = (0..PAGES as u32).collect();
     let (d, h) = (dslots(&pages), hslots(&pages));
     let layers = shape().layers as u64;
     let bound = 8 * layers * 2 + 8;
-    counters.reset();
-    fx.engine.backup(&d, &h, &[]).unwrap().wait().unwrap();
-    let b_calls = counters.work_calls();
-    counters.reset();
-    fx.engine.load(&h, &d, &[]).unwrap().wait().unwrap();
-    let l_calls = counters.work_calls();
+    let (b_calls, l_calls) = backup_then_load(&fx, &counters, (&d, &h), Counters::work_calls);
     println!(
         "pre-13.0 driver, direct page_first_direct: backup {b_calls}, load {l_calls} work calls"
     );
@@ -363,16 +330,7 @@ fn kernels_load_as_a_cubin_and_fall_back_to_ptx() {
         return;
     };
     let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
-    let case = Case {
-        shape: shape(),
-        layout: LayoutKind::PageFirst,
-        io: IoBackend::Kernel,
-        engine: false,
-        misalign: 0,
-        device_pages: 11,
-        host_pages: 13,
-        staged: 0,
-    };
+    let case = plain_case(LayoutKind::PageFirst, IoBackend::Kernel, 11, 13);
     counters.reset();
     let fx = Fixture::new(&Device::cuda(0).unwrap(), case);
     assert_eq!(counters.calls("cuModuleLoadData[cubin]"), 1);
@@ -402,14 +360,8 @@ fn every_event_blocks_its_host_waits() {
     counters.reset();
     for io in [IoBackend::Kernel, IoBackend::Direct] {
         let case = Case {
-            shape: shape(),
-            layout: LayoutKind::LayerFirst,
-            io,
-            engine: false,
-            misalign: 0,
-            device_pages: 11,
-            host_pages: 13,
             staged: if io == IoBackend::Kernel { 2 } else { 0 },
+            ..plain_case(LayoutKind::LayerFirst, io, 11, 13)
         };
         let fx = Fixture::new(&device, case);
         check_all_pair_lists(&fx, 3);

@@ -94,14 +94,34 @@ pub enum StorageError {
         /// The operation asked for (`clear`, …).
         op: &'static str,
     },
-    /// Any other backend-specific failure, with the backend's name.
-    #[error("storage backend `{backend}`: {reason}")]
+    /// Any other backend-specific failure, with the backend's name. Build it with
+    /// [`StorageError::backend`] or, when an underlying error caused it,
+    /// [`StorageError::backend_caused`], which keeps that error as the
+    /// [`source`](std::error::Error::source) (and appends its text to the message, so a log line
+    /// that prints only this error still shows the cause).
+    #[error("storage backend `{backend}`: {}", backend_detail(reason, source.as_deref()))]
     Backend {
         /// The backend's name.
         backend: String,
-        /// What went wrong.
+        /// What went wrong (the context; the cause's own text is in `source`).
         reason: String,
+        /// The underlying error, when there is one.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
     },
+}
+
+/// The message of a [`StorageError::Backend`]: its reason, then its cause's text after `: `
+/// (either may be empty).
+fn backend_detail(
+    reason: &str,
+    source: Option<&(dyn std::error::Error + Send + Sync + 'static)>,
+) -> String {
+    match source {
+        None => reason.to_string(),
+        Some(cause) if reason.is_empty() => cause.to_string(),
+        Some(cause) => format!("{reason}: {cause}"),
+    }
 }
 
 impl StorageError {
@@ -120,6 +140,30 @@ impl StorageError {
         }
     }
 
+    /// A [`StorageError::Backend`] error without an underlying cause.
+    pub fn backend(backend: impl Into<String>, reason: impl Into<String>) -> Self {
+        StorageError::Backend {
+            backend: backend.into(),
+            reason: reason.into(),
+            source: None,
+        }
+    }
+
+    /// A [`StorageError::Backend`] error caused by `source`: `reason` says what was being done
+    /// (it may be empty), `source` is kept as the error's
+    /// [`source`](std::error::Error::source).
+    pub fn backend_caused(
+        backend: impl Into<String>,
+        reason: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    ) -> Self {
+        StorageError::Backend {
+            backend: backend.into(),
+            reason: reason.into(),
+            source: Some(source.into()),
+        }
+    }
+
     /// Wraps an I/O error with the operation and the path it concerns.
     pub fn io(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
         let path = path.into();
@@ -129,3 +173,37 @@ impl StorageError {
 
 /// Result alias of `hicache-storage`.
 pub type Result<T, E = StorageError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    #[test]
+    fn a_backend_error_keeps_its_cause_as_source() {
+        let cause = std::io::Error::new(std::io::ErrorKind::PermissionDenied, "no entry");
+        let e = StorageError::backend_caused("file", "open index", cause);
+        assert_eq!(
+            e.to_string(),
+            "storage backend `file`: open index: no entry"
+        );
+        let src = e.source().expect("the cause is the source");
+        let io = src
+            .downcast_ref::<std::io::Error>()
+            .expect("the source is the original io::Error");
+        assert_eq!(io.kind(), std::io::ErrorKind::PermissionDenied);
+    }
+
+    #[test]
+    fn a_backend_error_without_cause_has_no_source() {
+        let e = StorageError::backend("uring", "too many page size classes");
+        assert!(e.source().is_none());
+        assert_eq!(
+            e.to_string(),
+            "storage backend `uring`: too many page size classes"
+        );
+        let bare = StorageError::backend_caused("x", "", std::io::Error::other("gone"));
+        assert_eq!(bare.to_string(), "storage backend `x`: gone");
+    }
+}

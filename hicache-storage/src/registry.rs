@@ -185,10 +185,7 @@ mod tests {
             _: ConfigFields,
             _: &BackendContext,
         ) -> Result<Arc<dyn Storage>> {
-            Err(StorageError::Backend {
-                backend: self.0.into(),
-                reason: "test factory".into(),
-            })
+            Err(StorageError::backend(self.0, "test factory"))
         }
     }
 

@@ -624,7 +624,9 @@ fn clear_storage_removes_this_cache_s_pages_only() {
     use hicache_storage::{LayoutKind, StorageExt};
     let memory = Arc::new(MemoryBackend::with_capacity(64 << 20));
     let foreign = page_key(namespace(77), 1, 1);
-    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
     rt.block_on(memory.put(LayoutKind::PageFirst, foreign, &page_bytes(&foreign, 4096)))
         .unwrap();
     let storage: Arc<dyn Storage> = memory.clone();
@@ -636,7 +638,11 @@ fn clear_storage_removes_this_cache_s_pages_only() {
     e.run(None, &p);
     e.settle();
     assert_eq!(e.cache.storage_namespaces().len(), 2);
-    assert_eq!(memory.stats().pages, 17, "8 pages per tenant and the foreign one");
+    assert_eq!(
+        memory.stats().pages,
+        17,
+        "8 pages per tenant and the foreign one"
+    );
     assert_eq!(e.cache.clear_storage().unwrap(), 16);
     assert_eq!(memory.stats().pages, 1);
     let still = rt.block_on(memory.batch_exists(&[foreign])).unwrap();
@@ -649,7 +655,10 @@ fn clear_storage_removes_this_cache_s_pages_only() {
     let faulty: Arc<dyn Storage> = Arc::new(Faulty::new(memory.clone()));
     let mut e = Engine::new(with_storage(cfg, 64, faulty));
     let err = e.cache.clear_storage().unwrap_err().to_string();
-    assert!(err.contains("clear") && err.contains("not supported"), "{err}");
+    assert!(
+        err.contains("clear") && err.contains("not supported"),
+        "{err}"
+    );
     // No backend at all.
     let mut c = cache(test_config(4), 16);
     let err = c.clear_storage().unwrap_err().to_string();

@@ -140,10 +140,15 @@ impl std::fmt::Debug for FileBackend {
 }
 
 pub(crate) fn backend_err(reason: impl Into<String>) -> StorageError {
-    StorageError::Backend {
-        backend: NAME.into(),
-        reason: reason.into(),
-    }
+    StorageError::backend(NAME, reason)
+}
+
+/// A backend error caused by `cause`, which stays reachable as its `source()`.
+pub(crate) fn backend_err_caused(
+    reason: impl Into<String>,
+    cause: impl std::error::Error + Send + Sync + 'static,
+) -> StorageError {
+    StorageError::backend_caused(NAME, reason, cause)
 }
 
 impl FileBackend {
@@ -411,7 +416,7 @@ impl BackendFactory for FileFactory {
         }
         let backend = tokio::task::spawn_blocking(move || FileBackend::open(opts))
             .await
-            .map_err(|e| backend_err(format!("open task failed: {e}")))??;
+            .map_err(|e| backend_err_caused("open task failed", e))??;
         Ok(Arc::new(backend))
     }
 }

@@ -17,7 +17,9 @@ use hicache_storage::{Clock, Result, StatsCounters, StorageError};
 use parking_lot::Mutex;
 
 use crate::format::{self, Layout, MARKER, MARKER_CONTENTS, file_bytes};
-use crate::{DirectIo, FileBackend, FileOptions, IoEngine, REGISTRY_LOCK, backend_err};
+use crate::{
+    DirectIo, FileBackend, FileOptions, IoEngine, REGISTRY_LOCK, backend_err, backend_err_caused,
+};
 
 /// Picks the engine for `mode`, calling `probe` (which builds the io_uring driver and proves
 /// it on a real file) unless threads are asked for. `auto` falls back to threads when the
@@ -255,10 +257,13 @@ impl FileBackend {
                 Ok(Some(r)) => (Box::new(r), true),
                 Ok(None) => (Box::new(Threads::new(opts.io_threads)), false),
                 Err(e) => {
-                    return Err(backend_err(format!(
-                        "{}: io_uring unavailable (io_engine: \"uring\"): {e}",
-                        root.display()
-                    )));
+                    return Err(backend_err_caused(
+                        format!(
+                            "{}: io_uring unavailable (io_engine: \"uring\")",
+                            root.display()
+                        ),
+                        e,
+                    ));
                 }
             };
         let (index, capacity, mut report, evicted_bytes) = Self::recover(&paths, &opts)?;

@@ -169,10 +169,7 @@ impl From<PluginError> for StorageError {
                 backend: format!("plugin {plugin}"),
                 reason: e.to_string(),
             },
-            _ => StorageError::Backend {
-                backend: crate::NAME.to_string(),
-                reason: e.to_string(),
-            },
+            _ => StorageError::backend_caused(crate::NAME, "", e),
         }
     }
 }

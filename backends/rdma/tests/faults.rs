@@ -34,10 +34,7 @@ struct RdmaTarget;
 struct RdmaFaultServer(common::ServerProcess);
 
 fn io_err(what: &str, e: std::io::Error) -> StorageError {
-    StorageError::Backend {
-        backend: "rdma".into(),
-        reason: format!("{what}: {e}"),
-    }
+    StorageError::backend_caused("rdma", what, e)
 }
 
 #[async_trait]

@@ -276,10 +276,7 @@ impl Harness for TlsHarness {
         let s = servers
             .iter()
             .find(|s| s.local_addr().to_string() == backend.server_addr())
-            .ok_or_else(|| StorageError::Backend {
-                backend: "rdma".into(),
-                reason: "no server for this client".into(),
-            })?;
+            .ok_or_else(|| StorageError::backend("rdma", "no server for this client"))?;
         Ok(s.damage_page(key))
     }
 }
@@ -294,10 +291,7 @@ struct TlsTarget {
 struct TlsProcess(ServerProcess);
 
 fn io_err(what: &str, e: std::io::Error) -> StorageError {
-    StorageError::Backend {
-        backend: "rdma".into(),
-        reason: format!("{what}: {e}"),
-    }
+    StorageError::backend_caused("rdma", what, e)
 }
 
 #[async_trait]

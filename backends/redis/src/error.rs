@@ -82,10 +82,7 @@ impl From<RedisError> for StorageError {
                 backend: crate::NAME.to_string(),
                 reason: e.to_string(),
             },
-            other => StorageError::Backend {
-                backend: crate::NAME.to_string(),
-                reason: other.to_string(),
-            },
+            other => StorageError::backend_caused(crate::NAME, "", other),
         }
     }
 }

@@ -392,10 +392,11 @@ impl Storage for RedisStorage {
                 }
                 Reply::Value(_) => {}
                 Reply::Failed(e) => {
-                    return Err(hicache_storage::StorageError::Backend {
-                        backend: crate::NAME.into(),
-                        reason: format!("delete: {e}"),
-                    });
+                    return Err(hicache_storage::StorageError::backend_caused(
+                        crate::NAME,
+                        "delete",
+                        e.clone(),
+                    ));
                 }
             }
         }

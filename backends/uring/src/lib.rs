@@ -83,10 +83,15 @@ pub(crate) const NAME: &str = "uring";
 pub(crate) const COMPACT_SLACK: u64 = 1 << 16;
 
 pub(crate) fn backend_err(reason: impl Into<String>) -> StorageError {
-    StorageError::Backend {
-        backend: NAME.into(),
-        reason: reason.into(),
-    }
+    StorageError::backend(NAME, reason)
+}
+
+/// A backend error caused by `cause`, which stays reachable as its `source()`.
+pub(crate) fn backend_err_caused(
+    reason: impl Into<String>,
+    cause: impl std::error::Error + Send + Sync + 'static,
+) -> StorageError {
+    StorageError::backend_caused(NAME, reason, cause)
 }
 
 /// What [`UringBackend::open`] found and did.
@@ -290,9 +295,10 @@ impl Storage for UringBackend {
                 );
                 Ok(())
             }
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Err(backend_err(format!(
-                "register_memory called twice with different regions: {e}"
-            ))),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Err(backend_err_caused(
+                "register_memory called twice with different regions",
+                e,
+            )),
             Err(e) => {
                 // Pages still move (READV/WRITEV), only without the registered fast path.
                 tracing::warn!(
@@ -415,7 +421,7 @@ impl BackendFactory for UringFactory {
         }
         let backend = tokio::task::spawn_blocking(move || UringBackend::open(opts))
             .await
-            .map_err(|e| backend_err(format!("open task failed: {e}")))??;
+            .map_err(|e| backend_err_caused("open task failed", e))??;
         Ok(Arc::new(backend))
     }
 }

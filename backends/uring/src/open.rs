@@ -15,7 +15,7 @@ use crate::format::{self, LOCK_FILE, Put, slot_bytes};
 use crate::index::{Entry, Index, Loc, SlabDisk};
 use crate::log::{IndexLog, Replay};
 use crate::slab::{Disk, Slab, open_slab};
-use crate::{NAME, OpenReport, UringBackend, UringOptions, backend_err};
+use crate::{NAME, OpenReport, UringBackend, UringOptions, backend_err, backend_err_caused};
 
 /// The error for a system without a usable io_uring, naming the `file` backend.
 pub(crate) fn unavailable(e: &io::Error) -> StorageError {
@@ -53,7 +53,7 @@ pub(crate) fn check_capacity(capacity: u64, page_bytes: usize) -> Result<()> {
 /// foreign index log or any other content is refused with an error naming the directory,
 /// before anything in it is written.
 fn claim_directory(dir: &Path) -> Result<()> {
-    if IndexLog::check_owner(dir).map_err(|e| backend_err(e.to_string()))? {
+    if IndexLog::check_owner(dir).map_err(|e| backend_err_caused("", e))? {
         return Ok(());
     }
     let ours_before_log = |name: &str| match name {
@@ -194,7 +194,7 @@ impl UringBackend {
         } else {
             IndexLog::open(&dir)
         }
-        .map_err(|e| backend_err(format!("index log: {e}")))?;
+        .map_err(|e| backend_err_caused("index log", e))?;
         let (sizes, slabs, file_slots) = Self::open_slabs(&ring, &opts)?;
         let used: u64 = sizes
             .iter()
@@ -241,7 +241,7 @@ impl UringBackend {
         if !ro && (!victims.is_empty() || discarded_pages > 0 || log.records() > 2 * live + 1024) {
             let puts = Self::live_puts(&index);
             log.compact(&puts)
-                .map_err(|e| backend_err(format!("index log compaction: {e}")))?;
+                .map_err(|e| backend_err_caused("index log compaction", e))?;
             report.compacted = true;
         }
         tracing::Span::current().record("pages", report.pages);
@@ -342,11 +342,14 @@ impl UringBackend {
         let r = open_slab(&p, false);
         let _ = fs::remove_file(&p);
         r.map(drop).map_err(|e| {
-            backend_err(format!(
-                "{}: the file system refuses O_DIRECT ({e}); the uring backend needs a local \
-                 disk file system (ext4, xfs); use the `file` backend elsewhere",
-                dir.display()
-            ))
+            backend_err_caused(
+                format!(
+                    "{}: the file system refuses O_DIRECT (the uring backend needs a local \
+                     disk file system: ext4, xfs; use the `file` backend elsewhere)",
+                    dir.display()
+                ),
+                e,
+            )
         })
     }
 

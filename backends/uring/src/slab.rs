@@ -14,7 +14,7 @@ use hicache_storage::{Result, StorageError};
 
 use crate::format::slab_file_name;
 use crate::index::SlabDisk;
-use crate::{UringBackend, backend_err};
+use crate::{UringBackend, backend_err, backend_err_caused};
 
 pub(crate) struct Slab {
     pub(crate) slot_bytes: u64,
@@ -101,10 +101,13 @@ impl UringBackend {
         let path = dir.join(slab_file_name(slot_bytes));
         let file = open_slab(&path, read_only).map_err(|e| {
             if e.raw_os_error() == Some(libc::EINVAL) {
-                backend_err(format!(
-                    "{}: the file system refuses O_DIRECT; use the `file` backend here",
-                    path.display()
-                ))
+                backend_err_caused(
+                    format!(
+                        "{}: the file system refuses O_DIRECT; use the `file` backend here",
+                        path.display()
+                    ),
+                    e,
+                )
             } else {
                 StorageError::io("open slab", &path)(e)
             }

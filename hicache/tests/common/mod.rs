@@ -333,10 +333,10 @@ impl Storage for Faulty {
             tokio::time::sleep(self.latency).await;
         }
         if self.fail_all_gets {
-            return Err(hicache_storage::StorageError::Backend {
-                backend: "faulty".into(),
-                reason: "injected failure".into(),
-            });
+            return Err(hicache_storage::StorageError::backend(
+                "faulty",
+                "injected failure",
+            ));
         }
         let mut out = self.inner.batch_get(keys, dst).await?;
         for (o, buf) in out.iter_mut().zip(dst.iter_mut()) {

@@ -91,10 +91,10 @@ pub trait Plugin: 'static {
     /// would; `Ok(false)` if absent. Only called when [`TEST_CORRUPT`](Self::TEST_CORRUPT).
     fn corrupt_page(backend: &Self::Backend, key: &PageKey) -> Result<bool> {
         let _ = (backend, key);
-        Err(StorageError::Backend {
-            backend: Self::NAME.to_string_lossy().into_owned(),
-            reason: "test_corrupt_page is not supported".into(),
-        })
+        Err(StorageError::backend(
+            Self::NAME.to_string_lossy(),
+            "test_corrupt_page is not supported",
+        ))
     }
 }
 

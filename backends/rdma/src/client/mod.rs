@@ -306,10 +306,10 @@ impl RdmaStorage {
         let r: (Occupancy, Reply) = with_conn!(self, 0, c => c.call(&Request::Stats))?;
         match r {
             (_, Reply::Stats(s)) => Ok(s),
-            _ => Err(StorageError::Backend {
-                backend: crate::BACKEND_NAME.into(),
-                reason: "STATS answered with another reply".into(),
-            }),
+            _ => Err(StorageError::backend(
+                crate::BACKEND_NAME,
+                "STATS answered with another reply",
+            )),
         }
     }
 
@@ -568,10 +568,10 @@ impl Storage for RdmaStorage {
         let (occ, reply) = with_conn!(self, slot, c => c.call(&req))?;
         self.note(occ);
         let Reply::Exists { run } = reply else {
-            return Err(StorageError::Backend {
-                backend: crate::BACKEND_NAME.into(),
-                reason: format!("EXISTS answered with {reply:?}"),
-            });
+            return Err(StorageError::backend(
+                crate::BACKEND_NAME,
+                format!("EXISTS answered with {reply:?}"),
+            ));
         };
         let run = (run as usize).min(keys.len());
         self.counters.record_exists((run + 1).min(keys.len()), run);
@@ -663,10 +663,10 @@ impl Storage for RdmaStorage {
         let (occ, reply) = with_conn!(self, slot, c => c.call(&req))?;
         self.note(occ);
         let Reply::Delete { n } = reply else {
-            return Err(StorageError::Backend {
-                backend: crate::BACKEND_NAME.into(),
-                reason: format!("DELETE answered with {reply:?}"),
-            });
+            return Err(StorageError::backend(
+                crate::BACKEND_NAME,
+                format!("DELETE answered with {reply:?}"),
+            ));
         };
         bump(&self.counters.deleted_pages, n as u64);
         Ok(n as usize)

@@ -59,10 +59,7 @@ impl Harness for RdmaHarness {
         let s = servers
             .iter()
             .find(|s| s.local_addr().to_string() == backend.server_addr())
-            .ok_or_else(|| StorageError::Backend {
-                backend: "rdma".into(),
-                reason: "no server for this client".into(),
-            })?;
+            .ok_or_else(|| StorageError::backend("rdma", "no server for this client"))?;
         Ok(s.damage_page(key))
     }
 }
