@@ -6,6 +6,8 @@
 //! - [`Storage`]: the async trait every backend implements, with its rules in [`backend`]'s
 //!   documentation: atomic visibility, verified reads, stored metadata, leading-run
 //!   `batch_exists`, bounded batches, idempotent set, capacity with eviction, concurrency.
+//! - [`BatchContext`]: the per-batch context (the request's prefix keys, extra info) of the
+//!   `*_with` calls, which backends may use for placement (rule 9); [`ContextLog`] records it.
 //! - [`PageBuf`] / [`PageBufMut`]: caller-owned page views (one or many parts), so pages move
 //!   between the pinned host pool and storage without staging copies; [`PageOutcome`]: one
 //!   outcome per page.
@@ -46,6 +48,7 @@ pub mod batch;
 pub mod checksum;
 pub mod config;
 pub mod conformance;
+pub mod context;
 pub mod error;
 pub mod evict;
 pub mod ext;
@@ -64,6 +67,7 @@ pub use batch::{Outcomes, SetBatch};
 pub use config::{
     CommonConfig, ConfigFields, DYNAMIC_BACKEND, StorageConfig, parse_byte_size, read_config_file,
 };
+pub use context::{BatchContext, ContextLog, SeenContext};
 pub use error::{Result, StorageError};
 pub use evict::{EvictionPolicy, Evictor};
 pub use ext::StorageExt;

@@ -87,14 +87,10 @@ impl From<RedisError> for StorageError {
     }
 }
 
-/// The per-page failure for a server error reply to a command on one page's key.
-pub fn page_error(key: &str, e: &redis::RedisError) -> PageError {
-    match e.code() {
+/// The per-page failure for a server error reply `msg` to a command on one page's key.
+pub fn page_error(key: &str, msg: &str) -> PageError {
+    match msg.split_whitespace().next() {
         Some("OOM") => PageError::NoSpace,
-        _ if e.is_io_error() || e.is_timeout() => PageError::Io {
-            op: "redis",
-            detail: format!("{key}: {e}"),
-        },
-        _ => PageError::Backend(format!("redis {key}: {e}")),
+        _ => PageError::Backend(format!("redis {key}: {msg}")),
     }
 }

@@ -9,63 +9,128 @@
 //!   the request is retried after a pause (the slot map re-read), until the deadline;
 //! - any other error reply is that request's final outcome.
 //!
-//! With `wait = Some(n)` every pipeline ends with `WAIT n timeout`: `WAIT` answers for the
-//! writes made on the same connection before it, which include every write of the pipeline
-//! that succeeded on that node, so a write is acknowledged only if the count it returns is at
+//! A pipeline holds its data connection alone ([`Lease`](crate::nodes::Lease)) from its
+//! first byte written to its last reply read. With `wait = Some(n)` every pipeline ends with
+//! `WAIT n timeout`: `WAIT` answers for the writes made on the same connection before it,
+//! which include every write of the pipeline that succeeded on that node, so a write is acknowledged only if the count it returns is at
 //! least `n` (invariant: nothing is reported stored that the replicas have not confirmed).
 
 use std::collections::HashMap;
+use std::io::IoSlice;
 use std::time::Duration;
 
 use futures_util::future::join_all;
-use hicache_storage::PageError;
-use redis::{Cmd, Value};
-use tokio::sync::Semaphore;
+use hicache_core::PageKey;
+use hicache_storage::{PageBufMut, PageError};
+use tokio::sync::{Mutex, Semaphore};
 use tokio::time::Instant;
 
+use crate::conn::PageRead;
 use crate::error::page_error;
 use crate::nodes::Nodes;
+use crate::resp::{self, Frame};
 use crate::topology::slot;
 
-/// One command on one key. The command is built when sent (and again if it must be resent),
-/// so a page's bytes are copied from the caller's buffer straight into the command.
+/// `ASKING`, sent in front of a request redirected by `ASK`.
+const ASKING: &[u8] = b"*1\r\n$6\r\nASKING\r\n";
+
+/// One command on one key, RESP-encoded once and sent as often as it must be (redirections,
+/// retries). A page's bytes are not copied into the command: they go to the socket from the
+/// caller's buffer, between `head` and `tail`.
 pub struct Request<'a> {
     /// The key (for routing and messages).
     pub key: Vec<u8>,
-    /// Bytes the command carries (for the in-flight bound).
+    /// Bytes the command carries or fetches (for the in-flight bound).
     pub bytes: usize,
-    build: Box<dyn Fn() -> Cmd + Send + Sync + 'a>,
+    /// The command up to the page's bytes (all of it when it carries none).
+    head: Vec<u8>,
+    /// The parts of the page the command carries (none: empty).
+    page: &'a [&'a [u8]],
+    /// The rest of the command after the page's bytes.
+    tail: Vec<u8>,
+    /// Read the reply as this page into destination slot `.1` (see [`execute`]).
+    read_into: Option<(PageKey, usize)>,
 }
 
 impl<'a> Request<'a> {
-    /// A request on `key` carrying `bytes`, whose command `build` makes.
-    pub fn new(key: &[u8], bytes: usize, build: impl Fn() -> Cmd + Send + Sync + 'a) -> Self {
+    /// A request whose command is `args` (the key among them), carrying no page.
+    pub fn command(key: &[u8], args: &[&[u8]]) -> Self {
+        let mut head = Vec::with_capacity(16 + args.iter().map(|a| a.len() + 16).sum::<usize>());
+        resp::put_command(&mut head, args);
         Self {
             key: key.to_vec(),
-            bytes,
-            build: Box::new(build),
+            bytes: 0,
+            head,
+            page: &[],
+            tail: Vec::new(),
+            read_into: None,
         }
     }
 
     /// A request whose command is `name key`.
     pub fn simple(name: &'static str, key: &[u8]) -> Self {
-        let k = key.to_vec();
-        Self::new(key, 0, move || {
-            let mut c = redis::cmd(name);
-            c.arg(&k);
-            c
-        })
+        Self::command(key, &[name.as_bytes(), key])
+    }
+
+    /// `SET key <header><page> [NX] [EX ttl]`.
+    pub fn set(
+        key: &[u8],
+        header: &[u8],
+        page: &'a [&'a [u8]],
+        nx: bool,
+        ttl_s: Option<u64>,
+    ) -> Self {
+        let page_len: usize = page.iter().map(|p| p.len()).sum();
+        let ttl = ttl_s.map(|t| t.to_string());
+        let args = 3 + usize::from(nx) + if ttl.is_some() { 2 } else { 0 };
+        let mut head = Vec::with_capacity(64 + key.len() + header.len());
+        resp::put_array_head(&mut head, args);
+        resp::put_bulk(&mut head, b"SET");
+        resp::put_bulk(&mut head, key);
+        resp::put_bulk_head(&mut head, header.len() + page_len);
+        head.extend_from_slice(header);
+        let mut tail = b"\r\n".to_vec();
+        if nx {
+            resp::put_bulk(&mut tail, b"NX");
+        }
+        if let Some(t) = &ttl {
+            resp::put_bulk(&mut tail, b"EX");
+            resp::put_bulk(&mut tail, t.as_bytes());
+        }
+        Self {
+            key: key.to_vec(),
+            bytes: header.len() + page_len,
+            head,
+            page,
+            tail,
+            read_into: None,
+        }
+    }
+
+    /// `GET key`, whose reply is read as `page`'s value straight into destination `slot`
+    /// (of `bytes` bytes with the value's header).
+    pub fn get_page(key: &[u8], page: PageKey, slot: usize, bytes: usize) -> Self {
+        let mut r = Self::simple("GET", key);
+        r.bytes = bytes;
+        r.read_into = Some((page, slot));
+        r
     }
 }
 
-/// A request's final outcome.
+/// A request's final outcome. Error replies are never here: they are redirections, retries
+/// or a [`Reply::Failed`].
 #[derive(Debug)]
 pub enum Reply {
     /// The server's reply.
-    Value(Value),
+    Value(Frame),
+    /// What a page read found (requests made by [`Request::get_page`]).
+    Page(PageRead),
     /// It failed; the error names the key.
     Failed(PageError),
 }
+
+/// Destinations of page reads, by slot; each is locked only while its reply is read.
+pub type Dst<'d, 'b> = [Mutex<&'d mut PageBufMut<'b>>];
 
 /// Bounds the bytes in flight (permits are KiB).
 pub struct Inflight {
@@ -96,11 +161,27 @@ enum Pending {
     Ask(String),
 }
 
-/// Runs `reqs` and returns one reply per request, in order.
+/// The node an `ASK` or `MOVED` error names (`ASK 3999 10.0.0.1:7001`), as `host:port`
+/// (IPv6 hosts bracketed).
+fn redirect_target(msg: &str) -> Option<String> {
+    let addr = msg.split_whitespace().nth(2)?;
+    let (host, port) = addr.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    port.parse::<u16>().ok()?;
+    Some(if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    })
+}
+
+/// Runs `reqs` and returns one reply per request, in order. Requests made by
+/// [`Request::get_page`] read their page into `dst[slot]`.
 pub async fn execute(
     nodes: &Nodes,
     inflight: &Inflight,
     reqs: &[Request<'_>],
+    dst: &Dst<'_, '_>,
     wait: Option<(u32, Duration)>,
     deadline: Instant,
 ) -> Vec<Reply> {
@@ -108,6 +189,8 @@ pub async fn execute(
     let mut pending: Vec<(usize, Pending)> = (0..reqs.len()).map(|i| (i, Pending::Route)).collect();
     let mut last_err: HashMap<usize, String> = HashMap::new();
     let mut attempt = 0u32;
+    // A pipeline may run past the call's deadline by the WAIT timeout it carries.
+    let io_deadline = deadline + wait.map(|(_, t)| t).unwrap_or_default();
     while !pending.is_empty() {
         let topology = nodes.topology();
         // Group by target node.
@@ -146,14 +229,19 @@ pub async fn execute(
             }
         }
         let results = join_all(batches.into_iter().map(|(addr, items, bytes)| async move {
-            let res = send(nodes, inflight, &addr, reqs, &items, bytes, wait).await;
+            let sent = send(nodes, inflight, &addr, reqs, &items, bytes, dst, wait);
+            let res = match tokio::time::timeout_at(io_deadline, sent).await {
+                Ok(r) => r,
+                Err(_) => Err("no complete reply before the deadline".to_string()),
+            };
             (addr, items, res)
         }))
         .await;
         let mut refresh = !unrouted.is_empty();
         let mut retry = unrouted;
         for (addr, items, res) in results {
-            match res {
+            let (replies, acked) = match res {
+                Ok(r) => r,
                 Err(e) => {
                     nodes.forget(&addr);
                     refresh = true;
@@ -161,48 +249,35 @@ pub async fn execute(
                         last_err.insert(i, format!("{addr}: {e}"));
                         retry.push((i, Pending::Route));
                     }
+                    continue;
                 }
-                Ok((replies, acked)) => {
-                    for ((i, _), r) in items.into_iter().zip(replies) {
-                        let key = String::from_utf8_lossy(&reqs[i].key).into_owned();
-                        match r {
-                            Ok(v) => {
-                                out[i] = Some(match acked {
-                                    Some(Err(ref why)) => Reply::Failed(PageError::Backend(
-                                        format!("redis {key}: {why}"),
-                                    )),
-                                    _ => Reply::Value(v),
-                                });
+            };
+            for ((i, _), r) in items.into_iter().zip(replies) {
+                let key = String::from_utf8_lossy(&reqs[i].key).into_owned();
+                let msg = match r {
+                    Ok(reply) => {
+                        out[i] = Some(match acked {
+                            Some(Err(ref why)) => {
+                                Reply::Failed(PageError::Backend(format!("redis {key}: {why}")))
                             }
-                            Err(e) => match e.code() {
-                                Some("MOVED") => {
-                                    refresh = true;
-                                    last_err.insert(i, format!("{addr}: {e}"));
-                                    retry.push((i, Pending::Route));
-                                }
-                                Some("ASK") => match e.redirect_node() {
-                                    Some((h, p)) => {
-                                        let target = if h.contains(':') {
-                                            format!("[{h}]:{p}")
-                                        } else {
-                                            format!("{h}:{p}")
-                                        };
-                                        retry.push((i, Pending::Ask(target)));
-                                    }
-                                    None => out[i] = Some(Reply::Failed(page_error(&key, &e))),
-                                },
-                                Some(
-                                    "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN"
-                                    | "READONLY",
-                                ) => {
-                                    refresh = true;
-                                    last_err.insert(i, format!("{addr}: {e}"));
-                                    retry.push((i, Pending::Route));
-                                }
-                                _ => out[i] = Some(Reply::Failed(page_error(&key, &e))),
-                            },
-                        }
+                            _ => reply,
+                        });
+                        continue;
                     }
+                    Err(msg) => msg,
+                };
+                match msg.split_whitespace().next().unwrap_or("") {
+                    "MOVED" | "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN"
+                    | "READONLY" => {
+                        refresh = true;
+                        last_err.insert(i, format!("{addr}: {msg}"));
+                        retry.push((i, Pending::Route));
+                    }
+                    "ASK" => match redirect_target(&msg) {
+                        Some(target) => retry.push((i, Pending::Ask(target))),
+                        None => out[i] = Some(Reply::Failed(page_error(&key, &msg))),
+                    },
+                    _ => out[i] = Some(Reply::Failed(page_error(&key, &msg))),
                 }
             }
         }
@@ -247,10 +322,13 @@ pub async fn execute(
         .collect()
 }
 
-type PipelineResult = (Vec<redis::RedisResult<Value>>, Option<Result<(), String>>);
+/// Per request: its reply, or the error reply's text. With `wait`: whether `WAIT` confirmed
+/// enough replicas.
+type PipelineResult = (Vec<Result<Reply, String>>, Option<Result<(), String>>);
 
-/// Sends one pipeline to `addr`. Returns the per-request replies and, with `wait`, whether
-/// `WAIT` confirmed enough replicas.
+/// Sends one pipeline to `addr` on a leased connection (one vectored write of every command,
+/// then every reply read in order) and returns the per-request replies.
+#[allow(clippy::too_many_arguments)]
 async fn send(
     nodes: &Nodes,
     inflight: &Inflight,
@@ -258,6 +336,7 @@ async fn send(
     reqs: &[Request<'_>],
     items: &[(usize, bool)],
     bytes: usize,
+    dst: &Dst<'_, '_>,
     wait: Option<(u32, Duration)>,
 ) -> Result<PipelineResult, String> {
     let permits = ((bytes / 1024) as u32 + 1).min(inflight.total);
@@ -266,36 +345,117 @@ async fn send(
         .acquire_many(permits)
         .await
         .map_err(|e| e.to_string())?;
-    let mut conn = nodes.conn(addr).await.map_err(|e| e.to_string())?;
-    let mut pipe = redis::pipe();
-    pipe.ignore_errors();
-    for (i, asking) in items {
-        if *asking {
-            pipe.cmd("ASKING").ignore();
-        }
-        pipe.add_command((reqs[*i].build)());
-    }
+    let mut lease = nodes.lease(addr).await.map_err(|e| e.to_string())?;
+    let mut wait_cmd = Vec::new();
     if let Some((n, t)) = wait {
-        pipe.cmd("WAIT").arg(n).arg(t.as_millis() as u64);
+        let (n, t) = (n.to_string(), t.as_millis().to_string());
+        resp::put_command(&mut wait_cmd, &[b"WAIT", n.as_bytes(), t.as_bytes()]);
     }
-    nodes.count_round_trip(addr);
-    let mut replies: Vec<redis::RedisResult<Value>> = pipe
-        .query_async(&mut conn)
-        .await
-        .map_err(|e| e.to_string())?;
-    let acked = wait.map(|(n, _)| match replies.pop() {
-        Some(Ok(Value::Int(k))) if k >= n as i64 => Ok(()),
-        Some(Ok(Value::Int(k))) => Err(format!(
-            "WAIT: {k} of {n} replicas acknowledged the write in time (min_replicas_acked)"
-        )),
-        other => Err(format!("WAIT failed: {other:?}")),
-    });
-    if replies.len() != items.len() {
-        return Err(format!(
-            "{} replies to {} commands",
-            replies.len(),
-            items.len()
-        ));
+    {
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(items.len() * 4 + 1);
+        for &(i, asking) in items {
+            let r = &reqs[i];
+            if asking {
+                slices.push(IoSlice::new(ASKING));
+            }
+            slices.push(IoSlice::new(&r.head));
+            slices.extend(r.page.iter().map(|p| IoSlice::new(p)));
+            if !r.tail.is_empty() {
+                slices.push(IoSlice::new(&r.tail));
+            }
+        }
+        if !wait_cmd.is_empty() {
+            slices.push(IoSlice::new(&wait_cmd));
+        }
+        nodes.count_round_trip(addr);
+        lease
+            .conn
+            .write_all(&mut slices)
+            .await
+            .map_err(|e| e.to_string())?;
     }
+    let conn = &mut lease.conn;
+    let mut replies = Vec::with_capacity(items.len());
+    for &(i, asking) in items {
+        if asking {
+            // +OK; an error here shows in the redirected command's own reply.
+            conn.read_frame().await.map_err(|e| e.to_string())?;
+        }
+        let reply = match reqs[i].read_into {
+            Some((key, slot)) => {
+                let Some(cell) = dst.get(slot) else {
+                    return Err(format!("no destination for page slot {slot}"));
+                };
+                let mut d = cell.lock().await;
+                match conn
+                    .read_page(&key, &mut d)
+                    .await
+                    .map_err(|e| e.to_string())?
+                {
+                    PageRead::Frame(Frame::Error(e)) => Err(e),
+                    p => Ok(Reply::Page(p)),
+                }
+            }
+            None => match conn.read_frame().await.map_err(|e| e.to_string())? {
+                Frame::Error(e) => Err(e),
+                f => Ok(Reply::Value(f)),
+            },
+        };
+        replies.push(reply);
+    }
+    let acked = match wait {
+        None => None,
+        Some((n, _)) => Some(match conn.read_frame().await.map_err(|e| e.to_string())? {
+            Frame::Int(k) if k >= i64::from(n) => Ok(()),
+            Frame::Int(k) => Err(format!(
+                "WAIT: {k} of {n} replicas acknowledged the write in time (min_replicas_acked)"
+            )),
+            other => Err(format!("WAIT failed: {other:?}")),
+        }),
+    };
+    lease.release();
     Ok((replies, acked))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hicache_storage::PageBuf;
+
+    #[test]
+    fn redirections_name_their_node() {
+        assert_eq!(
+            redirect_target("ASK 3999 127.0.0.1:6381").as_deref(),
+            Some("127.0.0.1:6381")
+        );
+        assert_eq!(
+            redirect_target("MOVED 1 ::1:7000").as_deref(),
+            Some("[::1]:7000")
+        );
+        assert_eq!(redirect_target("ASK 3999"), None);
+        assert_eq!(redirect_target("ASK 1 host:notaport"), None);
+    }
+
+    #[test]
+    fn a_set_request_is_one_resp_command_around_the_page() {
+        let page_bytes = [7u8; 10];
+        let page = PageBuf::from_parts(hicache_core::LayoutKind::PageFirst, page_bytes.chunks(3));
+        let r = Request::set(b"k", b"HDR", page.parts(), true, Some(60));
+        let mut wire = r.head.clone();
+        for p in page.parts() {
+            wire.extend_from_slice(p);
+        }
+        wire.extend_from_slice(&r.tail);
+        let (f, n) = resp::parse(&wire, &resp::Limits::default())
+            .unwrap()
+            .unwrap();
+        assert_eq!(n, wire.len());
+        let mut value = b"HDR".to_vec();
+        value.extend_from_slice(&page_bytes);
+        let args: Vec<Frame> = [&b"SET"[..], b"k", &value, b"NX", b"EX", b"60"]
+            .iter()
+            .map(|a| Frame::Bulk(a.to_vec()))
+            .collect();
+        assert_eq!(f, Frame::Array(args));
+    }
 }

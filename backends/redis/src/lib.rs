@@ -11,6 +11,11 @@
 //! - **Value** = a 72-byte header (magic, version, layout, length, XXH3-64 checksum, the page
 //!   key) + the page bytes ([`value`]). A read verifies all of it; a mismatch is a counted
 //!   `Corrupt` outcome (a miss) and the bad copy is deleted — wrong bytes are never a hit.
+//! - **Data path** ([`conn`], [`resp`]): page commands go over the backend's own
+//!   connections (a small pool per node, TCP or rustls TLS, ACL auth): a `SET` is one vectored
+//!   write of a small command head, the header, the page's bytes from the caller's buffer and
+//!   a small tail; a `GET` reply's header is verified before its bytes are read straight into
+//!   the caller's page buffer. The slot map and the checks at open use redis-rs ([`nodes`]).
 //! - **Routing** ([`exec`]): a batch is split by the primary owning each key's slot (the slot
 //!   map from `CLUSTER SLOTS`, [`topology`]); each shard gets pipelines (one round trip each),
 //!   all shards at once, bytes in flight bounded by `max_inflight_bytes`. `batch_exists` of a
@@ -36,9 +41,11 @@
 #![warn(missing_docs)]
 
 pub mod config;
+pub mod conn;
 pub mod error;
 pub mod exec;
 pub mod nodes;
+pub mod resp;
 pub mod storage;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -1,9 +1,14 @@
 //! Connections to the cluster's nodes and the current slot map.
 //!
-//! One multiplexed connection per node (requests from every task share it and are pipelined on
-//! it), opened on first use with the configured credentials and TLS, and forgotten when it
-//! fails so the next use reconnects. The slot map is read with `CLUSTER SLOTS` at open and
-//! again whenever a node answers `MOVED` or cannot be reached.
+//! Two kinds of connection, both opened on first use with the configured credentials and TLS:
+//! - **control** (redis-rs, one multiplexed connection per node): the checks at open
+//!   (`INFO`, `CONFIG GET`) and the slot map (`CLUSTER SLOTS`), read at open and again
+//!   whenever a node answers `MOVED` or cannot be reached;
+//! - **data** ([`Conn`], a pool per node of at most [`DATA_CONNS_PER_NODE`]): page commands,
+//!   one pipeline per connection at a time ([`Lease`]).
+//!
+//! A node whose connection failed is forgotten (its control connection and idle data
+//! connections dropped), so the next use reconnects.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,19 +18,49 @@ use redis::aio::MultiplexedConnection;
 use redis::{
     AsyncConnectionConfig, ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo, Value,
 };
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{RedisOptions, split_addr};
+use crate::conn::{Conn, ConnError, Connector};
 use crate::error::RedisError;
+use crate::resp::Limits;
 use crate::topology::Topology;
 
 /// The default of `proto-max-bulk-len` (512 MB), assumed where `CONFIG GET` is not allowed.
 pub const DEFAULT_MAX_BULK: u64 = 512 * 1024 * 1024;
+
+/// Most data connections open to one node at once (pipelines to a node beyond this wait).
+pub const DATA_CONNS_PER_NODE: usize = 16;
+
+/// The data connections of one node: the idle ones and a bound on how many exist.
+struct Pool {
+    idle: Mutex<Vec<Conn>>,
+    slots: Arc<Semaphore>,
+}
+
+/// A data connection held by one pipeline. [`Lease::release`] gives it back for reuse once
+/// every reply of the pipeline was read; dropped otherwise (closed: its state is unknown).
+pub struct Lease {
+    /// The connection.
+    pub conn: Conn,
+    pool: Arc<Pool>,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl Lease {
+    /// Returns the connection to its node's idle list.
+    pub fn release(self) {
+        self.pool.idle.lock().push(self.conn);
+    }
+}
 
 /// Node connections and the slot map.
 pub struct Nodes {
     opts: Arc<RedisOptions>,
     root_cert: Option<Vec<u8>>,
     conns: Mutex<HashMap<String, MultiplexedConnection>>,
+    connector: Connector,
+    pools: Mutex<HashMap<String, Arc<Pool>>>,
     topology: RwLock<Arc<Topology>>,
     /// Pipelines sent per node (each one network round trip), for [`Nodes::round_trips`].
     round_trips: Mutex<HashMap<String, u64>>,
@@ -48,11 +83,15 @@ impl Nodes {
             // by the application is kept.
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
+        let connector = Connector::new(&opts, root_cert.as_deref())
+            .map_err(|e| RedisError::Tls(e.to_string()))?;
         let mut nodes = Self {
             topology: RwLock::new(Arc::new(Topology::standalone(&opts.nodes[0]))),
             opts,
             root_cert,
             conns: Mutex::new(HashMap::new()),
+            connector,
+            pools: Mutex::new(HashMap::new()),
             round_trips: Mutex::new(HashMap::new()),
             max_value_bytes: DEFAULT_MAX_BULK,
         };
@@ -198,6 +237,51 @@ impl Nodes {
         Ok(conn)
     }
 
+    /// A data connection to `addr` for one pipeline: an idle one, else a new one (waiting
+    /// while the node has [`DATA_CONNS_PER_NODE`] in use).
+    pub async fn lease(&self, addr: &str) -> Result<Lease, ConnError> {
+        let pool = self
+            .pools
+            .lock()
+            .entry(addr.to_string())
+            .or_insert_with(|| {
+                Arc::new(Pool {
+                    idle: Mutex::new(Vec::new()),
+                    slots: Arc::new(Semaphore::new(DATA_CONNS_PER_NODE)),
+                })
+            })
+            .clone();
+        let slot = pool
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the pool's semaphore is never closed");
+        let idle = pool.idle.lock().pop();
+        let conn = match idle {
+            Some(c) => c,
+            None => {
+                let limits = Limits {
+                    max_bulk: usize::try_from(self.max_value_bytes).unwrap_or(usize::MAX),
+                    ..Limits::default()
+                };
+                tokio::time::timeout(self.opts.timeout, self.connector.connect(addr, limits))
+                    .await
+                    .map_err(|_| {
+                        ConnError::Io(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "connect timed out",
+                        ))
+                    })??
+            }
+        };
+        Ok(Lease {
+            conn,
+            pool,
+            _slot: slot,
+        })
+    }
+
     /// Counts one pipeline (one network round trip) sent to `addr`.
     pub fn count_round_trip(&self, addr: &str) {
         *self.round_trips.lock().entry(addr.to_string()).or_insert(0) += 1;
@@ -209,9 +293,12 @@ impl Nodes {
         self.round_trips.lock().clone()
     }
 
-    /// Drops the connection to `addr` (after it failed), so the next use reconnects.
+    /// Drops the connections to `addr` (after one failed), so the next use reconnects.
     pub fn forget(&self, addr: &str) {
         self.conns.lock().remove(addr);
+        if let Some(p) = self.pools.lock().get(addr) {
+            p.idle.lock().clear();
+        }
     }
 
     fn client(&self, addr: &str) -> Result<redis::Client, RedisError> {

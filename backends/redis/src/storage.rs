@@ -4,20 +4,21 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_trait::async_trait;
-use bytes::BufMut;
 use hicache_core::PageKey;
 use hicache_storage::backend::bump;
 use hicache_storage::{
     BackendInfo, PageBuf, PageBufMut, PageError, PageOutcome, Result, StatsCounters, Storage,
     StorageStats, check_batch,
 };
-use redis::{RedisWrite, Value};
+use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use crate::config::RedisOptions;
+use crate::conn::PageRead;
 use crate::error::RedisError;
 use crate::exec::{Inflight, Reply, Request, execute};
 use crate::nodes::Nodes;
+use crate::resp::Frame;
 use crate::value::{self, HEADER_LEN};
 
 /// Largest number of pages in one call.
@@ -99,34 +100,65 @@ impl RedisStorage {
             .then_some((self.opts.min_replicas_acked, self.opts.timeout))
     }
 
-    fn set_request<'a, 'p: 'a>(
+    /// `SET` of `page` under `key` (header and page bytes sent from their buffers).
+    fn set_request<'a>(&self, key: &PageKey, page: &'a PageBuf<'_>, nx: bool) -> Request<'a> {
+        let header = value::header(key, page);
+        Request::set(
+            &self.redis_key(key),
+            &header,
+            page.parts(),
+            nx,
+            self.opts.ttl_s,
+        )
+    }
+
+    /// `SET` (`NX` where `nx`) of the pages `which` names: `(index, Some(bytes it replaces))`
+    /// or `(index, None)` for a new page. Per page its outcome, or `None` where `NX` found
+    /// the key present.
+    async fn set_pages(
         &self,
-        rkey: Vec<u8>,
-        key: &'a PageKey,
-        page: &'a PageBuf<'p>,
+        keys: &[PageKey],
+        src: &[PageBuf<'_>],
+        which: &[(usize, Option<usize>)],
         nx: bool,
-    ) -> Request<'a> {
-        let ttl = self.opts.ttl_s;
-        let len = HEADER_LEN + page.len();
-        let k = rkey.clone();
-        Request::new(&rkey, len, move || {
-            let mut c = redis::cmd("SET");
-            c.arg(&k);
-            {
-                let mut buf = c.bufmut_for_next_arg(len);
-                buf.put_slice(&value::header(key, page));
-                for part in page.parts() {
-                    buf.put_slice(part);
-                }
-            }
-            if nx {
-                c.arg("NX");
-            }
-            if let Some(t) = ttl {
-                c.arg("EX").arg(t);
-            }
-            c
-        })
+    ) -> Vec<(usize, Option<PageOutcome>)> {
+        let reqs: Vec<Request<'_>> = which
+            .iter()
+            .map(|&(i, _)| self.set_request(&keys[i], &src[i], nx))
+            .collect();
+        let replies = self.run(&reqs, true).await;
+        which
+            .iter()
+            .zip(replies)
+            .map(|(&(i, replaced), r)| {
+                let o = match r {
+                    Reply::Value(Frame::Simple(ref ok)) if ok == "OK" => {
+                        self.add_stored(src[i].len(), replaced);
+                        Some(PageOutcome::Stored)
+                    }
+                    Reply::Value(Frame::Nil) if nx => None,
+                    Reply::Failed(e) => Some(PageOutcome::Failed(e)),
+                    other => Some(PageOutcome::Failed(PageError::Backend(format!(
+                        "redis SET: unexpected reply {other:?}"
+                    )))),
+                };
+                (i, o)
+            })
+            .collect()
+    }
+
+    /// Runs `reqs` (no page reads) with the call's deadline.
+    async fn run(&self, reqs: &[Request<'_>], wait: bool) -> Vec<Reply> {
+        let wait = if wait { self.wait() } else { None };
+        execute(
+            &self.nodes,
+            &self.inflight,
+            reqs,
+            &[],
+            wait,
+            self.deadline(),
+        )
+        .await
     }
 
     fn add_stored(&self, len: usize, replaced: Option<usize>) {
@@ -145,22 +177,16 @@ impl RedisStorage {
     /// Reads the headers of `keys` (`GETRANGE key 0 71`): `Some(header)` where a valid one is
     /// stored.
     async fn headers(&self, keys: &[(PageKey, Vec<u8>)]) -> Vec<Option<value::Header>> {
+        let last = (HEADER_LEN - 1).to_string();
         let reqs: Vec<Request<'_>> = keys
             .iter()
-            .map(|(_, rk)| {
-                let k = rk.clone();
-                Request::new(rk, 0, move || {
-                    let mut c = redis::cmd("GETRANGE");
-                    c.arg(&k).arg(0).arg(HEADER_LEN - 1);
-                    c
-                })
-            })
+            .map(|(_, rk)| Request::command(rk, &[b"GETRANGE", rk, b"0", last.as_bytes()]))
             .collect();
-        let replies = execute(&self.nodes, &self.inflight, &reqs, None, self.deadline()).await;
+        let replies = self.run(&reqs, false).await;
         keys.iter()
             .zip(replies)
             .map(|((key, _), r)| match r {
-                Reply::Value(Value::BulkString(b)) => value::parse_header(key, &b).ok(),
+                Reply::Value(Frame::Bulk(b)) => value::parse_header(key, &b).ok(),
                 _ => None,
             })
             .collect()
@@ -187,11 +213,11 @@ impl Storage for RedisStorage {
         check_batch("batch_exists", MAX_BATCH, keys.len(), keys.len())?;
         let rkeys: Vec<Vec<u8>> = keys.iter().map(|k| self.redis_key(k)).collect();
         let reqs: Vec<Request<'_>> = rkeys.iter().map(|k| Request::simple("EXISTS", k)).collect();
-        let replies = execute(&self.nodes, &self.inflight, &reqs, None, self.deadline()).await;
+        let replies = self.run(&reqs, false).await;
         let mut run = 0;
         for r in &replies {
             match r {
-                Reply::Value(Value::Int(1)) => run += 1,
+                Reply::Value(Frame::Int(1)) => run += 1,
                 Reply::Failed(e) => {
                     tracing::warn!(error = %e, "redis batch_exists: a key could not be checked; counted absent");
                     break;
@@ -213,36 +239,40 @@ impl Storage for RedisStorage {
         let rkeys: Vec<Vec<u8>> = keys.iter().map(|k| self.redis_key(k)).collect();
         let reqs: Vec<Request<'_>> = rkeys
             .iter()
+            .zip(keys)
             .zip(dst.iter())
-            .map(|(k, d)| {
-                let mut r = Request::simple("GET", k);
-                r.bytes = HEADER_LEN + d.len();
-                r
-            })
+            .enumerate()
+            .map(|(i, ((rk, k), d))| Request::get_page(rk, *k, i, HEADER_LEN + d.len()))
             .collect();
-        let replies = execute(&self.nodes, &self.inflight, &reqs, None, self.deadline()).await;
+        let replies = {
+            let cells: Vec<Mutex<&mut PageBufMut<'_>>> = dst.iter_mut().map(Mutex::new).collect();
+            execute(
+                &self.nodes,
+                &self.inflight,
+                &reqs,
+                &cells,
+                None,
+                self.deadline(),
+            )
+            .await
+        };
         drop(reqs);
         let mut outcomes = Vec::with_capacity(keys.len());
         let mut damaged = Vec::new();
         for (i, r) in replies.into_iter().enumerate() {
             let o = match r {
-                Reply::Value(Value::Nil) => PageOutcome::Miss,
-                Reply::Value(Value::BulkString(v)) => match value::verify(&keys[i], &v) {
-                    Ok((h, body)) if h.meta == dst[i].meta() => {
-                        dst[i].copy_from(body);
-                        PageOutcome::Hit
-                    }
-                    Ok(_) => {
-                        bump(&self.stats.meta_mismatches, 1);
-                        PageOutcome::Miss
-                    }
-                    Err(damage) => {
-                        tracing::warn!(key = %String::from_utf8_lossy(&rkeys[i]), ?damage, "redis: stored page failed verification; dropped");
-                        damaged.push(i);
-                        PageOutcome::Corrupt
-                    }
-                },
-                Reply::Value(other) => {
+                Reply::Page(PageRead::Hit) => PageOutcome::Hit,
+                Reply::Page(PageRead::Nil) => PageOutcome::Miss,
+                Reply::Page(PageRead::OtherMeta) => {
+                    bump(&self.stats.meta_mismatches, 1);
+                    PageOutcome::Miss
+                }
+                Reply::Page(PageRead::Damaged(damage)) => {
+                    tracing::warn!(key = %String::from_utf8_lossy(&rkeys[i]), ?damage, "redis: stored page failed verification; dropped");
+                    damaged.push(i);
+                    PageOutcome::Corrupt
+                }
+                Reply::Page(PageRead::Frame(other)) | Reply::Value(other) => {
                     tracing::warn!(key = %String::from_utf8_lossy(&rkeys[i]), reply = ?other, "redis: not a page value; dropped");
                     damaged.push(i);
                     PageOutcome::Corrupt
@@ -257,10 +287,11 @@ impl Storage for RedisStorage {
                 .iter()
                 .map(|i| Request::simple("DEL", &rkeys[*i]))
                 .collect();
-            let _ = execute(&self.nodes, &self.inflight, &reqs, None, self.deadline()).await;
+            let _ = self.run(&reqs, false).await;
         }
+        // A page not read whole and verified holds no bytes of what arrived.
         for (o, d) in outcomes.iter().zip(dst.iter_mut()) {
-            if !o.is_hit() && matches!(o, PageOutcome::Corrupt) {
+            if matches!(o, PageOutcome::Corrupt | PageOutcome::Failed(_)) {
                 d.zero();
             }
         }
@@ -288,35 +319,13 @@ impl Storage for RedisStorage {
             }
         }
         // Phase 1: SET NX. A new page is stored in one round trip.
-        let reqs: Vec<Request<'_>> = todo
-            .iter()
-            .map(|&i| self.set_request(self.redis_key(&keys[i]), &keys[i], &src[i], true))
-            .collect();
-        let replies = execute(
-            &self.nodes,
-            &self.inflight,
-            &reqs,
-            self.wait(),
-            self.deadline(),
-        )
-        .await;
-        drop(reqs);
+        let new: Vec<(usize, Option<usize>)> = todo.iter().map(|&i| (i, None)).collect();
         let mut existing = Vec::new();
-        for (&i, r) in todo.iter().zip(replies) {
-            outcomes[i] = Some(match r {
-                Reply::Value(Value::Okay) | Reply::Value(Value::SimpleString(_)) => {
-                    self.add_stored(src[i].len(), None);
-                    PageOutcome::Stored
-                }
-                Reply::Value(Value::Nil) => {
-                    existing.push(i);
-                    continue;
-                }
-                Reply::Value(other) => PageOutcome::Failed(PageError::Backend(format!(
-                    "redis SET: unexpected reply {other:?}"
-                ))),
-                Reply::Failed(e) => PageOutcome::Failed(e),
-            });
+        for (i, o) in self.set_pages(keys, src, &new, true).await {
+            match o {
+                Some(o) => outcomes[i] = Some(o),
+                None => existing.push(i),
+            }
         }
         // Phase 2: the key exists. Same metadata: Present (keys name contents); other metadata
         // or a damaged header: overwrite.
@@ -330,33 +339,11 @@ impl Storage for RedisStorage {
             for (&i, h) in existing.iter().zip(headers) {
                 match h {
                     Some(h) if h.meta == src[i].meta() => outcomes[i] = Some(PageOutcome::Present),
-                    other => rewrite.push((i, other.map(|h| h.meta.len))),
+                    other => rewrite.push((i, Some(other.map_or(0, |h| h.meta.len)))),
                 }
             }
-            let reqs: Vec<Request<'_>> = rewrite
-                .iter()
-                .map(|&(i, _)| self.set_request(self.redis_key(&keys[i]), &keys[i], &src[i], false))
-                .collect();
-            let replies = execute(
-                &self.nodes,
-                &self.inflight,
-                &reqs,
-                self.wait(),
-                self.deadline(),
-            )
-            .await;
-            drop(reqs);
-            for (&(i, old), r) in rewrite.iter().zip(replies) {
-                outcomes[i] = Some(match r {
-                    Reply::Value(Value::Okay) | Reply::Value(Value::SimpleString(_)) => {
-                        self.add_stored(src[i].len(), Some(old.unwrap_or(0)));
-                        PageOutcome::Stored
-                    }
-                    Reply::Value(other) => PageOutcome::Failed(PageError::Backend(format!(
-                        "redis SET: unexpected reply {other:?}"
-                    ))),
-                    Reply::Failed(e) => PageOutcome::Failed(e),
-                });
+            for (i, o) in self.set_pages(keys, src, &rewrite, false).await {
+                outcomes[i] = o;
             }
         }
         let outcomes: Vec<PageOutcome> = outcomes
@@ -381,16 +368,16 @@ impl Storage for RedisStorage {
             .iter()
             .map(|(_, rk)| Request::simple("DEL", rk))
             .collect();
-        let replies = execute(&self.nodes, &self.inflight, &reqs, None, self.deadline()).await;
+        let replies = self.run(&reqs, false).await;
         let mut removed = 0;
         for (r, h) in replies.iter().zip(headers) {
             match r {
-                Reply::Value(Value::Int(1)) => {
+                Reply::Value(Frame::Int(1)) => {
                     removed += 1;
                     sub(&self.pages, 1);
                     sub(&self.bytes, h.map(|h| h.meta.len as u64).unwrap_or(0));
                 }
-                Reply::Value(_) => {}
+                Reply::Value(_) | Reply::Page(_) => {}
                 Reply::Failed(e) => {
                     return Err(hicache_storage::StorageError::backend_caused(
                         crate::NAME,

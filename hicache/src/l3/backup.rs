@@ -16,6 +16,9 @@
 //!    batch is written while the previous one's durability barrier runs (a backend with group
 //!    commit merges those barriers). A backup is done, and finished at the agreed count, only
 //!    once every batch is acknowledged; backups finish in launch order.
+//! 5. **Prefix keys.** With `hicache_storage_pass_prefix_keys`, every batch is sent with the
+//!    keys of the pages before it in the request: the path from the root to the first
+//!    fragment's parent, then the backup's own earlier pages. Without it, with none.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -24,7 +27,7 @@ use std::time::Instant;
 use hicache_core::{FinishedBackup, KvEvent, Medium, NodeId, PageKey};
 
 use super::L3;
-use super::jobs::{BackupJob, BackupShared};
+use super::jobs::{BackupJob, BackupShared, Chain};
 use crate::error::Result;
 use crate::metrics::Direction;
 use crate::tiers::Tiers;
@@ -67,10 +70,19 @@ impl L3 {
             // Pages without hashes cannot be named in L3.
             return Ok(());
         }
-        let keys: Vec<PageKey> = hashes
-            .iter()
-            .map(|h| PageKey::new(start.namespace_id, *h))
-            .collect();
+        let key = |h: &hicache_core::PageHash| PageKey::new(start.namespace_id, *h);
+        // The request's pages before the first stored: the path to the first fragment's
+        // parent (invariant 5).
+        let prefix: Option<Vec<PageKey>> =
+            if self.config.common.pass_prefix_keys && !self.backup_skip {
+                match tiers.tree.node_info(fin.fragments[0].node)?.parent {
+                    Some(p) => Some(tiers.tree.prefix_hashes(p)?.iter().map(key).collect()),
+                    None => Some(Vec::new()),
+                }
+            } else {
+                None
+            };
+        let chain = Chain::new(prefix.as_deref(), hashes.iter().map(key));
         let nodes: Vec<NodeId> = fin.fragments.iter().map(|f| f.node).collect();
         for &n in &nodes {
             tiers.tree.protect_host(n)?;
@@ -89,7 +101,7 @@ impl L3 {
             let job = BackupJob {
                 storage: self.storage.clone(),
                 pool: tiers.host_pool.clone(),
-                keys,
+                chain: Arc::new(chain),
                 slots,
                 batch: self.batch,
                 layout: self.layout,

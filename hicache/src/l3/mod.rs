@@ -99,6 +99,12 @@ impl L3 {
             ((tiers.host_pool.num_pages() as f64) * cfg.prefetch_capacity_ratio) as usize;
         let backup_skip = matches!(shape.kind, KvKind::Mla { .. }) && rank != 0;
         tracing::info!(backend = %info.name, batch, capacity_pages, "L3 attached");
+        if config.common.pass_prefix_keys && !info.batch_context {
+            tracing::info!(
+                backend = %info.name,
+                "hicache_storage_pass_prefix_keys is on, but the backend does not use prefix keys"
+            );
+        }
         tiers.metrics.set_storage(Some(storage.clone()));
         Ok(Self {
             runtime,

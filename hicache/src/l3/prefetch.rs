@@ -16,14 +16,17 @@
 //!    frees the rest); the task owns `[completed, n)` and hands them back when it exits.
 //! 3. **Capacity.** In-flight prefetches hold at most `prefetch_capacity_ratio` of the host
 //!    pool, counted in allocated hit pages (not candidate tokens, as SGLang does).
-//! 4. **Same on every rank.** Prefetches are created and ended by calls every rank makes
+//! 4. **Prefix keys.** With `hicache_storage_pass_prefix_keys`, every batch of a prefetch is
+//!    sent with the keys of the request's pages before it: the anchor's path from the root,
+//!    then the prefetch's own earlier pages. Without it, with none.
+//! 5. **Same on every rank.** Prefetches are created and ended by calls every rank makes
 //!    identically, or by decisions taken from agreed values, so every rank tracks the same
 //!    prefetches in the same (creation) order.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hicache_core::{HiRadixTree, HostSlot, MatchResult, NodeId, PrefetchPolicy, TenantId};
+use hicache_core::{HiRadixTree, HostSlot, MatchResult, NodeId, PageKey, PrefetchPolicy, TenantId};
 
 use super::L3;
 use super::jobs::{FetchShared, QueryJob};
@@ -158,6 +161,18 @@ impl L3 {
             .hasher
             .clone()
             .expect("the controller always configures a hasher");
+        // The request's pages before the first looked up: the path to the anchor.
+        let prefix = if self.config.common.pass_prefix_keys {
+            let hashes = tiers.tree.prefix_hashes(anchor)?;
+            Some(
+                hashes
+                    .into_iter()
+                    .map(|h| PageKey::new(start.namespace_id, h))
+                    .collect(),
+            )
+        } else {
+            None
+        };
         tiers.tree.protect_host(anchor)?;
         let tokens = key[anchor_end * ps..].to_vec();
         let pages = tokens.len() / ps;
@@ -168,6 +183,7 @@ impl L3 {
             hasher,
             namespace: start.namespace_id,
             prior,
+            prefix,
             tokens: tokens.clone(),
             page_size: ps,
             batch: self.batch,

@@ -1,0 +1,519 @@
+//! The data path's own connections: one TCP (or rustls TLS) stream per connection, written
+//! with vectored writes (a page's bytes go from the caller's buffer to the socket, never
+//! through a command buffer) and read through a small reused buffer by the RESP reader
+//! ([`resp`](crate::resp)); a `GET` reply's page bytes are read straight into the caller's
+//! page buffer ([`Conn::read_page`]).
+//!
+//! A connection is used by one pipeline at a time (its replies come back in order on it), so
+//! `WAIT` at the end of a pipeline answers for that pipeline's writes. A connection on which
+//! anything failed (I/O, a reply that is not RESP, a timeout) is dropped by its user, never
+//! reused: its position in the reply stream is unknown.
+
+use std::io::IoSlice;
+use std::sync::Arc;
+
+use hicache_core::PageKey;
+use hicache_storage::PageBufMut;
+use hicache_storage::checksum::checksum_page_mut;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
+use thiserror::Error;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::config::{RedisOptions, split_addr};
+use crate::resp::{self, BulkHead, Frame, Limits, RespError};
+use crate::value::{self, Damage, HEADER_LEN};
+
+/// Bytes of the read buffer kept per connection.
+const READ_BUF: usize = 64 << 10;
+/// Reads at least this long go straight from the socket into the page buffer.
+const DIRECT_READ: usize = 16 << 10;
+
+/// Why a connection failed. The connection is unusable after any of these.
+#[derive(Debug, Error)]
+pub enum ConnError {
+    /// The socket failed or closed.
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    /// The peer sent bytes that are not a RESP reply.
+    #[error("{0}")]
+    Resp(#[from] RespError),
+    /// TLS setup or handshake failed.
+    #[error("tls: {0}")]
+    Tls(String),
+    /// `AUTH` was refused.
+    #[error("authentication failed: {0}")]
+    Auth(String),
+    /// The address is not `host:port`.
+    #[error("not a host:port address")]
+    Address,
+}
+
+/// What a `GET` reply held, read by [`Conn::read_page`].
+#[derive(Debug, PartialEq)]
+pub enum PageRead {
+    /// The page, verified, is in the caller's buffer.
+    Hit,
+    /// No value under the key.
+    Nil,
+    /// A page value whose layout or length differs from the caller's buffer (another
+    /// configuration wrote it): a miss, the buffer untouched.
+    OtherMeta,
+    /// A value that is not this page (damaged, foreign, truncated): the buffer holds no
+    /// bytes of it (zeroed where the body had been read into it).
+    Damaged(Damage),
+    /// Another reply (an error such as `MOVED`, or a value of another type).
+    Frame(Frame),
+}
+
+fn closed() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::UnexpectedEof,
+        "the server closed the connection mid-reply",
+    )
+}
+
+trait Stream: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> Stream for T {}
+
+/// How to open a connection: TLS and credentials, shared by every connection.
+pub struct Connector {
+    tls: Option<tokio_rustls::TlsConnector>,
+    auth: Option<(Option<String>, String)>,
+}
+
+impl Connector {
+    /// The connector for `opts`; `root_pem` is the content of `tls_ca_file` (else the
+    /// system's roots are trusted).
+    pub fn new(opts: &RedisOptions, root_pem: Option<&[u8]>) -> Result<Self, ConnError> {
+        let tls = if opts.tls {
+            let mut roots = rustls::RootCertStore::empty();
+            match root_pem {
+                Some(pem) => {
+                    for c in CertificateDer::pem_slice_iter(pem) {
+                        let c = c.map_err(|e| ConnError::Tls(format!("tls_ca_file: {e}")))?;
+                        roots
+                            .add(c)
+                            .map_err(|e| ConnError::Tls(format!("tls_ca_file: {e}")))?;
+                    }
+                }
+                None => {
+                    for c in rustls_native_certs::load_native_certs().certs {
+                        // A system certificate rustls cannot use is skipped, as browsers do.
+                        let _ = roots.add(c);
+                    }
+                }
+            }
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let config = rustls::ClientConfig::builder_with_provider(provider)
+                .with_safe_default_protocol_versions()
+                .map_err(|e| ConnError::Tls(e.to_string()))?
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+            Some(tokio_rustls::TlsConnector::from(Arc::new(config)))
+        } else {
+            None
+        };
+        Ok(Self {
+            tls,
+            auth: opts.password.clone().map(|p| (opts.username.clone(), p)),
+        })
+    }
+
+    /// Opens a connection to `addr` (`host:port`) and authenticates it.
+    pub async fn connect(&self, addr: &str, limits: Limits) -> Result<Conn, ConnError> {
+        let (host, port) = split_addr(addr).ok_or(ConnError::Address)?;
+        let tcp = TcpStream::connect((host.as_str(), port)).await?;
+        tcp.set_nodelay(true)?;
+        let io: Box<dyn Stream> = match &self.tls {
+            Some(tls) => {
+                let name = ServerName::try_from(host.clone())
+                    .map_err(|e| ConnError::Tls(format!("server name {host:?}: {e}")))?;
+                Box::new(
+                    tls.connect(name, tcp)
+                        .await
+                        .map_err(|e| ConnError::Tls(e.to_string()))?,
+                )
+            }
+            None => Box::new(tcp),
+        };
+        let mut conn = Conn {
+            io,
+            buf: vec![0; READ_BUF],
+            start: 0,
+            end: 0,
+            limits,
+        };
+        if let Some((user, pass)) = &self.auth {
+            let mut cmd = Vec::new();
+            match user {
+                Some(u) => resp::put_command(&mut cmd, &[b"AUTH", u.as_bytes(), pass.as_bytes()]),
+                None => resp::put_command(&mut cmd, &[b"AUTH", pass.as_bytes()]),
+            }
+            conn.write_all(&mut [IoSlice::new(&cmd)]).await?;
+            if let Frame::Error(e) = conn.read_frame().await? {
+                return Err(ConnError::Auth(e));
+            }
+        }
+        Ok(conn)
+    }
+}
+
+/// One connection to one node. See the [module docs](self).
+pub struct Conn {
+    io: Box<dyn Stream>,
+    /// Bytes received and not yet consumed are `buf[start..end]`.
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    limits: Limits,
+}
+
+impl Conn {
+    /// Writes every byte of `bufs`, in order, with as few system calls as the socket allows.
+    pub async fn write_all(&mut self, mut bufs: &mut [IoSlice<'_>]) -> Result<(), ConnError> {
+        IoSlice::advance_slices(&mut bufs, 0);
+        while !bufs.is_empty() {
+            let n = self.io.write_vectored(bufs).await?;
+            if n == 0 {
+                return Err(std::io::Error::from(std::io::ErrorKind::WriteZero).into());
+            }
+            IoSlice::advance_slices(&mut bufs, n);
+        }
+        self.io.flush().await?;
+        Ok(())
+    }
+
+    /// Receives more bytes into the buffer (growing it only for a reply larger than it).
+    async fn fill(&mut self) -> Result<(), ConnError> {
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        } else if self.end == self.buf.len() {
+            self.buf.copy_within(self.start..self.end, 0);
+            (self.start, self.end) = (0, self.end - self.start);
+            if self.end == self.buf.len() {
+                let grown = (self.buf.len() * 2).min(self.limits.max_bulk + READ_BUF);
+                if grown <= self.buf.len() {
+                    return Err(RespError::TooLarge {
+                        what: "reply",
+                        len: self.buf.len() as u64,
+                        max: self.limits.max_bulk as u64,
+                    }
+                    .into());
+                }
+                self.buf.resize(grown, 0);
+            }
+        }
+        let n = self.io.read(&mut self.buf[self.end..]).await?;
+        if n == 0 {
+            return Err(closed().into());
+        }
+        self.end += n;
+        Ok(())
+    }
+
+    /// Reads one whole reply.
+    pub async fn read_frame(&mut self) -> Result<Frame, ConnError> {
+        loop {
+            if let Some((f, n)) = resp::parse(&self.buf[self.start..self.end], &self.limits)? {
+                self.start += n;
+                if self.start == self.end && self.buf.len() > READ_BUF {
+                    // A large reply grew the buffer: give the memory back.
+                    self.buf = vec![0; READ_BUF];
+                    (self.start, self.end) = (0, 0);
+                }
+                return Ok(f);
+            }
+            self.fill().await?;
+        }
+    }
+
+    /// Fills `out` with the next bytes of the stream: first what the buffer holds, then, for
+    /// long reads, straight from the socket.
+    async fn read_exact(&mut self, out: &mut [u8]) -> Result<(), ConnError> {
+        let have = (self.end - self.start).min(out.len());
+        out[..have].copy_from_slice(&self.buf[self.start..self.start + have]);
+        self.start += have;
+        let mut done = have;
+        while done < out.len() {
+            let want = out.len() - done;
+            if want >= DIRECT_READ {
+                self.io
+                    .read_exact(&mut out[done..])
+                    .await
+                    .map_err(|e| match e.kind() {
+                        std::io::ErrorKind::UnexpectedEof => closed(),
+                        _ => e,
+                    })?;
+                return Ok(());
+            }
+            self.fill().await?;
+            let n = (self.end - self.start).min(want);
+            out[done..done + n].copy_from_slice(&self.buf[self.start..self.start + n]);
+            self.start += n;
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Consumes `n` bytes of the stream.
+    async fn skip(&mut self, mut n: usize) -> Result<(), ConnError> {
+        while n > 0 {
+            if self.start == self.end {
+                self.fill().await?;
+            }
+            let k = (self.end - self.start).min(n);
+            self.start += k;
+            n -= k;
+        }
+        Ok(())
+    }
+
+    async fn expect_crlf(&mut self) -> Result<(), ConnError> {
+        let mut crlf = [0u8; 2];
+        self.read_exact(&mut crlf).await?;
+        if &crlf != b"\r\n" {
+            return Err(RespError::Malformed {
+                what: "bulk string",
+                detail: "not followed by CRLF".into(),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Reads the reply to `GET` of `key`'s page into `dst`: the header (magic, version,
+    /// key, layout, length) is checked before a byte goes into `dst`, the checksum after; a
+    /// value that fails is [`PageRead::Damaged`] and `dst` is zeroed, never left holding it.
+    pub async fn read_page(
+        &mut self,
+        key: &PageKey,
+        dst: &mut PageBufMut<'_>,
+    ) -> Result<PageRead, ConnError> {
+        let head = loop {
+            match resp::parse_bulk_head(&self.buf[self.start..self.end], &self.limits)? {
+                Some((h, n)) => {
+                    self.start += n;
+                    break h;
+                }
+                None => self.fill().await?,
+            }
+        };
+        let len = match head {
+            BulkHead::Nil => return Ok(PageRead::Nil),
+            BulkHead::Other => return Ok(PageRead::Frame(self.read_frame().await?)),
+            BulkHead::Len(len) => len,
+        };
+        if len < HEADER_LEN {
+            self.skip(len).await?;
+            self.expect_crlf().await?;
+            return Ok(PageRead::Damaged(Damage::Truncated));
+        }
+        let mut header = [0u8; HEADER_LEN];
+        self.read_exact(&mut header).await?;
+        let body = len - HEADER_LEN;
+        let refused = match value::parse_header(key, &header) {
+            Err(d) => PageRead::Damaged(d),
+            Ok(h) if h.meta.len != body => PageRead::Damaged(Damage::BadLength),
+            Ok(h) if h.meta != dst.meta() => PageRead::OtherMeta,
+            Ok(h) => return self.read_body(dst, h.checksum).await,
+        };
+        self.skip(body).await?;
+        self.expect_crlf().await?;
+        Ok(refused)
+    }
+
+    /// Reads a page body whose header was accepted into `dst`, then checks its checksum.
+    async fn read_body(
+        &mut self,
+        dst: &mut PageBufMut<'_>,
+        checksum: u64,
+    ) -> Result<PageRead, ConnError> {
+        for part in dst.parts_mut() {
+            self.read_exact(part).await?;
+        }
+        self.expect_crlf().await?;
+        if checksum_page_mut(dst) != checksum {
+            dst.zero();
+            return Ok(PageRead::Damaged(Damage::BadChecksum));
+        }
+        Ok(PageRead::Hit)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hicache_core::LayoutKind;
+    use hicache_storage::PageBuf;
+    use hicache_storage::pattern::{namespace, page_bytes, page_key};
+    use tokio::net::TcpListener;
+
+    const L: LayoutKind = LayoutKind::PageFirst;
+
+    /// The stored value of `data` under `key` (header + bytes), as a bulk string.
+    fn bulk(key: &PageKey, layout: LayoutKind, data: &[u8]) -> Vec<u8> {
+        let page = PageBuf::contiguous(layout, data);
+        let mut v = value::header(key, &page).to_vec();
+        v.extend_from_slice(data);
+        let mut out = Vec::new();
+        resp::put_bulk(&mut out, &v);
+        out
+    }
+
+    /// A connection to a one-shot server on loopback that sends `bytes` in pieces of `piece`
+    /// bytes, then closes.
+    async fn serve(bytes: Vec<u8>, piece: usize, limits: Limits) -> Conn {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            for c in bytes.chunks(piece.max(1)) {
+                if s.write_all(c).await.is_err() {
+                    return;
+                }
+                let _ = s.flush().await;
+            }
+        });
+        let opts = RedisOptions::new([addr.clone()]);
+        Connector::new(&opts, None)
+            .unwrap()
+            .connect(&addr, limits)
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn pages_land_in_the_buffer_and_the_stream_stays_in_step() {
+        let k1 = page_key(namespace(1), 1, 0);
+        let k2 = page_key(namespace(1), 1, 1);
+        let (d1, d2) = (page_bytes(&k1, 100_000), page_bytes(&k2, 3000));
+        for piece in [7, 4096, 1 << 20] {
+            let mut wire = bulk(&k1, L, &d1);
+            wire.extend(bulk(&k2, L, &d2));
+            wire.extend_from_slice(b"$-1\r\n_\r\n-MOVED 1 127.0.0.1:7000\r\n+OK\r\n");
+            let mut c = serve(wire, piece, Limits::default()).await;
+            // A page in two parts, as a layer-first host page would be.
+            let mut b1 = vec![0u8; d1.len()];
+            let (x, y) = b1.split_at_mut(40_000);
+            let mut dst = PageBufMut::from_parts(L, [x, y]);
+            assert_eq!(c.read_page(&k1, &mut dst).await.unwrap(), PageRead::Hit);
+            drop(dst);
+            assert_eq!(b1, d1);
+            let mut b2 = vec![0u8; d2.len()];
+            let mut dst = PageBufMut::contiguous(L, &mut b2);
+            assert_eq!(c.read_page(&k2, &mut dst).await.unwrap(), PageRead::Hit);
+            drop(dst);
+            assert_eq!(b2, d2);
+            let mut dst = PageBufMut::contiguous(L, &mut b2);
+            assert_eq!(c.read_page(&k2, &mut dst).await.unwrap(), PageRead::Nil);
+            assert_eq!(c.read_page(&k2, &mut dst).await.unwrap(), PageRead::Nil);
+            assert_eq!(
+                c.read_page(&k2, &mut dst).await.unwrap(),
+                PageRead::Frame(Frame::Error("MOVED 1 127.0.0.1:7000".into()))
+            );
+            assert_eq!(c.read_frame().await.unwrap(), Frame::Simple("OK".into()));
+        }
+    }
+
+    #[tokio::test]
+    async fn damaged_foreign_and_other_values_never_fill_the_buffer() {
+        let k = page_key(namespace(2), 1, 0);
+        let other = page_key(namespace(3), 1, 0);
+        let d = page_bytes(&k, 50_000);
+        let mut flipped = bulk(&k, L, &d);
+        let at = flipped.len() - 1000;
+        flipped[at] ^= 1;
+        let mut wire = flipped;
+        wire.extend(bulk(&other, L, &d)); // another page's value under this key
+        wire.extend(bulk(&k, LayoutKind::LayerFirst, &d)); // another layout
+        wire.extend(bulk(&k, L, &d[..1000])); // another length
+        let mut long = value::header(&k, &PageBuf::contiguous(L, &d[..1000])).to_vec();
+        long.extend_from_slice(&d[..1010]); // a header whose length is not the body's
+        resp::put_bulk(&mut wire, &long);
+        wire.extend_from_slice(b"$10\r\nnot a page\r\n"); // shorter than a header
+        wire.extend_from_slice(b"*1\r\n:1\r\n"); // not a string
+        wire.extend(bulk(&k, L, &d)); // and the stream is still in step
+        let mut c = serve(wire, 1500, Limits::default()).await;
+        let mut buf = vec![0xAAu8; d.len()];
+        let mut dst = PageBufMut::contiguous(L, &mut buf);
+        assert_eq!(
+            c.read_page(&k, &mut dst).await.unwrap(),
+            PageRead::Damaged(Damage::BadChecksum)
+        );
+        drop(dst);
+        assert!(
+            buf.iter().all(|b| *b == 0),
+            "a checksum failure zeroes the page"
+        );
+        buf.fill(0xAA);
+        for want in [
+            PageRead::Damaged(Damage::WrongKey),
+            PageRead::OtherMeta,
+            PageRead::OtherMeta,
+            PageRead::Damaged(Damage::BadLength),
+            PageRead::Damaged(Damage::Truncated),
+            PageRead::Frame(Frame::Array(vec![Frame::Int(1)])),
+        ] {
+            let mut dst = PageBufMut::contiguous(L, &mut buf);
+            assert_eq!(c.read_page(&k, &mut dst).await.unwrap(), want);
+            drop(dst);
+            assert!(
+                buf.iter().all(|b| *b == 0xAA),
+                "{want:?}: the buffer is untouched"
+            );
+        }
+        let mut dst = PageBufMut::contiguous(L, &mut buf);
+        assert_eq!(c.read_page(&k, &mut dst).await.unwrap(), PageRead::Hit);
+        drop(dst);
+        assert_eq!(buf, d);
+    }
+
+    #[tokio::test]
+    async fn garbage_oversized_and_cut_replies_are_errors() {
+        let k = page_key(namespace(4), 1, 0);
+        let mut buf = vec![0u8; 4096];
+        let small = Limits {
+            max_bulk: 1 << 20,
+            ..Limits::default()
+        };
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (b"HTTP/1.1 400 Bad Request\r\n\r\n".to_vec(), "type byte"),
+            (b"$2000000\r\n".to_vec(), "exceeds the limit"),
+            (b"$abc\r\n".to_vec(), "not a length"),
+            (
+                {
+                    let mut w = bulk(&k, L, &page_bytes(&k, 4096));
+                    w.truncate(w.len() - 100);
+                    w
+                },
+                "closed",
+            ),
+            (
+                {
+                    let mut w = bulk(&k, L, &page_bytes(&k, 4096));
+                    let n = w.len();
+                    w[n - 2] = b'X';
+                    w
+                },
+                "CRLF",
+            ),
+        ];
+        for (wire, want) in cases {
+            let mut c = serve(wire, 512, small).await;
+            let mut dst = PageBufMut::contiguous(L, &mut buf);
+            let e = c.read_page(&k, &mut dst).await.unwrap_err().to_string();
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        // A generic reply larger than the bound is refused before it is buffered whole.
+        let mut c = serve(b"+".repeat(resp::MAX_LINE + 100), 4096, small).await;
+        assert!(
+            c.read_frame()
+                .await
+                .unwrap_err()
+                .to_string()
+                .contains("line")
+        );
+    }
+}
