@@ -14,7 +14,8 @@ use std::sync::Arc;
 
 use hicache_core::{LayoutKind, NamespaceId, PageHash, PageKey};
 use hicache_storage::{
-    BackendContext, BackendInfo, BatchContext, PageOutcome, Storage, StorageConfig,
+    BackendContext, BackendInfo, BatchContext, MemoryBackend, MemoryOptions, PageOutcome, Storage,
+    StorageConfig,
 };
 use parking_lot::RwLock;
 use pyo3::prelude::*;
@@ -31,6 +32,8 @@ pub struct Store {
     backend: RwLock<Option<Arc<dyn Storage>>>,
     info: BackendInfo,
     runtime: tokio::runtime::Runtime,
+    /// The same backend when it is the memory backend, for [`Store::contexts_seen`].
+    memory: Option<Arc<MemoryBackend>>,
 }
 
 /// Parses the keys of a batch under one namespace.
@@ -203,14 +206,52 @@ impl Store {
             .enable_all()
             .build()
             .map_err(BindingError::Runtime)?;
-        let backend = py
-            .detach(|| runtime.block_on(registry.open(&config, &ctx)))
-            .map_err(BindingError::from)?;
+        // The memory backend is opened here, as its registry factory would, so that the
+        // contexts it records (`record_contexts`) can be read back (`contexts_seen`).
+        let (backend, memory): (Arc<dyn Storage>, _) = if config.backend == "memory" {
+            let options = MemoryOptions::from_config(&config.common, config.backend_fields)
+                .map_err(BindingError::from)?;
+            let m = Arc::new(MemoryBackend::new(options));
+            (m.clone(), Some(m))
+        } else {
+            let b = py
+                .detach(|| runtime.block_on(registry.open(&config, &ctx)))
+                .map_err(BindingError::from)?;
+            (b, None)
+        };
         Ok(Self {
             info: backend.info(),
             backend: RwLock::new(Some(backend)),
             runtime,
+            memory,
         })
+    }
+
+    /// The batch contexts the backend received since the last call, oldest first: one dict per
+    /// call (`op`, `keys`, `prefix_keys` (a list, or `None`), `extra_info`), page hashes as hex.
+    /// Only for the memory backend opened with `"record_contexts": true` (tests, debugging).
+    fn contexts_seen<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let m = match &self.memory {
+            Some(m) if m.contexts().is_enabled() => m,
+            _ => {
+                return Err(pyo3::exceptions::PyValueError::new_err(
+                    "contexts_seen needs the memory backend opened with \"record_contexts\": true",
+                ));
+            }
+        };
+        let hex = |ks: &[PageKey]| ks.iter().map(|k| k.hash.to_hex()).collect::<Vec<_>>();
+        m.contexts()
+            .take()
+            .into_iter()
+            .map(|c| {
+                let d = PyDict::new(py);
+                d.set_item("op", c.op)?;
+                d.set_item("keys", hex(&c.keys))?;
+                d.set_item("prefix_keys", c.prefix_keys.as_deref().map(hex))?;
+                d.set_item("extra_info", c.extra_info)?;
+                Ok(d)
+            })
+            .collect()
     }
 
     /// The backend's name and capabilities.

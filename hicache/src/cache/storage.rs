@@ -158,9 +158,24 @@ impl HiCache {
 
     /// Detaches the L3 backend: waits for backups in flight (nothing acknowledged is lost),
     /// revokes prefetches, releases every pin they held. Detaching without a backend does
-    /// nothing. Requests may stay live; their prefetches are revoked.
+    /// nothing. Requests may stay live; their prefetches are revoked. Refused under
+    /// `buffer_only` and exclusive tiering, which need L3.
     pub fn detach_storage(&mut self) -> Result<()> {
         self.check_open()?;
+        if let Some((field, value)) = self.cfg.needs_l3()
+            && self.l3.is_some()
+        {
+            return Err(HiCacheError::config(
+                field,
+                value,
+                "needs L3: the backend cannot be detached (shut the cache down instead)",
+            ));
+        }
+        self.detach_l3()
+    }
+
+    /// Detaches L3 whatever the mode (shutdown).
+    pub(super) fn detach_l3(&mut self) -> Result<()> {
         let Some(l3) = self.l3.take() else {
             return Ok(());
         };

@@ -56,6 +56,10 @@ pub(crate) struct L3 {
     capacity_pages: usize,
     /// MLA KV is the same on every TP rank: only rank 0 writes it to L3.
     backup_skip: bool,
+    /// Host pages of exclusive-tiering demotions in flight.
+    demoting_pages: usize,
+    /// Polls left before demoting again after a demotion that did not store every page.
+    demote_pause: u32,
     next_seq: u64,
 }
 
@@ -122,6 +126,8 @@ impl L3 {
             occupied_pages: 0,
             capacity_pages: capacity_pages.max(1),
             backup_skip,
+            demoting_pages: 0,
+            demote_pause: 0,
             next_seq: 0,
         })
     }
@@ -170,7 +176,8 @@ impl L3 {
         }
         let n = self.backups_in_flight();
         self.wait_backups(n);
-        self.finish_backups(n, tiers, events)?;
+        let complete = self.first_incomplete_backup();
+        self.finish_backups(n, complete, tiers, events)?;
         self.collect_leftovers(true, tiers)?;
         tiers.metrics.set_storage(None);
         self.runtime.shutdown_timeout(SHUTDOWN_WAIT);
