@@ -23,6 +23,11 @@ fn main() {
             example.clone(),
             vec!["HICACHE_EXAMPLE_NEWER_MINOR"],
         ),
+        (
+            "hicache_c_memory_v1_0",
+            example.clone(),
+            vec!["HICACHE_EXAMPLE_V1_0"],
+        ),
         ("broken_plain", broken.clone(), vec![]),
         ("not_a_plugin", c.join("not_a_plugin.c"), vec![]),
         ("layout_probe", c.join("layout_probe.c"), vec![]),
@@ -33,6 +38,10 @@ fn main() {
         ("broken_small_vtable", "BROKEN_SMALL_VTABLE"),
         ("broken_null_function", "BROKEN_NULL_FUNCTION"),
         ("broken_cap_without_fn", "BROKEN_CAP_WITHOUT_FN"),
+        (
+            "broken_context_cap_without_fn",
+            "BROKEN_CONTEXT_CAP_WITHOUT_FN",
+        ),
         ("broken_create_fails", "BROKEN_CREATE_FAILS"),
         ("broken_zero_batch", "BROKEN_ZERO_BATCH"),
         ("broken_garbage", "BROKEN_GARBAGE"),

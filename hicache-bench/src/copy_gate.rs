@@ -26,8 +26,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use hicache::{EXCHANGE_BACKUPS_FINISHED, EXCHANGE_WRITES_FINISHED, RankError, RankGroup};
 use hicache_storage::{
-    BackendContext, BackendFactory, BackendInfo, CommonConfig, ConfigFields, MemoryRegion, PageBuf,
-    PageBufMut, PageKey, PageOutcome, Registry, Storage, StorageStats, async_trait,
+    BackendContext, BackendFactory, BackendInfo, BatchContext, CommonConfig, ConfigFields,
+    MemoryRegion, PageBuf, PageBufMut, PageKey, PageOutcome, Registry, Storage, StorageStats,
+    async_trait,
 };
 
 /// The simulated clock and the completion times of what is in flight.
@@ -183,7 +184,31 @@ impl Storage for GatedStorage {
     }
 
     async fn batch_exists(&self, keys: &[PageKey]) -> hicache_storage::Result<usize> {
-        let n = self.inner.batch_exists(keys).await?;
+        self.batch_exists_with(keys, BatchContext::NONE).await
+    }
+
+    async fn batch_get(
+        &self,
+        keys: &[PageKey],
+        dst: &mut [PageBufMut<'_>],
+    ) -> hicache_storage::Result<Vec<PageOutcome>> {
+        self.batch_get_with(keys, dst, BatchContext::NONE).await
+    }
+
+    async fn batch_set(
+        &self,
+        keys: &[PageKey],
+        src: &[PageBuf<'_>],
+    ) -> hicache_storage::Result<Vec<PageOutcome>> {
+        self.batch_set_with(keys, src, BatchContext::NONE).await
+    }
+
+    async fn batch_exists_with(
+        &self,
+        keys: &[PageKey],
+        ctx: BatchContext<'_>,
+    ) -> hicache_storage::Result<usize> {
+        let n = self.inner.batch_exists_with(keys, ctx).await?;
         let mut c = lock(&self.clock);
         let now = c.now;
         let visible = keys[..n.min(keys.len())]
@@ -194,20 +219,22 @@ impl Storage for GatedStorage {
         Ok(visible)
     }
 
-    async fn batch_get(
+    async fn batch_get_with(
         &self,
         keys: &[PageKey],
         dst: &mut [PageBufMut<'_>],
+        ctx: BatchContext<'_>,
     ) -> hicache_storage::Result<Vec<PageOutcome>> {
-        self.inner.batch_get(keys, dst).await
+        self.inner.batch_get_with(keys, dst, ctx).await
     }
 
-    async fn batch_set(
+    async fn batch_set_with(
         &self,
         keys: &[PageKey],
         src: &[PageBuf<'_>],
+        ctx: BatchContext<'_>,
     ) -> hicache_storage::Result<Vec<PageOutcome>> {
-        let out = self.inner.batch_set(keys, src).await?;
+        let out = self.inner.batch_set_with(keys, src, ctx).await?;
         let mut c = lock(&self.clock);
         for (k, o) in keys.iter().zip(&out) {
             if o.is_ok() {
@@ -229,6 +256,14 @@ impl Storage for GatedStorage {
         for k in keys {
             c.hidden.remove(k);
         }
+        Ok(n)
+    }
+
+    async fn clear(&self, namespace: hicache_storage::NamespaceId) -> hicache_storage::Result<u64> {
+        let n = self.inner.clear(namespace).await?;
+        lock(&self.clock)
+            .hidden
+            .retain(|k, _| k.namespace != namespace);
         Ok(n)
     }
 

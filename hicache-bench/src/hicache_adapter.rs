@@ -20,12 +20,15 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use hicache::{Device, HiCache, HiCacheConfig, IoBackendKind, LayerDoneCounter};
+use hicache::{
+    Device, HiCache, HiCacheConfig, HostMemoryMode, IoBackendKind, LayerDoneCounter,
+    StorageWriteMode,
+};
 use hicache_gpu::IoBackend;
 
 use crate::copy_gate::{Clock, ClockRank, L3Clock, gated_registry};
 use crate::error::{BenchError, Result};
-use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize};
+use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize, TieringMode};
 use crate::sim::cache::{
     Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
     RequestId, TransferStats,
@@ -89,6 +92,14 @@ pub fn config_for(setup: &CacheSetup) -> Result<HiCacheConfig> {
         eviction_policy: setup.eviction_policy,
         metrics_addr: setup.observe.metrics_addr.clone(),
         kv_events_config: setup.observe.kv_events.clone(),
+        hicache_host_memory_mode: match setup.tiers.mode {
+            TieringMode::BufferOnly if setup.tiers.storage => HostMemoryMode::BufferOnly,
+            _ => HostMemoryMode::Cache,
+        },
+        storage_write_mode: match setup.tiers.mode {
+            TieringMode::Exclusive if setup.tiers.storage => StorageWriteMode::Exclusive,
+            _ => StorageWriteMode::Inclusive,
+        },
         ..Default::default()
     })
 }

@@ -31,6 +31,19 @@ pub enum HostSize {
     Gigabytes(f64),
 }
 
+/// How L2 and L3 share pages when both are used (`hicache_host_memory_mode`,
+/// `storage_write_mode`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TieringMode {
+    /// L2 caches; L3 is written at L2 admission (SGLang's default).
+    Inclusive,
+    /// `hicache_host_memory_mode = buffer_only`: L2 only stages L1↔L3 traffic.
+    BufferOnly,
+    /// `storage_write_mode = exclusive`: L3 is written from the coldest L2 pages.
+    Exclusive,
+}
+
 /// Which tiers a run uses. L1 always exists; L3 needs L2.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Tiers {
@@ -38,6 +51,8 @@ pub struct Tiers {
     pub host: bool,
     /// The L3 storage backend.
     pub storage: bool,
+    /// How L2 and L3 share pages (only with L3).
+    pub mode: TieringMode,
 }
 
 impl Tiers {
@@ -45,24 +60,42 @@ impl Tiers {
     pub const L1: Tiers = Tiers {
         host: false,
         storage: false,
+        mode: TieringMode::Inclusive,
     };
     /// L1 and L2.
     pub const L1_L2: Tiers = Tiers {
         host: true,
         storage: false,
+        mode: TieringMode::Inclusive,
     };
     /// All three tiers.
     pub const L1_L2_L3: Tiers = Tiers {
         host: true,
         storage: true,
+        mode: TieringMode::Inclusive,
+    };
+    /// All three tiers, host memory as a staging buffer only.
+    pub const L1_L3_BUFFER_ONLY: Tiers = Tiers {
+        host: true,
+        storage: true,
+        mode: TieringMode::BufferOnly,
+    };
+    /// All three tiers, L3 written from the coldest L2 pages.
+    pub const L1_L2_L3_EXCLUSIVE: Tiers = Tiers {
+        host: true,
+        storage: true,
+        mode: TieringMode::Exclusive,
     };
 
-    /// The label of the configuration: `L1`, `L1+L2` or `L1+L2+L3`.
+    /// The label of the configuration: `L1`, `L1+L2`, `L1+L2+L3`, `L1+L3 buffer_only`
+    /// (L2 only stages) or `L1+L2+L3 exclusive`.
     pub fn label(self) -> &'static str {
-        match (self.host, self.storage) {
-            (false, _) => "L1",
-            (true, false) => "L1+L2",
-            (true, true) => "L1+L2+L3",
+        match (self.host, self.storage, self.mode) {
+            (false, _, _) => "L1",
+            (true, false, _) => "L1+L2",
+            (true, true, TieringMode::Inclusive) => "L1+L2+L3",
+            (true, true, TieringMode::BufferOnly) => "L1+L3 buffer_only",
+            (true, true, TieringMode::Exclusive) => "L1+L2+L3 exclusive",
         }
     }
 }
@@ -149,6 +182,8 @@ mod tests {
         assert_eq!(Tiers::L1.label(), "L1");
         assert_eq!(Tiers::L1_L2.label(), "L1+L2");
         assert_eq!(Tiers::L1_L2_L3.label(), "L1+L2+L3");
+        assert_eq!(Tiers::L1_L3_BUFFER_ONLY.label(), "L1+L3 buffer_only");
+        assert_eq!(Tiers::L1_L2_L3_EXCLUSIVE.label(), "L1+L2+L3 exclusive");
     }
 
     #[test]

@@ -53,8 +53,23 @@ fn main_job_through_hicache_is_consistent_and_every_tier_helps() {
         [l1.hits, l2.hits, l3.hits]
     );
     assert!(report.baseline.ttft.p50 > l1.ttft.p50);
+    // The other two L3 modes: buffer_only serves L1 misses from L3; exclusive writes L3 only
+    // from what L2 cannot keep, so less than at every L2 admission.
+    let [buffer, exclusive] = [&report.runs[3], &report.runs[4]];
+    assert_eq!(buffer.label, "L1+L3 buffer_only");
+    assert_eq!(exclusive.label, "L1+L2+L3 exclusive");
+    assert!(buffer.hits.l3 > 0, "{:?}", buffer.hits);
+    let to_l3 = |s: &hicache_bench::report::Summary| s.transfers()[2].1.bytes;
+    assert!(to_l3(l3) > 0);
+    assert!(
+        to_l3(exclusive) < to_l3(l3),
+        "{} {}",
+        to_l3(exclusive),
+        to_l3(l3)
+    );
     let text = String::from_utf8(out).unwrap();
     assert!(text.contains("L1+L2+L3"), "{text}");
+    assert!(text.contains("L1+L3 buffer_only"), "{text}");
     assert!(dir.path().join("report.json").is_file());
 }
 

@@ -66,7 +66,17 @@ fn compare_runs_every_configuration_and_the_report_is_consistent() {
     let report = multiturn::run(&tiny(&["--compare"], dir.path()), &mut out, &build).unwrap();
     assert!(report.check().is_empty(), "{:?}", report.check());
     let labels: Vec<&str> = report.all().map(|s| s.label.as_str()).collect();
-    assert_eq!(labels, ["no cache", "L1", "L1+L2", "L1+L2+L3"]);
+    assert_eq!(
+        labels,
+        [
+            "no cache",
+            "L1",
+            "L1+L2",
+            "L1+L2+L3",
+            "L1+L3 buffer_only",
+            "L1+L2+L3 exclusive"
+        ]
+    );
     for s in report.all() {
         assert_eq!(s.requests, 24);
         assert_eq!(s.hits.total() + s.computed_tokens, s.prompt_tokens);
@@ -100,7 +110,7 @@ fn compare_runs_every_configuration_and_the_report_is_consistent() {
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("report.json")).unwrap())
             .unwrap();
-    assert_eq!(json["runs"].as_array().unwrap().len(), 3);
+    assert_eq!(json["runs"].as_array().unwrap().len(), 5);
     assert_eq!(json["workload"]["requests"], 24);
     assert_eq!(json["setup"]["write_policy"], "write_through");
 }

@@ -26,6 +26,7 @@ use async_trait::async_trait;
 use hicache_core::{LayoutKind, PageKey};
 
 use crate::backend::Storage;
+use crate::context::{BatchContext, SeenContext};
 use crate::error::{Result, StorageError};
 use crate::page::{PageBuf, PageBufMut, PageError, PageOutcome};
 use crate::pattern::{check_page, namespace, page_bytes, page_key};
@@ -49,6 +50,15 @@ pub trait Harness: Send + Sync + 'static {
     async fn reopen(&self, backend: Arc<Self::Backend>) -> Result<Option<Arc<Self::Backend>>> {
         drop(backend);
         Ok(None)
+    }
+
+    /// For backends that record the [`BatchContext`]s they receive (rule 9): the contexts
+    /// received since the last call, oldest first (the record is emptied). `None` (the
+    /// default) means the backend does not record them; the batch-context case then checks
+    /// only that a context changes no answer.
+    async fn contexts_seen(&self, backend: &Self::Backend) -> Option<Vec<SeenContext>> {
+        let _ = backend;
+        None
     }
 }
 
@@ -81,6 +91,12 @@ pub enum Case {
     Delete,
     /// Counters follow the outcomes.
     Stats,
+    /// `clear` of one namespace removes its pages only (rule 10), or the backend says it does
+    /// not support it and changes nothing.
+    Clear,
+    /// Calls carrying a batch context answer exactly as calls without one; a recording
+    /// backend receives the context as given.
+    BatchContext,
     /// A persistent backend serves its pages after a reopen (not applicable, and reported so,
     /// if the backend does not persist).
     Restart,
@@ -88,7 +104,7 @@ pub enum Case {
 
 impl Case {
     /// Every case, in a sensible order.
-    pub const ALL: [Case; 14] = [
+    pub const ALL: [Case; 16] = [
         Case::RoundTrip,
         Case::ExistsLeadingRun,
         Case::MixedOutcomes,
@@ -102,6 +118,8 @@ impl Case {
         Case::NamespaceIsolation,
         Case::Delete,
         Case::Stats,
+        Case::Clear,
+        Case::BatchContext,
         Case::Restart,
     ];
 }
@@ -151,6 +169,8 @@ pub async fn case_async<H: Harness>(h: &H, case: Case) -> CaseOutcome {
         Case::NamespaceIsolation => namespace_isolation(h).await,
         Case::Delete => delete(h).await,
         Case::Stats => stats(h).await,
+        Case::Clear => clear(h).await,
+        Case::BatchContext => batch_context(h).await,
         // The one case that can be not applicable answers for itself.
         Case::Restart => return restart(h).await,
     }
@@ -198,6 +218,8 @@ macro_rules! conformance_tests {
             namespace_isolation => NamespaceIsolation,
             delete => Delete,
             stats => Stats,
+            clear => Clear,
+            batch_context => BatchContext,
             $($extra => $extra_case,)*
         );
     };
@@ -299,6 +321,21 @@ async fn set_ok<S: Storage + ?Sized>(s: &S, keys: &[PageKey], len: usize) {
             "rule 1: batch_set of a valid {len}-byte page {i} gave {o:?}"
         );
     }
+}
+
+async fn set_pages_with<S: Storage + ?Sized>(
+    s: &S,
+    keys: &[PageKey],
+    pages: &[Vec<u8>],
+    ctx: BatchContext<'_>,
+) -> Vec<PageOutcome> {
+    let bufs: Vec<PageBuf<'_>> = pages
+        .iter()
+        .map(|p| PageBuf::contiguous(LAYOUT, p))
+        .collect();
+    s.batch_set_with(keys, &bufs, ctx)
+        .await
+        .unwrap_or_else(|e| panic!("rule 9: batch_set_with of {} pages failed: {e}", keys.len()))
 }
 
 /// Reads `keys` as `len`-byte pages; returns outcomes and buffers.
@@ -947,6 +984,215 @@ async fn stats<H: Harness>(h: &H) {
     assert_eq!(st.exists_hits - st0.exists_hits, 2, "exists_hits");
     assert_eq!(st.pages, 2, "pages");
     assert_eq!(st.bytes, 8192, "bytes");
+}
+
+async fn clear<H: Harness>(h: &H) {
+    let s = open(h, None).await;
+    let a: Vec<PageKey> = (0..5).map(|i| key(16, i)).collect();
+    let b: Vec<PageKey> = (0..3).map(|i| key(17, i)).collect();
+    // Same hashes as `a` under another namespace: the clear must look at the namespace.
+    let b_twins: Vec<PageKey> = a[..2]
+        .iter()
+        .map(|k| PageKey::new(namespace(17), k.hash))
+        .collect();
+    set_ok(&*s, &a, 4096).await;
+    set_ok(&*s, &b, 4096).await;
+    set_ok(&*s, &b_twins, 4096).await;
+    if !s.info().clear {
+        match s.clear(namespace(16)).await {
+            Err(StorageError::Unsupported { op: "clear", .. }) => {}
+            other => panic!(
+                "rule 10: a backend without the clear capability must answer Unsupported, \
+                 got {other:?}"
+            ),
+        }
+        assert_hits(
+            &*s,
+            &a,
+            4096,
+            "rule 10: an unsupported clear changes nothing",
+        )
+        .await;
+        return;
+    }
+    let before = s.stats();
+    let n = s.clear(namespace(16)).await.expect("clear");
+    assert_eq!(
+        n,
+        a.len() as u64,
+        "rule 10: clear counts the pages it removed"
+    );
+    assert_eq!(
+        s.batch_exists(&a[..1]).await.unwrap(),
+        0,
+        "rule 10: cleared pages are absent"
+    );
+    let (o, _) = get_pages(&*s, &a, 4096, LAYOUT).await;
+    assert!(
+        o.iter().all(|o| *o == PageOutcome::Miss),
+        "rule 10: cleared pages read as misses, got {o:?}"
+    );
+    assert_hits(
+        &*s,
+        &b,
+        4096,
+        "rule 10: another namespace's pages survive a clear",
+    )
+    .await;
+    assert_hits(
+        &*s,
+        &b_twins,
+        4096,
+        "rule 10: another namespace's pages with the same hashes survive a clear",
+    )
+    .await;
+    let after = s.stats();
+    assert_eq!(
+        after.cleared_pages,
+        before.cleared_pages + a.len() as u64,
+        "rule 10: cleared pages are counted"
+    );
+    assert_eq!(
+        after.pages + a.len() as u64,
+        before.pages,
+        "rule 10: cleared pages leave the occupancy"
+    );
+    assert_eq!(
+        s.clear(namespace(16)).await.expect("second clear"),
+        0,
+        "rule 10: clearing an empty namespace removes nothing"
+    );
+    set_ok(&*s, &a[..2], 4096).await;
+    assert_hits(
+        &*s,
+        &a[..2],
+        4096,
+        "rule 10: a cleared namespace accepts pages again",
+    )
+    .await;
+    if s.info().persistent {
+        let s = h
+            .reopen(s)
+            .await
+            .unwrap_or_else(|e| panic!("reopen failed: {e}"))
+            .expect("a persistent backend's harness must implement reopen");
+        assert_eq!(
+            s.batch_exists(&a[2..]).await.unwrap(),
+            0,
+            "rule 10: a cleared page stays cleared after a restart"
+        );
+        assert_hits(
+            &*s,
+            &a[..2],
+            4096,
+            "rule 10: pages set after a clear survive a restart",
+        )
+        .await;
+        assert_hits(
+            &*s,
+            &b,
+            4096,
+            "rule 10: the other namespace survives a restart",
+        )
+        .await;
+    }
+}
+
+async fn batch_context<H: Harness>(h: &H) {
+    let s = open(h, None).await;
+    let _ = h.contexts_seen(&s).await;
+    let len = 4096;
+    // Pages set with a context (namespace 16) and the same calls without one (namespace 17).
+    let prefix: Vec<PageKey> = (0..5).map(|i| key(16, i)).collect();
+    let with: Vec<PageKey> = (5..9).map(|i| key(16, i)).collect();
+    let plain: Vec<PageKey> = (0..4).map(|i| key(17, i)).collect();
+    let ctx = BatchContext::with_prefix_keys(&prefix).extra_info("conformance extra info");
+    let at_root = BatchContext::with_prefix_keys(&[]);
+    let bytes =
+        |ks: &[PageKey]| -> Vec<Vec<u8>> { ks.iter().map(|k| page_bytes(k, len)).collect() };
+    let w = set_pages_with(&*s, &with[..3], &bytes(&with[..3]), ctx).await;
+    let p = set_pages(&*s, &plain[..3], &bytes(&plain[..3])).await;
+    assert_eq!(w, p, "rule 9: batch_set_with answers as batch_set");
+    assert!(
+        w.iter().all(|o| *o == PageOutcome::Stored),
+        "rule 9: fresh pages set with a context must be Stored, got {w:?}"
+    );
+    let w = set_pages_with(&*s, &with[..3], &bytes(&with[..3]), ctx).await;
+    let p = set_pages(&*s, &plain[..3], &bytes(&plain[..3])).await;
+    assert_eq!(
+        w, p,
+        "rule 9: a repeated batch_set_with answers as batch_set"
+    );
+
+    for (c, what) in [(ctx, "prefix keys"), (at_root, "an empty prefix")] {
+        let n = s
+            .batch_exists_with(&with, c)
+            .await
+            .unwrap_or_else(|e| panic!("batch_exists_with failed: {e}"));
+        assert_eq!(
+            n, 3,
+            "rule 9: batch_exists_with ({what}) must answer the leading run"
+        );
+    }
+    let n = s
+        .batch_exists_with(&with, BatchContext::NONE)
+        .await
+        .unwrap();
+    assert_eq!(
+        n,
+        s.batch_exists(&plain).await.unwrap(),
+        "rule 9: no context"
+    );
+
+    // Hits, a miss in the middle and out of order, with and without the context.
+    let order = [0usize, 3, 2, 1];
+    let mut bufs: Vec<Vec<u8>> = order.iter().map(|_| vec![0u8; len]).collect();
+    let ks: Vec<PageKey> = order.iter().map(|&i| with[i]).collect();
+    let w = {
+        let mut dst: Vec<PageBufMut<'_>> = bufs
+            .iter_mut()
+            .map(|b| PageBufMut::contiguous(LAYOUT, b))
+            .collect();
+        s.batch_get_with(&ks, &mut dst, ctx)
+            .await
+            .unwrap_or_else(|e| panic!("batch_get_with failed: {e}"))
+    };
+    let pks: Vec<PageKey> = order.iter().map(|&i| plain[i]).collect();
+    let (p, _) = get_pages(&*s, &pks, len, LAYOUT).await;
+    assert_eq!(w, p, "rule 9: batch_get_with answers as batch_get");
+    for (i, o) in w.iter().enumerate() {
+        if *o == PageOutcome::Hit {
+            assert!(
+                check_page(&ks[i], &bufs[i]),
+                "rule 9: page {i} read with a context has wrong bytes"
+            );
+        }
+    }
+    assert_eq!(
+        w.iter().filter(|o| o.is_hit()).count(),
+        3,
+        "rule 9: the three stored pages are hits"
+    );
+
+    if let Some(seen) = h.contexts_seen(&s).await {
+        let given = |op, keys: &[PageKey], c: BatchContext<'_>| SeenContext {
+            op,
+            keys: keys.to_vec(),
+            prefix_keys: c.prefix_keys.map(<[PageKey]>::to_vec),
+            extra_info: c.extra_info.map(str::to_owned),
+        };
+        let expected = vec![
+            given("batch_set", &with[..3], ctx),
+            given("batch_set", &with[..3], ctx),
+            given("batch_exists", &with, ctx),
+            given("batch_exists", &with, at_root),
+            given("batch_get", &ks, ctx),
+        ];
+        assert_eq!(
+            seen, expected,
+            "rule 9: the backend must receive each context as the caller gave it"
+        );
+    }
 }
 
 async fn restart<H: Harness>(h: &H) -> CaseOutcome {

@@ -6,6 +6,8 @@
 //! - [`Storage`]: the async trait every backend implements, with its rules in [`backend`]'s
 //!   documentation: atomic visibility, verified reads, stored metadata, leading-run
 //!   `batch_exists`, bounded batches, idempotent set, capacity with eviction, concurrency.
+//! - [`BatchContext`]: the per-batch context (the request's prefix keys, extra info) of the
+//!   `*_with` calls, which backends may use for placement (rule 9); [`ContextLog`] records it.
 //! - [`PageBuf`] / [`PageBufMut`]: caller-owned page views (one or many parts), so pages move
 //!   between the pinned host pool and storage without staging copies; [`PageOutcome`]: one
 //!   outcome per page.
@@ -46,10 +48,12 @@ pub mod batch;
 pub mod checksum;
 pub mod config;
 pub mod conformance;
+pub mod context;
 pub mod error;
 pub mod evict;
 pub mod ext;
 pub mod faults;
+pub mod lifecycle;
 #[cfg(feature = "memory")]
 pub mod memory;
 pub mod page;
@@ -63,10 +67,12 @@ pub use batch::{Outcomes, SetBatch};
 pub use config::{
     CommonConfig, ConfigFields, DYNAMIC_BACKEND, StorageConfig, parse_byte_size, read_config_file,
 };
+pub use context::{BatchContext, ContextLog, SeenContext};
 pub use error::{Result, StorageError};
 pub use evict::{EvictionPolicy, Evictor};
 pub use ext::StorageExt;
 pub use hicache_core::{LayoutKind, MemoryRegion, NamespaceId, PageHash, PageKey};
+pub use lifecycle::{Clock, Lifecycle, Watermarks};
 #[cfg(feature = "memory")]
 pub use memory::{MemoryBackend, MemoryFactory, MemoryOptions};
 pub use page::{PageBuf, PageBufMut, PageError, PageMeta, PageOutcome, leading_ok};

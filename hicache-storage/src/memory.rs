@@ -6,7 +6,9 @@
 //! use, and an embedded default where L3 need not persist.
 //!
 //! Extra-config (`backend memory`): `capacity` (common field; default 1 GiB), `eviction`
-//! (`lru` | `fifo`, default `lru`), `max_batch` (pages per call, default 256).
+//! (`lru` | `fifo`, default `lru`), `max_batch` (pages per call, default 256),
+//! `record_contexts` (default false: keep and log at debug level every [`BatchContext`] that
+//! arrives, for tests and debugging; see [`MemoryBackend::contexts`]).
 //!
 //! Invariants:
 //! 1. `bytes` equals the sum of the stored pages' lengths and never exceeds `capacity` after a
@@ -20,12 +22,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use hicache_core::PageKey;
+use hicache_core::{NamespaceId, PageKey};
 use parking_lot::Mutex;
 
 use crate::backend::{BackendInfo, StatsCounters, Storage, StorageStats, bump, check_batch};
 use crate::checksum::checksum;
 use crate::config::{CommonConfig, ConfigFields};
+use crate::context::{BatchContext, ContextLog};
 use crate::error::Result;
 use crate::evict::{EvictionPolicy, Evictor};
 use crate::page::{PageBuf, PageBufMut, PageError, PageMeta, PageOutcome};
@@ -43,6 +46,8 @@ pub struct MemoryOptions {
     pub eviction: EvictionPolicy,
     /// Largest batch accepted.
     pub max_batch: usize,
+    /// Record every batch context received ([`MemoryBackend::contexts`]).
+    pub record_contexts: bool,
 }
 
 impl Default for MemoryOptions {
@@ -51,6 +56,7 @@ impl Default for MemoryOptions {
             capacity_bytes: DEFAULT_MEMORY_CAPACITY,
             eviction: EvictionPolicy::Lru,
             max_batch: 256,
+            record_contexts: false,
         }
     }
 }
@@ -61,11 +67,13 @@ impl MemoryOptions {
         let d = Self::default();
         let eviction = fields.choice("eviction", "lru", &EvictionPolicy::NAMES)?;
         let max_batch = fields.u64("max_batch", d.max_batch as u64, 128..=65_536)? as usize;
+        let record_contexts = fields.bool("record_contexts", d.record_contexts)?;
         fields.finish()?;
         Ok(Self {
             capacity_bytes: common.capacity_bytes.unwrap_or(d.capacity_bytes),
             eviction: EvictionPolicy::parse(eviction).unwrap_or_default(),
             max_batch,
+            record_contexts,
         })
     }
 }
@@ -87,6 +95,7 @@ pub struct MemoryBackend {
     options: MemoryOptions,
     inner: Mutex<Inner>,
     counters: StatsCounters,
+    contexts: ContextLog,
 }
 
 impl std::fmt::Debug for MemoryBackend {
@@ -100,6 +109,8 @@ impl std::fmt::Debug for MemoryBackend {
 impl MemoryBackend {
     /// An empty backend.
     pub fn new(options: MemoryOptions) -> Self {
+        let contexts = ContextLog::default();
+        contexts.enable(options.record_contexts);
         Self {
             inner: Mutex::new(Inner {
                 pages: HashMap::new(),
@@ -108,7 +119,14 @@ impl MemoryBackend {
             }),
             options,
             counters: StatsCounters::default(),
+            contexts,
         }
+    }
+
+    /// The record of the batch contexts received (on when `record_contexts` was set, or after
+    /// `contexts().enable(true)`). The backend otherwise ignores contexts, as rule 9 allows.
+    pub fn contexts(&self) -> &ContextLog {
+        &self.contexts
     }
 
     /// An empty backend with default options and the given capacity.
@@ -223,6 +241,8 @@ impl Storage for MemoryBackend {
         let mut i = BackendInfo::new("memory", self.options.max_batch);
         i.capacity_bytes = Some(self.options.capacity_bytes);
         i.max_page_bytes = self.options.capacity_bytes as usize;
+        i.clear = true;
+        i.batch_context = self.contexts.is_enabled();
         i
     }
 
@@ -270,6 +290,31 @@ impl Storage for MemoryBackend {
         Ok(out)
     }
 
+    async fn batch_exists_with(&self, keys: &[PageKey], ctx: BatchContext<'_>) -> Result<usize> {
+        self.contexts.record("batch_exists", keys, ctx);
+        self.batch_exists(keys).await
+    }
+
+    async fn batch_get_with(
+        &self,
+        keys: &[PageKey],
+        dst: &mut [PageBufMut<'_>],
+        ctx: BatchContext<'_>,
+    ) -> Result<Vec<PageOutcome>> {
+        self.contexts.record("batch_get", keys, ctx);
+        self.batch_get(keys, dst).await
+    }
+
+    async fn batch_set_with(
+        &self,
+        keys: &[PageKey],
+        src: &[PageBuf<'_>],
+        ctx: BatchContext<'_>,
+    ) -> Result<Vec<PageOutcome>> {
+        self.contexts.record("batch_set", keys, ctx);
+        self.batch_set(keys, src).await
+    }
+
     async fn delete(&self, keys: &[PageKey]) -> Result<usize> {
         let mut inner = self.inner.lock();
         let mut n = 0;
@@ -282,6 +327,24 @@ impl Storage for MemoryBackend {
         }
         bump(&self.counters.deleted_pages, n as u64);
         Ok(n)
+    }
+
+    async fn clear(&self, namespace: NamespaceId) -> Result<u64> {
+        let mut inner = self.inner.lock();
+        let doomed: Vec<PageKey> = inner
+            .pages
+            .keys()
+            .filter(|k| k.namespace == namespace)
+            .copied()
+            .collect();
+        for k in &doomed {
+            if let Some(s) = inner.pages.remove(k) {
+                inner.bytes -= s.meta.len as u64;
+                inner.evictor.remove(k);
+            }
+        }
+        bump(&self.counters.cleared_pages, doomed.len() as u64);
+        Ok(doomed.len() as u64)
     }
 
     fn stats(&self) -> StorageStats {
@@ -333,7 +396,9 @@ mod tests {
         );
         let cfg = StorageConfig::parse(
             Some("memory"),
-            Some(r#"{"capacity": "2MiB", "eviction": "fifo", "max_batch": 512}"#),
+            Some(
+                r#"{"capacity": "2MiB", "eviction": "fifo", "max_batch": 512, "record_contexts": true}"#,
+            ),
         )
         .unwrap();
         let o = MemoryOptions::from_config(&cfg.common, cfg.backend_fields).unwrap();
@@ -342,7 +407,8 @@ mod tests {
             MemoryOptions {
                 capacity_bytes: 2 << 20,
                 eviction: EvictionPolicy::Fifo,
-                max_batch: 512
+                max_batch: 512,
+                record_contexts: true,
             }
         );
         let cfg = StorageConfig::parse(Some("memory"), Some(r#"{"max_batch": 3}"#)).unwrap();

@@ -142,6 +142,17 @@ impl HiCacheBuilder {
     pub fn build(self) -> Result<HiCache> {
         let cfg = self.cfg.clone();
         cfg.validate()?;
+        if let Some((field, value)) = cfg.needs_l3()
+            && self.storage.is_none()
+            && cfg.storage_config()?.is_none()
+        {
+            return Err(HiCacheError::config(
+                field,
+                value,
+                "needs an L3 backend: set storage_backend (or give the builder a storage \
+                 instance)",
+            ));
+        }
         let shape = self.checked_shape()?;
         let device_pool = self.make_device_pool(shape)?;
         let device = device_pool.device().clone();
@@ -157,7 +168,9 @@ impl HiCacheBuilder {
             LayerDoneCounter::DEFAULT_DEPTH,
         )?);
         let namespace = self.namespace(shape);
-        let tree = make_tree(&cfg, &namespace)?;
+        let mut tree = make_tree(&cfg, &namespace)?;
+        let tiering = crate::tiering::Tiering::new(&cfg, host_pool.num_pages());
+        tree.set_transient_host(tiering.buffer_only)?;
         let metrics = Arc::new(Metrics::new());
         metrics.set_geometry(
             cfg.page_size,
@@ -179,7 +192,7 @@ impl HiCacheBuilder {
             cfg,
             shape,
             namespace,
-            tiers: Tiers::new(tree, device_pool, host_pool, metrics),
+            tiers: Tiers::new(tree, device_pool, host_pool, metrics, tiering),
             copies,
             rank: self.rank,
             registry,

@@ -13,6 +13,8 @@
 //! | `storage_backend` | none | L3 backend name (`file`, `memory`, `plugin`, …); none = no L3 |
 //! | `storage_prefetch_policy` | `timeout` | `best_effort`, `wait_complete`, `timeout` |
 //! | `storage_backend_extra_config` | none | JSON object as a string, or `@path` to a JSON file |
+//! | `hicache_host_memory_mode` | `cache` | `cache` (L2 holds pages) or `buffer_only` (L2 only stages L1↔L3 traffic; needs L3; not with `write_back`) |
+//! | `storage_write_mode` | `inclusive` | `inclusive` (L3 written at L2 admission) or `exclusive` (L3 written from the coldest L2 pages before L2 drops them; needs L3; not with `write_back` or `buffer_only`) |
 //! | `eviction_policy` | `lru` | `lru`, `lfu`, `fifo`, `mru`, `filo`, `priority`, `slru`, `s3fifo`, `sieve` |
 //! | `hash_mode` | `namespaced` | `namespaced` (seeded per model/tenant) or `sglang` (bit-exact keys) |
 //! | `model_name` | `default` | model fingerprint that enters the L3 namespace |
@@ -57,6 +59,53 @@ impl From<IoBackendKind> for IoBackend {
     }
 }
 
+/// What host (L2) memory is for (SGLang's `--hicache-host-memory-mode`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HostMemoryMode {
+    /// L2 is a cache tier: host copies stay until host eviction.
+    #[default]
+    Cache,
+    /// L2 only stages L1↔L3 traffic: a page's host copy is released once it is in L3 (after
+    /// a backup) or on device (after a load-back); L3 holds the capacity. Needs L3.
+    BufferOnly,
+}
+
+impl HostMemoryMode {
+    /// The configuration spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HostMemoryMode::Cache => "cache",
+            HostMemoryMode::BufferOnly => "buffer_only",
+        }
+    }
+}
+
+/// When L3 is written (not an SGLang flag: SGLang writes L3 at L2 admission; its exclusive
+/// mode is an open proposal without a flag name).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StorageWriteMode {
+    /// Every page admitted to L2 is written to L3 (L3 holds a superset of L2).
+    #[default]
+    Inclusive,
+    /// Cold-L2-first: L3 is written from the coldest host-only pages when L2 runs short of
+    /// room, ahead of their eviction, and L2 drops a page only once its L3 copy is
+    /// acknowledged, so L2 and L3 share only that clean band. Pages known to be in L3 are not
+    /// written again. Needs L3.
+    Exclusive,
+}
+
+impl StorageWriteMode {
+    /// The configuration spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StorageWriteMode::Inclusive => "inclusive",
+            StorageWriteMode::Exclusive => "exclusive",
+        }
+    }
+}
+
 /// The cache's settings. See the module documentation for every field and its default.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -81,6 +130,10 @@ pub struct HiCacheConfig {
     pub storage_prefetch_policy: PrefetchPolicy,
     /// Extra-config: a JSON object as a string, or `@path` of a JSON file.
     pub storage_backend_extra_config: Option<String>,
+    /// What host memory is for: a cache tier, or staging only (`buffer_only`).
+    pub hicache_host_memory_mode: HostMemoryMode,
+    /// When L3 is written: at L2 admission, or from cold L2 pages (`exclusive`).
+    pub storage_write_mode: StorageWriteMode,
     /// Eviction order for both tiers.
     pub eviction_policy: StrategyKind,
     /// How page hashes are chained.
@@ -117,6 +170,8 @@ impl Default for HiCacheConfig {
             storage_backend: None,
             storage_prefetch_policy: PrefetchPolicy::Timeout,
             storage_backend_extra_config: None,
+            hicache_host_memory_mode: HostMemoryMode::Cache,
+            storage_write_mode: StorageWriteMode::Inclusive,
             eviction_policy: StrategyKind::Lru,
             hash_mode: HashMode::Namespaced,
             model_name: "default".into(),
@@ -165,7 +220,10 @@ impl HiCacheConfig {
                     "must be a finite number > 0",
                 ));
             }
-            if self.hicache_ratio < 1.0 && self.write_policy == WritePolicy::WriteThrough {
+            if self.hicache_ratio < 1.0
+                && self.write_policy == WritePolicy::WriteThrough
+                && self.hicache_host_memory_mode == HostMemoryMode::Cache
+            {
                 return Err(HiCacheError::config(
                     "hicache_ratio",
                     self.hicache_ratio,
@@ -223,6 +281,7 @@ impl HiCacheConfig {
         } else {
             self.storage_config()?;
         }
+        self.validate_tiering()?;
         self.kv_events()?;
         if let Some(addr) = &self.metrics_addr {
             addr.parse::<std::net::SocketAddr>().map_err(|e| {
@@ -230,6 +289,68 @@ impl HiCacheConfig {
             })?;
         }
         Ok(())
+    }
+
+    /// The host memory mode and the L3 write mode against the rest. Whether L3 is attached
+    /// at all is checked when the cache is built (a backend instance may come from the
+    /// builder).
+    fn validate_tiering(&self) -> Result<()> {
+        let buffer_only = self.hicache_host_memory_mode == HostMemoryMode::BufferOnly;
+        let exclusive = self.storage_write_mode == StorageWriteMode::Exclusive;
+        if (buffer_only || exclusive) && !self.enable_hierarchical_cache {
+            let field = if buffer_only {
+                "hicache_host_memory_mode"
+            } else {
+                "storage_write_mode"
+            };
+            return Err(HiCacheError::config(
+                field,
+                if buffer_only {
+                    "buffer_only"
+                } else {
+                    "exclusive"
+                },
+                "needs the host tier and L3: enable_hierarchical_cache is false",
+            ));
+        }
+        if buffer_only && self.write_policy == WritePolicy::WriteBack {
+            return Err(HiCacheError::config(
+                "hicache_host_memory_mode",
+                "buffer_only",
+                "does not work with write_policy = write_back (write-back keeps pages in host \
+                 memory until device eviction; buffer_only holds none): use write_through or \
+                 write_through_selective",
+            ));
+        }
+        if exclusive && self.write_policy == WritePolicy::WriteBack {
+            return Err(HiCacheError::config(
+                "storage_write_mode",
+                "exclusive",
+                "does not work with write_policy = write_back (write-back eviction frees host \
+                 room inside the tree, dropping pages L3 does not hold): use write_through or \
+                 write_through_selective",
+            ));
+        }
+        if buffer_only && exclusive {
+            return Err(HiCacheError::config(
+                "storage_write_mode",
+                "exclusive",
+                "contradicts hicache_host_memory_mode = buffer_only (host memory holds no \
+                 pages for L3 to be exclusive of)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The field naming the tiering mode that needs L3, if one is set.
+    pub(crate) fn needs_l3(&self) -> Option<(&'static str, &'static str)> {
+        if self.hicache_host_memory_mode == HostMemoryMode::BufferOnly {
+            Some(("hicache_host_memory_mode", "buffer_only"))
+        } else if self.storage_write_mode == StorageWriteMode::Exclusive {
+            Some(("storage_write_mode", "exclusive"))
+        } else {
+            None
+        }
     }
 
     /// The parsed `kv_events_config`, or `None` when not set.
@@ -369,6 +490,41 @@ mod tests {
         assert!(e.contains("enable_hierarchical_cache"), "{e}");
         HiCacheConfig::from_json(r#"{"enable_hierarchical_cache": false, "hicache_ratio": 0.1}"#)
             .unwrap();
+    }
+
+    #[test]
+    fn tiering_modes_use_sglang_names_and_check_combinations() {
+        let c = HiCacheConfig::from_json(
+            r#"{"hicache_host_memory_mode": "buffer_only", "storage_backend": "memory",
+                "hicache_ratio": 0.25}"#,
+        )
+        .unwrap();
+        assert_eq!(c.hicache_host_memory_mode, HostMemoryMode::BufferOnly);
+        let c = HiCacheConfig::from_json(
+            r#"{"storage_write_mode": "exclusive", "storage_backend": "memory"}"#,
+        )
+        .unwrap();
+        assert_eq!(c.storage_write_mode, StorageWriteMode::Exclusive);
+        assert!(
+            err(r#"{"hicache_host_memory_mode": "staging"}"#).contains("hicache_host_memory_mode")
+        );
+        assert!(err(r#"{"storage_write_mode": "sometimes"}"#).contains("storage_write_mode"));
+        let e = err(r#"{"hicache_host_memory_mode": "buffer_only", "write_policy": "write_back"}"#);
+        assert!(
+            e.contains("hicache_host_memory_mode") && e.contains("write_back"),
+            "{e}"
+        );
+        let e = err(
+            r#"{"hicache_host_memory_mode": "buffer_only", "storage_write_mode": "exclusive"}"#,
+        );
+        assert!(e.contains("storage_write_mode"), "{e}");
+        let e = err(r#"{"storage_write_mode": "exclusive", "write_policy": "write_back"}"#);
+        assert!(
+            e.contains("storage_write_mode") && e.contains("write_back"),
+            "{e}"
+        );
+        let e = err(r#"{"enable_hierarchical_cache": false, "storage_write_mode": "exclusive"}"#);
+        assert!(e.contains("storage_write_mode"), "{e}");
     }
 
     #[test]

@@ -63,6 +63,9 @@ pub(crate) struct Copies {
     page_bytes: u64,
     /// Nodes due for write-through, launched as one D2H batch at the next poll.
     due: Vec<NodeId>,
+    /// Exclusive tiering: due nodes that found no host room, retried at every poll while
+    /// cold pages move to L3 (dropped once evicted or backed up; not awaited by a drain).
+    waiting: Vec<NodeId>,
     /// Launched D2H batches, oldest first.
     writes: VecDeque<WriteBatch>,
     /// Load-backs committed by admissions of this tick, launched by `start_loading`.
@@ -86,6 +89,7 @@ impl Copies {
             enabled,
             page_bytes: page_bytes as u64,
             due: Vec::new(),
+            waiting: Vec::new(),
             writes: VecDeque::new(),
             queued_loads: Vec::new(),
             loads: VecDeque::new(),
@@ -153,18 +157,27 @@ impl Copies {
     /// Launches one D2H batch for every node due for write-through (invariant 1), after its
     /// ancestors that are not backed up (see [`with_unbacked_ancestors`]). Nodes evicted
     /// meanwhile, nodes for which no host memory can be found (after evicting host-only
-    /// nodes) and nodes below those are skipped: they stay device-only, as in SGLang.
-    /// Returns the batches launched (0 or 1).
+    /// nodes) and nodes below those are skipped: they stay device-only, as in SGLang —
+    /// except under exclusive tiering, where they wait for the room cold pages leaving for
+    /// L3 make (the pages wanted are the tiers' shortfall). Returns the batches launched
+    /// (0 or 1).
     #[tracing::instrument(skip_all, fields(nodes = self.due.len(), pages))]
     pub fn launch_writes(&mut self, tiers: &mut Tiers) -> Result<usize> {
         if !self.enabled {
             self.due.clear();
         }
-        if self.due.is_empty() {
+        if self.due.is_empty() && self.waiting.is_empty() {
             return Ok(0);
         }
-        let due = std::mem::take(&mut self.due);
-        let due = with_unbacked_ancestors(&tiers.tree, due)?;
+        let mut due = std::mem::take(&mut self.waiting);
+        due.append(&mut self.due);
+        // Transient host copies (buffer_only): ancestors were staged to L3 already, and a
+        // node may be backed up below one that is not.
+        let due = if tiers.tree.transient_host() {
+            due
+        } else {
+            with_unbacked_ancestors(&tiers.tree, due)?
+        };
         let mut dev = Vec::new();
         let mut host = Vec::new();
         let mut ids = Vec::new();
@@ -175,6 +188,13 @@ impl Copies {
                 Err(e) => return Err(e.into()),
             };
             let Some(h) = tiers.alloc_host(plan.pages())? else {
+                if tiers.tiering.exclusive {
+                    tiers.tiering.shortfall += plan.pages();
+                    if !self.waiting.contains(&node) {
+                        self.waiting.push(node);
+                    }
+                    continue;
+                }
                 tracing::debug!(
                     pages = plan.pages(),
                     "host pool full: node stays device-only"
@@ -301,7 +321,8 @@ impl Copies {
         Ok(out)
     }
 
-    /// Finishes the oldest `n` load batches (the agreed count): unlocks their nodes.
+    /// Finishes the oldest `n` load batches (the agreed count): unlocks their nodes; under
+    /// `buffer_only` releases the host copies of loaded pages known to be in L3.
     pub fn finish_loads(&mut self, n: usize, tiers: &mut Tiers) -> Result<()> {
         for _ in 0..n {
             let Some(batch) = self.loads.pop_front() else {
@@ -309,7 +330,11 @@ impl Copies {
             };
             batch.handle.wait()?;
             for id in batch.ids {
-                tiers.tree.finish_load_back(id)?;
+                let node = tiers.tree.finish_load_back(id)?;
+                if tiers.tiering.buffer_only {
+                    // The pages are on device now: L2 only staged them.
+                    tiers.release_loaded(node)?;
+                }
             }
             tiers.metrics.transfer(
                 Direction::h2d,

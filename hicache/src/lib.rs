@@ -78,11 +78,12 @@ pub mod observe;
 pub mod rank;
 mod requests;
 mod tick;
+mod tiering;
 mod tiers;
 
 pub use builder::HiCacheBuilder;
 pub use cache::HiCache;
-pub use config::{HiCacheConfig, IoBackendKind};
+pub use config::{HiCacheConfig, HostMemoryMode, IoBackendKind, StorageWriteMode};
 pub use error::{HiCacheError, Result};
 pub use l3::L3_WRITE_BATCHES_IN_FLIGHT;
 pub use rank::{RankError, RankGroup, SingleRank, TcpRankGroup};

@@ -9,7 +9,8 @@
 //! | 1 | H2D batches finished, counted from the oldest |
 //! | 2 | L3 backups finished, counted from the oldest |
 //! | 3 | free host pages |
-//! | 4 + 4·i … | prefetch `i` (creation order): [`PrefetchCounts`] |
+//! | 4 | index of the first finished L3 backup that did not store every page (`u64::MAX`: none) |
+//! | 5 + 4·i … | prefetch `i` (creation order): [`PrefetchCounts`] |
 //!
 //! Every rank tracks the same prefetches in the same order (they are created and ended by
 //! calls every rank makes identically, or by decisions taken from agreed values), so the
@@ -34,7 +35,7 @@ pub const EXCHANGE_WRITES_FINISHED: usize = 0;
 /// Index of "L3 backups finished" in the exchanged vector.
 pub const EXCHANGE_BACKUPS_FINISHED: usize = 2;
 /// Values of the exchange before the prefetches.
-const FIXED_VALUES: usize = 4;
+const FIXED_VALUES: usize = 5;
 
 // The largest exchange fits one round.
 const _: () =
@@ -90,6 +91,8 @@ pub(crate) struct TickCounts {
     backups: usize,
     /// Free host pages.
     host_free: usize,
+    /// The first finished L3 backup that did not store every page (see [`L3`]).
+    backups_incomplete: usize,
     /// Each tracked prefetch (sequence number, counts), in creation order.
     prefetches: Vec<(u64, PrefetchCounts)>,
 }
@@ -113,6 +116,7 @@ impl TickCounts {
             loads: copies.ready_loads()?,
             backups: l3.map_or(0, L3::ready_backups),
             host_free: tiers.host_pool.available(),
+            backups_incomplete: l3.map_or(usize::MAX, L3::first_incomplete_backup),
             prefetches: l3.map_or_else(Vec::new, |l3| {
                 l3.prefetch_seqs()
                     .into_iter()
@@ -125,8 +129,9 @@ impl TickCounts {
     /// Every rank's minimum, through one exchange.
     pub fn agree(mut self, rank: &dyn RankGroup) -> Result<Self> {
         let mut v = Vec::with_capacity(FIXED_VALUES + PrefetchCounts::LEN * self.prefetches.len());
-        // EXCHANGE_WRITES_FINISHED, 1, EXCHANGE_BACKUPS_FINISHED, 3.
+        // EXCHANGE_WRITES_FINISHED, 1, EXCHANGE_BACKUPS_FINISHED, 3, 4.
         v.extend([self.writes, self.loads, self.backups, self.host_free].map(|x| x as u64));
+        v.push(u64::try_from(self.backups_incomplete).unwrap_or(u64::MAX));
         for (_, p) in &self.prefetches {
             v.extend(p.encode());
         }
@@ -135,6 +140,7 @@ impl TickCounts {
         self.loads = v[1] as usize;
         self.backups = v[2] as usize;
         self.host_free = v[3] as usize;
+        self.backups_incomplete = usize::try_from(v[4]).unwrap_or(usize::MAX);
         let per = v[FIXED_VALUES..].chunks_exact(PrefetchCounts::LEN);
         for ((_, p), agreed) in self.prefetches.iter_mut().zip(per) {
             *p = PrefetchCounts::decode(agreed);
@@ -168,7 +174,10 @@ impl TickCounts {
         }
         copies.finish_loads(self.loads, tiers)?;
         if let Some(l3) = l3.as_deref_mut() {
-            l3.finish_backups(self.backups, tiers, events)?;
+            l3.finish_backups(self.backups, self.backups_incomplete, tiers, events)?;
+            // Exclusive tiering: make host room from cold pages before new pages need it (and
+            // before this tick's prefetched pages arrive: they are for requests about to run).
+            l3.demote_cold(tiers)?;
             for (seq, agreed) in self.prefetches {
                 if let Some(end) = l3.apply_prefetch(seq, agreed, tiers)? {
                     requests.prefetch_ended(end);

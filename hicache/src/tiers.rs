@@ -8,15 +8,21 @@
 //!    last poll, minus what this rank allocated since, plus what it freed deterministically
 //!    since. Host allocations that change the tree go through it, so all ranks take the same
 //!    decisions; pages freed by one rank only (prefetch leftovers) go to the pool alone.
+//! 3. Under exclusive tiering, host eviction drops host-only leaves in eviction order only
+//!    while their pages are known to be in L3 ([`Tiering`]): an L2 page leaves L2 only once
+//!    L3 holds it, and never in place of a colder one that must stay.
 
 use std::sync::Arc;
 
-use hicache_core::{DeviceSlot, HiRadixTree, HostAllocator, HostSlot, StagedWriteBack};
+use hicache_core::{
+    CoreError, DeviceSlot, HiRadixTree, HostAllocator, HostSlot, NodeId, StagedWriteBack,
+};
 use hicache_gpu::DevicePool;
 use hicache_host::HostPool;
 
 use crate::error::Result;
 use crate::metrics::{DropReason, Metrics, Tier};
+use crate::tiering::Tiering;
 
 /// The tree, the device and host pools, the agreed host budget and the metrics they feed.
 pub(crate) struct Tiers {
@@ -30,6 +36,8 @@ pub(crate) struct Tiers {
     pub budget: usize,
     /// Counters and gauges of this cache.
     pub metrics: Arc<Metrics>,
+    /// How L2 and L3 share pages, and the pages known to be in L3.
+    pub tiering: Tiering,
 }
 
 impl Tiers {
@@ -39,6 +47,7 @@ impl Tiers {
         device_pool: Arc<DevicePool>,
         host_pool: Arc<HostPool>,
         metrics: Arc<Metrics>,
+        tiering: Tiering,
     ) -> Self {
         let budget = host_pool.available();
         Self {
@@ -47,6 +56,7 @@ impl Tiers {
             host_pool,
             budget,
             metrics,
+            tiering,
         }
     }
 
@@ -82,10 +92,17 @@ impl Tiers {
         Ok((out.freed_pages, out.write_back))
     }
 
-    /// Evicts at least `pages` host pages of nodes that are not on device (whole nodes).
-    /// Returns the pages freed.
+    /// Evicts at least `pages` host pages of nodes that are not on device (whole nodes;
+    /// under exclusive tiering only while they are known to be in L3, invariant 3). Returns
+    /// the pages freed.
     pub fn evict_host(&mut self, pages: usize) -> Result<usize> {
-        let out = self.tree.evict_host(pages);
+        let out = if self.tiering.exclusive {
+            let known = &self.tiering.known;
+            self.tree
+                .evict_host_while(pages, &mut |h| known.contains_all(h))
+        } else {
+            self.tree.evict_host(pages)
+        };
         self.host_pool.free(&out.host_slots)?;
         self.budget += out.host_slots.len();
         self.metrics.evicted(Tier::l2, out.freed_pages as u64);
@@ -120,6 +137,41 @@ impl Tiers {
         self.host_pool.free(slots)?;
         self.budget += slots.len();
         Ok(())
+    }
+
+    /// Drops the host copy of `node` (see [`HiRadixTree::drop_host_copy`]) and frees its
+    /// pages. Returns the pages freed: 0 when the tree keeps the copy or the node is gone.
+    pub fn drop_host_copy(&mut self, node: NodeId) -> Result<usize> {
+        let slots = match self.tree.drop_host_copy(node) {
+            Ok(Some(slots)) => slots,
+            Ok(None) | Err(CoreError::StaleNode(_)) => return Ok(0),
+            Err(e) => return Err(e.into()),
+        };
+        self.free_host(&slots)?;
+        Ok(slots.len())
+    }
+
+    /// `buffer_only`, after a load-back that ended at `node`: releases the host copies of
+    /// `node` and its ancestors that are on device and whose pages are known to be in L3
+    /// (walking up while nodes have a host copy). Returns the pages freed.
+    pub fn release_loaded(&mut self, node: NodeId) -> Result<usize> {
+        let mut freed = 0;
+        let mut at = Some(node);
+        while let Some(n) = at {
+            let info = match self.tree.node_info(n) {
+                Ok(i) => i,
+                Err(CoreError::StaleNode(_)) => break,
+                Err(e) => return Err(e.into()),
+            };
+            if info.is_root || !info.backed_up || !info.on_device {
+                break;
+            }
+            if self.tiering.known.contains_all(self.tree.page_hashes(n)?) {
+                freed += self.drop_host_copy(n)?;
+            }
+            at = info.parent;
+        }
+        Ok(freed)
     }
 
     /// Frees device pages (the request's or the tree's, as the caller decided).

@@ -9,22 +9,46 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Engine, Faulty, prompt, small_shape, test_config};
-use hicache::{HiCache, HiCacheConfig, PrefetchPolicy, RankGroup, TcpRankGroup};
+use hicache::{
+    HiCache, HiCacheConfig, HostMemoryMode, PrefetchPolicy, RankGroup, StorageWriteMode,
+    TcpRankGroup,
+};
 use hicache_storage::{MemoryBackend, Storage};
 
-/// Per rank: the tree shape after every poll, and (L1, L2, L3, polls waited) per request.
-type RankRun = (Vec<common::TreeShape>, Vec<(usize, usize, usize, usize)>);
+/// Per rank: the tree shape after every poll, (L1, L2, L3, polls waited) per request, and the
+/// pages written to L3.
+type RankRun = (
+    Vec<common::TreeShape>,
+    Vec<(usize, usize, usize, usize)>,
+    u64,
+);
+
+/// How the ranks tier L2 and L3, and the rank whose backend refuses every write (if any).
+#[derive(Copy, Clone)]
+struct Tiering {
+    host: HostMemoryMode,
+    write: StorageWriteMode,
+    failing_rank: Option<usize>,
+}
+
+const DEFAULT_TIERING: Tiering = Tiering {
+    host: HostMemoryMode::Cache,
+    write: StorageWriteMode::Inclusive,
+    failing_rank: None,
+};
 
 fn run_rank(
     rank: usize,
     size: usize,
     hub: std::net::SocketAddr,
     policy: PrefetchPolicy,
+    tiering: Tiering,
 ) -> RankRun {
     let group: Arc<dyn RankGroup> =
         Arc::new(TcpRankGroup::connect(rank, size, hub, Duration::from_secs(30)).unwrap());
     let mut faulty = Faulty::new(Arc::new(MemoryBackend::with_capacity(64 << 20)));
     faulty.latency = Duration::from_millis(rank as u64 * 3);
+    faulty.fail_all_sets = tiering.failing_rank == Some(rank);
     let storage: Arc<dyn Storage> = Arc::new(faulty);
     let cfg = HiCacheConfig {
         storage_backend: Some("memory".into()),
@@ -32,6 +56,14 @@ fn run_rank(
             r#"{"prefetch_threshold": 8, "prefetch_timeout_base": 0.02, "prefetch_timeout_per_ki_token": 0, "prefetch_timeout_max": 0.02}"#.into(),
         ),
         storage_prefetch_policy: policy,
+        hicache_host_memory_mode: tiering.host,
+        storage_write_mode: tiering.write,
+        // Exclusive tiering writes L3 only under L2 pressure: an L2 as small as L1.
+        hicache_ratio: if tiering.write == StorageWriteMode::Exclusive {
+            1.0
+        } else {
+            2.0
+        },
         ..test_config(4)
     };
     let cache = HiCache::builder(cfg)
@@ -65,24 +97,38 @@ fn run_rank(
         }
     }
     e.settle();
+    let written = e.cache.metrics().snapshot().l2_to_l3.pages;
     e.cache.shutdown().unwrap();
-    (e.shapes.take().unwrap(), served)
+    (e.shapes.take().unwrap(), served, written)
 }
 
 fn four_ranks(policy: PrefetchPolicy) {
+    four_ranks_tiered(policy, DEFAULT_TIERING);
+}
+
+fn four_ranks_tiered(policy: PrefetchPolicy, tiering: Tiering) {
     let hub = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap();
     let handles: Vec<_> = (0..4)
-        .map(|r| std::thread::spawn(move || run_rank(r, 4, hub, policy)))
+        .map(|r| std::thread::spawn(move || run_rank(r, 4, hub, policy, tiering)))
         .collect();
     let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-    let (shapes0, served0) = &results[0];
+    let (shapes0, served0, written0) = &results[0];
+    // Every mode writes L3 here (exclusive: L2 overflows), unless the failing rank refuses.
+    assert!(*written0 > 0 || tiering.failing_rank == Some(0));
     assert!(shapes0.len() > 20);
-    // Only wait_complete guarantees hits; the other policies cut prefetches by time.
-    assert!(served0.iter().any(|s| s.2 > 0) || policy != PrefetchPolicy::WaitComplete);
-    for (r, (shapes, served)) in results.iter().enumerate().skip(1) {
+    // Only wait_complete guarantees hits; the other policies cut prefetches by time. Under
+    // exclusive tiering this workload fits L2, so L3 (and, after the flush, the cache) stays
+    // empty; with a failing rank nothing is complete.
+    assert!(
+        served0.iter().any(|s| s.2 > 0)
+            || policy != PrefetchPolicy::WaitComplete
+            || tiering.write == StorageWriteMode::Exclusive
+            || tiering.failing_rank.is_some()
+    );
+    for (r, (shapes, served, _)) in results.iter().enumerate().skip(1) {
         assert_eq!(
             shapes.len(),
             shapes0.len(),
@@ -98,6 +144,26 @@ fn four_ranks(policy: PrefetchPolicy) {
 #[test]
 fn four_ranks_keep_identical_trees_with_wait_complete() {
     four_ranks(PrefetchPolicy::WaitComplete);
+}
+
+/// buffer_only and exclusive tiering decide from agreed counts only: the trees stay equal
+/// while backups complete, and while one rank's backend refuses every write (its pages then
+/// stay in L2 on every rank).
+#[test]
+fn four_ranks_keep_identical_trees_with_buffer_only_and_exclusive_tiering() {
+    for failing_rank in [None, Some(2)] {
+        for (host, write) in [
+            (HostMemoryMode::BufferOnly, StorageWriteMode::Inclusive),
+            (HostMemoryMode::Cache, StorageWriteMode::Exclusive),
+        ] {
+            let tiering = Tiering {
+                host,
+                write,
+                failing_rank,
+            };
+            four_ranks_tiered(PrefetchPolicy::WaitComplete, tiering);
+        }
+    }
 }
 
 #[test]

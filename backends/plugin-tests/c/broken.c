@@ -5,6 +5,7 @@
  *   BROKEN_SMALL_VTABLE    struct_size smaller than a v1.0 vtable
  *   BROKEN_NULL_FUNCTION   batch_get is NULL
  *   BROKEN_CAP_WITHOUT_FN  HICACHE_CAP_TEST_CORRUPT set, test_corrupt_page NULL
+ *   BROKEN_CONTEXT_CAP_WITHOUT_FN  HICACHE_CAP_BATCH_CONTEXT set, batch_*_ctx NULL
  *   BROKEN_CREATE_FAILS    create fails with HICACHE_ERR_UNAVAILABLE and a message
  *   BROKEN_ZERO_BATCH      get_info reports max_batch 0
  *   BROKEN_GARBAGE         well-formed vtable, garbage results (see below)
@@ -165,8 +166,10 @@ static const hicache_plugin_vtable VTABLE = {
 #else
     sizeof(hicache_plugin_vtable),
 #endif
-#ifdef BROKEN_CAP_WITHOUT_FN
+#if defined(BROKEN_CAP_WITHOUT_FN)
     HICACHE_CAP_TEST_CORRUPT,
+#elif defined(BROKEN_CONTEXT_CAP_WITHOUT_FN)
+    HICACHE_CAP_BATCH_CONTEXT,
 #else
     0,
 #endif
@@ -184,6 +187,9 @@ static const hicache_plugin_vtable VTABLE = {
     b_batch_set,
     b_batch_delete,
     b_get_stats,
+    NULL,
+    NULL,
+    NULL,
     NULL,
     NULL,
 };

@@ -45,7 +45,16 @@ __attribute__((visibility("default"))) const uint64_t hicache_layout_probe[] = {
     O(hicache_plugin_vtable, get_stats),
     O(hicache_plugin_vtable, register_memory),
     O(hicache_plugin_vtable, test_corrupt_page),
+    O(hicache_plugin_vtable, batch_exists_ctx),
+    O(hicache_plugin_vtable, batch_get_ctx),
+    O(hicache_plugin_vtable, batch_set_ctx),
     (uint64_t)HICACHE_VTABLE_V1_0_SIZE,
+    (uint64_t)HICACHE_VTABLE_V1_1_SIZE,
+    S(hicache_batch_context),
+    O(hicache_batch_context, prefix_keys),
+    O(hicache_batch_context, prefix_count),
+    O(hicache_batch_context, extra_info),
+    O(hicache_batch_context, extra_info_len),
 };
 
 __attribute__((visibility("default"))) const uint64_t hicache_layout_probe_len =

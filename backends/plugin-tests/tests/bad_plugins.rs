@@ -98,7 +98,9 @@ fn abi_major_mismatch_is_refused() {
         "{e:?}"
     );
     assert!(
-        t.contains("2.0") && t.contains("1.x") && t.contains("rebuild"),
+        t.contains(&format!("2.{}", hicache_backend_plugin::abi::ABI_MINOR))
+            && t.contains("1.x")
+            && t.contains("rebuild"),
         "{t}"
     );
 }
@@ -121,6 +123,13 @@ fn broken_vtables_are_refused() {
     assert!(matches!(e, PluginError::InvalidVtable { .. }), "{e:?}");
     assert!(
         t.contains("HICACHE_CAP_TEST_CORRUPT") && t.contains("test_corrupt_page"),
+        "{t}"
+    );
+
+    let (e, t) = open_err(&c_plugin("broken_context_cap_without_fn"), "{}");
+    assert!(matches!(e, PluginError::InvalidVtable { .. }), "{e:?}");
+    assert!(
+        t.contains("HICACHE_CAP_BATCH_CONTEXT") && t.contains("batch_exists_ctx"),
         "{t}"
     );
 }
@@ -248,9 +257,12 @@ fn the_same_path_loads_once() {
     let b = PluginLibrary::load(c_plugin("hicache_c_memory")).unwrap();
     assert!(std::ptr::eq(a, b));
     assert_eq!(a.name(), "c-memory-example");
-    assert_eq!(a.abi_version(), (1, 0));
+    let minor = hicache_backend_plugin::abi::ABI_MINOR;
+    assert_eq!(a.abi_version(), (1, minor));
     let next = PluginLibrary::load(c_plugin("hicache_c_memory_next")).unwrap();
-    assert_eq!(next.abi_version(), (1, 1), "a newer minor loads");
+    assert_eq!(next.abi_version(), (1, minor + 1), "a newer minor loads");
+    let old = PluginLibrary::load(c_plugin("hicache_c_memory_v1_0")).unwrap();
+    assert_eq!(old.abi_version(), (1, 0), "an older minor loads");
 }
 
 /// A panic inside any call of a Rust plugin becomes an error, never an abort; the instance

@@ -1,5 +1,5 @@
 /*
- * hicache_storage.h — the hicache-rs L3 storage plugin ABI, version 1.0.
+ * hicache_storage.h — the hicache-rs L3 storage plugin ABI, version 1.1.
  *
  * A plugin is a shared library that exports one function, HICACHE_PLUGIN_ENTRY
  * ("hicache_storage_plugin"), returning a pointer to a static vtable. hicache-rs loads it with
@@ -104,8 +104,8 @@ extern "C" {
 
 /** ABI major version: the host refuses a plugin of another major version. */
 #define HICACHE_ABI_MAJOR 1u
-/** ABI minor version: appended fields and new bits only. */
-#define HICACHE_ABI_MINOR 0u
+/** ABI minor version: appended fields and new bits only (1: the batch-context entries). */
+#define HICACHE_ABI_MINOR 1u
 
 /** The one symbol a plugin exports: `const hicache_plugin_vtable *hicache_storage_plugin(void)`. */
 #define HICACHE_PLUGIN_ENTRY hicache_storage_plugin
@@ -173,6 +173,18 @@ typedef int32_t hicache_page_result;
 #define HICACHE_CAP_REGISTER_MEMORY (1u << 0)
 /** Capability: `test_corrupt_page` is provided (fault injection for conformance tests). */
 #define HICACHE_CAP_TEST_CORRUPT (1u << 1)
+/**
+ * Capability (1.1): `batch_exists_ctx`, `batch_get_ctx` and `batch_set_ctx` are provided. The
+ * host then calls them instead of the plain entries. Ignored in a vtable whose struct_size is
+ * below HICACHE_VTABLE_V1_1_SIZE.
+ */
+#define HICACHE_CAP_BATCH_CONTEXT (1u << 2)
+
+/** Batch-context flag: prefix_keys / prefix_count are given (possibly 0 keys: the batch starts
+ * the request). Without it the host passes no prefix keys. */
+#define HICACHE_CONTEXT_HAS_PREFIX (1u << 0)
+/** Batch-context flag: extra_info / extra_info_len are given. */
+#define HICACHE_CONTEXT_HAS_EXTRA_INFO (1u << 1)
 
 /** Info flag: pages move between caller buffers and the medium without a staging copy. */
 #define HICACHE_INFO_ZERO_COPY (1u << 0)
@@ -234,6 +246,26 @@ typedef struct hicache_error {
     /** Size of `message` in bytes, including room for the NUL. */
     uint64_t capacity;
 } hicache_error;
+
+/**
+ * The context of one batch (1.1), lent for the call like the keys: the keys of the pages before
+ * the batch's first page in the same request, root first (SGLang's `prefix_keys`, passed when
+ * `hicache_storage_pass_prefix_keys` is on), and the engine's opaque extra info. A plugin may
+ * use it to place a request's pages together or to read ahead; it must answer exactly as the
+ * plain entry would (same results, same bytes).
+ */
+typedef struct hicache_batch_context {
+    /** sizeof(hicache_batch_context) as the host compiled it; read only fields within it. */
+    uint32_t struct_size;
+    /** HICACHE_CONTEXT_* flags. */
+    uint32_t flags;
+    /** `prefix_count` keys (non-NULL when prefix_count > 0). */
+    const hicache_key *prefix_keys;
+    uint64_t prefix_count;
+    /** UTF-8 text of extra_info_len bytes, not NUL-terminated (non-NULL when the length > 0). */
+    const char *extra_info;
+    uint64_t extra_info_len;
+} hicache_batch_context;
 
 /**
  * The host's log callback: `level` is HICACHE_LOG_*, `target` names the module or component
@@ -379,10 +411,31 @@ typedef struct hicache_plugin_vtable {
      */
     hicache_status (*test_corrupt_page)(hicache_plugin *plugin, const hicache_key *key,
                                         uint32_t *found, hicache_error *err);
+
+    /* ---- 1.1 ---- */
+
+    /**
+     * Optional (HICACHE_CAP_BATCH_CONTEXT, all three together): batch_exists, batch_get and
+     * batch_set with the batch's context (`ctx` non-NULL, valid for the call). Same results as
+     * the plain entries; a 1.0 plugin lacks them and the host calls the plain entries.
+     */
+    hicache_status (*batch_exists_ctx)(hicache_plugin *plugin, const hicache_key *keys,
+                                       uint64_t count, const hicache_batch_context *ctx,
+                                       uint64_t *present, hicache_error *err);
+    hicache_status (*batch_get_ctx)(hicache_plugin *plugin, const hicache_key *keys,
+                                    const hicache_page *pages, uint64_t count,
+                                    const hicache_batch_context *ctx, hicache_page_result *results,
+                                    uint64_t *lengths, hicache_error *err);
+    hicache_status (*batch_set_ctx)(hicache_plugin *plugin, const hicache_key *keys,
+                                    const hicache_page *pages, uint64_t count,
+                                    const hicache_batch_context *ctx, hicache_page_result *results,
+                                    hicache_error *err);
 } hicache_plugin_vtable;
 
 /** Size of the v1.0 vtable: the smallest struct_size a v1 host accepts. */
 #define HICACHE_VTABLE_V1_0_SIZE (offsetof(hicache_plugin_vtable, test_corrupt_page) + sizeof(void *))
+/** Size of the v1.1 vtable (the batch-context entries). */
+#define HICACHE_VTABLE_V1_1_SIZE (offsetof(hicache_plugin_vtable, batch_set_ctx) + sizeof(void *))
 
 /** The entry function's type. */
 typedef const hicache_plugin_vtable *(*hicache_plugin_entry_fn)(void);

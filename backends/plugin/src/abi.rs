@@ -15,8 +15,8 @@ use hicache_core::{LayoutKind, PageKey};
 
 /// ABI major version: a plugin of another major version is refused.
 pub const ABI_MAJOR: u32 = 1;
-/// ABI minor version of this host.
-pub const ABI_MINOR: u32 = 0;
+/// ABI minor version of this host (1.1: the batch-context entries).
+pub const ABI_MINOR: u32 = 1;
 /// The exported entry symbol, NUL-terminated (for `dlsym`).
 pub const ENTRY_SYMBOL: &[u8] = b"hicache_storage_plugin\0";
 
@@ -86,6 +86,13 @@ pub const PAGE_ERR_BACKEND: PageResult = 14;
 pub const CAP_REGISTER_MEMORY: u32 = 1 << 0;
 /// Capability: `test_corrupt_page` is provided.
 pub const CAP_TEST_CORRUPT: u32 = 1 << 1;
+/// Capability (1.1): `batch_exists_ctx`, `batch_get_ctx` and `batch_set_ctx` are provided.
+pub const CAP_BATCH_CONTEXT: u32 = 1 << 2;
+
+/// Batch-context flag: `prefix_keys` / `prefix_count` are given (possibly 0 keys).
+pub const CONTEXT_HAS_PREFIX: u32 = 1 << 0;
+/// Batch-context flag: `extra_info` / `extra_info_len` are given.
+pub const CONTEXT_HAS_EXTRA_INFO: u32 = 1 << 1;
 
 /// Info flag: zero-copy.
 pub const INFO_ZERO_COPY: u32 = 1 << 0;
@@ -171,6 +178,25 @@ pub struct ErrorBuf {
     pub message: *mut c_char,
     /// Size of `message`.
     pub capacity: u64,
+}
+
+/// The context of one batch (`hicache_batch_context`, 1.1): the keys of the request's pages
+/// before the batch and the engine's extra info, lent for the call.
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct BatchContext {
+    /// `size_of::<BatchContext>()` as the host compiled it.
+    pub struct_size: u32,
+    /// `CONTEXT_*` flags.
+    pub flags: u32,
+    /// `prefix_count` keys, root first (non-null when `prefix_count > 0`).
+    pub prefix_keys: *const Key,
+    /// Number of prefix keys.
+    pub prefix_count: u64,
+    /// UTF-8 text of `extra_info_len` bytes, not NUL-terminated (non-null when the length > 0).
+    pub extra_info: *const c_char,
+    /// Bytes of `extra_info`.
+    pub extra_info_len: u64,
 }
 
 /// The host's log callback (`hicache_log_fn`).
@@ -338,6 +364,36 @@ pub type TestCorruptFn = unsafe extern "C" fn(
     found: *mut u32,
     err: *mut ErrorBuf,
 ) -> Status;
+/// `batch_exists_ctx` (1.1).
+pub type BatchExistsCtxFn = unsafe extern "C" fn(
+    plugin: *mut PluginHandle,
+    keys: *const Key,
+    count: u64,
+    ctx: *const BatchContext,
+    present: *mut u64,
+    err: *mut ErrorBuf,
+) -> Status;
+/// `batch_get_ctx` (1.1).
+pub type BatchGetCtxFn = unsafe extern "C" fn(
+    plugin: *mut PluginHandle,
+    keys: *const Key,
+    pages: *const Page,
+    count: u64,
+    ctx: *const BatchContext,
+    results: *mut PageResult,
+    lengths: *mut u64,
+    err: *mut ErrorBuf,
+) -> Status;
+/// `batch_set_ctx` (1.1).
+pub type BatchSetCtxFn = unsafe extern "C" fn(
+    plugin: *mut PluginHandle,
+    keys: *const Key,
+    pages: *const Page,
+    count: u64,
+    ctx: *const BatchContext,
+    results: *mut PageResult,
+    err: *mut ErrorBuf,
+) -> Status;
 /// The entry function.
 pub type EntryFn = unsafe extern "C" fn() -> *const Vtable;
 
@@ -390,10 +446,19 @@ pub struct Vtable {
     pub register_memory: Option<RegisterMemoryFn>,
     /// With [`CAP_TEST_CORRUPT`].
     pub test_corrupt_page: Option<TestCorruptFn>,
+    /// 1.1, with [`CAP_BATCH_CONTEXT`].
+    pub batch_exists_ctx: Option<BatchExistsCtxFn>,
+    /// 1.1, with [`CAP_BATCH_CONTEXT`].
+    pub batch_get_ctx: Option<BatchGetCtxFn>,
+    /// 1.1, with [`CAP_BATCH_CONTEXT`].
+    pub batch_set_ctx: Option<BatchSetCtxFn>,
 }
 
 /// Size of the v1.0 vtable: the smallest `struct_size` this host accepts for major 1.
 pub const VTABLE_V1_0_SIZE: usize = offset_of!(Vtable, test_corrupt_page) + size_of::<usize>();
+/// Size of the v1.1 vtable (the batch-context entries): a plugin whose `struct_size` is
+/// smaller does not have them, whatever its capability bits say.
+pub const VTABLE_V1_1_SIZE: usize = offset_of!(Vtable, batch_set_ctx) + size_of::<usize>();
 
 /// A vtable in a `static`: raw pointers are not `Sync`, but the vtable and the strings it points
 /// to are immutable static data, so sharing it between threads is sound.
@@ -527,7 +592,37 @@ pub fn layout_probe() -> Vec<(&'static str, usize)> {
             "offsetof(hicache_plugin_vtable, test_corrupt_page)",
             offset_of!(Vtable, test_corrupt_page),
         ),
+        (
+            "offsetof(hicache_plugin_vtable, batch_exists_ctx)",
+            offset_of!(Vtable, batch_exists_ctx),
+        ),
+        (
+            "offsetof(hicache_plugin_vtable, batch_get_ctx)",
+            offset_of!(Vtable, batch_get_ctx),
+        ),
+        (
+            "offsetof(hicache_plugin_vtable, batch_set_ctx)",
+            offset_of!(Vtable, batch_set_ctx),
+        ),
         ("HICACHE_VTABLE_V1_0_SIZE", VTABLE_V1_0_SIZE),
+        ("HICACHE_VTABLE_V1_1_SIZE", VTABLE_V1_1_SIZE),
+        ("sizeof(hicache_batch_context)", size_of::<BatchContext>()),
+        (
+            "offsetof(hicache_batch_context, prefix_keys)",
+            offset_of!(BatchContext, prefix_keys),
+        ),
+        (
+            "offsetof(hicache_batch_context, prefix_count)",
+            offset_of!(BatchContext, prefix_count),
+        ),
+        (
+            "offsetof(hicache_batch_context, extra_info)",
+            offset_of!(BatchContext, extra_info),
+        ),
+        (
+            "offsetof(hicache_batch_context, extra_info_len)",
+            offset_of!(BatchContext, extra_info_len),
+        ),
     ]
 }
 
@@ -567,9 +662,10 @@ mod tests {
             offset_of!(VtableHeader, struct_size)
         );
         assert_eq!(
-            VTABLE_V1_0_SIZE,
+            VTABLE_V1_1_SIZE,
             size_of::<Vtable>(),
-            "v1.0 is this host's vtable"
+            "v1.1 is this host's vtable"
         );
+        assert_eq!(VTABLE_V1_0_SIZE + 3 * size_of::<usize>(), VTABLE_V1_1_SIZE);
     }
 }

@@ -16,7 +16,7 @@
 //!    copied into a zeroed host-side vtable: a newer plugin is used through the common prefix,
 //!    and fields an older plugin lacks read as absent.
 //! 5. Every required function must be non-null, and every function a capability flag promises
-//!    too; name and version must be NUL-terminated within 255 bytes
+//!    too (`HICACHE_CAP_BATCH_CONTEXT` counts only in a vtable of at least the 1.1 size); name and version must be NUL-terminated within 255 bytes
 //!    ([`PluginError::InvalidVtable`]).
 //!
 //! Invariants:
@@ -223,6 +223,21 @@ impl PluginLibrary {
                 "HICACHE_CAP_TEST_CORRUPT is set but `test_corrupt_page` is NULL".into(),
             ));
         }
+        // A vtable too small to hold the 1.1 entries did not know the bit: ignored there.
+        if header.struct_size as usize >= abi::VTABLE_V1_1_SIZE
+            && vt.capabilities & abi::CAP_BATCH_CONTEXT != 0
+        {
+            let ctx = [
+                ("batch_exists_ctx", vt.batch_exists_ctx.is_some()),
+                ("batch_get_ctx", vt.batch_get_ctx.is_some()),
+                ("batch_set_ctx", vt.batch_set_ctx.is_some()),
+            ];
+            if let Some((f, _)) = ctx.iter().find(|(_, present)| !present) {
+                return Err(invalid(format!(
+                    "HICACHE_CAP_BATCH_CONTEXT is set but `{f}` is NULL"
+                )));
+            }
+        }
         // SAFETY: the header requires static NUL-terminated strings; `bounded_str` reads at
         // most MAX_NAME + 1 bytes.
         let name = unsafe { bounded_str(vt.name) }.map_err(|e| invalid(format!("name {e}")))?;
@@ -258,6 +273,13 @@ impl PluginLibrary {
     /// The plugin's capability bits (`abi::CAP_*`), unknown bits included.
     pub fn capabilities(&self) -> u32 {
         self.vtable.capabilities
+    }
+
+    /// Whether the plugin takes batch contexts (ABI 1.1 `HICACHE_CAP_BATCH_CONTEXT`, its
+    /// three entries checked non-null at load).
+    pub fn batch_context(&self) -> bool {
+        self.vtable.struct_size as usize >= abi::VTABLE_V1_1_SIZE
+            && self.vtable.capabilities & abi::CAP_BATCH_CONTEXT != 0
     }
 
     /// The checked, zero-extended vtable.

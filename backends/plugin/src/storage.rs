@@ -22,7 +22,10 @@
 //!    [`PluginStorage::protocol_violations`].
 //! 3. A non-OK status fails the call with the plugin's error text (read from the host-owned
 //!    buffer only after the call returned, at most its capacity, lossy UTF-8).
-//! 4. The instance is destroyed exactly once, in `Drop`, when no call can be in flight (calls
+//! 4. A batch context reaches the plugin only through the 1.1 `*_ctx` entries of a plugin
+//!    that declared them (`HICACHE_CAP_BATCH_CONTEXT`); a call without context, or to a 1.0
+//!    plugin, uses the plain entries (the context is dropped, as the trait's defaults do).
+//! 5. The instance is destroyed exactly once, in `Drop`, when no call can be in flight (calls
 //!    borrow `&self`). `destroy` runs on the dropping thread, directly.
 
 use std::ffi::{c_char, c_void};
@@ -33,8 +36,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use async_trait::async_trait;
 use hicache_core::{MemoryRegion, PageKey};
 use hicache_storage::{
-    BackendContext, BackendInfo, CommonConfig, PageBuf, PageBufMut, PageError, PageOutcome, Result,
-    Storage, StorageError, StorageStats, check_batch,
+    BackendContext, BackendInfo, BatchContext, CommonConfig, PageBuf, PageBufMut, PageError,
+    PageOutcome, Result, Storage, StorageError, StorageStats, check_batch,
 };
 
 use crate::abi::{self, Vtable};
@@ -262,6 +265,7 @@ impl PluginStorage {
             n => usize::try_from(n).unwrap_or(usize::MAX),
         };
         i.capacity_bytes = (info.capacity_bytes != 0).then_some(info.capacity_bytes);
+        i.batch_context = self.lib.batch_context();
         Ok(i)
     }
 
@@ -307,6 +311,11 @@ impl PluginStorage {
         Ok(found != 0)
     }
 
+    /// The context in the ABI's form, when it goes to the plugin (invariant 4).
+    fn context<'a>(&self, ctx: BatchContext<'a>) -> Option<CContext<'a>> {
+        (!ctx.is_empty() && self.info.batch_context).then(|| CContext::new(ctx))
+    }
+
     fn vt(&self) -> &Vtable {
         self.lib.vtable()
     }
@@ -332,30 +341,34 @@ impl PluginStorage {
     }
 
     /// Calls a vtable entry that answers one count for a batch of keys (`batch_exists`,
-    /// `batch_delete`: the same C signature) off the async runtime, and refuses a count larger
+    /// `batch_delete`, `batch_exists_ctx`) off the async runtime, and refuses a count larger
     /// than the batch as a protocol violation described by `too_many(count, batch_len)`.
+    /// `call(instance, keys, count, out, err)` makes the C call.
     fn count_call(
         &self,
         op: &'static str,
-        f: abi::BatchExistsFn,
         keys: &[PageKey],
         too_many: impl FnOnce(u64, usize) -> String,
+        call: impl FnOnce(
+            *mut abi::PluginHandle,
+            *const abi::Key,
+            u64,
+            *mut u64,
+            *mut abi::ErrorBuf,
+        ) -> abi::Status,
     ) -> Result<usize> {
         let ckeys: Vec<abi::Key> = keys.iter().map(abi::Key::from).collect();
         let mut count = 0u64;
         let mut err = ErrorText::new();
         let status = blocking(|| {
             let mut eb = err.abi();
-            // SAFETY: a live instance; `ckeys` holds `len` keys; out-params are locals.
-            unsafe {
-                f(
-                    self.handle.as_ptr(),
-                    ckeys.as_ptr(),
-                    ckeys.len() as u64,
-                    &mut count,
-                    &mut eb,
-                )
-            }
+            call(
+                self.handle.as_ptr(),
+                ckeys.as_ptr(),
+                ckeys.len() as u64,
+                &mut count,
+                &mut eb,
+            )
         });
         if status != abi::OK {
             return Err(self.call_error(op, status, keys.len(), &err));
@@ -461,6 +474,62 @@ impl PluginStorage {
     }
 }
 
+/// A batch context in the ABI's form (`hicache_batch_context`) with the prefix keys it points
+/// to; the extra-info text stays the caller's (borrowed for `'a`).
+struct CContext<'a> {
+    /// The prefix keys `raw.prefix_keys` points to (a heap buffer: moving the vector does not
+    /// move it).
+    _keys: Vec<abi::Key>,
+    raw: abi::BatchContext,
+    _text: std::marker::PhantomData<&'a str>,
+}
+
+// SAFETY: the raw pointers point to the owned key buffer and to a borrowed `&'a str`, both
+// immutable while the value lives; nothing is written through them.
+unsafe impl Send for CContext<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for CContext<'_> {}
+
+impl<'a> CContext<'a> {
+    fn new(ctx: BatchContext<'a>) -> Self {
+        let keys: Vec<abi::Key> = ctx
+            .prefix_keys
+            .unwrap_or(&[])
+            .iter()
+            .map(abi::Key::from)
+            .collect();
+        let text = ctx.extra_info.unwrap_or("");
+        let mut flags = 0;
+        if ctx.prefix_keys.is_some() {
+            flags |= abi::CONTEXT_HAS_PREFIX;
+        }
+        if ctx.extra_info.is_some() {
+            flags |= abi::CONTEXT_HAS_EXTRA_INFO;
+        }
+        let raw = abi::BatchContext {
+            struct_size: std::mem::size_of::<abi::BatchContext>() as u32,
+            flags,
+            prefix_keys: if keys.is_empty() {
+                std::ptr::null()
+            } else {
+                keys.as_ptr()
+            },
+            prefix_count: keys.len() as u64,
+            extra_info: if text.is_empty() {
+                std::ptr::null()
+            } else {
+                text.as_ptr().cast::<c_char>()
+            },
+            extra_info_len: text.len() as u64,
+        };
+        Self {
+            _keys: keys,
+            raw,
+            _text: std::marker::PhantomData,
+        }
+    }
+}
+
 /// Builds the iovec array of a batch, then the page array pointing into it. The iovec vector
 /// is complete before any page takes a pointer into it, so the pointers stay valid.
 fn describe_pages<'p, I>(pages: I, n: usize) -> (Vec<abi::Iovec>, Vec<abi::Page>)
@@ -495,17 +564,48 @@ impl Storage for PluginStorage {
     }
 
     async fn batch_exists(&self, keys: &[PageKey]) -> Result<usize> {
-        check_batch("batch_exists", self.info.max_batch, keys.len(), keys.len())?;
-        let f = self.vt().batch_exists.expect("checked at load");
-        self.count_call("batch_exists", f, keys, |present, n| {
-            format!("{present} keys present out of a batch of {n}")
-        })
+        self.batch_exists_with(keys, BatchContext::NONE).await
     }
 
     async fn batch_get(
         &self,
         keys: &[PageKey],
         dst: &mut [PageBufMut<'_>],
+    ) -> Result<Vec<PageOutcome>> {
+        self.batch_get_with(keys, dst, BatchContext::NONE).await
+    }
+
+    async fn batch_set(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Result<Vec<PageOutcome>> {
+        self.batch_set_with(keys, src, BatchContext::NONE).await
+    }
+
+    async fn batch_exists_with(&self, keys: &[PageKey], ctx: BatchContext<'_>) -> Result<usize> {
+        check_batch("batch_exists", self.info.max_batch, keys.len(), keys.len())?;
+        let too_many = |present, n| format!("{present} keys present out of a batch of {n}");
+        match self.context(ctx) {
+            Some(c) => {
+                let f = self.vt().batch_exists_ctx.expect("checked at load");
+                self.count_call("batch_exists", keys, too_many, |h, k, n, out, eb| {
+                    // SAFETY: a live instance; `k` holds `n` keys; `c.raw` and the prefix keys
+                    // and text it points to live until after the call; out-params are locals.
+                    unsafe { f(h, k, n, &c.raw, out, eb) }
+                })
+            }
+            None => {
+                let f = self.vt().batch_exists.expect("checked at load");
+                self.count_call("batch_exists", keys, too_many, |h, k, n, out, eb| {
+                    // SAFETY: a live instance; `k` holds `n` keys; out-params are locals.
+                    unsafe { f(h, k, n, out, eb) }
+                })
+            }
+        }
+    }
+
+    async fn batch_get_with(
+        &self,
+        keys: &[PageKey],
+        dst: &mut [PageBufMut<'_>],
+        ctx: BatchContext<'_>,
     ) -> Result<Vec<PageOutcome>> {
         check_batch("batch_get", self.info.max_batch, keys.len(), dst.len())?;
         let n = keys.len();
@@ -529,21 +629,28 @@ impl Storage for PluginStorage {
         let mut results = vec![abi::PAGE_UNSET; n];
         let mut written = vec![0u64; n];
         let mut err = ErrorText::new();
-        let f = self.vt().batch_get.expect("checked at load");
+        let c = self.context(ctx);
         let status = blocking(|| {
             let mut eb = err.abi();
+            let (h, k, p, r, w) = (
+                self.handle.as_ptr(),
+                ckeys.as_ptr(),
+                pages.as_ptr(),
+                results.as_mut_ptr(),
+                written.as_mut_ptr(),
+            );
             // SAFETY: a live instance; `ckeys`, `pages`, `results`, `written` hold `n` entries;
-            // the iovecs point into the caller's buffers, borrowed mutably for this call.
+            // the iovecs point into the caller's buffers, borrowed mutably for this call; a
+            // context and what it points to live until after the call.
             unsafe {
-                f(
-                    self.handle.as_ptr(),
-                    ckeys.as_ptr(),
-                    pages.as_ptr(),
-                    n as u64,
-                    results.as_mut_ptr(),
-                    written.as_mut_ptr(),
-                    &mut eb,
-                )
+                match &c {
+                    Some(c) => self.vt().batch_get_ctx.expect("checked at load")(
+                        h, k, p, n as u64, &c.raw, r, w, &mut eb,
+                    ),
+                    None => self.vt().batch_get.expect("checked at load")(
+                        h, k, p, n as u64, r, w, &mut eb,
+                    ),
+                }
             }
         });
         if status != abi::OK {
@@ -554,7 +661,12 @@ impl Storage for PluginStorage {
             .collect())
     }
 
-    async fn batch_set(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Result<Vec<PageOutcome>> {
+    async fn batch_set_with(
+        &self,
+        keys: &[PageKey],
+        src: &[PageBuf<'_>],
+        ctx: BatchContext<'_>,
+    ) -> Result<Vec<PageOutcome>> {
         check_batch("batch_set", self.info.max_batch, keys.len(), src.len())?;
         let n = keys.len();
         let ckeys: Vec<abi::Key> = keys.iter().map(abi::Key::from).collect();
@@ -575,20 +687,27 @@ impl Storage for PluginStorage {
         );
         let mut results = vec![abi::PAGE_UNSET; n];
         let mut err = ErrorText::new();
-        let f = self.vt().batch_set.expect("checked at load");
+        let c = self.context(ctx);
         let status = blocking(|| {
             let mut eb = err.abi();
+            let (h, k, p, r) = (
+                self.handle.as_ptr(),
+                ckeys.as_ptr(),
+                pages.as_ptr(),
+                results.as_mut_ptr(),
+            );
             // SAFETY: a live instance; `ckeys`, `pages`, `results` hold `n` entries; the
-            // iovecs point into the caller's buffers, borrowed for this call.
+            // iovecs point into the caller's buffers, borrowed for this call; a context and
+            // what it points to live until after the call.
             unsafe {
-                f(
-                    self.handle.as_ptr(),
-                    ckeys.as_ptr(),
-                    pages.as_ptr(),
-                    n as u64,
-                    results.as_mut_ptr(),
-                    &mut eb,
-                )
+                match &c {
+                    Some(c) => self.vt().batch_set_ctx.expect("checked at load")(
+                        h, k, p, n as u64, &c.raw, r, &mut eb,
+                    ),
+                    None => {
+                        self.vt().batch_set.expect("checked at load")(h, k, p, n as u64, r, &mut eb)
+                    }
+                }
             }
         });
         if status != abi::OK {
@@ -634,8 +753,10 @@ impl Storage for PluginStorage {
 
     async fn delete(&self, keys: &[PageKey]) -> Result<usize> {
         let f = self.vt().batch_delete.expect("checked at load");
-        self.count_call("batch_delete", f, keys, |removed, n| {
-            format!("removed {removed} pages out of a batch of {n}")
+        let too_many = |removed, n| format!("removed {removed} pages out of a batch of {n}");
+        self.count_call("batch_delete", keys, too_many, |h, k, n, out, eb| {
+            // SAFETY: a live instance; `k` holds `n` keys; out-params are locals.
+            unsafe { f(h, k, n, out, eb) }
         })
     }
 

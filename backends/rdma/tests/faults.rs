@@ -14,7 +14,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{client_opts, server_opts};
+use common::{FaultProcess, client_opts, process_err, server_opts};
 use hicache_backend_rdma::protocol::{self, FrameHead, MAGIC, PageReq, Request, VERSION, op};
 use hicache_backend_rdma::{
     Connection, Grant, RdmaOptions, RdmaServer, RdmaStorage, ServerAuth, ServerOptions, Tenant,
@@ -22,8 +22,7 @@ use hicache_backend_rdma::{
 };
 use hicache_storage::faults::{FaultServer, RemoteFaultTarget};
 use hicache_storage::{
-    LayoutKind, PageBuf, PageBufMut, PageKey, PageOutcome, Result, Storage, StorageError,
-    async_trait, pattern,
+    LayoutKind, PageBuf, PageBufMut, PageKey, PageOutcome, Result, Storage, async_trait, pattern,
 };
 use tokio::net::TcpStream;
 
@@ -31,37 +30,12 @@ use tokio::net::TcpStream;
 /// clients.
 struct RdmaTarget;
 
-struct RdmaFaultServer(common::ServerProcess);
-
-fn io_err(what: &str, e: std::io::Error) -> StorageError {
-    StorageError::backend_caused("rdma", what, e)
-}
-
-#[async_trait]
-impl FaultServer for RdmaFaultServer {
-    fn addr(&self) -> String {
-        self.0.addr().to_string()
-    }
-
-    async fn kill(&mut self) -> Result<()> {
-        self.0.kill().map_err(|e| io_err("kill", e))
-    }
-
-    async fn restart(&mut self) -> Result<()> {
-        self.0.restart().map_err(|e| io_err("restart", e))
-    }
-
-    fn persistent(&self) -> bool {
-        false
-    }
-}
-
 #[async_trait]
 impl RemoteFaultTarget for RdmaTarget {
     async fn start_server(&self, capacity_bytes: u64) -> Result<Box<dyn FaultServer>> {
         let p = common::ServerProcess::start(capacity_bytes, &[])
-            .map_err(|e| io_err("start hicache-rdma-server", e))?;
-        Ok(Box::new(RdmaFaultServer(p)))
+            .map_err(|e| process_err("start hicache-rdma-server", e))?;
+        Ok(Box::new(FaultProcess(p)))
     }
 
     async fn connect(&self, addr: &str) -> Result<std::sync::Arc<dyn Storage>> {

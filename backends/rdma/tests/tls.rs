@@ -10,14 +10,14 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{ServerProcess, TestPki, server_opts, test_token};
+use common::{FaultProcess, ServerProcess, TestPki, process_err, server_opts, test_token};
 use hicache_backend_rdma::tls::ClientTls;
 use hicache_backend_rdma::{RdmaOptions, RdmaServer, RdmaStorage, ServerHandle, ServerOptions};
 use hicache_storage::conformance::Harness;
 use hicache_storage::faults::{FaultServer, RemoteFaultTarget};
 use hicache_storage::{
     LayoutKind, PageBuf, PageBufMut, PageKey, PageOutcome, Result, Storage, StorageConfig,
-    StorageError, async_trait, pattern,
+    async_trait, pattern,
 };
 use parking_lot::Mutex;
 
@@ -272,12 +272,7 @@ impl Harness for TlsHarness {
     }
 
     async fn corrupt(&self, backend: &RdmaStorage, key: &PageKey) -> Result<bool> {
-        let servers = self.servers.lock();
-        let s = servers
-            .iter()
-            .find(|s| s.local_addr().to_string() == backend.server_addr())
-            .ok_or_else(|| StorageError::backend("rdma", "no server for this client"))?;
-        Ok(s.damage_page(key))
+        common::damage_on(&self.servers.lock(), backend, key)
     }
 }
 
@@ -286,31 +281,6 @@ hicache_storage::conformance_tests!(tls_conformance, TlsHarness::new(), not_pers
 /// The fault suite's remote cases on a TLS `hicache-rdma-server` process.
 struct TlsTarget {
     pki: TestPki,
-}
-
-struct TlsProcess(ServerProcess);
-
-fn io_err(what: &str, e: std::io::Error) -> StorageError {
-    StorageError::backend_caused("rdma", what, e)
-}
-
-#[async_trait]
-impl FaultServer for TlsProcess {
-    fn addr(&self) -> String {
-        self.0.addr().to_string()
-    }
-
-    async fn kill(&mut self) -> Result<()> {
-        self.0.kill().map_err(|e| io_err("kill", e))
-    }
-
-    async fn restart(&mut self) -> Result<()> {
-        self.0.restart().map_err(|e| io_err("restart", e))
-    }
-
-    fn persistent(&self) -> bool {
-        false
-    }
 }
 
 #[async_trait]
@@ -329,8 +299,8 @@ impl RemoteFaultTarget for TlsTarget {
                 "2000",
             ],
         )
-        .map_err(|e| io_err("start hicache-rdma-server with TLS", e))?;
-        Ok(Box::new(TlsProcess(p)))
+        .map_err(|e| process_err("start hicache-rdma-server with TLS", e))?;
+        Ok(Box::new(FaultProcess(p)))
     }
 
     async fn connect(&self, addr: &str) -> Result<Arc<dyn Storage>> {

@@ -19,6 +19,14 @@ pub enum BindingError {
         /// The key as given (cut to 80 characters).
         key: String,
     },
+    /// A prefix key is not a page hash.
+    #[error("prefix key {index} ({key:?}) is not a page hash of 64 hexadecimal digits")]
+    BadPrefixKey {
+        /// Position in the prefix.
+        index: usize,
+        /// The key as given (cut to 80 characters).
+        key: String,
+    },
     /// A namespace id is not 32 hexadecimal digits.
     #[error("namespace {0:?} is not a namespace id of 32 hexadecimal digits")]
     BadNamespace(String),

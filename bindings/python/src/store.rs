@@ -7,11 +7,16 @@
 //!    out, after which every call is a `RuntimeError` saying the store is closed. A call in
 //!    flight during `close` finishes on its own clone.
 //! 3. Batches longer than the backend's `max_batch` are split, never refused.
+//! 4. Prefix keys given with a call (SGLang's `extra_info.prefix_keys`) reach the backend
+//!    with every batch it is split into, extended by the call's own keys before that batch.
 
 use std::sync::Arc;
 
 use hicache_core::{LayoutKind, NamespaceId, PageHash, PageKey};
-use hicache_storage::{BackendContext, BackendInfo, PageOutcome, Storage, StorageConfig};
+use hicache_storage::{
+    BackendContext, BackendInfo, BatchContext, MemoryBackend, MemoryOptions, PageOutcome, Storage,
+    StorageConfig,
+};
 use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -27,6 +32,8 @@ pub struct Store {
     backend: RwLock<Option<Arc<dyn Storage>>>,
     info: BackendInfo,
     runtime: tokio::runtime::Runtime,
+    /// The same backend when it is the memory backend, for [`Store::contexts_seen`].
+    memory: Option<Arc<MemoryBackend>>,
 }
 
 /// Parses the keys of a batch under one namespace.
@@ -47,6 +54,58 @@ fn page_keys(namespace: &str, hashes: &[String]) -> Result<Vec<PageKey>> {
         .collect()
 }
 
+/// The keys of one call after its prefix keys, and the call's extra info: batch `[at, ..)` of
+/// the call goes with the prefix keys `prefix ++ keys[..at]` (invariant 4).
+struct Call {
+    chain: Vec<PageKey>,
+    base: usize,
+    pass: bool,
+    extra_info: Option<String>,
+}
+
+impl Call {
+    /// The call's keys `hashes` under `namespace`, after `prefix` (SGLang's prefix keys).
+    fn new(
+        namespace: &str,
+        hashes: &[String],
+        prefix: Option<Vec<String>>,
+        extra_info: Option<String>,
+    ) -> Result<Self> {
+        let mut chain = match &prefix {
+            Some(p) => page_keys(namespace, p).map_err(|e| match e {
+                BindingError::BadKey { index, key } => BindingError::BadPrefixKey { index, key },
+                e => e,
+            })?,
+            None => Vec::new(),
+        };
+        let base = chain.len();
+        chain.extend(page_keys(namespace, hashes)?);
+        Ok(Self {
+            chain,
+            base,
+            pass: prefix.is_some(),
+            extra_info,
+        })
+    }
+
+    fn keys(&self) -> &[PageKey] {
+        &self.chain[self.base..]
+    }
+
+    /// The context of the batch starting at the call's key `at`.
+    fn context(&self, at: usize) -> BatchContext<'_> {
+        let mut c = if self.pass {
+            BatchContext::with_prefix_keys(&self.chain[..self.base + at])
+        } else {
+            BatchContext::NONE
+        };
+        if let Some(e) = &self.extra_info {
+            c = c.extra_info(e);
+        }
+        c
+    }
+}
+
 impl Store {
     fn backend(&self, op: &'static str) -> Result<Arc<dyn Storage>> {
         self.backend.read().clone().ok_or(BindingError::Closed(op))
@@ -56,12 +115,13 @@ impl Store {
         self.info.max_batch.max(1)
     }
 
-    fn exists(&self, keys: &[PageKey]) -> Result<usize> {
+    fn exists(&self, call: &Call) -> Result<usize> {
         let backend = self.backend("batch_exists")?;
         self.runtime.block_on(async {
             let mut total = 0;
-            for chunk in keys.chunks(self.max_batch()) {
-                let n = backend.batch_exists(chunk).await?;
+            for (i, chunk) in call.keys().chunks(self.max_batch()).enumerate() {
+                let ctx = call.context(i * self.max_batch());
+                let n = backend.batch_exists_with(chunk, ctx).await?;
                 total += n;
                 if n < chunk.len() {
                     break;
@@ -71,7 +131,8 @@ impl Store {
         })
     }
 
-    fn get_into(&self, keys: &[PageKey], layout: LayoutKind, pieces: &Pieces) -> Result<Vec<bool>> {
+    fn get_into(&self, call: &Call, layout: LayoutKind, pieces: &Pieces) -> Result<Vec<bool>> {
+        let keys = call.keys();
         let backend = self.backend("batch_get")?;
         // SAFETY: the pieces are pool memory the Python caller keeps alive and leaves alone for
         // this call (the contract of `Store.batch_get_into`); the views die before we return.
@@ -79,23 +140,24 @@ impl Store {
         self.runtime.block_on(async {
             let mut hits = Vec::with_capacity(keys.len());
             let step = self.max_batch();
-            for (k, d) in keys.chunks(step).zip(dst.chunks_mut(step)) {
-                let outcomes = backend.batch_get(k, d).await?;
+            for (i, (k, d)) in keys.chunks(step).zip(dst.chunks_mut(step)).enumerate() {
+                let outcomes = backend.batch_get_with(k, d, call.context(i * step)).await?;
                 hits.extend(outcomes.iter().map(|o| matches!(o, PageOutcome::Hit)));
             }
             Ok(hits)
         })
     }
 
-    fn set_from(&self, keys: &[PageKey], layout: LayoutKind, pieces: &Pieces) -> Result<Vec<bool>> {
+    fn set_from(&self, call: &Call, layout: LayoutKind, pieces: &Pieces) -> Result<Vec<bool>> {
+        let keys = call.keys();
         let backend = self.backend("batch_set")?;
         // SAFETY: as in `get_into`: live, readable caller memory not written during the call.
         let src = unsafe { pieces.sources(layout) };
         self.runtime.block_on(async {
             let mut ok = Vec::with_capacity(keys.len());
             let step = self.max_batch();
-            for (k, s) in keys.chunks(step).zip(src.chunks(step)) {
-                let outcomes = backend.batch_set(k, s).await?;
+            for (i, (k, s)) in keys.chunks(step).zip(src.chunks(step)).enumerate() {
+                let outcomes = backend.batch_set_with(k, s, call.context(i * step)).await?;
                 ok.extend(
                     outcomes
                         .iter()
@@ -144,14 +206,52 @@ impl Store {
             .enable_all()
             .build()
             .map_err(BindingError::Runtime)?;
-        let backend = py
-            .detach(|| runtime.block_on(registry.open(&config, &ctx)))
-            .map_err(BindingError::from)?;
+        // The memory backend is opened here, as its registry factory would, so that the
+        // contexts it records (`record_contexts`) can be read back (`contexts_seen`).
+        let (backend, memory): (Arc<dyn Storage>, _) = if config.backend == "memory" {
+            let options = MemoryOptions::from_config(&config.common, config.backend_fields)
+                .map_err(BindingError::from)?;
+            let m = Arc::new(MemoryBackend::new(options));
+            (m.clone(), Some(m))
+        } else {
+            let b = py
+                .detach(|| runtime.block_on(registry.open(&config, &ctx)))
+                .map_err(BindingError::from)?;
+            (b, None)
+        };
         Ok(Self {
             info: backend.info(),
             backend: RwLock::new(Some(backend)),
             runtime,
+            memory,
         })
+    }
+
+    /// The batch contexts the backend received since the last call, oldest first: one dict per
+    /// call (`op`, `keys`, `prefix_keys` (a list, or `None`), `extra_info`), page hashes as hex.
+    /// Only for the memory backend opened with `"record_contexts": true` (tests, debugging).
+    fn contexts_seen<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let m = match &self.memory {
+            Some(m) if m.contexts().is_enabled() => m,
+            _ => {
+                return Err(pyo3::exceptions::PyValueError::new_err(
+                    "contexts_seen needs the memory backend opened with \"record_contexts\": true",
+                ));
+            }
+        };
+        let hex = |ks: &[PageKey]| ks.iter().map(|k| k.hash.to_hex()).collect::<Vec<_>>();
+        m.contexts()
+            .take()
+            .into_iter()
+            .map(|c| {
+                let d = PyDict::new(py);
+                d.set_item("op", c.op)?;
+                d.set_item("keys", hex(&c.keys))?;
+                d.set_item("prefix_keys", c.prefix_keys.as_deref().map(hex))?;
+                d.set_item("extra_info", c.extra_info)?;
+                Ok(d)
+            })
+            .collect()
     }
 
     /// The backend's name and capabilities.
@@ -163,25 +263,33 @@ impl Store {
         d.set_item("shared", self.info.shared)?;
         d.set_item("max_batch", self.info.max_batch)?;
         d.set_item("capacity_bytes", self.info.capacity_bytes)?;
+        d.set_item("clear", self.info.clear)?;
+        d.set_item("batch_context", self.info.batch_context)?;
         Ok(d)
     }
 
     /// Number of leading `hashes` (64-hex page hashes) present under `namespace` (32 hex).
+    /// `prefix_keys`: the hashes of the request's pages before `hashes[0]` (SGLang's
+    /// `extra_info.prefix_keys`), passed to the backend with every batch; `extra_info`: opaque
+    /// text passed with them.
+    #[pyo3(signature = (namespace, hashes, prefix_keys=None, extra_info=None))]
     fn batch_exists(
         &self,
         py: Python<'_>,
         namespace: &str,
         hashes: Vec<String>,
+        prefix_keys: Option<Vec<String>>,
+        extra_info: Option<String>,
     ) -> PyResult<usize> {
-        let keys = page_keys(namespace, &hashes)?;
-        Ok(py.detach(|| self.exists(&keys))?)
+        let call = Call::new(namespace, &hashes, prefix_keys, extra_info)?;
+        Ok(py.detach(|| self.exists(&call))?)
     }
 
     /// Reads pages straight into caller memory: page `i` is pieces `i*n .. (i+1)*n` of
     /// `ptrs`/`sizes` (`n = len(ptrs) / len(hashes)`). One bool per page: `True` means every
     /// byte of the page was written. The caller keeps that memory alive and untouched for the
     /// call. `kv_interleaved`: the pieces are K0, V0, K1, V1, … (MHA `layer_first`).
-    #[pyo3(signature = (namespace, hashes, layout, ptrs, sizes, kv_interleaved=false))]
+    #[pyo3(signature = (namespace, hashes, layout, ptrs, sizes, kv_interleaved=false, prefix_keys=None, extra_info=None))]
     #[allow(clippy::too_many_arguments)]
     fn batch_get_into(
         &self,
@@ -192,16 +300,18 @@ impl Store {
         ptrs: Vec<usize>,
         sizes: Vec<usize>,
         kv_interleaved: bool,
+        prefix_keys: Option<Vec<String>>,
+        extra_info: Option<String>,
     ) -> PyResult<Vec<bool>> {
-        let keys = page_keys(namespace, &hashes)?;
+        let call = Call::new(namespace, &hashes, prefix_keys, extra_info)?;
         let layout = identity::layout(layout)?;
-        let pieces = Pieces::new("batch_get", keys.len(), ptrs, sizes, kv_interleaved)?;
-        Ok(py.detach(|| self.get_into(&keys, layout, &pieces))?)
+        let pieces = Pieces::new("batch_get", hashes.len(), ptrs, sizes, kv_interleaved)?;
+        Ok(py.detach(|| self.get_into(&call, layout, &pieces))?)
     }
 
     /// Writes pages straight from caller memory (same piece convention as `batch_get_into`).
     /// One bool per page: `True` means stored (or already present).
-    #[pyo3(signature = (namespace, hashes, layout, ptrs, sizes, kv_interleaved=false))]
+    #[pyo3(signature = (namespace, hashes, layout, ptrs, sizes, kv_interleaved=false, prefix_keys=None, extra_info=None))]
     #[allow(clippy::too_many_arguments)]
     fn batch_set_from(
         &self,
@@ -212,11 +322,13 @@ impl Store {
         ptrs: Vec<usize>,
         sizes: Vec<usize>,
         kv_interleaved: bool,
+        prefix_keys: Option<Vec<String>>,
+        extra_info: Option<String>,
     ) -> PyResult<Vec<bool>> {
-        let keys = page_keys(namespace, &hashes)?;
+        let call = Call::new(namespace, &hashes, prefix_keys, extra_info)?;
         let layout = identity::layout(layout)?;
-        let pieces = Pieces::new("batch_set", keys.len(), ptrs, sizes, kv_interleaved)?;
-        Ok(py.detach(|| self.set_from(&keys, layout, &pieces))?)
+        let pieces = Pieces::new("batch_set", hashes.len(), ptrs, sizes, kv_interleaved)?;
+        Ok(py.detach(|| self.set_from(&call, layout, &pieces))?)
     }
 
     /// Reads one page of `length` bytes into new `bytes` (for tools), or `None` on a miss.
@@ -228,7 +340,7 @@ impl Store {
         layout: &str,
         length: usize,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let keys = page_keys(namespace, std::slice::from_ref(&hash))?;
+        let call = Call::new(namespace, std::slice::from_ref(&hash), None, None)?;
         let layout = identity::layout(layout)?;
         let mut buf = vec![0u8; length];
         let pieces = Pieces::new(
@@ -238,7 +350,7 @@ impl Store {
             vec![length],
             false,
         )?;
-        let hit = py.detach(|| self.get_into(&keys, layout, &pieces))?;
+        let hit = py.detach(|| self.get_into(&call, layout, &pieces))?;
         Ok(hit[0].then(|| PyBytes::new(py, &buf)))
     }
 
@@ -251,7 +363,7 @@ impl Store {
         layout: &str,
         data: &[u8],
     ) -> PyResult<bool> {
-        let keys = page_keys(namespace, std::slice::from_ref(&hash))?;
+        let call = Call::new(namespace, std::slice::from_ref(&hash), None, None)?;
         let layout = identity::layout(layout)?;
         let pieces = Pieces::new(
             "set_bytes",
@@ -260,7 +372,7 @@ impl Store {
             vec![data.len()],
             false,
         )?;
-        Ok(py.detach(|| self.set_from(&keys, layout, &pieces))?[0])
+        Ok(py.detach(|| self.set_from(&call, layout, &pieces))?[0])
     }
 
     /// Deletes pages; returns how many were present.
@@ -275,6 +387,21 @@ impl Store {
                 }
                 Ok::<_, BindingError>(n)
             })
+        })?;
+        Ok(n)
+    }
+
+    /// Removes every page of `namespace` (32 hex) from the backend, whoever wrote it; returns
+    /// how many were removed. A backend without the capability (`info()["clear"]` false)
+    /// raises `RuntimeError` naming it.
+    fn clear(&self, py: Python<'_>, namespace: &str) -> PyResult<u64> {
+        let ns = NamespaceId::from_hex(namespace)
+            .map_err(|_| BindingError::BadNamespace(namespace.chars().take(80).collect()))?;
+        let backend = self.backend("clear")?;
+        let n = py.detach(|| {
+            self.runtime
+                .block_on(backend.clear(ns))
+                .map_err(BindingError::from)
         })?;
         Ok(n)
     }

@@ -12,7 +12,10 @@ from conftest import require_sglang, start_redis
 require_sglang()
 
 import torch  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheStorage,
+    HiCacheStorageExtraInfo,
+)
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (  # noqa: E402
     HybridCacheController,
 )
@@ -101,6 +104,48 @@ def test_zero_copy_round_trip_through_real_host_pools(kind, layout, ours):
     assert all(same(a, b) for a, b in zip(read_pages(pool, dst)[:6], written))
     # Setting again is idempotent and successful.
     assert backend.batch_set_v1(ks[:6], src) == [True] * 6
+    backend.close()
+
+
+def test_prefix_keys_from_sglangs_extra_info_reach_the_backend():
+    """With ``hicache_storage_pass_prefix_keys`` SGLang's controller passes each batch's
+    prefix keys in ``HiCacheStorageExtraInfo``; the Rust backend receives them (and the extra
+    info, as JSON) with every call, and nothing when SGLang passes none."""
+    pool = make_pool("mha", "page_first")
+    # SGLang's parser takes its own flag out; the memory backend records what it receives.
+    backend = create(
+        {"backend": "memory", "record_contexts": True, "hicache_storage_pass_prefix_keys": True},
+        pool,
+    )
+    store = backend._store
+    ps = pool.page_size
+    src = pool.alloc(3 * ps)
+    fill_pages(pool, src, seed=5)
+    chain = keys(6, start=5000)
+    prefix, ks = chain[:3], chain[3:]
+    info = HiCacheStorageExtraInfo(prefix_keys=list(prefix), extra_info={"rid": "r1"})
+    assert backend.batch_set_v1(ks, src, info) == [True] * 3
+    assert backend.batch_exists(ks, info) == 3
+    dst = pool.alloc(3 * ps)
+    assert backend.batch_get_v1(ks, dst, info) == [True] * 3
+    seen = store.contexts_seen()
+    assert [c["op"] for c in seen] == ["batch_set", "batch_exists", "batch_get"]
+    for c in seen:
+        assert c["keys"] == ks
+        assert c["prefix_keys"] == prefix
+        assert json.loads(c["extra_info"]) == {"rid": "r1"}
+    # A batch at the start of a request: an empty prefix arrives as one.
+    assert backend.batch_exists(prefix, HiCacheStorageExtraInfo(prefix_keys=[])) == 0
+    assert store.contexts_seen()[0]["prefix_keys"] == []
+    # Without the flag SGLang passes no prefix keys (None, or `(None,)` in some versions):
+    # nothing reaches the backend, and the answers are the same.
+    for none in (None, HiCacheStorageExtraInfo(prefix_keys=None), HiCacheStorageExtraInfo(prefix_keys=(None,))):
+        assert backend.batch_exists(ks, none) == 3
+        assert backend.batch_get_v1(ks, dst, none) == [True] * 3
+    assert store.contexts_seen() == []
+    # A prefix key that is not a page hash is bad input, named.
+    with pytest.raises(ValueError, match="prefix key 1"):
+        backend.batch_exists(ks, HiCacheStorageExtraInfo(prefix_keys=[prefix[0], "zz"]))
     backend.close()
 
 

@@ -100,3 +100,48 @@ def test_sglang_hash_matches_hashlib():
     h1 = hashlib.sha256(b"".join(t.to_bytes(4, "little") for t in toks[:4])).hexdigest()
     h2 = hashlib.sha256(bytes.fromhex(h1) + b"".join(t.to_bytes(4, "little") for t in toks[4:])).hexdigest()
     assert hicache_rs.sglang_page_hashes(toks, 4) == [h1, h2]
+
+
+def test_prefix_keys_reach_the_backend_with_every_batch():
+    """Prefix keys given with a call arrive with each batch it is split into, extended by the
+    call's own keys before that batch; a call without them passes none."""
+    s = hicache_rs.Store('{"backend": "memory", "record_contexts": true, "max_batch": 128}', page_bytes=64)
+    chain = keys(133)
+    prefix, ks = chain[:3], chain[3:]
+    _, ptrs, sizes = buffers(130, 64, fill=1)
+    assert s.batch_set_from(NS, ks, "page_first", ptrs, sizes, prefix_keys=prefix, extra_info="x") == [True] * 130
+    seen = s.contexts_seen()
+    assert [(c["op"], len(c["keys"])) for c in seen] == [("batch_set", 128), ("batch_set", 2)]
+    assert seen[0]["keys"] == ks[:128] and seen[0]["prefix_keys"] == prefix
+    assert seen[1]["keys"] == ks[128:] and seen[1]["prefix_keys"] == prefix + ks[:128]
+    assert all(c["extra_info"] == "x" for c in seen)
+    assert s.batch_exists(NS, ks, prefix_keys=[]) == 130
+    assert [c["prefix_keys"] for c in s.contexts_seen()] == [[], ks[:128]]
+    dst, dptrs, dsizes = buffers(130, 64)
+    assert s.batch_get_into(NS, ks, "page_first", dptrs, dsizes) == [True] * 130
+    assert s.batch_exists(NS, ks) == 130
+    assert s.contexts_seen() == []
+    with pytest.raises(ValueError, match="prefix key 0"):
+        s.batch_exists(NS, ks, prefix_keys=["not-a-hash"])
+    s.close()
+    other = hicache_rs.Store('{"backend": "memory"}', page_bytes=64)
+    with pytest.raises(ValueError, match="record_contexts"):
+        other.contexts_seen()
+    other.close()
+
+
+def test_clear_removes_one_namespace_only(store, tmp_path):
+    other = hicache_rs.namespace_id("other", "bfloat16", "page_first", False, 8, 128, 32, 64)
+    ks = keys(6)
+    _, ptrs, sizes = buffers(6, 4096, fill=3)
+    assert store.batch_set_from(NS, ks, "page_first", ptrs, sizes) == [True] * 6
+    assert store.batch_set_from(other, ks[:2], "page_first", ptrs[:2], sizes[:2]) == [True] * 2
+    assert store.info()["clear"] is True
+    assert store.clear(NS) == 6
+    assert store.batch_exists(NS, ks) == 0
+    assert store.batch_exists(other, ks[:2]) == 2
+    assert store.clear(NS) == 0
+    assert store.batch_set_from(NS, ks[:1], "page_first", ptrs[:1], sizes[:1]) == [True]
+    assert store.batch_exists(NS, ks) == 1
+    with pytest.raises(ValueError):
+        store.clear("not-hex")

@@ -22,7 +22,9 @@ use serde_json::{Map, Value};
 
 use crate::error::{BenchError, Result};
 use crate::report::{self, Report, Summary};
-use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize, StorageSetup, Tiers};
+use crate::setup::{
+    CacheFactory, CacheSetup, DeviceKind, HostSize, StorageSetup, TieringMode, Tiers,
+};
 use crate::sim::engine::{self, EngineConfig, RunResult};
 use crate::sim::links::CopyTime;
 use crate::sim::model::{ComputeModel, ModelShape};
@@ -42,6 +44,12 @@ pub enum TiersArg {
     /// L1, L2 and L3.
     #[value(name = "l1+l2+l3")]
     L1L2L3,
+    /// L1 and L3, host memory only staging (`hicache_host_memory_mode = buffer_only`).
+    #[value(name = "l1+l3-buffer-only")]
+    L1L3BufferOnly,
+    /// L1, L2 and L3, L3 written from the coldest L2 pages (`storage_write_mode = exclusive`).
+    #[value(name = "l1+l2+l3-exclusive")]
+    L1L2L3Exclusive,
 }
 
 impl TiersArg {
@@ -50,8 +58,16 @@ impl TiersArg {
             TiersArg::L1 => Tiers::L1,
             TiersArg::L1L2 => Tiers::L1_L2,
             TiersArg::L1L2L3 => Tiers::L1_L2_L3,
+            TiersArg::L1L3BufferOnly => Tiers::L1_L3_BUFFER_ONLY,
+            TiersArg::L1L2L3Exclusive => Tiers::L1_L2_L3_EXCLUSIVE,
         }
     }
+}
+
+/// Whether `--compare` also runs `tiers` with copies free (the configurations with copies,
+/// in the default L3 mode: the other modes are compared by their hits and bytes moved).
+fn counterfactual_for(tiers: &Tiers) -> bool {
+    tiers.host && tiers.mode == TieringMode::Inclusive
 }
 
 fn parse_layout(s: &str) -> std::result::Result<LayoutKind, String> {
@@ -165,7 +181,8 @@ pub struct MultiturnArgs {
     /// Tiers of a single run.
     #[arg(long, value_enum, default_value = "l1+l2+l3", help_heading = "Cache")]
     pub tiers: TiersArg,
-    /// Run L1 only, L1+L2 and L1+L2+L3 on the same workload and show them side by side.
+    /// Run L1 only, L1+L2, L1+L2+L3 and the two other L3 modes (buffer_only, exclusive) on
+    /// the same workload and show them side by side.
     #[arg(long, help_heading = "Cache")]
     pub compare: bool,
 
@@ -539,7 +556,13 @@ pub fn plan(args: &MultiturnArgs) -> Result<Plan> {
         None => HostSize::Ratio(positive("--hicache-ratio", args.hicache_ratio)?),
     };
     let configurations = if args.compare {
-        vec![Tiers::L1, Tiers::L1_L2, Tiers::L1_L2_L3]
+        vec![
+            Tiers::L1,
+            Tiers::L1_L2,
+            Tiers::L1_L2_L3,
+            Tiers::L1_L3_BUFFER_ONLY,
+            Tiers::L1_L2_L3_EXCLUSIVE,
+        ]
     } else {
         vec![args.tiers.tiers()]
     };
@@ -741,7 +764,10 @@ pub fn run(
     let runs_n = plan.configurations.len() as u64
         + 1
         + if counterfactual {
-            plan.configurations.iter().filter(|t| t.host).count() as u64
+            plan.configurations
+                .iter()
+                .filter(|t| counterfactual_for(t))
+                .count() as u64
         } else {
             0
         };
@@ -761,7 +787,7 @@ pub fn run(
         let mut setup = plan.setup.clone();
         setup.tiers = tiers;
         let mut free_hits = None;
-        if counterfactual && tiers.host {
+        if counterfactual && counterfactual_for(&tiers) {
             let free_cfg = EngineConfig {
                 copy_time: CopyTime::Free,
                 ..plan.engine.clone()

@@ -69,7 +69,7 @@ impl HiRadixTree {
                     return fail("neither on device nor backed up");
                 }
                 // 2. host prefix-closed under write-through.
-                if self.cfg.write_policy.host_prefix_closed() && n.backed() && !parent.backed() {
+                if self.host_prefix_closed() && n.backed() && !parent.backed() {
                     return fail("backed up below a node that is not (write-through)");
                 }
                 // 5. locks.

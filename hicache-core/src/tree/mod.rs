@@ -113,6 +113,7 @@ mod check;
 mod evict;
 mod node;
 mod ops;
+mod tiering;
 mod transfer;
 
 #[cfg(test)]
@@ -334,6 +335,8 @@ pub struct HiRadixTree {
     host_pages: usize,
     evictable: usize,
     protected: usize,
+    /// Host copies are transient (`buffer_only`, see [`HiRadixTree::set_transient_host`]).
+    transient_host: bool,
 }
 
 impl HiRadixTree {
@@ -358,6 +361,7 @@ impl HiRadixTree {
             host_pages: 0,
             evictable: 0,
             protected: 0,
+            transient_host: false,
             cfg,
         };
         t.tenant(None, None)?;
@@ -730,17 +734,19 @@ impl HiRadixTree {
     }
 
     /// Pins a node's host pages (`protect_host`): it will not be host-evicted or dropped.
-    /// The node must be backed up; protecting a tenant root does nothing.
+    /// The node must be backed up (or, with transient host copies, on device: the pin then
+    /// also keeps it from device eviction); protecting a tenant root does nothing.
     pub fn protect_host(&mut self, id: NodeId) -> Result<()> {
         let i = self.get(id)?;
         if self.node(i).is_root() {
             return Ok(());
         }
-        if !self.node(i).backed() {
+        let n = self.node(i);
+        if !(n.backed() || self.transient_host && n.on_device()) {
             return Err(self.invalid(i, "cannot protect host pages of a node not backed up"));
         }
         self.node_mut(i).host_ref += 1;
-        self.refresh_host(i);
+        self.refresh(i);
         Ok(())
     }
 
@@ -757,7 +763,7 @@ impl HiRadixTree {
             ));
         }
         self.node_mut(i).host_ref -= 1;
-        self.refresh_host(i);
+        self.refresh(i);
         Ok(())
     }
 
@@ -767,6 +773,7 @@ impl HiRadixTree {
         n.flags & (LIVE | ROOT | DEVICE | SKIPPED) == (LIVE | DEVICE)
             && n.lock_ref == 0
             && n.dev_children == 0
+            && !Self::pinned_device_anchor(n.flags, n.host_ref)
     }
 
     fn is_host_candidate(n: &Node) -> bool {

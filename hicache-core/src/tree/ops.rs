@@ -96,7 +96,9 @@ impl HiRadixTree {
             dev = self.node(dev).parent;
         }
         let mut host = node;
-        while !self.node(host).backed() {
+        // Transient host copies: every node on the path is cached somewhere; L3 continues
+        // after the last one.
+        while !self.node(host).backed() && !self.transient_host {
             host = self.node(host).parent;
         }
         Ok(MatchResult {

@@ -858,3 +858,130 @@ fn the_tree_can_move_between_threads() {
     fn assert_send_sync<T: Send + Sync>() {}
     assert_send_sync::<HiRadixTree>();
 }
+
+// ----- tiering: transient host copies (buffer_only) and exclusive L3 writes -----------------
+
+fn hashed_tree(policy: WritePolicy) -> HiRadixTree {
+    let ns = crate::hash::Namespace::single_rank(
+        "m",
+        crate::layout::DType::Bf16,
+        crate::layout::LayoutKind::PageFirst,
+        crate::layout::KvKind::Mha {
+            heads: 1,
+            head_dim: 8,
+        },
+        1,
+        PS,
+    );
+    HiRadixTree::new(TreeConfig {
+        hasher: Some(PageHasher::new(crate::hash::HashMode::Namespaced, &ns).unwrap()),
+        ..cfg(policy)
+    })
+    .unwrap()
+}
+
+#[test]
+fn transient_host_copies_drop_parent_first_and_back_up_children_alone() {
+    let mut t = tree(WritePolicy::WriteThrough);
+    t.set_transient_host(true).unwrap();
+    let a = toks(1, 2);
+    let r = ins(&mut t, &a, 100);
+    let parent = r.last_node;
+    backup(&mut t, parent, 0);
+    // The parent's host copy goes; the tree still holds it on device, not backed up.
+    assert_eq!(t.drop_host_copy(parent).unwrap(), Some(hs([0, 1])));
+    ok(&t);
+    assert_eq!(t.host_pages(), 0);
+    let info = t.node_info(parent).unwrap();
+    assert!(info.on_device && !info.backed_up);
+    // A child may be backed up below a parent without a host copy.
+    let r = ins(&mut t, &cat(&a, &toks(2, 1)), 100);
+    backup(&mut t, r.last_node, 5);
+    ok(&t);
+    // A match continues after its last node: L3 prefetches start there.
+    let m = t.match_prefix(T, &cat(&a, &toks(2, 1))).unwrap();
+    assert_eq!(m.last_host_node, r.last_node);
+    // Pages from L3 below a device node without a host copy: the anchor may be that node,
+    // and present device pages never take the fetched copies.
+    t.drop_host_copy(r.last_node).unwrap().unwrap();
+    t.protect_host(parent).unwrap();
+    let out = t
+        .insert_host_only(T, parent, &cat(&toks(2, 1), &toks(3, 1)), &hs([7, 8]), None)
+        .unwrap();
+    assert_eq!(out.duplicate_slots, hs([7]));
+    assert_eq!((out.adopted_pages, out.new_pages), (0, 1));
+    ok(&t);
+    // The pinned anchor is not evicted from device while its pin lasts.
+    t.evict(100, &mut NoHost);
+    ok(&t);
+    assert!(t.node_info(parent).unwrap().on_device);
+    t.release_host(parent).unwrap();
+    ok(&t);
+    // Turning the mode off is refused once nodes exist.
+    assert!(t.set_transient_host(false).is_err());
+}
+
+#[test]
+fn drop_host_copy_keeps_prefix_closed_host_residency_in_cache_mode() {
+    let mut t = tree(WritePolicy::WriteThrough);
+    let a = toks(1, 1);
+    let pa = ins(&mut t, &a, 100).last_node;
+    backup(&mut t, pa, 0);
+    let child = ins(&mut t, &cat(&a, &toks(2, 1)), 100).last_node;
+    backup(&mut t, child, 1);
+    // The parent keeps its copy while a child has one (write-through, cache mode).
+    assert_eq!(t.drop_host_copy(pa).unwrap(), None);
+    // Pinned or write-pending nodes keep theirs.
+    t.protect_host(child).unwrap();
+    assert_eq!(t.drop_host_copy(child).unwrap(), None);
+    t.release_host(child).unwrap();
+    assert_eq!(t.drop_host_copy(child).unwrap(), Some(hs([1])));
+    assert_eq!(t.drop_host_copy(pa).unwrap(), Some(hs([0])));
+    ok(&t);
+    // A host-only leaf is deleted with its copy.
+    backup(&mut t, pa, 3);
+    t.evict(100, &mut NoHost);
+    ok(&t);
+    assert!(!t.node_info(pa).unwrap().on_device);
+    assert_eq!(t.drop_host_copy(pa).unwrap(), Some(hs([3])));
+    assert!(matches!(t.node_info(pa), Err(CoreError::StaleNode(_))));
+    ok(&t);
+}
+
+#[test]
+fn coldest_host_leaves_change_nothing_and_evict_host_while_stops_at_a_refused_leaf() {
+    let mut t = hashed_tree(WritePolicy::WriteThrough);
+    let mut nodes = Vec::new();
+    for i in 0..4 {
+        let n = ins(&mut t, &toks(10 + i, 2), 100 + 2 * i).last_node;
+        backup(&mut t, n, 2 * i);
+        nodes.push(n);
+    }
+    t.evict(100, &mut NoHost);
+    ok(&t);
+    // LRU: the first inserted is the coldest.
+    let cold = t.coldest_host_leaves(3);
+    assert_eq!(cold, nodes[..2].to_vec());
+    ok(&t);
+    assert_eq!(
+        t.coldest_host_leaves(3),
+        cold,
+        "asking again changes nothing"
+    );
+    // The first (coldest) may go, the second may not: eviction stops there, and the hotter
+    // third and fourth stay although they may go.
+    let keep = t.page_hashes(nodes[1]).unwrap().to_vec();
+    let out = t.evict_host_while(100, &mut |h| h != keep.as_slice());
+    assert_eq!(out.freed_pages, 2);
+    assert_eq!(out.host_slots, hs([0, 1]));
+    ok(&t);
+    assert!(t.node_info(nodes[0]).is_err());
+    for n in &nodes[1..] {
+        assert!(t.node_info(*n).is_ok());
+    }
+    let none = t.evict_host_while(100, &mut |_| false);
+    assert_eq!(none.freed_pages, 0);
+    ok(&t);
+    assert_eq!(t.host_pages(), 6);
+    assert_eq!(t.coldest_host_leaves(1), vec![nodes[1]]);
+}

@@ -144,7 +144,7 @@ impl HiRadixTree {
         if n.backed() {
             return Ok(Some("already backed up"));
         }
-        if self.cfg.write_policy.host_prefix_closed() && !self.node(n.parent).backed() {
+        if self.host_prefix_closed() && !self.node(n.parent).backed() {
             return Ok(Some(
                 "its parent is not backed up (host residency must stay prefix-closed)",
             ));
@@ -428,7 +428,7 @@ impl HiRadixTree {
         if let Some(h) = hashes {
             Self::check_len("insert_host_only: hashes vs key pages", h.len(), pages)?;
         }
-        if !self.node(a).backed() {
+        if !(self.node(a).backed() || self.transient_host && self.node(a).on_device()) {
             return Err(self.invalid(
                 a,
                 "the anchor of a host insert must be backed up (or a tenant root)",
@@ -462,7 +462,8 @@ impl HiRadixTree {
                 c
             };
             let mine = &host_slots[off..off + common];
-            if self.node(target).backed() {
+            if self.node(target).backed() || self.transient_host {
+                // Transient host copies: a device node keeps no copy of pages it holds.
                 out.duplicate_slots.extend_from_slice(mine);
             } else {
                 // On device (evicted nodes are always backed up) without a host copy.

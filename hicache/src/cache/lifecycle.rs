@@ -109,7 +109,7 @@ impl HiCache {
             self.start_loading()?;
         }
         self.drain()?;
-        self.detach_storage()?;
+        self.detach_l3()?;
         self.closed = true;
         Ok(())
     }

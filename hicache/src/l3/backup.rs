@@ -16,15 +16,26 @@
 //!    batch is written while the previous one's durability barrier runs (a backend with group
 //!    commit merges those barriers). A backup is done, and finished at the agreed count, only
 //!    once every batch is acknowledged; backups finish in launch order.
+//! 5. **Prefix keys.** With `hicache_storage_pass_prefix_keys`, every batch is sent with the
+//!    keys of the pages before it in the request: the path from the root to the first
+//!    fragment's parent, then the backup's own earlier pages (those skipped as already in L3
+//!    included). Without it, with none.
+//! 6. **Tiering** ([`crate::tiering`]). A backup is *complete* when every rank stored every
+//!    page of it (the agreed index of the first incomplete one, [`L3::first_incomplete_backup`]).
+//!    Only complete backups record their pages as known in L3 (which lets exclusive tiering's
+//!    host eviction drop them) and, under `buffer_only`, release their nodes' host copies.
+//!    An incomplete backup's pages stay in L2.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use hicache_core::{FinishedBackup, KvEvent, Medium, NodeId, PageKey};
+use hicache_core::{
+    FinishedBackup, HostSlot, KvEvent, Medium, NamespaceId, NodeId, PageHash, PageKey,
+};
 
 use super::L3;
-use super::jobs::{BackupJob, BackupShared};
+use super::jobs::{BackupJob, BackupShared, Chain};
 use crate::error::Result;
 use crate::metrics::Direction;
 use crate::tiers::Tiers;
@@ -32,10 +43,50 @@ use crate::tiers::Tiers;
 /// Most L3 write batches in flight at once, over every backup of a cache (invariant 4).
 pub const L3_WRITE_BATCHES_IN_FLIGHT: usize = 4;
 
+/// Polls without demotions after one that did not store every page (its pages stay in L2;
+/// retrying at once would rewrite them on every poll while the backend refuses).
+const DEMOTE_RETRY_POLLS: u32 = 64;
+
+/// Why pages go to L3.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum BackupKind {
+    /// At L2 admission (after a D2H ack): the default and `buffer_only`.
+    Admission,
+    /// Cold host-only leaves leaving L2 (exclusive): dropped from L2 once complete.
+    Demotion,
+}
+
+/// What a backup is asked to write: one request's pages of `nodes` (root-first).
+struct ToSend {
+    kind: BackupKind,
+    namespace: NamespaceId,
+    nodes: Vec<NodeId>,
+    /// Every page of the nodes.
+    hashes: Vec<PageHash>,
+    /// Their host slots.
+    slots: Vec<HostSlot>,
+    /// Skip the leading pages already known to be in L3.
+    dedup: bool,
+}
+
+/// Pages a backup writes: the nodes it pins and, per page it sends, the key and host slot.
+struct BackupPages {
+    kind: BackupKind,
+    nodes: Vec<NodeId>,
+    /// Every page of the nodes (recorded as known in L3 when the backup is complete).
+    hashes: Vec<PageHash>,
+    /// The keys sent, after the request's earlier pages (prefix keys).
+    chain: Chain,
+    slots: Vec<HostSlot>,
+}
+
 /// A backup tracked by the engine thread.
 #[derive(Debug)]
 pub(crate) struct BackupOp {
+    kind: BackupKind,
     nodes: Vec<NodeId>,
+    hashes: Vec<PageHash>,
+    /// Pages sent to L3 (pages already known to be there are not sent again).
     pages: usize,
     /// `BlockStored(L3)` events for the pages, made at launch (while the nodes hold exactly
     /// these pages) and emitted once every page is stored; empty when events are off.
@@ -50,47 +101,150 @@ impl BackupOp {
     fn is_done(&self) -> bool {
         self.shared.done.load(Ordering::Acquire)
     }
+
+    /// Pages stored so far.
+    fn stored(&self) -> usize {
+        self.shared.stored_pages.load(Ordering::Relaxed) as usize
+    }
 }
 
 impl L3 {
-    /// Starts copying a finished write's pages to L3 (after the D2H ack).
+    /// Starts copying a finished write's pages to L3 (after the D2H ack). Nothing under
+    /// exclusive tiering (L3 is written from cold pages instead); under `buffer_only` pages
+    /// already known to be in L3 are not sent again.
     pub fn start_backup(&mut self, fin: FinishedBackup, tiers: &mut Tiers) -> Result<()> {
-        if fin.fragments.is_empty() {
+        if fin.fragments.is_empty() || !tiers.tiering.writes_at_admission() {
             return Ok(());
         }
         let Some(start) = tiers.tree.chain_start(fin.tenant)? else {
             return Ok(());
         };
         let hashes = fin.hashes();
-        let slots = fin.host_slots();
-        if hashes.len() != slots.len() {
+        let all_slots = fin.host_slots();
+        if hashes.len() != all_slots.len() {
             // Pages without hashes cannot be named in L3.
             return Ok(());
         }
-        let keys: Vec<PageKey> = hashes
-            .iter()
-            .map(|h| PageKey::new(start.namespace_id, *h))
-            .collect();
-        let nodes: Vec<NodeId> = fin.fragments.iter().map(|f| f.node).collect();
-        for &n in &nodes {
+        let to_send = ToSend {
+            kind: BackupKind::Admission,
+            namespace: start.namespace_id,
+            nodes: fin.fragments.iter().map(|f| f.node).collect(),
+            hashes,
+            slots: all_slots,
+            dedup: tiers.tiering.dedups_admission(),
+        };
+        let pages = self.backup_pages(to_send, tiers)?;
+        self.launch_backup(pages, tiers)
+    }
+
+    /// The pages to send of `t.nodes` (one request's pages, root-first): pages already known
+    /// to be in L3 at the front are skipped when `t.dedup` (they become prefix keys, so
+    /// invariant 5 stays true), the rest are sent in order.
+    fn backup_pages(&self, t: ToSend, tiers: &Tiers) -> Result<BackupPages> {
+        let ToSend {
+            kind,
+            namespace,
+            nodes,
+            hashes,
+            slots,
+            dedup,
+        } = t;
+        let key = |h: &PageHash| PageKey::new(namespace, *h);
+        let skip = if dedup {
+            hashes
+                .iter()
+                .take_while(|h| tiers.tiering.known.contains(h))
+                .count()
+        } else {
+            0
+        };
+        // The request's pages before the first sent: the path to the first node's parent,
+        // then the skipped pages (invariant 5).
+        let prefix: Option<Vec<PageKey>> =
+            if self.config.common.pass_prefix_keys && !self.backup_skip {
+                let mut v: Vec<PageKey> = match tiers.tree.node_info(nodes[0])?.parent {
+                    Some(p) => tiers.tree.prefix_hashes(p)?.iter().map(key).collect(),
+                    None => Vec::new(),
+                };
+                v.extend(hashes[..skip].iter().map(key));
+                Some(v)
+            } else {
+                None
+            };
+        let chain = Chain::new(prefix.as_deref(), hashes[skip..].iter().map(key));
+        Ok(BackupPages {
+            kind,
+            nodes,
+            hashes,
+            chain,
+            slots: slots[skip..].to_vec(),
+        })
+    }
+
+    /// Exclusive tiering: when the agreed free host pages, plus pages of demotions in flight,
+    /// plus the coldest host-only leaves already known to be in L3 (host eviction takes those
+    /// at once when room is needed, so they stay in L2 until then), fall below the headroom
+    /// plus the shortfall, starts a backup of each of the coldest leaves L3 lacks (its pages
+    /// already known there are not sent); once it is complete they are known in L3 and host
+    /// eviction may drop them (invariant 6). Deterministic: the tree, the budget and the
+    /// shortfall are agreed.
+    pub fn demote_cold(&mut self, tiers: &mut Tiers) -> Result<()> {
+        if self.demote_pause > 0 {
+            self.demote_pause -= 1;
+            return Ok(());
+        }
+        let headroom = tiers.tiering.headroom() + std::mem::take(&mut tiers.tiering.shortfall);
+        let have = tiers.budget + self.demoting_pages;
+        if !tiers.tiering.exclusive || have >= headroom {
+            return Ok(());
+        }
+        for node in tiers.tree.coldest_host_leaves(headroom - have) {
+            let hashes = tiers.tree.page_hashes(node)?.to_vec();
+            let slots = tiers.tree.host_slots(node)?;
+            let tenant = tiers.tree.node_info(node)?.tenant;
+            let Some(start) = tiers.tree.chain_start(tenant)? else {
+                continue;
+            };
+            if tiers.tiering.known.contains_all(&hashes) || slots.len() != hashes.len() {
+                continue;
+            }
+            self.demoting_pages += hashes.len();
+            let to_send = ToSend {
+                kind: BackupKind::Demotion,
+                namespace: start.namespace_id,
+                nodes: vec![node],
+                hashes,
+                slots,
+                dedup: true,
+            };
+            let pages = self.backup_pages(to_send, tiers)?;
+            self.launch_backup(pages, tiers)?;
+        }
+        Ok(())
+    }
+
+    /// Pins the nodes, makes their `BlockStored(L3)` events and starts the job (or, for a
+    /// rank that does not write, or nothing to send, a backup done at once).
+    fn launch_backup(&mut self, p: BackupPages, tiers: &mut Tiers) -> Result<()> {
+        for &n in &p.nodes {
             tiers.tree.protect_host(n)?;
         }
         let mut events = Vec::new();
-        for &n in &nodes {
+        for &n in &p.nodes {
             events.extend(tiers.tree.stored_event(n, Medium::Storage)?);
         }
-        let pages = slots.len();
+        let sent = p.chain.len();
         let shared = Arc::new(BackupShared::default());
-        if self.backup_skip {
-            // Rank 0 writes these pages for every rank (invariant 2): this rank's backup is
-            // done at once, but it is tracked, pinned and finished like rank 0's.
+        if self.backup_skip || sent == 0 {
+            // Rank 0 writes these pages for every rank (invariant 2), or every page is known
+            // to be in L3: done at once, but tracked, pinned and finished like the others.
             shared.done.store(true, Ordering::Release);
         } else {
             let job = BackupJob {
                 storage: self.storage.clone(),
                 pool: tiers.host_pool.clone(),
-                keys,
-                slots,
+                chain: Arc::new(p.chain),
+                slots: p.slots,
                 batch: self.batch,
                 layout: self.layout,
                 shared: shared.clone(),
@@ -99,8 +253,10 @@ impl L3 {
             self.runtime.spawn(job.run());
         }
         self.backups.push_back(BackupOp {
-            nodes,
-            pages,
+            kind: p.kind,
+            nodes: p.nodes,
+            hashes: p.hashes,
+            pages: sent,
             events,
             started: Instant::now(),
             shared,
@@ -136,32 +292,55 @@ impl L3 {
         }
     }
 
-    /// Finishes the oldest `n` backups (the agreed count): releases their host pins and
-    /// appends the events of those that stored every page (invariant 3) to `events`.
+    /// The index, from the oldest, of the first finished backup that did not store every
+    /// page on this rank (`usize::MAX` when none): every rank's minimum tells which backups
+    /// are complete everywhere (invariant 6).
+    pub fn first_incomplete_backup(&self) -> usize {
+        self.backups
+            .iter()
+            .take_while(|b| b.is_done())
+            .position(|b| !b.skipped && b.stored() < b.pages)
+            .unwrap_or(usize::MAX)
+    }
+
+    /// Finishes the oldest `n` backups (the agreed count; those before index
+    /// `first_incomplete` are complete on every rank): releases their host pins, appends the
+    /// events of those that stored every page (invariant 3) to `events`, and applies the
+    /// tiering of complete ones (invariant 6).
     pub fn finish_backups(
         &mut self,
         n: usize,
+        first_incomplete: usize,
         tiers: &mut Tiers,
         events: &mut Vec<KvEvent>,
     ) -> Result<()> {
-        for _ in 0..n {
+        for k in 0..n {
             let Some(op) = self.backups.pop_front() else {
                 break;
             };
             for node in &op.nodes {
                 tiers.tree.release_host(*node)?;
             }
-            if op.skipped {
+            if op.kind == BackupKind::Demotion {
+                self.demoting_pages -= op.hashes.len();
+            }
+            let complete = k < first_incomplete;
+            if complete {
+                self.apply_tiering(&op, tiers)?;
+            } else if op.kind == BackupKind::Demotion {
+                self.demote_pause = DEMOTE_RETRY_POLLS;
+            }
+            if op.skipped || op.pages == 0 {
                 continue;
             }
-            let stored = op.shared.stored_pages.load(Ordering::Relaxed);
+            let stored = op.stored();
             tiers.metrics.transfer(
                 Direction::l2_to_l3,
-                stored,
-                stored * self.page_bytes as u64,
+                stored as u64,
+                (stored * self.page_bytes) as u64,
                 op.started.elapsed().as_secs_f64(),
             );
-            if stored as usize == op.pages {
+            if stored == op.pages {
                 events.extend(op.events);
             }
             if op.shared.failed.load(Ordering::Relaxed) {
@@ -170,6 +349,18 @@ impl L3 {
                     stored,
                     "an L3 backup stored only part of its pages"
                 );
+            }
+        }
+        Ok(())
+    }
+
+    /// A complete backup: its pages are known in L3; under `buffer_only` its nodes' host
+    /// copies go (deepest first), and a demotion's leaves leave L2.
+    fn apply_tiering(&self, op: &BackupOp, tiers: &mut Tiers) -> Result<()> {
+        tiers.tiering.known.insert_all(&op.hashes);
+        if op.kind == BackupKind::Admission && tiers.tiering.buffer_only {
+            for &node in op.nodes.iter().rev() {
+                tiers.drop_host_copy(node)?;
             }
         }
         Ok(())

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use hicache_core::{HostSlot, NamespaceId, PageHash, PageHasher, PageKey};
 use hicache_host::HostPool;
-use hicache_storage::{LayoutKind, PageBuf, PageBufMut, Storage};
+use hicache_storage::{BatchContext, LayoutKind, PageBuf, PageBufMut, Storage};
 use parking_lot::Mutex;
 use tokio::sync::{Notify, Semaphore};
 use tracing::Instrument;
@@ -95,6 +95,53 @@ unsafe fn write_parts(pool: &HostPool, slot: HostSlot) -> Result<Vec<&mut [u8]>>
         .collect())
 }
 
+/// The keys of one request's pages an operation moves, after the keys of the pages before
+/// them (the prefix) when the tier passes prefix keys: batch `[at, end)` of the operation is
+/// sent with the prefix keys `prefix ++ keys[..at]`, a slice of the one vector, so no batch
+/// copies keys.
+#[derive(Debug)]
+pub(crate) struct Chain {
+    /// Prefix keys, then the operation's keys.
+    all: Vec<PageKey>,
+    /// Length of the prefix in `all`.
+    base: usize,
+    /// Whether prefix keys are passed at all.
+    pass: bool,
+}
+
+impl Chain {
+    /// The chain of `keys` after `prefix` (`None`: prefix keys are not passed).
+    pub fn new(prefix: Option<&[PageKey]>, keys: impl IntoIterator<Item = PageKey>) -> Self {
+        let mut all = prefix.map(<[PageKey]>::to_vec).unwrap_or_default();
+        let base = all.len();
+        all.extend(keys);
+        Self {
+            all,
+            base,
+            pass: prefix.is_some(),
+        }
+    }
+
+    /// Number of the operation's keys.
+    pub fn len(&self) -> usize {
+        self.all.len() - self.base
+    }
+
+    /// The operation's keys `range`.
+    pub fn keys(&self, range: std::ops::Range<usize>) -> &[PageKey] {
+        &self.all[self.base + range.start..self.base + range.end]
+    }
+
+    /// The context of a batch starting at the operation's key `at`.
+    pub fn context(&self, at: usize) -> BatchContext<'_> {
+        if self.pass {
+            BatchContext::with_prefix_keys(&self.all[..self.base + at])
+        } else {
+            BatchContext::NONE
+        }
+    }
+}
+
 /// A prefetch's task: looks the pages up, waits for host pages, fetches.
 pub(crate) struct QueryJob {
     pub storage: Arc<dyn Storage>,
@@ -102,6 +149,9 @@ pub(crate) struct QueryJob {
     pub hasher: PageHasher,
     pub namespace: NamespaceId,
     pub prior: Option<PageHash>,
+    /// The keys of the pages before the first looked up (root first), passed to the backend
+    /// as each batch's prefix keys; `None` when prefix keys are not passed.
+    pub prefix: Option<Vec<PageKey>>,
     pub tokens: Vec<u32>,
     pub page_size: usize,
     pub batch: usize,
@@ -118,11 +168,11 @@ impl QueryJob {
 
     async fn run_inner(self) {
         let hashes = self.hasher.hash_pages(self.prior, &self.tokens);
-        let keys: Vec<PageKey> = hashes
-            .iter()
-            .map(|h| PageKey::new(self.namespace, *h))
-            .collect();
-        let hit = self.query(&keys).await;
+        let chain = Chain::new(
+            self.prefix.as_deref(),
+            hashes.iter().map(|h| PageKey::new(self.namespace, *h)),
+        );
+        let hit = self.query(&chain).await;
         *self.shared.query.lock() = Some(QueryResult {
             hashes,
             hit_pages: hit,
@@ -141,7 +191,7 @@ impl QueryJob {
             self.shared.notify.notified().await;
         };
         if let Some(slots) = slots {
-            self.fetch(&keys, &slots).await;
+            self.fetch(&chain, &slots).await;
         }
         let mut st = self.shared.state.lock();
         st.done = true;
@@ -151,11 +201,17 @@ impl QueryJob {
     }
 
     /// The leading run of `keys` present in L3, batch by batch.
-    #[tracing::instrument(skip_all, fields(pages = keys.len(), hit))]
-    async fn query(&self, keys: &[PageKey]) -> usize {
+    #[tracing::instrument(skip_all, fields(pages = chain.len(), hit))]
+    async fn query(&self, chain: &Chain) -> usize {
         let mut hit = 0;
-        for chunk in keys.chunks(self.batch) {
-            match self.storage.batch_exists(chunk).await {
+        for at in (0..chain.len()).step_by(self.batch) {
+            let end = (at + self.batch).min(chain.len());
+            let chunk = chain.keys(at..end);
+            match self
+                .storage
+                .batch_exists_with(chunk, chain.context(at))
+                .await
+            {
                 Ok(n) => {
                     hit += n.min(chunk.len());
                     if n < chunk.len() {
@@ -173,7 +229,7 @@ impl QueryJob {
     }
 
     #[tracing::instrument(skip_all, fields(pages = slots.len()))]
-    async fn fetch(&self, keys: &[PageKey], slots: &[HostSlot]) {
+    async fn fetch(&self, chain: &Chain, slots: &[HostSlot]) {
         let mut at = 0;
         while at < slots.len() {
             if self.shared.state.lock().terminated {
@@ -195,7 +251,7 @@ impl QueryJob {
                     }
                 }
                 self.storage
-                    .batch_get(&keys[at..end], &mut bufs)
+                    .batch_get_with(chain.keys(at..end), &mut bufs, chain.context(at))
                     .instrument(tracing::debug_span!("l3_batch_get", pages = end - at))
                     .await
             };
@@ -230,7 +286,8 @@ impl QueryJob {
 pub(crate) struct BackupJob {
     pub storage: Arc<dyn Storage>,
     pub pool: Arc<HostPool>,
-    pub keys: Vec<PageKey>,
+    /// The keys of the pages to store, after their prefix keys when those are passed.
+    pub chain: Arc<Chain>,
     pub slots: Vec<HostSlot>,
     pub batch: usize,
     pub layout: LayoutKind,
@@ -242,7 +299,7 @@ pub(crate) struct BackupJob {
 impl BackupJob {
     /// Runs the job to its end (spawn it on the L3 runtime).
     pub async fn run(self) {
-        let span = tracing::debug_span!("l3_backup", pages = self.keys.len());
+        let span = tracing::debug_span!("l3_backup", pages = self.chain.len());
         let shared = self.shared.clone();
         self.run_inner().instrument(span).await;
         shared.done.store(true, Ordering::Release);
@@ -250,11 +307,8 @@ impl BackupJob {
 
     async fn run_inner(self) {
         let mut batches = Vec::new();
-        for (keys, slots) in self
-            .keys
-            .chunks(self.batch)
-            .zip(self.slots.chunks(self.batch))
-        {
+        for (i, slots) in self.slots.chunks(self.batch).enumerate() {
+            let at = i * self.batch;
             if self.shared.failed.load(Ordering::Relaxed) {
                 // As without pipelining: nothing more is sent after a failed batch.
                 break;
@@ -266,7 +320,8 @@ impl BackupJob {
             let unit = BackupBatch {
                 storage: self.storage.clone(),
                 pool: self.pool.clone(),
-                keys: keys.to_vec(),
+                chain: self.chain.clone(),
+                at,
                 slots: slots.to_vec(),
                 layout: self.layout,
                 shared: self.shared.clone(),
@@ -293,7 +348,9 @@ impl BackupJob {
 struct BackupBatch {
     storage: Arc<dyn Storage>,
     pool: Arc<HostPool>,
-    keys: Vec<PageKey>,
+    chain: Arc<Chain>,
+    /// The batch's first page in the chain (its keys are `chain.keys(at..at + slots.len())`).
+    at: usize,
     slots: Vec<HostSlot>,
     layout: LayoutKind,
     shared: Arc<BackupShared>,
@@ -301,10 +358,11 @@ struct BackupBatch {
 
 impl BackupBatch {
     async fn run(self) {
-        let keys = &self.keys[..];
+        let at = self.at;
+        let keys = self.chain.keys(at..at + self.slots.len());
         let present = match self
             .storage
-            .batch_exists(keys)
+            .batch_exists_with(keys, self.chain.context(at))
             .instrument(tracing::debug_span!("l3_batch_exists", pages = keys.len()))
             .await
         {
@@ -328,7 +386,7 @@ impl BackupBatch {
             }
             let set = self
                 .storage
-                .batch_set(&keys[present..], &bufs)
+                .batch_set_with(&keys[present..], &bufs, self.chain.context(at + present))
                 .instrument(tracing::debug_span!("l3_batch_set", pages = bufs.len()))
                 .await;
             match set {

@@ -56,6 +56,10 @@ pub(crate) struct L3 {
     capacity_pages: usize,
     /// MLA KV is the same on every TP rank: only rank 0 writes it to L3.
     backup_skip: bool,
+    /// Host pages of exclusive-tiering demotions in flight.
+    demoting_pages: usize,
+    /// Polls left before demoting again after a demotion that did not store every page.
+    demote_pause: u32,
     next_seq: u64,
 }
 
@@ -99,6 +103,12 @@ impl L3 {
             ((tiers.host_pool.num_pages() as f64) * cfg.prefetch_capacity_ratio) as usize;
         let backup_skip = matches!(shape.kind, KvKind::Mla { .. }) && rank != 0;
         tracing::info!(backend = %info.name, batch, capacity_pages, "L3 attached");
+        if config.common.pass_prefix_keys && !info.batch_context {
+            tracing::info!(
+                backend = %info.name,
+                "hicache_storage_pass_prefix_keys is on, but the backend does not use prefix keys"
+            );
+        }
         tiers.metrics.set_storage(Some(storage.clone()));
         Ok(Self {
             runtime,
@@ -116,6 +126,8 @@ impl L3 {
             occupied_pages: 0,
             capacity_pages: capacity_pages.max(1),
             backup_skip,
+            demoting_pages: 0,
+            demote_pause: 0,
             next_seq: 0,
         })
     }
@@ -128,6 +140,20 @@ impl L3 {
     /// The name the tier was attached under (`StorageConfig::backend`).
     pub fn config_name(&self) -> &str {
         &self.config.backend
+    }
+
+    /// Clears every namespace of `ids` in the backend (on the tier's runtime); returns the
+    /// pages removed.
+    pub fn clear(&self, ids: &[hicache_core::NamespaceId]) -> Result<u64> {
+        let storage = self.storage.clone();
+        let ids = ids.to_vec();
+        self.runtime.block_on(async move {
+            let mut n = 0;
+            for id in ids {
+                n += storage.clear(id).await?;
+            }
+            Ok(n)
+        })
     }
 
     /// Updates the policy fields from `config` (the same backend attached again).
@@ -150,7 +176,8 @@ impl L3 {
         }
         let n = self.backups_in_flight();
         self.wait_backups(n);
-        self.finish_backups(n, tiers, events)?;
+        let complete = self.first_incomplete_backup();
+        self.finish_backups(n, complete, tiers, events)?;
         self.collect_leftovers(true, tiers)?;
         tiers.metrics.set_storage(None);
         self.runtime.shutdown_timeout(SHUTDOWN_WAIT);

@@ -16,14 +16,17 @@
 //!    frees the rest); the task owns `[completed, n)` and hands them back when it exits.
 //! 3. **Capacity.** In-flight prefetches hold at most `prefetch_capacity_ratio` of the host
 //!    pool, counted in allocated hit pages (not candidate tokens, as SGLang does).
-//! 4. **Same on every rank.** Prefetches are created and ended by calls every rank makes
+//! 4. **Prefix keys.** With `hicache_storage_pass_prefix_keys`, every batch of a prefetch is
+//!    sent with the keys of the request's pages before it: the anchor's path from the root,
+//!    then the prefetch's own earlier pages. Without it, with none.
+//! 5. **Same on every rank.** Prefetches are created and ended by calls every rank makes
 //!    identically, or by decisions taken from agreed values, so every rank tracks the same
 //!    prefetches in the same (creation) order.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hicache_core::{HiRadixTree, HostSlot, MatchResult, NodeId, PrefetchPolicy, TenantId};
+use hicache_core::{HiRadixTree, HostSlot, MatchResult, NodeId, PageKey, PrefetchPolicy, TenantId};
 
 use super::L3;
 use super::jobs::{FetchShared, QueryJob};
@@ -35,7 +38,11 @@ use crate::tiers::Tiers;
 /// Most prefetches tracked at once: the per-tick exchange carries
 /// [`PrefetchCounts::LEN`] values for each (the tick checks that they fit one exchange).
 /// Arrivals beyond that start no prefetch.
-pub(crate) const MAX_TRACKED_PREFETCHES: usize = 1023;
+pub(crate) const MAX_TRACKED_PREFETCHES: usize = 1022;
+
+/// Exclusive tiering: most polls a prefetch whose hit found no host room waits for cold
+/// pages to reach L3 (and become droppable) before it gives up (`no_host_memory`).
+const ROOM_WAIT_POLLS: u32 = 64;
 
 /// How long [`L3::collect_leftovers`] waits, in all, for draining tasks to exit.
 const LEFTOVER_WAIT: Duration = Duration::from_secs(10);
@@ -57,6 +64,8 @@ pub(crate) struct PrefetchOp {
     started: Instant,
     shared: Arc<FetchShared>,
     phase: Phase,
+    /// Polls this prefetch waited for host room (exclusive tiering).
+    room_waits: u32,
 }
 
 /// One prefetch's values in the per-tick exchange (reduced with `min` over ranks).
@@ -158,6 +167,18 @@ impl L3 {
             .hasher
             .clone()
             .expect("the controller always configures a hasher");
+        // The request's pages before the first looked up: the path to the anchor.
+        let prefix = if self.config.common.pass_prefix_keys {
+            let hashes = tiers.tree.prefix_hashes(anchor)?;
+            Some(
+                hashes
+                    .into_iter()
+                    .map(|h| PageKey::new(start.namespace_id, h))
+                    .collect(),
+            )
+        } else {
+            None
+        };
         tiers.tree.protect_host(anchor)?;
         let tokens = key[anchor_end * ps..].to_vec();
         let pages = tokens.len() / ps;
@@ -168,6 +189,7 @@ impl L3 {
             hasher,
             namespace: start.namespace_id,
             prior,
+            prefix,
             tokens: tokens.clone(),
             page_size: ps,
             batch: self.batch,
@@ -187,6 +209,7 @@ impl L3 {
                 started: Instant::now(),
                 shared,
                 phase: Phase::Querying,
+                room_waits: 0,
             },
         );
         Ok(Some((seq, pages)))
@@ -230,9 +253,14 @@ impl L3 {
         agreed: PrefetchCounts,
         tiers: &mut Tiers,
     ) -> Result<Option<PrefetchEnd>> {
-        let querying = matches!(self.prefetches[&seq].phase, Phase::Querying);
+        let op = &self.prefetches[&seq];
+        let querying = matches!(op.phase, Phase::Querying);
         if querying {
-            if agreed.query_done {
+            if agreed.query_done && agreed.may_end && op.room_waits > 0 {
+                // Waited for host room until the policy's deadline.
+                self.end_prefetch(seq, 0, PrefetchOutcome::no_host_memory, tiers)
+                    .map(Some)
+            } else if agreed.query_done {
                 self.allocate(seq, agreed.hit_pages as usize, tiers)
             } else if agreed.may_end {
                 self.end_prefetch(seq, 0, PrefetchOutcome::partial, tiers)
@@ -277,7 +305,7 @@ impl L3 {
                 match (can * ps >= threshold).then(|| tiers.alloc_host(can)) {
                     Some(Ok(Some(h))) => h,
                     Some(Err(e)) => return Err(e),
-                    _ => return end(self, PrefetchOutcome::no_host_memory, tiers),
+                    _ => return self.wait_for_room(seq, want, tiers),
                 }
             }
         };
@@ -287,6 +315,25 @@ impl L3 {
         op.shared.notify.notify_one();
         op.phase = Phase::Fetching { host };
         Ok(None)
+    }
+
+    /// A prefetch without host room: under exclusive tiering it waits (bounded) while cold
+    /// pages go to L3 to make room for it (the tiers' shortfall); otherwise, or when it
+    /// waited long enough, it ends as `no_host_memory`.
+    fn wait_for_room(
+        &mut self,
+        seq: u64,
+        want: usize,
+        tiers: &mut Tiers,
+    ) -> Result<Option<PrefetchEnd>> {
+        let op = self.prefetches.get_mut(&seq).expect("tracked");
+        if tiers.tiering.exclusive && op.room_waits < ROOM_WAIT_POLLS {
+            op.room_waits += 1;
+            tiers.tiering.shortfall += want;
+            return Ok(None);
+        }
+        self.end_prefetch(seq, 0, PrefetchOutcome::no_host_memory, tiers)
+            .map(Some)
     }
 
     /// Ends a prefetch: terminates its task, inserts the first `agreed` pages (the count every
@@ -357,6 +404,10 @@ impl L3 {
             Some(&hashes),
         )?;
         tiers.free_host(&res.duplicate_slots)?;
+        if !tiers.tiering.writes_at_admission() || tiers.tiering.buffer_only {
+            // Agreed pages read from L3: known to be there (crate::tiering invariant 1).
+            tiers.tiering.known.insert_all(&hashes);
+        }
         tiers.metrics.transfer(
             Direction::l3_to_l2,
             agreed as u64,

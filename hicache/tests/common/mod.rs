@@ -284,6 +284,8 @@ pub struct Faulty {
     pub corrupt_every: usize,
     /// Every batch_get call fails outright.
     pub fail_all_gets: bool,
+    /// Every page of every batch_set fails.
+    pub fail_all_sets: bool,
     /// While false, batch_get calls wait (a backend that hangs).
     pub gate: Arc<std::sync::atomic::AtomicBool>,
     reads: AtomicUsize,
@@ -298,6 +300,7 @@ impl Faulty {
             fail_every: 0,
             corrupt_every: 0,
             fail_all_gets: false,
+            fail_all_sets: false,
             gate: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             reads: AtomicUsize::new(0),
             get_calls: AtomicU64::new(0),
@@ -360,6 +363,12 @@ impl Storage for Faulty {
     ) -> hicache_storage::Result<Vec<PageOutcome>> {
         if !self.latency.is_zero() {
             tokio::time::sleep(self.latency).await;
+        }
+        if self.fail_all_sets {
+            return Ok(keys
+                .iter()
+                .map(|_| PageOutcome::Failed(PageError::Backend("injected write error".into())))
+                .collect());
         }
         self.inner.batch_set(keys, src).await
     }

@@ -554,11 +554,21 @@ typedef struct {
 } vtable_next;
 #define VTABLE_TYPE vtable_next
 #define VTABLE_MINOR (HICACHE_ABI_MINOR + 1)
+#define VTABLE_SIZE sizeof(VTABLE_TYPE)
 #define VTABLE_OF(t) (&(t).v1)
 #define VTABLE_INIT(...) {{__VA_ARGS__}, NULL}
+#elif defined(HICACHE_EXAMPLE_V1_0)
+/* Test variant: the plugin as built against the 1.0 header (minor 0, the 1.0 vtable size):
+ * the host must not look at the fields 1.1 appended. */
+#define VTABLE_TYPE hicache_plugin_vtable
+#define VTABLE_MINOR 0u
+#define VTABLE_SIZE HICACHE_VTABLE_V1_0_SIZE
+#define VTABLE_OF(t) (&(t))
+#define VTABLE_INIT(...) {__VA_ARGS__}
 #else
 #define VTABLE_TYPE hicache_plugin_vtable
 #define VTABLE_MINOR HICACHE_ABI_MINOR
+#define VTABLE_SIZE sizeof(VTABLE_TYPE)
 #define VTABLE_OF(t) (&(t))
 #define VTABLE_INIT(...) {__VA_ARGS__}
 #endif
@@ -566,7 +576,7 @@ typedef struct {
 static const VTABLE_TYPE VTABLE = VTABLE_INIT(
     HICACHE_ABI_MAJOR,
     VTABLE_MINOR,
-    sizeof(VTABLE_TYPE),
+    VTABLE_SIZE,
     HICACHE_CAP_TEST_CORRUPT,
     "c-memory-example",
     "1.0.0",
@@ -579,7 +589,12 @@ static const VTABLE_TYPE VTABLE = VTABLE_INIT(
     mp_batch_delete,
     mp_get_stats,
     NULL, /* register_memory: not needed, pages are copied */
-    mp_test_corrupt_page);
+    mp_test_corrupt_page,
+    /* 1.1 batch context: this plugin has no use for prefix keys; the host calls the plain
+     * entries. */
+    NULL,
+    NULL,
+    NULL);
 
 __attribute__((visibility("default"))) const hicache_plugin_vtable *HICACHE_PLUGIN_ENTRY(void) {
     return VTABLE_OF(VTABLE);

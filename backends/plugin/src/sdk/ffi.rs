@@ -17,8 +17,8 @@ use std::sync::OnceLock;
 
 use hicache_core::{MemoryRegion, NamespaceId, PageKey};
 use hicache_storage::{
-    BackendContext, CommonConfig, ConfigFields, PageBuf, PageBufMut, PageError, PageOutcome,
-    StorageError, StorageStats,
+    BackendContext, BatchContext, CommonConfig, ConfigFields, PageBuf, PageBufMut, PageError,
+    PageOutcome, StorageError, StorageStats,
 };
 use tokio::runtime::Runtime;
 use tracing::Dispatch;
@@ -446,6 +446,76 @@ pub(super) unsafe extern "C" fn get_info<P: Plugin>(
     })
 }
 
+/// A batch context copied out of the host's `hicache_batch_context` (1.1).
+#[derive(Default)]
+struct OwnedContext {
+    prefix_keys: Option<Vec<PageKey>>,
+    extra_info: Option<String>,
+}
+
+impl OwnedContext {
+    /// The context at `ctx` (null: none), checked: a flagged part with a null pointer and a
+    /// non-zero length, or extra info that is not UTF-8, is an invalid argument.
+    ///
+    /// # Safety
+    /// `ctx` is null or valid for reads of its `struct_size` bytes, and its pointers for their
+    /// lengths, for the call.
+    unsafe fn read(ctx: *const abi::BatchContext) -> Result<Self, Failure> {
+        if ctx.is_null() {
+            return Ok(Self::default());
+        }
+        // Read only the fields within the host's struct_size (header §1); zero the rest.
+        // SAFETY: the caller's guarantee; the first field is the struct_size.
+        let size = unsafe { std::ptr::read(ctx.cast::<u32>()) } as usize;
+        let mut c = std::mem::MaybeUninit::<abi::BatchContext>::zeroed();
+        let n = size.min(std::mem::size_of::<abi::BatchContext>());
+        // SAFETY: `n` bytes are readable at `ctx` (the caller's guarantee) and fit in `c`;
+        // zero is a valid value of every field (integers and null pointers).
+        let c = unsafe {
+            std::ptr::copy_nonoverlapping(ctx.cast::<u8>(), c.as_mut_ptr().cast::<u8>(), n);
+            c.assume_init()
+        };
+        let prefix_keys = if c.flags & abi::CONTEXT_HAS_PREFIX != 0 {
+            // SAFETY: the caller's guarantee: `prefix_count` keys.
+            Some(unsafe { keys(c.prefix_keys, count(c.prefix_count)?) }?)
+        } else {
+            None
+        };
+        let extra_info = if c.flags & abi::CONTEXT_HAS_EXTRA_INFO != 0 {
+            // SAFETY: the caller's guarantee: `extra_info_len` bytes.
+            let bytes = unsafe {
+                slice(
+                    c.extra_info.cast::<u8>(),
+                    count(c.extra_info_len)?,
+                    "extra_info",
+                )
+            }?;
+            Some(
+                std::str::from_utf8(bytes)
+                    .map_err(|e| Failure::invalid(format!("extra_info is not UTF-8: {e}")))?
+                    .to_owned(),
+            )
+        } else {
+            None
+        };
+        Ok(Self {
+            prefix_keys,
+            extra_info,
+        })
+    }
+
+    fn borrow(&self) -> BatchContext<'_> {
+        let mut c = match &self.prefix_keys {
+            Some(p) => BatchContext::with_prefix_keys(p),
+            None => BatchContext::NONE,
+        };
+        if let Some(t) = &self.extra_info {
+            c = c.extra_info(t);
+        }
+        c
+    }
+}
+
 pub(super) unsafe extern "C" fn batch_exists<P: Plugin>(
     plugin: *mut abi::PluginHandle,
     keys_ptr: *const abi::Key,
@@ -453,15 +523,27 @@ pub(super) unsafe extern "C" fn batch_exists<P: Plugin>(
     present: *mut u64,
     err: *mut abi::ErrorBuf,
 ) -> Status {
+    // SAFETY: forwarded from the host's call (header); no context.
+    unsafe { batch_exists_ctx::<P>(plugin, keys_ptr, n, std::ptr::null(), present, err) }
+}
+
+pub(super) unsafe extern "C" fn batch_exists_ctx<P: Plugin>(
+    plugin: *mut abi::PluginHandle,
+    keys_ptr: *const abi::Key,
+    n: u64,
+    ctx: *const abi::BatchContext,
+    present: *mut u64,
+    err: *mut abi::ErrorBuf,
+) -> Status {
     guard::<P>("batch_exists", err, || {
         // SAFETY: invariant 1.
         let inst = unsafe { instance::<P>(plugin) }?;
-        // SAFETY: the header: `n` keys.
-        let ks = unsafe { keys(keys_ptr, count(n)?) }?;
+        // SAFETY: the header: `n` keys, a context valid for the call or null.
+        let (ks, cx) = unsafe { (keys(keys_ptr, count(n)?)?, OwnedContext::read(ctx)?) };
         if present.is_null() {
             return Err(Failure::invalid("present is NULL"));
         }
-        let hits = inst.run(inst.backend.batch_exists(&ks))?;
+        let hits = inst.run(inst.backend.batch_exists_with(&ks, cx.borrow()))?;
         // SAFETY: non-null out-param of the call.
         unsafe { *present = hits as u64 };
         Ok(None)
@@ -477,10 +559,38 @@ pub(super) unsafe extern "C" fn batch_get<P: Plugin>(
     lengths: *mut u64,
     err: *mut abi::ErrorBuf,
 ) -> Status {
+    // SAFETY: forwarded from the host's call (header); no context.
+    unsafe {
+        batch_get_ctx::<P>(
+            plugin,
+            keys_ptr,
+            pages,
+            n,
+            std::ptr::null(),
+            results,
+            lengths,
+            err,
+        )
+    }
+}
+
+#[allow(clippy::too_many_arguments)] // the C signature
+pub(super) unsafe extern "C" fn batch_get_ctx<P: Plugin>(
+    plugin: *mut abi::PluginHandle,
+    keys_ptr: *const abi::Key,
+    pages: *const abi::Page,
+    n: u64,
+    ctx: *const abi::BatchContext,
+    results: *mut abi::PageResult,
+    lengths: *mut u64,
+    err: *mut abi::ErrorBuf,
+) -> Status {
     guard::<P>("batch_get", err, || {
         // SAFETY: invariant 1.
         let inst = unsafe { instance::<P>(plugin) }?;
         let n = count(n)?;
+        // SAFETY: the header: a context valid for the call, or null.
+        let cx = unsafe { OwnedContext::read(ctx) }?;
         // SAFETY: the header: `n` keys, pages, results and lengths.
         let (ks, descs, results, lengths) = unsafe {
             (
@@ -508,7 +618,7 @@ pub(super) unsafe extern "C" fn batch_get<P: Plugin>(
                 }),
             ));
         }
-        let outcomes = inst.run(inst.backend.batch_get(&ks, &mut dst))?;
+        let outcomes = inst.run(inst.backend.batch_get_with(&ks, &mut dst, cx.borrow()))?;
         check_outcomes("batch_get", &outcomes, n)?;
         for (i, o) in outcomes.iter().enumerate() {
             results[i] = outcome_code(o);
@@ -526,10 +636,25 @@ pub(super) unsafe extern "C" fn batch_set<P: Plugin>(
     results: *mut abi::PageResult,
     err: *mut abi::ErrorBuf,
 ) -> Status {
+    // SAFETY: forwarded from the host's call (header); no context.
+    unsafe { batch_set_ctx::<P>(plugin, keys_ptr, pages, n, std::ptr::null(), results, err) }
+}
+
+pub(super) unsafe extern "C" fn batch_set_ctx<P: Plugin>(
+    plugin: *mut abi::PluginHandle,
+    keys_ptr: *const abi::Key,
+    pages: *const abi::Page,
+    n: u64,
+    ctx: *const abi::BatchContext,
+    results: *mut abi::PageResult,
+    err: *mut abi::ErrorBuf,
+) -> Status {
     guard::<P>("batch_set", err, || {
         // SAFETY: invariant 1.
         let inst = unsafe { instance::<P>(plugin) }?;
         let n = count(n)?;
+        // SAFETY: the header: a context valid for the call, or null.
+        let cx = unsafe { OwnedContext::read(ctx) }?;
         // SAFETY: the header: `n` keys, pages and results.
         let (ks, descs, results) = unsafe {
             (
@@ -553,7 +678,7 @@ pub(super) unsafe extern "C" fn batch_set<P: Plugin>(
                 }),
             ));
         }
-        let outcomes = inst.run(inst.backend.batch_set(&ks, &src))?;
+        let outcomes = inst.run(inst.backend.batch_set_with(&ks, &src, cx.borrow()))?;
         check_outcomes("batch_set", &outcomes, n)?;
         for (r, o) in results.iter_mut().zip(&outcomes) {
             *r = outcome_code(o);

@@ -105,6 +105,7 @@ pub const fn vtable<P: Plugin>() -> StaticVtable {
         abi_minor: abi::ABI_MINOR,
         struct_size: std::mem::size_of::<Vtable>() as u32,
         capabilities: abi::CAP_REGISTER_MEMORY
+            | abi::CAP_BATCH_CONTEXT
             | if P::TEST_CORRUPT {
                 abi::CAP_TEST_CORRUPT
             } else {
@@ -126,6 +127,9 @@ pub const fn vtable<P: Plugin>() -> StaticVtable {
         } else {
             None
         },
+        batch_exists_ctx: Some(ffi::batch_exists_ctx::<P> as abi::BatchExistsCtxFn),
+        batch_get_ctx: Some(ffi::batch_get_ctx::<P> as abi::BatchGetCtxFn),
+        batch_set_ctx: Some(ffi::batch_set_ctx::<P> as abi::BatchSetCtxFn),
     })
 }
 

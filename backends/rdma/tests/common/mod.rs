@@ -9,6 +9,7 @@ use hicache_backend_rdma::{
     Token,
 };
 use hicache_storage::conformance::Harness;
+use hicache_storage::faults::FaultServer;
 use hicache_storage::{PageKey, Result, StorageError, async_trait};
 use parking_lot::Mutex;
 
@@ -55,13 +56,18 @@ impl Harness for RdmaHarness {
     }
 
     async fn corrupt(&self, backend: &RdmaStorage, key: &PageKey) -> Result<bool> {
-        let servers = self.servers.lock();
-        let s = servers
-            .iter()
-            .find(|s| s.local_addr().to_string() == backend.server_addr())
-            .ok_or_else(|| StorageError::backend("rdma", "no server for this client"))?;
-        Ok(s.damage_page(key))
+        damage_on(&self.servers.lock(), backend, key)
     }
+}
+
+/// Damages `key`'s stored copy on the server among `servers` that `backend` is connected to
+/// (the conformance harnesses' `corrupt`).
+pub fn damage_on(servers: &[ServerHandle], backend: &RdmaStorage, key: &PageKey) -> Result<bool> {
+    let s = servers
+        .iter()
+        .find(|s| s.local_addr().to_string() == backend.server_addr())
+        .ok_or_else(|| StorageError::backend("rdma", "no server for this client"))?;
+    Ok(s.damage_page(key))
 }
 
 /// Waits (bounded) until `cond` holds, checking every few milliseconds. For events that
@@ -160,6 +166,34 @@ impl ServerProcess {
     pub fn restart(&mut self) -> std::io::Result<()> {
         self.kill()?;
         self.spawn()
+    }
+}
+
+/// A [`ServerProcess`] as the storage fault suite's remote server (not persistent: the pool
+/// lives in the process's memory).
+pub struct FaultProcess(pub ServerProcess);
+
+/// An I/O failure of the test's server process as a storage error.
+pub fn process_err(what: &str, e: std::io::Error) -> StorageError {
+    StorageError::backend_caused("rdma", what, e)
+}
+
+#[async_trait]
+impl FaultServer for FaultProcess {
+    fn addr(&self) -> String {
+        self.0.addr().to_string()
+    }
+
+    async fn kill(&mut self) -> Result<()> {
+        self.0.kill().map_err(|e| process_err("kill", e))
+    }
+
+    async fn restart(&mut self) -> Result<()> {
+        self.0.restart().map_err(|e| process_err("restart", e))
+    }
+
+    fn persistent(&self) -> bool {
+        false
     }
 }
 

@@ -31,7 +31,12 @@ Model of the class (each point is kept by the code named in it):
    input (mismatched counts, an unsupported pool, a call after ``close``) raises.
 5. Only the storage writer writes: on an MLA rank that is not SGLang's storage writer the set
    methods write nothing and report success, as SGLang's own backends do.
-6. Thread safety: the instance is immutable after ``register_mem_pool_host`` except for the
+6. Prefix keys: with SGLang's ``hicache_storage_pass_prefix_keys``, the v1 calls carry
+   ``extra_info.prefix_keys`` (the hashes of the request's pages before the batch); they and
+   ``extra_info.extra_info`` (as JSON text) reach the Rust backend with every batch
+   (``_context``), so a backend can place a request's pages together. Without the flag SGLang
+   passes none, and none is passed on.
+7. Thread safety: the instance is immutable after ``register_mem_pool_host`` except for the
    metrics lists and the set of stored keys, both behind one lock; the native store is safe
    under SGLang's concurrent prefetch, query and backup threads.
 """
@@ -82,6 +87,22 @@ def _our_extra_config(storage_config: HiCacheStorageConfig) -> dict:
                 f"hicache-rs, not to backend {extra.get('backend')!r}"
             )
     return extra
+
+
+def _context(extra_info: Optional[HiCacheStorageExtraInfo]) -> dict:
+    """The keyword arguments of a native call for SGLang's ``extra_info`` (point 6):
+    ``prefix_keys`` when SGLang gives a list of key strings (some SGLang versions default the
+    field to ``(None,)``, which is no prefix), ``extra_info`` as JSON text."""
+    if extra_info is None:
+        return {}
+    kw = {}
+    prefix = getattr(extra_info, "prefix_keys", None)
+    if isinstance(prefix, (list, tuple)) and all(isinstance(k, str) for k in prefix):
+        kw["prefix_keys"] = list(prefix)
+    info = getattr(extra_info, "extra_info", None)
+    if info is not None:
+        kw["extra_info"] = json.dumps(info, sort_keys=True, default=str)
+    return kw
 
 
 def _pool_kind(pool: Any) -> str:
@@ -277,7 +298,10 @@ class HiCacheRsStorage(HiCacheStorage):
         self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> int:
         store = self._ready("batch_exists")
-        hits = self._call(store, "batch_exists", lambda: store.batch_exists(self.namespace, keys))
+        ctx = _context(extra_info)
+        hits = self._call(
+            store, "batch_exists", lambda: store.batch_exists(self.namespace, keys, **ctx)
+        )
         return hits or 0
 
     def batch_get_v1(
@@ -291,8 +315,9 @@ class HiCacheRsStorage(HiCacheStorage):
         if not keys:
             return []
         start = time.perf_counter()
+        ctx = _context(extra_info)
         hits = self._call(store, "batch_get_v1", lambda: store.batch_get_into(
-            self.namespace, keys, self.layout, ptrs, sizes, self.kv_interleaved))
+            self.namespace, keys, self.layout, ptrs, sizes, self.kv_interleaved, **ctx))
         if hits is None:
             return [False] * len(keys)
         self._record(self._prefetch_pgs, self._prefetch_bw, sum(hits), start)
@@ -311,8 +336,9 @@ class HiCacheRsStorage(HiCacheStorage):
         if not self.storage_config.is_storage_writer:
             return [True] * len(keys)
         start = time.perf_counter()
+        ctx = _context(extra_info)
         ok = self._call(store, "batch_set_v1", lambda: store.batch_set_from(
-            self.namespace, keys, self.layout, ptrs, sizes, self.kv_interleaved))
+            self.namespace, keys, self.layout, ptrs, sizes, self.kv_interleaved, **ctx))
         if ok is None:
             return [False] * len(keys)
         self._remember([k for k, s in zip(keys, ok) if s])
@@ -426,12 +452,16 @@ class HiCacheRsStorage(HiCacheStorage):
             bw.append(pages * self.page_bytes / elapsed / 1e9)
 
     def clear(self) -> None:
-        """Deletes every page this instance stored. Our backends have no namespace-wide
-        clear: pages written by other processes, or before a restart, stay."""
+        """Removes every page of this instance's namespace from the backend: pages written by
+        this process, by other processes sharing the storage, and before a restart (file,
+        uring and memory backends, whose ``info()["clear"]`` is true). A backend without a
+        namespace-wide clear gets the pages this instance stored deleted instead."""
         store = self._ready("clear")
         with self._lock:
             keys, self._stored = list(self._stored), set()
-        if keys:
+        if store.info().get("clear"):
+            store.clear(self.namespace)
+        elif keys:
             store.delete(self.namespace, keys)
 
     def get_stats(self):
