@@ -246,6 +246,7 @@ fn crash_rounds_with_watermark_eviction_never_serve_wrong_pages() {
             (100_000, &always),
             (65_536, &batch),
         ],
+        false,
     );
     assert!(present > 0, "no round left a page to check");
 }

@@ -187,17 +187,23 @@ impl Reclaim {
     pub fn pass(&self) {
         let mut removed = 0u64;
         if let Some(ttl) = self.lifecycle.ttl {
-            loop {
+            let expired = |w: u64| self.clock.expired(w, Some(ttl));
+            // One scan of the index per pass; each chunk re-checks its keys under the lock
+            // (a key written again meanwhile is fresh and stays).
+            let candidates = self.index.lock().expired_keys(usize::MAX, expired);
+            for keys in candidates.chunks(RECLAIM_CHUNK) {
                 let chunk: Vec<(PageKey, Entry)> = {
                     let mut ix = self.index.lock();
-                    let keys = ix.expired_keys(RECLAIM_CHUNK, |w| self.clock.expired(w, Some(ttl)));
-                    keys.into_iter()
-                        .filter_map(|k| ix.remove(&k).map(|e| (k, e)))
-                        .collect()
+                    let mut out = Vec::new();
+                    for k in keys {
+                        if ix.get(k).is_some_and(|e| expired(e.written))
+                            && let Some(e) = ix.remove(k)
+                        {
+                            out.push((*k, e));
+                        }
+                    }
+                    out
                 };
-                if chunk.is_empty() {
-                    break;
-                }
                 for (k, _) in &chunk {
                     if let Err(err) = remove_file(&self.paths.page_path(k)) {
                         tracing::warn!(key = %k, %err, "file backend: could not delete an expired page");
@@ -205,7 +211,9 @@ impl Reclaim {
                 }
                 bump(&self.counters.expired_pages, chunk.len() as u64);
                 removed += chunk.len() as u64;
-                self.call_hook(removed);
+                if !chunk.is_empty() {
+                    self.call_hook(removed);
+                }
             }
         }
         if let Some(w) = self.lifecycle.watermarks {
