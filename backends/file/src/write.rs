@@ -42,7 +42,10 @@ impl FileBackend {
                         .then(|| (self.capacity as usize).saturating_sub(HEADER_LEN))
                 },
                 |k, meta| {
-                    let same = ix.get(k).is_some_and(|e| e.meta == meta);
+                    // An expired page is rewritten (a fresh write time), not kept.
+                    let same = ix.get(k).is_some_and(|e| {
+                        e.meta == meta && !self.clock.expired(e.written, self.opts.lifecycle.ttl)
+                    });
                     if same {
                         ix.touch(k);
                     }
@@ -62,6 +65,7 @@ impl FileBackend {
             b
         };
         self.drop_victims(&victims);
+        let now = self.clock.now();
         let results = self.write_batch(keys, src, &batch.todo);
         let mut stored_bytes = 0u64;
         {
@@ -71,7 +75,7 @@ impl FileBackend {
                     i,
                     match r {
                         Ok(true) => {
-                            ix.insert(keys[i], src[i].meta());
+                            ix.insert(keys[i], src[i].meta(), now);
                             stored_bytes += file_bytes(src[i].len());
                             PageOutcome::Stored
                         }
@@ -86,6 +90,7 @@ impl FileBackend {
             ix.release(reserved);
         }
         self.after_write(stored_bytes);
+        self.check_watermark();
         batch.finish()
     }
 
