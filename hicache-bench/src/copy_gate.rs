@@ -259,6 +259,14 @@ impl Storage for GatedStorage {
         Ok(n)
     }
 
+    async fn clear(&self, namespace: hicache_storage::NamespaceId) -> hicache_storage::Result<u64> {
+        let n = self.inner.clear(namespace).await?;
+        lock(&self.clock)
+            .hidden
+            .retain(|k, _| k.namespace != namespace);
+        Ok(n)
+    }
+
     fn stats(&self) -> StorageStats {
         self.inner.stats()
     }

@@ -58,6 +58,8 @@ enum Command {
     StorageWrite(cmd::storage_write::StorageWriteArgs),
     /// Reopen a storage and check that acknowledged pages are present and bit-exact.
     StorageCheck(cmd::storage_check::StorageCheckArgs),
+    /// Remove every page of one namespace from a storage, printing how many were removed.
+    StorageClear(cmd::storage_clear::StorageClearArgs),
 }
 
 fn main() -> ExitCode {
@@ -85,6 +87,9 @@ fn main() -> ExitCode {
         }
         Some(Command::StorageCheck(args)) => {
             cmd::storage_check::run(&args, std::io::stdout().lock()).map(drop)
+        }
+        Some(Command::StorageClear(args)) => {
+            cmd::storage_clear::run(&args, std::io::stdout().lock()).map(drop)
         }
         // The main job: the multi-turn workload on the embedded default (sim device, host
         // pool, file L3 in a temp dir), every tier side by side.

@@ -35,12 +35,19 @@
 //!    with a context returns exactly what the same call without one returns (outcomes, bytes).
 //!    The defaults drop the context and call the plain methods, so a backend that has no use
 //!    for it implements nothing; one that uses it overrides the three and sets
-//!    [`BackendInfo::batch_context`]. A wrapper around another backend forwards all six.
+//!    [`BackendInfo::batch_context`]. A wrapper around another backend forwards all six (and `clear`, rule 10).
+//! 10. **Clear.** A backend that reports [`BackendInfo::clear`] removes with
+//!     [`Storage::clear`] every page of one namespace it holds (never a page of another
+//!     namespace, never a file or key that is not its own), counts them, and afterwards serves
+//!     them as misses and accepts them again. A local persistent backend clears crash-safely: a
+//!     crash during the clear leaves each page of the namespace either intact or absent. Pages
+//!     whose writes overlap the clear may survive it. A backend without the capability answers
+//!     [`StorageError::Unsupported`] and changes nothing.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_trait::async_trait;
-use hicache_core::{MemoryRegion, PageKey};
+use hicache_core::{MemoryRegion, NamespaceId, PageKey};
 use serde::Serialize;
 
 use crate::context::BatchContext;
@@ -70,6 +77,9 @@ pub struct BackendInfo {
     pub max_page_bytes: usize,
     /// Capacity in bytes, when bounded.
     pub capacity_bytes: Option<u64>,
+    /// Whether [`Storage::clear`] is supported (rule 10); `false` means it answers
+    /// [`StorageError::Unsupported`].
+    pub clear: bool,
     /// Whether the backend reads the [`BatchContext`] of the `*_with` calls (rule 9).
     /// Informational: callers pass the context either way, and a backend without this flag
     /// ignores it.
@@ -88,6 +98,7 @@ impl BackendInfo {
             max_batch,
             max_page_bytes: usize::MAX,
             capacity_bytes: None,
+            clear: false,
             batch_context: false,
         }
     }
@@ -139,6 +150,10 @@ pub struct StorageStats {
     pub evicted_bytes: u64,
     /// Pages removed by `delete`.
     pub deleted_pages: u64,
+    /// Pages removed by `clear`.
+    pub cleared_pages: u64,
+    /// Pages found expired (older than the backend's `ttl_s`) and dropped.
+    pub expired_pages: u64,
     /// Stored pages found invalid and discarded when the storage was opened (torn, truncated,
     /// bad header), plus leftover temporary files removed.
     pub discarded_on_open: u64,
@@ -166,6 +181,8 @@ pub struct StatsCounters {
     pub evicted_pages: AtomicU64,
     pub evicted_bytes: AtomicU64,
     pub deleted_pages: AtomicU64,
+    pub cleared_pages: AtomicU64,
+    pub expired_pages: AtomicU64,
     pub discarded_on_open: AtomicU64,
 }
 
@@ -238,6 +255,8 @@ impl StatsCounters {
             evicted_pages: g(&self.evicted_pages),
             evicted_bytes: g(&self.evicted_bytes),
             deleted_pages: g(&self.deleted_pages),
+            cleared_pages: g(&self.cleared_pages),
+            expired_pages: g(&self.expired_pages),
             discarded_on_open: g(&self.discarded_on_open),
         }
     }
@@ -325,6 +344,17 @@ pub trait Storage: Send + Sync + 'static {
     /// Removes the pages of `keys` that are present; returns how many were removed. Absent
     /// keys are not an error.
     async fn delete(&self, keys: &[PageKey]) -> Result<usize>;
+
+    /// Removes every page of `namespace` this storage holds (rule 10); returns how many were
+    /// removed. The default, for backends without the capability ([`BackendInfo::clear`]
+    /// false), answers [`StorageError::Unsupported`] naming the backend.
+    async fn clear(&self, namespace: NamespaceId) -> Result<u64> {
+        let _ = namespace;
+        Err(StorageError::Unsupported {
+            backend: self.info().name,
+            op: "clear",
+        })
+    }
 
     /// A snapshot of the backend's counters.
     fn stats(&self) -> StorageStats;

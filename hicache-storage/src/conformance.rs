@@ -91,6 +91,9 @@ pub enum Case {
     Delete,
     /// Counters follow the outcomes.
     Stats,
+    /// `clear` of one namespace removes its pages only (rule 10), or the backend says it does
+    /// not support it and changes nothing.
+    Clear,
     /// Calls carrying a batch context answer exactly as calls without one; a recording
     /// backend receives the context as given.
     BatchContext,
@@ -101,7 +104,7 @@ pub enum Case {
 
 impl Case {
     /// Every case, in a sensible order.
-    pub const ALL: [Case; 15] = [
+    pub const ALL: [Case; 16] = [
         Case::RoundTrip,
         Case::ExistsLeadingRun,
         Case::MixedOutcomes,
@@ -115,6 +118,7 @@ impl Case {
         Case::NamespaceIsolation,
         Case::Delete,
         Case::Stats,
+        Case::Clear,
         Case::BatchContext,
         Case::Restart,
     ];
@@ -165,6 +169,7 @@ pub async fn case_async<H: Harness>(h: &H, case: Case) -> CaseOutcome {
         Case::NamespaceIsolation => namespace_isolation(h).await,
         Case::Delete => delete(h).await,
         Case::Stats => stats(h).await,
+        Case::Clear => clear(h).await,
         Case::BatchContext => batch_context(h).await,
         // The one case that can be not applicable answers for itself.
         Case::Restart => return restart(h).await,
@@ -213,6 +218,7 @@ macro_rules! conformance_tests {
             namespace_isolation => NamespaceIsolation,
             delete => Delete,
             stats => Stats,
+            clear => Clear,
             batch_context => BatchContext,
             $($extra => $extra_case,)*
         );
@@ -978,6 +984,118 @@ async fn stats<H: Harness>(h: &H) {
     assert_eq!(st.exists_hits - st0.exists_hits, 2, "exists_hits");
     assert_eq!(st.pages, 2, "pages");
     assert_eq!(st.bytes, 8192, "bytes");
+}
+
+async fn clear<H: Harness>(h: &H) {
+    let s = open(h, None).await;
+    let a: Vec<PageKey> = (0..5).map(|i| key(16, i)).collect();
+    let b: Vec<PageKey> = (0..3).map(|i| key(17, i)).collect();
+    // Same hashes as `a` under another namespace: the clear must look at the namespace.
+    let b_twins: Vec<PageKey> = a[..2]
+        .iter()
+        .map(|k| PageKey::new(namespace(17), k.hash))
+        .collect();
+    set_ok(&*s, &a, 4096).await;
+    set_ok(&*s, &b, 4096).await;
+    set_ok(&*s, &b_twins, 4096).await;
+    if !s.info().clear {
+        match s.clear(namespace(16)).await {
+            Err(StorageError::Unsupported { op: "clear", .. }) => {}
+            other => panic!(
+                "rule 10: a backend without the clear capability must answer Unsupported, \
+                 got {other:?}"
+            ),
+        }
+        assert_hits(
+            &*s,
+            &a,
+            4096,
+            "rule 10: an unsupported clear changes nothing",
+        )
+        .await;
+        return;
+    }
+    let before = s.stats();
+    let n = s.clear(namespace(16)).await.expect("clear");
+    assert_eq!(
+        n,
+        a.len() as u64,
+        "rule 10: clear counts the pages it removed"
+    );
+    assert_eq!(
+        s.batch_exists(&a[..1]).await.unwrap(),
+        0,
+        "rule 10: cleared pages are absent"
+    );
+    let (o, _) = get_pages(&*s, &a, 4096, LAYOUT).await;
+    assert!(
+        o.iter().all(|o| *o == PageOutcome::Miss),
+        "rule 10: cleared pages read as misses, got {o:?}"
+    );
+    assert_hits(
+        &*s,
+        &b,
+        4096,
+        "rule 10: another namespace's pages survive a clear",
+    )
+    .await;
+    assert_hits(
+        &*s,
+        &b_twins,
+        4096,
+        "rule 10: another namespace's pages with the same hashes survive a clear",
+    )
+    .await;
+    let after = s.stats();
+    assert_eq!(
+        after.cleared_pages,
+        before.cleared_pages + a.len() as u64,
+        "rule 10: cleared pages are counted"
+    );
+    assert_eq!(
+        after.pages + a.len() as u64,
+        before.pages,
+        "rule 10: cleared pages leave the occupancy"
+    );
+    assert_eq!(
+        s.clear(namespace(16)).await.expect("second clear"),
+        0,
+        "rule 10: clearing an empty namespace removes nothing"
+    );
+    set_ok(&*s, &a[..2], 4096).await;
+    assert_hits(
+        &*s,
+        &a[..2],
+        4096,
+        "rule 10: a cleared namespace accepts pages again",
+    )
+    .await;
+    if s.info().persistent {
+        let s = h
+            .reopen(s)
+            .await
+            .unwrap_or_else(|e| panic!("reopen failed: {e}"))
+            .expect("a persistent backend's harness must implement reopen");
+        assert_eq!(
+            s.batch_exists(&a[2..]).await.unwrap(),
+            0,
+            "rule 10: a cleared page stays cleared after a restart"
+        );
+        assert_hits(
+            &*s,
+            &a[..2],
+            4096,
+            "rule 10: pages set after a clear survive a restart",
+        )
+        .await;
+        assert_hits(
+            &*s,
+            &b,
+            4096,
+            "rule 10: the other namespace survives a restart",
+        )
+        .await;
+    }
 }
 
 async fn batch_context<H: Harness>(h: &H) {

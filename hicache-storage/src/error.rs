@@ -85,6 +85,15 @@ pub enum StorageError {
         /// Why.
         reason: String,
     },
+    /// The backend does not offer this operation (an honest capability answer, see
+    /// [`BackendInfo`](crate::BackendInfo)'s capability fields), not a failure of the storage.
+    #[error("{op} is not supported by storage backend `{backend}`")]
+    Unsupported {
+        /// The backend's name.
+        backend: String,
+        /// The operation asked for (`clear`, …).
+        op: &'static str,
+    },
     /// Any other backend-specific failure, with the backend's name. Build it with
     /// [`StorageError::backend`] or, when an underlying error caused it,
     /// [`StorageError::backend_caused`], which keeps that error as the

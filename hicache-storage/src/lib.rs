@@ -53,6 +53,7 @@ pub mod error;
 pub mod evict;
 pub mod ext;
 pub mod faults;
+pub mod lifecycle;
 #[cfg(feature = "memory")]
 pub mod memory;
 pub mod page;
@@ -71,6 +72,7 @@ pub use error::{Result, StorageError};
 pub use evict::{EvictionPolicy, Evictor};
 pub use ext::StorageExt;
 pub use hicache_core::{LayoutKind, MemoryRegion, NamespaceId, PageHash, PageKey};
+pub use lifecycle::{Clock, Lifecycle, Watermarks};
 #[cfg(feature = "memory")]
 pub use memory::{MemoryBackend, MemoryFactory, MemoryOptions};
 pub use page::{PageBuf, PageBufMut, PageError, PageMeta, PageOutcome, leading_ok};

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use hicache_core::PageKey;
+use hicache_core::{NamespaceId, PageKey};
 use parking_lot::Mutex;
 
 use crate::backend::{BackendInfo, StatsCounters, Storage, StorageStats, bump, check_batch};
@@ -241,6 +241,7 @@ impl Storage for MemoryBackend {
         let mut i = BackendInfo::new("memory", self.options.max_batch);
         i.capacity_bytes = Some(self.options.capacity_bytes);
         i.max_page_bytes = self.options.capacity_bytes as usize;
+        i.clear = true;
         i.batch_context = self.contexts.is_enabled();
         i
     }
@@ -326,6 +327,24 @@ impl Storage for MemoryBackend {
         }
         bump(&self.counters.deleted_pages, n as u64);
         Ok(n)
+    }
+
+    async fn clear(&self, namespace: NamespaceId) -> Result<u64> {
+        let mut inner = self.inner.lock();
+        let doomed: Vec<PageKey> = inner
+            .pages
+            .keys()
+            .filter(|k| k.namespace == namespace)
+            .copied()
+            .collect();
+        for k in &doomed {
+            if let Some(s) = inner.pages.remove(k) {
+                inner.bytes -= s.meta.len as u64;
+                inner.evictor.remove(k);
+            }
+        }
+        bump(&self.counters.cleared_pages, doomed.len() as u64);
+        Ok(doomed.len() as u64)
     }
 
     fn stats(&self) -> StorageStats {

@@ -614,3 +614,53 @@ fn unadmit_releases_the_prefix_and_keeps_the_request() {
     assert_eq!(snap.hit_tokens_l1, 32);
     e.settle();
 }
+
+/// Issue 18: `clear_storage` removes from L3 every page of this cache's namespaces (each
+/// tenant's) and nothing else; afterwards the prompts miss L3. Without a backend, or with one
+/// that cannot clear, it is an error naming why.
+#[test]
+fn clear_storage_removes_this_cache_s_pages_only() {
+    use hicache_storage::pattern::{namespace, page_bytes, page_key};
+    use hicache_storage::{LayoutKind, StorageExt};
+    let memory = Arc::new(MemoryBackend::with_capacity(64 << 20));
+    let foreign = page_key(namespace(77), 1, 1);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(memory.put(LayoutKind::PageFirst, foreign, &page_bytes(&foreign, 4096)))
+        .unwrap();
+    let storage: Arc<dyn Storage> = memory.clone();
+    let cfg = l3_config(PrefetchPolicy::WaitComplete, WritePolicy::WriteThrough, 4);
+    let mut e = Engine::new(with_storage(cfg.clone(), 64, storage));
+    let a = e.cache.tenant(Some("lora-a"), None).unwrap();
+    let p = prompt(3, 32);
+    e.run(Some(a), &p);
+    e.run(None, &p);
+    e.settle();
+    assert_eq!(e.cache.storage_namespaces().len(), 2);
+    assert_eq!(
+        memory.stats().pages,
+        17,
+        "8 pages per tenant and the foreign one"
+    );
+    assert_eq!(e.cache.clear_storage().unwrap(), 16);
+    assert_eq!(memory.stats().pages, 1);
+    let still = rt.block_on(memory.batch_exists(&[foreign])).unwrap();
+    assert_eq!(still, 1, "another namespace's page survives");
+    e.cache.flush().unwrap();
+    assert_eq!(e.run(Some(a), &p).admission.storage_pages, 0);
+    assert_eq!(e.run(None, &p).admission.storage_pages, 0);
+    e.settle();
+    // A backend without the capability: an error that names it, nothing removed.
+    let faulty: Arc<dyn Storage> = Arc::new(Faulty::new(memory.clone()));
+    let mut e = Engine::new(with_storage(cfg, 64, faulty));
+    let err = e.cache.clear_storage().unwrap_err().to_string();
+    assert!(
+        err.contains("clear") && err.contains("not supported"),
+        "{err}"
+    );
+    // No backend at all.
+    let mut c = cache(test_config(4), 16);
+    let err = c.clear_storage().unwrap_err().to_string();
+    assert!(err.contains("no L3 storage backend"), "{err}");
+}

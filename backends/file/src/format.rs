@@ -72,6 +72,8 @@ pub struct Header {
     pub meta: PageMeta,
     /// XXH3-64 of the data.
     pub checksum: u64,
+    /// When the page was written, Unix nanoseconds (what `ttl_s` expiry counts from).
+    pub written: u64,
 }
 
 /// Why a header was refused.
@@ -117,11 +119,7 @@ impl Header {
         h[64] = self.meta.layout.tag();
         h[72..80].copy_from_slice(&(self.meta.len as u64).to_le_bytes());
         h[80..88].copy_from_slice(&self.checksum.to_le_bytes());
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        h[88..96].copy_from_slice(&now.to_le_bytes());
+        h[88..96].copy_from_slice(&self.written.to_le_bytes());
         let sum = xxhash_rust::xxh3::xxh3_64(&h[..HEADER_LEN - 8]);
         h[HEADER_LEN - 8..].copy_from_slice(&sum.to_le_bytes());
     }
@@ -152,6 +150,7 @@ impl Header {
             key,
             meta: PageMeta { layout, len },
             checksum: u64_at(80),
+            written: u64_at(88),
         })
     }
 }
@@ -224,6 +223,7 @@ mod tests {
                 len: 12345,
             },
             checksum: 0xdead_beef,
+            written: 1_700_000_000_123_456_789,
         }
     }
 

@@ -20,6 +20,8 @@ use crate::format::file_bytes;
 pub struct Entry {
     /// Layout and length.
     pub meta: PageMeta,
+    /// When it was written, Unix nanoseconds (its header's write time).
+    pub written: u64,
 }
 
 /// See the [module documentation](self).
@@ -60,10 +62,11 @@ impl Index {
         self.evictor.touch(key);
     }
 
-    /// Records a committed page (most recent); returns the entry it replaced.
-    pub fn insert(&mut self, key: PageKey, meta: PageMeta) -> Option<Entry> {
+    /// Records a committed page (most recent) written at `written` (Unix nanoseconds);
+    /// returns the entry it replaced.
+    pub fn insert(&mut self, key: PageKey, meta: PageMeta, written: u64) -> Option<Entry> {
         let old = self.remove(&key);
-        self.map.insert(key, Entry { meta });
+        self.map.insert(key, Entry { meta, written });
         self.used += file_bytes(meta.len);
         self.data += meta.len as u64;
         self.evictor.insert(key);
@@ -96,6 +99,43 @@ impl Index {
         }
         self.reserved += need;
         true
+    }
+
+    /// Background eviction: removes pages in the evictor's order, at most `max` of them,
+    /// while committed bytes exceed `target`; appends them to `victims` (whose files the
+    /// caller deletes). Returns whether committed bytes are now at most `target`.
+    pub fn evict_down_to(
+        &mut self,
+        target: u64,
+        max: usize,
+        victims: &mut Vec<(PageKey, Entry)>,
+    ) -> bool {
+        let mut n = 0;
+        while self.used > target {
+            if n == max {
+                return false;
+            }
+            let Some(k) = self.evictor.pop_victim() else {
+                return true;
+            };
+            if let Some(e) = self.map.remove(&k) {
+                self.used -= file_bytes(e.meta.len);
+                self.data -= e.meta.len as u64;
+                victims.push((k, e));
+                n += 1;
+            }
+        }
+        true
+    }
+
+    /// Up to `max` keys whose entries satisfy `expired` (by write time).
+    pub fn expired_keys(&self, max: usize, expired: impl Fn(u64) -> bool) -> Vec<PageKey> {
+        self.map
+            .iter()
+            .filter(|(_, e)| expired(e.written))
+            .map(|(k, _)| *k)
+            .take(max)
+            .collect()
     }
 
     /// Ends a reservation of `n` bytes (after the writes committed or failed).
@@ -156,7 +196,7 @@ mod tests {
             let mut v = Vec::new();
             assert!(ix.reserve(file_bytes(4096), &mut v));
             assert!(v.is_empty());
-            ix.insert(k(i), meta(4096));
+            ix.insert(k(i), meta(4096), 0);
             ix.release(file_bytes(4096));
         }
         ix.touch(&k(0));
@@ -164,6 +204,36 @@ mod tests {
         assert!(ix.reserve(file_bytes(4096), &mut v));
         assert_eq!(v.iter().map(|(k, _)| *k).collect::<Vec<_>>(), vec![k(1)]);
         assert!(!ix.reserve(10 * file_bytes(4096), &mut v), "never fits");
+    }
+
+    #[test]
+    fn evict_down_to_in_chunks_and_expired_keys() {
+        let k = |i| page_key(namespace(0), 0, i);
+        let mut ix = Index::new(100 * file_bytes(4096), EvictionPolicy::Fifo);
+        for i in 0..10 {
+            ix.insert(k(i), meta(4096), i);
+        }
+        let mut v = Vec::new();
+        assert!(
+            !ix.evict_down_to(4 * file_bytes(4096), 3, &mut v),
+            "3 at a time"
+        );
+        assert_eq!(
+            v.iter().map(|(k, _)| *k).collect::<Vec<_>>(),
+            vec![k(0), k(1), k(2)]
+        );
+        assert!(ix.evict_down_to(4 * file_bytes(4096), 3, &mut v));
+        assert_eq!((ix.len(), v.len()), (4, 6));
+        assert!(
+            ix.evict_down_to(4 * file_bytes(4096), 3, &mut v),
+            "already there"
+        );
+        let mut old = ix.expired_keys(10, |w| w < 8);
+        old.sort_by_key(|k| k.to_hex());
+        let mut want = vec![k(6), k(7)];
+        want.sort_by_key(|k| k.to_hex());
+        assert_eq!(old, want);
+        assert_eq!(ix.expired_keys(1, |_| true).len(), 1);
     }
 
     proptest! {
@@ -183,7 +253,7 @@ mod tests {
                         let need = file_bytes(len);
                         if ix.reserve(need, &mut v) {
                             for (k, _) in &v { model.remove(k); }
-                            ix.insert(key, meta(len));
+                            ix.insert(key, meta(len), 0);
                             ix.release(need);
                             model.insert(key, len);
                         }

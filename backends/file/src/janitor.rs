@@ -1,17 +1,25 @@
-//! Shared mode's housekeeping: adopting pages other processes committed, deleting evicted
-//! page files, and the janitor that bounds the directory's total by deleting the least
-//! recently used files.
+//! Housekeeping, the reclaim stage: adopting pages other processes committed (shared mode),
+//! deleting evicted page files, the shared-mode janitor that bounds the directory's total by
+//! deleting the least recently used files, and `clear` of one namespace.
+//!
+//! Crash safety of every removal here: a page is one file, removed by one `unlink` of its
+//! committed name, so a crash (or power loss) in the middle of a clear or an eviction run
+//! leaves each page either whole (its file still there, verified on read) or gone, never torn.
 
 use std::fs::{self, File};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::SystemTime;
 
+use hicache_localio::FsyncPolicy;
 use hicache_localio::sys;
 use hicache_storage::backend::bump;
-use hicache_storage::{PageKey, PageMeta};
+use hicache_storage::{Clock, Lifecycle, StatsCounters};
+use hicache_storage::{NamespaceId, PageKey, PageMeta};
+use parking_lot::Mutex;
 
-use crate::format::{self, HEADER_LEN, file_bytes};
-use crate::index::Entry;
+use crate::format::{self, HEADER_LEN, Layout, file_bytes};
+use crate::index::{Entry, Index};
 use crate::open::remove_file;
 use crate::{FileBackend, pageio};
 
@@ -24,14 +32,17 @@ impl FileBackend {
         meta: Option<PageMeta>,
     ) -> Option<PageMeta> {
         let h = pageio::check_page_file(&self.paths.page_path(key), false).ok()?;
-        if h.key != *key || meta.is_some_and(|m| m != h.meta) {
+        if h.key != *key
+            || meta.is_some_and(|m| m != h.meta)
+            || self.clock.expired(h.written, self.opts.lifecycle.ttl)
+        {
             return None;
         }
         let mut ix = self.index.lock();
         if !ix.contains(key) {
             let mut victims = Vec::new();
             if ix.reserve(file_bytes(h.meta.len), &mut victims) {
-                ix.insert(*key, h.meta);
+                ix.insert(*key, h.meta, h.written);
                 ix.release(file_bytes(h.meta.len));
             }
             drop(ix);
@@ -98,5 +109,143 @@ impl FileBackend {
             }
         }
         sys::unflock(&lock);
+    }
+}
+
+impl FileBackend {
+    /// `clear` on the calling (blocking) thread: removes every committed page file of
+    /// `namespace` in `pages/` (this process's and, in shared mode, any other's), forgets them
+    /// in the index, then (unless `fsync: none`) syncs the directory so the clear survives a
+    /// power loss. Only names of the form `<key>.page` whose key carries `namespace` are
+    /// touched; temp files of writes in flight are left to their writers.
+    pub(crate) fn clear_blocking(&self, namespace: NamespaceId) -> std::io::Result<u64> {
+        let pages = self.paths.pages();
+        let mut removed = 0u64;
+        for e in fs::read_dir(&pages)?.flatten() {
+            let Some(k) = e.file_name().to_str().and_then(format::key_from_file_name) else {
+                continue;
+            };
+            if k.namespace != namespace || !e.file_type().is_ok_and(|t| t.is_file()) {
+                continue;
+            }
+            let known = self.index.lock().remove(&k).is_some();
+            match remove_file(&e.path()) {
+                Ok(existed) => removed += u64::from(existed || known),
+                Err(err) => {
+                    tracing::warn!(key = %k, %err, "file backend: clear could not delete a page");
+                    return Err(err);
+                }
+            }
+        }
+        // Pages the index knew but the listing missed (deleted behind our back): forget them.
+        let stale: Vec<PageKey> = {
+            let ix = self.index.lock();
+            ix.keys()
+                .filter(|k| k.namespace == namespace)
+                .copied()
+                .collect()
+        };
+        for k in stale {
+            self.index.lock().remove(&k);
+            if remove_file(&self.paths.page_path(&k))? {
+                removed += 1;
+            }
+        }
+        if self.opts.fsync != FsyncPolicy::None {
+            sys::sync_dir(&pages)?;
+        }
+        Ok(removed)
+    }
+}
+
+/// Called by the reclaim thread after each chunk of a pass with the pages it removed so far
+/// in that pass (for observability and for tests that hold a pass midway to show batches
+/// proceed meanwhile).
+pub type ReclaimHook = Arc<dyn Fn(u64) + Send + Sync>;
+
+/// Pages removed per index-lock hold by the reclaim thread: batches wait for the lock at
+/// most one chunk's bookkeeping (no I/O is done under it).
+pub(crate) const RECLAIM_CHUNK: usize = 64;
+
+/// What the background reclaim pass works on: clones of the backend's shared state.
+pub(crate) struct Reclaim {
+    pub index: Arc<Mutex<Index>>,
+    pub counters: Arc<StatsCounters>,
+    pub paths: Layout,
+    pub capacity: u64,
+    pub lifecycle: Lifecycle,
+    pub clock: Clock,
+    pub hook: Arc<Mutex<Option<ReclaimHook>>>,
+}
+
+impl Reclaim {
+    /// One pass, on the reclaim thread: drops expired pages (`ttl_s`), then evicts in the
+    /// index's eviction order until committed bytes are at most the low watermark. Each
+    /// chunk is taken out of the index under its lock, and its files are deleted after the
+    /// lock is released, so batches keep going during a pass. A page is one file removed by
+    /// one unlink: a crash mid-pass leaves every page whole or gone.
+    pub fn pass(&self) {
+        let mut removed = 0u64;
+        if let Some(ttl) = self.lifecycle.ttl {
+            let expired = |w: u64| self.clock.expired(w, Some(ttl));
+            // One scan of the index per pass; each chunk re-checks its keys under the lock
+            // (a key written again meanwhile is fresh and stays).
+            let candidates = self.index.lock().expired_keys(usize::MAX, expired);
+            for keys in candidates.chunks(RECLAIM_CHUNK) {
+                let chunk: Vec<(PageKey, Entry)> = {
+                    let mut ix = self.index.lock();
+                    let mut out = Vec::new();
+                    for k in keys {
+                        if ix.get(k).is_some_and(|e| expired(e.written))
+                            && let Some(e) = ix.remove(k)
+                        {
+                            out.push((*k, e));
+                        }
+                    }
+                    out
+                };
+                for (k, _) in &chunk {
+                    if let Err(err) = remove_file(&self.paths.page_path(k)) {
+                        tracing::warn!(key = %k, %err, "file backend: could not delete an expired page");
+                    }
+                }
+                bump(&self.counters.expired_pages, chunk.len() as u64);
+                removed += chunk.len() as u64;
+                if !chunk.is_empty() {
+                    self.call_hook(removed);
+                }
+            }
+        }
+        if let Some(w) = self.lifecycle.watermarks {
+            let (_, low) = w.bytes(self.capacity);
+            loop {
+                let mut victims = Vec::new();
+                let reached = self
+                    .index
+                    .lock()
+                    .evict_down_to(low, RECLAIM_CHUNK, &mut victims);
+                for (k, e) in &victims {
+                    if let Err(err) = remove_file(&self.paths.page_path(k)) {
+                        tracing::warn!(key = %k, %err, "file backend: could not delete an evicted page");
+                    }
+                    bump(&self.counters.evicted_pages, 1);
+                    bump(&self.counters.evicted_bytes, e.meta.len as u64);
+                }
+                removed += victims.len() as u64;
+                if !victims.is_empty() {
+                    self.call_hook(removed);
+                }
+                if reached {
+                    break;
+                }
+            }
+        }
+    }
+
+    fn call_hook(&self, removed: u64) {
+        let hook = self.hook.lock().clone();
+        if let Some(h) = hook {
+            h(removed);
+        }
     }
 }

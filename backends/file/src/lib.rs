@@ -58,16 +58,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use async_trait::async_trait;
 use hicache_localio::{BufPool, Driver, GroupCommit, par};
 use hicache_storage::backend::bump;
+use hicache_storage::lifecycle::Reclaimer;
 use hicache_storage::{
-    BackendContext, BackendFactory, BackendInfo, CommonConfig, ConfigFields, PageBuf, PageBufMut,
-    PageKey, PageOutcome, Registry, Result, StatsCounters, Storage, StorageError, StorageStats,
-    check_batch,
+    BackendContext, BackendFactory, BackendInfo, Clock, CommonConfig, ConfigFields, NamespaceId,
+    PageBuf, PageBufMut, PageKey, PageOutcome, Registry, Result, StatsCounters, Storage,
+    StorageError, StorageStats, check_batch,
 };
 use parking_lot::Mutex;
 use tracing::instrument;
 
 use crate::format::{HEADER_LEN, Layout};
 use crate::index::Index;
+pub use crate::janitor::ReclaimHook;
 use crate::open::{check_capacity, remove_file};
 pub use crate::options::{DirectIo, FileOptions, FsyncPolicy, IoEngine};
 use crate::pageio::IoCtx;
@@ -107,8 +109,14 @@ pub struct FileBackend {
     uring: bool,
     capacity: u64,
     rescan_bytes: u64,
-    index: Mutex<Index>,
-    counters: StatsCounters,
+    index: Arc<Mutex<Index>>,
+    counters: Arc<StatsCounters>,
+    /// Time as expiry (`ttl_s`) sees it.
+    clock: Clock,
+    /// The background reclaim thread (expiry, watermark eviction); none without a lifecycle
+    /// option or in a read-only open. Stopped and joined first when the backend drops.
+    reclaimer: Option<Reclaimer>,
+    reclaim_hook: Arc<Mutex<Option<ReclaimHook>>>,
     bufs: BufPool,
     tmp_seq: AtomicU64,
     written_since_rescan: AtomicU64,
@@ -190,10 +198,82 @@ impl FileBackend {
         Ok(())
     }
 
+    /// Whether the entry written at `written` is expired under `ttl_s` now.
+    pub(crate) fn expired(&self, written: u64) -> bool {
+        self.clock.expired(written, self.opts.lifecycle.ttl)
+    }
+
+    /// Asks the reclaim thread for a pass (an expired page was seen, or the high watermark
+    /// passed).
+    pub(crate) fn wake_reclaimer(&self) {
+        if let Some(r) = &self.reclaimer {
+            r.wake();
+        }
+    }
+
+    /// Wakes the reclaim thread when committed bytes exceed the high watermark.
+    pub(crate) fn check_watermark(&self) {
+        if let Some(w) = self.opts.lifecycle.watermarks {
+            let (high, _) = w.bytes(self.capacity);
+            if self.index.lock().used() > high {
+                self.wake_reclaimer();
+            }
+        }
+    }
+
+    /// Starts the reclaim thread if a lifecycle option asks for one (not for a read-only
+    /// open) and asks it for a first pass (pages already expired or above the high watermark
+    /// at open). With `ttl_s` it also wakes on its own every quarter of the ttl (1 s to 60 s)
+    /// to reclaim pages nobody asks for.
+    fn start_reclaimer(&mut self) -> Result<()> {
+        let l = self.opts.lifecycle;
+        if self.opts.read_only || (l.ttl.is_none() && l.watermarks.is_none()) {
+            return Ok(());
+        }
+        let ctx = janitor::Reclaim {
+            index: self.index.clone(),
+            counters: self.counters.clone(),
+            paths: self.paths.clone(),
+            capacity: self.capacity,
+            lifecycle: l,
+            clock: self.clock.clone(),
+            hook: self.reclaim_hook.clone(),
+        };
+        let period = l.ttl.map(|t| {
+            (t / 4).clamp(
+                std::time::Duration::from_secs(1),
+                std::time::Duration::from_secs(60),
+            )
+        });
+        let r = Reclaimer::spawn("hicache-file-reclaim", period, move || ctx.pass())
+            .map_err(|e| backend_err(format!("cannot start the reclaim thread: {e}")))?;
+        r.wake();
+        self.reclaimer = Some(r);
+        Ok(())
+    }
+
+    /// Sets (or clears) the hook the reclaim thread calls after each chunk of a pass.
+    pub fn set_reclaim_hook(&self, hook: Option<ReclaimHook>) {
+        *self.reclaim_hook.lock() = hook;
+    }
+
+    /// Waits at most `timeout` until the reclaim thread has no pass asked for or running;
+    /// returns whether it got there (true at once without a reclaim thread). A bounded wait
+    /// for tools and tests.
+    pub fn wait_reclaimed(&self, timeout: std::time::Duration) -> bool {
+        self.reclaimer.as_ref().is_none_or(|r| r.wait_idle(timeout))
+    }
+
+    /// Reclaim passes completed since open (0 without a reclaim thread).
+    pub fn reclaim_passes(&self) -> u64 {
+        self.reclaimer.as_ref().map_or(0, Reclaimer::passes)
+    }
+
     fn io(&self) -> IoCtx<'_> {
         IoCtx {
             direct: self.direct,
             bufs: &self.bufs,
+            now: self.clock.now(),
         }
     }
 
@@ -206,6 +286,8 @@ impl FileBackend {
 
 impl Drop for FileBackend {
     fn drop(&mut self) {
+        // The reclaim thread deletes files: it ends before anything else is given up.
+        drop(self.reclaimer.take());
         if self.opts.read_only {
             return;
         }
@@ -223,6 +305,7 @@ impl Storage for FileBackend {
         i.shared = self.opts.shared;
         i.capacity_bytes = Some(self.capacity);
         i.max_page_bytes = (self.capacity as usize).saturating_sub(HEADER_LEN);
+        i.clear = !self.opts.read_only;
         i
     }
 
@@ -231,8 +314,14 @@ impl Storage for FileBackend {
         check_batch("batch_exists", self.opts.max_batch, keys.len(), keys.len())?;
         let mut hits = {
             let ix = self.index.lock();
-            keys.iter().take_while(|k| ix.contains(k)).count()
+            keys.iter()
+                .take_while(|k| ix.get(k).is_some_and(|e| !self.expired(e.written)))
+                .count()
         };
+        if hits < keys.len() && self.index.lock().contains(&keys[hits]) {
+            // Present but expired: a miss, and the reclaim thread removes it.
+            self.wake_reclaimer();
+        }
         if self.opts.shared && hits < keys.len() {
             hits += par::blocking(|| {
                 keys[hits..]
@@ -284,6 +373,15 @@ impl Storage for FileBackend {
             n
         });
         bump(&self.counters.deleted_pages, n as u64);
+        Ok(n)
+    }
+
+    #[instrument(name = "file.clear", skip_all)]
+    async fn clear(&self, namespace: NamespaceId) -> Result<u64> {
+        self.refuse_if_read_only("clear")?;
+        let n = par::blocking(|| self.clear_blocking(namespace))
+            .map_err(StorageError::io("clear namespace in", self.paths.pages()))?;
+        bump(&self.counters.cleared_pages, n);
         Ok(n)
     }
 

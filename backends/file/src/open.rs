@@ -6,13 +6,14 @@ use std::fs::{self, File};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::SystemTime;
 
 use hicache_localio::ring::{Dir, Req};
-use hicache_localio::{AlignedBuf, BufPool, Driver, Ring, Threads, sys};
+use hicache_localio::{AlignedBuf, BufPool, Driver, NewFile, Ring, Threads, sys};
 use hicache_storage::backend::bump;
-use hicache_storage::{Result, StatsCounters, StorageError};
+use hicache_storage::{Clock, Result, StatsCounters, StorageError};
 use parking_lot::Mutex;
 
 use crate::format::{self, Layout, MARKER, MARKER_CONTENTS, file_bytes};
@@ -216,12 +217,26 @@ impl FileBackend {
         Self::open_with_probe(opts, Self::probe_uring)
     }
 
+    /// [`open`](Self::open) with the clock page expiry (`ttl_s`) is measured with: tests pass
+    /// a [`Clock::manual`] and age pages by advancing it, without sleeping.
+    pub fn open_with_clock(opts: FileOptions, clock: Clock) -> Result<Self> {
+        Self::open_inner(opts, Self::probe_uring, clock)
+    }
+
     /// [`open`](Self::open) with the io_uring probe given (tests inject a failing one to take
     /// the fallback path on a kernel that has io_uring).
     #[tracing::instrument(name = "file.open", skip_all, fields(dir = %opts.dir.display(), pages))]
     pub(crate) fn open_with_probe(
         opts: FileOptions,
         probe: impl FnOnce(&Path, &FileOptions, bool) -> io::Result<Ring>,
+    ) -> Result<Self> {
+        Self::open_inner(opts, probe, Clock::system())
+    }
+
+    fn open_inner(
+        opts: FileOptions,
+        probe: impl FnOnce(&Path, &FileOptions, bool) -> io::Result<Ring>,
+        clock: Clock,
     ) -> Result<Self> {
         sys::raise_nofile_limit();
         let root = opts.dir.clone();
@@ -230,7 +245,7 @@ impl FileBackend {
             check_capacity(c, 1)?;
         }
         if opts.read_only {
-            return Self::open_read_only(opts);
+            return Self::open_read_only(opts, clock);
         }
         let dir_lock = Self::lock_directory(&root, opts.shared)?;
         own_subdir(&paths.pages(), true)?;
@@ -264,7 +279,7 @@ impl FileBackend {
         bump(&counters.evicted_bytes, evicted_bytes);
         tracing::Span::current().record("pages", report.pages);
         tracing::info!(dir = %root.display(), ?report, capacity, "file backend opened");
-        Ok(Self {
+        let mut backend = Self {
             rescan_bytes: opts.rescan_bytes.unwrap_or((capacity / 16).max(1)),
             bufs: BufPool::new(64 << 20),
             driver,
@@ -276,15 +291,20 @@ impl FileBackend {
             instance_lock_path: inst.lock_path,
             direct,
             capacity,
-            index: Mutex::new(index),
-            counters,
+            index: Arc::new(Mutex::new(index)),
+            counters: Arc::new(counters),
+            clock: clock.clone(),
+            reclaimer: None,
+            reclaim_hook: Arc::new(Mutex::new(None)),
             tmp_seq: AtomicU64::new(0),
             written_since_rescan: AtomicU64::new(0),
             commit: Default::default(),
             report,
             _dir_lock: Some(dir_lock),
             _instance_lock: Some(inst.lock),
-        })
+        };
+        backend.start_reclaimer()?;
+        Ok(backend)
     }
 
     /// A read-only open (for checks): creates, modifies and deletes nothing. The directory
@@ -293,7 +313,7 @@ impl FileBackend {
     /// no instance is registered, no probe file written (buffered reads on the threads
     /// engine); recovery is computed in memory, its report counting what a read-write open
     /// would discard (invalid page files, dead instances' temp files) and evict.
-    fn open_read_only(mut opts: FileOptions) -> Result<Self> {
+    fn open_read_only(mut opts: FileOptions, clock: Clock) -> Result<Self> {
         let root = opts.dir.clone();
         let paths = Layout { root: root.clone() };
         if !root.is_dir() {
@@ -335,8 +355,11 @@ impl FileBackend {
             instance_lock_path: PathBuf::new(),
             direct: false,
             capacity,
-            index: Mutex::new(index),
-            counters,
+            index: Arc::new(Mutex::new(index)),
+            counters: Arc::new(counters),
+            clock: clock.clone(),
+            reclaimer: None,
+            reclaim_hook: Arc::new(Mutex::new(None)),
             tmp_seq: AtomicU64::new(0),
             written_since_rescan: AtomicU64::new(0),
             commit: Default::default(),
@@ -455,10 +478,12 @@ impl FileBackend {
     }
 
     /// Builds the io_uring driver and proves it here: a block written (durably, with the
-    /// backend's O_DIRECT choice) and read back through the ring, in the scratch directory.
+    /// backend's O_DIRECT choice) and read back through the ring, then a file published
+    /// through a chain of linked requests, in the scratch directory.
     pub(crate) fn probe_uring(dir: &Path, opts: &FileOptions, direct: bool) -> io::Result<Ring> {
         let ring = Ring::new(opts.queue_depth as u32, false)?;
         let path = dir.join("uring-probe.tmp");
+        let published = dir.join("uring-probe.page");
         let r = (|| {
             let file = sys::create_new(&path, direct)?;
             sys::preallocate(&file, 8192)?;
@@ -493,9 +518,38 @@ impl FileBackend {
             if back[..] != data[..] {
                 return Err(io::Error::other("io_uring probe: read back other bytes"));
             }
+            // A page file's whole chain (create, preallocate, write, sync, rename).
+            let file = NewFile {
+                tmp: dir.join("uring-probe-chain.tmp"),
+                dest: published.clone(),
+                iov: vec![libc::iovec {
+                    iov_base: data.as_mut_ptr().cast(),
+                    iov_len: data.len(),
+                }],
+                direct,
+                prealloc: 8192,
+                sync: true,
+                tag: 0,
+            };
+            let mut chained = None;
+            ring.publish(vec![file], &mut |_, r| chained = Some(r));
+            match chained {
+                Some(Ok(())) => {}
+                Some(Err(e)) => {
+                    return Err(io::Error::new(
+                        e.error.kind(),
+                        format!("io_uring probe: {e}"),
+                    ));
+                }
+                None => return Err(io::Error::other("io_uring probe: no chain outcome")),
+            }
+            if fs::read(&published)? != data[..] {
+                return Err(io::Error::other("io_uring probe: published other bytes"));
+            }
             Ok(())
         })();
         let _ = fs::remove_file(&path);
+        let _ = fs::remove_file(&published);
         r.map(|()| ring)
     }
 

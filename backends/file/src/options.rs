@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use hicache_storage::{CommonConfig, ConfigFields, EvictionPolicy, Result};
+use hicache_storage::{CommonConfig, ConfigFields, EvictionPolicy, Lifecycle, Result};
 
 /// When written pages are flushed to stable storage before `Stored` is returned (shared with
 /// the uring layout). Here: `none` never syncs (pages are complete and atomic, temp + rename,
@@ -100,6 +100,10 @@ pub struct FileOptions {
     /// created, modified or deleted (no lock file written, no recovery applied, no janitor);
     /// what a read-write open would discard is counted and reported; writes are refused.
     pub read_only: bool,
+    /// Page expiry and background eviction (`ttl_s`, `high_watermark`, `low_watermark`;
+    /// default none: pages never expire, eviction only when a write needs room). See
+    /// [`hicache_storage::lifecycle`].
+    pub lifecycle: Lifecycle,
 }
 
 impl FileOptions {
@@ -119,6 +123,7 @@ impl FileOptions {
             rescan_bytes: None,
             verify_on_open: false,
             read_only: false,
+            lifecycle: Lifecycle::default(),
         }
     }
 
@@ -148,6 +153,7 @@ impl FileOptions {
             rescan_bytes: f.opt_bytes("rescan_bytes", 1)?,
             verify_on_open: f.bool("verify_on_open", false)?,
             read_only: f.bool("read_only", false)?,
+            lifecycle: Lifecycle::take_from(&mut f)?,
             capacity_bytes: common.capacity_bytes,
             dir: d.dir,
         };
@@ -173,7 +179,8 @@ mod tests {
         let o = parse(
             r#"{"dir": "/d", "capacity": "2GiB", "fsync": "always", "direct_io": "off",
                 "eviction": "fifo", "io_engine": "threads", "queue_depth": 16, "io_threads": 4, "max_batch": 512, "shared": true,
-                "rescan_bytes": "64MiB", "verify_on_open": true, "read_only": true}"#,
+                "rescan_bytes": "64MiB", "verify_on_open": true, "read_only": true,
+                "ttl_s": 60, "high_watermark": 0.8, "low_watermark": 0.6}"#,
         )
         .unwrap();
         assert_eq!(o.capacity_bytes, Some(2 << 30));
@@ -190,6 +197,14 @@ mod tests {
         );
         assert!(o.shared && o.verify_on_open && o.read_only);
         assert_eq!(o.rescan_bytes, Some(64 << 20));
+        assert_eq!(o.lifecycle.ttl, Some(std::time::Duration::from_secs(60)));
+        assert_eq!(
+            o.lifecycle.watermarks,
+            Some(hicache_storage::Watermarks {
+                high: 0.8,
+                low: 0.6
+            })
+        );
     }
 
     #[test]
@@ -214,6 +229,12 @@ mod tests {
             (r#"{"dir": "/d", "rescan_bytes": "x"}"#, "rescan_bytes"),
             (r#"{"dir": "/d", "verify_on_open": 1}"#, "verify_on_open"),
             (r#"{"dir": "/d", "read_only": "yes"}"#, "read_only"),
+            (r#"{"dir": "/d", "ttl_s": 0}"#, "ttl_s"),
+            (
+                r#"{"dir": "/d", "high_watermark": 0.5, "low_watermark": 0.7}"#,
+                "low_watermark",
+            ),
+            (r#"{"dir": "/d", "high_watermark": 2}"#, "high_watermark"),
             (r#"{"dir": "/d", "capacity": -5}"#, "capacity"),
             (r#"{"dir": "/d", "max_size": 5}"#, "max_size"),
         ] {

@@ -30,6 +30,8 @@ pub struct IoCtx<'a> {
     pub direct: bool,
     /// Aligned buffers for staging.
     pub bufs: &'a BufPool,
+    /// Now, Unix nanoseconds: the write time a new page's header records.
+    pub now: u64,
 }
 
 /// A header buffer aligned for O_DIRECT (a small boxed allocation: no page faults, no pool
@@ -87,6 +89,7 @@ impl<'a> WriteIo<'a> {
             key: *key,
             meta,
             checksum: checksum_page(page),
+            written: ctx.now,
         }
         .encode(&mut header.0);
         let padded = pad(meta.len);

@@ -35,6 +35,7 @@ impl FileBackend {
         let n = keys.len();
         let mut out = Outcomes::new(n);
         let mut want = vec![false; n];
+        let mut expired = false;
         {
             let mut ix = self.index.lock();
             for (i, (k, d)) in keys.iter().zip(dst.iter()).enumerate() {
@@ -42,6 +43,11 @@ impl FileBackend {
                     Some(e) if e.meta != d.meta() => {
                         bump(&self.counters.meta_mismatches, 1);
                         out.set(i, PageOutcome::Miss);
+                    }
+                    Some(e) if self.expired(e.written) => {
+                        // Expired (`ttl_s`): a miss; the reclaim thread deletes it.
+                        out.set(i, PageOutcome::Miss);
+                        expired = true;
                     }
                     Some(_) => {
                         ix.touch(k);
@@ -51,6 +57,9 @@ impl FileBackend {
                     None => out.set(i, PageOutcome::Miss),
                 }
             }
+        }
+        if expired {
+            self.wake_reclaimer();
         }
         let jobs: Vec<(usize, &mut PageBufMut<'_>)> = dst
             .iter_mut()
@@ -77,7 +86,7 @@ impl FileBackend {
                     if !ix.contains(key) {
                         let mut v = Vec::new();
                         if ix.reserve(file_bytes(meta.len), &mut v) {
-                            ix.insert(*key, meta);
+                            ix.insert(*key, meta, self.clock.now());
                             ix.release(file_bytes(meta.len));
                         }
                         drop(ix);

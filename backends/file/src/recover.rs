@@ -32,7 +32,7 @@ impl FileBackend {
             opts.shared,
             opts.read_only,
         );
-        let used: u64 = found.iter().map(|(_, m, _)| file_bytes(m.len)).sum();
+        let used: u64 = found.iter().map(|(_, m, _, _)| file_bytes(m.len)).sum();
         let capacity = match opts.capacity_bytes {
             Some(c) => c,
             None => {
@@ -42,9 +42,9 @@ impl FileBackend {
         };
         let mut index = Index::new(capacity, opts.eviction);
         let mut found = found;
-        found.sort_by_key(|(_, _, t)| *t);
-        for (k, m, _) in &found {
-            index.insert(*k, *m);
+        found.sort_by_key(|(_, _, t, _)| *t);
+        for (k, m, _, written) in &found {
+            index.insert(*k, *m, *written);
         }
         let mut victims = Vec::new();
         index.reserve(0, &mut victims);
@@ -67,7 +67,8 @@ impl FileBackend {
         Ok((index, capacity, report, evicted_bytes))
     }
 
-    /// Lists and checks every page file; returns the valid ones (key, meta, mtime), the
+    /// Lists and checks every page file; returns the valid ones (key, meta, mtime, write
+    /// time), the
     /// number of invalid files deleted and the number of stale temp files deleted (every temp
     /// file in exclusive mode; those of dead instances in shared mode). With `dry` (a
     /// read-only open) nothing is deleted: the counts are what would be.
@@ -78,7 +79,7 @@ impl FileBackend {
         verify: bool,
         shared: bool,
         dry: bool,
-    ) -> (Vec<(PageKey, PageMeta, SystemTime)>, u64, u64) {
+    ) -> (Vec<(PageKey, PageMeta, SystemTime, u64)>, u64, u64) {
         let alive: Mutex<HashMap<String, bool>> = Mutex::new(HashMap::new());
         let tmp = paths.tmp();
         let is_live = |inst: &str| {
@@ -135,7 +136,7 @@ impl FileBackend {
                             .metadata()
                             .and_then(|m| m.modified())
                             .unwrap_or(SystemTime::UNIX_EPOCH);
-                        ok.push((h.key, h.meta, mtime));
+                        ok.push((h.key, h.meta, mtime, h.written));
                     }
                     Err(why) => {
                         tracing::warn!(path = %p.display(), %why, "file backend: discarding invalid page file");

@@ -1,41 +1,31 @@
-//! The write stage. A batch is classified, capacity reserved, then its pages are written:
-//! each to a fresh temp file beside its final name (created and preallocated on `io_threads`
-//! threads), its bytes through the driver in one vectored write, then synced (`fdatasync`,
-//! unless `fsync: none`) and renamed to its final name (under `always`, its directory synced
-//! too), again on `io_threads` threads. Under `batch` the renames are made durable by one sync per directory the
-//! batch touched, merged with those of concurrent batches ([`GroupCommit`]), before any page
-//! is acknowledged; then the pages are published to the index.
+//! The write stage. A batch is classified, capacity reserved, then its pages are written,
+//! each as a [`NewFile`]: a fresh temp file beside its final name, created, preallocated,
+//! written whole in one vectored write, synced (`fdatasync`, unless `fsync: none`) and
+//! renamed to its final name. Through the io_uring driver each page's steps are one chain
+//! of linked requests run inside the kernel, many pages at once; through the threads driver
+//! the same steps are blocking calls on `io_threads` threads. Under `always` each page's
+//! directory is then synced; under `batch` the renames are made durable by one sync per
+//! directory the batch touched, merged with those of concurrent batches ([`GroupCommit`]),
+//! before any page is acknowledged; then the pages are published to the index.
 //!
 //! [`GroupCommit`]: hicache_localio::GroupCommit
 
 use std::collections::BTreeSet;
-use std::fs::File;
-use std::io;
-use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 
-use hicache_localio::ring::{Dir, Req};
-use hicache_localio::{FsyncPolicy, par, sys};
+use hicache_localio::newfile::Step;
+use hicache_localio::{FsyncPolicy, NewFile, NewFileError, NewFileResult, par, sys};
 use hicache_storage::{PageBuf, PageError, PageKey, PageOutcome, SetBatch};
 
 use crate::FileBackend;
 use crate::format::{HEADER_LEN, file_bytes};
-use crate::open::remove_file;
 use crate::pageio::WriteIo;
 
 /// Directories whose renames a batch needs durable; `None` when all synced, else why not.
 pub(crate) type DirSyncs = BTreeSet<PathBuf>;
 /// A commit group's answer to one batch: `Some(error)` if a directory sync failed.
 pub(crate) type DirSyncResult = Option<String>;
-
-/// One page being written: its bytes, its open temp file and names.
-struct PageWrite<'a> {
-    idx: usize,
-    io: WriteIo<'a>,
-    file: File,
-    tmp: PathBuf,
-}
 
 impl FileBackend {
     /// `batch_set` on the calling (blocking) thread.
@@ -52,7 +42,10 @@ impl FileBackend {
                         .then(|| (self.capacity as usize).saturating_sub(HEADER_LEN))
                 },
                 |k, meta| {
-                    let same = ix.get(k).is_some_and(|e| e.meta == meta);
+                    // An expired page is rewritten (a fresh write time), not kept.
+                    let same = ix.get(k).is_some_and(|e| {
+                        e.meta == meta && !self.clock.expired(e.written, self.opts.lifecycle.ttl)
+                    });
                     if same {
                         ix.touch(k);
                     }
@@ -72,6 +65,7 @@ impl FileBackend {
             b
         };
         self.drop_victims(&victims);
+        let now = self.clock.now();
         let results = self.write_batch(keys, src, &batch.todo);
         let mut stored_bytes = 0u64;
         {
@@ -81,7 +75,7 @@ impl FileBackend {
                     i,
                     match r {
                         Ok(true) => {
-                            ix.insert(keys[i], src[i].meta());
+                            ix.insert(keys[i], src[i].meta(), now);
                             stored_bytes += file_bytes(src[i].len());
                             PageOutcome::Stored
                         }
@@ -96,6 +90,7 @@ impl FileBackend {
             ix.release(reserved);
         }
         self.after_write(stored_bytes);
+        self.check_watermark();
         batch.finish()
     }
 
@@ -199,8 +194,10 @@ impl FileBackend {
             .collect()
     }
 
-    /// Writes each page of `todo` to a temp file through the driver and renames it to its
-    /// final name when its write completed (syncing the directory under `always`).
+    /// Writes each page of `todo` to a fresh temp file and renames it to its final name, as
+    /// one [`NewFile`] per page through the driver (in the ring: one chain of linked
+    /// requests per page, create → preallocate → write → `fdatasync` unless `fsync: none` →
+    /// rename, many pages at once); under `always`, then syncs each page's directory.
     fn write_files(
         &self,
         keys: &[PageKey],
@@ -208,89 +205,69 @@ impl FileBackend {
         todo: &[usize],
     ) -> Vec<(usize, Result<(), PageError>)> {
         let mut out = Vec::with_capacity(todo.len());
-        let mut pages: Vec<PageWrite<'_>> = Vec::with_capacity(todo.len());
-        // Creates and preallocations on `io_threads` threads: each takes a journal handle on
-        // ext4 and may wait for a commit, so one thread doing them all serialises the batch
-        // behind the file system's journal.
+        // Headers and checksums (CPU work) on `io_threads` threads.
         let prepared = par::par_map(self.opts.io_threads, todo.to_vec(), |i| {
-            (i, self.prepare(&keys[i], &src[i]))
+            (i, WriteIo::new(self.io(), &keys[i], &src[i]))
         });
+        let mut pages: Vec<(usize, WriteIo<'_>)> = Vec::with_capacity(todo.len());
         for (i, r) in prepared {
             match r {
-                Ok((io, file, tmp)) => pages.push(PageWrite {
-                    idx: i,
-                    io,
-                    file,
-                    tmp,
-                }),
+                Ok(io) => pages.push((i, io)),
                 Err(e) => out.push((i, Err(PageError::io("write", &e)))),
             }
         }
-        let reqs: Vec<Req> = pages
+        let files: Vec<NewFile> = pages
             .iter()
             .enumerate()
-            .map(|(x, p)| Req::new(Dir::Write, p.file.as_raw_fd(), 0, p.io.iovecs().to_vec(), x))
+            .map(|(x, (i, io))| NewFile {
+                tmp: self.temp_path(&keys[*i]),
+                dest: self.paths.page_path(&keys[*i]),
+                iov: io.iovecs().to_vec(),
+                direct: io.direct,
+                prealloc: io.file_len,
+                sync: self.opts.fsync.durable(),
+                tag: x,
+            })
             .collect();
-        let mut written: Vec<Option<io::Result<usize>>> = (0..pages.len()).map(|_| None).collect();
-        self.driver.run(reqs, &mut |x, r| written[x] = Some(r));
-        // Renames (and, under `always`, directory syncs) on `io_threads` threads too.
-        let done = par::par_map(
-            self.opts.io_threads,
-            pages.into_iter().zip(written).collect(),
-            |(p, r)| {
+        let mut results: Vec<Option<NewFileResult>> = (0..pages.len()).map(|_| None).collect();
+        self.driver
+            .write_new_files(files, &mut |x, r| results[x] = Some(r));
+        let published: Vec<(usize, Result<(), PageError>)> = pages
+            .into_iter()
+            .zip(results)
+            .map(|((i, io), r)| {
+                io.release(&self.bufs);
                 let r = match r {
-                    Some(Ok(_)) => self.publish(&keys[p.idx], &p),
-                    Some(Err(e)) => Err(PageError::io("write", &e)),
+                    Some(Ok(())) => Ok(()),
+                    Some(Err(e)) => Err(page_error(&e)),
                     None => Err(PageError::Backend("internal: no result".into())),
                 };
-                if r.is_err() {
-                    let _ = remove_file(&p.tmp);
-                }
-                drop(p.file);
-                p.io.release(&self.bufs);
-                (p.idx, r)
-            },
-        );
-        out.extend(done);
+                (i, r)
+            })
+            .collect();
+        if self.opts.fsync == FsyncPolicy::Always {
+            // Each page durable on its own before it is acknowledged: its rename too.
+            out.extend(par::par_map(self.opts.io_threads, published, |(i, r)| {
+                let r = r.and_then(|()| {
+                    sys::sync_dir(&self.paths.bucket(&keys[i]))
+                        .map_err(|e| PageError::io("sync directory", &e))
+                });
+                (i, r)
+            }));
+        } else {
+            out.extend(published);
+        }
         out
     }
+}
 
-    /// A page's bytes prepared, its temp file created (exclusively) and preallocated.
-    fn prepare<'a>(
-        &self,
-        key: &PageKey,
-        page: &PageBuf<'a>,
-    ) -> io::Result<(WriteIo<'a>, File, PathBuf)> {
-        let io = WriteIo::new(self.io(), key, page)?;
-        let tmp = self.temp_path(key);
-        let file = sys::create_new(&tmp, io.direct)
-            .and_then(|f| sys::preallocate(&f, io.file_len).map(|()| f));
-        match file {
-            Ok(f) => Ok((io, f, tmp)),
-            Err(e) => {
-                let _ = remove_file(&tmp);
-                io.release(&self.bufs);
-                Err(e)
-            }
-        }
-    }
-
-    /// Syncs a written temp file's data (unless `fsync: none`) and renames it to its final
-    /// name (under `always`, then syncs the directory): the page is now visible on disk.
-    ///
-    /// The data sync is an `fdatasync` here, on one of `io_threads` threads, not `RWF_DSYNC`
-    /// on the write: ext4 completes direct writes on a one-at-a-time work queue, so `RWF_DSYNC`
-    /// serialised every page's journal commit (256 KiB pages at 0.07–0.16 of the reference
-    /// against 0.40 this way, same-run A/B); parallel `fdatasync`s share commits.
-    fn publish(&self, key: &PageKey, p: &PageWrite<'_>) -> Result<(), PageError> {
-        if self.opts.fsync.durable() {
-            sys::sync_data(&p.file).map_err(|e| PageError::io("write", &e))?;
-        }
-        sys::rename(&p.tmp, &self.paths.page_path(key)).map_err(|e| PageError::io("rename", &e))?;
-        if self.opts.fsync == FsyncPolicy::Always {
-            sys::sync_dir(&self.paths.bucket(key))
-                .map_err(|e| PageError::io("sync directory", &e))?;
-        }
-        Ok(())
-    }
+/// The page error of a file that was not published: `rename` for its rename, `write` for
+/// every step before it (create, preallocate, write, data sync), as the threads path always
+/// reported them.
+fn page_error(e: &NewFileError) -> PageError {
+    let op = match e.step {
+        Step::Rename => "rename",
+        _ => "write",
+    };
+    PageError::io(op, &e.error)
 }

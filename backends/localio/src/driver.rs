@@ -16,6 +16,7 @@ use std::io;
 use std::mem::ManuallyDrop;
 use std::os::fd::FromRawFd;
 
+use crate::newfile::{self, NewFile, NewFileResult};
 use crate::par::par_map;
 use crate::ring::{Dir, Req, Ring};
 use crate::sys;
@@ -28,6 +29,11 @@ pub trait Driver: Send + Sync + std::fmt::Debug {
     /// Runs `reqs`, calling `done(tag, outcome)` on the calling thread for each request as it
     /// completes (the outcome is the number of bytes moved). Returns when all have completed.
     fn run(&self, reqs: Vec<Req>, done: &mut dyn FnMut(usize, io::Result<usize>));
+
+    /// Creates, writes and publishes each of `files` (see [`newfile`](crate::newfile)),
+    /// calling `done(tag, outcome)` on the calling thread for each as it finishes. Returns
+    /// when all have finished.
+    fn write_new_files(&self, files: Vec<NewFile>, done: &mut dyn FnMut(usize, NewFileResult));
 }
 
 impl Driver for Ring {
@@ -47,6 +53,10 @@ impl Driver for Ring {
         while let Some((tag, r)) = pending.wait_next() {
             done(tag, r);
         }
+    }
+
+    fn write_new_files(&self, files: Vec<NewFile>, done: &mut dyn FnMut(usize, NewFileResult)) {
+        self.publish(files, done);
     }
 }
 
@@ -116,6 +126,15 @@ impl Driver for Threads {
     fn run(&self, reqs: Vec<Req>, done: &mut dyn FnMut(usize, io::Result<usize>)) {
         let jobs: Vec<Job> = reqs.into_iter().map(Job).collect();
         for (tag, r) in par_map(self.threads, jobs, |j| (j.0.tag, run_one(&j.0))) {
+            done(tag, r);
+        }
+    }
+
+    #[tracing::instrument(name = "localio.threads.files", skip_all, fields(files = files.len()))]
+    fn write_new_files(&self, files: Vec<NewFile>, done: &mut dyn FnMut(usize, NewFileResult)) {
+        for (tag, r) in par_map(self.threads, files, |f| {
+            (f.tag, newfile::write_blocking(&f))
+        }) {
             done(tag, r);
         }
     }

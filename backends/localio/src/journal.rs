@@ -174,6 +174,64 @@ pub fn create(path: &Path, file: &File) {
     });
 }
 
+/// Ids of files created by requests that left no descriptor in user space (io_uring direct
+/// descriptors), counting down from the top of the `u64` range, far above real inode numbers.
+static NEXT_DETACHED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
+
+/// Records the creation of `path` by a request that left no descriptor to `fstat` (a linked
+/// io_uring chain opened it as a direct descriptor). Returns the id that names the file in
+/// later `*_detached` records in place of an inode number (`None` when not recording or
+/// outside the root).
+pub fn create_detached(path: &Path) -> Option<u64> {
+    let mut id = None;
+    with(|r| {
+        if let Some(path) = rel(r, path) {
+            let ino = NEXT_DETACHED.fetch_sub(1, Ordering::Relaxed);
+            r.inodes.insert(ino);
+            r.events.push(Event::Create { path, ino });
+            id = Some(ino);
+        }
+    });
+    id
+}
+
+/// Records a write, described by iovecs (copied now), to the file `id` of
+/// [`create_detached`].
+///
+/// # Safety
+/// Every iovec must describe readable memory.
+pub unsafe fn write_detached(id: u64, offset: u64, iov: &[libc::iovec]) {
+    let mut data = Vec::new();
+    for v in iov {
+        // SAFETY: the caller guarantees each iovec is readable.
+        data.extend_from_slice(unsafe {
+            std::slice::from_raw_parts(v.iov_base.cast::<u8>(), v.iov_len)
+        });
+    }
+    with(|r| {
+        r.events.push(Event::Write {
+            ino: id,
+            offset,
+            data,
+        })
+    });
+}
+
+/// Records a size change of the file `id` of [`create_detached`].
+pub fn set_len_detached(id: u64, len: u64) {
+    with(|r| r.events.push(Event::SetLen { ino: id, len }));
+}
+
+/// Records a sync of all of the file `id` of [`create_detached`].
+pub fn sync_detached(id: u64) {
+    with(|r| {
+        r.events.push(Event::Sync {
+            ino: id,
+            range: None,
+        })
+    });
+}
+
 /// Records a rename.
 pub fn rename(from: &Path, to: &Path) {
     with(|r| {

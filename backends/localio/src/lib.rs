@@ -7,6 +7,9 @@
 //! - [`ring`]: the one io_uring driver (a dedicated thread, registered buffers, fixed files,
 //!   short transfers continued), and [`driver::Threads`], the thread-pool fallback, behind
 //!   one trait, [`Driver`];
+//! - [`newfile`]: a file created, written, synced and renamed into place as one unit, run as
+//!   a chain of linked requests inside the kernel by the ring (many files at once) and with
+//!   blocking calls by the threads;
 //! - [`FsyncPolicy`], the one durability setting, and [`GroupCommit`], which merges the
 //!   durability barriers of concurrent batches into one;
 //! - [`buf`]: 4096-aligned buffers and their pool (O_DIRECT staging and bounce buffers);
@@ -43,6 +46,7 @@ mod direct;
 pub mod driver;
 pub mod group;
 pub mod journal;
+pub mod newfile;
 pub mod par;
 mod policy;
 pub mod ring;
@@ -54,5 +58,6 @@ pub use buf::{ALIGN, AlignedBuf, BufPool};
 pub use direct::probe_direct;
 pub use driver::{Driver, Threads};
 pub use group::GroupCommit;
+pub use newfile::{NewFile, NewFileError, NewFileResult};
 pub use policy::FsyncPolicy;
 pub use ring::Ring;

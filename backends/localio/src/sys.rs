@@ -105,25 +105,40 @@ fn advance(iov: &mut &mut [libc::iovec], mut n: usize) {
     }
 }
 
-/// Writes every byte `iov` describes at `offset`, retrying short writes.
+/// Which positioned vectored call [`transfer_all`] loops over.
+#[derive(Copy, Clone, PartialEq, Eq)]
+enum Xfer {
+    Write,
+    Read,
+}
+
+/// Moves bytes between the memory `iov` describes and the file from `offset`, one
+/// `pwritev`/`preadv` at a time (at most [`IOV_MAX`] iovecs each), continuing after short
+/// transfers and interruptions, until every byte moved or (a read) the file ended. Returns
+/// the bytes moved; a write that moves nothing is an error.
 ///
 /// # Safety
-/// Every iovec must describe memory valid for reads for the whole call.
-pub unsafe fn pwritev_raw(file: &File, iov: &[libc::iovec], mut offset: u64) -> io::Result<()> {
+/// Every iovec must describe memory valid for the transfer (readable for a write; writable
+/// and not otherwise accessed for a read) for the whole call.
+unsafe fn transfer_all(
+    file: &File,
+    iov: &[libc::iovec],
+    mut offset: u64,
+    dir: Xfer,
+) -> io::Result<usize> {
     let mut owned = iov.to_vec();
     let mut cur: &mut [libc::iovec] = &mut owned;
     advance(&mut cur, 0);
+    let mut total = 0;
     while !cur.is_empty() {
-        let n = cur.len().min(IOV_MAX);
-        // SAFETY: the caller guarantees the iovecs describe readable memory (advancing keeps
-        // them inside it); the fd is open for writing.
+        let (fd, n) = (file.as_raw_fd(), cur.len().min(IOV_MAX) as libc::c_int);
+        // SAFETY: the caller guarantees the iovecs describe memory valid for this direction
+        // (advancing keeps them inside it); the fd is open for it.
         let r = unsafe {
-            libc::pwritev(
-                file.as_raw_fd(),
-                cur.as_ptr(),
-                n as libc::c_int,
-                offset as libc::off_t,
-            )
+            match dir {
+                Xfer::Write => libc::pwritev(fd, cur.as_ptr(), n, offset as libc::off_t),
+                Xfer::Read => libc::preadv(fd, cur.as_ptr(), n, offset as libc::off_t),
+            }
         };
         if r < 0 {
             let e = io::Error::last_os_error();
@@ -133,15 +148,28 @@ pub unsafe fn pwritev_raw(file: &File, iov: &[libc::iovec], mut offset: u64) -> 
             return Err(e);
         }
         if r == 0 {
+            if dir == Xfer::Read {
+                break;
+            }
             return Err(io::Error::new(
                 io::ErrorKind::WriteZero,
                 "pwritev wrote nothing",
             ));
         }
         offset += r as u64;
+        total += r as usize;
         advance(&mut cur, r as usize);
     }
-    Ok(())
+    Ok(total)
+}
+
+/// Writes every byte `iov` describes at `offset`, retrying short writes.
+///
+/// # Safety
+/// Every iovec must describe memory valid for reads for the whole call.
+pub unsafe fn pwritev_raw(file: &File, iov: &[libc::iovec], offset: u64) -> io::Result<()> {
+    // SAFETY: the caller's guarantee, passed on.
+    unsafe { transfer_all(file, iov, offset, Xfer::Write) }.map(drop)
 }
 
 /// Reads into the memory `iov` describes from `offset` until it is full or the file ends;
@@ -150,38 +178,9 @@ pub unsafe fn pwritev_raw(file: &File, iov: &[libc::iovec], mut offset: u64) -> 
 /// # Safety
 /// Every iovec must describe memory valid for writes, not otherwise accessed, for the whole
 /// call.
-pub unsafe fn preadv_raw(file: &File, iov: &[libc::iovec], mut offset: u64) -> io::Result<usize> {
-    let mut owned = iov.to_vec();
-    let mut cur: &mut [libc::iovec] = &mut owned;
-    advance(&mut cur, 0);
-    let mut total = 0;
-    while !cur.is_empty() {
-        let n = cur.len().min(IOV_MAX);
-        // SAFETY: the caller guarantees the iovecs describe writable memory (advancing keeps
-        // them inside it); the fd is readable.
-        let r = unsafe {
-            libc::preadv(
-                file.as_raw_fd(),
-                cur.as_ptr(),
-                n as libc::c_int,
-                offset as libc::off_t,
-            )
-        };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if r == 0 {
-            break;
-        }
-        offset += r as u64;
-        total += r as usize;
-        advance(&mut cur, r as usize);
-    }
-    Ok(total)
+pub unsafe fn preadv_raw(file: &File, iov: &[libc::iovec], offset: u64) -> io::Result<usize> {
+    // SAFETY: the caller's guarantee, passed on.
+    unsafe { transfer_all(file, iov, offset, Xfer::Read) }
 }
 
 /// Writes every byte of `bufs` at `offset`, retrying short writes.
@@ -445,6 +444,23 @@ mod tests {
             create_new(&p, false).is_err(),
             "create_new refuses an existing file"
         );
+    }
+
+    /// More iovecs than one call takes: the loop continues with the rest, both ways.
+    #[test]
+    fn vectored_io_beyond_iov_max_round_trips() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        let f = create_new(&p, false).unwrap();
+        let parts: Vec<[u8; 3]> = (0..2 * IOV_MAX + 7).map(|i| [i as u8; 3]).collect();
+        let slices: Vec<IoSlice<'_>> = parts.iter().map(|b| IoSlice::new(b)).collect();
+        pwritev_all(&f, &slices, 0).unwrap();
+        drop(f);
+        let f = open_read(&p, false).unwrap();
+        let mut back = vec![[0u8; 3]; parts.len()];
+        let mut dst: Vec<IoSliceMut<'_>> = back.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+        assert_eq!(preadv_all(&f, &mut dst, 0).unwrap(), 3 * parts.len());
+        assert_eq!(back, parts);
     }
 
     #[test]

@@ -313,3 +313,42 @@ pub mod power_loss {
         out
     }
 }
+
+/// The power-loss suite of a local layout as four tests: `batch` and `always` (one batch at
+/// a time) and group commit (3 batches in flight) survive every legal crash state checked,
+/// `fsync: none` is shown to lose acknowledged pages. `$opener` is a
+/// `fn(FsyncPolicy) -> impl Fn(&Path) -> Result<Layout>` opening the layout under a policy;
+/// pages are `$page` bytes; `$cases` random crash states per durable configuration (plus the
+/// harshest one). Directories are made under the test crate's `CARGO_TARGET_TMPDIR`.
+#[macro_export]
+macro_rules! power_loss_tests {
+    ($opener:path, $page:expr, $cases:expr) => {
+        fn power_loss_base() -> &'static ::std::path::Path {
+            ::std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        }
+
+        #[test]
+        fn batch_policy_survives_power_loss() {
+            let open = $opener($crate::FsyncPolicy::Batch);
+            $crate::testing::power_loss::assert_durable(power_loss_base(), &open, $page, 1, $cases);
+        }
+
+        #[test]
+        fn always_policy_survives_power_loss() {
+            let open = $opener($crate::FsyncPolicy::Always);
+            $crate::testing::power_loss::assert_durable(power_loss_base(), &open, $page, 1, $cases);
+        }
+
+        #[test]
+        fn group_commit_survives_power_loss() {
+            let open = $opener($crate::FsyncPolicy::Batch);
+            $crate::testing::power_loss::assert_durable(power_loss_base(), &open, $page, 3, $cases);
+        }
+
+        #[test]
+        fn fsync_none_loses_acknowledged_pages_at_a_power_loss() {
+            let open = $opener($crate::FsyncPolicy::None);
+            $crate::testing::power_loss::assert_loses_pages(power_loss_base(), &open, $page);
+        }
+    };
+}

@@ -76,8 +76,9 @@ impl RedisStorage {
     /// Pipelines of page commands sent per node (`host:port`) since open, each one network
     /// round trip (connection setup and slot-map reads not counted). A batch costs one per
     /// node it touches (two for `batch_set` of pages already present: `SET NX`, then their
-    /// headers), more only when a node's share exceeds a quarter of `max_inflight_bytes` or a
-    /// redirection or failure makes a request go again.
+    /// headers), more only when a node's share exceeds [`PIPELINE_BYTES`](crate::exec::PIPELINE_BYTES)
+    /// (or a quarter of `max_inflight_bytes` where that is less) or a redirection or failure
+    /// makes a request go again.
     pub fn round_trips(&self) -> std::collections::HashMap<String, u64> {
         self.nodes.round_trips()
     }

@@ -7,7 +7,9 @@
 
 use std::collections::HashMap;
 
+use hicache_backend_redis::exec::PIPELINE_BYTES;
 use hicache_backend_redis::testing::{RedisCluster, cli, redis_available};
+use hicache_backend_redis::value::HEADER_LEN;
 use hicache_backend_redis::{RedisOptions, RedisStorage};
 use hicache_storage::pattern::{namespace, page_bytes, page_key};
 use hicache_storage::{LayoutKind, PageBuf, PageBufMut, PageKey, PageOutcome, Storage};
@@ -214,6 +216,21 @@ fn a_batch_costs_one_round_trip_per_node() {
     assert!(
         sent >= n / per_pipeline as u64 && sent <= n / per_pipeline as u64 + 3,
         "{sent} pipelines for 128 pages of 64 KiB in 256 KiB pipelines: {trips:?}"
+    );
+
+    // With the default bound, a node's share of large pages is cut into pipelines of at most
+    // PIPELINE_BYTES (1 MiB) each, on separate connections: 128 x 64 KiB pages (8 MiB, about
+    // 2.7 MiB per node) go as about 15 pages per pipeline.
+    let large = keys(1, 3, n);
+    let large_pages: Vec<Vec<u8>> = large.iter().map(|k| page_bytes(k, 64 << 10)).collect();
+    let (out, trips, d) = measure(&ports, &s, || rt.block_on(set(&s, &large, &large_pages)));
+    assert!(out.iter().all(|o| *o == PageOutcome::Stored), "{out:?}");
+    assert_eq!(total(&d, "set"), n, "one SET per page, none resent: {d:?}");
+    let per_pipeline = (PIPELINE_BYTES / ((64 << 10) + HEADER_LEN)) as u64;
+    let sent: u64 = trips.values().sum();
+    assert!(
+        sent >= n / per_pipeline && sent <= n / per_pipeline + 3,
+        "{sent} pipelines for 128 pages of 64 KiB in 1 MiB pipelines: {trips:?}"
     );
 }
 

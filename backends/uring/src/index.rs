@@ -278,6 +278,32 @@ impl Index {
         Some(e)
     }
 
+    /// Background eviction: removes pages in the evictor's order (their slots freed, or
+    /// zombies while pinned), at most `max` of them, while page bytes exceed `target`;
+    /// appends them to `evicted`. Returns whether page bytes are now at most `target`.
+    pub fn evict_down_to(
+        &mut self,
+        target: u64,
+        max: usize,
+        evicted: &mut Vec<(PageKey, Entry)>,
+    ) -> bool {
+        let mut n = 0;
+        while self.data_bytes > target {
+            if n == max {
+                return false;
+            }
+            let Some(k) = self.evictor.pop_victim() else {
+                return true;
+            };
+            let e = self.entries.remove(&k).expect("invariant 3");
+            self.data_bytes -= e.meta.len as u64;
+            self.free(e.loc);
+            evicted.push((k, e));
+            n += 1;
+        }
+        true
+    }
+
     /// Removes `key` only if its current version is `seq`.
     pub fn remove_version(&mut self, key: &PageKey, seq: u64) -> Option<Entry> {
         if self.entries.get(key).is_some_and(|e| e.seq == seq) {

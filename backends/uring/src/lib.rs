@@ -64,10 +64,11 @@ use async_trait::async_trait;
 use hicache_localio::par::blocking;
 use hicache_localio::{BufPool, Ring};
 use hicache_storage::backend::bump;
+use hicache_storage::lifecycle::Reclaimer;
 use hicache_storage::{
-    BackendContext, BackendFactory, BackendInfo, CommonConfig, ConfigFields, MemoryRegion, PageBuf,
-    PageBufMut, PageKey, PageOutcome, Registry, Result, StatsCounters, Storage, StorageError,
-    StorageStats, check_batch,
+    BackendContext, BackendFactory, BackendInfo, CommonConfig, ConfigFields, MemoryRegion,
+    NamespaceId, PageBuf, PageBufMut, PageKey, PageOutcome, Registry, Result, StatsCounters,
+    Storage, StorageError, StorageStats, check_batch,
 };
 use parking_lot::{Mutex, RwLock};
 use tracing::instrument;
@@ -140,10 +141,14 @@ pub struct UringBackend {
     capacity: u64,
     slabs: RwLock<Vec<Arc<Slab>>>,
     new_slab: Mutex<()>,
-    index: Mutex<Index>,
+    index: Arc<Mutex<Index>>,
     log: Mutex<IndexLog>,
-    dels: Mutex<Vec<Record>>,
-    counters: StatsCounters,
+    dels: Arc<Mutex<Vec<Record>>>,
+    counters: Arc<StatsCounters>,
+    /// The background reclaim thread (watermark eviction); none without watermarks or in a
+    /// read-only open. Stopped and joined first when the backend drops, so its `del` records
+    /// are in `dels` before the last append.
+    reclaimer: Option<Reclaimer>,
     bounced: std::sync::atomic::AtomicU64,
     compactions: std::sync::atomic::AtomicU64,
     pool: BufPool,
@@ -211,6 +216,69 @@ impl UringBackend {
         Ok(())
     }
 
+    /// Starts the reclaim thread when watermarks are set (not for a read-only open) and asks
+    /// it for a first pass. A pass takes pages out of the index in eviction order, 64 per hold
+    /// of the index lock, until page bytes are at most `low × capacity`, and queues a `del`
+    /// record for each (appended with the next index-log write, as evictions by writes are).
+    /// It does no I/O, so batches only ever wait for one chunk's bookkeeping.
+    pub(crate) fn start_reclaimer(&mut self) -> Result<()> {
+        let Some(w) = self.opts.watermarks else {
+            return Ok(());
+        };
+        if self.opts.read_only {
+            return Ok(());
+        }
+        let (_, low) = w.bytes(self.capacity);
+        let (index, dels, counters) =
+            (self.index.clone(), self.dels.clone(), self.counters.clone());
+        let pass = move || {
+            loop {
+                let mut evicted = Vec::new();
+                let reached = {
+                    let mut ix = index.lock();
+                    let reached = ix.evict_down_to(low, 64, &mut evicted);
+                    let mut d = dels.lock();
+                    for (key, _) in &evicted {
+                        d.push(Record::Del {
+                            seq: ix.next_seq(),
+                            key: *key,
+                        });
+                    }
+                    reached
+                };
+                bump(&counters.evicted_pages, evicted.len() as u64);
+                bump(
+                    &counters.evicted_bytes,
+                    evicted.iter().map(|(_, e)| e.meta.len as u64).sum(),
+                );
+                if reached {
+                    break;
+                }
+            }
+        };
+        let r = Reclaimer::spawn("hicache-uring-reclaim", None, pass)
+            .map_err(|e| backend_err(format!("cannot start the reclaim thread: {e}")))?;
+        r.wake();
+        self.reclaimer = Some(r);
+        Ok(())
+    }
+
+    /// Wakes the reclaim thread when page bytes exceed the high watermark.
+    fn check_watermark(&self) {
+        if let (Some(w), Some(r)) = (self.opts.watermarks, &self.reclaimer) {
+            let (high, _) = w.bytes(self.capacity);
+            if self.index.lock().data_bytes() > high {
+                r.wake();
+            }
+        }
+    }
+
+    /// Waits at most `timeout` until the reclaim thread has no pass asked for or running;
+    /// returns whether it got there (true at once without one). For tools and tests.
+    pub fn wait_reclaimed(&self, timeout: std::time::Duration) -> bool {
+        self.reclaimer.as_ref().is_none_or(|r| r.wait_idle(timeout))
+    }
+
     pub(crate) fn max_page_bytes(&self) -> usize {
         usize::try_from(self.capacity / ALIGN as u64 * ALIGN as u64).unwrap_or(usize::MAX)
     }
@@ -218,13 +286,14 @@ impl UringBackend {
 
 impl Drop for UringBackend {
     fn drop(&mut self) {
+        drop(self.reclaimer.take());
         if self.opts.read_only {
             return;
         }
         // Records of evictions and dropped pages not yet logged (they ride on the next append
         // otherwise); unlogged ones would only bring back pages whose slots may be reused.
         let recs: Vec<[u8; format::RECORD_LEN]> =
-            self.dels.get_mut().drain(..).map(|r| r.encode()).collect();
+            self.dels.lock().drain(..).map(|r| r.encode()).collect();
         if let Err(e) = self.log.get_mut().append(&recs, false) {
             tracing::warn!(error = %e, "uring backend: index log append at close failed");
         }
@@ -240,6 +309,7 @@ impl Storage for UringBackend {
         i.shared = false;
         i.capacity_bytes = Some(self.capacity);
         i.max_page_bytes = self.max_page_bytes();
+        i.clear = !self.opts.read_only;
         i
     }
 
@@ -278,6 +348,7 @@ impl Storage for UringBackend {
             return Ok(Vec::new());
         }
         let out = blocking(|| self.set_blocking(keys, src));
+        self.check_watermark();
         self.counters.record_set(&out, src.iter().map(|p| p.len()));
         Ok(out)
     }
@@ -340,6 +411,52 @@ impl Storage for UringBackend {
             n
         });
         bump(&self.counters.deleted_pages, n as u64);
+        Ok(n)
+    }
+
+    /// Crash safety: the cleared pages leave the index at once and a `del` record for each
+    /// is appended to the index log and synced (unless `fsync: none`) before the call
+    /// returns. A crash before the append leaves each page intact (its `put` record and
+    /// slot untouched, or a reused slot that fails its checksum: a miss); one during it
+    /// leaves a prefix of the `del`s (a torn record tail is cut at open), so every page of
+    /// the namespace is either intact or absent.
+    #[instrument(name = "uring.clear", skip_all)]
+    async fn clear(&self, namespace: NamespaceId) -> Result<u64> {
+        self.refuse_if_read_only("clear")?;
+        let n = blocking(|| {
+            let mut log = self.log.lock();
+            let mut recs: Vec<[u8; format::RECORD_LEN]> =
+                self.dels.lock().drain(..).map(|r| r.encode()).collect();
+            let mut n = 0u64;
+            {
+                let mut ix = self.index.lock();
+                let doomed: Vec<PageKey> = ix
+                    .entries_by_seq()
+                    .into_iter()
+                    .map(|(k, _)| k)
+                    .filter(|k| k.namespace == namespace)
+                    .collect();
+                for k in doomed {
+                    if ix.remove(&k).is_some() {
+                        n += 1;
+                        recs.push(
+                            Record::Del {
+                                seq: ix.next_seq(),
+                                key: k,
+                            }
+                            .encode(),
+                        );
+                    }
+                }
+            }
+            log.append(&recs, self.opts.fsync != FsyncPolicy::None)
+                .map(|()| n)
+        })
+        .map_err(StorageError::io(
+            "clear: append to the index log in",
+            &self.opts.dir,
+        ))?;
+        bump(&self.counters.cleared_pages, n);
         Ok(n)
     }
 

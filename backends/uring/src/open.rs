@@ -246,15 +246,16 @@ impl UringBackend {
         }
         tracing::Span::current().record("pages", report.pages);
         tracing::info!(dir = %dir.display(), ?report, capacity, "uring backend opened");
-        Ok(Self {
+        let mut backend = Self {
             ring,
             capacity,
             slabs: RwLock::new(slabs),
             new_slab: Mutex::new(()),
-            index: Mutex::new(index),
+            index: Arc::new(Mutex::new(index)),
             log: Mutex::new(log),
-            dels: Mutex::new(Vec::new()),
-            counters,
+            dels: Arc::new(Mutex::new(Vec::new())),
+            counters: Arc::new(counters),
+            reclaimer: None,
             bounced: 0.into(),
             compactions: 0.into(),
             pool: BufPool::new(64 << 20),
@@ -262,7 +263,9 @@ impl UringBackend {
             report,
             opts,
             _lock: lock,
-        })
+        };
+        backend.start_reclaimer()?;
+        Ok(backend)
     }
 
     /// The slabs: every slab file present, plus the configured page size's (a slab the log

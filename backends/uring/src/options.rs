@@ -2,7 +2,9 @@
 
 use std::path::PathBuf;
 
-use hicache_storage::{CommonConfig, ConfigFields, EvictionPolicy, Result, StorageError};
+use hicache_storage::{
+    CommonConfig, ConfigFields, EvictionPolicy, Lifecycle, Result, StorageError, Watermarks,
+};
 
 /// When written pages are made durable before `Stored` is returned (shared with the file
 /// layout). Here: `none` never syncs (a power loss may lose acknowledged pages); `batch`
@@ -43,6 +45,10 @@ pub struct UringOptions {
     /// punched); what a read-write open would discard is counted and reported; writes are
     /// refused.
     pub read_only: bool,
+    /// Background eviction between two fill levels (`high_watermark`, `low_watermark`,
+    /// fractions of the capacity; default none). See [`hicache_storage::lifecycle`]; `ttl_s`
+    /// is refused here (the `file` backend has it).
+    pub watermarks: Option<Watermarks>,
 }
 
 impl UringOptions {
@@ -60,6 +66,7 @@ impl UringOptions {
             grow_bytes: 256 << 20,
             page_bytes: None,
             read_only: false,
+            watermarks: None,
         }
     }
 
@@ -87,6 +94,19 @@ impl UringOptions {
             grow_bytes: f.opt_bytes("grow_bytes", 4096)?.unwrap_or(d.grow_bytes),
             page_bytes: f.opt_bytes("page_bytes", 1)?,
             read_only: f.bool("read_only", false)?,
+            watermarks: {
+                let l = Lifecycle::take_from(&mut f)?;
+                if let Some(t) = l.ttl {
+                    return Err(StorageError::config(
+                        f.scope(),
+                        "ttl_s",
+                        t.as_secs().to_string(),
+                        "not supported by the uring backend (its index records no write time); \
+                         the file backend has it",
+                    ));
+                }
+                l.watermarks
+            },
             capacity_bytes: common.capacity_bytes,
             dir: d.dir,
         };
@@ -145,6 +165,11 @@ mod tests {
             (r#"{"dir": "/d", "grow_bytes": "lots"}"#, "grow_bytes"),
             (r#"{"dir": "/d", "page_bytes": 0}"#, "page_bytes"),
             (r#"{"dir": "/d", "read_only": "yes"}"#, "read_only"),
+            (r#"{"dir": "/d", "ttl_s": 60}"#, "ttl_s"),
+            (
+                r#"{"dir": "/d", "high_watermark": 0.5, "low_watermark": 0.5}"#,
+                "low_watermark",
+            ),
             (r#"{"dir": "/d", "page_bytes": -1}"#, "page_bytes"),
             (r#"{"dir": "/d", "capacity": "many"}"#, "capacity"),
             (r#"{"dir": "/d", "io_threads": 4}"#, "io_threads"),

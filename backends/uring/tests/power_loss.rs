@@ -10,10 +10,8 @@ mod common;
 use std::path::Path;
 
 use hicache_backend_uring::{FsyncPolicy, UringBackend};
-use hicache_localio::testing::power_loss::{assert_durable, assert_loses_pages};
 
 const PAGE: usize = 16 << 10;
-const BASE: &str = env!("CARGO_TARGET_TMPDIR");
 /// Random crash states per durable configuration (plus the harshest one).
 const CASES: u32 = 40;
 
@@ -28,22 +26,4 @@ fn opener(fsync: FsyncPolicy) -> impl Fn(&Path) -> hicache_storage::Result<Uring
     }
 }
 
-#[test]
-fn batch_policy_survives_power_loss() {
-    assert_durable(BASE.as_ref(), &opener(FsyncPolicy::Batch), PAGE, 1, CASES);
-}
-
-#[test]
-fn always_policy_survives_power_loss() {
-    assert_durable(BASE.as_ref(), &opener(FsyncPolicy::Always), PAGE, 1, CASES);
-}
-
-#[test]
-fn group_commit_survives_power_loss() {
-    assert_durable(BASE.as_ref(), &opener(FsyncPolicy::Batch), PAGE, 3, CASES);
-}
-
-#[test]
-fn fsync_none_loses_acknowledged_pages_at_a_power_loss() {
-    assert_loses_pages(BASE.as_ref(), &opener(FsyncPolicy::None), PAGE);
-}
+hicache_localio::power_loss_tests!(opener, PAGE, CASES);

@@ -263,6 +263,7 @@ impl Store {
         d.set_item("shared", self.info.shared)?;
         d.set_item("max_batch", self.info.max_batch)?;
         d.set_item("capacity_bytes", self.info.capacity_bytes)?;
+        d.set_item("clear", self.info.clear)?;
         d.set_item("batch_context", self.info.batch_context)?;
         Ok(d)
     }
@@ -386,6 +387,21 @@ impl Store {
                 }
                 Ok::<_, BindingError>(n)
             })
+        })?;
+        Ok(n)
+    }
+
+    /// Removes every page of `namespace` (32 hex) from the backend, whoever wrote it; returns
+    /// how many were removed. A backend without the capability (`info()["clear"]` false)
+    /// raises `RuntimeError` naming it.
+    fn clear(&self, py: Python<'_>, namespace: &str) -> PyResult<u64> {
+        let ns = NamespaceId::from_hex(namespace)
+            .map_err(|_| BindingError::BadNamespace(namespace.chars().take(80).collect()))?;
+        let backend = self.backend("clear")?;
+        let n = py.detach(|| {
+            self.runtime
+                .block_on(backend.clear(ns))
+                .map_err(BindingError::from)
         })?;
         Ok(n)
     }

@@ -128,3 +128,20 @@ def test_prefix_keys_reach_the_backend_with_every_batch():
     with pytest.raises(ValueError, match="record_contexts"):
         other.contexts_seen()
     other.close()
+
+
+def test_clear_removes_one_namespace_only(store, tmp_path):
+    other = hicache_rs.namespace_id("other", "bfloat16", "page_first", False, 8, 128, 32, 64)
+    ks = keys(6)
+    _, ptrs, sizes = buffers(6, 4096, fill=3)
+    assert store.batch_set_from(NS, ks, "page_first", ptrs, sizes) == [True] * 6
+    assert store.batch_set_from(other, ks[:2], "page_first", ptrs[:2], sizes[:2]) == [True] * 2
+    assert store.info()["clear"] is True
+    assert store.clear(NS) == 6
+    assert store.batch_exists(NS, ks) == 0
+    assert store.batch_exists(other, ks[:2]) == 2
+    assert store.clear(NS) == 0
+    assert store.batch_set_from(NS, ks[:1], "page_first", ptrs[:1], sizes[:1]) == [True]
+    assert store.batch_exists(NS, ks) == 1
+    with pytest.raises(ValueError):
+        store.clear("not-hex")

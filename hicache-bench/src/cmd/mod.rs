@@ -8,6 +8,7 @@ pub mod plugin;
 pub mod redis_benchmark;
 pub mod storage;
 pub mod storage_check;
+pub mod storage_clear;
 pub mod storage_common;
 pub mod storage_raw;
 pub mod storage_write;

@@ -114,6 +114,48 @@ impl HiCache {
         Ok(())
     }
 
+    /// The namespace ids this cache's pages carry in L3: one per tenant the tree knows (the
+    /// default tenant, and each extra key / cache salt seen), without repeats.
+    pub fn storage_namespaces(&self) -> Vec<hicache_core::NamespaceId> {
+        let tree = &self.tiers.tree;
+        let mut ids = Vec::new();
+        for t in 0u32.. {
+            let Ok(start) = tree.chain_start(TenantId(t)) else {
+                break;
+            };
+            if let Some(id) = start.map(|c| c.namespace_id)
+                && !ids.contains(&id)
+            {
+                ids.push(id);
+            }
+        }
+        ids
+    }
+
+    /// Removes from the attached L3 backend every page of this cache's namespaces (see
+    /// [`storage_namespaces`](Self::storage_namespaces)): what this rank, and any earlier
+    /// process serving the same model, shard and tenants, stored there. Other namespaces
+    /// (other models, ranks, tenants not seen by this process) are never touched. Backups in
+    /// flight are finished first (as by [`drain`](Self::drain)), so none lands after the
+    /// clear; every rank calls it together. L1 and L2 are unchanged ([`flush`](Self::flush)
+    /// drops those). Returns the pages removed. Errors: no backend attached, or a backend
+    /// without the capability ([`StorageError::Unsupported`](hicache_storage::StorageError)).
+    pub fn clear_storage(&mut self) -> Result<u64> {
+        self.check_open()?;
+        if self.l3.is_none() {
+            return Err(HiCacheError::BadArgument(
+                "clear_storage: no L3 storage backend is attached".into(),
+            ));
+        }
+        self.drain()?;
+        let ids = self.storage_namespaces();
+        let l3 = self
+            .l3
+            .as_ref()
+            .expect("checked above; drain keeps it attached");
+        l3.clear(&ids)
+    }
+
     /// Detaches the L3 backend: waits for backups in flight (nothing acknowledged is lost),
     /// revokes prefetches, releases every pin they held. Detaching without a backend does
     /// nothing. Requests may stay live; their prefetches are revoked. Refused under

@@ -142,6 +142,20 @@ impl L3 {
         &self.config.backend
     }
 
+    /// Clears every namespace of `ids` in the backend (on the tier's runtime); returns the
+    /// pages removed.
+    pub fn clear(&self, ids: &[hicache_core::NamespaceId]) -> Result<u64> {
+        let storage = self.storage.clone();
+        let ids = ids.to_vec();
+        self.runtime.block_on(async move {
+            let mut n = 0;
+            for id in ids {
+                n += storage.clear(id).await?;
+            }
+            Ok(n)
+        })
+    }
+
     /// Updates the policy fields from `config` (the same backend attached again).
     pub fn update(&mut self, cfg: &HiCacheConfig, config: StorageConfig) {
         self.prefetch = prefetch_config(cfg, &config);

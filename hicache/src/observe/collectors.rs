@@ -64,7 +64,7 @@ fn gauge(
 }
 
 /// The counters of [`StorageStats`]: name, help, value, in exposition order.
-fn counters(s: &StorageStats) -> [(&'static str, &'static str, u64); 15] {
+fn counters(s: &StorageStats) -> [(&'static str, &'static str, u64); 17] {
     [
         ("storage_exists_calls", "batch_exists calls", s.exists_calls),
         (
@@ -104,6 +104,16 @@ fn counters(s: &StorageStats) -> [(&'static str, &'static str, u64); 15] {
             "storage_evicted_bytes",
             "Bytes the backend evicted",
             s.evicted_bytes,
+        ),
+        (
+            "storage_cleared_pages",
+            "Pages removed by clear",
+            s.cleared_pages,
+        ),
+        (
+            "storage_expired_pages",
+            "Pages dropped as older than ttl_s",
+            s.expired_pages,
         ),
     ]
 }

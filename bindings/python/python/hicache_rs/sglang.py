@@ -452,12 +452,16 @@ class HiCacheRsStorage(HiCacheStorage):
             bw.append(pages * self.page_bytes / elapsed / 1e9)
 
     def clear(self) -> None:
-        """Deletes every page this instance stored. Our backends have no namespace-wide
-        clear: pages written by other processes, or before a restart, stay."""
+        """Removes every page of this instance's namespace from the backend: pages written by
+        this process, by other processes sharing the storage, and before a restart (file,
+        uring and memory backends, whose ``info()["clear"]`` is true). A backend without a
+        namespace-wide clear gets the pages this instance stored deleted instead."""
         store = self._ready("clear")
         with self._lock:
             keys, self._stored = list(self._stored), set()
-        if keys:
+        if store.info().get("clear"):
+            store.clear(self.namespace)
+        elif keys:
             store.delete(self.namespace, keys)
 
     def get_stats(self):

@@ -6,7 +6,9 @@
 //!
 //! A caller hands over a whole batch at once ([`Ring::submit`]) and gets a [`Pending`] that
 //! yields completions as they arrive, so it can verify early pages while later ones are still
-//! in flight.
+//! in flight. A batch of new files ([`NewFile`](crate::NewFile)) goes in as one chain of
+//! linked requests per file ([`Ring::publish`], the `chain` module), many chains in flight
+//! at once, each on a direct-descriptor slot of its own.
 //!
 //! # Invariants (what makes the raw pointers in requests sound)
 //! 1. **Buffers outlive their requests.** A [`Req`] points into memory the caller borrows for
@@ -26,20 +28,31 @@
 //! 4. **Never short.** A request completes successfully only when all its bytes moved; a
 //!    short transfer is resubmitted for the rest, and a zero-byte transfer is an error (or,
 //!    for a read marked [`Req::eof_ok`], the end of its success, with the bytes it moved).
+//! 5. **One slot, one file.** A chain's requests use only its own direct-descriptor slot
+//!    (above the layouts' [`MAX_FIXED_FILES`]); the slot is free again only once the chain's
+//!    close completed, so chains never share a file.
+//!
+//! The driver thread itself is in `thread`.
+
+mod chain;
+mod thread;
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::io::{self, Write};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, mpsc};
 use std::thread::JoinHandle;
 
-use io_uring::{IoUring, opcode, squeue, types};
+use io_uring::{opcode, squeue, types};
+
+use crate::newfile::{self, Chain, NewFile, NewFileError, NewFileResult, Step};
+use crate::par::par_map;
 
 /// Largest span one registered buffer (and one request segment) covers.
 pub const CHUNK: usize = 1 << 30;
-/// Fixed-file table size.
+/// Fixed-file slots the layouts may fill ([`Ring::register_file`]); the chains' slots follow.
 pub const MAX_FIXED_FILES: u32 = 256;
 /// Largest number of iovecs in one vectored request.
 pub const IOV_MAX: usize = 1024;
@@ -218,22 +231,36 @@ pub struct RingCounters {
     pub short: AtomicU64,
     /// `submit` system calls.
     pub submits: AtomicU64,
+    /// File chains run ([`Ring::publish`]).
+    pub chains: AtomicU64,
 }
 
-/// Outcomes of requests: `(tag, bytes moved or the error)`.
-type Outcomes = Vec<(usize, io::Result<usize>)>;
+/// One request's outcome as the driver thread reports it.
+struct Completion {
+    /// The caller's tag.
+    tag: usize,
+    /// Bytes moved (a transfer) or steps run (a chain that ran in full); else the error.
+    result: io::Result<usize>,
+    /// A chain's steps that succeeded before the one that failed (0 for a transfer).
+    ok: usize,
+}
+
+/// Outcomes of requests.
+type Outcomes = Vec<Completion>;
 /// Where a batch's outcomes go: one message per batch per reaping pass, so a caller wakes once
 /// for all of its requests that completed together.
 type Done = Arc<mpsc::Sender<Outcomes>>;
 
 enum Msg {
     Batch(Vec<Req>, Done),
+    Chains(Vec<Chain>, Done),
     RegisterBuffers(Vec<libc::iovec>, mpsc::SyncSender<io::Result<()>>),
     RegisterFile(u32, RawFd, mpsc::SyncSender<io::Result<()>>),
 }
 
 // SAFETY: the iovecs of `RegisterBuffers` describe the caller's long-lived region (the
 // `register_memory` contract); the thread receiving them only passes them to the kernel.
+// Requests and chains are `Send` themselves.
 unsafe impl Send for Msg {}
 
 /// The ring and its thread.
@@ -242,6 +269,12 @@ pub struct Ring {
     wake: File,
     thread: Option<JoinHandle<()>>,
     fixed_files: bool,
+    /// Direct-descriptor slots for chains (0: chains run as blocking calls instead).
+    chain_slots: u32,
+    /// Threads for the blocking fallback of [`publish`](Self::publish).
+    fallback_threads: usize,
+    /// The file system refused `fallocate`: chains go without it.
+    no_fallocate: AtomicBool,
     registered: OnceLock<Registered>,
     counters: Arc<RingCounters>,
 }
@@ -250,6 +283,7 @@ impl std::fmt::Debug for Ring {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Ring")
             .field("fixed_files", &self.fixed_files)
+            .field("chain_slots", &self.chain_slots)
             .field("registered", &self.registered.get())
             .finish_non_exhaustive()
     }
@@ -270,29 +304,17 @@ impl Ring {
         let thread = std::thread::Builder::new()
             .name("hicache-uring".into())
             .spawn(move || {
-                let (ring, files) = match setup(queue_depth, fixed_files) {
+                let setup = match thread::setup(queue_depth, fixed_files) {
                     Ok(r) => r,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
                 };
-                let _ = ready_tx.send(Ok(files));
-                Driver {
-                    ring,
-                    rx,
-                    wake: wake_thread,
-                    qd: queue_depth as usize,
-                    flights: Vec::new(),
-                    free: Vec::new(),
-                    queue: VecDeque::new(),
-                    inflight: 0,
-                    wake_armed: false,
-                    counters: c,
-                }
-                .run();
+                let _ = ready_tx.send(Ok((setup.fixed_files, setup.chain_slots)));
+                thread::Driver::new(setup, rx, wake_thread, queue_depth as usize, c).run();
             })?;
-        let files = ready_rx
+        let (files, chain_slots) = ready_rx
             .recv()
             .map_err(|_| io::Error::other("ring thread ended during setup"))??;
         Ok(Self {
@@ -300,6 +322,9 @@ impl Ring {
             wake,
             thread: Some(thread),
             fixed_files: files,
+            chain_slots,
+            fallback_threads: (queue_depth as usize).clamp(1, 32),
+            no_fallocate: AtomicBool::new(false),
             registered: OnceLock::new(),
             counters,
         })
@@ -308,6 +333,12 @@ impl Ring {
     /// Whether files can be registered.
     pub fn fixed_files(&self) -> bool {
         self.fixed_files
+    }
+
+    /// Whether [`publish`](Self::publish) runs files as chains in the ring (else as blocking
+    /// calls on threads).
+    pub fn chains(&self) -> bool {
+        self.chain_slots > 0
     }
 
     /// The registered region, once [`register_buffers`](Self::register_buffers) succeeded.
@@ -375,8 +406,6 @@ impl Ring {
     /// Hands `reqs` to the ring; their outcomes come from the returned [`Pending`].
     #[tracing::instrument(name = "localio.submit", skip_all, fields(reqs = reqs.len()))]
     pub fn submit(&self, reqs: Vec<Req>) -> Pending {
-        let (tx, rx) = mpsc::channel();
-        let tx = Arc::new(tx);
         let left = reqs.len();
         // The journal (tests only): writes as issued; `RWF_DSYNC` ones durable when the last
         // request of their tag completed.
@@ -404,26 +433,98 @@ impl Ring {
             };
             c.fetch_add(1, Ordering::Relaxed);
         }
-        if left > 0
-            && let Err(e) = self.send(Msg::Batch(reqs, tx))
-        {
-            // Nothing was handed over (the driver is gone): report every request failed.
-            return Pending {
-                rx,
-                ready: VecDeque::new(),
-                left: 0,
-                failed: Some((left, e.to_string())),
-                dsync: Vec::new(),
-                per_tag: Default::default(),
-            };
-        }
+        let mut p = self.hand_over(left, |tx| Msg::Batch(reqs, tx));
+        p.dsync = dsync;
+        p.per_tag = per_tag;
+        p
+    }
+
+    /// Hands `left` requests over in the message `msg` builds; the [`Pending`] of them.
+    fn hand_over(&self, left: usize, msg: impl FnOnce(Done) -> Msg) -> Pending {
+        let (tx, rx) = mpsc::channel();
+        let failed = if left > 0 {
+            // Nothing handed over (the driver is gone): every request failed.
+            self.send(msg(Arc::new(tx)))
+                .err()
+                .map(|e| (left, e.to_string()))
+        } else {
+            None
+        };
         Pending {
             rx,
             ready: VecDeque::new(),
-            left,
-            failed: None,
-            dsync,
-            per_tag,
+            left: if failed.is_some() { 0 } else { left },
+            failed,
+            dsync: Vec::new(),
+            per_tag: Default::default(),
+        }
+    }
+
+    /// Creates, writes and publishes `files` (see [`newfile`](crate::newfile)): one chain of
+    /// linked requests per file, up to `queue_depth` in flight, or blocking calls on threads
+    /// where the ring cannot run chains. Calls `done(tag, outcome)` as each finishes; returns
+    /// when all have (invariant 1).
+    #[tracing::instrument(name = "localio.publish", skip_all, fields(files = files.len()))]
+    pub fn publish(&self, mut files: Vec<NewFile>, done: &mut dyn FnMut(usize, NewFileResult)) {
+        if !self.chains() {
+            let blocking = |f: NewFile| (f.tag, newfile::write_blocking(&f));
+            for (tag, r) in par_map(self.fallback_threads, files, blocking) {
+                done(tag, r);
+            }
+            return;
+        }
+        if self.no_fallocate.load(Ordering::Relaxed) {
+            for f in &mut files {
+                f.prealloc = 0;
+            }
+        }
+        let mut chains = Vec::with_capacity(files.len());
+        for (i, f) in files.iter().enumerate() {
+            match Chain::new(f, i) {
+                Ok(c) => chains.push(c),
+                Err(error) => done(
+                    f.tag,
+                    Err(NewFileError {
+                        step: Step::Create,
+                        error,
+                    }),
+                ),
+            }
+        }
+        let idx: Vec<usize> = chains.iter().map(|c| c.tag).collect();
+        let mut redo = Vec::new();
+        let mut pending = self.hand_over(chains.len(), |tx| Msg::Chains(chains, tx));
+        if let Some((_, why)) = pending.not_submitted() {
+            for i in idx {
+                let error = io::Error::other(why.clone());
+                done(
+                    files[i].tag,
+                    Err(NewFileError {
+                        step: Step::Create,
+                        error,
+                    }),
+                );
+            }
+            return;
+        }
+        while let Some(c) = pending.wait_completion() {
+            let f = &files[c.tag];
+            match newfile::settle(f, c.ok, c.result.err()) {
+                Err(NewFileError {
+                    step: Step::Preallocate,
+                    error,
+                }) if matches!(error.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) => {
+                    self.no_fallocate.store(true, Ordering::Relaxed);
+                    redo.push(c.tag);
+                }
+                r => done(f.tag, r),
+            }
+        }
+        drop(pending);
+        // The file system has no `fallocate`: these go the blocking way (which sets the
+        // length instead); later chains skip the step.
+        for i in redo {
+            done(files[i].tag, newfile::write_blocking(&files[i]));
         }
     }
 }
@@ -441,7 +542,7 @@ impl Drop for Ring {
 /// The outcomes of one submitted batch. Dropping it waits for every request (invariant 1).
 pub struct Pending {
     rx: mpsc::Receiver<Outcomes>,
-    ready: VecDeque<(usize, io::Result<usize>)>,
+    ready: VecDeque<Completion>,
     left: usize,
     failed: Option<(usize, String)>,
     /// `RWF_DSYNC` writes `(tag, fd, offset, len)`, for the journal.
@@ -454,6 +555,11 @@ impl Pending {
     /// The next completed request's tag and outcome (the bytes it moved), in completion
     /// order; `None` when all have been reported. Blocks.
     pub fn wait_next(&mut self) -> Option<(usize, io::Result<usize>)> {
+        self.wait_completion().map(|c| (c.tag, c.result))
+    }
+
+    /// The next completion, whole (a chain's steps included).
+    fn wait_completion(&mut self) -> Option<Completion> {
         if self.left == 0 {
             return None;
         }
@@ -480,16 +586,16 @@ impl Pending {
     }
 
     /// Records `RWF_DSYNC` durability in the journal once every request of a tag completed.
-    fn journal(&mut self, r: &(usize, io::Result<usize>)) {
+    fn journal(&mut self, r: &Completion) {
         if self.dsync.is_empty() {
             return;
         }
-        let Some(n) = self.per_tag.get_mut(&r.0) else {
+        let Some(n) = self.per_tag.get_mut(&r.tag) else {
             return;
         };
         *n -= 1;
-        if *n == 0 && r.1.is_ok() {
-            for &(_, fd, off, len) in self.dsync.iter().filter(|d| d.0 == r.0) {
+        if *n == 0 && r.result.is_ok() {
+            for &(_, fd, off, len) in self.dsync.iter().filter(|d| d.0 == r.tag) {
                 crate::journal::sync(fd, Some((off, len)));
             }
         }
@@ -507,250 +613,10 @@ impl Drop for Pending {
     }
 }
 
-fn setup(queue_depth: u32, fixed_files: bool) -> io::Result<(IoUring, bool)> {
-    let entries = (queue_depth + 1).next_power_of_two().max(8);
-    // Single issuer + deferred task work: completions are processed when this thread
-    // waits for them, not by interrupting it. Older kernels refuse the flags: plain ring.
-    let mut ring = match IoUring::builder()
-        .setup_single_issuer()
-        .setup_defer_taskrun()
-        .setup_cqsize(entries * 2)
-        .build(entries)
-    {
-        Ok(r) => r,
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => IoUring::builder()
-            .setup_cqsize(entries * 2)
-            .build(entries)?,
-        Err(e) => return Err(e),
-    };
-    let files = fixed_files
-        && ring
-            .submitter()
-            .register_files_sparse(MAX_FIXED_FILES)
-            .is_ok();
-    raise_workers(&mut ring, queue_depth);
-    Ok((ring, files))
-}
-
-/// Lets this (the driver's) thread's io_uring worker pool run `depth` workers: requests that
-/// block (buffered writes with `RWF_DSYNC`, syncs) run on that pool, by default at most 4 per
-/// CPU. The pool exists once the thread has submitted something, so a no-op goes first. Best
-/// effort: on failure the driver is still correct, with fewer such requests in flight.
-fn raise_workers(ring: &mut IoUring, depth: u32) {
-    let nop = opcode::Nop::new().build().user_data(WAKE - 1);
-    // SAFETY: a no-op request points at no memory; the new ring's queue is empty.
-    if unsafe { ring.submission().push(&nop) }.is_err() {
-        return;
-    }
-    if ring.submit_and_wait(1).is_err() {
-        return;
-    }
-    ring.completion().for_each(drop);
-    let mut workers = [depth.max(4), 0];
-    if let Err(e) = ring.submitter().register_iowq_max_workers(&mut workers) {
-        tracing::debug!(%e, "localio: io_uring worker limit unchanged");
-    }
-}
-
-struct Flight {
-    req: Req,
-    done: Done,
-    /// Bytes moved by earlier (short) completions of this request.
-    moved: usize,
-}
-
-struct Driver {
-    ring: IoUring,
-    rx: mpsc::Receiver<Msg>,
-    wake: File,
-    qd: usize,
-    flights: Vec<Option<Flight>>,
-    free: Vec<usize>,
-    queue: VecDeque<Flight>,
-    inflight: usize,
-    wake_armed: bool,
-    counters: Arc<RingCounters>,
-}
-
-impl Driver {
-    fn run(mut self) {
-        loop {
-            if self.inflight == 0 && self.queue.is_empty() {
-                match self.rx.recv() {
-                    Ok(m) => self.handle(m),
-                    Err(_) => return,
-                }
-            }
-            while let Ok(m) = self.rx.try_recv() {
-                self.handle(m);
-            }
-            if !self.wake_armed {
-                let e = opcode::PollAdd::new(types::Fd(self.wake.as_raw_fd()), libc::POLLIN as _)
-                    .build()
-                    .user_data(WAKE);
-                if self.push(&e) {
-                    self.wake_armed = true;
-                }
-            }
-            while self.inflight < self.qd {
-                let Some(f) = self.queue.pop_front() else {
-                    break;
-                };
-                let id = match self.free.pop() {
-                    Some(id) => id,
-                    None => {
-                        self.flights.push(None);
-                        self.flights.len() - 1
-                    }
-                };
-                let e = f.req.sqe(id as u64);
-                if !self.push(&e) {
-                    self.free.push(id);
-                    self.queue.push_front(f);
-                    break;
-                }
-                self.flights[id] = Some(f);
-                self.inflight += 1;
-            }
-            // While requests wait for room, refill in groups of an eighth of the depth (fewer
-            // wake-ups); otherwise report each completion as it comes.
-            let want = if self.queue.is_empty() {
-                usize::from(self.inflight > 0)
-            } else {
-                self.inflight.min((self.qd / 8).max(1))
-            };
-            self.counters.submits.fetch_add(1, Ordering::Relaxed);
-            match self.ring.submit_and_wait(want) {
-                Ok(_) => {}
-                Err(e)
-                    if matches!(
-                        e.raw_os_error(),
-                        Some(libc::EINTR | libc::EBUSY | libc::EAGAIN)
-                    ) => {}
-                Err(e) => {
-                    // The ring itself failed: fail what is queued; what is in flight still
-                    // completes (we keep reaping).
-                    tracing::error!(error = %e, "localio: io_uring_enter failed");
-                    for f in self.queue.drain(..) {
-                        let err = io::Error::new(e.kind(), e.to_string());
-                        let _ = f.done.send(vec![(f.req.tag, Err(err))]);
-                    }
-                }
-            }
-            self.reap();
-        }
-    }
-
-    /// Pushes one entry, submitting first if the queue is full. Returns false if it stays full.
-    fn push(&mut self, e: &squeue::Entry) -> bool {
-        for _ in 0..2 {
-            // SAFETY: every pointer an entry carries is kept valid until its completion is
-            // reaped: caller buffers by invariant 1, iovec arrays by invariant 2 (the `Req`
-            // stays in `flights` until reaped), the eventfd by `self.wake`.
-            if unsafe { self.ring.submission().push(e) }.is_ok() {
-                return true;
-            }
-            let _ = self.ring.submit();
-        }
-        false
-    }
-
-    fn reap(&mut self) {
-        let done: Vec<(u64, i32)> = self
-            .ring
-            .completion()
-            .map(|c| (c.user_data(), c.result()))
-            .collect();
-        let mut out: Vec<(Done, Outcomes)> = Vec::new();
-        let mut deliver = |done: &Done, r: (usize, io::Result<usize>)| match out
-            .iter_mut()
-            .find(|(d, _)| Arc::ptr_eq(d, done))
-        {
-            Some((_, v)) => v.push(r),
-            None => out.push((done.clone(), vec![r])),
-        };
-        for (id, res) in done {
-            if id == WAKE {
-                let mut b = [0u8; 8];
-                let _ = (&self.wake).read(&mut b);
-                self.wake_armed = false;
-                continue;
-            }
-            let Some(mut f) = self.flights.get_mut(id as usize).and_then(Option::take) else {
-                continue;
-            };
-            self.free.push(id as usize);
-            self.inflight -= 1;
-            let tag = f.req.tag;
-            if res < 0 {
-                let errno = -res;
-                if errno == libc::EINTR || errno == libc::EAGAIN {
-                    self.queue.push_front(f);
-                } else {
-                    deliver(&f.done, (tag, Err(io::Error::from_raw_os_error(errno))));
-                }
-                continue;
-            }
-            let n = res as usize;
-            let want = f.req.bytes();
-            if n >= want {
-                deliver(&f.done, (tag, Ok(f.moved + n)));
-            } else if n == 0 && f.req.eof_ok && f.req.dir == Dir::Read {
-                deliver(&f.done, (tag, Ok(f.moved)));
-            } else if n == 0 {
-                let e = match f.req.dir {
-                    Dir::Read => io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        format!("read ended {want} bytes short (end of file)"),
-                    ),
-                    Dir::Write => io::Error::new(
-                        io::ErrorKind::WriteZero,
-                        format!("write stopped {want} bytes short"),
-                    ),
-                };
-                deliver(&f.done, (tag, Err(e)));
-            } else {
-                self.counters.short.fetch_add(1, Ordering::Relaxed);
-                f.moved += n;
-                f.req.advance(n);
-                self.queue.push_front(f);
-            }
-        }
-        for (d, v) in out {
-            let _ = d.send(v);
-        }
-    }
-
-    fn handle(&mut self, m: Msg) {
-        match m {
-            Msg::Batch(reqs, done) => {
-                self.queue.extend(reqs.into_iter().map(|req| Flight {
-                    req,
-                    done: done.clone(),
-                    moved: 0,
-                }));
-            }
-            Msg::RegisterBuffers(iovs, reply) => {
-                // SAFETY: the iovecs describe the caller's registered region, which stays
-                // mapped for the ring's life (the `register_memory` contract, invariant 3);
-                // the kernel pins its pages.
-                let r = unsafe { self.ring.submitter().register_buffers(&iovs) };
-                let _ = reply.send(r);
-            }
-            Msg::RegisterFile(slot, fd, reply) => {
-                let r = self
-                    .ring
-                    .submitter()
-                    .register_files_update(slot, &[fd])
-                    .map(drop);
-                let _ = reply.send(r);
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::os::fd::AsRawFd;
+
     use super::*;
 
     fn iov(a: usize, l: usize) -> libc::iovec {
