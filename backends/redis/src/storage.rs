@@ -24,6 +24,10 @@ use crate::value::{self, HEADER_LEN};
 /// Largest number of pages in one call.
 pub const MAX_BATCH: usize = 1024;
 
+/// `SCAN` calls per node a `clear` makes at most (each asks for 1024 keys; a cursor that has
+/// not come back to 0 by then means a node that never finishes).
+const CLEAR_MAX_SCAN_ROUNDS: u64 = 1 << 24;
+
 /// An L3 backend on a Redis / Valkey Cluster (or one standalone server). See the
 /// [crate documentation](crate).
 pub struct RedisStorage {
@@ -206,6 +210,7 @@ impl Storage for RedisStorage {
         let mut i = BackendInfo::new(crate::NAME, MAX_BATCH);
         i.shared = true;
         i.max_page_bytes = self.max_page_bytes();
+        i.clear = true;
         i
     }
 
@@ -389,6 +394,69 @@ impl Storage for RedisStorage {
             }
         }
         bump(&self.stats.deleted_pages, removed as u64);
+        Ok(removed)
+    }
+
+    /// `SCAN MATCH <key_prefix><namespace>*` on every primary of the slot map (a bounded
+    /// number of rounds per node), each key found parsed back to a page key (anything else
+    /// matching is left alone) and removed with the same per-node pipelines as `delete`.
+    /// Pages written during the clear may survive it; a node that fails is an error naming it.
+    #[tracing::instrument(skip_all)]
+    async fn clear(&self, namespace: hicache_core::NamespaceId) -> Result<u64> {
+        let prefix = self.opts.key_prefix.as_bytes();
+        let mut pattern = Vec::with_capacity(prefix.len() + 33);
+        for &b in prefix {
+            if matches!(b, b'*' | b'?' | b'[' | b']' | b'\\') {
+                pattern.push(b'\\');
+            }
+            pattern.push(b);
+        }
+        pattern.extend_from_slice(namespace.to_hex().as_bytes());
+        pattern.push(b'*');
+        let mut removed = 0u64;
+        for addr in self.primaries() {
+            let mut conn = self.nodes.conn(&addr).await?;
+            let mut cursor = 0u64;
+            let mut rounds = 0u64;
+            loop {
+                let (next, found): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(1024)
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(|e| RedisError::client(&addr, e))?;
+                let keys: Vec<PageKey> = found
+                    .iter()
+                    .filter_map(|k| k.strip_prefix(prefix))
+                    .filter_map(|hex| std::str::from_utf8(hex).ok())
+                    .filter_map(|hex| PageKey::from_hex(hex).ok())
+                    .filter(|k| k.namespace == namespace)
+                    .collect();
+                for chunk in keys.chunks(MAX_BATCH) {
+                    removed += self.delete(chunk).await? as u64;
+                }
+                cursor = next;
+                rounds += 1;
+                if cursor == 0 {
+                    break;
+                }
+                // SCAN ends in a bounded number of calls; a node that never does is an error.
+                if rounds > CLEAR_MAX_SCAN_ROUNDS {
+                    return Err(hicache_storage::StorageError::backend(
+                        crate::NAME,
+                        format!("clear: SCAN on {addr} did not finish in {rounds} rounds"),
+                    ));
+                }
+            }
+        }
+        // The pages were removed through `delete`: count them as cleared, not deleted.
+        self.stats
+            .deleted_pages
+            .fetch_sub(removed, Ordering::Relaxed);
+        bump(&self.stats.cleared_pages, removed);
         Ok(removed)
     }
 

@@ -289,4 +289,32 @@ fn two_caches_share_pages_and_namespaces_stay_separate() {
         back, other_pages,
         "node A reads namespace 8 as node B stored it"
     );
+    // Issue 18: node B clears namespace 7 across every shard, A's pages included; namespace 8
+    // stays.
+    assert!(b.info().clear);
+    assert_eq!(rt.block_on(b.clear(namespace(7))).unwrap(), 64);
+    assert_eq!(rt.block_on(a.batch_exists(&prompt[..1])).unwrap(), 0);
+    assert_eq!(rt.block_on(a.batch_exists(&other)).unwrap(), 64);
+    assert_eq!(b.stats().cleared_pages, 64);
+    assert_eq!(rt.block_on(b.clear(namespace(7))).unwrap(), 0);
+    // A key prefix with glob characters is matched literally: clearing under `x*` leaves the
+    // pages of prefix `xy`.
+    let prefixed = |prefix: &str| {
+        let mut o = RedisOptions::new([seeds[0].clone()]);
+        o.key_prefix = prefix.into();
+        rt.block_on(RedisStorage::open(o)).unwrap()
+    };
+    let (star, xy) = (prefixed("x*"), prefixed("xy"));
+    let few = keys(9, 1, 8);
+    let few_pages: Vec<Vec<u8>> = few.iter().map(|k| page_bytes(k, 4096)).collect();
+    for s in [&star, &xy] {
+        assert!(
+            rt.block_on(set(s, &few, &few_pages))
+                .iter()
+                .all(|o| *o == PageOutcome::Stored)
+        );
+    }
+    assert_eq!(rt.block_on(star.clear(namespace(9))).unwrap(), 8);
+    assert_eq!(rt.block_on(star.batch_exists(&few)).unwrap(), 0);
+    assert_eq!(rt.block_on(xy.batch_exists(&few)).unwrap(), 8);
 }
