@@ -187,6 +187,16 @@ impl Copies {
                 Ok(None) | Err(CoreError::StaleNode(_)) => continue,
                 Err(e) => return Err(e.into()),
             };
+            if tiers.tiering.buffer_only
+                && tiers
+                    .tiering
+                    .known
+                    .contains_all(tiers.tree.page_hashes(node)?)
+            {
+                // buffer_only: L3 has these pages already (the node lost its staging copy
+                // and was hit again); staging them again would only be released.
+                continue;
+            }
             let Some(h) = tiers.alloc_host(plan.pages())? else {
                 if tiers.tiering.exclusive {
                     tiers.tiering.shortfall += plan.pages();

@@ -50,6 +50,11 @@ impl KnownInL3 {
         self.pages.extend(hashes.iter().copied());
     }
 
+    /// Forgets every page (L3 was cleared).
+    pub fn forget_all(&mut self) {
+        self.pages.clear();
+    }
+
     /// Whether every page is believed stored (false for an empty list: nothing to trust).
     pub fn contains_all(&self, hashes: &[PageHash]) -> bool {
         !hashes.is_empty() && hashes.iter().all(|h| self.pages.contains(h))
@@ -127,6 +132,8 @@ mod tests {
         assert!(k.contains_all(&[h(1), h(2)]));
         assert!(!k.contains_all(&[h(1), h(3)]));
         assert!(k.contains(&h(2)));
+        k.forget_all();
+        assert!(!k.contains(&h(2)));
     }
 
     #[test]

@@ -192,6 +192,11 @@ fn buffer_only_stages_in_l2_and_serves_l1_misses_from_l3_with_exact_kv() {
     }
     let snap = e.cache.metrics().snapshot();
     assert!(snap.hit_tokens_l3 > 0 && snap.h2d.pages > 0, "{snap:?}");
+    // Pages already in L3 are not staged again when a request hits them once more.
+    let d2h = snap.d2h.pages;
+    e.run(None, &chat(7, 0));
+    e.settle();
+    assert_eq!(e.cache.metrics().snapshot().d2h.pages, d2h);
     // Pages read from L3 and recomputed pages already there are not written again.
     assert!(
         rec.writes().values().all(|&n| n == 1),

@@ -153,7 +153,10 @@ impl HiCache {
             .l3
             .as_ref()
             .expect("checked above; drain keeps it attached");
-        l3.clear(&ids)
+        let removed = l3.clear(&ids);
+        // Whatever was removed, nothing is known to be in L3 any more (tiering).
+        self.tiers.tiering.known.forget_all();
+        removed
     }
 
     /// Detaches the L3 backend: waits for backups in flight (nothing acknowledged is lost),
