@@ -30,7 +30,7 @@ pub trait Driver: Send + Sync + std::fmt::Debug {
     /// completes (the outcome is the number of bytes moved). Returns when all have completed.
     fn run(&self, reqs: Vec<Req>, done: &mut dyn FnMut(usize, io::Result<usize>));
 
-    /// Creates, writes and publishes each of `files` (see [`newfile`](crate::newfile)),
+    /// Creates, writes and publishes each of `files` (see [`crate::newfile`]),
     /// calling `done(tag, outcome)` on the calling thread for each as it finishes. Returns
     /// when all have finished.
     fn write_new_files(&self, files: Vec<NewFile>, done: &mut dyn FnMut(usize, NewFileResult));

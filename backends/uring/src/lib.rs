@@ -21,14 +21,14 @@
 //! # Ok(()) }
 //! ```
 //!
-//! The on-disk format (slabs and the index log) is described in [`format`].
+//! The on-disk format (slabs and the index log) is described in [`format`](mod@format).
 //!
 //! # Invariants
 //! 1. **Data before index.** A page's bytes are written to a slot no committed page uses
 //!    ([`index`] invariant 1), and only once those writes completed is its `put` record
 //!    appended to the index log and the page made visible, after the data and the record are
 //!    durable per the fsync policy (under `batch` the slab syncs and the log sync of a commit
-//!    group run at once, see [`commit`]). So after a process crash the log names only pages
+//!    group run at once, see `commit.rs`). So after a process crash the log names only pages
 //!    whose data was complete; after a power loss under `batch` it may also name a page that
 //!    was never acknowledged whose data did not reach the disk, which reads as `Corrupt`
 //!    (invariant 2), never as a hit. A torn log tail is cut off at open ([`log`] invariant 1).
@@ -37,10 +37,10 @@
 //!    zeroed, the page dropped, the event counted. Bad bytes are never a hit.
 //! 3. **Acknowledged means committed.** `Stored` is returned only after invariant 1's steps.
 //! 4. **Never short.** Short transfers are resubmitted for the rest; a page is a success only
-//!    when every byte moved ([`ring`] invariant 4).
+//!    when every byte moved ([`hicache_localio::ring`] invariant 4).
 //! 5. **Buffers outlive I/O.** Calls block (through `block_in_place` on a multi-threaded tokio
 //!    runtime, so the runtime's other tasks move to other workers) until every request they
-//!    submitted has completed, including on error paths ([`ring`] invariant 1).
+//!    submitted has completed, including on error paths ([`hicache_localio::ring`] invariant 1).
 //! 6. **One owner.** The directory is locked (`flock`) by one process; a second opener gets an
 //!    error naming the directory.
 //! 7. **Bounded.** Slab blocks in use stay within the capacity ([`index`] invariant 2).

@@ -6,7 +6,7 @@
 //!
 //! A caller hands over a whole batch at once ([`Ring::submit`]) and gets a [`Pending`] that
 //! yields completions as they arrive, so it can verify early pages while later ones are still
-//! in flight. A batch of new files ([`NewFile`](crate::NewFile)) goes in as one chain of
+//! in flight. A batch of new files ([`crate::NewFile`]) goes in as one chain of
 //! linked requests per file ([`Ring::publish`], the `chain` module), many chains in flight
 //! at once, each on a direct-descriptor slot of its own.
 //!
@@ -460,7 +460,7 @@ impl Ring {
         }
     }
 
-    /// Creates, writes and publishes `files` (see [`newfile`](crate::newfile)): one chain of
+    /// Creates, writes and publishes `files` (see [`crate::newfile`]): one chain of
     /// linked requests per file, up to `queue_depth` in flight, or blocking calls on threads
     /// where the ring cannot run chains. Calls `done(tag, outcome)` as each finishes; returns
     /// when all have (invariant 1).
