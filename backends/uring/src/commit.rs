@@ -89,6 +89,7 @@ impl UringBackend {
         let mut recs: Vec<[u8; format::RECORD_LEN]> =
             self.dels.lock().drain(..).map(|r| r.encode()).collect();
         let mut entries: Vec<(usize, usize, Entry)> = Vec::new();
+        let written = self.now_secs();
         let mut out: Vec<CommitResult> = items.iter().map(|_| Vec::new()).collect();
         for (n, item) in items.iter().enumerate() {
             for p in &item.puts {
@@ -102,6 +103,7 @@ impl UringBackend {
                     meta: p.meta,
                     sum: p.sum,
                     seq: ix.next_seq(),
+                    written,
                 };
                 recs.push(
                     Record::Put(Put {
@@ -111,6 +113,7 @@ impl UringBackend {
                         slot_bytes: p.slot_bytes,
                         slot: p.loc.slot as u64,
                         sum: e.sum,
+                        written: e.written,
                     })
                     .encode(),
                 );

@@ -31,8 +31,14 @@
 //! | 80 | 8 | | slot size `S` | |
 //! | 88 | 8 | | slot index | |
 //! | 96 | 8 | | XXH3-64 of the page's bytes | |
-//! | 104 | 16 | reserved | reserved | reserved |
+//! | 104 | 8 | reserved | write time | reserved |
+//! | 112 | 8 | reserved | reserved | reserved |
 //! | 120 | 8 | XXH3-64 of bytes 0..120 | same | same |
+//!
+//! The `put` write time is when the page was written, in Unix seconds of the backend's clock
+//! (what `ttl_s` expiry counts from). `0` means unknown: records written by builds before it
+//! existed, whose bytes there are zeros. Such a page counts from the time the directory is
+//! opened (and a compaction then records that time for it).
 //!
 //! Replay applies records in order: a `put` maps its key to its slot (dropping the key's
 //! previous slot, and any other key the slot was mapped to), a `del` unmaps its key. A record
@@ -105,6 +111,8 @@ pub struct Put {
     pub slot: u64,
     /// XXH3-64 of the page's bytes.
     pub sum: u64,
+    /// When the page was written, Unix seconds; 0: unknown (an earlier build's record).
+    pub written: u64,
 }
 
 /// One index-log record.
@@ -154,6 +162,7 @@ impl Record {
                 b[80..88].copy_from_slice(&p.slot_bytes.to_le_bytes());
                 b[88..96].copy_from_slice(&p.slot.to_le_bytes());
                 b[96..104].copy_from_slice(&p.sum.to_le_bytes());
+                b[104..112].copy_from_slice(&p.written.to_le_bytes());
             }
             Record::Del { seq, key } => {
                 b[8] = KIND_DEL;
@@ -194,6 +203,7 @@ impl Record {
                     slot_bytes,
                     slot: u64_at(88),
                     sum: u64_at(96),
+                    written: u64_at(104),
                 }))
             }
             KIND_DEL => Ok(Record::Del {
@@ -225,6 +235,7 @@ mod tests {
                 slot_bytes: slot_bytes(65_543),
                 slot: 12,
                 sum: 0xdead_beef,
+                written: 1_790_000_000,
             }),
             Record::Del { seq: 8, key },
         ];

@@ -39,6 +39,8 @@ pub struct Entry {
     pub sum: u64,
     /// Commit sequence number (identifies this version of the key).
     pub seq: u64,
+    /// When it was written, Unix seconds (for a page whose record has none: the open time).
+    pub written: u64,
 }
 
 /// The disk operations the index asks for while it holds its lock.
@@ -179,6 +181,16 @@ impl Index {
         let mut v: Vec<(PageKey, Entry)> = self.entries.iter().map(|(k, e)| (*k, *e)).collect();
         v.sort_by_key(|(_, e)| e.seq);
         v
+    }
+
+    /// The keys and versions (`seq`) of the pages `expired` says yes to, given their write
+    /// time (for the reclaim pass; remove them with [`remove_version`](Self::remove_version)).
+    pub fn expired(&self, expired: impl Fn(u64) -> bool) -> Vec<(PageKey, u64)> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| expired(e.written))
+            .map(|(k, e)| (*k, e.seq))
+            .collect()
     }
 
     /// Reserves a slot of `class`, making room as needed. Evicted pages are appended to
@@ -436,6 +448,7 @@ mod tests {
             },
             sum: 0,
             seq,
+            written: 0,
         }
     }
 

@@ -64,7 +64,7 @@ use async_trait::async_trait;
 use hicache_localio::par::blocking;
 use hicache_localio::{BufPool, Ring};
 use hicache_storage::backend::bump;
-use hicache_storage::lifecycle::Reclaimer;
+use hicache_storage::lifecycle::{Clock, Reclaimer};
 use hicache_storage::{
     BackendContext, BackendFactory, BackendInfo, CommonConfig, ConfigFields, MemoryRegion,
     NamespaceId, PageBuf, PageBufMut, PageKey, PageOutcome, Registry, Result, StatsCounters,
@@ -82,6 +82,8 @@ use crate::slab::Slab;
 pub(crate) const NAME: &str = "uring";
 /// Log records beyond twice the live pages that trigger a compaction.
 pub(crate) const COMPACT_SLACK: u64 = 1 << 16;
+/// Nanoseconds per second (the clock counts nanoseconds, `put` records seconds).
+const NANOS: u64 = 1_000_000_000;
 
 pub(crate) fn backend_err(reason: impl Into<String>) -> StorageError {
     StorageError::backend(NAME, reason)
@@ -145,8 +147,8 @@ pub struct UringBackend {
     log: Mutex<IndexLog>,
     dels: Arc<Mutex<Vec<Record>>>,
     counters: Arc<StatsCounters>,
-    /// The background reclaim thread (watermark eviction); none without watermarks or in a
-    /// read-only open. Stopped and joined first when the backend drops, so its `del` records
+    /// The background reclaim thread (expiry and watermark eviction); none without `ttl_s`
+    /// or watermarks, or in a read-only open. Stopped and joined first when the backend drops, so its `del` records
     /// are in `dels` before the last append.
     reclaimer: Option<Reclaimer>,
     bounced: std::sync::atomic::AtomicU64,
@@ -154,6 +156,8 @@ pub struct UringBackend {
     pool: BufPool,
     commit: commit::GroupCommit,
     report: OpenReport,
+    /// Time as expiry (`ttl_s`) sees it.
+    clock: Clock,
     /// The directory lock (none for a read-only open of a directory without a lock file).
     _lock: Option<File>,
 }
@@ -216,22 +220,62 @@ impl UringBackend {
         Ok(())
     }
 
-    /// Starts the reclaim thread when watermarks are set (not for a read-only open) and asks
-    /// it for a first pass. A pass takes pages out of the index in eviction order, 64 per hold
-    /// of the index lock, until page bytes are at most `low × capacity`, and queues a `del`
-    /// record for each (appended with the next index-log write, as evictions by writes are).
-    /// It does no I/O, so batches only ever wait for one chunk's bookkeeping.
+    /// Now, in Unix seconds of the backend's clock (the write time `put` records hold).
+    pub(crate) fn now_secs(&self) -> u64 {
+        self.clock.now() / NANOS
+    }
+
+    /// Whether a page written at `written` (Unix seconds) is expired under `ttl_s` now.
+    pub(crate) fn is_expired(&self, written: u64) -> bool {
+        self.clock
+            .expired(written.saturating_mul(NANOS), self.opts.ttl)
+    }
+
+    /// Asks the reclaim thread for a pass (a batch met an expired page).
+    pub(crate) fn wake_reclaimer(&self) {
+        if let Some(r) = &self.reclaimer {
+            r.wake();
+        }
+    }
+
+    /// Starts the reclaim thread when `ttl_s` or watermarks are set (not for a read-only open)
+    /// and asks it for a first pass. A pass first removes the expired pages (`ttl_s`), then
+    /// takes pages out of the index in eviction order, 64 per hold of the index lock, until
+    /// page bytes are at most `low × capacity`, and queues a `del` record for each removed
+    /// page (appended with the next index-log write, as evictions by writes are, or at close).
+    /// It does no I/O, so batches only ever wait for one chunk's bookkeeping. With `ttl_s` it
+    /// also wakes on its own every quarter of the ttl (1 s to 60 s) to reclaim pages nobody
+    /// asks for.
     pub(crate) fn start_reclaimer(&mut self) -> Result<()> {
-        let Some(w) = self.opts.watermarks else {
-            return Ok(());
-        };
-        if self.opts.read_only {
+        let (ttl, watermarks) = (self.opts.ttl, self.opts.watermarks);
+        if self.opts.read_only || (ttl.is_none() && watermarks.is_none()) {
             return Ok(());
         }
-        let (_, low) = w.bytes(self.capacity);
-        let (index, dels, counters) =
-            (self.index.clone(), self.dels.clone(), self.counters.clone());
+        let low = watermarks.map(|w| w.bytes(self.capacity).1);
+        let (index, dels, counters, clock) = (
+            self.index.clone(),
+            self.dels.clone(),
+            self.counters.clone(),
+            self.clock.clone(),
+        );
         let pass = move || {
+            if ttl.is_some() {
+                let mut ix = index.lock();
+                let doomed = ix.expired(|w| clock.expired(w.saturating_mul(NANOS), ttl));
+                let mut d = dels.lock();
+                let mut n = 0;
+                for (key, seq) in doomed {
+                    if ix.remove_version(&key, seq).is_some() {
+                        n += 1;
+                        d.push(Record::Del {
+                            seq: ix.next_seq(),
+                            key,
+                        });
+                    }
+                }
+                bump(&counters.expired_pages, n);
+            }
+            let Some(low) = low else { return };
             loop {
                 let mut evicted = Vec::new();
                 let reached = {
@@ -256,7 +300,13 @@ impl UringBackend {
                 }
             }
         };
-        let r = Reclaimer::spawn("hicache-uring-reclaim", None, pass)
+        let period = ttl.map(|t| {
+            (t / 4).clamp(
+                std::time::Duration::from_secs(1),
+                std::time::Duration::from_secs(60),
+            )
+        });
+        let r = Reclaimer::spawn("hicache-uring-reclaim", period, pass)
             .map_err(|e| backend_err(format!("cannot start the reclaim thread: {e}")))?;
         r.wake();
         self.reclaimer = Some(r);
@@ -318,8 +368,14 @@ impl Storage for UringBackend {
         check_batch("batch_exists", self.opts.max_batch, keys.len(), keys.len())?;
         let hits = {
             let ix = self.index.lock();
-            keys.iter().take_while(|k| ix.contains(k)).count()
+            keys.iter()
+                .take_while(|k| ix.get(k).is_some_and(|e| !self.is_expired(e.written)))
+                .count()
         };
+        if hits < keys.len() && self.index.lock().get(&keys[hits]).is_some() {
+            // The run ended at an expired page: the reclaim thread deletes it.
+            self.wake_reclaimer();
+        }
         self.counters
             .record_exists((hits + 1).min(keys.len()), hits);
         Ok(hits)

@@ -384,6 +384,7 @@ mod tests {
             slot_bytes: 4096,
             slot,
             sum: i,
+            written: 0,
         }
     }
 

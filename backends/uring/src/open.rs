@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use hicache_localio::{BufPool, Ring, sys};
 use hicache_storage::backend::bump;
+use hicache_storage::lifecycle::Clock;
 use hicache_storage::{Result, StatsCounters, StorageError};
 use parking_lot::{Mutex, RwLock};
 
@@ -161,13 +162,19 @@ fn lock_dir(dir: &Path) -> Result<File> {
 impl UringBackend {
     /// Opens (creating if needed) the storage directory of `opts`, recovering what a previous
     /// run committed. Blocking: it replays the index log.
-    #[tracing::instrument(name = "uring.open", skip_all, fields(dir = %opts.dir.display(), pages))]
     /// With [`read_only`](UringOptions::read_only) nothing in the directory is created,
     /// modified or deleted: the lock is taken shared from an existing lock file, the log is
     /// replayed in memory (its damage counted, not preserved, cut or rewritten), only
     /// existing slabs are opened (for reading), and no compaction or eviction reaches the
     /// disk; the report counts what a read-write open would discard and evict.
     pub fn open(opts: UringOptions) -> Result<Self> {
+        Self::open_with_clock(opts, Clock::system())
+    }
+
+    /// [`open`](Self::open) with the clock page expiry (`ttl_s`) is measured with: tests pass
+    /// a [`Clock::manual`] and advance it instead of sleeping.
+    #[tracing::instrument(name = "uring.open", skip_all, fields(dir = %opts.dir.display(), pages))]
+    pub fn open_with_clock(opts: UringOptions, clock: Clock) -> Result<Self> {
         let dir = opts.dir.clone();
         let ro = opts.read_only;
         if !ro {
@@ -212,7 +219,8 @@ impl UringBackend {
         for (s, n) in sizes.iter().zip(&file_slots) {
             index.add_class(*s, *n);
         }
-        let discarded_pages = Self::restore(&mut index, &replay, &sizes);
+        let opened = clock.now() / 1_000_000_000;
+        let discarded_pages = Self::restore(&mut index, &replay, &sizes, opened);
         let victims = if ro {
             index.fit(&ReadOnlyDisk)
         } else {
@@ -261,6 +269,7 @@ impl UringBackend {
             pool: BufPool::new(64 << 20),
             commit: crate::commit::GroupCommit::default(),
             report,
+            clock,
             opts,
             _lock: lock,
         };
@@ -311,7 +320,8 @@ impl UringBackend {
 
     /// Restores the replayed `put` records into `index`; returns how many name a slab or slot
     /// that does not exist (discarded).
-    fn restore(index: &mut Index, replay: &Replay, sizes: &[u64]) -> u64 {
+    /// `opened` (Unix seconds) stands in for a record's unknown write time.
+    fn restore(index: &mut Index, replay: &Replay, sizes: &[u64], opened: u64) -> u64 {
         let mut discarded_pages = 0u64;
         for p in &replay.puts {
             let restored = sizes
@@ -329,6 +339,8 @@ impl UringBackend {
                             meta: p.meta,
                             sum: p.sum,
                             seq: p.seq,
+                            // Unknown (an earlier build's record): counts from this open.
+                            written: if p.written == 0 { opened } else { p.written },
                         },
                     )
                 });
@@ -366,6 +378,7 @@ impl UringBackend {
                 slot_bytes: ix.slot_bytes(e.loc.class),
                 slot: e.loc.slot as u64,
                 sum: e.sum,
+                written: e.written,
             })
             .collect()
     }

@@ -1,6 +1,7 @@
 //! [`UringOptions`]: the uring backend's extra-config fields, parsed strictly.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use hicache_storage::{
     CommonConfig, ConfigFields, EvictionPolicy, Lifecycle, Result, StorageError, Watermarks,
@@ -46,9 +47,11 @@ pub struct UringOptions {
     /// refused.
     pub read_only: bool,
     /// Background eviction between two fill levels (`high_watermark`, `low_watermark`,
-    /// fractions of the capacity; default none). See [`hicache_storage::lifecycle`]; `ttl_s`
-    /// is refused here (the `file` backend has it).
+    /// fractions of the capacity; default none). See [`hicache_storage::lifecycle`].
     pub watermarks: Option<Watermarks>,
+    /// Pages expire this long after their write (`ttl_s`, whole seconds, at least 1; default
+    /// never): an expired page is a miss, a set rewrites it, the reclaim thread deletes it.
+    pub ttl: Option<Duration>,
 }
 
 impl UringOptions {
@@ -67,6 +70,7 @@ impl UringOptions {
             page_bytes: None,
             read_only: false,
             watermarks: None,
+            ttl: None,
         }
     }
 
@@ -82,6 +86,7 @@ impl UringOptions {
             )
         })?;
         let d = Self::new(dir);
+        let lifecycle = Lifecycle::take_from(&mut f)?;
         let o = Self {
             fsync: FsyncPolicy::from_name(f.choice("fsync", "batch", &FsyncPolicy::NAMES)?)
                 .unwrap_or_default(),
@@ -94,19 +99,8 @@ impl UringOptions {
             grow_bytes: f.opt_bytes("grow_bytes", 4096)?.unwrap_or(d.grow_bytes),
             page_bytes: f.opt_bytes("page_bytes", 1)?,
             read_only: f.bool("read_only", false)?,
-            watermarks: {
-                let l = Lifecycle::take_from(&mut f)?;
-                if let Some(t) = l.ttl {
-                    return Err(StorageError::config(
-                        f.scope(),
-                        "ttl_s",
-                        t.as_secs().to_string(),
-                        "not supported by the uring backend (its index records no write time); \
-                         the file backend has it",
-                    ));
-                }
-                l.watermarks
-            },
+            watermarks: lifecycle.watermarks,
+            ttl: lifecycle.ttl,
             capacity_bytes: common.capacity_bytes,
             dir: d.dir,
         };
@@ -133,7 +127,7 @@ mod tests {
             r#"{"dir": "/d", "capacity": "2GiB", "fsync": "always", "eviction": "fifo",
                 "queue_depth": 256, "max_batch": 512, "fixed_buffers": false,
                 "fixed_files": false, "grow_bytes": "64MiB", "page_bytes": 262144,
-                "read_only": true}"#,
+                "read_only": true, "ttl_s": 60}"#,
         )
         .unwrap();
         assert_eq!(o.capacity_bytes, Some(2 << 30));
@@ -144,6 +138,7 @@ mod tests {
         assert_eq!(o.grow_bytes, 64 << 20);
         assert_eq!(o.page_bytes, Some(262_144));
         assert!(o.read_only);
+        assert_eq!(o.ttl, Some(Duration::from_secs(60)));
     }
 
     #[test]
@@ -165,7 +160,9 @@ mod tests {
             (r#"{"dir": "/d", "grow_bytes": "lots"}"#, "grow_bytes"),
             (r#"{"dir": "/d", "page_bytes": 0}"#, "page_bytes"),
             (r#"{"dir": "/d", "read_only": "yes"}"#, "read_only"),
-            (r#"{"dir": "/d", "ttl_s": 60}"#, "ttl_s"),
+            (r#"{"dir": "/d", "ttl_s": 0}"#, "ttl_s"),
+            (r#"{"dir": "/d", "ttl_s": -5}"#, "ttl_s"),
+            (r#"{"dir": "/d", "ttl_s": "1h"}"#, "ttl_s"),
             (
                 r#"{"dir": "/d", "high_watermark": 0.5, "low_watermark": 0.5}"#,
                 "low_watermark",

@@ -78,10 +78,16 @@ impl UringBackend {
         out: &mut Outcomes,
     ) -> Vec<Option<Entry>> {
         let mut found = vec![None; keys.len()];
+        let mut expired = false;
         let mut ix = self.index.lock();
         for (i, (k, d)) in keys.iter().zip(dst.iter()).enumerate() {
             match ix.get(k).copied() {
                 None => out.set(i, PageOutcome::Miss),
+                Some(e) if self.is_expired(e.written) => {
+                    // Expired (`ttl_s`): a miss; the reclaim thread deletes it.
+                    expired = true;
+                    out.set(i, PageOutcome::Miss);
+                }
                 Some(e) if e.meta != d.meta() => {
                     bump(&self.counters.meta_mismatches, 1);
                     out.set(i, PageOutcome::Miss);
@@ -92,6 +98,10 @@ impl UringBackend {
                     found[i] = Some(e);
                 }
             }
+        }
+        drop(ix);
+        if expired {
+            self.wake_reclaimer();
         }
         found
     }

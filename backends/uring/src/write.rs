@@ -29,7 +29,10 @@ impl UringBackend {
                 src,
                 |len| (slot_bytes(len) > self.capacity).then(|| self.max_page_bytes()),
                 |k, meta| {
-                    let same = ix.get(k).is_some_and(|e| e.meta == meta);
+                    // An expired page (`ttl_s`) is rewritten (with a new write time).
+                    let same = ix
+                        .get(k)
+                        .is_some_and(|e| e.meta == meta && !self.is_expired(e.written));
                     if same {
                         ix.touch(k);
                     }
