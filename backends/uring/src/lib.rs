@@ -25,13 +25,10 @@
 //!
 //! # Invariants
 //! 1. **Data before index.** A page's bytes are written to a slot no committed page uses
-//!    ([`index`] invariant 1), and only once those writes completed is its `put` record
-//!    appended to the index log and the page made visible, after the data and the record are
-//!    durable per the fsync policy (under `batch` the slab syncs and the log sync of a commit
-//!    group run at once, see `commit.rs`). So after a process crash the log names only pages
-//!    whose data was complete; after a power loss under `batch` it may also name a page that
-//!    was never acknowledged whose data did not reach the disk, which reads as `Corrupt`
-//!    (invariant 2), never as a hit. A torn log tail is cut off at open ([`log`] invariant 1).
+//!    ([`index`] invariant 1), made durable per the fsync policy, and only then is its `put`
+//!    record appended to the index log (synced unless `fsync` is `none`) and the page made
+//!    visible. So after any crash the log names only pages whose data was complete; a torn log
+//!    tail is cut off at open ([`log`] invariant 1).
 //! 2. **Verified reads.** Every read is checked against the XXH3-64 its `put` record holds. A
 //!    mismatch, or a slot cut short by a truncated slab, is `Corrupt`: the destination is
 //!    zeroed, the page dropped, the event counted. Bad bytes are never a hit.

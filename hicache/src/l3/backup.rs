@@ -99,7 +99,7 @@ pub(crate) struct BackupOp {
 
 impl BackupOp {
     fn is_done(&self) -> bool {
-        self.shared.done.load(Ordering::Acquire)
+        self.shared.done.is_set()
     }
 
     /// Pages stored so far.
@@ -238,7 +238,7 @@ impl L3 {
         if self.backup_skip || sent == 0 {
             // Rank 0 writes these pages for every rank (invariant 2), or every page is known
             // to be in L3: done at once, but tracked, pinned and finished like the others.
-            shared.done.store(true, Ordering::Release);
+            shared.done.set();
         } else {
             let job = BackupJob {
                 storage: self.storage.clone(),
@@ -283,12 +283,10 @@ impl L3 {
         self.backups.iter().take_while(|b| b.is_done()).count()
     }
 
-    /// Waits until the oldest `n` backups finished (polling).
+    /// Waits (blocking, woken by each task's end) until the oldest `n` backups finished.
     pub fn wait_backups(&self, n: usize) {
         for op in self.backups.iter().take(n) {
-            while !op.is_done() {
-                std::thread::sleep(std::time::Duration::from_micros(200));
-            }
+            op.shared.done.wait();
         }
     }
 

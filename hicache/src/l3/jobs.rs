@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use hicache_core::{HostSlot, NamespaceId, PageHash, PageHasher, PageKey};
 use hicache_host::HostPool;
 use hicache_storage::{BatchContext, LayoutKind, PageBuf, PageBufMut, Storage};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use tokio::sync::{Notify, Semaphore};
 use tracing::Instrument;
 
@@ -55,13 +55,45 @@ pub(crate) struct FetchShared {
     pub state: Mutex<FetchState>,
     /// Wakes the task when pages are given or the prefetch is terminated.
     pub notify: Notify,
+    /// Signalled (with `state` locked) when the task sets `exited`.
+    pub exited: Condvar,
+}
+
+/// A flag set once by a background task and waited for by the engine thread without
+/// polling. Invariant: once set it stays set; everything the setter wrote before `set` is
+/// visible to whoever sees it set (the lock orders them).
+#[derive(Debug, Default)]
+pub(crate) struct Latch {
+    set: Mutex<bool>,
+    changed: Condvar,
+}
+
+impl Latch {
+    /// Sets the flag and wakes every waiter.
+    pub fn set(&self) {
+        *self.set.lock() = true;
+        self.changed.notify_all();
+    }
+
+    /// Whether the flag is set.
+    pub fn is_set(&self) -> bool {
+        *self.set.lock()
+    }
+
+    /// Blocks until the flag is set.
+    pub fn wait(&self) {
+        let mut set = self.set.lock();
+        while !*set {
+            self.changed.wait(&mut set);
+        }
+    }
 }
 
 /// State shared between a backup's task and the engine thread.
 #[derive(Debug, Default)]
 pub(crate) struct BackupShared {
     /// The task finished (every batch acknowledged or failed).
-    pub done: AtomicBool,
+    pub done: Latch,
     /// Pages stored (or already present) in L3.
     pub stored_pages: AtomicU64,
     /// Some batch failed.
@@ -198,6 +230,7 @@ impl QueryJob {
         st.exited = true;
         let from = st.completed;
         st.leftover = st.slots.as_ref().map(|s| s[from..].to_vec());
+        self.shared.exited.notify_all();
     }
 
     /// The leading run of `keys` present in L3, batch by batch.
@@ -302,7 +335,7 @@ impl BackupJob {
         let span = tracing::debug_span!("l3_backup", pages = self.chain.len());
         let shared = self.shared.clone();
         self.run_inner().instrument(span).await;
-        shared.done.store(true, Ordering::Release);
+        shared.done.set();
     }
 
     async fn run_inner(self) {

@@ -425,8 +425,8 @@ impl L3 {
         let deadline = Instant::now() + LEFTOVER_WAIT;
         let mut back = Vec::new();
         self.draining.retain(|s| {
+            let mut st = s.state.lock();
             loop {
-                let mut st = s.state.lock();
                 if st.exited {
                     if let Some(l) = st.leftover.take() {
                         back.extend(l);
@@ -436,15 +436,14 @@ impl L3 {
                 if !wait {
                     return true;
                 }
-                if Instant::now() >= deadline {
+                // Woken when the task sets `exited` (under this lock, so no wake-up is lost).
+                if s.exited.wait_until(&mut st, deadline).timed_out() && !st.exited {
                     tracing::warn!(
                         pages = st.slots.as_ref().map_or(0, |v| v.len() - st.completed),
                         "a prefetch task is stuck in its backend; its host pages stay allocated"
                     );
                     return false;
                 }
-                drop(st);
-                std::thread::sleep(Duration::from_micros(200));
             }
         });
         if !back.is_empty() {
