@@ -9,10 +9,11 @@
 //!
 //! `plugin_config` takes the memory backend's own fields (`eviction`, `max_batch`,
 //! `record_contexts`); the common `capacity` arrives from the host. Being an SDK plugin it
-//! exports the ABI 1.1 batch-context entries; with `"record_contexts": true` the backend logs
-//! every context it receives (through the host's log callback), which the ABI tests read. It
-//! also exports the test-only corruption hook, so it runs the whole conformance suite through
-//! the loader.
+//! exports the ABI 1.1 batch-context entries and the 1.2 `clear` (the memory backend clears,
+//! so it reports `HICACHE_INFO_CLEAR`); with `"record_contexts": true` the backend logs every
+//! context it receives (through the host's log callback), which the ABI tests read. It also
+//! exports the test-only corruption hook, so it runs the whole conformance suite through the
+//! loader.
 
 use std::ffi::CStr;
 

@@ -3,26 +3,27 @@
 //! panic reaches the host as an error naming the operation and the panic message, and that the
 //! host process (and the instance, for the other operations) carries on.
 //!
-//! `panic_in`: `open`, `info`, `batch_exists`, `batch_get`, `batch_set`, `delete`, `stats`,
-//! `corrupt`, or absent (no panic).
+//! `panic_in`: `open`, `info`, `batch_exists`, `batch_get`, `batch_set`, `delete`, `clear`,
+//! `stats`, `corrupt`, or absent (no panic).
 
 use std::ffi::CStr;
 
 use async_trait::async_trait;
 use hicache_backend_plugin::sdk::{OpenArgs, Plugin};
-use hicache_core::PageKey;
+use hicache_core::{NamespaceId, PageKey};
 use hicache_storage::{
     BackendInfo, MemoryBackend, MemoryOptions, PageBuf, PageBufMut, PageOutcome, Result, Storage,
     StorageStats,
 };
 
-const OPS: [&str; 8] = [
+const OPS: [&str; 9] = [
     "open",
     "info",
     "batch_exists",
     "batch_get",
     "batch_set",
     "delete",
+    "clear",
     "stats",
     "corrupt",
 ];
@@ -70,6 +71,12 @@ impl Storage for Faulty {
     async fn delete(&self, keys: &[PageKey]) -> Result<usize> {
         self.maybe_panic("delete");
         self.inner.delete(keys).await
+    }
+
+    // Forwarded: the info is the inner backend's, which clears (contract rule 10).
+    async fn clear(&self, namespace: NamespaceId) -> Result<u64> {
+        self.maybe_panic("clear");
+        self.inner.clear(namespace).await
     }
 
     fn stats(&self) -> StorageStats {

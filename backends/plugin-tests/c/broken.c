@@ -6,6 +6,7 @@
  *   BROKEN_NULL_FUNCTION   batch_get is NULL
  *   BROKEN_CAP_WITHOUT_FN  HICACHE_CAP_TEST_CORRUPT set, test_corrupt_page NULL
  *   BROKEN_CONTEXT_CAP_WITHOUT_FN  HICACHE_CAP_BATCH_CONTEXT set, batch_*_ctx NULL
+ *   BROKEN_CLEAR_CAP_WITHOUT_FN    HICACHE_CAP_CLEAR set (1.2 vtable), clear NULL
  *   BROKEN_CREATE_FAILS    create fails with HICACHE_ERR_UNAVAILABLE and a message
  *   BROKEN_ZERO_BATCH      get_info reports max_batch 0
  *   BROKEN_GARBAGE         well-formed vtable, garbage results (see below)
@@ -170,6 +171,8 @@ static const hicache_plugin_vtable VTABLE = {
     HICACHE_CAP_TEST_CORRUPT,
 #elif defined(BROKEN_CONTEXT_CAP_WITHOUT_FN)
     HICACHE_CAP_BATCH_CONTEXT,
+#elif defined(BROKEN_CLEAR_CAP_WITHOUT_FN)
+    HICACHE_CAP_CLEAR,
 #else
     0,
 #endif
@@ -187,6 +190,7 @@ static const hicache_plugin_vtable VTABLE = {
     b_batch_set,
     b_batch_delete,
     b_get_stats,
+    NULL,
     NULL,
     NULL,
     NULL,

@@ -132,6 +132,13 @@ fn broken_vtables_are_refused() {
         t.contains("HICACHE_CAP_BATCH_CONTEXT") && t.contains("batch_exists_ctx"),
         "{t}"
     );
+
+    let (e, t) = open_err(&c_plugin("broken_clear_cap_without_fn"), "{}");
+    assert!(matches!(e, PluginError::InvalidVtable { .. }), "{e:?}");
+    assert!(
+        t.contains("HICACHE_CAP_CLEAR") && t.contains("`clear` is NULL"),
+        "{t}"
+    );
 }
 
 #[test]
@@ -263,6 +270,8 @@ fn the_same_path_loads_once() {
     assert_eq!(next.abi_version(), (1, minor + 1), "a newer minor loads");
     let old = PluginLibrary::load(c_plugin("hicache_c_memory_v1_0")).unwrap();
     assert_eq!(old.abi_version(), (1, 0), "an older minor loads");
+    let v1_1 = PluginLibrary::load(c_plugin("hicache_c_memory_v1_1")).unwrap();
+    assert_eq!(v1_1.abi_version(), (1, 1), "a 1.1 plugin loads");
 }
 
 /// A panic inside any call of a Rust plugin becomes an error, never an abort; the instance

@@ -103,7 +103,7 @@ fn prefix_keys_cross_the_abi_and_a_1_0_plugin_still_works() {
         &HostParams::default().with_capacity(Some(16 << 20)),
     )
     .unwrap();
-    assert_eq!(r.library().abi_version(), (abi::ABI_MAJOR, 1));
+    assert_eq!(r.library().abi_version(), (abi::ABI_MAJOR, abi::ABI_MINOR));
     assert!(r.library().batch_context());
     assert!(r.info().batch_context);
     let prefix = keys(40, 5);

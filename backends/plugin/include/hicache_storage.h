@@ -1,5 +1,5 @@
 /*
- * hicache_storage.h — the hicache-rs L3 storage plugin ABI, version 1.1.
+ * hicache_storage.h — the hicache-rs L3 storage plugin ABI, version 1.2.
  *
  * A plugin is a shared library that exports one function, HICACHE_PLUGIN_ENTRY
  * ("hicache_storage_plugin"), returning a pointer to a static vtable. hicache-rs loads it with
@@ -104,8 +104,9 @@ extern "C" {
 
 /** ABI major version: the host refuses a plugin of another major version. */
 #define HICACHE_ABI_MAJOR 1u
-/** ABI minor version: appended fields and new bits only (1: the batch-context entries). */
-#define HICACHE_ABI_MINOR 1u
+/** ABI minor version: appended fields and new bits only (1: the batch-context entries; 2: the
+ * clear entry). */
+#define HICACHE_ABI_MINOR 2u
 
 /** The one symbol a plugin exports: `const hicache_plugin_vtable *hicache_storage_plugin(void)`. */
 #define HICACHE_PLUGIN_ENTRY hicache_storage_plugin
@@ -179,6 +180,12 @@ typedef int32_t hicache_page_result;
  * below HICACHE_VTABLE_V1_1_SIZE.
  */
 #define HICACHE_CAP_BATCH_CONTEXT (1u << 2)
+/**
+ * Capability (1.2): `clear` is provided. Ignored in a vtable whose struct_size is below
+ * HICACHE_VTABLE_V1_2_SIZE. Whether an instance clears is its HICACHE_INFO_CLEAR flag: a plugin
+ * may provide the entry for every instance and support it for some.
+ */
+#define HICACHE_CAP_CLEAR (1u << 3)
 
 /** Batch-context flag: prefix_keys / prefix_count are given (possibly 0 keys: the batch starts
  * the request). Without it the host passes no prefix keys. */
@@ -192,6 +199,9 @@ typedef int32_t hicache_page_result;
 #define HICACHE_INFO_PERSISTENT (1u << 1)
 /** Info flag: several processes may use the same storage at once. */
 #define HICACHE_INFO_SHARED (1u << 2)
+/** Info flag (1.2): this instance supports `clear` (the vtable has HICACHE_CAP_CLEAR). Without
+ * it the host never calls `clear` and answers "unsupported" itself. */
+#define HICACHE_INFO_CLEAR (1u << 3)
 
 /** Memory flag: the region is page-locked with the GPU driver (cuMemHostRegister). */
 #define HICACHE_MEMORY_CUDA_REGISTERED (1u << 0)
@@ -346,6 +356,9 @@ typedef struct hicache_stats {
     uint64_t evicted_bytes;
     uint64_t deleted_pages;
     uint64_t discarded_on_open;
+    /* ---- 1.2 ---- */
+    /** Pages removed by `clear`. */
+    uint64_t cleared_pages;
 } hicache_stats;
 
 /** An instance of a plugin: opaque to the host. */
@@ -430,12 +443,29 @@ typedef struct hicache_plugin_vtable {
                                     const hicache_page *pages, uint64_t count,
                                     const hicache_batch_context *ctx, hicache_page_result *results,
                                     hicache_error *err);
+
+    /* ---- 1.2 ---- */
+
+    /**
+     * Optional (HICACHE_CAP_CLEAR; called only on an instance whose info has
+     * HICACHE_INFO_CLEAR): removes every page of the namespace `namespace_id` (16 bytes, as in
+     * hicache_key) that the instance holds, never a page of another namespace nor anything not
+     * its own; `*removed` = how many pages were removed (0 for an empty namespace). Afterwards
+     * those keys read as misses and can be set again. A persistent plugin clears crash-safely:
+     * after a crash during the clear each page of the namespace is intact or absent. Pages whose
+     * sets overlap the clear may survive it. Counts the pages in hicache_stats.cleared_pages.
+     */
+    hicache_status (*clear)(hicache_plugin *plugin,
+                            const uint8_t namespace_id[HICACHE_NAMESPACE_LEN], uint64_t *removed,
+                            hicache_error *err);
 } hicache_plugin_vtable;
 
 /** Size of the v1.0 vtable: the smallest struct_size a v1 host accepts. */
 #define HICACHE_VTABLE_V1_0_SIZE (offsetof(hicache_plugin_vtable, test_corrupt_page) + sizeof(void *))
 /** Size of the v1.1 vtable (the batch-context entries). */
 #define HICACHE_VTABLE_V1_1_SIZE (offsetof(hicache_plugin_vtable, batch_set_ctx) + sizeof(void *))
+/** Size of the v1.2 vtable (the clear entry). */
+#define HICACHE_VTABLE_V1_2_SIZE (offsetof(hicache_plugin_vtable, clear) + sizeof(void *))
 
 /** The entry function's type. */
 typedef const hicache_plugin_vtable *(*hicache_plugin_entry_fn)(void);

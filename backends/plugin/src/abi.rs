@@ -15,8 +15,8 @@ use hicache_core::{LayoutKind, PageKey};
 
 /// ABI major version: a plugin of another major version is refused.
 pub const ABI_MAJOR: u32 = 1;
-/// ABI minor version of this host (1.1: the batch-context entries).
-pub const ABI_MINOR: u32 = 1;
+/// ABI minor version of this host (1.1: the batch-context entries; 1.2: `clear`).
+pub const ABI_MINOR: u32 = 2;
 /// The exported entry symbol, NUL-terminated (for `dlsym`).
 pub const ENTRY_SYMBOL: &[u8] = b"hicache_storage_plugin\0";
 
@@ -88,6 +88,9 @@ pub const CAP_REGISTER_MEMORY: u32 = 1 << 0;
 pub const CAP_TEST_CORRUPT: u32 = 1 << 1;
 /// Capability (1.1): `batch_exists_ctx`, `batch_get_ctx` and `batch_set_ctx` are provided.
 pub const CAP_BATCH_CONTEXT: u32 = 1 << 2;
+/// Capability (1.2): `clear` is provided (an instance supports it when its info has
+/// [`INFO_CLEAR`]).
+pub const CAP_CLEAR: u32 = 1 << 3;
 
 /// Batch-context flag: `prefix_keys` / `prefix_count` are given (possibly 0 keys).
 pub const CONTEXT_HAS_PREFIX: u32 = 1 << 0;
@@ -100,6 +103,8 @@ pub const INFO_ZERO_COPY: u32 = 1 << 0;
 pub const INFO_PERSISTENT: u32 = 1 << 1;
 /// Info flag: shared between processes.
 pub const INFO_SHARED: u32 = 1 << 2;
+/// Info flag (1.2): the instance supports `clear`.
+pub const INFO_CLEAR: u32 = 1 << 3;
 
 /// Memory flag: page-locked with the GPU driver.
 pub const MEMORY_CUDA_REGISTERED: u32 = 1 << 0;
@@ -290,6 +295,8 @@ pub struct Stats {
     pub evicted_bytes: u64,
     pub deleted_pages: u64,
     pub discarded_on_open: u64,
+    /// 1.2.
+    pub cleared_pages: u64,
 }
 
 /// An instance, opaque (`hicache_plugin`).
@@ -394,6 +401,13 @@ pub type BatchSetCtxFn = unsafe extern "C" fn(
     results: *mut PageResult,
     err: *mut ErrorBuf,
 ) -> Status;
+/// `clear` (1.2).
+pub type ClearFn = unsafe extern "C" fn(
+    plugin: *mut PluginHandle,
+    namespace_id: *const [u8; NAMESPACE_LEN],
+    removed: *mut u64,
+    err: *mut ErrorBuf,
+) -> Status;
 /// The entry function.
 pub type EntryFn = unsafe extern "C" fn() -> *const Vtable;
 
@@ -452,6 +466,8 @@ pub struct Vtable {
     pub batch_get_ctx: Option<BatchGetCtxFn>,
     /// 1.1, with [`CAP_BATCH_CONTEXT`].
     pub batch_set_ctx: Option<BatchSetCtxFn>,
+    /// 1.2, with [`CAP_CLEAR`].
+    pub clear: Option<ClearFn>,
 }
 
 /// Size of the v1.0 vtable: the smallest `struct_size` this host accepts for major 1.
@@ -459,6 +475,9 @@ pub const VTABLE_V1_0_SIZE: usize = offset_of!(Vtable, test_corrupt_page) + size
 /// Size of the v1.1 vtable (the batch-context entries): a plugin whose `struct_size` is
 /// smaller does not have them, whatever its capability bits say.
 pub const VTABLE_V1_1_SIZE: usize = offset_of!(Vtable, batch_set_ctx) + size_of::<usize>();
+/// Size of the v1.2 vtable (the `clear` entry): a plugin whose `struct_size` is smaller does
+/// not have it, whatever its capability bits say.
+pub const VTABLE_V1_2_SIZE: usize = offset_of!(Vtable, clear) + size_of::<usize>();
 
 /// A vtable in a `static`: raw pointers are not `Sync`, but the vtable and the strings it points
 /// to are immutable static data, so sharing it between threads is sound.
@@ -604,8 +623,17 @@ pub fn layout_probe() -> Vec<(&'static str, usize)> {
             "offsetof(hicache_plugin_vtable, batch_set_ctx)",
             offset_of!(Vtable, batch_set_ctx),
         ),
+        (
+            "offsetof(hicache_plugin_vtable, clear)",
+            offset_of!(Vtable, clear),
+        ),
         ("HICACHE_VTABLE_V1_0_SIZE", VTABLE_V1_0_SIZE),
         ("HICACHE_VTABLE_V1_1_SIZE", VTABLE_V1_1_SIZE),
+        ("HICACHE_VTABLE_V1_2_SIZE", VTABLE_V1_2_SIZE),
+        (
+            "offsetof(hicache_stats, cleared_pages)",
+            offset_of!(Stats, cleared_pages),
+        ),
         ("sizeof(hicache_batch_context)", size_of::<BatchContext>()),
         (
             "offsetof(hicache_batch_context, prefix_keys)",
@@ -662,10 +690,11 @@ mod tests {
             offset_of!(VtableHeader, struct_size)
         );
         assert_eq!(
-            VTABLE_V1_1_SIZE,
+            VTABLE_V1_2_SIZE,
             size_of::<Vtable>(),
-            "v1.1 is this host's vtable"
+            "v1.2 is this host's vtable"
         );
         assert_eq!(VTABLE_V1_0_SIZE + 3 * size_of::<usize>(), VTABLE_V1_1_SIZE);
+        assert_eq!(VTABLE_V1_1_SIZE + size_of::<usize>(), VTABLE_V1_2_SIZE);
     }
 }

@@ -16,7 +16,9 @@
 //!    copied into a zeroed host-side vtable: a newer plugin is used through the common prefix,
 //!    and fields an older plugin lacks read as absent.
 //! 5. Every required function must be non-null, and every function a capability flag promises
-//!    too (`HICACHE_CAP_BATCH_CONTEXT` counts only in a vtable of at least the 1.1 size); name and version must be NUL-terminated within 255 bytes
+//!    too (`HICACHE_CAP_BATCH_CONTEXT` counts only in a vtable of at least the 1.1 size,
+//!    `HICACHE_CAP_CLEAR` only in one of at least the 1.2 size); name and version must be
+//!    NUL-terminated within 255 bytes
 //!    ([`PluginError::InvalidVtable`]).
 //!
 //! Invariants:
@@ -238,6 +240,15 @@ impl PluginLibrary {
                 )));
             }
         }
+        // Likewise a vtable too small to hold the 1.2 `clear` entry did not know its bit.
+        if header.struct_size as usize >= abi::VTABLE_V1_2_SIZE
+            && vt.capabilities & abi::CAP_CLEAR != 0
+            && vt.clear.is_none()
+        {
+            return Err(invalid(
+                "HICACHE_CAP_CLEAR is set but `clear` is NULL".into(),
+            ));
+        }
         // SAFETY: the header requires static NUL-terminated strings; `bounded_str` reads at
         // most MAX_NAME + 1 bytes.
         let name = unsafe { bounded_str(vt.name) }.map_err(|e| invalid(format!("name {e}")))?;
@@ -280,6 +291,14 @@ impl PluginLibrary {
     pub fn batch_context(&self) -> bool {
         self.vtable.struct_size as usize >= abi::VTABLE_V1_1_SIZE
             && self.vtable.capabilities & abi::CAP_BATCH_CONTEXT != 0
+    }
+
+    /// Whether the plugin provides `clear` (ABI 1.2 `HICACHE_CAP_CLEAR`, the entry checked
+    /// non-null at load). An instance supports it when its info also has `HICACHE_INFO_CLEAR`
+    /// ([`BackendInfo::clear`](hicache_storage::BackendInfo::clear) of the storage).
+    pub fn clear(&self) -> bool {
+        self.vtable.struct_size as usize >= abi::VTABLE_V1_2_SIZE
+            && self.vtable.capabilities & abi::CAP_CLEAR != 0
     }
 
     /// The checked, zero-extended vtable.

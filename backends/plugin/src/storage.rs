@@ -25,7 +25,11 @@
 //! 4. A batch context reaches the plugin only through the 1.1 `*_ctx` entries of a plugin
 //!    that declared them (`HICACHE_CAP_BATCH_CONTEXT`); a call without context, or to a 1.0
 //!    plugin, uses the plain entries (the context is dropped, as the trait's defaults do).
-//! 5. The instance is destroyed exactly once, in `Drop`, when no call can be in flight (calls
+//! 5. `clear` reaches the plugin only when the library provides the 1.2 entry
+//!    (`HICACHE_CAP_CLEAR`) and the instance's info says it clears (`HICACHE_INFO_CLEAR`);
+//!    otherwise it answers [`StorageError::Unsupported`] without calling the plugin, as a
+//!    backend without the capability does (contract rule 10).
+//! 6. The instance is destroyed exactly once, in `Drop`, when no call can be in flight (calls
 //!    borrow `&self`). `destroy` runs on the dropping thread, directly.
 
 use std::ffi::{c_char, c_void};
@@ -34,7 +38,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_trait::async_trait;
-use hicache_core::{MemoryRegion, PageKey};
+use hicache_core::{MemoryRegion, NamespaceId, PageKey};
 use hicache_storage::{
     BackendContext, BackendInfo, BatchContext, CommonConfig, PageBuf, PageBufMut, PageError,
     PageOutcome, Result, Storage, StorageError, StorageStats, check_batch,
@@ -266,6 +270,8 @@ impl PluginStorage {
         };
         i.capacity_bytes = (info.capacity_bytes != 0).then_some(info.capacity_bytes);
         i.batch_context = self.lib.batch_context();
+        // Invariant 5: both the entry and the instance's word.
+        i.clear = self.lib.clear() && info.flags & abi::INFO_CLEAR != 0;
         Ok(i)
     }
 
@@ -760,6 +766,36 @@ impl Storage for PluginStorage {
         })
     }
 
+    async fn clear(&self, namespace: NamespaceId) -> Result<u64> {
+        // Invariant 5.
+        let f = match self.vt().clear {
+            Some(f) if self.info.clear => f,
+            _ => {
+                return Err(StorageError::Unsupported {
+                    backend: self.info.name.clone(),
+                    op: "clear",
+                });
+            }
+        };
+        let ns = *namespace.as_bytes();
+        let mut removed = 0u64;
+        let mut err = ErrorText::new();
+        let status = blocking(|| {
+            let mut eb = err.abi();
+            // SAFETY: a live instance; `ns` (16 bytes), `removed` and `eb` are valid locals
+            // for the call.
+            unsafe { f(self.handle.as_ptr(), &ns, &mut removed, &mut eb) }
+        });
+        match status {
+            abi::OK => Ok(removed),
+            abi::ERR_UNSUPPORTED => Err(StorageError::Unsupported {
+                backend: self.info.name.clone(),
+                op: "clear",
+            }),
+            _ => Err(self.call_error("clear", status, 0, &err)),
+        }
+    }
+
     fn stats(&self) -> StorageStats {
         let mut s = abi::Stats {
             struct_size: std::mem::size_of::<abi::Stats>() as u32,
@@ -807,6 +843,7 @@ impl Storage for PluginStorage {
         out.evicted_pages = s.evicted_pages;
         out.evicted_bytes = s.evicted_bytes;
         out.deleted_pages = s.deleted_pages;
+        out.cleared_pages = s.cleared_pages;
         out.discarded_on_open = s.discarded_on_open;
         out
     }
@@ -818,7 +855,7 @@ impl Drop for PluginStorage {
         let handle = self.handle.as_ptr();
         // Called in place, not in a blocking section: a drop may run while a runtime shuts
         // down, where handing the worker away is not possible, and a panic in `drop` aborts.
-        // SAFETY: invariant 4: the instance is live, no call is in flight (`&mut self`), and it
+        // SAFETY: invariant 6: the instance is live, no call is in flight (`&mut self`), and it
         // is never used again.
         unsafe { destroy(handle) };
     }

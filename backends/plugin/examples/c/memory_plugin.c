@@ -557,6 +557,7 @@ typedef struct {
 #define VTABLE_SIZE sizeof(VTABLE_TYPE)
 #define VTABLE_OF(t) (&(t).v1)
 #define VTABLE_INIT(...) {{__VA_ARGS__}, NULL}
+#define VTABLE_EXTRA_CAPS 0u
 #elif defined(HICACHE_EXAMPLE_V1_0)
 /* Test variant: the plugin as built against the 1.0 header (minor 0, the 1.0 vtable size):
  * the host must not look at the fields 1.1 appended. */
@@ -565,19 +566,31 @@ typedef struct {
 #define VTABLE_SIZE HICACHE_VTABLE_V1_0_SIZE
 #define VTABLE_OF(t) (&(t))
 #define VTABLE_INIT(...) {__VA_ARGS__}
+#define VTABLE_EXTRA_CAPS 0u
+#elif defined(HICACHE_EXAMPLE_V1_1)
+/* Test variant: the plugin as built against the 1.1 header (minor 1, the 1.1 vtable size). It
+ * sets the 1.2 HICACHE_CAP_CLEAR bit, which a 1.1 plugin never knew: the host must ignore the
+ * bit (the entry lies beyond struct_size), load the plugin, and answer clear "unsupported". */
+#define VTABLE_TYPE hicache_plugin_vtable
+#define VTABLE_MINOR 1u
+#define VTABLE_SIZE HICACHE_VTABLE_V1_1_SIZE
+#define VTABLE_OF(t) (&(t))
+#define VTABLE_INIT(...) {__VA_ARGS__}
+#define VTABLE_EXTRA_CAPS HICACHE_CAP_CLEAR
 #else
 #define VTABLE_TYPE hicache_plugin_vtable
 #define VTABLE_MINOR HICACHE_ABI_MINOR
 #define VTABLE_SIZE sizeof(VTABLE_TYPE)
 #define VTABLE_OF(t) (&(t))
 #define VTABLE_INIT(...) {__VA_ARGS__}
+#define VTABLE_EXTRA_CAPS 0u
 #endif
 
 static const VTABLE_TYPE VTABLE = VTABLE_INIT(
     HICACHE_ABI_MAJOR,
     VTABLE_MINOR,
     VTABLE_SIZE,
-    HICACHE_CAP_TEST_CORRUPT,
+    HICACHE_CAP_TEST_CORRUPT | VTABLE_EXTRA_CAPS,
     "c-memory-example",
     "1.0.0",
     mp_create,
@@ -594,6 +607,8 @@ static const VTABLE_TYPE VTABLE = VTABLE_INIT(
      * entries. */
     NULL,
     NULL,
+    NULL,
+    /* 1.2 clear: not provided (no HICACHE_CAP_CLEAR); the host answers "unsupported". */
     NULL);
 
 __attribute__((visibility("default"))) const hicache_plugin_vtable *HICACHE_PLUGIN_ENTRY(void) {

@@ -65,6 +65,7 @@ impl From<StorageError> for Failure {
             StorageError::LengthMismatch { .. } => abi::ERR_INVALID_ARGUMENT,
             StorageError::Io { .. } => abi::ERR_IO,
             StorageError::Unavailable { .. } => abi::ERR_UNAVAILABLE,
+            StorageError::Unsupported { .. } => abi::ERR_UNSUPPORTED,
             _ => abi::ERR_INTERNAL,
         };
         Failure {
@@ -429,6 +430,9 @@ pub(super) unsafe extern "C" fn get_info<P: Plugin>(
         if i.shared {
             flags |= abi::INFO_SHARED;
         }
+        if i.clear {
+            flags |= abi::INFO_CLEAR;
+        }
         let info = abi::Info {
             struct_size: 0,
             flags,
@@ -709,6 +713,30 @@ pub(super) unsafe extern "C" fn batch_delete<P: Plugin>(
     })
 }
 
+pub(super) unsafe extern "C" fn clear<P: Plugin>(
+    plugin: *mut abi::PluginHandle,
+    namespace_id: *const [u8; abi::NAMESPACE_LEN],
+    removed: *mut u64,
+    err: *mut abi::ErrorBuf,
+) -> Status {
+    guard::<P>("clear", err, || {
+        // SAFETY: invariant 1.
+        let inst = unsafe { instance::<P>(plugin) }?;
+        // SAFETY: the header: 16 readable bytes, or null (refused).
+        let Some(ns) = (unsafe { namespace_id.as_ref() }) else {
+            return Err(Failure::invalid("namespace_id is NULL"));
+        };
+        if removed.is_null() {
+            return Err(Failure::invalid("removed is NULL"));
+        }
+        // A backend without the capability answers Unsupported (HICACHE_ERR_UNSUPPORTED).
+        let k = inst.run(inst.backend.clear(NamespaceId(*ns)))?;
+        // SAFETY: non-null out-param of the call.
+        unsafe { *removed = k };
+        Ok(None)
+    })
+}
+
 fn stats_abi(s: &StorageStats) -> abi::Stats {
     abi::Stats {
         struct_size: 0,
@@ -735,6 +763,7 @@ fn stats_abi(s: &StorageStats) -> abi::Stats {
         evicted_bytes: s.evicted_bytes,
         deleted_pages: s.deleted_pages,
         discarded_on_open: s.discarded_on_open,
+        cleared_pages: s.cleared_pages,
     }
 }
 

@@ -38,6 +38,10 @@
 //! 5. **Configuration.** `plugin_config` reaches [`Plugin::open`] as [`ConfigFields`] (strict,
 //!    typed accessors; call [`ConfigFields::finish`]), the common `capacity` in
 //!    [`OpenArgs::common`], the deployment in [`OpenArgs::context`].
+//! 6. **Capabilities.** The batch-context entries (1.1) and `clear` (1.2) are exported for
+//!    every plugin; `get_info` reports `HICACHE_INFO_CLEAR` when the backend's
+//!    [`BackendInfo::clear`](hicache_storage::BackendInfo::clear) is set, so the host calls
+//!    `clear` only on instances that support it.
 
 mod ffi;
 mod log;
@@ -106,6 +110,7 @@ pub const fn vtable<P: Plugin>() -> StaticVtable {
         struct_size: std::mem::size_of::<Vtable>() as u32,
         capabilities: abi::CAP_REGISTER_MEMORY
             | abi::CAP_BATCH_CONTEXT
+            | abi::CAP_CLEAR
             | if P::TEST_CORRUPT {
                 abi::CAP_TEST_CORRUPT
             } else {
@@ -130,6 +135,9 @@ pub const fn vtable<P: Plugin>() -> StaticVtable {
         batch_exists_ctx: Some(ffi::batch_exists_ctx::<P> as abi::BatchExistsCtxFn),
         batch_get_ctx: Some(ffi::batch_get_ctx::<P> as abi::BatchGetCtxFn),
         batch_set_ctx: Some(ffi::batch_set_ctx::<P> as abi::BatchSetCtxFn),
+        // Exported for every plugin; an instance whose backend clears says so with
+        // HICACHE_INFO_CLEAR (get_info), and one that does not answers HICACHE_ERR_UNSUPPORTED.
+        clear: Some(ffi::clear::<P> as abi::ClearFn),
     })
 }
 

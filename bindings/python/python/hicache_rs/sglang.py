@@ -454,7 +454,8 @@ class HiCacheRsStorage(HiCacheStorage):
     def clear(self) -> None:
         """Removes every page of this instance's namespace from the backend: pages written by
         this process, by other processes sharing the storage, and before a restart (file,
-        uring, redis and memory backends, whose ``info()["clear"]`` is true). A backend without a
+        uring, redis and memory backends, and plugins that clear (ABI 1.2), whose
+        ``info()["clear"]`` is true). A backend without a
         namespace-wide clear gets the pages this instance stored deleted instead."""
         store = self._ready("clear")
         with self._lock:
