@@ -2,54 +2,15 @@
 //! receives each batch's prefix keys and extra info exactly as given; a 1.0 plugin still
 //! loads, serves every call, and simply receives no context.
 
-use std::sync::{Arc, Mutex};
+mod common;
 
+use common::Capture;
 use hicache_backend_plugin::{HostParams, PluginStorage, abi};
 use hicache_plugin_tests::{c_plugin, rust_plugin};
 use hicache_storage::pattern::{namespace, page_bytes, page_key};
 use hicache_storage::{
     BatchContext, LayoutKind, PageBuf, PageBufMut, PageKey, PageOutcome, Storage, StorageExt,
 };
-use tracing::field::{Field, Visit};
-use tracing::span::{Attributes, Id, Record};
-use tracing::{Event, Metadata, Subscriber};
-
-/// Records every event as "target level field=value …".
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<String>>>);
-
-struct Line(String);
-
-impl Visit for Line {
-    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        self.0.push_str(&format!(" {}={:?}", field.name(), value));
-    }
-    fn record_str(&mut self, field: &Field, value: &str) {
-        self.0.push_str(&format!(" {}={}", field.name(), value));
-    }
-}
-
-impl Subscriber for Capture {
-    fn enabled(&self, _: &Metadata<'_>) -> bool {
-        true
-    }
-    fn new_span(&self, _: &Attributes<'_>) -> Id {
-        Id::from_u64(1)
-    }
-    fn record(&self, _: &Id, _: &Record<'_>) {}
-    fn record_follows_from(&self, _: &Id, _: &Id) {}
-    fn event(&self, e: &Event<'_>) {
-        let mut l = Line(format!(
-            "{} {}",
-            e.metadata().target(),
-            e.metadata().level()
-        ));
-        e.record(&mut l);
-        self.0.lock().unwrap().push(l.0);
-    }
-    fn enter(&self, _: &Id) {}
-    fn exit(&self, _: &Id) {}
-}
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
