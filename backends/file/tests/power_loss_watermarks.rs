@@ -17,7 +17,7 @@ use hicache_backend_file::format::file_bytes;
 use hicache_backend_file::{FileBackend, FileOptions, FsyncPolicy};
 use hicache_core::LayoutKind;
 use hicache_localio::journal::{self, Event, Journal};
-use hicache_localio::testing::power_loss::{Recorded, check};
+use hicache_localio::testing::power_loss::{Recorded, check, chooser};
 use hicache_storage::pattern::{namespace, page_bytes, page_key};
 use hicache_storage::{PageBuf, PageKey, PageOutcome, Storage, Watermarks};
 use proptest::prelude::*;
@@ -33,16 +33,6 @@ fn open(d: &Path) -> hicache_storage::Result<FileBackend> {
     o.queue_depth = 8;
     o.lifecycle.watermarks = Some(Watermarks::new(0.5, 0.2).unwrap());
     FileBackend::open(o)
-}
-
-fn chooser(mut seed: u64) -> impl FnMut(u32) -> u32 {
-    seed |= 1;
-    move |n| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        (seed % u64::from(n)) as u32
-    }
 }
 
 #[test]

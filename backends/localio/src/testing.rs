@@ -114,8 +114,9 @@ pub mod power_loss {
     const BATCHES: usize = 4;
     const PER_BATCH: usize = 4;
 
-    /// A small deterministic generator of a crash state's choices.
-    fn chooser(mut seed: u64) -> impl FnMut(u32) -> u32 {
+    /// A small deterministic generator of a crash state's choices (xorshift from `seed`), for
+    /// [`Journal::crash_state`]-style callers that pick among `n` options.
+    pub fn chooser(mut seed: u64) -> impl FnMut(u32) -> u32 {
         seed |= 1;
         move |n| {
             seed ^= seed << 13;
