@@ -139,6 +139,14 @@ impl Fault {
 /// Runs one fault case on a fresh multi-threaded tokio runtime. Panics, naming the broken
 /// invariant, if the backend fails it.
 pub fn run_fault<T: FaultTarget>(target: &T, fault: Fault) {
+    // One case at a time per process: `disk_full` spawns `mkfs` and `mount`, and a child
+    // between its fork and its exec holds a copy of every open descriptor, a directory lock's
+    // included, so a sibling case that closes a backend and reopens its directory at that
+    // moment would find its own released lock still held.
+    static ONE_CASE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_CASE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
         .enable_all()

@@ -14,6 +14,12 @@ use hicache_storage::{LayoutKind, PageKey, PageOutcome, Storage, StorageExt};
 const L: LayoutKind = LayoutKind::PageFirst;
 const LEN: usize = 16 << 10;
 
+/// One test at a time: `SmallFs` spawns `mkfs` and `mount`, and a child between its fork and
+/// its exec holds a copy of every open descriptor of this process, the directory lock's
+/// included, so a sibling test that closes a backend and reopens its directory at that moment
+/// would find its own just-released lock still held ("in use by another process").
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn keys(seed: u64, n: u64) -> Vec<PageKey> {
     (0..n).map(|i| page_key(namespace(13), seed, i)).collect()
 }
@@ -49,6 +55,7 @@ async fn intact(s: &UringBackend, ks: &[PageKey]) -> Vec<bool> {
 /// kept, the damaged bytes are preserved before the log is rewritten, and the open reports it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_damaged_log_record_costs_only_its_own_page() {
+    let _serial = SERIAL.lock().await;
     let dir = test_dir();
     let ks = keys(1, 10);
     {
@@ -92,6 +99,7 @@ async fn a_damaged_log_record_costs_only_its_own_page() {
 /// is refused before anything in it is written: the foreign `lock` file keeps its bytes.
 #[test]
 fn a_foreign_directory_is_refused_and_its_lock_file_untouched() {
+    let _serial = SERIAL.blocking_lock();
     let dir = test_dir();
     fs::write(dir.path().join(LOCK_FILE), b"someone else's lock\n").unwrap();
     fs::write(dir.path().join(INDEX_FILE), vec![b'x'; 4096]).unwrap();
@@ -118,6 +126,7 @@ fn a_foreign_directory_is_refused_and_its_lock_file_untouched() {
 /// Item 6: a capacity below one page is refused before anything is evicted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_capacity_below_one_page_is_refused() {
+    let _serial = SERIAL.lock().await;
     let dir = test_dir();
     let ks = keys(2, 3);
     {
@@ -141,6 +150,7 @@ async fn a_capacity_below_one_page_is_refused() {
 /// with a partial slab, and keeps working by evicting once the disk is full.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_capacity_above_the_free_space_still_writes() {
+    let _serial = SERIAL.lock().await;
     let root = test_dir();
     let small = match SmallFs::mount(root.path(), 96 << 20) {
         Ok(m) => m,
@@ -185,6 +195,7 @@ async fn a_capacity_above_the_free_space_still_writes() {
 /// serves every other page, refuses writes, and is refused while an owner holds the store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_only_open_changes_nothing_and_refuses_writes() {
+    let _serial = SERIAL.lock().await;
     let dir = test_dir();
     let ks = keys(7, 10);
     {
