@@ -6,7 +6,9 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{Engine, Faulty, assert_no_pins, prompt, small_shape, test_config, test_device};
+use common::{
+    Engine, Faulty, assert_no_pins, prompt, small_shape, test_config, test_device, with_storage,
+};
 use hicache::{
     DeviceSlot, HiCache, HiCacheConfig, HiCacheError, PrefetchPolicy, StorageConfig, WritePolicy,
 };
@@ -17,16 +19,6 @@ fn cache(cfg: HiCacheConfig, device_pages: usize) -> HiCache {
         .device(test_device())
         .shape(small_shape(cfg.page_size))
         .device_pages(device_pages)
-        .build()
-        .unwrap()
-}
-
-fn with_storage(cfg: HiCacheConfig, device_pages: usize, storage: Arc<dyn Storage>) -> HiCache {
-    HiCache::builder(cfg.clone())
-        .device(test_device())
-        .shape(small_shape(cfg.page_size))
-        .device_pages(device_pages)
-        .storage(storage)
         .build()
         .unwrap()
 }

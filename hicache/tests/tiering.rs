@@ -9,90 +9,20 @@
 
 mod common;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use common::{Engine, prompt, small_shape, test_config, test_device};
+use common::{Engine, Faulty, prompt, small_shape, test_config, test_device, with_storage};
 use hicache::{
     HiCache, HiCacheConfig, HostMemoryMode, PrefetchPolicy, StorageWriteMode, TenantId, WritePolicy,
 };
-use hicache_storage::async_trait;
-use hicache_storage::{
-    BackendInfo, MemoryBackend, MemoryRegion, PageBuf, PageBufMut, PageError, PageKey, PageOutcome,
-    Storage, StorageStats,
-};
+use hicache_storage::{MemoryBackend, PageKey};
 
-/// A memory backend that counts how often each key was written, and can refuse every write.
-struct Recorder {
-    inner: MemoryBackend,
-    sets: Mutex<HashMap<PageKey, usize>>,
-    fail_sets: bool,
-}
-
-impl Recorder {
-    fn new(fail_sets: bool) -> Arc<Self> {
-        Arc::new(Self {
-            inner: MemoryBackend::with_capacity(64 << 20),
-            sets: Mutex::new(HashMap::new()),
-            fail_sets,
-        })
-    }
-
-    fn writes(&self) -> HashMap<PageKey, usize> {
-        self.sets.lock().unwrap().clone()
-    }
-}
-
-#[async_trait]
-impl Storage for Recorder {
-    fn info(&self) -> BackendInfo {
-        self.inner.info()
-    }
-
-    async fn batch_exists(&self, keys: &[PageKey]) -> hicache_storage::Result<usize> {
-        self.inner.batch_exists(keys).await
-    }
-
-    async fn batch_get(
-        &self,
-        keys: &[PageKey],
-        dst: &mut [PageBufMut<'_>],
-    ) -> hicache_storage::Result<Vec<PageOutcome>> {
-        self.inner.batch_get(keys, dst).await
-    }
-
-    async fn batch_set(
-        &self,
-        keys: &[PageKey],
-        src: &[PageBuf<'_>],
-    ) -> hicache_storage::Result<Vec<PageOutcome>> {
-        if self.fail_sets {
-            return Ok(keys
-                .iter()
-                .map(|_| PageOutcome::Failed(PageError::Backend("refused".into())))
-                .collect());
-        }
-        let out = self.inner.batch_set(keys, src).await?;
-        let mut sets = self.sets.lock().unwrap();
-        for (k, o) in keys.iter().zip(&out) {
-            if o.is_ok() {
-                *sets.entry(*k).or_default() += 1;
-            }
-        }
-        Ok(out)
-    }
-
-    fn register_memory(&self, region: MemoryRegion) -> hicache_storage::Result<()> {
-        self.inner.register_memory(region)
-    }
-
-    async fn delete(&self, keys: &[PageKey]) -> hicache_storage::Result<usize> {
-        self.inner.delete(keys).await
-    }
-
-    fn stats(&self) -> StorageStats {
-        self.inner.stats()
-    }
+/// A memory backend that counts how often each key was written (`Faulty::writes`), and
+/// refuses every write when `fail_sets`.
+fn recorder(fail_sets: bool) -> Arc<Faulty> {
+    let mut f = Faulty::new(Arc::new(MemoryBackend::with_capacity(64 << 20)));
+    f.fail_all_sets = fail_sets;
+    Arc::new(f)
 }
 
 /// Page size 4, a two-page prefetch threshold, wait_complete (so L3 hits are deterministic).
@@ -105,16 +35,6 @@ fn l3_config(ratio: f64) -> HiCacheConfig {
         hicache_ratio: ratio,
         ..test_config(4)
     }
-}
-
-fn build(cfg: &HiCacheConfig, device_pages: usize, storage: Arc<dyn Storage>) -> HiCache {
-    HiCache::builder(cfg.clone())
-        .device(test_device())
-        .shape(small_shape(cfg.page_size))
-        .device_pages(device_pages)
-        .storage(storage)
-        .build()
-        .unwrap()
 }
 
 /// The L3 keys of every page the tree holds a host copy of.
@@ -160,8 +80,8 @@ fn buffer_only_stages_in_l2_and_serves_l1_misses_from_l3_with_exact_kv() {
         hicache_ratio: 0.75,
         ..l3_config(0.75)
     };
-    let rec = Recorder::new(false);
-    let mut e = Engine::new(build(&cfg, 24, rec.clone()));
+    let rec = recorder(false);
+    let mut e = Engine::new(with_storage(cfg.clone(), 24, rec.clone()));
     let host_total = e.cache.host_pool().num_pages();
     // Eight conversations of 9 pages through 24 device pages: most leave L1.
     for i in 0..8 {
@@ -230,7 +150,7 @@ fn buffer_only_and_exclusive_need_l3_and_keep_it() {
             "storage_write_mode"
         };
         assert!(e.contains(field) && e.contains("L3"), "{e}");
-        let mut cache = build(&HiCacheConfig { ..cfg }, 16, Recorder::new(false));
+        let mut cache = with_storage(HiCacheConfig { ..cfg }, 16, recorder(false));
         let e = cache.detach_storage().unwrap_err().to_string();
         assert!(e.contains(field), "{e}");
         cache.shutdown().unwrap();
@@ -243,9 +163,9 @@ fn exclusive_writes_l3_only_from_cold_l2_pages_and_tiers_hold_different_pages() 
         storage_write_mode: StorageWriteMode::Exclusive,
         ..l3_config(2.0)
     };
-    let rec = Recorder::new(false);
+    let rec = recorder(false);
     // 24 device pages, 48 host pages (headroom: 6).
-    let mut e = Engine::new(build(&cfg, 24, rec.clone()));
+    let mut e = Engine::new(with_storage(cfg.clone(), 24, rec.clone()));
     // Three conversations (about 25 pages): L2 has room, so nothing reaches L3 (at L2
     // admission the default would have written all of them).
     for i in 0..3 {
@@ -298,7 +218,7 @@ fn exclusive_keeps_l2_pages_whose_l3_write_failed() {
         storage_write_mode: StorageWriteMode::Exclusive,
         ..l3_config(2.0)
     };
-    let mut e = Engine::new(build(&cfg, 24, Recorder::new(true)));
+    let mut e = Engine::new(with_storage(cfg.clone(), 24, recorder(true)));
     for i in 0..13 {
         e.run(None, &chat(i, 0));
         e.settle();

@@ -265,6 +265,21 @@ pub fn tree_shape(cache: &HiCache) -> TreeShape {
     out
 }
 
+/// A cache of `cfg` on the test device with `device_pages` device pages and `storage` as L3.
+pub fn with_storage(
+    cfg: HiCacheConfig,
+    device_pages: usize,
+    storage: Arc<dyn Storage>,
+) -> hicache::HiCache {
+    hicache::HiCache::builder(cfg.clone())
+        .device(test_device())
+        .shape(small_shape(cfg.page_size))
+        .device_pages(device_pages)
+        .storage(storage)
+        .build()
+        .unwrap()
+}
+
 /// A config for tests: small pages, write-through, no L3.
 pub fn test_config(page_size: u32) -> HiCacheConfig {
     HiCacheConfig {
@@ -290,6 +305,8 @@ pub struct Faulty {
     pub gate: Arc<std::sync::atomic::AtomicBool>,
     reads: AtomicUsize,
     pub get_calls: AtomicU64,
+    /// How many times each key was stored (`Stored` or `Present` outcomes of batch_set).
+    stored: std::sync::Mutex<std::collections::HashMap<PageKey, usize>>,
 }
 
 impl Faulty {
@@ -304,7 +321,13 @@ impl Faulty {
             gate: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             reads: AtomicUsize::new(0),
             get_calls: AtomicU64::new(0),
+            stored: Default::default(),
         }
+    }
+
+    /// How many times each key was stored so far.
+    pub fn writes(&self) -> std::collections::HashMap<PageKey, usize> {
+        self.stored.lock().unwrap().clone()
     }
 }
 
@@ -370,7 +393,14 @@ impl Storage for Faulty {
                 .map(|_| PageOutcome::Failed(PageError::Backend("injected write error".into())))
                 .collect());
         }
-        self.inner.batch_set(keys, src).await
+        let out = self.inner.batch_set(keys, src).await?;
+        let mut stored = self.stored.lock().unwrap();
+        for (k, o) in keys.iter().zip(&out) {
+            if o.is_ok() {
+                *stored.entry(*k).or_default() += 1;
+            }
+        }
+        Ok(out)
     }
 
     fn register_memory(&self, region: MemoryRegion) -> hicache_storage::Result<()> {
