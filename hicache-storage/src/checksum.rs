@@ -19,6 +19,30 @@ pub fn checksum_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u64 {
     h.digest()
 }
 
+/// The page checksum computed piece by piece, as bytes arrive (hashing each piece while it
+/// is still in the CPU cache); [`finish`](Self::finish) equals [`checksum_parts`] of the
+/// same bytes however they were split.
+#[derive(Clone)]
+pub struct Checksummer(Xxh3);
+
+impl Default for Checksummer {
+    fn default() -> Self {
+        Self(Xxh3::new())
+    }
+}
+
+impl Checksummer {
+    /// Adds the next bytes.
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    /// The checksum of every byte added.
+    pub fn finish(&self) -> u64 {
+        self.0.digest()
+    }
+}
+
 /// XXH3-64 of a page to be written.
 pub fn checksum_page(page: &PageBuf<'_>) -> u64 {
     checksum_parts(page.parts().iter().copied())
@@ -33,6 +57,16 @@ pub fn checksum_page_mut(page: &PageBufMut<'_>) -> u64 {
 mod tests {
     use super::*;
     use hicache_core::LayoutKind;
+
+    #[test]
+    fn piecewise_equals_whole() {
+        let data: Vec<u8> = (0..300_000u32).map(|i| (i * 13 + 5) as u8).collect();
+        let mut c = Checksummer::default();
+        for piece in data.chunks(4097) {
+            c.update(piece);
+        }
+        assert_eq!(c.finish(), checksum(&data));
+    }
 
     #[test]
     fn independent_of_parts() {

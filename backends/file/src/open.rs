@@ -11,7 +11,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::SystemTime;
 
 use hicache_localio::ring::{Dir, Req};
-use hicache_localio::{AlignedBuf, BufPool, Driver, NewFile, Ring, Threads, sys};
+use hicache_localio::{AlignedBuf, BufPool, Driver, Ring, Threads, sys};
 use hicache_storage::backend::bump;
 use hicache_storage::{Clock, Result, StatsCounters, StorageError};
 use parking_lot::Mutex;
@@ -161,9 +161,13 @@ fn own_subdir(path: &Path, create: bool) -> Result<()> {
             }
         ))),
         Err(e) if e.kind() == io::ErrorKind::NotFound && !create => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            fs::create_dir(path).map_err(StorageError::io("create directory", path))
-        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => match fs::create_dir(path) {
+            Ok(()) => Ok(()),
+            // Another process sharing the directory made it since we looked: check what it
+            // made (a directory is fine, anything else is refused as above).
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => own_subdir(path, false),
+            Err(e) => Err(StorageError::io("create directory", path)(e)),
+        },
         Err(e) => Err(StorageError::io("inspect", path)(e)),
     }
 }
@@ -283,6 +287,7 @@ impl FileBackend {
             rescan_bytes: opts.rescan_bytes.unwrap_or((capacity / 16).max(1)),
             bufs: BufPool::new(64 << 20),
             driver,
+            creator: Threads::new(opts.io_threads.min(crate::write::CREATE_THREADS)),
             uring,
             opts,
             paths,
@@ -347,6 +352,7 @@ impl FileBackend {
             rescan_bytes: u64::MAX,
             bufs: BufPool::new(64 << 20),
             driver: Box::new(Threads::new(opts.io_threads)),
+            creator: Threads::new(1),
             uring: false,
             opts,
             paths,
@@ -478,12 +484,10 @@ impl FileBackend {
     }
 
     /// Builds the io_uring driver and proves it here: a block written (durably, with the
-    /// backend's O_DIRECT choice) and read back through the ring, then a file published
-    /// through a chain of linked requests, in the scratch directory.
+    /// backend's O_DIRECT choice) and read back through the ring, in the scratch directory.
     pub(crate) fn probe_uring(dir: &Path, opts: &FileOptions, direct: bool) -> io::Result<Ring> {
         let ring = Ring::new(opts.queue_depth as u32, false)?;
         let path = dir.join("uring-probe.tmp");
-        let published = dir.join("uring-probe.page");
         let r = (|| {
             let file = sys::create_new(&path, direct)?;
             sys::preallocate(&file, 8192)?;
@@ -518,38 +522,9 @@ impl FileBackend {
             if back[..] != data[..] {
                 return Err(io::Error::other("io_uring probe: read back other bytes"));
             }
-            // A page file's whole chain (create, preallocate, write, sync, rename).
-            let file = NewFile {
-                tmp: dir.join("uring-probe-chain.tmp"),
-                dest: published.clone(),
-                iov: vec![libc::iovec {
-                    iov_base: data.as_mut_ptr().cast(),
-                    iov_len: data.len(),
-                }],
-                direct,
-                prealloc: 8192,
-                sync: true,
-                tag: 0,
-            };
-            let mut chained = None;
-            ring.publish(vec![file], &mut |_, r| chained = Some(r));
-            match chained {
-                Some(Ok(())) => {}
-                Some(Err(e)) => {
-                    return Err(io::Error::new(
-                        e.error.kind(),
-                        format!("io_uring probe: {e}"),
-                    ));
-                }
-                None => return Err(io::Error::other("io_uring probe: no chain outcome")),
-            }
-            if fs::read(&published)? != data[..] {
-                return Err(io::Error::other("io_uring probe: published other bytes"));
-            }
             Ok(())
         })();
         let _ = fs::remove_file(&path);
-        let _ = fs::remove_file(&published);
         r.map(|()| ring)
     }
 

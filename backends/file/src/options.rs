@@ -6,10 +6,10 @@ use hicache_storage::{CommonConfig, ConfigFields, EvictionPolicy, Lifecycle, Res
 
 /// When written pages are flushed to stable storage before `Stored` is returned (shared with
 /// the uring layout). Here: `none` never syncs (pages are complete and atomic, temp + rename,
-/// checksummed, but a power loss may lose acknowledged ones); `batch` (default) writes each
-/// page's data durably (`RWF_DSYNC`) and makes the batch's renames durable with one sync per
-/// directory, merged across concurrent batches; `always` also syncs each page's directory
-/// after its own rename.
+/// checksummed, but a power loss may lose acknowledged ones); `batch` (default) makes a
+/// batch's pages and renames durable before any is acknowledged, the way [`BatchSync`] says,
+/// merged across concurrent batches; `always` `fdatasync`s each page before its rename and
+/// syncs its directory after it.
 pub use hicache_localio::FsyncPolicy;
 
 /// Whether page data bypasses the page cache.
@@ -62,6 +62,33 @@ impl IoEngine {
     }
 }
 
+/// How `fsync: batch` makes a batch durable.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum BatchSync {
+    /// Pages are written and renamed without syncs of their own, then one `syncfs(2)` of the
+    /// storage directory's file system per commit group makes data, block maps and names
+    /// durable at once (default). It also writes out other processes' dirty data on that file
+    /// system: on a dedicated cache disk that is nothing; beside heavy buffered writers, a
+    /// barrier waits for them too.
+    #[default]
+    Syncfs,
+    /// Each page `fdatasync`ed before its rename, then one sync per directory per commit
+    /// group: touches only the cache's own files, at one device cache flush per page.
+    PerPage,
+}
+
+impl BatchSync {
+    /// Configuration spellings.
+    pub const NAMES: [&'static str; 2] = ["syncfs", "per_page"];
+
+    fn parse(s: &str) -> Self {
+        match s {
+            "per_page" => Self::PerPage,
+            _ => Self::Syncfs,
+        }
+    }
+}
+
 /// Options of a [`FileBackend`](crate::FileBackend).
 #[derive(Clone, Debug, PartialEq)]
 pub struct FileOptions {
@@ -73,6 +100,8 @@ pub struct FileOptions {
     pub capacity_bytes: Option<u64>,
     /// Durability of acknowledged pages (`fsync`: `none` | `batch` | `always`, default `batch`).
     pub fsync: FsyncPolicy,
+    /// How `fsync: batch` syncs (`batch_sync`: `syncfs` | `per_page`, default `syncfs`).
+    pub batch_sync: BatchSync,
     /// O_DIRECT use (`direct_io`: `auto` | `on` | `off`, default `auto`).
     pub direct_io: DirectIo,
     /// Eviction order (`eviction`: `lru` | `fifo`, default `lru`).
@@ -113,6 +142,7 @@ impl FileOptions {
             dir: dir.into(),
             capacity_bytes: None,
             fsync: FsyncPolicy::Batch,
+            batch_sync: BatchSync::Syncfs,
             direct_io: DirectIo::Auto,
             eviction: EvictionPolicy::Lru,
             io_engine: IoEngine::Auto,
@@ -142,6 +172,7 @@ impl FileOptions {
         let o = Self {
             fsync: FsyncPolicy::from_name(f.choice("fsync", "batch", &FsyncPolicy::NAMES)?)
                 .unwrap_or_default(),
+            batch_sync: BatchSync::parse(f.choice("batch_sync", "syncfs", &BatchSync::NAMES)?),
             direct_io: DirectIo::parse(f.choice("direct_io", "auto", &DirectIo::NAMES)?),
             eviction: EvictionPolicy::parse(f.choice("eviction", "lru", &EvictionPolicy::NAMES)?)
                 .unwrap_or_default(),
@@ -178,6 +209,7 @@ mod tests {
         assert_eq!(o, FileOptions::new("/d"));
         let o = parse(
             r#"{"dir": "/d", "capacity": "2GiB", "fsync": "always", "direct_io": "off",
+                "batch_sync": "per_page",
                 "eviction": "fifo", "io_engine": "threads", "queue_depth": 16, "io_threads": 4, "max_batch": 512, "shared": true,
                 "rescan_bytes": "64MiB", "verify_on_open": true, "read_only": true,
                 "ttl_s": 60, "high_watermark": 0.8, "low_watermark": 0.6}"#,
@@ -185,6 +217,7 @@ mod tests {
         .unwrap();
         assert_eq!(o.capacity_bytes, Some(2 << 30));
         assert_eq!(o.fsync, FsyncPolicy::Always);
+        assert_eq!(o.batch_sync, BatchSync::PerPage);
         assert_eq!(o.direct_io, DirectIo::Off);
         assert_eq!(o.eviction, EvictionPolicy::Fifo);
         assert_eq!((o.io_threads, o.max_batch), (4, 512));
@@ -215,6 +248,7 @@ mod tests {
             (r#"{"dir": 5}"#, "dir"),
             (r#"{"dir": "/d", "fsync": "sometimes"}"#, "fsync"),
             (r#"{"dir": "/d", "fsync": true}"#, "fsync"),
+            (r#"{"dir": "/d", "batch_sync": "never"}"#, "batch_sync"),
             (r#"{"dir": "/d", "direct_io": "yes"}"#, "direct_io"),
             (r#"{"dir": "/d", "eviction": "random"}"#, "eviction"),
             (r#"{"dir": "/d", "io_engine": "aio"}"#, "io_engine"),

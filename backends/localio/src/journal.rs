@@ -11,6 +11,8 @@
 //! 3. A directory operation (create, rename, unlink) is durable once its directory was
 //!    synced after it; until then, at a crash, it may be undone (each independently, applied
 //!    in order).
+//! 4. A file-system sync (`syncfs`) makes every operation recorded before it durable: all
+//!    writes and size changes of every file, and every directory operation.
 //!
 //! Writes are recorded when issued (an in-flight write may land whole, partly or not at all),
 //! `RWF_DSYNC` durability when the write completed.
@@ -76,6 +78,8 @@ pub enum Event {
         /// Relative path.
         dir: PathBuf,
     },
+    /// The whole file system synced (`syncfs`): everything before it durable.
+    SyncFs,
     /// The test's marker: batch `tag` was acknowledged here.
     Ack {
         /// The test's tag.
@@ -257,6 +261,11 @@ pub fn sync_dir(dir: &Path) {
             r.events.push(Event::SyncDir { dir });
         }
     });
+}
+
+/// Records a sync of the whole file system.
+pub fn sync_fs() {
+    with(|r| r.events.push(Event::SyncFs));
 }
 
 /// Records the test's acknowledgement marker.
@@ -452,6 +461,16 @@ impl Journal {
                     }
                     ns_pending = rest;
                 }
+                Event::SyncFs => {
+                    for f in inodes.values_mut() {
+                        for p in f.pending.drain(..) {
+                            apply(&mut f.durable, &p, &mut || true);
+                        }
+                    }
+                    for op in ns_pending.drain(..) {
+                        apply_ns(&mut durable_ns, &op);
+                    }
+                }
                 Event::Ack { .. } => {}
             }
         }
@@ -563,5 +582,41 @@ mod tests {
         let s = j.crash_state(4, &mut |n| n - 1 - u32::from(n == 3));
         assert_eq!(s[Path::new("f")][4096..], [2; 4096]);
         assert!(s.contains_key(Path::new("g")));
+    }
+
+    #[test]
+    fn a_file_system_sync_makes_everything_before_it_durable() {
+        let j = Journal {
+            dirs: vec![PathBuf::from("d")],
+            files: vec![],
+            events: vec![
+                Event::Create {
+                    path: "d/t".into(),
+                    ino: 1,
+                },
+                Event::SetLen { ino: 1, len: 8192 },
+                Event::Write {
+                    ino: 1,
+                    offset: 0,
+                    data: vec![3; 8192],
+                },
+                Event::Rename {
+                    from: "d/t".into(),
+                    to: "d/p".into(),
+                },
+                Event::SyncFs,
+                Event::Create {
+                    path: "d/u".into(),
+                    ino: 2,
+                },
+            ],
+        };
+        // Every choice "drop/undo": what came before the sync stays, what came after is gone.
+        let s = j.crash_state(6, &mut |_| 0);
+        assert_eq!(s.get(Path::new("d/p")), Some(&vec![3; 8192]));
+        assert!(!s.contains_key(Path::new("d/t")) && !s.contains_key(Path::new("d/u")));
+        // Before the sync nothing is promised.
+        let s = j.crash_state(4, &mut |_| 0);
+        assert!(s.is_empty(), "{:?}", s.keys().collect::<Vec<_>>());
     }
 }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use hicache_core::PageKey;
 use hicache_storage::PageBufMut;
-use hicache_storage::checksum::checksum_page_mut;
+use hicache_storage::checksum::Checksummer;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 use thiserror::Error;
@@ -29,6 +29,9 @@ use crate::value::{self, Damage, HEADER_LEN};
 const READ_BUF: usize = 64 << 10;
 /// Reads at least this long go straight from the socket into the page buffer.
 const DIRECT_READ: usize = 16 << 10;
+/// Largest piece of a page body read from the socket at once: each piece is checksummed
+/// right after it lands, while it is still in the CPU cache.
+const BODY_PIECE: usize = 256 << 10;
 
 /// Why a connection failed. The connection is unusable after any of these.
 #[derive(Debug, Error)]
@@ -324,21 +327,55 @@ impl Conn {
         Ok(refused)
     }
 
-    /// Reads a page body whose header was accepted into `dst`, then checks its checksum.
+    /// Reads a page body whose header was accepted into `dst`, checksumming each piece as it
+    /// lands, then checks the checksum.
     async fn read_body(
         &mut self,
         dst: &mut PageBufMut<'_>,
         checksum: u64,
     ) -> Result<PageRead, ConnError> {
+        let mut sum = Checksummer::default();
         for part in dst.parts_mut() {
-            self.read_exact(part).await?;
+            self.read_summed(part, &mut sum).await?;
         }
         self.expect_crlf().await?;
-        if checksum_page_mut(dst) != checksum {
+        if sum.finish() != checksum {
             dst.zero();
             return Ok(PageRead::Damaged(Damage::BadChecksum));
         }
         Ok(PageRead::Hit)
+    }
+
+    /// [`read_exact`](Self::read_exact) that also adds every byte to `sum`, reading long runs
+    /// straight from the socket in pieces of at most [`BODY_PIECE`] bytes.
+    async fn read_summed(
+        &mut self,
+        out: &mut [u8],
+        sum: &mut Checksummer,
+    ) -> Result<(), ConnError> {
+        let mut done = 0;
+        while done < out.len() {
+            let want = out.len() - done;
+            if self.start == self.end && want >= DIRECT_READ {
+                let end = done + want.min(BODY_PIECE);
+                let n = self.io.read(&mut out[done..end]).await?;
+                if n == 0 {
+                    return Err(closed().into());
+                }
+                sum.update(&out[done..done + n]);
+                done += n;
+                continue;
+            }
+            if self.start == self.end {
+                self.fill().await?;
+            }
+            let n = (self.end - self.start).min(want);
+            out[done..done + n].copy_from_slice(&self.buf[self.start..self.start + n]);
+            sum.update(&out[done..done + n]);
+            self.start += n;
+            done += n;
+        }
+        Ok(())
     }
 }
 
