@@ -186,7 +186,7 @@ impl FileBackend {
         results
     }
 
-    /// Whether each page is `fdatasync`ed in its own chain, before its rename.
+    /// Whether each page is `fdatasync`ed on its own, before its rename.
     fn sync_each_page(&self) -> bool {
         match self.opts.fsync {
             FsyncPolicy::None => false,
