@@ -56,7 +56,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_trait::async_trait;
-use hicache_localio::{BufPool, Driver, GroupCommit, Threads, par};
+use hicache_localio::{BufPool, Driver, GroupCommit, par};
 use hicache_storage::backend::bump;
 use hicache_storage::lifecycle::Reclaimer;
 use hicache_storage::{
@@ -106,8 +106,6 @@ pub struct FileBackend {
     instance_lock_path: PathBuf,
     direct: bool,
     driver: Box<dyn Driver>,
-    /// Creates the page files of a write batch (see `write.rs`).
-    creator: Threads,
     uring: bool,
     capacity: u64,
     rescan_bytes: u64,
