@@ -12,11 +12,11 @@ pub fn checksum(data: &[u8]) -> u64 {
 
 /// XXH3-64 of the concatenation of `parts`.
 pub fn checksum_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u64 {
-    let mut h = Xxh3::new();
+    let mut h = Checksummer::default();
     for p in parts {
         h.update(p);
     }
-    h.digest()
+    h.finish()
 }
 
 /// The page checksum computed piece by piece, as bytes arrive (hashing each piece while it

@@ -235,29 +235,7 @@ impl Conn {
     /// Fills `out` with the next bytes of the stream: first what the buffer holds, then, for
     /// long reads, straight from the socket.
     async fn read_exact(&mut self, out: &mut [u8]) -> Result<(), ConnError> {
-        let have = (self.end - self.start).min(out.len());
-        out[..have].copy_from_slice(&self.buf[self.start..self.start + have]);
-        self.start += have;
-        let mut done = have;
-        while done < out.len() {
-            let want = out.len() - done;
-            if want >= DIRECT_READ {
-                self.io
-                    .read_exact(&mut out[done..])
-                    .await
-                    .map_err(|e| match e.kind() {
-                        std::io::ErrorKind::UnexpectedEof => closed(),
-                        _ => e,
-                    })?;
-                return Ok(());
-            }
-            self.fill().await?;
-            let n = (self.end - self.start).min(want);
-            out[done..done + n].copy_from_slice(&self.buf[self.start..self.start + n]);
-            self.start += n;
-            done += n;
-        }
-        Ok(())
+        self.read_into(out, None).await
     }
 
     /// Consumes `n` bytes of the stream.
@@ -336,7 +314,7 @@ impl Conn {
     ) -> Result<PageRead, ConnError> {
         let mut sum = Checksummer::default();
         for part in dst.parts_mut() {
-            self.read_summed(part, &mut sum).await?;
+            self.read_into(part, Some(&mut sum)).await?;
         }
         self.expect_crlf().await?;
         if sum.finish() != checksum {
@@ -346,33 +324,37 @@ impl Conn {
         Ok(PageRead::Hit)
     }
 
-    /// [`read_exact`](Self::read_exact) that also adds every byte to `sum`, reading long runs
-    /// straight from the socket in pieces of at most [`BODY_PIECE`] bytes.
-    async fn read_summed(
+    /// Fills `out` with the next bytes of the stream, adding each to `sum` if given: what the
+    /// buffer holds is copied, runs of at least [`DIRECT_READ`] bytes are read straight from
+    /// the socket into `out` (in pieces of at most [`BODY_PIECE`] when summing, so each piece
+    /// is hashed while it is still in the CPU cache).
+    async fn read_into(
         &mut self,
         out: &mut [u8],
-        sum: &mut Checksummer,
+        mut sum: Option<&mut Checksummer>,
     ) -> Result<(), ConnError> {
         let mut done = 0;
         while done < out.len() {
             let want = out.len() - done;
-            if self.start == self.end && want >= DIRECT_READ {
-                let end = done + want.min(BODY_PIECE);
-                let n = self.io.read(&mut out[done..end]).await?;
+            let n = if self.start == self.end && want >= DIRECT_READ {
+                let piece = if sum.is_some() { BODY_PIECE } else { want };
+                let n = self.io.read(&mut out[done..done + want.min(piece)]).await?;
                 if n == 0 {
                     return Err(closed().into());
                 }
+                n
+            } else {
+                if self.start == self.end {
+                    self.fill().await?;
+                }
+                let n = (self.end - self.start).min(want);
+                out[done..done + n].copy_from_slice(&self.buf[self.start..self.start + n]);
+                self.start += n;
+                n
+            };
+            if let Some(sum) = sum.as_deref_mut() {
                 sum.update(&out[done..done + n]);
-                done += n;
-                continue;
             }
-            if self.start == self.end {
-                self.fill().await?;
-            }
-            let n = (self.end - self.start).min(want);
-            out[done..done + n].copy_from_slice(&self.buf[self.start..self.start + n]);
-            sum.update(&out[done..done + n]);
-            self.start += n;
             done += n;
         }
         Ok(())
