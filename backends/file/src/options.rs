@@ -106,14 +106,15 @@ pub struct FileOptions {
     pub direct_io: DirectIo,
     /// Eviction order (`eviction`: `lru` | `fifo`, default `lru`).
     pub eviction: EvictionPolicy,
-    /// How page I/O is issued (`io_engine`: `auto` | `uring` | `threads`, default `auto`).
+    /// How page reads are issued (`io_engine`: `auto` | `uring` | `threads`, default `auto`);
+    /// page files are written on threads either way.
     pub io_engine: IoEngine,
-    /// io_uring engine: pages of a batch in flight at once (`queue_depth`, 1–1024, default
-    /// 128: a whole controller batch).
+    /// io_uring engine: page reads of a batch in flight at once (`queue_depth`, 1–1024,
+    /// default 128: a whole controller batch).
     pub queue_depth: usize,
-    /// Threads engine: threads a batch's page I/O is spread over (`io_threads`, 1–256,
-    /// default 32). Also the parallelism of the scan at open and, under io_uring, of the
-    /// verification of a batch's reads.
+    /// Threads engine: threads a batch's page reads are spread over (`io_threads`, 1–256,
+    /// default 32); writes use at most 8 of them. Also the parallelism of the scan at open
+    /// and, under io_uring, of the verification of a batch's reads.
     pub io_threads: usize,
     /// Largest batch accepted (`max_batch`, 128–4096, default 256).
     pub max_batch: usize,
