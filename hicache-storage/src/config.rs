@@ -9,7 +9,11 @@
 //!    same typed accessors and then [`finish`](ConfigFields::finish)es.
 //! 3. Parsing is strict at both levels: an unknown field, a value of the wrong type or one out
 //!    of range is an error naming the field and the value. Nothing is silently ignored.
-//! 4. The backend is named by the caller (the CLI flag) and/or by the extra-config's `backend`
+//! 4. The document is strict JSON: a key given twice in one object is an error
+//!    ([`parse_strict`](crate::strict_json::parse_strict)), and so is a field whose value is
+//!    `null` in any object read field by field (leave a field out for its default). Opaque values
+//!    handed on whole (a plugin's `plugin_config`) keep their nulls: they are the plugin's.
+//! 5. The backend is named by the caller (the CLI flag) and/or by the extra-config's `backend`
 //!    field. With both, they must agree, except that the caller's name `dynamic` (SGLang's
 //!    "see extra-config") defers to the document. With neither, it is an error.
 
@@ -232,14 +236,16 @@ impl ConfigFields {
         Ok(Some(n))
     }
 
-    /// An optional nested object, as its own [`ConfigFields`] scope (`<scope>.<name>`).
+    /// An optional nested object, as its own [`ConfigFields`] scope (`<scope>.<name>`); a
+    /// `null` field in it is an error (rule 4).
     pub fn opt_object(&mut self, name: &'static str) -> Result<Option<ConfigFields>> {
         match self.take(name) {
             None => Ok(None),
-            Some(Value::Object(m)) => Ok(Some(ConfigFields::new(
-                format!("{}.{}", self.scope, name),
-                m,
-            ))),
+            Some(Value::Object(m)) => {
+                let scope = format!("{}.{}", self.scope, name);
+                refuse_nulls(&scope, &m)?;
+                Ok(Some(ConfigFields::new(scope, m)))
+            }
             Some(v) => Err(self.error(name, &v, "expected an object")),
         }
     }
@@ -484,6 +490,7 @@ impl StorageConfig {
                 reason: format!("expected a JSON object, got {}", render(&value)),
             });
         };
+        refuse_nulls("extra-config", &map)?;
         let mut fields = ConfigFields::new("extra-config", map);
         let named = fields.opt_string("backend")?;
         let backend = match (cli_backend, named) {
@@ -524,8 +531,22 @@ impl StorageConfig {
     }
 }
 
+/// Rule 4: a field set to `null` says nothing; it is refused rather than read as "absent", so a
+/// templating mistake (`"capacity": null`) is seen instead of silently becoming the default.
+fn refuse_nulls(scope: &str, map: &Map<String, Value>) -> Result<()> {
+    match map.iter().find(|(_, v)| v.is_null()) {
+        None => Ok(()),
+        Some((field, _)) => Err(StorageError::config(
+            scope,
+            field.as_str(),
+            "null",
+            "null is not a value: leave the field out for its default",
+        )),
+    }
+}
+
 fn parse_json(source_name: &str, text: &str) -> Result<Value> {
-    serde_json::from_str(text).map_err(|e| StorageError::ConfigSyntax {
+    crate::strict_json::parse_strict(text).map_err(|e| StorageError::ConfigSyntax {
         source_name: source_name.to_string(),
         reason: e.to_string(),
     })
@@ -539,6 +560,32 @@ mod tests {
         StorageConfig::parse(cli, Some(extra))
             .unwrap_err()
             .to_string()
+    }
+
+    #[test]
+    fn duplicate_keys_and_nulls_are_errors() {
+        let e = err(Some("file"), r#"{"dir": "/a", "dir": "/b"}"#);
+        assert!(e.contains("\"dir\" appears twice"), "{e}");
+        let e = err(None, r#"{"backend": "file", "capacity": null}"#);
+        assert!(
+            e.contains("`capacity` = null") && e.contains("leave the field out"),
+            "{e}"
+        );
+        let e = err(Some("file"), r#"{"dir": null}"#);
+        assert!(e.contains("`dir` = null"), "{e}");
+        let mut c = StorageConfig::parse(Some("x"), Some(r#"{"nested": {"a": null}}"#)).unwrap();
+        let e = c
+            .backend_fields
+            .opt_object("nested")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("backend x.nested: field `a` = null"), "{e}");
+        // Opaque values keep their nulls (a plugin's own config).
+        let mut c = StorageConfig::parse(Some("x"), Some(r#"{"opaque": [null]}"#)).unwrap();
+        assert_eq!(
+            c.backend_fields.opt_value("opaque"),
+            Some(serde_json::json!([null]))
+        );
     }
 
     #[test]

@@ -15,7 +15,11 @@ use thiserror::Error;
 #[non_exhaustive]
 pub enum StorageError {
     /// A configuration field is unknown, has the wrong type or is out of range.
-    #[error("invalid storage config: {scope}: field `{field}` = {value}: {reason}")]
+    #[error(
+        "invalid storage config: {scope}: field `{field}` = {}: {}",
+        cut(value),
+        cut(reason)
+    )]
     Config {
         /// Where the field was read: `extra-config` for HiCache-level fields, `backend <name>`
         /// for a backend's own fields.
@@ -28,7 +32,7 @@ pub enum StorageError {
         reason: String,
     },
     /// The extra-config document is not valid JSON or not an object.
-    #[error("invalid storage extra-config ({source_name}): {reason}")]
+    #[error("invalid storage extra-config ({}): {}", cut(source_name), cut(reason))]
     ConfigSyntax {
         /// `<inline>` or the file it was read from.
         source_name: String,
@@ -36,7 +40,7 @@ pub enum StorageError {
         reason: String,
     },
     /// No backend of that name is registered.
-    #[error("unknown storage backend `{name}`; known backends: {}", known.join(", "))]
+    #[error("unknown storage backend `{}`; known backends: {}", cut(name), known.join(", "))]
     UnknownBackend {
         /// The name asked for.
         name: String,
@@ -67,7 +71,7 @@ pub enum StorageError {
     },
     /// An I/O error on a named path that concerns the backend as a whole (opening its
     /// directory, its lock files).
-    #[error("{op} {path}: {source}")]
+    #[error("{op} {}: {source}", cut(&path.display().to_string()))]
     Io {
         /// What was being done (`create directory`, `lock`, …).
         op: &'static str,
@@ -78,7 +82,7 @@ pub enum StorageError {
         source: std::io::Error,
     },
     /// The backend cannot serve calls any more (closed, its server gone, a worker died).
-    #[error("storage backend `{backend}` unavailable: {reason}")]
+    #[error("storage backend `{backend}` unavailable: {}", cut(reason))]
     Unavailable {
         /// The backend's name.
         backend: String,
@@ -118,10 +122,30 @@ fn backend_detail(
     source: Option<&(dyn std::error::Error + Send + Sync + 'static)>,
 ) -> String {
     match source {
-        None => reason.to_string(),
-        Some(cause) if reason.is_empty() => cause.to_string(),
-        Some(cause) => format!("{reason}: {cause}"),
+        None => cut(reason),
+        Some(cause) if reason.is_empty() => cut(&cause.to_string()),
+        Some(cause) => format!("{}: {}", cut(reason), cut(&cause.to_string())),
     }
+}
+
+/// Longest text of one field an error message shows whole (a path, a value, a reason).
+pub const MAX_SHOWN_CHARS: usize = 512;
+
+/// `s` as an error message shows it: whole up to [`MAX_SHOWN_CHARS`] bytes, else its start
+/// and end around a marker that says how much was left out, so a 10 MB value given by mistake
+/// (a path, a JSON field) never makes a 10 MB log line.
+pub fn cut(s: &str) -> String {
+    if s.len() <= MAX_SHOWN_CHARS {
+        return s.to_string();
+    }
+    let head = s.floor_char_boundary(MAX_SHOWN_CHARS * 3 / 4);
+    let tail = s.ceil_char_boundary(s.len() - MAX_SHOWN_CHARS / 4);
+    format!(
+        "{}…[{} bytes left out]…{}",
+        &s[..head],
+        tail - head,
+        &s[tail..]
+    )
 }
 
 impl StorageError {
@@ -193,6 +217,29 @@ mod tests {
             .downcast_ref::<std::io::Error>()
             .expect("the source is the original io::Error");
         assert_eq!(io.kind(), std::io::ErrorKind::PermissionDenied);
+    }
+
+    #[test]
+    fn long_values_are_cut_in_messages() {
+        let huge = "d".repeat(10 << 20);
+        for e in [
+            StorageError::config("backend file", "dir", huge.clone(), "bad"),
+            StorageError::io("create directory", &huge)(std::io::Error::other("too long")),
+            StorageError::backend("file", huge.clone()),
+            StorageError::backend_caused("file", "open", std::io::Error::other(huge.clone())),
+            StorageError::ConfigSyntax {
+                source_name: huge.clone(),
+                reason: "x".into(),
+            },
+        ] {
+            let m = e.to_string();
+            assert!(m.len() < 4 * MAX_SHOWN_CHARS, "{} bytes", m.len());
+            assert!(m.contains("bytes left out"), "{}", &m[..200]);
+        }
+        // Multi-byte characters are cut on their boundaries; short text is kept whole.
+        let wide = "é".repeat(MAX_SHOWN_CHARS);
+        assert!(cut(&wide).starts_with("éé"));
+        assert_eq!(cut("short"), "short");
     }
 
     #[test]

@@ -54,11 +54,13 @@ pub mod evict;
 pub mod ext;
 pub mod faults;
 pub mod lifecycle;
+pub mod machine;
 #[cfg(feature = "memory")]
 pub mod memory;
 pub mod page;
 pub mod pattern;
 pub mod registry;
+pub mod strict_json;
 
 pub use backend::{
     BackendInfo, STORAGE_BATCH_SIZE, StatsCounters, Storage, StorageStats, check_batch,

@@ -68,9 +68,12 @@ impl MemoryOptions {
         let eviction = fields.choice("eviction", "lru", &EvictionPolicy::NAMES)?;
         let max_batch = fields.u64("max_batch", d.max_batch as u64, 128..=65_536)? as usize;
         let record_contexts = fields.bool("record_contexts", d.record_contexts)?;
+        let capacity_bytes = common.capacity_bytes.unwrap_or(d.capacity_bytes);
+        // Pages are held in memory: a capacity above the machine's memory is a mistake.
+        crate::machine::check_memory_size(fields.scope(), "capacity", capacity_bytes)?;
         fields.finish()?;
         Ok(Self {
-            capacity_bytes: common.capacity_bytes.unwrap_or(d.capacity_bytes),
+            capacity_bytes,
             eviction: EvictionPolicy::parse(eviction).unwrap_or_default(),
             max_batch,
             record_contexts,
@@ -413,5 +416,15 @@ mod tests {
         );
         let cfg = StorageConfig::parse(Some("memory"), Some(r#"{"max_batch": 3}"#)).unwrap();
         assert!(MemoryOptions::from_config(&cfg.common, cfg.backend_fields).is_err());
+        // A capacity no machine of this size can hold is refused, naming what it has.
+        let cfg =
+            StorageConfig::parse(Some("memory"), Some(r#"{"capacity": "100000tb"}"#)).unwrap();
+        let e = MemoryOptions::from_config(&cfg.common, cfg.backend_fields)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`capacity`") && e.contains("physical memory"),
+            "{e}"
+        );
     }
 }

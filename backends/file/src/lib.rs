@@ -322,6 +322,25 @@ impl Storage for FileBackend {
             // Present but expired: a miss, and the reclaim thread removes it.
             self.wake_reclaimer();
         }
+        if self.opts.shared && hits > 0 {
+            // Another process sharing the directory may have deleted (cleared, evicted) pages
+            // this index still lists: a listed page counts only while its file exists, and one
+            // that is gone is forgotten here, so `batch_exists` never reports a page the next
+            // get would miss. One `stat` per listed page, in shared mode only.
+            let listed = hits;
+            hits = par::blocking(|| {
+                keys[..listed]
+                    .iter()
+                    .take_while(|k| {
+                        let on_disk = std::fs::symlink_metadata(self.paths.page_path(k)).is_ok();
+                        if !on_disk {
+                            self.index.lock().remove(k);
+                        }
+                        on_disk
+                    })
+                    .count()
+            });
+        }
         if self.opts.shared && hits < keys.len() {
             hits += par::blocking(|| {
                 keys[hits..]

@@ -411,6 +411,13 @@ impl FileBackend {
             .map_err(StorageError::io("create", &lock_path))?;
         if !sys::try_flock(&dir_lock, !shared).map_err(StorageError::io("lock", &lock_path))? {
             let holder = fs::read_to_string(&lock_path).unwrap_or_default();
+            if sys::holder_is_this_process(&holder) {
+                return Err(backend_err(format!(
+                    "{} is {}",
+                    root.display(),
+                    sys::HELD_BY_THIS_PROCESS
+                )));
+            }
             let holder = match holder.trim() {
                 "" => "processes in shared mode".to_string(),
                 h => h.to_string(),

@@ -126,7 +126,11 @@ async fn clear_in_shared_mode_removes_every_writer_s_pages() {
     put(&s2, &a[3..], 4096).await;
     assert_eq!(s1.clear(namespace(3)).await.unwrap(), 6);
     assert_eq!(s1.batch_exists(&a).await.unwrap(), 0);
-    // s2's index still names its pages: a read finds the file gone, a miss, never stale data.
+    // Issue 28 (low): s2's index still names its pages, but `batch_exists` checks each listed
+    // file and reports none of them (it reported 3 before: a stale positive until a get missed).
+    assert_eq!(s2.batch_exists(&a[3..]).await.unwrap(), 0);
+    assert_eq!(s2.batch_exists(&a[4..]).await.unwrap(), 0);
+    // A read finds the files gone: a miss, never stale data.
     assert!(
         get(&s2, &a[3..], 4096)
             .await

@@ -205,7 +205,7 @@ fn exclusive_mode_refuses_a_second_opener() {
     let dir = test_dir();
     let a = FileBackend::open(opts(dir.path())).unwrap();
     let e = FileBackend::open(opts(dir.path())).unwrap_err().to_string();
-    assert!(e.contains("in use") && e.contains("shared"), "{e}");
+    assert!(e.contains("held by a store of this same process"), "{e}");
     let mut sh = opts(dir.path());
     sh.shared = true;
     assert!(

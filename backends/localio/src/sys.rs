@@ -237,6 +237,23 @@ pub fn try_flock(file: &File, exclusive: bool) -> io::Result<bool> {
     }
 }
 
+/// Whether the holder a lock file names (`"pid N ..."` or `"N"`) is this very process: a
+/// store of ours that is still open, or closed while one of its calls was in flight (the call
+/// keeps it alive until it returns). Lets a refused open say so instead of blaming "another
+/// process".
+pub fn holder_is_this_process(holder: &str) -> bool {
+    let t = holder.trim();
+    let t = t.strip_prefix("pid").unwrap_or(t).trim_start();
+    let digits: String = t.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse::<u32>().ok() == Some(std::process::id())
+}
+
+/// The reason a refused open gives when the lock holder is this process
+/// ([`holder_is_this_process`]).
+pub const HELD_BY_THIS_PROCESS: &str = "held by a store of this same process that is still \
+open, or was closed while one of its calls was in flight (it stays open until that call \
+returns): close or drop it, let its calls finish, then open again";
+
 /// An exclusive `flock`, waiting for it.
 pub fn flock_wait(file: &File) -> io::Result<()> {
     loop {
@@ -419,6 +436,16 @@ pub fn eventfd() -> io::Result<File> {
 mod tests {
     use super::*;
     use std::io::IoSliceMut;
+
+    #[test]
+    fn the_holder_is_recognised_as_this_process() {
+        let me = std::process::id();
+        assert!(holder_is_this_process(&format!("{me}")));
+        assert!(holder_is_this_process(&format!("pid {me} on host h\n")));
+        assert!(!holder_is_this_process(&format!("pid {}1 on host h", me)));
+        assert!(!holder_is_this_process(""));
+        assert!(!holder_is_this_process("processes in shared mode"));
+    }
 
     #[test]
     fn advance_skips_whole_and_partial_entries() {

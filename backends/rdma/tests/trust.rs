@@ -536,6 +536,24 @@ async fn connection_caps_refuse_politely() {
     ));
 }
 
+/// Issue 28, item "config values that size memory": a pool larger than the machine's memory
+/// is refused before anything is mapped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_larger_than_the_machine_is_refused() {
+    let e = RdmaServer::start(ServerOptions {
+        pool_bytes: 1 << 50,
+        region_bytes: 1 << 48,
+        ..server_opts(1 << 20)
+    })
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("pool_bytes") && e.contains("physical memory"),
+        "{e}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pool_the_protocol_cannot_describe_is_refused() {
     let e = RdmaServer::start(ServerOptions {

@@ -137,6 +137,13 @@ fn lock_dir(dir: &Path) -> Result<File> {
             let mut holder = String::new();
             let _ = f.read_to_string(&mut holder);
             let holder = holder.trim();
+            if sys::holder_is_this_process(holder) {
+                return Err(backend_err(format!(
+                    "{} is {}",
+                    dir.display(),
+                    sys::HELD_BY_THIS_PROCESS
+                )));
+            }
             return Err(backend_err(format!(
                 "{} is in use by another process{}: a uring directory has one owner; give each \
                  process its own directory (or use the `file` backend with \"shared\": true to \
@@ -157,6 +164,27 @@ fn lock_dir(dir: &Path) -> Result<File> {
         .and_then(|()| f.write_all(pid.as_bytes()))
         .map_err(StorageError::io("write", &path))?;
     Ok(f)
+}
+
+/// Refuses a `grow_bytes` larger than the file system can sensibly give one growth step: the
+/// larger of the default step and a quarter of the file system's size.
+fn check_grow_bytes(dir: &Path, grow_bytes: u64) -> Result<()> {
+    let d = File::open(dir).map_err(StorageError::io("open directory", dir))?;
+    let (_, total) = sys::fs_space(&d).map_err(StorageError::io("statvfs", dir))?;
+    let limit = (total / 4).max(crate::options::DEFAULT_GROW_BYTES);
+    if grow_bytes > limit {
+        return Err(StorageError::config(
+            format!("backend {NAME}"),
+            "grow_bytes",
+            grow_bytes.to_string(),
+            format!(
+                "more than a quarter of the file system of {} ({total} bytes in all): a slab \
+                 grows by this much at once; at most {limit}",
+                dir.display()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl UringBackend {
@@ -188,6 +216,7 @@ impl UringBackend {
         if let Some(c) = opts.capacity_bytes {
             check_capacity(c, opts.page_bytes.unwrap_or(1) as usize)?;
         }
+        check_grow_bytes(&dir, opts.grow_bytes)?;
         // Ownership before anything is written, the lock file included.
         claim_directory(&dir)?;
         let lock = if ro {

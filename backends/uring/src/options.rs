@@ -14,6 +14,13 @@ use hicache_storage::{
 /// appends, deletes too.
 pub use hicache_localio::FsyncPolicy;
 
+/// Largest `grow_bytes` the configuration accepts (1 TiB); at open it is also bounded by the
+/// file system ([`UringBackend::open`](crate::UringBackend::open)).
+pub const MAX_GROW_BYTES: u64 = 1 << 40;
+
+/// Default `grow_bytes`: 256 MiB.
+pub const DEFAULT_GROW_BYTES: u64 = 256 << 20;
+
 /// Options of a [`UringBackend`](crate::UringBackend).
 #[derive(Clone, Debug, PartialEq)]
 pub struct UringOptions {
@@ -36,7 +43,9 @@ pub struct UringOptions {
     pub fixed_buffers: bool,
     /// Register slab files with the ring (`fixed_files`, default true).
     pub fixed_files: bool,
-    /// Step by which a slab file grows (`grow_bytes`, default 256 MiB, at least 4096).
+    /// Step by which a slab file grows (`grow_bytes`, default 256 MiB, 4096 to 1 TiB, and at
+    /// open at most the larger of the default and a quarter of the file system's size; one
+    /// growth also takes at most half of the free space).
     pub grow_bytes: u64,
     /// The deployment's page size (`page_bytes`): its slab is created at open. Default: the
     /// engine's page size when it passes one, else none (slabs appear with their first page).
@@ -66,7 +75,7 @@ impl UringOptions {
             max_batch: 256,
             fixed_buffers: true,
             fixed_files: true,
-            grow_bytes: 256 << 20,
+            grow_bytes: DEFAULT_GROW_BYTES,
             page_bytes: None,
             read_only: false,
             watermarks: None,
@@ -96,7 +105,20 @@ impl UringOptions {
             max_batch: f.u64("max_batch", d.max_batch as u64, 128..=4096)? as usize,
             fixed_buffers: f.bool("fixed_buffers", d.fixed_buffers)?,
             fixed_files: f.bool("fixed_files", d.fixed_files)?,
-            grow_bytes: f.opt_bytes("grow_bytes", 4096)?.unwrap_or(d.grow_bytes),
+            grow_bytes: match f.opt_bytes("grow_bytes", 4096)? {
+                Some(g) if g > MAX_GROW_BYTES => {
+                    return Err(StorageError::config(
+                        f.scope(),
+                        "grow_bytes",
+                        g.to_string(),
+                        format!(
+                            "must be at most {MAX_GROW_BYTES} bytes (1 TiB): a slab grows by \
+                             this much at once"
+                        ),
+                    ));
+                }
+                g => g.unwrap_or(d.grow_bytes),
+            },
             page_bytes: f.opt_bytes("page_bytes", 1)?,
             read_only: f.bool("read_only", false)?,
             watermarks: lifecycle.watermarks,
@@ -158,6 +180,11 @@ mod tests {
             (r#"{"dir": "/d", "fixed_files": 1}"#, "fixed_files"),
             (r#"{"dir": "/d", "grow_bytes": 100}"#, "grow_bytes"),
             (r#"{"dir": "/d", "grow_bytes": "lots"}"#, "grow_bytes"),
+            (
+                r#"{"dir": "/d", "grow_bytes": 18446744073709551615}"#,
+                "grow_bytes",
+            ),
+            (r#"{"dir": "/d", "grow_bytes": "2TiB"}"#, "grow_bytes"),
             (r#"{"dir": "/d", "page_bytes": 0}"#, "page_bytes"),
             (r#"{"dir": "/d", "read_only": "yes"}"#, "read_only"),
             (r#"{"dir": "/d", "ttl_s": 0}"#, "ttl_s"),

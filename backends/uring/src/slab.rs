@@ -39,8 +39,8 @@ const MIN_FS_HEADROOM: u64 = 4 << 20;
 pub(crate) struct Disk<'a>(pub(crate) &'a [Arc<Slab>]);
 
 impl SlabDisk for Disk<'_> {
-    /// Grows by the whole step when the file system has room, else by the most slots it has
-    /// room for (halving the step); a failed `fallocate` is undone by cutting the file back,
+    /// Grows by the whole step when the file system has room, else by at most half of the
+    /// free space above the headroom (then halving the step while `fallocate` fails); a failed `fallocate` is undone by cutting the file back,
     /// so a partial allocation never leaves the file system full.
     fn grow(&self, class: u16, from: u32, to: u32) -> io::Result<u32> {
         let s = &self.0[class as usize];
@@ -48,10 +48,14 @@ impl SlabDisk for Disk<'_> {
         // Leave room for the index log (its appends and a compaction's copy) and others.
         let (avail, total) = sys::fs_space(&s.file)?;
         let headroom = (total / 256).max(MIN_FS_HEADROOM);
-        let room = avail.saturating_sub(headroom) / s.slot_bytes;
-        if room == 0 {
+        let usable = avail.saturating_sub(headroom);
+        if usable < s.slot_bytes {
             return Err(io::Error::from_raw_os_error(libc::ENOSPC));
         }
+        // One growth takes at most half of what is free (but at least one slot), so however
+        // large `grow_bytes` is, the cache never takes the last of a shared disk in one step;
+        // it reaches its capacity by several smaller steps instead.
+        let room = (usable / 2).max(s.slot_bytes) / s.slot_bytes;
         let mut to = to.min(from.saturating_add(u32::try_from(room).unwrap_or(u32::MAX)));
         loop {
             let len = (to - from) as u64 * s.slot_bytes;

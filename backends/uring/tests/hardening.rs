@@ -251,3 +251,65 @@ async fn a_read_only_open_changes_nothing_and_refuses_writes() {
     assert!(e.contains("in use"), "{e}");
     drop(w);
 }
+
+/// Issue 28, item 9: `grow_bytes` is bounded. `u64::MAX` (which preallocated a 44 GB slab and
+/// made unrelated writers fail with "no space") is refused when the configuration is read, a
+/// value above a quarter of the file system is refused at open, and on a small file system a
+/// growth never takes more than half of what is free, however large the step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grow_bytes_is_bounded_by_the_file_system() {
+    let _serial = SERIAL.lock().await;
+    let cfg = hicache_storage::StorageConfig::parse(
+        Some("uring"),
+        Some(r#"{"dir": "/nonexistent", "grow_bytes": 18446744073709551615}"#),
+    )
+    .unwrap();
+    let e = UringOptions::from_config(&cfg.common, cfg.backend_fields)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`grow_bytes`") && e.contains("at most"), "{e}");
+
+    let dir = test_dir();
+    let mut o = test_opts(dir.path());
+    o.grow_bytes = hicache_backend_uring::options::MAX_GROW_BYTES;
+    let e = UringBackend::open(o)
+        .err()
+        .expect("a 1 TiB step is refused here");
+    let e = e.to_string();
+    assert!(e.contains("`grow_bytes`") && e.contains("quarter"), "{e}");
+
+    let root = test_dir();
+    let small = match SmallFs::mount(root.path(), 96 << 20) {
+        Ok(m) => m,
+        Err(why) => {
+            println!("SKIPPED: cannot mount a small file system: {why}");
+            return;
+        }
+    };
+    let free = || {
+        let d = fs::File::open(small.path()).unwrap();
+        hicache_localio::sys::fs_space(&d).unwrap().0
+    };
+    let before = free();
+    let mut o = UringOptions::new(small.path().join("store"));
+    o.capacity_bytes = Some(10 << 30);
+    // The default step (256 MiB) is larger than this whole file system.
+    let s = match UringBackend::open(o) {
+        Ok(s) => s,
+        Err(e) if e.to_string().contains("O_DIRECT") => {
+            println!("SKIPPED: the small file system refuses O_DIRECT: {e}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let ks = keys(28, 1);
+    assert_eq!(put_each(&s, &ks).await, 1);
+    let after = free();
+    assert!(
+        after >= before / 2 - (1 << 20),
+        "one growth took {} of {} free bytes",
+        before - after,
+        before
+    );
+    assert_eq!(intact(&s, &ks).await, vec![true]);
+}

@@ -196,6 +196,18 @@ impl ServerOptions {
                 ),
             );
         }
+        if let Some(total) = hicache_storage::machine::memory_total_bytes()
+            && self.pool_bytes > total
+        {
+            return bad(
+                "pool_bytes",
+                format!(
+                    "{} bytes is more than this machine's physical memory ({total} bytes): the \
+                     pool is held in memory",
+                    self.pool_bytes
+                ),
+            );
+        }
         if self.max_batch < 128 {
             return bad(
                 "max_batch",
