@@ -15,7 +15,11 @@
 //!   connections (a small pool per node, TCP or rustls TLS, ACL auth): a `SET` is one vectored
 //!   write of a small command head, the header, the page's bytes from the caller's buffer and
 //!   a small tail; a `GET` reply's header is verified before its bytes are read straight into
-//!   the caller's page buffer. The slot map and the checks at open use redis-rs ([`nodes`]).
+//!   the caller's page buffer. The slot map and the checks at open use the same connections
+//!   ([`nodes`]); every reply is read within the bound of what its command can return.
+//! - **One budget per call** ([`deadline`]): `timeout_ms` covers everything a call does —
+//!   connecting, redirections, slot-map refreshes, retries, each `SCAN` round of `clear` —
+//!   and a call that spends it fails with an error saying what was pending.
 //! - **Routing** ([`exec`]): a batch is split by the primary owning each key's slot (the slot
 //!   map from `CLUSTER SLOTS`, [`topology`]); each shard gets pipelines (one round trip each),
 //!   all shards at once, bytes in flight bounded by `max_inflight_bytes`. `batch_exists` of a
@@ -42,6 +46,7 @@
 
 pub mod config;
 pub mod conn;
+pub mod deadline;
 pub mod error;
 pub mod exec;
 pub mod nodes;
