@@ -3,6 +3,13 @@
 //! cluster is configured, values over `proto-max-bulk-len`, OOM replies from a full server,
 //! garbage under a page's key, and eviction by `allkeys-lru`. Each is a clear error or a
 //! per-page outcome; nothing is acknowledged that is not stored, and no wrong byte is a hit.
+//!
+//! Hostile servers (issue 28), fake servers on loopback answering what each test wants: a
+//! `SCAN` answered slowly with a non-zero cursor for ever, `MOVED` for ever with a slot map
+//! never answered after open, a 1 TB bulk streamed as a reply, garbage at open and mid-call, a
+//! connection closed instead of a reply, a `MOVED` loop. Each call keeps its budget (checked
+//! with generous upper bounds only: budget + 3 s), memory does not grow with what a reply
+//! claims, and each cause has its own message.
 
 use std::time::Duration;
 
@@ -363,6 +370,8 @@ mod fake {
                 out.extend(bulk(&max_bulk.to_string()));
                 out
             }
+            // Sent by other clients at connect (redis-rs), not by the backend.
+            "CLIENT" => b"+OK\r\n".to_vec(),
             "CLUSTER" => {
                 let mut out = b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n".to_vec();
                 out.extend(bulk("127.0.0.1"));
