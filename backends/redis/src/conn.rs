@@ -568,6 +568,34 @@ mod tests {
                 .to_string();
             assert!(e.contains(want), "{want}: {e}");
         }
+        // A bulk claiming 1 TB as the reply to a small command: refused by the reply's bound
+        // at its `$len` line, before the buffer grows.
+        let mut huge = b"$1000000000000\r\n".to_vec();
+        huge.extend(vec![0u8; 4 << 20]);
+        let mut c = serve(huge, 64 << 10).await;
+        let e = c.read_frame(&Limits::reply()).await.unwrap_err();
+        assert!(e.is_protocol(), "{e}");
+        assert!(
+            e.to_string().contains("exceeds the limit of 1048576"),
+            "{e}"
+        );
+        assert!(c.buf.len() <= READ_BUF, "the buffer did not grow");
+        // A reply longer than `max_reply` (never less than the 64 KiB buffer) made of
+        // elements each within their bounds is refused once the buffer reaches the bound.
+        let mut long = b"*16\r\n".to_vec();
+        for _ in 0..16 {
+            resp::put_bulk(&mut long, &[b'a'; 8000]);
+        }
+        let mut c = serve(long, 4096).await;
+        let tight = Limits {
+            max_reply: 8 << 10,
+            ..Limits::reply()
+        };
+        match c.read_frame(&tight).await {
+            Ok(_) => panic!("a 128 KB reply passed a 64 KiB bound"),
+            Err(e) => assert!(e.to_string().contains("RESP reply of"), "{e}"),
+        }
+        assert!(c.buf.len() <= READ_BUF, "the buffer did not grow");
         // A generic reply larger than the bound is refused before it is buffered whole.
         let mut c = serve(b"+".repeat(resp::MAX_LINE + 100), 4096).await;
         assert!(

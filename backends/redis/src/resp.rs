@@ -352,13 +352,16 @@ impl<'a> Cursor<'a> {
                 match t {
                     b'%' | b'|' => {
                         let mut it = items.into_iter();
-                        let mut map = Vec::with_capacity(n as usize);
+                        // Sized by what arrived (bounded by the buffer), not by the claim.
+                        let mut map = Vec::with_capacity(it.len() / 2);
                         while let (Some(k), Some(v)) = (it.next(), it.next()) {
                             map.push((k, v));
                         }
                         if t == b'|' {
                             // An attribute annotates the reply that follows it: return that.
-                            return self.frame(limits, depth);
+                            // Counted as a level of nesting, so a run of attributes cannot
+                            // recurse deeper than `max_depth`.
+                            return self.frame(limits, depth + 1);
                         }
                         Frame::Map(map)
                     }
@@ -588,6 +591,44 @@ mod tests {
         // A claimed length is not an allocation: a huge array that never arrives is Ok(None).
         let big = Limits::default();
         assert_eq!(parse(b"*1000000\r\n:1\r\n", &big), Ok(None));
+        // A run of attributes is bounded by the depth, not by the stack.
+        let attrs = b"|1\r\n+k\r\n+v\r\n".repeat(100_000);
+        assert!(matches!(parse(&attrs, &big), Err(RespError::TooDeep(16))));
+        // Garbage names its byte and where it is.
+        assert_eq!(
+            parse(b"*2\r\n:1\r\nX", &big).unwrap_err().to_string(),
+            "not a RESP reply: type byte 0x58 ('X') at offset 8 of the reply"
+        );
+    }
+
+    #[test]
+    fn each_reply_kind_has_its_bound() {
+        let tb = b"$1000000000000\r\n";
+        for l in [Limits::reply(), Limits::control(), Limits::scan(1024)] {
+            assert!(matches!(
+                parse(tb, &l),
+                Err(RespError::TooLarge {
+                    len: 1_000_000_000_000,
+                    ..
+                })
+            ));
+        }
+        assert!(matches!(
+            parse(b"*17\r\n", &Limits::reply()),
+            Err(RespError::TooLarge {
+                what: "aggregate",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(b"*16385\r\n", &Limits::scan(1024)),
+            Err(RespError::TooLarge {
+                what: "aggregate",
+                ..
+            })
+        ));
+        assert_eq!(parse(b"*16384\r\n", &Limits::scan(1024)), Ok(None));
+        assert!(parse(b"%9000\r\n", &Limits::control()).is_err());
     }
 
     #[test]
