@@ -27,7 +27,7 @@
 //! - **Writes** are `SET key value NX [EX ttl_s]` (one round trip for a new page); a key that
 //!   exists is `Present` if its stored header has the same layout and length, else it is
 //!   overwritten. With `min_replicas_acked: n ≥ 1` every pipeline ends with `WAIT n
-//!   timeout_ms` and its pages are `Stored` only if `n` replicas confirmed them.
+//!   t` (`t`: most of what is left of the call's budget) and its pages are `Stored` only if `n` replicas confirmed them.
 //! - **Failover**: `MOVED` re-reads the slot map, `ASK` follows the redirection once,
 //!   `TRYAGAIN`/`CLUSTERDOWN`/unreachable nodes are retried with pauses within `timeout_ms`,
 //!   then the pages fail alone (a miss for reads, a failed write for sets); the cache keeps
