@@ -33,8 +33,9 @@ pub struct RedisOptions {
     /// `0`: acknowledge a set once the primary has it (asynchronous replication); `n ≥ 1`:
     /// only after `WAIT n` confirmed that `n` replicas have it.
     pub min_replicas_acked: u32,
-    /// Budget of one call, retries and redirections included; also the connect timeout and
-    /// the `WAIT` timeout.
+    /// Budget of one call: everything the call does (connecting, redirections, slot-map
+    /// re-reads, retries and their pauses, `WAIT`, each `SCAN` round of `clear`) ends within
+    /// it ([`Budget`](crate::deadline::Budget)); open, all seeds together, too.
     pub timeout: Duration,
     /// Bytes of page values in flight at once over all shards and calls.
     pub max_inflight_bytes: u64,

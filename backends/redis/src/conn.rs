@@ -8,6 +8,16 @@
 //! `WAIT` at the end of a pipeline answers for that pipeline's writes. A connection on which
 //! anything failed (I/O, a reply that is not RESP, a timeout) is dropped by its user, never
 //! reused: its position in the reply stream is unknown.
+//!
+//! Memory: every read names the [`Limits`] of the reply it expects; the buffer grows only
+//! while one reply is longer than it, to at most [`Limits::max_reply`], and a claimed length
+//! above its bound is an error before a byte is buffered for it (the connection is then
+//! dropped by its user). A page body is read straight into the caller's buffer, whose size
+//! the caller chose; a value of another length is skipped through the fixed buffer.
+//!
+//! Errors keep their cause apart: [`ConnError::Closed`] (the peer closed the connection),
+//! [`ConnError::Io`] (reset and other socket errors), [`ConnError::Resp`] (bytes that are not
+//! RESP, or a reply over its bound).
 
 use std::io::IoSlice;
 use std::sync::Arc;
@@ -36,11 +46,14 @@ const BODY_PIECE: usize = 256 << 10;
 /// Why a connection failed. The connection is unusable after any of these.
 #[derive(Debug, Error)]
 pub enum ConnError {
-    /// The socket failed or closed.
-    #[error("i/o: {0}")]
+    /// The peer closed the connection (end of stream before a whole reply).
+    #[error("connection closed by the server")]
+    Closed,
+    /// The socket failed (reset, refused, unreachable).
+    #[error("i/o error: {0}")]
     Io(#[from] std::io::Error),
-    /// The peer sent bytes that are not a RESP reply.
-    #[error("{0}")]
+    /// The peer sent bytes that are not a RESP reply, or a reply over its bound.
+    #[error("protocol error: {0}")]
     Resp(#[from] RespError),
     /// TLS setup or handshake failed.
     #[error("tls: {0}")]
@@ -70,11 +83,12 @@ pub enum PageRead {
     Frame(Frame),
 }
 
-fn closed() -> std::io::Error {
-    std::io::Error::new(
-        std::io::ErrorKind::UnexpectedEof,
-        "the server closed the connection mid-reply",
-    )
+impl ConnError {
+    /// Whether the peer broke the protocol (garbage, a reply over its bound), as opposed to a
+    /// closed or failed socket.
+    pub fn is_protocol(&self) -> bool {
+        matches!(self, ConnError::Resp(_))
+    }
 }
 
 trait Stream: AsyncRead + AsyncWrite + Send + Unpin {}
@@ -125,7 +139,7 @@ impl Connector {
     }
 
     /// Opens a connection to `addr` (`host:port`) and authenticates it.
-    pub async fn connect(&self, addr: &str, limits: Limits) -> Result<Conn, ConnError> {
+    pub async fn connect(&self, addr: &str) -> Result<Conn, ConnError> {
         let (host, port) = split_addr(addr).ok_or(ConnError::Address)?;
         let tcp = TcpStream::connect((host.as_str(), port)).await?;
         tcp.set_nodelay(true)?;
@@ -146,7 +160,6 @@ impl Connector {
             buf: vec![0; READ_BUF],
             start: 0,
             end: 0,
-            limits,
         };
         if let Some((user, pass)) = &self.auth {
             let mut cmd = Vec::new();
@@ -155,7 +168,7 @@ impl Connector {
                 None => resp::put_command(&mut cmd, &[b"AUTH", pass.as_bytes()]),
             }
             conn.write_all(&mut [IoSlice::new(&cmd)]).await?;
-            if let Frame::Error(e) = conn.read_frame().await? {
+            if let Frame::Error(e) = conn.read_frame(&Limits::control()).await? {
                 return Err(ConnError::Auth(e));
             }
         }
@@ -170,7 +183,6 @@ pub struct Conn {
     buf: Vec<u8>,
     start: usize,
     end: usize,
-    limits: Limits,
 }
 
 impl Conn {
@@ -188,20 +200,21 @@ impl Conn {
         Ok(())
     }
 
-    /// Receives more bytes into the buffer (growing it only for a reply larger than it).
-    async fn fill(&mut self) -> Result<(), ConnError> {
+    /// Receives more bytes into the buffer (growing it only for a reply larger than it, to at
+    /// most `max_reply` bytes).
+    async fn fill(&mut self, max_reply: usize) -> Result<(), ConnError> {
         if self.start == self.end {
             (self.start, self.end) = (0, 0);
         } else if self.end == self.buf.len() {
             self.buf.copy_within(self.start..self.end, 0);
             (self.start, self.end) = (0, self.end - self.start);
             if self.end == self.buf.len() {
-                let grown = (self.buf.len() * 2).min(self.limits.max_bulk + READ_BUF);
+                let grown = (self.buf.len() * 2).min(max_reply.max(READ_BUF));
                 if grown <= self.buf.len() {
                     return Err(RespError::TooLarge {
                         what: "reply",
                         len: self.buf.len() as u64,
-                        max: self.limits.max_bulk as u64,
+                        max: max_reply as u64,
                     }
                     .into());
                 }
@@ -210,16 +223,16 @@ impl Conn {
         }
         let n = self.io.read(&mut self.buf[self.end..]).await?;
         if n == 0 {
-            return Err(closed().into());
+            return Err(ConnError::Closed);
         }
         self.end += n;
         Ok(())
     }
 
-    /// Reads one whole reply.
-    pub async fn read_frame(&mut self) -> Result<Frame, ConnError> {
+    /// Reads one whole reply within `limits`.
+    pub async fn read_frame(&mut self, limits: &Limits) -> Result<Frame, ConnError> {
         loop {
-            if let Some((f, n)) = resp::parse(&self.buf[self.start..self.end], &self.limits)? {
+            if let Some((f, n)) = resp::parse(&self.buf[self.start..self.end], limits)? {
                 self.start += n;
                 if self.start == self.end && self.buf.len() > READ_BUF {
                     // A large reply grew the buffer: give the memory back.
@@ -228,7 +241,7 @@ impl Conn {
                 }
                 return Ok(f);
             }
-            self.fill().await?;
+            self.fill(limits.max_reply).await?;
         }
     }
 
@@ -242,7 +255,7 @@ impl Conn {
     async fn skip(&mut self, mut n: usize) -> Result<(), ConnError> {
         while n > 0 {
             if self.start == self.end {
-                self.fill().await?;
+                self.fill(READ_BUF).await?;
             }
             let k = (self.end - self.start).min(n);
             self.start += k;
@@ -267,23 +280,32 @@ impl Conn {
     /// Reads the reply to `GET` of `key`'s page into `dst`: the header (magic, version,
     /// key, layout, length) is checked before a byte goes into `dst`, the checksum after; a
     /// value that fails is [`PageRead::Damaged`] and `dst` is zeroed, never left holding it.
+    /// A value longer than `max_value` bytes is an error (nothing of it is read); another
+    /// reply is read within [`Limits::reply`].
     pub async fn read_page(
         &mut self,
         key: &PageKey,
         dst: &mut PageBufMut<'_>,
+        max_value: usize,
     ) -> Result<PageRead, ConnError> {
+        let limits = Limits {
+            max_bulk: max_value,
+            ..Limits::reply()
+        };
         let head = loop {
-            match resp::parse_bulk_head(&self.buf[self.start..self.end], &self.limits)? {
+            match resp::parse_bulk_head(&self.buf[self.start..self.end], &limits)? {
                 Some((h, n)) => {
                     self.start += n;
                     break h;
                 }
-                None => self.fill().await?,
+                None => self.fill(READ_BUF).await?,
             }
         };
         let len = match head {
             BulkHead::Nil => return Ok(PageRead::Nil),
-            BulkHead::Other => return Ok(PageRead::Frame(self.read_frame().await?)),
+            BulkHead::Other => {
+                return Ok(PageRead::Frame(self.read_frame(&Limits::reply()).await?));
+            }
             BulkHead::Len(len) => len,
         };
         if len < HEADER_LEN {
@@ -340,12 +362,12 @@ impl Conn {
                 let piece = if sum.is_some() { BODY_PIECE } else { want };
                 let n = self.io.read(&mut out[done..done + want.min(piece)]).await?;
                 if n == 0 {
-                    return Err(closed().into());
+                    return Err(ConnError::Closed);
                 }
                 n
             } else {
                 if self.start == self.end {
-                    self.fill().await?;
+                    self.fill(READ_BUF).await?;
                 }
                 let n = (self.end - self.start).min(want);
                 out[done..done + n].copy_from_slice(&self.buf[self.start..self.start + n]);
@@ -370,6 +392,8 @@ mod tests {
     use tokio::net::TcpListener;
 
     const L: LayoutKind = LayoutKind::PageFirst;
+    /// The value bound of the tests that do not test it.
+    const BIG: usize = 512 << 20;
 
     /// The stored value of `data` under `key` (header + bytes), as a bulk string.
     fn bulk(key: &PageKey, layout: LayoutKind, data: &[u8]) -> Vec<u8> {
@@ -383,7 +407,7 @@ mod tests {
 
     /// A connection to a one-shot server on loopback that sends `bytes` in pieces of `piece`
     /// bytes, then closes.
-    async fn serve(bytes: Vec<u8>, piece: usize, limits: Limits) -> Conn {
+    async fn serve(bytes: Vec<u8>, piece: usize) -> Conn {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap().to_string();
         tokio::spawn(async move {
@@ -398,7 +422,7 @@ mod tests {
         let opts = RedisOptions::new([addr.clone()]);
         Connector::new(&opts, None)
             .unwrap()
-            .connect(&addr, limits)
+            .connect(&addr)
             .await
             .unwrap()
     }
@@ -412,27 +436,42 @@ mod tests {
             let mut wire = bulk(&k1, L, &d1);
             wire.extend(bulk(&k2, L, &d2));
             wire.extend_from_slice(b"$-1\r\n_\r\n-MOVED 1 127.0.0.1:7000\r\n+OK\r\n");
-            let mut c = serve(wire, piece, Limits::default()).await;
+            let mut c = serve(wire, piece).await;
             // A page in two parts, as a layer-first host page would be.
             let mut b1 = vec![0u8; d1.len()];
             let (x, y) = b1.split_at_mut(40_000);
             let mut dst = PageBufMut::from_parts(L, [x, y]);
-            assert_eq!(c.read_page(&k1, &mut dst).await.unwrap(), PageRead::Hit);
+            assert_eq!(
+                c.read_page(&k1, &mut dst, BIG).await.unwrap(),
+                PageRead::Hit
+            );
             drop(dst);
             assert_eq!(b1, d1);
             let mut b2 = vec![0u8; d2.len()];
             let mut dst = PageBufMut::contiguous(L, &mut b2);
-            assert_eq!(c.read_page(&k2, &mut dst).await.unwrap(), PageRead::Hit);
+            assert_eq!(
+                c.read_page(&k2, &mut dst, BIG).await.unwrap(),
+                PageRead::Hit
+            );
             drop(dst);
             assert_eq!(b2, d2);
             let mut dst = PageBufMut::contiguous(L, &mut b2);
-            assert_eq!(c.read_page(&k2, &mut dst).await.unwrap(), PageRead::Nil);
-            assert_eq!(c.read_page(&k2, &mut dst).await.unwrap(), PageRead::Nil);
             assert_eq!(
-                c.read_page(&k2, &mut dst).await.unwrap(),
+                c.read_page(&k2, &mut dst, BIG).await.unwrap(),
+                PageRead::Nil
+            );
+            assert_eq!(
+                c.read_page(&k2, &mut dst, BIG).await.unwrap(),
+                PageRead::Nil
+            );
+            assert_eq!(
+                c.read_page(&k2, &mut dst, BIG).await.unwrap(),
                 PageRead::Frame(Frame::Error("MOVED 1 127.0.0.1:7000".into()))
             );
-            assert_eq!(c.read_frame().await.unwrap(), Frame::Simple("OK".into()));
+            assert_eq!(
+                c.read_frame(&Limits::default()).await.unwrap(),
+                Frame::Simple("OK".into())
+            );
         }
     }
 
@@ -454,11 +493,11 @@ mod tests {
         wire.extend_from_slice(b"$10\r\nnot a page\r\n"); // shorter than a header
         wire.extend_from_slice(b"*1\r\n:1\r\n"); // not a string
         wire.extend(bulk(&k, L, &d)); // and the stream is still in step
-        let mut c = serve(wire, 1500, Limits::default()).await;
+        let mut c = serve(wire, 1500).await;
         let mut buf = vec![0xAAu8; d.len()];
         let mut dst = PageBufMut::contiguous(L, &mut buf);
         assert_eq!(
-            c.read_page(&k, &mut dst).await.unwrap(),
+            c.read_page(&k, &mut dst, BIG).await.unwrap(),
             PageRead::Damaged(Damage::BadChecksum)
         );
         drop(dst);
@@ -476,7 +515,7 @@ mod tests {
             PageRead::Frame(Frame::Array(vec![Frame::Int(1)])),
         ] {
             let mut dst = PageBufMut::contiguous(L, &mut buf);
-            assert_eq!(c.read_page(&k, &mut dst).await.unwrap(), want);
+            assert_eq!(c.read_page(&k, &mut dst, BIG).await.unwrap(), want);
             drop(dst);
             assert!(
                 buf.iter().all(|b| *b == 0xAA),
@@ -484,7 +523,7 @@ mod tests {
             );
         }
         let mut dst = PageBufMut::contiguous(L, &mut buf);
-        assert_eq!(c.read_page(&k, &mut dst).await.unwrap(), PageRead::Hit);
+        assert_eq!(c.read_page(&k, &mut dst, BIG).await.unwrap(), PageRead::Hit);
         drop(dst);
         assert_eq!(buf, d);
     }
@@ -520,15 +559,47 @@ mod tests {
             ),
         ];
         for (wire, want) in cases {
-            let mut c = serve(wire, 512, small).await;
+            let mut c = serve(wire, 512).await;
             let mut dst = PageBufMut::contiguous(L, &mut buf);
-            let e = c.read_page(&k, &mut dst).await.unwrap_err().to_string();
+            let e = c
+                .read_page(&k, &mut dst, small.max_bulk)
+                .await
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(want), "{want}: {e}");
         }
-        // A generic reply larger than the bound is refused before it is buffered whole.
-        let mut c = serve(b"+".repeat(resp::MAX_LINE + 100), 4096, small).await;
+        // A bulk claiming 1 TB as the reply to a small command: refused by the reply's bound
+        // at its `$len` line, before the buffer grows.
+        let mut huge = b"$1000000000000\r\n".to_vec();
+        huge.extend(vec![0u8; 4 << 20]);
+        let mut c = serve(huge, 64 << 10).await;
+        let e = c.read_frame(&Limits::reply()).await.unwrap_err();
+        assert!(e.is_protocol(), "{e}");
         assert!(
-            c.read_frame()
+            e.to_string().contains("exceeds the limit of 1048576"),
+            "{e}"
+        );
+        assert!(c.buf.len() <= READ_BUF, "the buffer did not grow");
+        // A reply longer than `max_reply` (never less than the 64 KiB buffer) made of
+        // elements each within their bounds is refused once the buffer reaches the bound.
+        let mut long = b"*16\r\n".to_vec();
+        for _ in 0..16 {
+            resp::put_bulk(&mut long, &[b'a'; 8000]);
+        }
+        let mut c = serve(long, 4096).await;
+        let tight = Limits {
+            max_reply: 8 << 10,
+            ..Limits::reply()
+        };
+        match c.read_frame(&tight).await {
+            Ok(_) => panic!("a 128 KB reply passed a 64 KiB bound"),
+            Err(e) => assert!(e.to_string().contains("RESP reply of"), "{e}"),
+        }
+        assert!(c.buf.len() <= READ_BUF, "the buffer did not grow");
+        // A generic reply larger than the bound is refused before it is buffered whole.
+        let mut c = serve(b"+".repeat(resp::MAX_LINE + 100), 4096).await;
+        assert!(
+            c.read_frame(&small)
                 .await
                 .unwrap_err()
                 .to_string()

@@ -2,16 +2,25 @@
 //! primary that owns their slot, each group is sent as pipelines (one round trip each), and
 //! all groups run at once. The bytes in flight are bounded by a semaphore shared by every call.
 //!
-//! Redirections and failures are handled per request, within the call's deadline:
+//! Redirections and failures are handled per request, within the call's [`Budget`]:
 //! - `MOVED`: the slot map is read again and the request goes to the new owner;
 //! - `ASK`: the request is sent once to the named node behind `ASKING`;
+//! - more than [`MAX_REDIRECTIONS`] `MOVED`/`ASK` for one request is a redirection loop: the
+//!   request fails with an error naming its slot and the nodes it was sent to;
 //! - `TRYAGAIN`, `CLUSTERDOWN`, `LOADING`, `MASTERDOWN`, an unreachable or timed-out node:
-//!   the request is retried after a pause (the slot map re-read), until the deadline;
+//!   the request is retried after a pause (the slot map re-read), until the budget is spent;
 //! - any other error reply is that request's final outcome.
+//!
+//! Invariant: everything [`execute`] awaits — the in-flight bound, a connection, its writes
+//! and replies, the pauses, the slot-map refreshes — ends by the budget's end: a request still
+//! pending then fails with a timeout error saying what it was waiting for and its last error.
+//! A failed pipeline's error keeps its cause: a dropped connection, a reply that is not RESP or
+//! over its bound (the connection is closed and counted), or the budget.
 //!
 //! A pipeline holds its data connection alone ([`Lease`](crate::nodes::Lease)) from its
 //! first byte written to its last reply read. With `wait = Some(n)` every pipeline ends with
-//! `WAIT n timeout`: `WAIT` answers for the writes made on the same connection before it,
+//! `WAIT n t` (`t` the part of the budget left, so `WAIT` too ends within it): `WAIT`
+//! answers for the writes made on the same connection before it,
 //! which include every write of the pipeline that succeeded on that node, so a write is acknowledged only if the count it returns is at
 //! least `n` (invariant: nothing is reported stored that the replicas have not confirmed).
 
@@ -26,18 +35,24 @@ use tokio::sync::{Mutex, Semaphore};
 use tokio::time::Instant;
 
 use crate::conn::PageRead;
+use crate::deadline::Budget;
 use crate::error::page_error;
 use crate::nodes::{BIG_VALUE, Nodes};
-use crate::resp::{self, Frame};
+use crate::resp::{self, Frame, Limits};
 use crate::topology::slot;
 
 /// `ASKING`, sent in front of a request redirected by `ASK`.
 const ASKING: &[u8] = b"*1\r\n$6\r\nASKING\r\n";
 
+/// `MOVED`/`ASK` redirections one request follows at most; more is a redirection loop.
+pub const MAX_REDIRECTIONS: usize = 16;
+
 /// One command on one key, RESP-encoded once and sent as often as it must be (redirections,
 /// retries). A page's bytes are not copied into the command: they go to the socket from the
 /// caller's buffer, between `head` and `tail`.
 pub struct Request<'a> {
+    /// The command's name (for messages).
+    pub name: &'static str,
     /// The key (for routing and messages).
     pub key: Vec<u8>,
     /// Bytes the command carries or fetches (for the in-flight bound).
@@ -53,11 +68,12 @@ pub struct Request<'a> {
 }
 
 impl<'a> Request<'a> {
-    /// A request whose command is `args` (the key among them), carrying no page.
-    pub fn command(key: &[u8], args: &[&[u8]]) -> Self {
+    /// A request `name` whose command is `args` (the key among them), carrying no page.
+    pub fn command(name: &'static str, key: &[u8], args: &[&[u8]]) -> Self {
         let mut head = Vec::with_capacity(16 + args.iter().map(|a| a.len() + 16).sum::<usize>());
         resp::put_command(&mut head, args);
         Self {
+            name,
             key: key.to_vec(),
             bytes: 0,
             head,
@@ -69,7 +85,7 @@ impl<'a> Request<'a> {
 
     /// A request whose command is `name key`.
     pub fn simple(name: &'static str, key: &[u8]) -> Self {
-        Self::command(key, &[name.as_bytes(), key])
+        Self::command(name, key, &[name.as_bytes(), key])
     }
 
     /// `SET key <header><page> [NX] [EX ttl]`.
@@ -98,6 +114,7 @@ impl<'a> Request<'a> {
             resp::put_bulk(&mut tail, t.as_bytes());
         }
         Self {
+            name: "SET",
             key: key.to_vec(),
             bytes: header.len() + page_len,
             head,
@@ -184,22 +201,26 @@ fn redirect_target(msg: &str) -> Option<String> {
     })
 }
 
-/// Runs `reqs` and returns one reply per request, in order. Requests made by
-/// [`Request::get_page`] read their page into `dst[slot]`.
+/// Runs `reqs` within `budget` and returns one reply per request, in order. Requests made by
+/// [`Request::get_page`] read their page into `dst[slot]`; page values longer than
+/// `max_value` bytes are refused unread. With `wait = Some(n)` every pipeline ends with
+/// `WAIT n` (see the [module docs](self)).
 pub async fn execute(
     nodes: &Nodes,
     inflight: &Inflight,
     reqs: &[Request<'_>],
     dst: &Dst<'_, '_>,
-    wait: Option<(u32, Duration)>,
-    deadline: Instant,
+    wait: Option<u32>,
+    budget: &Budget,
 ) -> Vec<Reply> {
+    let deadline = budget.end();
+    let max_value = usize::try_from(nodes.max_value_bytes).unwrap_or(usize::MAX);
     let mut out: Vec<Option<Reply>> = (0..reqs.len()).map(|_| None).collect();
     let mut pending: Vec<(usize, Pending)> = (0..reqs.len()).map(|i| (i, Pending::Route)).collect();
     let mut last_err: HashMap<usize, String> = HashMap::new();
+    // Per request: the redirections it followed (`MOVED 3999 host:port`), in order.
+    let mut redirected: HashMap<usize, Vec<String>> = HashMap::new();
     let mut attempt = 0u32;
-    // A pipeline may run past the call's deadline by the WAIT timeout it carries.
-    let io_deadline = deadline + wait.map(|(_, t)| t).unwrap_or_default();
     while !pending.is_empty() {
         let topology = nodes.topology();
         // Group by target node.
@@ -238,10 +259,20 @@ pub async fn execute(
             }
         }
         let results = join_all(batches.into_iter().map(|(addr, items, bytes)| async move {
-            let sent = send(nodes, inflight, &addr, reqs, &items, bytes, dst, wait);
-            let res = match tokio::time::timeout_at(io_deadline, sent).await {
-                Ok(r) => r,
-                Err(_) => Err("no complete reply before the deadline".to_string()),
+            let sent = send(
+                nodes, inflight, &addr, reqs, &items, bytes, dst, wait, max_value, deadline,
+            );
+            // Err((why, timed_out)).
+            let res = match tokio::time::timeout_at(deadline, sent).await {
+                Ok(r) => r.map_err(|e| (e, false)),
+                Err(_) => Err((
+                    format!(
+                        "a pipeline of {} {} to node {addr} was cut by the end of the budget",
+                        items.len(),
+                        reqs[items[0].0].name
+                    ),
+                    true,
+                )),
             };
             (addr, items, res)
         }))
@@ -251,11 +282,14 @@ pub async fn execute(
         for (addr, items, res) in results {
             let (replies, acked) = match res {
                 Ok(r) => r,
-                Err(e) => {
+                Err((e, timed_out)) => {
                     nodes.forget(&addr);
                     refresh = true;
                     for (i, _) in items {
-                        last_err.insert(i, format!("{addr}: {e}"));
+                        // The end of the budget says less than an error before it.
+                        if !(timed_out && last_err.contains_key(&i)) {
+                            last_err.insert(i, e.clone());
+                        }
                         retry.push((i, Pending::Route));
                     }
                     continue;
@@ -275,11 +309,26 @@ pub async fn execute(
                     }
                     Err(msg) => msg,
                 };
-                match msg.split_whitespace().next().unwrap_or("") {
+                let verb = msg.split_whitespace().next().unwrap_or("");
+                if matches!(verb, "MOVED" | "ASK") {
+                    let seen = redirected.entry(i).or_default();
+                    seen.push(msg.clone());
+                    if seen.len() > MAX_REDIRECTIONS {
+                        out[i] = Some(Reply::Failed(PageError::Backend(format!(
+                            "redis {}: too many redirections ({} MOVED/ASK, a redirection loop) for slot {}: {}",
+                            key(),
+                            seen.len(),
+                            slot(&reqs[i].key),
+                            loop_summary(seen)
+                        ))));
+                        continue;
+                    }
+                }
+                match verb {
                     "MOVED" | "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN"
                     | "READONLY" => {
                         refresh = true;
-                        last_err.insert(i, format!("{addr}: {msg}"));
+                        last_err.insert(i, format!("node {addr} answered {msg}"));
                         retry.push((i, Pending::Route));
                     }
                     "ASK" => match redirect_target(&msg) {
@@ -305,17 +354,15 @@ pub async fn execute(
             tokio::time::sleep_until((Instant::now() + pause).min(deadline)).await;
         }
         if refresh {
-            nodes.refresh().await;
+            nodes.refresh(budget).await;
         }
     }
     for (i, _) in pending {
         let why = last_err.remove(&i).unwrap_or_else(|| "no reply".into());
+        let doing = format!("{} {}", reqs[i].name, String::from_utf8_lossy(&reqs[i].key));
         out[i] = Some(Reply::Failed(PageError::Io {
             op: "redis",
-            detail: format!(
-                "{}: no answer within the timeout; last error: {why}",
-                String::from_utf8_lossy(&reqs[i].key)
-            ),
+            detail: format!("{}; last error: {why}", budget.timeout(doing)),
         }));
     }
     out.into_iter()
@@ -335,8 +382,19 @@ pub async fn execute(
 /// enough replicas.
 type PipelineResult = (Vec<Result<Reply, String>>, Option<Result<(), String>>);
 
+/// The redirections of a loop, shortened: the first three and the last.
+fn loop_summary(seen: &[String]) -> String {
+    let mut parts: Vec<&str> = seen.iter().take(3).map(String::as_str).collect();
+    if seen.len() > 3 {
+        parts.push("…");
+        parts.extend(seen.last().map(String::as_str));
+    }
+    parts.join(", ")
+}
+
 /// Sends one pipeline to `addr` on a leased connection (one vectored write of every command,
-/// then every reply read in order) and returns the per-request replies.
+/// then every reply read in order) and returns the per-request replies. The caller bounds it
+/// by the call's budget (`deadline`, of which `WAIT` is given what is left).
 #[allow(clippy::too_many_arguments)]
 async fn send(
     nodes: &Nodes,
@@ -346,7 +404,9 @@ async fn send(
     items: &[(usize, bool)],
     bytes: usize,
     dst: &Dst<'_, '_>,
-    wait: Option<(u32, Duration)>,
+    wait: Option<u32>,
+    max_value: usize,
+    deadline: Instant,
 ) -> Result<PipelineResult, String> {
     let permits = ((bytes / 1024) as u32 + 1).min(inflight.total);
     let _permit = inflight
@@ -354,10 +414,17 @@ async fn send(
         .acquire_many(permits)
         .await
         .map_err(|e| e.to_string())?;
-    let mut lease = nodes.lease(addr).await.map_err(|e| e.to_string())?;
+    let mut lease = nodes
+        .lease(addr)
+        .await
+        .map_err(|e| nodes.failed(addr, "connect", e).to_string())?;
     let mut wait_cmd = Vec::new();
-    if let Some((n, t)) = wait {
-        let (n, t) = (n.to_string(), t.as_millis().to_string());
+    if let Some(n) = wait {
+        // `WAIT n 0` would block for ever: at least 1 ms; 9/10 of what is left, so its
+        // answer arrives within the budget.
+        let left = deadline.saturating_duration_since(Instant::now());
+        let t = (left * 9 / 10).max(Duration::from_millis(1));
+        let (n, t) = (n.to_string(), t.as_millis().max(1).to_string());
         resp::put_command(&mut wait_cmd, &[b"WAIT", n.as_bytes(), t.as_bytes()]);
     }
     {
@@ -377,18 +444,21 @@ async fn send(
             slices.push(IoSlice::new(&wait_cmd));
         }
         nodes.count_round_trip(addr);
+        let first = reqs[items[0].0].name;
         lease
             .conn
             .write_all(&mut slices)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| nodes.failed(addr, first, e).to_string())?;
     }
     let conn = &mut lease.conn;
     let mut replies = Vec::with_capacity(items.len());
     for &(i, asking) in items {
+        let name = reqs[i].name;
+        let failed = |e| nodes.failed(addr, name, e).to_string();
         if asking {
             // +OK; an error here shows in the redirected command's own reply.
-            conn.read_frame().await.map_err(|e| e.to_string())?;
+            conn.read_frame(&Limits::reply()).await.map_err(failed)?;
         }
         let reply = match reqs[i].read_into {
             Some((key, slot)) => {
@@ -397,15 +467,15 @@ async fn send(
                 };
                 let mut d = cell.lock().await;
                 match conn
-                    .read_page(&key, &mut d)
+                    .read_page(&key, &mut d, max_value)
                     .await
-                    .map_err(|e| e.to_string())?
+                    .map_err(failed)?
                 {
                     PageRead::Frame(Frame::Error(e)) => Err(e),
                     p => Ok(Reply::Page(p)),
                 }
             }
-            None => match conn.read_frame().await.map_err(|e| e.to_string())? {
+            None => match conn.read_frame(&Limits::reply()).await.map_err(failed)? {
                 Frame::Error(e) => Err(e),
                 f => Ok(Reply::Value(f)),
             },
@@ -414,13 +484,19 @@ async fn send(
     }
     let acked = match wait {
         None => None,
-        Some((n, _)) => Some(match conn.read_frame().await.map_err(|e| e.to_string())? {
-            Frame::Int(k) if k >= i64::from(n) => Ok(()),
-            Frame::Int(k) => Err(format!(
-                "WAIT: {k} of {n} replicas acknowledged the write in time (min_replicas_acked)"
-            )),
-            other => Err(format!("WAIT failed: {other:?}")),
-        }),
+        Some(n) => Some(
+            match conn
+                .read_frame(&Limits::reply())
+                .await
+                .map_err(|e| nodes.failed(addr, "WAIT", e).to_string())?
+            {
+                Frame::Int(k) if k >= i64::from(n) => Ok(()),
+                Frame::Int(k) => Err(format!(
+                    "WAIT: {k} of {n} replicas acknowledged the write in time (min_replicas_acked)"
+                )),
+                other => Err(format!("WAIT failed: {other:?}")),
+            },
+        ),
     };
     let carried_big = items
         .iter()

@@ -15,7 +15,11 @@
 //!   connections (a small pool per node, TCP or rustls TLS, ACL auth): a `SET` is one vectored
 //!   write of a small command head, the header, the page's bytes from the caller's buffer and
 //!   a small tail; a `GET` reply's header is verified before its bytes are read straight into
-//!   the caller's page buffer. The slot map and the checks at open use redis-rs ([`nodes`]).
+//!   the caller's page buffer. The slot map and the checks at open use the same connections
+//!   ([`nodes`]); every reply is read within the bound of what its command can return.
+//! - **One budget per call** ([`deadline`]): `timeout_ms` covers everything a call does —
+//!   connecting, redirections, slot-map refreshes, retries, each `SCAN` round of `clear` —
+//!   and a call that spends it fails with an error saying what was pending.
 //! - **Routing** ([`exec`]): a batch is split by the primary owning each key's slot (the slot
 //!   map from `CLUSTER SLOTS`, [`topology`]); each shard gets pipelines (one round trip each),
 //!   all shards at once, bytes in flight bounded by `max_inflight_bytes`. `batch_exists` of a
@@ -23,7 +27,7 @@
 //! - **Writes** are `SET key value NX [EX ttl_s]` (one round trip for a new page); a key that
 //!   exists is `Present` if its stored header has the same layout and length, else it is
 //!   overwritten. With `min_replicas_acked: n ≥ 1` every pipeline ends with `WAIT n
-//!   timeout_ms` and its pages are `Stored` only if `n` replicas confirmed them.
+//!   t` (`t`: most of what is left of the call's budget) and its pages are `Stored` only if `n` replicas confirmed them.
 //! - **Failover**: `MOVED` re-reads the slot map, `ASK` follows the redirection once,
 //!   `TRYAGAIN`/`CLUSTERDOWN`/unreachable nodes are retried with pauses within `timeout_ms`,
 //!   then the pages fail alone (a miss for reads, a failed write for sets); the cache keeps
@@ -42,6 +46,7 @@
 
 pub mod config;
 pub mod conn;
+pub mod deadline;
 pub mod error;
 pub mod exec;
 pub mod nodes;

@@ -1,29 +1,34 @@
 //! Connections to the cluster's nodes and the current slot map.
 //!
-//! Two kinds of connection, both opened on first use with the configured credentials and TLS:
-//! - **control** (redis-rs, one multiplexed connection per node): the checks at open
-//!   (`INFO`, `CONFIG GET`) and the slot map (`CLUSTER SLOTS`), read at open and again
-//!   whenever a node answers `MOVED` or cannot be reached;
-//! - **data** ([`Conn`], a pool per node of at most [`DATA_CONNS_PER_NODE`]): page commands,
-//!   one pipeline per connection at a time ([`Lease`]).
+//! Every connection is the backend's own ([`Conn`], a pool per node of at most
+//! [`DATA_CONNS_PER_NODE`], opened on first use with the configured credentials and TLS), one
+//! command or pipeline at a time ([`Lease`]): page commands ([`exec`](crate::exec)) and the
+//! control commands — the checks at open (`INFO cluster`, `CONFIG GET proto-max-bulk-len`) and
+//! the slot map (`CLUSTER SLOTS`), read at open and again whenever a node answers `MOVED` or
+//! cannot be reached. Every control reply is read within [`Limits::control`].
 //!
-//! A node whose connection failed is forgotten (its control connection and idle data
-//! connections dropped), so the next use reconnects.
+//! Invariants:
+//! - every network wait runs under the calling [`Budget`]: open tries the seeds in turn, each
+//!   with a share of what is left of `timeout_ms`, so one silent seed cannot starve the others
+//!   and the whole open keeps its budget; a refresh stops when its call's budget is spent;
+//! - a node whose connection failed is forgotten (its idle connections dropped), so the next
+//!   use reconnects; a connection that failed mid-reply is never reused;
+//! - replies that break the protocol or their bound are counted ([`Nodes::protocol_errors`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
-use redis::aio::MultiplexedConnection;
-use redis::{
-    AsyncConnectionConfig, ConnectionAddr, IntoConnectionInfo, RedisConnectionInfo, Value,
-};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 
-use crate::config::{RedisOptions, split_addr};
+use crate::config::RedisOptions;
 use crate::conn::{Conn, ConnError, Connector};
+use crate::deadline::Budget;
 use crate::error::RedisError;
-use crate::resp::Limits;
+use crate::resp::{self, Frame, Limits};
 use crate::topology::Topology;
 
 /// The default of `proto-max-bulk-len` (512 MB), assumed where `CONFIG GET` is not allowed.
@@ -31,6 +36,10 @@ pub const DEFAULT_MAX_BULK: u64 = 512 * 1024 * 1024;
 
 /// Most data connections open to one node at once (pipelines to a node beyond this wait).
 pub const DATA_CONNS_PER_NODE: usize = 16;
+
+/// Shortest share of the budget one candidate node gets during a slot-map refresh (where
+/// that much is left), so that a silent node does not take all of it from the next one.
+const REFRESH_SHARE_MIN: Duration = Duration::from_millis(250);
 
 /// The data connections of one node: the idle ones and a bound on how many exist.
 struct Pool {
@@ -69,20 +78,21 @@ impl Lease {
 /// Node connections and the slot map.
 pub struct Nodes {
     opts: Arc<RedisOptions>,
-    root_cert: Option<Vec<u8>>,
-    conns: Mutex<HashMap<String, MultiplexedConnection>>,
     connector: Connector,
     pools: Mutex<HashMap<String, Arc<Pool>>>,
     topology: RwLock<Arc<Topology>>,
     /// Pipelines sent per node (each one network round trip), for [`Nodes::round_trips`].
     round_trips: Mutex<HashMap<String, u64>>,
+    /// Connections closed because a reply was not RESP or broke its bound.
+    protocol_errors: AtomicU64,
     /// Largest value a node accepts (`proto-max-bulk-len`), read at open.
     pub max_value_bytes: u64,
 }
 
 impl Nodes {
     /// Connects to the first seed that answers, checks that it is what the configuration says
-    /// (cluster or standalone), and reads the slot map.
+    /// (cluster or standalone), and reads the slot map, all within one `timeout_ms` budget:
+    /// each seed is given a share of what is left (the rest divided by the seeds not tried).
     pub async fn open(opts: Arc<RedisOptions>) -> Result<Self, RedisError> {
         let root_cert = match &opts.tls_ca_file {
             Some(p) => Some(std::fs::read(p).map_err(|e| {
@@ -100,38 +110,86 @@ impl Nodes {
         let mut nodes = Self {
             topology: RwLock::new(Arc::new(Topology::standalone(&opts.nodes[0]))),
             opts,
-            root_cert,
-            conns: Mutex::new(HashMap::new()),
             connector,
             pools: Mutex::new(HashMap::new()),
             round_trips: Mutex::new(HashMap::new()),
+            protocol_errors: AtomicU64::new(0),
             max_value_bytes: DEFAULT_MAX_BULK,
         };
-        let mut last = String::new();
-        for seed in nodes.opts.nodes.clone() {
-            match nodes.probe(&seed).await {
+        let budget = Budget::new("open", nodes.opts.timeout);
+        let seeds = nodes.opts.nodes.clone();
+        let mut failed: Vec<RedisError> = Vec::new();
+        for (n, seed) in seeds.iter().enumerate() {
+            if budget.spent() {
+                break;
+            }
+            let left = budget.end().saturating_duration_since(Instant::now());
+            let share = left / (seeds.len() - n) as u32;
+            let seed_end = Instant::now() + share;
+            let res = match tokio::time::timeout_at(seed_end, nodes.probe(seed, &budget)).await {
+                Ok(r) => r,
+                Err(_) => Err(RedisError::Timeout {
+                    op: "open",
+                    doing: format!(
+                        "seed {seed} (given {} ms of the {} ms budget)",
+                        share.as_millis(),
+                        budget.total_ms()
+                    ),
+                    budget_ms: budget.total_ms(),
+                }),
+            };
+            match res {
                 Ok(()) => return Ok(nodes),
                 Err(
                     e @ (RedisError::Auth { .. }
                     | RedisError::WrongMode { .. }
                     | RedisError::Tls(_)),
                 ) => return Err(e),
-                Err(e) => last = e.to_string(),
+                Err(e) => failed.push(e),
             }
         }
+        // A seed that answered something wrong says more than those that could not be
+        // reached: that error is the one reported.
+        if let Some(i) = failed.iter().position(|e| !e.is_unreachable()) {
+            return Err(failed.swap_remove(i));
+        }
         Err(RedisError::Unreachable {
-            tried: nodes.opts.nodes.join(", "),
-            last,
+            tried: seeds.join(", "),
+            last: failed
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; "),
         })
     }
 
-    async fn probe(&mut self, seed: &str) -> Result<(), RedisError> {
-        let mut conn = self.conn(seed).await?;
-        let info: String = redis::cmd("INFO")
-            .arg("cluster")
-            .query_async(&mut conn)
+    async fn probe(&mut self, seed: &str, budget: &Budget) -> Result<(), RedisError> {
+        let mut lease = self
+            .lease(seed)
             .await
-            .map_err(|e| RedisError::client(seed, e))?;
+            .map_err(|e| self.failed(seed, "connect", e))?;
+        let info = self
+            .query(
+                &mut lease.conn,
+                seed,
+                "INFO",
+                &[b"INFO", b"cluster"],
+                &Limits::control(),
+                budget,
+            )
+            .await?;
+        let info = match info {
+            Frame::Bulk(b) => String::from_utf8_lossy(&b).into_owned(),
+            Frame::Simple(s) => s,
+            Frame::Error(msg) => return Err(server_error(seed, "INFO", msg)),
+            other => {
+                return Err(RedisError::Protocol {
+                    node: seed.to_string(),
+                    command: "INFO",
+                    detail: format!("expected a string, got {other:?}"),
+                });
+            }
+        };
         let enabled = info.lines().any(|l| l.trim() == "cluster_enabled:1");
         match (self.opts.cluster, enabled) {
             (true, false) => {
@@ -148,23 +206,42 @@ impl Nodes {
             }
             _ => {}
         }
-        let limit: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
-            .arg("GET")
-            .arg("proto-max-bulk-len")
-            .query_async(&mut conn)
-            .await;
-        if let Some(v) = limit
-            .ok()
-            .and_then(|v| v.get(1).and_then(|s| s.parse::<u64>().ok()))
+        // An error reply (CONFIG not allowed to this user, renamed): the default is assumed.
+        let limit = self
+            .query(
+                &mut lease.conn,
+                seed,
+                "CONFIG GET",
+                &[b"CONFIG", b"GET", b"proto-max-bulk-len"],
+                &Limits::control(),
+                budget,
+            )
+            .await?;
+        let value = match &limit {
+            Frame::Array(v) => v.get(1),
+            Frame::Map(m) => m.first().map(|(_, v)| v),
+            _ => None,
+        };
+        if let Some(v) = value
+            .and_then(frame_text)
+            .and_then(|s| s.parse::<u64>().ok())
         {
             self.max_value_bytes = v;
         }
         let topology = if enabled {
-            let reply: Value = redis::cmd("CLUSTER")
-                .arg("SLOTS")
-                .query_async(&mut conn)
-                .await
-                .map_err(|e| RedisError::client(seed, e))?;
+            let reply = self
+                .query(
+                    &mut lease.conn,
+                    seed,
+                    "CLUSTER SLOTS",
+                    &[b"CLUSTER", b"SLOTS"],
+                    &Limits::control(),
+                    budget,
+                )
+                .await?;
+            if let Frame::Error(msg) = reply {
+                return Err(server_error(seed, "CLUSTER SLOTS", msg));
+            }
             let t = Topology::from_cluster_slots(&reply, seed).map_err(|detail| {
                 RedisError::Protocol {
                     node: seed.to_string(),
@@ -184,8 +261,102 @@ impl Nodes {
         } else {
             Topology::standalone(seed)
         };
+        lease.release(false);
         *self.topology.write() = Arc::new(topology);
         Ok(())
+    }
+
+    /// Sends one control command on `conn` (to `addr`) and reads its reply within
+    /// [`Limits::control`] and `budget`. An error reply is returned as [`Frame::Error`]
+    /// (authentication errors excepted: [`RedisError::Auth`]). On an error the connection
+    /// must be dropped.
+    async fn query(
+        &self,
+        conn: &mut Conn,
+        addr: &str,
+        command: &'static str,
+        args: &[&[u8]],
+        limits: &Limits,
+        budget: &Budget,
+    ) -> Result<Frame, RedisError> {
+        let mut cmd = Vec::new();
+        resp::put_command(&mut cmd, args);
+        let sent = async {
+            conn.write_all(&mut [std::io::IoSlice::new(&cmd)]).await?;
+            conn.read_frame(limits).await
+        };
+        let frame = budget
+            .run(|| format!("{command} on node {addr}"), async {
+                sent.await.map_err(|e| self.failed(addr, command, e))
+            })
+            .await?;
+        if let Frame::Error(msg) = &frame
+            && matches!(
+                msg.split_whitespace().next(),
+                Some("NOAUTH" | "WRONGPASS" | "NOPERM")
+            )
+            && command == "INFO"
+        {
+            return Err(RedisError::Auth {
+                node: addr.to_string(),
+                detail: msg.clone(),
+            });
+        }
+        Ok(frame)
+    }
+
+    /// Runs one control command on a connection leased from `addr`'s pool (given back once
+    /// the reply was read whole, dropped on any failure), its reply read within `limits` and
+    /// `budget`. An error reply is a [`Frame::Error`].
+    pub async fn control(
+        &self,
+        addr: &str,
+        command: &'static str,
+        args: &[&[u8]],
+        limits: &Limits,
+        budget: &Budget,
+    ) -> Result<Frame, RedisError> {
+        let mut lease = budget
+            .run(|| format!("connecting to node {addr}"), async {
+                self.lease(addr)
+                    .await
+                    .map_err(|e| self.failed(addr, "connect", e))
+            })
+            .await?;
+        let res = self
+            .query(&mut lease.conn, addr, command, args, limits, budget)
+            .await;
+        match res {
+            Ok(f) => {
+                lease.release(false);
+                Ok(f)
+            }
+            Err(e) => {
+                drop(lease);
+                self.forget(addr);
+                Err(e)
+            }
+        }
+    }
+
+    /// Counts a connection failure `e` of `command` on `addr` and names it.
+    pub fn failed(&self, addr: &str, command: &'static str, e: ConnError) -> RedisError {
+        self.note(&e);
+        RedisError::conn(addr, command, e)
+    }
+
+    /// Counts `e` where it is a protocol error (the connection it came from is closed by its
+    /// user).
+    pub fn note(&self, e: &ConnError) {
+        if e.is_protocol() {
+            self.protocol_errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Connections closed since open because a node sent something that is not RESP or a
+    /// reply over the bound of its command.
+    pub fn protocol_errors(&self) -> u64 {
+        self.protocol_errors.load(Ordering::Relaxed)
     }
 
     /// Whether the backend talks to a cluster (else one standalone server).
@@ -199,8 +370,10 @@ impl Nodes {
     }
 
     /// Reads the slot map again from the first node that answers (known primaries first, then
-    /// the seeds). Keeps the old map if none answers.
-    pub async fn refresh(&self) {
+    /// the seeds), within `budget`: each candidate gets what is left divided by the
+    /// candidates not tried (at least [`REFRESH_SHARE_MIN`] where that much is left). Keeps
+    /// the old map if none answers in time.
+    pub async fn refresh(&self, budget: &Budget) {
         if !self.opts.cluster {
             return;
         }
@@ -210,47 +383,42 @@ impl Nodes {
                 candidates.push(s.clone());
             }
         }
-        for addr in candidates {
-            let Ok(mut conn) = self.conn(&addr).await else {
-                continue;
-            };
-            let reply: redis::RedisResult<Value> = redis::cmd("CLUSTER")
-                .arg("SLOTS")
-                .query_async(&mut conn)
-                .await;
-            match reply {
-                Ok(v) => {
-                    if let Ok(t) = Topology::from_cluster_slots(&v, &addr)
-                        && !t.nodes.is_empty()
-                    {
-                        *self.topology.write() = Arc::new(t);
-                        return;
-                    }
+        let n = candidates.len();
+        let limits = Limits::control();
+        for (i, addr) in candidates.into_iter().enumerate() {
+            let now = Instant::now();
+            if now >= budget.end() {
+                return;
+            }
+            let left = budget.end() - now;
+            let share = (left / (n - i) as u32).max(REFRESH_SHARE_MIN.min(left));
+            let ask = self.control(
+                &addr,
+                "CLUSTER SLOTS",
+                &[b"CLUSTER", b"SLOTS"],
+                &limits,
+                budget,
+            );
+            let reply = match tokio::time::timeout(share, ask).await {
+                Ok(r) => r,
+                Err(_) => {
+                    self.forget(&addr);
+                    continue;
                 }
-                Err(_) => self.forget(&addr),
+            };
+            if let Ok(f) = reply
+                && let Ok(t) = Topology::from_cluster_slots(&f, &addr)
+                && !t.nodes.is_empty()
+            {
+                *self.topology.write() = Arc::new(t);
+                return;
             }
         }
     }
 
-    /// The connection to `addr`, opened if there is none.
-    pub async fn conn(&self, addr: &str) -> Result<MultiplexedConnection, RedisError> {
-        if let Some(c) = self.conns.lock().get(addr) {
-            return Ok(c.clone());
-        }
-        let client = self.client(addr)?;
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(self.opts.timeout))
-            .set_response_timeout(Some(self.opts.timeout * 2));
-        let conn = client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await
-            .map_err(|e| RedisError::client(addr, e))?;
-        self.conns.lock().insert(addr.to_string(), conn.clone());
-        Ok(conn)
-    }
-
     /// A data connection to `addr` for one pipeline: an idle one, else a new one (waiting
-    /// while the node has [`DATA_CONNS_PER_NODE`] in use).
+    /// while the node has [`DATA_CONNS_PER_NODE`] in use). Unbounded in time: callers run it
+    /// under their call's budget.
     pub async fn lease(&self, addr: &str) -> Result<Lease, ConnError> {
         let pool = self
             .pools
@@ -272,20 +440,7 @@ impl Nodes {
         let idle = pool.idle.lock().pop();
         let conn = match idle {
             Some(c) => c,
-            None => {
-                let limits = Limits {
-                    max_bulk: usize::try_from(self.max_value_bytes).unwrap_or(usize::MAX),
-                    ..Limits::default()
-                };
-                tokio::time::timeout(self.opts.timeout, self.connector.connect(addr, limits))
-                    .await
-                    .map_err(|_| {
-                        ConnError::Io(std::io::Error::new(
-                            std::io::ErrorKind::TimedOut,
-                            "connect timed out",
-                        ))
-                    })??
-            }
+            None => self.connector.connect(addr).await?,
         };
         Ok(Lease {
             conn,
@@ -305,51 +460,36 @@ impl Nodes {
         self.round_trips.lock().clone()
     }
 
-    /// Drops the connections to `addr` (after one failed), so the next use reconnects.
+    /// Drops the idle connections to `addr` (after one failed), so the next use reconnects.
     pub fn forget(&self, addr: &str) {
-        self.conns.lock().remove(addr);
         if let Some(p) = self.pools.lock().get(addr) {
             p.idle.lock().clear();
         }
     }
+}
 
-    fn client(&self, addr: &str) -> Result<redis::Client, RedisError> {
-        let (host, port) = split_addr(addr).ok_or_else(|| RedisError::Protocol {
-            node: addr.to_string(),
-            command: "connect",
-            detail: "not a host:port address".into(),
-        })?;
-        let conn_addr = if self.opts.tls {
-            ConnectionAddr::TcpTls {
-                host,
-                port,
-                insecure: false,
-                tls_params: None,
-            }
-        } else {
-            ConnectionAddr::Tcp(host, port)
+/// The text of a string reply.
+fn frame_text(f: &Frame) -> Option<String> {
+    match f {
+        Frame::Bulk(b) => std::str::from_utf8(b).ok().map(str::to_string),
+        Frame::Simple(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+fn server_error(node: &str, command: &'static str, msg: String) -> RedisError {
+    if matches!(
+        msg.split_whitespace().next(),
+        Some("NOAUTH" | "WRONGPASS" | "NOPERM")
+    ) {
+        return RedisError::Auth {
+            node: node.to_string(),
+            detail: msg,
         };
-        let mut redis_info = RedisConnectionInfo::default();
-        if let Some(u) = &self.opts.username {
-            redis_info = redis_info.set_username(u);
-        }
-        if let Some(p) = &self.opts.password {
-            redis_info = redis_info.set_password(p);
-        }
-        let info = conn_addr
-            .into_connection_info()
-            .map_err(|e| RedisError::client(addr, e))?
-            .set_redis_settings(redis_info);
-        let client = match &self.root_cert {
-            Some(pem) => redis::Client::build_with_tls(
-                info,
-                redis::TlsCertificates {
-                    client_tls: None,
-                    root_cert: Some(pem.clone()),
-                },
-            ),
-            None => redis::Client::open(info),
-        };
-        client.map_err(|e| RedisError::client(addr, e))
+    }
+    RedisError::Server {
+        node: node.to_string(),
+        command,
+        msg,
     }
 }

@@ -8,6 +8,13 @@
 //! [`MAX_LINE`] are errors, as are unknown type bytes, lines not ended by CRLF and numbers that
 //! do not parse. [`parse_bulk_head`] reads only the `$len` line in front of a bulk string, so a
 //! page's bytes can be read straight into the caller's buffer instead of into a frame.
+//!
+//! Invariant: no length read from the wire sizes an allocation. A claimed length is checked
+//! against its [`Limits`] bound before anything is buffered for it, aggregates get a capacity
+//! of at most 1024 up front and grow only with the elements that actually arrived, and the
+//! connection ([`conn`](crate::conn)) buffers at most [`Limits::max_reply`] bytes of one reply.
+//! Each command's reply is read with the limits of what that command can legitimately return
+//! ([`Limits::reply`], [`Limits::control`], [`Limits::scan`]).
 
 use thiserror::Error;
 
@@ -23,7 +30,14 @@ pub struct Limits {
     pub max_elements: usize,
     /// Deepest nesting of aggregates.
     pub max_depth: usize,
+    /// Most bytes of one reply held in the connection's buffer at once (a page body read
+    /// straight into the caller's buffer is not held there).
+    pub max_reply: usize,
 }
+
+/// Largest bulk string of a reply that carries no page value (a `GETRANGE` header, an error, a
+/// key of `SCAN`, `INFO`, `CONFIG GET`).
+pub const SMALL_BULK: usize = 1 << 20;
 
 impl Default for Limits {
     fn default() -> Self {
@@ -31,6 +45,43 @@ impl Default for Limits {
             max_bulk: 512 << 20,
             max_elements: 1 << 20,
             max_depth: 16,
+            max_reply: (512 << 20) + (64 << 10),
+        }
+    }
+}
+
+impl Limits {
+    /// A reply to a data command that carries no page (`EXISTS`, `DEL`, `SET`, `GETRANGE`,
+    /// `WAIT`, `ASKING`, or an error reply instead of a page): no aggregate of more than 16
+    /// elements, bulks of at most [`SMALL_BULK`].
+    pub const fn reply() -> Self {
+        Self {
+            max_bulk: SMALL_BULK,
+            max_elements: 16,
+            max_depth: 4,
+            max_reply: SMALL_BULK + (64 << 10),
+        }
+    }
+
+    /// A control reply (`INFO`, `CONFIG GET`, `CLUSTER SLOTS`, `AUTH`): a slot map has at most
+    /// 16384 ranges of a few nodes each.
+    pub const fn control() -> Self {
+        Self {
+            max_bulk: SMALL_BULK,
+            max_elements: 16384 + 64,
+            max_depth: 6,
+            max_reply: 16 << 20,
+        }
+    }
+
+    /// A reply to `SCAN … COUNT count`: a cursor and an array of keys. `COUNT` is a hint the
+    /// server may exceed by the keys of the buckets it visited; 16 times it is allowed.
+    pub const fn scan(count: usize) -> Self {
+        Self {
+            max_bulk: 64 << 10,
+            max_elements: count.saturating_mul(16),
+            max_depth: 3,
+            max_reply: 16 << 20,
         }
     }
 }
@@ -60,8 +111,13 @@ pub enum Frame {
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum RespError {
     /// A type byte RESP does not have (garbage on the connection).
-    #[error("not a RESP reply: type byte 0x{0:02x}")]
-    BadType(u8),
+    #[error("not a RESP reply: type byte 0x{byte:02x} ({}) at offset {offset} of the reply", show(*byte))]
+    BadType {
+        /// The byte.
+        byte: u8,
+        /// Where it is, from the start of the reply.
+        offset: usize,
+    },
     /// A line or length that is not what RESP says.
     #[error("malformed RESP {what}: {detail}")]
     Malformed {
@@ -83,6 +139,15 @@ pub enum RespError {
     /// Aggregates nested too deep.
     #[error("RESP aggregates nested deeper than {0}")]
     TooDeep(usize),
+}
+
+/// A byte as a character where it prints, else `?`.
+fn show(b: u8) -> String {
+    if b.is_ascii_graphic() {
+        format!("{:?}", b as char)
+    } else {
+        "non-printing".to_string()
+    }
 }
 
 fn malformed(what: &'static str, detail: impl Into<String>) -> RespError {
@@ -218,7 +283,10 @@ impl<'a> Cursor<'a> {
             return Ok(None);
         };
         if !b"+-:$*_#,(!=%~>|".contains(&t) {
-            return Err(RespError::BadType(t));
+            return Err(RespError::BadType {
+                byte: t,
+                offset: self.pos,
+            });
         }
         self.pos += 1;
         let Some(line) = self.line()? else {
@@ -284,13 +352,16 @@ impl<'a> Cursor<'a> {
                 match t {
                     b'%' | b'|' => {
                         let mut it = items.into_iter();
-                        let mut map = Vec::with_capacity(n as usize);
+                        // Sized by what arrived (bounded by the buffer), not by the claim.
+                        let mut map = Vec::with_capacity(it.len() / 2);
                         while let (Some(k), Some(v)) = (it.next(), it.next()) {
                             map.push((k, v));
                         }
                         if t == b'|' {
                             // An attribute annotates the reply that follows it: return that.
-                            return self.frame(limits, depth);
+                            // Counted as a level of nesting, so a run of attributes cannot
+                            // recurse deeper than `max_depth`.
+                            return self.frame(limits, depth + 1);
                         }
                         Frame::Map(map)
                     }
@@ -490,6 +561,7 @@ mod tests {
             max_bulk: 1 << 20,
             max_elements: 100,
             max_depth: 3,
+            max_reply: 2 << 20,
         };
         let err = |b: &[u8]| parse(b, &l).unwrap_err().to_string();
         assert!(err(b"HTTP/1.1 400 Bad Request\r\n").contains("type byte 0x48"));
@@ -519,6 +591,44 @@ mod tests {
         // A claimed length is not an allocation: a huge array that never arrives is Ok(None).
         let big = Limits::default();
         assert_eq!(parse(b"*1000000\r\n:1\r\n", &big), Ok(None));
+        // A run of attributes is bounded by the depth, not by the stack.
+        let attrs = b"|1\r\n+k\r\n+v\r\n".repeat(100_000);
+        assert!(matches!(parse(&attrs, &big), Err(RespError::TooDeep(16))));
+        // Garbage names its byte and where it is.
+        assert_eq!(
+            parse(b"*2\r\n:1\r\nX", &big).unwrap_err().to_string(),
+            "not a RESP reply: type byte 0x58 ('X') at offset 8 of the reply"
+        );
+    }
+
+    #[test]
+    fn each_reply_kind_has_its_bound() {
+        let tb = b"$1000000000000\r\n";
+        for l in [Limits::reply(), Limits::control(), Limits::scan(1024)] {
+            assert!(matches!(
+                parse(tb, &l),
+                Err(RespError::TooLarge {
+                    len: 1_000_000_000_000,
+                    ..
+                })
+            ));
+        }
+        assert!(matches!(
+            parse(b"*17\r\n", &Limits::reply()),
+            Err(RespError::TooLarge {
+                what: "aggregate",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(b"*16385\r\n", &Limits::scan(1024)),
+            Err(RespError::TooLarge {
+                what: "aggregate",
+                ..
+            })
+        ));
+        assert_eq!(parse(b"*16384\r\n", &Limits::scan(1024)), Ok(None));
+        assert!(parse(b"%9000\r\n", &Limits::control()).is_err());
     }
 
     #[test]

@@ -11,22 +11,26 @@ use hicache_storage::{
     StorageStats, check_batch,
 };
 use tokio::sync::Mutex;
-use tokio::time::Instant;
 
 use crate::config::RedisOptions;
 use crate::conn::PageRead;
+use crate::deadline::Budget;
 use crate::error::RedisError;
 use crate::exec::{Inflight, Reply, Request, execute};
 use crate::nodes::Nodes;
-use crate::resp::Frame;
+use crate::resp::{Frame, Limits};
 use crate::value::{self, HEADER_LEN};
 
 /// Largest number of pages in one call.
 pub const MAX_BATCH: usize = 1024;
 
 /// `SCAN` calls per node a `clear` makes at most (each asks for 1024 keys; a cursor that has
-/// not come back to 0 by then means a node that never finishes).
+/// not come back to 0 by then means a node that never finishes). The call's budget bounds
+/// its time first.
 const CLEAR_MAX_SCAN_ROUNDS: u64 = 1 << 24;
+
+/// Keys one `SCAN` round asks for.
+const SCAN_COUNT: usize = 1024;
 
 /// An L3 backend on a Redis / Valkey Cluster (or one standalone server). See the
 /// [crate documentation](crate).
@@ -96,13 +100,19 @@ impl RedisStorage {
         (self.nodes.max_value_bytes as usize).saturating_sub(HEADER_LEN)
     }
 
-    fn deadline(&self) -> Instant {
-        Instant::now() + self.opts.timeout
+    /// Connections closed since open because a node sent something that is not RESP or a
+    /// reply over the bound of its command (each such reply closes its connection).
+    pub fn protocol_errors(&self) -> u64 {
+        self.nodes.protocol_errors()
     }
 
-    fn wait(&self) -> Option<(u32, std::time::Duration)> {
-        (self.opts.min_replicas_acked > 0)
-            .then_some((self.opts.min_replicas_acked, self.opts.timeout))
+    /// The budget of one call `op`: `timeout_ms` from now.
+    fn budget(&self, op: &'static str) -> Budget {
+        Budget::new(op, self.opts.timeout)
+    }
+
+    fn wait(&self) -> Option<u32> {
+        (self.opts.min_replicas_acked > 0).then_some(self.opts.min_replicas_acked)
     }
 
     /// `SET` of `page` under `key` (header and page bytes sent from their buffers).
@@ -126,12 +136,13 @@ impl RedisStorage {
         src: &[PageBuf<'_>],
         which: &[(usize, Option<usize>)],
         nx: bool,
+        budget: &Budget,
     ) -> Vec<(usize, Option<PageOutcome>)> {
         let reqs: Vec<Request<'_>> = which
             .iter()
             .map(|&(i, _)| self.set_request(&keys[i], &src[i], nx))
             .collect();
-        let replies = self.run(&reqs, true).await;
+        let replies = self.run(&reqs, true, budget).await;
         which
             .iter()
             .zip(replies)
@@ -152,18 +163,10 @@ impl RedisStorage {
             .collect()
     }
 
-    /// Runs `reqs` (no page reads) with the call's deadline.
-    async fn run(&self, reqs: &[Request<'_>], wait: bool) -> Vec<Reply> {
+    /// Runs `reqs` (no page reads) within the call's `budget`.
+    async fn run(&self, reqs: &[Request<'_>], wait: bool, budget: &Budget) -> Vec<Reply> {
         let wait = if wait { self.wait() } else { None };
-        execute(
-            &self.nodes,
-            &self.inflight,
-            reqs,
-            &[],
-            wait,
-            self.deadline(),
-        )
-        .await
+        execute(&self.nodes, &self.inflight, reqs, &[], wait, budget).await
     }
 
     fn add_stored(&self, len: usize, replaced: Option<usize>) {
@@ -179,15 +182,52 @@ impl RedisStorage {
         }
     }
 
+    /// Removes `keys` (their headers read first, for the byte count) within `budget`: the
+    /// number removed. Counted by the caller (`deleted_pages` or `cleared_pages`).
+    async fn delete_within(&self, keys: &[PageKey], budget: &Budget) -> Result<usize> {
+        let named: Vec<(PageKey, Vec<u8>)> = keys.iter().map(|k| (*k, self.redis_key(k))).collect();
+        let headers = self.headers(&named, budget).await;
+        let reqs: Vec<Request<'_>> = named
+            .iter()
+            .map(|(_, rk)| Request::simple("DEL", rk))
+            .collect();
+        let replies = self.run(&reqs, false, budget).await;
+        let mut removed = 0;
+        for (r, h) in replies.iter().zip(headers) {
+            match r {
+                Reply::Value(Frame::Int(1)) => {
+                    removed += 1;
+                    sub(&self.pages, 1);
+                    sub(&self.bytes, h.map(|h| h.meta.len as u64).unwrap_or(0));
+                }
+                Reply::Value(_) | Reply::Page(_) => {}
+                Reply::Failed(e) => {
+                    return Err(hicache_storage::StorageError::backend_caused(
+                        crate::NAME,
+                        budget.op(),
+                        e.clone(),
+                    ));
+                }
+            }
+        }
+        Ok(removed)
+    }
+
     /// Reads the headers of `keys` (`GETRANGE key 0 71`): `Some(header)` where a valid one is
     /// stored.
-    async fn headers(&self, keys: &[(PageKey, Vec<u8>)]) -> Vec<Option<value::Header>> {
+    async fn headers(
+        &self,
+        keys: &[(PageKey, Vec<u8>)],
+        budget: &Budget,
+    ) -> Vec<Option<value::Header>> {
         let last = (HEADER_LEN - 1).to_string();
         let reqs: Vec<Request<'_>> = keys
             .iter()
-            .map(|(_, rk)| Request::command(rk, &[b"GETRANGE", rk, b"0", last.as_bytes()]))
+            .map(|(_, rk)| {
+                Request::command("GETRANGE", rk, &[b"GETRANGE", rk, b"0", last.as_bytes()])
+            })
             .collect();
-        let replies = self.run(&reqs, false).await;
+        let replies = self.run(&reqs, false, budget).await;
         keys.iter()
             .zip(replies)
             .map(|((key, _), r)| match r {
@@ -196,6 +236,49 @@ impl RedisStorage {
             })
             .collect()
     }
+}
+
+/// The cursor and the keys of a `SCAN` reply from `addr`.
+fn scan_reply(addr: &str, reply: Frame) -> std::result::Result<(u64, Vec<Vec<u8>>), RedisError> {
+    let bad = |detail: String| RedisError::Protocol {
+        node: addr.to_string(),
+        command: "SCAN",
+        detail,
+    };
+    let items = match reply {
+        Frame::Array(items) if items.len() == 2 => items,
+        Frame::Error(msg) => {
+            return Err(RedisError::Server {
+                node: addr.to_string(),
+                command: "SCAN",
+                msg,
+            });
+        }
+        other => return Err(bad(format!("expected [cursor, keys], got {other:?}"))),
+    };
+    let mut it = items.into_iter();
+    let (Some(cursor), Some(keys)) = (it.next(), it.next()) else {
+        return Err(bad("expected [cursor, keys]".into()));
+    };
+    let cursor = match cursor {
+        Frame::Bulk(b) => std::str::from_utf8(&b)
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok()),
+        Frame::Int(i) => u64::try_from(i).ok(),
+        _ => None,
+    }
+    .ok_or_else(|| bad("the cursor is not a number".into()))?;
+    let Frame::Array(keys) = keys else {
+        return Err(bad(format!("expected an array of keys, got {keys:?}")));
+    };
+    let keys = keys
+        .into_iter()
+        .map(|k| match k {
+            Frame::Bulk(b) => Ok(b),
+            other => Err(bad(format!("a key that is not a string: {other:?}"))),
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    Ok((cursor, keys))
 }
 
 fn sub(c: &AtomicU64, n: u64) {
@@ -219,7 +302,7 @@ impl Storage for RedisStorage {
         check_batch("batch_exists", MAX_BATCH, keys.len(), keys.len())?;
         let rkeys: Vec<Vec<u8>> = keys.iter().map(|k| self.redis_key(k)).collect();
         let reqs: Vec<Request<'_>> = rkeys.iter().map(|k| Request::simple("EXISTS", k)).collect();
-        let replies = self.run(&reqs, false).await;
+        let replies = self.run(&reqs, false, &self.budget("batch_exists")).await;
         let mut run = 0;
         for r in &replies {
             match r {
@@ -242,6 +325,7 @@ impl Storage for RedisStorage {
         dst: &mut [PageBufMut<'_>],
     ) -> Result<Vec<PageOutcome>> {
         check_batch("batch_get", MAX_BATCH, keys.len(), dst.len())?;
+        let budget = self.budget("batch_get");
         let rkeys: Vec<Vec<u8>> = keys.iter().map(|k| self.redis_key(k)).collect();
         let reqs: Vec<Request<'_>> = rkeys
             .iter()
@@ -252,15 +336,7 @@ impl Storage for RedisStorage {
             .collect();
         let replies = {
             let cells: Vec<Mutex<&mut PageBufMut<'_>>> = dst.iter_mut().map(Mutex::new).collect();
-            execute(
-                &self.nodes,
-                &self.inflight,
-                &reqs,
-                &cells,
-                None,
-                self.deadline(),
-            )
-            .await
+            execute(&self.nodes, &self.inflight, &reqs, &cells, None, &budget).await
         };
         drop(reqs);
         let mut outcomes = Vec::with_capacity(keys.len());
@@ -293,7 +369,7 @@ impl Storage for RedisStorage {
                 .iter()
                 .map(|i| Request::simple("DEL", &rkeys[*i]))
                 .collect();
-            let _ = self.run(&reqs, false).await;
+            let _ = self.run(&reqs, false, &budget).await;
         }
         // A page not read whole and verified holds no bytes of what arrived.
         for (o, d) in outcomes.iter().zip(dst.iter_mut()) {
@@ -309,6 +385,7 @@ impl Storage for RedisStorage {
     #[tracing::instrument(skip_all, fields(pages = keys.len()))]
     async fn batch_set(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Result<Vec<PageOutcome>> {
         check_batch("batch_set", MAX_BATCH, keys.len(), src.len())?;
+        let budget = self.budget("batch_set");
         let max = self.max_page_bytes();
         let mut outcomes: Vec<Option<PageOutcome>> = vec![None; keys.len()];
         let mut todo = Vec::new();
@@ -327,7 +404,7 @@ impl Storage for RedisStorage {
         // Phase 1: SET NX. A new page is stored in one round trip.
         let new: Vec<(usize, Option<usize>)> = todo.iter().map(|&i| (i, None)).collect();
         let mut existing = Vec::new();
-        for (i, o) in self.set_pages(keys, src, &new, true).await {
+        for (i, o) in self.set_pages(keys, src, &new, true, &budget).await {
             match o {
                 Some(o) => outcomes[i] = Some(o),
                 None => existing.push(i),
@@ -340,7 +417,7 @@ impl Storage for RedisStorage {
                 .iter()
                 .map(|&i| (keys[i], self.redis_key(&keys[i])))
                 .collect();
-            let headers = self.headers(&named).await;
+            let headers = self.headers(&named, &budget).await;
             let mut rewrite = Vec::new();
             for (&i, h) in existing.iter().zip(headers) {
                 match h {
@@ -348,7 +425,7 @@ impl Storage for RedisStorage {
                     other => rewrite.push((i, Some(other.map_or(0, |h| h.meta.len)))),
                 }
             }
-            for (i, o) in self.set_pages(keys, src, &rewrite, false).await {
+            for (i, o) in self.set_pages(keys, src, &rewrite, false, &budget).await {
                 outcomes[i] = o;
             }
         }
@@ -368,31 +445,7 @@ impl Storage for RedisStorage {
     #[tracing::instrument(skip_all, fields(pages = keys.len()))]
     async fn delete(&self, keys: &[PageKey]) -> Result<usize> {
         check_batch("delete", MAX_BATCH, keys.len(), keys.len())?;
-        let named: Vec<(PageKey, Vec<u8>)> = keys.iter().map(|k| (*k, self.redis_key(k))).collect();
-        let headers = self.headers(&named).await;
-        let reqs: Vec<Request<'_>> = named
-            .iter()
-            .map(|(_, rk)| Request::simple("DEL", rk))
-            .collect();
-        let replies = self.run(&reqs, false).await;
-        let mut removed = 0;
-        for (r, h) in replies.iter().zip(headers) {
-            match r {
-                Reply::Value(Frame::Int(1)) => {
-                    removed += 1;
-                    sub(&self.pages, 1);
-                    sub(&self.bytes, h.map(|h| h.meta.len as u64).unwrap_or(0));
-                }
-                Reply::Value(_) | Reply::Page(_) => {}
-                Reply::Failed(e) => {
-                    return Err(hicache_storage::StorageError::backend_caused(
-                        crate::NAME,
-                        "delete",
-                        e.clone(),
-                    ));
-                }
-            }
-        }
+        let removed = self.delete_within(keys, &self.budget("delete")).await?;
         bump(&self.stats.deleted_pages, removed as u64);
         Ok(removed)
     }
@@ -401,8 +454,11 @@ impl Storage for RedisStorage {
     /// number of rounds per node), each key found parsed back to a page key (anything else
     /// matching is left alone) and removed with the same per-node pipelines as `delete`.
     /// Pages written during the clear may survive it; a node that fails is an error naming it.
+    /// Every round and every `DEL` pipeline runs under one `timeout_ms` budget: when it is
+    /// spent the error names the round and the node.
     #[tracing::instrument(skip_all)]
     async fn clear(&self, namespace: hicache_core::NamespaceId) -> Result<u64> {
+        let budget = self.budget("clear");
         let prefix = self.opts.key_prefix.as_bytes();
         let mut pattern = Vec::with_capacity(prefix.len() + 33);
         for &b in prefix {
@@ -413,21 +469,35 @@ impl Storage for RedisStorage {
         }
         pattern.extend_from_slice(namespace.to_hex().as_bytes());
         pattern.push(b'*');
+        let count = SCAN_COUNT.to_string();
         let mut removed = 0u64;
         for addr in self.primaries() {
-            let mut conn = self.nodes.conn(&addr).await?;
             let mut cursor = 0u64;
             let mut rounds = 0u64;
             loop {
-                let (next, found): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(&pattern)
-                    .arg("COUNT")
-                    .arg(1024)
-                    .query_async(&mut conn)
+                rounds += 1;
+                let round = || format!("SCAN round {rounds} on node {addr}");
+                if budget.spent() {
+                    return Err(budget.timeout(round()).into());
+                }
+                let cur = cursor.to_string();
+                let args: [&[u8]; 6] = [
+                    b"SCAN",
+                    cur.as_bytes(),
+                    b"MATCH",
+                    &pattern,
+                    b"COUNT",
+                    count.as_bytes(),
+                ];
+                let reply = self
+                    .nodes
+                    .control(&addr, "SCAN", &args, &Limits::scan(SCAN_COUNT), &budget)
                     .await
-                    .map_err(|e| RedisError::client(&addr, e))?;
+                    .map_err(|e| match e {
+                        RedisError::Timeout { .. } => budget.timeout(round()),
+                        other => other,
+                    })?;
+                let (next, found) = scan_reply(&addr, reply)?;
                 let keys: Vec<PageKey> = found
                     .iter()
                     .filter_map(|k| k.strip_prefix(prefix))
@@ -436,10 +506,9 @@ impl Storage for RedisStorage {
                     .filter(|k| k.namespace == namespace)
                     .collect();
                 for chunk in keys.chunks(MAX_BATCH) {
-                    removed += self.delete(chunk).await? as u64;
+                    removed += self.delete_within(chunk, &budget).await? as u64;
                 }
                 cursor = next;
-                rounds += 1;
                 if cursor == 0 {
                     break;
                 }
@@ -452,10 +521,6 @@ impl Storage for RedisStorage {
                 }
             }
         }
-        // The pages were removed through `delete`: count them as cleared, not deleted.
-        self.stats
-            .deleted_pages
-            .fetch_sub(removed, Ordering::Relaxed);
         bump(&self.stats.cleared_pages, removed);
         Ok(removed)
     }

@@ -4,7 +4,7 @@
 //! hex), so a key's slot is CRC16-XMODEM of the whole key modulo 16384, exactly as Redis
 //! Cluster computes it, and a request's pages spread over every shard.
 
-use redis::Value;
+use crate::resp::Frame;
 
 /// Number of hash slots of a Redis Cluster.
 pub const SLOTS: usize = 16384;
@@ -34,8 +34,8 @@ impl Topology {
 
     /// Parses a `CLUSTER SLOTS` reply received from `from` (whose host stands in where the
     /// reply leaves a node's address empty).
-    pub fn from_cluster_slots(reply: &Value, from: &str) -> Result<Self, String> {
-        let Value::Array(ranges) = reply else {
+    pub fn from_cluster_slots(reply: &Frame, from: &str) -> Result<Self, String> {
+        let Frame::Array(ranges) = reply else {
             return Err(format!("expected an array, got {reply:?}"));
         };
         let from_host = crate::config::split_addr(from)
@@ -46,17 +46,17 @@ impl Topology {
             owner: vec![u16::MAX; SLOTS],
         };
         for r in ranges {
-            let Value::Array(fields) = r else {
+            let Frame::Array(fields) = r else {
                 return Err(format!("expected a slot range array, got {r:?}"));
             };
-            let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(primary))) =
+            let (Some(Frame::Int(start)), Some(Frame::Int(end)), Some(Frame::Array(primary))) =
                 (fields.first(), fields.get(1), fields.get(2))
             else {
                 return Err(format!("malformed slot range {fields:?}"));
             };
             let host = match primary.first() {
-                Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
-                Some(Value::SimpleString(s)) => s.clone(),
+                Some(Frame::Bulk(b)) => String::from_utf8_lossy(b).into_owned(),
+                Some(Frame::Simple(s)) => s.clone(),
                 _ => return Err(format!("malformed node entry {primary:?}")),
             };
             let host = if host.is_empty() || host == "?" {
@@ -64,14 +64,21 @@ impl Topology {
             } else {
                 host
             };
-            let Some(Value::Int(port)) = primary.get(1) else {
+            let Some(Frame::Int(port)) = primary.get(1) else {
                 return Err(format!("malformed node entry {primary:?}"));
             };
+            if !(0..=i64::from(u16::MAX)).contains(port) {
+                return Err(format!("port {port} out of range"));
+            }
             let addr = if host.contains(':') {
                 format!("[{host}]:{port}")
             } else {
                 format!("{host}:{port}")
             };
+            if !(0..SLOTS as i64).contains(start) || !(0..SLOTS as i64).contains(end) || start > end
+            {
+                return Err(format!("slot range {start}-{end} out of bounds"));
+            }
             let idx = match t.nodes.iter().position(|n| *n == addr) {
                 Some(i) => i,
                 None => {
@@ -79,11 +86,7 @@ impl Topology {
                     t.nodes.len() - 1
                 }
             };
-            let (start, end) = (*start as usize, *end as usize);
-            if start > end || end >= SLOTS {
-                return Err(format!("slot range {start}-{end} out of bounds"));
-            }
-            t.owner[start..=end].fill(idx as u16);
+            t.owner[*start as usize..=*end as usize].fill(idx as u16);
         }
         Ok(t)
     }
@@ -115,26 +118,32 @@ mod tests {
     #[test]
     fn parses_cluster_slots() {
         let node = |h: &str, p: i64| {
-            Value::Array(vec![
-                Value::BulkString(h.as_bytes().to_vec()),
-                Value::Int(p),
-                Value::BulkString(b"id".to_vec()),
+            Frame::Array(vec![
+                Frame::Bulk(h.as_bytes().to_vec()),
+                Frame::Int(p),
+                Frame::Bulk(b"id".to_vec()),
             ])
         };
-        let reply = Value::Array(vec![
-            Value::Array(vec![
-                Value::Int(0),
-                Value::Int(8000),
+        let reply = Frame::Array(vec![
+            Frame::Array(vec![
+                Frame::Int(0),
+                Frame::Int(8000),
                 node("10.0.0.1", 7000),
                 node("10.0.0.2", 7003),
             ]),
-            Value::Array(vec![Value::Int(8001), Value::Int(16383), node("", 7001)]),
+            Frame::Array(vec![Frame::Int(8001), Frame::Int(16383), node("", 7001)]),
         ]);
         let t = Topology::from_cluster_slots(&reply, "10.0.0.9:7001").unwrap();
         assert_eq!(t.owner(0), Some("10.0.0.1:7000"));
         assert_eq!(t.owner(8000), Some("10.0.0.1:7000"));
         assert_eq!(t.owner(16383), Some("10.0.0.9:7001"));
         assert_eq!(t.uncovered(), 0);
-        assert!(Topology::from_cluster_slots(&Value::Int(1), "h:1").is_err());
+        assert!(Topology::from_cluster_slots(&Frame::Int(1), "h:1").is_err());
+        let bad = Frame::Array(vec![Frame::Array(vec![
+            Frame::Int(-1),
+            Frame::Int(5),
+            node("a", 1),
+        ])]);
+        assert!(Topology::from_cluster_slots(&bad, "h:1").is_err());
     }
 }

@@ -3,6 +3,13 @@
 //! cluster is configured, values over `proto-max-bulk-len`, OOM replies from a full server,
 //! garbage under a page's key, and eviction by `allkeys-lru`. Each is a clear error or a
 //! per-page outcome; nothing is acknowledged that is not stored, and no wrong byte is a hit.
+//!
+//! Hostile servers (issue 28), fake servers on loopback answering what each test wants: a
+//! `SCAN` answered slowly with a non-zero cursor for ever, `MOVED` for ever with a slot map
+//! never answered after open, a 1 TB bulk streamed as a reply, garbage at open and mid-call, a
+//! connection closed instead of a reply, a `MOVED` loop. Each call keeps its budget (checked
+//! with generous upper bounds only: budget + 3 s), memory does not grow with what a reply
+//! claims, and each cause has its own message.
 
 use std::time::Duration;
 
@@ -228,4 +235,451 @@ fn two_backends_on_different_nodes_share_pages() {
         let n: u64 = cli(srv.port, &["dbsize"]).trim().parse().unwrap();
         assert!(n > 0, "every shard holds some of the 128 pages");
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Hostile servers: a fake server on loopback answers each command with what the test wants
+// (slowly, never, with garbage, with a huge bulk, by closing the connection). Every wait is
+// bounded; the only timing assertions are generous upper bounds ("the budget was kept").
+// ---------------------------------------------------------------------------------------
+
+mod fake {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::Duration;
+
+    use hicache_backend_redis::resp::{self, Frame, Limits};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    /// What the fake server does with one command.
+    pub enum Act {
+        /// Sends these bytes.
+        Reply(Vec<u8>),
+        /// Sends these bytes after a pause.
+        Slow(Duration, Vec<u8>),
+        /// Never answers (keeps the connection open).
+        Hang,
+        /// Closes the connection.
+        Close,
+        /// Sends `head`, then zeros for as long as the client reads them.
+        Stream(Vec<u8>),
+    }
+
+    /// The command's arguments, as text.
+    pub type Args = Vec<String>;
+
+    /// A fake server: its address and what it saw.
+    pub struct Fake {
+        /// `127.0.0.1:port`.
+        pub addr: String,
+        /// Bytes of `Act::Stream` sent, per connection, the largest.
+        pub streamed_max: Arc<AtomicU64>,
+    }
+
+    /// Starts a fake server on the current runtime; `answer(args)` decides each reply.
+    pub async fn start(answer: impl Fn(&Args) -> Act + Send + Sync + 'static) -> Fake {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let answer = Arc::new(answer);
+        let streamed_max = Arc::new(AtomicU64::new(0));
+        let sm = streamed_max.clone();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = l.accept().await {
+                tokio::spawn(serve(s, answer.clone(), sm.clone()));
+            }
+        });
+        Fake { addr, streamed_max }
+    }
+
+    async fn serve(
+        mut s: TcpStream,
+        answer: Arc<dyn Fn(&Args) -> Act + Send + Sync>,
+        streamed_max: Arc<AtomicU64>,
+    ) {
+        let mut buf = Vec::new();
+        let mut chunk = vec![0u8; 64 << 10];
+        loop {
+            while let Ok(Some((f, n))) = resp::parse(&buf, &Limits::default()) {
+                buf.drain(..n);
+                let Frame::Array(items) = f else { return };
+                let args: Args = items
+                    .iter()
+                    .map(|a| match a {
+                        Frame::Bulk(b) => String::from_utf8_lossy(b).into_owned(),
+                        other => format!("{other:?}"),
+                    })
+                    .collect();
+                match answer(&args) {
+                    Act::Reply(b) => {
+                        if s.write_all(&b).await.is_err() {
+                            return;
+                        }
+                    }
+                    Act::Slow(d, b) => {
+                        tokio::time::sleep(d).await;
+                        if s.write_all(&b).await.is_err() {
+                            return;
+                        }
+                    }
+                    Act::Hang => {
+                        tokio::time::sleep(Duration::from_secs(3600)).await;
+                        return;
+                    }
+                    Act::Close => return,
+                    Act::Stream(head) => {
+                        if s.write_all(&head).await.is_err() {
+                            return;
+                        }
+                        let zeros = vec![0u8; 1 << 20];
+                        let mut sent = 0u64;
+                        while s.write_all(&zeros).await.is_ok() {
+                            sent += zeros.len() as u64;
+                            streamed_max.fetch_max(sent, Ordering::Relaxed);
+                        }
+                        return;
+                    }
+                }
+            }
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    }
+
+    /// A bulk string reply.
+    pub fn bulk(s: &str) -> Vec<u8> {
+        let mut out = Vec::new();
+        resp::put_bulk(&mut out, s.as_bytes());
+        out
+    }
+
+    /// The answers of an honest node to the commands of open (`INFO`, `CONFIG GET`, `CLUSTER
+    /// SLOTS` mapping every slot to `owner_port`), `None` for the others.
+    pub fn open_replies(args: &Args, cluster: bool, max_bulk: u64, owner_port: u16) -> Option<Act> {
+        let cmd = args.first()?.to_ascii_uppercase();
+        Some(Act::Reply(match cmd.as_str() {
+            "INFO" => bulk(&format!(
+                "# Cluster\r\ncluster_enabled:{}\r\n",
+                u8::from(cluster)
+            )),
+            "CONFIG" => {
+                let mut out = b"*2\r\n".to_vec();
+                out.extend(bulk("proto-max-bulk-len"));
+                out.extend(bulk(&max_bulk.to_string()));
+                out
+            }
+            // Sent by other clients at connect (redis-rs), not by the backend.
+            "CLIENT" => b"+OK\r\n".to_vec(),
+            "CLUSTER" => {
+                let mut out = b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n".to_vec();
+                out.extend(bulk("127.0.0.1"));
+                out.extend(format!(":{owner_port}\r\n").as_bytes());
+                out
+            }
+            _ => return None,
+        }))
+    }
+
+    /// The port of `addr`.
+    pub fn port(addr: &str) -> u16 {
+        addr.rsplit_once(':').unwrap().1.parse().unwrap()
+    }
+}
+
+/// A port on loopback nothing listens on now (bound, then released).
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// Resident memory of this process, in KiB.
+fn rss_kib() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next().and_then(|n| n.parse().ok()))
+        .unwrap_or(0)
+}
+
+fn fast(addr: String, cluster: bool, timeout_ms: u64) -> RedisOptions {
+    let mut o = RedisOptions::new([addr]);
+    o.cluster = cluster;
+    o.timeout = Duration::from_millis(timeout_ms);
+    o
+}
+
+/// Generous bound for "the budget was kept": the budget plus 3 s of scheduling margin.
+const MARGIN: Duration = Duration::from_secs(3);
+
+/// Issue 28 item 4: each SCAN answered slowly with a non-zero cursor. `clear` returns a
+/// timeout error naming the round and the node within its budget (before the fix it ran for
+/// as long as the server liked).
+#[test]
+fn clear_keeps_its_budget_against_an_endless_slow_scan() {
+    use fake::Act;
+    let rt = rt();
+    rt.block_on(async {
+        let f = fake::start(|args| {
+            if let Some(a) = fake::open_replies(args, false, 512 << 20, 0) {
+                return a;
+            }
+            match args[0].as_str() {
+                "SCAN" => Act::Slow(Duration::from_millis(150), {
+                    let mut out = b"*2\r\n".to_vec();
+                    out.extend(fake::bulk("37"));
+                    out.extend(b"*0\r\n");
+                    out
+                }),
+                _ => Act::Reply(b"+OK\r\n".to_vec()),
+            }
+        })
+        .await;
+        let s = RedisStorage::open(fast(f.addr.clone(), false, 1000))
+            .await
+            .unwrap();
+        let t0 = std::time::Instant::now();
+        let e = tokio::time::timeout(Duration::from_secs(30), s.clear(namespace(9)))
+            .await
+            .expect("clear must return: it has a 1000 ms budget")
+            .unwrap_err()
+            .to_string();
+        let took = t0.elapsed();
+        assert!(took < Duration::from_millis(1000) + MARGIN, "{took:?}");
+        assert!(
+            e.contains("clear: SCAN round")
+                && e.contains(&format!("on node {}", f.addr))
+                && e.contains("not answered within the 1000 ms budget"),
+            "{e}"
+        );
+    });
+}
+
+/// Issue 28 item 5: five seeds answering `MOVED` to every page command, and the slot map
+/// never answered after open. One call keeps its one budget, refreshes included (before the
+/// fix: 2 × timeout per seed).
+#[test]
+fn moved_forever_with_a_silent_slot_map_keeps_one_budget() {
+    use fake::Act;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let rt = rt();
+    use std::sync::atomic::AtomicU16;
+    rt.block_on(async {
+        // Every slot belongs to the first fake; every fake answers MOVED naming it. The first
+        // answers CLUSTER SLOTS once (at open), never again; the others never.
+        let owner = Arc::new(AtomicU16::new(0));
+        let mut seeds = Vec::new();
+        for n in 0..5 {
+            let answered = Arc::new(AtomicBool::new(n != 0));
+            let owner_cell = owner.clone();
+            let f = fake::start(move |args| {
+                let cmd = args[0].to_ascii_uppercase();
+                if cmd == "CLUSTER" && answered.swap(true, Ordering::SeqCst) {
+                    return Act::Hang;
+                }
+                let port = owner_cell.load(Ordering::SeqCst);
+                if let Some(a) = fake::open_replies(args, true, 512 << 20, port) {
+                    return a;
+                }
+                Act::Reply(format!("-MOVED 1 127.0.0.1:{port}\r\n").into_bytes())
+            })
+            .await;
+            if n == 0 {
+                owner.store(fake::port(&f.addr), Ordering::SeqCst);
+            }
+            seeds.push(f);
+        }
+        let mut o = fast(seeds[0].addr.clone(), true, 1000);
+        o.nodes = seeds.iter().map(|f| f.addr.clone()).collect();
+        let s = RedisStorage::open(o).await.unwrap();
+        let ks = keys(20, 8);
+        for call in 0..2 {
+            let t0 = std::time::Instant::now();
+            let out = tokio::time::timeout(Duration::from_secs(30), get(&s, &ks, 4096))
+                .await
+                .expect("batch_get must return: it has a 1000 ms budget");
+            let took = t0.elapsed();
+            assert!(
+                took < Duration::from_millis(1000) + MARGIN,
+                "call {call}: {took:?}"
+            );
+            for o in &out {
+                let PageOutcome::Failed(e) = o else {
+                    panic!("{o:?}")
+                };
+                assert!(e.to_string().contains("within the 1000 ms budget"), "{e}");
+            }
+            let t0 = std::time::Instant::now();
+            tokio::time::timeout(Duration::from_secs(30), s.batch_exists(&ks))
+                .await
+                .expect("batch_exists must return")
+                .unwrap();
+            assert!(t0.elapsed() < Duration::from_millis(1000) + MARGIN);
+        }
+    });
+}
+
+/// Issue 28 item 6: a server announcing a 1 TB `proto-max-bulk-len` and streaming a huge bulk
+/// as the reply to `EXISTS` and `SET`. The reply is refused by its bound before memory is
+/// reserved: the connection is closed after a few MiB, counted, memory does not grow, and
+/// the error names the bound (before the fix the client grew to GBs).
+#[test]
+fn a_huge_bulk_is_refused_by_its_bound_not_buffered() {
+    use fake::Act;
+    let rt = rt();
+    rt.block_on(async {
+        let f = fake::start(|args| {
+            if let Some(a) = fake::open_replies(args, false, 1 << 40, 0) {
+                return a;
+            }
+            Act::Stream(b"$1000000000000\r\n".to_vec())
+        })
+        .await;
+        let s = RedisStorage::open(fast(f.addr.clone(), false, 1000))
+            .await
+            .unwrap();
+        let before = rss_kib();
+        let ks = keys(21, 4);
+        let n = tokio::time::timeout(Duration::from_secs(30), s.batch_exists(&ks))
+            .await
+            .expect("batch_exists must return")
+            .unwrap();
+        assert_eq!(n, 0);
+        assert!(s.protocol_errors() >= 1, "the refused reply is counted");
+        let out = tokio::time::timeout(Duration::from_secs(30), set(&s, &ks, 4096))
+            .await
+            .expect("batch_set must return");
+        for o in &out {
+            let PageOutcome::Failed(e) = o else {
+                panic!("{o:?}")
+            };
+            let e = e.to_string();
+            assert!(
+                e.contains(&format!("node {}: reply to SET refused", f.addr))
+                    && e.contains("1000000000000 exceeds the limit of 1048576"),
+                "{e}"
+            );
+        }
+        let grown = rss_kib().saturating_sub(before);
+        assert!(grown < 256 << 10, "RSS grew by {grown} KiB");
+        let streamed = f.streamed_max.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            streamed < 256 << 20,
+            "a connection was read for {streamed} bytes before it was closed"
+        );
+    });
+}
+
+/// Low items of issue 28: garbage at open is named as such (not "no seed node reachable");
+/// a dropped connection, garbage mid-call and a MOVED loop each have their own message.
+#[test]
+fn garbage_dropped_connections_and_redirection_loops_are_told_apart() {
+    use fake::Act;
+    let rt = rt();
+    rt.block_on(async {
+        // Garbage at open.
+        let g = fake::start(|_| Act::Reply(b"HTTP/1.1 400 Bad Request\r\n\r\n".to_vec())).await;
+        let e = RedisStorage::open(fast(g.addr.clone(), true, 1000))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&format!(
+                "node {} answered something that is not RESP",
+                g.addr
+            )) && e.contains("0x48"),
+            "{e}"
+        );
+        assert!(!e.contains("no seed node reachable"), "{e}");
+        // Garbage at open from the second seed, the first unreachable: still named.
+        let e = RedisStorage::open({
+            let mut o = fast(format!("127.0.0.1:{}", free_port()), true, 1000);
+            o.nodes.push(g.addr.clone());
+            o
+        })
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("answered something that is not RESP"), "{e}");
+
+        // A dropped connection, then garbage, as the reply to GET.
+        let drop_get = fake::start(|args| {
+            if let Some(a) = fake::open_replies(args, false, 512 << 20, 0) {
+                return a;
+            }
+            Act::Close
+        })
+        .await;
+        let s = RedisStorage::open(fast(drop_get.addr.clone(), false, 1000))
+            .await
+            .unwrap();
+        let out = get(&s, &keys(22, 2), 4096).await;
+        let PageOutcome::Failed(e) = &out[0] else {
+            panic!("{out:?}")
+        };
+        let e = e.to_string();
+        assert!(
+            e.contains(&format!(
+                "node {} closed the connection while we read the reply to GET",
+                drop_get.addr
+            )) && e.contains("within the 1000 ms budget"),
+            "{e}"
+        );
+        let garbage_get = fake::start(|args| {
+            if let Some(a) = fake::open_replies(args, false, 512 << 20, 0) {
+                return a;
+            }
+            Act::Reply(b"?garbage\r\n".to_vec())
+        })
+        .await;
+        let s = RedisStorage::open(fast(garbage_get.addr.clone(), false, 1000))
+            .await
+            .unwrap();
+        let out = get(&s, &keys(22, 2), 4096).await;
+        let PageOutcome::Failed(e) = &out[0] else {
+            panic!("{out:?}")
+        };
+        assert!(
+            e.to_string()
+                .contains("answered something that is not RESP (reading the reply to GET)"),
+            "{e}"
+        );
+        assert!(s.protocol_errors() >= 1);
+
+        // A MOVED loop: the node owning every slot (its slot map says so, every time)
+        // answers MOVED naming itself.
+        let own = std::sync::Arc::new(std::sync::atomic::AtomicU16::new(0));
+        let looping = {
+            let own = own.clone();
+            fake::start(move |args| {
+                let port = own.load(std::sync::atomic::Ordering::SeqCst);
+                if let Some(a) = fake::open_replies(args, true, 512 << 20, port) {
+                    return a;
+                }
+                Act::Reply(format!("-MOVED 866 127.0.0.1:{port}\r\n").into_bytes())
+            })
+            .await
+        };
+        own.store(
+            fake::port(&looping.addr),
+            std::sync::atomic::Ordering::SeqCst,
+        );
+        let s = RedisStorage::open(fast(looping.addr.clone(), true, 20_000))
+            .await
+            .unwrap();
+        let t0 = std::time::Instant::now();
+        let out = tokio::time::timeout(Duration::from_secs(60), get(&s, &keys(23, 1), 4096))
+            .await
+            .expect("batch_get must return");
+        let PageOutcome::Failed(e) = &out[0] else {
+            panic!("{out:?}")
+        };
+        assert!(
+            e.to_string().contains("too many redirections") && e.to_string().contains("MOVED"),
+            "{e}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    });
 }
