@@ -144,6 +144,12 @@ impl RedisOptions {
         o.max_inflight_bytes = f
             .opt_bytes("max_inflight_bytes", 1 << 20)?
             .unwrap_or(256 << 20);
+        // The in-flight budget is page bytes held in memory at once.
+        hicache_storage::machine::check_memory_size(
+            f.scope(),
+            "max_inflight_bytes",
+            o.max_inflight_bytes,
+        )?;
         f.finish()?;
         Ok(o)
     }
@@ -203,6 +209,10 @@ mod tests {
                 "tls_ca_file",
             ),
             (json!({"nodes": ["h:1"], "bogus": 1}), "bogus"),
+            (
+                json!({"nodes": ["h:1"], "max_inflight_bytes": "100000tb"}),
+                "physical memory",
+            ),
         ] {
             let e = parse(bad.clone()).unwrap_err().to_string();
             assert!(e.contains(field), "{bad}: {e}");
