@@ -427,7 +427,7 @@ def _outside_cases(pool):
         # Negative.
         (a(-ps, 0), f"host index {-ps} at position 0 .*outside the host pool"),
         # Inside the pool but off a page boundary.
-        (a(1, ps + 1), f"host index 1 at position 0 .*does not start a page .*page size \\({ps}\\)"),
+        (a(1, ps + 1), f"host index 1 at position 0 .*does not start a page.*page size \\({ps}\\)"),
         # A page whose run is broken.
         (torch.cat([a(0, ps - 2), a(ps - 1, ps + 1)]), f"host index {ps - 1} at position {ps - 2} .*consecutive"),
     ]
