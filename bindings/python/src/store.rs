@@ -69,6 +69,16 @@ fn page_keys(namespace: &str, hashes: &[String]) -> Result<Vec<PageKey>> {
         .collect()
 }
 
+/// `len` zero bytes, or [`BindingError::OutOfMemory`] when they cannot be had (never an
+/// abort: the allocation is fallible).
+fn alloc_zeroed(op: &'static str, len: usize) -> Result<Vec<u8>> {
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(len)
+        .map_err(|_| BindingError::OutOfMemory { op, bytes: len })?;
+    buf.resize(len, 0);
+    Ok(buf)
+}
+
 /// The keys of one call after its prefix keys, and the call's extra info: batch `[at, ..)` of
 /// the call goes with the prefix keys `prefix ++ keys[..at]` (invariant 4).
 struct Call {
@@ -192,10 +202,7 @@ impl Store {
             op,
             bytes: usize::MAX,
         })?;
-        let mut buf = Vec::new();
-        buf.try_reserve_exact(total)
-            .map_err(|_| BindingError::OutOfMemory { op, bytes: total })?;
-        buf.resize(total, 0);
+        let mut buf = alloc_zeroed(op, total)?;
         let base = buf.as_mut_ptr() as usize;
         let ptrs = (0..n).map(|i| base + i * length).collect();
         // Our own buffer: not subject to the registered regions.
@@ -577,5 +584,21 @@ impl Store {
     #[getter]
     fn closed(&self) -> bool {
         self.backend.read().is_none()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_allocation_that_cannot_be_had_is_an_error_not_an_abort() {
+        assert_eq!(alloc_zeroed("t", 16).unwrap(), vec![0; 16]);
+        for len in [usize::MAX, isize::MAX as usize, 1 << 62] {
+            let e = alloc_zeroed("get_bytes", len).unwrap_err();
+            assert!(matches!(e, BindingError::OutOfMemory { .. }), "{e}");
+            assert!(!e.is_bad_input());
+            assert!(e.to_string().contains("cannot allocate"), "{e}");
+        }
     }
 }
