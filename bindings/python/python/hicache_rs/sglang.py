@@ -147,6 +147,18 @@ def _check_host_indices(
         )
     if not keys:
         return
+    # Fast path (numpy on the tensor's own memory, a few microseconds): every page starts at a
+    # multiple of the page size inside the pool and runs consecutively. Only a batch that
+    # fails it is searched for the first bad index, to name it.
+    a = host_indices.numpy().astype(numpy.int64, copy=False).reshape(-1, page_size)
+    starts = a[:, 0]
+    if (
+        starts.min() >= 0
+        and starts.max() <= pool_tokens - page_size
+        and not (starts % page_size).any()
+        and (a == starts[:, None] + numpy.arange(page_size)).all()
+    ):
+        return
     idx = host_indices.to(torch.int64)
 
     def where(pos: int) -> str:
