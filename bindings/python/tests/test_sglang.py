@@ -475,6 +475,7 @@ def test_host_indices_of_the_wrong_kind_are_refused():
         (idx.bool(), "integer tensor, got dtype torch.bool"),
         (idx.view(2, ps), "1-D tensor, got shape \\(2, 4\\)"),
         (idx.tolist(), "torch.Tensor, got list"),
+        (torch.empty(2 * ps, dtype=torch.int64, device="meta"), "on the CPU, got meta"),
     ]
     for bad, match in cases:
         for op in ("batch_get_v1", "batch_set_v1"):
@@ -485,6 +486,13 @@ def test_host_indices_of_the_wrong_kind_are_refused():
     fill_pages(pool, idx, seed=42)
     assert backend.batch_set_v1(ks, idx.to(torch.int32)) == [True, True]
     assert backend.batch_get_v1(ks, idx.to(torch.int32)) == [True, True]
+    # A strided (non-contiguous) view of good indices is fine; of bad ones, named.
+    strided = torch.stack([idx, idx], dim=1)[:, 0]
+    assert not strided.is_contiguous()
+    assert backend.batch_get_v1(ks, strided) == [True, True]
+    bad = torch.stack([idx + 1, idx], dim=1)[:, 0]
+    with pytest.raises(ValueError, match="does not start a page"):
+        backend.batch_get_v1(ks, bad)
     backend.close()
 
 

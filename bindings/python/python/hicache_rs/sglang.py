@@ -171,7 +171,7 @@ def _check_host_indices(
             f"{op}: {where(int(outside[0, 0]))} is outside the host pool of {pool_tokens} "
             f"token slots (valid: 0 to {pool_tokens - 1})"
         )
-    pages = idx.view(-1, page_size)
+    pages = idx.reshape(-1, page_size)
     off = torch.nonzero(pages[:, 0] % page_size)
     if off.numel():
         raise ValueError(
