@@ -1,12 +1,14 @@
 //! The crate's error type and how it reaches Python.
 //!
 //! Bad input (a malformed key, mismatched counts, an unknown config field, a backend that is
-//! not compiled in) becomes a `ValueError`; a closed store or a failing backend becomes a
-//! `RuntimeError`. Nothing panics across the Python boundary.
+//! not compiled in, a piece outside the registered pool memory, a length no page can have)
+//! becomes a `ValueError`; a closed store or a failing backend becomes a `RuntimeError`; an
+//! allocation that fails for a length that is allowed becomes a `MemoryError`. Nothing panics
+//! or aborts across the Python boundary.
 
 use hicache_storage::StorageError;
 use pyo3::PyErr;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyValueError};
 
 /// Everything that can go wrong in a call from Python.
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +81,70 @@ pub enum BindingError {
         /// Pieces per page.
         pieces: usize,
     },
+    /// A piece lies (partly) outside every memory region registered with the store.
+    #[error(
+        "{op}: piece {index} ({ptr:#x}, {size} bytes) is not wholly inside the memory \
+         registered with set_allowed_regions ({regions}): refusing to touch memory outside the pool"
+    )]
+    OutsideRegions {
+        /// The operation.
+        op: &'static str,
+        /// Position of the piece (as given, before any reordering).
+        index: usize,
+        /// Its address.
+        ptr: usize,
+        /// Its length.
+        size: usize,
+        /// The registered regions, for the message.
+        regions: String,
+    },
+    /// The pieces of one page add up to more than the address space.
+    #[error("{op}: the pieces of page {page} add up to more than the address space")]
+    PageOverflow {
+        /// The operation.
+        op: &'static str,
+        /// Position of the page.
+        page: usize,
+    },
+    /// `set_allowed_regions` without any region.
+    #[error("set_allowed_regions: no region given (expected a list of (address, length) pairs)")]
+    NoRegions,
+    /// A region to register is null, empty or runs past the end of the address space.
+    #[error(
+        "set_allowed_regions: region {index} has address {ptr:#x} and length {len}: regions \
+         must be non-null, non-empty and inside the address space"
+    )]
+    BadRegion {
+        /// Position of the region.
+        index: usize,
+        /// Its address.
+        ptr: usize,
+        /// Its length.
+        len: usize,
+    },
+    /// `set_allowed_regions` was already called on this store.
+    #[error(
+        "set_allowed_regions: this store already has its regions ({0}); they cannot be changed"
+    )]
+    RegionsAlreadySet(String),
+    /// A requested length is above what a page may be.
+    #[error("{op}: length {length} is not a page length this store can read (1 to {max} bytes)")]
+    BadLength {
+        /// The operation.
+        op: &'static str,
+        /// The length asked for.
+        length: usize,
+        /// The largest page the store reads.
+        max: usize,
+    },
+    /// The memory for a read could not be allocated.
+    #[error("{op}: cannot allocate {bytes} bytes for the pages read")]
+    OutOfMemory {
+        /// The operation.
+        op: &'static str,
+        /// The bytes asked for.
+        bytes: usize,
+    },
     /// A name that is not one of the accepted spellings.
     #[error("{what} {value:?} is not supported (expected one of: {expected})")]
     Unsupported {
@@ -120,7 +186,9 @@ impl BindingError {
     /// Whether the caller's input is at fault (as opposed to the backend or the store's state).
     pub fn is_bad_input(&self) -> bool {
         match self {
-            BindingError::Closed(_) | BindingError::Runtime(_) => false,
+            BindingError::Closed(_)
+            | BindingError::Runtime(_)
+            | BindingError::OutOfMemory { .. } => false,
             BindingError::Storage(e) => matches!(
                 e,
                 StorageError::Config { .. }
@@ -136,7 +204,9 @@ impl BindingError {
 
 impl From<BindingError> for PyErr {
     fn from(e: BindingError) -> Self {
-        if e.is_bad_input() {
+        if matches!(e, BindingError::OutOfMemory { .. }) {
+            PyMemoryError::new_err(e.to_string())
+        } else if e.is_bad_input() {
             PyValueError::new_err(e.to_string())
         } else {
             PyRuntimeError::new_err(e.to_string())

@@ -7,7 +7,8 @@
 //!
 //! - [`store::Store`]: an opened backend (`file`, `uring`, `rdma`, `plugin`, `memory`, by cargo
 //!   feature), whose batch calls read and write pages in place in caller memory (pointer and
-//!   length per piece, as SGLang's host pool describes them) with the GIL released;
+//!   length per piece, as SGLang's host pool describes them) with the GIL released, inside
+//!   the pool memory registered with it ([`regions`]) when there is one;
 //! - [`namespace_id`]: the namespace SGLang's bare content hashes are paired with (model, dtype,
 //!   layout, geometry, TP/PP rank, tenant: see [`identity`]);
 //! - [`sglang_page_hashes`]: our SGLang-compatible page hash chain, for tools.
@@ -19,6 +20,7 @@ pub mod backends;
 pub mod error;
 pub mod identity;
 pub mod pages;
+pub mod regions;
 pub mod store;
 
 use hicache_core::{PageHash, PageHasher, tokens_from_i64};

@@ -9,8 +9,16 @@
 //! 3. Batches longer than the backend's `max_batch` are split, never refused.
 //! 4. Prefix keys given with a call (SGLang's `extra_info.prefix_keys`) reach the backend
 //!    with every batch it is split into, extended by the call's own keys before that batch.
+//! 5. Memory: once `set_allowed_regions` has registered the caller's pool (set once, never
+//!    changed), every piece of `batch_get_into`/`batch_set_from` must lie inside it
+//!    ([`Pieces::new`], before any pointer is dereferenced). The bytes calls (`get_bytes`,
+//!    `batch_get_bytes`, `set_bytes`, `batch_set_bytes`) use memory this crate or Python owns
+//!    and are not restricted. A read length is bounded by [`MAX_PAGE_BYTES`] and the
+//!    backend's largest page before anything is allocated, and allocated fallibly: a length
+//!    no page can have is a `ValueError`, memory that is not available a `MemoryError`; never
+//!    an abort or a panic.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use hicache_core::{LayoutKind, NamespaceId, PageHash, PageKey};
 use hicache_storage::{
@@ -25,6 +33,11 @@ use crate::backends;
 use crate::error::{BindingError, Result};
 use crate::identity;
 use crate::pages::Pieces;
+use crate::regions::Regions;
+
+/// The largest page the bytes calls read (1 GiB): far above any KV page (a DeepSeek-V3 MLA page
+/// of 64 tokens is 4.5 MiB), far below what would exhaust a host by one wrong length.
+pub const MAX_PAGE_BYTES: usize = 1 << 30;
 
 /// An opened hicache-rs L3 backend.
 #[pyclass(frozen, module = "hicache_rs._native")]
@@ -34,6 +47,8 @@ pub struct Store {
     runtime: tokio::runtime::Runtime,
     /// The same backend when it is the memory backend, for [`Store::contexts_seen`].
     memory: Option<Arc<MemoryBackend>>,
+    /// The memory the zero-copy calls may touch, once registered (invariant 5).
+    regions: OnceLock<Regions>,
 }
 
 /// Parses the keys of a batch under one namespace.
@@ -52,6 +67,16 @@ fn page_keys(namespace: &str, hashes: &[String]) -> Result<Vec<PageKey>> {
                 })
         })
         .collect()
+}
+
+/// `len` zero bytes, or [`BindingError::OutOfMemory`] when they cannot be had (never an
+/// abort: the allocation is fallible).
+fn alloc_zeroed(op: &'static str, len: usize) -> Result<Vec<u8>> {
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(len)
+        .map_err(|_| BindingError::OutOfMemory { op, bytes: len })?;
+    buf.resize(len, 0);
+    Ok(buf)
 }
 
 /// The keys of one call after its prefix keys, and the call's extra info: batch `[at, ..)` of
@@ -134,8 +159,10 @@ impl Store {
     fn get_into(&self, call: &Call, layout: LayoutKind, pieces: &Pieces) -> Result<Vec<bool>> {
         let keys = call.keys();
         let backend = self.backend("batch_get")?;
-        // SAFETY: the pieces are pool memory the Python caller keeps alive and leaves alone for
-        // this call (the contract of `Store.batch_get_into`); the views die before we return.
+        // SAFETY: the pieces are either pool memory the Python caller keeps alive and leaves
+        // alone for this call (the contract of `Store.batch_get_into`; inside the registered
+        // regions when there are some) or a buffer of `read_owned` that outlives the call; the
+        // views die before we return.
         let mut dst = unsafe { pieces.destinations("batch_get", layout)? };
         self.runtime.block_on(async {
             let mut hits = Vec::with_capacity(keys.len());
@@ -146,6 +173,42 @@ impl Store {
             }
             Ok(hits)
         })
+    }
+
+    /// The longest page the bytes calls read: [`MAX_PAGE_BYTES`], or less when the backend's
+    /// pages are smaller (0 means no backend limit).
+    fn max_read_len(&self) -> usize {
+        match self.info.max_page_bytes {
+            0 => MAX_PAGE_BYTES,
+            m => m.min(MAX_PAGE_BYTES),
+        }
+    }
+
+    /// Reads `n` pages of `length` bytes each into one new buffer (invariant 5: the length is
+    /// bounded first and the buffer allocated fallibly); one bool per page.
+    fn read_owned(
+        &self,
+        op: &'static str,
+        call: &Call,
+        layout: LayoutKind,
+        length: usize,
+    ) -> Result<(Vec<u8>, Vec<bool>)> {
+        let max = self.max_read_len();
+        if length == 0 || length > max {
+            return Err(BindingError::BadLength { op, length, max });
+        }
+        let n = call.keys().len();
+        let total = n.checked_mul(length).ok_or(BindingError::OutOfMemory {
+            op,
+            bytes: usize::MAX,
+        })?;
+        let mut buf = alloc_zeroed(op, total)?;
+        let base = buf.as_mut_ptr() as usize;
+        let ptrs = (0..n).map(|i| base + i * length).collect();
+        // Our own buffer: not subject to the registered regions.
+        let pieces = Pieces::new(op, n, ptrs, vec![length; n], false, None)?;
+        let hits = self.get_into(call, layout, &pieces)?;
+        Ok((buf, hits))
     }
 
     fn set_from(&self, call: &Call, layout: LayoutKind, pieces: &Pieces) -> Result<Vec<bool>> {
@@ -224,7 +287,32 @@ impl Store {
             backend: RwLock::new(Some(backend)),
             runtime,
             memory,
+            regions: OnceLock::new(),
         })
+    }
+
+    /// Registers the memory the zero-copy calls may read and write: `(address, length)` pairs,
+    /// e.g. the host pool's KV buffer(s). From then on a piece of `batch_get_into` or
+    /// `batch_set_from` not wholly inside one of them is a `ValueError` and nothing is read
+    /// or written. Once per store: a second call is a `ValueError`.
+    fn set_allowed_regions(&self, regions: Vec<(usize, usize)>) -> PyResult<()> {
+        let r = Regions::new(&regions)?;
+        self.regions.set(r).map_err(|_| {
+            let had = self
+                .regions
+                .get()
+                .map(Regions::describe)
+                .unwrap_or_default();
+            BindingError::RegionsAlreadySet(had)
+        })?;
+        Ok(())
+    }
+
+    /// The registered regions as sorted, merged `(address, length)` pairs, or `None` when
+    /// none were registered (the zero-copy calls then trust their pointers).
+    #[getter]
+    fn allowed_regions(&self) -> Option<Vec<(usize, usize)>> {
+        self.regions.get().map(Regions::spans)
     }
 
     /// The batch contexts the backend received since the last call, oldest first: one dict per
@@ -305,7 +393,14 @@ impl Store {
     ) -> PyResult<Vec<bool>> {
         let call = Call::new(namespace, &hashes, prefix_keys, extra_info)?;
         let layout = identity::layout(layout)?;
-        let pieces = Pieces::new("batch_get", hashes.len(), ptrs, sizes, kv_interleaved)?;
+        let pieces = Pieces::new(
+            "batch_get",
+            hashes.len(),
+            ptrs,
+            sizes,
+            kv_interleaved,
+            self.regions.get(),
+        )?;
         Ok(py.detach(|| self.get_into(&call, layout, &pieces))?)
     }
 
@@ -327,11 +422,20 @@ impl Store {
     ) -> PyResult<Vec<bool>> {
         let call = Call::new(namespace, &hashes, prefix_keys, extra_info)?;
         let layout = identity::layout(layout)?;
-        let pieces = Pieces::new("batch_set", hashes.len(), ptrs, sizes, kv_interleaved)?;
+        let pieces = Pieces::new(
+            "batch_set",
+            hashes.len(),
+            ptrs,
+            sizes,
+            kv_interleaved,
+            self.regions.get(),
+        )?;
         Ok(py.detach(|| self.set_from(&call, layout, &pieces))?)
     }
 
     /// Reads one page of `length` bytes into new `bytes` (for tools), or `None` on a miss.
+    /// A length of 0 or above the largest page (1 GiB, or the backend's limit) is a
+    /// `ValueError`; memory that cannot be allocated a `MemoryError`.
     fn get_bytes<'py>(
         &self,
         py: Python<'py>,
@@ -342,16 +446,32 @@ impl Store {
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let call = Call::new(namespace, std::slice::from_ref(&hash), None, None)?;
         let layout = identity::layout(layout)?;
-        let mut buf = vec![0u8; length];
-        let pieces = Pieces::new(
-            "get_bytes",
-            1,
-            vec![buf.as_mut_ptr() as usize],
-            vec![length],
-            false,
-        )?;
-        let hit = py.detach(|| self.get_into(&call, layout, &pieces))?;
+        let (buf, hit) = py.detach(|| self.read_owned("get_bytes", &call, layout, length))?;
         Ok(hit[0].then(|| PyBytes::new(py, &buf)))
+    }
+
+    /// Reads pages of `length` bytes each into new `bytes`, `None` for a miss (the legacy
+    /// tensor path, tools). Lengths are bounded as in `get_bytes`.
+    fn batch_get_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        namespace: &str,
+        hashes: Vec<String>,
+        layout: &str,
+        length: usize,
+    ) -> PyResult<Vec<Option<Bound<'py, PyBytes>>>> {
+        let call = Call::new(namespace, &hashes, None, None)?;
+        let layout = identity::layout(layout)?;
+        if hashes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (buf, hits) =
+            py.detach(|| self.read_owned("batch_get_bytes", &call, layout, length))?;
+        Ok(buf
+            .chunks(length)
+            .zip(hits)
+            .map(|(page, hit)| hit.then(|| PyBytes::new(py, page)))
+            .collect())
     }
 
     /// Writes one page from `data` (for tools); `True` when stored or already present.
@@ -365,14 +485,47 @@ impl Store {
     ) -> PyResult<bool> {
         let call = Call::new(namespace, std::slice::from_ref(&hash), None, None)?;
         let layout = identity::layout(layout)?;
+        // Python's own `bytes`, alive for the call: not subject to the registered regions.
         let pieces = Pieces::new(
             "set_bytes",
             1,
             vec![data.as_ptr() as usize],
             vec![data.len()],
             false,
+            None,
         )?;
         Ok(py.detach(|| self.set_from(&call, layout, &pieces))?[0])
+    }
+
+    /// Writes pages from `bytes` objects, one per hash (the legacy tensor path, tools); one
+    /// bool per page: `True` when stored or already present.
+    fn batch_set_bytes(
+        &self,
+        py: Python<'_>,
+        namespace: &str,
+        hashes: Vec<String>,
+        layout: &str,
+        pages: Vec<Bound<'_, PyBytes>>,
+    ) -> PyResult<Vec<bool>> {
+        let call = Call::new(namespace, &hashes, None, None)?;
+        let layout = identity::layout(layout)?;
+        if pages.len() != hashes.len() {
+            return Err(BindingError::PieceCount {
+                op: "batch_set_bytes",
+                keys: hashes.len(),
+                pieces: pages.len(),
+                sizes: pages.len(),
+            }
+            .into());
+        }
+        // `pages` holds the `bytes` objects (immutable) alive until we return.
+        let ptrs = pages
+            .iter()
+            .map(|p| p.as_bytes().as_ptr() as usize)
+            .collect();
+        let sizes = pages.iter().map(|p| p.as_bytes().len()).collect();
+        let pieces = Pieces::new("batch_set_bytes", hashes.len(), ptrs, sizes, false, None)?;
+        Ok(py.detach(|| self.set_from(&call, layout, &pieces))?)
     }
 
     /// Deletes pages; returns how many were present.
@@ -431,5 +584,21 @@ impl Store {
     #[getter]
     fn closed(&self) -> bool {
         self.backend.read().is_none()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_allocation_that_cannot_be_had_is_an_error_not_an_abort() {
+        assert_eq!(alloc_zeroed("t", 16).unwrap(), vec![0; 16]);
+        for len in [usize::MAX, isize::MAX as usize, 1 << 62] {
+            let e = alloc_zeroed("get_bytes", len).unwrap_err();
+            assert!(matches!(e, BindingError::OutOfMemory { .. }), "{e}");
+            assert!(!e.is_bad_input());
+            assert!(e.to_string().contains("cannot allocate"), "{e}");
+        }
     }
 }

@@ -410,3 +410,111 @@ def test_a_failing_backend_is_misses_and_failed_writes_not_exceptions(tmp_path):
     assert b.batch_get(ks) == [None, None]
     assert b.exists(ks[0]) is False
     b.close()
+
+
+def _outside_cases(pool):
+    """Host indices SGLang's ``get_page_buffer_meta`` would turn into addresses unchecked: each
+    with the message naming it (one key's page each)."""
+    ps, n = pool.page_size, pool.size
+    a = torch.arange
+    return [
+        # The page just past the end (reads another page of the pool, or past the buffer).
+        (a(n, n + ps), f"host index {n} at position 0 \\(key 0, .*outside the host pool of {n} token slots"),
+        # Far past the end (used to SIGSEGV in the file writer's checksum).
+        (a(10**9, 10**9 + ps), "host index 1000000000 at position 0 .*outside the host pool"),
+        # One index far out in the middle of a page (get_page_buffer_meta ignores it).
+        (torch.cat([a(0, 1), torch.tensor([10**9]), a(2, ps)]), "host index 1000000000 at position 1 "),
+        # Negative.
+        (a(-ps, 0), f"host index {-ps} at position 0 .*outside the host pool"),
+        # Inside the pool but off a page boundary.
+        (a(1, ps + 1), f"host index 1 at position 0 .*does not start a page.*page size \\({ps}\\)"),
+        # A page whose run is broken.
+        (torch.cat([a(0, ps - 2), a(ps - 1, ps + 1)]), f"host index {ps - 1} at position {ps - 2} .*consecutive"),
+    ]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_host_indices_outside_the_pool_are_refused(kind, layout, tmp_path):
+    """Issue 28 item 1: bad host indices are a ValueError naming them, before any pointer is
+    made: nothing is read into the pool, nothing is stored, the process lives."""
+    pool = make_pool(kind, layout)
+    backend = create({"backend": "file", "dir": str(tmp_path / "l3")}, pool, mla=kind == "mla")
+    ps = pool.page_size
+    good = pool.alloc(2 * ps)
+    fill_pages(pool, good, seed=41)
+    stored = keys(2, start=7000)
+    assert backend.batch_set_v1(stored, good) == [True, True]
+    fresh = keys(2, start=8000)
+    before = pool.kv_buffer.clone()
+    for idx, match in _outside_cases(pool):
+        for op, ks in (("batch_get_v1", stored[:1]), ("batch_set_v1", fresh[:1])):
+            with pytest.raises(ValueError, match=f"{op}: {match}"):
+                getattr(backend, op)(ks, idx)
+        # The bad page second in a batch: its key and position are named.
+        both = torch.cat([good[:ps], idx])
+        with pytest.raises(ValueError, match="key 1, "):
+            backend.batch_set_v1(fresh, both)
+        with pytest.raises(ValueError, match="key 1, "):
+            backend.batch_get_v1(stored, both)
+    assert backend.batch_exists(fresh) == 0
+    assert same(pool.kv_buffer, before)
+    # Good indices still work after all that.
+    assert backend.batch_get_v1(stored, good) == [True, True]
+    backend.close()
+
+
+def test_host_indices_of_the_wrong_kind_are_refused():
+    pool = make_pool("mha", "page_first")
+    backend = create({"backend": "memory"}, pool)
+    ps = pool.page_size
+    idx = pool.alloc(2 * ps)
+    ks = keys(2)
+    cases = [
+        (idx.float(), "integer tensor, got dtype torch.float32"),
+        (idx.bool(), "integer tensor, got dtype torch.bool"),
+        (idx.view(2, ps), "1-D tensor, got shape \\(2, 4\\)"),
+        (idx.tolist(), "torch.Tensor, got list"),
+        (torch.empty(2 * ps, dtype=torch.int64, device="meta"), "on the CPU, got meta"),
+    ]
+    for bad, match in cases:
+        for op in ("batch_get_v1", "batch_set_v1"):
+            with pytest.raises(ValueError, match=match):
+                getattr(backend, op)(ks, bad)
+    assert backend.batch_exists(ks) == 0
+    # int32 indices (a dtype SGLang could use) are fine.
+    fill_pages(pool, idx, seed=42)
+    assert backend.batch_set_v1(ks, idx.to(torch.int32)) == [True, True]
+    assert backend.batch_get_v1(ks, idx.to(torch.int32)) == [True, True]
+    # A strided (non-contiguous) view of good indices is fine; of bad ones, named.
+    strided = torch.stack([idx, idx], dim=1)[:, 0]
+    assert not strided.is_contiguous()
+    assert backend.batch_get_v1(ks, strided) == [True, True]
+    bad = torch.stack([idx + 1, idx], dim=1)[:, 0]
+    with pytest.raises(ValueError, match="does not start a page"):
+        backend.batch_get_v1(ks, bad)
+    backend.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_the_native_store_refuses_pieces_outside_the_pool(kind, layout):
+    """Defence in depth: the host pool's buffer is registered with the native store, which
+    refuses what SGLang's ``get_page_buffer_meta`` makes of an index past the end, even from a
+    caller that skips the Python checks."""
+    pool = make_pool(kind, layout)
+    backend = create({"backend": "memory"}, pool, mla=kind == "mla")
+    store = backend._store
+    kv = pool.kv_buffer
+    assert store.allowed_regions == [(kv.data_ptr(), kv.numel() * kv.element_size())]
+    ps, n = pool.page_size, pool.size
+    ks = keys(1, start=9000)
+    for start in (n, 10**9):
+        ptrs, sizes = pool.get_page_buffer_meta(torch.arange(start, start + ps))
+        for call in (store.batch_get_into, store.batch_set_from):
+            with pytest.raises(ValueError, match="not wholly inside the memory registered"):
+                call(backend.namespace, ks, backend.layout, ptrs, sizes, backend.kv_interleaved)
+    assert backend.batch_exists(ks) == 0
+    with pytest.raises(ValueError, match="already has its regions"):
+        store.set_allowed_regions([(kv.data_ptr(), 16)])
+    backend.close()

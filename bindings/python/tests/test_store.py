@@ -145,3 +145,70 @@ def test_clear_removes_one_namespace_only(store, tmp_path):
     assert store.batch_exists(NS, ks) == 1
     with pytest.raises(ValueError):
         store.clear("not-hex")
+
+
+def test_read_lengths_are_bounded_before_allocating(store):
+    """A length no page can have is a ValueError naming it, never an abort (2**40 used to
+    abort the interpreter on a failed allocation) or a PanicException (2**64-1)."""
+    ks = keys(1)
+    for length in (2**40, 2**64 - 1, 0, (1 << 30) + 1):
+        with pytest.raises(ValueError, match=f"length {length} is not a page length"):
+            store.get_bytes(NS, ks[0], "page_first", length)
+        with pytest.raises(ValueError, match=f"length {length} is not a page length"):
+            store.batch_get_bytes(NS, ks, "page_first", length)
+    # The store is still usable, and a real page length works.
+    assert store.set_bytes(NS, ks[0], "page_first", b"\x05" * 4096) is True
+    assert store.get_bytes(NS, ks[0], "page_first", 4096) == b"\x05" * 4096
+
+
+def test_batch_bytes_calls_round_trip(store):
+    ks = keys(3, start=300)
+    pages = [bytes([i + 1]) * 512 for i in range(2)]
+    assert store.batch_set_bytes(NS, ks[:2], "page_first", pages) == [True, True]
+    assert store.batch_get_bytes(NS, ks, "page_first", 512) == pages + [None]
+    assert store.batch_get_bytes(NS, [], "page_first", 512) == []
+    with pytest.raises(ValueError, match="pieces"):
+        store.batch_set_bytes(NS, ks, "page_first", pages)
+    with pytest.raises(ValueError, match="non-empty"):
+        store.batch_set_bytes(NS, ks[2:], "page_first", [b""])
+
+
+def test_registered_regions_bound_the_zero_copy_calls(store):
+    """Defence in depth: once the caller's pool is registered, a piece not wholly inside it is a
+    ValueError and nothing is read or written; the bytes calls use their own memory."""
+    pool, pool_ptrs, _ = buffers(4, 256, fill=9)
+    outside, out_ptrs, _ = buffers(1, 256, fill=1)
+    assert store.allowed_regions is None
+    store.set_allowed_regions([(p, 256) for p in pool_ptrs])
+    assert sum(n for _, n in store.allowed_regions) == 4 * 256
+    ks = keys(2, start=500)
+    # Inside: works.
+    assert store.batch_set_from(NS, ks[:1], "page_first", pool_ptrs[:1], [256]) == [True]
+    # Outside, straddling the end of a buffer, or past it: refused, nothing stored or read.
+    last = max(pool_ptrs)
+    for ptr, size in [(out_ptrs[0], 256), (last + 128, 256), (last + 256, 1)]:
+        with pytest.raises(ValueError, match="not wholly inside"):
+            store.batch_set_from(NS, ks[1:], "page_first", [ptr], [size])
+        with pytest.raises(ValueError, match="not wholly inside"):
+            store.batch_get_into(NS, ks[:1], "page_first", [ptr], [size])
+    assert store.batch_exists(NS, ks[1:]) == 0
+    assert outside[0].raw == bytes([1]) * 256
+    # The piece's position is named (the second page here).
+    with pytest.raises(ValueError, match="piece 1"):
+        store.batch_get_into(NS, ks, "page_first", [pool_ptrs[1], out_ptrs[0]], [256, 256])
+    # Set once, never changed.
+    with pytest.raises(ValueError, match="already has its regions"):
+        store.set_allowed_regions([(out_ptrs[0], 256)])
+    # The bytes calls are not bound by the regions.
+    assert store.set_bytes(NS, ks[1], "page_first", b"\x02" * 256) is True
+    assert store.get_bytes(NS, ks[1], "page_first", 256) == b"\x02" * 256
+
+
+def test_bad_regions_are_refused():
+    s = hicache_rs.Store('{"backend": "memory"}')
+    for regions, match in [([], "no region"), ([(0, 16)], "region 0"), ([(16, 0)], "region 0"),
+                           ([(16, 16), (2**64 - 8, 16)], "region 1")]:
+        with pytest.raises(ValueError, match=match):
+            s.set_allowed_regions(regions)
+    assert s.allowed_regions is None
+    s.close()

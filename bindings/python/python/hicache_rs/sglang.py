@@ -39,6 +39,16 @@ Model of the class (each point is kept by the code named in it):
 7. Thread safety: the instance is immutable after ``register_mem_pool_host`` except for the
    metrics lists and the set of stored keys, both behind one lock; the native store is safe
    under SGLang's concurrent prefetch, query and backup threads.
+8. No memory outside the pool, ever. SGLang's ``get_page_buffer_meta`` turns host indices
+   into addresses without checking them, so the v1 calls check them first
+   (``_check_host_indices``): a 1-D integer tensor on the CPU, one whole page per key, every
+   index inside the pool (``0 <= i < pool.size``), each page a contiguous run starting at a
+   multiple of the page size (what SGLang's allocator hands out and what
+   ``get_page_buffer_meta``, reading only ``indices[::page_size]``, assumes). Anything else
+   is a ``ValueError`` naming the key, the position, the value and the pool size, before a
+   pointer exists. Behind that, the native store is told the pool's buffers
+   (``Store.set_allowed_regions``, ``_pool_regions``) and refuses any piece outside them.
+   The legacy tensor methods pass ``bytes`` (copies), never addresses of caller tensors.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ import threading
 import time
 from typing import Any, List, Optional
 
+import numpy
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -103,6 +114,100 @@ def _context(extra_info: Optional[HiCacheStorageExtraInfo]) -> dict:
     if info is not None:
         kw["extra_info"] = json.dumps(info, sort_keys=True, default=str)
     return kw
+
+
+#: dtypes SGLang's host indices may have (integers; not bool).
+INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _check_host_indices(
+    op: str, keys: List[str], host_indices: Any, page_size: int, pool_tokens: int
+) -> None:
+    """Point 8: ``ValueError`` unless ``host_indices`` are whole pages of the pool, one per key,
+    as SGLang's host allocator hands them out."""
+    if not isinstance(host_indices, torch.Tensor):
+        raise ValueError(
+            f"{op}: host indices must be a torch.Tensor, got {type(host_indices).__name__}"
+        )
+    if host_indices.dtype not in INDEX_DTYPES:
+        raise ValueError(
+            f"{op}: host indices must be an integer tensor, got dtype {host_indices.dtype}"
+        )
+    if host_indices.device.type != "cpu":
+        raise ValueError(f"{op}: host indices must be on the CPU, got {host_indices.device}")
+    if host_indices.dim() != 1:
+        raise ValueError(
+            f"{op}: host indices must be a 1-D tensor, got shape {tuple(host_indices.shape)}"
+        )
+    expected = len(keys) * page_size
+    if host_indices.numel() != expected:
+        raise ValueError(
+            f"{op}: {len(keys)} keys need {expected} host indices "
+            f"({page_size} per page), got {host_indices.numel()}"
+        )
+    if not keys:
+        return
+    # Fast path (numpy on the tensor's own memory, a few microseconds): every page starts at a
+    # multiple of the page size inside the pool and runs consecutively. Only a batch that
+    # fails it is searched for the first bad index, to name it.
+    a = host_indices.numpy().astype(numpy.int64, copy=False).reshape(-1, page_size)
+    starts = a[:, 0]
+    if (
+        starts.min() >= 0
+        and starts.max() <= pool_tokens - page_size
+        and not (starts % page_size).any()
+        and (a == starts[:, None] + numpy.arange(page_size)).all()
+    ):
+        return
+    idx = host_indices.to(torch.int64)
+
+    def where(pos: int) -> str:
+        key = pos // page_size
+        return f"host index {int(idx[pos])} at position {pos} (key {key}, {keys[key][:16]}...)"
+
+    outside = torch.nonzero((idx < 0) | (idx >= pool_tokens))
+    if outside.numel():
+        raise ValueError(
+            f"{op}: {where(int(outside[0, 0]))} is outside the host pool of {pool_tokens} "
+            f"token slots (valid: 0 to {pool_tokens - 1})"
+        )
+    pages = idx.reshape(-1, page_size)
+    off = torch.nonzero(pages[:, 0] % page_size)
+    if off.numel():
+        raise ValueError(
+            f"{op}: {where(int(off[0, 0]) * page_size)} does not start a page: pages start at "
+            f"multiples of the page size ({page_size}) in a pool of {pool_tokens} token slots"
+        )
+    run = pages[:, :1] + torch.arange(page_size, dtype=torch.int64)
+    broken = torch.nonzero((pages != run).view(-1))
+    if broken.numel():
+        pos = int(broken[0, 0])
+        raise ValueError(
+            f"{op}: {where(pos)} breaks its page's run (expected {int(run.view(-1)[pos])}): "
+            f"a page's {page_size} indices must be consecutive, as SGLang allocates them"
+        )
+
+
+def _pool_regions(pool: Any) -> list:
+    """Point 8: the ``(address, length)`` of every buffer ``get_page_buffer_meta`` points into
+    (``kv_buffer``: one tensor for SGLang's MHA and MLA pools in every supported layout)."""
+    buffers = pool.kv_buffer
+    if not isinstance(buffers, (list, tuple)):
+        buffers = [buffers]
+    regions = []
+    for b in buffers:
+        if not isinstance(b, torch.Tensor) or b.device.type != "cpu" or not b.is_contiguous():
+            raise ValueError(
+                f"host pool {type(pool).__name__}: its KV buffer must be one contiguous CPU "
+                "tensor for hicache-rs to read and write pages in place"
+            )
+        regions.append((b.data_ptr(), b.numel() * b.element_size()))
+    return regions
+
+
+def _bytes_view(t: torch.Tensor) -> numpy.ndarray:
+    """The bytes of a contiguous CPU tensor as a writable uint8 array sharing its memory."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def _pool_kind(pool: Any) -> str:
@@ -191,6 +296,8 @@ class HiCacheRsStorage(HiCacheStorage):
         self.mla = _pool_kind(pool) == "mla"
         self.layout = layout
         self.page_size = int(pool.page_size)
+        self.pool_tokens = int(pool.size)
+        regions = _pool_regions(pool)
         self.page_bytes = int(pool.get_size_per_token()) * self.page_size
         self.kv_interleaved = (not self.mla) and layout == "layer_first"
         self.namespace = self._namespace(pool)
@@ -210,6 +317,7 @@ class HiCacheRsStorage(HiCacheStorage):
             pp_rank=cfg.pp_rank,
             pp_size=cfg.pp_size,
         )
+        self._store.set_allowed_regions(regions)
         self.mem_pool_host = pool
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
@@ -270,12 +378,7 @@ class HiCacheRsStorage(HiCacheStorage):
         return self._store
 
     def _pieces(self, op: str, keys: List[str], host_indices: torch.Tensor):
-        expected = len(keys) * self.page_size
-        if host_indices.numel() != expected:
-            raise ValueError(
-                f"{op}: {len(keys)} keys need {expected} host indices "
-                f"({self.page_size} per page), got {host_indices.numel()}"
-            )
+        _check_host_indices(op, keys, host_indices, self.page_size, self.pool_tokens)
         if not keys:
             return [], []
         return self.mem_pool_host.get_page_buffer_meta(host_indices)
@@ -379,12 +482,17 @@ class HiCacheRsStorage(HiCacheStorage):
         for t in dst:
             if not t.is_contiguous():
                 raise ValueError("batch_get: target tensors must be contiguous")
-        ptrs = [t.data_ptr() for t in dst]
-        hits = self._call(store, "batch_get", lambda: store.batch_get_into(
-            self.namespace, keys, self.layout, ptrs, [self.page_bytes] * len(keys)))
-        if hits is None:
+        # Point 8: the native store hands back bytes; no address of a caller tensor crosses.
+        pages = self._call(store, "batch_get", lambda: store.batch_get_bytes(
+            self.namespace, keys, self.layout, self.page_bytes))
+        if pages is None:
             return [None] * len(keys)
-        return [t if hit else None for t, hit in zip(dst, hits)]
+        out: List[Optional[torch.Tensor]] = []
+        for t, data in zip(dst, pages):
+            if data is not None:
+                numpy.copyto(_bytes_view(t), numpy.frombuffer(data, dtype=numpy.uint8))
+            out.append(None if data is None else t)
+        return out
 
     def get(
         self,
@@ -414,10 +522,10 @@ class HiCacheRsStorage(HiCacheStorage):
             return True
         if not self.storage_config.is_storage_writer:
             return True
-        src = [self._page_tensor("batch_set", v).contiguous() for v in values]
-        ok = self._call(store, "batch_set", lambda: store.batch_set_from(
-            self.namespace, keys, self.layout, [t.data_ptr() for t in src],
-            [self.page_bytes] * len(keys)))
+        src = [_bytes_view(self._page_tensor("batch_set", v).contiguous()).tobytes()
+               for v in values]
+        ok = self._call(store, "batch_set", lambda: store.batch_set_bytes(
+            self.namespace, keys, self.layout, src))
         if ok is None:
             return False
         self._remember([k for k, s in zip(keys, ok) if s])
