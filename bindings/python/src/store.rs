@@ -3,9 +3,11 @@
 //! Invariants:
 //! 1. Every I/O call runs with the GIL released (`Python::detach`) on this store's tokio
 //!    runtime, so SGLang's three controller threads overlap their I/O.
-//! 2. The backend lives behind a read-write lock: calls hold a clone of it; `close` takes it
-//!    out, after which every call is a `RuntimeError` saying the store is closed. A call in
-//!    flight during `close` finishes on its own clone.
+//! 2. The backend lives behind a read-write lock: a call holds the read side for as long as it
+//!    uses the backend (taken and released with the GIL released); `close` takes the write
+//!    side, so it waits for the calls in flight, then drops the backend: when `close` returns
+//!    the backend is closed (its directory lock released). Every later call is a
+//!    `RuntimeError` saying the store is closed.
 //! 3. Batches longer than the backend's `max_batch` are split, never refused.
 //! 4. Prefix keys given with a call (SGLang's `extra_info.prefix_keys`) reach the backend
 //!    with every batch it is split into, extended by the call's own keys before that batch.
@@ -25,7 +27,7 @@ use hicache_storage::{
     BackendContext, BackendInfo, BatchContext, MemoryBackend, MemoryOptions, PageOutcome, Storage,
     StorageConfig,
 };
-use parking_lot::RwLock;
+use parking_lot::{MappedRwLockReadGuard, RwLock, RwLockReadGuard};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -132,8 +134,13 @@ impl Call {
 }
 
 impl Store {
-    fn backend(&self, op: &'static str) -> Result<Arc<dyn Storage>> {
-        self.backend.read().clone().ok_or(BindingError::Closed(op))
+    /// The open backend, held for as long as the returned guard lives (invariant 2): `close`
+    /// waits for every guard to go. A guard is only ever taken and dropped without the GIL
+    /// held, or without blocking on anything while held, so `close` cannot deadlock with a
+    /// call that needs the GIL to finish.
+    fn backend(&self, op: &'static str) -> Result<MappedRwLockReadGuard<'_, Arc<dyn Storage>>> {
+        RwLockReadGuard::try_map(self.backend.read(), Option::as_ref)
+            .map_err(|_| BindingError::Closed(op))
     }
 
     fn max_batch(&self) -> usize {
@@ -531,8 +538,8 @@ impl Store {
     /// Deletes pages; returns how many were present.
     fn delete(&self, py: Python<'_>, namespace: &str, hashes: Vec<String>) -> PyResult<usize> {
         let keys = page_keys(namespace, &hashes)?;
-        let backend = self.backend("delete")?;
         let n = py.detach(|| {
+            let backend = self.backend("delete")?;
             self.runtime.block_on(async {
                 let mut n = 0;
                 for chunk in keys.chunks(self.max_batch()) {
@@ -550,8 +557,8 @@ impl Store {
     fn clear(&self, py: Python<'_>, namespace: &str) -> PyResult<u64> {
         let ns = NamespaceId::from_hex(namespace)
             .map_err(|_| BindingError::BadNamespace(namespace.chars().take(80).collect()))?;
-        let backend = self.backend("clear")?;
         let n = py.detach(|| {
+            let backend = self.backend("clear")?;
             self.runtime
                 .block_on(backend.clear(ns))
                 .map_err(BindingError::from)
@@ -573,11 +580,16 @@ impl Store {
         Ok(d)
     }
 
-    /// Closes the backend; later calls raise `RuntimeError`. Idempotent.
+    /// Closes the backend; later calls raise `RuntimeError`. Waits for the calls in flight
+    /// to return first, so that when `close` returns the backend is really closed (its
+    /// directory lock released: a new store may open the same directory at once). Idempotent.
     fn close(&self, py: Python<'_>) {
-        let taken = self.backend.write().take();
-        // Dropping a backend may flush files or close connections: not under the GIL.
-        py.detach(move || drop(taken));
+        // Without the GIL: waiting for calls in flight, and dropping a backend (which may
+        // flush files or close connections), must not stop other Python threads.
+        py.detach(|| {
+            let taken = self.backend.write().take();
+            drop(taken);
+        });
     }
 
     /// Whether `close` was called.

@@ -212,3 +212,39 @@ def test_bad_regions_are_refused():
             s.set_allowed_regions(regions)
     assert s.allowed_regions is None
     s.close()
+
+
+def test_close_waits_for_calls_in_flight_and_releases_the_directory(tmp_path):
+    """Issue 28 (low): a store closed while one of its calls was in flight kept its directory
+    locked until that call returned, so reopening the directory at once failed with "in use by
+    another process (pid <own pid>)". ``close`` now waits for the calls in flight: when it
+    returns, the directory is free, and the call in flight still completes."""
+    cfg = '{"backend": "file", "dir": "%s"}' % tmp_path
+    size = 1 << 20
+    for round_ in range(10):
+        s = hicache_rs.Store(cfg, page_bytes=size)
+        ks = keys(32, start=10_000 * round_)
+        _, ptrs, sizes = buffers(32, size, fill=round_)
+        started = threading.Event()
+        result = {}
+
+        def writer():
+            started.set()
+            try:
+                result["ok"] = s.batch_set_from(NS, ks, "page_first", ptrs, sizes)
+            except RuntimeError as e:  # closed before it began: also a clean outcome
+                result["closed"] = str(e)
+
+        t = threading.Thread(target=writer)
+        t.start()
+        started.wait(10)
+        s.close()
+        # The directory is ours again at once, whatever the writer was doing.
+        again = hicache_rs.Store(cfg, page_bytes=size)
+        t.join(60)
+        assert not t.is_alive()
+        assert "ok" in result or "closed" in result, result
+        if "ok" in result:
+            assert result["ok"] == [True] * 32
+            assert again.batch_exists(NS, ks) == 32
+        again.close()
