@@ -6,9 +6,11 @@ mod collectors;
 mod kv_events;
 mod metrics_http;
 pub mod wire;
+mod zmtp;
 
 pub use collectors::{StorageCollector, StorageSlot};
 pub use kv_events::{KvEventPublisher, KvEventsConfig};
+pub use zmtp::SocketStats;
 pub use metrics_http::{MetricsServer, RenderFn};
 
 use std::sync::Arc;
