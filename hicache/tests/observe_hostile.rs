@@ -406,7 +406,12 @@ fn connections_beyond_the_cap_are_refused_and_subscribers_keep_receiving() {
                 s.write_all(&ready("SUB")).unwrap();
                 held.push(s);
             }
-            Err(e) if matches!(e.kind(), ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset
+                ) =>
+            {
                 refused += 1
             }
             Err(e) => panic!("neither served nor refused: {e}"),
@@ -422,5 +427,55 @@ fn connections_beyond_the_cap_are_refused_and_subscribers_keep_receiving() {
     let mut late = Sub::connect(p.endpoint());
     late.sync(&p);
     late.expect_every(&p, 20, 4);
+    drop_within_bound(p);
+}
+
+/// libzmq (pyzmq, from `HICACHE_SGLANG_PYTHON`, whose venv has it; skipped when unset) as the
+/// client: a SUB and a DEALER with ZMTP heartbeats on, so our PONGs are checked too.
+#[test]
+fn libzmq_clients_interoperate() {
+    let python = match std::env::var("HICACHE_SGLANG_PYTHON") {
+        Ok(p) if !p.is_empty() => p,
+        _ => {
+            eprintln!("skipped: set HICACHE_SGLANG_PYTHON to a python with pyzmq");
+            return;
+        }
+    };
+    let p = publisher(10_000);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/pyzmq_clients.py");
+    let mut child = std::process::Command::new(&python)
+        .args([script, p.endpoint(), p.replay_endpoint().unwrap(), TOPIC])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Publish (bounded) until the client is done.
+    let t0 = Instant::now();
+    let mut i = 0;
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > BOUND * 3 {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "the pyzmq client never finished: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        p.publish(batch(i, 16));
+        i += 1;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+    assert_eq!(line["live"], 30);
+    assert!(line["replays"][0].as_u64().unwrap() >= 30, "{line}");
+    assert_eq!(p.pub_stats().closed_for_errors, 0);
+    assert_eq!(p.replay_stats().closed_for_errors, 0);
     drop_within_bound(p);
 }

@@ -481,7 +481,9 @@ async fn replay(shared: &ReplayShared, req: &Request) {
         }
         next = seq + 1;
     }
-    let _ = req.reply(&[&b""[..], &b""[..], &END_SEQ[..], &b""[..]]).await;
+    let _ = req
+        .reply(&[&b""[..], &b""[..], &END_SEQ[..], &b""[..]])
+        .await;
 }
 
 #[cfg(test)]

@@ -10,8 +10,8 @@ mod zmtp;
 
 pub use collectors::{StorageCollector, StorageSlot};
 pub use kv_events::{KvEventPublisher, KvEventsConfig};
-pub use zmtp::SocketStats;
 pub use metrics_http::{MetricsServer, RenderFn};
+pub use zmtp::SocketStats;
 
 use std::sync::Arc;
 

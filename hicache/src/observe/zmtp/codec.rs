@@ -255,7 +255,9 @@ fn parse_metadata(mut data: &[u8]) -> Result<Metadata, ZmtpError> {
         let (len, rest) = rest.split_at(4);
         let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
         if rest.len() < len {
-            return Err(ZmtpError::Command("READY property value runs past the frame"));
+            return Err(ZmtpError::Command(
+                "READY property value runs past the frame",
+            ));
         }
         let (value, rest) = rest.split_at(len);
         if name.eq_ignore_ascii_case(b"Socket-Type") {
@@ -326,7 +328,10 @@ mod tests {
     #[test]
     fn reserved_flags_and_commands_with_more_are_errors() {
         let mut buf = BytesMut::from(&[0x08u8, 0][..]);
-        assert!(matches!(decode_frame(&mut buf, 10), Err(ZmtpError::Flags(8))));
+        assert!(matches!(
+            decode_frame(&mut buf, 10),
+            Err(ZmtpError::Flags(8))
+        ));
         let mut buf = BytesMut::from(&[FLAG_COMMAND | FLAG_MORE, 0][..]);
         assert!(matches!(
             decode_frame(&mut buf, 10),

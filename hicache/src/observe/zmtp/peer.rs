@@ -33,7 +33,10 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// Reads more bytes; EOF is an error (the peer closed).
     async fn fill(&mut self) -> Result<(), ZmtpError> {
         self.buf.reserve(READ_CHUNK);
-        let n = (&mut self.io).take(READ_CHUNK as u64).read_buf(&mut self.buf).await?;
+        let n = (&mut self.io)
+            .take(READ_CHUNK as u64)
+            .read_buf(&mut self.buf)
+            .await?;
         if n == 0 {
             return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
         }
@@ -220,10 +223,14 @@ impl Outbox {
     /// Queues `wire`, waiting at most `limit` for room.
     pub(super) async fn send_timeout(&self, wire: Bytes, limit: Duration) -> Result<(), NotQueued> {
         self.pending.fetch_add(1, Ordering::Relaxed);
-        let r = self.tx.send_timeout(wire, limit).await.map_err(|e| match e {
-            mpsc::error::SendTimeoutError::Timeout(_) => NotQueued::Full,
-            mpsc::error::SendTimeoutError::Closed(_) => NotQueued::Closed,
-        });
+        let r = self
+            .tx
+            .send_timeout(wire, limit)
+            .await
+            .map_err(|e| match e {
+                mpsc::error::SendTimeoutError::Timeout(_) => NotQueued::Full,
+                mpsc::error::SendTimeoutError::Closed(_) => NotQueued::Closed,
+            });
         if r.is_err() {
             self.pending.fetch_sub(1, Ordering::Relaxed);
         }
@@ -304,7 +311,12 @@ pub(super) async fn accept_loop<F>(
 }
 
 /// Logs and counts how a connection ended.
-pub(super) fn ended(counters: &Counters, socket: &'static str, addr: SocketAddr, r: Result<(), ZmtpError>) {
+pub(super) fn ended(
+    counters: &Counters,
+    socket: &'static str,
+    addr: SocketAddr,
+    r: Result<(), ZmtpError>,
+) {
     match r {
         Ok(()) => tracing::debug!(socket, peer = %addr, "KV events: peer closed"),
         Err(e) if e.is_protocol() => {

@@ -15,7 +15,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use super::codec;
 use super::peer::{self, Input, NotQueued, Outbox, PeerSlot};
 use super::{
-    Counters, MAX_OUTSTANDING_REQUESTS, MAX_PEERS, PEER_QUEUE, REPLY_STALL_TIMEOUT, StatsHandle, ZmtpError,
+    Counters, MAX_OUTSTANDING_REQUESTS, MAX_PEERS, PEER_QUEUE, REPLY_STALL_TIMEOUT, StatsHandle,
+    ZmtpError,
 };
 
 const SOCKET: &str = "ROUTER";
