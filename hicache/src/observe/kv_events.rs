@@ -530,6 +530,31 @@ mod tests {
     }
 
     #[test]
+    fn the_replay_buffer_finds_the_first_batch_at_or_after_a_sequence_number() {
+        let b = ReplayBuffer {
+            batches: (5..10).map(|s| (s, Bytes::from(vec![s as u8]))).collect(),
+            capacity: 5,
+            next_seq: 10,
+        };
+        assert_eq!(
+            b.at_or_after(0, 10).unwrap().0,
+            5,
+            "evicted ones are skipped"
+        );
+        assert_eq!(b.at_or_after(7, 10).unwrap().0, 7);
+        assert_eq!(b.at_or_after(9, 10).unwrap().0, 9);
+        assert!(b.at_or_after(8, 8).is_none(), "nothing at or past the end");
+        assert!(b.at_or_after(10, 12).is_none());
+        assert!(b.at_or_after(u64::MAX, u64::MAX).is_none());
+        let empty = ReplayBuffer {
+            batches: VecDeque::new(),
+            capacity: 5,
+            next_seq: 0,
+        };
+        assert!(empty.at_or_after(0, 0).is_none());
+    }
+
+    #[test]
     fn the_null_publisher_starts_nothing() {
         assert!(
             KvEventPublisher::start(&KvEventsConfig::default())
