@@ -439,13 +439,17 @@ fn connections_beyond_the_cap_are_refused_and_subscribers_keep_receiving() {
     drop_within_bound(p);
 }
 
-/// libzmq (pyzmq, from `HICACHE_SGLANG_PYTHON`, whose venv has it; skipped when unset) as the
-/// client: a SUB and a DEALER with ZMTP heartbeats on, so our PONGs are checked too.
+/// libzmq (pyzmq, from `HICACHE_SGLANG_PYTHON`, whose venv has it; skipped when unset unless
+/// `HICACHE_REQUIRE_SGLANG=1`, as CI sets) as the client: a SUB and a DEALER with ZMTP heartbeats on, so our PONGs are checked too.
 #[test]
 fn libzmq_clients_interoperate() {
     let python = match std::env::var("HICACHE_SGLANG_PYTHON") {
         Ok(p) if !p.is_empty() => p,
         _ => {
+            assert!(
+                std::env::var("HICACHE_REQUIRE_SGLANG").as_deref() != Ok("1"),
+                "HICACHE_REQUIRE_SGLANG=1 but HICACHE_SGLANG_PYTHON is not set"
+            );
             eprintln!("skipped: set HICACHE_SGLANG_PYTHON to a python with pyzmq");
             return;
         }

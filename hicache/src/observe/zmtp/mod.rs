@@ -15,8 +15,8 @@
 //!    [`MAX_SUBSCRIPTIONS`] subscriptions.
 //! 2. A bad greeting, another mechanism than NULL, an incompatible socket type, a too-long
 //!    frame, malformed commands, or a handshake not done within [`HANDSHAKE_TIMEOUT`] close
-//!    *that* connection only, logged with the peer's address and counted
-//!    ([`SocketStats::closed_for_errors`]).
+//!    *that* connection only, logged with the peer's address (every one at `debug`, the 1st,
+//!    2nd, 4th... of a socket at `warn`) and counted ([`SocketStats::closed_for_errors`]).
 //! 3. At most [`MAX_PEERS`] connections (handshaking ones included) are served; the ones beyond
 //!    are closed as soon as they are accepted, and counted ([`SocketStats::refused_peers`]).
 //! 4. Sending never waits on a peer: each has a queue of [`PEER_QUEUE`] messages. The PUB
@@ -127,7 +127,8 @@ impl ZmtpError {
 pub struct SocketStats {
     /// Connections served now (handshaking ones included).
     pub peers: usize,
-    /// Connections closed at accept because [`MAX_PEERS`] were served.
+    /// Connections closed at accept because the most were served
+    /// (`KvEventPublisher::MAX_PEERS`).
     pub refused_peers: u64,
     /// Connections closed for breaking the protocol or the limits (invariant 2).
     pub closed_for_errors: u64,

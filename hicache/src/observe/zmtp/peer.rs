@@ -299,8 +299,14 @@ pub(super) async fn accept_loop<F>(
         let served = counters.peers.fetch_add(1, Ordering::Relaxed);
         let slot = PeerSlot(counters.clone());
         if served >= MAX_PEERS {
-            counters.refused_peers.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(socket, peer = %addr, max = MAX_PEERS, "KV events: too many peers, connection refused");
+            let n = counters.refused_peers.fetch_add(1, Ordering::Relaxed) + 1;
+            // Every refusal at debug; at warn only the 1st, 2nd, 4th... (a flood of connections
+            // must not become a flood of log lines).
+            if n.is_power_of_two() {
+                tracing::warn!(socket, peer = %addr, max = MAX_PEERS, refused = n, "KV events: too many peers, connection refused");
+            } else {
+                tracing::debug!(socket, peer = %addr, max = MAX_PEERS, refused = n, "KV events: too many peers, connection refused");
+            }
             drop(stream);
             drop(slot);
             continue;
@@ -320,8 +326,13 @@ pub(super) fn ended(
     match r {
         Ok(()) => tracing::debug!(socket, peer = %addr, "KV events: peer closed"),
         Err(e) if e.is_protocol() => {
-            counters.closed_for_errors.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(socket, peer = %addr, error = %e, "KV events: connection closed");
+            let n = counters.closed_for_errors.fetch_add(1, Ordering::Relaxed) + 1;
+            // At warn only the 1st, 2nd, 4th... (bad peers must not flood the log).
+            if n.is_power_of_two() {
+                tracing::warn!(socket, peer = %addr, error = %e, closed = n, "KV events: connection closed");
+            } else {
+                tracing::debug!(socket, peer = %addr, error = %e, closed = n, "KV events: connection closed");
+            }
         }
         Err(e) => tracing::debug!(socket, peer = %addr, error = %e, "KV events: peer gone"),
     }
