@@ -492,3 +492,113 @@ fn libzmq_clients_interoperate() {
     assert_eq!(p.replay_stats().closed_for_errors, 0);
     drop_within_bound(p);
 }
+
+/// One frame from a raw connection: (flags, body).
+fn read_frame(s: &mut TcpStream) -> (u8, Vec<u8>) {
+    let mut flags = [0u8; 1];
+    s.read_exact(&mut flags).unwrap();
+    let len = if flags[0] & 0x02 != 0 {
+        let mut b = [0u8; 8];
+        s.read_exact(&mut b).unwrap();
+        u64::from_be_bytes(b) as usize
+    } else {
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b).unwrap();
+        usize::from(b[0])
+    };
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).unwrap();
+    (flags[0], body)
+}
+
+/// A short command frame.
+fn command(name: &str, data: &[u8]) -> Vec<u8> {
+    let mut body = vec![name.len() as u8];
+    body.extend_from_slice(name.as_bytes());
+    body.extend_from_slice(data);
+    let mut f = vec![0x04, body.len() as u8];
+    f.extend_from_slice(&body);
+    f
+}
+
+/// Sends PING and reads until its PONG: everything sent before it was handled.
+fn ping(s: &mut TcpStream, context: &[u8]) {
+    let mut data = vec![0, 0];
+    data.extend_from_slice(context);
+    s.write_all(&command("PING", &data)).unwrap();
+    let (flags, body) = read_frame(s);
+    assert_eq!(flags, 0x04, "a command, not a message");
+    let mut want = vec![4u8];
+    want.extend_from_slice(b"PONG");
+    want.extend_from_slice(context);
+    assert_eq!(body, want);
+}
+
+/// Publishes one batch and waits until the publisher handed it to the PUB socket; its sequence
+/// number.
+fn publish_one(p: &KvEventPublisher) -> u64 {
+    let seq = p.published_batches();
+    p.publish(batch(seq, 4));
+    eventually("the batch published", || p.published_batches() > seq);
+    seq
+}
+
+/// The next message's sequence number (a raw subscriber).
+fn next_seq(s: &mut TcpStream) -> u64 {
+    let (f0, topic) = read_frame(s);
+    let (f1, seq) = read_frame(s);
+    let (f2, _payload) = read_frame(s);
+    assert_eq!(
+        (f0, f1, f2),
+        (0x01, 0x01, 0x00),
+        "three frames, MORE on the first two"
+    );
+    assert_eq!(topic, TOPIC.as_bytes());
+    u64::from_be_bytes(seq.try_into().unwrap())
+}
+
+#[test]
+fn subscriptions_filter_by_prefix_in_both_protocol_forms_and_pings_are_answered() {
+    let p = publisher(100);
+    let mut s = handshaken(addr(p.endpoint()), "SUB");
+    // ZMTP 3.1 SUBSCRIBE to another topic: nothing matches.
+    s.write_all(&command("SUBSCRIBE", b"zz")).unwrap();
+    ping(&mut s, b"1");
+    publish_one(&p);
+    // ZMTP 3.0 subscription message (0x01 + prefix): "k" matches "kv".
+    s.write_all(&[0x00, 0x02, 0x01, b'k']).unwrap();
+    ping(&mut s, b"2");
+    let b = publish_one(&p);
+    assert_eq!(
+        next_seq(&mut s),
+        b,
+        "the batch before the subscription was not sent"
+    );
+    // ZMTP 3.1 CANCEL: nothing matches again.
+    s.write_all(&command("CANCEL", b"k")).unwrap();
+    ping(&mut s, b"3");
+    publish_one(&p);
+    // Subscribing twice needs two cancels (a multiset, as libzmq counts them).
+    s.write_all(&command("SUBSCRIBE", b"kv")).unwrap();
+    s.write_all(&[0x00, 0x03, 0x01, b'k', b'v']).unwrap();
+    s.write_all(&[0x00, 0x03, 0x00, b'k', b'v']).unwrap(); // 3.0 cancel
+    ping(&mut s, b"4");
+    let d = publish_one(&p);
+    assert_eq!(next_seq(&mut s), d, "one of the two subscriptions is left");
+    s.write_all(&[0x00, 0x03, 0x00, b'k', b'v']).unwrap();
+    ping(&mut s, b"5");
+    publish_one(&p);
+    // The empty prefix matches everything.
+    s.write_all(&[0x00, 0x01, 0x01]).unwrap();
+    ping(&mut s, b"6");
+    let f = publish_one(&p);
+    assert_eq!(next_seq(&mut s), f);
+    // More subscriptions than the cap close the connection.
+    for i in 0..100u8 {
+        if s.write_all(&command("SUBSCRIBE", &[b'x', i])).is_err() {
+            break;
+        }
+    }
+    expect_closed(s);
+    drop_within_bound(p);
+}
