@@ -16,6 +16,19 @@
 //!    through replay, and the dropped count says what was lost before numbering).
 //! 3. Sequence numbers start at 0 and grow by one per published batch; the replay buffer holds
 //!    the last `buffer_steps` batches.
+//! 4. No peer can stop the process, the publishing, or other peers (the sockets are our own
+//!    ZMTP server, [`super::zmtp`], whose invariants say what is bounded): frames a peer sends
+//!    are at most [`KvEventPublisher::MAX_FRAME`] bytes, at most
+//!    [`KvEventPublisher::MAX_PEERS`] connections per socket are served, a handshake must end
+//!    within 5 s; a subscriber that does not read misses batches (counted in
+//!    [`KvEventPublisher::pub_stats`]) instead of slowing the others, and a replay client that
+//!    does not read is disconnected after 5 s without room (counted in
+//!    [`KvEventPublisher::replay_stats`]).
+//! 5. Replays are tasks of their own: answering one never delays a live batch, and each reads
+//!    the replay buffer under a lock held for one batch's lookup.
+//! 6. Dropping the publisher returns within a bounded time whatever the peers do: the queued
+//!    batches are published, subscribers get at most [`SHUTDOWN_FLUSH`] to take them, then
+//!    every connection is closed.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -23,14 +36,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 
 use bytes::Bytes;
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use super::wire::{WireEvent, encode_batch};
+use super::zmtp::{self, PubSocket, Request, RouterSocket, SocketStats, StatsHandle};
 use crate::error::{HiCacheError, Result};
 
 /// SGLang's end-of-replay sequence number (-1 as 8 bytes big-endian).
 const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
+
+/// How long dropping the publisher lets subscribers take the last batches before it closes
+/// their connections.
+pub const SHUTDOWN_FLUSH: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// SGLang's `--kv-events-config` (the fields this publisher implements; any other field is an
 /// error that names it).
@@ -141,7 +159,12 @@ pub struct KvEventPublisher {
     replay_endpoint: Option<String>,
     dropped: Arc<AtomicU64>,
     published: Arc<AtomicU64>,
+    pub_stats: StatsHandle,
+    replay_stats: Option<StatsHandle>,
 }
+
+/// What the publisher thread hands back once its sockets listen: their counters.
+type Ready = std::result::Result<(StatsHandle, Option<StatsHandle>), String>;
 
 impl std::fmt::Debug for KvEventPublisher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -177,17 +200,19 @@ impl KvEventPublisher {
         let published = Arc::new(AtomicU64::new(0));
         let worker = Worker {
             topic: Bytes::from(cfg.topic.clone().into_bytes()),
-            buffer: VecDeque::new(),
-            buffer_steps: cfg.buffer_steps,
-            next_seq: 0,
+            buffer: Arc::new(Mutex::new(ReplayBuffer {
+                batches: VecDeque::new(),
+                capacity: cfg.buffer_steps,
+                next_seq: 0,
+            })),
             published: published.clone(),
         };
         let thread = std::thread::Builder::new()
             .name("hicache-kv-events".into())
             .spawn(move || worker.run(pub_listener, replay_listener, rx, ready_tx))
             .map_err(|e| HiCacheError::config("kv_events_config", "thread", e.to_string()))?;
-        match ready_rx.recv() {
-            Ok(Ok(())) => {}
+        let (pub_stats, replay_stats) = match ready_rx.recv() {
+            Ok(Ok(handles)) => handles,
             Ok(Err(why)) => {
                 let _ = thread.join();
                 return Err(HiCacheError::config(
@@ -204,7 +229,7 @@ impl KvEventPublisher {
                     "the publisher thread stopped while starting".to_string(),
                 ));
             }
-        }
+        };
         tracing::info!(%endpoint, replay = ?replay_endpoint, "publishing KV events");
         Ok(Some(Self {
             tx: Some(tx),
@@ -213,6 +238,8 @@ impl KvEventPublisher {
             replay_endpoint,
             dropped: Arc::new(AtomicU64::new(0)),
             published,
+            pub_stats,
+            replay_stats,
         }))
     }
 
@@ -229,6 +256,30 @@ impl KvEventPublisher {
     /// Batches dropped because the queue was full (invariant 2).
     pub fn dropped_batches(&self) -> u64 {
         self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// The most bytes a frame sent to either socket may claim; a longer one closes that
+    /// connection.
+    pub const MAX_FRAME: usize = zmtp::MAX_FRAME;
+    /// The most connections each socket serves at a time; the ones beyond are closed at once.
+    pub const MAX_PEERS: usize = zmtp::MAX_PEERS;
+    /// Batches queued for one subscriber (or replies for one replay client) before it misses
+    /// them (or is disconnected).
+    pub const PEER_QUEUE: usize = zmtp::PEER_QUEUE;
+
+    /// The PUB socket's counters: peers served, refused, closed for errors, and messages a
+    /// full subscriber missed.
+    pub fn pub_stats(&self) -> SocketStats {
+        self.pub_stats.snapshot()
+    }
+
+    /// The replay socket's counters (all zero without `replay_endpoint`): peers served,
+    /// refused, closed for errors, and clients disconnected for not reading.
+    pub fn replay_stats(&self) -> SocketStats {
+        self.replay_stats
+            .as_ref()
+            .map(StatsHandle::snapshot)
+            .unwrap_or_default()
     }
 
     /// Batches handed to the PUB socket so far.
@@ -255,7 +306,8 @@ impl KvEventPublisher {
 }
 
 impl Drop for KvEventPublisher {
-    /// Closes the queue; the thread publishes what is queued, then stops.
+    /// Closes the queue; the thread publishes what is queued, gives subscribers at most
+    /// [`SHUTDOWN_FLUSH`], closes every connection and stops (invariant 6).
     fn drop(&mut self) {
         self.tx.take();
         if let Some(t) = self.thread.take() {
@@ -277,22 +329,41 @@ fn local_endpoint(l: &std::net::TcpListener) -> Result<String> {
     Ok(format!("tcp://{a}"))
 }
 
+/// The last `capacity` batches, for replay, and the next sequence number.
+struct ReplayBuffer {
+    batches: VecDeque<(u64, Bytes)>,
+    capacity: usize,
+    next_seq: u64,
+}
+
+impl ReplayBuffer {
+    /// The first buffered batch numbered `seq` or later, below `end`.
+    fn at_or_after(&self, seq: u64, end: u64) -> Option<(u64, Bytes)> {
+        let first = self.batches.front()?.0;
+        let seq = seq.max(first);
+        if seq >= end {
+            return None;
+        }
+        // Buffered sequence numbers are consecutive.
+        let i = usize::try_from(seq - first).ok()?;
+        self.batches.get(i).cloned()
+    }
+}
+
 /// The publisher thread's state.
 struct Worker {
     topic: Bytes,
-    buffer: VecDeque<(u64, Bytes)>,
-    buffer_steps: usize,
-    next_seq: u64,
+    buffer: Arc<Mutex<ReplayBuffer>>,
     published: Arc<AtomicU64>,
 }
 
 impl Worker {
     fn run(
-        mut self,
+        self,
         pub_listener: std::net::TcpListener,
         replay_listener: Option<std::net::TcpListener>,
         mut rx: tokio::sync::mpsc::Receiver<Batch>,
-        ready: std::sync::mpsc::SyncSender<std::result::Result<(), String>>,
+        ready: std::sync::mpsc::SyncSender<Ready>,
     ) {
         let rt = match tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -305,46 +376,40 @@ impl Worker {
             }
         };
         rt.block_on(async move {
-            let mut publisher = PubSocket::new();
-            if let Err(e) = publisher.bind_listener(pub_listener).await {
-                let _ = ready.send(Err(format!("cannot listen: {e}")));
-                return;
-            }
-            let mut replay = None;
-            if let Some(l) = replay_listener {
-                let mut router = RouterSocket::new();
-                if let Err(e) = router.bind_listener(l).await {
-                    let _ = ready.send(Err(format!("cannot listen for replay: {e}")));
+            let publisher = match PubSocket::bind(pub_listener) {
+                Ok(p) => p,
+                Err(e) => {
+                    let _ = ready.send(Err(format!("cannot listen: {e}")));
                     return;
                 }
-                replay = Some(router);
-            }
-            let _ = ready.send(Ok(()));
-            loop {
-                let request = async {
-                    match replay.as_mut() {
-                        Some(r) => r.recv().await,
-                        None => std::future::pending().await,
+            };
+            let mut replay_stats = None;
+            if let Some(l) = replay_listener {
+                let router = match RouterSocket::bind(l) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let _ = ready.send(Err(format!("cannot listen for replay: {e}")));
+                        return;
                     }
                 };
-                tokio::select! {
-                    batch = rx.recv() => match batch {
-                        Some(b) => self.send(&mut publisher, b).await,
-                        None => break,
-                    },
-                    req = request => {
-                        if let (Ok(req), Some(r)) = (req, replay.as_mut()) {
-                            self.replay(r, req).await;
-                        }
-                    }
-                }
+                let shared = Arc::new(ReplayShared {
+                    topic: self.topic.clone(),
+                    buffer: self.buffer.clone(),
+                });
+                replay_stats = Some(router.stats_handle());
+                tokio::spawn(serve_replays(router, shared));
             }
-            // Let the socket tasks hand the last batches to the kernel before the runtime goes.
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            let _ = ready.send(Ok((publisher.stats_handle(), replay_stats)));
+            while let Some(b) = rx.recv().await {
+                self.send(&publisher, b);
+            }
+            publisher.flush(SHUTDOWN_FLUSH).await;
         });
+        // Ends every connection and replay task; none of them is waited on.
+        rt.shutdown_timeout(std::time::Duration::from_millis(100));
     }
 
-    async fn send(&mut self, publisher: &mut PubSocket, batch: Batch) {
+    fn send(&self, publisher: &PubSocket, batch: Batch) {
         let payload = match encode_batch(batch.ts, &batch.events, None) {
             Ok(p) => Bytes::from(p),
             Err(e) => {
@@ -352,46 +417,73 @@ impl Worker {
                 return;
             }
         };
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let msg = three_frames(self.topic.clone(), seq.to_be_bytes(), payload.clone());
-        if let Err(e) = publisher.send(msg).await {
-            tracing::warn!(error = %e, seq, "KV event batch not sent (kept for replay)");
-        }
-        self.published.fetch_add(1, Ordering::Relaxed);
-        self.buffer.push_back((seq, payload));
-        while self.buffer.len() > self.buffer_steps {
-            self.buffer.pop_front();
-        }
-    }
-
-    /// Answers `[client, b"", start_seq]` with every buffered batch from `start_seq` on.
-    async fn replay(&self, router: &mut RouterSocket, req: ZmqMessage) {
-        let frames = req.into_vec();
-        if frames.len() != 3 || frames[2].len() != 8 {
-            tracing::warn!(frames = frames.len(), "invalid KV event replay request");
-            return;
-        }
-        let client = frames[0].clone();
-        let start = u64::from_be_bytes(frames[2][..8].try_into().expect("8 bytes"));
-        for (seq, payload) in self.buffer.iter().filter(|(s, _)| *s >= start) {
-            let mut msg = three_frames(self.topic.clone(), seq.to_be_bytes(), payload.clone());
-            msg.push_front(Bytes::new());
-            msg.push_front(client.clone());
-            if router.send(msg).await.is_err() {
-                return;
+        let seq = {
+            let mut b = self.buffer.lock();
+            let seq = b.next_seq;
+            b.next_seq += 1;
+            b.batches.push_back((seq, payload.clone()));
+            while b.batches.len() > b.capacity {
+                b.batches.pop_front();
             }
-        }
-        let mut end = three_frames(Bytes::new(), END_SEQ, Bytes::new());
-        end.push_front(Bytes::new());
-        end.push_front(client);
-        let _ = router.send(end).await;
+            seq
+        };
+        publisher.send(&[
+            self.topic.clone(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            payload,
+        ]);
+        self.published.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-fn three_frames(topic: Bytes, seq: [u8; 8], payload: Bytes) -> ZmqMessage {
-    ZmqMessage::try_from(vec![topic, Bytes::copy_from_slice(&seq), payload])
-        .expect("three frames is a valid message")
+/// What every replay task reads.
+struct ReplayShared {
+    topic: Bytes,
+    buffer: Arc<Mutex<ReplayBuffer>>,
+}
+
+/// Answers each replay request in a task of its own, so a slow client never delays the
+/// live batches or the other clients.
+async fn serve_replays(mut router: RouterSocket, shared: Arc<ReplayShared>) {
+    while let Some(req) = router.recv().await {
+        let shared = shared.clone();
+        tokio::spawn(async move { replay(&shared, &req).await });
+    }
+}
+
+/// Answers `[b"", start_seq]` with every batch buffered when it arrived, from `start_seq` on,
+/// then the end marker.
+async fn replay(shared: &ReplayShared, req: &Request) {
+    let start = match req.frames.as_slice() {
+        [empty, seq] if empty.is_empty() && seq.len() == 8 => {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(seq);
+            u64::from_be_bytes(b)
+        }
+        _ => {
+            tracing::warn!(frames = req.frames.len(), "invalid KV event replay request");
+            return;
+        }
+    };
+    let end = shared.buffer.lock().next_seq;
+    let mut next = start;
+    loop {
+        let found = shared.buffer.lock().at_or_after(next, end);
+        let Some((seq, payload)) = found else { break };
+        let frames = [
+            &b""[..],
+            &shared.topic[..],
+            &seq.to_be_bytes()[..],
+            &payload[..],
+        ];
+        if req.reply(&frames).await.is_err() {
+            return;
+        }
+        next = seq + 1;
+    }
+    let _ = req
+        .reply(&[&b""[..], &b""[..], &END_SEQ[..], &b""[..]])
+        .await;
 }
 
 #[cfg(test)]
@@ -435,6 +527,31 @@ mod tests {
         };
         let e = KvEventPublisher::start(&cfg).unwrap_err();
         assert!(e.to_string().contains("cannot bind"), "{e}");
+    }
+
+    #[test]
+    fn the_replay_buffer_finds_the_first_batch_at_or_after_a_sequence_number() {
+        let b = ReplayBuffer {
+            batches: (5..10).map(|s| (s, Bytes::from(vec![s as u8]))).collect(),
+            capacity: 5,
+            next_seq: 10,
+        };
+        assert_eq!(
+            b.at_or_after(0, 10).unwrap().0,
+            5,
+            "evicted ones are skipped"
+        );
+        assert_eq!(b.at_or_after(7, 10).unwrap().0, 7);
+        assert_eq!(b.at_or_after(9, 10).unwrap().0, 9);
+        assert!(b.at_or_after(8, 8).is_none(), "nothing at or past the end");
+        assert!(b.at_or_after(10, 12).is_none());
+        assert!(b.at_or_after(u64::MAX, u64::MAX).is_none());
+        let empty = ReplayBuffer {
+            batches: VecDeque::new(),
+            capacity: 5,
+            next_seq: 0,
+        };
+        assert!(empty.at_or_after(0, 0).is_none());
     }
 
     #[test]

@@ -6,10 +6,12 @@ mod collectors;
 mod kv_events;
 mod metrics_http;
 pub mod wire;
+mod zmtp;
 
 pub use collectors::{StorageCollector, StorageSlot};
 pub use kv_events::{KvEventPublisher, KvEventsConfig};
 pub use metrics_http::{MetricsServer, RenderFn};
+pub use zmtp::SocketStats;
 
 use std::sync::Arc;
 
