@@ -158,7 +158,11 @@ fn outcomes(dir: &Path, out: &Output) -> Vec<Outcome> {
     all.iter()
         .map(|s| {
             let n = |v: &Value| v.as_u64().unwrap();
-            let hits = [n(&s["hits"]["l1"]), n(&s["hits"]["l2"]), n(&s["hits"]["l3"])];
+            let hits = [
+                n(&s["hits"]["l1"]),
+                n(&s["hits"]["l2"]),
+                n(&s["hits"]["l3"]),
+            ];
             let prompt_tokens = n(&s["prompt_tokens"]);
             let ratio = hits.iter().sum::<u64>() as f64 / prompt_tokens as f64;
             Outcome {
@@ -269,8 +273,7 @@ fn slowloris(attack: &mut Attack, port: u16) {
                 break;
             };
             made += 1;
-            if s
-                .write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            if s.write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
                 .is_ok()
             {
                 held.push(s);
@@ -375,7 +378,8 @@ fn replay_flood(attack: &mut Attack, port: u16) {
             if s.write_all(&hello).is_err() {
                 return;
             }
-            s.set_write_timeout(Some(Duration::from_millis(200))).unwrap();
+            s.set_write_timeout(Some(Duration::from_millis(200)))
+                .unwrap();
             peer = Some(s);
         }
         let Some(s) = peer.as_mut() else { return };
@@ -389,8 +393,12 @@ fn replay_flood(attack: &mut Attack, port: u16) {
             }
             match s.write_all(&burst) {
                 Ok(()) => sent += 1000,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
-                    || e.kind() == std::io::ErrorKind::TimedOut => return,
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::WouldBlock
+                        || e.kind() == std::io::ErrorKind::TimedOut =>
+                {
+                    return;
+                }
                 Err(_) => {
                     peer = None;
                     return;
@@ -459,7 +467,11 @@ fn zmq_endpoint_attacks_change_nothing() {
     replay_flood(&mut attack, ports.kv_replay);
     let out = child.wait_with_output().unwrap();
     attack.finish();
-    assert_eq!(outcomes(dir.path(), &out), plain, "the attacked run differs");
+    assert_eq!(
+        outcomes(dir.path(), &out),
+        plain,
+        "the attacked run differs"
+    );
 }
 
 /// The huge-frame peer reads nothing; make sure its greeting is well formed.

@@ -176,12 +176,7 @@ impl Report {
         row(
             &mut out,
             "L3 errors (write/read pages)",
-            each(&|s| {
-                format!(
-                    "{}/{}",
-                    s.cache.l3_write_failures, s.cache.l3_read_failures
-                )
-            }),
+            each(&|s| format!("{}/{}", s.cache.l3_write_failures, s.cache.l3_read_failures)),
         );
         row(
             &mut out,
@@ -454,7 +449,10 @@ mod tests {
             .unwrap();
         assert!(errors.contains("7/3"), "{errors}");
         let w = r.l3_error_warning().unwrap();
-        assert!(w.starts_with("WARNING") && w.contains("L1+L2 (7 pages not written, 3 not read)"), "{w}");
+        assert!(
+            w.starts_with("WARNING") && w.contains("L1+L2 (7 pages not written, 3 not read)"),
+            "{w}"
+        );
         let v = serde_json::to_value(&r).unwrap();
         assert_eq!(v["runs"][0]["cache"]["l3_write_failures"], 7);
         assert_eq!(v["runs"][0]["cache"]["l3_read_failures"], 3);

@@ -236,6 +236,16 @@ fn prefetch_config(cfg: &HiCacheConfig, sc: &StorageConfig) -> PrefetchConfig {
     }
 }
 
+impl std::fmt::Debug for L3 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("L3")
+            .field("backend", &self.backend_name())
+            .field("prefetches", &self.prefetches.len())
+            .field("backups", &self.backups.len())
+            .finish_non_exhaustive()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,15 +262,5 @@ mod tests {
             w.record(1, t0 + FAILURE_WARN_INTERVAL + Duration::from_secs(1)),
             Some((3, 10))
         );
-    }
-}
-
-impl std::fmt::Debug for L3 {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("L3")
-            .field("backend", &self.backend_name())
-            .field("prefetches", &self.prefetches.len())
-            .field("backups", &self.backups.len())
-            .finish_non_exhaustive()
     }
 }

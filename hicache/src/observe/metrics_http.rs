@@ -288,7 +288,10 @@ async fn serve(
             continue;
         };
         if permits.available_permits() > limits.max_connections / 2 && refused > 0 {
-            tracing::info!(closed = refused, "metrics endpoint below its connection cap again");
+            tracing::info!(
+                closed = refused,
+                "metrics endpoint below its connection cap again"
+            );
             refused = 0;
         }
         let render = render.clone();
@@ -418,7 +421,8 @@ async fn answer(
         .body()
         .size_hint()
         .upper()
-        .is_some_and(|n| n <= MAX_REQUEST_BODY_BYTES);
+        // `n ≤ MAX_REQUEST_BODY_BYTES`, written so that it holds for a bound of 0 too.
+        .is_some_and(|n| MAX_REQUEST_BODY_BYTES.checked_sub(n).is_some());
     let (status, content_type, body) = match (req.method(), req.uri().path()) {
         _ if !body_ok => (
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -556,7 +560,8 @@ mod tests {
         let mut idle = TcpStream::connect(addr).unwrap();
         // Slowloris: headers never finished.
         let mut slow = TcpStream::connect(addr).unwrap();
-        slow.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-a: ").unwrap();
+        slow.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-a: ")
+            .unwrap();
         // Kept alive after a request, then idle.
         let mut kept = TcpStream::connect(addr).unwrap();
         kept.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -571,7 +576,10 @@ mod tests {
     fn other_paths_methods_and_bodies_are_refused() {
         let m = server(MetricsLimits::default());
         let addr = m.addr();
-        let r = request(addr, "GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let r = request(
+            addr,
+            "GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        );
         assert!(r.starts_with("HTTP/1.1 404"), "{r}");
         let r = request(
             addr,
