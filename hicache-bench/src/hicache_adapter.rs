@@ -351,6 +351,8 @@ impl CacheUnderTest for HiCacheUnderTest {
             evicted_pages_l2: m.evicted_pages_l2,
             l3_pages_in_flight: lock(&self.l3_clock).pages_in_flight(),
             refused_during_copies: self.refused_during_copies,
+            l3_write_failures: m.l3_write_failures,
+            l3_read_failures: m.l3_read_failures,
         }
     }
 }

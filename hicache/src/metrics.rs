@@ -3,7 +3,8 @@
 //!
 //! Names follow Prometheus conventions: `hicache_` prefix, `_total` counters, base units
 //! (bytes, seconds). Labels: `direction` (`d2h`, `h2d`, `l2_to_l3`, `l3_to_l2`), `tier`
-//! (`l1`, `l2`, `l3`), `outcome` for prefetches, `reason` for dropped tokens.
+//! (`l1`, `l2`, `l3`), `outcome` for prefetches, `reason` for dropped tokens, `op` (`write`,
+//! `read`) for L3 pages lost to storage errors (`hicache_l3_failed_pages_total`).
 //!
 //! Besides our own: `hicache_storage_*{backend}`, the attached L3 backend's own statistics
 //! (read at scrape time), `hicache_capacity_pages{tier}` beside `hicache_resident_pages{tier}`,
@@ -97,6 +98,22 @@ pub enum DropReason {
     host_pressure,
 }
 
+/// An L3 operation whose pages can fail.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum L3Op {
+    /// Backups (L2 → L3): pages a backup was to store that are not stored.
+    write,
+    /// Prefetches (L3 → L2): pages whose lookup failed, and hit pages a fetch did not bring
+    /// because a read failed.
+    read,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabel {
+    op: L3Op,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DirectionLabel {
     direction: Direction,
@@ -134,6 +151,7 @@ pub struct Metrics {
     prefetch: Family<OutcomeLabel, Counter>,
     dropped_tokens: Family<ReasonLabel, Counter>,
     evicted_pages: Family<TierLabel, Counter>,
+    l3_failed_pages: Family<OpLabel, Counter>,
     resident_pages: Family<TierLabel, Gauge>,
     capacity_pages: Family<TierLabel, Gauge>,
     page_size: Arc<AtomicU64>,
@@ -170,6 +188,7 @@ impl Metrics {
         let prefetch = Family::<OutcomeLabel, Counter>::default();
         let dropped_tokens = Family::<ReasonLabel, Counter>::default();
         let evicted_pages = Family::<TierLabel, Counter>::default();
+        let l3_failed_pages = Family::<OpLabel, Counter>::default();
         let resident_pages = Family::<TierLabel, Gauge>::default();
         let capacity_pages = Family::<TierLabel, Gauge>::default();
         let page_size = Arc::new(AtomicU64::new(0));
@@ -225,6 +244,12 @@ impl Metrics {
             evicted_pages.clone(),
         );
         registry.register(
+            "l3_failed_pages",
+            "L3 pages lost to storage errors (write: not stored by a backup; read: not \
+             fetched by a prefetch)",
+            l3_failed_pages.clone(),
+        );
+        registry.register(
             "resident_pages",
             "Pages currently held by the tree in each tier",
             resident_pages.clone(),
@@ -246,6 +271,7 @@ impl Metrics {
             prefetch,
             dropped_tokens,
             evicted_pages,
+            l3_failed_pages,
             resident_pages,
             capacity_pages,
             page_size,
@@ -315,6 +341,13 @@ impl Metrics {
             .inc_by(pages);
     }
 
+    /// Records L3 pages lost to storage errors.
+    pub fn l3_failed(&self, op: L3Op, pages: u64) {
+        self.l3_failed_pages
+            .get_or_create(&OpLabel { op })
+            .inc_by(pages);
+    }
+
     /// Sets the number of pages the tree holds in `tier`.
     pub fn set_resident(&self, tier: Tier, pages: u64) {
         self.resident_pages
@@ -381,6 +414,8 @@ impl Metrics {
             ),
             evicted_pages_l1: self.counter(&self.evicted_pages, TierLabel { tier: Tier::l1 }),
             evicted_pages_l2: self.counter(&self.evicted_pages, TierLabel { tier: Tier::l2 }),
+            l3_write_failures: self.counter(&self.l3_failed_pages, OpLabel { op: L3Op::write }),
+            l3_read_failures: self.counter(&self.l3_failed_pages, OpLabel { op: L3Op::read }),
         }
     }
 }
@@ -501,6 +536,10 @@ pub struct MetricsSnapshot {
     pub evicted_pages_l1: u64,
     /// Pages evicted from L2.
     pub evicted_pages_l2: u64,
+    /// L3 pages backups were to store that were not stored (storage errors).
+    pub l3_write_failures: u64,
+    /// L3 pages lost to failed lookups and reads of prefetches (storage errors).
+    pub l3_read_failures: u64,
 }
 
 #[cfg(test)]
@@ -515,7 +554,10 @@ mod tests {
         m.hit(Tier::l2, 128);
         m.prefetch(PrefetchOutcome::completed);
         m.dropped(DropReason::host_pressure, 64);
+        m.l3_failed(L3Op::write, 3);
+        m.l3_failed(L3Op::read, 5);
         let s = m.snapshot();
+        assert_eq!((s.l3_write_failures, s.l3_read_failures), (3, 5));
         assert_eq!(s.d2h.pages, 6);
         assert_eq!(s.d2h.bytes, 6144);
         assert_eq!(s.d2h.batches, 2);
@@ -533,5 +575,9 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("hicache_dropped_tokens_total{reason=\"host_pressure\"} 64"));
+        assert!(
+            text.contains("hicache_l3_failed_pages_total{op=\"read\"} 5"),
+            "{text}"
+        );
     }
 }

@@ -175,10 +175,47 @@ fn failing_and_corrupting_backends_degrade_to_recompute() {
         // recomputed.
         let again = e.run(None, &p);
         assert!(again.admission.storage_pages < 16, "{:?}", again.admission);
+        // Failed reads are counted as L3 pages lost to errors, never as quiet misses; a
+        // corrupt copy is a miss (the backend counts it).
+        let snap = e.cache.metrics().snapshot();
+        if fail_every > 0 || fail_all {
+            assert!(snap.l3_read_failures > 0, "{snap:?}");
+        } else {
+            assert_eq!(snap.l3_read_failures, 0, "{snap:?}");
+        }
+        assert_eq!(snap.l3_write_failures, 0, "{snap:?}");
         e.run(None, &p);
         e.settle();
         e.cache.shutdown().unwrap();
     }
+}
+
+/// A backend that stores nothing: every page a backup sent is counted as lost, none as moved
+/// to L3, and the next run of the prompt finds nothing in L3 (issue 28 item 7: writes that
+/// failed must not read as data moved).
+#[test]
+fn failed_l3_writes_are_counted_not_moved() {
+    let mem: Arc<dyn Storage> = Arc::new(MemoryBackend::with_capacity(64 << 20));
+    let mut faulty = Faulty::new(mem);
+    faulty.fail_all_sets = true;
+    let cfg = l3_config(PrefetchPolicy::WaitComplete, WritePolicy::WriteThrough, 4);
+    let mut e = Engine::new(with_storage(cfg, 64, Arc::new(faulty)));
+    let p = prompt(11, 64);
+    e.run(None, &p);
+    e.settle();
+    e.cache.flush().unwrap();
+    let snap = e.cache.metrics().snapshot();
+    assert_eq!(snap.l2_to_l3.pages, 0, "{snap:?}");
+    assert_eq!(snap.l2_to_l3.bytes, 0, "{snap:?}");
+    assert_eq!(snap.l3_write_failures, 16, "{snap:?}");
+    let again = e.run(None, &p);
+    assert_eq!(again.admission.storage_pages, 0, "{:?}", again.admission);
+    let text = e.cache.metrics().render();
+    assert!(
+        text.contains("hicache_l3_failed_pages_total{op=\"write\"} 16"),
+        "{text}"
+    );
+    e.cache.shutdown().unwrap();
 }
 
 #[test]

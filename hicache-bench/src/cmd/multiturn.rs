@@ -849,6 +849,14 @@ pub fn run(
             ),
         )?;
     }
+    if let Some(warning) = report.l3_error_warning() {
+        // After the table; with `--json` (stdout is records only) on stderr.
+        if args.json {
+            eprintln!("hicache-bench: {warning}");
+        } else {
+            w(&mut out, &warning)?;
+        }
+    }
     let bad = report.check();
     if !bad.is_empty() {
         return Err(BenchError::CheckFailed(format!(

@@ -175,6 +175,11 @@ impl Report {
         );
         row(
             &mut out,
+            "L3 errors (write/read pages)",
+            each(&|s| format!("{}/{}", s.cache.l3_write_failures, s.cache.l3_read_failures)),
+        );
+        row(
+            &mut out,
             "refused: D2H in flight",
             each(&|s| s.cache.refused_during_copies.to_string()),
         );
@@ -201,6 +206,30 @@ impl Report {
             self.model.name
         );
         out
+    }
+
+    /// A warning naming every configuration whose L3 lost pages to storage errors (`None`
+    /// when none did): its L3 figures are not what the tier can do, and its bytes moved to
+    /// L3 count only the pages stored.
+    pub fn l3_error_warning(&self) -> Option<String> {
+        let bad: Vec<String> = self
+            .all()
+            .filter(|s| s.cache.l3_write_failures + s.cache.l3_read_failures > 0)
+            .map(|s| {
+                format!(
+                    "{} ({} pages not written, {} not read)",
+                    s.label, s.cache.l3_write_failures, s.cache.l3_read_failures
+                )
+            })
+            .collect();
+        (!bad.is_empty()).then(|| {
+            format!(
+                "WARNING: L3 storage errors lost pages in {}: their L3 hits and hit ratio are \
+                 lower than the tier gives (bytes moved to L3 count only pages stored); check \
+                 the backend (open-file limit, disk space, its server) and rerun.",
+                bad.join(", ")
+            )
+        })
     }
 
     /// One line stating how copies were timed.
@@ -400,6 +429,33 @@ mod tests {
         let h2d = t.lines().find(|l| l.starts_with("moved L2→L1")).unwrap();
         assert!(h2d.contains('-') && h2d.contains("GB/s"), "{h2d}");
         assert!(t.contains("hit ratio") && t.contains("50.0%"), "{t}");
+        let errors = t
+            .lines()
+            .find(|l| l.starts_with("L3 errors (write/read pages)"))
+            .unwrap();
+        assert!(errors.contains("0/0"), "{errors}");
+        assert!(r.l3_error_warning().is_none());
+    }
+
+    #[test]
+    fn l3_errors_are_a_row_a_json_field_and_a_warning() {
+        let mut r = report();
+        r.runs[0].cache.l3_write_failures = 7;
+        r.runs[0].cache.l3_read_failures = 3;
+        let t = r.table();
+        let errors = t
+            .lines()
+            .find(|l| l.starts_with("L3 errors (write/read pages)"))
+            .unwrap();
+        assert!(errors.contains("7/3"), "{errors}");
+        let w = r.l3_error_warning().unwrap();
+        assert!(
+            w.starts_with("WARNING") && w.contains("L1+L2 (7 pages not written, 3 not read)"),
+            "{w}"
+        );
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["runs"][0]["cache"]["l3_write_failures"], 7);
+        assert_eq!(v["runs"][0]["cache"]["l3_read_failures"], 3);
     }
 
     #[test]

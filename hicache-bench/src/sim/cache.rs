@@ -176,6 +176,12 @@ pub struct CacheStats {
     pub l3_pages_in_flight: u64,
     /// Admissions refused while device pages were held by write-through copies in flight.
     pub refused_during_copies: u64,
+    /// L3 pages backups were to store that were not stored: storage errors (not in
+    /// `l2_to_l3`, which counts only pages stored).
+    pub l3_write_failures: u64,
+    /// L3 pages lost to failed lookups and reads of prefetches: storage errors (hits lost,
+    /// not misses).
+    pub l3_read_failures: u64,
 }
 
 /// A cache the simulated engine can drive. See the [module documentation](self) for the call

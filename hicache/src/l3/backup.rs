@@ -25,6 +25,10 @@
 //!    Only complete backups record their pages as known in L3 (which lets exclusive tiering's
 //!    host eviction drop them) and, under `buffer_only`, release their nodes' host copies.
 //!    An incomplete backup's pages stay in L2.
+//! 7. **Failures are counted, never hidden.** A finished backup moved (`l2_to_l3`) exactly
+//!    the pages acknowledged as stored or present; every other page it was to send (a failed
+//!    call, a page the backend refused, batches never sent after a failure) is counted in
+//!    `hicache_l3_failed_pages_total{op="write"}` and logged at warn (rate-limited).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -37,7 +41,7 @@ use hicache_core::{
 use super::L3;
 use super::jobs::{BackupJob, BackupShared, Chain};
 use crate::error::Result;
-use crate::metrics::Direction;
+use crate::metrics::{Direction, L3Op};
 use crate::tiers::Tiers;
 
 /// Most L3 write batches in flight at once, over every backup of a cache (invariant 4).
@@ -331,7 +335,9 @@ impl L3 {
             if op.skipped || op.pages == 0 {
                 continue;
             }
-            let stored = op.stored();
+            // Only pages acknowledged as stored count as moved (invariant 7); the rest are
+            // counted as lost to storage errors, never as moved.
+            let stored = op.stored().min(op.pages);
             tiers.metrics.transfer(
                 Direction::l2_to_l3,
                 stored as u64,
@@ -340,13 +346,19 @@ impl L3 {
             );
             if stored == op.pages {
                 events.extend(op.events);
-            }
-            if op.shared.failed.load(Ordering::Relaxed) {
-                tracing::warn!(
-                    pages = op.pages,
-                    stored,
-                    "an L3 backup stored only part of its pages"
-                );
+            } else {
+                let lost = (op.pages - stored) as u64;
+                tiers.metrics.l3_failed(L3Op::write, lost);
+                if let Some((backups, pages)) = self.write_warn.record(lost, Instant::now()) {
+                    let error = op.shared.error.lock().clone().unwrap_or_default();
+                    tracing::warn!(
+                        backups,
+                        pages,
+                        %error,
+                        "L3 backups did not store every page (pages lost to storage errors \
+                         since the last warning)"
+                    );
+                }
             }
         }
         Ok(())

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use hicache_core::{HostSlot, NamespaceId, PageHash, PageHasher, PageKey};
 use hicache_host::HostPool;
-use hicache_storage::{BatchContext, LayoutKind, PageBuf, PageBufMut, Storage};
+use hicache_storage::{BatchContext, LayoutKind, PageBuf, PageBufMut, PageOutcome, Storage};
 use parking_lot::{Condvar, Mutex};
 use tokio::sync::{Notify, Semaphore};
 use tracing::Instrument;
@@ -40,6 +40,12 @@ pub(crate) struct FetchState {
     pub terminated: bool,
     /// The task met a storage error.
     pub failed: bool,
+    /// Pages lost to storage errors: those of a lookup batch that failed, and the pages of
+    /// the hit a fetch did not bring because a read failed (the failed page and every one
+    /// after it). Read by the engine thread when the prefetch ends.
+    pub failed_pages: usize,
+    /// The first storage error met, for the log.
+    pub error: Option<String>,
     /// Pages the task hands back when it exits (`slots[completed..]`).
     pub leftover: Option<Vec<HostSlot>>,
     /// The task exited.
@@ -96,8 +102,26 @@ pub(crate) struct BackupShared {
     pub done: Latch,
     /// Pages stored (or already present) in L3.
     pub stored_pages: AtomicU64,
-    /// Some batch failed.
+    /// Some batch failed (nothing more is sent).
     pub failed: AtomicBool,
+    /// The first storage error met (a failed call or a page that was not stored), for the
+    /// log; the pages lost are the backup's pages minus `stored_pages`.
+    pub error: Mutex<Option<String>>,
+}
+
+impl BackupShared {
+    /// Keeps `e` as the error to report unless one is already kept.
+    fn note_error(&self, e: impl std::fmt::Display) {
+        self.error.lock().get_or_insert_with(|| e.to_string());
+    }
+}
+
+impl FetchState {
+    /// Counts `pages` lost to a storage error `e` (the first error is kept for the log).
+    fn note_failure(&mut self, pages: usize, e: impl std::fmt::Display) {
+        self.failed_pages += pages;
+        self.error.get_or_insert_with(|| e.to_string());
+    }
 }
 
 /// Slices of a host page for reading.
@@ -252,7 +276,12 @@ impl QueryJob {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "L3 lookup failed; using the hits found so far");
+                    // Counted and logged (rate-limited) by the engine thread at the end.
+                    tracing::debug!(error = %e, "L3 lookup failed; using the hits found so far");
+                    self.shared
+                        .state
+                        .lock()
+                        .note_failure(chunk.len(), format!("lookup: {e}"));
                     break;
                 }
             }
@@ -278,7 +307,10 @@ impl QueryJob {
                         Ok(parts) => bufs.push(PageBufMut::from_parts(self.layout, parts)),
                         Err(e) => {
                             tracing::error!(error = %e, "bad host page in a prefetch");
-                            self.shared.state.lock().failed = true;
+                            let mut st = self.shared.state.lock();
+                            st.failed = true;
+                            let lost = slots.len() - st.completed;
+                            st.note_failure(lost, format!("host page: {e}"));
                             return;
                         }
                     }
@@ -288,19 +320,31 @@ impl QueryJob {
                     .instrument(tracing::debug_span!("l3_batch_get", pages = end - at))
                     .await
             };
-            let lead = match outcome {
-                Ok(outcomes) => outcomes.iter().take_while(|o| o.is_hit()).count(),
-                Err(e) => {
-                    tracing::warn!(error = %e, "L3 fetch failed; keeping the pages fetched so far");
-                    self.shared.state.lock().failed = true;
-                    return;
+            let (lead, error) = match outcome {
+                Ok(outcomes) => {
+                    let lead = outcomes.iter().take_while(|o| o.is_hit()).count();
+                    // A page that failed (not a miss: an I/O error, descriptors exhausted…)
+                    // loses it and every hit page after it: a failure, never a quiet miss.
+                    let error = match outcomes.get(lead) {
+                        Some(PageOutcome::Failed(e)) => Some(format!("read: {e}")),
+                        _ => None,
+                    };
+                    (lead, error)
                 }
+                Err(e) => (0, Some(format!("read: {e}"))),
             };
             let mut st = self.shared.state.lock();
             if st.terminated {
                 return;
             }
             st.completed += lead;
+            if let Some(e) = error {
+                tracing::debug!(error = %e, "L3 fetch failed; keeping the pages fetched so far");
+                st.failed = true;
+                let lost = slots.len() - st.completed;
+                st.note_failure(lost, e);
+                return;
+            }
             if lead < end - at {
                 return;
             }
@@ -348,6 +392,7 @@ impl BackupJob {
             }
             let Ok(permit) = self.in_flight.clone().acquire_owned().await else {
                 self.shared.failed.store(true, Ordering::Relaxed);
+                self.shared.note_error("the L3 runtime is shutting down");
                 break;
             };
             let unit = BackupBatch {
@@ -372,6 +417,7 @@ impl BackupJob {
             if let Err(e) = b.await {
                 tracing::error!(error = %e, "an L3 backup batch task died");
                 self.shared.failed.store(true, Ordering::Relaxed);
+                self.shared.note_error(format!("batch task: {e}"));
             }
         }
     }
@@ -413,6 +459,7 @@ impl BackupBatch {
                     Err(e) => {
                         tracing::error!(error = %e, "bad host page in a backup");
                         self.shared.failed.store(true, Ordering::Relaxed);
+                        self.shared.note_error(format!("host page: {e}"));
                         break;
                     }
                 }
@@ -427,13 +474,21 @@ impl BackupBatch {
                     let ok = outcomes.iter().filter(|o| o.is_ok()).count();
                     stored += ok;
                     if ok < outcomes.len() {
-                        let first_bad = outcomes.iter().find(|o| !o.is_ok());
-                        tracing::warn!(outcome = ?first_bad, "some pages were not stored in L3");
+                        // Counted (backup pages − stored) and logged, rate-limited, by the
+                        // engine thread when the backup finishes.
+                        if let Some(bad) = outcomes.iter().find(|o| !o.is_ok()) {
+                            let why = match bad {
+                                PageOutcome::Failed(e) => e.to_string(),
+                                other => format!("{other:?}"),
+                            };
+                            self.shared.note_error(format!("write: {why}"));
+                        }
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "L3 backup failed");
+                    tracing::debug!(error = %e, "L3 backup failed");
                     self.shared.failed.store(true, Ordering::Relaxed);
+                    self.shared.note_error(format!("write: {e}"));
                     return;
                 }
             }

@@ -33,6 +33,40 @@ use prefetch::PrefetchOp;
 const WORKER_THREADS: usize = 2;
 /// How long detaching waits for the runtime's tasks to stop.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(10);
+/// Shortest interval between two warnings of L3 pages lost to storage errors (per direction);
+/// the pages of the failures in between are summed into the next warning.
+const FAILURE_WARN_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Rate limit of one kind of warning: at most one per [`FAILURE_WARN_INTERVAL`]; what is not
+/// logged is summed into the next one (so every lost page is in some warning or still
+/// pending, and always in the metric).
+#[derive(Debug, Default)]
+pub(crate) struct WarnLimit {
+    last: Option<std::time::Instant>,
+    /// Failures and pages not logged since the last warning.
+    held_failures: u64,
+    held_pages: u64,
+}
+
+impl WarnLimit {
+    /// Records a failure of `pages`; returns the failures and pages to log now (including
+    /// those held back since the last warning), or `None` within the interval.
+    pub fn record(&mut self, pages: u64, now: std::time::Instant) -> Option<(u64, u64)> {
+        self.held_failures += 1;
+        self.held_pages += pages;
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < FAILURE_WARN_INTERVAL)
+        {
+            return None;
+        }
+        self.last = Some(now);
+        Some((
+            std::mem::take(&mut self.held_failures),
+            std::mem::take(&mut self.held_pages),
+        ))
+    }
+}
 
 /// The attached L3 tier.
 pub(crate) struct L3 {
@@ -61,6 +95,10 @@ pub(crate) struct L3 {
     /// Polls left before demoting again after a demotion that did not store every page.
     demote_pause: u32,
     next_seq: u64,
+    /// Warnings of backups that lost pages to storage errors.
+    write_warn: WarnLimit,
+    /// Warnings of prefetches that lost pages to storage errors.
+    read_warn: WarnLimit,
 }
 
 /// A new L3 runtime.
@@ -129,6 +167,8 @@ impl L3 {
             demoting_pages: 0,
             demote_pause: 0,
             next_seq: 0,
+            write_warn: WarnLimit::default(),
+            read_warn: WarnLimit::default(),
         })
     }
 
@@ -203,5 +243,24 @@ impl std::fmt::Debug for L3 {
             .field("prefetches", &self.prefetches.len())
             .field("backups", &self.backups.len())
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn failure_warnings_are_rate_limited_and_sum_what_they_held() {
+        let mut w = WarnLimit::default();
+        let t0 = Instant::now();
+        assert_eq!(w.record(3, t0), Some((1, 3)));
+        assert_eq!(w.record(4, t0 + Duration::from_secs(1)), None);
+        assert_eq!(w.record(5, t0 + Duration::from_secs(2)), None);
+        assert_eq!(
+            w.record(1, t0 + FAILURE_WARN_INTERVAL + Duration::from_secs(1)),
+            Some((3, 10))
+        );
     }
 }

@@ -22,6 +22,12 @@
 //! 5. **Same on every rank.** Prefetches are created and ended by calls every rank makes
 //!    identically, or by decisions taken from agreed values, so every rank tracks the same
 //!    prefetches in the same (creation) order.
+//! 6. **Failures are counted, never hidden.** A read that fails (the call, or a page's
+//!    outcome `Failed`: an I/O error, not a miss) ends the fetch like a miss would, but its
+//!    pages (the failed one and every later page of the hit) and the pages of a failed lookup
+//!    batch are counted in `hicache_l3_failed_pages_total{op="read"}` and logged at warn
+//!    (rate-limited) when the prefetch ends; a prefetch that brought nothing for it ends
+//!    `failed`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,7 +37,7 @@ use hicache_core::{HiRadixTree, HostSlot, MatchResult, NodeId, PageKey, Prefetch
 use super::L3;
 use super::jobs::{FetchShared, QueryJob};
 use crate::error::{HiCacheError, Result};
-use crate::metrics::{Direction, PrefetchOutcome};
+use crate::metrics::{Direction, L3Op, PrefetchOutcome};
 use crate::requests::RequestId;
 use crate::tiers::Tiers;
 
@@ -347,11 +353,24 @@ impl L3 {
         tiers: &mut Tiers,
     ) -> Result<PrefetchEnd> {
         let op = self.prefetches.remove(&seq).expect("tracked");
-        let (snap, failed) = {
+        let (snap, failed, failed_pages, error) = {
             let mut st = op.shared.state.lock();
             st.terminated = true;
-            (st.completed, st.failed)
+            (st.completed, st.failed, st.failed_pages, st.error.take())
         };
+        if failed_pages > 0 {
+            // Invariant 6: pages lost to storage errors are counted and logged.
+            let lost = failed_pages as u64;
+            tiers.metrics.l3_failed(L3Op::read, lost);
+            if let Some((prefetches, pages)) = self.read_warn.record(lost, Instant::now()) {
+                tracing::warn!(
+                    prefetches,
+                    pages,
+                    error = error.as_deref().unwrap_or(""),
+                    "L3 prefetches lost pages to storage errors (since the last warning)"
+                );
+            }
+        }
         op.shared.notify.notify_one();
         self.draining.push(op.shared.clone());
         let mut new_pages = 0;

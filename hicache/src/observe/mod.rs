@@ -10,7 +10,12 @@ mod zmtp;
 
 pub use collectors::{StorageCollector, StorageSlot};
 pub use kv_events::{KvEventPublisher, KvEventsConfig};
-pub use metrics_http::{MetricsServer, RenderFn};
+pub use metrics_http::{
+    ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, AcceptBackoff, AcceptRetry,
+    DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+    MAX_HEADER_BUF_BYTES, MAX_HEADERS, MAX_REQUEST_BODY_BYTES, MetricsLimits, MetricsServer,
+    RenderFn,
+};
 pub use zmtp::SocketStats;
 
 use std::sync::Arc;
