@@ -412,11 +412,7 @@ impl FileBackend {
         if !sys::try_flock(&dir_lock, !shared).map_err(StorageError::io("lock", &lock_path))? {
             let holder = fs::read_to_string(&lock_path).unwrap_or_default();
             if sys::holder_is_this_process(&holder) {
-                return Err(backend_err(format!(
-                    "{} is {}",
-                    root.display(),
-                    sys::HELD_BY_THIS_PROCESS
-                )));
+                return Err(backend_err(sys::held_by_this_process(root)));
             }
             let holder = match holder.trim() {
                 "" => "processes in shared mode".to_string(),

@@ -249,10 +249,16 @@ pub fn holder_is_this_process(holder: &str) -> bool {
 }
 
 /// The reason a refused open gives when the lock holder is this process
-/// ([`holder_is_this_process`]).
-pub const HELD_BY_THIS_PROCESS: &str = "held by a store of this same process that is still \
-open, or was closed while one of its calls was in flight (it stays open until that call \
-returns): close or drop it, let its calls finish, then open again";
+/// ([`holder_is_this_process`]): `"<dir> is held by a store of this same process (pid N) ..."`.
+pub fn held_by_this_process(dir: &Path) -> String {
+    format!(
+        "{} is held by a store of this same process (pid {}) that is still open, or was closed \
+         while one of its calls was in flight (it stays open until that call returns): close or \
+         drop it, let its calls finish, then open again",
+        dir.display(),
+        std::process::id()
+    )
+}
 
 /// An exclusive `flock`, waiting for it.
 pub fn flock_wait(file: &File) -> io::Result<()> {
