@@ -138,7 +138,7 @@ fn lock_dir(dir: &Path) -> Result<File> {
             let _ = f.read_to_string(&mut holder);
             let holder = holder.trim();
             if sys::holder_is_this_process(holder) {
-                return Err(backend_err(sys::held_by_this_process(&dir)));
+                return Err(backend_err(sys::held_by_this_process(dir)));
             }
             return Err(backend_err(format!(
                 "{} is in use by another process{}: a uring directory has one owner; give each \
