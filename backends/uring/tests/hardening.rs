@@ -51,6 +51,29 @@ async fn intact(s: &UringBackend, ks: &[PageKey]) -> Vec<bool> {
         .collect()
 }
 
+/// A 96 MiB file system mounted under `root`; `None`, after a SKIPPED line, where this machine
+/// cannot mount one.
+fn small_fs(root: &std::path::Path) -> Option<SmallFs> {
+    SmallFs::mount(root, 96 << 20)
+        .map_err(|why| println!("SKIPPED: cannot mount a small file system: {why}"))
+        .ok()
+}
+
+/// A uring store in `dir` with a capacity of 10 GiB (far above a small file system) and the
+/// default growth step; `None`, after a SKIPPED line, where the file system refuses O_DIRECT.
+fn open_far_above(dir: &std::path::Path) -> Option<UringBackend> {
+    let mut o = UringOptions::new(dir);
+    o.capacity_bytes = Some(10 << 30);
+    match UringBackend::open(o) {
+        Ok(s) => Some(s),
+        Err(e) if e.to_string().contains("O_DIRECT") => {
+            println!("SKIPPED: the small file system refuses O_DIRECT: {e}");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
 /// Item 3: a damaged record inside the log costs its own page only; every later record is
 /// kept, the damaged bytes are preserved before the log is rewritten, and the open reports it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -152,23 +175,12 @@ async fn a_capacity_below_one_page_is_refused() {
 async fn a_capacity_above_the_free_space_still_writes() {
     let _serial = SERIAL.lock().await;
     let root = test_dir();
-    let small = match SmallFs::mount(root.path(), 96 << 20) {
-        Ok(m) => m,
-        Err(why) => {
-            println!("SKIPPED: cannot mount a small file system: {why}");
-            return;
-        }
+    let Some(small) = small_fs(root.path()) else {
+        return;
     };
     let dir = small.path().join("store");
-    let mut o = UringOptions::new(&dir);
-    o.capacity_bytes = Some(10 << 30);
-    let s = match UringBackend::open(o) {
-        Ok(s) => s,
-        Err(e) if e.to_string().contains("O_DIRECT") => {
-            println!("SKIPPED: the small file system refuses O_DIRECT: {e}");
-            return;
-        }
-        Err(e) => panic!("{e}"),
+    let Some(s) = open_far_above(&dir) else {
+        return;
     };
     let first = keys(3, 8);
     assert_eq!(put_each(&s, &first).await, 8, "nothing could be written");
@@ -279,28 +291,17 @@ async fn grow_bytes_is_bounded_by_the_file_system() {
     assert!(e.contains("`grow_bytes`") && e.contains("quarter"), "{e}");
 
     let root = test_dir();
-    let small = match SmallFs::mount(root.path(), 96 << 20) {
-        Ok(m) => m,
-        Err(why) => {
-            println!("SKIPPED: cannot mount a small file system: {why}");
-            return;
-        }
+    let Some(small) = small_fs(root.path()) else {
+        return;
     };
     let free = || {
         let d = fs::File::open(small.path()).unwrap();
         hicache_localio::sys::fs_space(&d).unwrap().0
     };
     let before = free();
-    let mut o = UringOptions::new(small.path().join("store"));
-    o.capacity_bytes = Some(10 << 30);
     // The default step (256 MiB) is larger than this whole file system.
-    let s = match UringBackend::open(o) {
-        Ok(s) => s,
-        Err(e) if e.to_string().contains("O_DIRECT") => {
-            println!("SKIPPED: the small file system refuses O_DIRECT: {e}");
-            return;
-        }
-        Err(e) => panic!("{e}"),
+    let Some(s) = open_far_above(&small.path().join("store")) else {
+        return;
     };
     let ks = keys(28, 1);
     assert_eq!(put_each(&s, &ks).await, 1);
