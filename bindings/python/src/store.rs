@@ -218,6 +218,22 @@ impl Store {
         Ok((buf, hits))
     }
 
+    /// Writes one page from each of `pages`, memory Python owns and keeps alive and unchanged
+    /// for the call (`bytes` objects): not subject to the registered regions (invariant 5).
+    fn set_owned(
+        &self,
+        py: Python<'_>,
+        op: &'static str,
+        call: &Call,
+        layout: LayoutKind,
+        pages: &[&[u8]],
+    ) -> Result<Vec<bool>> {
+        let ptrs = pages.iter().map(|p| p.as_ptr() as usize).collect();
+        let sizes = pages.iter().map(|p| p.len()).collect();
+        let pieces = Pieces::new(op, pages.len(), ptrs, sizes, false, None)?;
+        py.detach(|| self.set_from(call, layout, &pieces))
+    }
+
     fn set_from(&self, call: &Call, layout: LayoutKind, pieces: &Pieces) -> Result<Vec<bool>> {
         let keys = call.keys();
         let backend = self.backend("batch_set")?;
@@ -492,16 +508,7 @@ impl Store {
     ) -> PyResult<bool> {
         let call = Call::new(namespace, std::slice::from_ref(&hash), None, None)?;
         let layout = identity::layout(layout)?;
-        // Python's own `bytes`, alive for the call: not subject to the registered regions.
-        let pieces = Pieces::new(
-            "set_bytes",
-            1,
-            vec![data.as_ptr() as usize],
-            vec![data.len()],
-            false,
-            None,
-        )?;
-        Ok(py.detach(|| self.set_from(&call, layout, &pieces))?[0])
+        Ok(self.set_owned(py, "set_bytes", &call, layout, &[data])?[0])
     }
 
     /// Writes pages from `bytes` objects, one per hash (the legacy tensor path, tools); one
@@ -526,13 +533,8 @@ impl Store {
             .into());
         }
         // `pages` holds the `bytes` objects (immutable) alive until we return.
-        let ptrs = pages
-            .iter()
-            .map(|p| p.as_bytes().as_ptr() as usize)
-            .collect();
-        let sizes = pages.iter().map(|p| p.as_bytes().len()).collect();
-        let pieces = Pieces::new("batch_set_bytes", hashes.len(), ptrs, sizes, false, None)?;
-        Ok(py.detach(|| self.set_from(&call, layout, &pieces))?)
+        let data: Vec<&[u8]> = pages.iter().map(|p| p.as_bytes()).collect();
+        Ok(self.set_owned(py, "batch_set_bytes", &call, layout, &data)?)
     }
 
     /// Deletes pages; returns how many were present.
