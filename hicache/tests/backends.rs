@@ -33,9 +33,11 @@ fn l3_round_trip(backend: &str, extra: &str) {
     // `run` checks every admitted page's KV bytes against what was written.
     let again = e.run(None, &p);
     let served = again.admission.cached_pages() * 64;
+    // On failure, say what L3 reported (a write refused for disk space shows here).
     assert!(
         served > 700,
-        "{backend}: only {served} tokens served: {again:?}"
+        "{backend}: only {served} tokens served: {again:?}; metrics: {:?}",
+        e.cache.metrics().snapshot()
     );
     assert_eq!(again.admission.storage_pages, 12, "{backend}");
     let snap = e.cache.metrics().snapshot();

@@ -32,8 +32,19 @@ impl Slab {
 }
 
 /// Free space a slab never grows into: the index log's appends and compactions need room on
-/// a file system the slabs have filled (at least this, or 1/256 of the file system).
+/// a file system the slabs have filled. 1/1024 of the file system, at least 4 MiB and at most
+/// 64 MiB: half a million 128-byte log records, more than a compaction of any cache this
+/// backend's capacity check admits on such a disk needs. (The bound matters on large, nearly
+/// full shared disks: a fixed fraction alone would keep a gigabyte free on a 256 GiB disk and
+/// refuse every write with hundreds of megabytes still free.)
 const MIN_FS_HEADROOM: u64 = 4 << 20;
+/// See [`MIN_FS_HEADROOM`].
+const MAX_FS_HEADROOM: u64 = 64 << 20;
+
+/// The free space a slab leaves on a file system of `total` bytes.
+fn fs_headroom(total: u64) -> u64 {
+    (total / 1024).clamp(MIN_FS_HEADROOM, MAX_FS_HEADROOM)
+}
 
 /// The disk operations of the index, on the slabs.
 pub(crate) struct Disk<'a>(pub(crate) &'a [Arc<Slab>]);
@@ -47,8 +58,7 @@ impl SlabDisk for Disk<'_> {
         let start = from as u64 * s.slot_bytes;
         // Leave room for the index log (its appends and a compaction's copy) and others.
         let (avail, total) = sys::fs_space(&s.file)?;
-        let headroom = (total / 256).max(MIN_FS_HEADROOM);
-        let usable = avail.saturating_sub(headroom);
+        let usable = avail.saturating_sub(fs_headroom(total));
         if usable < s.slot_bytes {
             return Err(io::Error::from_raw_os_error(libc::ENOSPC));
         }
@@ -156,5 +166,19 @@ impl UringBackend {
         self.slabs.write().push(Arc::new(slab));
         debug_assert_eq!(id as usize, n);
         Ok(id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_headroom_is_a_small_bounded_share_of_the_file_system() {
+        assert_eq!(fs_headroom(96 << 20), MIN_FS_HEADROOM);
+        assert_eq!(fs_headroom(16 << 30), 16 << 20);
+        // A 256 GiB disk keeps 64 MiB free, not a gigabyte.
+        assert_eq!(fs_headroom(256 << 30), MAX_FS_HEADROOM);
+        assert_eq!(fs_headroom(u64::MAX), MAX_FS_HEADROOM);
     }
 }

@@ -67,7 +67,8 @@ def ours(request, tmp_path):
     return {
         "memory": {"backend": "memory"},
         "file": {"backend": "file", "dir": str(tmp_path / "l3")},
-        "uring": {"backend": "uring", "dir": str(tmp_path / "l3"), "capacity": "256MiB"},
+        "uring": {"backend": "uring", "dir": str(tmp_path / "l3"), "capacity": "256MiB",
+                  "grow_bytes": "4MiB"},
         # An in-process hicache-rdma-server on loopback, over TCP.
         "rdma": {"backend": "rdma", "spawn_server": True, "capacity": "64MiB"},
     }[request.param]
