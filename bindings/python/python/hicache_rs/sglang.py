@@ -16,7 +16,9 @@ Model of the class (each point is kept by the code named in it):
 1. The extra-config is hicache-rs' own (``{"backend": "file", "dir": ...}``, ``rdma``,
    ``uring``, ``plugin``, ``memory``), strict: unknown fields are a ``ValueError`` naming them.
    The fields SGLang itself reads (``backend_name``, ``module_path``, ``class_name``,
-   ``interface_v1``) are taken out first (``_our_extra_config``).
+   ``interface_v1``) are taken out first (``_our_extra_config``), and so are the ones its
+   prefill parser removes but its decode-side offload manager passes on (``prefetch_*``,
+   ``hicache_storage_pass_prefix_keys``: point 11) and ``tp_lcm_size`` (point 9).
 2. SGLang's keys are bare content hashes. Every key is paired with a namespace built from the
    model name, dtype, layout, page geometry, TP/PP rank (not for MLA, whose latent cache is the
    same on every rank), context-parallel shard and tenant (``_namespace``), so two deployments
@@ -49,6 +51,31 @@ Model of the class (each point is kept by the code named in it):
    pointer exists. Behind that, the native store is told the pool's buffers
    (``Store.set_allowed_regions``, ``_pool_regions``) and refuses any piece outside them.
    The legacy tensor methods pass ``bytes`` (copies), never addresses of caller tensors.
+9. ``page_head`` and heterogeneous TP (``hicache_rs.kv_layouts``): a page may be stored as
+   several parts, one namespace each (``namespaces``), and is present, read or written only
+   when every part is. A ``page_head`` page is cut into ``tp_lcm_size / tp_size`` head slices
+   (SGLang's ``get_split_heads_page_buffer_meta``), each named by its global slice out of
+   ``tp_lcm_size`` and the per-slice geometry, never by this instance's TP size, so
+   instances of different TP sizes (prefill TP 2, decode TP 4) read each other's pages head
+   for head. ``tp_lcm_size`` comes from SGLang's storage config (its controller pops it from
+   the extra-config), or from the extra-config when a config was built without that step;
+   one that is not a multiple of ``tp_size``, or heads that do not divide into the slices,
+   are a ``ValueError``. Such sharing needs storage the instances share: the local-directory
+   backends only with the file backend's ``"shared": true``. MLA is unaffected (its latent
+   cache is the same on every rank, and SGLang's MLA pool has no ``page_head``).
+10. Asymmetric K/V head dims (SGLang's ``AsymmetricMHATokenToKVPoolHost``, ``page_first``
+    and ``page_first_direct``): K and V are two buffers, both registered (point 8); a page is
+    its K piece then its V piece, and the namespace carries both head dims. SGLang gives such
+    pools no flat data page, so only the zero-copy methods serve them (the legacy ones say
+    so).
+11. Decode-side offload in PD disaggregation (``--disaggregation-decode-enable-offload-
+    kvcache``): the decode instance's controller writes its generated pages with
+    ``batch_set_v1`` under SGLang's hash chain continued from the prompt's page-aligned hash,
+    with no prefix keys. Its pages are in the same namespace as a prefill instance's when
+    the two agree on model name, dtype, ``--hicache-mem-layout``, page size, TP/PP geometry
+    (or, for ``page_head``, ``tp_lcm_size``) and tenant, and so are hits for a later prefill
+    on any instance sharing the storage. The decode side reads the extra-config with
+    ``json.loads`` itself, so SGLang's prefetch fields arrive here and are dropped (point 1).
 """
 
 from __future__ import annotations
@@ -508,14 +535,18 @@ class HiCacheRsStorage(HiCacheStorage):
 
     # ---- legacy tensor interface ---------------------------------------------------------
 
-    def _page_tensor(self, op: str, t: Any) -> torch.Tensor:
+    def _flat_pages(self, op: str) -> None:
+        """Point 10: SGLang's asymmetric K/V pool has no flat data page (its
+        ``get_data_page`` raises), so the legacy methods refuse it and name the way that
+        works."""
         if self.plan.asymmetric:
-            # SGLang's asymmetric pool has no flat data page (its get_data_page raises), so
-            # its legacy path cannot run; the zero-copy one (interface_v1) does.
             raise ValueError(
                 f"{op}: a pool whose K and V head dims differ has no flat data pages in "
                 "SGLang; use the zero-copy interface (\"interface_v1\": 1)"
             )
+
+    def _page_tensor(self, op: str, t: Any) -> torch.Tensor:
+        self._flat_pages(op)
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{op}: expected a torch.Tensor page, got {type(t).__name__}")
         if t.device.type != "cpu":
@@ -535,8 +566,7 @@ class HiCacheRsStorage(HiCacheStorage):
     ) -> List[Optional[torch.Tensor]]:
         """Reads pages into flat page tensors (new ones from the pool when none are given)."""
         store = self._ready("batch_get")
-        if target_locations is None and self.plan.asymmetric:
-            self._page_tensor("batch_get", None)
+        self._flat_pages("batch_get")
         if target_locations is None:
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         if len(target_locations) != len(keys):
