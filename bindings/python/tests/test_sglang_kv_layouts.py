@@ -433,6 +433,28 @@ class Done:
         pass
 
 
+def put_rows(pool, host_indices, layer, k_rows, v_rows):
+    """Token rows (``[token, head, dim]``) of one layer into the host pool's slots, in
+    ``page_first`` (SGLang's per-layer views) or ``page_head`` (``[K|V][page][head][token]
+    [layer][dim]``)."""
+    if pool.layout == "page_head":
+        pages, toks = host_indices // pool.page_size, host_indices % pool.page_size
+        pool.kv_buffer[0, pages, :, toks, layer, :] = k_rows
+        pool.kv_buffer[1, pages, :, toks, layer, :] = v_rows
+    else:
+        pool.k_data_refs[layer][host_indices] = k_rows
+        pool.v_data_refs[layer][host_indices] = v_rows
+
+
+def get_rows(pool, host_indices, layer):
+    """The inverse of :func:`put_rows`: ``(k_rows, v_rows)`` of one layer."""
+    if pool.layout == "page_head":
+        pages, toks = host_indices // pool.page_size, host_indices % pool.page_size
+        return (pool.kv_buffer[0, pages, :, toks, layer, :],
+                pool.kv_buffer[1, pages, :, toks, layer, :])
+    return pool.k_data_refs[layer][host_indices], pool.v_data_refs[layer][host_indices]
+
+
 def cpu_device_to_host(cc, pool):
     """Replaces the controller's ``start_writing`` (a GPU kernel copying device KV into the
     host pool) with the same copy on the CPU: each layer's K and V rows of the device indices
@@ -443,8 +465,8 @@ def cpu_device_to_host(cc, pool):
         node_ids = []
         for op in cc.write_queue:
             for layer in range(pool.layer_num):
-                pool.k_data_refs[layer][op.host_indices] = dev_k[layer][op.device_indices]
-                pool.v_data_refs[layer][op.host_indices] = dev_v[layer][op.device_indices]
+                put_rows(pool, op.host_indices, layer, dev_k[layer][op.device_indices],
+                         dev_v[layer][op.device_indices])
             node_ids.extend(op.node_ids)
         cc.write_queue.clear()
         from sglang.srt.managers.cache_controller import HiCacheAck
@@ -542,8 +564,8 @@ def test_decode_side_offload_pages_are_hits_for_a_later_prefill(tmp_path):
     try:
         host = ppool.alloc(2 * PS)
         for layer in range(LAYERS):
-            ppool.k_data_refs[layer][host] = dev_k[layer][10:10 + 2 * PS]
-            ppool.v_data_refs[layer][host] = dev_v[layer][10:10 + 2 * PS]
+            put_rows(ppool, host, layer, dev_k[layer][10:10 + 2 * PS],
+                     dev_v[layer][10:10 + 2 * PS])
         prompt_hashes = get_storage_hash_str(prompt[: 2 * PS], None, page_size=PS)
         prefill.write_storage(host, prompt[: 2 * PS], hash_value=prompt_hashes)
         assert prefill.ack_backup_queue.get(timeout=TIMEOUT).completed_tokens == 2 * PS
@@ -603,11 +625,96 @@ def test_decode_side_offload_pages_are_hits_for_a_later_prefill(tmp_path):
             # Token for token, layer for layer: the decode instance's device KV.
             rows = torch.arange(10, 10 + 4 * PS)
             for layer in range(LAYERS):
-                assert same(later_pool.k_data_refs[layer][dst], dev_k[layer][rows])
-                assert same(later_pool.v_data_refs[layer][dst], dev_v[layer][rows])
+                k, v = get_rows(later_pool, dst, layer)
+                assert same(k, dev_k[layer][rows]) and same(v, dev_v[layer][rows])
         finally:
             later.detach_storage_backend()
     finally:
         prefill.detach_storage_backend()
         if decode is not None:
             decode.detach_storage_backend()
+
+
+def test_decode_offload_with_page_head_is_hit_by_a_prefill_of_another_tp_size(tmp_path):
+    """The PD pair of heterogeneous TP: a TP-4 prefill instance and a TP-2 decode instance,
+    ``page_head`` with ``tp_lcm_size`` 4. The decode ranks (SGLang's controller and offload
+    manager, one per rank) offload their generated pages; a later TP-4 prefill finds the
+    prompt's and the decode's pages and reads each of its heads, token for token."""
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    ours = {"backend": "file", "dir": str(tmp_path / "l3"), "shared": True, "tp_lcm_size": 4}
+    raw = json.dumps({**DYNAMIC, **ours, "prefetch_threshold": PS})
+    prompt = list(range(2000, 2000 + 2 * PS + 1))
+    output = list(range(7000, 7000 + 2 * PS + 1))
+    all_tokens = prompt + output[:-1]                   # 4 whole pages and 1 token
+    rows = torch.arange(10, 10 + 4 * PS)
+    # The whole model's "device" KV per layer, every head; each rank holds its heads of it.
+    g = torch.Generator().manual_seed(41)
+    model_k = [torch.zeros(64, GLOBAL_HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    model_v = [torch.zeros(64, GLOBAL_HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    for t in (*model_k, *model_v):
+        fill_random(t, g)
+
+    # 1. The TP-4 prefill instance backed up the prompt's two whole pages.
+    prompt_hashes = get_storage_hash_str(prompt[: 2 * PS], None, page_size=PS)
+    for r, (backend, pool) in enumerate(tp_instance(4, ours)):
+        host = pool.alloc(2 * PS)
+        for layer in range(LAYERS):
+            put_rows(pool, host, layer, model_k[layer][rows[: 2 * PS], rank_heads(r, 4)],
+                     model_v[layer][rows[: 2 * PS], rank_heads(r, 4)])
+        assert backend.batch_set_v1(prompt_hashes, host) == [True, True]
+        backend.close()
+
+    # 2. The TP-2 decode instance, rank by rank: SGLang's controller (its config pops
+    #    tp_lcm_size from the extra-config it json.loads) and offload manager.
+    decode_hashes = None
+    controllers = []
+    try:
+        for r in range(2):
+            dpool = mha_pool("page_head", layers=LAYERS, heads=2, head_dim=DIM, page_size=PS,
+                             device_tokens=256)
+            dev_k, dev_v = dpool._test_device_buffers
+            for layer in range(LAYERS):
+                dev_k[layer][:64] = model_k[layer][:, rank_heads(r, 2)]
+                dev_v[layer][:64] = model_v[layer][:, rank_heads(r, 2)]
+            set_parallel(r, 2)
+            cc = HiCacheController(
+                token_to_kv_pool_allocator=Allocator(DevicePool(LAYERS)), mem_pool_host=dpool,
+                page_size=PS, tp_group=None, io_backend="direct",
+                load_cache_event=threading.Event(), storage_backend="dynamic",
+                model_name="org/model", storage_backend_extra_config=json.loads(raw),
+            )
+            controllers.append(cc)
+            assert cc.storage_config.should_split_heads and cc.storage_backend.plan.slices == 2
+            cpu_device_to_host(cc, dpool)
+            req_to_token = torch.zeros((1, 64), dtype=torch.int32)
+            req_to_token[0, : len(all_tokens)] = torch.arange(10, 10 + len(all_tokens))
+            manager = decode_offload_manager(cc, dpool, req_to_token)
+            req = Req("r1", prompt, output, req_pool_idx=0)
+            assert manager.offload_kv_cache(req)
+            manager.check_offload_progress()
+            op = cc.ack_backup_queue.get(timeout=TIMEOUT)
+            assert op.completed_tokens == 2 * PS
+            assert decode_hashes in (None, op.hash_value)  # every rank: the same chain
+            decode_hashes = op.hash_value
+            cc.ack_backup_queue.put(op)
+            manager.check_offload_progress()
+            assert not manager.ongoing_backup
+    finally:
+        for cc in controllers:
+            cc.detach_storage_backend()
+    assert prompt_hashes + decode_hashes == get_storage_hash_str(
+        all_tokens[: 4 * PS], None, page_size=PS)
+
+    # 3. A later TP-4 prefill: every rank finds the four pages and reads its own head.
+    ks = prompt_hashes + decode_hashes
+    for r, (backend, pool) in enumerate(tp_instance(4, ours)):
+        assert backend.batch_exists(ks + keys(1, start=777)) == 4
+        dst = pool.alloc(4 * PS)
+        assert backend.batch_get_v1(ks, dst) == [True] * 4
+        for layer in range(LAYERS):
+            k, v = get_rows(pool, dst, layer)
+            assert same(k, model_k[layer][rows, rank_heads(r, 4)])
+            assert same(v, model_v[layer][rows, rank_heads(r, 4)])
+        backend.close()
