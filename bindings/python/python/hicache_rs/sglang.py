@@ -16,7 +16,9 @@ Model of the class (each point is kept by the code named in it):
 1. The extra-config is hicache-rs' own (``{"backend": "file", "dir": ...}``, ``rdma``,
    ``uring``, ``plugin``, ``memory``), strict: unknown fields are a ``ValueError`` naming them.
    The fields SGLang itself reads (``backend_name``, ``module_path``, ``class_name``,
-   ``interface_v1``) are taken out first (``_our_extra_config``).
+   ``interface_v1``) are taken out first (``_our_extra_config``), and so are the ones its
+   prefill parser removes but its decode-side offload manager passes on (``prefetch_*``,
+   ``hicache_storage_pass_prefix_keys``: point 11) and ``tp_lcm_size`` (point 9).
 2. SGLang's keys are bare content hashes. Every key is paired with a namespace built from the
    model name, dtype, layout, page geometry, TP/PP rank (not for MLA, whose latent cache is the
    same on every rank), context-parallel shard and tenant (``_namespace``), so two deployments
@@ -49,6 +51,31 @@ Model of the class (each point is kept by the code named in it):
    pointer exists. Behind that, the native store is told the pool's buffers
    (``Store.set_allowed_regions``, ``_pool_regions``) and refuses any piece outside them.
    The legacy tensor methods pass ``bytes`` (copies), never addresses of caller tensors.
+9. ``page_head`` and heterogeneous TP (``hicache_rs.kv_layouts``): a page may be stored as
+   several parts, one namespace each (``namespaces``), and is present, read or written only
+   when every part is. A ``page_head`` page is cut into ``tp_lcm_size / tp_size`` head slices
+   (SGLang's ``get_split_heads_page_buffer_meta``), each named by its global slice out of
+   ``tp_lcm_size`` and the per-slice geometry, never by this instance's TP size, so
+   instances of different TP sizes (prefill TP 2, decode TP 4) read each other's pages head
+   for head. ``tp_lcm_size`` comes from SGLang's storage config (its controller pops it from
+   the extra-config), or from the extra-config when a config was built without that step;
+   one that is not a multiple of ``tp_size``, or heads that do not divide into the slices,
+   are a ``ValueError``. Such sharing needs storage the instances share: the local-directory
+   backends only with the file backend's ``"shared": true``. MLA is unaffected (its latent
+   cache is the same on every rank, and SGLang's MLA pool has no ``page_head``).
+10. Asymmetric K/V head dims (SGLang's ``AsymmetricMHATokenToKVPoolHost``, ``page_first``
+    and ``page_first_direct``): K and V are two buffers, both registered (point 8); a page is
+    its K piece then its V piece, and the namespace carries both head dims. SGLang gives such
+    pools no flat data page, so only the zero-copy methods serve them (the legacy ones say
+    so).
+11. Decode-side offload in PD disaggregation (``--disaggregation-decode-enable-offload-
+    kvcache``): the decode instance's controller writes its generated pages with
+    ``batch_set_v1`` under SGLang's hash chain continued from the prompt's page-aligned hash,
+    with no prefix keys. Its pages are in the same namespace as a prefill instance's when
+    the two agree on model name, dtype, ``--hicache-mem-layout``, page size, TP/PP geometry
+    (or, for ``page_head``, ``tp_lcm_size``) and tenant, and so are hits for a later prefill
+    on any instance sharing the storage. The decode side reads the extra-config with
+    ``json.loads`` itself, so SGLang's prefetch fields arrive here and are dropped (point 1).
 """
 
 from __future__ import annotations
@@ -67,6 +94,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
+from hicache_rs import kv_layouts
 from hicache_rs._native import Store, check_extra_config, namespace_id
 
 logger = logging.getLogger(__name__)
@@ -74,8 +102,18 @@ logger = logging.getLogger(__name__)
 #: Extra-config fields that belong to SGLang's dynamic loader, not to our backends.
 SGLANG_FIELDS = ("backend_name", "module_path", "class_name", "interface_v1")
 
+#: Extra-config fields SGLang's prefill parser removes but its decode-side offload manager
+#: (``--disaggregation-decode-enable-offload-kvcache``, which ``json.loads`` the extra-config
+#: itself) passes on: SGLang's, not ours, so they are dropped too (point 1).
+SGLANG_PASSED_FIELDS = (
+    "prefetch_threshold",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "hicache_storage_pass_prefix_keys",
+)
+
 #: Host pool layouts whose page pieces we can read and write.
-SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+SUPPORTED_LAYOUTS = kv_layouts.LAYOUTS
 
 #: Backends whose state is one local directory with a single owner process.
 LOCAL_DIR_BACKENDS = ("file", "uring")
@@ -86,7 +124,7 @@ def _our_extra_config(storage_config: HiCacheStorageConfig) -> dict:
     SGLang's ``--file-storage-path`` adds) becomes ``dir`` for the local-disk backends when
     ``dir`` is not given."""
     extra = dict(storage_config.extra_config or {})
-    for field in SGLANG_FIELDS:
+    for field in SGLANG_FIELDS + SGLANG_PASSED_FIELDS:
         extra.pop(field, None)
     path = extra.pop("file_storage_path", None)
     if path is not None:
@@ -211,18 +249,14 @@ def _bytes_view(t: torch.Tensor) -> numpy.ndarray:
 
 
 def _pool_kind(pool: Any) -> str:
-    """``"mha"`` or ``"mla"`` for SGLang's KV host pools; a ValueError for anything else."""
-    from sglang.srt.mem_cache.pool_host.mha import (
-        AsymmetricMHATokenToKVPoolHost,
-        MHATokenToKVPoolHost,
-    )
+    """``"mha"`` or ``"mla"`` for SGLang's KV host pools (the asymmetric K/V MHA pool
+    included); a ValueError for anything else."""
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
     if isinstance(pool, MLATokenToKVPoolHost):
         return "mla"
-    if isinstance(pool, MHATokenToKVPoolHost) and not isinstance(
-        pool, AsymmetricMHATokenToKVPoolHost
-    ):
+    if isinstance(pool, MHATokenToKVPoolHost):
         return "mha"
     raise ValueError(
         f"host pool {type(pool).__name__} is not supported by hicache-rs "
@@ -240,6 +274,10 @@ class HiCacheRsStorage(HiCacheStorage):
         self._tenant = self._extra.pop("tenant", None)
         if self._tenant is not None and not isinstance(self._tenant, str):
             raise ValueError(f"extra-config field `tenant` must be a string, got {self._tenant!r}")
+        # SGLang's cache controller pops `tp_lcm_size` into the storage config; a config built
+        # without that step still carries it in the extra-config (point 9).
+        lcm = self._extra.pop("tp_lcm_size", None)
+        self._tp_lcm_size = getattr(storage_config, "tp_lcm_size", None) or lcm
         self._config_json = json.dumps(self._extra)
         # Parses the common fields and checks the backend is compiled in, now, so a bad
         # extra-config fails SGLang's attach at once (the backend's own fields are checked
@@ -249,6 +287,7 @@ class HiCacheRsStorage(HiCacheStorage):
         # A local directory has one owner process unless the file backend runs `shared`
         # (several processes, one directory); namespaces keep the ranks' pages apart either way.
         shared_dir = self.backend_name == "file" and self._extra.get("shared") is True
+        self._shared_dir = shared_dir
         if (
             self.backend_name in LOCAL_DIR_BACKENDS
             and not shared_dir
@@ -293,15 +332,37 @@ class HiCacheRsStorage(HiCacheStorage):
             )
         if getattr(pool, "dcp_size", 1) > 1:
             raise ValueError("hicache-rs does not support decode context parallel (dcp_size > 1)")
-        self.mla = _pool_kind(pool) == "mla"
+        kind = _pool_kind(pool)
+        self.mla = kind == "mla"
         self.layout = layout
+        cfg = self.storage_config
+        asymmetric = (not self.mla) and int(pool.v_head_dim) != int(pool.head_dim)
+        # Points 9 and 10: how pages are cut into stored parts (head slices for page_head).
+        self.plan = kv_layouts.plan(
+            pool, kind, asymmetric, cfg.tp_rank, cfg.tp_size,
+            None if self.mla else self._tp_lcm_size,
+        )
+        if (
+            self.plan.layout == "page_head"
+            and self._tp_lcm_size is not None
+            and self.backend_name in LOCAL_DIR_BACKENDS
+            and not self._shared_dir
+        ):
+            raise ValueError(
+                f"page_head with tp_lcm_size shares head slices between instances, but "
+                f"backend {self.backend_name!r} without `\"shared\": true` keeps one directory "
+                "per process: use the file backend with \"shared\": true, or a shared backend "
+                "(rdma, redis)"
+            )
+        self.native_layout = self.plan.native_layout
         self.page_size = int(pool.page_size)
         self.pool_tokens = int(pool.size)
         regions = _pool_regions(pool)
         self.page_bytes = int(pool.get_size_per_token()) * self.page_size
+        self.part_bytes = self.page_bytes // self.plan.slices
         self.kv_interleaved = (not self.mla) and layout == "layer_first"
-        self.namespace = self._namespace(pool)
-        cfg = self.storage_config
+        self.namespaces = [self._namespace(pool, part) for part in range(self.plan.slices)]
+        self.namespace = self.namespaces[0]
         extra = self._config_json
         if self._per_rank_dir and isinstance(self._extra.get("dir"), str):
             # One owner per directory: each rank opens its own subdirectory.
@@ -310,8 +371,8 @@ class HiCacheRsStorage(HiCacheStorage):
             extra = json.dumps(own)
         self._store = Store(
             extra,
-            page_bytes=self.page_bytes,
-            layout=layout,
+            page_bytes=self.part_bytes,
+            layout=self.native_layout,
             tp_rank=cfg.tp_rank,
             tp_size=cfg.tp_size,
             pp_rank=cfg.pp_rank,
@@ -333,16 +394,22 @@ class HiCacheRsStorage(HiCacheStorage):
             )
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
-    def _namespace(self, pool) -> str:
+    def _namespace(self, pool, part: int = 0) -> str:
         cfg = self.storage_config
         model = cfg.model_name or ""
         shard = []
         if cfg.attn_cp_size > 1:
             shard.append(f"cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}")
+        # Point 9: a page_head part is named by its global head slice, not by this rank.
+        tp_rank, tp_size, tag = kv_layouts.part_identity(
+            self.plan, part, cfg.tp_rank, cfg.tp_size
+        )
+        if tag:
+            shard.append(tag)
         if self.mla:
             heads, head_dim = 1, int(pool.kv_cache_dim)
         else:
-            heads, head_dim = int(pool.head_num), int(pool.head_dim)
+            heads, head_dim = self.plan.heads, int(pool.head_dim)
             v_head_dim = int(getattr(pool, "v_head_dim", head_dim))
             if v_head_dim != head_dim:
                 shard.append(f"v{v_head_dim}")
@@ -356,14 +423,14 @@ class HiCacheRsStorage(HiCacheStorage):
         return namespace_id(
             model,
             dtype,
-            self.layout,
+            self.native_layout,
             self.mla,
             heads,
             head_dim,
             int(pool.layer_num),
             self.page_size,
-            tp_rank=cfg.tp_rank,
-            tp_size=cfg.tp_size,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
             pp_rank=cfg.pp_rank,
             pp_size=cfg.pp_size,
             extra_key="|".join(shard) or None,
@@ -378,10 +445,22 @@ class HiCacheRsStorage(HiCacheStorage):
         return self._store
 
     def _pieces(self, op: str, keys: List[str], host_indices: torch.Tensor):
+        """Point 8, then the ``(ptrs, sizes)`` of every stored part (point 9)."""
         _check_host_indices(op, keys, host_indices, self.page_size, self.pool_tokens)
         if not keys:
-            return [], []
-        return self.mem_pool_host.get_page_buffer_meta(host_indices)
+            return []
+        return kv_layouts.part_pieces(self.plan, self.mem_pool_host, host_indices)
+
+    def _each_part(self, store: Store, op: str, n: int, fn) -> Optional[List[bool]]:
+        """``fn(namespace, part)`` for every stored part of the pages (point 9): a page is
+        ``True`` only when it is in every part; ``None`` when the backend failed."""
+        out = [True] * n
+        for part, ns in enumerate(self.namespaces):
+            res = self._call(store, op, lambda: fn(ns, part))
+            if res is None:
+                return None
+            out = [a and bool(b) for a, b in zip(out, res)]
+        return out
 
     def _call(self, store: Store, op: str, fn):
         """One backend call (point 4): bad input (``ValueError``) and a closed store raise;
@@ -402,10 +481,16 @@ class HiCacheRsStorage(HiCacheStorage):
     ) -> int:
         store = self._ready("batch_exists")
         ctx = _context(extra_info)
-        hits = self._call(
-            store, "batch_exists", lambda: store.batch_exists(self.namespace, keys, **ctx)
-        )
-        return hits or 0
+        hits = len(keys)
+        # Point 9: a page is present only when every part of it is.
+        for ns in self.namespaces:
+            part = self._call(
+                store, "batch_exists", lambda: store.batch_exists(ns, keys[:hits], **ctx)
+            )
+            hits = min(hits, part or 0)
+            if not hits:
+                break
+        return hits
 
     def batch_get_v1(
         self,
@@ -414,13 +499,13 @@ class HiCacheRsStorage(HiCacheStorage):
         extra_info: Optional[HiCacheStorageExtraInfo] = None,
     ) -> List[bool]:
         store = self._ready("batch_get_v1")
-        ptrs, sizes = self._pieces("batch_get_v1", keys, host_indices)
+        parts = self._pieces("batch_get_v1", keys, host_indices)
         if not keys:
             return []
         start = time.perf_counter()
         ctx = _context(extra_info)
-        hits = self._call(store, "batch_get_v1", lambda: store.batch_get_into(
-            self.namespace, keys, self.layout, ptrs, sizes, self.kv_interleaved, **ctx))
+        hits = self._each_part(store, "batch_get_v1", len(keys), lambda ns, i: store.batch_get_into(
+            ns, keys, self.native_layout, *parts[i], self.kv_interleaved, **ctx))
         if hits is None:
             return [False] * len(keys)
         self._record(self._prefetch_pgs, self._prefetch_bw, sum(hits), start)
@@ -433,15 +518,15 @@ class HiCacheRsStorage(HiCacheStorage):
         extra_info: Optional[HiCacheStorageExtraInfo] = None,
     ) -> List[bool]:
         store = self._ready("batch_set_v1")
-        ptrs, sizes = self._pieces("batch_set_v1", keys, host_indices)
+        parts = self._pieces("batch_set_v1", keys, host_indices)
         if not keys:
             return []
         if not self.storage_config.is_storage_writer:
             return [True] * len(keys)
         start = time.perf_counter()
         ctx = _context(extra_info)
-        ok = self._call(store, "batch_set_v1", lambda: store.batch_set_from(
-            self.namespace, keys, self.layout, ptrs, sizes, self.kv_interleaved, **ctx))
+        ok = self._each_part(store, "batch_set_v1", len(keys), lambda ns, i: store.batch_set_from(
+            ns, keys, self.native_layout, *parts[i], self.kv_interleaved, **ctx))
         if ok is None:
             return [False] * len(keys)
         self._remember([k for k, s in zip(keys, ok) if s])
@@ -450,7 +535,18 @@ class HiCacheRsStorage(HiCacheStorage):
 
     # ---- legacy tensor interface ---------------------------------------------------------
 
+    def _flat_pages(self, op: str) -> None:
+        """Point 10: SGLang's asymmetric K/V pool has no flat data page (its
+        ``get_data_page`` raises), so the legacy methods refuse it and name the way that
+        works."""
+        if self.plan.asymmetric:
+            raise ValueError(
+                f"{op}: a pool whose K and V head dims differ has no flat data pages in "
+                "SGLang; use the zero-copy interface (\"interface_v1\": 1)"
+            )
+
     def _page_tensor(self, op: str, t: Any) -> torch.Tensor:
+        self._flat_pages(op)
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{op}: expected a torch.Tensor page, got {type(t).__name__}")
         if t.device.type != "cpu":
@@ -470,6 +566,7 @@ class HiCacheRsStorage(HiCacheStorage):
     ) -> List[Optional[torch.Tensor]]:
         """Reads pages into flat page tensors (new ones from the pool when none are given)."""
         store = self._ready("batch_get")
+        self._flat_pages("batch_get")
         if target_locations is None:
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         if len(target_locations) != len(keys):
@@ -483,10 +580,18 @@ class HiCacheRsStorage(HiCacheStorage):
             if not t.is_contiguous():
                 raise ValueError("batch_get: target tensors must be contiguous")
         # Point 8: the native store hands back bytes; no address of a caller tensor crosses.
-        pages = self._call(store, "batch_get", lambda: store.batch_get_bytes(
-            self.namespace, keys, self.layout, self.page_bytes))
-        if pages is None:
-            return [None] * len(keys)
+        parts: List[List[Optional[bytes]]] = []
+        for ns in self.namespaces:
+            got = self._call(store, "batch_get", lambda: store.batch_get_bytes(
+                ns, keys, self.native_layout, self.part_bytes))
+            if got is None:
+                return [None] * len(keys)
+            parts.append(got)
+        # Point 9: a page is whole only when every part of it was read.
+        pages: List[Optional[bytes]] = [
+            None if any(p is None for p in page) else kv_layouts.join_page(self.plan, page)
+            for page in zip(*parts)
+        ]
         out: List[Optional[torch.Tensor]] = []
         for t, data in zip(dst, pages):
             if data is not None:
@@ -524,8 +629,9 @@ class HiCacheRsStorage(HiCacheStorage):
             return True
         src = [_bytes_view(self._page_tensor("batch_set", v).contiguous()).tobytes()
                for v in values]
-        ok = self._call(store, "batch_set", lambda: store.batch_set_bytes(
-            self.namespace, keys, self.layout, src))
+        parts = [kv_layouts.split_page(self.plan, page) for page in src]
+        ok = self._each_part(store, "batch_set", len(keys), lambda ns, i: store.batch_set_bytes(
+            ns, keys, self.native_layout, [page[i] for page in parts]))
         if ok is None:
             return False
         self._remember([k for k, s in zip(keys, ok) if s])
@@ -568,10 +674,11 @@ class HiCacheRsStorage(HiCacheStorage):
         store = self._ready("clear")
         with self._lock:
             keys, self._stored = list(self._stored), set()
-        if store.info().get("clear"):
-            store.clear(self.namespace)
-        elif keys:
-            store.delete(self.namespace, keys)
+        for ns in self.namespaces:
+            if store.info().get("clear"):
+                store.clear(ns)
+            elif keys:
+                store.delete(ns, keys)
 
     def get_stats(self):
         """SGLang's ``StorageMetrics`` (pages and GB/s per call since the last call), or
