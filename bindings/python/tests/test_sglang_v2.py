@@ -98,11 +98,32 @@ BACKENDS = {
 }
 
 
-@pytest.fixture(params=["memory", "file", "uring", "rdma", "redis"])
+def c_memory_plugin(tmp_path):
+    """The C example plugin (backends/plugin/examples/c) built with the system's C compiler,
+    as the plugin tests build it."""
+    import os
+    import shutil
+    import subprocess
+
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the example plugin")
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "..", "backends", "plugin")
+    out = str(tmp_path / "libhicache_c_memory.so")
+    subprocess.run([cc, "-std=c11", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
+                    "-I", os.path.join(root, "include"), "-o", out,
+                    os.path.join(root, "examples", "c", "memory_plugin.c"), "-lpthread"],
+                   check=True)
+    return out
+
+
+@pytest.fixture(params=["memory", "file", "uring", "rdma", "redis", "plugin"])
 def ours(request, tmp_path):
     if request.param == "redis":
         return {"backend": "redis", "nodes": [request.getfixturevalue("redis_server")],
                 "cluster": False, "key_prefix": f"v2{id(tmp_path)}:"}
+    if request.param == "plugin":
+        return {"backend": "plugin", "plugin_path": c_memory_plugin(tmp_path)}
     return BACKENDS[request.param](tmp_path)
 
 
@@ -245,6 +266,8 @@ def test_pools_sglang_cannot_store_are_refused_with_its_reason():
     with pytest.raises(ValueError, match="Unsupported zero-copy layout: layer_first"):
         b.register_mem_host_pool_v2(nvfp4_index_pool(lf, layout="layer_first"),
                                     PoolName.INDEXER)
+    with pytest.raises(ValueError, match="does not carry registered slot side states"):
+        b.register_mem_host_pool_v2(mamba_pool(side_state=(3,)), PoolName.MAMBA)
     with pytest.raises(ValueError, match="already registered"):
         b.register_mem_host_pool_v2(make_pool("mha", "page_first"), PoolName.KV)
     with pytest.raises(ValueError, match="no page memory"):
@@ -337,10 +360,13 @@ def test_bad_host_indices_in_a_v2_transfer_raise_before_anything_is_written():
     b.close()
 
 
-def test_clear_removes_every_pools_pages():
+@pytest.mark.parametrize("backend", ["memory", "rdma"])
+def test_clear_removes_every_pools_pages(backend, tmp_path):
+    # memory clears whole namespaces; rdma has no namespace-wide clear and deletes what this
+    # instance stored, per pool.
     kv = make_pool("mha", "page_first")
     m = mamba_pool()
-    b = attach({"backend": "memory"}, kv, {PoolName.MAMBA: m}, metrics=True)
+    b = attach(BACKENDS[backend](tmp_path), kv, {PoolName.MAMBA: m}, metrics=True)
     ks = keys(2)
     b.batch_set_v2([transfer("kv", kv, ks, [1, 2]), transfer("mamba", m, ks, [1, 2])])
     stats = b.get_stats()

@@ -13,12 +13,13 @@ auxiliary_swa, indexer, the deepseek_v4_* pools, draft, draft_indexer, draft_swa
    (MXFP8 pools: scales outside ``kv_buffer``; NVFP4 and Mamba pools in a ``layer_first``
    layout; Mamba pools with slot side states) becomes a ``ValueError`` quoting it.
 3. Regions: the CPU tensors the pool's pieces may point into (``kv_buffer`` and the pool
-   kinds' own buffers: ``temporal_buffer``, ``conv_buffer``, ``index_k_with_scale_buffer``),
-   each as the whole allocation behind it. Every probed piece must lie inside them, or the
-   pool is refused; the native store is given them (``Store.add_allowed_regions``) and
-   refuses, at every call, any piece outside registered memory.
+   kinds' own buffers: ``temporal_buffer``, ``conv_buffer``, ``index_k_with_scale_buffer``,
+   the unified pools' ``_host_page_buffer_view``), each as the whole allocation behind it.
+   Every probed piece must lie inside them, or the pool is refused; the native store is given
+   them (``Store.add_allowed_regions``) and refuses, at every call, any piece outside
+   registered memory.
 4. Host indices of every transfer are checked against the pool's page size and size
-   (``check_host_indices``) before any pointer is made.
+   (``sglang._check_host_indices``) before any pointer is made.
 5. The geometry fingerprint (class, layout, page size, the byte sizes of a page's pieces,
    dtypes, layer count, storage format tag) is part of the pool's namespace: a pool whose
    shape changed never serves old bytes.
@@ -33,7 +34,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 #: Host pool attributes holding the tensors a pool's pieces point into (point 3).
-BUFFER_ATTRS = ("kv_buffer", "temporal_buffer", "conv_buffer", "index_k_with_scale_buffer")
+BUFFER_ATTRS = (
+    "kv_buffer", "temporal_buffer", "conv_buffer", "index_k_with_scale_buffer",
+    "_host_page_buffer_view",
+)
 
 #: Attributes whose values describe a pool's bytes (point 5), when present.
 GEOMETRY_ATTRS = (
