@@ -161,6 +161,11 @@ class PoolAdapter:
         self.page_bytes = sum(sizes)
         self.sharded = (not is_mla_model) or name == "mamba"
         self.fingerprint = self._fingerprint()
+        #: The namespace the pool's pages are stored under (set by the storage class, which
+        #: knows the deployment: model, ranks, tenant).
+        self.namespace = ""
+        #: The layout named to the native store with every call.
+        self.store_layout = self.namespace_layout
 
     def _fingerprint(self) -> str:
         parts = [
