@@ -262,18 +262,46 @@ def test_pools_sglang_cannot_store_are_refused_with_its_reason():
     b = attach({"backend": "memory"}, kv, {})
     with pytest.raises(ValueError, match="scales live outside kv_buffer"):
         b.register_mem_host_pool_v2(mxfp8_pool(), PoolName.SWA)
-    lf = make_pool("mha", "layer_first")
-    with pytest.raises(ValueError, match="Unsupported zero-copy layout: layer_first"):
-        b.register_mem_host_pool_v2(nvfp4_index_pool(lf, layout="layer_first"),
-                                    PoolName.INDEXER)
-    with pytest.raises(ValueError, match="does not carry registered slot side states"):
-        b.register_mem_host_pool_v2(mamba_pool(side_state=(3,)), PoolName.MAMBA)
     with pytest.raises(ValueError, match="already registered"):
         b.register_mem_host_pool_v2(make_pool("mha", "page_first"), PoolName.KV)
     with pytest.raises(ValueError, match="no page memory"):
         b.register_mem_host_pool_v2(logical_anchor(), PoolName.MAMBA)
     with pytest.raises(ValueError, match="not registered"):
         b.batch_get_v2([transfer("mamba", mamba_pool(), keys(1), [1])])
+    b.close()
+
+
+def test_pools_without_pieces_move_as_flat_page_copies(tmp_path):
+    # SGLang gives no zero-copy pieces for a Mamba pool with slot side states nor for NVFP4
+    # rows in layer_first, but its own flat data pages work (HiCacheFile stores them so).
+    kv = make_pool("mha", "layer_first")
+    side = mamba_pool(side_state=(3,))
+    rows = nvfp4_index_pool(kv, layout="layer_first")
+    for pool, match in ((side, "side states"), (rows, "zero-copy layout")):
+        with pytest.raises(Exception, match=match):
+            pool.get_page_buffer_meta(page_indices(pool, [1]))
+    b = attach(BACKENDS["file"](tmp_path), kv, {PoolName.MAMBA: side, PoolName.INDEXER: rows})
+    assert b._pools["mamba"].copy and b._pools["indexer"].copy
+    ks = keys(2)
+    written = {}
+    for name, pool in (("mamba", side), ("indexer", rows)):
+        written[name] = fill_pool_pages(pool, page_indices(pool, [1, 2]), seed=7)
+    assert b.batch_set_v2([transfer("mamba", side, ks, [1, 2]),
+                           transfer("indexer", rows, ks, [1, 2])]) == {
+        "mamba": [True, True], "indexer": [True, True]}
+    zero_buffers(rows)
+    for t in side.slot_state_buffers:
+        t.zero_()
+    zero_buffers(side)
+    assert b.batch_get_v2([transfer("mamba", side, ks + keys(1, start=99), [3, 0, 4]),
+                           transfer("indexer", rows, ks, [3, 0])]) == {
+        "mamba": [True, True, False], "indexer": [True, True]}
+    for name, pool in (("mamba", side), ("indexer", rows)):
+        got = read_pool_pages(pool, page_indices(pool, [3, 0]))
+        assert all(same(a, w) for a, w in zip(got, written[name])), name
+    with pytest.raises(ValueError, match="outside the host pool"):
+        b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([99]),
+                                     keys=ks[:1])])
     b.close()
 
 
