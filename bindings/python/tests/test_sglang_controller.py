@@ -119,3 +119,44 @@ def test_backup_hit_query_and_prefetch_round_trip(kind, layout, tmp_path):
         cc.detach_storage_backend()
     # Detach closed the backend.
     assert cc.storage_backend is None
+
+
+def test_the_hybrid_controllers_attach_registers_every_pool(tmp_path):
+    """SGLang's own attach order for a hybrid group: the anchor through
+    register_mem_pool_host, every group entry (KV included) through
+    register_mem_host_pool_v2, then on_host_pools_registered; a sidecar added later arrives
+    through v2 alone (register_host_pool_entry)."""
+    from sglang_pools import mamba_pool, swa_pool
+
+    pool = make_pool("mha", "page_first", device_tokens=256)
+    mamba = mamba_pool()
+    runtime_context.get_parallel().override_permanently(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_rank=0, attn_dcp_size=1
+    )
+    group = HostPoolGroup([
+        PoolEntry(name=PoolName.KV, host_pool=pool, device_pool=None,
+                  layer_mapper=lambda i: i, is_primary_index_anchor=True),
+        PoolEntry(name=PoolName.MAMBA, host_pool=mamba, device_pool=None,
+                  layer_mapper=lambda i: i),
+    ])
+    extra, threshold, *_ = HybridCacheController.parse_storage_backend_extra_config(json.dumps({
+        "backend_name": "hicache_rs", "module_path": "hicache_rs.sglang",
+        "class_name": "HiCacheRsStorage", "interface_v1": 1, "prefetch_threshold": pool.page_size,
+        "backend": "file", "dir": str(tmp_path / "l3"),
+    }))
+    cc = HybridCacheController(
+        Allocator(DevicePool(pool.layer_num)), group, pool.page_size, tp_group=None,
+        load_cache_event=threading.Event(), io_backend="direct", storage_backend="dynamic",
+        prefetch_threshold=threshold, model_name="org/model", storage_backend_extra_config=extra,
+    )
+    try:
+        backend = cc.storage_backend
+        assert isinstance(backend, HiCacheRsStorage)
+        assert sorted(backend._pools) == ["kv", "mamba"]
+        assert backend._pools["kv"].pool is pool and backend._pools["mamba"].pool is mamba
+        swa = swa_pool()
+        cc.register_host_pool_entry(PoolEntry(name=PoolName.SWA, host_pool=swa,
+                                              device_pool=None, layer_mapper=lambda i: i))
+        assert backend._pools["swa"].pool is swa
+    finally:
+        cc.detach_storage_backend()
