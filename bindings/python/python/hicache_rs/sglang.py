@@ -8,8 +8,9 @@ SGLang loads it with::
         "interface_v1": 1, "backend": "file", "dir": "/var/cache/kv"}'
 
 Its storage factory constructs the class as ``cls(storage_config, {})``; the host KV pool
-arrives later through :meth:`HiCacheRsStorage.register_mem_pool_host`, and only then is the
-backend opened (the page geometry and layout are known only then).
+arrives later through :meth:`HiCacheRsStorage.register_mem_pool_host` (and, for hybrid
+models, every pool of the group through :meth:`HiCacheRsStorage.register_mem_host_pool_v2`),
+and only then is the backend opened (the page geometry and layout are known only then).
 
 Model of the class (each point is kept by the code named in it):
 
@@ -18,11 +19,16 @@ Model of the class (each point is kept by the code named in it):
    The fields SGLang itself reads (``backend_name``, ``module_path``, ``class_name``,
    ``interface_v1``) are taken out first (``_our_extra_config``), and so are the ones its
    prefill parser removes but its decode-side offload manager passes on (``prefetch_*``,
-   ``hicache_storage_pass_prefix_keys``: point 11) and ``tp_lcm_size`` (point 9).
+   ``hicache_storage_pass_prefix_keys``: point 13) and ``tp_lcm_size`` (point 11).
 2. SGLang's keys are bare content hashes. Every key is paired with a namespace built from the
    model name, dtype, layout, page geometry, TP/PP rank (not for MLA, whose latent cache is the
    same on every rank), context-parallel shard and tenant (``_namespace``), so two deployments
-   that differ in any of these never read each other's pages.
+   that differ in any of these never read each other's pages. Each other pool of a hybrid
+   model (v2) stores its page under the same key in a namespace of its own: the pool's name
+   and geometry fingerprint (``hicache_rs.pools``) plus model, TP/PP, CP and tenant
+   (``_pool_namespace``), so a pool whose shape changed never serves old bytes. The KV pool's
+   namespace is the same through v1 and v2, so KV pages written by either are hits for both.
+   Mamba state is TP-sharded even on MLA models (as SGLang's HiCacheFile keys it).
 3. Zero copy: ``batch_get_v1``/``batch_set_v1`` hand the host pool's own page pieces
    (``get_page_buffer_meta``) to the native store, which reads and writes them in place with
    the GIL released. The bytes stored for a page are the pool's flat data page in every layout,
@@ -32,15 +38,18 @@ Model of the class (each point is kept by the code named in it):
    and answered as misses or failed writes, never an exception in SGLang's I/O threads. Bad
    input (mismatched counts, an unsupported pool, a call after ``close``) raises.
 5. Only the storage writer writes: on an MLA rank that is not SGLang's storage writer the set
-   methods write nothing and report success, as SGLang's own backends do.
+   methods write nothing and report success, as SGLang's own backends do; ``batch_set_v2``
+   still writes the TP-sharded pools (Mamba state) there.
 6. Prefix keys: with SGLang's ``hicache_storage_pass_prefix_keys``, the v1 calls carry
    ``extra_info.prefix_keys`` (the hashes of the request's pages before the batch); they and
    ``extra_info.extra_info`` (as JSON text) reach the Rust backend with every batch
    (``_context``), so a backend can place a request's pages together. Without the flag SGLang
    passes none, and none is passed on.
-7. Thread safety: the instance is immutable after ``register_mem_pool_host`` except for the
-   metrics lists and the set of stored keys, both behind one lock; the native store is safe
-   under SGLang's concurrent prefetch, query and backup threads.
+7. Thread safety: registrations are serialised by one lock and only ever add pools (a
+   dynamic sidecar may arrive while I/O runs; a call sees a pool once its adapter is in the
+   table); otherwise the instance changes only its metrics lists and the set of stored keys,
+   both behind one lock; the native store is safe under SGLang's concurrent prefetch, query
+   and backup threads.
 8. No memory outside the pool, ever. SGLang's ``get_page_buffer_meta`` turns host indices
    into addresses without checking them, so the v1 calls check them first
    (``_check_host_indices``): a 1-D integer tensor on the CPU, one whole page per key, every
@@ -48,27 +57,46 @@ Model of the class (each point is kept by the code named in it):
    multiple of the page size (what SGLang's allocator hands out and what
    ``get_page_buffer_meta``, reading only ``indices[::page_size]``, assumes). Anything else
    is a ``ValueError`` naming the key, the position, the value and the pool size, before a
-   pointer exists. Behind that, the native store is told the pool's buffers
-   (``Store.set_allowed_regions``, ``_pool_regions``) and refuses any piece outside them.
-   The legacy tensor methods pass ``bytes`` (copies), never addresses of caller tensors.
-9. ``page_head`` and heterogeneous TP (``hicache_rs.kv_layouts``): a page may be stored as
-   several parts, one namespace each (``namespaces``), and is present, read or written only
-   when every part is. A ``page_head`` page is cut into ``tp_lcm_size / tp_size`` head slices
-   (SGLang's ``get_split_heads_page_buffer_meta``), each named by its global slice out of
-   ``tp_lcm_size`` and the per-slice geometry, never by this instance's TP size, so
-   instances of different TP sizes (prefill TP 2, decode TP 4) read each other's pages head
-   for head. ``tp_lcm_size`` comes from SGLang's storage config (its controller pops it from
-   the extra-config), or from the extra-config when a config was built without that step;
-   one that is not a multiple of ``tp_size``, or heads that do not divide into the slices,
-   are a ``ValueError``. Such sharing needs storage the instances share: the local-directory
-   backends only with the file backend's ``"shared": true``. MLA is unaffected (its latent
-   cache is the same on every rank, and SGLang's MLA pool has no ``page_head``).
-10. Asymmetric K/V head dims (SGLang's ``AsymmetricMHATokenToKVPoolHost``, ``page_first``
+   pointer exists. The v2 calls check every transfer's indices against that transfer's pool
+   the same way, all transfers before any I/O. Behind that, the native store is told every
+   registered pool's buffers (``Store.set_allowed_regions`` for the first,
+   ``Store.add_allowed_regions`` for pools registered later; ``_pool_regions``,
+   ``pools.buffer_regions``) and refuses any piece outside them. The legacy tensor methods
+   pass ``bytes`` (copies), never addresses of caller tensors.
+9. Attach order of hybrid models: SGLang may give ``register_mem_pool_host`` a logical anchor
+   (allocation indices only, no ``kv_buffer``), then register the real pools, "kv" included,
+   through ``register_mem_host_pool_v2``, then call ``on_host_pools_registered`` (which fails
+   the attach when no pool has memory); sidecars may also arrive later through v2 alone. The
+   backend opens when the first pool with memory is known. While KV is only a logical anchor
+   (DeepSeek V4) no KV bytes exist, as in SGLang's Mooncake backend: the v1 KV calls check
+   their indices and answer done, ``batch_exists`` answers 0, and ``batch_exists_v2`` starts
+   from every page and lets the sidecar pools decide (0 when no pool gates). A dense model
+   (``register_mem_pool_host`` with the KV pool) works exactly as without v2.
+10. v2 I/O: ``batch_exists_v2`` has SGLang's HiCacheFile semantics (``hicache_rs.hit_policy``,
+   including ``block_groups``, which HiCacheFile lacks); per-key presence of a pool comes from
+   ``Store.batch_exists_each``. A pool SGLang gives no pieces for but whose flat data pages
+   work (``hicache_rs.pools`` point 7) moves its pages as ``bytes`` copies through those. ``batch_get_v2``/``batch_set_v2`` answer one bool per key and
+   pool; a transfer whose index count does not match its keys is logged and answered all
+   ``False`` (as HiCacheFile does); an unregistered pool or bad host indices raise. Metrics
+   count v2 pages with the v1 ones; ``clear`` covers every registered pool's namespace.
+11. ``page_head`` and heterogeneous TP (``hicache_rs.kv_layouts``): a page may be stored as
+    several parts, one namespace each (``namespaces``), and is present, read or written only
+    when every part is. A ``page_head`` page is cut into ``tp_lcm_size / tp_size`` head slices
+    (SGLang's ``get_split_heads_page_buffer_meta``), each named by its global slice out of
+    ``tp_lcm_size`` and the per-slice geometry, never by this instance's TP size, so
+    instances of different TP sizes (prefill TP 2, decode TP 4) read each other's pages head
+    for head. ``tp_lcm_size`` comes from SGLang's storage config (its controller pops it from
+    the extra-config), or from the extra-config when a config was built without that step;
+    one that is not a multiple of ``tp_size``, or heads that do not divide into the slices,
+    are a ``ValueError``. Such sharing needs storage the instances share: the local-directory
+    backends only with the file backend's ``"shared": true``. MLA is unaffected (its latent
+    cache is the same on every rank, and SGLang's MLA pool has no ``page_head``).
+12. Asymmetric K/V head dims (SGLang's ``AsymmetricMHATokenToKVPoolHost``, ``page_first``
     and ``page_first_direct``): K and V are two buffers, both registered (point 8); a page is
     its K piece then its V piece, and the namespace carries both head dims. SGLang gives such
     pools no flat data page, so only the zero-copy methods serve them (the legacy ones say
     so).
-11. Decode-side offload in PD disaggregation (``--disaggregation-decode-enable-offload-
+13. Decode-side offload in PD disaggregation (``--disaggregation-decode-enable-offload-
     kvcache``): the decode instance's controller writes its generated pages with
     ``batch_set_v1`` under SGLang's hash chain continued from the prompt's page-aligned hash,
     with no prefix keys. Its pages are in the same namespace as a prefill instance's when
@@ -84,7 +112,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy
 import torch
@@ -92,10 +120,12 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolTransferResult,
 )
 
-from hicache_rs import kv_layouts
+from hicache_rs import hit_policy, kv_layouts
 from hicache_rs._native import Store, check_extra_config, namespace_id
+from hicache_rs.pools import PoolAdapter, has_memory, pool_name
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +305,7 @@ class HiCacheRsStorage(HiCacheStorage):
         if self._tenant is not None and not isinstance(self._tenant, str):
             raise ValueError(f"extra-config field `tenant` must be a string, got {self._tenant!r}")
         # SGLang's cache controller pops `tp_lcm_size` into the storage config; a config built
-        # without that step still carries it in the extra-config (point 9).
+        # without that step still carries it in the extra-config (point 11).
         lcm = self._extra.pop("tp_lcm_size", None)
         self._tp_lcm_size = getattr(storage_config, "tp_lcm_size", None) or lcm
         self._config_json = json.dumps(self._extra)
@@ -287,7 +317,6 @@ class HiCacheRsStorage(HiCacheStorage):
         # A local directory has one owner process unless the file backend runs `shared`
         # (several processes, one directory); namespaces keep the ranks' pages apart either way.
         shared_dir = self.backend_name == "file" and self._extra.get("shared") is True
-        self._shared_dir = shared_dir
         if (
             self.backend_name in LOCAL_DIR_BACKENDS
             and not shared_dir
@@ -302,11 +331,19 @@ class HiCacheRsStorage(HiCacheStorage):
         self._per_rank_dir = (
             self.backend_name in LOCAL_DIR_BACKENDS and not shared_dir and ranks > 1
         )
+        self._shared_dir = shared_dir
         self.mem_pool_host = None
         self._store: Optional[Store] = None
         self._closed = False
         self._lock = threading.Lock()
-        self._stored: set = set()
+        # Point 9: the registered pools by name (the KV pool too, once it has memory), the
+        # anchor given to register_mem_pool_host, and whether KV is a logical anchor only.
+        self._attach_lock = threading.Lock()
+        self._pools: Dict[str, PoolAdapter] = {}
+        self._anchor = None
+        self._logical_kv = False
+        self._registered_once = False
+        self._stored: Set[Tuple[str, str]] = set()
         self._prefetch_pgs: List[int] = []
         self._backup_pgs: List[int] = []
         self._prefetch_bw: List[float] = []
@@ -315,33 +352,99 @@ class HiCacheRsStorage(HiCacheStorage):
     # ---- attach -------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
-        """Keeps the host pool, derives the namespace from it and opens the backend."""
-        if self._store is not None:
-            raise RuntimeError("register_mem_pool_host was already called on this backend")
-        pool = mem_pool_host
+        """Keeps the host pool (SGLang's anchor). A pool with page memory is the KV pool: its
+        namespace is derived and the backend opened (the dense case). An allocation-only
+        anchor (a hybrid model's logical pool, no ``kv_buffer``) is kept for its geometry; the
+        backend opens when the first pool with memory arrives through
+        ``register_mem_host_pool_v2`` (point 9)."""
+        with self._attach_lock:
+            if self._anchor is not None or "kv" in self._pools:
+                raise RuntimeError("register_mem_pool_host was already called on this backend")
+            pool = mem_pool_host
+            if not has_memory(pool):
+                self._attach_logical_kv(pool)
+                return
+            self._attach_kv(pool, strict=True)
+            self._anchor = pool
+
+    def _attach_logical_kv(self, pool) -> None:
+        """Point 9: SGLang's allocation-only anchor as the KV pool: no KV bytes exist."""
+        for attr in ("page_size", "size"):
+            if not isinstance(getattr(pool, attr, None), int) or getattr(pool, attr) < 1:
+                raise ValueError(
+                    f"host pool {type(pool).__name__} has no KV buffer and no valid `{attr}`: "
+                    "not an allocation anchor hicache-rs can use"
+                )
+        self._anchor = pool
+        self.mem_pool_host = pool
+        self._logical_kv = True
+        self.page_size = int(pool.page_size)
+        self.pool_tokens = int(pool.size)
+
+    def _attach_kv(self, pool, strict: bool) -> None:
+        """The KV pool (with memory): today's namespace for SGLang's MHA and MLA pools (so v1
+        and v2 share KV pages); with ``strict`` (``register_mem_pool_host``) only those."""
         layout = getattr(pool, "layout", None)
         if layout not in SUPPORTED_LAYOUTS:
             raise ValueError(
                 f"host pool layout {layout!r} is not supported by hicache-rs "
                 f"(expected one of: {', '.join(SUPPORTED_LAYOUTS)})"
             )
-        if getattr(pool, "kv_buffer", None) is None:
-            raise ValueError(
-                f"host pool {type(pool).__name__} has no KV buffer (allocator-only pool): "
-                "hicache-rs reads and writes pages in place and needs a materialized pool"
-            )
         if getattr(pool, "dcp_size", 1) > 1:
             raise ValueError("hicache-rs does not support decode context parallel (dcp_size > 1)")
-        kind = _pool_kind(pool)
-        self.mla = kind == "mla"
-        self.layout = layout
+        try:
+            kind = _pool_kind(pool)
+        except ValueError:
+            if strict:
+                raise
+            kind = None
         cfg = self.storage_config
-        asymmetric = (not self.mla) and int(pool.v_head_dim) != int(pool.head_dim)
-        # Points 9 and 10: how pages are cut into stored parts (head slices for page_head).
-        self.plan = kv_layouts.plan(
-            pool, kind, asymmetric, cfg.tp_rank, cfg.tp_size,
-            None if self.mla else self._tp_lcm_size,
-        )
+        self.mla = kind == "mla" if kind is not None else bool(cfg.is_mla_model)
+        self.kv_interleaved = kind == "mha" and layout == "layer_first"
+        adapter = PoolAdapter("kv", pool, kv_interleaved=self.kv_interleaved,
+                              is_mla_model=self.mla)
+        if adapter.copy:
+            raise ValueError(
+                f"host pool 'kv' ({type(pool).__name__}): SGLang gives no page pieces for it "
+                "(get_page_buffer_meta), which the KV pool's zero-copy calls need"
+            )
+        self.layout = layout
+        self.page_size = int(pool.page_size)
+        self.pool_tokens = int(pool.size)
+        if kind is not None:
+            # Points 11 and 12: how pages are cut into stored parts (head slices for
+            # page_head), then one namespace per part.
+            asymmetric = (not self.mla) and int(pool.v_head_dim) != int(pool.head_dim)
+            self.plan = kv_layouts.plan(
+                pool, kind, asymmetric, cfg.tp_rank, cfg.tp_size,
+                None if self.mla else self._tp_lcm_size,
+            )
+            self.native_layout = self.plan.native_layout
+            self._check_shared_slices()
+            regions = _pool_regions(pool)
+            self.page_bytes = int(pool.get_size_per_token()) * self.page_size
+            self.namespaces = [self._namespace(pool, part) for part in range(self.plan.slices)]
+        else:
+            self.plan = kv_layouts.Plan(layout, layout, 1, None, None, 1, False)
+            self.native_layout = layout
+            regions = adapter.regions
+            self.page_bytes = adapter.page_bytes
+            self.namespaces = [self._pool_namespace(adapter)]
+        self.part_bytes = self.page_bytes // self.plan.slices
+        self.namespace = self.namespaces[0]
+        adapter.namespace = self.namespace
+        adapter.store_layout = self.native_layout
+        store = self._open_store(self.part_bytes, self.native_layout)
+        if not self._registered_once:
+            store.set_allowed_regions(regions)
+            self._registered_once = True
+        else:
+            store.add_allowed_regions(regions)
+        self._pools["kv"] = adapter
+        self.mem_pool_host = pool
+
+    def _check_shared_slices(self) -> None:
+        """Point 11: head slices shared between instances need storage the instances share."""
         if (
             self.plan.layout == "page_head"
             and self._tp_lcm_size is not None
@@ -354,15 +457,12 @@ class HiCacheRsStorage(HiCacheStorage):
                 "per process: use the file backend with \"shared\": true, or a shared backend "
                 "(rdma, redis)"
             )
-        self.native_layout = self.plan.native_layout
-        self.page_size = int(pool.page_size)
-        self.pool_tokens = int(pool.size)
-        regions = _pool_regions(pool)
-        self.page_bytes = int(pool.get_size_per_token()) * self.page_size
-        self.part_bytes = self.page_bytes // self.plan.slices
-        self.kv_interleaved = (not self.mla) and layout == "layer_first"
-        self.namespaces = [self._namespace(pool, part) for part in range(self.plan.slices)]
-        self.namespace = self.namespaces[0]
+
+    def _open_store(self, page_bytes: int, layout: str) -> Store:
+        """Opens the backend the first time a pool with memory is known (point 9)."""
+        if self._store is not None:
+            return self._store
+        cfg = self.storage_config
         extra = self._config_json
         if self._per_rank_dir and isinstance(self._extra.get("dir"), str):
             # One owner per directory: each rank opens its own subdirectory.
@@ -371,28 +471,96 @@ class HiCacheRsStorage(HiCacheStorage):
             extra = json.dumps(own)
         self._store = Store(
             extra,
-            page_bytes=self.part_bytes,
-            layout=self.native_layout,
+            page_bytes=page_bytes,
+            layout=layout,
             tp_rank=cfg.tp_rank,
             tp_size=cfg.tp_size,
             pp_rank=cfg.pp_rank,
             pp_size=cfg.pp_size,
         )
-        self._store.set_allowed_regions(regions)
-        self.mem_pool_host = pool
+        return self._store
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
-        """SGLang's hybrid controller registers every host pool of the group here: the KV
-        pool is ours; sidecar pools (Mamba, SWA, DSA indexer, draft) need the v2 methods,
-        which hicache-rs does not implement, so they fail the attach instead of being
-        silently skipped."""
-        name = getattr(host_pool_name, "value", host_pool_name)
-        if name != "kv":
+        """Registers one host pool of a hybrid model's group (point 9): the KV pool (the one
+        ``register_mem_pool_host`` gave again, or the real KV pool after a logical anchor)
+        and every sidecar (Mamba, SWA, DSA indexer, DeepSeek V4, draft pools), also ones that
+        arrive later. A pool SGLang cannot store is refused with SGLang's reason; the same
+        name with another pool is a ``ValueError``."""
+        name = pool_name(host_pool_name)
+        with self._attach_lock:
+            if self._closed:
+                raise RuntimeError("register_mem_host_pool_v2: the hicache-rs backend is closed")
+            known = self._pools.get(name)
+            if known is not None or (name == "kv" and self._logical_kv):
+                same_pool = (known.pool if known is not None else self._anchor) is host_pool
+                if known is None and not same_pool and has_memory(host_pool):
+                    # The real KV pool after a logical anchor.
+                    self._attach_kv(host_pool, strict=False)
+                    self._logical_kv = False
+                elif not same_pool:
+                    raise ValueError(
+                        f"host pool {name!r} is already registered with another pool "
+                        f"({type(known.pool if known else self._anchor).__name__})"
+                    )
+            elif name == "kv":
+                if has_memory(host_pool):
+                    self._attach_kv(host_pool, strict=False)
+                    if self._anchor is None:
+                        self._anchor = host_pool
+                else:
+                    self._attach_logical_kv(host_pool)
+            else:
+                if not has_memory(host_pool):
+                    raise ValueError(
+                        f"host pool {name!r} ({type(host_pool).__name__}) has no page memory "
+                        "(no buffer tensor): only the KV anchor may be allocation-only"
+                    )
+                adapter = PoolAdapter(name, host_pool,
+                                      is_mla_model=bool(self.storage_config.is_mla_model))
+                adapter.namespace = self._pool_namespace(adapter)
+                adapter.store_layout = adapter.namespace_layout
+                store = self._open_store(adapter.page_bytes, adapter.store_layout)
+                if adapter.regions:
+                    store.add_allowed_regions(adapter.regions)
+                    self._registered_once = True
+                self._pools[name] = adapter
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def on_host_pools_registered(self) -> None:
+        """The first registration burst is over (point 9): at least one pool must carry page
+        memory, else there is nothing to store and the attach fails."""
+        if self._closed:
+            raise RuntimeError("on_host_pools_registered: the hicache-rs backend is closed")
+        if self._store is None:
             raise ValueError(
-                f"host pool {name!r} ({type(host_pool).__name__}) is a sidecar pool of a "
-                "hybrid model; hicache-rs serves only the KV pool (no batch_*_v2 methods)"
+                "hicache-rs: no host pool with page memory was registered (only an "
+                "allocation-only anchor): nothing to store"
             )
-        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def _pool_namespace(self, adapter: PoolAdapter) -> str:
+        """Point 2: a sidecar pool's namespace: model, TP/PP (TP only when the pool is
+        sharded), CP shard and tenant as the KV namespace, plus the pool's name and geometry
+        fingerprint."""
+        cfg = self.storage_config
+        extra = [f"v2|{adapter.fingerprint}"]
+        if cfg.attn_cp_size > 1:
+            extra.append(f"cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}")
+        return namespace_id(
+            cfg.model_name or "",
+            "bfloat16",
+            adapter.namespace_layout,
+            not adapter.sharded,
+            1,
+            1,
+            1,
+            adapter.page_size,
+            tp_rank=cfg.tp_rank,
+            tp_size=cfg.tp_size,
+            pp_rank=cfg.pp_rank,
+            pp_size=cfg.pp_size,
+            extra_key="|".join(extra),
+            cache_salt=self._tenant,
+        )
 
     def _namespace(self, pool, part: int = 0) -> str:
         cfg = self.storage_config
@@ -400,7 +568,7 @@ class HiCacheRsStorage(HiCacheStorage):
         shard = []
         if cfg.attn_cp_size > 1:
             shard.append(f"cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}")
-        # Point 9: a page_head part is named by its global head slice, not by this rank.
+        # Point 11: a page_head part is named by its global head slice, not by this rank.
         tp_rank, tp_size, tag = kv_layouts.part_identity(
             self.plan, part, cfg.tp_rank, cfg.tp_size
         )
@@ -441,19 +609,35 @@ class HiCacheRsStorage(HiCacheStorage):
         if self._closed:
             raise RuntimeError(f"{op}: the hicache-rs backend is closed")
         if self._store is None:
+            if self._anchor is not None:
+                raise RuntimeError(
+                    f"{op}: no host pool with page memory is registered yet (only the "
+                    "allocation-only anchor)"
+                )
             raise RuntimeError(f"{op}: register_mem_pool_host was not called")
         return self._store
 
-    def _pieces(self, op: str, keys: List[str], host_indices: torch.Tensor):
-        """Point 8, then the ``(ptrs, sizes)`` of every stored part (point 9)."""
+    def _kv(self, op: str) -> PoolAdapter:
+        """The KV pool with memory, for the v1 and legacy methods."""
+        kv = self._pools.get("kv")
+        if kv is None:
+            raise RuntimeError(f"{op}: no KV host pool with page memory is registered")
+        return kv
+
+    def _pieces(self, op: str, keys: List[str], host_indices: torch.Tensor) -> list:
+        """Point 8, then the ``(ptrs, sizes)`` of every stored part of the KV pages (point 11:
+        one part, or the head slices of a split ``page_head`` pool)."""
+        kv = self._kv(op)
+        if not self.plan.split_heads:
+            return [kv.pieces(op, keys, host_indices, _check_host_indices)]
         _check_host_indices(op, keys, host_indices, self.page_size, self.pool_tokens)
         if not keys:
             return []
-        return kv_layouts.part_pieces(self.plan, self.mem_pool_host, host_indices)
+        return kv_layouts.part_pieces(self.plan, kv.pool, host_indices)
 
     def _each_part(self, store: Store, op: str, n: int, fn) -> Optional[List[bool]]:
-        """``fn(namespace, part)`` for every stored part of the pages (point 9): a page is
-        ``True`` only when it is in every part; ``None`` when the backend failed."""
+        """``fn(namespace, part)`` for every stored part of the KV pages (point 11): a page
+        is ``True`` only when it is in every part; ``None`` when the backend failed."""
         out = [True] * n
         for part, ns in enumerate(self.namespaces):
             res = self._call(store, op, lambda: fn(ns, part))
@@ -461,6 +645,17 @@ class HiCacheRsStorage(HiCacheStorage):
                 return None
             out = [a and bool(b) for a, b in zip(out, res)]
         return out
+
+    def _kv_run(self, store: Store, op: str, keys: List[str], ctx: dict) -> int:
+        """The leading run of KV pages present in every part (point 11); 0 when the backend
+        failed (point 4)."""
+        hits = len(keys)
+        for ns in self.namespaces:
+            part = self._call(store, op, lambda: store.batch_exists(ns, keys[:hits], **ctx))
+            hits = min(hits, part or 0)
+            if not hits:
+                break
+        return hits
 
     def _call(self, store: Store, op: str, fn):
         """One backend call (point 4): bad input (``ValueError``) and a closed store raise;
@@ -479,18 +674,12 @@ class HiCacheRsStorage(HiCacheStorage):
     def batch_exists(
         self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> int:
+        if self._logical_kv and not self._closed:
+            # Point 9: no KV bytes exist for a logical anchor; without sidecar transfers
+            # nothing is known to be restorable.
+            return 0
         store = self._ready("batch_exists")
-        ctx = _context(extra_info)
-        hits = len(keys)
-        # Point 9: a page is present only when every part of it is.
-        for ns in self.namespaces:
-            part = self._call(
-                store, "batch_exists", lambda: store.batch_exists(ns, keys[:hits], **ctx)
-            )
-            hits = min(hits, part or 0)
-            if not hits:
-                break
-        return hits
+        return self._kv_run(store, "batch_exists", keys, _context(extra_info))
 
     def batch_get_v1(
         self,
@@ -498,6 +687,8 @@ class HiCacheRsStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: Optional[HiCacheStorageExtraInfo] = None,
     ) -> List[bool]:
+        if self._logical_kv and not self._closed:
+            return self._logical_v1("batch_get_v1", keys, host_indices)
         store = self._ready("batch_get_v1")
         parts = self._pieces("batch_get_v1", keys, host_indices)
         if not keys:
@@ -508,8 +699,16 @@ class HiCacheRsStorage(HiCacheStorage):
             ns, keys, self.native_layout, *parts[i], self.kv_interleaved, **ctx))
         if hits is None:
             return [False] * len(keys)
-        self._record(self._prefetch_pgs, self._prefetch_bw, sum(hits), start)
+        self._record(self._prefetch_pgs, self._prefetch_bw, sum(hits), start,
+                     sum(hits) * self.page_bytes)
         return hits
+
+    def _logical_v1(self, op: str, keys: List[str], host_indices: Any) -> List[bool]:
+        """Point 9: KV of a logical anchor has no bytes: the indices are checked against the
+        anchor, and every page is done (the sidecar pools carry the data), as SGLang's
+        Mooncake backend answers."""
+        _check_host_indices(op, keys, host_indices, self.page_size, self.pool_tokens)
+        return [True] * len(keys)
 
     def batch_set_v1(
         self,
@@ -517,6 +716,8 @@ class HiCacheRsStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: Optional[HiCacheStorageExtraInfo] = None,
     ) -> List[bool]:
+        if self._logical_kv and not self._closed:
+            return self._logical_v1("batch_set_v1", keys, host_indices)
         store = self._ready("batch_set_v1")
         parts = self._pieces("batch_set_v1", keys, host_indices)
         if not keys:
@@ -529,14 +730,227 @@ class HiCacheRsStorage(HiCacheStorage):
             ns, keys, self.native_layout, *parts[i], self.kv_interleaved, **ctx))
         if ok is None:
             return [False] * len(keys)
-        self._remember([k for k, s in zip(keys, ok) if s])
-        self._record(self._backup_pgs, self._backup_bw, sum(ok), start)
+        self._remember_kv([k for k, s in zip(keys, ok) if s])
+        self._record(self._backup_pgs, self._backup_bw, sum(ok), start,
+                     sum(ok) * self.page_bytes)
         return ok
+
+    # ---- multi-pool interface (v2: hybrid models) ------------------------------------------
+
+    def _adapter(self, op: str, name: Any) -> Optional[PoolAdapter]:
+        """The registered pool ``name`` (``None`` for the KV pool of a logical anchor); an
+        unregistered pool is a ``ValueError`` (bad input)."""
+        n = pool_name(name)
+        adapter = self._pools.get(n)
+        if adapter is None and not (n == "kv" and self._logical_kv):
+            raise ValueError(
+                f"{op}: host pool {n!r} is not registered "
+                f"(registered: {', '.join(sorted(self._pools)) or 'none'})"
+            )
+        return adapter
+
+    def batch_exists_v2(
+        self,
+        keys: List[str],
+        pool_transfers: Optional[List[Any]] = None,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> PoolTransferResult:
+        """Point 10: the leading KV run, then each pool's hit policy (``hit_policy``), with
+        SGLang's HiCacheFile semantics; a failing backend counts as absent pages."""
+        store = self._ready("batch_exists_v2")
+        transfers = list(pool_transfers or [])
+        adapters = [(t, self._adapter("batch_exists_v2", t.name)) for t in transfers]
+        for t, _ in adapters:
+            hit_policy.check_transfer(t)
+        ctx = _context(extra_info)
+        if not keys:
+            return PoolTransferResult(0, {}, [])
+        if self._logical_kv:
+            gating = any(
+                hit_policy.policy_name(t.hit_policy) != hit_policy.BLOCK_GROUPS
+                for t, a in adapters if a is not None
+            )
+            kv_pages = len(keys) if gating else 0
+        else:
+            kv_pages = self._kv_run(store, "batch_exists_v2", keys, ctx)
+        by_name = {pool_name(t.name): a for t, a in adapters}
+        asked_before: Dict[str, List[bool]] = {}
+
+        def present(t) -> List[bool]:
+            """The pool's per-key presence, asked only when the walk reaches it."""
+            name = pool_name(t.name)
+            adapter = by_name[name]
+            if adapter is None:
+                # KV of a logical anchor: no KV bytes exist, every page counts.
+                return [True] * len(keys)
+            policy = hit_policy.policy_name(t.hit_policy)
+            asked = list(t.keys) if policy == hit_policy.BLOCK_GROUPS and t.keys else keys
+            n = min(len(asked), hit_policy.pages_to_ask(kv_pages, t))
+            if policy != hit_policy.BLOCK_GROUPS and name in asked_before:
+                return asked_before[name]
+            if n == 0:
+                return []
+            flags = self._present_each(store, adapter, asked[:n], ctx)
+            if policy != hit_policy.BLOCK_GROUPS:
+                asked_before[name] = flags
+            return flags
+
+        kv_hit, hit, restorable = hit_policy.evaluate(kv_pages, transfers, present)
+        return PoolTransferResult(kv_hit, hit, restorable)
+
+    def _namespaces_of(self, adapter: PoolAdapter) -> List[str]:
+        """The namespaces a pool's page is stored in: one, or the KV pool's head slices
+        (point 11)."""
+        return self.namespaces if adapter is self._pools.get("kv") else [adapter.namespace]
+
+    def _present_each(self, store: Store, adapter: PoolAdapter, keys: List[str],
+                      ctx: dict) -> List[bool]:
+        """Per-key presence of a pool's pages (every part present); absent when the backend
+        failed (point 4)."""
+        flags = [True] * len(keys)
+        for ns in self._namespaces_of(adapter):
+            found = self._call(store, "batch_exists_v2", lambda: store.batch_exists_each(
+                ns, keys, **ctx))
+            if found is None:
+                return [False] * len(keys)
+            flags = [a and bool(b) for a, b in zip(flags, found)]
+        return flags
+
+    def _v2_plan(self, op: str, transfers: List[Any], results: Dict[str, List[bool]]):
+        """Checks every transfer before any I/O (point 8): a count mismatch answers that pool
+        all ``False`` (logged, as SGLang's HiCacheFile does); bad host indices raise."""
+        plan = []
+        for t in transfers:
+            name = pool_name(t.name)
+            adapter = self._adapter(op, name)
+            keys = list(t.keys or [])
+            page_size = adapter.page_size if adapter is not None else self.page_size
+            expected = len(keys) * page_size
+            got = t.host_indices.numel() if isinstance(t.host_indices, torch.Tensor) else None
+            if got != expected:
+                logger.error(
+                    "hicache-rs %s: pool %r has %d keys, which need %d host indices; got %s",
+                    op, name, len(keys), expected, got,
+                )
+                results[name] = [False] * len(keys)
+                continue
+            if adapter is None:
+                _check_host_indices(f"{op} (pool 'kv')", keys, t.host_indices, self.page_size,
+                                    self.pool_tokens)
+                plan.append((name, None, keys, []))
+                continue
+            where = f"{op} (pool {name!r})"
+            if adapter is self._pools.get("kv"):
+                # Point 11: the KV pool's stored parts, as its v1 calls make them.
+                pieces = self._pieces(where, keys, t.host_indices)
+            else:
+                pieces = [adapter.pieces(where, keys, t.host_indices, _check_host_indices)]
+            parts = [(ns, ptrs, sizes)
+                     for ns, (ptrs, sizes) in zip(self._namespaces_of(adapter), pieces)]
+            plan.append((name, adapter, keys, parts))
+        return plan
+
+    def _all_parts(self, store: Store, op: str, n: int, parts: list, fn) -> Optional[List[bool]]:
+        """``fn(namespace, ptrs, sizes)`` for every stored part of a transfer's pages: a page
+        is ``True`` only when it is in every part; ``None`` when the backend failed."""
+        out = [True] * n
+        for ns, ptrs, sizes in parts:
+            res = self._call(store, op, lambda: fn(ns, ptrs, sizes))
+            if res is None:
+                return None
+            out = [a and bool(b) for a, b in zip(out, res)]
+        return out
+
+    def batch_get_v2(
+        self,
+        transfers: List[Any],
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> Dict[str, List[bool]]:
+        """Point 10: reads each transfer's pages in place into its pool; one bool per key."""
+        store = self._ready("batch_get_v2")
+        results: Dict[str, List[bool]] = {}
+        plan = self._v2_plan("batch_get_v2", list(transfers or []), results)
+        ctx = _context(extra_info)
+        start = time.perf_counter()
+        pages = nbytes = 0
+        for name, adapter, keys, parts in plan:
+            if adapter is None or not keys:
+                results[name] = [True] * len(keys)
+                continue
+            if adapter.copy:
+                hits = self._copy_in(store, adapter, keys, parts[0][1])
+            else:
+                hits = self._all_parts(store, "batch_get_v2", len(keys), parts,
+                                       lambda ns, ptrs, sizes: store.batch_get_into(
+                                           ns, keys, adapter.store_layout, ptrs, sizes,
+                                           adapter.kv_interleaved, **ctx))
+            results[name] = hits if hits is not None else [False] * len(keys)
+            pages += sum(results[name])
+            nbytes += sum(results[name]) * adapter.page_bytes
+        if pages:
+            self._record(self._prefetch_pgs, self._prefetch_bw, pages, start, nbytes)
+        return results
+
+    def _copy_in(self, store: Store, adapter: PoolAdapter, keys: List[str],
+                 starts: List[int]) -> Optional[List[bool]]:
+        """``pools`` point 7: pages read as bytes, each written into the pool through SGLang's
+        ``set_from_flat_data_page`` (no pool address reaches the native store)."""
+        datas = self._call(store, "batch_get_v2", lambda: store.batch_get_bytes(
+            adapter.namespace, keys, adapter.store_layout, adapter.page_bytes))
+        if datas is None:
+            return None
+        hits = []
+        for start, data in zip(starts, datas):
+            if data is not None:
+                page = adapter.pool.get_dummy_flat_data_page()
+                numpy.copyto(_bytes_view(page), numpy.frombuffer(data, dtype=numpy.uint8))
+                adapter.pool.set_from_flat_data_page(start, page)
+            hits.append(data is not None)
+        return hits
+
+    def batch_set_v2(
+        self,
+        transfers: List[Any],
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> Dict[str, List[bool]]:
+        """Point 10: writes each transfer's pages in place from its pool; one bool per key.
+        On an MLA rank that is not the storage writer, pools shared by the TP ranks are not
+        written (reported done) while TP-sharded ones (Mamba state) are (point 5)."""
+        store = self._ready("batch_set_v2")
+        results: Dict[str, List[bool]] = {}
+        plan = self._v2_plan("batch_set_v2", list(transfers or []), results)
+        ctx = _context(extra_info)
+        writer = self.storage_config.is_storage_writer
+        start = time.perf_counter()
+        pages = nbytes = 0
+        for name, adapter, keys, parts in plan:
+            if adapter is None or not keys or (not writer and not adapter.sharded):
+                results[name] = [True] * len(keys)
+                continue
+            if adapter.copy:
+                flat = [_bytes_view(adapter.pool.get_data_page(at, flat=True).contiguous())
+                        .tobytes() for at in parts[0][1]]
+                ok = self._call(store, "batch_set_v2", lambda: store.batch_set_bytes(
+                    adapter.namespace, keys, adapter.store_layout, flat))
+            else:
+                ok = self._all_parts(store, "batch_set_v2", len(keys), parts,
+                                     lambda ns, ptrs, sizes: store.batch_set_from(
+                                         ns, keys, adapter.store_layout, ptrs, sizes,
+                                         adapter.kv_interleaved, **ctx))
+            results[name] = ok if ok is not None else [False] * len(keys)
+            done = [k for k, s in zip(keys, results[name]) if s]
+            for ns in self._namespaces_of(adapter):
+                self._remember(ns, done)
+            pages += sum(results[name])
+            nbytes += sum(results[name]) * adapter.page_bytes
+        if pages:
+            self._record(self._backup_pgs, self._backup_bw, pages, start, nbytes)
+        return results
 
     # ---- legacy tensor interface ---------------------------------------------------------
 
     def _flat_pages(self, op: str) -> None:
-        """Point 10: SGLang's asymmetric K/V pool has no flat data page (its
+        """Point 12: SGLang's asymmetric K/V pool has no flat data page (its
         ``get_data_page`` raises), so the legacy methods refuse it and name the way that
         works."""
         if self.plan.asymmetric:
@@ -566,9 +980,10 @@ class HiCacheRsStorage(HiCacheStorage):
     ) -> List[Optional[torch.Tensor]]:
         """Reads pages into flat page tensors (new ones from the pool when none are given)."""
         store = self._ready("batch_get")
+        kv_pool = self._kv("batch_get").pool
         self._flat_pages("batch_get")
         if target_locations is None:
-            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+            target_locations = [kv_pool.get_dummy_flat_data_page() for _ in keys]
         if len(target_locations) != len(keys):
             raise ValueError(
                 f"batch_get: {len(keys)} keys and {len(target_locations)} target tensors"
@@ -587,7 +1002,7 @@ class HiCacheRsStorage(HiCacheStorage):
             if got is None:
                 return [None] * len(keys)
             parts.append(got)
-        # Point 9: a page is whole only when every part of it was read.
+        # Point 11: a page is whole only when every part of it was read.
         pages: List[Optional[bytes]] = [
             None if any(p is None for p in page) else kv_layouts.join_page(self.plan, page)
             for page in zip(*parts)
@@ -618,6 +1033,7 @@ class HiCacheRsStorage(HiCacheStorage):
     ) -> bool:
         """Writes flat page tensors; ``True`` when every page is stored (or already was)."""
         store = self._ready("batch_set")
+        self._kv("batch_set")
         if values is None or len(values) != len(keys):
             raise ValueError(
                 f"batch_set: {len(keys)} keys and "
@@ -634,7 +1050,7 @@ class HiCacheRsStorage(HiCacheStorage):
             ns, keys, self.native_layout, [page[i] for page in parts]))
         if ok is None:
             return False
-        self._remember([k for k, s in zip(keys, ok) if s])
+        self._remember_kv([k for k, s in zip(keys, ok) if s])
         return all(ok)
 
     def set(
@@ -653,32 +1069,46 @@ class HiCacheRsStorage(HiCacheStorage):
 
     # ---- lifecycle and metrics ------------------------------------------------------------
 
-    def _remember(self, keys: List[str]) -> None:
+    def _remember(self, namespace: str, keys: List[str]) -> None:
         with self._lock:
-            self._stored.update(keys)
+            self._stored.update((namespace, k) for k in keys)
 
-    def _record(self, pgs: list, bw: list, pages: int, start: float) -> None:
+    def _remember_kv(self, keys: List[str]) -> None:
+        """The KV pages stored, in every part's namespace (point 11)."""
+        for ns in self.namespaces:
+            self._remember(ns, keys)
+
+    def _record(self, pgs: list, bw: list, pages: int, start: float, nbytes: int) -> None:
         if not self.storage_config.enable_storage_metrics:
             return
         elapsed = max(time.perf_counter() - start, 1e-9)
         with self._lock:
             pgs.append(pages)
-            bw.append(pages * self.page_bytes / elapsed / 1e9)
+            bw.append(nbytes / elapsed / 1e9)
 
     def clear(self) -> None:
-        """Removes every page of this instance's namespace from the backend: pages written by
-        this process, by other processes sharing the storage, and before a restart (file,
-        uring, redis and memory backends, and plugins that clear (ABI 1.2), whose
-        ``info()["clear"]`` is true). A backend without a
-        namespace-wide clear gets the pages this instance stored deleted instead."""
+        """Removes every page of this instance's namespaces (the KV pool's and every
+        registered sidecar pool's) from the backend: pages written by this process, by other
+        processes sharing the storage, and before a restart (file, uring, redis and memory
+        backends, and plugins that clear (ABI 1.2), whose ``info()["clear"]`` is true). A
+        backend without a namespace-wide clear gets the pages this instance stored deleted
+        instead."""
         store = self._ready("clear")
         with self._lock:
-            keys, self._stored = list(self._stored), set()
-        for ns in self.namespaces:
-            if store.info().get("clear"):
+            stored, self._stored = list(self._stored), set()
+        with self._attach_lock:
+            namespaces = sorted(
+                {ns for a in self._pools.values() for ns in self._namespaces_of(a)}
+            )
+        if store.info().get("clear"):
+            for ns in namespaces:
                 store.clear(ns)
-            elif keys:
-                store.delete(ns, keys)
+            return
+        by_ns: Dict[str, List[str]] = {}
+        for ns, key in stored:
+            by_ns.setdefault(ns, []).append(key)
+        for ns, keys in by_ns.items():
+            store.delete(ns, keys)
 
     def get_stats(self):
         """SGLang's ``StorageMetrics`` (pages and GB/s per call since the last call), or
