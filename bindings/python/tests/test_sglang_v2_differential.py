@@ -1,0 +1,258 @@
+"""Differential test of the v2 (multi-pool) storage interface: seeded random operation
+sequences run side by side against SGLang's own ``HiCacheFile`` and ``HiCacheRsStorage``
+(every backend our package compiles), both registered on the SAME host pools (SGLang's real
+MHA KV pool, Mamba state pool, and a KV-derived indexer pool).
+
+Operations: ``batch_set_v2`` of random components (KV, Mamba, indexer) for random subsets of a
+chain's pages; ``batch_exists_v2`` over random spans with random ``prefix_keys``, sidecars in
+random order with random hit policies (ALL_PAGES, TRAILING_PAGES with random windows); and
+``batch_get_v2`` of random pages into zeroed host slots (each side its own). The
+``PoolTransferResult`` fields and every success list must be identical, and every page read
+must hold exactly the bytes written for its key.
+
+BLOCK_GROUPS, which HiCacheFile refuses (``ValueError``), is checked against a small model of
+the policy's documented meaning (``v2_harness.block_groups_pages``)."""
+
+import random
+
+import pytest
+
+from conftest import require_sglang
+
+require_sglang()
+
+import torch  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy  # noqa: E402
+
+from v2_harness import (  # noqa: E402
+    BACKENDS,
+    INDEXER,
+    KV,
+    MAMBA,
+    PoolSet,
+    block_groups_pages,
+    chain,
+    fill,
+    flat_page_len,
+    info,
+    make_ours,
+    make_reference,
+    ours_config,
+    page_bytes,
+    page_starts,
+    plain,
+    read_page,
+    result_tuple,
+    transfer,
+    zero,
+)
+
+SEEDS = range(20)
+OPS = 30
+CHAINS = 2
+PAGES = 8
+SIDECARS = (MAMBA, INDEXER)
+POLICIES = (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_name(request):
+    return request.param
+
+
+class World:
+    """The pools, the chains, their source slots and each side's destination slots."""
+
+    def __init__(self, tag):
+        self.pools = PoolSet(kv_tokens=2 * (CHAINS + 2) * PAGES * 4, mamba_slots=2 * (CHAINS + 2) * PAGES)
+        self.chains = [chain(f"{tag}/{c}", PAGES) for c in range(CHAINS)]
+        # Source slots: one page per chain page in the KV pool (the indexer shares them:
+        # indices_from_pool=KV) and one Mamba slot per chain page.
+        self.src = {}
+        for c, keys in enumerate(self.chains):
+            kv = self.pools.alloc_pages(KV, PAGES)
+            mamba = self.pools.alloc_pages(MAMBA, PAGES)
+            fill(self.pools, KV, kv, keys)
+            fill(self.pools, INDEXER, kv, keys)
+            fill(self.pools, MAMBA, mamba, keys)
+            self.src[c] = {KV: kv, INDEXER: kv, MAMBA: mamba}
+        # Destination slots of each side, PAGES pages per pool.
+        self.dst = {}
+        for side in ("ref", "ours"):
+            kv = self.pools.alloc_pages(KV, PAGES)
+            self.dst[side] = {KV: kv, INDEXER: kv, MAMBA: self.pools.alloc_pages(MAMBA, PAGES)}
+
+    def slots(self, table, name, pages):
+        """The host indices of ``pages`` (positions) in ``table[name]``."""
+        ps = self.pools.pool(name).page_size
+        idx = table[name]
+        return torch.cat([idx[p * ps:(p + 1) * ps] for p in pages]) if pages else idx[:0]
+
+
+def random_pages(rng):
+    """A contiguous run (with the chain prefix known) or a random subset (prefix unknown)."""
+    if rng.random() < 0.6:
+        a = 0 if rng.random() < 0.4 else rng.randrange(PAGES)
+        b = rng.randrange(a + 1, PAGES + 1)
+        return list(range(a, b)), True
+    return sorted(rng.sample(range(PAGES), rng.randrange(1, PAGES + 1))), False
+
+
+def components(rng):
+    names = [n for n in (KV, MAMBA, INDEXER) if rng.random() < 0.6]
+    return names or [rng.choice((KV, MAMBA, INDEXER))]
+
+
+def op_set(w, rng, ref, ours, log):
+    c = rng.randrange(CHAINS)
+    pages, contiguous = random_pages(rng)
+    keys = [w.chains[c][p] for p in pages]
+    names = components(rng)
+    prefix = w.chains[c][:pages[0]] if contiguous and rng.random() < 0.5 else None
+    transfers = [transfer(n, keys, w.slots(w.src[c], n, pages),
+                          indices_from_pool=KV if n == INDEXER else None) for n in names]
+    log.append(("set", c, pages, [n.value for n in names], prefix is not None))
+    a = plain(ref.batch_set_v2(transfers, info(prefix)))
+    b = plain(ours.batch_set_v2(transfers, info(prefix)))
+    assert b == a, log
+
+
+def exists_transfers(rng, keys):
+    out = []
+    for n in rng.sample(SIDECARS, rng.randrange(len(SIDECARS) + 1)):
+        policy = rng.choice(POLICIES)
+        if policy == PoolHitPolicy.TRAILING_PAGES:
+            window = rng.randrange(1, 5)
+            out.append(transfer(n, keys[-window:] if keys else [], policy=policy))
+        else:
+            out.append(transfer(n, keys, policy=policy))
+    return out
+
+
+def op_exists(w, rng, ref, ours, log):
+    c = rng.randrange(CHAINS)
+    a = rng.randrange(PAGES) if rng.random() < 0.4 else 0
+    b = rng.randrange(a, PAGES + 1) if rng.random() < 0.3 else PAGES
+    keys = w.chains[c][a:b]
+    prefix = w.chains[c][:a] if rng.random() < 0.7 else None
+    transfers = exists_transfers(rng, keys)
+    log.append(("exists", c, a, b, [(t.name.value, t.hit_policy.value, len(t.keys)) for t in transfers]))
+    want = result_tuple(ref.batch_exists_v2(keys, transfers, info(prefix)))
+    got = result_tuple(ours.batch_exists_v2(keys, transfers, info(prefix)))
+    assert got == want, log
+
+
+def op_get(w, rng, ref, ours, log):
+    c = rng.randrange(CHAINS)
+    pages, contiguous = random_pages(rng)
+    keys = [w.chains[c][p] for p in pages]
+    names = components(rng)
+    prefix = w.chains[c][:pages[0]] if contiguous and rng.random() < 0.5 else None
+    log.append(("get", c, pages, [n.value for n in names]))
+    answers = {}
+    for side, backend in (("ref", ref), ("ours", ours)):
+        dst = w.dst[side]
+        positions = list(range(len(pages)))
+        transfers = []
+        for n in names:
+            idx = w.slots(dst, n, positions)
+            zero(w.pools, n, idx)
+            transfers.append(transfer(n, keys, idx, indices_from_pool=KV if n == INDEXER else None))
+        answers[side] = plain(backend.batch_get_v2(transfers, info(prefix)))
+        # Every page reported read holds exactly the bytes written for its key.
+        for t in transfers:
+            pool = w.pools.pool(t.name)
+            n_bytes = flat_page_len(pool)
+            for ok, key, start in zip(answers[side][t.name.value], keys,
+                                      page_starts(pool, t.host_indices)):
+                if ok:
+                    assert read_page(pool, start) == page_bytes(t.name, key, n_bytes), (side, t.name, log)
+    assert answers["ours"] == answers["ref"], log
+
+
+OPS_TABLE = (op_set, op_set, op_exists, op_exists, op_exists, op_get)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_sequences_match_hicache_file(seed, backend_name, request, tmp_path):
+    extra = ours_config(backend_name, request, tmp_path)
+    extra["_selfcheck_dir"] = str(tmp_path / "self")
+    w = World(f"{backend_name}/{seed}/{tmp_path.name}")
+    ref = make_reference(w.pools, tmp_path / "ref")
+    ours = make_ours(w.pools, extra)
+    rng = random.Random(seed)
+    log = [("seed", seed, backend_name)]
+    try:
+        for _ in range(OPS):
+            rng.choice(OPS_TABLE)(w, rng, ref, ours, log)
+        # Closing query: every chain in full, every sidecar under both policies.
+        for c in range(CHAINS):
+            keys = w.chains[c]
+            for policy in POLICIES:
+                ts = [transfer(n, keys if policy == PoolHitPolicy.ALL_PAGES else keys[-2:],
+                               policy=policy) for n in SIDECARS]
+                want = result_tuple(ref.batch_exists_v2(keys, ts, info([])))
+                assert result_tuple(ours.batch_exists_v2(keys, ts, info([]))) == want, log
+    finally:
+        for b in (ours, ref):
+            if hasattr(b, "close"):
+                b.close()
+
+
+def test_hicache_file_refuses_block_groups(tmp_path):
+    """The reason BLOCK_GROUPS is checked against a model: SGLang's reference refuses it."""
+    w = World("bg-ref")
+    ref = make_reference(w.pools, tmp_path / "ref")
+    keys = w.chains[0]
+    ref.batch_set_v2([transfer(KV, keys, w.slots(w.src[0], KV, range(PAGES)))])
+    t = transfer(INDEXER, keys, policy=PoolHitPolicy.BLOCK_GROUPS, block_pages=2, group_pages=2)
+    with pytest.raises(ValueError):
+        ref.batch_exists_v2(keys, [t])
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_block_groups_against_the_policy_model(seed, backend_name, request, tmp_path):
+    """Random present sets of a BLOCK_GROUPS pool (KV-derived indexer pages standing for
+    compressed blocks): ours reports the pages its leading complete groups cover, and the KV
+    hit and restorable prefix are what the ALL/TRAILING pools alone give (HiCacheFile's
+    answer without the BLOCK_GROUPS transfer)."""
+    rng = random.Random(1000 + seed)
+    extra = ours_config(backend_name, request, tmp_path)
+    extra["_selfcheck_dir"] = str(tmp_path / "self")
+    w = World(f"bg/{backend_name}/{seed}/{tmp_path.name}")
+    ref = make_reference(w.pools, tmp_path / "ref")
+    ours = make_ours(w.pools, extra)
+    try:
+        keys = w.chains[0]
+        kv_pages = rng.randrange(PAGES + 1)
+        for b in (ref, ours):
+            if kv_pages:
+                b.batch_set_v2([transfer(KV, keys[:kv_pages],
+                                         w.slots(w.src[0], KV, range(kv_pages)))])
+        # The group pool's keys: indexer pages of random presence.
+        present_pages = sorted(rng.sample(range(PAGES), rng.randrange(PAGES + 1)))
+        present = {keys[p] for p in present_pages}
+        for b in (ref, ours):
+            if present_pages:
+                b.batch_set_v2([transfer(INDEXER, [keys[p] for p in present_pages],
+                                         w.slots(w.src[0], INDEXER, present_pages),
+                                         indices_from_pool=KV)])
+        group_pages = rng.choice((1, 2, 3))
+        block_pages = rng.choice((1, 2, 4))
+        span = rng.randrange(PAGES + 1)
+        group_keys = keys[:span]
+        bg = transfer(INDEXER, group_keys, policy=PoolHitPolicy.BLOCK_GROUPS,
+                      block_pages=block_pages, group_pages=group_pages)
+        got = result_tuple(ours.batch_exists_v2(keys, [bg], info([])))
+        base = result_tuple(ref.batch_exists_v2(keys, [], info([])))
+        want_pages = block_groups_pages(present, group_keys, block_pages, group_pages)
+        ctx = (seed, kv_pages, present_pages, group_pages, block_pages, span, got)
+        # Never gates the KV hit nor the restorable prefix.
+        assert got[0] == base[0], ctx
+        assert got[2] == base[2], ctx
+        assert got[1].get(KV.value, 0) == base[1].get(KV.value, 0), ctx
+        assert got[1].get(INDEXER.value, 0) == want_pages, ctx
+    finally:
+        for b in (ours, ref):
+            if hasattr(b, "close"):
+                b.close()

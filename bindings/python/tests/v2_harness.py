@@ -1,0 +1,273 @@
+"""Shared pieces of the v2 (multi-pool) tests and the hybrid bench: a hybrid pool set (a KV
+host pool, a Mamba state pool with a TRAILING_PAGES window, a KV-derived ALL_PAGES sidecar),
+SGLang's registration sequence for a backend, deterministic page contents, transfers built
+as SGLang's hybrid controller builds them, the backends our package compiles, and an
+independent model of the BLOCK_GROUPS hit policy.
+
+Everything here drives SGLang's real host pools and its real ``HiCacheFile``; nothing of
+SGLang is re-implemented except the BLOCK_GROUPS model (HiCacheFile refuses that policy)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+
+import pytest
+import torch
+from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheFile,
+    HiCacheStorage,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+import sglang_pools
+from sglang_pools import mha_pool, storage_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+KV, MAMBA, INDEXER = PoolName.KV, PoolName.MAMBA, PoolName.INDEXER
+
+DYNAMIC = {
+    "backend_name": "hicache_rs",
+    "module_path": "hicache_rs.sglang",
+    "class_name": "HiCacheRsStorage",
+    "interface_v1": 1,
+}
+
+#: Every backend hicache-rs can compile into the package.
+BACKENDS = ("memory", "file", "uring", "redis", "rdma", "plugin")
+
+
+# ---- pools ----------------------------------------------------------------------------------
+
+
+def mamba_pool(slots=32, layers=2, layout="page_first"):
+    """SGLang's MambaPoolHost (page size 1: one state slot per page) over CPU 'device'
+    checkpoint tensors: a float32 temporal state and one bf16 conv state per layer."""
+    builder = getattr(sglang_pools, "mamba_pool", None)
+    if builder is not None:
+        try:
+            return builder(slots=slots, layers=layers, layout=layout)
+        except TypeError:
+            pass
+    dev = slots // 2
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, dev, 2, 8, dtype=torch.float32),
+        conv=(torch.zeros(layers, dev, 4, 3, dtype=torch.bfloat16),),
+    )
+    return MambaPoolHost(info, 2.0, 0, device_capacity=dev, pin_memory=False, layout=layout)
+
+
+def indexer_pool(kv):
+    """A KV-derived ALL_PAGES sidecar pool (same host indices as the KV pool). SGLang's DSA
+    indexer host pool when the v2 branch's builder is available; else a second MHA host pool
+    of another width (what HiCacheFile sees is the same: flat pages at the KV indices)."""
+    builder = getattr(sglang_pools, "dsa_indexer_pool", None)
+    if builder is not None:
+        return builder(kv)
+    return mha_pool(kv.layout, layers=2, heads=1, head_dim=4, page_size=kv.page_size,
+                    device_tokens=kv.size // 2)
+
+
+class PoolSet:
+    """The KV host pool (anchor), a Mamba state pool and a KV-derived indexer pool."""
+
+    def __init__(self, kv_tokens=256, mamba_slots=64, layout="page_first"):
+        self.kv = mha_pool(layout, layers=2, heads=1, head_dim=8, page_size=4,
+                           device_tokens=kv_tokens // 2)
+        self.mamba = mamba_pool(slots=mamba_slots)
+        self.indexer = indexer_pool(self.kv)
+        self.by_name = {KV: self.kv, MAMBA: self.mamba, INDEXER: self.indexer}
+        self.page_size = self.kv.page_size
+
+    def entries(self):
+        """(name, pool) in SGLang's registration order: the anchor first."""
+        return [(KV, self.kv), (MAMBA, self.mamba), (INDEXER, self.indexer)]
+
+    def pool(self, name):
+        return self.by_name[PoolName(name)]
+
+    def alloc_pages(self, name, pages):
+        """Host indices of ``pages`` whole pages of pool ``name``."""
+        p = self.pool(name)
+        idx = p.alloc(pages * p.page_size)
+        assert idx is not None, f"pool {name} is full"
+        return idx
+
+
+def page_bytes(name, key, nbytes):
+    """The deterministic content of ``key``'s page in pool ``name``: a SHAKE-256 stream, so a
+    reader can check a page from its key alone."""
+    return hashlib.shake_256(f"{PoolName(name).value}|{key}".encode()).digest(nbytes)
+
+
+def write_page(pool, start, data: bytes):
+    """Writes a flat data page given as bytes (viewed as the pool's own page dtype)."""
+    dtype = pool.get_dummy_flat_data_page().dtype
+    pool.set_from_flat_data_page(start, torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype))
+
+
+def read_page(pool, start) -> bytes:
+    return pool.get_data_page(start, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def flat_page_len(pool):
+    return pool.get_dummy_flat_data_page().view(torch.uint8).numel()
+
+
+def page_starts(pool, host_indices):
+    return host_indices[:: pool.page_size].tolist()
+
+
+def fill(pools, name, host_indices, keys):
+    """Writes each key's deterministic page at its host slot."""
+    p = pools.pool(name)
+    n = flat_page_len(p)
+    for start, key in zip(page_starts(p, host_indices), keys):
+        write_page(p, start, page_bytes(name, key, n))
+
+
+def zero(pools, name, host_indices):
+    p = pools.pool(name)
+    z = bytes(flat_page_len(p))
+    for start in page_starts(p, host_indices):
+        write_page(p, start, z)
+
+
+def chain(tag, pages, page_size=4):
+    """A chain of SGLang page hashes (hex strings), distinct per ``tag``."""
+    from hicache_rs import sglang_page_hashes
+
+    base = int.from_bytes(hashlib.sha256(str(tag).encode()).digest()[:3], "little") * 64
+    return sglang_page_hashes(list(range(base, base + pages * page_size)), page_size)
+
+
+# ---- backends -------------------------------------------------------------------------------
+
+
+def plugin_path():
+    """The example plugin (``cargo build -p hicache-plugin-example``; run-tests.sh builds it)."""
+    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
+    for profile in ("debug", "release"):
+        p = target / profile / "libhicache_plugin_example.so"
+        if p.exists():
+            return str(p)
+    return None
+
+
+def ours_config(name, request, tmp_path):
+    """hicache-rs' extra-config for backend ``name``; a real redis-server / in-process rdma
+    server on loopback; the example plugin .so."""
+    if name == "redis":
+        return {"backend": "redis", "nodes": [request.getfixturevalue("redis_server")],
+                "cluster": False, "key_prefix": f"v2-{os.getpid()}-{id(request)}-{tmp_path.name}:"}
+    if name == "plugin":
+        path = plugin_path()
+        if path is None:
+            msg = "target/debug/libhicache_plugin_example.so is not built"
+            if os.environ.get("HICACHE_REQUIRE_PLUGIN") == "1":
+                pytest.fail(msg, pytrace=False)
+            pytest.skip(msg)
+        return {"backend": "plugin", "plugin_path": path, "capacity": "64MiB"}
+    return {
+        "memory": {"backend": "memory"},
+        "file": {"backend": "file", "dir": str(tmp_path / "ours")},
+        "uring": {"backend": "uring", "dir": str(tmp_path / "ours"), "capacity": "64MiB",
+                  "grow_bytes": "1MiB"},
+        "rdma": {"backend": "rdma", "spawn_server": True, "capacity": "64MiB"},
+    }[name]
+
+
+def register(backend, pools):
+    """SGLang's attach sequence (HybridCacheController.attach_storage_backend): the anchor
+    pool through ``register_mem_pool_host``, then every pool-group entry through
+    ``register_mem_host_pool_v2``, then ``on_host_pools_registered`` once."""
+    backend.register_mem_pool_host(pools.kv)
+    for name, pool in pools.entries():
+        backend.register_mem_host_pool_v2(pool, name)
+    backend.on_host_pools_registered()
+    return backend
+
+
+def make_reference(pools, directory):
+    """SGLang's HiCacheFile over ``directory``."""
+    cfg = storage_config({"file_storage_path": str(directory)}, layout=pools.kv.layout)
+    return register(HiCacheFile(cfg), pools)
+
+
+def has_v2(cls):
+    return cls.batch_exists_v2 is not HiCacheStorage.batch_exists_v2
+
+
+def make_ours(pools, extra, **cfg):
+    """Our class through SGLang's own parser and factory (``dynamic``), then the attach
+    sequence. With HICACHE_V2_SELFCHECK=1, or while our class has no v2 methods, the harness
+    is validated with a second HiCacheFile instead (over ``extra['dir']`` or a fresh one)."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from hicache_rs.sglang import HiCacheRsStorage
+
+    if os.environ.get("HICACHE_V2_SELFCHECK") == "1":
+        d = extra.get("dir") or extra["_selfcheck_dir"]
+        return make_reference(pools, d)
+    if not has_v2(HiCacheRsStorage):
+        pytest.fail("HiCacheRsStorage has no batch_exists_v2 (the v2 interface is not merged)")
+    extra = {k: v for k, v in extra.items() if not k.startswith("_")}
+    parsed, *_ = HybridCacheController.parse_storage_backend_extra_config(
+        json.dumps({**DYNAMIC, **extra}))
+    config = storage_config(parsed, layout=pools.kv.layout, **cfg)
+    backend = StorageBackendFactory.create_backend("dynamic", config, pools.kv)
+    return register(backend, pools)
+
+
+# ---- transfers ------------------------------------------------------------------------------
+
+
+def transfer(name, keys, host_indices=None, policy=PoolHitPolicy.ALL_PAGES, **kw):
+    return PoolTransfer(name=PoolName(name), keys=list(keys), host_indices=host_indices,
+                        hit_policy=policy, **kw)
+
+
+def info(prefix_keys):
+    return HiCacheStorageExtraInfo(prefix_keys=None if prefix_keys is None else list(prefix_keys))
+
+
+def result_tuple(r):
+    """A PoolTransferResult as plain comparable values (pool names as strings)."""
+    return (
+        int(r.kv_hit_pages),
+        {getattr(k, "value", k): int(v) for k, v in r.extra_pool_hit_pages.items()},
+        None if r.restorable_prefix_pages is None else list(r.restorable_prefix_pages),
+    )
+
+
+def plain(results):
+    """A batch_get_v2/batch_set_v2 answer with pool names as strings."""
+    return {getattr(k, "value", k): [bool(x) for x in v] for k, v in results.items()}
+
+
+# ---- BLOCK_GROUPS model ---------------------------------------------------------------------
+
+
+def block_groups_pages(present, group_keys, block_pages, group_pages):
+    """The documented meaning of PoolHitPolicy.BLOCK_GROUPS for one pool: its keys come in
+    groups of ``group_pages`` keys, group ``g`` standing for the FULL pages
+    ``[g * block_pages, (g + 1) * block_pages)`` from the span start; the pool's verdict is the
+    number of FULL pages its leading *complete* groups cover (every key of the group present;
+    a trailing partial group counts for nothing). It never gates the KV hit."""
+    whole = len(group_keys) // group_pages
+    groups = 0
+    for g in range(whole):
+        if all(k in present for k in group_keys[g * group_pages:(g + 1) * group_pages]):
+            groups += 1
+        else:
+            break
+    return groups * block_pages
