@@ -1,7 +1,8 @@
 """Differential test of the v2 (multi-pool) storage interface: seeded random operation
 sequences run side by side against SGLang's own ``HiCacheFile`` and ``HiCacheRsStorage``
 (every backend our package compiles), both registered on the SAME host pools (SGLang's real
-MHA KV pool, Mamba state pool, and a KV-derived indexer pool).
+host pools of a hybrid model on CPU: a DSA model's MLA KV pool with its KV-derived DSA
+indexer pool, and a Mamba state pool).
 
 Operations: ``batch_set_v2`` of random components (KV, Mamba, indexer) for random subsets of a
 chain's pages; ``batch_exists_v2`` over random spans with random ``prefix_keys``, sidecars in
@@ -13,6 +14,7 @@ must hold exactly the bytes written for its key.
 BLOCK_GROUPS, which HiCacheFile refuses (``ValueError``), is checked against a small model of
 the policy's documented meaning (``v2_harness.block_groups_pages``)."""
 
+import os
 import random
 
 import pytest
@@ -64,7 +66,7 @@ class World:
     """The pools, the chains, their source slots and each side's destination slots."""
 
     def __init__(self, tag):
-        self.pools = PoolSet(kv_tokens=2 * (CHAINS + 2) * PAGES * 4, mamba_slots=2 * (CHAINS + 2) * PAGES)
+        self.pools = PoolSet(kv_pages=(CHAINS + 2) * PAGES + 2, mamba_slots=(CHAINS + 2) * PAGES + 2)
         self.chains = [chain(f"{tag}/{c}", PAGES) for c in range(CHAINS)]
         # Source slots: one page per chain page in the KV pool (the indexer shares them:
         # indices_from_pool=KV) and one Mamba slot per chain page.
@@ -216,6 +218,8 @@ def test_block_groups_against_the_policy_model(seed, backend_name, request, tmp_
     compressed blocks): ours reports the pages its leading complete groups cover, and the KV
     hit and restorable prefix are what the ALL/TRAILING pools alone give (HiCacheFile's
     answer without the BLOCK_GROUPS transfer)."""
+    if os.environ.get("HICACHE_V2_SELFCHECK") == "1":
+        pytest.skip("HiCacheFile (the self-check's stand-in) refuses BLOCK_GROUPS")
     rng = random.Random(1000 + seed)
     extra = ours_config(backend_name, request, tmp_path)
     extra["_selfcheck_dir"] = str(tmp_path / "self")

@@ -16,7 +16,6 @@ import pathlib
 
 import pytest
 import torch
-from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheFile,
     HiCacheStorage,
@@ -25,10 +24,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolName,
     PoolTransfer,
 )
-from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
 import sglang_pools
-from sglang_pools import mha_pool, storage_config
+from sglang_pools import storage_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -48,48 +46,22 @@ BACKENDS = ("memory", "file", "uring", "redis", "rdma", "plugin")
 # ---- pools ----------------------------------------------------------------------------------
 
 
-def mamba_pool(slots=32, layers=2, layout="page_first"):
-    """SGLang's MambaPoolHost (page size 1: one state slot per page) over CPU 'device'
-    checkpoint tensors: a float32 temporal state and one bf16 conv state per layer."""
-    builder = getattr(sglang_pools, "mamba_pool", None)
-    if builder is not None:
-        try:
-            return builder(slots=slots, layers=layers, layout=layout)
-        except TypeError:
-            pass
-    dev = slots // 2
-    info = MambaStateBufferInfo(
-        temporal=torch.zeros(layers, dev, 2, 8, dtype=torch.float32),
-        conv=(torch.zeros(layers, dev, 4, 3, dtype=torch.bfloat16),),
-    )
-    return MambaPoolHost(info, 2.0, 0, device_capacity=dev, pin_memory=False, layout=layout)
-
-
-def indexer_pool(kv):
-    """A KV-derived ALL_PAGES sidecar pool (same host indices as the KV pool). SGLang's DSA
-    indexer host pool when the v2 branch's builder is available; else a second MHA host pool
-    of another width (what HiCacheFile sees is the same: flat pages at the KV indices)."""
-    builder = getattr(sglang_pools, "dsa_indexer_pool", None)
-    if builder is not None:
-        return builder(kv)
-    return mha_pool(kv.layout, layers=2, heads=1, head_dim=4, page_size=kv.page_size,
-                    device_tokens=kv.size // 2)
-
-
 class PoolSet:
-    """The KV host pool (anchor), a Mamba state pool and a KV-derived indexer pool."""
+    """SGLang's real hybrid host pools on CPU (``sglang_pools``): the MLA KV host pool of a
+    DSA model (the anchor, 64-token pages), its DSA indexer pool (KV-derived: same host
+    indices, ALL_PAGES) and a Mamba state pool (page size 1, TRAILING_PAGES)."""
 
-    def __init__(self, kv_tokens=256, mamba_slots=64, layout="page_first"):
-        self.kv = mha_pool(layout, layers=2, heads=1, head_dim=8, page_size=4,
-                           device_tokens=kv_tokens // 2)
-        self.mamba = mamba_pool(slots=mamba_slots)
-        self.indexer = indexer_pool(self.kv)
+    def __init__(self, kv_pages=32, mamba_slots=32, layout="page_first"):
+        self.kv, self.indexer = sglang_pools.dsa_pools(
+            layout, layers=2, device_tokens=kv_pages * sglang_pools.DSA_PAGE_SIZE // 2)
+        self.mamba = sglang_pools.mamba_pool(layout, layers=2, slots=mamba_slots // 2 + 1)
         self.by_name = {KV: self.kv, MAMBA: self.mamba, INDEXER: self.indexer}
         self.page_size = self.kv.page_size
+        self.mla = True
 
     def entries(self):
         """(name, pool) in SGLang's registration order: the anchor first."""
-        return [(KV, self.kv), (MAMBA, self.mamba), (INDEXER, self.indexer)]
+        return [(KV, self.kv), (INDEXER, self.indexer), (MAMBA, self.mamba)]
 
     def pool(self, name):
         return self.by_name[PoolName(name)]
@@ -141,7 +113,7 @@ def zero(pools, name, host_indices):
         write_page(p, start, z)
 
 
-def chain(tag, pages, page_size=4):
+def chain(tag, pages, page_size=sglang_pools.DSA_PAGE_SIZE):
     """A chain of SGLang page hashes (hex strings), distinct per ``tag``."""
     from hicache_rs import sglang_page_hashes
 
@@ -198,7 +170,8 @@ def register(backend, pools):
 
 def make_reference(pools, directory):
     """SGLang's HiCacheFile over ``directory``."""
-    cfg = storage_config({"file_storage_path": str(directory)}, layout=pools.kv.layout)
+    cfg = storage_config({"file_storage_path": str(directory)}, mla=pools.mla,
+                         layout=pools.kv.layout)
     return register(HiCacheFile(cfg), pools)
 
 
@@ -223,7 +196,7 @@ def make_ours(pools, extra, **cfg):
     extra = {k: v for k, v in extra.items() if not k.startswith("_")}
     parsed, *_ = HybridCacheController.parse_storage_backend_extra_config(
         json.dumps({**DYNAMIC, **extra}))
-    config = storage_config(parsed, layout=pools.kv.layout, **cfg)
+    config = storage_config(parsed, mla=pools.mla, layout=pools.kv.layout, **cfg)
     backend = StorageBackendFactory.create_backend("dynamic", config, pools.kv)
     return register(backend, pools)
 
