@@ -215,9 +215,11 @@ def test_hicache_file_refuses_block_groups(tmp_path):
 @pytest.mark.parametrize("seed", range(10))
 def test_block_groups_against_the_policy_model(seed, backend_name, request, tmp_path):
     """Random present sets of a BLOCK_GROUPS pool (KV-derived indexer pages standing for
-    compressed blocks): ours reports the pages its leading complete groups cover, and the KV
-    hit and restorable prefix are what the ALL/TRAILING pools alone give (HiCacheFile's
-    answer without the BLOCK_GROUPS transfer)."""
+    compressed blocks), next to a Mamba pool under ALL_PAGES or TRAILING_PAGES, in random
+    order: ours reports for the group pool the pages its leading complete groups cover (the
+    model), and everything else (KV hit, restorable prefixes, the other pools' verdicts) is
+    HiCacheFile's answer for the query without the BLOCK_GROUPS transfer: the group pool
+    neither gates nor is gated."""
     if os.environ.get("HICACHE_V2_SELFCHECK") == "1":
         pytest.skip("HiCacheFile (the self-check's stand-in) refuses BLOCK_GROUPS")
     rng = random.Random(1000 + seed)
@@ -227,35 +229,55 @@ def test_block_groups_against_the_policy_model(seed, backend_name, request, tmp_
     ref = make_reference(w.pools, tmp_path / "ref")
     ours = make_ours(w.pools, extra)
     try:
-        keys = w.chains[0]
-        kv_pages = rng.randrange(PAGES + 1)
-        for b in (ref, ours):
-            if kv_pages:
-                b.batch_set_v2([transfer(KV, keys[:kv_pages],
-                                         w.slots(w.src[0], KV, range(kv_pages)))])
-        # The group pool's keys: indexer pages of random presence.
-        present_pages = sorted(rng.sample(range(PAGES), rng.randrange(PAGES + 1)))
-        present = {keys[p] for p in present_pages}
-        for b in (ref, ours):
-            if present_pages:
-                b.batch_set_v2([transfer(INDEXER, [keys[p] for p in present_pages],
-                                         w.slots(w.src[0], INDEXER, present_pages),
-                                         indices_from_pool=KV)])
-        group_pages = rng.choice((1, 2, 3))
-        block_pages = rng.choice((1, 2, 4))
-        span = rng.randrange(PAGES + 1)
-        group_keys = keys[:span]
-        bg = transfer(INDEXER, group_keys, policy=PoolHitPolicy.BLOCK_GROUPS,
-                      block_pages=block_pages, group_pages=group_pages)
-        got = result_tuple(ours.batch_exists_v2(keys, [bg], info([])))
-        base = result_tuple(ref.batch_exists_v2(keys, [], info([])))
-        want_pages = block_groups_pages(present, group_keys, block_pages, group_pages)
-        ctx = (seed, kv_pages, present_pages, group_pages, block_pages, span, got)
-        # Never gates the KV hit nor the restorable prefix.
-        assert got[0] == base[0], ctx
-        assert got[2] == base[2], ctx
-        assert got[1].get(KV.value, 0) == base[1].get(KV.value, 0), ctx
-        assert got[1].get(INDEXER.value, 0) == want_pages, ctx
+        for trial in range(6):
+            c = trial % CHAINS
+            keys = chain(f"bg/{backend_name}/{seed}/{tmp_path.name}/{trial}", PAGES)
+            src = w.src[c]
+            # The source slots hold chain c's bytes; the pages are stored under these keys
+            # (content is not what this test is about, presence is).
+            kv_pages = rng.randrange(PAGES + 1)
+            group_present = sorted(rng.sample(range(PAGES), rng.randrange(PAGES + 1)))
+            mamba_present = sorted(rng.sample(range(PAGES), rng.randrange(PAGES + 1)))
+            for b in (ref, ours):
+                ts = []
+                if kv_pages:
+                    ts.append(transfer(KV, keys[:kv_pages], w.slots(src, KV, range(kv_pages))))
+                if group_present:
+                    ts.append(transfer(INDEXER, [keys[p] for p in group_present],
+                                       w.slots(src, INDEXER, group_present),
+                                       indices_from_pool=KV))
+                if mamba_present:
+                    ts.append(transfer(MAMBA, [keys[p] for p in mamba_present],
+                                       w.slots(src, MAMBA, mamba_present)))
+                assert all(all(v) for v in b.batch_set_v2(ts).values())
+            group_pages = rng.choice((1, 2, 3))
+            block_pages = rng.choice((1, 2, 4))
+            group_keys = keys[:rng.randrange(PAGES + 1)]
+            bg = transfer(INDEXER, group_keys, policy=PoolHitPolicy.BLOCK_GROUPS,
+                          block_pages=block_pages, group_pages=group_pages)
+            policy = rng.choice(POLICIES)
+            other = transfer(MAMBA, keys if policy == PoolHitPolicy.ALL_PAGES
+                             else keys[-rng.randrange(1, 4):], policy=policy)
+            order = [bg, other] if rng.random() < 0.5 else [other, bg]
+            got = result_tuple(ours.batch_exists_v2(keys, order, info([])))
+            base = result_tuple(ref.batch_exists_v2(keys, [other], info([])))
+            want_pages = block_groups_pages({keys[p] for p in group_present}, group_keys,
+                                            block_pages, group_pages, kv_pages)
+            if order[0] is other and not base[2]:
+                # HiCacheFile's convention for every pool: once no prefix is restorable, the
+                # pools after that point get no verdict (SGLang reads "no verdict", not 0).
+                want_pages = 0
+            ctx = dict(seed=seed, trial=trial, kv_pages=kv_pages, group=group_present,
+                       mamba=mamba_present, group_pages=group_pages, block_pages=block_pages,
+                       group_keys=len(group_keys), other=(policy.value, len(other.keys)),
+                       bg_first=order[0] is bg, got=got, base=base, want=want_pages)
+            # Never gates the KV hit, the restorable prefixes or the other pools' verdicts.
+            assert got[0] == base[0], ctx
+            assert got[2] == base[2], ctx
+            assert {k: v for k, v in got[1].items() if k != INDEXER.value} == base[1], ctx
+            # Its own verdict: the model's (absent when zero, as every pool's).
+            assert got[1].get(INDEXER.value, 0) == want_pages, ctx
+            assert (INDEXER.value in got[1]) == (want_pages > 0), ctx
     finally:
         for b in (ours, ref):
             if hasattr(b, "close"):

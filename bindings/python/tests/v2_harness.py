@@ -230,12 +230,14 @@ def plain(results):
 # ---- BLOCK_GROUPS model ---------------------------------------------------------------------
 
 
-def block_groups_pages(present, group_keys, block_pages, group_pages):
-    """The documented meaning of PoolHitPolicy.BLOCK_GROUPS for one pool: its keys come in
-    groups of ``group_pages`` keys, group ``g`` standing for the FULL pages
-    ``[g * block_pages, (g + 1) * block_pages)`` from the span start; the pool's verdict is the
-    number of FULL pages its leading *complete* groups cover (every key of the group present;
-    a trailing partial group counts for nothing). It never gates the KV hit."""
+def block_groups_pages(present, group_keys, block_pages, group_pages, kv_pages):
+    """The documented meaning of PoolHitPolicy.BLOCK_GROUPS for one pool (SGLang's
+    docstring): its keys come in groups of ``group_pages`` keys, group ``g`` standing for the
+    FULL pages ``[g * block_pages, (g + 1) * block_pages)`` from the span start; the pool's
+    verdict is the number of FULL pages its leading *complete* groups cover (every key of the
+    group present; a trailing partial group counts for nothing), as its own verdict: it never
+    gates the KV hit. hicache-rs' choice (h24-v2, ``hit_policy.py`` point 6): the verdict is
+    capped at the KV hit (``kv_pages``), as FULL pages past it cannot be restored."""
     whole = len(group_keys) // group_pages
     groups = 0
     for g in range(whole):
@@ -243,4 +245,4 @@ def block_groups_pages(present, group_keys, block_pages, group_pages):
             groups += 1
         else:
             break
-    return groups * block_pages
+    return min(kv_pages, groups * block_pages)
