@@ -155,8 +155,11 @@ def backup(cc, pools, tokens, hashes, lo, hi, with_mamba):
 
 def prefetch(cc, pools, tokens, window=1):
     """Query, then (as the scheduler) allocate host slots for the hit and the Mamba window,
-    then let the I/O thread read. Returns (operation, kv host indices, mamba transfer, acks)."""
-    mamba_t = PoolTransfer(name=MAMBA, keys=[None] * window,
+    then let the I/O thread read. Returns (operation, kv host indices, mamba transfer, acks).
+    The Mamba transfer's keys are the request's last ``window`` page hashes (the scheduler's
+    target span; the controller re-aligns them to the hit)."""
+    hashes = get_storage_hash_str(tokens, None, page_size=pools.page_size)
+    mamba_t = PoolTransfer(name=MAMBA, keys=hashes[-window:],
                            hit_policy=PoolHitPolicy.TRAILING_PAGES)
     indexer_t = PoolTransfer(name=INDEXER, indices_from_pool=KV,
                              hit_policy=PoolHitPolicy.ALL_PAGES)

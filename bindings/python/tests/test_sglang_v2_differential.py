@@ -113,6 +113,10 @@ def op_set(w, rng, ref, ours, log):
     prefix = w.chains[c][:pages[0]] if contiguous and rng.random() < 0.5 else None
     transfers = [transfer(n, keys, w.slots(w.src[c], n, pages),
                           indices_from_pool=KV if n == INDEXER else None) for n in names]
+    if rng.random() < 0.05:
+        # A host-index count that does not match the keys: that pool all False, on both.
+        t = rng.choice(transfers)
+        t.host_indices = t.host_indices[:-1]
     log.append(("set", c, pages, [n.value for n in names], prefix is not None))
     a = plain(ref.batch_set_v2(transfers, info(prefix)))
     b = plain(ours.batch_set_v2(transfers, info(prefix)))
@@ -123,7 +127,11 @@ def exists_transfers(rng, keys):
     out = []
     for n in rng.sample(SIDECARS, rng.randrange(len(SIDECARS) + 1)):
         policy = rng.choice(POLICIES)
-        if policy == PoolHitPolicy.TRAILING_PAGES:
+        if rng.random() < 0.15:
+            # No keys: SGLang's KV-derived sidecars at query time; a window of 1 for
+            # TRAILING_PAGES.
+            out.append(transfer(n, None, policy=policy))
+        elif policy == PoolHitPolicy.TRAILING_PAGES:
             window = rng.randrange(1, 5)
             out.append(transfer(n, keys[-window:] if keys else [], policy=policy))
         else:
@@ -138,7 +146,7 @@ def op_exists(w, rng, ref, ours, log):
     keys = w.chains[c][a:b]
     prefix = w.chains[c][:a] if rng.random() < 0.7 else None
     transfers = exists_transfers(rng, keys)
-    log.append(("exists", c, a, b, [(t.name.value, t.hit_policy.value, len(t.keys)) for t in transfers]))
+    log.append(("exists", c, a, b, [(t.name.value, t.hit_policy.value, None if t.keys is None else len(t.keys)) for t in transfers]))
     want = result_tuple(ref.batch_exists_v2(keys, transfers, info(prefix)))
     got = result_tuple(ours.batch_exists_v2(keys, transfers, info(prefix)))
     assert got == want, log

@@ -205,7 +205,8 @@ def make_ours(pools, extra, **cfg):
 
 
 def transfer(name, keys, host_indices=None, policy=PoolHitPolicy.ALL_PAGES, **kw):
-    return PoolTransfer(name=PoolName(name), keys=list(keys), host_indices=host_indices,
+    return PoolTransfer(name=PoolName(name), keys=None if keys is None else list(keys),
+                        host_indices=host_indices,
                         hit_policy=policy, **kw)
 
 
