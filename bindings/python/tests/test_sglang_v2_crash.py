@@ -67,6 +67,10 @@ def context():
     return _ctx
 
 
+# Started at collection: the server's SGLang import overlaps the tests collected before these.
+context()
+
+
 def config(backend, directory):
     if backend == "file":
         extra = {"backend": "file", "dir": str(directory)}
