@@ -106,13 +106,17 @@ pub enum BindingError {
         /// Position of the page.
         page: usize,
     },
-    /// `set_allowed_regions` without any region.
-    #[error("set_allowed_regions: no region given (expected a list of (address, length) pairs)")]
+    /// `set_allowed_regions` or `add_allowed_regions` without any region.
+    #[error(
+        "allowed regions (set_allowed_regions / add_allowed_regions): no region given \
+         (expected a list of (address, length) pairs)"
+    )]
     NoRegions,
     /// A region to register is null, empty or runs past the end of the address space.
     #[error(
-        "set_allowed_regions: region {index} has address {ptr:#x} and length {len}: regions \
-         must be non-null, non-empty and inside the address space"
+        "allowed regions (set_allowed_regions / add_allowed_regions): region {index} has \
+         address {ptr:#x} and length {len}: regions must be non-null, non-empty and inside \
+         the address space"
     )]
     BadRegion {
         /// Position of the region.
@@ -122,9 +126,10 @@ pub enum BindingError {
         /// Its length.
         len: usize,
     },
-    /// `set_allowed_regions` was already called on this store.
+    /// `set_allowed_regions` was already called on this store (or regions were added).
     #[error(
-        "set_allowed_regions: this store already has its regions ({0}); they cannot be changed"
+        "set_allowed_regions: this store already has its regions ({0}); they cannot be \
+         replaced (add_allowed_regions adds the buffers of pools registered later)"
     )]
     RegionsAlreadySet(String),
     /// A requested length is above what a page may be.

@@ -43,6 +43,21 @@ impl Regions {
         Ok(Self { spans: merged })
     }
 
+    /// The spans of both sets, merged (invariant 2).
+    pub fn union(&self, other: &Regions) -> Regions {
+        let mut spans: Vec<(usize, usize)> =
+            self.spans.iter().chain(&other.spans).copied().collect();
+        spans.sort_unstable();
+        let mut merged: Vec<(usize, usize)> = Vec::with_capacity(spans.len());
+        for (start, end) in spans {
+            match merged.last_mut() {
+                Some(last) if start <= last.1 => last.1 = last.1.max(end),
+                _ => merged.push((start, end)),
+            }
+        }
+        Regions { spans: merged }
+    }
+
     /// Whether `ptr .. ptr + size` lies wholly inside one span. A range whose end overflows
     /// is never inside.
     pub fn contains(&self, ptr: usize, size: usize) -> bool {
@@ -103,5 +118,17 @@ mod tests {
         assert!(!r.contains(0x10, 1));
         assert!(!r.contains(usize::MAX, 2));
         assert!(r.describe().contains("0x1000..0x1200 (512 bytes)"));
+    }
+
+    #[test]
+    fn a_union_holds_both_sets_merged() {
+        let a = Regions::new(&[(0x1000, 0x100)]).unwrap();
+        let b = Regions::new(&[(0x1100, 0x100), (0x4000, 0x10)]).unwrap();
+        let u = a.union(&b);
+        assert_eq!(u.spans(), vec![(0x1000, 0x200), (0x4000, 0x10)]);
+        assert!(u.contains(0x10f0, 0x20));
+        assert!(u.contains(0x4000, 0x10));
+        assert!(!u.contains(0x4000, 0x11));
+        assert!(!a.contains(0x4000, 1));
     }
 }

@@ -11,16 +11,19 @@
 //! 3. Batches longer than the backend's `max_batch` are split, never refused.
 //! 4. Prefix keys given with a call (SGLang's `extra_info.prefix_keys`) reach the backend
 //!    with every batch it is split into, extended by the call's own keys before that batch.
-//! 5. Memory: once `set_allowed_regions` has registered the caller's pool (set once, never
-//!    changed), every piece of `batch_get_into`/`batch_set_from` must lie inside it
-//!    ([`Pieces::new`], before any pointer is dereferenced). The bytes calls (`get_bytes`,
+//! 5. Memory: once `set_allowed_regions` (once) or `add_allowed_regions` (any number of
+//!    times: one call per host pool, e.g. the pools of a hybrid model registered one after
+//!    another) has registered the caller's pools, every piece of
+//!    `batch_get_into`/`batch_set_from` must lie inside them ([`Pieces::new`], before any
+//!    pointer is dereferenced). The registered memory only ever grows: no call removes a
+//!    region, so a piece checked against it stays inside registered memory. The bytes calls (`get_bytes`,
 //!    `batch_get_bytes`, `set_bytes`, `batch_set_bytes`) use memory this crate or Python owns
 //!    and are not restricted. A read length is bounded by [`MAX_PAGE_BYTES`] and the
 //!    backend's largest page before anything is allocated, and allocated fallibly: a length
 //!    no page can have is a `ValueError`, memory that is not available a `MemoryError`; never
 //!    an abort or a panic.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use hicache_core::{LayoutKind, NamespaceId, PageHash, PageKey};
 use hicache_storage::{
@@ -49,8 +52,11 @@ pub struct Store {
     runtime: tokio::runtime::Runtime,
     /// The same backend when it is the memory backend, for [`Store::contexts_seen`].
     memory: Option<Arc<MemoryBackend>>,
-    /// The memory the zero-copy calls may touch, once registered (invariant 5).
-    regions: OnceLock<Regions>,
+    /// The memory the zero-copy calls may touch, once registered; it only grows
+    /// (invariant 5).
+    regions: RwLock<Option<Regions>>,
+    /// Whether `set_allowed_regions` (the once-only call) was made.
+    regions_set_once: parking_lot::Mutex<bool>,
 }
 
 /// Parses the keys of a batch under one namespace.
@@ -160,6 +166,32 @@ impl Store {
                 }
             }
             Ok(total)
+        })
+    }
+
+    /// Per-key presence (see `Store.batch_exists_each`): windows of `max_batch` keys, the
+    /// keys of a window asked concurrently, one key per backend call.
+    fn exists_each(&self, call: &Call) -> Result<Vec<bool>> {
+        let backend = self.backend("batch_exists")?;
+        let keys = call.keys();
+        self.runtime.block_on(async {
+            let mut present = Vec::with_capacity(keys.len());
+            let step = self.max_batch();
+            for (w, window) in keys.chunks(step).enumerate() {
+                let asks = window.iter().enumerate().map(|(j, key)| {
+                    let ctx = call.context(w * step + j);
+                    let backend = &*backend;
+                    async move {
+                        backend
+                            .batch_exists_with(std::slice::from_ref(key), ctx)
+                            .await
+                    }
+                });
+                for n in futures_util::future::join_all(asks).await {
+                    present.push(n? == 1);
+                }
+            }
+            Ok(present)
         })
     }
 
@@ -310,24 +342,41 @@ impl Store {
             backend: RwLock::new(Some(backend)),
             runtime,
             memory,
-            regions: OnceLock::new(),
+            regions: RwLock::new(None),
+            regions_set_once: parking_lot::Mutex::new(false),
         })
     }
 
     /// Registers the memory the zero-copy calls may read and write: `(address, length)` pairs,
     /// e.g. the host pool's KV buffer(s). From then on a piece of `batch_get_into` or
     /// `batch_set_from` not wholly inside one of them is a `ValueError` and nothing is read
-    /// or written. Once per store: a second call is a `ValueError`.
+    /// or written. Once per store: a second call is a `ValueError` (pools registered later
+    /// use `add_allowed_regions`).
     fn set_allowed_regions(&self, regions: Vec<(usize, usize)>) -> PyResult<()> {
         let r = Regions::new(&regions)?;
-        self.regions.set(r).map_err(|_| {
-            let had = self
-                .regions
-                .get()
-                .map(Regions::describe)
-                .unwrap_or_default();
-            BindingError::RegionsAlreadySet(had)
-        })?;
+        let mut once = self.regions_set_once.lock();
+        let mut current = self.regions.write();
+        if *once || current.is_some() {
+            let had = current.as_ref().map(Regions::describe).unwrap_or_default();
+            return Err(BindingError::RegionsAlreadySet(had).into());
+        }
+        *current = Some(r);
+        *once = true;
+        Ok(())
+    }
+
+    /// Adds `(address, length)` pairs to the memory the zero-copy calls may read and write
+    /// (the buffers of a host pool registered after the first, e.g. a hybrid model's Mamba
+    /// or indexer pool). Registers the first regions when none are yet. Regions are never
+    /// removed: the caller keeps every registered buffer alive as long as the store.
+    fn add_allowed_regions(&self, regions: Vec<(usize, usize)>) -> PyResult<()> {
+        let added = Regions::new(&regions)?;
+        let mut current = self.regions.write();
+        let merged = match current.as_ref() {
+            Some(r) => r.union(&added),
+            None => added,
+        };
+        *current = Some(merged);
         Ok(())
     }
 
@@ -335,7 +384,7 @@ impl Store {
     /// none were registered (the zero-copy calls then trust their pointers).
     #[getter]
     fn allowed_regions(&self) -> Option<Vec<(usize, usize)>> {
-        self.regions.get().map(Regions::spans)
+        self.regions.read().as_ref().map(Regions::spans)
     }
 
     /// The batch contexts the backend received since the last call, oldest first: one dict per
@@ -396,6 +445,23 @@ impl Store {
         Ok(py.detach(|| self.exists(&call))?)
     }
 
+    /// Whether each of `hashes` is present under `namespace`: one bool per key, in order (not
+    /// only the leading run `batch_exists` answers). The keys are asked one per backend call,
+    /// at most `max_batch` of them at a time, concurrently; each call carries the prefix keys
+    /// before its key (`prefix_keys` then the earlier `hashes`), as `batch_exists` does.
+    #[pyo3(signature = (namespace, hashes, prefix_keys=None, extra_info=None))]
+    fn batch_exists_each(
+        &self,
+        py: Python<'_>,
+        namespace: &str,
+        hashes: Vec<String>,
+        prefix_keys: Option<Vec<String>>,
+        extra_info: Option<String>,
+    ) -> PyResult<Vec<bool>> {
+        let call = Call::new(namespace, &hashes, prefix_keys, extra_info)?;
+        Ok(py.detach(|| self.exists_each(&call))?)
+    }
+
     /// Reads pages straight into caller memory: page `i` is pieces `i*n .. (i+1)*n` of
     /// `ptrs`/`sizes` (`n = len(ptrs) / len(hashes)`). One bool per page: `True` means every
     /// byte of the page was written. The caller keeps that memory alive and untouched for the
@@ -422,7 +488,7 @@ impl Store {
             ptrs,
             sizes,
             kv_interleaved,
-            self.regions.get(),
+            self.regions.read().as_ref(),
         )?;
         Ok(py.detach(|| self.get_into(&call, layout, &pieces))?)
     }
@@ -451,7 +517,7 @@ impl Store {
             ptrs,
             sizes,
             kv_interleaved,
-            self.regions.get(),
+            self.regions.read().as_ref(),
         )?;
         Ok(py.detach(|| self.set_from(&call, layout, &pieces))?)
     }

@@ -320,13 +320,14 @@ def test_bad_input_is_an_exception_naming_it(tmp_path):
     with pytest.raises(ValueError, match="bytes"):
         backend.set(keys(1)[0], torch.zeros(3))
     backend.close()
-    # Sidecar pools of hybrid models (v2 methods) fail the attach, naming the pool.
+    # A hybrid model's pool SGLang itself cannot store fails the attach, naming the pool.
     from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang_pools import mxfp8_pool
 
     b = create({"backend": "memory"}, make_pool("mha", "page_first"))
     b.register_mem_host_pool_v2(b.mem_pool_host, PoolName.KV)
-    with pytest.raises(ValueError, match="mamba"):
-        b.register_mem_host_pool_v2(make_pool("mha", "page_first"), PoolName.MAMBA)
+    with pytest.raises(ValueError, match="'swa'"):
+        b.register_mem_host_pool_v2(mxfp8_pool(), PoolName.SWA)
     b.close()
     # A dtype our namespaces do not know is named.
     with pytest.raises(ValueError, match="float64"):

@@ -204,6 +204,40 @@ def test_registered_regions_bound_the_zero_copy_calls(store):
     assert store.get_bytes(NS, ks[1], "page_first", 256) == b"\x02" * 256
 
 
+def test_regions_added_later_extend_the_bound_and_never_shrink(store):
+    """Pools registered later (a hybrid model's sidecars) add their buffers; a bad addition
+    changes nothing."""
+    first, first_ptrs, _ = buffers(1, 256, fill=3)
+    later, later_ptrs, _ = buffers(1, 512, fill=4)
+    ks = keys(2, start=700)
+    store.add_allowed_regions([(first_ptrs[0], 256)])
+    with pytest.raises(ValueError, match="not wholly inside"):
+        store.batch_set_from(NS, ks[1:], "page_first", later_ptrs, [512])
+    with pytest.raises(ValueError, match="region 0"):
+        store.add_allowed_regions([(0, 16)])
+    store.add_allowed_regions([(later_ptrs[0], 512)])
+    assert sorted(n for _, n in store.allowed_regions) == [256, 512]
+    assert store.batch_set_from(NS, ks, "page_first", first_ptrs + later_ptrs, [256, 512]) == \
+        [True, True]
+    # The once-only call refuses once regions exist.
+    with pytest.raises(ValueError, match="already has its regions"):
+        store.set_allowed_regions([(first_ptrs[0], 256)])
+
+
+def test_presence_per_key_answers_every_key(store):
+    ks = keys(6, start=900)
+    src, ptrs, sizes = buffers(6, 128, fill=5)
+    assert store.batch_exists_each(NS, ks) == [False] * 6
+    pick = [0, 2, 3, 5]
+    assert all(store.batch_set_from(NS, [ks[i] for i in pick], "page_first",
+                                    [ptrs[i] for i in pick], [128] * 4))
+    assert store.batch_exists_each(NS, ks) == [True, False, True, True, False, True]
+    assert store.batch_exists(NS, ks) == 1  # the leading run only
+    assert store.batch_exists_each(NS, []) == []
+    with pytest.raises(ValueError, match="key 1"):
+        store.batch_exists_each(NS, [ks[0], "nope"])
+
+
 def test_bad_regions_are_refused():
     s = hicache_rs.Store('{"backend": "memory"}')
     for regions, match in [([], "no region"), ([(0, 16)], "region 0"), ([(16, 0)], "region 0"),

@@ -8,8 +8,9 @@ SGLang loads it with::
         "interface_v1": 1, "backend": "file", "dir": "/var/cache/kv"}'
 
 Its storage factory constructs the class as ``cls(storage_config, {})``; the host KV pool
-arrives later through :meth:`HiCacheRsStorage.register_mem_pool_host`, and only then is the
-backend opened (the page geometry and layout are known only then).
+arrives later through :meth:`HiCacheRsStorage.register_mem_pool_host` (and, for hybrid
+models, every pool of the group through :meth:`HiCacheRsStorage.register_mem_host_pool_v2`),
+and only then is the backend opened (the page geometry and layout are known only then).
 
 Model of the class (each point is kept by the code named in it):
 
@@ -20,7 +21,12 @@ Model of the class (each point is kept by the code named in it):
 2. SGLang's keys are bare content hashes. Every key is paired with a namespace built from the
    model name, dtype, layout, page geometry, TP/PP rank (not for MLA, whose latent cache is the
    same on every rank), context-parallel shard and tenant (``_namespace``), so two deployments
-   that differ in any of these never read each other's pages.
+   that differ in any of these never read each other's pages. Each other pool of a hybrid
+   model (v2) stores its page under the same key in a namespace of its own: the pool's name
+   and geometry fingerprint (``hicache_rs.pools``) plus model, TP/PP, CP and tenant
+   (``_pool_namespace``), so a pool whose shape changed never serves old bytes. The KV pool's
+   namespace is the same through v1 and v2, so KV pages written by either are hits for both.
+   Mamba state is TP-sharded even on MLA models (as SGLang's HiCacheFile keys it).
 3. Zero copy: ``batch_get_v1``/``batch_set_v1`` hand the host pool's own page pieces
    (``get_page_buffer_meta``) to the native store, which reads and writes them in place with
    the GIL released. The bytes stored for a page are the pool's flat data page in every layout,
@@ -30,15 +36,18 @@ Model of the class (each point is kept by the code named in it):
    and answered as misses or failed writes, never an exception in SGLang's I/O threads. Bad
    input (mismatched counts, an unsupported pool, a call after ``close``) raises.
 5. Only the storage writer writes: on an MLA rank that is not SGLang's storage writer the set
-   methods write nothing and report success, as SGLang's own backends do.
+   methods write nothing and report success, as SGLang's own backends do; ``batch_set_v2``
+   still writes the TP-sharded pools (Mamba state) there.
 6. Prefix keys: with SGLang's ``hicache_storage_pass_prefix_keys``, the v1 calls carry
    ``extra_info.prefix_keys`` (the hashes of the request's pages before the batch); they and
    ``extra_info.extra_info`` (as JSON text) reach the Rust backend with every batch
    (``_context``), so a backend can place a request's pages together. Without the flag SGLang
    passes none, and none is passed on.
-7. Thread safety: the instance is immutable after ``register_mem_pool_host`` except for the
-   metrics lists and the set of stored keys, both behind one lock; the native store is safe
-   under SGLang's concurrent prefetch, query and backup threads.
+7. Thread safety: registrations are serialised by one lock and only ever add pools (a
+   dynamic sidecar may arrive while I/O runs; a call sees a pool once its adapter is in the
+   table); otherwise the instance changes only its metrics lists and the set of stored keys,
+   both behind one lock; the native store is safe under SGLang's concurrent prefetch, query
+   and backup threads.
 8. No memory outside the pool, ever. SGLang's ``get_page_buffer_meta`` turns host indices
    into addresses without checking them, so the v1 calls check them first
    (``_check_host_indices``): a 1-D integer tensor on the CPU, one whole page per key, every
@@ -46,9 +55,27 @@ Model of the class (each point is kept by the code named in it):
    multiple of the page size (what SGLang's allocator hands out and what
    ``get_page_buffer_meta``, reading only ``indices[::page_size]``, assumes). Anything else
    is a ``ValueError`` naming the key, the position, the value and the pool size, before a
-   pointer exists. Behind that, the native store is told the pool's buffers
-   (``Store.set_allowed_regions``, ``_pool_regions``) and refuses any piece outside them.
-   The legacy tensor methods pass ``bytes`` (copies), never addresses of caller tensors.
+   pointer exists. The v2 calls check every transfer's indices against that transfer's pool
+   the same way, all transfers before any I/O. Behind that, the native store is told every
+   registered pool's buffers (``Store.set_allowed_regions`` for the first,
+   ``Store.add_allowed_regions`` for pools registered later; ``_pool_regions``,
+   ``pools.buffer_regions``) and refuses any piece outside them. The legacy tensor methods
+   pass ``bytes`` (copies), never addresses of caller tensors.
+9. Attach order of hybrid models: SGLang may give ``register_mem_pool_host`` a logical anchor
+   (allocation indices only, no ``kv_buffer``), then register the real pools, "kv" included,
+   through ``register_mem_host_pool_v2``, then call ``on_host_pools_registered`` (which fails
+   the attach when no pool has memory); sidecars may also arrive later through v2 alone. The
+   backend opens when the first pool with memory is known. While KV is only a logical anchor
+   (DeepSeek V4) no KV bytes exist, as in SGLang's Mooncake backend: the v1 KV calls check
+   their indices and answer done, ``batch_exists`` answers 0, and ``batch_exists_v2`` starts
+   from every page and lets the sidecar pools decide (0 when no pool gates). A dense model
+   (``register_mem_pool_host`` with the KV pool) works exactly as without v2.
+10. v2 I/O: ``batch_exists_v2`` has SGLang's HiCacheFile semantics (``hicache_rs.hit_policy``,
+   including ``block_groups``, which HiCacheFile lacks); per-key presence of a pool comes from
+   ``Store.batch_exists_each``. ``batch_get_v2``/``batch_set_v2`` answer one bool per key and
+   pool; a transfer whose index count does not match its keys is logged and answered all
+   ``False`` (as HiCacheFile does); an unregistered pool or bad host indices raise. Metrics
+   count v2 pages with the v1 ones; ``clear`` covers every registered pool's namespace.
 """
 
 from __future__ import annotations
@@ -57,7 +84,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy
 import torch
@@ -65,9 +92,12 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolTransferResult,
 )
 
+from hicache_rs import hit_policy
 from hicache_rs._native import Store, check_extra_config, namespace_id
+from hicache_rs.pools import PoolAdapter, has_memory, pool_name
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +297,14 @@ class HiCacheRsStorage(HiCacheStorage):
         self._store: Optional[Store] = None
         self._closed = False
         self._lock = threading.Lock()
-        self._stored: set = set()
+        # Point 9: the registered pools by name (the KV pool too, once it has memory), the
+        # anchor given to register_mem_pool_host, and whether KV is a logical anchor only.
+        self._attach_lock = threading.Lock()
+        self._pools: Dict[str, PoolAdapter] = {}
+        self._anchor = None
+        self._logical_kv = False
+        self._registered_once = False
+        self._stored: Set[Tuple[str, str]] = set()
         self._prefetch_pgs: List[int] = []
         self._backup_pgs: List[int] = []
         self._prefetch_bw: List[float] = []
@@ -276,31 +313,83 @@ class HiCacheRsStorage(HiCacheStorage):
     # ---- attach -------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
-        """Keeps the host pool, derives the namespace from it and opens the backend."""
-        if self._store is not None:
-            raise RuntimeError("register_mem_pool_host was already called on this backend")
-        pool = mem_pool_host
+        """Keeps the host pool (SGLang's anchor). A pool with page memory is the KV pool: its
+        namespace is derived and the backend opened (the dense case). An allocation-only
+        anchor (a hybrid model's logical pool, no ``kv_buffer``) is kept for its geometry; the
+        backend opens when the first pool with memory arrives through
+        ``register_mem_host_pool_v2`` (point 9)."""
+        with self._attach_lock:
+            if self._anchor is not None or "kv" in self._pools:
+                raise RuntimeError("register_mem_pool_host was already called on this backend")
+            pool = mem_pool_host
+            if not has_memory(pool):
+                self._attach_logical_kv(pool)
+                return
+            self._attach_kv(pool, strict=True)
+            self._anchor = pool
+
+    def _attach_logical_kv(self, pool) -> None:
+        """Point 9: SGLang's allocation-only anchor as the KV pool: no KV bytes exist."""
+        for attr in ("page_size", "size"):
+            if not isinstance(getattr(pool, attr, None), int) or getattr(pool, attr) < 1:
+                raise ValueError(
+                    f"host pool {type(pool).__name__} has no KV buffer and no valid `{attr}`: "
+                    "not an allocation anchor hicache-rs can use"
+                )
+        self._anchor = pool
+        self.mem_pool_host = pool
+        self._logical_kv = True
+        self.page_size = int(pool.page_size)
+        self.pool_tokens = int(pool.size)
+
+    def _attach_kv(self, pool, strict: bool) -> None:
+        """The KV pool (with memory): today's namespace for SGLang's MHA and MLA pools (so v1
+        and v2 share KV pages); with ``strict`` (``register_mem_pool_host``) only those."""
         layout = getattr(pool, "layout", None)
         if layout not in SUPPORTED_LAYOUTS:
             raise ValueError(
                 f"host pool layout {layout!r} is not supported by hicache-rs "
                 f"(expected one of: {', '.join(SUPPORTED_LAYOUTS)})"
             )
-        if getattr(pool, "kv_buffer", None) is None:
-            raise ValueError(
-                f"host pool {type(pool).__name__} has no KV buffer (allocator-only pool): "
-                "hicache-rs reads and writes pages in place and needs a materialized pool"
-            )
         if getattr(pool, "dcp_size", 1) > 1:
             raise ValueError("hicache-rs does not support decode context parallel (dcp_size > 1)")
-        self.mla = _pool_kind(pool) == "mla"
+        try:
+            kind = _pool_kind(pool)
+        except ValueError:
+            if strict:
+                raise
+            kind = None
+        cfg = self.storage_config
+        self.mla = kind == "mla" if kind is not None else bool(cfg.is_mla_model)
+        self.kv_interleaved = kind == "mha" and layout == "layer_first"
+        adapter = PoolAdapter("kv", pool, kv_interleaved=self.kv_interleaved,
+                              is_mla_model=self.mla)
         self.layout = layout
         self.page_size = int(pool.page_size)
         self.pool_tokens = int(pool.size)
-        regions = _pool_regions(pool)
-        self.page_bytes = int(pool.get_size_per_token()) * self.page_size
-        self.kv_interleaved = (not self.mla) and layout == "layer_first"
-        self.namespace = self._namespace(pool)
+        if kind is not None:
+            regions = _pool_regions(pool)
+            self.page_bytes = int(pool.get_size_per_token()) * self.page_size
+            self.namespace = self._namespace(pool)
+        else:
+            regions = adapter.regions
+            self.page_bytes = adapter.page_bytes
+            self.namespace = self._pool_namespace(adapter)
+        adapter.namespace = self.namespace
+        adapter.store_layout = layout
+        store = self._open_store(self.page_bytes, layout)
+        if not self._registered_once:
+            store.set_allowed_regions(regions)
+            self._registered_once = True
+        else:
+            store.add_allowed_regions(regions)
+        self._pools["kv"] = adapter
+        self.mem_pool_host = pool
+
+    def _open_store(self, page_bytes: int, layout: str) -> Store:
+        """Opens the backend the first time a pool with memory is known (point 9)."""
+        if self._store is not None:
+            return self._store
         cfg = self.storage_config
         extra = self._config_json
         if self._per_rank_dir and isinstance(self._extra.get("dir"), str):
@@ -310,28 +399,95 @@ class HiCacheRsStorage(HiCacheStorage):
             extra = json.dumps(own)
         self._store = Store(
             extra,
-            page_bytes=self.page_bytes,
+            page_bytes=page_bytes,
             layout=layout,
             tp_rank=cfg.tp_rank,
             tp_size=cfg.tp_size,
             pp_rank=cfg.pp_rank,
             pp_size=cfg.pp_size,
         )
-        self._store.set_allowed_regions(regions)
-        self.mem_pool_host = pool
+        return self._store
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
-        """SGLang's hybrid controller registers every host pool of the group here: the KV
-        pool is ours; sidecar pools (Mamba, SWA, DSA indexer, draft) need the v2 methods,
-        which hicache-rs does not implement, so they fail the attach instead of being
-        silently skipped."""
-        name = getattr(host_pool_name, "value", host_pool_name)
-        if name != "kv":
+        """Registers one host pool of a hybrid model's group (point 9): the KV pool (the one
+        ``register_mem_pool_host`` gave again, or the real KV pool after a logical anchor)
+        and every sidecar (Mamba, SWA, DSA indexer, DeepSeek V4, draft pools), also ones that
+        arrive later. A pool SGLang cannot store is refused with SGLang's reason; the same
+        name with another pool is a ``ValueError``."""
+        name = pool_name(host_pool_name)
+        with self._attach_lock:
+            if self._closed:
+                raise RuntimeError("register_mem_host_pool_v2: the hicache-rs backend is closed")
+            known = self._pools.get(name)
+            if known is not None or (name == "kv" and self._logical_kv):
+                same_pool = (known.pool if known is not None else self._anchor) is host_pool
+                if known is None and not same_pool and has_memory(host_pool):
+                    # The real KV pool after a logical anchor.
+                    self._attach_kv(host_pool, strict=False)
+                    self._logical_kv = False
+                elif not same_pool:
+                    raise ValueError(
+                        f"host pool {name!r} is already registered with another pool "
+                        f"({type(known.pool if known else self._anchor).__name__})"
+                    )
+            elif name == "kv":
+                if has_memory(host_pool):
+                    self._attach_kv(host_pool, strict=False)
+                    if self._anchor is None:
+                        self._anchor = host_pool
+                else:
+                    self._attach_logical_kv(host_pool)
+            else:
+                if not has_memory(host_pool):
+                    raise ValueError(
+                        f"host pool {name!r} ({type(host_pool).__name__}) has no page memory "
+                        "(no buffer tensor): only the KV anchor may be allocation-only"
+                    )
+                adapter = PoolAdapter(name, host_pool,
+                                      is_mla_model=bool(self.storage_config.is_mla_model))
+                adapter.namespace = self._pool_namespace(adapter)
+                adapter.store_layout = adapter.namespace_layout
+                store = self._open_store(adapter.page_bytes, adapter.store_layout)
+                store.add_allowed_regions(adapter.regions)
+                self._registered_once = True
+                self._pools[name] = adapter
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def on_host_pools_registered(self) -> None:
+        """The first registration burst is over (point 9): at least one pool must carry page
+        memory, else there is nothing to store and the attach fails."""
+        if self._closed:
+            raise RuntimeError("on_host_pools_registered: the hicache-rs backend is closed")
+        if self._store is None:
             raise ValueError(
-                f"host pool {name!r} ({type(host_pool).__name__}) is a sidecar pool of a "
-                "hybrid model; hicache-rs serves only the KV pool (no batch_*_v2 methods)"
+                "hicache-rs: no host pool with page memory was registered (only an "
+                "allocation-only anchor): nothing to store"
             )
-        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def _pool_namespace(self, adapter: PoolAdapter) -> str:
+        """Point 2: a sidecar pool's namespace: model, TP/PP (TP only when the pool is
+        sharded), CP shard and tenant as the KV namespace, plus the pool's name and geometry
+        fingerprint."""
+        cfg = self.storage_config
+        extra = [f"v2|{adapter.fingerprint}"]
+        if cfg.attn_cp_size > 1:
+            extra.append(f"cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}")
+        return namespace_id(
+            cfg.model_name or "",
+            "bfloat16",
+            adapter.namespace_layout,
+            not adapter.sharded,
+            1,
+            1,
+            1,
+            adapter.page_size,
+            tp_rank=cfg.tp_rank,
+            tp_size=cfg.tp_size,
+            pp_rank=cfg.pp_rank,
+            pp_size=cfg.pp_size,
+            extra_key="|".join(extra),
+            cache_salt=self._tenant,
+        )
 
     def _namespace(self, pool) -> str:
         cfg = self.storage_config
@@ -374,14 +530,23 @@ class HiCacheRsStorage(HiCacheStorage):
         if self._closed:
             raise RuntimeError(f"{op}: the hicache-rs backend is closed")
         if self._store is None:
+            if self._anchor is not None:
+                raise RuntimeError(
+                    f"{op}: no host pool with page memory is registered yet (only the "
+                    "allocation-only anchor)"
+                )
             raise RuntimeError(f"{op}: register_mem_pool_host was not called")
         return self._store
 
+    def _kv(self, op: str) -> PoolAdapter:
+        """The KV pool with memory, for the v1 and legacy methods."""
+        kv = self._pools.get("kv")
+        if kv is None:
+            raise RuntimeError(f"{op}: no KV host pool with page memory is registered")
+        return kv
+
     def _pieces(self, op: str, keys: List[str], host_indices: torch.Tensor):
-        _check_host_indices(op, keys, host_indices, self.page_size, self.pool_tokens)
-        if not keys:
-            return [], []
-        return self.mem_pool_host.get_page_buffer_meta(host_indices)
+        return self._kv(op).pieces(op, keys, host_indices, _check_host_indices)
 
     def _call(self, store: Store, op: str, fn):
         """One backend call (point 4): bad input (``ValueError``) and a closed store raise;
@@ -400,6 +565,10 @@ class HiCacheRsStorage(HiCacheStorage):
     def batch_exists(
         self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> int:
+        if self._logical_kv and not self._closed:
+            # Point 9: no KV bytes exist for a logical anchor; without sidecar transfers
+            # nothing is known to be restorable.
+            return 0
         store = self._ready("batch_exists")
         ctx = _context(extra_info)
         hits = self._call(
@@ -413,6 +582,8 @@ class HiCacheRsStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: Optional[HiCacheStorageExtraInfo] = None,
     ) -> List[bool]:
+        if self._logical_kv and not self._closed:
+            return self._logical_v1("batch_get_v1", keys, host_indices)
         store = self._ready("batch_get_v1")
         ptrs, sizes = self._pieces("batch_get_v1", keys, host_indices)
         if not keys:
@@ -423,8 +594,16 @@ class HiCacheRsStorage(HiCacheStorage):
             self.namespace, keys, self.layout, ptrs, sizes, self.kv_interleaved, **ctx))
         if hits is None:
             return [False] * len(keys)
-        self._record(self._prefetch_pgs, self._prefetch_bw, sum(hits), start)
+        self._record(self._prefetch_pgs, self._prefetch_bw, sum(hits), start,
+                     sum(hits) * self.page_bytes)
         return hits
+
+    def _logical_v1(self, op: str, keys: List[str], host_indices: Any) -> List[bool]:
+        """Point 9: KV of a logical anchor has no bytes: the indices are checked against the
+        anchor, and every page is done (the sidecar pools carry the data), as SGLang's
+        Mooncake backend answers."""
+        _check_host_indices(op, keys, host_indices, self.page_size, self.pool_tokens)
+        return [True] * len(keys)
 
     def batch_set_v1(
         self,
@@ -432,6 +611,8 @@ class HiCacheRsStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: Optional[HiCacheStorageExtraInfo] = None,
     ) -> List[bool]:
+        if self._logical_kv and not self._closed:
+            return self._logical_v1("batch_set_v1", keys, host_indices)
         store = self._ready("batch_set_v1")
         ptrs, sizes = self._pieces("batch_set_v1", keys, host_indices)
         if not keys:
@@ -444,9 +625,155 @@ class HiCacheRsStorage(HiCacheStorage):
             self.namespace, keys, self.layout, ptrs, sizes, self.kv_interleaved, **ctx))
         if ok is None:
             return [False] * len(keys)
-        self._remember([k for k, s in zip(keys, ok) if s])
-        self._record(self._backup_pgs, self._backup_bw, sum(ok), start)
+        self._remember(self.namespace, [k for k, s in zip(keys, ok) if s])
+        self._record(self._backup_pgs, self._backup_bw, sum(ok), start,
+                     sum(ok) * self.page_bytes)
         return ok
+
+    # ---- multi-pool interface (v2: hybrid models) ------------------------------------------
+
+    def _adapter(self, op: str, name: Any) -> Optional[PoolAdapter]:
+        """The registered pool ``name`` (``None`` for the KV pool of a logical anchor); an
+        unregistered pool is a ``ValueError`` (bad input)."""
+        n = pool_name(name)
+        adapter = self._pools.get(n)
+        if adapter is None and not (n == "kv" and self._logical_kv):
+            raise ValueError(
+                f"{op}: host pool {n!r} is not registered "
+                f"(registered: {', '.join(sorted(self._pools)) or 'none'})"
+            )
+        return adapter
+
+    def batch_exists_v2(
+        self,
+        keys: List[str],
+        pool_transfers: Optional[List[Any]] = None,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> PoolTransferResult:
+        """Point 10: the leading KV run, then each pool's hit policy (``hit_policy``), with
+        SGLang's HiCacheFile semantics; a failing backend counts as absent pages."""
+        store = self._ready("batch_exists_v2")
+        transfers = list(pool_transfers or [])
+        adapters = [(t, self._adapter("batch_exists_v2", t.name)) for t in transfers]
+        for t, _ in adapters:
+            hit_policy.check_transfer(t)
+        ctx = _context(extra_info)
+        if not keys:
+            return PoolTransferResult(0, {}, [])
+        if self._logical_kv:
+            gating = any(
+                hit_policy.policy_name(t.hit_policy) != hit_policy.BLOCK_GROUPS
+                for t, a in adapters if a is not None
+            )
+            kv_pages = len(keys) if gating else 0
+        else:
+            kv = self._pools["kv"]
+            kv_pages = self._call(store, "batch_exists_v2", lambda: store.batch_exists(
+                kv.namespace, keys, **ctx)) or 0
+        present: Dict[str, List[bool]] = {}
+        for t, adapter in adapters:
+            name = pool_name(t.name)
+            if adapter is None or name in present:
+                # KV itself (a logical anchor has no KV bytes: every page counts).
+                present.setdefault(name, [True] * len(keys))
+                continue
+            policy = hit_policy.policy_name(t.hit_policy)
+            asked = keys
+            if policy == hit_policy.BLOCK_GROUPS and t.keys:
+                asked = list(t.keys)
+            n = min(len(asked), hit_policy.pages_to_ask(kv_pages, t))
+            if n == 0:
+                present[name] = []
+                continue
+            found = self._call(store, "batch_exists_v2", lambda: store.batch_exists_each(
+                adapter.namespace, asked[:n], **ctx))
+            present[name] = found if found is not None else [False] * n
+        kv_hit, hit, restorable = hit_policy.evaluate(kv_pages, transfers, present)
+        return PoolTransferResult(kv_hit, hit, restorable)
+
+    def _v2_plan(self, op: str, transfers: List[Any], results: Dict[str, List[bool]]):
+        """Checks every transfer before any I/O (point 8): a count mismatch answers that pool
+        all ``False`` (logged, as SGLang's HiCacheFile does); bad host indices raise."""
+        plan = []
+        for t in transfers:
+            name = pool_name(t.name)
+            adapter = self._adapter(op, name)
+            keys = list(t.keys or [])
+            page_size = adapter.page_size if adapter is not None else self.page_size
+            expected = len(keys) * page_size
+            got = t.host_indices.numel() if isinstance(t.host_indices, torch.Tensor) else None
+            if got != expected:
+                logger.error(
+                    "hicache-rs %s: pool %r has %d keys, which need %d host indices; got %s",
+                    op, name, len(keys), expected, got,
+                )
+                results[name] = [False] * len(keys)
+                continue
+            if adapter is None:
+                _check_host_indices(f"{op} (pool 'kv')", keys, t.host_indices, self.page_size,
+                                    self.pool_tokens)
+                plan.append((name, None, keys, [], []))
+                continue
+            ptrs, sizes = adapter.pieces(f"{op} (pool {name!r})", keys, t.host_indices,
+                                         _check_host_indices)
+            plan.append((name, adapter, keys, ptrs, sizes))
+        return plan
+
+    def batch_get_v2(
+        self,
+        transfers: List[Any],
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> Dict[str, List[bool]]:
+        """Point 10: reads each transfer's pages in place into its pool; one bool per key."""
+        store = self._ready("batch_get_v2")
+        results: Dict[str, List[bool]] = {}
+        plan = self._v2_plan("batch_get_v2", list(transfers or []), results)
+        ctx = _context(extra_info)
+        start = time.perf_counter()
+        pages = nbytes = 0
+        for name, adapter, keys, ptrs, sizes in plan:
+            if adapter is None or not keys:
+                results[name] = [True] * len(keys)
+                continue
+            hits = self._call(store, "batch_get_v2", lambda: store.batch_get_into(
+                adapter.namespace, keys, adapter.store_layout, ptrs, sizes,
+                adapter.kv_interleaved, **ctx))
+            results[name] = hits if hits is not None else [False] * len(keys)
+            pages += sum(results[name])
+            nbytes += sum(results[name]) * adapter.page_bytes
+        if pages:
+            self._record(self._prefetch_pgs, self._prefetch_bw, pages, start, nbytes)
+        return results
+
+    def batch_set_v2(
+        self,
+        transfers: List[Any],
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> Dict[str, List[bool]]:
+        """Point 10: writes each transfer's pages in place from its pool; one bool per key.
+        On an MLA rank that is not the storage writer, pools shared by the TP ranks are not
+        written (reported done) while TP-sharded ones (Mamba state) are (point 5)."""
+        store = self._ready("batch_set_v2")
+        results: Dict[str, List[bool]] = {}
+        plan = self._v2_plan("batch_set_v2", list(transfers or []), results)
+        ctx = _context(extra_info)
+        writer = self.storage_config.is_storage_writer
+        start = time.perf_counter()
+        pages = nbytes = 0
+        for name, adapter, keys, ptrs, sizes in plan:
+            if adapter is None or not keys or (not writer and not adapter.sharded):
+                results[name] = [True] * len(keys)
+                continue
+            ok = self._call(store, "batch_set_v2", lambda: store.batch_set_from(
+                adapter.namespace, keys, adapter.store_layout, ptrs, sizes,
+                adapter.kv_interleaved, **ctx))
+            results[name] = ok if ok is not None else [False] * len(keys)
+            self._remember(adapter.namespace, [k for k, s in zip(keys, results[name]) if s])
+            pages += sum(results[name])
+            nbytes += sum(results[name]) * adapter.page_bytes
+        if pages:
+            self._record(self._backup_pgs, self._backup_bw, pages, start, nbytes)
+        return results
 
     # ---- legacy tensor interface ---------------------------------------------------------
 
@@ -470,8 +797,9 @@ class HiCacheRsStorage(HiCacheStorage):
     ) -> List[Optional[torch.Tensor]]:
         """Reads pages into flat page tensors (new ones from the pool when none are given)."""
         store = self._ready("batch_get")
+        kv_pool = self._kv("batch_get").pool
         if target_locations is None:
-            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+            target_locations = [kv_pool.get_dummy_flat_data_page() for _ in keys]
         if len(target_locations) != len(keys):
             raise ValueError(
                 f"batch_get: {len(keys)} keys and {len(target_locations)} target tensors"
@@ -513,6 +841,7 @@ class HiCacheRsStorage(HiCacheStorage):
     ) -> bool:
         """Writes flat page tensors; ``True`` when every page is stored (or already was)."""
         store = self._ready("batch_set")
+        self._kv("batch_set")
         if values is None or len(values) != len(keys):
             raise ValueError(
                 f"batch_set: {len(keys)} keys and "
@@ -528,7 +857,7 @@ class HiCacheRsStorage(HiCacheStorage):
             self.namespace, keys, self.layout, src))
         if ok is None:
             return False
-        self._remember([k for k, s in zip(keys, ok) if s])
+        self._remember(self.namespace, [k for k, s in zip(keys, ok) if s])
         return all(ok)
 
     def set(
@@ -547,31 +876,39 @@ class HiCacheRsStorage(HiCacheStorage):
 
     # ---- lifecycle and metrics ------------------------------------------------------------
 
-    def _remember(self, keys: List[str]) -> None:
+    def _remember(self, namespace: str, keys: List[str]) -> None:
         with self._lock:
-            self._stored.update(keys)
+            self._stored.update((namespace, k) for k in keys)
 
-    def _record(self, pgs: list, bw: list, pages: int, start: float) -> None:
+    def _record(self, pgs: list, bw: list, pages: int, start: float, nbytes: int) -> None:
         if not self.storage_config.enable_storage_metrics:
             return
         elapsed = max(time.perf_counter() - start, 1e-9)
         with self._lock:
             pgs.append(pages)
-            bw.append(pages * self.page_bytes / elapsed / 1e9)
+            bw.append(nbytes / elapsed / 1e9)
 
     def clear(self) -> None:
-        """Removes every page of this instance's namespace from the backend: pages written by
-        this process, by other processes sharing the storage, and before a restart (file,
-        uring, redis and memory backends, and plugins that clear (ABI 1.2), whose
-        ``info()["clear"]`` is true). A backend without a
-        namespace-wide clear gets the pages this instance stored deleted instead."""
+        """Removes every page of this instance's namespaces (the KV pool's and every
+        registered sidecar pool's) from the backend: pages written by this process, by other
+        processes sharing the storage, and before a restart (file, uring, redis and memory
+        backends, and plugins that clear (ABI 1.2), whose ``info()["clear"]`` is true). A
+        backend without a namespace-wide clear gets the pages this instance stored deleted
+        instead."""
         store = self._ready("clear")
         with self._lock:
-            keys, self._stored = list(self._stored), set()
+            stored, self._stored = list(self._stored), set()
+        with self._attach_lock:
+            namespaces = sorted({a.namespace for a in self._pools.values()})
         if store.info().get("clear"):
-            store.clear(self.namespace)
-        elif keys:
-            store.delete(self.namespace, keys)
+            for ns in namespaces:
+                store.clear(ns)
+            return
+        by_ns: Dict[str, List[str]] = {}
+        for ns, key in stored:
+            by_ns.setdefault(ns, []).append(key)
+        for ns, keys in by_ns.items():
+            store.delete(ns, keys)
 
     def get_stats(self):
         """SGLang's ``StorageMetrics`` (pages and GB/s per call since the last call), or
