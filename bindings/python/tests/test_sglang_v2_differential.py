@@ -53,7 +53,6 @@ SEEDS = range(20)
 OPS = 30
 CHAINS = 2
 PAGES = 8
-SIDECARS = (MAMBA, INDEXER)
 POLICIES = (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES)
 
 
@@ -65,24 +64,28 @@ def backend_name(request):
 class World:
     """The pools, the chains, their source slots and each side's destination slots."""
 
-    def __init__(self, tag):
-        self.pools = PoolSet(kv_pages=(CHAINS + 2) * PAGES + 2, mamba_slots=(CHAINS + 2) * PAGES + 2)
+    def __init__(self, tag, kind="dsa"):
+        self.pools = PoolSet(kv_pages=(CHAINS + 2) * PAGES + 2,
+                             mamba_slots=(CHAINS + 2) * PAGES + 2, kind=kind)
+        self.side = self.pools.side
+        self.sidecars = (MAMBA, self.side)
         self.chains = [chain(f"{tag}/{c}", PAGES) for c in range(CHAINS)]
-        # Source slots: one page per chain page in the KV pool (the indexer shares them:
-        # indices_from_pool=KV) and one Mamba slot per chain page.
-        self.src = {}
+        # Source slots: one page per chain page in the KV pool (a KV-derived sidecar shares
+        # them: indices_from_pool=KV; another has its own) and one Mamba slot per chain page.
+        self.src = {c: self._slots() for c in range(CHAINS)}
         for c, keys in enumerate(self.chains):
-            kv = self.pools.alloc_pages(KV, PAGES)
-            mamba = self.pools.alloc_pages(MAMBA, PAGES)
-            fill(self.pools, KV, kv, keys)
-            fill(self.pools, INDEXER, kv, keys)
-            fill(self.pools, MAMBA, mamba, keys)
-            self.src[c] = {KV: kv, INDEXER: kv, MAMBA: mamba}
+            for name, idx in self.src[c].items():
+                fill(self.pools, name, idx, keys)
         # Destination slots of each side, PAGES pages per pool.
-        self.dst = {}
-        for side in ("ref", "ours"):
-            kv = self.pools.alloc_pages(KV, PAGES)
-            self.dst[side] = {KV: kv, INDEXER: kv, MAMBA: self.pools.alloc_pages(MAMBA, PAGES)}
+        self.dst = {side: self._slots() for side in ("ref", "ours")}
+
+    def _slots(self):
+        kv = self.pools.alloc_pages(KV, PAGES)
+        side = kv if self.pools.side_derived else self.pools.alloc_pages(self.side, PAGES)
+        return {KV: kv, self.side: side, MAMBA: self.pools.alloc_pages(MAMBA, PAGES)}
+
+    def derived(self, name):
+        return KV if name == self.side and self.pools.side_derived else None
 
     def slots(self, table, name, pages):
         """The host indices of ``pages`` (positions) in ``table[name]``."""
@@ -100,19 +103,19 @@ def random_pages(rng):
     return sorted(rng.sample(range(PAGES), rng.randrange(1, PAGES + 1))), False
 
 
-def components(rng):
-    names = [n for n in (KV, MAMBA, INDEXER) if rng.random() < 0.6]
-    return names or [rng.choice((KV, MAMBA, INDEXER))]
+def components(w, rng):
+    names = [n for n in (KV, MAMBA, w.side) if rng.random() < 0.6]
+    return names or [rng.choice((KV, MAMBA, w.side))]
 
 
 def op_set(w, rng, ref, ours, log):
     c = rng.randrange(CHAINS)
     pages, contiguous = random_pages(rng)
     keys = [w.chains[c][p] for p in pages]
-    names = components(rng)
+    names = components(w, rng)
     prefix = w.chains[c][:pages[0]] if contiguous and rng.random() < 0.5 else None
-    transfers = [transfer(n, keys, w.slots(w.src[c], n, pages),
-                          indices_from_pool=KV if n == INDEXER else None) for n in names]
+    transfers = [transfer(n, keys, w.slots(w.src[c], n, pages), indices_from_pool=w.derived(n))
+                 for n in names]
     if rng.random() < 0.05:
         # A host-index count that does not match the keys: that pool all False, on both.
         t = rng.choice(transfers)
@@ -123,9 +126,9 @@ def op_set(w, rng, ref, ours, log):
     assert b == a, log
 
 
-def exists_transfers(rng, keys):
+def exists_transfers(w, rng, keys):
     out = []
-    for n in rng.sample(SIDECARS, rng.randrange(len(SIDECARS) + 1)):
+    for n in rng.sample(w.sidecars, rng.randrange(len(w.sidecars) + 1)):
         policy = rng.choice(POLICIES)
         if rng.random() < 0.15:
             # No keys: SGLang's KV-derived sidecars at query time; a window of 1 for
@@ -145,7 +148,7 @@ def op_exists(w, rng, ref, ours, log):
     b = rng.randrange(a, PAGES + 1) if rng.random() < 0.3 else PAGES
     keys = w.chains[c][a:b]
     prefix = w.chains[c][:a] if rng.random() < 0.7 else None
-    transfers = exists_transfers(rng, keys)
+    transfers = exists_transfers(w, rng, keys)
     log.append(("exists", c, a, b, [(t.name.value, t.hit_policy.value, None if t.keys is None else len(t.keys)) for t in transfers]))
     want = result_tuple(ref.batch_exists_v2(keys, transfers, info(prefix)))
     got = result_tuple(ours.batch_exists_v2(keys, transfers, info(prefix)))
@@ -156,7 +159,7 @@ def op_get(w, rng, ref, ours, log):
     c = rng.randrange(CHAINS)
     pages, contiguous = random_pages(rng)
     keys = [w.chains[c][p] for p in pages]
-    names = components(rng)
+    names = components(w, rng)
     prefix = w.chains[c][:pages[0]] if contiguous and rng.random() < 0.5 else None
     log.append(("get", c, pages, [n.value for n in names]))
     answers = {}
@@ -167,7 +170,7 @@ def op_get(w, rng, ref, ours, log):
         for n in names:
             idx = w.slots(dst, n, positions)
             zero(w.pools, n, idx)
-            transfers.append(transfer(n, keys, idx, indices_from_pool=KV if n == INDEXER else None))
+            transfers.append(transfer(n, keys, idx, indices_from_pool=w.derived(n)))
         answers[side] = plain(backend.batch_get_v2(transfers, info(prefix)))
         # Every page reported read holds exactly the bytes written for its key.
         for t in transfers:
@@ -183,11 +186,14 @@ def op_get(w, rng, ref, ours, log):
 OPS_TABLE = (op_set, op_set, op_exists, op_exists, op_exists, op_get)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_random_sequences_match_hicache_file(seed, backend_name, request, tmp_path):
+@pytest.mark.parametrize("kind,seed", [("dsa", s) for s in SEEDS]
+                         + [("mha-swa", s) for s in SEEDS[::2]])
+def test_random_sequences_match_hicache_file(kind, seed, backend_name, request, tmp_path):
+    """``dsa``: MLA KV + KV-derived DSA indexer + Mamba; ``mha-swa``: MHA KV (layer_first) +
+    an SWA pool with its own indices + Mamba (half the seeds)."""
     extra = ours_config(backend_name, request, tmp_path)
     extra["_selfcheck_dir"] = str(tmp_path / "self")
-    w = World(f"{backend_name}/{seed}/{tmp_path.name}")
+    w = World(f"{kind}/{backend_name}/{seed}/{tmp_path.name}", kind)
     ref = make_reference(w.pools, tmp_path / "ref")
     ours = make_ours(w.pools, extra)
     rng = random.Random(seed)
@@ -200,7 +206,7 @@ def test_random_sequences_match_hicache_file(seed, backend_name, request, tmp_pa
             keys = w.chains[c]
             for policy in POLICIES:
                 ts = [transfer(n, keys if policy == PoolHitPolicy.ALL_PAGES else keys[-2:],
-                               policy=policy) for n in SIDECARS]
+                               policy=policy) for n in w.sidecars]
                 want = result_tuple(ref.batch_exists_v2(keys, ts, info([])))
                 assert result_tuple(ours.batch_exists_v2(keys, ts, info([]))) == want, log
     finally:

@@ -30,7 +30,7 @@ from sglang_pools import storage_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
-KV, MAMBA, INDEXER = PoolName.KV, PoolName.MAMBA, PoolName.INDEXER
+KV, MAMBA, INDEXER, SWA = PoolName.KV, PoolName.MAMBA, PoolName.INDEXER, PoolName.SWA
 
 DYNAMIC = {
     "backend_name": "hicache_rs",
@@ -47,21 +47,37 @@ BACKENDS = ("memory", "file", "uring", "redis", "rdma", "plugin")
 
 
 class PoolSet:
-    """SGLang's real hybrid host pools on CPU (``sglang_pools``): the MLA KV host pool of a
-    DSA model (the anchor, 64-token pages), its DSA indexer pool (KV-derived: same host
-    indices, ALL_PAGES) and a Mamba state pool (page size 1, TRAILING_PAGES)."""
+    """SGLang's real hybrid host pools on CPU (``sglang_pools``), two shapes of hybrid model:
 
-    def __init__(self, kv_pages=32, mamba_slots=32, layout="page_first"):
-        self.kv, self.indexer = sglang_pools.dsa_pools(
-            layout, layers=2, device_tokens=kv_pages * sglang_pools.DSA_PAGE_SIZE // 2)
+    - ``"dsa"``: the MLA KV host pool of a DSA model (the anchor, 64-token pages, page_first),
+      its DSA indexer pool (KV-derived: same host indices) and a Mamba state pool;
+    - ``"mha-swa"``: an MHA KV host pool (layer_first, 4-token pages), a sliding-window
+      ``swa`` pool with host indices of its own (page_first) and a Mamba state pool.
+
+    ``side`` names the paged sidecar; ``side_derived`` says whether it rides on the KV
+    indices. The Mamba pool has page size 1."""
+
+    def __init__(self, kv_pages=32, mamba_slots=32, layout="page_first", kind="dsa"):
+        self.kind = kind
+        if kind == "dsa":
+            self.kv, side = sglang_pools.dsa_pools(
+                layout, layers=2, device_tokens=kv_pages * sglang_pools.DSA_PAGE_SIZE // 2)
+            self.side, self.side_derived, self.mla = INDEXER, True, True
+        else:
+            ps = 4
+            self.kv = sglang_pools.mha_pool("layer_first", layers=2, heads=1, head_dim=8,
+                                            page_size=ps, device_tokens=kv_pages * ps // 2)
+            side = sglang_pools.swa_pool("page_first", page_size=ps,
+                                         device_tokens=kv_pages * ps // 2)
+            self.side, self.side_derived, self.mla = SWA, False, False
+        self.indexer = side  # the paged sidecar, whatever its name
         self.mamba = sglang_pools.mamba_pool(layout, layers=2, slots=mamba_slots // 2 + 1)
-        self.by_name = {KV: self.kv, MAMBA: self.mamba, INDEXER: self.indexer}
+        self.by_name = {KV: self.kv, MAMBA: self.mamba, self.side: side}
         self.page_size = self.kv.page_size
-        self.mla = True
 
     def entries(self):
         """(name, pool) in SGLang's registration order: the anchor first."""
-        return [(KV, self.kv), (INDEXER, self.indexer), (MAMBA, self.mamba)]
+        return [(KV, self.kv), (self.side, self.indexer), (MAMBA, self.mamba)]
 
     def pool(self, name):
         return self.by_name[PoolName(name)]
@@ -113,7 +129,7 @@ def zero(pools, name, host_indices):
         write_page(p, start, z)
 
 
-def chain(tag, pages, page_size=sglang_pools.DSA_PAGE_SIZE):
+def chain(tag, pages, page_size=4):
     """A chain of SGLang page hashes (hex strings), distinct per ``tag``."""
     from hicache_rs import sglang_page_hashes
 
