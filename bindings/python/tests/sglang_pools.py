@@ -118,17 +118,22 @@ def set_parallel(tp=(0, 1), pp=(0, 1)):
 
 
 def mamba_pool(layout="page_first", layers=2, slots=8, temporal=(4, 8), convs=((6, 3), (5,)),
-               temporal_dtype=torch.float32, conv_dtype=torch.bfloat16, ratio=2.0):
+               temporal_dtype=torch.float32, conv_dtype=torch.bfloat16, ratio=2.0,
+               side_state=None):
     """SGLang's real MambaPoolHost (page_size 1: one state slot per page). Its device-side
     input is SGLang's own MambaStateBufferInfo over CPU tensors ([layer, slot, *shape]):
     nothing replaced. Pages are several pieces of different sizes: the temporal (SSM) state,
-    then each conv state."""
+    then each conv state. ``side_state``: the shape of one slot's registered side state
+    (``extra_checkpoint_buffers``), for which SGLang gives no zero-copy pieces."""
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
+    extra = () if side_state is None else (
+        torch.zeros((slots + 1,) + tuple(side_state), dtype=torch.float32),)
     info = MambaStateBufferInfo(
         temporal=torch.zeros((layers, slots + 1) + tuple(temporal), dtype=temporal_dtype),
         conv=tuple(torch.zeros((layers, slots + 1) + tuple(c), dtype=conv_dtype) for c in convs),
+        extra_checkpoint_buffers=extra,
     )
     pool = MambaPoolHost(info, ratio, 0, device_capacity=slots, pin_memory=False,
                          device="cpu", layout=layout)

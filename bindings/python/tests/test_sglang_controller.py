@@ -119,3 +119,73 @@ def test_backup_hit_query_and_prefetch_round_trip(kind, layout, tmp_path):
         cc.detach_storage_backend()
     # Detach closed the backend.
     assert cc.storage_backend is None
+
+
+def test_the_hybrid_controllers_attach_registers_every_pool(tmp_path):
+    """SGLang's own attach order for a hybrid group: the anchor through
+    register_mem_pool_host, every group entry (KV included) through
+    register_mem_host_pool_v2, then on_host_pools_registered; a sidecar added later arrives
+    through v2 alone (register_host_pool_entry). SGLang's backup thread then writes a Mamba
+    state through batch_set_v2 next to the KV pages (batch_set_v1)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer
+    from sglang_pools import fill_pool_pages, mamba_pool, page_pieces, swa_pool
+
+    pool = make_pool("mha", "page_first", device_tokens=256)
+    mamba = mamba_pool()
+    runtime_context.get_parallel().override_permanently(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_rank=0, attn_dcp_size=1
+    )
+    group = HostPoolGroup([
+        PoolEntry(name=PoolName.KV, host_pool=pool, device_pool=None,
+                  layer_mapper=lambda i: i, is_primary_index_anchor=True),
+        PoolEntry(name=PoolName.MAMBA, host_pool=mamba, device_pool=None,
+                  layer_mapper=lambda i: i),
+    ])
+    extra, threshold, *_ = HybridCacheController.parse_storage_backend_extra_config(json.dumps({
+        "backend_name": "hicache_rs", "module_path": "hicache_rs.sglang",
+        "class_name": "HiCacheRsStorage", "interface_v1": 1, "prefetch_threshold": pool.page_size,
+        "backend": "file", "dir": str(tmp_path / "l3"),
+    }))
+    cc = HybridCacheController(
+        Allocator(DevicePool(pool.layer_num)), group, pool.page_size, tp_group=None,
+        load_cache_event=threading.Event(), io_backend="direct", storage_backend="dynamic",
+        prefetch_threshold=threshold, model_name="org/model", storage_backend_extra_config=extra,
+    )
+    try:
+        backend = cc.storage_backend
+        assert isinstance(backend, HiCacheRsStorage)
+        assert sorted(backend._pools) == ["kv", "mamba"]
+        assert backend._pools["kv"].pool is pool and backend._pools["mamba"].pool is mamba
+        # Backup through SGLang's backup thread: the Mamba state of the last page goes through
+        # batch_set_v2, the KV pages through batch_set_v1; then SGLang's hit query
+        # (batch_exists_v2) sees both.
+        ps = pool.page_size
+        tokens = list(range(3, 3 + 4 * ps))
+        hashes = get_storage_hash_str(tokens, None, page_size=ps)
+        src = pool.alloc(4 * ps)
+        fill_pages(pool, src, seed=5)
+        slot = torch.tensor([2], dtype=torch.int64)
+        fill_pool_pages(mamba, slot, seed=6)
+        state = page_pieces(mamba, slot)
+        mt = PoolTransfer(name=PoolName.MAMBA, host_indices=slot, keys=hashes[-1:],
+                          hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        cc.write_storage(src, tokens, hash_value=hashes, extra_pools=[mt])
+        op = cc.ack_backup_queue.get(timeout=TIMEOUT)
+        assert op.completed_tokens == 4 * ps
+        assert backend._store.batch_exists_each(backend._pools["mamba"].namespace, hashes) == [
+            False, False, False, True]
+        res = backend.batch_exists_v2(hashes, [PoolTransfer(
+            name=PoolName.MAMBA, keys=hashes[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+        assert (res.kv_hit_pages, res.restorable_prefix_pages) == (4, [4])
+        mamba.temporal_buffer.zero_()
+        for c in mamba.conv_buffer:
+            c.zero_()
+        assert backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=slot,
+                                                  keys=hashes[-1:])]) == {"mamba": [True]}
+        assert page_pieces(mamba, slot) == state
+        swa = swa_pool()
+        cc.register_host_pool_entry(PoolEntry(name=PoolName.SWA, host_pool=swa,
+                                              device_pool=None, layer_mapper=lambda i: i))
+        assert backend._pools["swa"].pool is swa
+    finally:
+        cc.detach_storage_backend()

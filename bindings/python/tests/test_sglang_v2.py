@@ -98,11 +98,32 @@ BACKENDS = {
 }
 
 
-@pytest.fixture(params=["memory", "file", "uring", "rdma", "redis"])
+def c_memory_plugin(tmp_path):
+    """The C example plugin (backends/plugin/examples/c) built with the system's C compiler,
+    as the plugin tests build it."""
+    import os
+    import shutil
+    import subprocess
+
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the example plugin")
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "..", "backends", "plugin")
+    out = str(tmp_path / "libhicache_c_memory.so")
+    subprocess.run([cc, "-std=c11", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
+                    "-I", os.path.join(root, "include"), "-o", out,
+                    os.path.join(root, "examples", "c", "memory_plugin.c"), "-lpthread"],
+                   check=True)
+    return out
+
+
+@pytest.fixture(params=["memory", "file", "uring", "rdma", "redis", "plugin"])
 def ours(request, tmp_path):
     if request.param == "redis":
         return {"backend": "redis", "nodes": [request.getfixturevalue("redis_server")],
                 "cluster": False, "key_prefix": f"v2{id(tmp_path)}:"}
+    if request.param == "plugin":
+        return {"backend": "plugin", "plugin_path": c_memory_plugin(tmp_path)}
     return BACKENDS[request.param](tmp_path)
 
 
@@ -241,16 +262,46 @@ def test_pools_sglang_cannot_store_are_refused_with_its_reason():
     b = attach({"backend": "memory"}, kv, {})
     with pytest.raises(ValueError, match="scales live outside kv_buffer"):
         b.register_mem_host_pool_v2(mxfp8_pool(), PoolName.SWA)
-    lf = make_pool("mha", "layer_first")
-    with pytest.raises(ValueError, match="Unsupported zero-copy layout: layer_first"):
-        b.register_mem_host_pool_v2(nvfp4_index_pool(lf, layout="layer_first"),
-                                    PoolName.INDEXER)
     with pytest.raises(ValueError, match="already registered"):
         b.register_mem_host_pool_v2(make_pool("mha", "page_first"), PoolName.KV)
     with pytest.raises(ValueError, match="no page memory"):
         b.register_mem_host_pool_v2(logical_anchor(), PoolName.MAMBA)
     with pytest.raises(ValueError, match="not registered"):
         b.batch_get_v2([transfer("mamba", mamba_pool(), keys(1), [1])])
+    b.close()
+
+
+def test_pools_without_pieces_move_as_flat_page_copies(tmp_path):
+    # SGLang gives no zero-copy pieces for a Mamba pool with slot side states nor for NVFP4
+    # rows in layer_first, but its own flat data pages work (HiCacheFile stores them so).
+    kv = make_pool("mha", "layer_first")
+    side = mamba_pool(side_state=(3,))
+    rows = nvfp4_index_pool(kv, layout="layer_first")
+    for pool, match in ((side, "side states"), (rows, "zero-copy layout")):
+        with pytest.raises(Exception, match=match):
+            pool.get_page_buffer_meta(page_indices(pool, [1]))
+    b = attach(BACKENDS["file"](tmp_path), kv, {PoolName.MAMBA: side, PoolName.INDEXER: rows})
+    assert b._pools["mamba"].copy and b._pools["indexer"].copy
+    ks = keys(2)
+    written = {}
+    for name, pool in (("mamba", side), ("indexer", rows)):
+        written[name] = fill_pool_pages(pool, page_indices(pool, [1, 2]), seed=7)
+    assert b.batch_set_v2([transfer("mamba", side, ks, [1, 2]),
+                           transfer("indexer", rows, ks, [1, 2])]) == {
+        "mamba": [True, True], "indexer": [True, True]}
+    zero_buffers(rows)
+    for t in side.slot_state_buffers:
+        t.zero_()
+    zero_buffers(side)
+    assert b.batch_get_v2([transfer("mamba", side, ks + keys(1, start=99), [3, 0, 4]),
+                           transfer("indexer", rows, ks, [3, 0])]) == {
+        "mamba": [True, True, False], "indexer": [True, True]}
+    for name, pool in (("mamba", side), ("indexer", rows)):
+        got = read_pool_pages(pool, page_indices(pool, [3, 0]))
+        assert all(same(a, w) for a, w in zip(got, written[name])), name
+    with pytest.raises(ValueError, match="outside the host pool"):
+        b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([99]),
+                                     keys=ks[:1])])
     b.close()
 
 
@@ -337,10 +388,13 @@ def test_bad_host_indices_in_a_v2_transfer_raise_before_anything_is_written():
     b.close()
 
 
-def test_clear_removes_every_pools_pages():
+@pytest.mark.parametrize("backend", ["memory", "rdma"])
+def test_clear_removes_every_pools_pages(backend, tmp_path):
+    # memory clears whole namespaces; rdma has no namespace-wide clear and deletes what this
+    # instance stored, per pool.
     kv = make_pool("mha", "page_first")
     m = mamba_pool()
-    b = attach({"backend": "memory"}, kv, {PoolName.MAMBA: m}, metrics=True)
+    b = attach(BACKENDS[backend](tmp_path), kv, {PoolName.MAMBA: m}, metrics=True)
     ks = keys(2)
     b.batch_set_v2([transfer("kv", kv, ks, [1, 2]), transfer("mamba", m, ks, [1, 2])])
     stats = b.get_stats()

@@ -10,20 +10,27 @@ auxiliary_swa, indexer, the deepseek_v4_* pools, draft, draft_indexer, draft_swa
    K0, V0, K1, ... pieces are stored K then V (as the v1 path stores them).
 2. A pool SGLang itself cannot store is refused at registration with SGLang's own reason: the
    adapter asks the pool for the pieces of its first and last page, and whatever SGLang raises
-   (MXFP8 pools: scales outside ``kv_buffer``; NVFP4 and Mamba pools in a ``layer_first``
-   layout; Mamba pools with slot side states) becomes a ``ValueError`` quoting it.
+   (MXFP8 pools: scales outside ``kv_buffer``; NVFP4 pools in a ``layer_first`` layout;
+   Mamba pools with slot side states) becomes a ``ValueError`` quoting it, unless the flat
+   data pages work (point 7).
 3. Regions: the CPU tensors the pool's pieces may point into (``kv_buffer`` and the pool
-   kinds' own buffers: ``temporal_buffer``, ``conv_buffer``, ``index_k_with_scale_buffer``),
-   each as the whole allocation behind it. Every probed piece must lie inside them, or the
-   pool is refused; the native store is given them (``Store.add_allowed_regions``) and
-   refuses, at every call, any piece outside registered memory.
+   kinds' own buffers: ``temporal_buffer``, ``conv_buffer``, ``index_k_with_scale_buffer``,
+   the unified pools' ``_host_page_buffer_view``), each as the whole allocation behind it.
+   Every probed piece must lie inside them, or the pool is refused; the native store is given
+   them (``Store.add_allowed_regions``) and refuses, at every call, any piece outside
+   registered memory.
 4. Host indices of every transfer are checked against the pool's page size and size
-   (``check_host_indices``) before any pointer is made.
+   (``sglang._check_host_indices``) before any pointer is made.
 5. The geometry fingerprint (class, layout, page size, the byte sizes of a page's pieces,
    dtypes, layer count, storage format tag) is part of the pool's namespace: a pool whose
    shape changed never serves old bytes.
 6. TP sharding follows SGLang's HiCacheFile: every pool of an MHA model is per TP rank; on an
    MLA model the pools are shared by the TP ranks except Mamba state, which is per rank.
+7. A pool SGLang gives no pieces for but whose flat data pages it reads and writes
+   (``get_data_page`` / ``set_from_flat_data_page``, as its HiCacheFile stores every pool:
+   Mamba pools with slot side states, NVFP4 page rows in ``layer_first``) moves its pages as
+   copies of those flat pages; only a pool whose flat pages SGLang refuses too (MXFP8 KV) is
+   refused, with SGLang's reasons.
 """
 
 from __future__ import annotations
@@ -33,7 +40,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 #: Host pool attributes holding the tensors a pool's pieces point into (point 3).
-BUFFER_ATTRS = ("kv_buffer", "temporal_buffer", "conv_buffer", "index_k_with_scale_buffer")
+BUFFER_ATTRS = (
+    "kv_buffer", "temporal_buffer", "conv_buffer", "index_k_with_scale_buffer",
+    "_host_page_buffer_view",
+)
 
 #: Attributes whose values describe a pool's bytes (point 5), when present.
 GEOMETRY_ATTRS = (
@@ -114,6 +124,7 @@ class PoolAdapter:
                  is_mla_model: bool = False):
         self.name = name
         self.pool = pool
+        self._is_mla_model = is_mla_model
         for attr in ("page_size", "size", "layout"):
             if getattr(pool, attr, None) is None:
                 raise ValueError(
@@ -129,6 +140,9 @@ class PoolAdapter:
                 "hold no whole page"
             )
         self.kv_interleaved = kv_interleaved
+        #: Whether pages move as copies of SGLang's flat data page (point 7) instead of in
+        #: place through pieces.
+        self.copy = False
         self.regions = buffer_regions(pool)
         if not self.regions:
             raise ValueError(
@@ -138,8 +152,12 @@ class PoolAdapter:
         first = torch.arange(0, self.page_size, dtype=torch.int64)
         last_start = (self.size // self.page_size - 1) * self.page_size
         last = torch.arange(last_start, last_start + self.page_size, dtype=torch.int64)
-        ptrs, sizes = probe_pieces(name, pool, first)
-        lptrs, lsizes = probe_pieces(name, pool, last)
+        try:
+            ptrs, sizes = probe_pieces(name, pool, first)
+            lptrs, lsizes = probe_pieces(name, pool, last)
+        except ValueError as refusal:
+            self._init_copy(refusal)
+            return
         if not sizes or sizes != lsizes:
             raise ValueError(
                 f"host pool {name!r} ({type(pool).__name__}): its first and last pages have "
@@ -155,8 +173,34 @@ class PoolAdapter:
                 )
         self.piece_sizes = sizes
         self.page_bytes = sum(sizes)
-        self.sharded = (not is_mla_model) or name == "mamba"
+        self._finish(is_mla_model)
+
+    def _init_copy(self, refusal: ValueError) -> None:
+        """Point 7: no pieces, but SGLang's flat data pages work: pages move as copies (no
+        pointer of the pool reaches the native store). Otherwise SGLang's refusal stands."""
+        try:
+            flat = self.pool.get_data_page(0, flat=True)
+            dummy = self.pool.get_dummy_flat_data_page()
+        except Exception as e:  # SGLang's own refusal, whatever its type
+            raise ValueError(f"{refusal}; its flat data pages are refused too: {e}") from e
+        nbytes = int(flat.numel() * flat.element_size())
+        if nbytes == 0 or nbytes != int(dummy.numel() * dummy.element_size()):
+            raise refusal
+        self.copy = True
+        self.regions = []
+        self.piece_sizes = [nbytes]
+        self.page_bytes = nbytes
+        self._finish(self._is_mla_model)
+
+    def _finish(self, is_mla_model: bool) -> None:
+        """Sharding (point 6), fingerprint (point 5) and the fields the storage class sets."""
+        self.sharded = (not is_mla_model) or self.name == "mamba"
         self.fingerprint = self._fingerprint()
+        #: The namespace the pool's pages are stored under (set by the storage class, which
+        #: knows the deployment: model, ranks, tenant).
+        self.namespace = ""
+        #: The layout named to the native store with every call.
+        self.store_layout = self.namespace_layout
 
     def _fingerprint(self) -> str:
         parts = [
@@ -164,7 +208,7 @@ class PoolAdapter:
             f"class={type(self.pool).__name__}",
             f"layout={self.layout}",
             f"page={self.page_size}",
-            "pieces=" + ",".join(str(s) for s in self.piece_sizes),
+            ("flat=" if self.copy else "pieces=") + ",".join(str(s) for s in self.piece_sizes),
         ]
         for attr in GEOMETRY_ATTRS:
             v = getattr(self.pool, attr, None)
@@ -185,6 +229,9 @@ class PoolAdapter:
         check(op, keys, host_indices, self.page_size, self.size)
         if not keys:
             return [], []
+        if self.copy:
+            # Point 7: the page starts, for get_data_page / set_from_flat_data_page.
+            return [int(i) for i in host_indices[:: self.page_size].tolist()], []
         ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
         per_page = len(self.piece_sizes)
         if len(ptrs) != len(keys) * per_page or len(sizes) != len(ptrs):

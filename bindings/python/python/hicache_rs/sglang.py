@@ -72,7 +72,8 @@ Model of the class (each point is kept by the code named in it):
    (``register_mem_pool_host`` with the KV pool) works exactly as without v2.
 10. v2 I/O: ``batch_exists_v2`` has SGLang's HiCacheFile semantics (``hicache_rs.hit_policy``,
    including ``block_groups``, which HiCacheFile lacks); per-key presence of a pool comes from
-   ``Store.batch_exists_each``. ``batch_get_v2``/``batch_set_v2`` answer one bool per key and
+   ``Store.batch_exists_each``. A pool SGLang gives no pieces for but whose flat data pages
+   work (``hicache_rs.pools`` point 7) moves its pages as ``bytes`` copies through those. ``batch_get_v2``/``batch_set_v2`` answer one bool per key and
    pool; a transfer whose index count does not match its keys is logged and answered all
    ``False`` (as HiCacheFile does); an unregistered pool or bad host indices raise. Metrics
    count v2 pages with the v1 ones; ``clear`` covers every registered pool's namespace.
@@ -364,6 +365,11 @@ class HiCacheRsStorage(HiCacheStorage):
         self.kv_interleaved = kind == "mha" and layout == "layer_first"
         adapter = PoolAdapter("kv", pool, kv_interleaved=self.kv_interleaved,
                               is_mla_model=self.mla)
+        if adapter.copy:
+            raise ValueError(
+                f"host pool 'kv' ({type(pool).__name__}): SGLang gives no page pieces for it "
+                "(get_page_buffer_meta), which the KV pool's zero-copy calls need"
+            )
         self.layout = layout
         self.page_size = int(pool.page_size)
         self.pool_tokens = int(pool.size)
@@ -448,8 +454,9 @@ class HiCacheRsStorage(HiCacheStorage):
                 adapter.namespace = self._pool_namespace(adapter)
                 adapter.store_layout = adapter.namespace_layout
                 store = self._open_store(adapter.page_bytes, adapter.store_layout)
-                store.add_allowed_regions(adapter.regions)
-                self._registered_once = True
+                if adapter.regions:
+                    store.add_allowed_regions(adapter.regions)
+                    self._registered_once = True
                 self._pools[name] = adapter
             super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
@@ -735,15 +742,35 @@ class HiCacheRsStorage(HiCacheStorage):
             if adapter is None or not keys:
                 results[name] = [True] * len(keys)
                 continue
-            hits = self._call(store, "batch_get_v2", lambda: store.batch_get_into(
-                adapter.namespace, keys, adapter.store_layout, ptrs, sizes,
-                adapter.kv_interleaved, **ctx))
+            if adapter.copy:
+                hits = self._copy_in(store, adapter, keys, ptrs)
+            else:
+                hits = self._call(store, "batch_get_v2", lambda: store.batch_get_into(
+                    adapter.namespace, keys, adapter.store_layout, ptrs, sizes,
+                    adapter.kv_interleaved, **ctx))
             results[name] = hits if hits is not None else [False] * len(keys)
             pages += sum(results[name])
             nbytes += sum(results[name]) * adapter.page_bytes
         if pages:
             self._record(self._prefetch_pgs, self._prefetch_bw, pages, start, nbytes)
         return results
+
+    def _copy_in(self, store: Store, adapter: PoolAdapter, keys: List[str],
+                 starts: List[int]) -> Optional[List[bool]]:
+        """``pools`` point 7: pages read as bytes, each written into the pool through SGLang's
+        ``set_from_flat_data_page`` (no pool address reaches the native store)."""
+        datas = self._call(store, "batch_get_v2", lambda: store.batch_get_bytes(
+            adapter.namespace, keys, adapter.store_layout, adapter.page_bytes))
+        if datas is None:
+            return None
+        hits = []
+        for start, data in zip(starts, datas):
+            if data is not None:
+                page = adapter.pool.get_dummy_flat_data_page()
+                numpy.copyto(_bytes_view(page), numpy.frombuffer(data, dtype=numpy.uint8))
+                adapter.pool.set_from_flat_data_page(start, page)
+            hits.append(data is not None)
+        return hits
 
     def batch_set_v2(
         self,
@@ -764,9 +791,15 @@ class HiCacheRsStorage(HiCacheStorage):
             if adapter is None or not keys or (not writer and not adapter.sharded):
                 results[name] = [True] * len(keys)
                 continue
-            ok = self._call(store, "batch_set_v2", lambda: store.batch_set_from(
-                adapter.namespace, keys, adapter.store_layout, ptrs, sizes,
-                adapter.kv_interleaved, **ctx))
+            if adapter.copy:
+                flat = [_bytes_view(adapter.pool.get_data_page(at, flat=True).contiguous())
+                        .tobytes() for at in ptrs]
+                ok = self._call(store, "batch_set_v2", lambda: store.batch_set_bytes(
+                    adapter.namespace, keys, adapter.store_layout, flat))
+            else:
+                ok = self._call(store, "batch_set_v2", lambda: store.batch_set_from(
+                    adapter.namespace, keys, adapter.store_layout, ptrs, sizes,
+                    adapter.kv_interleaved, **ctx))
             results[name] = ok if ok is not None else [False] * len(keys)
             self._remember(adapter.namespace, [k for k, s in zip(keys, results[name]) if s])
             pages += sum(results[name])
