@@ -1,5 +1,5 @@
 """A real SGLang HybridCacheController, with its background threads, driving HiCacheRsStorage
-through the v2 multi-pool interface: backup of KV + KV-derived DSA indexer + Mamba state
+through the v2 multi-pool interface (every backend our package compiles): backup of KV + KV-derived DSA indexer + Mamba state
 pages (its backup thread: ``batch_set_v2`` for the sidecars, the zero-copy v1 set for KV),
 the hit query (its prefetch thread: ``batch_exists_v2`` with the Mamba pool's TRAILING_PAGES
 window and the indexer's ALL_PAGES, folded into restorable prefixes by SGLang's own
@@ -47,6 +47,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
 import sglang_pools  # noqa: E402
 from v2_harness import (  # noqa: E402
+    BACKENDS,
     DYNAMIC,
     INDEXER,
     KV,
@@ -54,6 +55,7 @@ from v2_harness import (  # noqa: E402
     PoolSet,
     fill,
     flat_page_len,
+    ours_config,
     page_bytes,
     page_starts,
     read_page,
@@ -112,12 +114,13 @@ def controller(pools, storage_backend, extra):
     )
 
 
-def backend_args(tmp_path):
-    """Ours through SGLang's ``dynamic`` loader (zero-copy v1 for KV); with
+@pytest.fixture(params=BACKENDS)
+def backend_args(request, tmp_path):
+    """Ours (each backend) through SGLang's ``dynamic`` loader (zero-copy v1 for KV); with
     HICACHE_V2_SELFCHECK=1 SGLang's own ``file`` backend (HiCacheFile), to check the test."""
     if os.environ.get("HICACHE_V2_SELFCHECK") == "1":
         return "file", {"file_storage_path": str(tmp_path / "l3")}
-    return "dynamic", {**DYNAMIC, "backend": "file", "dir": str(tmp_path / "l3")}
+    return "dynamic", {**DYNAMIC, **ours_config(request.param, request, tmp_path)}
 
 
 def sidecars_for_backup(pools, node_hashes, mamba_slot):
@@ -196,10 +199,10 @@ def check_pages(pools, name, host_indices, keys):
         assert b"".join(pieces) == want, (name, key)
 
 
-def test_hybrid_backup_hit_query_and_prefetch(tmp_path):
+def test_hybrid_backup_hit_query_and_prefetch(backend_args):
     pools = PoolSet(kv_pages=24, mamba_slots=24)
     ps = pools.page_size
-    storage_backend, extra = backend_args(tmp_path)
+    storage_backend, extra = backend_args
     cc = controller(pools, storage_backend, extra)
     try:
         if storage_backend == "dynamic":
@@ -235,12 +238,12 @@ def test_hybrid_backup_hit_query_and_prefetch(tmp_path):
     assert cc.storage_backend is None
 
 
-def test_a_missing_trailing_state_cuts_the_hit_to_the_last_restorable_prefix(tmp_path):
+def test_a_missing_trailing_state_cuts_the_hit_to_the_last_restorable_prefix(backend_args):
     """Node B's KV and indexer are stored but its Mamba state is not: the usable prefix is
     node A (3 pages), whose state is read back, never page 6's."""
     pools = PoolSet(kv_pages=24, mamba_slots=24)
     ps = pools.page_size
-    storage_backend, extra = backend_args(tmp_path)
+    storage_backend, extra = backend_args
     cc = controller(pools, storage_backend, extra)
     try:
         tokens = list(range(500, 500 + PAGES * ps))
