@@ -1,6 +1,7 @@
 """A real SGLang HybridCacheController, with its background threads, driving HiCacheRsStorage
-through the v2 multi-pool interface (every backend our package compiles): backup of KV + KV-derived DSA indexer + Mamba state
-pages (its backup thread: ``batch_set_v2`` for the sidecars, the zero-copy v1 set for KV),
+(every backend our package compiles) through the v2 multi-pool interface: backup of KV +
+KV-derived DSA indexer + Mamba state pages (its backup thread: ``batch_set_v2`` for the
+sidecars, the zero-copy v1 set for KV),
 the hit query (its prefetch thread: ``batch_exists_v2`` with the Mamba pool's TRAILING_PAGES
 window and the indexer's ALL_PAGES, folded into restorable prefixes by SGLang's own
 ``_sync_prefetch_hit_query``), and the prefetch (its I/O thread: KV v1 reads, KV-derived
@@ -151,7 +152,8 @@ def backup(cc, pools, tokens, hashes, lo, hi, with_mamba):
     want = {INDEXER.value: hi - lo}
     if with_mamba:
         want[MAMBA.value] = 1
-    got = {getattr(k, "value", k): v for k, v in op.pool_storage_result.extra_pool_hit_pages.items()}
+    got = {getattr(k, "value", k): v
+           for k, v in op.pool_storage_result.extra_pool_hit_pages.items()}
     assert got == want
     return kv_src
 

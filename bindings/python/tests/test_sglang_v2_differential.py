@@ -149,7 +149,9 @@ def op_exists(w, rng, ref, ours, log):
     keys = w.chains[c][a:b]
     prefix = w.chains[c][:a] if rng.random() < 0.7 else None
     transfers = exists_transfers(w, rng, keys)
-    log.append(("exists", c, a, b, [(t.name.value, t.hit_policy.value, None if t.keys is None else len(t.keys)) for t in transfers]))
+    log.append(("exists", c, a, b, [(t.name.value, t.hit_policy.value,
+                                     None if t.keys is None else len(t.keys))
+                                    for t in transfers]))
     want = result_tuple(ref.batch_exists_v2(keys, transfers, info(prefix)))
     got = result_tuple(ours.batch_exists_v2(keys, transfers, info(prefix)))
     assert got == want, log
@@ -179,7 +181,8 @@ def op_get(w, rng, ref, ours, log):
             for ok, key, start in zip(answers[side][t.name.value], keys,
                                       page_starts(pool, t.host_indices)):
                 if ok:
-                    assert read_page(pool, start) == page_bytes(t.name, key, n_bytes), (side, t.name, log)
+                    assert read_page(pool, start) == page_bytes(t.name, key, n_bytes), (
+                        side, t.name, log)
     assert answers["ours"] == answers["ref"], log
 
 

@@ -1,5 +1,5 @@
-"""Shared pieces of the v2 (multi-pool) tests and the hybrid bench: a hybrid pool set (a KV
-host pool, a Mamba state pool with a TRAILING_PAGES window, a KV-derived ALL_PAGES sidecar),
+"""Shared pieces of the v2 (multi-pool) tests: hybrid pool sets (a KV host pool, a Mamba
+state pool, a paged sidecar: the KV-derived DSA indexer or an SWA pool of its own),
 SGLang's registration sequence for a backend, deterministic page contents, transfers built
 as SGLang's hybrid controller builds them, the backends our package compiles, and an
 independent model of the BLOCK_GROUPS hit policy.
@@ -99,7 +99,8 @@ def page_bytes(name, key, nbytes):
 def write_page(pool, start, data: bytes):
     """Writes a flat data page given as bytes (viewed as the pool's own page dtype)."""
     dtype = pool.get_dummy_flat_data_page().dtype
-    pool.set_from_flat_data_page(start, torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype))
+    page = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
+    pool.set_from_flat_data_page(start, page)
 
 
 def read_page(pool, start) -> bytes:
