@@ -535,3 +535,21 @@ def test_block_groups_through_the_backend():
     res = b.batch_exists_v2(ks, [t])
     assert (res.kv_hit_pages, res.extra_pool_hit_pages) == (4, {"kv": 4, "deepseek_v4_c4": 2})
     b.close()
+
+
+def test_presence_is_asked_only_for_pools_the_walk_reaches():
+    ks = keys(4)
+    ts = [PoolTransfer(name=PoolName.INDEXER, keys=ks, hit_policy=PoolHitPolicy.ALL_PAGES),
+          PoolTransfer(name=PoolName.MAMBA, keys=ks[-1:],
+                       hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    asked = []
+
+    def present(t):
+        asked.append(hit_policy.pool_name(t.name))
+        return [False] * 4 if t.name == PoolName.INDEXER else [True] * 4
+
+    # The indexer has nothing: nothing is restorable, the Mamba pool is never asked.
+    assert hit_policy.evaluate(4, ts, present) == (0, {"kv": 4}, [])
+    assert asked == ["indexer"]
+    assert hit_policy.evaluate(0, ts, present) == (0, {}, [])
+    assert asked == ["indexer"]

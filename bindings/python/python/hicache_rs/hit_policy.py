@@ -27,7 +27,7 @@ restorable_prefix_pages)`` for the same presence pattern:
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 #: The policy names (SGLang's ``PoolHitPolicy`` values).
 ALL_PAGES = "all_pages"
@@ -79,14 +79,16 @@ def block_groups_verdict(
 def evaluate(
     kv_pages: int,
     transfers: Sequence,
-    present: Mapping[str, Sequence[bool]],
+    present: Union[Mapping[str, Sequence[bool]], Callable[[Any], Sequence[bool]]],
 ) -> Tuple[int, Dict[str, int], List[int]]:
     """``(kv_hit_pages, extra_pool_hit_pages, restorable_prefix_pages)`` (points 1-6).
 
     ``transfers``: objects with SGLang's ``PoolTransfer`` fields ``name``, ``hit_policy``,
     ``keys``, ``block_pages``, ``group_pages``. ``present[name]``: for ``all_pages`` and
     ``trailing_pages`` pools, whether the pool has each of the query's pages (at least the
-    first ``kv_pages``); for ``block_groups`` pools, whether it has each of its keys."""
+    first ``kv_pages``); for ``block_groups`` pools, whether it has each of its keys.
+    ``present`` may also be a function of the transfer giving that list: it is then called
+    only for the pools the walk reaches (point 2), so a storage asks no more than needed."""
     hit: Dict[str, int] = {"kv": kv_pages} if kv_pages else {}
     restorable = list(range(1, kv_pages + 1))
     for t in transfers:
@@ -94,7 +96,7 @@ def evaluate(
             break
         name = pool_name(t.name)
         policy = policy_name(t.hit_policy)
-        flags = present.get(name, ())
+        flags = present(t) if callable(present) else present.get(name, ())
         if policy == ALL_PAGES:
             boundary = leading_run([_has(flags, i) for i in range(kv_pages)])
             allowed = set(range(1, boundary + 1))

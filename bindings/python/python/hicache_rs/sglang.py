@@ -677,24 +677,30 @@ class HiCacheRsStorage(HiCacheStorage):
             kv = self._pools["kv"]
             kv_pages = self._call(store, "batch_exists_v2", lambda: store.batch_exists(
                 kv.namespace, keys, **ctx)) or 0
-        present: Dict[str, List[bool]] = {}
-        for t, adapter in adapters:
+        by_name = {pool_name(t.name): a for t, a in adapters}
+        asked_before: Dict[str, List[bool]] = {}
+
+        def present(t) -> List[bool]:
+            """The pool's per-key presence, asked only when the walk reaches it."""
             name = pool_name(t.name)
-            if adapter is None or name in present:
-                # KV itself (a logical anchor has no KV bytes: every page counts).
-                present.setdefault(name, [True] * len(keys))
-                continue
+            adapter = by_name[name]
+            if adapter is None:
+                # KV of a logical anchor: no KV bytes exist, every page counts.
+                return [True] * len(keys)
             policy = hit_policy.policy_name(t.hit_policy)
-            asked = keys
-            if policy == hit_policy.BLOCK_GROUPS and t.keys:
-                asked = list(t.keys)
+            asked = list(t.keys) if policy == hit_policy.BLOCK_GROUPS and t.keys else keys
             n = min(len(asked), hit_policy.pages_to_ask(kv_pages, t))
+            if policy != hit_policy.BLOCK_GROUPS and name in asked_before:
+                return asked_before[name]
             if n == 0:
-                present[name] = []
-                continue
+                return []
             found = self._call(store, "batch_exists_v2", lambda: store.batch_exists_each(
                 adapter.namespace, asked[:n], **ctx))
-            present[name] = found if found is not None else [False] * n
+            flags = found if found is not None else [False] * n
+            if policy != hit_policy.BLOCK_GROUPS:
+                asked_before[name] = flags
+            return flags
+
         kv_hit, hit, restorable = hit_policy.evaluate(kv_pages, transfers, present)
         return PoolTransferResult(kv_hit, hit, restorable)
 
