@@ -17,7 +17,9 @@ state page per node as SGLang's hybrid controller does: per node one ``batch_set
 Mamba, TRAILING_PAGES), one ``batch_exists_v2``, one ``batch_get_v2``, with ours, HiCacheFile
 (its v2 methods: one file per page, flat page copies) and the native Store on the same pages;
 it reports pages/s and GB/s, the ratios, and the class's overhead per v2 call against the
-native Store.
+native Store. Our file backend syncs each batch before acknowledging it by default
+(``fsync: batch``); HiCacheFile never syncs, so the like-for-like write row is the
+``fsync-none`` one.
 
 Both file backends write to directories side by side under ``--dir`` with buffered I/O (ours
 with ``"direct_io": "off"``, as SGLang's HiCacheFile has no other mode), and
@@ -206,11 +208,11 @@ def bench_page_size(page_tokens, batch, repeats, root):
 MAMBA_LAYERS, MAMBA_TEMPORAL, MAMBA_CONVS = 8, (8, 64, 32), ((3, 1024),)  # ~518 KiB / state
 
 
-def _v2_ours(pools, directory):
+def _v2_ours(pools, directory, **more):
     extra, *_ = HybridCacheController.parse_storage_backend_extra_config(json.dumps({
         "backend_name": "hicache_rs", "module_path": "hicache_rs.sglang",
         "class_name": "HiCacheRsStorage", "interface_v1": 1,
-        "backend": "file", "dir": directory, "direct_io": "off",
+        "backend": "file", "dir": directory, "direct_io": "off", **more,
     }))
     b = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pools["kv"])
     return _v2_register(b, pools)
@@ -261,6 +263,9 @@ def bench_hybrid(requests, pages, repeats, root):
 
     ours = _v2_ours(pools, os.path.join(root, "v2-ours"))
     ref = _v2_ref(pools, os.path.join(root, "v2-sglang"))
+    # Our default makes a batch durable before acknowledging it (fsync: batch); HiCacheFile
+    # never syncs. The like-for-like write figure is ours with `"fsync": "none"`.
+    nosync = _v2_ours(pools, os.path.join(root, "v2-ours-nosync"), fsync="none")
     store = ours._store
     ad_kv, ad_m = ours._pools["kv"], ours._pools["mamba"]
     meta = {
@@ -343,7 +348,9 @@ def bench_hybrid(requests, pages, repeats, root):
                          lambda k: v2_get(ours, k)),
                 "ref": (lambda k: v2_set(ref, k), lambda k: v2_exists(ref, k),
                         lambda k: v2_get(ref, k)),
-                "native": (nat_set, nat_exists, nat_get)}
+                "native": (nat_set, nat_exists, nat_get),
+                "nosync": (lambda k: v2_set(nosync, k), lambda k: v2_exists(nosync, k),
+                           lambda k: v2_get(nosync, k))}
     times = {(v, op): [] for v in variants for op in ("set", "exists", "get")}
     for rnd in range(repeats + 1):  # round 0 warms up
         ks = {v: keys_for(i, rnd + 1) for i, v in enumerate(variants)}
@@ -370,6 +377,7 @@ def bench_hybrid(requests, pages, repeats, root):
             mamba.get_page_buffer_meta(m_dst[r])
         meta_s = min(meta_s, time.perf_counter() - t)
     ours.close()
+    nosync.close()
     best = {k: min(v) for k, v in times.items()}
     calls = requests  # v2 calls per op and variant
     rows = []
@@ -387,9 +395,101 @@ def bench_hybrid(requests, pages, repeats, root):
                      "value": round(npages / o, 1), "unit": "pages/s",
                      "reference": round(npages / n, 1), "ratio": round(n / o, 3),
                      "overhead_us_per_call": round((o - n) / calls * 1e6, 1)})
+    o, rf = best[("nosync", "set")], best[("ref", "set")]
+    rows.append({"bench": "sglang-l3-v2",
+                 "case": f"file/hybrid-set-fsync-none/{size}/vs-HiCacheFile",
+                 "value": round(npages / o, 1), "unit": "pages/s",
+                 "reference": round(npages / rf, 1), "ratio": round(rf / o, 3),
+                 "gbps": round(nbytes / o / 1e9, 3),
+                 "reference_gbps": round(nbytes / rf / 1e9, 3)})
     rows.append({"bench": "sglang-l3-v2", "case": f"file/hybrid-page-meta/{size}",
                  "value": round(meta_s / calls * 1e6, 1), "unit": "us/call"})
     return rows
+
+
+def bench_v2_call_overhead(calls=300, rounds=5):
+    """The class's own cost per v2 call, with I/O out of the way: the memory backend, one
+    small KV page + one small Mamba state per call, ours (``batch_set_v2`` /
+    ``batch_exists_v2`` / ``batch_get_v2``) against the same Store driven natively with the
+    pieces computed once. Fastest of ``rounds`` rounds of ``calls`` calls each."""
+    from sglang_pools import mamba_pool
+
+    kv = mha_pool("page_first", layers=2, heads=1, head_dim=8, page_size=4, device_tokens=64)
+    mamba = mamba_pool("page_first", layers=2, slots=8)
+    pools = {"kv": kv, "mamba": mamba}
+    extra, *_ = HybridCacheController.parse_storage_backend_extra_config(json.dumps({
+        "backend_name": "hicache_rs", "module_path": "hicache_rs.sglang",
+        "class_name": "HiCacheRsStorage", "interface_v1": 1, "backend": "memory"}))
+    ours = _v2_register(StorageBackendFactory.create_backend(
+        "dynamic", storage_config(extra), kv), pools)
+    store, ad_kv, ad_m = ours._store, ours._pools["kv"], ours._pools["mamba"]
+    src, dst, msrc, mdst = kv.alloc(4), kv.alloc(4), mamba.alloc(1), mamba.alloc(1)
+    fill_pool_pages(kv, src, seed=1)
+    fill_pool_pages(mamba, msrc, seed=2)
+    (ps_, zs_), (pd_, zd_) = kv.get_page_buffer_meta(src), kv.get_page_buffer_meta(dst)
+    (pms, zms), (pmd, zmd) = mamba.get_page_buffer_meta(msrc), mamba.get_page_buffer_meta(mdst)
+    info = HiCacheStorageExtraInfo(prefix_keys=[])
+    keys = [hicache_rs.sglang_page_hashes([7_000_000 + 10 * i + j for j in range(4)], 4)
+            for i in range(calls * (2 * rounds + 2))]
+    it = iter(keys)
+
+    def ours_set(k):
+        return ours.batch_set_v2([
+            PoolTransfer(name=PoolName.KV, keys=k, host_indices=src),
+            PoolTransfer(name=PoolName.MAMBA, keys=k, host_indices=msrc,
+                         hit_policy=PoolHitPolicy.TRAILING_PAGES)], info)
+
+    def nat_set(k):
+        store.batch_set_from(ad_kv.namespace, k, ad_kv.store_layout, ps_, zs_,
+                             ad_kv.kv_interleaved, prefix_keys=[])
+        store.batch_set_from(ad_m.namespace, k, ad_m.store_layout, pms, zms,
+                             ad_m.kv_interleaved, prefix_keys=[])
+
+    def ours_exists(k):
+        return ours.batch_exists_v2(k, [PoolTransfer(
+            name=PoolName.MAMBA, keys=k, hit_policy=PoolHitPolicy.TRAILING_PAGES)], info)
+
+    def nat_exists(k):
+        store.batch_exists(ad_kv.namespace, k, prefix_keys=[])
+        store.batch_exists_each(ad_m.namespace, k, prefix_keys=[])
+
+    def ours_get(k):
+        return ours.batch_get_v2([
+            PoolTransfer(name=PoolName.KV, keys=k, host_indices=dst),
+            PoolTransfer(name=PoolName.MAMBA, keys=k, host_indices=mdst,
+                         hit_policy=PoolHitPolicy.TRAILING_PAGES)], info)
+
+    def nat_get(k):
+        store.batch_get_into(ad_kv.namespace, k, ad_kv.store_layout, pd_, zd_,
+                             ad_kv.kv_interleaved, prefix_keys=[])
+        store.batch_get_into(ad_m.namespace, k, ad_m.store_layout, pmd, zmd,
+                             ad_m.kv_interleaved, prefix_keys=[])
+
+    best = {}
+    stored = {"ours": [], "native": []}
+    for rnd in range(rounds):
+        for name, fn in (("ours", ours_set), ("native", nat_set)):
+            ks = [next(it) for _ in range(calls)]
+            t = time.perf_counter()
+            for k in ks:
+                fn(k)
+            best[("set", name)] = min(best.get(("set", name), 1e9),
+                                      (time.perf_counter() - t) / calls)
+            stored[name] = ks
+        for op, fo, fn in (("exists", ours_exists, nat_exists), ("get", ours_get, nat_get)):
+            for name, fn_, ks in (("ours", fo, stored["native"]), ("native", fn, stored["native"])):
+                t = time.perf_counter()
+                for k in ks:
+                    fn_(k)
+                best[(op, name)] = min(best.get((op, name), 1e9),
+                                       (time.perf_counter() - t) / calls)
+    assert ours_exists(stored["native"][0]).kv_hit_pages == 1
+    ours.close()
+    return [{"bench": "sglang-l3-v2", "case": f"memory/v2-{op}/1kv+1mamba-small/class-overhead",
+             "value": round((best[(op, "ours")] - best[(op, "native")]) * 1e6, 1),
+             "unit": "us/call", "reference": round(best[(op, "native")] * 1e6, 1),
+             "ratio": round(best[(op, "native")] / best[(op, "ours")], 3)}
+            for op in ("set", "exists", "get")]
 
 
 def label(page_bytes):
@@ -415,6 +515,7 @@ def main():
     try:
         if args.only in ("all", "hybrid"):
             rows += bench_hybrid(args.hybrid_requests, args.hybrid_pages, args.repeats, root)
+            rows += bench_v2_call_overhead()
         for tokens, batch in (((8, args.batch), (256, args.big_batch))
                               if args.only in ("all", "v1") else ()):
             page_bytes, gbps, exists = bench_page_size(tokens, batch, args.repeats, root)
