@@ -10,6 +10,9 @@ dist="$root/target/python-dist"
 rm -rf "$dist"
 (cd "$here" && "$venv/bin/maturin" build --out "$dist")
 "$venv/bin/python" -m pip install --quiet --force-reinstall --no-deps "$dist"/hicache_rs-*.whl
+# The example storage plugin (the in-memory backend behind the C ABI), for the `plugin`
+# backend's cases of the v2 tests (tests/v2_harness.py finds it in target/debug).
+(cd "$root" && cargo build -q -p hicache-plugin-example)
 cd "$here"
 # The environment above has sglang and torch: their tests must run, never skip.
 export HICACHE_REQUIRE_SGLANG=1
