@@ -73,12 +73,14 @@ Model of the class (each point is kept by the code named in it):
    from every page and lets the sidecar pools decide (0 when no pool gates). A dense model
    (``register_mem_pool_host`` with the KV pool) works exactly as without v2.
 10. v2 I/O: ``batch_exists_v2`` has SGLang's HiCacheFile semantics (``hicache_rs.hit_policy``,
-   including ``block_groups``, which HiCacheFile lacks); per-key presence of a pool comes from
-   ``Store.batch_exists_each``. A pool SGLang gives no pieces for but whose flat data pages
-   work (``hicache_rs.pools`` point 7) moves its pages as ``bytes`` copies through those. ``batch_get_v2``/``batch_set_v2`` answer one bool per key and
-   pool; a transfer whose index count does not match its keys is logged and answered all
-   ``False`` (as HiCacheFile does); an unregistered pool or bad host indices raise. Metrics
-   count v2 pages with the v1 ones; ``clear`` covers every registered pool's namespace.
+    including ``block_groups``, which HiCacheFile lacks); per-key presence of a pool comes
+    from ``Store.batch_exists_each``. A pool SGLang gives no pieces for but whose flat data
+    pages work (``hicache_rs.pools`` point 7) moves its pages as ``bytes`` copies through
+    those. The KV pool's v2 transfers are stored in the same parts as its v1 calls (point 11).
+    ``batch_get_v2``/``batch_set_v2`` answer one bool per key and pool; a transfer whose index
+    count does not match its keys is logged and answered all ``False`` (as HiCacheFile does);
+    an unregistered pool or bad host indices raise. Metrics count v2 pages with the v1 ones;
+    ``clear`` covers every registered pool's namespaces.
 11. ``page_head`` and heterogeneous TP (``hicache_rs.kv_layouts``): a page may be stored as
     several parts, one namespace each (``namespaces``), and is present, read or written only
     when every part is. A ``page_head`` page is cut into ``tp_lcm_size / tp_size`` head slices
