@@ -718,3 +718,38 @@ def test_decode_offload_with_page_head_is_hit_by_a_prefill_of_another_tp_size(tm
             assert same(k, model_k[layer][rows, rank_heads(r, 4)])
             assert same(v, model_v[layer][rows, rank_heads(r, 4)])
         backend.close()
+
+
+def test_page_head_slices_through_the_v2_methods(tmp_path):
+    """The v2 calls on a split page_head KV pool store and read the same head slices as the
+    v1 calls: TP-4 ranks write through ``batch_set_v2`` (the pool registered again through
+    ``register_mem_host_pool_v2``, as SGLang's hybrid controller does), TP-2 ranks find the
+    pages with ``batch_exists_v2`` and read their heads with ``batch_get_v2`` and v1 alike."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    ours = {"backend": "file", "dir": str(tmp_path / "l3"), "shared": True, "tp_lcm_size": 4}
+    writers = tp_instance(4, ours)
+    readers = tp_instance(2, ours)
+    for backend, pool in writers + readers:
+        backend.register_mem_host_pool_v2(pool, PoolName.KV)
+        backend.on_host_pools_registered()
+    ks = keys(3)
+    pages = global_pages(3, seed=11)
+    for r, (backend, pool) in enumerate(writers):
+        src = pool.alloc(len(ks) * PS)
+        for start, page in zip(src[::PS].tolist(), pages):
+            pool.kv_buffer[:, start // PS] = page[:, rank_heads(r, 4)]
+        done = backend.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=src, keys=ks)])
+        assert done == {"kv": [True] * 3}
+    for r, (backend, pool) in enumerate(readers):
+        result = backend.batch_exists_v2(ks, [])
+        assert result.kv_hit_pages == 3 and result.restorable_prefix_pages == [1, 2, 3]
+        pool.alloc(2 * PS)
+        dst = pool.alloc(len(ks) * PS)
+        got = backend.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=dst, keys=ks)])
+        assert got == {"kv": [True] * 3}
+        for start, page in zip(dst[::PS].tolist(), pages):
+            assert same(pool.kv_buffer[:, start // PS], page[:, rank_heads(r, 2)])
+        assert backend.batch_get_v1(ks, pool.alloc(len(ks) * PS)) == [True] * 3
+    for b, _ in writers + readers:
+        b.close()
