@@ -520,3 +520,50 @@ def test_the_native_store_refuses_pieces_outside_the_pool(kind, layout):
     with pytest.raises(ValueError, match="already has its regions"):
         store.set_allowed_regions([(kv.data_ptr(), 16)])
     backend.close()
+
+
+def test_the_small_and_large_index_checks_agree():
+    """``_check_host_indices`` checks few indices as a Python list and many with numpy: on
+    seeded random batches (whole pages, shifted, broken, out of the pool) both answer alike,
+    and a batch either passes both or raises."""
+    import random
+
+    import numpy
+
+    from hicache_rs import sglang as ours
+
+    def numpy_rule(v, page_size, pool_tokens):
+        a = numpy.asarray(v, dtype=numpy.int64).reshape(-1, page_size)
+        starts = a[:, 0]
+        return bool(
+            starts.min() >= 0
+            and starts.max() <= pool_tokens - page_size
+            and not (starts % page_size).any()
+            and (a == starts[:, None] + numpy.arange(page_size)).all()
+        )
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        page_size = rng.choice([1, 2, 4, 64])
+        pool_tokens = page_size * rng.randint(1, 40)
+        pages = rng.randint(1, 6)
+        v = []
+        for _ in range(pages):
+            s = rng.randrange(pool_tokens // page_size) * page_size
+            v.extend(range(s, s + page_size))
+        kind = rng.randrange(5)
+        if kind == 1:
+            v[rng.randrange(len(v))] += rng.choice([-1, 1])
+        elif kind == 2:
+            v[rng.randrange(len(v))] = rng.choice([-1, pool_tokens, pool_tokens + 5])
+        elif kind == 3:
+            v = [x + 1 for x in v]
+        want = numpy_rule(v, page_size, pool_tokens)
+        assert ours._pages_ok(v, page_size, pool_tokens) == want, (v, page_size, pool_tokens)
+        keys = [f"{i:064x}" for i in range(pages)]
+        t = torch.tensor(v, dtype=torch.int64)
+        if want:
+            ours._check_host_indices("t", keys, t, page_size, pool_tokens)
+        else:
+            with pytest.raises(ValueError):
+                ours._check_host_indices("t", keys, t, page_size, pool_tokens)

@@ -190,6 +190,24 @@ def _context(extra_info: Optional[HiCacheStorageExtraInfo]) -> dict:
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
+#: Up to this many host indices, ``_check_host_indices`` checks a Python list (cheaper than
+#: numpy's per-call cost for few indices).
+SMALL_INDEX_CHECK = 256
+
+
+def _pages_ok(v: List[int], page_size: int, pool_tokens: int) -> bool:
+    """Whether the indices ``v`` are whole pages of the pool: each page a consecutive run
+    from a multiple of ``page_size``, inside ``0 .. pool_tokens``."""
+    last = pool_tokens - page_size
+    for p in range(0, len(v), page_size):
+        s = v[p]
+        if s < 0 or s > last or s % page_size:
+            return False
+        if page_size > 1 and v[p:p + page_size] != list(range(s, s + page_size)):
+            return False
+    return True
+
+
 def _check_host_indices(
     op: str, keys: List[str], host_indices: Any, page_size: int, pool_tokens: int
 ) -> None:
@@ -217,18 +235,24 @@ def _check_host_indices(
         )
     if not keys:
         return
-    # Fast path (numpy on the tensor's own memory, a few microseconds): every page starts at a
-    # multiple of the page size inside the pool and runs consecutively. Only a batch that
-    # fails it is searched for the first bad index, to name it.
-    a = host_indices.numpy().astype(numpy.int64, copy=False).reshape(-1, page_size)
-    starts = a[:, 0]
-    if (
-        starts.min() >= 0
-        and starts.max() <= pool_tokens - page_size
-        and not (starts % page_size).any()
-        and (a == starts[:, None] + numpy.arange(page_size)).all()
-    ):
-        return
+    # Fast paths: every page starts at a multiple of the page size inside the pool and runs
+    # consecutively. Only a batch that fails them is searched for the first bad index, to
+    # name it. Few indices (a Mamba slot, a short KV run) are checked as a Python list, which
+    # costs a microsecond or two where each numpy reduction costs several; more, with numpy
+    # on the tensor's own memory.
+    if host_indices.numel() <= SMALL_INDEX_CHECK:
+        if _pages_ok(host_indices.tolist(), page_size, pool_tokens):
+            return
+    else:
+        a = host_indices.numpy().astype(numpy.int64, copy=False).reshape(-1, page_size)
+        starts = a[:, 0]
+        if (
+            starts.min() >= 0
+            and starts.max() <= pool_tokens - page_size
+            and not (starts % page_size).any()
+            and (a == starts[:, None] + numpy.arange(page_size)).all()
+        ):
+            return
     idx = host_indices.to(torch.int64)
 
     def where(pos: int) -> str:
