@@ -650,23 +650,24 @@ class HiCacheRsStorage(HiCacheStorage):
             raise RuntimeError(f"{op}: no KV host pool with page memory is registered")
         return kv
 
-    def _pieces(self, op: str, keys: List[str], host_indices: torch.Tensor) -> list:
-        """Point 8, then the ``(ptrs, sizes)`` of every stored part of the KV pages (point 11:
-        one part, or the head slices of a split ``page_head`` pool)."""
+    def _kv_parts(self, op: str, keys: List[str], host_indices: torch.Tensor) -> list:
+        """Point 8, then ``(namespace, ptrs, sizes)`` for every stored part of the KV pages
+        (point 11: one part, or the head slices of a split ``page_head`` pool)."""
         kv = self._kv(op)
         if not self.plan.split_heads:
-            return [kv.pieces(op, keys, host_indices, _check_host_indices)]
-        _check_host_indices(op, keys, host_indices, self.page_size, self.pool_tokens)
-        if not keys:
-            return []
-        return kv_layouts.part_pieces(self.plan, kv.pool, host_indices)
+            pieces = [kv.pieces(op, keys, host_indices, _check_host_indices)]
+        else:
+            _check_host_indices(op, keys, host_indices, self.page_size, self.pool_tokens)
+            pieces = kv_layouts.part_pieces(self.plan, kv.pool, host_indices) if keys else []
+        return [(ns, ptrs, sizes) for ns, (ptrs, sizes) in zip(self.namespaces, pieces)]
 
-    def _each_part(self, store: Store, op: str, n: int, fn) -> Optional[List[bool]]:
-        """``fn(namespace, part)`` for every stored part of the KV pages (point 11): a page
-        is ``True`` only when it is in every part; ``None`` when the backend failed."""
+    def _all_parts(self, store: Store, op: str, n: int, parts: list, fn) -> Optional[List[bool]]:
+        """``fn(*part)`` for every stored part of ``n`` pages (a tuple whose first item is the
+        part's namespace): a page is ``True`` only when it is in every part (point 11);
+        ``None`` when the backend failed (point 4)."""
         out = [True] * n
-        for part, ns in enumerate(self.namespaces):
-            res = self._call(store, op, lambda: fn(ns, part))
+        for part in parts:
+            res = self._call(store, op, lambda: fn(*part))
             if res is None:
                 return None
             out = [a and bool(b) for a, b in zip(out, res)]
@@ -716,13 +717,15 @@ class HiCacheRsStorage(HiCacheStorage):
         if self._logical_kv and not self._closed:
             return self._logical_v1("batch_get_v1", keys, host_indices)
         store = self._ready("batch_get_v1")
-        parts = self._pieces("batch_get_v1", keys, host_indices)
+        parts = self._kv_parts("batch_get_v1", keys, host_indices)
         if not keys:
             return []
         start = time.perf_counter()
         ctx = _context(extra_info)
-        hits = self._each_part(store, "batch_get_v1", len(keys), lambda ns, i: store.batch_get_into(
-            ns, keys, self.native_layout, *parts[i], self.kv_interleaved, **ctx))
+        hits = self._all_parts(store, "batch_get_v1", len(keys), parts,
+                               lambda ns, ptrs, sizes: store.batch_get_into(
+                                   ns, keys, self.native_layout, ptrs, sizes,
+                                   self.kv_interleaved, **ctx))
         if hits is None:
             return [False] * len(keys)
         self._record(self._prefetch_pgs, self._prefetch_bw, sum(hits), start,
@@ -745,15 +748,17 @@ class HiCacheRsStorage(HiCacheStorage):
         if self._logical_kv and not self._closed:
             return self._logical_v1("batch_set_v1", keys, host_indices)
         store = self._ready("batch_set_v1")
-        parts = self._pieces("batch_set_v1", keys, host_indices)
+        parts = self._kv_parts("batch_set_v1", keys, host_indices)
         if not keys:
             return []
         if not self.storage_config.is_storage_writer:
             return [True] * len(keys)
         start = time.perf_counter()
         ctx = _context(extra_info)
-        ok = self._each_part(store, "batch_set_v1", len(keys), lambda ns, i: store.batch_set_from(
-            ns, keys, self.native_layout, *parts[i], self.kv_interleaved, **ctx))
+        ok = self._all_parts(store, "batch_set_v1", len(keys), parts,
+                             lambda ns, ptrs, sizes: store.batch_set_from(
+                                 ns, keys, self.native_layout, ptrs, sizes,
+                                 self.kv_interleaved, **ctx))
         if ok is None:
             return [False] * len(keys)
         self._remember_kv([k for k, s in zip(keys, ok) if s])
@@ -833,14 +838,10 @@ class HiCacheRsStorage(HiCacheStorage):
                       ctx: dict) -> List[bool]:
         """Per-key presence of a pool's pages (every part present); absent when the backend
         failed (point 4)."""
-        flags = [True] * len(keys)
-        for ns in self._namespaces_of(adapter):
-            found = self._call(store, "batch_exists_v2", lambda: store.batch_exists_each(
-                ns, keys, **ctx))
-            if found is None:
-                return [False] * len(keys)
-            flags = [a and bool(b) for a, b in zip(flags, found)]
-        return flags
+        found = self._all_parts(store, "batch_exists_v2", len(keys),
+                                [(ns,) for ns in self._namespaces_of(adapter)],
+                                lambda ns: store.batch_exists_each(ns, keys, **ctx))
+        return found if found is not None else [False] * len(keys)
 
     def _v2_plan(self, op: str, transfers: List[Any], results: Dict[str, List[bool]]):
         """Checks every transfer before any I/O (point 8): a count mismatch answers that pool
@@ -868,24 +869,12 @@ class HiCacheRsStorage(HiCacheStorage):
             where = f"{op} (pool {name!r})"
             if adapter is self._pools.get("kv"):
                 # Point 11: the KV pool's stored parts, as its v1 calls make them.
-                pieces = self._pieces(where, keys, t.host_indices)
+                parts = self._kv_parts(where, keys, t.host_indices)
             else:
-                pieces = [adapter.pieces(where, keys, t.host_indices, _check_host_indices)]
-            parts = [(ns, ptrs, sizes)
-                     for ns, (ptrs, sizes) in zip(self._namespaces_of(adapter), pieces)]
+                ptrs, sizes = adapter.pieces(where, keys, t.host_indices, _check_host_indices)
+                parts = [(adapter.namespace, ptrs, sizes)]
             plan.append((name, adapter, keys, parts))
         return plan
-
-    def _all_parts(self, store: Store, op: str, n: int, parts: list, fn) -> Optional[List[bool]]:
-        """``fn(namespace, ptrs, sizes)`` for every stored part of a transfer's pages: a page
-        is ``True`` only when it is in every part; ``None`` when the backend failed."""
-        out = [True] * n
-        for ns, ptrs, sizes in parts:
-            res = self._call(store, op, lambda: fn(ns, ptrs, sizes))
-            if res is None:
-                return None
-            out = [a and bool(b) for a, b in zip(out, res)]
-        return out
 
     def batch_get_v2(
         self,
@@ -1071,9 +1060,11 @@ class HiCacheRsStorage(HiCacheStorage):
             return True
         src = [_bytes_view(self._page_tensor("batch_set", v).contiguous()).tobytes()
                for v in values]
-        parts = [kv_layouts.split_page(self.plan, page) for page in src]
-        ok = self._each_part(store, "batch_set", len(keys), lambda ns, i: store.batch_set_bytes(
-            ns, keys, self.native_layout, [page[i] for page in parts]))
+        pages = [kv_layouts.split_page(self.plan, page) for page in src]
+        parts = [(ns, [page[i] for page in pages]) for i, ns in enumerate(self.namespaces)]
+        ok = self._all_parts(store, "batch_set", len(keys), parts,
+                             lambda ns, datas: store.batch_set_bytes(
+                                 ns, keys, self.native_layout, datas))
         if ok is None:
             return False
         self._remember_kv([k for k, s in zip(keys, ok) if s])
