@@ -275,3 +275,28 @@ def nvfp4_index_pool(anchor, layout="page_first", layers=2, row_bytes=80, device
                              num_pages=device_pages)
     return MiniMaxM3Nvfp4IndexKPoolHost(info, anchor, layout, pin_memory=False, device="cpu",
                                         start_layer=0, end_layer=layers)
+
+
+class DevicePool:
+    """What SGLang's cache controllers read from the device KV pool (no GPU memory here):
+    its device, layer range and the layer-transfer counter it is given."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, layers):
+        self.layer_num = layers
+        self.start_layer = 0
+        self.end_layer = layers
+
+    def register_layer_transfer_counter(self, counter):
+        self.counter = counter
+
+
+class Allocator:
+    """What SGLang's cache controllers read from the device token allocator: its KV pool."""
+
+    def __init__(self, device_pool):
+        self.device_pool = device_pool
+
+    def get_kvcache(self):
+        return self.device_pool

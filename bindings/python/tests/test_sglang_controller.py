@@ -29,31 +29,16 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
 import hicache_rs  # noqa: E402
 from hicache_rs.sglang import HiCacheRsStorage  # noqa: E402
-from sglang_pools import fill_pages, make_pool, read_pages, same  # noqa: E402
+from sglang_pools import (  # noqa: E402
+    Allocator,
+    DevicePool,
+    fill_pages,
+    make_pool,
+    read_pages,
+    same,
+)
 
 TIMEOUT = 120
-
-
-class DevicePool:
-    """What the controller reads from SGLang's device KV pool."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, layers):
-        self.layer_num = layers
-        self.start_layer = 0
-        self.end_layer = layers
-
-    def register_layer_transfer_counter(self, counter):
-        self.counter = counter
-
-
-class Allocator:
-    def __init__(self, device_pool):
-        self.device_pool = device_pool
-
-    def get_kvcache(self):
-        return self.device_pool
 
 
 def controller(pool, ours):

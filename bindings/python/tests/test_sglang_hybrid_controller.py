@@ -67,28 +67,6 @@ TIMEOUT = 120
 PAGES = 6  # request span in pages; nodes A = [0, 3), B = [3, 6)
 
 
-class DevicePool:
-    """What the controller reads from SGLang's device KV pool."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, layers):
-        self.layer_num = layers
-        self.start_layer = 0
-        self.end_layer = layers
-
-    def register_layer_transfer_counter(self, counter):
-        self.counter = counter
-
-
-class Allocator:
-    def __init__(self, device_pool):
-        self.device_pool = device_pool
-
-    def get_kvcache(self):
-        return self.device_pool
-
-
 def controller(pools, storage_backend, extra):
     sglang_pools.set_parallel()
     layers = pools.kv.layer_num
@@ -108,8 +86,8 @@ def controller(pools, storage_backend, extra):
     parsed, threshold, *_ = HybridCacheController.parse_storage_backend_extra_config(
         json.dumps({**extra, "prefetch_threshold": pools.page_size}))
     return HybridCacheController(
-        Allocator(DevicePool(layers)), group, pools.page_size, tp_group=None,
-        load_cache_event=threading.Event(), io_backend="direct",
+        sglang_pools.Allocator(sglang_pools.DevicePool(layers)), group, pools.page_size,
+        tp_group=None, load_cache_event=threading.Event(), io_backend="direct",
         storage_backend=storage_backend, prefetch_threshold=threshold,
         model_name="org/hybrid-model", storage_backend_extra_config=parsed,
     )

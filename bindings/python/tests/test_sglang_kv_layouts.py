@@ -37,7 +37,14 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  
 
 import hicache_rs  # noqa: E402
 from hicache_rs.sglang import HiCacheRsStorage  # noqa: E402
-from sglang_pools import CPU, mha_pool, same, storage_config  # noqa: E402
+from sglang_pools import (  # noqa: E402
+    CPU,
+    Allocator,
+    DevicePool,
+    mha_pool,
+    same,
+    storage_config,
+)
 
 TIMEOUT = 120
 DYNAMIC = {
@@ -404,28 +411,6 @@ def test_asymmetric_namespaces_carry_both_head_dims():
 # ---- decode-side offload in PD disaggregation ---------------------------------------------
 
 
-class DevicePool:
-    """What SGLang's controller reads from its device KV pool (no GPU memory here)."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, layers):
-        self.layer_num = layers
-        self.start_layer = 0
-        self.end_layer = layers
-
-    def register_layer_transfer_counter(self, counter):
-        self.counter = counter
-
-
-class Allocator:
-    def __init__(self, device_pool):
-        self.device_pool = device_pool
-
-    def get_kvcache(self):
-        return self.device_pool
-
-
 class Done:
     """A finished device event: the stand-in for the CUDA event of a device-to-host copy."""
 
@@ -515,6 +500,23 @@ def decode_offload_manager(cc, pool, req_to_token):
     return m
 
 
+def prefill_controller(pool, raw):
+    """A prefill instance's real HybridCacheController over ``pool`` (the KV pool alone) and
+    the extra-config ``raw`` (JSON), as SGLang builds it."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+
+    return HybridCacheController(
+        Allocator(DevicePool(LAYERS)),
+        HostPoolGroup([PoolEntry(name=PoolName.KV, host_pool=pool, device_pool=None,
+                                 layer_mapper=lambda i: i, is_primary_index_anchor=True)]),
+        PS, tp_group=None, load_cache_event=threading.Event(), io_backend="direct",
+        storage_backend="dynamic", prefetch_threshold=PS, model_name="org/model",
+        storage_backend_extra_config=HybridCacheController.parse_storage_backend_extra_config(
+            raw)[0],
+    )
+
+
 def test_decode_side_offload_pages_are_hits_for_a_later_prefill(tmp_path):
     """PD disaggregation: a prefill instance backs up the prompt's whole pages; the decode
     instance (``--disaggregation-decode-enable-offload-kvcache``) offloads what it generated
@@ -522,8 +524,6 @@ def test_decode_side_offload_pages_are_hits_for_a_later_prefill(tmp_path):
     prefill on another instance, for the next turn (prompt + output), hits all of it."""
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     set_parallel()
@@ -551,15 +551,7 @@ def test_decode_side_offload_pages_are_hits_for_a_later_prefill(tmp_path):
     #    tokens, so the same rows the decode instance received over the PD transfer).
     ppool = mha_pool("page_first", layers=LAYERS, heads=2, head_dim=DIM, page_size=PS,
                      device_tokens=256)
-    prefill = HybridCacheController(
-        Allocator(DevicePool(LAYERS)),
-        HostPoolGroup([PoolEntry(name=PoolName.KV, host_pool=ppool, device_pool=None,
-                                 layer_mapper=lambda i: i, is_primary_index_anchor=True)]),
-        PS, tp_group=None, load_cache_event=threading.Event(), io_backend="direct",
-        storage_backend="dynamic", prefetch_threshold=PS, model_name="org/model",
-        storage_backend_extra_config=HybridCacheController.parse_storage_backend_extra_config(
-            raw)[0],
-    )
+    prefill = prefill_controller(ppool, raw)
     decode = None
     try:
         host = ppool.alloc(2 * PS)
@@ -599,15 +591,7 @@ def test_decode_side_offload_pages_are_hits_for_a_later_prefill(tmp_path):
         #    storage), for the next turn: its hit query finds all four pages.
         later_pool = mha_pool("page_first", layers=LAYERS, heads=2, head_dim=DIM,
                               page_size=PS, device_tokens=256)
-        later = HybridCacheController(
-            Allocator(DevicePool(LAYERS)),
-            HostPoolGroup([PoolEntry(name=PoolName.KV, host_pool=later_pool, device_pool=None,
-                                     layer_mapper=lambda i: i, is_primary_index_anchor=True)]),
-            PS, tp_group=None, load_cache_event=threading.Event(), io_backend="direct",
-            storage_backend="dynamic", prefetch_threshold=PS, model_name="org/model",
-            storage_backend_extra_config=HybridCacheController.parse_storage_backend_extra_config(
-                raw)[0],
-        )
+        later = prefill_controller(later_pool, raw)
         try:
             next_turn = all_tokens + [output[-1]] + list(range(9000, 9000 + PS))
             later.prefetch(CacheRequestHandle(rid="r2", attempt_id=0), next_turn, None)
