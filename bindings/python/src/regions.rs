@@ -32,30 +32,16 @@ impl Regions {
                 _ => return Err(BindingError::BadRegion { index, ptr, len }),
             }
         }
-        spans.sort_unstable();
-        let mut merged: Vec<(usize, usize)> = Vec::with_capacity(spans.len());
-        for (start, end) in spans {
-            match merged.last_mut() {
-                Some(last) if start <= last.1 => last.1 = last.1.max(end),
-                _ => merged.push((start, end)),
-            }
-        }
-        Ok(Self { spans: merged })
+        Ok(Self {
+            spans: merged(spans),
+        })
     }
 
     /// The spans of both sets, merged (invariant 2).
     pub fn union(&self, other: &Regions) -> Regions {
-        let mut spans: Vec<(usize, usize)> =
-            self.spans.iter().chain(&other.spans).copied().collect();
-        spans.sort_unstable();
-        let mut merged: Vec<(usize, usize)> = Vec::with_capacity(spans.len());
-        for (start, end) in spans {
-            match merged.last_mut() {
-                Some(last) if start <= last.1 => last.1 = last.1.max(end),
-                _ => merged.push((start, end)),
-            }
+        Regions {
+            spans: merged(self.spans.iter().chain(&other.spans).copied().collect()),
         }
-        Regions { spans: merged }
     }
 
     /// Whether `ptr .. ptr + size` lies wholly inside one span. A range whose end overflows
@@ -87,6 +73,19 @@ impl Regions {
         }
         parts.join(", ")
     }
+}
+
+/// `(start, end)` spans sorted, with overlapping and touching ones joined (invariant 2).
+fn merged(mut spans: Vec<(usize, usize)>) -> Vec<(usize, usize)> {
+    spans.sort_unstable();
+    let mut out: Vec<(usize, usize)> = Vec::with_capacity(spans.len());
+    for (start, end) in spans {
+        match out.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => out.push((start, end)),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
