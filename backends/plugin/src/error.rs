@@ -146,7 +146,8 @@ pub enum PluginError {
 }
 
 impl PluginError {
-    /// A [`PluginError::Call`] for `status` and the plugin's message.
+    /// A [`PluginError::Call`] for `status` and the plugin's message (the loader's calls).
+    #[cfg(feature = "loader")]
     pub(crate) fn call(plugin: &str, op: &'static str, status: i32, message: String) -> Self {
         PluginError::Call {
             plugin: plugin.to_string(),
