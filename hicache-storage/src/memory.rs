@@ -32,7 +32,7 @@ use crate::context::{BatchContext, ContextLog};
 use crate::error::Result;
 use crate::evict::{EvictionPolicy, Evictor};
 use crate::page::{PageBuf, PageBufMut, PageError, PageMeta, PageOutcome};
-use crate::registry::{BackendContext, BackendFactory};
+use crate::factory::{BackendContext, BackendFactory};
 
 /// Default capacity of the memory backend: 1 GiB.
 pub const DEFAULT_MEMORY_CAPACITY: u64 = 1 << 30;
