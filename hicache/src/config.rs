@@ -1,5 +1,6 @@
 //! [`HiCacheConfig`]: the cache's settings, named and defaulted like SGLang's server flags
-//! (spec §9) so users recognise them, as serde data with validation that names the field.
+//! (`--hicache-*` and friends) so users recognise them, as serde data with validation that
+//! names the field.
 //!
 //! | field | default | meaning |
 //! |---|---|---|
@@ -148,8 +149,9 @@ pub struct HiCacheConfig {
     pub prefetch_capacity_ratio: f64,
     /// Collect KV events.
     pub enable_kv_events: bool,
-    /// SGLang's `--kv-events-config` JSON (see [`crate::observe::KvEventsConfig`]): with
-    /// `"publisher": "zmq"` every poll publishes its events; implies `enable_kv_events`.
+    /// SGLang's `--kv-events-config` JSON (parsed by the `observe` module's
+    /// `KvEventsConfig`): with `"publisher": "zmq"` every poll publishes its events; implies
+    /// `enable_kv_events`.
     pub kv_events_config: Option<String>,
     /// `IP:PORT` of the Prometheus scrape endpoint (`GET /metrics`); none serves nothing.
     pub metrics_addr: Option<String>,
@@ -351,14 +353,6 @@ impl HiCacheConfig {
         } else {
             None
         }
-    }
-
-    /// The parsed `kv_events_config`, or `None` when not set.
-    pub fn kv_events(&self) -> Result<Option<crate::observe::KvEventsConfig>> {
-        self.kv_events_config
-            .as_deref()
-            .map(crate::observe::KvEventsConfig::from_json)
-            .transpose()
     }
 
     /// The L3 configuration: backend name plus the parsed extra-config, or `None` without L3.

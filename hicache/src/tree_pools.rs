@@ -22,7 +22,7 @@ use hicache_host::HostPool;
 
 use crate::error::Result;
 use crate::metrics::{DropReason, Metrics, Tier};
-use crate::tiering::Tiering;
+use crate::l2_l3_sharing::Tiering;
 
 /// The tree, the device and host pools, the agreed host budget and the metrics they feed.
 pub(crate) struct Tiers {

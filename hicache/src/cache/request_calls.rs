@@ -6,8 +6,9 @@ use hicache_core::{DeviceSlot, InsertOptions, MatchResult, NodeId, TenantId};
 use super::HiCache;
 use crate::copies::QueuedLoad;
 use crate::error::{HiCacheError, Result};
-use crate::requests::{
-    Admission, Admitted, Arrival, Hits, Request, RequestId, check_slots, record_hits,
+use crate::l3::RequestId;
+use crate::request_state::{
+    Admission, Admitted, Arrival, Hits, Request, check_slots, record_hits,
 };
 
 impl HiCache {
