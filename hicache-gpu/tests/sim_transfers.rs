@@ -407,7 +407,10 @@ fn a_missing_cuda_driver_is_a_clear_error() {
             assert!(matches!(e, GpuError::NoDriver(_)), "{e}");
             assert!(e.to_string().contains("libcuda"), "{e}");
         }
-        Err(e) => assert!(!matches!(e, GpuError::NoDriver(_)), "libcuda loads, yet: {e}"),
+        Err(e) => assert!(
+            !matches!(e, GpuError::NoDriver(_)),
+            "libcuda loads, yet: {e}"
+        ),
         Ok(d) => assert!(
             Device::cuda_driver_available(),
             "{} opened without a driver",

@@ -77,12 +77,12 @@ pub use context::{BatchContext, ContextLog, SeenContext};
 pub use error::{Result, StorageError};
 pub use evict::{EvictionPolicy, Evictor};
 pub use ext::StorageExt;
+pub use factory::{BackendContext, BackendFactory};
 pub use hicache_core::{LayoutKind, MemoryRegion, NamespaceId, PageHash, PageKey};
 pub use lifecycle::{Clock, Lifecycle, Watermarks};
 #[cfg(feature = "memory")]
 pub use memory::{MemoryBackend, MemoryFactory, MemoryOptions};
 pub use page::{PageBuf, PageBufMut, PageError, PageMeta, PageOutcome, leading_ok};
-pub use factory::{BackendContext, BackendFactory};
 pub use registry::Registry;
 
 /// Re-exported so backend crates implement [`Storage`] with the same macro version.

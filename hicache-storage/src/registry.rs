@@ -23,9 +23,9 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::RwLock;
 
 use crate::backend::Storage;
-pub use crate::factory::{BackendContext, BackendFactory};
 use crate::config::StorageConfig;
 use crate::error::{Result, StorageError};
+pub use crate::factory::{BackendContext, BackendFactory};
 
 /// Names mapped to factories.
 #[derive(Default)]

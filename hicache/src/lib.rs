@@ -72,13 +72,13 @@ mod cache;
 pub mod config;
 mod copies;
 pub mod error;
+mod l2_l3_sharing;
 mod l3;
 pub mod metrics;
 pub mod observe;
 pub mod rank;
 mod request_state;
 mod tick;
-mod l2_l3_sharing;
 mod tree_pools;
 
 pub use builder::HiCacheBuilder;
@@ -86,8 +86,8 @@ pub use cache::HiCache;
 pub use config::{HiCacheConfig, HostMemoryMode, IoBackendKind, StorageWriteMode};
 pub use error::{HiCacheError, Result};
 pub use l3::L3_WRITE_BATCHES_IN_FLIGHT;
-pub use rank::{RankError, RankGroup, SingleRank, TcpRankGroup};
 pub use l3::RequestId;
+pub use rank::{RankError, RankGroup, SingleRank, TcpRankGroup};
 pub use request_state::{Admission, Arrival};
 pub use tick::{EXCHANGE_BACKUPS_FINISHED, EXCHANGE_WRITES_FINISHED, InFlight, PollReport};
 

@@ -209,8 +209,16 @@ impl Metrics {
             page_size: self.page_size.clone(),
         }));
         let registry = root.sub_registry_with_prefix("hicache");
-        registry.register("transfer_pages", "Pages moved between tiers", self.pages.clone());
-        registry.register("transfer_bytes", "Bytes moved between tiers", self.bytes.clone());
+        registry.register(
+            "transfer_pages",
+            "Pages moved between tiers",
+            self.pages.clone(),
+        );
+        registry.register(
+            "transfer_bytes",
+            "Bytes moved between tiers",
+            self.bytes.clone(),
+        );
         registry.register(
             "transfer_seconds",
             "Duration of one batched transfer between tiers",
@@ -267,7 +275,9 @@ impl Metrics {
             "Pages each tier can hold (L3: while a backend is attached and bounded)",
             self.capacity_pages.clone(),
         );
-        registry.register_collector(Box::new(crate::observe::StorageCollector(self.storage.clone())));
+        registry.register_collector(Box::new(crate::observe::StorageCollector(
+            self.storage.clone(),
+        )));
         self.registry = root;
     }
 

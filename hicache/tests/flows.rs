@@ -573,7 +573,10 @@ fn start_loading_behind_the_gate(
             .expect("start_loading panicked")
             .unwrap()
             .expect("a load");
-        assert_eq!(producer, held, "the new load reuses the held load's ring slot");
+        assert_eq!(
+            producer, held,
+            "the new load reuses the held load's ring slot"
+        );
         producer
     })
 }

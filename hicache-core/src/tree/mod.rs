@@ -106,8 +106,8 @@ use crate::error::{CoreError, Result};
 use crate::event::{KvEvent, Medium};
 use crate::eviction::{EvictionStrategy, StrategyKind};
 use crate::hash::{ChainStart, PageHasher};
-pub use crate::key::TenantId;
 use crate::key::PageHash;
+pub use crate::key::TenantId;
 use crate::policy::{DEFAULT_LOAD_BACK_THRESHOLD_TOKENS, WritePolicy};
 
 mod check;

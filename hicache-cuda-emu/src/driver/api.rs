@@ -1063,6 +1063,9 @@ fn batch_orders(
 /// read at the call (pageable memory out of stream order).
 type BatchCopy = (u64, u64, usize, Option<Vec<u8>>);
 
+/// The device ranges (address, bytes) to recheck when a batch runs, and its copies.
+type BatchPlan = (Vec<(u64, u64)>, Vec<BatchCopy>);
+
 /// Checks and classifies the copies of a `cuMemcpyBatchAsync` call: the device ranges to
 /// recheck when the batch runs and the copies to make; `Err` is the call's return code.
 fn plan_batch(
@@ -1070,7 +1073,7 @@ fn plan_batch(
     srcs: &[u64],
     sizes: &[usize],
     orders: &[u32],
-) -> Result<(Vec<(u64, u64)>, Vec<BatchCopy>), u32> {
+) -> Result<BatchPlan, u32> {
     let snap = snapshot();
     let mut dev = Vec::new();
     let mut copies = Vec::with_capacity(sizes.len());

@@ -32,6 +32,9 @@ struct Progress {
 /// A stream's count of queued and finished work, shared with its worker thread.
 type Shared = Arc<(Mutex<Progress>, Condvar)>;
 
+/// A stream's [`Shared`] progress, held weakly.
+type WeakShared = Weak<(Mutex<Progress>, Condvar)>;
+
 /// A stream: a worker thread running its queue in order, or the held NULL stream.
 pub struct Stream {
     tx: Mutex<Option<mpsc::Sender<Op>>>,
@@ -42,7 +45,7 @@ pub struct Stream {
     legacy: Option<Arc<Stream>>,
     /// For the NULL stream: the progress of every blocking stream, whose earlier work its own
     /// work waits for (rule 3); weak, so that finished streams drop out.
-    blocking: Mutex<Vec<Weak<(Mutex<Progress>, Condvar)>>>,
+    blocking: Mutex<Vec<WeakShared>>,
 }
 
 impl Stream {
