@@ -17,8 +17,9 @@
 //! - [`Registry`]: names to [`BackendFactory`]s; built-ins behind features, third parties with
 //!   one `register` call.
 //! - [`MemoryBackend`] (feature `memory`, default): the in-memory reference backend.
-//! - `conformance` (feature `testing`): the public suite every backend runs from its own
-//!   tests (`conformance_tests!`); `faults` (feature `testing`): the fault-injection suite
+//! - [`conformance`]: the public suite every backend runs from its own tests
+//!   (`conformance_tests!`; the cases need the feature `testing`, the [`conformance::Harness`]
+//!   trait does not); `faults` (feature `testing`): the fault-injection suite
 //!   every persistent backend runs (`fault_tests!`): bit flips, truncation, garbage files,
 //!   foreign directories, a second opener, a full disk. Enable the feature in a backend's
 //!   `[dev-dependencies]` only, so production builds compile neither.
@@ -48,7 +49,6 @@ pub mod backend;
 pub mod batch;
 pub mod checksum;
 pub mod config;
-#[cfg(feature = "testing")]
 pub mod conformance;
 pub mod context;
 pub mod error;
