@@ -39,6 +39,7 @@ use hicache_storage::StorageConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{HiCacheError, Result};
+use crate::kv_events_config::KvEventsConfig;
 
 /// How pages move between L1 and L2 (serde form of [`IoBackend`]).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -149,9 +150,8 @@ pub struct HiCacheConfig {
     pub prefetch_capacity_ratio: f64,
     /// Collect KV events.
     pub enable_kv_events: bool,
-    /// SGLang's `--kv-events-config` JSON (parsed by the `observe` module's
-    /// `KvEventsConfig`): with `"publisher": "zmq"` every poll publishes its events; implies
-    /// `enable_kv_events`.
+    /// SGLang's `--kv-events-config` JSON (see [`KvEventsConfig`]): with `"publisher": "zmq"`
+    /// every poll publishes its events; implies `enable_kv_events`.
     pub kv_events_config: Option<String>,
     /// `IP:PORT` of the Prometheus scrape endpoint (`GET /metrics`); none serves nothing.
     pub metrics_addr: Option<String>,
@@ -353,6 +353,14 @@ impl HiCacheConfig {
         } else {
             None
         }
+    }
+
+    /// The parsed `kv_events_config`, or `None` when not set.
+    pub fn kv_events(&self) -> Result<Option<KvEventsConfig>> {
+        self.kv_events_config
+            .as_deref()
+            .map(KvEventsConfig::from_json)
+            .transpose()
     }
 
     /// The L3 configuration: backend name plus the parsed extra-config, or `None` without L3.

@@ -506,7 +506,7 @@ fn more_loads_in_flight_than_the_layer_ring_without_polls() {
     assert_eq!(e.cache.tree().device_pages(), 0);
     let counter = e.cache.layer_done_counter().clone();
     let layers = e.cache.shape().layers as usize;
-    let mut admitted = Vec::new();
+    let mut admitted: Vec<(u64, usize, hicache::Admission)> = Vec::new();
     let mut gate = None;
     for (i, p) in prompts.iter().enumerate() {
         let req = 1000 + i as u64;

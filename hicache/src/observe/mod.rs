@@ -34,12 +34,7 @@ impl Endpoints {
     /// Binds what `cfg` asks for (`kv_events_config`, `metrics_addr`); errors name the field.
     /// `render` produces the metrics endpoint's text exposition.
     pub fn start(cfg: &HiCacheConfig, render: RenderFn) -> Result<Self> {
-        let kv_events = match cfg
-            .kv_events_config
-            .as_deref()
-            .map(KvEventsConfig::from_json)
-            .transpose()?
-        {
+        let kv_events = match cfg.kv_events()? {
             Some(k) => KvEventPublisher::start(&k)?,
             None => None,
         };
