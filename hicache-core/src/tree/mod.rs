@@ -1,8 +1,8 @@
 //! The HiRadixTree: which token pages live in device (L1) and host (L2) memory.
 //!
-//! Semantics follow SGLang's `HiRadixCache` (its radix tree with host copies); the differences
-//! are listed at the end. The tree is metadata only: it never frees memory itself. Every operation that drops
-//! pages returns the slots the caller must free, and every transfer is split into steps the
+//! Semantics follow SGLang's `HiRadixCache` (its radix tree with host copies); the differences are
+//! listed at the end. The tree is metadata only: it never frees memory itself. Every operation that
+//! drops pages returns the slots the caller must free, and every transfer is split into steps the
 //! controller drives (plan → commit → finish), so the core stays pure and testable.
 //!
 //! # Model
