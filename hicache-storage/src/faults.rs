@@ -5,7 +5,7 @@
 //! capacity) and invokes [`fault_tests!`](crate::fault_tests) in a test file, which expands to
 //! one `#[test]` per [`Fault`]:
 //!
-//! ```ignore
+//! ```text
 //! // tests/faults.rs of a backend crate
 //! hicache_storage::fault_tests!(my_backend::tests::FaultTarget::new());
 //! ```

@@ -10,7 +10,7 @@
 //! `conformance_tests!` in a test file, which expands to one
 //! `#[test]` per `Case`:
 //!
-//! ```ignore
+//! ```text
 //! // tests/conformance.rs of a backend crate
 //! hicache_storage::conformance_tests!(my_backend::tests::Harness::new());
 //! ```
