@@ -41,8 +41,10 @@ step() {
     echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$out/summary.txt"
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    step tests 60 nvrtc_compile env HICACHE_REQUIRE_NVRTC=1 .gpu/nvrtc_compile --nocapture
-    step tests 150 cuda_transfers env HICACHE_TEST_CUDA=1 .gpu/cuda_transfers --nocapture --test-threads=1
+    # --include-ignored: a test binary built without HICACHE_TEST_CUDA=1 / HICACHE_REQUIRE_NVRTC=1
+    # marks these tests ignored (hicache-gpu/build.rs); here every one of them runs.
+    step tests 60 nvrtc_compile env HICACHE_REQUIRE_NVRTC=1 .gpu/nvrtc_compile --include-ignored --nocapture
+    step tests 150 cuda_transfers env HICACHE_TEST_CUDA=1 .gpu/cuda_transfers --include-ignored --nocapture --test-threads=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     # Every byte of every layout x io x direction checked against the host-side reference

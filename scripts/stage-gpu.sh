@@ -8,8 +8,10 @@ mkdir -p .gpu
 cargo build --release -p hicache-bench
 cp target/release/hicache-bench .gpu/
 # Prints the executable cargo built for test target $2 of package $1 (release).
+# Built with the variables that make the GPU tests run rather than report ignored
+# (hicache-gpu/build.rs); gpu-run.sh also passes --include-ignored.
 test_bin() {
-    cargo test --release -p "$1" --test "$2" --no-run --message-format=json 2>/dev/null |
+    HICACHE_TEST_CUDA=1 HICACHE_REQUIRE_NVRTC=1 cargo test --release -p "$1" --test "$2" --no-run --message-format=json 2>/dev/null |
         python3 -c 'import sys, json
 for line in sys.stdin:
     m = json.loads(line)

@@ -1,6 +1,6 @@
-//! KV events (spec §2.17): what a router needs to track which pages an instance holds in which
-//! tier. The tree appends events to a buffer when events are enabled; the consumer drains it
-//! with [`HiRadixTree::drain_events`](crate::tree::HiRadixTree::drain_events).
+//! KV events, as SGLang publishes them for KV-aware routers: what a router needs to track which
+//! pages an instance holds in which tier. The tree appends events to a buffer when events are
+//! enabled; the consumer drains it with the tree's `HiRadixTree::drain_events`.
 //!
 //! One event covers one node (a run of consecutive pages of one sequence): SGLang emits one
 //! `BlockStored` per page and coalesces consecutive ones in its queue, which yields the same
@@ -9,8 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::key::PageHash;
-use crate::tree::TenantId;
+use crate::key::{PageHash, TenantId};
 
 /// The tier an event is about.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -1,6 +1,7 @@
 //! Page hashing: the chained per-page digests that name pages in L3 and in KV events.
 //!
-//! Both modes use the same chain step, SGLang's (spec §3):
+//! Both modes use the same chain step, SGLang's page hash (`get_hash_str`, chained from the
+//! previous page's digest):
 //!
 //! ```text
 //! h_i = SHA-256( raw32(h_{i-1}) || LE32(t_{i·P}) || … || LE32(t_{i·P+P-1}) )

@@ -30,7 +30,7 @@ fn decode_hex<const N: usize>(what: &'static str, s: &str) -> Result<[u8; N]> {
 }
 
 /// The SHA-256 digest identifying one page of tokens together with everything before it in
-/// its sequence (the chain of §3 of the SGLang spec).
+/// its sequence (SGLang's page-hash chain, described in the `hash` module).
 #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct PageHash(pub [u8; PAGE_HASH_LEN]);
 
@@ -207,6 +207,17 @@ pub fn tokens_from_i64(ids: &[i64]) -> Result<Vec<u32>> {
             })
         })
         .collect()
+}
+
+/// A tenant: one (extra key, cache salt) pair, interned by the radix tree
+/// (`HiRadixTree::tenant`). Lives here, below both the tree and its KV events, which name it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct TenantId(pub u32);
+
+impl TenantId {
+    /// The tenant without extra key or cache salt; it always exists.
+    pub const DEFAULT: TenantId = TenantId(0);
 }
 
 #[cfg(test)]

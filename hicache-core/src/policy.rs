@@ -1,7 +1,7 @@
 //! Cache policies as plain serde data with validation: the write policy (when device pages are
 //! copied to the host tier), the prefetch policy (when an L3 prefetch may stop) and the
 //! thresholds that gate load-back and prefetch. Thresholds and timeouts default to SGLang's
-//! (spec §2.1, §2.6, §2.13); the two policy enums default to their mildest variant, and
+//! values; the two policy enums default to their mildest variant, and
 //! `HiCacheConfig` sets SGLang's server defaults (`write_through`, `timeout`).
 
 use std::time::Duration;
@@ -110,7 +110,7 @@ impl std::str::FromStr for PrefetchPolicy {
     }
 }
 
-/// Prefetch knobs (spec §2.1, §2.13). Field names are SGLang's extra-config keys.
+/// Prefetch knobs. Field names and defaults are SGLang's extra-config keys and values.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PrefetchConfig {

@@ -1,4 +1,5 @@
-//! The legacy NULL stream's held work, alone in its own test process: the driver is process
+//! The legacy NULL stream's held work, not ordered with a non-blocking stream (blocking
+//! streams: `blocking_streams.rs`), alone in its own test process: the driver is process
 //! global, and any other test's `cuMemFree`, synchronous copy or context synchronisation
 //! flushes the NULL stream, which would reorder this test's memset before its copy.
 //!

@@ -178,11 +178,6 @@ impl LoadHandle {
         self.layers.len()
     }
 
-    /// The event of layer `layer` (`None` when out of range).
-    pub fn layer_event(&self, layer: usize) -> Option<&Event> {
-        self.layers.get(layer)
-    }
-
     fn event(&self, layer: usize) -> Result<&Event> {
         self.layers.get(layer).ok_or(GpuError::LayerOutOfRange {
             begin: layer as u32,

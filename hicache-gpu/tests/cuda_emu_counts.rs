@@ -8,8 +8,9 @@
 //! - a failed release of an earlier handle is reported under its own name;
 //! - engine buffers in expandable (VMM) segments that span two mappings register and copy.
 //!
-//! Runs with `HICACHE_TEST_CUDA=1` under `scripts/with-cuda-emu.sh` (the counters are symbols
-//! of the emulated `libcuda.so`); elsewhere it prints why it is skipped and passes.
+//! Built with `HICACHE_TEST_CUDA=1` under `scripts/with-cuda-emu.sh` (which sets
+//! `HICACHE_CUDA_EMU=1`; see `build.rs`) the tests run: the counters are symbols of the
+//! emulated `libcuda.so`. Built otherwise, cargo reports them as ignored, with that command.
 
 mod common;
 
@@ -110,22 +111,17 @@ impl Counters {
     }
 }
 
-fn emulated() -> Option<(Device, Counters)> {
-    if std::env::var("HICACHE_TEST_CUDA").as_deref() != Ok("1") {
-        println!("SKIPPED: set HICACHE_TEST_CUDA=1 under scripts/with-cuda-emu.sh to run it");
-        return None;
-    }
-    let d = Device::cuda(0).unwrap_or_else(|e| panic!("HICACHE_TEST_CUDA=1 but no CUDA: {e}"));
-    match Counters::open() {
-        Some(c) => Some((d, c)),
-        None => {
-            println!(
-                "SKIPPED: {} is not the emulated driver (no counters)",
-                d.name()
-            );
-            None
-        }
-    }
+/// CUDA device 0 on the emulated driver, and its counters; the tests that call it are ignored
+/// unless built with `HICACHE_TEST_CUDA=1` under `scripts/with-cuda-emu.sh`.
+fn emulated() -> (Device, Counters) {
+    let d = Device::cuda(0).unwrap_or_else(|e| panic!("needs the emulated CUDA driver: {e}"));
+    let c = Counters::open().unwrap_or_else(|| {
+        panic!(
+            "{} is not the emulated driver (no counters): run under scripts/with-cuda-emu.sh",
+            d.name()
+        )
+    });
+    (d, c)
 }
 
 const PAGES: usize = 256;
@@ -190,10 +186,13 @@ fn default_cta_count_is_at_most_eight() {
 }
 
 #[test]
+#[cfg_attr(
+    not(all(hicache_test_cuda, hicache_cuda_emu)),
+    ignore = "needs the emulated CUDA driver: \
+              HICACHE_TEST_CUDA=1 scripts/with-cuda-emu.sh cargo test -p hicache-gpu --test cuda_emu_counts"
+)]
 fn all_layer_backup_and_load_of_256_pages_cost_bounded_launches_and_calls() {
-    let Some((device, counters)) = emulated() else {
-        return;
-    };
+    let (device, counters) = emulated();
     let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
     let layers = shape().layers as u64;
     for io in [IoBackend::Kernel, IoBackend::Direct] {
@@ -228,10 +227,13 @@ fn all_layer_backup_and_load_of_256_pages_cost_bounded_launches_and_calls() {
 }
 
 #[test]
+#[cfg_attr(
+    not(all(hicache_test_cuda, hicache_cuda_emu)),
+    ignore = "needs the emulated CUDA driver: \
+              HICACHE_TEST_CUDA=1 scripts/with-cuda-emu.sh cargo test -p hicache-gpu --test cuda_emu_counts"
+)]
 fn transfer_streams_are_created_at_the_highest_priority() {
-    let Some((device, counters)) = emulated() else {
-        return;
-    };
+    let (device, counters) = emulated();
     let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
     counters.reset();
     let case = plain_case(LayoutKind::PageFirst, IoBackend::Kernel, 4, 4);
@@ -248,10 +250,13 @@ fn transfer_streams_are_created_at_the_highest_priority() {
 /// backend still costs one `cuMemcpyBatchAsync` per all-layer backup and one per loaded layer,
 /// not one call per page.
 #[test]
+#[cfg_attr(
+    not(all(hicache_test_cuda, hicache_cuda_emu)),
+    ignore = "needs the emulated CUDA driver: \
+              HICACHE_TEST_CUDA=1 scripts/with-cuda-emu.sh cargo test -p hicache-gpu --test cuda_emu_counts"
+)]
 fn scattered_pages_go_to_the_driver_as_one_batch_per_plan() {
-    let Some((device, counters)) = emulated() else {
-        return;
-    };
+    let (device, counters) = emulated();
     let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
     let layers = shape().layers as u64;
     for layout in LayoutKind::ALL {
@@ -281,10 +286,13 @@ fn scattered_pages_go_to_the_driver_as_one_batch_per_plan() {
 /// On a driver without `cuMemcpyBatchAsync_v2` (before CUDA 13.0) the direct backend falls
 /// back to one copy call per op, moves the same bytes, and stays bounded for runs of pages.
 #[test]
+#[cfg_attr(
+    not(all(hicache_test_cuda, hicache_cuda_emu)),
+    ignore = "needs the emulated CUDA driver: \
+              HICACHE_TEST_CUDA=1 scripts/with-cuda-emu.sh cargo test -p hicache-gpu --test cuda_emu_counts"
+)]
 fn direct_copies_fall_back_to_one_call_per_op_on_older_drivers() {
-    let Some((_, counters)) = emulated() else {
-        return;
-    };
+    let (_, counters) = emulated();
     let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
     counters.set_driver_version(12080);
     let old = Device::cuda(0);
@@ -325,10 +333,13 @@ fn direct_copies_fall_back_to_one_call_per_op_on_older_drivers() {
 /// the cubin (here: an injected CUDA_ERROR_NO_BINARY_FOR_GPU), and the PTX kernels then move
 /// the right bytes.
 #[test]
+#[cfg_attr(
+    not(all(hicache_test_cuda, hicache_cuda_emu)),
+    ignore = "needs the emulated CUDA driver: \
+              HICACHE_TEST_CUDA=1 scripts/with-cuda-emu.sh cargo test -p hicache-gpu --test cuda_emu_counts"
+)]
 fn kernels_load_as_a_cubin_and_fall_back_to_ptx() {
-    let Some((_, counters)) = emulated() else {
-        return;
-    };
+    let (_, counters) = emulated();
     let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
     let case = plain_case(LayoutKind::PageFirst, IoBackend::Kernel, 11, 13);
     counters.reset();
@@ -352,10 +363,13 @@ fn kernels_load_as_a_cubin_and_fall_back_to_ptx() {
 /// Every event the transfer path creates has CU_EVENT_BLOCKING_SYNC: a host waiting for a
 /// transfer sleeps instead of spinning a core.
 #[test]
+#[cfg_attr(
+    not(all(hicache_test_cuda, hicache_cuda_emu)),
+    ignore = "needs the emulated CUDA driver: \
+              HICACHE_TEST_CUDA=1 scripts/with-cuda-emu.sh cargo test -p hicache-gpu --test cuda_emu_counts"
+)]
 fn every_event_blocks_its_host_waits() {
-    let Some((device, counters)) = emulated() else {
-        return;
-    };
+    let (device, counters) = emulated();
     let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
     counters.reset();
     for io in [IoBackend::Kernel, IoBackend::Direct] {
@@ -375,10 +389,13 @@ fn every_event_blocks_its_host_waits() {
 /// as that failure, not as a failure of cuCtxSetCurrent or of the call at hand; the call after
 /// it works again.
 #[test]
+#[cfg_attr(
+    not(all(hicache_test_cuda, hicache_cuda_emu)),
+    ignore = "needs the emulated CUDA driver: \
+              HICACHE_TEST_CUDA=1 scripts/with-cuda-emu.sh cargo test -p hicache-gpu --test cuda_emu_counts"
+)]
 fn a_failed_release_is_reported_under_its_own_name() {
-    let Some((device, counters)) = emulated() else {
-        return;
-    };
+    let (device, counters) = emulated();
     let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
     counters.reset();
     let stream = device.new_stream("s").unwrap();
@@ -408,10 +425,13 @@ fn a_failed_release_is_reported_under_its_own_name() {
 /// buffer running across the boundary is one valid buffer: it registers, and every transfer
 /// through it (kernel and direct) moves the right bytes.
 #[test]
+#[cfg_attr(
+    not(all(hicache_test_cuda, hicache_cuda_emu)),
+    ignore = "needs the emulated CUDA driver: \
+              HICACHE_TEST_CUDA=1 scripts/with-cuda-emu.sh cargo test -p hicache-gpu --test cuda_emu_counts"
+)]
 fn engine_buffers_spanning_two_vmm_mappings_register_and_copy() {
-    let Some((device, counters)) = emulated() else {
-        return;
-    };
+    let (device, counters) = emulated();
     let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
     const CHUNK: usize = 2 << 20;
     type Reserve = unsafe extern "C" fn(*mut u64, usize, usize, u64, u64) -> u32;

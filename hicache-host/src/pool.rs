@@ -354,17 +354,6 @@ impl HostPool {
         unsafe { self.page_parts_shared(slot) }
     }
 
-    /// Mutable slices of the parts of page `slot`, in flat order.
-    pub fn page_parts_mut(&mut self, slot: HostSlot) -> Result<Vec<&mut [u8]>> {
-        let iovs = self.page_iovecs(slot)?;
-        Ok(iovs
-            .into_iter()
-            // SAFETY: the parts of one page are disjoint runs inside the mapping; &mut self
-            // makes these the only references into it while they live.
-            .map(|iov| unsafe { std::slice::from_raw_parts_mut(iov.as_ptr(), iov.len) })
-            .collect())
-    }
-
     /// Borrowed slices of the parts of page `slot` from a shared pool.
     ///
     /// # Safety

@@ -3,7 +3,7 @@
 //!
 //! # The contract
 //!
-//! Rules every backend obeys; [`conformance`](crate::conformance) checks each of them:
+//! Rules every backend obeys; the `conformance` suite (feature `testing`) checks each of them:
 //!
 //! 1. **Atomic visibility.** A page becomes visible (to `batch_exists` and `batch_get`, in this
 //!    process and any other sharing the storage) only after its whole write completed. A torn

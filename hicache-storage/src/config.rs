@@ -307,7 +307,8 @@ pub fn parse_byte_size(s: &str) -> Option<u64> {
     }
 }
 
-/// The HiCache-level fields of the extra-config, parsed once for every backend (spec §2.1).
+/// The HiCache-level fields of the extra-config (SGLang's `prefetch_threshold`,
+/// `prefetch_timeout_*` and the like), parsed once for every backend.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CommonConfig {
     /// Minimum L3 hit, in tokens, that triggers a prefetch (`prefetch_threshold`, default 256).

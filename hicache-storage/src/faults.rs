@@ -5,7 +5,7 @@
 //! capacity) and invokes [`fault_tests!`](crate::fault_tests) in a test file, which expands to
 //! one `#[test]` per [`Fault`]:
 //!
-//! ```ignore
+//! ```text
 //! // tests/faults.rs of a backend crate
 //! hicache_storage::fault_tests!(my_backend::tests::FaultTarget::new());
 //! ```
@@ -45,10 +45,12 @@
 //! # Remote backends
 //! A backend whose pages live in a server process (no directory of its own) declares it,
 //! `fault_tests!(module, target, remote)` with a [`RemoteFaultTarget`]: the directory faults
-//! above are then generated ignored, each with the reason ("not applicable: …") and where its
-//! remote counterpart is checked, a `remote_as_declared` test checks the declaration, and the
-//! [`remote`] cases run instead: SIGKILL and restart of the server mid-batch, garbage on its
-//! port.
+//! above are then not generated, as they do not apply (a remote backend owns no files, logs or
+//! directory: damage to its stored bytes is the conformance `corruption` case, frames cut short
+//! and foreign bytes are the `port_garbage` case, a full pool is the conformance
+//! `capacity_eviction` case, and a remote server is shared by many clients by design); a
+//! `remote_as_declared` test checks the declaration, and the [`remote`] cases run instead:
+//! SIGKILL and restart of the server mid-batch, garbage on its port.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -172,50 +174,15 @@ pub async fn fault_async<T: FaultTarget>(target: &T, fault: Fault) {
 /// first (`fault_tests!(direct, MyTarget::direct())`).
 ///
 /// A remote backend adds `remote` last (`fault_tests!(tcp, MyRemoteTarget, remote)`, with a
-/// [`RemoteFaultTarget`]): the directory faults are generated ignored with the reason they do
-/// not apply, `remote_as_declared` checks the declaration ([`assert_remote`]), and one test
-/// per [`RemoteFault`] runs.
+/// [`RemoteFaultTarget`]): the directory faults are not generated (they do not apply; see the
+/// module documentation for where each is covered), `remote_as_declared` checks the declaration
+/// ([`assert_remote`]), and one test per [`RemoteFault`] runs.
 #[macro_export]
 macro_rules! fault_tests {
     ($module:ident, $target:expr, remote) => {
         mod $module {
             #[allow(unused_imports)]
             use super::*;
-            #[test]
-            #[ignore = "not applicable: a remote backend owns no files; damage to its stored \
-                        bytes is the conformance `corruption` case"]
-            fn bit_flips() {
-                $crate::faults::assert_remote(&$target);
-            }
-            #[test]
-            #[ignore = "not applicable: a remote backend owns no logs; frames cut short are \
-                        the `port_garbage` case"]
-            fn truncation() {
-                $crate::faults::assert_remote(&$target);
-            }
-            #[test]
-            #[ignore = "not applicable: a remote backend owns no directory; foreign bytes are \
-                        the `port_garbage` case"]
-            fn garbage_files() {
-                $crate::faults::assert_remote(&$target);
-            }
-            #[test]
-            #[ignore = "not applicable: a remote backend opens no directory"]
-            fn foreign_directory() {
-                $crate::faults::assert_remote(&$target);
-            }
-            #[test]
-            #[ignore = "not applicable: a remote server is shared by many clients by design \
-                        (`remote_as_declared` checks that it is)"]
-            fn second_opener() {
-                $crate::faults::assert_remote(&$target);
-            }
-            #[test]
-            #[ignore = "not applicable: a remote backend writes no local disk; a full pool is \
-                        the conformance `capacity_eviction` case"]
-            fn disk_full() {
-                $crate::faults::assert_remote(&$target);
-            }
             #[test]
             fn remote_as_declared() {
                 $crate::faults::assert_remote(&$target);

@@ -18,9 +18,11 @@
 //!   one `register` call.
 //! - [`MemoryBackend`] (feature `memory`, default): the in-memory reference backend.
 //! - [`conformance`]: the public suite every backend runs from its own tests
-//!   ([`conformance_tests!`]); [`faults`]: the fault-injection suite every persistent backend
-//!   runs ([`fault_tests!`]): bit flips, truncation, garbage files, foreign directories, a
-//!   second opener, a full disk.
+//!   (`conformance_tests!`; the cases need the feature `testing`, the [`conformance::Harness`]
+//!   trait does not); `faults` (feature `testing`): the fault-injection suite
+//!   every persistent backend runs (`fault_tests!`): bit flips, truncation, garbage files,
+//!   foreign directories, a second opener, a full disk. Enable the feature in a backend's
+//!   `[dev-dependencies]` only, so production builds compile neither.
 //! - [`SetBatch`] / [`Outcomes`]: batch classification (empty / too large / present /
 //!   repeated) and outcome gathering, once for every backend.
 //! - [`StorageExt`]: owned-bytes helpers that batch automatically, for simple callers.
@@ -52,6 +54,8 @@ pub mod context;
 pub mod error;
 pub mod evict;
 pub mod ext;
+pub mod factory;
+#[cfg(feature = "testing")]
 pub mod faults;
 pub mod lifecycle;
 pub mod machine;
@@ -73,12 +77,13 @@ pub use context::{BatchContext, ContextLog, SeenContext};
 pub use error::{Result, StorageError};
 pub use evict::{EvictionPolicy, Evictor};
 pub use ext::StorageExt;
+pub use factory::{BackendContext, BackendFactory};
 pub use hicache_core::{LayoutKind, MemoryRegion, NamespaceId, PageHash, PageKey};
 pub use lifecycle::{Clock, Lifecycle, Watermarks};
 #[cfg(feature = "memory")]
 pub use memory::{MemoryBackend, MemoryFactory, MemoryOptions};
 pub use page::{PageBuf, PageBufMut, PageError, PageMeta, PageOutcome, leading_ok};
-pub use registry::{BackendContext, BackendFactory, Registry};
+pub use registry::Registry;
 
 /// Re-exported so backend crates implement [`Storage`] with the same macro version.
 pub use async_trait::async_trait;

@@ -31,8 +31,8 @@ use crate::config::{CommonConfig, ConfigFields};
 use crate::context::{BatchContext, ContextLog};
 use crate::error::Result;
 use crate::evict::{EvictionPolicy, Evictor};
+use crate::factory::{BackendContext, BackendFactory};
 use crate::page::{PageBuf, PageBufMut, PageError, PageMeta, PageOutcome};
-use crate::registry::{BackendContext, BackendFactory};
 
 /// Default capacity of the memory backend: 1 GiB.
 pub const DEFAULT_MEMORY_CAPACITY: u64 = 1 << 30;

@@ -7,7 +7,7 @@
 //! the concatenation of its parts in order; how they are cut into parts is the caller's business
 //! and is not stored (a page written from 64 parts may be read into one, and back).
 //!
-//! Invariants every backend keeps (checked by [`conformance`](crate::conformance)):
+//! Invariants every backend keeps (checked by the `conformance` suite, feature `testing`):
 //!
 //! 1. The page's [`PageMeta`] (layout tag and total byte length, plus the namespace carried by
 //!    the key) is stored with the page and compared on read. A read whose buffer has another
@@ -95,13 +95,6 @@ impl<'a> PageBuf<'a> {
             v.extend_from_slice(p);
         }
         v
-    }
-
-    /// Feeds every part, in order, to `f` (e.g. a streaming checksum).
-    pub fn for_each_part(&self, mut f: impl FnMut(&[u8])) {
-        for p in &self.parts {
-            f(p);
-        }
     }
 }
 

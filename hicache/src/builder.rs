@@ -15,7 +15,7 @@ use crate::copies::Copies;
 use crate::error::{HiCacheError, Result};
 use crate::metrics::Metrics;
 use crate::rank::{RankGroup, SingleRank};
-use crate::tiers::Tiers;
+use crate::tree_pools::Tiers;
 
 /// Builds a [`HiCache`]. Required: a [`KvShape`] and either a device page count or a device
 /// pool. Everything else has a default: the sim device, a single rank, the built-in backend
@@ -169,7 +169,7 @@ impl HiCacheBuilder {
         )?);
         let namespace = self.namespace(shape);
         let mut tree = make_tree(&cfg, &namespace)?;
-        let tiering = crate::tiering::Tiering::new(&cfg, host_pool.num_pages());
+        let tiering = crate::l2_l3_sharing::Tiering::new(&cfg, host_pool.num_pages());
         tree.set_transient_host(tiering.buffer_only)?;
         let metrics = Arc::new(Metrics::new());
         metrics.set_geometry(
@@ -177,7 +177,11 @@ impl HiCacheBuilder {
             device_pool.num_pages() as u64,
             host_pool.num_pages() as u64,
         );
-        let endpoints = crate::observe::Endpoints::start(&cfg, &metrics)?;
+        let render = {
+            let m = metrics.clone();
+            Arc::new(move || m.render())
+        };
+        let endpoints = crate::observe::Endpoints::start(&cfg, render)?;
         let registry = match self.registry {
             Some(r) => r,
             None => Arc::new(crate::backends::builtin_registry()?),

@@ -1,5 +1,6 @@
 //! [`HiCacheConfig`]: the cache's settings, named and defaulted like SGLang's server flags
-//! (spec §9) so users recognise them, as serde data with validation that names the field.
+//! (`--hicache-*` and friends) so users recognise them, as serde data with validation that
+//! names the field.
 //!
 //! | field | default | meaning |
 //! |---|---|---|
@@ -38,6 +39,7 @@ use hicache_storage::StorageConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{HiCacheError, Result};
+use crate::kv_events_config::KvEventsConfig;
 
 /// How pages move between L1 and L2 (serde form of [`IoBackend`]).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -148,8 +150,8 @@ pub struct HiCacheConfig {
     pub prefetch_capacity_ratio: f64,
     /// Collect KV events.
     pub enable_kv_events: bool,
-    /// SGLang's `--kv-events-config` JSON (see [`crate::observe::KvEventsConfig`]): with
-    /// `"publisher": "zmq"` every poll publishes its events; implies `enable_kv_events`.
+    /// SGLang's `--kv-events-config` JSON (see [`KvEventsConfig`]): with `"publisher": "zmq"`
+    /// every poll publishes its events; implies `enable_kv_events`.
     pub kv_events_config: Option<String>,
     /// `IP:PORT` of the Prometheus scrape endpoint (`GET /metrics`); none serves nothing.
     pub metrics_addr: Option<String>,
@@ -354,10 +356,10 @@ impl HiCacheConfig {
     }
 
     /// The parsed `kv_events_config`, or `None` when not set.
-    pub fn kv_events(&self) -> Result<Option<crate::observe::KvEventsConfig>> {
+    pub fn kv_events(&self) -> Result<Option<KvEventsConfig>> {
         self.kv_events_config
             .as_deref()
-            .map(crate::observe::KvEventsConfig::from_json)
+            .map(KvEventsConfig::from_json)
             .transpose()
     }
 

@@ -23,7 +23,7 @@ use hicache_gpu::{Completion, Event, LayerDoneCounter, LoadHandle, Stream, Trans
 
 use crate::error::Result;
 use crate::metrics::Direction;
-use crate::tiers::Tiers;
+use crate::tree_pools::Tiers;
 
 /// A launched D2H batch.
 struct WriteBatch {

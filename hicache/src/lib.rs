@@ -72,22 +72,24 @@ mod cache;
 pub mod config;
 mod copies;
 pub mod error;
+mod kv_events_config;
+mod l2_l3_sharing;
 mod l3;
 pub mod metrics;
 pub mod observe;
 pub mod rank;
-mod requests;
+mod request_state;
 mod tick;
-mod tiering;
-mod tiers;
+mod tree_pools;
 
 pub use builder::HiCacheBuilder;
 pub use cache::HiCache;
 pub use config::{HiCacheConfig, HostMemoryMode, IoBackendKind, StorageWriteMode};
 pub use error::{HiCacheError, Result};
 pub use l3::L3_WRITE_BATCHES_IN_FLIGHT;
+pub use l3::RequestId;
 pub use rank::{RankError, RankGroup, SingleRank, TcpRankGroup};
-pub use requests::{Admission, Arrival, RequestId};
+pub use request_state::{Admission, Arrival};
 pub use tick::{EXCHANGE_BACKUPS_FINISHED, EXCHANGE_WRITES_FINISHED, InFlight, PollReport};
 
 pub use hicache_core::{

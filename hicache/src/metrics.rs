@@ -176,108 +176,109 @@ impl Default for Metrics {
 impl Metrics {
     /// A fresh set of metrics, registered under the `hicache` prefix.
     pub fn new() -> Self {
-        let pages = Family::<DirectionLabel, Counter>::default();
-        let bytes = Family::<DirectionLabel, Counter>::default();
-        let seconds = Family::<DirectionLabel, Histogram, fn() -> Histogram>::new_with_constructor(
-            seconds_histogram,
-        );
-        let busy_seconds = Family::<DirectionLabel, Counter<f64, AtomicU64>>::default();
-        let batches = Family::<DirectionLabel, Counter>::default();
-        let hit_tokens = Family::<TierLabel, Counter>::default();
-        let request_tokens = Counter::default();
-        let prefetch = Family::<OutcomeLabel, Counter>::default();
-        let dropped_tokens = Family::<ReasonLabel, Counter>::default();
-        let evicted_pages = Family::<TierLabel, Counter>::default();
-        let l3_failed_pages = Family::<OpLabel, Counter>::default();
-        let resident_pages = Family::<TierLabel, Gauge>::default();
-        let capacity_pages = Family::<TierLabel, Gauge>::default();
-        let page_size = Arc::new(AtomicU64::new(0));
-        let storage = crate::observe::StorageSlot::default();
-        let mut root = Registry::default();
+        let mut metrics = Self {
+            pages: Family::default(),
+            bytes: Family::default(),
+            seconds: Family::new_with_constructor(seconds_histogram),
+            busy_seconds: Family::default(),
+            batches: Family::default(),
+            hit_tokens: Family::default(),
+            request_tokens: Counter::default(),
+            prefetch: Family::default(),
+            dropped_tokens: Family::default(),
+            evicted_pages: Family::default(),
+            l3_failed_pages: Family::default(),
+            resident_pages: Family::default(),
+            capacity_pages: Family::default(),
+            page_size: Arc::new(AtomicU64::new(0)),
+            storage: crate::observe::StorageSlot::default(),
+            registry: Registry::default(),
+        };
+        metrics.register();
+        metrics
+    }
+
+    /// Registers every metric in `self.registry`: SGLang's names at the root (a collector),
+    /// ours under the `hicache` prefix, and the L3 backend's own statistics.
+    fn register(&mut self) {
+        let mut root = std::mem::take(&mut self.registry);
         root.register_collector(Box::new(SglangCollector {
-            pages: pages.clone(),
-            resident_pages: resident_pages.clone(),
-            capacity_pages: capacity_pages.clone(),
-            page_size: page_size.clone(),
+            pages: self.pages.clone(),
+            resident_pages: self.resident_pages.clone(),
+            capacity_pages: self.capacity_pages.clone(),
+            page_size: self.page_size.clone(),
         }));
         let registry = root.sub_registry_with_prefix("hicache");
-        registry.register("transfer_pages", "Pages moved between tiers", pages.clone());
-        registry.register("transfer_bytes", "Bytes moved between tiers", bytes.clone());
+        registry.register(
+            "transfer_pages",
+            "Pages moved between tiers",
+            self.pages.clone(),
+        );
+        registry.register(
+            "transfer_bytes",
+            "Bytes moved between tiers",
+            self.bytes.clone(),
+        );
         registry.register(
             "transfer_seconds",
             "Duration of one batched transfer between tiers",
-            seconds.clone(),
+            self.seconds.clone(),
         );
         registry.register(
             "transfer_busy_seconds",
             "Sum of the durations of batched transfers",
-            busy_seconds.clone(),
+            self.busy_seconds.clone(),
         );
         registry.register(
             "transfer_batches",
             "Batched transfers between tiers",
-            batches.clone(),
+            self.batches.clone(),
         );
         registry.register(
             "hit_tokens",
             "Prompt tokens served from each tier",
-            hit_tokens.clone(),
+            self.hit_tokens.clone(),
         );
         registry.register(
             "request_tokens",
             "Prompt tokens of admitted requests",
-            request_tokens.clone(),
+            self.request_tokens.clone(),
         );
         registry.register(
             "prefetch",
             "L3 prefetches by how they ended",
-            prefetch.clone(),
+            self.prefetch.clone(),
         );
         registry.register(
             "dropped_tokens",
             "Cached tokens dropped without a copy in any tier",
-            dropped_tokens.clone(),
+            self.dropped_tokens.clone(),
         );
         registry.register(
             "evicted_pages",
             "Pages evicted from each tier",
-            evicted_pages.clone(),
+            self.evicted_pages.clone(),
         );
         registry.register(
             "l3_failed_pages",
             "L3 pages lost to storage errors (write: not stored by a backup; read: not \
              fetched by a prefetch)",
-            l3_failed_pages.clone(),
+            self.l3_failed_pages.clone(),
         );
         registry.register(
             "resident_pages",
             "Pages currently held by the tree in each tier",
-            resident_pages.clone(),
+            self.resident_pages.clone(),
         );
         registry.register(
             "capacity_pages",
             "Pages each tier can hold (L3: while a backend is attached and bounded)",
-            capacity_pages.clone(),
+            self.capacity_pages.clone(),
         );
-        registry.register_collector(Box::new(crate::observe::StorageCollector(storage.clone())));
-        Self {
-            pages,
-            bytes,
-            seconds,
-            busy_seconds,
-            batches,
-            hit_tokens,
-            request_tokens,
-            prefetch,
-            dropped_tokens,
-            evicted_pages,
-            l3_failed_pages,
-            resident_pages,
-            capacity_pages,
-            page_size,
-            storage,
-            registry: root,
-        }
+        registry.register_collector(Box::new(crate::observe::StorageCollector(
+            self.storage.clone(),
+        )));
+        self.registry = root;
     }
 
     /// Sets the pool sizes and tokens per page (once, when the cache is built).

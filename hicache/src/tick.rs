@@ -26,8 +26,8 @@ use crate::copies::Copies;
 use crate::error::Result;
 use crate::l3::{L3, MAX_TRACKED_PREFETCHES, PrefetchCounts};
 use crate::rank::{MAX_EXCHANGE_LEN, RankGroup};
-use crate::requests::Requests;
-use crate::tiers::Tiers;
+use crate::request_state::Requests;
+use crate::tree_pools::Tiers;
 
 /// Index of "D2H batches finished" in the exchanged vector (see the table above). A
 /// [`RankGroup`] that lowers it holds write-through acknowledgements back.

@@ -483,16 +483,20 @@ fn contradictory_config_and_unknown_backends_are_clear_errors() {
     assert!(e.to_string().contains("shape"), "{e}");
 }
 
+/// Five load-back batches launched without a poll in between, the second to fourth held on
+/// the load stream: the fifth reuses the ring slot of the second and must wait for it, not
+/// fail (and leak its nodes' pins). Holding the load stream needs the sim device's gate, so
+/// this test runs on the sim device whatever `HICACHE_TEST_DEVICE` says.
 #[test]
 fn more_loads_in_flight_than_the_layer_ring_without_polls() {
-    // Five load-back batches launched without a poll in between, the second to fourth held
-    // on the load stream: the fifth reuses the ring slot of the second and must wait for
-    // it, not fail (and leak its nodes' pins).
-    let mut e = Engine::new(cache(test_config(4), 64));
-    if e.cache.transfer_engine().device().kind() != hicache_gpu::DeviceKind::Sim {
-        println!("SKIPPED on CUDA: holding the load stream needs the sim device's gate");
-        return;
-    }
+    let cfg = test_config(4);
+    let sim = HiCache::builder(cfg.clone())
+        .device(hicache::Device::sim())
+        .shape(small_shape(cfg.page_size))
+        .device_pages(64)
+        .build()
+        .unwrap();
+    let mut e = Engine::new(sim);
     let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(300 + i, 16)).collect();
     for p in &prompts {
         e.run(None, p);
@@ -502,22 +506,19 @@ fn more_loads_in_flight_than_the_layer_ring_without_polls() {
     assert_eq!(e.cache.tree().device_pages(), 0);
     let counter = e.cache.layer_done_counter().clone();
     let layers = e.cache.shape().layers as usize;
-    let mut admitted = Vec::new();
+    let mut admitted: Vec<(u64, usize, hicache::Admission)> = Vec::new();
     let mut gate = None;
     for (i, p) in prompts.iter().enumerate() {
         let req = 1000 + i as u64;
         e.cache.arrive(req, p).unwrap();
         let adm = e.cache.admit(req, p).unwrap();
         assert_eq!(adm.host_pages, 4, "{adm:?}");
-        if i == 4 {
-            // Opens the stream later, from another thread: start_loading has to wait for it.
+        let producer = if i == 4 {
             let g: hicache_gpu::SimGate = gate.take().unwrap();
-            std::thread::spawn(move || {
-                std::thread::sleep(std::time::Duration::from_millis(50));
-                g.open();
-            });
-        }
-        let producer = e.cache.start_loading().unwrap().expect("a load");
+            start_loading_behind_the_gate(&mut e.cache, &counter, admitted[1].1, layers, g)
+        } else {
+            e.cache.start_loading().unwrap().expect("a load")
+        };
         if i == 0 {
             counter.set_consumer(producer).unwrap();
             for l in 0..layers {
@@ -537,6 +538,47 @@ fn more_loads_in_flight_than_the_layer_ring_without_polls() {
         e.cache.abort(*req).unwrap();
     }
     e.settle();
+}
+
+/// Calls `start_loading` on another thread while `gate` holds the load stream and checks
+/// that it waits: while the gate is closed the load in ring slot `held` (the one the new
+/// load reuses) has not arrived and `start_loading` has not returned; once the gate opens it
+/// returns the new load, in that slot. Returns the new load's producer id.
+fn start_loading_behind_the_gate(
+    cache: &mut HiCache,
+    counter: &hicache_gpu::LayerDoneCounter,
+    held: usize,
+    layers: usize,
+    gate: hicache_gpu::SimGate,
+) -> usize {
+    std::thread::scope(|s| {
+        let loading = s.spawn(|| cache.start_loading());
+        counter.set_consumer(held).unwrap();
+        // Nothing on the held stream can complete before the gate opens, however long the
+        // other thread runs: each check below holds whatever the scheduling.
+        for _ in 0..1000 {
+            assert!(
+                !counter.is_ready(layers - 1).unwrap(),
+                "a load behind the closed gate arrived"
+            );
+            assert!(
+                !loading.is_finished(),
+                "start_loading returned while the load whose ring slot it reuses was held"
+            );
+            std::thread::yield_now();
+        }
+        gate.open();
+        let producer = loading
+            .join()
+            .expect("start_loading panicked")
+            .unwrap()
+            .expect("a load");
+        assert_eq!(
+            producer, held,
+            "the new load reuses the held load's ring slot"
+        );
+        producer
+    })
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! The tree keeps two candidate sets, one per tier, each owned by an [`EvictionStrategy`]:
 //!
 //! - **device candidates**: device-resident nodes with `lock_ref == 0` and no device-resident
-//!   child (spec §1.3 item 6, `evictable_leaves`);
+//!   child (SGLang's `evictable_leaves`);
 //! - **host candidates**: host-only (evicted) nodes with no children and `host_ref == 0`
 //!   (`evictable_host_leaves`, minus the protected nodes SGLang skips at pop time).
 //!

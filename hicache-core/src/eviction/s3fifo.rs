@@ -76,11 +76,6 @@ impl S3Fifo {
         self.next_seq += 1;
         self.next_seq
     }
-
-    /// Pages of the tier currently in the small and main queues.
-    pub fn queue_pages(&self) -> (u64, u64) {
-        (self.small_pages, self.main_pages)
-    }
 }
 
 impl EvictionStrategy for S3Fifo {

@@ -8,7 +8,7 @@ use super::node::{DEVICE, HOST, LIVE, NIL, SKIPPED, WRITE_PENDING};
 use super::{HiRadixTree, WriteKind};
 
 impl HiRadixTree {
-    /// Checks every invariant of the module documentation (spec §1.3 and more) by full
+    /// Checks every invariant of the module documentation by full
     /// recomputation: O(nodes + pages), plus one SHA-256 per page when hashing is on. Returns
     /// the first violation found.
     pub fn check_invariants(&self) -> Result<(), String> {

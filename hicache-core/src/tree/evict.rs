@@ -1,4 +1,5 @@
-//! Eviction: device (`evict`, spec §2.10) and host (`evict_host`, spec §2.11).
+//! Eviction: device (`evict`) and host (`evict_host`), with the semantics of SGLang's
+//! `HiRadixCache` methods of the same names.
 
 use crate::event::Medium;
 

@@ -1,8 +1,8 @@
 //! The HiRadixTree: which token pages live in device (L1) and host (L2) memory.
 //!
-//! Semantics follow SGLang's `HiRadixCache` (spec §1–§2); the differences are listed at the
-//! end. The tree is metadata only: it never frees memory itself. Every operation that drops
-//! pages returns the slots the caller must free, and every transfer is split into steps the
+//! Semantics follow SGLang's `HiRadixCache` (its radix tree with host copies); the differences are
+//! listed at the end. The tree is metadata only: it never frees memory itself. Every operation that
+//! drops pages returns the slots the caller must free, and every transfer is split into steps the
 //! controller drives (plan → commit → finish), so the core stays pure and testable.
 //!
 //! # Model
@@ -107,6 +107,7 @@ use crate::event::{KvEvent, Medium};
 use crate::eviction::{EvictionStrategy, StrategyKind};
 use crate::hash::{ChainStart, PageHasher};
 use crate::key::PageHash;
+pub use crate::key::TenantId;
 use crate::policy::{DEFAULT_LOAD_BACK_THRESHOLD_TOKENS, WritePolicy};
 
 mod check;
@@ -152,16 +153,6 @@ impl fmt::Display for NodeId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(self, f)
     }
-}
-
-/// A tenant: one (extra key, cache salt) pair, interned by [`HiRadixTree::tenant`].
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct TenantId(pub u32);
-
-impl TenantId {
-    /// The tenant without extra key or cache salt; it always exists.
-    pub const DEFAULT: TenantId = TenantId(0);
 }
 
 /// Id of a pending device→host write, issued by the tree.

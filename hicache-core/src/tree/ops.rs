@@ -1,4 +1,5 @@
-//! Lookups and inserts: `match_prefix`, `insert`, `split` (spec §2.3–§2.5).
+//! Lookups and inserts: `match_prefix`, `insert`, `split`, with the semantics of SGLang's
+//! `HiRadixCache` methods of the same names.
 
 use crate::error::Result;
 

@@ -1,16 +1,17 @@
 //! Transfers between tiers, in steps the controller drives:
 //!
-//! - **backup** (device → host, spec §2.6–§2.7): [`HiRadixTree::begin_backup`] says whether a
-//!   node may be written and which device slots to read; [`HiRadixTree::commit_backup`]
+//! - **backup** (device → host, SGLang's `write_backup`): [`HiRadixTree::begin_backup`] says
+//!   whether a node may be written and which device slots to read; [`HiRadixTree::commit_backup`]
 //!   records the host slots the controller allocated (immediately, as SGLang does), locks the
 //!   node until the copy is done and returns a [`WriteId`]; [`HiRadixTree::finish_backup`] is
 //!   the ack: it unpins the node and returns every fragment (the node may have been split
 //!   meanwhile) with its host slots and page hashes, ready for an L3 backup.
-//! - **load-back** (host → device, spec §2.12): [`HiRadixTree::plan_load_back`] picks the
-//!   whole evicted chain above a node (or nothing), pins it while the controller allocates
+//! - **load-back** (host → device, SGLang's `load_back`): [`HiRadixTree::plan_load_back`]
+//!   picks the whole evicted chain above a node (or nothing), pins it while the controller allocates
 //!   device pages, [`HiRadixTree::commit_load_back`] assigns them and locks the node until
 //!   [`HiRadixTree::finish_load_back`].
-//! - **L3 arrivals** (spec §2.13 step 7): [`HiRadixTree::insert_host_only`].
+//! - **L3 arrivals** (a finished prefetch's pages inserted as host-only nodes):
+//!   [`HiRadixTree::insert_host_only`].
 
 use crate::error::{CoreError, Result};
 use crate::event::Medium;

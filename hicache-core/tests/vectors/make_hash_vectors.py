@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Computes the expected page hashes of tests/hash_vectors.rs with Python's hashlib, written
-independently of the Rust code from the format description (SGLang spec §3 for the chain step,
-hicache-core/src/hash.rs module docs for the namespace framing). Run: python3 make_hash_vectors.py
+independently of the Rust code from the format description (hicache-core/src/hash.rs module
+docs: SGLang's chain step and the namespace framing). Run: python3 make_hash_vectors.py
 """
 import hashlib
 import struct

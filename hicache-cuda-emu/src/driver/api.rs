@@ -391,12 +391,20 @@ pub unsafe extern "C" fn cuCtxSynchronize() -> u32 {
     guard("cuCtxSynchronize", sync_all)
 }
 
-fn create_stream(out: *mut *mut c_void) -> u32 {
+/// `CU_STREAM_NON_BLOCKING`: the stream is not ordered with the legacy NULL stream.
+const STREAM_NON_BLOCKING: c_uint = 0x1;
+
+fn create_stream(out: *mut *mut c_void, flags: c_uint) -> u32 {
     if out.is_null() {
         return rc::INVALID_VALUE;
     }
     let id = new_handle();
-    emu().handles.lock().streams.insert(id, Stream::spawn());
+    let stream = if flags & STREAM_NON_BLOCKING != 0 {
+        Stream::spawn()
+    } else {
+        Stream::spawn_blocking(&emu().null)
+    };
+    emu().handles.lock().streams.insert(id, stream);
     // SAFETY: non-null out-pointer.
     unsafe { *out = id as *mut c_void };
     rc::SUCCESS
@@ -404,22 +412,22 @@ fn create_stream(out: *mut *mut c_void) -> u32 {
 
 /// `cuStreamCreate` of the driver API, emulated (see the module docs of `driver`).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamCreate(out: *mut *mut c_void, _flags: c_uint) -> u32 {
-    guard("cuStreamCreate", || create_stream(out))
+pub unsafe extern "C" fn cuStreamCreate(out: *mut *mut c_void, flags: c_uint) -> u32 {
+    guard("cuStreamCreate", || create_stream(out, flags))
 }
 
 /// `cuStreamCreateWithPriority` of the driver API, emulated (see the module docs of `driver`).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuStreamCreateWithPriority(
     out: *mut *mut c_void,
-    _flags: c_uint,
+    flags: c_uint,
     priority: c_int,
 ) -> u32 {
     guard("cuStreamCreateWithPriority", || {
         if !(-5..=0).contains(&priority) {
             return rc::INVALID_VALUE;
         }
-        create_stream(out)
+        create_stream(out, flags)
     })
 }
 
@@ -1051,6 +1059,69 @@ fn batch_orders(
     Ok(orders)
 }
 
+/// One copy of a batch: destination, source, bytes, and the source's bytes when they were
+/// read at the call (pageable memory out of stream order).
+type BatchCopy = (u64, u64, usize, Option<Vec<u8>>);
+
+/// The device ranges (address, bytes) to recheck when a batch runs, and its copies.
+type BatchPlan = (Vec<(u64, u64)>, Vec<BatchCopy>);
+
+/// Checks and classifies the copies of a `cuMemcpyBatchAsync` call: the device ranges to
+/// recheck when the batch runs and the copies to make; `Err` is the call's return code.
+fn plan_batch(
+    dsts: &[u64],
+    srcs: &[u64],
+    sizes: &[usize],
+    orders: &[u32],
+) -> Result<BatchPlan, u32> {
+    let snap = snapshot();
+    let mut dev = Vec::new();
+    let mut copies = Vec::with_capacity(sizes.len());
+    for (i, &size) in sizes.iter().enumerate() {
+        let n = size as u64;
+        if n == 0 {
+            continue;
+        }
+        let (dst, src) = (dsts[i], srcs[i]);
+        let mut staged = None;
+        for (addr, is_src) in [(dst, false), (src, true)] {
+            match snap.classify(addr, n) {
+                Ok(Side::Device) => dev.push((addr, n)),
+                Ok(Side::PinnedHost) => {}
+                Ok(Side::Pageable) if orders[i] == 1 => {
+                    let what = format!(
+                        "cuMemcpyBatchAsync: copy {i}: stream-ordered copy of {n} bytes \
+                         {} pageable host memory at {addr:#x}",
+                        if is_src { "from" } else { "to" }
+                    );
+                    if strict() {
+                        return Err(fail(rc::INVALID_VALUE, what));
+                    }
+                    violation(what);
+                }
+                Ok(Side::Pageable) => {
+                    // Out of stream order: the driver may read the source now.
+                    if is_src {
+                        // SAFETY: the caller's source holds n bytes.
+                        staged = Some(
+                            unsafe { std::slice::from_raw_parts(src as *const u8, n as usize) }
+                                .to_vec(),
+                        );
+                    }
+                }
+                Err(e) => {
+                    return Err(fail(
+                        rc::INVALID_VALUE,
+                        format!("cuMemcpyBatchAsync: copy {i}: {e}"),
+                    ));
+                }
+            }
+        }
+        copies.push((dst, src, n as usize, staged));
+    }
+    Ok((dev, copies))
+}
+
 /// `cuMemcpyBatchAsync_v2` of the driver API (CUDA 13.0), emulated: `count` pointer-to-pointer
 /// copies in one call, kinds inferred from the pointers, the batch in stream order (copies
 /// within it in no particular order). Refused on the legacy NULL stream and by drivers that
@@ -1110,51 +1181,10 @@ pub unsafe extern "C" fn cuMemcpyBatchAsync_v2(
             Ok(o) => o,
             Err(e) => return fail(rc::INVALID_VALUE, format!("cuMemcpyBatchAsync: {e}")),
         };
-        let snap = snapshot();
-        let mut dev = Vec::new();
-        let mut copies = Vec::with_capacity(count);
-        for i in 0..count {
-            let n = sizes[i] as u64;
-            if n == 0 {
-                continue;
-            }
-            let (dst, src) = (dsts[i], srcs[i]);
-            let mut staged = None;
-            for (addr, is_src) in [(dst, false), (src, true)] {
-                match snap.classify(addr, n) {
-                    Ok(Side::Device) => dev.push((addr, n)),
-                    Ok(Side::PinnedHost) => {}
-                    Ok(Side::Pageable) if orders[i] == 1 => {
-                        let what = format!(
-                            "cuMemcpyBatchAsync: copy {i}: stream-ordered copy of {n} bytes \
-                             {} pageable host memory at {addr:#x}",
-                            if is_src { "from" } else { "to" }
-                        );
-                        if strict() {
-                            return fail(rc::INVALID_VALUE, what);
-                        }
-                        violation(what);
-                    }
-                    Ok(Side::Pageable) => {
-                        // Out of stream order: the driver may read the source now.
-                        if is_src {
-                            // SAFETY: the caller's source holds n bytes.
-                            staged = Some(
-                                unsafe { std::slice::from_raw_parts(src as *const u8, n as usize) }
-                                    .to_vec(),
-                            );
-                        }
-                    }
-                    Err(e) => {
-                        return fail(
-                            rc::INVALID_VALUE,
-                            format!("cuMemcpyBatchAsync: copy {i}: {e}"),
-                        );
-                    }
-                }
-            }
-            copies.push((dst, src, n as usize, staged));
-        }
+        let (dev, copies) = match plan_batch(dsts, srcs, sizes, &orders) {
+            Ok(plan) => plan,
+            Err(code) => return code,
+        };
         count_n("cuMemcpyBatchAsync_v2[copies]", count as u64);
         st.push(Box::new(move || {
             let snap = snapshot();

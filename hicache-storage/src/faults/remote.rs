@@ -195,47 +195,13 @@ async fn server_kill<T: RemoteFaultTarget>(t: &T) {
 
     // A writer of new pages and a reader of the first ones, both looping until stopped.
     let progress = Arc::new(Progress::default());
-    let writer = {
-        let (client, progress) = (client.clone(), progress.clone());
-        tokio::spawn(async move {
-            let mut acked: Vec<(u64, PageKey)> = Vec::new();
-            let mut batch = 0u64;
-            while !progress.stop.load(Ordering::Acquire) && batch < 100_000 {
-                let keys: Vec<PageKey> = (0..8).map(|i| key(71, batch * 8 + i)).collect();
-                let got = write_pages(&*client, &keys, pb).await;
-                // The epoch a page was acknowledged in: before or after the restart.
-                let epoch = progress.failed.load(Ordering::Acquire);
-                if got.len() == keys.len() {
-                    progress.ok.fetch_add(1, Ordering::AcqRel);
-                } else {
-                    progress.failed.fetch_add(1, Ordering::AcqRel);
-                    // Back off a little while the server is down (pacing, not a sync).
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                acked.extend(got.into_iter().map(|k| (epoch, k)));
-                batch += 1;
-            }
-            acked
-        })
-    };
-    let reader = {
-        let (client, progress, before) = (client.clone(), progress.clone(), before.clone());
-        tokio::spawn(async move {
-            let mut seen = Tally::default();
-            let mut rounds = 0u64;
-            while !progress.stop.load(Ordering::Acquire) && rounds < 100_000 {
-                let r = read_back(&*client, &before, pb).await;
-                seen.intact += r.intact;
-                seen.lost += r.lost;
-                seen.wrong += r.wrong;
-                rounds += 1;
-                if r.lost > 0 {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-            }
-            seen
-        })
-    };
+    let writer = tokio::spawn(write_until_stopped(client.clone(), progress.clone(), pb));
+    let reader = tokio::spawn(read_until_stopped(
+        client.clone(),
+        progress.clone(),
+        before.clone(),
+        pb,
+    ));
 
     // Kill mid-batch: the writer has finished batches and keeps starting new ones.
     until("the writer's first batches", || {
@@ -270,6 +236,70 @@ async fn server_kill<T: RemoteFaultTarget>(t: &T) {
         "reads during the kill and restart returned WRONG pages ({seen:?})"
     );
 
+    check_after_restart(&*client, &before, &acked, server.persistent(), pb).await;
+}
+
+/// The writer of [`RemoteFault::ServerKill`]: stores batches of new pages until stopped;
+/// returns every acknowledged page with the epoch it was acknowledged in (the count of
+/// failed batches then: 0 before the kill).
+async fn write_until_stopped(
+    client: Arc<dyn Storage>,
+    progress: Arc<Progress>,
+    pb: usize,
+) -> Vec<(u64, PageKey)> {
+    let mut acked: Vec<(u64, PageKey)> = Vec::new();
+    let mut batch = 0u64;
+    while !progress.stop.load(Ordering::Acquire) && batch < 100_000 {
+        let keys: Vec<PageKey> = (0..8).map(|i| key(71, batch * 8 + i)).collect();
+        let got = write_pages(&*client, &keys, pb).await;
+        // The epoch a page was acknowledged in: before or after the restart.
+        let epoch = progress.failed.load(Ordering::Acquire);
+        if got.len() == keys.len() {
+            progress.ok.fetch_add(1, Ordering::AcqRel);
+        } else {
+            progress.failed.fetch_add(1, Ordering::AcqRel);
+            // Back off a little while the server is down (pacing, not a sync).
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        acked.extend(got.into_iter().map(|k| (epoch, k)));
+        batch += 1;
+    }
+    acked
+}
+
+/// The reader of [`RemoteFault::ServerKill`]: reads `before` back until stopped; returns what
+/// it saw.
+async fn read_until_stopped(
+    client: Arc<dyn Storage>,
+    progress: Arc<Progress>,
+    before: Vec<PageKey>,
+    pb: usize,
+) -> Tally {
+    let mut seen = Tally::default();
+    let mut rounds = 0u64;
+    while !progress.stop.load(Ordering::Acquire) && rounds < 100_000 {
+        let r = read_back(&*client, &before, pb).await;
+        seen.intact += r.intact;
+        seen.lost += r.lost;
+        seen.wrong += r.wrong;
+        rounds += 1;
+        if r.lost > 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    seen
+}
+
+/// The end of [`RemoteFault::ServerKill`]: nothing reads back wrong, pages acknowledged after
+/// the restart are intact (earlier ones too if the server persists), and the same client
+/// stores and serves new pages.
+async fn check_after_restart(
+    client: &dyn Storage,
+    before: &[PageKey],
+    acked: &[(u64, PageKey)],
+    persistent: bool,
+    pb: usize,
+) {
     // After the restart: nothing wrong; pages acknowledged after it intact; earlier ones
     // intact if the server persists.
     let what = "after a SIGKILL and restart of the server";
@@ -278,7 +308,7 @@ async fn server_kill<T: RemoteFaultTarget>(t: &T) {
         .copied()
         .chain(acked.iter().map(|(_, k)| *k))
         .collect();
-    let r = read_back(&*client, &all, pb).await;
+    let r = read_back(client, &all, pb).await;
     assert_eq!(r.wrong, 0, "{what}: pages read back WRONG ({r:?})");
     // Pages of batches acknowledged once the writer had seen a failure were written to the
     // restarted server (a batch in flight at the kill fails, so it is not among them).
@@ -291,19 +321,19 @@ async fn server_kill<T: RemoteFaultTarget>(t: &T) {
         !late.is_empty(),
         "{what}: no page acknowledged after the restart"
     );
-    let r = read_back(&*client, &late, pb).await;
+    let r = read_back(client, &late, pb).await;
     assert_eq!(
         r.intact,
         late.len() as u64,
         "{what}: pages acknowledged by the restarted server do not read back ({r:?})"
     );
-    if server.persistent() {
+    if persistent {
         let early: Vec<PageKey> = before
             .iter()
             .copied()
             .chain(acked.iter().filter(|(e, _)| *e == 0).map(|(_, k)| *k))
             .collect();
-        let r = read_back(&*client, &early, pb).await;
+        let r = read_back(client, &early, pb).await;
         assert_eq!(
             r.intact,
             early.len() as u64,
@@ -313,11 +343,11 @@ async fn server_kill<T: RemoteFaultTarget>(t: &T) {
     // The same client (never reopened) stores and serves new pages.
     let fresh: Vec<PageKey> = (0..4).map(|i| key(72, i)).collect();
     assert_eq!(
-        write_pages(&*client, &fresh, pb).await.len(),
+        write_pages(client, &fresh, pb).await.len(),
         fresh.len(),
         "{what}: the client no longer stores pages"
     );
-    let r = read_back(&*client, &fresh, pb).await;
+    let r = read_back(client, &fresh, pb).await;
     assert_eq!(r.intact, fresh.len() as u64, "{what}: {r:?}");
 }
 

@@ -7,7 +7,7 @@
 //! - [`Requests`]: the live requests;
 //! - the tick ([`crate::tick`]): the per-poll agreement between ranks.
 //!
-//! The engine-facing calls are split by concern: requests ([`requests`]), the per-tick pump
+//! The engine-facing calls are split by concern: requests ([`request_calls`]), the per-tick pump
 //! and lifecycle ([`lifecycle`]) and attaching storage ([`storage`]).
 //!
 //! Ownership (who may touch what):
@@ -23,7 +23,7 @@
 //!    pages of a node being backed up to L3 are protected (`host_ref`) until the L3 ack.
 
 mod lifecycle;
-mod requests;
+mod request_calls;
 mod storage;
 
 use std::sync::Arc;
@@ -38,8 +38,8 @@ use crate::error::{HiCacheError, Result};
 use crate::l3::L3;
 use crate::metrics::Metrics;
 use crate::rank::RankGroup;
-use crate::requests::Requests;
-use crate::tiers::Tiers;
+use crate::request_state::Requests;
+use crate::tree_pools::Tiers;
 
 /// What the builder hands over.
 pub(crate) struct Parts {

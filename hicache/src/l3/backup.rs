@@ -20,7 +20,7 @@
 //!    keys of the pages before it in the request: the path from the root to the first
 //!    fragment's parent, then the backup's own earlier pages (those skipped as already in L3
 //!    included). Without it, with none.
-//! 6. **Tiering** ([`crate::tiering`]). A backup is *complete* when every rank stored every
+//! 6. **Tiering** ([`crate::l2_l3_sharing`]). A backup is *complete* when every rank stored every
 //!    page of it (the agreed index of the first incomplete one, [`L3::first_incomplete_backup`]).
 //!    Only complete backups record their pages as known in L3 (which lets exclusive tiering's
 //!    host eviction drop them) and, under `buffer_only`, release their nodes' host copies.
@@ -42,7 +42,7 @@ use super::L3;
 use super::jobs::{BackupJob, BackupShared, Chain};
 use crate::error::Result;
 use crate::metrics::{Direction, L3Op};
-use crate::tiers::Tiers;
+use crate::tree_pools::Tiers;
 
 /// Most L3 write batches in flight at once, over every backup of a cache (invariant 4).
 pub const L3_WRITE_BATCHES_IN_FLIGHT: usize = 4;

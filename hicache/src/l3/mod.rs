@@ -19,12 +19,13 @@ use hicache_core::{KvKind, KvShape, PrefetchConfig};
 use hicache_storage::{LayoutKind, Storage, StorageConfig};
 
 pub use backup::L3_WRITE_BATCHES_IN_FLIGHT;
+pub use prefetch::RequestId;
 pub(crate) use prefetch::{MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd};
 
 use crate::config::HiCacheConfig;
 use crate::error::{HiCacheError, Result};
 use crate::metrics::PrefetchOutcome;
-use crate::tiers::Tiers;
+use crate::tree_pools::Tiers;
 use backup::BackupOp;
 use jobs::FetchShared;
 use prefetch::PrefetchOp;

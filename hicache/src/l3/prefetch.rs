@@ -5,7 +5,7 @@
 //! 1. **Anchor.** A prefetch fetches the pages after `last_host_node` (the deepest backed-up
 //!    node of the match), chained from that node's last page hash, and inserts them under that
 //!    same node. SGLang starts the tokens after the device *and* host match but chains from and
-//!    inserts under `last_host_node` (spec §13): when device-only nodes sit between the two
+//!    inserts under `last_host_node`: when device-only nodes sit between the two
 //!    the chain skips their tokens and every lookup misses. Here tokens, chain and anchor
 //!    always agree; pages that are on device without a host copy are fetched too and adopted
 //!    as their host copies by the tree.
@@ -38,8 +38,11 @@ use super::L3;
 use super::jobs::{FetchShared, QueryJob};
 use crate::error::{HiCacheError, Result};
 use crate::metrics::{Direction, L3Op, PrefetchOutcome};
-use crate::requests::RequestId;
-use crate::tiers::Tiers;
+use crate::tree_pools::Tiers;
+
+/// The engine's id of a request (unique among live requests): prefetches are tracked by
+/// it.
+pub type RequestId = u64;
 
 /// Most prefetches tracked at once: the per-tick exchange carries
 /// [`PrefetchCounts::LEN`] values for each (the tick checks that they fit one exchange).
@@ -424,7 +427,7 @@ impl L3 {
         )?;
         tiers.free_host(&res.duplicate_slots)?;
         if !tiers.tiering.writes_at_admission() || tiers.tiering.buffer_only {
-            // Agreed pages read from L3: known to be there (crate::tiering invariant 1).
+            // Agreed pages read from L3: known to be there (crate::l2_l3_sharing invariant 1).
             tiers.tiering.known.insert_all(&hashes);
         }
         tiers.metrics.transfer(

@@ -37,11 +37,12 @@ use std::thread::JoinHandle;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
 
 use super::wire::{WireEvent, encode_batch};
 use super::zmtp::{self, PubSocket, Request, RouterSocket, SocketStats, StatsHandle};
 use crate::error::{HiCacheError, Result};
+pub use crate::kv_events_config::KvEventsConfig;
+use crate::kv_events_config::bind_address;
 
 /// SGLang's end-of-replay sequence number (-1 as 8 bytes big-endian).
 const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
@@ -49,101 +50,6 @@ const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
 /// How long dropping the publisher lets subscribers take the last batches before it closes
 /// their connections.
 pub const SHUTDOWN_FLUSH: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// SGLang's `--kv-events-config` (the fields this publisher implements; any other field is an
-/// error that names it).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct KvEventsConfig {
-    /// `null` (events are only collected in-process) or `zmq`.
-    pub publisher: String,
-    /// `tcp://HOST:PORT` the PUB socket binds (`*` for every interface; port 0 picks one).
-    pub endpoint: String,
-    /// `tcp://HOST:PORT` of the ROUTER socket that replays buffered batches.
-    pub replay_endpoint: Option<String>,
-    /// Batches kept for replay.
-    pub buffer_steps: usize,
-    /// Batches queued for the publisher thread before new ones are dropped.
-    pub max_queue_size: usize,
-    /// The first frame of every message (subscribers filter on it).
-    pub topic: String,
-    /// `default` (SGLang's format; the only one implemented).
-    pub format: String,
-}
-
-impl Default for KvEventsConfig {
-    fn default() -> Self {
-        Self {
-            publisher: "null".into(),
-            // SGLang binds every interface (`tcp://*:5557`) by default; we bind loopback unless
-            // told otherwise, so a router on another host is an explicit choice.
-            endpoint: "tcp://127.0.0.1:5557".into(),
-            replay_endpoint: None,
-            buffer_steps: 10_000,
-            max_queue_size: 100_000,
-            topic: String::new(),
-            format: "default".into(),
-        }
-    }
-}
-
-impl KvEventsConfig {
-    /// Parses the JSON (SGLang's `--kv-events-config` value) and checks every field.
-    pub fn from_json(text: &str) -> Result<Self> {
-        let cfg: Self = serde_json::from_str(text).map_err(|e| {
-            HiCacheError::config("kv_events_config", text, format!("not a valid config: {e}"))
-        })?;
-        cfg.validate()?;
-        Ok(cfg)
-    }
-
-    /// Checks the publisher name, the endpoints and the sizes.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |field: &'static str, value: &dyn std::fmt::Display, why: &str| {
-            Err(HiCacheError::config(field, value, why.to_string()))
-        };
-        if !matches!(self.publisher.as_str(), "null" | "zmq") {
-            return bad(
-                "kv_events_config.publisher",
-                &self.publisher,
-                "unknown publisher (known: null, zmq)",
-            );
-        }
-        if self.format != "default" {
-            return bad(
-                "kv_events_config.format",
-                &self.format,
-                "only SGLang's `default` event format is implemented",
-            );
-        }
-        bind_address(&self.endpoint).map_err(|why| {
-            HiCacheError::config("kv_events_config.endpoint", &self.endpoint, why)
-        })?;
-        if let Some(r) = &self.replay_endpoint {
-            bind_address(r)
-                .map_err(|why| HiCacheError::config("kv_events_config.replay_endpoint", r, why))?;
-        }
-        if self.buffer_steps == 0 {
-            return bad("kv_events_config.buffer_steps", &0, "must be at least 1");
-        }
-        if self.max_queue_size == 0 {
-            return bad("kv_events_config.max_queue_size", &0, "must be at least 1");
-        }
-        Ok(())
-    }
-}
-
-/// The socket address of a `tcp://HOST:PORT` endpoint (`*` is every IPv4 interface).
-fn bind_address(endpoint: &str) -> std::result::Result<std::net::SocketAddr, String> {
-    let rest = endpoint
-        .strip_prefix("tcp://")
-        .ok_or_else(|| "must be tcp://HOST:PORT".to_string())?;
-    let rest = rest
-        .strip_prefix("*:")
-        .map_or_else(|| rest.to_string(), |port| format!("0.0.0.0:{port}"));
-    rest.parse()
-        .map_err(|e| format!("must be tcp://HOST:PORT with a numeric host: {e}"))
-}
 
 /// One queued batch.
 struct Batch {

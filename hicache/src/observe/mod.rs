@@ -18,13 +18,10 @@ pub use metrics_http::{
 };
 pub use zmtp::SocketStats;
 
-use std::sync::Arc;
-
 use hicache_core::KvEvent;
 
 use crate::config::HiCacheConfig;
 use crate::error::Result;
-use crate::metrics::Metrics;
 
 /// The endpoints a cache serves, started when it is built and stopped when it is dropped.
 #[derive(Debug, Default)]
@@ -35,16 +32,14 @@ pub struct Endpoints {
 
 impl Endpoints {
     /// Binds what `cfg` asks for (`kv_events_config`, `metrics_addr`); errors name the field.
-    pub fn start(cfg: &HiCacheConfig, metrics: &Arc<Metrics>) -> Result<Self> {
+    /// `render` produces the metrics endpoint's text exposition.
+    pub fn start(cfg: &HiCacheConfig, render: RenderFn) -> Result<Self> {
         let kv_events = match cfg.kv_events()? {
             Some(k) => KvEventPublisher::start(&k)?,
             None => None,
         };
         let metrics = match &cfg.metrics_addr {
-            Some(addr) => {
-                let m = metrics.clone();
-                Some(MetricsServer::start(addr, Arc::new(move || m.render()))?)
-            }
+            Some(addr) => Some(MetricsServer::start(addr, render)?),
             None => None,
         };
         Ok(Self { kv_events, metrics })

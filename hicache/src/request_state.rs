@@ -14,11 +14,8 @@ use hicache_core::{DeviceSlot, NodeId, TenantId};
 use hicache_gpu::DevicePool;
 
 use crate::error::{HiCacheError, Result};
-use crate::l3::PrefetchEnd;
+use crate::l3::{PrefetchEnd, RequestId};
 use crate::metrics::{Metrics, Tier};
-
-/// The engine's id of a request (unique among live requests).
-pub type RequestId = u64;
 
 /// What [`crate::HiCache::arrive`] found for a new request.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

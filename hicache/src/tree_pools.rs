@@ -21,8 +21,8 @@ use hicache_gpu::DevicePool;
 use hicache_host::HostPool;
 
 use crate::error::Result;
+use crate::l2_l3_sharing::Tiering;
 use crate::metrics::{DropReason, Metrics, Tier};
-use crate::tiering::Tiering;
 
 /// The tree, the device and host pools, the agreed host budget and the metrics they feed.
 pub(crate) struct Tiers {

@@ -6,9 +6,8 @@ use hicache_core::{DeviceSlot, InsertOptions, MatchResult, NodeId, TenantId};
 use super::HiCache;
 use crate::copies::QueuedLoad;
 use crate::error::{HiCacheError, Result};
-use crate::requests::{
-    Admission, Admitted, Arrival, Hits, Request, RequestId, check_slots, record_hits,
-};
+use crate::l3::RequestId;
+use crate::request_state::{Admission, Admitted, Arrival, Hits, Request, check_slots, record_hits};
 
 impl HiCache {
     /// The tenant for an extra key (e.g. a LoRA id) and a cache salt; tenants never share

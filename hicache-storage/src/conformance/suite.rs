@@ -1,66 +1,15 @@
-//! The public conformance suite: every rule of the [`Storage`] contract, as test cases any
-//! backend crate runs against itself.
-//!
-//! A backend provides a [`Harness`] (how to open a fresh, empty instance, how to damage a stored
-//! page behind the backend's back, and for persistent backends how to reopen one) and invokes
-//! [`conformance_tests!`](crate::conformance_tests) in a test file, which expands to one
-//! `#[test]` per [`Case`]:
-//!
-//! ```ignore
-//! // tests/conformance.rs of a backend crate
-//! hicache_storage::conformance_tests!(my_backend::tests::Harness::new());
-//! ```
-//!
-//! A backend that does not persist declares it (`conformance_tests!(MyHarness, not_persistent)`):
-//! its `restart` test is then reported as ignored ("not applicable") rather than passing without
-//! checking anything, and a `not_persistent_as_declared` test checks the declaration.
-//!
-//! Or drive cases directly with [`run_case`] / [`run_all`], which say for each case whether it
-//! was checked or did not apply. Cases panic with a message naming the rule broken; they never
-//! depend on timing. See `docs/backend-authors.md` for a worked
-//! example.
+//! The suite's cases (feature `testing`), re-exported by [`conformance`](super).
 
 use std::sync::Arc;
 
-use async_trait::async_trait;
 use hicache_core::{LayoutKind, PageKey};
 
+use super::Harness;
 use crate::backend::Storage;
 use crate::context::{BatchContext, SeenContext};
-use crate::error::{Result, StorageError};
+use crate::error::StorageError;
 use crate::page::{PageBuf, PageBufMut, PageError, PageOutcome};
 use crate::pattern::{check_page, namespace, page_bytes, page_key};
-
-/// How the suite opens and damages instances of a backend.
-#[async_trait]
-pub trait Harness: Send + Sync + 'static {
-    /// The backend type (`dyn Storage` works for backends loaded at run time).
-    type Backend: Storage + ?Sized;
-
-    /// Opens a fresh, empty instance. `capacity_bytes` is the capacity to configure; `None`
-    /// asks for room for at least 256 MiB of pages.
-    async fn open(&self, capacity_bytes: Option<u64>) -> Result<Arc<Self::Backend>>;
-
-    /// Damages the stored data of `key` (flips a byte of the page's bytes) behind the backend's
-    /// back, as a disk or memory fault would. Returns `Ok(false)` if the page is absent.
-    async fn corrupt(&self, backend: &Self::Backend, key: &PageKey) -> Result<bool>;
-
-    /// For persistent backends: drops `backend` and opens the same storage again, as after a
-    /// restart. `Ok(None)` (the default) means the backend does not persist.
-    async fn reopen(&self, backend: Arc<Self::Backend>) -> Result<Option<Arc<Self::Backend>>> {
-        drop(backend);
-        Ok(None)
-    }
-
-    /// For backends that record the [`BatchContext`]s they receive (rule 9): the contexts
-    /// received since the last call, oldest first (the record is emptied). `None` (the
-    /// default) means the backend does not record them; the batch-context case then checks
-    /// only that a context changes no answer.
-    async fn contexts_seen(&self, backend: &Self::Backend) -> Option<Vec<SeenContext>> {
-        let _ = backend;
-        None
-    }
-}
 
 /// One rule of the contract.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -183,8 +132,8 @@ pub async fn case_async<H: Harness>(h: &H, case: Case) -> CaseOutcome {
 /// can run the suite on several configurations.
 ///
 /// A backend that does not persist adds `not_persistent` last
-/// (`conformance_tests!(MyHarness, not_persistent)`): its `restart` test is generated ignored,
-/// with the reason "not applicable", and a `not_persistent_as_declared` test checks that the
+/// (`conformance_tests!(MyHarness, not_persistent)`): its `restart` test is not generated (it
+/// does not apply), and a `not_persistent_as_declared` test checks that the
 /// backend indeed reports `persistent: false`. Without it, `restart` fails on a backend that
 /// does not persist, saying to declare it, so no test passes without checking anything.
 #[macro_export]
@@ -247,18 +196,6 @@ macro_rules! conformance_tests {
     };
     (@volatile $harness:expr, persistent) => {};
     (@volatile $harness:expr, not_persistent) => {
-        #[test]
-        #[ignore = "not applicable: the backend does not persist"]
-        fn restart() {
-            let harness = $harness;
-            let outcome =
-                $crate::conformance::run_case(&harness, $crate::conformance::Case::Restart);
-            assert!(
-                matches!(outcome, $crate::conformance::CaseOutcome::NotApplicable(_)),
-                "declared not_persistent, yet the restart case ran: {outcome:?}"
-            );
-        }
-
         #[test]
         fn not_persistent_as_declared() {
             $crate::conformance::assert_not_persistent(&$harness);
@@ -999,21 +936,7 @@ async fn clear<H: Harness>(h: &H) {
     set_ok(&*s, &b, 4096).await;
     set_ok(&*s, &b_twins, 4096).await;
     if !s.info().clear {
-        match s.clear(namespace(16)).await {
-            Err(StorageError::Unsupported { op: "clear", .. }) => {}
-            other => panic!(
-                "rule 10: a backend without the clear capability must answer Unsupported, \
-                 got {other:?}"
-            ),
-        }
-        assert_hits(
-            &*s,
-            &a,
-            4096,
-            "rule 10: an unsupported clear changes nothing",
-        )
-        .await;
-        return;
+        return clear_unsupported(&*s, &a).await;
     }
     let before = s.stats();
     let n = s.clear(namespace(16)).await.expect("clear");
@@ -1071,31 +994,56 @@ async fn clear<H: Harness>(h: &H) {
     )
     .await;
     if s.info().persistent {
-        let s = h
-            .reopen(s)
-            .await
-            .unwrap_or_else(|e| panic!("reopen failed: {e}"))
-            .expect("a persistent backend's harness must implement reopen");
-        assert_eq!(
-            s.batch_exists(&a[2..]).await.unwrap(),
-            0,
-            "rule 10: a cleared page stays cleared after a restart"
-        );
-        assert_hits(
-            &*s,
-            &a[..2],
-            4096,
-            "rule 10: pages set after a clear survive a restart",
-        )
-        .await;
-        assert_hits(
-            &*s,
-            &b,
-            4096,
-            "rule 10: the other namespace survives a restart",
-        )
-        .await;
+        clear_survives_restart(h, s, &a, &b).await;
     }
+}
+
+/// Rule 10 for a backend without the clear capability: `clear` answers `Unsupported` and
+/// changes nothing (`a` stays stored).
+async fn clear_unsupported<S: Storage + ?Sized>(s: &S, a: &[PageKey]) {
+    match s.clear(namespace(16)).await {
+        Err(StorageError::Unsupported { op: "clear", .. }) => {}
+        other => panic!(
+            "rule 10: a backend without the clear capability must answer Unsupported, \
+             got {other:?}"
+        ),
+    }
+    assert_hits(s, a, 4096, "rule 10: an unsupported clear changes nothing").await;
+}
+
+/// Rule 10 across a restart of a persistent backend: of the cleared namespace's pages `a`,
+/// only the first two (set again after the clear) are back; the other namespace's pages `b`
+/// survive.
+async fn clear_survives_restart<H: Harness>(
+    h: &H,
+    s: Arc<H::Backend>,
+    a: &[PageKey],
+    b: &[PageKey],
+) {
+    let s = h
+        .reopen(s)
+        .await
+        .unwrap_or_else(|e| panic!("reopen failed: {e}"))
+        .expect("a persistent backend's harness must implement reopen");
+    assert_eq!(
+        s.batch_exists(&a[2..]).await.unwrap(),
+        0,
+        "rule 10: a cleared page stays cleared after a restart"
+    );
+    assert_hits(
+        &*s,
+        &a[..2],
+        4096,
+        "rule 10: pages set after a clear survive a restart",
+    )
+    .await;
+    assert_hits(
+        &*s,
+        b,
+        4096,
+        "rule 10: the other namespace survives a restart",
+    )
+    .await;
 }
 
 async fn batch_context<H: Harness>(h: &H) {
