@@ -24,6 +24,7 @@
 
 pub mod conn;
 pub mod options;
+mod spawn;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -41,10 +42,8 @@ use hicache_storage::{
 };
 use parking_lot::Mutex;
 
-use crate::auth::{TenantTable, Token};
 use crate::error::RdmaError;
 use crate::protocol::{AllocStatus, Occupancy, PageReq, ReadStatus, Reply, Request, ServerInfo};
-use crate::server::{RdmaServer, ServerAuth, ServerHandle, ServerOptions};
 use crate::tls::TlsClient;
 pub use conn::Connection;
 pub use options::{RdmaOptions, Transport};
@@ -97,7 +96,7 @@ pub struct RdmaStorage {
     #[cfg(feature = "verbs")]
     verbs: Option<(crate::verbs::ClientVerbs, tokio::sync::Mutex<Connection>)>,
     /// A server this client started (`spawn_server`); it lives as long as the client.
-    _spawned: Option<ServerHandle>,
+    _spawned: Option<spawn::Spawned>,
     /// TLS for every connection, when `tls_ca_file` is set.
     tls: Option<TlsClient>,
 }
@@ -189,30 +188,7 @@ impl RdmaStorage {
     /// on one connection; the others connect on first use.
     pub async fn connect(opts: RdmaOptions) -> Result<Self> {
         let mut opts = opts;
-        let (addr, spawned) = if opts.spawn_server {
-            // A spawned server listens on loopback; it lets in only this client's token (a
-            // fresh random one unless the caller gave one), so other local users cannot use
-            // it.
-            let token = match &opts.token {
-                Some(t) => t.clone(),
-                None => Token::random()?,
-            };
-            opts.token = Some(token.clone());
-            let h = RdmaServer::start(ServerOptions {
-                pool_bytes: opts.spawn_pool_bytes,
-                region_bytes: opts.spawn_pool_bytes.min(1 << 30),
-                populate: opts.spawn_populate,
-                auth: ServerAuth::Tenants(TenantTable::shared(token)),
-                ..ServerOptions::default()
-            })
-            .await?;
-            (h.local_addr().to_string(), Some(h))
-        } else {
-            let addr = opts.server.clone().ok_or_else(|| {
-                StorageError::config("backend rdma", "server", "<missing>", "required field")
-            })?;
-            (addr, None)
-        };
+        let (addr, spawned) = spawn::server_addr(&mut opts).await?;
         let tls = opts
             .tls
             .as_ref()
@@ -243,7 +219,12 @@ impl RdmaStorage {
         #[cfg(feature = "verbs")]
         let verbs = match opts.transport {
             Transport::Verbs => {
-                let v = crate::verbs::ClientVerbs::open(&opts, &info)?;
+                let v = crate::verbs::ClientVerbs::open(
+                    opts.device.as_deref(),
+                    opts.ib_port,
+                    opts.gid_index,
+                    &info,
+                )?;
                 let mine = v.endpoint()?;
                 let mut ctl = Connection::connect_tls(
                     &addr,
@@ -291,26 +272,9 @@ impl RdmaStorage {
         &self.addr
     }
 
-    /// What the server said at the handshake.
-    pub fn server_info(&self) -> &ServerInfo {
-        &self.info
-    }
-
     /// The options in use.
     pub fn options(&self) -> &RdmaOptions {
         &self.opts
-    }
-
-    /// The server's counters (one `STATS` call).
-    pub async fn server_stats(&self) -> Result<crate::protocol::ServerStats> {
-        let r: (Occupancy, Reply) = with_conn!(self, 0, c => c.call(&Request::Stats))?;
-        match r {
-            (_, Reply::Stats(s)) => Ok(s),
-            _ => Err(StorageError::backend(
-                crate::BACKEND_NAME,
-                "STATS answered with another reply",
-            )),
-        }
     }
 
     fn note(&self, occ: Occupancy) {
@@ -364,15 +328,7 @@ impl RdmaStorage {
         keys: &[PageKey],
         dst: &mut [PageBufMut<'_>],
     ) -> Result<Vec<PageOutcome>> {
-        let pages: Vec<PageReq> = keys
-            .iter()
-            .zip(dst.iter())
-            .map(|(k, d)| PageReq {
-                key: *k,
-                len: d.len() as u64,
-                layout: d.layout().tag(),
-            })
-            .collect();
+        let pages = page_reqs(keys, dst.iter().map(|d| (d.len(), d.layout())));
         let (outcomes, mismatches) =
             with_conn!(self, slot, c => self.get_on(c, &pages, &mut *dst))?;
         bump(&self.counters.meta_mismatches, mismatches);
@@ -455,15 +411,7 @@ impl RdmaStorage {
         keys: &[PageKey],
         src: &[PageBuf<'_>],
     ) -> Result<Vec<PageOutcome>> {
-        let pages: Vec<PageReq> = keys
-            .iter()
-            .zip(src)
-            .map(|(k, s)| PageReq {
-                key: *k,
-                len: s.len() as u64,
-                layout: s.layout().tag(),
-            })
-            .collect();
+        let pages = page_reqs(keys, src.iter().map(|s| (s.len(), s.layout())));
         with_conn!(self, slot, c => self.set_on(c, &pages, src))
     }
 
@@ -683,8 +631,67 @@ impl Storage for RdmaStorage {
     }
 }
 
+/// The pages `keys` name, with the lengths and layouts of their buffers.
+fn page_reqs(
+    keys: &[PageKey],
+    bufs: impl Iterator<Item = (usize, hicache_core::LayoutKind)>,
+) -> Vec<PageReq> {
+    keys.iter()
+        .zip(bufs)
+        .map(|(k, (len, layout))| PageReq {
+            key: *k,
+            len: len as u64,
+            layout: layout.tag(),
+        })
+        .collect()
+}
+
+/// Appends to `ops` the RDMA transfers that move `parts` (local address, length), in order,
+/// to or from the server's extent at `(region, offset)`; `call` names the request that named
+/// the extent.
+#[cfg(feature = "verbs")]
+fn push_transfers(
+    v: &crate::verbs::ClientVerbs,
+    call: &'static str,
+    (region, offset): (u32, u64),
+    lkey: u32,
+    parts: impl Iterator<Item = (u64, usize)>,
+    ops: &mut Vec<crate::verbs::Transfer>,
+) -> crate::error::Result<()> {
+    let (mut remote, rkey) = v.remote(region, offset).ok_or_else(|| RdmaError::Verbs {
+        call,
+        detail: format!("server named unregistered region {region}"),
+    })?;
+    for (local, len) in parts {
+        ops.push(crate::verbs::Transfer {
+            local,
+            len,
+            lkey,
+            remote,
+            rkey,
+        });
+        remote += len as u64;
+    }
+    Ok(())
+}
+
 #[cfg(feature = "verbs")]
 impl RdmaStorage {
+    /// The verbs data plane, its control connection and the local key covering every one of
+    /// `ranges` (address, length); `None` without verbs or where a range lies outside the
+    /// registered region (the caller goes over TCP).
+    fn verbs_for(
+        &self,
+        ranges: impl Iterator<Item = (usize, usize)>,
+    ) -> Option<(
+        &crate::verbs::ClientVerbs,
+        &tokio::sync::Mutex<Connection>,
+        u32,
+    )> {
+        let (v, ctl) = self.verbs.as_ref()?;
+        Some((v, ctl, v.lkey_for(ranges)?))
+    }
+
     /// `batch_get` over RDMA READ, when every destination part lies in the registered region;
     /// `None` otherwise (the caller goes over TCP).
     async fn get_verbs(
@@ -693,25 +700,13 @@ impl RdmaStorage {
         dst: &mut [PageBufMut<'_>],
     ) -> Result<Option<Vec<PageOutcome>>> {
         use crate::protocol::LookupStatus;
-        use crate::verbs::Transfer;
-        let Some((v, ctl)) = &self.verbs else {
-            return Ok(None);
-        };
         let ranges = dst
             .iter()
             .flat_map(|d| d.parts().iter().map(|p| (p.as_ptr() as usize, p.len())));
-        let Some(lkey) = v.lkey_for(ranges) else {
+        let Some((v, ctl, lkey)) = self.verbs_for(ranges) else {
             return Ok(None);
         };
-        let pages: Vec<PageReq> = keys
-            .iter()
-            .zip(dst.iter())
-            .map(|(k, d)| PageReq {
-                key: *k,
-                len: d.len() as u64,
-                layout: d.layout().tag(),
-            })
-            .collect();
+        let pages = page_reqs(keys, dst.iter().map(|d| (d.len(), d.layout())));
         let mut c = ctl.lock().await;
         let (occ, reply) = c.call(&Request::Lookup { pages }).await?;
         self.note(occ);
@@ -730,21 +725,9 @@ impl RdmaStorage {
             } = *s
             {
                 leases.push(lease);
-                let (mut remote, rkey) =
-                    v.remote(region, offset).ok_or_else(|| RdmaError::Verbs {
-                        call: "LOOKUP",
-                        detail: format!("server named unregistered region {region}"),
-                    })?;
-                for p in dst[i].parts_mut() {
-                    ops.push(Transfer {
-                        local: p.as_mut_ptr() as u64,
-                        len: p.len(),
-                        lkey,
-                        remote,
-                        rkey,
-                    });
-                    remote += p.len() as u64;
-                }
+                let parts = dst[i].parts_mut().iter_mut();
+                let parts = parts.map(|p| (p.as_mut_ptr() as u64, p.len()));
+                push_transfers(v, "LOOKUP", (region, offset), lkey, parts, &mut ops)?;
             }
         }
         let read = v.read(&ops);
@@ -785,25 +768,13 @@ impl RdmaStorage {
         keys: &[PageKey],
         src: &[PageBuf<'_>],
     ) -> Result<Option<Vec<PageOutcome>>> {
-        use crate::verbs::Transfer;
-        let Some((v, ctl)) = &self.verbs else {
-            return Ok(None);
-        };
         let ranges = src
             .iter()
             .flat_map(|s| s.parts().iter().map(|p| (p.as_ptr() as usize, p.len())));
-        let Some(lkey) = v.lkey_for(ranges) else {
+        let Some((v, ctl, lkey)) = self.verbs_for(ranges) else {
             return Ok(None);
         };
-        let pages: Vec<PageReq> = keys
-            .iter()
-            .zip(src)
-            .map(|(k, s)| PageReq {
-                key: *k,
-                len: s.len() as u64,
-                layout: s.layout().tag(),
-            })
-            .collect();
+        let pages = page_reqs(keys, src.iter().map(|s| (s.len(), s.layout())));
         let mut c = ctl.lock().await;
         let (occ, reply) = c.call(&Request::Allocate { pages }).await?;
         self.note(occ);
@@ -817,21 +788,8 @@ impl RdmaStorage {
         for (i, s) in statuses.iter().enumerate() {
             out.push(match *s {
                 AllocStatus::Slot { id, region, offset } => {
-                    let (mut remote, rkey) =
-                        v.remote(region, offset).ok_or_else(|| RdmaError::Verbs {
-                            call: "ALLOCATE",
-                            detail: format!("server named unregistered region {region}"),
-                        })?;
-                    for p in src[i].parts() {
-                        ops.push(Transfer {
-                            local: p.as_ptr() as u64,
-                            len: p.len(),
-                            lkey,
-                            remote,
-                            rkey,
-                        });
-                        remote += p.len() as u64;
-                    }
+                    let parts = src[i].parts().iter().map(|p| (p.as_ptr() as u64, p.len()));
+                    push_transfers(v, "ALLOCATE", (region, offset), lkey, parts, &mut ops)?;
                     commits.push((i, id, checksum_page(&src[i])));
                     PageOutcome::Stored
                 }
