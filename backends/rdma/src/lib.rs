@@ -32,9 +32,9 @@
 //!   nothing else in the crate.
 //! - [`error`]: [`RdmaError`] (wraps [`protocol::ProtocolError`]); [`auth`]: tokens, tenants,
 //!   the handshake MACs; [`tls`]: rustls set-up for both sides.
-//! - [`verbs`]: the RDMA data plane of both sides; it takes plain parameters (memory ranges,
+//! - `verbs`: the RDMA data plane of both sides; it takes plain parameters (memory ranges,
 //!   device names) and knows neither the client nor the server.
-//! - [`server`] and [`client`] share only the modules above: the client reaches the server
+//! - `server` and [`client`] share only the modules above: the client reaches the server
 //!   in one place (`client::spawn`, for the `spawn_server` option), and only when the crate
 //!   is built with the `server` feature. `--no-default-features` builds the client alone
 //!   (then `spawn_server` is refused with a configuration error).
