@@ -499,158 +499,79 @@ pub fn layout_from_tag(tag: u32) -> Option<LayoutKind> {
     LayoutKind::ALL.into_iter().find(|l| layout_tag(*l) == tag)
 }
 
+/// `("sizeof(c_type)", size_of::<RustType>())`: one entry of [`layout_probe`].
+macro_rules! size_entry {
+    ($c:ident, $t:ty) => {
+        (concat!("sizeof(", stringify!($c), ")"), size_of::<$t>())
+    };
+}
+
+/// `("offsetof(c_type, field)", offset_of!(RustType, field))`: one entry of [`layout_probe`].
+macro_rules! offset_entry {
+    ($c:ident, $t:ty, $f:ident) => {
+        (
+            concat!("offsetof(", stringify!($c), ", ", stringify!($f), ")"),
+            offset_of!($t, $f),
+        )
+    };
+}
+
 /// Sizes and offsets of every ABI struct, in the order `layout_probe.c` (in the
 /// `hicache-plugin-tests` crate) lists them for the same header, so a test can compare the two.
 pub fn layout_probe() -> Vec<(&'static str, usize)> {
     vec![
-        ("sizeof(hicache_key)", size_of::<Key>()),
-        ("sizeof(hicache_iovec)", size_of::<Iovec>()),
-        ("offsetof(hicache_iovec, len)", offset_of!(Iovec, len)),
-        ("sizeof(hicache_page)", size_of::<Page>()),
-        (
-            "offsetof(hicache_page, part_count)",
-            offset_of!(Page, part_count),
-        ),
-        ("offsetof(hicache_page, len)", offset_of!(Page, len)),
-        ("offsetof(hicache_page, layout)", offset_of!(Page, layout)),
-        ("sizeof(hicache_error)", size_of::<ErrorBuf>()),
-        (
-            "offsetof(hicache_error, capacity)",
-            offset_of!(ErrorBuf, capacity),
-        ),
-        ("sizeof(hicache_host)", size_of::<Host>()),
-        (
-            "offsetof(hicache_host, max_log_level)",
-            offset_of!(Host, max_log_level),
-        ),
-        ("offsetof(hicache_host, log)", offset_of!(Host, log)),
-        ("offsetof(hicache_host, log_ctx)", offset_of!(Host, log_ctx)),
-        (
-            "offsetof(hicache_host, capacity_bytes)",
-            offset_of!(Host, capacity_bytes),
-        ),
-        (
-            "offsetof(hicache_host, page_bytes)",
-            offset_of!(Host, page_bytes),
-        ),
-        ("offsetof(hicache_host, layout)", offset_of!(Host, layout)),
-        ("offsetof(hicache_host, pp_size)", offset_of!(Host, pp_size)),
-        (
-            "offsetof(hicache_host, has_namespace)",
-            offset_of!(Host, has_namespace),
-        ),
-        (
-            "offsetof(hicache_host, namespace_id)",
-            offset_of!(Host, namespace_id),
-        ),
-        ("sizeof(hicache_plugin_info)", size_of::<Info>()),
-        (
-            "offsetof(hicache_plugin_info, max_batch)",
-            offset_of!(Info, max_batch),
-        ),
-        (
-            "offsetof(hicache_plugin_info, capacity_bytes)",
-            offset_of!(Info, capacity_bytes),
-        ),
-        ("sizeof(hicache_stats)", size_of::<Stats>()),
-        ("offsetof(hicache_stats, pages)", offset_of!(Stats, pages)),
-        (
-            "offsetof(hicache_stats, meta_mismatches)",
-            offset_of!(Stats, meta_mismatches),
-        ),
-        (
-            "offsetof(hicache_stats, discarded_on_open)",
-            offset_of!(Stats, discarded_on_open),
-        ),
-        ("sizeof(hicache_plugin_vtable)", size_of::<Vtable>()),
-        (
-            "offsetof(hicache_plugin_vtable, struct_size)",
-            offset_of!(Vtable, struct_size),
-        ),
-        (
-            "offsetof(hicache_plugin_vtable, name)",
-            offset_of!(Vtable, name),
-        ),
-        (
-            "offsetof(hicache_plugin_vtable, create)",
-            offset_of!(Vtable, create),
-        ),
-        (
-            "offsetof(hicache_plugin_vtable, destroy)",
-            offset_of!(Vtable, destroy),
-        ),
-        (
-            "offsetof(hicache_plugin_vtable, get_info)",
-            offset_of!(Vtable, get_info),
-        ),
-        (
-            "offsetof(hicache_plugin_vtable, batch_exists)",
-            offset_of!(Vtable, batch_exists),
-        ),
-        (
-            "offsetof(hicache_plugin_vtable, batch_get)",
-            offset_of!(Vtable, batch_get),
-        ),
-        (
-            "offsetof(hicache_plugin_vtable, batch_set)",
-            offset_of!(Vtable, batch_set),
-        ),
-        (
-            "offsetof(hicache_plugin_vtable, batch_delete)",
-            offset_of!(Vtable, batch_delete),
-        ),
-        (
-            "offsetof(hicache_plugin_vtable, get_stats)",
-            offset_of!(Vtable, get_stats),
-        ),
-        (
-            "offsetof(hicache_plugin_vtable, register_memory)",
-            offset_of!(Vtable, register_memory),
-        ),
-        (
-            "offsetof(hicache_plugin_vtable, test_corrupt_page)",
-            offset_of!(Vtable, test_corrupt_page),
-        ),
-        (
-            "offsetof(hicache_plugin_vtable, batch_exists_ctx)",
-            offset_of!(Vtable, batch_exists_ctx),
-        ),
-        (
-            "offsetof(hicache_plugin_vtable, batch_get_ctx)",
-            offset_of!(Vtable, batch_get_ctx),
-        ),
-        (
-            "offsetof(hicache_plugin_vtable, batch_set_ctx)",
-            offset_of!(Vtable, batch_set_ctx),
-        ),
-        (
-            "offsetof(hicache_plugin_vtable, clear)",
-            offset_of!(Vtable, clear),
-        ),
+        size_entry!(hicache_key, Key),
+        size_entry!(hicache_iovec, Iovec),
+        offset_entry!(hicache_iovec, Iovec, len),
+        size_entry!(hicache_page, Page),
+        offset_entry!(hicache_page, Page, part_count),
+        offset_entry!(hicache_page, Page, len),
+        offset_entry!(hicache_page, Page, layout),
+        size_entry!(hicache_error, ErrorBuf),
+        offset_entry!(hicache_error, ErrorBuf, capacity),
+        size_entry!(hicache_host, Host),
+        offset_entry!(hicache_host, Host, max_log_level),
+        offset_entry!(hicache_host, Host, log),
+        offset_entry!(hicache_host, Host, log_ctx),
+        offset_entry!(hicache_host, Host, capacity_bytes),
+        offset_entry!(hicache_host, Host, page_bytes),
+        offset_entry!(hicache_host, Host, layout),
+        offset_entry!(hicache_host, Host, pp_size),
+        offset_entry!(hicache_host, Host, has_namespace),
+        offset_entry!(hicache_host, Host, namespace_id),
+        size_entry!(hicache_plugin_info, Info),
+        offset_entry!(hicache_plugin_info, Info, max_batch),
+        offset_entry!(hicache_plugin_info, Info, capacity_bytes),
+        size_entry!(hicache_stats, Stats),
+        offset_entry!(hicache_stats, Stats, pages),
+        offset_entry!(hicache_stats, Stats, meta_mismatches),
+        offset_entry!(hicache_stats, Stats, discarded_on_open),
+        size_entry!(hicache_plugin_vtable, Vtable),
+        offset_entry!(hicache_plugin_vtable, Vtable, struct_size),
+        offset_entry!(hicache_plugin_vtable, Vtable, name),
+        offset_entry!(hicache_plugin_vtable, Vtable, create),
+        offset_entry!(hicache_plugin_vtable, Vtable, destroy),
+        offset_entry!(hicache_plugin_vtable, Vtable, get_info),
+        offset_entry!(hicache_plugin_vtable, Vtable, batch_exists),
+        offset_entry!(hicache_plugin_vtable, Vtable, batch_get),
+        offset_entry!(hicache_plugin_vtable, Vtable, batch_set),
+        offset_entry!(hicache_plugin_vtable, Vtable, batch_delete),
+        offset_entry!(hicache_plugin_vtable, Vtable, get_stats),
+        offset_entry!(hicache_plugin_vtable, Vtable, register_memory),
+        offset_entry!(hicache_plugin_vtable, Vtable, test_corrupt_page),
+        offset_entry!(hicache_plugin_vtable, Vtable, batch_exists_ctx),
+        offset_entry!(hicache_plugin_vtable, Vtable, batch_get_ctx),
+        offset_entry!(hicache_plugin_vtable, Vtable, batch_set_ctx),
+        offset_entry!(hicache_plugin_vtable, Vtable, clear),
         ("HICACHE_VTABLE_V1_0_SIZE", VTABLE_V1_0_SIZE),
         ("HICACHE_VTABLE_V1_1_SIZE", VTABLE_V1_1_SIZE),
         ("HICACHE_VTABLE_V1_2_SIZE", VTABLE_V1_2_SIZE),
-        (
-            "offsetof(hicache_stats, cleared_pages)",
-            offset_of!(Stats, cleared_pages),
-        ),
-        ("sizeof(hicache_batch_context)", size_of::<BatchContext>()),
-        (
-            "offsetof(hicache_batch_context, prefix_keys)",
-            offset_of!(BatchContext, prefix_keys),
-        ),
-        (
-            "offsetof(hicache_batch_context, prefix_count)",
-            offset_of!(BatchContext, prefix_count),
-        ),
-        (
-            "offsetof(hicache_batch_context, extra_info)",
-            offset_of!(BatchContext, extra_info),
-        ),
-        (
-            "offsetof(hicache_batch_context, extra_info_len)",
-            offset_of!(BatchContext, extra_info_len),
-        ),
+        offset_entry!(hicache_stats, Stats, cleared_pages),
+        size_entry!(hicache_batch_context, BatchContext),
+        offset_entry!(hicache_batch_context, BatchContext, prefix_keys),
+        offset_entry!(hicache_batch_context, BatchContext, prefix_count),
+        offset_entry!(hicache_batch_context, BatchContext, extra_info),
+        offset_entry!(hicache_batch_context, BatchContext, extra_info_len),
     ]
 }
 

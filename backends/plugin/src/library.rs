@@ -154,7 +154,32 @@ impl PluginLibrary {
         })
     }
 
+    /// Reads the plugin's vtable and checks it: its required functions, the functions its
+    /// capability bits promise, its name and version strings.
     fn check(lib: &Library, path: &Path) -> Result<(Vtable, String, String), PluginError> {
+        let vt = Self::read_vtable(lib, path)?;
+        let invalid = |what: String| PluginError::InvalidVtable {
+            path: path.to_path_buf(),
+            what,
+        };
+        if let Some(what) = missing_function(&vt) {
+            return Err(invalid(what));
+        }
+        // SAFETY: the header requires static NUL-terminated strings; `bounded_str` reads at
+        // most MAX_NAME + 1 bytes.
+        let name = unsafe { bounded_str(vt.name) }.map_err(|e| invalid(format!("name {e}")))?;
+        // SAFETY: as above.
+        let version =
+            unsafe { bounded_str(vt.version) }.map_err(|e| invalid(format!("version {e}")))?;
+        if name.is_empty() {
+            return Err(invalid("name is empty".into()));
+        }
+        Ok((vt, name, version))
+    }
+
+    /// Calls the entry function and copies the vtable it returns, after checking its ABI major
+    /// version and minimal size; a vtable of an older minor version is zero-extended.
+    fn read_vtable(lib: &Library, path: &Path) -> Result<Vtable, PluginError> {
         let path_buf = || path.to_path_buf();
         // SAFETY: the symbol's type is the header's `hicache_plugin_entry_fn`; a library that
         // exports this name with another type breaks the ABI, which no check can detect.
@@ -198,67 +223,7 @@ impl PluginLibrary {
             std::ptr::copy_nonoverlapping(ptr.cast::<u8>(), vt.as_mut_ptr().cast::<u8>(), common);
             vt.assume_init()
         };
-        let invalid = |what: String| PluginError::InvalidVtable {
-            path: path_buf(),
-            what,
-        };
-        let required = [
-            ("create", vt.create.is_some()),
-            ("destroy", vt.destroy.is_some()),
-            ("get_info", vt.get_info.is_some()),
-            ("batch_exists", vt.batch_exists.is_some()),
-            ("batch_get", vt.batch_get.is_some()),
-            ("batch_set", vt.batch_set.is_some()),
-            ("batch_delete", vt.batch_delete.is_some()),
-            ("get_stats", vt.get_stats.is_some()),
-        ];
-        if let Some((f, _)) = required.iter().find(|(_, present)| !present) {
-            return Err(invalid(format!("required function `{f}` is NULL")));
-        }
-        if vt.capabilities & abi::CAP_REGISTER_MEMORY != 0 && vt.register_memory.is_none() {
-            return Err(invalid(
-                "HICACHE_CAP_REGISTER_MEMORY is set but `register_memory` is NULL".into(),
-            ));
-        }
-        if vt.capabilities & abi::CAP_TEST_CORRUPT != 0 && vt.test_corrupt_page.is_none() {
-            return Err(invalid(
-                "HICACHE_CAP_TEST_CORRUPT is set but `test_corrupt_page` is NULL".into(),
-            ));
-        }
-        // A vtable too small to hold the 1.1 entries did not know the bit: ignored there.
-        if header.struct_size as usize >= abi::VTABLE_V1_1_SIZE
-            && vt.capabilities & abi::CAP_BATCH_CONTEXT != 0
-        {
-            let ctx = [
-                ("batch_exists_ctx", vt.batch_exists_ctx.is_some()),
-                ("batch_get_ctx", vt.batch_get_ctx.is_some()),
-                ("batch_set_ctx", vt.batch_set_ctx.is_some()),
-            ];
-            if let Some((f, _)) = ctx.iter().find(|(_, present)| !present) {
-                return Err(invalid(format!(
-                    "HICACHE_CAP_BATCH_CONTEXT is set but `{f}` is NULL"
-                )));
-            }
-        }
-        // Likewise a vtable too small to hold the 1.2 `clear` entry did not know its bit.
-        if header.struct_size as usize >= abi::VTABLE_V1_2_SIZE
-            && vt.capabilities & abi::CAP_CLEAR != 0
-            && vt.clear.is_none()
-        {
-            return Err(invalid(
-                "HICACHE_CAP_CLEAR is set but `clear` is NULL".into(),
-            ));
-        }
-        // SAFETY: the header requires static NUL-terminated strings; `bounded_str` reads at
-        // most MAX_NAME + 1 bytes.
-        let name = unsafe { bounded_str(vt.name) }.map_err(|e| invalid(format!("name {e}")))?;
-        // SAFETY: as above.
-        let version =
-            unsafe { bounded_str(vt.version) }.map_err(|e| invalid(format!("version {e}")))?;
-        if name.is_empty() {
-            return Err(invalid("name is empty".into()));
-        }
-        Ok((vt, name, version))
+        Ok(vt)
     }
 
     /// The path the library was loaded from, as configured.
@@ -330,4 +295,52 @@ unsafe fn bounded_str(p: *const c_char) -> Result<String, String> {
         buf.push(b);
     }
     Err(format!("is not NUL-terminated within {MAX_NAME} bytes"))
+}
+
+/// The first function `vt` lacks that it must have: a required one, or one its capability bits
+/// promise (a capability bit newer than the vtable's size is ignored: the plugin did not know
+/// it).
+fn missing_function(vt: &Vtable) -> Option<String> {
+    let required = [
+        ("create", vt.create.is_some()),
+        ("destroy", vt.destroy.is_some()),
+        ("get_info", vt.get_info.is_some()),
+        ("batch_exists", vt.batch_exists.is_some()),
+        ("batch_get", vt.batch_get.is_some()),
+        ("batch_set", vt.batch_set.is_some()),
+        ("batch_delete", vt.batch_delete.is_some()),
+        ("get_stats", vt.get_stats.is_some()),
+    ];
+    if let Some((f, _)) = required.iter().find(|(_, present)| !present) {
+        return Some(format!("required function `{f}` is NULL"));
+    }
+    if vt.capabilities & abi::CAP_REGISTER_MEMORY != 0 && vt.register_memory.is_none() {
+        return Some("HICACHE_CAP_REGISTER_MEMORY is set but `register_memory` is NULL".into());
+    }
+    if vt.capabilities & abi::CAP_TEST_CORRUPT != 0 && vt.test_corrupt_page.is_none() {
+        return Some("HICACHE_CAP_TEST_CORRUPT is set but `test_corrupt_page` is NULL".into());
+    }
+    // A vtable too small to hold the 1.1 entries did not know the bit: ignored there.
+    if vt.struct_size as usize >= abi::VTABLE_V1_1_SIZE
+        && vt.capabilities & abi::CAP_BATCH_CONTEXT != 0
+    {
+        let ctx = [
+            ("batch_exists_ctx", vt.batch_exists_ctx.is_some()),
+            ("batch_get_ctx", vt.batch_get_ctx.is_some()),
+            ("batch_set_ctx", vt.batch_set_ctx.is_some()),
+        ];
+        if let Some((f, _)) = ctx.iter().find(|(_, present)| !present) {
+            return Some(format!(
+                "HICACHE_CAP_BATCH_CONTEXT is set but `{f}` is NULL"
+            ));
+        }
+    }
+    // Likewise a vtable too small to hold the 1.2 `clear` entry did not know its bit.
+    if vt.struct_size as usize >= abi::VTABLE_V1_2_SIZE
+        && vt.capabilities & abi::CAP_CLEAR != 0
+        && vt.clear.is_none()
+    {
+        return Some("HICACHE_CAP_CLEAR is set but `clear` is NULL".into());
+    }
+    None
 }

@@ -34,10 +34,7 @@ use sha2::Sha256;
 
 use crate::error::{RdmaError, Result};
 
-/// Bytes of a handshake nonce.
-pub const NONCE_LEN: usize = 32;
-/// Bytes of a MAC (HMAC-SHA256).
-pub const MAC_LEN: usize = 32;
+pub use crate::protocol::{MAC_LEN, NONCE_LEN};
 /// Shortest token accepted (characters): 16 random characters are about 95 bits.
 pub const MIN_TOKEN_LEN: usize = 16;
 /// Largest token or tenant file read (a FIFO or `/dev/zero` cannot make a reader loop).

@@ -17,6 +17,28 @@
 //!   move by one-sided RDMA READ/WRITE between the caller's registered host memory and the
 //!   server's regions, at the addresses and rkeys the server publishes.
 //!
+//! ## Modules and their dependency direction
+//!
+//! Each module uses only the modules below it, never one above:
+//!
+//! ```text
+//! client (spawn: server only with feature `server`)   server (feature `server`, on by default)
+//!    |                                                   |
+//!    +---------------------> verbs (feature `verbs`) <---+
+//!    +----> tls ----> auth ----> error ----> protocol <--+
+//! ```
+//!
+//! - [`protocol`]: the wire format (frames, messages, limits, op and error codes); depends on
+//!   nothing else in the crate.
+//! - [`error`]: [`RdmaError`] (wraps [`protocol::ProtocolError`]); [`auth`]: tokens, tenants,
+//!   the handshake MACs; [`tls`]: rustls set-up for both sides.
+//! - `verbs`: the RDMA data plane of both sides; it takes plain parameters (memory ranges,
+//!   device names) and knows neither the client nor the server.
+//! - `server` and [`client`] share only the modules above: the client reaches the server
+//!   in one place (`client::spawn`, for the `spawn_server` option), and only when the crate
+//!   is built with the `server` feature. `--no-default-features` builds the client alone
+//!   (then `spawn_server` is refused with a configuration error).
+//!
 //! ## Protocol (summary; details in [`protocol`])
 //!
 //! Length-prefixed frames (`u32 body | u64 payload | u64 request id | u8 op`), a `HELLO` →
@@ -84,6 +106,7 @@ pub mod auth;
 pub mod client;
 pub mod error;
 pub mod protocol;
+#[cfg(feature = "server")]
 pub mod server;
 pub mod tls;
 #[cfg(feature = "verbs")]
@@ -100,6 +123,7 @@ pub use auth::{Grant, Tenant, TenantTable, Token};
 pub use client::{Connection, RdmaOptions, RdmaStorage, Transport};
 pub use error::RdmaError;
 pub use hicache_core::PageKey;
+#[cfg(feature = "server")]
 pub use server::{RdmaServer, ServerAuth, ServerHandle, ServerOptions};
 
 /// The registry name of this backend.

@@ -108,6 +108,7 @@ impl ServerTls {
     }
 
     /// Builds the acceptor; errors name the piece that is wrong.
+    #[cfg(feature = "server")]
     pub(crate) fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor> {
         let chain = certs(&self.cert_pem, "TLS certificate")?;
         let key = key(&self.key_pem, "TLS key")?;

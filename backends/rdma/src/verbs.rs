@@ -26,10 +26,8 @@ use hicache_core::MemoryRegion;
 use parking_lot::Mutex;
 use rdma_sys::*;
 
-use crate::client::RdmaOptions;
 use crate::error::{RdmaError, Result};
 use crate::protocol::{RegionDesc, ServerInfo, VerbsEndpoint};
-use crate::server::pool::Region;
 
 /// Largest single RDMA message (the verbs length field is 32-bit).
 const MAX_MSG: usize = 1 << 30;
@@ -481,12 +479,13 @@ impl std::fmt::Debug for ServerVerbs {
 }
 
 impl ServerVerbs {
-    /// Opens the first device and registers every region for remote read and write.
-    pub fn register(regions: &[Region]) -> Result<Self> {
+    /// Opens the first device and registers every region (`(start, length)` of the server's
+    /// pool mappings, in region-id order) for remote read and write.
+    pub fn register(regions: impl IntoIterator<Item = (*mut u8, usize)>) -> Result<Self> {
         let dev = Device::open(None, 1, 0)?;
         let mrs = regions
-            .iter()
-            .map(|r| dev.register(r.addr(), r.len()))
+            .into_iter()
+            .map(|(addr, len)| dev.register(addr, len))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             qps: Mutex::new(HashMap::new()),
@@ -535,11 +534,17 @@ impl std::fmt::Debug for ClientVerbs {
 }
 
 impl ClientVerbs {
-    /// Opens the device named in `opts` (or the first) and creates a QP. Fails with
+    /// Opens `device` (or the first one) on `ib_port` with `gid_index` (the client's
+    /// `device`, `ib_port` and `gid_index` options) and creates a QP. Fails with
     /// [`RdmaError::NoDevice`] on a machine without RDMA devices, and if the server offers no
     /// RDMA registration.
-    pub fn open(opts: &RdmaOptions, info: &ServerInfo) -> Result<Self> {
-        let dev = Device::open(opts.device.as_deref(), opts.ib_port, opts.gid_index)?;
+    pub fn open(
+        device: Option<&str>,
+        ib_port: u8,
+        gid_index: u8,
+        info: &ServerInfo,
+    ) -> Result<Self> {
+        let dev = Device::open(device, ib_port, gid_index)?;
         if !info.verbs {
             return Err(verbs_err(
                 "server handshake",

@@ -34,12 +34,12 @@ use hicache_storage::{PageBufMut, PageError};
 use tokio::sync::{Mutex, Semaphore};
 use tokio::time::Instant;
 
-use crate::conn::PageRead;
+use crate::conn::{Conn, ConnError, PageRead};
 use crate::deadline::Budget;
 use crate::error::page_error;
 use crate::nodes::{BIG_VALUE, Nodes};
 use crate::resp::{self, Frame, Limits};
-use crate::topology::slot;
+use crate::topology::{Topology, slot};
 
 /// `ASKING`, sent in front of a request redirected by `ASK`.
 const ASKING: &[u8] = b"*1\r\n$6\r\nASKING\r\n";
@@ -215,54 +215,14 @@ pub async fn execute(
 ) -> Vec<Reply> {
     let deadline = budget.end();
     let max_value = usize::try_from(nodes.max_value_bytes).unwrap_or(usize::MAX);
-    let mut out: Vec<Option<Reply>> = (0..reqs.len()).map(|_| None).collect();
-    let mut pending: Vec<(usize, Pending)> = (0..reqs.len()).map(|i| (i, Pending::Route)).collect();
-    let mut last_err: HashMap<usize, String> = HashMap::new();
-    // Per request: the redirections it followed (`MOVED 3999 host:port`), in order.
-    let mut redirected: HashMap<usize, Vec<String>> = HashMap::new();
+    let mut run = Run::new(reqs);
     let mut attempt = 0u32;
-    while !pending.is_empty() {
-        let topology = nodes.topology();
-        // Group by target node.
-        let mut groups: HashMap<String, Vec<(usize, bool)>> = HashMap::new();
-        let mut unrouted = Vec::new();
-        for (i, p) in pending.drain(..) {
-            let (addr, asking) = match p {
-                Pending::Ask(a) => (a, true),
-                Pending::Route => match topology.owner(slot(&reqs[i].key)) {
-                    Some(a) => (a.to_string(), false),
-                    None => {
-                        last_err.insert(i, "no node serves the key's slot".into());
-                        unrouted.push((i, Pending::Route));
-                        continue;
-                    }
-                },
-            };
-            groups.entry(addr).or_default().push((i, asking));
-        }
-        // Cut groups into pipelines within the in-flight bound.
-        let mut batches = Vec::new();
-        for (addr, items) in groups {
-            let mut cur = Vec::new();
-            let mut cur_bytes = 0;
-            for it in items {
-                let b = reqs[it.0].bytes;
-                if !cur.is_empty() && cur_bytes + b > inflight.chunk_bytes() {
-                    batches.push((addr.clone(), std::mem::take(&mut cur), cur_bytes));
-                    cur_bytes = 0;
-                }
-                cur_bytes += b;
-                cur.push(it);
-            }
-            if !cur.is_empty() {
-                batches.push((addr, cur, cur_bytes));
-            }
-        }
-        let results = join_all(batches.into_iter().map(|(addr, items, bytes)| async move {
+    while !run.pending.is_empty() {
+        let pipelines = run.route(&nodes.topology(), inflight.chunk_bytes());
+        let results = join_all(pipelines.into_iter().map(|(addr, items, bytes)| async move {
             let sent = send(
                 nodes, inflight, &addr, reqs, &items, bytes, dst, wait, max_value, deadline,
             );
-            // Err((why, timed_out)).
             let res = match tokio::time::timeout_at(deadline, sent).await {
                 Ok(r) => r.map_err(|e| (e, false)),
                 Err(_) => Err((
@@ -277,105 +237,203 @@ pub async fn execute(
             (addr, items, res)
         }))
         .await;
-        let mut refresh = !unrouted.is_empty();
-        let mut retry = unrouted;
         for (addr, items, res) in results {
-            let (replies, acked) = match res {
-                Ok(r) => r,
-                Err((e, timed_out)) => {
-                    nodes.forget(&addr);
-                    refresh = true;
-                    for (i, _) in items {
-                        // The end of the budget says less than an error before it.
-                        if !(timed_out && last_err.contains_key(&i)) {
-                            last_err.insert(i, e.clone());
-                        }
-                        retry.push((i, Pending::Route));
-                    }
-                    continue;
-                }
-            };
-            for ((i, _), r) in items.into_iter().zip(replies) {
-                let key = || String::from_utf8_lossy(&reqs[i].key).into_owned();
-                let msg = match r {
-                    Ok(reply) => {
-                        out[i] = Some(match acked {
-                            Some(Err(ref why)) => {
-                                Reply::Failed(PageError::Backend(format!("redis {}: {why}", key())))
-                            }
-                            _ => reply,
-                        });
-                        continue;
-                    }
-                    Err(msg) => msg,
-                };
-                let verb = msg.split_whitespace().next().unwrap_or("");
-                if matches!(verb, "MOVED" | "ASK") {
-                    let seen = redirected.entry(i).or_default();
-                    seen.push(msg.clone());
-                    if seen.len() > MAX_REDIRECTIONS {
-                        out[i] = Some(Reply::Failed(PageError::Backend(format!(
-                            "redis {}: too many redirections ({} MOVED/ASK, a redirection loop) for slot {}: {}",
-                            key(),
-                            seen.len(),
-                            slot(&reqs[i].key),
-                            loop_summary(seen)
-                        ))));
-                        continue;
-                    }
-                }
-                match verb {
-                    "MOVED" | "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN"
-                    | "READONLY" => {
-                        refresh = true;
-                        last_err.insert(i, format!("node {addr} answered {msg}"));
-                        retry.push((i, Pending::Route));
-                    }
-                    "ASK" => match redirect_target(&msg) {
-                        Some(target) => retry.push((i, Pending::Ask(target))),
-                        None => out[i] = Some(Reply::Failed(page_error(&key(), &msg))),
-                    },
-                    _ => out[i] = Some(Reply::Failed(page_error(&key(), &msg))),
-                }
-            }
+            run.settle(nodes, &addr, items, res);
         }
-        pending = retry;
-        if pending.is_empty() {
-            break;
-        }
-        if Instant::now() >= deadline {
+        if run.pending.is_empty() || Instant::now() >= deadline {
             break;
         }
         attempt += 1;
         // Only redirections retry at once; failures pause first (bounded, within the deadline).
-        let only_asks = pending.iter().all(|(_, p)| matches!(p, Pending::Ask(_)));
+        let only_asks = run
+            .pending
+            .iter()
+            .all(|(_, p)| matches!(p, Pending::Ask(_)));
         if !only_asks && attempt > 1 {
             let pause = Duration::from_millis((25u64 << attempt.min(4)).min(250));
             tokio::time::sleep_until((Instant::now() + pause).min(deadline)).await;
         }
-        if refresh {
+        if std::mem::take(&mut run.refresh) {
             nodes.refresh(budget).await;
         }
     }
-    for (i, _) in pending {
-        let why = last_err.remove(&i).unwrap_or_else(|| "no reply".into());
-        let doing = format!("{} {}", reqs[i].name, String::from_utf8_lossy(&reqs[i].key));
-        out[i] = Some(Reply::Failed(PageError::Io {
-            op: "redis",
-            detail: format!("{}; last error: {why}", budget.timeout(doing)),
-        }));
+    run.finish(budget)
+}
+
+/// One pipeline: its node, its requests (index, sent behind `ASKING`) and the page bytes
+/// they carry.
+type Pipeline = (String, Vec<(usize, bool)>, usize);
+
+/// What a pipeline came to: its replies, or why it failed and whether the budget's end cut it.
+type Sent = Result<PipelineResult, (String, bool)>;
+
+/// The state of one [`execute`] call: each request's outcome once it has one, the requests
+/// still to send, and what the pending ones last ran into.
+struct Run<'r, 'a> {
+    reqs: &'r [Request<'a>],
+    out: Vec<Option<Reply>>,
+    pending: Vec<(usize, Pending)>,
+    last_err: HashMap<usize, String>,
+    /// Per request: the redirections it followed (`MOVED 3999 host:port`), in order.
+    redirected: HashMap<usize, Vec<String>>,
+    /// Whether the slot map must be read again before the next round.
+    refresh: bool,
+}
+
+impl<'r, 'a> Run<'r, 'a> {
+    fn new(reqs: &'r [Request<'a>]) -> Self {
+        Self {
+            reqs,
+            out: (0..reqs.len()).map(|_| None).collect(),
+            pending: (0..reqs.len()).map(|i| (i, Pending::Route)).collect(),
+            last_err: HashMap::new(),
+            redirected: HashMap::new(),
+            refresh: false,
+        }
     }
-    out.into_iter()
-        .enumerate()
-        .map(|(i, r)| {
-            r.unwrap_or_else(|| {
-                Reply::Failed(PageError::Backend(format!(
-                    "redis {}: no node serves the key's slot",
-                    String::from_utf8_lossy(&reqs[i].key)
-                )))
+
+    fn key(&self, i: usize) -> String {
+        String::from_utf8_lossy(&self.reqs[i].key).into_owned()
+    }
+
+    /// Takes the pending requests, groups them by target node and cuts each group into
+    /// pipelines of at most `chunk_bytes` (one request more where it is larger). A request
+    /// whose slot no node serves stays pending, and the slot map is to be read again.
+    fn route(&mut self, topology: &Topology, chunk_bytes: usize) -> Vec<Pipeline> {
+        let mut groups: HashMap<String, Vec<(usize, bool)>> = HashMap::new();
+        for (i, p) in std::mem::take(&mut self.pending) {
+            let (addr, asking) = match p {
+                Pending::Ask(a) => (a, true),
+                Pending::Route => match topology.owner(slot(&self.reqs[i].key)) {
+                    Some(a) => (a.to_string(), false),
+                    None => {
+                        self.last_err
+                            .insert(i, "no node serves the key's slot".into());
+                        self.pending.push((i, Pending::Route));
+                        self.refresh = true;
+                        continue;
+                    }
+                },
+            };
+            groups.entry(addr).or_default().push((i, asking));
+        }
+        let mut pipelines = Vec::new();
+        for (addr, items) in groups {
+            let mut cur = Vec::new();
+            let mut cur_bytes = 0;
+            for it in items {
+                let b = self.reqs[it.0].bytes;
+                if !cur.is_empty() && cur_bytes + b > chunk_bytes {
+                    pipelines.push((addr.clone(), std::mem::take(&mut cur), cur_bytes));
+                    cur_bytes = 0;
+                }
+                cur_bytes += b;
+                cur.push(it);
+            }
+            if !cur.is_empty() {
+                pipelines.push((addr, cur, cur_bytes));
+            }
+        }
+        pipelines
+    }
+
+    /// Takes in what pipeline `items` to `addr` came to: a failed pipeline's requests are
+    /// retried (the node's idle connections dropped, the slot map re-read); otherwise each
+    /// reply is settled.
+    fn settle(&mut self, nodes: &Nodes, addr: &str, items: Vec<(usize, bool)>, res: Sent) {
+        let (replies, acked) = match res {
+            Ok(r) => r,
+            Err((e, timed_out)) => {
+                nodes.forget(addr);
+                self.refresh = true;
+                for (i, _) in items {
+                    // The end of the budget says less than an error before it.
+                    if !(timed_out && self.last_err.contains_key(&i)) {
+                        self.last_err.insert(i, e.clone());
+                    }
+                    self.pending.push((i, Pending::Route));
+                }
+                return;
+            }
+        };
+        for ((i, _), r) in items.into_iter().zip(replies) {
+            match r {
+                Ok(reply) => {
+                    self.out[i] = Some(match &acked {
+                        Some(Err(why)) => Reply::Failed(PageError::Backend(format!(
+                            "redis {}: {why}",
+                            self.key(i)
+                        ))),
+                        _ => reply,
+                    });
+                }
+                Err(msg) => self.error_reply(i, addr, msg),
+            }
+        }
+    }
+
+    /// Request `i` got error reply `msg` from `addr`: a redirection (up to
+    /// [`MAX_REDIRECTIONS`]), a retry, or its final outcome.
+    fn error_reply(&mut self, i: usize, addr: &str, msg: String) {
+        let verb = msg.split_whitespace().next().unwrap_or("");
+        if matches!(verb, "MOVED" | "ASK") {
+            let seen = self.redirected.entry(i).or_default();
+            seen.push(msg.clone());
+            if seen.len() > MAX_REDIRECTIONS {
+                let why = format!(
+                    "redis {}: too many redirections ({} MOVED/ASK, a redirection loop) for slot {}: {}",
+                    String::from_utf8_lossy(&self.reqs[i].key),
+                    seen.len(),
+                    slot(&self.reqs[i].key),
+                    loop_summary(seen)
+                );
+                self.out[i] = Some(Reply::Failed(PageError::Backend(why)));
+                return;
+            }
+        }
+        match verb {
+            "MOVED" | "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN" | "READONLY" => {
+                self.refresh = true;
+                self.last_err
+                    .insert(i, format!("node {addr} answered {msg}"));
+                self.pending.push((i, Pending::Route));
+            }
+            "ASK" => match redirect_target(&msg) {
+                Some(target) => self.pending.push((i, Pending::Ask(target))),
+                None => self.out[i] = Some(Reply::Failed(page_error(&self.key(i), &msg))),
+            },
+            _ => self.out[i] = Some(Reply::Failed(page_error(&self.key(i), &msg))),
+        }
+    }
+
+    /// The replies in request order: a request still pending failed by the budget's end
+    /// (with its last error), one never routed failed for want of a node.
+    fn finish(mut self, budget: &Budget) -> Vec<Reply> {
+        for (i, _) in std::mem::take(&mut self.pending) {
+            let why = self
+                .last_err
+                .remove(&i)
+                .unwrap_or_else(|| "no reply".into());
+            let doing = format!("{} {}", self.reqs[i].name, self.key(i));
+            self.out[i] = Some(Reply::Failed(PageError::Io {
+                op: "redis",
+                detail: format!("{}; last error: {why}", budget.timeout(doing)),
+            }));
+        }
+        let reqs = self.reqs;
+        self.out
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| {
+                r.unwrap_or_else(|| {
+                    Reply::Failed(PageError::Backend(format!(
+                        "redis {}: no node serves the key's slot",
+                        String::from_utf8_lossy(&reqs[i].key)
+                    )))
+                })
             })
-        })
-        .collect()
+            .collect()
+    }
 }
 
 /// Per request: its reply, or the error reply's text. With `wait`: whether `WAIT` confirmed
@@ -418,84 +476,34 @@ async fn send(
         .lease(addr)
         .await
         .map_err(|e| nodes.failed(addr, "connect", e).to_string())?;
-    let mut wait_cmd = Vec::new();
-    if let Some(n) = wait {
-        // `WAIT n 0` would block for ever: at least 1 ms; 9/10 of what is left, so its
-        // answer arrives within the budget.
-        let left = deadline.saturating_duration_since(Instant::now());
-        let t = (left * 9 / 10).max(Duration::from_millis(1));
-        let (n, t) = (n.to_string(), t.as_millis().max(1).to_string());
-        resp::put_command(&mut wait_cmd, &[b"WAIT", n.as_bytes(), t.as_bytes()]);
-    }
-    {
-        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(items.len() * 4 + 1);
-        for &(i, asking) in items {
-            let r = &reqs[i];
-            if asking {
-                slices.push(IoSlice::new(ASKING));
-            }
-            slices.push(IoSlice::new(&r.head));
-            slices.extend(r.page.iter().map(|p| IoSlice::new(p)));
-            if !r.tail.is_empty() {
-                slices.push(IoSlice::new(&r.tail));
-            }
-        }
-        if !wait_cmd.is_empty() {
-            slices.push(IoSlice::new(&wait_cmd));
-        }
-        nodes.count_round_trip(addr);
-        let first = reqs[items[0].0].name;
-        lease
-            .conn
-            .write_all(&mut slices)
-            .await
-            .map_err(|e| nodes.failed(addr, first, e).to_string())?;
-    }
+    let wait_cmd = wait.map(|n| wait_command(n, deadline));
     let conn = &mut lease.conn;
+    nodes.count_round_trip(addr);
+    write_pipeline(conn, reqs, items, wait_cmd.as_deref())
+        .await
+        .map_err(|e| nodes.failed(addr, reqs[items[0].0].name, e).to_string())?;
     let mut replies = Vec::with_capacity(items.len());
     for &(i, asking) in items {
-        let name = reqs[i].name;
-        let failed = |e| nodes.failed(addr, name, e).to_string();
+        let failed = |e| nodes.failed(addr, reqs[i].name, e).to_string();
         if asking {
             // +OK; an error here shows in the redirected command's own reply.
             conn.read_frame(&Limits::reply()).await.map_err(failed)?;
         }
-        let reply = match reqs[i].read_into {
-            Some((key, slot)) => {
-                let Some(cell) = dst.get(slot) else {
-                    return Err(format!("no destination for page slot {slot}"));
-                };
-                let mut d = cell.lock().await;
-                match conn
-                    .read_page(&key, &mut d, max_value)
-                    .await
-                    .map_err(failed)?
-                {
-                    PageRead::Frame(Frame::Error(e)) => Err(e),
-                    p => Ok(Reply::Page(p)),
-                }
-            }
-            None => match conn.read_frame(&Limits::reply()).await.map_err(failed)? {
-                Frame::Error(e) => Err(e),
-                f => Ok(Reply::Value(f)),
-            },
-        };
-        replies.push(reply);
+        replies.push(
+            read_reply(conn, &reqs[i], dst, max_value)
+                .await
+                .map_err(|e| match e {
+                    ReplyError::Conn(e) => failed(e),
+                    ReplyError::NoSlot(why) => why,
+                })?,
+        );
     }
     let acked = match wait {
         None => None,
         Some(n) => Some(
-            match conn
-                .read_frame(&Limits::reply())
+            read_ack(conn, n)
                 .await
-                .map_err(|e| nodes.failed(addr, "WAIT", e).to_string())?
-            {
-                Frame::Int(k) if k >= i64::from(n) => Ok(()),
-                Frame::Int(k) => Err(format!(
-                    "WAIT: {k} of {n} replicas acknowledged the write in time (min_replicas_acked)"
-                )),
-                other => Err(format!("WAIT failed: {other:?}")),
-            },
+                .map_err(|e| nodes.failed(addr, "WAIT", e).to_string())?,
         ),
     };
     let carried_big = items
@@ -503,6 +511,98 @@ async fn send(
         .any(|&(i, _)| reqs[i].page.iter().map(|p| p.len()).sum::<usize>() >= BIG_VALUE);
     lease.release(carried_big);
     Ok((replies, acked))
+}
+
+/// `WAIT n t`, `t` 9/10 of what is left until `deadline` (at least 1 ms: `WAIT n 0` would
+/// block for ever), so its answer arrives within the budget.
+fn wait_command(n: u32, deadline: Instant) -> Vec<u8> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let t = (left * 9 / 10).max(Duration::from_millis(1));
+    let (n, t) = (n.to_string(), t.as_millis().max(1).to_string());
+    let mut cmd = Vec::new();
+    resp::put_command(&mut cmd, &[b"WAIT", n.as_bytes(), t.as_bytes()]);
+    cmd
+}
+
+/// Writes every command of a pipeline (each behind `ASKING` where asked), then `wait_cmd`,
+/// in one vectored write.
+async fn write_pipeline(
+    conn: &mut Conn,
+    reqs: &[Request<'_>],
+    items: &[(usize, bool)],
+    wait_cmd: Option<&[u8]>,
+) -> Result<(), ConnError> {
+    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(items.len() * 4 + 1);
+    for &(i, asking) in items {
+        let r = &reqs[i];
+        if asking {
+            slices.push(IoSlice::new(ASKING));
+        }
+        slices.push(IoSlice::new(&r.head));
+        slices.extend(r.page.iter().map(|p| IoSlice::new(p)));
+        if !r.tail.is_empty() {
+            slices.push(IoSlice::new(&r.tail));
+        }
+    }
+    if let Some(w) = wait_cmd {
+        slices.push(IoSlice::new(w));
+    }
+    conn.write_all(&mut slices).await
+}
+
+/// Why a reply could not be read: the connection failed, or a page read names no
+/// destination.
+enum ReplyError {
+    Conn(ConnError),
+    NoSlot(String),
+}
+
+/// Reads `req`'s reply: an error reply's text, a page read into its destination, or a value.
+async fn read_reply(
+    conn: &mut Conn,
+    req: &Request<'_>,
+    dst: &Dst<'_, '_>,
+    max_value: usize,
+) -> Result<Result<Reply, String>, ReplyError> {
+    let Some((key, slot)) = req.read_into else {
+        return Ok(
+            match conn
+                .read_frame(&Limits::reply())
+                .await
+                .map_err(ReplyError::Conn)?
+            {
+                Frame::Error(e) => Err(e),
+                f => Ok(Reply::Value(f)),
+            },
+        );
+    };
+    let Some(cell) = dst.get(slot) else {
+        return Err(ReplyError::NoSlot(format!(
+            "no destination for page slot {slot}"
+        )));
+    };
+    let mut d = cell.lock().await;
+    Ok(
+        match conn
+            .read_page(&key, &mut d, max_value)
+            .await
+            .map_err(ReplyError::Conn)?
+        {
+            PageRead::Frame(Frame::Error(e)) => Err(e),
+            p => Ok(Reply::Page(p)),
+        },
+    )
+}
+
+/// Reads `WAIT`'s answer: whether at least `n` replicas acknowledged the pipeline's writes.
+async fn read_ack(conn: &mut Conn, n: u32) -> Result<Result<(), String>, ConnError> {
+    Ok(match conn.read_frame(&Limits::reply()).await? {
+        Frame::Int(k) if k >= i64::from(n) => Ok(()),
+        Frame::Int(k) => Err(format!(
+            "WAIT: {k} of {n} replicas acknowledged the write in time (min_replicas_acked)"
+        )),
+        other => Err(format!("WAIT failed: {other:?}")),
+    })
 }
 
 #[cfg(test)]

@@ -41,6 +41,29 @@ pub const DATA_CONNS_PER_NODE: usize = 16;
 /// that much is left), so that a silent node does not take all of it from the next one.
 const REFRESH_SHARE_MIN: Duration = Duration::from_millis(250);
 
+/// A control command a probe or a refresh sends: its name (for messages) and its arguments.
+#[derive(Clone, Copy)]
+struct ControlQuery {
+    name: &'static str,
+    args: &'static [&'static [u8]],
+}
+
+/// `INFO cluster`: whether the node runs in cluster mode.
+const INFO_CLUSTER: ControlQuery = ControlQuery {
+    name: "INFO",
+    args: &[b"INFO", b"cluster"],
+};
+/// `CONFIG GET proto-max-bulk-len`: the largest value the node accepts.
+const MAX_BULK_LEN: ControlQuery = ControlQuery {
+    name: "CONFIG GET",
+    args: &[b"CONFIG", b"GET", b"proto-max-bulk-len"],
+};
+/// `CLUSTER SLOTS`: the slot map.
+const CLUSTER_SLOTS: ControlQuery = ControlQuery {
+    name: "CLUSTER SLOTS",
+    args: &[b"CLUSTER", b"SLOTS"],
+};
+
 /// The data connections of one node: the idle ones and a bound on how many exist.
 struct Pool {
     idle: Mutex<Vec<Conn>>,
@@ -163,60 +186,17 @@ impl Nodes {
         })
     }
 
+    /// Reads `seed`'s mode, value limit and slot map on one connection, and takes the slot map
+    /// as the current one.
     async fn probe(&mut self, seed: &str, budget: &Budget) -> Result<(), RedisError> {
         let mut lease = self
             .lease(seed)
             .await
             .map_err(|e| self.failed(seed, "connect", e))?;
-        let info = self
-            .query(
-                &mut lease.conn,
-                seed,
-                "INFO",
-                &[b"INFO", b"cluster"],
-                &Limits::control(),
-                budget,
-            )
-            .await?;
-        let info = match info {
-            Frame::Bulk(b) => String::from_utf8_lossy(&b).into_owned(),
-            Frame::Simple(s) => s,
-            Frame::Error(msg) => return Err(server_error(seed, "INFO", msg)),
-            other => {
-                return Err(RedisError::Protocol {
-                    node: seed.to_string(),
-                    command: "INFO",
-                    detail: format!("expected a string, got {other:?}"),
-                });
-            }
-        };
-        let enabled = info.lines().any(|l| l.trim() == "cluster_enabled:1");
-        match (self.opts.cluster, enabled) {
-            (true, false) => {
-                return Err(RedisError::WrongMode {
-                    node: seed.to_string(),
-                    detail: "a standalone server (cluster_enabled:0) but the configuration says \"cluster\": true; set \"cluster\": false or list cluster nodes".into(),
-                });
-            }
-            (false, true) => {
-                return Err(RedisError::WrongMode {
-                    node: seed.to_string(),
-                    detail: "a cluster node (cluster_enabled:1) but the configuration says \"cluster\": false; remove it to use the cluster".into(),
-                });
-            }
-            _ => {}
-        }
+        let conn = &mut lease.conn;
+        let enabled = self.cluster_enabled(conn, seed, budget).await?;
         // An error reply (CONFIG not allowed to this user, renamed): the default is assumed.
-        let limit = self
-            .query(
-                &mut lease.conn,
-                seed,
-                "CONFIG GET",
-                &[b"CONFIG", b"GET", b"proto-max-bulk-len"],
-                &Limits::control(),
-                budget,
-            )
-            .await?;
+        let limit = self.probe_query(conn, seed, MAX_BULK_LEN, budget).await?;
         let value = match &limit {
             Frame::Array(v) => v.get(1),
             Frame::Map(m) => m.first().map(|(_, v)| v),
@@ -229,41 +209,90 @@ impl Nodes {
             self.max_value_bytes = v;
         }
         let topology = if enabled {
-            let reply = self
-                .query(
-                    &mut lease.conn,
-                    seed,
-                    "CLUSTER SLOTS",
-                    &[b"CLUSTER", b"SLOTS"],
-                    &Limits::control(),
-                    budget,
-                )
-                .await?;
-            if let Frame::Error(msg) = reply {
-                return Err(server_error(seed, "CLUSTER SLOTS", msg));
-            }
-            let t = Topology::from_cluster_slots(&reply, seed).map_err(|detail| {
-                RedisError::Protocol {
-                    node: seed.to_string(),
-                    command: "CLUSTER SLOTS",
-                    detail,
-                }
-            })?;
-            if t.nodes.is_empty() {
-                return Err(RedisError::WrongMode {
-                    node: seed.to_string(),
-                    detail:
-                        "the cluster has no slots assigned (run `redis-cli --cluster create` first)"
-                            .into(),
-                });
-            }
-            t
+            self.cluster_slots(conn, seed, budget).await?
         } else {
             Topology::standalone(seed)
         };
         lease.release(false);
         *self.topology.write() = Arc::new(topology);
         Ok(())
+    }
+
+    /// One of the probe's control queries, on its connection.
+    async fn probe_query(
+        &self,
+        conn: &mut Conn,
+        seed: &str,
+        q: ControlQuery,
+        budget: &Budget,
+    ) -> Result<Frame, RedisError> {
+        self.query(conn, seed, q.name, q.args, &Limits::control(), budget)
+            .await
+    }
+
+    /// Whether `seed` is a cluster node (`INFO cluster`); an error if that is not the mode the
+    /// configuration asks for.
+    async fn cluster_enabled(
+        &self,
+        conn: &mut Conn,
+        seed: &str,
+        budget: &Budget,
+    ) -> Result<bool, RedisError> {
+        let info = match self.probe_query(conn, seed, INFO_CLUSTER, budget).await? {
+            Frame::Bulk(b) => String::from_utf8_lossy(&b).into_owned(),
+            Frame::Simple(s) => s,
+            Frame::Error(msg) => return Err(server_error(seed, "INFO", msg)),
+            other => {
+                return Err(RedisError::Protocol {
+                    node: seed.to_string(),
+                    command: "INFO",
+                    detail: format!("expected a string, got {other:?}"),
+                });
+            }
+        };
+        let enabled = info.lines().any(|l| l.trim() == "cluster_enabled:1");
+        let wrong = match (self.opts.cluster, enabled) {
+            (true, false) => {
+                "a standalone server (cluster_enabled:0) but the configuration says \"cluster\": true; set \"cluster\": false or list cluster nodes"
+            }
+            (false, true) => {
+                "a cluster node (cluster_enabled:1) but the configuration says \"cluster\": false; remove it to use the cluster"
+            }
+            _ => return Ok(enabled),
+        };
+        Err(RedisError::WrongMode {
+            node: seed.to_string(),
+            detail: wrong.into(),
+        })
+    }
+
+    /// The cluster's slot map as `seed` sees it (`CLUSTER SLOTS`); an error if no slot is
+    /// assigned.
+    async fn cluster_slots(
+        &self,
+        conn: &mut Conn,
+        seed: &str,
+        budget: &Budget,
+    ) -> Result<Topology, RedisError> {
+        let reply = self.probe_query(conn, seed, CLUSTER_SLOTS, budget).await?;
+        if let Frame::Error(msg) = reply {
+            return Err(server_error(seed, "CLUSTER SLOTS", msg));
+        }
+        let t =
+            Topology::from_cluster_slots(&reply, seed).map_err(|detail| RedisError::Protocol {
+                node: seed.to_string(),
+                command: "CLUSTER SLOTS",
+                detail,
+            })?;
+        if t.nodes.is_empty() {
+            return Err(RedisError::WrongMode {
+                node: seed.to_string(),
+                detail:
+                    "the cluster has no slots assigned (run `redis-cli --cluster create` first)"
+                        .into(),
+            });
+        }
+        Ok(t)
     }
 
     /// Sends one control command on `conn` (to `addr`) and reads its reply within
@@ -359,11 +388,6 @@ impl Nodes {
         self.protocol_errors.load(Ordering::Relaxed)
     }
 
-    /// Whether the backend talks to a cluster (else one standalone server).
-    pub fn is_cluster(&self) -> bool {
-        self.opts.cluster
-    }
-
     /// The current slot map.
     pub fn topology(&self) -> Arc<Topology> {
         self.topology.read().clone()
@@ -394,8 +418,8 @@ impl Nodes {
             let share = (left / (n - i) as u32).max(REFRESH_SHARE_MIN.min(left));
             let ask = self.control(
                 &addr,
-                "CLUSTER SLOTS",
-                &[b"CLUSTER", b"SLOTS"],
+                CLUSTER_SLOTS.name,
+                CLUSTER_SLOTS.args,
                 &limits,
                 budget,
             );

@@ -13,13 +13,57 @@ use tokio::net::TcpStream;
 use crate::auth::{self, Token};
 use crate::error::{RdmaError, Result};
 use crate::protocol::{
-    self, HEAD_LEN, MAGIC, Occupancy, ProtocolError, REPLY_BIT, Reply, ReplyFrame, Request,
-    ServerInfo, VERSION,
+    self, HEAD_LEN, MAC_LEN, MAGIC, NONCE_LEN, Occupancy, ProtocolError, REPLY_BIT, Reply,
+    ReplyFrame, Request, ServerInfo, VERSION,
 };
 use crate::tls::{BoxRead, BoxWrite, TlsClient};
 
 /// Largest step of a payload transfer bounded by one timeout.
 const STEP: usize = 8 << 20;
+
+/// Connects to `addr` (within `connect_timeout`) and, with `tls`, runs the TLS handshake
+/// (within `io_timeout`): the connection's byte stream.
+async fn open_stream(
+    addr: &str,
+    tls: Option<&TlsClient>,
+    connect_timeout: Duration,
+    io_timeout: Duration,
+) -> Result<(BoxRead, BoxWrite)> {
+    let peer = addr.to_string();
+    let stream = match tokio::time::timeout(connect_timeout, TcpStream::connect(addr)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            return Err(RdmaError::Io {
+                op: "connect",
+                peer,
+                source: e,
+            });
+        }
+        Err(_) => {
+            return Err(RdmaError::Timeout {
+                op: "connect",
+                peer,
+                ms: connect_timeout.as_millis() as u64,
+            });
+        }
+    };
+    let _ = stream.set_nodelay(true);
+    let Some(t) = tls else {
+        return Ok(crate::tls::split_tcp(stream));
+    };
+    match tokio::time::timeout(io_timeout, t.connect(stream)).await {
+        Ok(Ok(s)) => Ok(crate::tls::split(s)),
+        Ok(Err(e)) => Err(RdmaError::Auth {
+            peer,
+            reason: format!("TLS handshake failed: {e}"),
+        }),
+        Err(_) => Err(RdmaError::Timeout {
+            op: "TLS handshake",
+            peer,
+            ms: io_timeout.as_millis() as u64,
+        }),
+    }
+}
 
 /// A connected, handshaken connection.
 pub struct Connection {
@@ -68,48 +112,11 @@ impl Connection {
         connect_timeout: Duration,
         io_timeout: Duration,
     ) -> Result<Self> {
-        let peer = addr.to_string();
-        let stream = match tokio::time::timeout(connect_timeout, TcpStream::connect(addr)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => {
-                return Err(RdmaError::Io {
-                    op: "connect",
-                    peer,
-                    source: e,
-                });
-            }
-            Err(_) => {
-                return Err(RdmaError::Timeout {
-                    op: "connect",
-                    peer,
-                    ms: connect_timeout.as_millis() as u64,
-                });
-            }
-        };
-        let _ = stream.set_nodelay(true);
-        let (r, w) = match tls {
-            None => crate::tls::split_tcp(stream),
-            Some(t) => match tokio::time::timeout(io_timeout, t.connect(stream)).await {
-                Ok(Ok(s)) => crate::tls::split(s),
-                Ok(Err(e)) => {
-                    return Err(RdmaError::Auth {
-                        peer,
-                        reason: format!("TLS handshake failed: {e}"),
-                    });
-                }
-                Err(_) => {
-                    return Err(RdmaError::Timeout {
-                        op: "TLS handshake",
-                        peer,
-                        ms: io_timeout.as_millis() as u64,
-                    });
-                }
-            },
-        };
+        let (r, w) = open_stream(addr, tls, connect_timeout, io_timeout).await?;
         let mut c = Self {
             r: BufReader::with_capacity(crate::protocol::READ_BUFFER, r),
             w: BufWriter::with_capacity(crate::protocol::WRITE_BUFFER, w),
-            peer,
+            peer: addr.to_string(),
             info: ServerInfo {
                 version: 0,
                 server_id: 0,
@@ -125,33 +132,10 @@ impl Connection {
             next_id: 1,
         };
         let client_nonce = auth::random_bytes::<{ auth::NONCE_LEN }>()?;
-        let hello = Request::Hello {
-            magic: MAGIC,
-            version: VERSION,
-            client: client_name.to_string(),
-            nonce: client_nonce,
-        };
-        let (server_nonce, required) = match c.call(&hello).await {
-            Ok((_, Reply::Hello { nonce, auth })) => (nonce, auth),
-            Ok((_, other)) => return Err(c.mismatch("HELLO reply", &other)),
-            Err(RdmaError::Refused {
-                peer,
-                code: protocol::code::PROTOCOL,
-                message,
-            }) => {
-                return Err(RdmaError::Refused {
-                    peer,
-                    code: protocol::code::PROTOCOL,
-                    message: format!(
-                        "{message} (an older hicache-rdma-server? this client speaks protocol \
-                         version {VERSION})"
-                    ),
-                });
-            }
-            Err(e) => return Err(e),
-        };
+        let (server_nonce, required) = c.hello(client_name, client_nonce).await?;
+        let nonces = (&client_nonce, &server_nonce);
         let mac = match (required, token) {
-            (true, Some(t)) => Some(auth::client_mac(t, &client_nonce, &server_nonce)),
+            (true, Some(t)) => Some(auth::client_mac(t, nonces.0, nonces.1)),
             (true, None) => {
                 return Err(c.auth_error(
                     "the server requires authentication: set `token` or `token_file` in the \
@@ -166,30 +150,71 @@ impl Connection {
             }
             (false, None) => None,
         };
-        match c.call(&Request::Auth { mac }).await? {
-            (_, Reply::Auth { info, proof }) => {
-                if info.version != VERSION {
-                    return Err(c.protocol(ProtocolError::Version {
-                        got: info.version,
-                        want: VERSION,
-                    }));
-                }
-                if let Some(t) = token {
-                    let proven = proof.is_some_and(|p| {
-                        auth::verify_server_proof(t, &client_nonce, &server_nonce, &p)
-                    });
-                    if !proven {
-                        return Err(c.auth_error(
-                            "the server did not prove it knows the token: not the server \
-                             this client was configured for",
-                        ));
-                    }
-                }
-                c.info = info;
-                Ok(c)
-            }
-            (_, other) => Err(c.mismatch("AUTH reply", &other)),
+        c.info = c.authenticate(mac, token, nonces).await?;
+        Ok(c)
+    }
+
+    /// Handshake step 1: sends `HELLO` with `client_nonce`; returns the server's nonce and
+    /// whether it requires credentials.
+    async fn hello(
+        &mut self,
+        client_name: &str,
+        client_nonce: [u8; NONCE_LEN],
+    ) -> Result<([u8; NONCE_LEN], bool)> {
+        let hello = Request::Hello {
+            magic: MAGIC,
+            version: VERSION,
+            client: client_name.to_string(),
+            nonce: client_nonce,
+        };
+        match self.call(&hello).await {
+            Ok((_, Reply::Hello { nonce, auth })) => Ok((nonce, auth)),
+            Ok((_, other)) => Err(self.mismatch("HELLO reply", &other)),
+            Err(RdmaError::Refused {
+                peer,
+                code: protocol::code::PROTOCOL,
+                message,
+            }) => Err(RdmaError::Refused {
+                peer,
+                code: protocol::code::PROTOCOL,
+                message: format!(
+                    "{message} (an older hicache-rdma-server? this client speaks protocol \
+                     version {VERSION})"
+                ),
+            }),
+            Err(e) => Err(e),
         }
+    }
+
+    /// Handshake step 2: sends `AUTH` with `mac`; checks the server's version and, with a
+    /// `token`, its proof over both `nonces` (client's, server's). Returns the server's info.
+    async fn authenticate(
+        &mut self,
+        mac: Option<[u8; MAC_LEN]>,
+        token: Option<&Token>,
+        nonces: (&[u8; NONCE_LEN], &[u8; NONCE_LEN]),
+    ) -> Result<ServerInfo> {
+        let (info, proof) = match self.call(&Request::Auth { mac }).await? {
+            (_, Reply::Auth { info, proof }) => (info, proof),
+            (_, other) => return Err(self.mismatch("AUTH reply", &other)),
+        };
+        if info.version != VERSION {
+            return Err(self.protocol(ProtocolError::Version {
+                got: info.version,
+                want: VERSION,
+            }));
+        }
+        if let Some(t) = token {
+            let proven =
+                proof.is_some_and(|p| auth::verify_server_proof(t, nonces.0, nonces.1, &p));
+            if !proven {
+                return Err(self.auth_error(
+                    "the server did not prove it knows the token: not the server this \
+                     client was configured for",
+                ));
+            }
+        }
+        Ok(info)
     }
 
     fn auth_error(&self, reason: &str) -> RdmaError {

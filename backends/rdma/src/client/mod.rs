@@ -24,6 +24,9 @@
 
 pub mod conn;
 pub mod options;
+mod spawn;
+#[cfg(feature = "verbs")]
+mod verbs_path;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -41,10 +44,8 @@ use hicache_storage::{
 };
 use parking_lot::Mutex;
 
-use crate::auth::{TenantTable, Token};
 use crate::error::RdmaError;
 use crate::protocol::{AllocStatus, Occupancy, PageReq, ReadStatus, Reply, Request, ServerInfo};
-use crate::server::{RdmaServer, ServerAuth, ServerHandle, ServerOptions};
 use crate::tls::TlsClient;
 pub use conn::Connection;
 pub use options::{RdmaOptions, Transport};
@@ -97,7 +98,7 @@ pub struct RdmaStorage {
     #[cfg(feature = "verbs")]
     verbs: Option<(crate::verbs::ClientVerbs, tokio::sync::Mutex<Connection>)>,
     /// A server this client started (`spawn_server`); it lives as long as the client.
-    _spawned: Option<ServerHandle>,
+    _spawned: Option<spawn::Spawned>,
     /// TLS for every connection, when `tls_ca_file` is set.
     tls: Option<TlsClient>,
 }
@@ -189,30 +190,7 @@ impl RdmaStorage {
     /// on one connection; the others connect on first use.
     pub async fn connect(opts: RdmaOptions) -> Result<Self> {
         let mut opts = opts;
-        let (addr, spawned) = if opts.spawn_server {
-            // A spawned server listens on loopback; it lets in only this client's token (a
-            // fresh random one unless the caller gave one), so other local users cannot use
-            // it.
-            let token = match &opts.token {
-                Some(t) => t.clone(),
-                None => Token::random()?,
-            };
-            opts.token = Some(token.clone());
-            let h = RdmaServer::start(ServerOptions {
-                pool_bytes: opts.spawn_pool_bytes,
-                region_bytes: opts.spawn_pool_bytes.min(1 << 30),
-                populate: opts.spawn_populate,
-                auth: ServerAuth::Tenants(TenantTable::shared(token)),
-                ..ServerOptions::default()
-            })
-            .await?;
-            (h.local_addr().to_string(), Some(h))
-        } else {
-            let addr = opts.server.clone().ok_or_else(|| {
-                StorageError::config("backend rdma", "server", "<missing>", "required field")
-            })?;
-            (addr, None)
-        };
+        let (addr, spawned) = spawn::server_addr(&mut opts).await?;
         let tls = opts
             .tls
             .as_ref()
@@ -243,7 +221,12 @@ impl RdmaStorage {
         #[cfg(feature = "verbs")]
         let verbs = match opts.transport {
             Transport::Verbs => {
-                let v = crate::verbs::ClientVerbs::open(&opts, &info)?;
+                let v = crate::verbs::ClientVerbs::open(
+                    opts.device.as_deref(),
+                    opts.ib_port,
+                    opts.gid_index,
+                    &info,
+                )?;
                 let mine = v.endpoint()?;
                 let mut ctl = Connection::connect_tls(
                     &addr,
@@ -291,26 +274,9 @@ impl RdmaStorage {
         &self.addr
     }
 
-    /// What the server said at the handshake.
-    pub fn server_info(&self) -> &ServerInfo {
-        &self.info
-    }
-
     /// The options in use.
     pub fn options(&self) -> &RdmaOptions {
         &self.opts
-    }
-
-    /// The server's counters (one `STATS` call).
-    pub async fn server_stats(&self) -> Result<crate::protocol::ServerStats> {
-        let r: (Occupancy, Reply) = with_conn!(self, 0, c => c.call(&Request::Stats))?;
-        match r {
-            (_, Reply::Stats(s)) => Ok(s),
-            _ => Err(StorageError::backend(
-                crate::BACKEND_NAME,
-                "STATS answered with another reply",
-            )),
-        }
     }
 
     fn note(&self, occ: Occupancy) {
@@ -364,15 +330,7 @@ impl RdmaStorage {
         keys: &[PageKey],
         dst: &mut [PageBufMut<'_>],
     ) -> Result<Vec<PageOutcome>> {
-        let pages: Vec<PageReq> = keys
-            .iter()
-            .zip(dst.iter())
-            .map(|(k, d)| PageReq {
-                key: *k,
-                len: d.len() as u64,
-                layout: d.layout().tag(),
-            })
-            .collect();
+        let pages = page_reqs(keys, dst.iter().map(|d| (d.len(), d.layout())));
         let (outcomes, mismatches) =
             with_conn!(self, slot, c => self.get_on(c, &pages, &mut *dst))?;
         bump(&self.counters.meta_mismatches, mismatches);
@@ -455,15 +413,7 @@ impl RdmaStorage {
         keys: &[PageKey],
         src: &[PageBuf<'_>],
     ) -> Result<Vec<PageOutcome>> {
-        let pages: Vec<PageReq> = keys
-            .iter()
-            .zip(src)
-            .map(|(k, s)| PageReq {
-                key: *k,
-                len: s.len() as u64,
-                layout: s.layout().tag(),
-            })
-            .collect();
+        let pages = page_reqs(keys, src.iter().map(|s| (s.len(), s.layout())));
         with_conn!(self, slot, c => self.set_on(c, &pages, src))
     }
 
@@ -683,194 +633,19 @@ impl Storage for RdmaStorage {
     }
 }
 
-#[cfg(feature = "verbs")]
-impl RdmaStorage {
-    /// `batch_get` over RDMA READ, when every destination part lies in the registered region;
-    /// `None` otherwise (the caller goes over TCP).
-    async fn get_verbs(
-        &self,
-        keys: &[PageKey],
-        dst: &mut [PageBufMut<'_>],
-    ) -> Result<Option<Vec<PageOutcome>>> {
-        use crate::protocol::LookupStatus;
-        use crate::verbs::Transfer;
-        let Some((v, ctl)) = &self.verbs else {
-            return Ok(None);
-        };
-        let ranges = dst
-            .iter()
-            .flat_map(|d| d.parts().iter().map(|p| (p.as_ptr() as usize, p.len())));
-        let Some(lkey) = v.lkey_for(ranges) else {
-            return Ok(None);
-        };
-        let pages: Vec<PageReq> = keys
-            .iter()
-            .zip(dst.iter())
-            .map(|(k, d)| PageReq {
-                key: *k,
-                len: d.len() as u64,
-                layout: d.layout().tag(),
-            })
-            .collect();
-        let mut c = ctl.lock().await;
-        let (occ, reply) = c.call(&Request::Lookup { pages }).await?;
-        self.note(occ);
-        let statuses = match reply {
-            Reply::Lookup(s) if s.len() == keys.len() => s,
-            other => return Err(c.mismatch("LOOKUP reply", &other).into()),
-        };
-        let mut ops = Vec::new();
-        let mut leases = Vec::new();
-        for (i, s) in statuses.iter().enumerate() {
-            if let LookupStatus::Hit {
-                region,
-                offset,
-                lease,
-                ..
-            } = *s
-            {
-                leases.push(lease);
-                let (mut remote, rkey) =
-                    v.remote(region, offset).ok_or_else(|| RdmaError::Verbs {
-                        call: "LOOKUP",
-                        detail: format!("server named unregistered region {region}"),
-                    })?;
-                for p in dst[i].parts_mut() {
-                    ops.push(Transfer {
-                        local: p.as_mut_ptr() as u64,
-                        len: p.len(),
-                        lkey,
-                        remote,
-                        rkey,
-                    });
-                    remote += p.len() as u64;
-                }
-            }
-        }
-        let read = v.read(&ops);
-        let (occ, _) = c.call(&Request::Release { leases }).await?;
-        self.note(occ);
-        read?;
-        let mut out = Vec::with_capacity(keys.len());
-        let mut drops = Vec::new();
-        for (i, s) in statuses.iter().enumerate() {
-            out.push(match *s {
-                LookupStatus::Miss => PageOutcome::Miss,
-                LookupStatus::Mismatch => {
-                    bump(&self.counters.meta_mismatches, 1);
-                    PageOutcome::Miss
-                }
-                LookupStatus::Hit { checksum, .. } => {
-                    if checksum_page_mut(&dst[i]) == checksum {
-                        PageOutcome::Hit
-                    } else {
-                        dst[i].zero();
-                        drops.push((keys[i], checksum));
-                        PageOutcome::Corrupt
-                    }
-                }
-            });
-        }
-        if !drops.is_empty() {
-            let (occ, _) = c.call(&Request::Drop { pages: drops }).await?;
-            self.note(occ);
-        }
-        Ok(Some(out))
-    }
-
-    /// `batch_set` over RDMA WRITE, when every source part lies in the registered region;
-    /// `None` otherwise.
-    async fn set_verbs(
-        &self,
-        keys: &[PageKey],
-        src: &[PageBuf<'_>],
-    ) -> Result<Option<Vec<PageOutcome>>> {
-        use crate::verbs::Transfer;
-        let Some((v, ctl)) = &self.verbs else {
-            return Ok(None);
-        };
-        let ranges = src
-            .iter()
-            .flat_map(|s| s.parts().iter().map(|p| (p.as_ptr() as usize, p.len())));
-        let Some(lkey) = v.lkey_for(ranges) else {
-            return Ok(None);
-        };
-        let pages: Vec<PageReq> = keys
-            .iter()
-            .zip(src)
-            .map(|(k, s)| PageReq {
-                key: *k,
-                len: s.len() as u64,
-                layout: s.layout().tag(),
-            })
-            .collect();
-        let mut c = ctl.lock().await;
-        let (occ, reply) = c.call(&Request::Allocate { pages }).await?;
-        self.note(occ);
-        let statuses = match reply {
-            Reply::Allocate(s) if s.len() == keys.len() => s,
-            other => return Err(c.mismatch("ALLOCATE reply", &other).into()),
-        };
-        let mut out = Vec::with_capacity(keys.len());
-        let mut ops = Vec::new();
-        let mut commits = Vec::new();
-        for (i, s) in statuses.iter().enumerate() {
-            out.push(match *s {
-                AllocStatus::Slot { id, region, offset } => {
-                    let (mut remote, rkey) =
-                        v.remote(region, offset).ok_or_else(|| RdmaError::Verbs {
-                            call: "ALLOCATE",
-                            detail: format!("server named unregistered region {region}"),
-                        })?;
-                    for p in src[i].parts() {
-                        ops.push(Transfer {
-                            local: p.as_ptr() as u64,
-                            len: p.len(),
-                            lkey,
-                            remote,
-                            rkey,
-                        });
-                        remote += p.len() as u64;
-                    }
-                    commits.push((i, id, checksum_page(&src[i])));
-                    PageOutcome::Stored
-                }
-                AllocStatus::Present => PageOutcome::Present,
-                AllocStatus::TooLarge { max } => PageOutcome::Failed(PageError::TooLarge {
-                    len: src[i].len(),
-                    max: max as usize,
-                }),
-                AllocStatus::NoSpace => PageOutcome::Failed(PageError::NoSpace),
-                AllocStatus::Empty => PageOutcome::Failed(PageError::EmptyPage),
-            });
-        }
-        if commits.is_empty() {
-            return Ok(Some(out));
-        }
-        if let Err(e) = v.write(&ops) {
-            let slots = commits.iter().map(|c| c.1).collect();
-            let _ = c.call(&Request::Abort { slots }).await;
-            return Err(e.into());
-        }
-        let (occ, reply) = c
-            .call(&Request::Commit {
-                slots: commits.iter().map(|c| (c.1, c.2)).collect(),
-            })
-            .await?;
-        self.note(occ);
-        let ok = match reply {
-            Reply::Commit(v) if v.len() == commits.len() => v,
-            other => return Err(c.mismatch("COMMIT reply", &other).into()),
-        };
-        for (k, &(i, _, _)) in commits.iter().enumerate() {
-            if !ok[k] {
-                out[i] = PageOutcome::Failed(PageError::Backend(format!(
-                    "rdma: the reservation for page {i} expired before it was committed"
-                )));
-            }
-        }
-        Ok(Some(out))
-    }
+/// The pages `keys` name, with the lengths and layouts of their buffers.
+fn page_reqs(
+    keys: &[PageKey],
+    bufs: impl Iterator<Item = (usize, hicache_core::LayoutKind)>,
+) -> Vec<PageReq> {
+    keys.iter()
+        .zip(bufs)
+        .map(|(k, (len, layout))| PageReq {
+            key: *k,
+            len: len as u64,
+            layout: layout.tag(),
+        })
+        .collect()
 }
 
 #[cfg(test)]

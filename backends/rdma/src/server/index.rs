@@ -535,46 +535,37 @@ impl Index {
 
     /// A connection closed: its reservations and leases go.
     pub fn connection_closed(&mut self, conn: u64) {
-        let ids: Vec<u64> = self
-            .reservations
-            .iter()
-            .filter(|(_, r)| r.conn == conn)
-            .map(|(id, _)| *id)
-            .collect();
-        self.c.reclaimed_reservations += ids.len() as u64;
-        for id in ids {
-            self.free_reservation(id);
-        }
-        let leases: Vec<u64> = self
-            .leases
-            .iter()
-            .filter(|(_, l)| l.conn == conn)
-            .map(|(id, _)| *id)
-            .collect();
+        let n = self.reclaim_where(|r| r.conn == conn);
+        self.c.reclaimed_reservations += n;
+        let leases: Vec<u64> = ids_where(&self.leases, |l| l.conn == conn);
         self.release(&leases);
     }
 
     /// Expires reservations and leases whose time ran out at `now`.
     pub fn sweep(&mut self, now: Instant) {
-        let ids: Vec<u64> = self
-            .reservations
-            .iter()
-            .filter(|(_, r)| !r.writing && r.deadline <= now)
-            .map(|(id, _)| *id)
-            .collect();
-        self.c.reclaimed_reservations += ids.len() as u64;
-        for id in ids {
-            self.free_reservation(id);
-        }
-        let leases: Vec<u64> = self
-            .leases
-            .iter()
-            .filter(|(_, l)| l.deadline.is_some_and(|d| d <= now))
-            .map(|(id, _)| *id)
-            .collect();
+        let n = self.reclaim_where(|r| !r.writing && r.deadline <= now);
+        self.c.reclaimed_reservations += n;
+        let leases: Vec<u64> = ids_where(&self.leases, |l| l.deadline.is_some_and(|d| d <= now));
         self.c.expired_leases += leases.len() as u64;
         self.release(&leases);
     }
+
+    /// Frees the reservations that match `f`; returns how many.
+    fn reclaim_where(&mut self, f: impl Fn(&Reservation) -> bool) -> u64 {
+        let ids = ids_where(&self.reservations, f);
+        for &id in &ids {
+            self.free_reservation(id);
+        }
+        ids.len() as u64
+    }
+}
+
+/// The ids of the entries of `map` that match `f`.
+fn ids_where<T>(map: &HashMap<u64, T>, f: impl Fn(&T) -> bool) -> Vec<u64> {
+    map.iter()
+        .filter(|(_, v)| f(v))
+        .map(|(id, _)| *id)
+        .collect()
 }
 
 #[cfg(test)]
