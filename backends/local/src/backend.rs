@@ -12,12 +12,12 @@ use hicache_storage::backend::bump;
 use hicache_storage::lifecycle::Clock;
 use hicache_storage::{
     BackendContext, BackendFactory, BackendInfo, CommonConfig, ConfigFields, MemoryRegion,
-    NamespaceId, PageBuf, PageBufMut, PageKey, PageOutcome, Registry, Result, StatsCounters,
-    Storage, StorageStats, check_batch,
+    NamespaceId, Outcomes, PageBuf, PageBufMut, PageKey, PageOutcome, Registry, Result, Storage,
+    StorageStats, check_batch,
 };
 use tracing::instrument;
 
-use crate::common::{WriteGuard, open_in_background};
+use crate::common::{Core, PageCount, open_in_background};
 use crate::io::par;
 
 /// What a layout tells [`Storage::info`] beyond its name and capacity.
@@ -31,13 +31,11 @@ pub struct Shape {
     pub shared: bool,
     /// Largest page it can hold.
     pub max_page_bytes: usize,
-    /// Bytes of pages it may hold.
-    pub capacity: u64,
 }
 
 /// How pages lie on disk; the generic [`LocalBackend`] drives it. Every method but
 /// [`open_with_clock`](Layout::open_with_clock) runs on a thread that may block.
-pub trait Layout: Send + Sync + Sized + std::fmt::Debug + 'static {
+pub trait Layout: Send + Sync + Sized + 'static {
     /// The registry name (`file`, `uring`).
     const NAME: &'static str;
     /// The layout's options (extra-config fields).
@@ -58,20 +56,17 @@ pub trait Layout: Send + Sync + Sized + std::fmt::Debug + 'static {
     /// Limits and properties for [`Storage::info`].
     fn shape(&self) -> Shape;
 
-    /// The read-only guard.
-    fn guard(&self) -> &WriteGuard;
+    /// The layout's page index.
+    type Index: PageCount;
 
-    /// The operation counters.
-    fn counters(&self) -> &StatsCounters;
-
-    /// Pages held and their bytes.
-    fn usage(&self) -> (u64, u64);
+    /// The read-only guard, the counters, the capacity and the index.
+    fn core(&self) -> &Core<Self::Index>;
 
     /// The length of the leading run of `keys` present (and not expired).
     fn exists(&self, keys: &[PageKey]) -> usize;
 
-    /// Reads `keys` into `dst`.
-    fn get(&self, keys: &[PageKey], dst: &mut [PageBufMut<'_>]) -> Vec<PageOutcome>;
+    /// Reads `keys` into `dst`, setting each page's outcome in `out`.
+    fn get(&self, keys: &[PageKey], dst: &mut [PageBufMut<'_>], out: &mut Outcomes);
 
     /// Writes `src` as `keys`; `Stored` means committed.
     fn set(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Vec<PageOutcome>;
@@ -92,8 +87,18 @@ pub trait Layout: Send + Sync + Sized + std::fmt::Debug + 'static {
 /// A local-disk backend over the layout `L` ([`FileBackend`](crate::FileBackend),
 /// [`UringBackend`](crate::UringBackend)). It dereferences to the layout for its own
 /// accessors (open report, paths, I/O counters).
-#[derive(Debug)]
 pub struct LocalBackend<L>(pub(crate) L);
+
+impl<L: Layout> std::fmt::Debug for LocalBackend<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let core = self.0.core();
+        f.debug_struct("LocalBackend")
+            .field("layout", &L::NAME)
+            .field("dir", &core.guard.dir())
+            .field("capacity", &core.capacity)
+            .finish_non_exhaustive()
+    }
+}
 
 impl<L: Layout> LocalBackend<L> {
     /// Opens (creating if needed) the storage directory of `opts`, recovering what a
@@ -125,9 +130,9 @@ impl<L: Layout> Storage for LocalBackend<L> {
         i.zero_copy = s.zero_copy;
         i.persistent = true;
         i.shared = s.shared;
-        i.capacity_bytes = Some(s.capacity);
+        i.capacity_bytes = Some(self.0.core().capacity);
         i.max_page_bytes = s.max_page_bytes;
-        i.clear = !self.0.guard().read_only();
+        i.clear = !self.0.core().guard.read_only();
         i
     }
 
@@ -141,7 +146,8 @@ impl<L: Layout> Storage for LocalBackend<L> {
         )?;
         let hits = self.0.exists(keys);
         self.0
-            .counters()
+            .core()
+            .counters
             .record_exists((hits + 1).min(keys.len()), hits);
         Ok(hits)
     }
@@ -156,9 +162,14 @@ impl<L: Layout> Storage for LocalBackend<L> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let out = par::blocking(|| self.0.get(keys, dst));
+        let out = par::blocking(|| {
+            let mut out = Outcomes::new(keys.len());
+            self.0.get(keys, dst, &mut out);
+            out.finish()
+        });
         self.0
-            .counters()
+            .core()
+            .counters
             .record_get(&out, dst.iter().map(|d| d.len()));
         Ok(out)
     }
@@ -166,13 +177,14 @@ impl<L: Layout> Storage for LocalBackend<L> {
     #[instrument(name = "local.batch_set", skip_all, fields(backend = L::NAME, pages = keys.len()))]
     async fn batch_set(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Result<Vec<PageOutcome>> {
         check_batch("batch_set", self.0.shape().max_batch, keys.len(), src.len())?;
-        self.0.guard().check("batch_set")?;
+        self.0.core().guard.check("batch_set")?;
         if keys.is_empty() {
             return Ok(Vec::new());
         }
         let out = par::blocking(|| self.0.set(keys, src));
         self.0
-            .counters()
+            .core()
+            .counters
             .record_set(&out, src.iter().map(|p| p.len()));
         Ok(out)
     }
@@ -183,30 +195,38 @@ impl<L: Layout> Storage for LocalBackend<L> {
 
     #[instrument(name = "local.delete", skip_all, fields(backend = L::NAME, pages = keys.len()))]
     async fn delete(&self, keys: &[PageKey]) -> Result<usize> {
-        self.0.guard().check("delete")?;
+        self.0.core().guard.check("delete")?;
         let n = par::blocking(|| self.0.delete(keys));
-        bump(&self.0.counters().deleted_pages, n as u64);
+        bump(&self.0.core().counters.deleted_pages, n as u64);
         Ok(n)
     }
 
     #[instrument(name = "local.clear", skip_all, fields(backend = L::NAME))]
     async fn clear(&self, namespace: NamespaceId) -> Result<u64> {
-        self.0.guard().check("clear")?;
+        self.0.core().guard.check("clear")?;
         let n = par::blocking(|| self.0.clear(namespace))?;
-        bump(&self.0.counters().cleared_pages, n);
+        bump(&self.0.core().counters.cleared_pages, n);
         Ok(n)
     }
 
     fn stats(&self) -> StorageStats {
-        let (pages, bytes) = self.0.usage();
-        let capacity = self.0.shape().capacity;
-        self.0.counters().snapshot(pages, bytes, Some(capacity))
+        let core = self.0.core();
+        let (pages, bytes) = {
+            let ix = core.index.lock();
+            (ix.pages(), ix.bytes())
+        };
+        core.counters.snapshot(pages, bytes, Some(core.capacity))
     }
 }
 
 /// Registers the layout `L` under its name ([`Layout::NAME`]).
-#[derive(Debug)]
 pub struct Factory<L>(PhantomData<fn() -> L>);
+
+impl<L: Layout> std::fmt::Debug for Factory<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Factory").field(&L::NAME).finish()
+    }
+}
 
 impl<L> Default for Factory<L> {
     fn default() -> Self {

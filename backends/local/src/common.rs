@@ -9,8 +9,10 @@ use std::time::Duration;
 
 use hicache_storage::lifecycle::Reclaimer;
 use hicache_storage::{
-    ConfigFields, EvictionPolicy, Lifecycle, Result, Storage, StorageError, Watermarks,
+    ConfigFields, EvictionPolicy, Lifecycle, Result, StatsCounters, Storage, StorageError,
+    Watermarks,
 };
+use parking_lot::Mutex;
 
 use crate::io::{FsyncPolicy, IoEngine};
 
@@ -44,6 +46,29 @@ impl LocalError {
     }
 }
 
+/// What the generic backend ([`LocalBackend`](crate::LocalBackend)) needs of every layout's
+/// state: the read-only guard, the operation counters, the capacity and the page index
+/// (`I`, the layout's) that `stats()` counts.
+#[derive(Debug)]
+pub struct Core<I> {
+    /// Refuses writes to a read-only open.
+    pub guard: WriteGuard,
+    /// The operation counters behind `stats()`.
+    pub counters: Arc<StatsCounters>,
+    /// Bytes of pages the layout may hold.
+    pub capacity: u64,
+    /// The layout's page index.
+    pub index: Arc<Mutex<I>>,
+}
+
+/// What `stats()` reads of a layout's page index.
+pub trait PageCount {
+    /// Pages held.
+    fn pages(&self) -> u64;
+    /// Bytes of page data held.
+    fn bytes(&self) -> u64;
+}
+
 /// Refuses writes to an instance opened read-only.
 #[derive(Clone, Debug)]
 pub struct WriteGuard {
@@ -60,6 +85,11 @@ impl WriteGuard {
             read_only,
             dir: dir.to_path_buf(),
         }
+    }
+
+    /// The storage directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     /// Whether the instance was opened read-only.
@@ -161,6 +191,11 @@ pub(crate) async fn open_in_background<S: Storage>(
     Ok(Arc::new(s))
 }
 
+/// A backend error of `backend` saying `reason`.
+pub(crate) fn err(backend: &'static str, reason: impl Into<String>) -> StorageError {
+    StorageError::backend(backend, reason)
+}
+
 /// A backend error of `backend` caused by `cause`, which stays reachable as its `source()`.
 pub(crate) fn caused(
     backend: &'static str,
@@ -203,5 +238,59 @@ impl SharedFields {
             read_only: f.bool("read_only", false)?,
             lifecycle: Lifecycle::take_from(f)?,
         })
+    }
+}
+
+/// Parses the extra-config JSON `extra` of the backend `backend` with `from_config` (the
+/// layouts' option tests).
+#[cfg(test)]
+pub(crate) fn parse_options<T>(
+    backend: &str,
+    extra: &str,
+    from_config: fn(&hicache_storage::CommonConfig, ConfigFields) -> Result<T>,
+) -> Result<T> {
+    let c = hicache_storage::StorageConfig::parse(Some(backend), Some(extra))?;
+    from_config(&c.common, c.backend_fields)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_options;
+    use crate::{FileOptions, UringOptions};
+
+    /// An error in a field both layouts read names the field, in either layout's
+    /// extra-config.
+    #[test]
+    fn shared_field_errors_name_their_field() {
+        for (extra, field) in [
+            (r#"{}"#, "dir"),
+            (r#"{"dir": ""}"#, "dir"),
+            (r#"{"dir": 5}"#, "dir"),
+            (r#"{"dir": "/d", "fsync": "sometimes"}"#, "fsync"),
+            (r#"{"dir": "/d", "fsync": true}"#, "fsync"),
+            (r#"{"dir": "/d", "eviction": "random"}"#, "eviction"),
+            (r#"{"dir": "/d", "io_engine": "aio"}"#, "io_engine"),
+            (r#"{"dir": "/d", "io_engine": 1}"#, "io_engine"),
+            (r#"{"dir": "/d", "max_batch": 64}"#, "max_batch"),
+            (r#"{"dir": "/d", "read_only": "yes"}"#, "read_only"),
+            (r#"{"dir": "/d", "ttl_s": 0}"#, "ttl_s"),
+            (r#"{"dir": "/d", "ttl_s": -5}"#, "ttl_s"),
+            (r#"{"dir": "/d", "ttl_s": "1h"}"#, "ttl_s"),
+            (
+                r#"{"dir": "/d", "high_watermark": 0.5, "low_watermark": 0.7}"#,
+                "low_watermark",
+            ),
+            (
+                r#"{"dir": "/d", "high_watermark": 0.5, "low_watermark": 0.5}"#,
+                "low_watermark",
+            ),
+            (r#"{"dir": "/d", "high_watermark": 2}"#, "high_watermark"),
+        ] {
+            let file = parse_options("file", extra, FileOptions::from_config).unwrap_err();
+            let uring = parse_options("uring", extra, UringOptions::from_config).unwrap_err();
+            for e in [file.to_string(), uring.to_string()] {
+                assert!(e.contains(&format!("`{field}`")), "{extra}: {e}");
+            }
+        }
     }
 }

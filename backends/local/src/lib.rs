@@ -40,7 +40,8 @@ pub use io::FsyncPolicy;
 pub use pages::{FileBackend, FileFactory, FileOptions};
 pub use slab::{UringBackend, UringFactory, UringOptions};
 
-/// Adds both layouts to `registry`: [`FileBackend`] as `file` and [`UringBackend`] as `uring`.
+/// Adds both layouts to `registry`: [`FileBackend`] as `file` and [`UringBackend`] as `uring`
+/// (one layout alone: [`FileFactory::register`], [`UringFactory::register`]).
 pub fn register(registry: &hicache_storage::Registry) -> hicache_storage::Result<()> {
     FileFactory::register(registry)?;
     UringFactory::register(registry)

@@ -273,7 +273,7 @@ async fn watermark_eviction_runs_in_the_background() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lifecycle_config_errors_at_build_time() {
     let r = hicache_storage::Registry::with_builtins();
-    hicache_backend_local::pages::register(&r).unwrap();
+    hicache_backend_local::FileFactory::register(&r).unwrap();
     let d = test_dir();
     for (extra, field) in [
         (r#"{"ttl_s": 0}"#, "ttl_s"),

@@ -94,7 +94,7 @@ async fn a_capacity_below_one_page_is_refused_and_evicts_nothing() {
     assert!(e.contains("capacity") && e.contains("100"), "{e}");
     // Through the registry the deployment's page size is known: one page must fit.
     let r = Registry::new();
-    hicache_backend_local::pages::register(&r).unwrap();
+    hicache_backend_local::FileFactory::register(&r).unwrap();
     let cfg = StorageConfig::parse(
         Some("file"),
         Some(&format!(

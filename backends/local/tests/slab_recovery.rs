@@ -366,7 +366,7 @@ async fn works_on_a_current_thread_runtime() {
 async fn the_registry_opens_it_with_strict_fields() {
     let dir = test_dir();
     let r = hicache_storage::Registry::new();
-    hicache_backend_local::slab::register(&r).unwrap();
+    hicache_backend_local::UringFactory::register(&r).unwrap();
     let extra = format!(
         r#"{{"dir": {:?}, "capacity": "64MiB", "queue_depth": 16, "page_bytes": 65536}}"#,
         dir.path().display().to_string()

@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 
+use crate::common::PageCount;
 use hicache_core::PageKey;
 use hicache_storage::{EvictionPolicy, Evictor, PageMeta};
 
@@ -171,6 +172,16 @@ impl Index {
     /// Every key (for shared-mode reconciliation).
     pub fn keys(&self) -> impl Iterator<Item = &PageKey> {
         self.map.keys()
+    }
+}
+
+impl PageCount for Index {
+    fn pages(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    fn bytes(&self) -> u64 {
+        self.data
     }
 }
 

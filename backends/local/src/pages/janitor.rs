@@ -56,8 +56,8 @@ impl Pages {
             if let Err(err) = remove_file(&self.paths.page_path(k)) {
                 tracing::warn!(key = %k, %err, "file backend: could not delete an evicted page");
             }
-            bump(&self.counters.evicted_pages, 1);
-            bump(&self.counters.evicted_bytes, e.meta.len as u64);
+            bump(&self.core.counters.evicted_pages, 1);
+            bump(&self.core.counters.evicted_bytes, e.meta.len as u64);
         }
     }
 
@@ -100,9 +100,9 @@ impl Pages {
                 if remove_file(&p).unwrap_or(false) {
                     total -= len;
                     let e = self.index.lock().remove(&k);
-                    bump(&self.counters.evicted_pages, 1);
+                    bump(&self.core.counters.evicted_pages, 1);
                     bump(
-                        &self.counters.evicted_bytes,
+                        &self.core.counters.evicted_bytes,
                         e.map_or(len.saturating_sub(HEADER_LEN as u64), |e| e.meta.len as u64),
                     );
                 }

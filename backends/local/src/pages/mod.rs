@@ -53,13 +53,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use hicache_storage::{
-    BackendContext, Clock, CommonConfig, ConfigFields, NamespaceId, PageBuf, PageBufMut, PageKey,
-    PageOutcome, Registry, Result, StatsCounters, StorageError,
+    BackendContext, Clock, CommonConfig, ConfigFields, NamespaceId, Outcomes, PageBuf, PageBufMut,
+    PageKey, PageOutcome, Result, StorageError,
 };
 use parking_lot::Mutex;
 
 use crate::backend::{self, Factory, LocalBackend, Shape};
-use crate::common::{self, ReclaimStage, WriteGuard};
+use crate::common::{self, Core, ReclaimStage};
 use crate::io::{BufPool, Driver, GroupCommit};
 use crate::pages::format::{HEADER_LEN, Layout};
 use crate::pages::index::Index;
@@ -105,15 +105,14 @@ pub struct Pages {
     capacity: u64,
     rescan_bytes: u64,
     index: Arc<Mutex<Index>>,
-    counters: Arc<StatsCounters>,
+    /// The read-only guard and the counters (what the generic backend reads).
+    core: Core<Index>,
     /// Time as expiry (`ttl_s`) sees it.
     clock: Clock,
     /// The background reclaim stage (expiry, watermark eviction); no thread without a
     /// lifecycle option or in a read-only open. Stopped and joined first when the backend
     /// drops.
     reclaim: ReclaimStage,
-    /// Refuses writes to a read-only open.
-    guard: WriteGuard,
     reclaim_hook: Arc<Mutex<Option<ReclaimHook>>>,
     bufs: BufPool,
     tmp_seq: AtomicU64,
@@ -126,23 +125,12 @@ pub struct Pages {
     _instance_lock: Option<File>,
 }
 
-impl std::fmt::Debug for Pages {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pages")
-            .field("dir", &self.paths.root)
-            .field("direct", &self.direct)
-            .field("driver", &self.driver)
-            .field("capacity", &self.capacity)
-            .finish_non_exhaustive()
-    }
-}
-
-/// A backend error of this layout.
+/// A `file` backend error.
 pub(crate) fn backend_err(reason: impl Into<String>) -> StorageError {
-    StorageError::backend(NAME, reason)
+    common::err(NAME, reason)
 }
 
-/// A backend error of this layout caused by `cause`, which stays reachable as its `source()`.
+/// A `file` backend error caused by `cause` (kept as its `source()`).
 pub(crate) fn backend_err_caused(
     reason: impl Into<String>,
     cause: impl std::error::Error + Send + Sync + 'static,
@@ -206,7 +194,7 @@ impl Pages {
         let l = self.opts.lifecycle;
         let ctx = janitor::Reclaim {
             index: self.index.clone(),
-            counters: self.counters.clone(),
+            counters: self.core.counters.clone(),
             paths: self.paths.clone(),
             capacity: self.capacity,
             lifecycle: l,
@@ -290,29 +278,21 @@ impl backend::Layout for Pages {
             zero_copy: self.direct,
             shared: self.opts.shared,
             max_page_bytes: (self.capacity as usize).saturating_sub(HEADER_LEN),
-            capacity: self.capacity,
         }
     }
 
-    fn guard(&self) -> &WriteGuard {
-        &self.guard
-    }
+    type Index = Index;
 
-    fn counters(&self) -> &StatsCounters {
-        &self.counters
-    }
-
-    fn usage(&self) -> (u64, u64) {
-        let ix = self.index.lock();
-        (ix.len() as u64, ix.data_bytes())
+    fn core(&self) -> &Core<Index> {
+        &self.core
     }
 
     fn exists(&self, keys: &[PageKey]) -> usize {
         self.leading_run(keys)
     }
 
-    fn get(&self, keys: &[PageKey], dst: &mut [PageBufMut<'_>]) -> Vec<PageOutcome> {
-        self.get_blocking(keys, dst)
+    fn get(&self, keys: &[PageKey], dst: &mut [PageBufMut<'_>], out: &mut Outcomes) {
+        self.read_pages(keys, dst, out)
     }
 
     fn set(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Vec<PageOutcome> {
@@ -344,11 +324,6 @@ pub type FileBackend = LocalBackend<Pages>;
 
 /// Registers [`FileBackend`] as `file`.
 pub type FileFactory = Factory<Pages>;
-
-/// Adds the file backend to `registry` (one call, as any third-party backend would).
-pub fn register(registry: &Registry) -> Result<()> {
-    FileFactory::register(registry)
-}
 
 #[cfg(test)]
 mod tests {
@@ -416,7 +391,9 @@ mod tests {
         }
         drop(s);
         o.io_engine = IoEngine::Uring;
-        let e = Pages::open_with_probe(o, refused_probe).unwrap_err();
+        let Err(e) = Pages::open_with_probe(o, refused_probe) else {
+            panic!("a uring open without io_uring must fail");
+        };
         let msg = e.to_string();
         assert!(msg.contains("io_engine") && msg.contains("uring"), "{msg}");
     }

@@ -16,7 +16,7 @@ use hicache_storage::backend::bump;
 use hicache_storage::{Clock, Result, StatsCounters, StorageError};
 use parking_lot::Mutex;
 
-use crate::common::{ReclaimStage, WriteGuard};
+use crate::common::{Core, ReclaimStage, WriteGuard};
 use crate::pages::format::{self, Layout, MARKER, MARKER_CONTENTS, file_bytes};
 use crate::pages::{
     DirectIo, FileOptions, NAME, Pages, REGISTRY_LOCK, backend_err, backend_err_caused,
@@ -256,6 +256,7 @@ impl Pages {
         tracing::Span::current().record("pages", report.pages);
         tracing::info!(dir = %root.display(), ?report, capacity, "file backend opened");
         let guard = WriteGuard::new(NAME, opts.read_only, &paths.root);
+        let index = Arc::new(Mutex::new(index));
         let mut backend = Self {
             rescan_bytes: opts.rescan_bytes.unwrap_or((capacity / 16).max(1)),
             bufs: BufPool::new(64 << 20),
@@ -268,11 +269,15 @@ impl Pages {
             instance_lock_path: inst.lock_path,
             direct,
             capacity,
-            index: Arc::new(Mutex::new(index)),
-            counters: Arc::new(counters),
+            index: index.clone(),
+            core: Core {
+                guard,
+                counters: Arc::new(counters),
+                capacity,
+                index,
+            },
             clock: clock.clone(),
             reclaim: ReclaimStage::none(),
-            guard,
             reclaim_hook: Arc::new(Mutex::new(None)),
             tmp_seq: AtomicU64::new(0),
             written_since_rescan: AtomicU64::new(0),
@@ -322,6 +327,7 @@ impl Pages {
         // instance behaves as an exclusive one that never writes.
         opts.shared = false;
         let guard = WriteGuard::new(NAME, opts.read_only, &paths.root);
+        let index = Arc::new(Mutex::new(index));
         Ok(Self {
             rescan_bytes: u64::MAX,
             bufs: BufPool::new(64 << 20),
@@ -334,11 +340,15 @@ impl Pages {
             instance_lock_path: PathBuf::new(),
             direct: false,
             capacity,
-            index: Arc::new(Mutex::new(index)),
-            counters: Arc::new(counters),
+            index: index.clone(),
+            core: Core {
+                guard,
+                counters: Arc::new(counters),
+                capacity,
+                index,
+            },
             clock: clock.clone(),
             reclaim: ReclaimStage::none(),
-            guard,
             reclaim_hook: Arc::new(Mutex::new(None)),
             tmp_seq: AtomicU64::new(0),
             written_since_rescan: AtomicU64::new(0),

@@ -70,14 +70,15 @@ impl Pages {
         hits
     }
 
-    /// `batch_get` on the calling (blocking) thread.
-    pub(crate) fn get_blocking(
+    /// `batch_get` on the calling (blocking) thread: looks the pages up, then reads and
+    /// verifies their files.
+    pub(crate) fn read_pages(
         &self,
         keys: &[PageKey],
         dst: &mut [PageBufMut<'_>],
-    ) -> Vec<PageOutcome> {
+        out: &mut Outcomes,
+    ) {
         let n = keys.len();
-        let mut out = Outcomes::new(n);
         let mut want = vec![false; n];
         let mut expired = false;
         {
@@ -85,7 +86,7 @@ impl Pages {
             for (i, (k, d)) in keys.iter().zip(dst.iter()).enumerate() {
                 match ix.get(k) {
                     Some(e) if e.meta != d.meta() => {
-                        bump(&self.counters.meta_mismatches, 1);
+                        bump(&self.core.counters.meta_mismatches, 1);
                         out.set(i, PageOutcome::Miss);
                     }
                     Some(e) if self.expired(e.written) => {
@@ -115,7 +116,6 @@ impl Pages {
             let o = self.read_outcome(&keys[i], &mut dst[i], r);
             out.set(i, o);
         }
-        out.finish()
     }
 
     /// The outcome of one page file's read, with its side effects: a damaged page is zeroed
@@ -145,7 +145,7 @@ impl Pages {
             }
             ReadResult::Mismatch(stored) => {
                 tracing::debug!(key = %key, ?stored, wanted = ?meta, "file backend: metadata mismatch");
-                bump(&self.counters.meta_mismatches, 1);
+                bump(&self.core.counters.meta_mismatches, 1);
                 PageOutcome::Miss
             }
             ReadResult::Corrupt(why) => {

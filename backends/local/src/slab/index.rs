@@ -17,6 +17,7 @@
 use std::collections::{HashMap, HashSet};
 use std::io;
 
+use crate::common::PageCount;
 use hicache_storage::{EvictionPolicy, Evictor, PageKey, PageMeta};
 
 /// Where a page lives: a slot of a class's slab.
@@ -412,6 +413,16 @@ impl Index {
             }
         }
         evicted
+    }
+}
+
+impl PageCount for Index {
+    fn bytes(&self) -> u64 {
+        self.data_bytes
+    }
+
+    fn pages(&self) -> u64 {
+        self.entries.len() as u64
     }
 }
 

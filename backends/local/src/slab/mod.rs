@@ -61,13 +61,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use hicache_storage::lifecycle::Clock;
 use hicache_storage::{
-    BackendContext, CommonConfig, ConfigFields, MemoryRegion, NamespaceId, PageBuf, PageBufMut,
-    PageKey, PageOutcome, Registry, Result, StatsCounters, StorageError,
+    BackendContext, CommonConfig, ConfigFields, MemoryRegion, NamespaceId, Outcomes, PageBuf,
+    PageBufMut, PageKey, PageOutcome, Result, StorageError,
 };
 use parking_lot::{Mutex, RwLock};
 
 use crate::backend::{Factory, Layout, LocalBackend, Shape};
-use crate::common::{self, ReclaimStage, WriteGuard};
+use crate::common::{Core, ReclaimStage, caused};
 use crate::io::ring::RingCounters;
 use crate::io::{BufPool, Ring};
 use crate::slab::engine::Engine;
@@ -86,14 +86,6 @@ pub(crate) const NANOS: u64 = 1_000_000_000;
 /// A backend error of this layout.
 pub(crate) fn backend_err(reason: impl Into<String>) -> StorageError {
     StorageError::backend(NAME, reason)
-}
-
-/// A backend error of this layout caused by `cause`, which stays reachable as its `source()`.
-pub(crate) fn backend_err_caused(
-    reason: impl Into<String>,
-    cause: impl std::error::Error + Send + Sync + 'static,
-) -> StorageError {
-    common::caused(NAME, reason, cause)
 }
 
 /// What [`UringBackend::open`] found and did.
@@ -148,13 +140,12 @@ pub struct Slabs {
     index: Arc<Mutex<Index>>,
     log: Mutex<IndexLog>,
     dels: Arc<Mutex<Vec<Record>>>,
-    counters: Arc<StatsCounters>,
+    /// The read-only guard and the counters (what the generic backend reads).
+    core: Core<Index>,
     /// The background reclaim stage (expiry and watermark eviction); no thread without
     /// `ttl_s` or watermarks, or in a read-only open. Stopped and joined first when the
     /// backend drops, so its `del` records are in `dels` before the last append.
     reclaim: ReclaimStage,
-    /// Refuses writes to a read-only open.
-    guard: WriteGuard,
     bounced: std::sync::atomic::AtomicU64,
     compactions: std::sync::atomic::AtomicU64,
     pool: BufPool,
@@ -164,16 +155,6 @@ pub struct Slabs {
     clock: Clock,
     /// The directory lock (none for a read-only open of a directory without a lock file).
     _lock: Option<File>,
-}
-
-impl std::fmt::Debug for Slabs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Slabs")
-            .field("dir", &self.opts.dir)
-            .field("capacity", &self.capacity)
-            .field("engine", &self.engine)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Slabs {
@@ -241,7 +222,7 @@ impl Slabs {
             low: self.opts.watermarks.map(|w| w.bytes(self.capacity).1),
             index: self.index.clone(),
             dels: self.dels.clone(),
-            counters: self.counters.clone(),
+            counters: self.core.counters.clone(),
             clock: self.clock.clone(),
         };
         self.reclaim = ReclaimStage::start(
@@ -315,21 +296,13 @@ impl Layout for Slabs {
             zero_copy: true,
             shared: false,
             max_page_bytes: self.max_page_bytes(),
-            capacity: self.capacity,
         }
     }
 
-    fn guard(&self) -> &WriteGuard {
-        &self.guard
-    }
+    type Index = Index;
 
-    fn counters(&self) -> &StatsCounters {
-        &self.counters
-    }
-
-    fn usage(&self) -> (u64, u64) {
-        let ix = self.index.lock();
-        (ix.len() as u64, ix.data_bytes())
+    fn core(&self) -> &Core<Index> {
+        &self.core
     }
 
     fn exists(&self, keys: &[PageKey]) -> usize {
@@ -346,8 +319,8 @@ impl Layout for Slabs {
         hits
     }
 
-    fn get(&self, keys: &[PageKey], dst: &mut [PageBufMut<'_>]) -> Vec<PageOutcome> {
-        self.get_blocking(keys, dst)
+    fn get(&self, keys: &[PageKey], dst: &mut [PageBufMut<'_>], out: &mut Outcomes) {
+        self.read_slots(keys, dst, out)
     }
 
     fn set(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Vec<PageOutcome> {
@@ -372,7 +345,8 @@ impl Layout for Slabs {
                 );
                 Ok(())
             }
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Err(backend_err_caused(
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Err(caused(
+                NAME,
                 "register_memory called twice with different regions",
                 e,
             )),
@@ -454,11 +428,6 @@ pub type UringBackend = LocalBackend<Slabs>;
 
 /// Registers [`UringBackend`] as `uring`.
 pub type UringFactory = Factory<Slabs>;
-
-/// Adds the uring backend to `registry` (one call, as any third-party backend would).
-pub fn register(registry: &Registry) -> Result<()> {
-    UringFactory::register(registry)
-}
 
 #[cfg(test)]
 mod tests {

@@ -6,6 +6,7 @@ use std::io::{self, Read, Seek, Write};
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::common::caused;
 use crate::io::{BufPool, Ring, Threads, sys};
 use crate::slab::engine::Engine;
 use hicache_storage::backend::bump;
@@ -13,12 +14,12 @@ use hicache_storage::lifecycle::Clock;
 use hicache_storage::{Result, StatsCounters, StorageError};
 use parking_lot::{Mutex, RwLock};
 
-use crate::common::{ReclaimStage, WriteGuard};
+use crate::common::{Core, ReclaimStage, WriteGuard};
 use crate::slab::format::{self, LOCK_FILE, Put, slot_bytes};
 use crate::slab::index::{Entry, Index, Loc, SlabDisk};
 use crate::slab::log::{IndexLog, Replay};
 use crate::slab::slabfile::{Disk, Slab, open_slab};
-use crate::slab::{NAME, OpenReport, Slabs, UringOptions, backend_err, backend_err_caused};
+use crate::slab::{NAME, OpenReport, Slabs, UringOptions, backend_err};
 
 /// The error for a system without a usable io_uring, naming the `file` backend.
 pub(crate) fn unavailable(e: &io::Error) -> StorageError {
@@ -57,7 +58,7 @@ pub(crate) fn check_capacity(capacity: u64, page_bytes: usize) -> Result<()> {
 /// foreign index log or any other content is refused with an error naming the directory,
 /// before anything in it is written.
 fn claim_directory(dir: &Path) -> Result<()> {
-    if IndexLog::check_owner(dir).map_err(|e| backend_err_caused("", e))? {
+    if IndexLog::check_owner(dir).map_err(|e| caused(NAME, "", e))? {
         return Ok(());
     }
     let ours_before_log = |name: &str| match name {
@@ -206,7 +207,7 @@ impl Slabs {
         } else {
             IndexLog::open(&dir)
         }
-        .map_err(|e| backend_err_caused("index log", e))?;
+        .map_err(|e| caused(NAME, "index log", e))?;
         let (sizes, slabs, file_slots) = Self::open_slabs(&engine, &opts)?;
         let used: u64 = sizes
             .iter()
@@ -254,22 +255,27 @@ impl Slabs {
         if !ro && (!victims.is_empty() || discarded_pages > 0 || log.records() > 2 * live + 1024) {
             let puts = Self::live_puts(&index);
             log.compact(&puts)
-                .map_err(|e| backend_err_caused("index log compaction", e))?;
+                .map_err(|e| caused(NAME, "index log compaction", e))?;
             report.compacted = true;
         }
         tracing::Span::current().record("pages", report.pages);
         tracing::info!(dir = %dir.display(), ?report, capacity, "uring backend opened");
+        let index = Arc::new(Mutex::new(index));
         let mut backend = Self {
             engine,
             capacity,
             slabs: RwLock::new(slabs),
             new_slab: Mutex::new(()),
-            index: Arc::new(Mutex::new(index)),
+            index: index.clone(),
             log: Mutex::new(log),
             dels: Arc::new(Mutex::new(Vec::new())),
-            counters: Arc::new(counters),
+            core: Core {
+                guard: WriteGuard::new(NAME, opts.read_only, &opts.dir),
+                counters: Arc::new(counters),
+                capacity,
+                index,
+            },
             reclaim: ReclaimStage::none(),
-            guard: WriteGuard::new(NAME, opts.read_only, &opts.dir),
             bounced: 0.into(),
             compactions: 0.into(),
             pool: BufPool::new(64 << 20),
@@ -403,7 +409,8 @@ impl Slabs {
         let r = open_slab(&p, false);
         let _ = fs::remove_file(&p);
         r.map(drop).map_err(|e| {
-            backend_err_caused(
+            caused(
+                NAME,
                 format!(
                     "{}: the file system refuses O_DIRECT (the uring backend needs a local \
                      disk file system: ext4, xfs; use the `file` backend elsewhere)",

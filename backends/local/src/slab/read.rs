@@ -28,15 +28,16 @@ struct Reads {
 }
 
 impl Slabs {
-    /// `batch_get` on the calling (blocking) thread.
-    pub(crate) fn get_blocking(
+    /// `batch_get` on the calling (blocking) thread: pins the pages' slots, plans and runs
+    /// the reads, verifies each page.
+    pub(crate) fn read_slots(
         &self,
         keys: &[PageKey],
         dst: &mut [PageBufMut<'_>],
-    ) -> Vec<PageOutcome> {
+        out: &mut Outcomes,
+    ) {
         let n = keys.len();
-        let mut out = Outcomes::new(n);
-        let found = self.lookup(keys, dst, &mut out);
+        let found = self.lookup(keys, dst, out);
         let slabs: Vec<Arc<Slab>> = self.slabs.read().clone();
         let mut r = Reads {
             found,
@@ -60,14 +61,13 @@ impl Slabs {
             reqs.append(&mut plan.reqs);
             r.plans[i] = Some(plan);
         }
-        self.read_and_verify(keys, dst, reqs, &mut r, &mut out);
+        self.read_and_verify(keys, dst, reqs, &mut r, out);
         for p in r.plans.iter_mut().flatten() {
             if let Some(b) = p.bounce.take() {
                 self.pool.put(b);
             }
         }
         self.release(&r);
-        out.finish()
     }
 
     /// Finds and pins each key's entry; misses and metadata mismatches get their outcome.
@@ -89,7 +89,7 @@ impl Slabs {
                     out.set(i, PageOutcome::Miss);
                 }
                 Some(e) if e.meta != d.meta() => {
-                    bump(&self.counters.meta_mismatches, 1);
+                    bump(&self.core.counters.meta_mismatches, 1);
                     out.set(i, PageOutcome::Miss);
                 }
                 Some(e) => {

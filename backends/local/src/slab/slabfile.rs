@@ -8,6 +8,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::common::caused;
 use crate::io::ring::{self, FileRef};
 use crate::io::sys;
 use crate::slab::engine::Engine;
@@ -15,7 +16,7 @@ use hicache_storage::{Result, StorageError};
 
 use crate::slab::format::slab_file_name;
 use crate::slab::index::SlabDisk;
-use crate::slab::{Slabs, backend_err, backend_err_caused};
+use crate::slab::{NAME, Slabs, backend_err};
 
 pub(crate) struct Slab {
     pub(crate) slot_bytes: u64,
@@ -116,7 +117,8 @@ impl Slabs {
         let path = dir.join(slab_file_name(slot_bytes));
         let file = open_slab(&path, read_only).map_err(|e| {
             if e.raw_os_error() == Some(libc::EINVAL) {
-                backend_err_caused(
+                caused(
+                    NAME,
                     format!(
                         "{}: the file system refuses O_DIRECT; use the `file` backend here",
                         path.display()

@@ -118,9 +118,9 @@ impl Slabs {
             }
         }
         if !evicted.is_empty() {
-            bump(&self.counters.evicted_pages, evicted.len() as u64);
+            bump(&self.core.counters.evicted_pages, evicted.len() as u64);
             bump(
-                &self.counters.evicted_bytes,
+                &self.core.counters.evicted_bytes,
                 evicted.iter().map(|(_, e)| e.meta.len as u64).sum(),
             );
             let mut dels = self.dels.lock();
