@@ -258,6 +258,16 @@ mod tests {
     use super::parse_options;
     use crate::{FileOptions, UringOptions};
 
+    /// With only `dir`, each layout's options are its defaults.
+    #[test]
+    fn only_dir_gives_the_defaults() {
+        let dir = r#"{"dir": "/d"}"#;
+        let file = parse_options("file", dir, FileOptions::from_config).unwrap();
+        assert_eq!(file, FileOptions::new("/d"));
+        let uring = parse_options("uring", dir, UringOptions::from_config).unwrap();
+        assert_eq!(uring, UringOptions::new("/d"));
+    }
+
     /// An error in a field both layouts read names the field, in either layout's
     /// extra-config.
     #[test]

@@ -11,8 +11,8 @@ use common::test_dir;
 use hicache_backend_local::pages::format::{HEADER_LEN, file_bytes};
 use hicache_backend_local::pages::{FileBackend, FileOptions, FsyncPolicy};
 use hicache_core::LayoutKind;
-use hicache_storage::pattern::{check_page, fill_page, namespace, page_bytes, page_key};
-use hicache_storage::{PageBuf, PageBufMut, PageKey, PageOutcome, Storage, StorageExt};
+use hicache_storage::pattern::{check_page, namespace, page_bytes, page_key};
+use hicache_storage::{PageKey, Storage, StorageExt};
 use memmap2::MmapMut;
 
 const L: LayoutKind = LayoutKind::PageFirst;
@@ -55,43 +55,12 @@ async fn o_direct_zero_copy_from_aligned_buffers() {
     );
     assert!(s.info().zero_copy);
     // Pages in an aligned region, as in the pinned host pool; one of them layer_first in
-    // 64 aligned parts.
+    // 64 aligned parts (read back in 2).
     let ks = keys(1, 4);
     let len = 1 << 20;
     let mut region = MmapMut::map_anon(4 * len).unwrap();
-    for (i, k) in ks.iter().enumerate() {
-        fill_page(k, &mut region[i * len..(i + 1) * len]);
-    }
-    let srcs: Vec<PageBuf<'_>> = region
-        .chunks(len)
-        .enumerate()
-        .map(|(i, c)| {
-            if i == 3 {
-                PageBuf::from_parts(LayoutKind::LayerFirst, c.chunks(len / 64))
-            } else {
-                PageBuf::contiguous(L, c)
-            }
-        })
-        .collect();
-    let out = s.batch_set(&ks, &srcs).await.unwrap();
-    assert!(out.iter().all(|o| *o == PageOutcome::Stored), "{out:?}");
-    drop(srcs);
     let mut back = MmapMut::map_anon(4 * len).unwrap();
-    {
-        let mut dst: Vec<PageBufMut<'_>> = back
-            .chunks_mut(len)
-            .enumerate()
-            .map(|(i, c)| {
-                if i == 3 {
-                    PageBufMut::from_parts(LayoutKind::LayerFirst, c.chunks_mut(len / 2))
-                } else {
-                    PageBufMut::contiguous(L, c)
-                }
-            })
-            .collect();
-        let out = s.batch_get(&ks, &mut dst).await.unwrap();
-        assert!(out.iter().all(|o| *o == PageOutcome::Hit), "{out:?}");
-    }
+    hicache_backend_local::testing::round_trip_in(&s, &ks, &mut region, &mut back, len, 2).await;
     assert!(back[..] == region[..]);
     // Files are header + data, no padding for sector multiples.
     let m = fs::metadata(s.page_path(&ks[0])).unwrap();

@@ -11,10 +11,8 @@ use std::sync::Arc;
 use common::{test_dir, test_opts};
 use hicache_backend_local::slab::format::{INDEX_FILE, RECORD_LEN, slab_file_name};
 use hicache_backend_local::slab::{FsyncPolicy, UringBackend};
-use hicache_storage::pattern::{check_page, fill_page, namespace, page_bytes, page_key};
-use hicache_storage::{
-    LayoutKind, MemoryRegion, PageBuf, PageBufMut, PageKey, PageOutcome, Storage, StorageExt,
-};
+use hicache_storage::pattern::{check_page, namespace, page_bytes, page_key};
+use hicache_storage::{LayoutKind, MemoryRegion, PageKey, PageOutcome, Storage, StorageExt};
 use memmap2::MmapMut;
 
 const L: LayoutKind = LayoutKind::PageFirst;
@@ -223,8 +221,7 @@ fn a_foreign_index_log_is_refused() {
     assert!(e.contains("not a hicache-uring index log"), "{e}");
 }
 
-/// Writes `pages` (in `region`, `len` bytes each, page 3 in 64 parts) and reads them back into
-/// `back`; asserts every page is exact.
+/// The shared round trip, page 3 read back in 4 parts.
 async fn round_trip_in(
     s: &UringBackend,
     ks: &[PageKey],
@@ -232,39 +229,7 @@ async fn round_trip_in(
     back: &mut [u8],
     len: usize,
 ) {
-    for (k, c) in ks.iter().zip(region.chunks_mut(len)) {
-        fill_page(k, c);
-    }
-    let srcs: Vec<PageBuf<'_>> = region
-        .chunks(len)
-        .enumerate()
-        .map(|(i, c)| {
-            if i == 3 {
-                PageBuf::from_parts(LayoutKind::LayerFirst, c.chunks(len / 64))
-            } else {
-                PageBuf::contiguous(L, c)
-            }
-        })
-        .collect();
-    let out = s.batch_set(ks, &srcs).await.unwrap();
-    assert!(out.iter().all(|o| *o == PageOutcome::Stored), "{out:?}");
-    let mut dst: Vec<PageBufMut<'_>> = back
-        .chunks_mut(len)
-        .enumerate()
-        .map(|(i, c)| {
-            if i == 3 {
-                PageBufMut::from_parts(LayoutKind::LayerFirst, c.chunks_mut(len / 4))
-            } else {
-                PageBufMut::contiguous(L, c)
-            }
-        })
-        .collect();
-    let out = s.batch_get(ks, &mut dst).await.unwrap();
-    assert!(out.iter().all(|o| *o == PageOutcome::Hit), "{out:?}");
-    drop(dst);
-    for (k, c) in ks.iter().zip(back.chunks(len)) {
-        assert!(check_page(k, c));
-    }
+    hicache_backend_local::testing::round_trip_in(s, ks, region, back, len, 4).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
