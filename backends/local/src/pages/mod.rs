@@ -256,16 +256,13 @@ impl backend::Layout for Pages {
     const NAME: &'static str = NAME;
     type Options = FileOptions;
 
-    fn options(
-        common: &CommonConfig,
-        fields: ConfigFields,
-        ctx: &BackendContext,
-    ) -> Result<FileOptions> {
-        let opts = FileOptions::from_config(common, fields)?;
-        if let Some(c) = opts.capacity_bytes {
-            check_capacity(c, ctx.page_bytes.max(1))?;
+    /// The engine's page size bounds the capacity from below (one page must fit).
+    fn options(c: &CommonConfig, f: ConfigFields, ctx: &BackendContext) -> Result<FileOptions> {
+        let opts = FileOptions::from_config(c, f)?;
+        match opts.capacity_bytes {
+            Some(cap) => check_capacity(cap, ctx.page_bytes.max(1)).map(|()| opts),
+            None => Ok(opts),
         }
-        Ok(opts)
     }
 
     fn open_with_clock(opts: FileOptions, clock: Clock) -> Result<Self> {

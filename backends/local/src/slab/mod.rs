@@ -274,12 +274,10 @@ impl Layout for Slabs {
     const NAME: &'static str = NAME;
     type Options = UringOptions;
 
-    fn options(
-        common: &CommonConfig,
-        fields: ConfigFields,
-        ctx: &BackendContext,
-    ) -> Result<UringOptions> {
-        let mut opts = UringOptions::from_config(common, fields)?;
+    /// The engine's page size, when it gives one, is the default `page_bytes` (its slab is
+    /// created at open).
+    fn options(c: &CommonConfig, f: ConfigFields, ctx: &BackendContext) -> Result<UringOptions> {
+        let mut opts = UringOptions::from_config(c, f)?;
         if opts.page_bytes.is_none() && ctx.page_bytes > 0 {
             opts.page_bytes = Some(ctx.page_bytes as u64);
         }
