@@ -174,8 +174,8 @@ fn storage_clear_removes_one_namespace() {
         .build()
         .unwrap()
         .block_on(async {
-            let s = hicache_backend_file::FileBackend::open(
-                hicache_backend_file::FileOptions::new(d.path()),
+            let s = hicache_backend_local::FileBackend::open(
+                hicache_backend_local::FileOptions::new(d.path()),
             )
             .unwrap();
             for k in &other {

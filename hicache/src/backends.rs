@@ -10,11 +10,11 @@ use crate::error::Result;
 pub fn builtin_registry() -> Result<Registry> {
     let r = Registry::with_builtins();
     #[cfg(feature = "file")]
-    hicache_backend_file::register(&r)?;
+    hicache_backend_local::FileFactory::register(&r)?;
     #[cfg(feature = "plugin")]
     hicache_backend_plugin::register(&r)?;
     #[cfg(feature = "uring")]
-    hicache_backend_uring::register(&r)?;
+    hicache_backend_local::UringFactory::register(&r)?;
     #[cfg(feature = "rdma")]
     hicache_backend_rdma::register(&r)?;
     #[cfg(feature = "redis")]

@@ -18,9 +18,9 @@ pub const KNOWN: &[(&str, &str)] = &[
 pub fn registry() -> Result<Registry> {
     let r = Registry::with_builtins();
     #[cfg(feature = "file")]
-    hicache_backend_file::register(&r)?;
+    hicache_backend_local::FileFactory::register(&r)?;
     #[cfg(feature = "uring")]
-    hicache_backend_uring::register(&r)?;
+    hicache_backend_local::UringFactory::register(&r)?;
     #[cfg(feature = "rdma")]
     hicache_backend_rdma::register(&r)?;
     #[cfg(feature = "plugin")]

@@ -33,9 +33,9 @@ pub struct BackendArgs {
 pub fn registry() -> Result<Registry> {
     let r = Registry::with_builtins();
     #[cfg(feature = "file")]
-    hicache_backend_file::register(&r)?;
+    hicache_backend_local::FileFactory::register(&r)?;
     #[cfg(feature = "uring")]
-    hicache_backend_uring::register(&r)?;
+    hicache_backend_local::UringFactory::register(&r)?;
     #[cfg(feature = "rdma")]
     hicache_backend_rdma::register(&r)?;
     #[cfg(feature = "redis")]
