@@ -9,7 +9,7 @@ use hicache_gpu::IoBackend;
 use serde::{Serialize, Serializer};
 
 use crate::error::Result;
-use crate::sim::cache::CacheUnderTest;
+use crate::cache::CacheUnderTest;
 
 /// Which device holds L1.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -160,7 +160,7 @@ pub struct ObserveSetup {
 /// Builds the cache under test for one run.
 pub trait CacheFactory {
     /// A fresh, empty cache configured by `setup`. Configuration errors should be
-    /// [`BenchError::Usage`](crate::BenchError::Usage) (exit code 2).
+    /// [`SimError::Usage`](crate::SimError::Usage) (exit code 2).
     fn build(&self, setup: &CacheSetup) -> Result<Box<dyn CacheUnderTest>>;
 }
 
@@ -171,6 +171,11 @@ where
     fn build(&self, setup: &CacheSetup) -> Result<Box<dyn CacheUnderTest>> {
         self(setup)
     }
+}
+
+/// Whether `device` is the emulated driver (`hicache-cuda-emu`), whose figures are CPU copies.
+pub fn is_emulated(device: &hicache_gpu::Device) -> bool {
+    device.name().contains("hicache-cuda-emu")
 }
 
 #[cfg(test)]
