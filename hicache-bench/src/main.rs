@@ -134,7 +134,16 @@ mod tests {
         assert!(matches!(cli.command, Some(Command::Multiturn(ref a)) if a.clients == 2));
         assert!(parse(&["--clients", "2", "tree"]).is_err());
         assert!(parse(&["--no-such-flag"]).is_err());
-        let cli = parse(&["storage-check", "--page-bytes", "4096", "--seed", "1", "--upto", "3"]).unwrap();
+        let cli = parse(&[
+            "storage-check",
+            "--page-bytes",
+            "4096",
+            "--seed",
+            "1",
+            "--upto",
+            "3",
+        ])
+        .unwrap();
         assert!(matches!(
             cli.command,
             Some(Command::Tool(hicache_cli::Tool::StorageCheck(_)))

@@ -21,8 +21,22 @@ fn run(args: &[&str]) -> (i32, String, String) {
 fn the_old_tool_subcommands_still_work() {
     let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let dir = d.path().display().to_string();
-    let common = ["--backend", "file", "--dir", &dir, "--page-bytes", "4096", "--seed", "3"];
-    let (code, out, err) = run(&[&["storage-write"][..], &common, &["--batch", "4", "--pages", "8"]].concat());
+    let common = [
+        "--backend",
+        "file",
+        "--dir",
+        &dir,
+        "--page-bytes",
+        "4096",
+        "--seed",
+        "3",
+    ];
+    let (code, out, err) = run(&[
+        &["storage-write"][..],
+        &common,
+        &["--batch", "4", "--pages", "8"],
+    ]
+    .concat());
     assert_eq!(code, 0, "{err}");
     assert_eq!(out.lines().collect::<Vec<_>>(), ["acked 3", "acked 7"]);
     let (code, out, err) = run(&[&["storage-check"][..], &common, &["--upto", "7"]].concat());
@@ -44,7 +58,11 @@ fn the_old_tool_subcommands_still_work() {
     hash.stdin.take().unwrap().write_all(b"1 2 3 4 5").unwrap();
     let out = hash.wait_with_output().unwrap();
     assert!(out.status.success());
-    let digests: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(String::from).collect();
+    let digests: Vec<String> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
     assert_eq!(digests.len(), 2, "two whole pages of 2 tokens: {digests:?}");
     assert!(digests.iter().all(|d| d.len() == 64), "{digests:?}");
 }
@@ -56,11 +74,27 @@ fn the_old_tool_subcommands_still_work() {
 fn bad_storage_bench_input_is_a_clear_usage_error() {
     let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let dir = d.path().display().to_string();
-    let (code, _, err) = run(&["storage", "--backend", "file", "--dir", &dir, "--total", "0"]);
+    let (code, _, err) = run(&[
+        "storage",
+        "--backend",
+        "file",
+        "--dir",
+        &dir,
+        "--total",
+        "0",
+    ]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--total"), "{err}");
     let huge = usize::MAX.to_string();
-    let (code, _, err) = run(&["storage", "--backend", "file", "--dir", &dir, "--page-bytes", &huge]);
+    let (code, _, err) = run(&[
+        "storage",
+        "--backend",
+        "file",
+        "--dir",
+        &dir,
+        "--page-bytes",
+        &huge,
+    ]);
     assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("--page-bytes") && err.contains("too large"),

@@ -9,11 +9,11 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use common::{ExactPrefix, ExactPrefixConfig};
-use hicache_bench::cmd::multiturn::{self, MultiturnArgs};
-use hicache_sim::setup::{CacheSetup, HostSize};
-use hicache_sim::CacheUnderTest;
 use hicache_bench::BenchError;
+use hicache_bench::cmd::multiturn::{self, MultiturnArgs};
+use hicache_sim::CacheUnderTest;
 use hicache_sim::Result;
+use hicache_sim::setup::{CacheSetup, HostSize};
 
 fn build(setup: &CacheSetup) -> Result<Box<dyn CacheUnderTest>> {
     let host_pages = match (setup.tiers.host, setup.host_size) {
@@ -353,7 +353,8 @@ fn the_defaults_plan_within_the_default_device() {
     assert_eq!(p.workload.requests, 80);
     assert_eq!(p.engine.page_bytes, 8 << 20);
     assert!(p.title().contains("16 clients × 5 rounds"), "{}", p.title());
-    let p = hicache_sim::plan::plan(&MultiturnArgs::try_parse(&["--device-gb", "2"]).unwrap()).unwrap();
+    let p =
+        hicache_sim::plan::plan(&MultiturnArgs::try_parse(&["--device-gb", "2"]).unwrap()).unwrap();
     assert_eq!(p.setup.device_pages, 238, "2e9 / 8 MiB");
 }
 

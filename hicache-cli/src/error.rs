@@ -42,7 +42,9 @@ impl CliError {
         match self {
             CliError::Usage(_) | CliError::Io { .. } | CliError::Core(_) => 2,
             CliError::CheckFailed(_) | CliError::Registry(_) => 1,
-            CliError::Storage(S::Config { .. } | S::ConfigSyntax { .. } | S::UnknownBackend { .. }) => 2,
+            CliError::Storage(
+                S::Config { .. } | S::ConfigSyntax { .. } | S::UnknownBackend { .. },
+            ) => 2,
             CliError::Storage(_) => 1,
         }
     }

@@ -26,14 +26,14 @@ use hicache::{
 };
 use hicache_gpu::IoBackend;
 
-use crate::copy_gate::{Clock, ClockRank, L3Clock, gated_registry};
-use crate::error::{Result, SimError};
-use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize, TieringMode};
 use crate::cache::{
     Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
     RequestId, TransferStats,
 };
+use crate::copy_gate::{Clock, ClockRank, L3Clock, gated_registry};
+use crate::error::{Result, SimError};
 use crate::links::Links;
+use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize, TieringMode};
 
 /// Longest wall time `advance` waits for launched work to finish before it gives up.
 const QUIET_LIMIT: Duration = Duration::from_secs(300);

@@ -53,8 +53,8 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::error::{Result, SimError};
 use crate::cache::{Admission, CacheError, CacheStats, CacheUnderTest, PrefetchStatus};
+use crate::error::{Result, SimError};
 use crate::links::{CopyTime, Links};
 use crate::model::ComputeModel;
 use crate::workload::{Sent, Workload};

@@ -22,7 +22,9 @@ use crate::engine::{self, EngineConfig, RunResult};
 use crate::error::{Result, SimError};
 use crate::links::CopyTime;
 use crate::model::{ComputeModel, ModelShape};
-use crate::setup::{CacheSetup, DeviceKind, HostSize, ObserveSetup, StorageSetup, TieringMode, Tiers};
+use crate::setup::{
+    CacheSetup, DeviceKind, HostSize, ObserveSetup, StorageSetup, TieringMode, Tiers,
+};
 use crate::trace::{self, Conversation, LongContext, MultiTurn};
 use crate::workload::{Arrivals, Distribution, ReadyPolicy, Workload};
 
@@ -550,7 +552,12 @@ fn page_size_of(args: &MultiturnArgs, longest: usize) -> Result<usize> {
 
 /// L1 pages from `--device-pages` or `--device-gb` (default 128), enough for the longest
 /// request.
-fn device_pages_of(args: &MultiturnArgs, page_bytes: u64, ps: usize, longest: usize) -> Result<usize> {
+fn device_pages_of(
+    args: &MultiturnArgs,
+    page_bytes: u64,
+    ps: usize,
+    longest: usize,
+) -> Result<usize> {
     let device_pages = match (args.device_pages, args.device_gb) {
         (Some(p), _) => p,
         (None, Some(gb)) => (positive("--device-gb", gb)? * 1e9 / page_bytes as f64) as usize,

@@ -8,8 +8,8 @@ use hicache_core::{KvShape, LayoutKind, PrefetchPolicy, StrategyKind, WritePolic
 use hicache_gpu::IoBackend;
 use serde::{Serialize, Serializer};
 
-use crate::error::Result;
 use crate::cache::CacheUnderTest;
+use crate::error::Result;
 
 /// Which device holds L1.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -157,8 +157,9 @@ pub struct ObserveSetup {
     pub kv_events: Option<String>,
 }
 
-/// Builds the cache under test for one run.
-pub trait CacheFactory {
+/// Builds the cache under test for one run (`Sync`: runs that do not measure the machine, such
+/// as the copies-free counterfactuals, may build their caches on threads side by side).
+pub trait CacheFactory: Sync {
     /// A fresh, empty cache configured by `setup`. Configuration errors should be
     /// [`SimError::Usage`](crate::SimError::Usage) (exit code 2).
     fn build(&self, setup: &CacheSetup) -> Result<Box<dyn CacheUnderTest>>;
@@ -166,7 +167,7 @@ pub trait CacheFactory {
 
 impl<F> CacheFactory for F
 where
-    F: Fn(&CacheSetup) -> Result<Box<dyn CacheUnderTest>>,
+    F: Fn(&CacheSetup) -> Result<Box<dyn CacheUnderTest>> + Sync,
 {
     fn build(&self, setup: &CacheSetup) -> Result<Box<dyn CacheUnderTest>> {
         self(setup)

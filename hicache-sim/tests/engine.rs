@@ -8,12 +8,12 @@ use std::time::Duration;
 
 use common::{ExactPrefix, ExactPrefixConfig};
 use hicache_sim::engine::{self, EngineConfig, RunResult, StepKind};
+use hicache_sim::trace::{Conversation, LongContext, MultiTurn};
+use hicache_sim::workload::{Arrivals, Workload};
 use hicache_sim::{
     Admission, CacheResult, CacheStats, CacheUnderTest, ComputeModel, DeviceSlot, ModelShape,
     NoCache, PrefetchStatus, RequestId,
 };
-use hicache_sim::trace::{Conversation, LongContext, MultiTurn};
-use hicache_sim::workload::{Arrivals, Workload};
 
 const PS: usize = 16;
 const PAGE_BYTES: u64 = 16 * 131_072;

@@ -205,7 +205,9 @@ pub fn run(args: &LoadbackArgs, mut out: impl Write) -> Result<()> {
         forward_ms.push(ms);
     }
     // Reference: one bulk copy of the same bytes from the pinned host pool, same run.
-    let bulk = (0..args.iters).map(|_| lb.bulk()).collect::<Result<Vec<_>>>()?;
+    let bulk = (0..args.iters)
+        .map(|_| lb.bulk())
+        .collect::<Result<Vec<_>>>()?;
     lb.cache.shutdown().map_err(fail)?;
     let (load, reference, fwd) = (median(load_gbps), median(bulk), median(forward_ms));
     let layers = lb.shape.layers as usize;

@@ -20,7 +20,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::Value;
 
 use crate::error::{BenchError, Result};
-use crate::report::{self, Report, Summary};
+use crate::report::{self, Hits, Percentiles, Report, Summary};
 
 pub use hicache_sim::plan::{MultiturnArgs, TiersArg};
 
@@ -51,16 +51,89 @@ fn run_count(plan: &Plan, counterfactual: bool) -> u64 {
     (1 + plan.configurations.len() + free_runs) as u64
 }
 
-/// Runs the workload once through `cache`, advancing `bar`.
+/// Runs the workload once through `cache`, advancing `bar` by the requests it finishes.
 fn run_through(
     plan: &Plan,
     cache: &mut dyn hicache_sim::CacheUnderTest,
     bar: &ProgressBar,
     engine_cfg: &EngineConfig,
 ) -> Result<RunResult> {
-    let start = bar.position();
-    let mut progress = |done: usize| bar.set_position(start + done as u64);
+    let mut reported = 0;
+    let mut progress = |done: usize| {
+        bar.inc(done.saturating_sub(reported) as u64);
+        reported = reported.max(done);
+    };
     Ok(plan.run_with(cache, &mut progress, engine_cfg)?)
+}
+
+/// Hits and TTFT of a configuration with copies free.
+type FreeCopy = (Hits, Percentiles);
+
+/// The copies-free counterfactual of `tiers` on a fresh cache (and scratch L3).
+fn run_free(
+    plan: &Plan,
+    tiers: Tiers,
+    factory: &dyn CacheFactory,
+    bar: &ProgressBar,
+) -> Result<FreeCopy> {
+    let mut setup = plan.setup.clone();
+    setup.tiers = tiers;
+    let free_cfg = EngineConfig {
+        copy_time: CopyTime::Free,
+        ..plan.engine.clone()
+    };
+    let (_scratch, setup) = scratch_l3(&setup)?;
+    let mut cache = factory.build(&setup)?;
+    let r = run_through(plan, cache.as_mut(), bar, &free_cfg)?;
+    let s = Summary::new(tiers.label(), &r);
+    Ok((s.hits, s.ttft))
+}
+
+/// The copies-free counterfactuals of every configuration that has one (with `counterfactual`),
+/// in the order of the configurations. With copies free the simulation never waits on this
+/// machine (every copy counts as complete at once) and these runs report no bytes per second,
+/// so their hits and TTFT are the same whatever runs beside them: they run on threads side by
+/// side, before the measured runs, which then run alone. Not when the cache publishes metrics
+/// or KV events (two caches would bind the same endpoint).
+fn run_counterfactuals(
+    plan: &Plan,
+    factory: &dyn CacheFactory,
+    bar: &ProgressBar,
+    counterfactual: bool,
+) -> Result<Vec<Option<FreeCopy>>> {
+    let wanted: Vec<bool> = plan
+        .configurations
+        .iter()
+        .map(|t| counterfactual && counterfactual_for(t))
+        .collect();
+    let observe = &plan.setup.observe;
+    if observe.metrics_addr.is_some() || observe.kv_events.is_some() {
+        return plan
+            .configurations
+            .iter()
+            .zip(&wanted)
+            .map(|(&t, &w)| w.then(|| run_free(plan, t, factory, bar)).transpose())
+            .collect();
+    }
+    bar.set_message("copies free");
+    std::thread::scope(|scope| {
+        let runs: Vec<_> = plan
+            .configurations
+            .iter()
+            .zip(&wanted)
+            .map(|(&t, &w)| w.then(|| scope.spawn(move || run_free(plan, t, factory, bar))))
+            .collect();
+        runs.into_iter()
+            .map(|h| {
+                h.map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(BenchError::check_failed("a copies-free run panicked"))
+                    })
+                })
+                .transpose()
+            })
+            .collect()
+    })
 }
 
 /// The baseline: the same engine without prefix caching.
@@ -75,30 +148,18 @@ fn run_baseline(plan: &Plan, bar: &ProgressBar) -> Result<Summary> {
     Ok(Summary::new("no cache", &result))
 }
 
-/// One configuration on a fresh cache from `factory` (and a fresh scratch L3); with
-/// `counterfactual` first the same with copies free, whose hits and TTFT the summary carries.
+/// One configuration on a fresh cache from `factory` (and a fresh scratch L3), alone; the
+/// summary carries the hits and TTFT of its copies-free counterfactual, if it has one.
 fn run_configuration(
     plan: &Plan,
     tiers: Tiers,
     factory: &dyn CacheFactory,
     bar: &ProgressBar,
-    counterfactual: bool,
+    free_hits: Option<FreeCopy>,
 ) -> Result<Summary> {
     bar.set_message(tiers.label());
     let mut setup = plan.setup.clone();
     setup.tiers = tiers;
-    let mut free_hits = None;
-    if counterfactual && counterfactual_for(&tiers) {
-        let free_cfg = EngineConfig {
-            copy_time: CopyTime::Free,
-            ..plan.engine.clone()
-        };
-        let (_scratch, setup) = scratch_l3(&setup)?;
-        let mut cache = factory.build(&setup)?;
-        let r = run_through(plan, cache.as_mut(), bar, &free_cfg)?;
-        let s = Summary::new(tiers.label(), &r);
-        free_hits = Some((s.hits, s.ttft));
-    }
     let (scratch, setup) = scratch_l3(&setup)?;
     let result = {
         let mut cache = factory.build(&setup)?;
@@ -137,7 +198,12 @@ fn report_of(plan: &Plan, baseline: Summary, runs: Vec<Summary>) -> Result<Repor
 
 /// Prints the table and where the report went (or the JSON records with `json`), then any L3
 /// error warning (on stderr with `json`, stdout being records only).
-fn print_report(report: &Report, paths: &[std::path::PathBuf], json: bool, out: &mut dyn Write) -> Result<()> {
+fn print_report(
+    report: &Report,
+    paths: &[std::path::PathBuf],
+    json: bool,
+    out: &mut dyn Write,
+) -> Result<()> {
     let mut w = |s: &str| writeln!(out, "{s}").map_err(BenchError::io("<stdout>"));
     if json {
         for r in report.records() {
@@ -178,10 +244,12 @@ pub fn run(
         hidden,
     );
     let baseline = run_baseline(&plan, &bar)?;
+    let free = run_counterfactuals(&plan, factory, &bar, counterfactual)?;
     let runs = plan
         .configurations
         .iter()
-        .map(|&tiers| run_configuration(&plan, tiers, factory, &bar, counterfactual))
+        .zip(free)
+        .map(|(&tiers, free)| run_configuration(&plan, tiers, factory, &bar, free))
         .collect::<Result<Vec<_>>>()?;
     bar.finish_and_clear();
     let report = report_of(&plan, baseline, runs)?;

@@ -101,7 +101,6 @@ struct Bench {
     keys: Vec<PageKey>,
     src: Vec<Vec<u8>>,
     dst: Vec<Vec<u8>>,
-    page_bytes: usize,
     next_key: u64,
 }
 
@@ -260,7 +259,6 @@ impl Bench {
             dst: vec![vec![0u8; args.page_bytes]; args.pages],
             keys,
             src,
-            page_bytes: args.page_bytes,
             next_key: 1 << 40,
         }
     }
@@ -288,7 +286,10 @@ impl Bench {
         results.push(("get", self.measure("get", batches, rounds).await?));
         // `exists` looks up the resident batch, so it runs before `set` fills the stores
         // with fresh keys (evicting it).
-        results.push(("exists", self.measure("exists", batches * 50, rounds).await?));
+        results.push((
+            "exists",
+            self.measure("exists", batches * 50, rounds).await?,
+        ));
         // Fill both stores so that every timed set evicts.
         for _ in 0..4 {
             self.set(0).await?;
@@ -300,7 +301,12 @@ impl Bench {
 }
 
 /// One case's record and its two table columns (native, plugin).
-fn case_record(args: &PluginArgs, case: &str, s: &mut Samples, plugin_name: &str) -> (Record, (String, String)) {
+fn case_record(
+    args: &PluginArgs,
+    case: &str,
+    s: &mut Samples,
+    plugin_name: &str,
+) -> (Record, (String, String)) {
     let native = median(&mut s.native);
     let plugin = median(&mut s.plugin);
     let (rec, cols) = if case == "exists" {

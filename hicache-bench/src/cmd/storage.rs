@@ -31,11 +31,11 @@ use hicache_storage::{
 };
 use serde_json::Value;
 
-use hicache_cli::backend::{BackendArgs, LAYOUT, aligned_region, runtime, seed_key};
 use crate::cmd::storage_raw::{Raw, RawEngine, engine_name};
 use crate::cmd::{redis_benchmark, tcp_loopback};
 use crate::error::{BenchError, Result};
 use crate::record::Record;
+use hicache_cli::backend::{BackendArgs, LAYOUT, aligned_region, runtime, seed_key};
 
 /// Arguments of `storage`.
 #[derive(Debug, Args)]
@@ -318,8 +318,7 @@ fn spawn_redis_cluster(
     }
     if !redis_available("storage --backend redis") {
         return Err(BenchError::usage(
-            "--backend redis without \"nodes\" starts a local cluster and needs redis-server"
-                ,
+            "--backend redis without \"nodes\" starts a local cluster and needs redis-server",
         ));
     }
     Ok(Some(RedisCluster::start(3, 0, &[])))
@@ -561,7 +560,10 @@ impl<'a> SizeRun<'a> {
     fn raws<'p>(&self, path: &'p std::path::Path) -> Vec<Raw<'p>> {
         let mut raws: Vec<Raw<'p>> = Vec::new();
         for (engine, depth) in [
-            (self.args.raw_engine, self.args.raw_depth.min(self.batch_pages)),
+            (
+                self.args.raw_engine,
+                self.args.raw_depth.min(self.batch_pages),
+            ),
             (RawEngine::Uring, self.batch_pages),
         ] {
             let r = Raw {
@@ -612,8 +614,12 @@ impl<'a> SizeRun<'a> {
         // backend's write path (the raw reference creates no inodes). A run started within
         // a minute of another one's cleanup still meets it: leave a minute between runs.
         let base = self.target.base.as_ref();
-        let store_dir =
-            base.map(|b| b.join(format!("bench-store-{}-{round}", size_label(self.page_bytes))));
+        let store_dir = base.map(|b| {
+            b.join(format!(
+                "bench-store-{}-{round}",
+                size_label(self.page_bytes)
+            ))
+        });
         if let Some(d) = &store_dir {
             let _ = std::fs::remove_dir_all(d);
             stores.0.push(d.clone());
@@ -622,7 +628,10 @@ impl<'a> SizeRun<'a> {
         }
         let raw_path = base.map(|b| b.join("bench-raw.bin"));
         let overrides = self.overrides(store_dir.as_ref());
-        let raws = raw_path.as_deref().map(|p| self.raws(p)).unwrap_or_default();
+        let raws = raw_path
+            .as_deref()
+            .map(|p| self.raws(p))
+            .unwrap_or_default();
         self.candidates = if raws.is_empty() {
             let name = self.target.reference.name();
             vec![(name.to_string(), name, 0)]
@@ -725,9 +734,15 @@ impl<'a> SizeRun<'a> {
         };
         let figure = |phase: &str, f: fn(&Round) -> f64| {
             let value = gbps(self.bytes, best(f));
-            common(Record::new("storage", format!("{b}/{phase}/{label}"), value, "GB/s"))
+            common(Record::new(
+                "storage",
+                format!("{b}/{phase}/{label}"),
+                value,
+                "GB/s",
+            ))
         };
-        let mut write = self.with_references(figure("write", |r| r.write), rounds, |r| &r.write_refs);
+        let mut write =
+            self.with_references(figure("write", |r| r.write), rounds, |r| &r.write_refs);
         let mut read = self.with_references(figure("read", |r| r.read), rounds, |r| &r.read_refs);
         if file_like {
             write = write.with(

@@ -390,11 +390,20 @@ impl EngineCases<'_> {
             self.io_name
         );
         if self.verify_on {
-            verify(engine, dir, self.dev, self.host, args.seed ^ n as u64, &case)?;
+            verify(
+                engine,
+                dir,
+                self.dev,
+                self.host,
+                args.seed ^ n as u64,
+                &case,
+            )?;
         }
         let t = median_secs(args.iters, || {
             match dir {
-                Direction::ToHost => engine.backup(self.dev, self.host, &[]).and_then(|c| c.wait()),
+                Direction::ToHost => engine
+                    .backup(self.dev, self.host, &[])
+                    .and_then(|c| c.wait()),
                 Direction::ToDevice => engine.load(self.host, self.dev, &[]).and_then(|h| h.wait()),
             }
             .map_err(gpu_err)
@@ -443,9 +452,7 @@ impl EngineCases<'_> {
 /// Runs the bench, writing records (or a table) to `out`.
 pub fn run(args: &TransferArgs, mut out: impl Write) -> Result<()> {
     if args.pages.is_empty() || args.pages.contains(&0) {
-        return Err(BenchError::usage(
-            "--pages needs positive page counts",
-        ));
+        return Err(BenchError::usage("--pages needs positive page counts"));
     }
     let device = match args.device {
         DeviceArg::Cuda => Device::cuda(0).map_err(gpu_err)?,
@@ -464,7 +471,9 @@ pub fn run(args: &TransferArgs, mut out: impl Write) -> Result<()> {
         // Pools a quarter larger than the transfer, so scattered pages leave gaps.
         let pool_pages = n + n / 4 + 1;
         let device_pool = Arc::new(DevicePool::new(&device, shape, pool_pages).map_err(gpu_err)?);
-        let scratch = device.alloc_zeroed(n * shape.page_bytes()).map_err(gpu_err)?;
+        let scratch = device
+            .alloc_zeroed(n * shape.page_bytes())
+            .map_err(gpu_err)?;
         let mut dev: Vec<u32> = (0..pool_pages as u32).collect();
         dev.shuffle(&mut rng);
         let dev: Vec<DeviceSlot> = dev[..n].iter().map(|&p| DeviceSlot(p)).collect();

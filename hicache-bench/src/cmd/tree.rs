@@ -418,9 +418,9 @@ pub struct BigTreeResult {
 pub fn big_tree(pages: usize, ps: u32, key_tokens: usize, seed: u64) -> Result<BigTreeResult> {
     let key_pages = (key_tokens / ps as usize).max(1);
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let built = BigTree::build(pages, ps, key_pages, &mut rng)?;
+    let mut built = BigTree::build(pages, ps, key_pages, &mut rng)?;
     let lookups = Lookups::draw(&built, &mut rng);
-    let mut lat = lookups.time_matches(&built.tree, key_pages)?;
+    let mut lat = lookups.time_matches(&mut built.tree, key_pages)?;
     let memcmp_us = lookups.time_reference(&mut rng)?;
     // Depth after the timed lookups, so that these walks warm nothing that was measured.
     let mut depth = 0usize;
@@ -540,7 +540,7 @@ impl Lookups {
     }
 
     /// The latency of each `match_prefix`, in µs; every full key must match whole.
-    fn time_matches(&self, tree: &HiRadixTree, key_pages: usize) -> Result<Vec<f64>> {
+    fn time_matches(&self, tree: &mut HiRadixTree, key_pages: usize) -> Result<Vec<f64>> {
         let mut lat = Vec::with_capacity(self.queries.len());
         for q in &self.queries {
             let t0 = Instant::now();
@@ -601,7 +601,7 @@ fn path_into(tree: &HiRadixTree, node: NodeId, out: &mut Vec<u32>) -> Result<usi
 
 fn load_trace(args: &TreeArgs) -> Result<Vec<Request>> {
     match &args.trace {
-        Some(p) => trace::read_file(p),
+        Some(p) => Ok(trace::read_file(p)?),
         None => Ok(MultiTurn {
             clients: args.clients,
             rounds: args.rounds,
@@ -664,9 +664,19 @@ fn trace_of(args: &TreeArgs) -> Result<Vec<Request>> {
 }
 
 /// The table's header: the trace, the reference, the column names.
-fn header(args: &TreeArgs, kind: StrategyKind, requests: usize, unique: usize, reference: f64) -> String {
+fn header(
+    args: &TreeArgs,
+    kind: StrategyKind,
+    requests: usize,
+    unique: usize,
+    reference: f64,
+) -> String {
     let ps = args.page_size;
-    let hashing = if args.hashing { ", page hashing on" } else { "" };
+    let hashing = if args.hashing {
+        ", page hashing on"
+    } else {
+        ""
+    };
     let columns = format!(
         "{:>10} {:>12} {:>12} {:>7} {:>9} {:>9} {:>9} {:>11} {:>6} {:>8} {:>10} {:>9}",
         "capacity",
@@ -705,7 +715,8 @@ impl CapacityCase<'_> {
     }
 
     fn cap_name(&self) -> String {
-        self.pages.map_or("unlimited".to_string(), |p| p.to_string())
+        self.pages
+            .map_or("unlimited".to_string(), |p| p.to_string())
     }
 
     fn meta_per_page(&self) -> f64 {
@@ -717,7 +728,12 @@ impl CapacityCase<'_> {
         let (r, t) = (&self.r, &self.r.totals);
         Record::new(
             "tree",
-            format!("replay/page{}/{}/{}", self.args.page_size, self.kind, self.cap_name()),
+            format!(
+                "replay/page{}/{}/{}",
+                self.args.page_size,
+                self.kind,
+                self.cap_name()
+            ),
             r.req_per_s,
             "req/s",
         )

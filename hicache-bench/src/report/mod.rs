@@ -110,7 +110,9 @@ fn timing_rows() -> Vec<Row> {
         row("TTFT p99 (ms)", move |s| ms(s.ttft.p99)),
         row("TTFT mean (ms)", move |s| ms(s.ttft.mean)),
         row("load stall (ms)", move |s| ms(s.load_stall_seconds)),
-        row("throughput (req/s)", |s| format!("{:.2}", s.request_throughput)),
+        row("throughput (req/s)", |s| {
+            format!("{:.2}", s.request_throughput)
+        }),
         row("input (tok/s)", |s| format!("{:.0}", s.input_throughput)),
         row("evicted pages L1/L2", |s| {
             format!("{}/{}", s.cache.evicted_pages_l1, s.cache.evicted_pages_l2)
@@ -185,7 +187,13 @@ impl Report {
             out.push('\n');
         };
         row("", cols.iter().map(|s| s.label.clone()).collect());
-        let rows = [hit_rows(), transfer_rows(), timing_rows(), copy_cost_rows(), health_rows()];
+        let rows = [
+            hit_rows(),
+            transfer_rows(),
+            timing_rows(),
+            copy_cost_rows(),
+            health_rows(),
+        ];
         for (name, cell) in rows.into_iter().flatten() {
             row(&name, cols.iter().map(|s| cell(s)).collect());
         }

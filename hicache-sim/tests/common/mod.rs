@@ -157,11 +157,7 @@ impl ExactPrefix {
         true
     }
 
-    fn count(
-        &mut self,
-        dir: fn(&mut CacheStats) -> &mut hicache_sim::TransferStats,
-        n: usize,
-    ) {
+    fn count(&mut self, dir: fn(&mut CacheStats) -> &mut hicache_sim::TransferStats, n: usize) {
         if n > 0 {
             let b = self.cfg.page_bytes;
             let t = dir(&mut self.stats);
