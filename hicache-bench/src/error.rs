@@ -1,36 +1,25 @@
 //! The error type of the bench binary and how it maps to exit codes.
+//!
+//! A bench fails the way an operator tool does (bad input, a failed check, an I/O error, a
+//! backend error: [`CliError`]) or the way the simulated engine does ([`SimError`]); each
+//! keeps its own exit code.
 
 use std::path::PathBuf;
 
+use hicache_cli::CliError;
+use hicache_sim::SimError;
 use thiserror::Error;
 
 /// Why a bench command failed.
 #[derive(Debug, Error)]
 pub enum BenchError {
-    /// Bad input from the user: flags, parameters, input files. Exit code 2.
-    #[error("{0}")]
-    Usage(String),
-    /// An I/O error on a named path. Exit code 2 when the path was given by the user.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file or directory.
-        path: PathBuf,
-        /// The underlying error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A check that found missing or wrong data (e.g. `storage-check`). Exit code 1.
-    #[error("check failed: {0}")]
-    CheckFailed(String),
-    /// A failure of the cache under test in the simulated engine. Exit code 1.
-    #[error("cache: {0}")]
-    Cache(String),
-    /// An error from hicache-core.
+    /// Bad input, a failed check, an I/O or a backend error, as the operator tools report
+    /// them (and an error of a tool run through its `hicache-bench` alias).
     #[error(transparent)]
-    Core(#[from] hicache_core::CoreError),
-    /// An error from a storage backend or its configuration.
+    Tool(#[from] CliError),
+    /// An error of the simulated engine (planning or running the main job).
     #[error(transparent)]
-    Storage(#[from] hicache_storage::StorageError),
+    Sim(#[from] SimError),
 }
 
 impl BenchError {
@@ -38,21 +27,37 @@ impl BenchError {
     /// run-time failures.
     pub fn exit_code(&self) -> u8 {
         match self {
-            BenchError::Usage(_) | BenchError::Io { .. } | BenchError::Core(_) => 2,
-            BenchError::CheckFailed(_) | BenchError::Cache(_) => 1,
-            BenchError::Storage(e) => match e {
-                hicache_storage::StorageError::Config { .. }
-                | hicache_storage::StorageError::ConfigSyntax { .. }
-                | hicache_storage::StorageError::UnknownBackend { .. } => 2,
-                _ => 1,
-            },
+            BenchError::Tool(e) => e.exit_code(),
+            BenchError::Sim(e) => e.exit_code(),
         }
+    }
+
+    /// Bad input from the user: flags, parameters, input files (exit code 2).
+    pub fn usage(msg: impl Into<String>) -> Self {
+        CliError::Usage(msg.into()).into()
+    }
+
+    /// A check that found missing or wrong data, or a run-time failure (exit code 1).
+    pub fn check_failed(msg: impl Into<String>) -> Self {
+        CliError::CheckFailed(msg.into()).into()
     }
 
     /// Wraps an I/O error with the path it concerns.
     pub fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
-        let path = path.into();
-        move |source| BenchError::Io { path, source }
+        let io = CliError::io(path);
+        move |source| io(source).into()
+    }
+}
+
+impl From<hicache_storage::StorageError> for BenchError {
+    fn from(e: hicache_storage::StorageError) -> Self {
+        CliError::Storage(e).into()
+    }
+}
+
+impl From<hicache_core::CoreError> for BenchError {
+    fn from(e: hicache_core::CoreError) -> Self {
+        CliError::Core(e).into()
     }
 }
 

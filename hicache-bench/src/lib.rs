@@ -1,19 +1,16 @@
 //! # hicache-bench
 //!
 //! The main job of hicache-rs and its component benches, as a library so the binary stays thin
-//! and the workload generators and reports can be tested. Every bench prints a human table by
-//! default and, with `--json`, one [`record::Record`] per measured case (DESIGN.md §7).
+//! and the reports can be tested. The main job runs on the simulated serving engine of the
+//! `hicache-sim` crate; the operator tools (`storage-write`, `storage-check`, `storage-clear`,
+//! `hash`) are the `hicache-cli` crate's, kept here as subcommand aliases. Every bench prints a
+//! human table by default and, with `--json`, one [`record::Record`] per measured case, with
+//! its same-run reference.
 #![warn(missing_docs)]
 
 pub mod cmd;
-pub mod copy_gate;
 pub mod error;
-pub mod hicache_adapter;
 pub mod record;
 pub mod report;
-pub mod setup;
-pub mod sim;
-pub mod trace;
-pub mod workload;
 
 pub use error::{BenchError, Result};

@@ -44,8 +44,6 @@ enum Command {
     Loadback(cmd::loadback::LoadbackArgs),
     /// The main job: a multi-turn serving simulation through the whole stack, per tier.
     Multiturn(Box<cmd::multiturn::MultiturnArgs>),
-    /// Print the page hashes of token ids read from standard input, one hex digest per page.
-    Hash(cmd::hash::HashArgs),
     /// L1<->L2 page transfers (backup, per-layer load) against bulk pinned copies.
     Transfer(cmd::transfer::TransferArgs),
     /// The plugin ABI's cost: the memory backend natively vs through the example plugin.
@@ -54,27 +52,22 @@ enum Command {
     Tree(cmd::tree::TreeArgs),
     /// Storage backend throughput next to raw O_DIRECT I/O of the same bytes (or memcpy).
     Storage(cmd::storage::StorageArgs),
-    /// Write deterministic pages, printing `acked <i>` after each acknowledged batch.
-    StorageWrite(cmd::storage_write::StorageWriteArgs),
-    /// Reopen a storage and check that acknowledged pages are present and bit-exact.
-    StorageCheck(cmd::storage_check::StorageCheckArgs),
-    /// Remove every page of one namespace from a storage, printing how many were removed.
-    StorageClear(cmd::storage_clear::StorageClearArgs),
+    /// The operator tools of `hicache` (hash, storage-write, storage-check, storage-clear),
+    /// kept here as aliases: the same code and flags.
+    #[command(flatten)]
+    Tool(hicache_cli::Tool),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Some(Command::Hash(args)) => {
-            cmd::hash::run(&args, std::io::stdin().lock(), std::io::stdout().lock())
-        }
         Some(Command::Controller(args)) => cmd::controller::run(&args, std::io::stdout().lock()),
         Some(Command::Plugin(args)) => cmd::plugin::run(&args, std::io::stdout().lock()),
         Some(Command::Loadback(args)) => cmd::loadback::run(&args, std::io::stdout().lock()),
         Some(Command::Multiturn(args)) => cmd::multiturn::run(
             &args,
             std::io::stdout().lock(),
-            &hicache_bench::hicache_adapter::HiCacheFactory,
+            &hicache_sim::adapter::HiCacheFactory,
         )
         .map(drop),
         Some(Command::Tree(args)) => cmd::tree::run(&args, std::io::stdout().lock()),
@@ -82,21 +75,13 @@ fn main() -> ExitCode {
         Some(Command::Storage(args)) => {
             cmd::storage::run(&args, std::io::stdout().lock()).map(drop)
         }
-        Some(Command::StorageWrite(args)) => {
-            cmd::storage_write::run(&args, std::io::stdout().lock())
-        }
-        Some(Command::StorageCheck(args)) => {
-            cmd::storage_check::run(&args, std::io::stdout().lock()).map(drop)
-        }
-        Some(Command::StorageClear(args)) => {
-            cmd::storage_clear::run(&args, std::io::stdout().lock()).map(drop)
-        }
+        Some(Command::Tool(tool)) => tool.run().map_err(Into::into),
         // The main job: the multi-turn workload on the embedded default (sim device, host
         // pool, file L3 in a temp dir), every tier side by side.
         None => cmd::multiturn::run(
             &Cli::main_job_args(cli.main_job),
             std::io::stdout().lock(),
-            &hicache_bench::hicache_adapter::HiCacheFactory,
+            &hicache_sim::adapter::HiCacheFactory,
         )
         .map(drop),
     };
@@ -149,5 +134,27 @@ mod tests {
         assert!(matches!(cli.command, Some(Command::Multiturn(ref a)) if a.clients == 2));
         assert!(parse(&["--clients", "2", "tree"]).is_err());
         assert!(parse(&["--no-such-flag"]).is_err());
+        let cli = parse(&[
+            "storage-check",
+            "--page-bytes",
+            "4096",
+            "--seed",
+            "1",
+            "--upto",
+            "3",
+        ])
+        .unwrap();
+        assert!(matches!(
+            cli.command,
+            Some(Command::Tool(hicache_cli::Tool::StorageCheck(_)))
+        ));
+        for tool in [
+            &["hash"][..],
+            &["storage-write", "--page-bytes", "4096", "--seed", "1"],
+            &["storage-clear", "--dir", "/tmp/d"],
+        ] {
+            let cli = parse(tool).unwrap();
+            assert!(matches!(cli.command, Some(Command::Tool(_))), "{tool:?}");
+        }
     }
 }

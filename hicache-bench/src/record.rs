@@ -1,5 +1,7 @@
-//! The bench output convention of DESIGN.md §7: one JSON object per measured case, with the
-//! physical-limit reference measured in the same run and the ratio to it.
+//! The bench output convention: every bench prints one JSON object per measured case (with
+//! `--json`), carrying the physical-limit reference measured in the same run (raw I/O of the
+//! same bytes, a bulk copy, the no-cache engine) and the ratio to it, so a figure is never read
+//! without the limit it is measured against.
 
 use serde::Serialize;
 

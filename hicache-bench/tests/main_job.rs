@@ -3,7 +3,7 @@
 //! the cache's counts equal the engine's) and every tier adds hits.
 
 use hicache_bench::cmd::multiturn::{self, MultiturnArgs};
-use hicache_bench::hicache_adapter::HiCacheFactory;
+use hicache_sim::adapter::HiCacheFactory;
 
 fn tiny(extra: &[&str], dir: &std::path::Path) -> MultiturnArgs {
     let d = dir.display().to_string();
@@ -101,8 +101,8 @@ fn observe_flags_reach_the_cache_config_and_bad_ones_are_usage_errors() {
         &["--metrics-addr", "127.0.0.1:0", "--kv-events", kv],
         dir.path(),
     );
-    let plan = multiturn::plan(&args).unwrap();
-    let cfg = hicache_bench::hicache_adapter::config_for(&plan.setup).unwrap();
+    let plan = hicache_sim::plan::plan(&args).unwrap();
+    let cfg = hicache_sim::adapter::config_for(&plan.setup).unwrap();
     assert_eq!(cfg.metrics_addr.as_deref(), Some("127.0.0.1:0"));
     assert_eq!(cfg.kv_events_config.as_deref(), Some(kv));
     // A run with both endpoints serves them while it runs and completes.

@@ -2,16 +2,18 @@
 //! DOUBLE (tests/common): report consistency, the report directory, JSON output,
 //! determinism, and bad input (exit code 2, no panic).
 
+#[path = "../../hicache-sim/tests/common/mod.rs"]
 mod common;
 
 use std::path::Path;
 use std::sync::Mutex;
 
 use common::{ExactPrefix, ExactPrefixConfig};
+use hicache_bench::BenchError;
 use hicache_bench::cmd::multiturn::{self, MultiturnArgs};
-use hicache_bench::setup::{CacheSetup, HostSize};
-use hicache_bench::sim::CacheUnderTest;
-use hicache_bench::{BenchError, Result};
+use hicache_sim::CacheUnderTest;
+use hicache_sim::Result;
+use hicache_sim::setup::{CacheSetup, HostSize};
 
 fn build(setup: &CacheSetup) -> Result<Box<dyn CacheUnderTest>> {
     let host_pages = match (setup.tiers.host, setup.host_size) {
@@ -280,16 +282,16 @@ fn a_cache_that_breaks_accounting_fails_the_check() {
         fn device_pages(&self) -> usize {
             self.0.device_pages()
         }
-        fn arrive(&mut self, r: u64, t: &[u32]) -> hicache_bench::sim::CacheResult<()> {
+        fn arrive(&mut self, r: u64, t: &[u32]) -> hicache_sim::CacheResult<()> {
             self.0.arrive(r, t)
         }
-        fn poll(&mut self) -> hicache_bench::sim::CacheResult<()> {
+        fn poll(&mut self) -> hicache_sim::CacheResult<()> {
             self.0.poll()
         }
         fn prefetch_status(
             &mut self,
             r: u64,
-        ) -> hicache_bench::sim::CacheResult<hicache_bench::sim::PrefetchStatus> {
+        ) -> hicache_sim::CacheResult<hicache_sim::PrefetchStatus> {
             self.0.prefetch_status(r)
         }
         fn admit(
@@ -297,27 +299,27 @@ fn a_cache_that_breaks_accounting_fails_the_check() {
             r: u64,
             t: &[u32],
             n: usize,
-        ) -> hicache_bench::sim::CacheResult<Option<hicache_bench::sim::Admission>> {
+        ) -> hicache_sim::CacheResult<Option<hicache_sim::Admission>> {
             self.0.admit(r, t, n)
         }
-        fn start_loading(&mut self) -> hicache_bench::sim::CacheResult<Option<usize>> {
+        fn start_loading(&mut self) -> hicache_sim::CacheResult<Option<usize>> {
             self.0.start_loading()
         }
-        fn wait_layer(&mut self, i: usize, l: usize) -> hicache_bench::sim::CacheResult<()> {
+        fn wait_layer(&mut self, i: usize, l: usize) -> hicache_sim::CacheResult<()> {
             self.0.wait_layer(i, l)
         }
         fn cache_finished(
             &mut self,
             r: u64,
             t: &[u32],
-            s: &[hicache_bench::sim::DeviceSlot],
-        ) -> hicache_bench::sim::CacheResult<()> {
+            s: &[hicache_sim::DeviceSlot],
+        ) -> hicache_sim::CacheResult<()> {
             self.0.cache_finished(r, t, s)
         }
-        fn shutdown(&mut self) -> hicache_bench::sim::CacheResult<()> {
+        fn shutdown(&mut self) -> hicache_sim::CacheResult<()> {
             self.0.shutdown()
         }
-        fn stats(&self) -> hicache_bench::sim::CacheStats {
+        fn stats(&self) -> hicache_sim::CacheStats {
             let mut s = self.0.stats();
             s.h2d.bytes += 1;
             s
@@ -343,21 +345,22 @@ fn a_cache_that_breaks_accounting_fails_the_check() {
 #[test]
 fn the_defaults_plan_within_the_default_device() {
     for args in [&[][..], &["--long-context"][..], &["--compare"][..]] {
-        let p = multiturn::plan(&MultiturnArgs::try_parse(args).unwrap()).unwrap();
+        let p = hicache_sim::plan::plan(&MultiturnArgs::try_parse(args).unwrap()).unwrap();
         assert_eq!(p.setup.device_pages, 128, "{args:?}");
         assert!(p.workload.longest_request_tokens <= 128 * 64, "{args:?}");
     }
-    let p = multiturn::plan(&MultiturnArgs::defaults()).unwrap();
+    let p = hicache_sim::plan::plan(&MultiturnArgs::defaults()).unwrap();
     assert_eq!(p.workload.requests, 80);
     assert_eq!(p.engine.page_bytes, 8 << 20);
     assert!(p.title().contains("16 clients × 5 rounds"), "{}", p.title());
-    let p = multiturn::plan(&MultiturnArgs::try_parse(&["--device-gb", "2"]).unwrap()).unwrap();
+    let p =
+        hicache_sim::plan::plan(&MultiturnArgs::try_parse(&["--device-gb", "2"]).unwrap()).unwrap();
     assert_eq!(p.setup.device_pages, 238, "2e9 / 8 MiB");
 }
 
 #[test]
 fn model_overrides_change_page_bytes_and_costs() {
-    let base = multiturn::plan(&MultiturnArgs::defaults()).unwrap();
+    let base = hicache_sim::plan::plan(&MultiturnArgs::defaults()).unwrap();
     let args = MultiturnArgs::try_parse(&[
         "--model-layers",
         "80",
@@ -369,7 +372,7 @@ fn model_overrides_change_page_bytes_and_costs() {
         "200",
     ])
     .unwrap();
-    let p = multiturn::plan(&args).unwrap();
+    let p = hicache_sim::plan::plan(&args).unwrap();
     assert_eq!(
         p.engine.page_bytes,
         20 << 20,

@@ -4,8 +4,8 @@
 //! whole unlocked leaves). Per-request outcomes must be identical.
 
 use hicache_bench::cmd::tree::{RequestOutcome, replay};
-use hicache_bench::trace::{MultiTurn, Request};
 use hicache_core::StrategyKind;
+use hicache_sim::trace::{MultiTurn, Request};
 use proptest::prelude::*;
 
 struct Node {

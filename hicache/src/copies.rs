@@ -97,7 +97,6 @@ impl Copies {
     }
 
     /// The transfer engine.
-    #[cfg(feature = "test-util")]
     pub fn engine(&self) -> &TransferEngine {
         &self.engine
     }

@@ -1,33 +1,15 @@
-//! The backends compiled into this build of the package, by cargo feature.
+//! The backends compiled into this build of the package: the facade's registry, by cargo
+//! feature (this crate's features turn on the facade's of the same name).
 
 use hicache_storage::Registry;
 
 use crate::error::{BindingError, Result};
 
-/// The backends hicache-rs has and the cargo feature of this crate that builds each (`memory`
-/// is always there).
-pub const KNOWN: &[(&str, &str)] = &[
-    ("file", "file"),
-    ("uring", "uring"),
-    ("rdma", "rdma"),
-    ("plugin", "plugin"),
-    ("redis", "redis"),
-];
-
-/// A registry holding every backend compiled in.
+/// A registry holding every backend compiled in: the facade's
+/// ([`hicache::backends::builtin_registry`]), whose cargo features this crate's features
+/// select.
 pub fn registry() -> Result<Registry> {
-    let r = Registry::with_builtins();
-    #[cfg(feature = "file")]
-    hicache_backend_local::FileFactory::register(&r)?;
-    #[cfg(feature = "uring")]
-    hicache_backend_local::UringFactory::register(&r)?;
-    #[cfg(feature = "rdma")]
-    hicache_backend_rdma::register(&r)?;
-    #[cfg(feature = "plugin")]
-    hicache_backend_plugin::register(&r)?;
-    #[cfg(feature = "redis")]
-    hicache_backend_redis::register(&r)?;
-    Ok(r)
+    Ok(hicache::backends::builtin_registry()?)
 }
 
 /// An error naming the feature when `name` is a backend of hicache-rs this build lacks.
@@ -35,8 +17,8 @@ pub fn check_compiled(registry: &Registry, name: &str) -> Result<()> {
     if registry.contains(name) {
         return Ok(());
     }
-    match KNOWN.iter().find(|(n, _)| *n == name) {
-        Some((_, feature)) => Err(BindingError::NotCompiled {
+    match hicache::backends::feature_for(name) {
+        Some(feature) => Err(BindingError::NotCompiled {
             name: name.to_string(),
             feature,
             compiled: registry.names().join(", "),

@@ -185,6 +185,9 @@ pub enum BindingError {
     /// An error of the storage layer or a backend.
     #[error(transparent)]
     Storage(#[from] StorageError),
+    /// The facade could not build its registry of compiled-in backends.
+    #[error(transparent)]
+    Registry(#[from] hicache::HiCacheError),
 }
 
 impl BindingError {
@@ -193,6 +196,7 @@ impl BindingError {
         match self {
             BindingError::Closed(_)
             | BindingError::Runtime(_)
+            | BindingError::Registry(_)
             | BindingError::OutOfMemory { .. } => false,
             BindingError::Storage(e) => matches!(
                 e,

@@ -179,7 +179,7 @@ fn stats(v: &mut [f64]) -> (f64, f64, f64) {
 }
 
 fn fail(e: hicache::HiCacheError) -> BenchError {
-    BenchError::CheckFailed(format!("cache call failed: {e}"))
+    BenchError::check_failed(format!("cache call failed: {e}"))
 }
 
 /// One phase's cache and workload.
@@ -241,7 +241,7 @@ impl<'a> Phase<'a> {
             .shape(shape)
             .device_pages(device_pages)
             .build()
-            .map_err(|e| BenchError::Usage(format!("cannot build the cache: {e}")))?;
+            .map_err(|e| BenchError::usage(format!("cannot build the cache: {e}")))?;
         // Mixed: warm up until the host pool has filled (about twice over, at one turn's new
         // pages per tick), so the measured ticks see L2 evictions and L3 hits.
         let turn_pages = args.turn_tokens.div_ceil(ps).max(1);
@@ -321,8 +321,8 @@ impl<'a> Phase<'a> {
             match self.admit(id, t)? {
                 Some((r, _, _)) => self.running.push_back(r),
                 None => {
-                    return Err(BenchError::CheckFailed(
-                        "the device pool cannot hold the running requests".into(),
+                    return Err(BenchError::check_failed(
+                        "the device pool cannot hold the running requests",
                     ));
                 }
             }
@@ -350,16 +350,11 @@ impl<'a> Phase<'a> {
             if self.running.len() >= self.args.requests {
                 let done = self.running.pop_front().expect("running requests");
                 // Two field reads: negligible inside the timed region.
-                let cached = self.cache.tree().stats().device_pages;
+                let cached = self.cache.tree_stats().device_pages;
                 self.cache
                     .cache_finished(done.id, &done.tokens, &done.slots)
                     .map_err(fail)?;
-                inserted = self
-                    .cache
-                    .tree()
-                    .stats()
-                    .device_pages
-                    .saturating_sub(cached);
+                inserted = self.cache.tree_stats().device_pages.saturating_sub(cached);
             }
             match self.admit(pid, t.clone())? {
                 Some((r, all_hit, l3_hit)) => {
@@ -433,7 +428,7 @@ impl<'a> Phase<'a> {
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        Err(BenchError::Usage(format!(
+        Err(BenchError::usage(format!(
             "background copies still running after {SETTLE_POLLS} polls"
         )))
     }
@@ -458,7 +453,7 @@ impl<'a> Phase<'a> {
                 .cache_finished(r.id, &r.tokens, &r.slots)
                 .map_err(fail)?;
         }
-        let nodes = self.cache.tree().stats().nodes;
+        let nodes = self.cache.tree_stats().nodes;
         self.cache.shutdown().map_err(fail)?;
         Ok((samples, nodes))
     }
@@ -467,19 +462,19 @@ impl<'a> Phase<'a> {
 /// Runs the bench, writing the table or JSON lines to `out`.
 pub fn run(args: &ControllerArgs, mut out: impl Write) -> Result<()> {
     if args.requests == 0 || args.ticks == 0 {
-        return Err(BenchError::Usage(
-            "--requests and --ticks must be at least 1".into(),
+        return Err(BenchError::usage(
+            "--requests and --ticks must be at least 1",
         ));
     }
     let ps = args.page_size as usize;
     if ps == 0 || args.turn_tokens < ps {
-        return Err(BenchError::Usage(format!(
+        return Err(BenchError::usage(format!(
             "--turn-tokens {} must be at least one page ({ps} tokens)",
             args.turn_tokens
         )));
     }
     if args.clients < args.requests as u64 {
-        return Err(BenchError::Usage(format!(
+        return Err(BenchError::usage(format!(
             "--clients {} must be at least --requests {} (the working set must exceed the \
              running requests)",
             args.clients, args.requests

@@ -63,6 +63,127 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The load-back under measurement: a cache holding the prompt's pages on host only, and the
+/// device it loads them to.
+struct Loadback {
+    cache: HiCache,
+    device: Device,
+    prompt: Vec<u32>,
+    pages: usize,
+    shape: KvShape,
+}
+
+fn fail(e: hicache::HiCacheError) -> BenchError {
+    BenchError::check_failed(format!("cache call failed: {e}"))
+}
+
+impl Loadback {
+    /// Builds the cache and caches a prompt of `pages` pages, backed up to host.
+    fn new(args: &LoadbackArgs, pages: usize) -> Result<Self> {
+        let shape: KvShape = args.model.shape(args.page_size);
+        let device = match args.device {
+            DeviceArg::Sim => Device::sim(),
+            DeviceArg::Cuda => {
+                Device::cuda(0).map_err(|e| BenchError::usage(format!("no CUDA device: {e}")))?
+            }
+        };
+        let cfg = HiCacheConfig {
+            page_size: args.page_size,
+            io_backend: match args.io {
+                IoArg::Kernel => hicache::IoBackendKind::Kernel,
+                IoArg::Direct => hicache::IoBackendKind::Direct,
+            },
+            hicache_ratio: 1.5,
+            host_reserve_bytes: Some(0),
+            ..Default::default()
+        };
+        let mut cache = HiCache::builder(cfg)
+            .shape(shape)
+            .device(device.clone())
+            .device_pages(pages + 2)
+            .build()
+            .map_err(|e| BenchError::usage(format!("cannot build the cache: {e}")))?;
+        let prompt: Vec<u32> = (0..pages * args.page_size as usize)
+            .map(|i| (i as u32 * 2654435761) % 128_000)
+            .collect();
+        // Cache the prefix and back it up to host.
+        cache.arrive(0, &prompt).map_err(fail)?;
+        cache.admit(0, &prompt).map_err(fail)?;
+        let slots = cache
+            .alloc_device(pages)
+            .map_err(fail)?
+            .ok_or_else(|| BenchError::check_failed("device pool too small"))?;
+        cache.cache_finished(0, &prompt, &slots).map_err(fail)?;
+        cache.drain().map_err(fail)?;
+        Ok(Loadback {
+            cache,
+            device,
+            prompt,
+            pages,
+            shape,
+        })
+    }
+
+    fn bytes(&self) -> f64 {
+        (self.pages * self.shape.page_bytes()) as f64
+    }
+
+    /// Iteration `it`: evicts the prefix from device, admits it again and loads it back
+    /// layer by layer under a simulated forward of `compute_us` per layer. Returns the load's
+    /// GB/s (until the last layer was ready) and the forward's milliseconds.
+    fn iteration(&mut self, it: usize, compute_us: u64) -> Result<(f64, f64)> {
+        let (cache, pages) = (&mut self.cache, self.pages);
+        cache.evict(pages).map_err(fail)?;
+        let id = 1 + it as u64;
+        cache.arrive(id, &self.prompt).map_err(fail)?;
+        let adm = cache.admit(id, &self.prompt).map_err(fail)?;
+        if adm.host_pages != pages {
+            return Err(BenchError::check_failed(format!(
+                "expected a load-back of {pages} pages, got {:?}",
+                (adm.device_pages, adm.host_pages)
+            )));
+        }
+        let counter = cache.layer_done_counter().clone();
+        let t0 = Instant::now();
+        let producer = cache
+            .start_loading()
+            .map_err(fail)?
+            .ok_or_else(|| BenchError::check_failed("nothing to load"))?;
+        counter
+            .set_consumer(producer)
+            .map_err(|e| BenchError::check_failed(e.to_string()))?;
+        let mut ready_last = Duration::ZERO;
+        for layer in 0..self.shape.layers as usize {
+            counter
+                .wait_until(layer)
+                .map_err(|e| BenchError::check_failed(e.to_string()))?;
+            ready_last = t0.elapsed();
+            let c0 = Instant::now();
+            while c0.elapsed() < Duration::from_micros(compute_us) {
+                std::hint::spin_loop();
+            }
+        }
+        let forward_ms = t0.elapsed().as_secs_f64() * 1e3;
+        cache.abort(id).map_err(fail)?;
+        cache.drain().map_err(fail)?;
+        Ok((self.bytes() / ready_last.as_secs_f64() / 1e9, forward_ms))
+    }
+
+    /// The reference: GB/s of one bulk copy of the same bytes from the pinned host pool.
+    fn bulk(&self) -> Result<f64> {
+        let len = self.pages * self.shape.page_bytes();
+        let scratch = self
+            .device
+            .alloc_zeroed(len)
+            .map_err(|e| BenchError::check_failed(e.to_string()))?;
+        let t0 = Instant::now();
+        self.cache
+            .bulk_copy(Direction::ToDevice, &scratch, len)
+            .map_err(|e| BenchError::check_failed(e.to_string()))?;
+        Ok(self.bytes() / t0.elapsed().as_secs_f64() / 1e9)
+    }
+}
+
 /// Runs the bench.
 pub fn run(args: &LoadbackArgs, mut out: impl Write) -> Result<()> {
     let tokens = args.tokens.unwrap_or(match args.device {
@@ -71,114 +192,30 @@ pub fn run(args: &LoadbackArgs, mut out: impl Write) -> Result<()> {
     });
     let ps = args.page_size as usize;
     if ps == 0 || tokens < ps || args.iters == 0 {
-        return Err(BenchError::Usage(format!(
+        return Err(BenchError::usage(format!(
             "--tokens ({tokens}) must hold at least one page of --page-size ({ps}); --iters ≥ 1"
         )));
     }
-    let shape: KvShape = args.model.shape(args.page_size);
     let pages = tokens / ps;
-    let device = match args.device {
-        DeviceArg::Sim => Device::sim(),
-        DeviceArg::Cuda => {
-            Device::cuda(0).map_err(|e| BenchError::Usage(format!("no CUDA device: {e}")))?
-        }
-    };
-    let cfg = HiCacheConfig {
-        page_size: args.page_size,
-        io_backend: match args.io {
-            IoArg::Kernel => hicache::IoBackendKind::Kernel,
-            IoArg::Direct => hicache::IoBackendKind::Direct,
-        },
-        hicache_ratio: 1.5,
-        host_reserve_bytes: Some(0),
-        ..Default::default()
-    };
-    let fail =
-        |e: hicache::HiCacheError| BenchError::CheckFailed(format!("cache call failed: {e}"));
-    let mut cache = HiCache::builder(cfg)
-        .shape(shape)
-        .device(device.clone())
-        .device_pages(pages + 2)
-        .build()
-        .map_err(|e| BenchError::Usage(format!("cannot build the cache: {e}")))?;
-    let prompt: Vec<u32> = (0..pages * ps)
-        .map(|i| (i as u32 * 2654435761) % 128_000)
-        .collect();
-    // Cache the prefix, back it up to host, then evict it from device.
-    cache.arrive(0, &prompt).map_err(fail)?;
-    cache.admit(0, &prompt).map_err(fail)?;
-    let slots = cache
-        .alloc_device(pages)
-        .map_err(fail)?
-        .ok_or_else(|| BenchError::CheckFailed("device pool too small".into()))?;
-    cache.cache_finished(0, &prompt, &slots).map_err(fail)?;
-    cache.drain().map_err(fail)?;
-    let bytes = (pages * shape.page_bytes()) as f64;
-    let layers = shape.layers as usize;
-    let counter = cache.layer_done_counter().clone();
-    let mut load_gbps = Vec::new();
-    let mut forward_ms = Vec::new();
+    let mut lb = Loadback::new(args, pages)?;
+    let (mut load_gbps, mut forward_ms) = (Vec::new(), Vec::new());
     for it in 0..args.iters {
-        cache.evict(pages).map_err(fail)?;
-        let id = 1 + it as u64;
-        cache.arrive(id, &prompt).map_err(fail)?;
-        let adm = cache.admit(id, &prompt).map_err(fail)?;
-        if adm.host_pages != pages {
-            return Err(BenchError::CheckFailed(format!(
-                "expected a load-back of {pages} pages, got {:?}",
-                (adm.device_pages, adm.host_pages)
-            )));
-        }
-        let t0 = Instant::now();
-        let producer = cache
-            .start_loading()
-            .map_err(fail)?
-            .ok_or_else(|| BenchError::CheckFailed("nothing to load".into()))?;
-        counter
-            .set_consumer(producer)
-            .map_err(|e| BenchError::CheckFailed(e.to_string()))?;
-        let mut ready_last = Duration::ZERO;
-        for layer in 0..layers {
-            counter
-                .wait_until(layer)
-                .map_err(|e| BenchError::CheckFailed(e.to_string()))?;
-            ready_last = t0.elapsed();
-            let c0 = Instant::now();
-            while c0.elapsed() < Duration::from_micros(args.compute_us_per_layer) {
-                std::hint::spin_loop();
-            }
-        }
-        forward_ms.push(t0.elapsed().as_secs_f64() * 1e3);
-        load_gbps.push(bytes / ready_last.as_secs_f64() / 1e9);
-        cache.abort(id).map_err(fail)?;
-        cache.drain().map_err(fail)?;
+        let (gbps, ms) = lb.iteration(it, args.compute_us_per_layer)?;
+        load_gbps.push(gbps);
+        forward_ms.push(ms);
     }
     // Reference: one bulk copy of the same bytes from the pinned host pool, same run.
-    let scratch = device
-        .alloc_zeroed(pages * shape.page_bytes())
-        .map_err(|e| BenchError::CheckFailed(e.to_string()))?;
-    let mut bulk = Vec::new();
-    for _ in 0..args.iters {
-        let t0 = Instant::now();
-        cache
-            .transfer_engine()
-            .bulk_copy(
-                Direction::ToDevice,
-                &scratch,
-                pages * shape.page_bytes(),
-                &[],
-            )
-            .and_then(|c| c.wait())
-            .map_err(|e| BenchError::CheckFailed(e.to_string()))?;
-        bulk.push(bytes / t0.elapsed().as_secs_f64() / 1e9);
-    }
-    cache.shutdown().map_err(fail)?;
+    let bulk = (0..args.iters)
+        .map(|_| lb.bulk())
+        .collect::<Result<Vec<_>>>()?;
+    lb.cache.shutdown().map_err(fail)?;
     let (load, reference, fwd) = (median(load_gbps), median(bulk), median(forward_ms));
+    let layers = lb.shape.layers as usize;
     let compute_ms = (layers as u64 * args.compute_us_per_layer) as f64 / 1e3;
+    let (bytes, device) = (lb.bytes(), lb.device.name());
     let case = format!(
-        "{}/{}/{}tok/overlapped-load",
+        "{}/{device}/{}tok/overlapped-load",
         args.model.name(),
-        device.name(),
         pages * ps
     );
     let rec = Record::new("loadback", case, load, "GB/s")
@@ -188,24 +225,15 @@ pub fn run(args: &LoadbackArgs, mut out: impl Write) -> Result<()> {
         .with("bytes", bytes as u64)
         .with("pages", pages)
         .with("iters", args.iters);
-    let wr = BenchError::io("<stdout>");
-    if args.json {
-        writeln!(out, "{}", rec.to_json_line()).map_err(wr)?;
+    let line = if args.json {
+        rec.to_json_line()
     } else {
-        writeln!(
-            out,
-            "load-back of {} tokens ({:.2} GB) overlapped with a {}-layer forward on {}: load {:.2} GB/s, bulk pinned copy {:.2} GB/s (ratio {:.2}); forward {:.2} ms vs {:.2} ms of pure compute",
+        format!(
+            "load-back of {} tokens ({:.2} GB) overlapped with a {layers}-layer forward on {device}: load {load:.2} GB/s, bulk pinned copy {reference:.2} GB/s (ratio {:.2}); forward {fwd:.2} ms vs {compute_ms:.2} ms of pure compute",
             pages * ps,
             bytes / 1e9,
-            layers,
-            device.name(),
-            load,
-            reference,
             load / reference,
-            fwd,
-            compute_ms
         )
-        .map_err(wr)?;
-    }
-    Ok(())
+    };
+    writeln!(out, "{line}").map_err(BenchError::io("<stdout>"))
 }

@@ -79,14 +79,14 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 fn storage_err(what: &str) -> impl FnOnce(hicache_storage::StorageError) -> BenchError + '_ {
-    move |e| BenchError::CheckFailed(format!("plugin bench: {what}: {e}"))
+    move |e| BenchError::check_failed(format!("plugin bench: {what}: {e}"))
 }
 
 fn default_plugin() -> Result<PathBuf> {
     let exe = std::env::current_exe().map_err(BenchError::io("<current executable>"))?;
     let p = exe.with_file_name(EXAMPLE);
     if !p.exists() {
-        return Err(BenchError::Usage(format!(
+        return Err(BenchError::usage(format!(
             "{} not found: build the example plugin with the same profile first \
              (`cargo build --release -p hicache-plugin-example`), or pass --plugin PATH",
             p.display()
@@ -101,7 +101,6 @@ struct Bench {
     keys: Vec<PageKey>,
     src: Vec<Vec<u8>>,
     dst: Vec<Vec<u8>>,
-    page_bytes: usize,
     next_key: u64,
 }
 
@@ -119,7 +118,7 @@ impl Bench {
             .await
             .map_err(storage_err(s.name))?;
         if !out.iter().all(PageOutcome::is_hit) {
-            return Err(BenchError::CheckFailed(format!(
+            return Err(BenchError::check_failed(format!(
                 "plugin bench: {} get missed: {:?}",
                 s.name,
                 out.iter().find(|o| !o.is_hit())
@@ -146,7 +145,7 @@ impl Bench {
             .await
             .map_err(storage_err(s.name))?;
         if !out.iter().all(|o| *o == PageOutcome::Stored) {
-            return Err(BenchError::CheckFailed(format!(
+            return Err(BenchError::check_failed(format!(
                 "plugin bench: {} set failed: {:?}",
                 s.name,
                 out.iter().find(|o| **o != PageOutcome::Stored)
@@ -163,7 +162,7 @@ impl Bench {
             .await
             .map_err(storage_err(s.name))?;
         if n != self.keys.len() {
-            return Err(BenchError::CheckFailed(format!(
+            return Err(BenchError::check_failed(format!(
                 "plugin bench: {} exists found {n} of {}",
                 s.name,
                 self.keys.len()
@@ -205,20 +204,11 @@ impl Bench {
     }
 }
 
-/// Runs the bench, writing records (or a table) to `out`.
-pub fn run(args: &PluginArgs, mut out: impl Write) -> Result<()> {
-    if args.pages == 0 || args.page_bytes == 0 || args.batches == 0 || args.rounds == 0 {
-        return Err(BenchError::Usage(
-            "plugin: --pages, --page-bytes, --batches and --rounds must be positive".into(),
-        ));
-    }
-    let path = match &args.plugin {
-        Some(p) => p.clone(),
-        None => default_plugin()?,
-    };
-    let batch_bytes = (args.pages * args.page_bytes) as u64;
-    // Room for four batches: `set` evicts one batch per batch once full.
-    let capacity = 4 * batch_bytes;
+/// Opens the two sides: the memory backend natively and through the plugin at `path`, both
+/// with room for four batches (`set` evicts one batch per batch once full). Returns the
+/// plugin's name with them.
+fn open_sides(args: &PluginArgs, path: &std::path::Path) -> Result<([Side; 2], String)> {
+    let capacity = 4 * (args.pages * args.page_bytes) as u64;
     let max_batch = args.pages.max(128);
     let native: Arc<dyn Storage> = Arc::new(MemoryBackend::new(MemoryOptions {
         capacity_bytes: capacity,
@@ -226,161 +216,197 @@ pub fn run(args: &PluginArgs, mut out: impl Write) -> Result<()> {
         ..MemoryOptions::default()
     }));
     let plugin = PluginStorage::open(
-        &path,
+        path,
         &format!(r#"{{"max_batch": {max_batch}}}"#),
         &HostParams::default().with_capacity(Some(capacity)),
     )
-    .map_err(|e| BenchError::Usage(format!("plugin: {e}")))?;
+    .map_err(|e| BenchError::usage(format!("plugin: {e}")))?;
     let plugin_name = format!(
         "{} {} ({})",
         plugin.library().name(),
         plugin.library().version(),
         path.display()
     );
-    let plugin: Arc<dyn Storage> = Arc::new(plugin);
+    let sides = [
+        Side {
+            name: "native",
+            storage: native,
+        },
+        Side {
+            name: "plugin",
+            storage: Arc::new(plugin),
+        },
+    ];
+    Ok((sides, plugin_name))
+}
 
-    let keys: Vec<PageKey> = (0..args.pages as u64)
-        .map(|i| page_key(namespace(1), 1, i))
-        .collect();
-    let src: Vec<Vec<u8>> = keys
-        .iter()
-        .map(|k| {
-            let mut b = vec![0u8; args.page_bytes];
-            fill_page(k, &mut b);
-            b
-        })
-        .collect();
-    let mut bench = Bench {
-        sides: [
-            Side {
-                name: "native",
-                storage: native,
-            },
-            Side {
-                name: "plugin",
-                storage: plugin,
-            },
-        ],
-        dst: vec![vec![0u8; args.page_bytes]; args.pages],
-        keys,
-        src,
-        page_bytes: args.page_bytes,
-        next_key: 1 << 40,
+impl Bench {
+    /// The bench over `sides` with one batch of `--pages` pattern pages.
+    fn new(args: &PluginArgs, sides: [Side; 2]) -> Self {
+        let keys: Vec<PageKey> = (0..args.pages as u64)
+            .map(|i| page_key(namespace(1), 1, i))
+            .collect();
+        let src: Vec<Vec<u8>> = keys
+            .iter()
+            .map(|k| {
+                let mut b = vec![0u8; args.page_bytes];
+                fill_page(k, &mut b);
+                b
+            })
+            .collect();
+        Bench {
+            sides,
+            dst: vec![vec![0u8; args.page_bytes]; args.pages],
+            keys,
+            src,
+            next_key: 1 << 40,
+        }
+    }
+
+    /// Every case in order: `get` and `exists` of the resident batch, then `set` with every
+    /// store full (each timed set evicts).
+    async fn measure_all(
+        &mut self,
+        batches: usize,
+        rounds: usize,
+    ) -> Result<Vec<(&'static str, Samples)>> {
+        let mut results = Vec::new();
+        // The resident batch both sides read and look up.
+        for s in &self.sides {
+            let bufs: Vec<PageBuf<'_>> = self
+                .src
+                .iter()
+                .map(|b| PageBuf::contiguous(LayoutKind::PageFirst, b))
+                .collect();
+            s.storage
+                .batch_set(&self.keys, &bufs)
+                .await
+                .map_err(storage_err(s.name))?;
+        }
+        results.push(("get", self.measure("get", batches, rounds).await?));
+        // `exists` looks up the resident batch, so it runs before `set` fills the stores
+        // with fresh keys (evicting it).
+        results.push((
+            "exists",
+            self.measure("exists", batches * 50, rounds).await?,
+        ));
+        // Fill both stores so that every timed set evicts.
+        for _ in 0..4 {
+            self.set(0).await?;
+            self.set(1).await?;
+        }
+        results.push(("set", self.measure("set", batches, rounds).await?));
+        Ok(results)
+    }
+}
+
+/// One case's record and its two table columns (native, plugin).
+fn case_record(
+    args: &PluginArgs,
+    case: &str,
+    s: &mut Samples,
+    plugin_name: &str,
+) -> (Record, (String, String)) {
+    let native = median(&mut s.native);
+    let plugin = median(&mut s.plugin);
+    let (rec, cols) = if case == "exists" {
+        let r = Record::new(
+            "plugin",
+            format!("memory/exists/{}", args.pages),
+            plugin * 1e6,
+            "us",
+        )
+        .with_reference(native * 1e6);
+        let cols = (
+            format!("{:.2} us", native * 1e6),
+            format!("{:.2} us", plugin * 1e6),
+        );
+        (r, cols)
+    } else {
+        let batch_bytes = (args.pages * args.page_bytes) as f64;
+        let gbs = |t: f64| batch_bytes / t / 1e9;
+        let r = Record::new(
+            "plugin",
+            format!("memory/{case}/{}x{}KiB", args.pages, args.page_bytes >> 10),
+            gbs(plugin),
+            "GB/s",
+        )
+        .with_reference(gbs(native));
+        let cols = (
+            format!("{:.2} GB/s", gbs(native)),
+            format!("{:.2} GB/s", gbs(plugin)),
+        );
+        (r, cols)
     };
+    let rec = rec
+        .with("overhead_us_per_call", (plugin - native) * 1e6)
+        .with("native_us_per_call", native * 1e6)
+        .with("plugin_us_per_call", plugin * 1e6)
+        .with("plugin", plugin_name);
+    (rec, cols)
+}
 
+/// A case's table row. For `exists` a lower time is better: the ratio is native/plugin.
+fn case_row(rec: &Record, cols: &(String, String)) -> String {
+    let native = rec.extra["native_us_per_call"].as_f64().unwrap_or(0.0);
+    let plugin = rec.extra["plugin_us_per_call"].as_f64().unwrap_or(0.0);
+    let ratio = if rec.case.starts_with("memory/exists/") {
+        native / plugin
+    } else {
+        rec.ratio.unwrap_or(0.0)
+    };
+    format!(
+        "{:<28} {:>12} {:>12} {:>8.3} {:>11.2} us",
+        rec.case,
+        cols.0,
+        cols.1,
+        ratio,
+        plugin - native
+    )
+}
+
+/// Runs the bench, writing records (or a table) to `out`.
+pub fn run(args: &PluginArgs, mut out: impl Write) -> Result<()> {
+    if args.pages == 0 || args.page_bytes == 0 || args.batches == 0 || args.rounds == 0 {
+        return Err(BenchError::usage(
+            "plugin: --pages, --page-bytes, --batches and --rounds must be positive",
+        ));
+    }
+    let path = match &args.plugin {
+        Some(p) => p.clone(),
+        None => default_plugin()?,
+    };
+    let (sides, plugin_name) = open_sides(args, &path)?;
+    let mut bench = Bench::new(args, sides);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|e| BenchError::Usage(format!("plugin: tokio runtime: {e}")))?;
+        .map_err(|e| BenchError::usage(format!("plugin: tokio runtime: {e}")))?;
     let (batches, rounds) = (args.batches, args.rounds);
     // Run on a worker, as an engine's controller task would.
-    let (bench, results) = rt
-        .block_on(rt.spawn(async move {
-            let mut results = Vec::new();
-            // The resident batch both sides read and look up.
-            for side in 0..2 {
-                let s = &bench.sides[side];
-                let bufs: Vec<PageBuf<'_>> = bench
-                    .src
-                    .iter()
-                    .map(|b| PageBuf::contiguous(LayoutKind::PageFirst, b))
-                    .collect();
-                s.storage
-                    .batch_set(&bench.keys, &bufs)
-                    .await
-                    .map_err(storage_err(s.name))?;
-            }
-            results.push(("get", bench.measure("get", batches, rounds).await?));
-            // `exists` looks up the resident batch, so it runs before `set` fills the stores
-            // with fresh keys (evicting it).
-            results.push((
-                "exists",
-                bench.measure("exists", batches * 50, rounds).await?,
-            ));
-            // Fill both stores so that every timed set evicts.
-            for _ in 0..4 {
-                bench.set(0).await?;
-                bench.set(1).await?;
-            }
-            results.push(("set", bench.measure("set", batches, rounds).await?));
-            Ok::<_, BenchError>((bench, results))
-        }))
-        .map_err(|e| BenchError::CheckFailed(format!("plugin bench task failed: {e}")))??;
-
-    let w =
-        |out: &mut dyn Write, s: String| writeln!(out, "{s}").map_err(BenchError::io("<stdout>"));
+    let results = rt
+        .block_on(rt.spawn(async move { bench.measure_all(batches, rounds).await }))
+        .map_err(|e| BenchError::check_failed(format!("plugin bench task failed: {e}")))??;
+    let mut w = |s: String| writeln!(out, "{s}").map_err(BenchError::io("<stdout>"));
     if !args.json {
-        w(
-            &mut out,
-            format!(
-                "plugin ABI overhead: memory backend native vs through {plugin_name}; {} pages of {} KiB per batch, median of {rounds} rounds",
-                args.pages,
-                bench.page_bytes >> 10
-            ),
-        )?;
-        w(
-            &mut out,
-            format!(
-                "{:<28} {:>12} {:>12} {:>8} {:>14}   targets: get/set ratio >= 0.97; overhead <= 5 us per call (exists: the boundary alone)",
-                "case", "native", "plugin", "ratio", "overhead/call"
-            ),
-        )?;
+        w(format!(
+            "plugin ABI overhead: memory backend native vs through {plugin_name}; {} pages of {} KiB per batch, median of {rounds} rounds",
+            args.pages,
+            args.page_bytes >> 10
+        ))?;
+        w(format!(
+            "{:<28} {:>12} {:>12} {:>8} {:>14}   targets: get/set ratio >= 0.97; overhead <= 5 us per call (exists: the boundary alone)",
+            "case", "native", "plugin", "ratio", "overhead/call"
+        ))?;
     }
     for (case, mut s) in results {
-        let native = median(&mut s.native);
-        let plugin = median(&mut s.plugin);
-        let overhead_us = (plugin - native) * 1e6;
-        let (rec, cols) = if case == "exists" {
-            let r = Record::new(
-                "plugin",
-                format!("memory/exists/{}", args.pages),
-                plugin * 1e6,
-                "us",
-            )
-            .with_reference(native * 1e6);
-            let cols = (
-                format!("{:.2} us", native * 1e6),
-                format!("{:.2} us", plugin * 1e6),
-            );
-            (r, cols)
+        let (rec, cols) = case_record(args, case, &mut s, &plugin_name);
+        w(if args.json {
+            rec.to_json_line()
         } else {
-            let gbs = |t: f64| batch_bytes as f64 / t / 1e9;
-            let r = Record::new(
-                "plugin",
-                format!("memory/{case}/{}x{}KiB", args.pages, args.page_bytes >> 10),
-                gbs(plugin),
-                "GB/s",
-            )
-            .with_reference(gbs(native));
-            let cols = (
-                format!("{:.2} GB/s", gbs(native)),
-                format!("{:.2} GB/s", gbs(plugin)),
-            );
-            (r, cols)
-        };
-        let rec = rec
-            .with("overhead_us_per_call", overhead_us)
-            .with("native_us_per_call", native * 1e6)
-            .with("plugin_us_per_call", plugin * 1e6)
-            .with("plugin", plugin_name.clone());
-        if args.json {
-            w(&mut out, rec.to_json_line())?;
-        } else {
-            // For `exists` a lower time is better: show native/plugin as the ratio of rates.
-            let ratio = if case == "exists" {
-                native / plugin
-            } else {
-                rec.ratio.unwrap_or(0.0)
-            };
-            w(
-                &mut out,
-                format!(
-                    "{:<28} {:>12} {:>12} {:>8.3} {:>11.2} us",
-                    rec.case, cols.0, cols.1, ratio, overhead_us
-                ),
-            )?;
-        }
+            case_row(&rec, &cols)
+        })?;
     }
     Ok(())
 }

@@ -33,7 +33,7 @@ impl RedisBench {
     /// (derived from the requests per second it reports).
     pub fn secs(&self, op: Op, page_bytes: usize, pages: usize) -> Result<f64> {
         let (host, port) = self.node.rsplit_once(':').ok_or_else(|| {
-            BenchError::Usage(format!("redis node {:?} is not host:port", self.node))
+            BenchError::usage(format!("redis node {:?} is not host:port", self.node))
         })?;
         let test = match op {
             Op::Set => "set",
@@ -50,7 +50,7 @@ impl RedisBench {
             cmd.arg("--cluster");
         }
         let out = cmd.output().map_err(|e| {
-            BenchError::Usage(format!(
+            BenchError::usage(format!(
                 "cannot run redis-benchmark: {e} (apt-get install redis-tools)"
             ))
         })?;
@@ -62,11 +62,51 @@ impl RedisBench {
             .and_then(|v| v.trim_matches('"').parse::<f64>().ok())
             .filter(|r| *r > 0.0)
             .ok_or_else(|| {
-                BenchError::Usage(format!(
+                BenchError::usage(format!(
                     "redis-benchmark gave no {test} figure: {text}{}",
                     String::from_utf8_lossy(&out.stderr)
                 ))
             })?;
         Ok(pages as f64 / rps)
+    }
+
+    /// What the servers say about their memory (`INFO` of every node through `redis-cli
+    /// --cluster call`, or of the one server): keys evicted, memory used and `maxmemory`
+    /// summed over the nodes, and the eviction policy. `None` where `redis-cli` is missing or
+    /// answers nothing usable.
+    pub fn memory_report(&self) -> Option<String> {
+        let (host, port) = self.node.rsplit_once(':')?;
+        let mut cmd = Command::new("redis-cli");
+        if self.cluster {
+            cmd.args(["--cluster", "call", &self.node, "INFO"]);
+        } else {
+            cmd.args(["-h", host, "-p", port, "INFO"]);
+        }
+        let text = String::from_utf8(cmd.output().ok()?.stdout).ok()?;
+        let sum = |field: &str| -> Option<u64> {
+            let values: Vec<u64> = text
+                .match_indices(&format!("{field}:"))
+                .filter_map(|(i, m)| {
+                    let digits: String = text[i + m.len()..]
+                        .chars()
+                        .take_while(char::is_ascii_digit)
+                        .collect();
+                    digits.parse().ok()
+                })
+                .collect();
+            (!values.is_empty()).then(|| values.iter().sum())
+        };
+        let policy = text
+            .split("maxmemory_policy:")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or("unknown");
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        Some(format!(
+            "evicted_keys {}, used_memory {:.0} MiB of maxmemory {:.0} MiB, maxmemory_policy {policy}",
+            sum("evicted_keys")?,
+            mib(sum("used_memory")?),
+            mib(sum("maxmemory")?),
+        ))
     }
 }

@@ -31,11 +31,11 @@ use hicache_storage::{
 };
 use serde_json::Value;
 
-use crate::cmd::storage_common::{BackendArgs, LAYOUT, aligned_region, runtime, seed_key};
 use crate::cmd::storage_raw::{Raw, RawEngine, engine_name};
 use crate::cmd::{redis_benchmark, tcp_loopback};
 use crate::error::{BenchError, Result};
 use crate::record::Record;
+use hicache_cli::backend::{BackendArgs, LAYOUT, aligned_region, runtime, seed_key};
 
 /// Arguments of `storage`.
 #[derive(Debug, Args)]
@@ -128,64 +128,101 @@ struct Round {
     dropped: bool,
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn backend_round(
-    args: &StorageArgs,
+/// The backend under measurement in one round, with the page counts of its page size.
+struct BackendBench<'s> {
+    args: &'s StorageArgs,
+    reference: &'s RefKind,
     inflight: usize,
-    storage: &dyn Storage,
-    src: &[u8],
-    dst: &mut [u8],
-    (page_bytes, pages): (usize, usize),
-    round: usize,
-    reference: &mut Reference<'_>,
-) -> Result<Round> {
-    // Alternate which side goes first, so neither always meets the disk in the same state.
-    let reference_first = round.is_multiple_of(2);
-    let seed = round as u64;
-    // `dst` holds one batch per read in flight; the reference reads into the first, as before.
-    let slot_bytes = dst.len() / inflight;
-    let mut write_ref = Vec::new();
-    let mut read_ref = Vec::new();
-    if reference_first {
-        write_ref = reference(Phase::Write, &mut dst[..slot_bytes])?;
-    }
-    let batch = args.batch.min(storage.info().max_batch);
-    let keys: Vec<PageKey> = (0..pages as u64).map(|i| seed_key(seed, i)).collect();
-    let t = Instant::now();
-    let mut writes = futures_util::stream::iter(keys.chunks(batch))
-        .map(|chunk| async move {
-            let bufs: Vec<PageBuf<'_>> = src
-                .chunks(page_bytes)
-                .take(chunk.len())
-                .map(|c| PageBuf::contiguous(LAYOUT, c))
-                .collect();
-            storage.batch_set(chunk, &bufs).await
-        })
-        .buffer_unordered(inflight);
-    while let Some(out) = writes.next().await {
-        if let Some(o) = out?.iter().find(|o| **o != PageOutcome::Stored) {
-            return Err(BenchError::CheckFailed(format!(
-                "bench write not stored: {o:?}"
-            )));
+    storage: &'s dyn Storage,
+    page_bytes: usize,
+    pages: usize,
+}
+
+impl BackendBench<'_> {
+    /// One round: write, read cold and probe every page of the round's seed, with the
+    /// reference measured before or after each phase (alternating with the round, so neither
+    /// side always meets the disk in the same state).
+    async fn round(
+        &self,
+        src: &[u8],
+        dst: &mut [u8],
+        round: usize,
+        reference: &mut Reference<'_>,
+    ) -> Result<Round> {
+        let reference_first = round.is_multiple_of(2);
+        let seed = round as u64;
+        // `dst` holds one batch per read in flight; the reference reads into the first.
+        let slot_bytes = dst.len() / self.inflight;
+        let mut write_ref = Vec::new();
+        let mut read_ref = Vec::new();
+        if reference_first {
+            write_ref = reference(Phase::Write, &mut dst[..slot_bytes])?;
         }
+        let keys: Vec<PageKey> = (0..self.pages as u64).map(|i| seed_key(seed, i)).collect();
+        let write = self.write(&keys, src).await?;
+        if !reference_first {
+            write_ref = reference(Phase::Write, &mut dst[..slot_bytes])?;
+        }
+        let mut dropped = drop_caches();
+        if reference_first {
+            read_ref = reference(Phase::Read, &mut dst[..slot_bytes])?;
+            dropped &= drop_caches();
+        }
+        let read = self.read(&keys, dst, slot_bytes).await?;
+        if !reference_first {
+            dropped &= drop_caches();
+            read_ref = reference(Phase::Read, &mut dst[..slot_bytes])?;
+        }
+        Ok(Round {
+            write_refs: write_ref,
+            write,
+            read_refs: read_ref,
+            read,
+            exists_us: self.exists(&keys).await?,
+            dropped,
+        })
     }
-    drop(writes);
-    let write = t.elapsed().as_secs_f64();
-    if !reference_first {
-        write_ref = reference(Phase::Write, &mut dst[..slot_bytes])?;
+
+    /// Pages per backend batch.
+    fn batch(&self) -> usize {
+        self.args.batch.min(self.storage.info().max_batch)
     }
-    let mut dropped = drop_caches();
-    if reference_first {
-        read_ref = reference(Phase::Read, &mut dst[..slot_bytes])?;
-        dropped &= drop_caches();
+
+    /// Seconds to store every key (the source batch's pages, over and over), `inflight`
+    /// batches at once.
+    async fn write(&self, keys: &[PageKey], src: &[u8]) -> Result<f64> {
+        let (storage, page_bytes) = (self.storage, self.page_bytes);
+        let t = Instant::now();
+        let mut writes = futures_util::stream::iter(keys.chunks(self.batch()))
+            .map(|chunk| async move {
+                let bufs: Vec<PageBuf<'_>> = src
+                    .chunks(page_bytes)
+                    .take(chunk.len())
+                    .map(|c| PageBuf::contiguous(LAYOUT, c))
+                    .collect();
+                storage.batch_set(chunk, &bufs).await
+            })
+            .buffer_unordered(self.inflight);
+        while let Some(out) = writes.next().await {
+            if let Some(o) = out?.iter().find(|o| **o != PageOutcome::Stored) {
+                return Err(BenchError::check_failed(format!(
+                    "bench write not stored: {o:?}"
+                )));
+            }
+        }
+        Ok(t.elapsed().as_secs_f64())
     }
-    let t = Instant::now();
-    {
+
+    /// Seconds to read every key back, `inflight` batches at once, each into a destination slot
+    /// of `slot_bytes`. Every page must be a hit; misses are counted over the whole read.
+    async fn read(&self, keys: &[PageKey], dst: &mut [u8], slot_bytes: usize) -> Result<f64> {
+        let (storage, page_bytes) = (self.storage, self.page_bytes);
+        let t = Instant::now();
         // Each read in flight takes a destination slot and gives it back: at most `inflight`
         // run at once, so one is always free.
         let slots = std::sync::Mutex::new(dst.chunks_mut(slot_bytes).collect::<Vec<_>>());
         let slots = &slots;
-        let mut reads = futures_util::stream::iter(keys.chunks(batch))
+        let mut reads = futures_util::stream::iter(keys.chunks(self.batch()))
             .map(|chunk| async move {
                 let slot = slots
                     .lock()
@@ -202,42 +239,67 @@ async fn backend_round(
                 slots.lock().expect("no panic while held").push(slot);
                 out
             })
-            .buffer_unordered(inflight);
+            .buffer_unordered(self.inflight);
+        let mut misses = 0;
         while let Some(out) = reads.next().await {
-            if let Some(o) = out?.iter().find(|o| **o != PageOutcome::Hit) {
-                return Err(BenchError::CheckFailed(format!(
-                    "bench read not a hit: {o:?}"
+            for o in out? {
+                match o {
+                    PageOutcome::Hit => {}
+                    PageOutcome::Miss => misses += 1,
+                    o => {
+                        return Err(BenchError::check_failed(format!(
+                            "bench read not a hit: {o:?}"
+                        )));
+                    }
+                }
+            }
+        }
+        let secs = t.elapsed().as_secs_f64();
+        if misses > 0 {
+            return Err(self.misses_error(misses));
+        }
+        Ok(secs)
+    }
+
+    /// The error of a read that missed pages the bench wrote and the backend acknowledged: on
+    /// redis, the cluster evicted them (its `maxmemory` with an evicting policy holds less than
+    /// the run writes).
+    fn misses_error(&self, misses: usize) -> BenchError {
+        let written = self.pages as f64 * self.page_bytes as f64 / (1u64 << 20) as f64;
+        let RefKind::Redis(rb) = self.reference else {
+            return BenchError::check_failed(format!(
+                "bench read not a hit: {misses} of {} pages missed",
+                self.pages
+            ));
+        };
+        let info = rb
+            .memory_report()
+            .map(|m| format!(" (the cluster reports {m})"))
+            .unwrap_or_default();
+        BenchError::check_failed(format!(
+            "the Redis cluster evicted pages the bench wrote: {misses} of {} pages ({written:.0} \
+             MiB written this round) read back as misses{info}; its maxmemory with an evicting \
+             policy holds less than the run writes: raise maxmemory or lower --total",
+            self.pages
+        ))
+    }
+
+    /// Microseconds of a warm `batch_exists` of a full controller batch (128 keys).
+    async fn exists(&self, keys: &[PageKey]) -> Result<f64> {
+        let probe = &keys[..keys.len().min(128)];
+        let calls = 2000;
+        let t = Instant::now();
+        for _ in 0..calls {
+            let n = self.storage.batch_exists(probe).await?;
+            if n != probe.len() {
+                return Err(BenchError::check_failed(format!(
+                    "batch_exists found {n} of {}",
+                    probe.len()
                 )));
             }
         }
+        Ok(t.elapsed().as_secs_f64() * 1e6 / calls as f64)
     }
-    let read = t.elapsed().as_secs_f64();
-    if !reference_first {
-        dropped &= drop_caches();
-        read_ref = reference(Phase::Read, &mut dst[..slot_bytes])?;
-    }
-    // Warm batch_exists of a full controller batch (128 keys).
-    let probe = &keys[..keys.len().min(128)];
-    let calls = 2000;
-    let t = Instant::now();
-    for _ in 0..calls {
-        let n = storage.batch_exists(probe).await?;
-        if n != probe.len() {
-            return Err(BenchError::CheckFailed(format!(
-                "batch_exists found {n} of {}",
-                probe.len()
-            )));
-        }
-    }
-    let exists_us = t.elapsed().as_secs_f64() * 1e6 / calls as f64;
-    Ok(Round {
-        write_refs: write_ref,
-        write,
-        read_refs: read_ref,
-        read,
-        exists_us,
-        dropped,
-    })
 }
 
 /// Starts a 3-primary Redis Cluster on loopback when `--backend redis` names no `nodes`.
@@ -255,9 +317,8 @@ fn spawn_redis_cluster(
         return Ok(None);
     }
     if !redis_available("storage --backend redis") {
-        return Err(BenchError::Usage(
-            "--backend redis without \"nodes\" starts a local cluster and needs redis-server"
-                .into(),
+        return Err(BenchError::usage(
+            "--backend redis without \"nodes\" starts a local cluster and needs redis-server",
         ));
     }
     Ok(Some(RedisCluster::start(3, 0, &[])))
@@ -278,16 +339,16 @@ fn redis_reference(
                 None => c.to_string(),
             };
             serde_json::from_str(&text)
-                .map_err(|e| BenchError::Usage(format!("--extra-config: {e}")))?
+                .map_err(|e| BenchError::usage(format!("--extra-config: {e}")))?
         }
-        (None, None) => return Err(BenchError::Usage("--backend redis needs nodes".into())),
+        (None, None) => return Err(BenchError::usage("--backend redis needs nodes")),
     };
     let node = match &doc["nodes"] {
         Value::String(s) => Some(s.clone()),
         Value::Array(a) => a.first().and_then(Value::as_str).map(str::to_string),
         _ => None,
     }
-    .ok_or_else(|| BenchError::Usage("--extra-config: `nodes` must name a node".into()))?;
+    .ok_or_else(|| BenchError::usage("--extra-config: `nodes` must name a node"))?;
     Ok(redis_benchmark::RedisBench {
         node,
         cluster: doc["cluster"].as_bool().unwrap_or(true),
@@ -313,29 +374,105 @@ enum Phase {
     Read,
 }
 
-/// Runs `storage`, writing the table or JSON lines to `out`.
-pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
+/// The physical limit a backend is measured against.
+enum RefKind {
+    /// Raw O_DIRECT I/O of the same bytes in the same directory (file-system backends).
+    RawODirect,
+    /// `redis-benchmark` against the same cluster.
+    Redis(redis_benchmark::RedisBench),
+    /// Raw TCP loopback of the same bytes (rdma).
+    TcpLoopback,
+    /// memcpy of the same bytes (memory).
+    Memcpy,
+}
+
+impl RefKind {
+    /// The `reference_kind` recorded with every figure.
+    fn name(&self) -> &'static str {
+        match self {
+            RefKind::RawODirect => "raw-odirect",
+            RefKind::Redis(_) => "redis-benchmark",
+            RefKind::TcpLoopback => "tcp-loopback",
+            RefKind::Memcpy => "memcpy",
+        }
+    }
+
+    /// The seconds of one phase of a reference that is not raw I/O.
+    fn secs(&self, phase: Phase, src: &[u8], page_bytes: usize, pages: usize) -> Result<f64> {
+        match self {
+            RefKind::Redis(rb) => {
+                let op = match phase {
+                    Phase::Write => redis_benchmark::Op::Set,
+                    Phase::Read => redis_benchmark::Op::Get,
+                };
+                rb.secs(op, page_bytes, pages)
+            }
+            RefKind::TcpLoopback => tcp_loopback::secs(src, page_bytes, pages),
+            RefKind::Memcpy | RefKind::RawODirect => memcpy_secs(src, page_bytes, pages),
+        }
+    }
+}
+
+/// What every page size of a run shares: the byte total, where stores go, the reference and
+/// the nodes of a cluster started for the run.
+struct Target {
+    total: u64,
+    base: Option<PathBuf>,
+    reference: RefKind,
+    cluster_nodes: Option<Value>,
+}
+
+/// The page sizes to measure, after checking the numeric flags.
+fn sizes_of(args: &StorageArgs) -> Result<(u64, Vec<usize>)> {
     let total = parse_byte_size(&args.total)
-        .ok_or_else(|| BenchError::Usage(format!("--total {:?} is not a byte size", args.total)))?;
+        .ok_or_else(|| BenchError::usage(format!("--total {:?} is not a byte size", args.total)))?;
     if total == 0 {
-        return Err(BenchError::Usage(
-            "--total must be at least one page (got 0 bytes)".into(),
+        return Err(BenchError::usage(
+            "--total must be at least one page (got 0 bytes)",
         ));
     }
-    let raw_depth = args.raw_depth;
-    if args.batch == 0 || args.rounds == 0 || raw_depth == 0 || args.inflight == 0 {
-        return Err(BenchError::Usage(
-            "--batch, --rounds, --raw-depth and --inflight must be at least 1".into(),
+    if args.batch == 0 || args.rounds == 0 || args.raw_depth == 0 || args.inflight == 0 {
+        return Err(BenchError::usage(
+            "--batch, --rounds, --raw-depth and --inflight must be at least 1",
         ));
     }
     let sizes = match args.page_bytes {
-        Some(0) => return Err(BenchError::Usage("--page-bytes must be at least 1".into())),
+        Some(0) => return Err(BenchError::usage("--page-bytes must be at least 1")),
         Some(n) => vec![n],
         None => vec![8 << 20, 256 << 10],
     };
-    let file_like = !matches!(args.backend.backend.as_str(), "memory" | "rdma" | "redis");
-    // Network backends are measured against raw TCP loopback of the same bytes.
-    let rdma = matches!(args.backend.backend.as_str(), "rdma" | "redis");
+    Ok((total, sizes))
+}
+
+/// The reference of `--backend` and its store directory (file-system backends need `--dir`).
+fn target_of(args: &StorageArgs, total: u64, cluster_nodes: Option<Value>) -> Result<Target> {
+    let backend = args.backend.backend.as_str();
+    let reference = match backend {
+        "redis" => RefKind::Redis(redis_reference(args, cluster_nodes.as_ref(), args.batch)?),
+        "rdma" => RefKind::TcpLoopback,
+        "memory" => RefKind::Memcpy,
+        _ => RefKind::RawODirect,
+    };
+    let base: Option<PathBuf> = args.backend.dir.clone();
+    if matches!(reference, RefKind::RawODirect) && base.is_none() {
+        return Err(BenchError::usage(format!(
+            "--backend {backend} needs --dir (a directory on the disk to measure, not /dev/shm)"
+        )));
+    }
+    if let Some(b) = &base {
+        std::fs::create_dir_all(b).map_err(BenchError::io(b))?;
+    }
+    Ok(Target {
+        total,
+        base,
+        reference,
+        cluster_nodes,
+    })
+}
+
+/// Runs `storage`, writing the table or JSON lines to `out`.
+pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
+    let (total, sizes) = sizes_of(args)?;
     // `--backend redis` without `nodes`: a 3-primary cluster on loopback for the run.
     #[cfg(feature = "redis")]
     let _cluster = spawn_redis_cluster(args)?;
@@ -343,31 +480,47 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
     let cluster_nodes: Option<Value> = _cluster.as_ref().map(|c| Value::from(c.seeds()));
     #[cfg(not(feature = "redis"))]
     let cluster_nodes: Option<Value> = None;
-    // The redis backend's reference: redis-benchmark against the same cluster.
-    let redis_ref = (args.backend.backend == "redis")
-        .then(|| redis_reference(args, cluster_nodes.as_ref(), args.batch))
-        .transpose()?;
-    let base: Option<PathBuf> = args.backend.dir.clone();
-    if file_like && base.is_none() {
-        return Err(BenchError::Usage(format!(
-            "--backend {} needs --dir (a directory on the disk to measure, not /dev/shm)",
-            args.backend.backend
-        )));
-    }
-    if let Some(b) = &base {
-        std::fs::create_dir_all(b).map_err(BenchError::io(b))?;
-    }
+    let target = target_of(args, total, cluster_nodes)?;
     let rt = runtime()?;
     let mut records = Vec::new();
-    // Stores written, removed once everything is measured or on an error (see the round loop).
+    // Stores written, removed once everything is measured or on an error (see `SizeRun::round`).
     let mut stores = Stores(Vec::new());
     for &page_bytes in &sizes {
-        let pages = ((total / page_bytes as u64) as usize).max(args.batch);
+        let mut size = SizeRun::new(args, &target, page_bytes)?;
+        let rounds = (0..args.rounds)
+            .map(|round| size.round(&rt, round, &mut stores))
+            .collect::<Result<Vec<_>>>()?;
+        records.extend(size.records(&rounds));
+    }
+    print_records(&records, args.json, &mut out)?;
+    Ok(records)
+}
+
+/// One page size of a run: its page counts and the page buffers (source batch and read slots
+/// in one mapping, one region to register).
+struct SizeRun<'a> {
+    args: &'a StorageArgs,
+    target: &'a Target,
+    page_bytes: usize,
+    pages: usize,
+    /// Bytes written (and read) per round.
+    bytes: u64,
+    batch_pages: usize,
+    inflight: usize,
+    pool: memmap2::MmapMut,
+    zero_copy: bool,
+    /// Names of the reference candidates ("threads@32", "io_uring@128"), with engine and depth.
+    candidates: Vec<(String, &'static str, usize)>,
+}
+
+impl<'a> SizeRun<'a> {
+    fn new(args: &'a StorageArgs, target: &'a Target, page_bytes: usize) -> Result<Self> {
+        let pages = ((target.total / page_bytes as u64) as usize).max(args.batch);
         let bytes = pages
             .checked_mul(page_bytes)
             .and_then(|b| b.checked_mul(2))
             .ok_or_else(|| {
-                BenchError::Usage(format!(
+                BenchError::usage(format!(
                     "--page-bytes {page_bytes} is too large: {pages} pages of it (at least \
                      --batch {}) overflow a {}-bit byte count",
                     args.batch,
@@ -376,16 +529,9 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
             })? as u64
             / 2;
         let batch_pages = args.batch.min(pages);
-        // Source and destination pages in one mapping (one region to register).
         // No more read slots than batches (8 MiB pages: 2 batches of 128 in 2 GiB).
         let inflight = args.inflight.max(1).min(pages.div_ceil(batch_pages));
         let mut pool = aligned_region((1 + inflight) * batch_pages, page_bytes)?;
-        let region = MemoryRegion {
-            addr: pool.as_ptr() as usize,
-            len: pool.len(),
-            cuda_registered: false,
-            huge_pages: false,
-        };
         let (src, dst) = pool.split_at_mut(batch_pages * page_bytes);
         // Touch every destination page now, as an engine's host pool is (allocated and pinned
         // before it serves): otherwise the first read into each slot pays the page faults of
@@ -395,268 +541,306 @@ pub fn run(args: &StorageArgs, mut out: impl Write) -> Result<Vec<Record>> {
         for (i, c) in src.chunks_mut(page_bytes).enumerate() {
             pattern::fill_page(&seed_key(u64::MAX, i as u64), c);
         }
-        let src: &[u8] = src;
-        let mut rounds = Vec::new();
-        let mut zero_copy = false;
-        // Names of the reference candidates ("threads@32", "io_uring@128"), with their depth.
-        let mut candidates: Vec<(String, &'static str, usize)> = Vec::new();
-        for round in 0..args.rounds {
-            // Each round writes a store of its own, and every store is removed only once the
-            // whole run is measured: on ext4 without a journal a new inode skips every inode
-            // deleted in the last minute whose table block is cached, one lookup each, under
-            // the directory lock, so thousands of fresh deletions make each create of the next
-            // minute scan them all (measured 0.2-0.4 GB/s instead of 1.2-1.5 for 256 KiB page
-            // files; perf: `recently_deleted`). That would be the bench's own cleanup, not the
-            // backend's write path (the raw reference creates no inodes). A run started within
-            // a minute of another one's cleanup still meets it: leave a minute between runs.
-            let store_dir = base
-                .as_ref()
-                .map(|b| b.join(format!("bench-store-{}-{round}", size_label(page_bytes))));
-            if let Some(d) = &store_dir {
-                let _ = std::fs::remove_dir_all(d);
-                stores.0.push(d.clone());
-                // Both sides start from a written-back disk.
-                drop_caches();
-            }
-            let raw_path = base.as_ref().map(|b| b.join("bench-raw.bin"));
-            let mut overrides: Vec<(&str, Value)> = Vec::new();
-            if let Some(d) = &store_dir {
-                overrides.push(("dir", Value::String(d.display().to_string())));
-            }
-            overrides.push(("capacity", Value::from(bytes * 2 + (64 << 20))));
-            if let Some(n) = &cluster_nodes {
-                overrides.push(("nodes", n.clone()));
-            }
-            let mut bargs = args.backend.clone();
-            bargs.dir = None;
-            // The raw candidates: the configured one, and io_uring at the backend's own depth
-            // (one of them only where both would run the same engine at the same depth).
-            let mut raws: Vec<Raw<'_>> = Vec::new();
-            if let Some(path) = raw_path.as_deref() {
-                for (engine, depth) in [
-                    (args.raw_engine, raw_depth.min(batch_pages)),
-                    (RawEngine::Uring, batch_pages),
-                ] {
-                    let r = Raw {
-                        path,
-                        page_bytes,
-                        pages,
-                        depth,
-                        engine,
-                    };
-                    let e = r.effective_engine();
-                    if !raws
-                        .iter()
-                        .any(|o| o.effective_engine() == e && o.depth == depth)
-                    {
-                        raws.push(r);
-                    }
-                }
-            }
-            candidates = if raws.is_empty() {
-                let name = if redis_ref.is_some() {
-                    "redis-benchmark"
-                } else if rdma {
-                    "tcp-loopback"
-                } else {
-                    "memcpy"
-                };
-                vec![(name.to_string(), name, 0)]
-            } else {
-                raws.iter()
-                    .map(|r| {
-                        let e = engine_name(r.effective_engine());
-                        (format!("{e}@{}", r.depth), e, r.depth)
-                    })
-                    .collect()
+        Ok(SizeRun {
+            args,
+            target,
+            page_bytes,
+            pages,
+            bytes,
+            batch_pages,
+            inflight,
+            pool,
+            zero_copy: false,
+            candidates: Vec::new(),
+        })
+    }
+
+    /// The raw candidates: the configured one, and io_uring at the backend's own depth (one of
+    /// them only where both would run the same engine at the same depth).
+    fn raws<'p>(&self, path: &'p std::path::Path) -> Vec<Raw<'p>> {
+        let mut raws: Vec<Raw<'p>> = Vec::new();
+        for (engine, depth) in [
+            (
+                self.args.raw_engine,
+                self.args.raw_depth.min(self.batch_pages),
+            ),
+            (RawEngine::Uring, self.batch_pages),
+        ] {
+            let r = Raw {
+                path,
+                page_bytes: self.page_bytes,
+                pages: self.pages,
+                depth,
+                engine,
             };
-            let mut reference = |phase: Phase, dst: &mut [u8]| -> Result<Vec<f64>> {
-                if raws.is_empty() {
-                    let secs = if let Some(rb) = &redis_ref {
-                        let op = match phase {
-                            Phase::Write => redis_benchmark::Op::Set,
-                            Phase::Read => redis_benchmark::Op::Get,
-                        };
-                        rb.secs(op, page_bytes, pages)?
-                    } else if rdma {
-                        tcp_loopback::secs(src, page_bytes, pages)?
-                    } else {
-                        memcpy_secs(src, page_bytes, pages)?
-                    };
-                    return Ok(vec![secs]);
-                }
-                raws.iter()
-                    .map(|r| match phase {
-                        Phase::Write => r.write(src),
-                        Phase::Read => {
-                            // Each candidate reads cold, like the backend.
-                            drop_caches();
-                            r.read(dst)
-                        }
-                    })
-                    .collect()
-            };
-            let r = rt.block_on(async {
-                let storage = bargs.open(&overrides, page_bytes).await?;
-                if args.register_memory {
-                    storage.register_memory(region)?;
-                }
-                zero_copy = storage.info().zero_copy;
-                let r = backend_round(
-                    args,
-                    inflight,
-                    &*storage,
-                    src,
-                    dst,
-                    (page_bytes, pages),
-                    round,
-                    &mut reference,
-                )
-                .await;
-                drop(storage);
-                r
-            })?;
-            if let Some(p) = &raw_path {
-                let _ = std::fs::remove_file(p);
-            }
-            rounds.push(r);
-        }
-        let best = |f: fn(&Round) -> f64| rounds.iter().map(f).fold(f64::INFINITY, f64::min);
-        // The best seconds of candidate `i` over the rounds, for one phase.
-        let best_ref = |f: fn(&Round) -> &Vec<f64>, i: usize| {
-            rounds.iter().map(|r| f(r)[i]).fold(f64::INFINITY, f64::min)
-        };
-        // The headline reference of a phase: the stronger (higher GB/s) candidate, with every
-        // candidate's figure beside it.
-        let with_references = |r: Record, f: fn(&Round) -> &Vec<f64>| {
-            let figures: Vec<f64> = (0..candidates.len())
-                .map(|i| gbps(bytes, best_ref(f, i)))
-                .collect();
-            let strongest = (0..figures.len())
-                .max_by(|&a, &b| figures[a].total_cmp(&figures[b]))
-                .unwrap_or(0);
-            let all: serde_json::Map<String, Value> = candidates
+            let e = r.effective_engine();
+            if !raws
                 .iter()
-                .zip(&figures)
-                .map(|((name, _, _), g)| (name.clone(), Value::from(*g)))
-                .collect();
-            let (name, engine, depth) = &candidates[strongest];
-            let r = r
-                .with_reference(figures[strongest])
-                .with("reference_name", name.as_str())
-                .with("references", Value::Object(all));
-            if *depth > 0 {
-                r.with("reference_engine", *engine)
-                    .with("reference_depth", *depth as u64)
-            } else {
-                r
+                .any(|o| o.effective_engine() == e && o.depth == depth)
+            {
+                raws.push(r);
             }
-        };
-        let label = size_label(page_bytes);
-        let b = &args.backend.backend;
-        let reference = match (file_like, rdma) {
-            (true, _) => "raw-odirect",
-            _ if redis_ref.is_some() => "redis-benchmark",
-            (false, true) => "tcp-loopback",
-            (false, false) => "memcpy",
-        };
-        let cold = if rounds.iter().all(|r| r.dropped) {
-            "drop_caches"
+        }
+        raws
+    }
+
+    /// The backend's configuration for `round`: its own store directory, room for what it
+    /// writes, the cluster's nodes.
+    fn overrides(&self, store_dir: Option<&PathBuf>) -> Vec<(&'static str, Value)> {
+        let mut overrides: Vec<(&str, Value)> = Vec::new();
+        if let Some(d) = store_dir {
+            overrides.push(("dir", Value::String(d.display().to_string())));
+        }
+        overrides.push(("capacity", Value::from(self.bytes * 2 + (64 << 20))));
+        if let Some(n) = &self.target.cluster_nodes {
+            overrides.push(("nodes", n.clone()));
+        }
+        overrides
+    }
+
+    /// One round: the reference candidates and the backend back to back on a fresh store.
+    fn round(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+        round: usize,
+        stores: &mut Stores,
+    ) -> Result<Round> {
+        // Each round writes a store of its own, and every store is removed only once the
+        // whole run is measured: on ext4 without a journal a new inode skips every inode
+        // deleted in the last minute whose table block is cached, one lookup each, under
+        // the directory lock, so thousands of fresh deletions make each create of the next
+        // minute scan them all (measured 0.2-0.4 GB/s instead of 1.2-1.5 for 256 KiB page
+        // files; perf: `recently_deleted`). That would be the bench's own cleanup, not the
+        // backend's write path (the raw reference creates no inodes). A run started within
+        // a minute of another one's cleanup still meets it: leave a minute between runs.
+        let base = self.target.base.as_ref();
+        let store_dir = base.map(|b| {
+            b.join(format!(
+                "bench-store-{}-{round}",
+                size_label(self.page_bytes)
+            ))
+        });
+        if let Some(d) = &store_dir {
+            let _ = std::fs::remove_dir_all(d);
+            stores.0.push(d.clone());
+            // Both sides start from a written-back disk.
+            drop_caches();
+        }
+        let raw_path = base.map(|b| b.join("bench-raw.bin"));
+        let overrides = self.overrides(store_dir.as_ref());
+        let raws = raw_path
+            .as_deref()
+            .map(|p| self.raws(p))
+            .unwrap_or_default();
+        self.candidates = if raws.is_empty() {
+            let name = self.target.reference.name();
+            vec![(name.to_string(), name, 0)]
         } else {
-            "o_direct-only"
+            raws.iter()
+                .map(|r| {
+                    let e = engine_name(r.effective_engine());
+                    (format!("{e}@{}", r.depth), e, r.depth)
+                })
+                .collect()
         };
+        let r = self.backend_round(rt, round, &raws, &overrides);
+        if let Some(p) = &raw_path {
+            let _ = std::fs::remove_file(p);
+        }
+        r
+    }
+
+    /// Opens the backend and measures it next to the reference candidates `raws` (or the
+    /// target's reference where there is no raw I/O).
+    fn backend_round(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+        round: usize,
+        raws: &[Raw<'_>],
+        overrides: &[(&str, Value)],
+    ) -> Result<Round> {
+        let (page_bytes, pages) = (self.page_bytes, self.pages);
+        let region = MemoryRegion {
+            addr: self.pool.as_ptr() as usize,
+            len: self.pool.len(),
+            cuda_registered: false,
+            huge_pages: false,
+        };
+        let (src, dst) = self.pool.split_at_mut(self.batch_pages * page_bytes);
+        let src: &[u8] = src;
+        let target = self.target;
+        let mut reference = |phase: Phase, dst: &mut [u8]| -> Result<Vec<f64>> {
+            if raws.is_empty() {
+                return Ok(vec![target.reference.secs(phase, src, page_bytes, pages)?]);
+            }
+            raws.iter()
+                .map(|r| match phase {
+                    Phase::Write => r.write(src),
+                    Phase::Read => {
+                        // Each candidate reads cold, like the backend.
+                        drop_caches();
+                        r.read(dst)
+                    }
+                })
+                .collect()
+        };
+        let mut bargs = self.args.backend.clone();
+        bargs.dir = None;
+        let (args, inflight) = (self.args, self.inflight);
+        let mut zero_copy = false;
+        let r = rt.block_on(async {
+            let storage = bargs.open(overrides, page_bytes).await?;
+            if args.register_memory {
+                storage.register_memory(region)?;
+            }
+            zero_copy = storage.info().zero_copy;
+            let bench = BackendBench {
+                args,
+                reference: &target.reference,
+                inflight,
+                storage: &*storage,
+                page_bytes,
+                pages,
+            };
+            bench.round(src, dst, round, &mut reference).await
+        });
+        self.zero_copy = zero_copy;
+        r
+    }
+
+    /// The write, read and exists records of this page size: the best round of each, against
+    /// the stronger reference candidate.
+    fn records(&self, rounds: &[Round]) -> Vec<Record> {
+        let args = self.args;
+        let best = |f: fn(&Round) -> f64| rounds.iter().map(f).fold(f64::INFINITY, f64::min);
+        let label = size_label(self.page_bytes);
+        let b = &args.backend.backend;
+        let file_like = matches!(self.target.reference, RefKind::RawODirect);
         let common = |r: Record| {
-            r.with("pages", pages as u64)
-                .with("page_bytes", page_bytes as u64)
-                .with("bytes", bytes)
+            let r = r
+                .with("pages", self.pages as u64)
+                .with("page_bytes", self.page_bytes as u64)
+                .with("bytes", self.bytes)
                 .with("batch", args.batch as u64)
                 .with("rounds", args.rounds as u64)
-                .with("reference_kind", reference)
-                .with("zero_copy", zero_copy)
+                .with("reference_kind", self.target.reference.name())
+                .with("zero_copy", self.zero_copy)
                 .with("registered", args.register_memory)
-                .with("inflight", inflight as u64)
+                .with("inflight", self.inflight as u64);
+            match &args.backend.extra_config {
+                Some(c) => r.with("extra_config", c.as_str()),
+                None => r,
+            }
         };
-        let common = |r: Record| match &args.backend.extra_config {
-            Some(c) => common(r).with("extra_config", c.as_str()),
-            None => common(r),
-        };
-        let mut write = with_references(
+        let figure = |phase: &str, f: fn(&Round) -> f64| {
+            let value = gbps(self.bytes, best(f));
             common(Record::new(
                 "storage",
-                format!("{b}/write/{label}"),
-                gbps(bytes, best(|r| r.write)),
+                format!("{b}/{phase}/{label}"),
+                value,
                 "GB/s",
-            )),
-            |r| &r.write_refs,
-        );
-        let mut read = with_references(
-            common(Record::new(
-                "storage",
-                format!("{b}/read/{label}"),
-                gbps(bytes, best(|r| r.read)),
-                "GB/s",
-            )),
-            |r| &r.read_refs,
-        );
+            ))
+        };
+        let mut write =
+            self.with_references(figure("write", |r| r.write), rounds, |r| &r.write_refs);
+        let mut read = self.with_references(figure("read", |r| r.read), rounds, |r| &r.read_refs);
         if file_like {
             write = write.with(
                 "durable",
                 "backend fsync policy; reference ends with fdatasync",
             );
+            let cold = if rounds.iter().all(|r| r.dropped) {
+                "drop_caches"
+            } else {
+                "o_direct-only"
+            };
             read = read.with("cold", cold);
         }
-        records.push(write);
-        records.push(read);
-        records.push(
-            Record::new(
-                "storage",
-                format!("{b}/exists128/{label}"),
-                best(|r| r.exists_us),
-                "us",
-            )
-            .with("target_us", 50.0)
-            .with("warm", true),
-        );
-    }
-    if args.json {
-        for r in &records {
-            writeln!(out, "{}", r.to_json_line()).map_err(BenchError::io("<stdout>"))?;
-        }
-    } else {
-        writeln!(
-            out,
-            "{:<28} {:>10} {:>6} {:>10} {:>7}  reference name (every candidate, GB/s)",
-            "case", "value", "unit", "reference", "ratio"
+        let exists = Record::new(
+            "storage",
+            format!("{b}/exists128/{label}"),
+            best(|r| r.exists_us),
+            "us",
         )
-        .map_err(BenchError::io("<stdout>"))?;
-        for r in &records {
-            let candidates = r
-                .extra
-                .get("references")
-                .and_then(Value::as_object)
-                .map(|m| {
-                    m.iter()
-                        .map(|(k, v)| format!("{k} {:.3}", v.as_f64().unwrap_or(f64::NAN)))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                })
-                .unwrap_or_default();
-            let name = r
-                .extra
-                .get("reference_name")
-                .and_then(Value::as_str)
-                .unwrap_or("-");
-            writeln!(
-                out,
-                "{:<28} {:>10.3} {:>6} {:>10} {:>7}  {name} ({candidates})",
-                r.case,
-                r.value,
-                r.unit,
-                r.reference.map_or("-".into(), |v| format!("{v:.3}")),
-                r.ratio.map_or("-".into(), |v| format!("{v:.3}")),
-            )
-            .map_err(BenchError::io("<stdout>"))?;
+        .with("target_us", 50.0)
+        .with("warm", true);
+        vec![write, read, exists]
+    }
+
+    /// `r` with the headline reference of a phase: the stronger (higher GB/s) candidate, with
+    /// every candidate's figure beside it.
+    fn with_references(&self, r: Record, rounds: &[Round], f: fn(&Round) -> &Vec<f64>) -> Record {
+        let best_ref = |i: usize| rounds.iter().map(|r| f(r)[i]).fold(f64::INFINITY, f64::min);
+        let figures: Vec<f64> = (0..self.candidates.len())
+            .map(|i| gbps(self.bytes, best_ref(i)))
+            .collect();
+        let strongest = (0..figures.len())
+            .max_by(|&a, &b| figures[a].total_cmp(&figures[b]))
+            .unwrap_or(0);
+        let all: serde_json::Map<String, Value> = self
+            .candidates
+            .iter()
+            .zip(&figures)
+            .map(|((name, _, _), g)| (name.clone(), Value::from(*g)))
+            .collect();
+        let (name, engine, depth) = &self.candidates[strongest];
+        let r = r
+            .with_reference(figures[strongest])
+            .with("reference_name", name.as_str())
+            .with("references", Value::Object(all));
+        if *depth > 0 {
+            r.with("reference_engine", *engine)
+                .with("reference_depth", *depth as u64)
+        } else {
+            r
         }
     }
-    Ok(records)
+}
+
+/// Prints the records as JSON lines or as a table with every reference candidate.
+fn print_records(records: &[Record], json: bool, out: &mut dyn Write) -> Result<()> {
+    let io = BenchError::io("<stdout>");
+    let mut w = |s: String| writeln!(out, "{s}");
+    if json {
+        return records
+            .iter()
+            .try_for_each(|r| w(r.to_json_line()))
+            .map_err(io);
+    }
+    let header = format!(
+        "{:<28} {:>10} {:>6} {:>10} {:>7}  reference name (every candidate, GB/s)",
+        "case", "value", "unit", "reference", "ratio"
+    );
+    std::iter::once(header)
+        .chain(records.iter().map(table_row))
+        .try_for_each(w)
+        .map_err(io)
+}
+
+/// One record's row of the table.
+fn table_row(r: &Record) -> String {
+    let candidates = r
+        .extra
+        .get("references")
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| format!("{k} {:.3}", v.as_f64().unwrap_or(f64::NAN)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+        .unwrap_or_default();
+    let name = r
+        .extra
+        .get("reference_name")
+        .and_then(Value::as_str)
+        .unwrap_or("-");
+    format!(
+        "{:<28} {:>10.3} {:>6} {:>10} {:>7}  {name} ({candidates})",
+        r.case,
+        r.value,
+        r.unit,
+        r.reference.map_or("-".into(), |v| format!("{v:.3}")),
+        r.ratio.map_or("-".into(), |v| format!("{v:.3}")),
+    )
 }

@@ -15,7 +15,7 @@ pub fn secs(src: &[u8], page_bytes: usize, pages: usize) -> Result<f64> {
     let (t, received) = transfer(src, page_bytes, pages)?;
     let total = page_bytes as u64 * pages as u64;
     if received.bytes != total || received.mismatches != 0 {
-        return Err(BenchError::CheckFailed(format!(
+        return Err(BenchError::check_failed(format!(
             "tcp loopback: {} of {total} bytes arrived, {} reads began with a wrong byte",
             received.bytes, received.mismatches
         )));
@@ -83,7 +83,7 @@ fn transfer(src: &[u8], page_bytes: usize, pages: usize) -> Result<(f64, Receive
         written.map_err(BenchError::io("tcp loopback write"))?;
         let received = reader
             .join()
-            .map_err(|_| BenchError::CheckFailed("tcp loopback reader panicked".into()))?
+            .map_err(|_| BenchError::check_failed("tcp loopback reader panicked"))?
             .map_err(BenchError::io("tcp loopback read"))?;
         Ok((t.elapsed().as_secs_f64(), received))
     })

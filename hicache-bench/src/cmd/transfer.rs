@@ -158,10 +158,7 @@ pub struct TransferArgs {
     pub verify: Option<bool>,
 }
 
-/// Whether `device` is the emulated driver (`hicache-cuda-emu`), whose figures are CPU copies.
-pub fn is_emulated(device: &Device) -> bool {
-    device.name().contains("hicache-cuda-emu")
-}
+pub use hicache_sim::setup::is_emulated;
 
 /// Both pools' bytes: every device page (flat `[h][l][t][row]`), every host page (flat
 /// layout order).
@@ -282,7 +279,7 @@ fn verify(
     let want = reference(&before, hp, dir, dev, hst);
     match first_difference(&got, &want) {
         None => Ok(()),
-        Some((pool, page, byte)) => Err(BenchError::CheckFailed(format!(
+        Some((pool, page, byte)) => Err(BenchError::check_failed(format!(
             "transfer {case}: {pool} page {page} differs from the host-side reference at byte \
              {byte}"
         ))),
@@ -290,11 +287,11 @@ fn verify(
 }
 
 fn gpu_err(e: hicache_gpu::GpuError) -> BenchError {
-    BenchError::Usage(format!("transfer: {e}"))
+    BenchError::usage(format!("transfer: {e}"))
 }
 
 fn host_err(e: hicache_host::HostError) -> BenchError {
-    BenchError::Usage(format!("transfer: {e}"))
+    BenchError::usage(format!("transfer: {e}"))
 }
 
 /// Median seconds of `iters` runs of `f` after one warm-up.
@@ -310,12 +307,152 @@ fn median_secs(iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(t[t.len() / 2])
 }
 
+/// The header: the device, what the reference is, whether bytes are verified; the columns.
+fn header(args: &TransferArgs, device: &Device, emulated: bool, verify_on: bool) -> String {
+    format!(
+        "transfer on {} ({:?}); reference = one bulk pinned copy of the same bytes{}{}\n\
+         {:<16} {:<18} {:<7} {:>6} {:<7} {:>9} {:>9} {:>6} {:>4}",
+        device.name(),
+        device.kind(),
+        if args.device == DeviceArg::Sim {
+            " (sim: CPU memcpy, not GPU speed)"
+        } else if emulated {
+            " (EMULATED driver: CPU copies, not GPU speed)"
+        } else {
+            ""
+        },
+        if verify_on {
+            "; every byte verified against the host-side reference"
+        } else {
+            ""
+        },
+        "model",
+        "layout",
+        "io",
+        "pages",
+        "dir",
+        "GB/s",
+        "ref GB/s",
+        "ratio",
+        "SMs"
+    )
+}
+
+/// The transfer engine's configuration for `--io` `io`.
+fn engine_config(args: &TransferArgs, io: IoArg) -> TransferConfig {
+    TransferConfig {
+        io: match io {
+            IoArg::Kernel | IoArg::Staged => IoBackend::Kernel,
+            IoArg::Direct => IoBackend::Direct,
+        },
+        ctas: args.ctas,
+        threads_per_cta: args.threads,
+        chunk_bytes: args.chunk_bytes,
+        staged_backup_pages: if io == IoArg::Staged {
+            args.staged_pages
+        } else {
+            0
+        },
+    }
+}
+
+/// One engine's cases (both directions) of `n` scattered pages.
+struct EngineCases<'a> {
+    args: &'a TransferArgs,
+    device: &'a Device,
+    engine: TransferEngine,
+    config: TransferConfig,
+    /// Direct copies the engine plans for these pages (every layer).
+    copies: usize,
+    layout: LayoutArg,
+    io_name: &'static str,
+    dev: &'a [DeviceSlot],
+    host: &'a [HostSlot],
+    scratch: &'a hicache_gpu::DeviceBuffer,
+    emulated: bool,
+    verify_on: bool,
+}
+
+impl EngineCases<'_> {
+    /// Measures `dir` (verified first with `--verify`) against the bulk copy: the JSON record
+    /// or the table row.
+    fn measure(&self, dir: Direction) -> Result<String> {
+        let (args, engine, n) = (self.args, &self.engine, self.dev.len());
+        let bytes = n * args.model.shape(args.page_size).page_bytes();
+        let dir_name = match dir {
+            Direction::ToHost => "backup",
+            Direction::ToDevice => "load",
+        };
+        let layout = self.layout.kind().as_str();
+        let case = format!(
+            "{}/{layout}/{}/{dir_name}/{n}p",
+            args.model.name(),
+            self.io_name
+        );
+        if self.verify_on {
+            verify(
+                engine,
+                dir,
+                self.dev,
+                self.host,
+                args.seed ^ n as u64,
+                &case,
+            )?;
+        }
+        let t = median_secs(args.iters, || {
+            match dir {
+                Direction::ToHost => engine
+                    .backup(self.dev, self.host, &[])
+                    .and_then(|c| c.wait()),
+                Direction::ToDevice => engine.load(self.host, self.dev, &[]).and_then(|h| h.wait()),
+            }
+            .map_err(gpu_err)
+        })?;
+        let r = median_secs(args.iters, || {
+            engine
+                .bulk_copy(dir, self.scratch, bytes, &[])
+                .and_then(|c| c.wait())
+                .map_err(gpu_err)
+        })?;
+        let gbs = bytes as f64 / t / 1e9;
+        let ref_gbs = bytes as f64 / r / 1e9;
+        if !args.json {
+            return Ok(format!(
+                "{:<16} {:<18} {:<7} {:>6} {:<7} {:>9.2} {:>9.2} {:>6.3} {:>4}{}",
+                args.model.name(),
+                layout,
+                self.io_name,
+                n,
+                dir_name,
+                gbs,
+                ref_gbs,
+                gbs / ref_gbs,
+                engine.sms_used(),
+                if self.emulated { " emulated" } else { "" }
+            ));
+        }
+        Ok(Record::new("transfer", case, gbs, "GB/s")
+            .with_reference(ref_gbs)
+            .with("device", self.device.name())
+            .with("bytes", bytes as u64)
+            .with("pages", n as u64)
+            .with("sms", engine.sms_used())
+            .with("ctas", self.config.ctas)
+            .with("threads", self.config.threads_per_cta)
+            .with("word_bytes", engine.word_bytes())
+            .with("direct_copies", self.copies as u64)
+            .with("staged_pages", self.config.staged_backup_pages)
+            .with("iters", args.iters as u64)
+            .with("verified", self.verify_on)
+            .with("emulated", self.emulated)
+            .to_json_line())
+    }
+}
+
 /// Runs the bench, writing records (or a table) to `out`.
 pub fn run(args: &TransferArgs, mut out: impl Write) -> Result<()> {
     if args.pages.is_empty() || args.pages.contains(&0) {
-        return Err(BenchError::Usage(
-            "--pages needs positive page counts".into(),
-        ));
+        return Err(BenchError::usage("--pages needs positive page counts"));
     }
     let device = match args.device {
         DeviceArg::Cuda => Device::cuda(0).map_err(gpu_err)?,
@@ -325,44 +462,18 @@ pub fn run(args: &TransferArgs, mut out: impl Write) -> Result<()> {
     shape.validate()?;
     let emulated = is_emulated(&device);
     let verify_on = args.verify.unwrap_or(emulated);
-    let w =
-        |out: &mut dyn Write, s: String| writeln!(out, "{s}").map_err(BenchError::io("<stdout>"));
+    let mut w = |s: String| writeln!(out, "{s}").map_err(BenchError::io("<stdout>"));
     if !args.json {
-        w(
-            &mut out,
-            format!(
-                "transfer on {} ({:?}); reference = one bulk pinned copy of the same bytes{}{}",
-                device.name(),
-                device.kind(),
-                if args.device == DeviceArg::Sim {
-                    " (sim: CPU memcpy, not GPU speed)"
-                } else if emulated {
-                    " (EMULATED driver: CPU copies, not GPU speed)"
-                } else {
-                    ""
-                },
-                if verify_on {
-                    "; every byte verified against the host-side reference"
-                } else {
-                    ""
-                }
-            ),
-        )?;
-        w(
-            &mut out,
-            format!(
-                "{:<16} {:<18} {:<7} {:>6} {:<7} {:>9} {:>9} {:>6} {:>4}",
-                "model", "layout", "io", "pages", "dir", "GB/s", "ref GB/s", "ratio", "SMs"
-            ),
-        )?;
+        w(header(args, &device, emulated, verify_on))?;
     }
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
     for &n in &args.pages {
         // Pools a quarter larger than the transfer, so scattered pages leave gaps.
         let pool_pages = n + n / 4 + 1;
         let device_pool = Arc::new(DevicePool::new(&device, shape, pool_pages).map_err(gpu_err)?);
-        let bytes = n * shape.page_bytes();
-        let scratch = device.alloc_zeroed(bytes).map_err(gpu_err)?;
+        let scratch = device
+            .alloc_zeroed(n * shape.page_bytes())
+            .map_err(gpu_err)?;
         let mut dev: Vec<u32> = (0..pool_pages as u32).collect();
         dev.shuffle(&mut rng);
         let dev: Vec<DeviceSlot> = dev[..n].iter().map(|&p| DeviceSlot(p)).collect();
@@ -380,99 +491,32 @@ pub fn run(args: &TransferArgs, mut out: impl Write) -> Result<()> {
             let host: Vec<HostSlot> = host[..n].iter().map(|&p| HostSlot(p)).collect();
             let reg = HostRegistration::new(&device, host_pool.clone()).map_err(gpu_err)?;
             for &io in &args.io {
-                let config = TransferConfig {
-                    io: match io {
-                        IoArg::Kernel | IoArg::Staged => IoBackend::Kernel,
-                        IoArg::Direct => IoBackend::Direct,
-                    },
-                    ctas: args.ctas,
-                    threads_per_cta: args.threads,
-                    chunk_bytes: args.chunk_bytes,
-                    staged_backup_pages: if io == IoArg::Staged {
-                        args.staged_pages
-                    } else {
-                        0
-                    },
-                };
+                let config = engine_config(args, io);
                 let engine = TransferEngine::new(device_pool.clone(), reg.clone(), config)
                     .map_err(gpu_err)?;
                 let copies = engine
                     .direct_plan(&dev, &host, 0..shape.layers)
                     .map_err(gpu_err)?
                     .len();
-                let io_name = match io {
-                    IoArg::Staged => "staged",
-                    _ => config.io.as_str(),
+                let cases = EngineCases {
+                    args,
+                    device: &device,
+                    engine,
+                    config,
+                    copies,
+                    layout,
+                    io_name: match io {
+                        IoArg::Staged => "staged",
+                        _ => config.io.as_str(),
+                    },
+                    dev: &dev,
+                    host: &host,
+                    scratch: &scratch,
+                    emulated,
+                    verify_on,
                 };
                 for dir in [Direction::ToHost, Direction::ToDevice] {
-                    let dir_name = match dir {
-                        Direction::ToHost => "backup",
-                        Direction::ToDevice => "load",
-                    };
-                    let case = format!(
-                        "{}/{}/{}/{}/{}p",
-                        args.model.name(),
-                        layout.kind().as_str(),
-                        io_name,
-                        dir_name,
-                        n
-                    );
-                    if verify_on {
-                        verify(&engine, dir, &dev, &host, args.seed ^ n as u64, &case)?;
-                    }
-                    let t = median_secs(args.iters, || {
-                        match dir {
-                            Direction::ToHost => {
-                                engine.backup(&dev, &host, &[]).and_then(|c| c.wait())
-                            }
-                            Direction::ToDevice => {
-                                engine.load(&host, &dev, &[]).and_then(|h| h.wait())
-                            }
-                        }
-                        .map_err(gpu_err)
-                    })?;
-                    let r = median_secs(args.iters, || {
-                        engine
-                            .bulk_copy(dir, &scratch, bytes, &[])
-                            .and_then(|c| c.wait())
-                            .map_err(gpu_err)
-                    })?;
-                    let gbs = bytes as f64 / t / 1e9;
-                    let ref_gbs = bytes as f64 / r / 1e9;
-                    let rec = Record::new("transfer", case, gbs, "GB/s")
-                        .with_reference(ref_gbs)
-                        .with("device", device.name())
-                        .with("bytes", bytes as u64)
-                        .with("pages", n as u64)
-                        .with("sms", engine.sms_used())
-                        .with("ctas", config.ctas)
-                        .with("threads", config.threads_per_cta)
-                        .with("word_bytes", engine.word_bytes())
-                        .with("direct_copies", copies as u64)
-                        .with("staged_pages", config.staged_backup_pages)
-                        .with("iters", args.iters as u64)
-                        .with("verified", verify_on)
-                        .with("emulated", emulated);
-                    if args.json {
-                        w(&mut out, rec.to_json_line())?;
-                    } else {
-                        w(
-                            &mut out,
-                            format!(
-                                "{:<16} {:<18} {:<7} {:>6} {:<7} {:>9.2} {:>9.2} {:>6.3} {:>4}{}",
-                                args.model.name(),
-                                layout.kind().as_str(),
-                                io_name,
-                                n,
-                                dir_name,
-                                gbs,
-                                ref_gbs,
-                                gbs / ref_gbs,
-                                engine.sms_used(),
-                                if emulated { " emulated" } else { "" }
-                            ),
-                        )?;
-                    }
+                    w(cases.measure(dir)?)?;
                 }
             }
         }

@@ -35,7 +35,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::error::{BenchError, Result};
 use crate::record::Record;
-use crate::trace::{self, MultiTurn, Request};
+use hicache_sim::trace::{self, MultiTurn, Request};
 
 /// A capacity on the command line: `unlimited`, a number of pages, or a percentage of the
 /// unique pages of the trace (`25%`).
@@ -225,7 +225,7 @@ pub fn replay_into<const TIMED: bool>(
     mut log: Option<&mut Vec<RequestOutcome>>,
 ) -> Result<Totals> {
     if tree.device_pages() != 0 || tree.host_pages() != 0 {
-        return Err(BenchError::CheckFailed("replay needs an empty tree".into()));
+        return Err(BenchError::check_failed("replay needs an empty tree"));
     }
     let ps = tree.page_size() as usize;
     let t = TenantId::DEFAULT;
@@ -278,7 +278,7 @@ pub fn replay_into<const TIMED: bool>(
                 }
                 let r = tree.insert(t, key, &slots, InsertOptions::default())?;
                 if r.prefix_pages != have {
-                    return Err(BenchError::CheckFailed(format!(
+                    return Err(BenchError::check_failed(format!(
                         "request {}: insert found {} cached pages, match found {have}",
                         req.id, r.prefix_pages
                     )));
@@ -370,8 +370,8 @@ pub fn measure(
         if (again.hit_tokens, again.skipped, again.evicted_tokens)
             != (totals.hit_tokens, totals.skipped, totals.evicted_tokens)
         {
-            return Err(BenchError::CheckFailed(
-                "two replays of the same trace disagree".into(),
+            return Err(BenchError::check_failed(
+                "two replays of the same trace disagree",
             ));
         }
         rates.push(trace.len() as f64 / dt.as_secs_f64());
@@ -416,118 +416,169 @@ pub struct BigTreeResult {
 /// the tree is built (a reservoir, so no walk of the tree warms the looked-up nodes before they
 /// are timed) and the mean depth is measured after the timed lookups.
 pub fn big_tree(pages: usize, ps: u32, key_tokens: usize, seed: u64) -> Result<BigTreeResult> {
-    let psz = ps as usize;
-    let key_pages = (key_tokens / psz).max(1);
-    let mut tree = HiRadixTree::new(TreeConfig::new(ps))?;
-    let t = TenantId::DEFAULT;
+    let key_pages = (key_tokens / ps as usize).max(1);
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut leaves: Vec<NodeId> = Vec::new();
-    // A uniform sample of up to MAX_LOOKUPS inserted keys (reservoir sampling), kept as the
-    // caller of a lookup would hold them: copies that never came from walking the tree.
-    const MAX_LOOKUPS: usize = 1000;
-    let mut sample: Vec<(NodeId, Vec<u32>)> = Vec::with_capacity(MAX_LOOKUPS);
-    let mut next_slot = 0u32;
-    let mut key = Vec::with_capacity(key_pages * psz);
-    while tree.device_pages() < pages {
-        key.clear();
-        if !leaves.is_empty() {
-            let parent = leaves[rng.random_range(0..leaves.len())];
-            let shared = rng.random_range(0..key_pages);
-            path_into(&tree, parent, &mut key)?;
-            key.truncate(shared * psz);
-        }
-        while key.len() < key_pages * psz {
-            key.push(rng.random_range(0..128_000));
-        }
-        let slots: Vec<DeviceSlot> = (next_slot..next_slot + key_pages as u32)
-            .map(DeviceSlot)
-            .collect();
-        next_slot += key_pages as u32;
-        let r = tree.insert(t, &key, &slots, InsertOptions::default())?;
-        leaves.push(r.last_node);
-        if sample.len() < MAX_LOOKUPS {
-            sample.push((r.last_node, key.clone()));
-        } else {
-            let j = rng.random_range(0..leaves.len());
-            if j < MAX_LOOKUPS {
-                sample[j] = (r.last_node, key.clone());
-            }
-        }
-    }
-    // Small trees: draw with replacement (up to 4 lookups per key); big ones: every sampled key
-    // once, in random order.
-    let lookups = MAX_LOOKUPS.min(leaves.len() * 4);
-    let mut queries = Vec::with_capacity(lookups);
-    let mut copies = Vec::with_capacity(lookups);
-    let mut query_nodes = Vec::with_capacity(lookups);
-    for i in 0..lookups {
-        let pick = if sample.len() < lookups {
-            rng.random_range(0..sample.len())
-        } else {
-            i
-        };
-        query_nodes.push(sample[pick].0);
-        copies.push(sample[pick].1.clone());
-        queries.push(sample[pick].1.clone());
-    }
-    for i in (1..lookups).rev() {
-        let j = rng.random_range(0..=i);
-        queries.swap(i, j);
-        copies.swap(i, j);
-        query_nodes.swap(i, j);
-    }
-    let mut lat = Vec::with_capacity(lookups);
-    for q in &queries {
-        let t0 = Instant::now();
-        let m = tree.match_prefix(t, black_box(q))?;
-        let dt = t0.elapsed();
-        if m.device_slots.len() != key_pages {
-            return Err(BenchError::CheckFailed(format!(
-                "big tree: a full key matched {} of {key_pages} pages",
-                m.device_slots.len()
-            )));
-        }
-        black_box(m);
-        lat.push(dt.as_secs_f64() * 1e6);
-    }
-    // The reference compares each key with its (equal) copy, in another random order, so
-    // that it streams both from memory as coldly as the lookups do.
-    let mut ref_lat = Vec::with_capacity(lookups);
-    let mut order: Vec<usize> = (0..lookups).collect();
-    for i in (1..order.len()).rev() {
-        order.swap(i, rng.random_range(0..=i));
-    }
-    for &i in &order {
-        let t0 = Instant::now();
-        let eq = black_box(&queries[i][..]) == black_box(&copies[i][..]);
-        let dt = t0.elapsed();
-        if !eq {
-            return Err(BenchError::CheckFailed(
-                "big tree: a key differs from its copy".into(),
-            ));
-        }
-        ref_lat.push(dt.as_secs_f64() * 1e6);
-    }
+    let mut built = BigTree::build(pages, ps, key_pages, &mut rng)?;
+    let lookups = Lookups::draw(&built, &mut rng);
+    let mut lat = lookups.time_matches(&mut built.tree, key_pages)?;
+    let memcmp_us = lookups.time_reference(&mut rng)?;
     // Depth after the timed lookups, so that these walks warm nothing that was measured.
     let mut depth = 0usize;
     let mut walked = Vec::new();
-    for &n in &query_nodes {
+    for &n in &lookups.nodes {
         walked.clear();
-        depth += path_into(&tree, n, &mut walked)?;
+        depth += path_into(&built.tree, n, &mut walked)?;
     }
+    let n = lookups.queries.len();
     let mean = lat.iter().sum::<f64>() / lat.len() as f64;
     lat.sort_by(f64::total_cmp);
     let p99 = lat[(lat.len() * 99 / 100).min(lat.len() - 1)];
     Ok(BigTreeResult {
-        pages: tree.device_pages(),
-        nodes: tree.stats().nodes,
-        keys: leaves.len(),
-        lookups,
+        pages: built.tree.device_pages(),
+        nodes: built.tree.stats().nodes,
+        keys: built.leaves,
+        lookups: n,
         match_us: (lat[lat.len() / 2], p99, mean),
-        memcmp_us: median(&mut ref_lat),
-        mean_depth: depth as f64 / lookups as f64,
-        memory: tree.memory_bytes(),
+        memcmp_us,
+        mean_depth: depth as f64 / n as f64,
+        memory: built.tree.memory_bytes(),
     })
+}
+
+/// Lookups drawn from a big tree: at most this many.
+const MAX_LOOKUPS: usize = 1000;
+
+/// The big tree and a uniform sample of up to [`MAX_LOOKUPS`] inserted keys (reservoir
+/// sampling), kept as the caller of a lookup would hold them: copies that never came from
+/// walking the tree.
+struct BigTree {
+    tree: HiRadixTree,
+    leaves: usize,
+    sample: Vec<(NodeId, Vec<u32>)>,
+}
+
+impl BigTree {
+    /// Inserts keys of `key_pages` pages, each sharing a random-length prefix with a random
+    /// earlier key, until the tree holds `pages` pages.
+    fn build(pages: usize, ps: u32, key_pages: usize, rng: &mut ChaCha8Rng) -> Result<Self> {
+        let psz = ps as usize;
+        let mut tree = HiRadixTree::new(TreeConfig::new(ps))?;
+        let t = TenantId::DEFAULT;
+        let mut leaves: Vec<NodeId> = Vec::new();
+        let mut sample: Vec<(NodeId, Vec<u32>)> = Vec::with_capacity(MAX_LOOKUPS);
+        let mut next_slot = 0u32;
+        let mut key = Vec::with_capacity(key_pages * psz);
+        while tree.device_pages() < pages {
+            key.clear();
+            if !leaves.is_empty() {
+                let parent = leaves[rng.random_range(0..leaves.len())];
+                let shared = rng.random_range(0..key_pages);
+                path_into(&tree, parent, &mut key)?;
+                key.truncate(shared * psz);
+            }
+            while key.len() < key_pages * psz {
+                key.push(rng.random_range(0..128_000));
+            }
+            let slots: Vec<DeviceSlot> = (next_slot..next_slot + key_pages as u32)
+                .map(DeviceSlot)
+                .collect();
+            next_slot += key_pages as u32;
+            let r = tree.insert(t, &key, &slots, InsertOptions::default())?;
+            leaves.push(r.last_node);
+            if sample.len() < MAX_LOOKUPS {
+                sample.push((r.last_node, key.clone()));
+            } else {
+                let j = rng.random_range(0..leaves.len());
+                if j < MAX_LOOKUPS {
+                    sample[j] = (r.last_node, key.clone());
+                }
+            }
+        }
+        Ok(BigTree {
+            tree,
+            leaves: leaves.len(),
+            sample,
+        })
+    }
+}
+
+/// The keys to look up (with an equal copy of each and the node it ends at), in random order.
+struct Lookups {
+    queries: Vec<Vec<u32>>,
+    copies: Vec<Vec<u32>>,
+    nodes: Vec<NodeId>,
+}
+
+impl Lookups {
+    /// Small trees: draw with replacement (up to 4 lookups per key); big ones: every sampled
+    /// key once, in random order.
+    fn draw(built: &BigTree, rng: &mut ChaCha8Rng) -> Self {
+        let sample = &built.sample;
+        let lookups = MAX_LOOKUPS.min(built.leaves * 4);
+        let mut l = Lookups {
+            queries: Vec::with_capacity(lookups),
+            copies: Vec::with_capacity(lookups),
+            nodes: Vec::with_capacity(lookups),
+        };
+        for i in 0..lookups {
+            let pick = if sample.len() < lookups {
+                rng.random_range(0..sample.len())
+            } else {
+                i
+            };
+            l.nodes.push(sample[pick].0);
+            l.copies.push(sample[pick].1.clone());
+            l.queries.push(sample[pick].1.clone());
+        }
+        for i in (1..lookups).rev() {
+            let j = rng.random_range(0..=i);
+            l.queries.swap(i, j);
+            l.copies.swap(i, j);
+            l.nodes.swap(i, j);
+        }
+        l
+    }
+
+    /// The latency of each `match_prefix`, in µs; every full key must match whole.
+    fn time_matches(&self, tree: &mut HiRadixTree, key_pages: usize) -> Result<Vec<f64>> {
+        let mut lat = Vec::with_capacity(self.queries.len());
+        for q in &self.queries {
+            let t0 = Instant::now();
+            let m = tree.match_prefix(TenantId::DEFAULT, black_box(q))?;
+            let dt = t0.elapsed();
+            if m.device_slots.len() != key_pages {
+                return Err(BenchError::check_failed(format!(
+                    "big tree: a full key matched {} of {key_pages} pages",
+                    m.device_slots.len()
+                )));
+            }
+            black_box(m);
+            lat.push(dt.as_secs_f64() * 1e6);
+        }
+        Ok(lat)
+    }
+
+    /// The reference: the median µs of comparing each key with its (equal) copy, in another
+    /// random order, so that it streams both from memory as coldly as the lookups do.
+    fn time_reference(&self, rng: &mut ChaCha8Rng) -> Result<f64> {
+        let mut ref_lat = Vec::with_capacity(self.queries.len());
+        let mut order: Vec<usize> = (0..self.queries.len()).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.random_range(0..=i));
+        }
+        for &i in &order {
+            let t0 = Instant::now();
+            let eq = black_box(&self.queries[i][..]) == black_box(&self.copies[i][..]);
+            let dt = t0.elapsed();
+            if !eq {
+                return Err(BenchError::check_failed(
+                    "big tree: a key differs from its copy",
+                ));
+            }
+            ref_lat.push(dt.as_secs_f64() * 1e6);
+        }
+        Ok(median(&mut ref_lat))
+    }
 }
 
 /// Appends the tokens from the root to the end of `node`; returns the number of nodes.
@@ -550,7 +601,7 @@ fn path_into(tree: &HiRadixTree, node: NodeId, out: &mut Vec<u32>) -> Result<usi
 
 fn load_trace(args: &TreeArgs) -> Result<Vec<Request>> {
     match &args.trace {
-        Some(p) => trace::read_file(p),
+        Some(p) => Ok(trace::read_file(p)?),
         None => Ok(MultiTurn {
             clients: args.clients,
             rounds: args.rounds,
@@ -564,33 +615,29 @@ fn load_trace(args: &TreeArgs) -> Result<Vec<Request>> {
     }
 }
 
-/// Runs `tree`, writing the table or JSON lines to `out`.
-pub fn run(args: &TreeArgs, mut out: impl Write) -> Result<()> {
+/// Checks the flags `tree` takes together; the eviction policy.
+fn validate(args: &TreeArgs) -> Result<StrategyKind> {
     let kind: StrategyKind = args.policy.parse()?;
     if args.page_size == 0 || args.page_size > 65536 {
-        return Err(BenchError::Usage(format!(
+        return Err(BenchError::usage(format!(
             "--page-size {} must be between 1 and 65536",
             args.page_size
         )));
     }
     if args.capacity.is_empty() {
-        return Err(BenchError::Usage("--capacity-pages needs a value".into()));
+        return Err(BenchError::usage("--capacity-pages needs a value"));
     }
     if args.log.is_some() && args.capacity.len() != 1 {
-        return Err(BenchError::Usage(
-            "--log needs exactly one --capacity-pages value".into(),
+        return Err(BenchError::usage(
+            "--log needs exactly one --capacity-pages value",
         ));
     }
-    let trace = load_trace(args)?;
-    if let Some(p) = &args.write_trace {
-        let mut f = std::io::BufWriter::new(std::fs::File::create(p).map_err(BenchError::io(p))?);
-        trace::write(&mut f, &trace)
-            .and_then(|()| f.flush())
-            .map_err(BenchError::io(p))?;
-    }
-    let ps = args.page_size;
-    let min_time = Duration::from_millis(args.min_time_ms);
-    let source = match &args.trace {
+    Ok(kind)
+}
+
+/// Where the trace came from, for the header.
+fn source_of(args: &TreeArgs) -> String {
+    match &args.trace {
         Some(p) => p.display().to_string(),
         None => format!(
             "generated {}x{} (system {}, user {}, answer {}, seed {})",
@@ -601,7 +648,190 @@ pub fn run(args: &TreeArgs, mut out: impl Write) -> Result<()> {
             args.answer_tokens,
             args.seed
         ),
+    }
+}
+
+/// The trace of the run (read or generated), written to `--write-trace` when asked.
+fn trace_of(args: &TreeArgs) -> Result<Vec<Request>> {
+    let trace = load_trace(args)?;
+    if let Some(p) = &args.write_trace {
+        let mut f = std::io::BufWriter::new(std::fs::File::create(p).map_err(BenchError::io(p))?);
+        trace::write(&mut f, &trace)
+            .and_then(|()| f.flush())
+            .map_err(BenchError::io(p))?;
+    }
+    Ok(trace)
+}
+
+/// The table's header: the trace, the reference, the column names.
+fn header(
+    args: &TreeArgs,
+    kind: StrategyKind,
+    requests: usize,
+    unique: usize,
+    reference: f64,
+) -> String {
+    let ps = args.page_size;
+    let hashing = if args.hashing {
+        ", page hashing on"
+    } else {
+        ""
     };
+    let columns = format!(
+        "{:>10} {:>12} {:>12} {:>7} {:>9} {:>9} {:>9} {:>11} {:>6} {:>8} {:>10} {:>9}",
+        "capacity",
+        "req/s",
+        "best req/s",
+        "ratio",
+        "match us",
+        "insert us",
+        "evict us",
+        "hit tokens",
+        "hit %",
+        "skipped",
+        "evicted",
+        "meta B/pg"
+    );
+    format!(
+        "tree replay: {requests} requests, {}; page {ps}, policy {kind}, {unique} unique pages{hashing}\n\
+         reference (compare each key with a copy): {reference:.0} req/s\n{columns}",
+        source_of(args)
+    )
+}
+
+/// One capacity's replay figures.
+struct CapacityCase<'a> {
+    args: &'a TreeArgs,
+    kind: StrategyKind,
+    pages: Option<usize>,
+    unique: usize,
+    reference: f64,
+    r: CaseResult,
+}
+
+impl CapacityCase<'_> {
+    fn per_req(&self, d: Duration) -> f64 {
+        d.as_secs_f64() * 1e6 / self.r.totals.requests.max(1) as f64
+    }
+
+    fn cap_name(&self) -> String {
+        self.pages
+            .map_or("unlimited".to_string(), |p| p.to_string())
+    }
+
+    fn meta_per_page(&self) -> f64 {
+        self.r.memory.0 as f64 / self.r.cached_pages.max(1) as f64
+    }
+
+    /// The JSON record.
+    fn record(&self) -> Record {
+        let (r, t) = (&self.r, &self.r.totals);
+        Record::new(
+            "tree",
+            format!(
+                "replay/page{}/{}/{}",
+                self.args.page_size,
+                self.kind,
+                self.cap_name()
+            ),
+            r.req_per_s,
+            "req/s",
+        )
+        .with_reference(self.reference)
+        .with("reference_what", "compare each key with a copy (req/s)")
+        .with(
+            "capacity_pages",
+            self.pages.map_or(serde_json::Value::Null, |p| p.into()),
+        )
+        .with("unique_pages", self.unique)
+        .with("requests", t.requests)
+        .with("key_tokens", t.key_tokens)
+        .with("hit_tokens", t.hit_tokens)
+        .with("hit_ratio", t.hit_ratio())
+        .with("skipped", t.skipped)
+        .with("evicted_tokens", t.evicted_tokens)
+        .with("match_us_per_req", self.per_req(t.match_time))
+        .with("insert_us_per_req", self.per_req(t.insert_time))
+        .with("evict_us_per_req", self.per_req(t.evict_time))
+        .with("match_s", t.match_time.as_secs_f64())
+        .with("insert_s", t.insert_time.as_secs_f64())
+        .with("evict_s", t.evict_time.as_secs_f64())
+        .with("cached_pages", r.cached_pages)
+        .with("metadata_bytes_per_page", self.meta_per_page())
+        .with(
+            "token_bytes_per_page",
+            r.memory.1 as f64 / r.cached_pages.max(1) as f64,
+        )
+        .with("best_req_per_s", r.best_req_per_s)
+        .with("replays", r.reps)
+    }
+
+    /// The table row.
+    fn row(&self) -> String {
+        let (r, t) = (&self.r, &self.r.totals);
+        format!(
+            "{:>10} {:>12.0} {:>12.0} {:>7.3} {:>9.3} {:>9.3} {:>9.3} {:>11} {:>6.1} {:>8} {:>10} {:>9.1}",
+            self.cap_name(),
+            r.req_per_s,
+            r.best_req_per_s,
+            r.req_per_s / self.reference,
+            self.per_req(t.match_time),
+            self.per_req(t.insert_time),
+            self.per_req(t.evict_time),
+            t.hit_tokens,
+            100.0 * t.hit_ratio(),
+            t.skipped,
+            t.evicted_tokens,
+            self.meta_per_page(),
+        )
+    }
+}
+
+/// The big-tree case's JSON record or line.
+fn big_tree_output(args: &TreeArgs, b: &BigTreeResult) -> String {
+    let meta = b.memory.0 as f64 / b.pages as f64;
+    let toks = b.memory.1 as f64 / b.pages as f64;
+    if args.json {
+        return Record::new(
+            "tree",
+            format!("match/{}tok/{}pages", args.big_key_tokens, b.pages),
+            b.match_us.0,
+            "us",
+        )
+        .with_reference(b.memcmp_us)
+        .with("reference_what", "compare the key with a copy (us)")
+        .with("p99_us", b.match_us.1)
+        .with("mean_us", b.match_us.2)
+        .with("lookups", b.lookups)
+        .with("keys", b.keys)
+        .with("nodes", b.nodes)
+        .with("mean_nodes_per_lookup", b.mean_depth)
+        .with("metadata_bytes_per_page", meta)
+        .with("token_bytes_per_page", toks)
+        .to_json_line();
+    }
+    format!(
+        "match_prefix of a {}-token key in a tree of {} pages ({} nodes, {} keys, {:.1} nodes per lookup): median {:.2} us, p99 {:.2} us, mean {:.2} us; reference (compare key with a copy) {:.2} us; metadata {:.1} B/page (+{:.0} B/page of token ids)",
+        args.big_key_tokens,
+        b.pages,
+        b.nodes,
+        b.keys,
+        b.mean_depth,
+        b.match_us.0,
+        b.match_us.1,
+        b.match_us.2,
+        b.memcmp_us,
+        meta,
+        toks
+    )
+}
+
+/// Runs `tree`, writing the table or JSON lines to `out`.
+pub fn run(args: &TreeArgs, mut out: impl Write) -> Result<()> {
+    let kind = validate(args)?;
+    let trace = trace_of(args)?;
+    let ps = args.page_size;
+    let min_time = Duration::from_millis(args.min_time_ms);
     let cfg = TreeConfig {
         eviction: kind,
         hasher: if args.hashing {
@@ -617,43 +847,9 @@ pub fn run(args: &TreeArgs, mut out: impl Write) -> Result<()> {
     drop(full);
     let copy = trace.clone();
     let reference = scan_rate(&trace, &copy, ps as usize, min_time);
-
-    let wr = |e: std::io::Error| BenchError::io("<stdout>")(e);
+    let mut w = |s: String| writeln!(out, "{s}").map_err(BenchError::io("<stdout>"));
     if !args.json {
-        writeln!(
-            out,
-            "tree replay: {} requests, {source}; page {ps}, policy {kind}, {unique} unique pages{}",
-            trace.len(),
-            if args.hashing {
-                ", page hashing on"
-            } else {
-                ""
-            }
-        )
-        .map_err(wr)?;
-        writeln!(
-            out,
-            "reference (compare each key with a copy): {:.0} req/s",
-            reference
-        )
-        .map_err(wr)?;
-        writeln!(
-            out,
-            "{:>10} {:>12} {:>12} {:>7} {:>9} {:>9} {:>9} {:>11} {:>6} {:>8} {:>10} {:>9}",
-            "capacity",
-            "req/s",
-            "best req/s",
-            "ratio",
-            "match us",
-            "insert us",
-            "evict us",
-            "hit tokens",
-            "hit %",
-            "skipped",
-            "evicted",
-            "meta B/pg"
-        )
-        .map_err(wr)?;
+        w(header(args, kind, trace.len(), unique, reference))?;
     }
     for cap in &args.capacity {
         let pages = match *cap {
@@ -667,102 +863,23 @@ pub fn run(args: &TreeArgs, mut out: impl Write) -> Result<()> {
             replay_with::<false>(&trace, cfg.clone(), pages, Some(&mut log))?;
             write_log(path, &trace, &log)?;
         }
-        let per_req = |d: Duration| d.as_secs_f64() * 1e6 / r.totals.requests.max(1) as f64;
-        let meta_per_page = r.memory.0 as f64 / r.cached_pages.max(1) as f64;
-        let tok_per_page = r.memory.1 as f64 / r.cached_pages.max(1) as f64;
-        let cap_name = pages.map_or("unlimited".to_string(), |p| p.to_string());
-        if args.json {
-            let rec = Record::new(
-                "tree",
-                format!("replay/page{ps}/{kind}/{cap_name}"),
-                r.req_per_s,
-                "req/s",
-            )
-            .with_reference(reference)
-            .with("reference_what", "compare each key with a copy (req/s)")
-            .with(
-                "capacity_pages",
-                pages.map_or(serde_json::Value::Null, |p| p.into()),
-            )
-            .with("unique_pages", unique)
-            .with("requests", r.totals.requests)
-            .with("key_tokens", r.totals.key_tokens)
-            .with("hit_tokens", r.totals.hit_tokens)
-            .with("hit_ratio", r.totals.hit_ratio())
-            .with("skipped", r.totals.skipped)
-            .with("evicted_tokens", r.totals.evicted_tokens)
-            .with("match_us_per_req", per_req(r.totals.match_time))
-            .with("insert_us_per_req", per_req(r.totals.insert_time))
-            .with("evict_us_per_req", per_req(r.totals.evict_time))
-            .with("match_s", r.totals.match_time.as_secs_f64())
-            .with("insert_s", r.totals.insert_time.as_secs_f64())
-            .with("evict_s", r.totals.evict_time.as_secs_f64())
-            .with("cached_pages", r.cached_pages)
-            .with("metadata_bytes_per_page", meta_per_page)
-            .with("token_bytes_per_page", tok_per_page)
-            .with("best_req_per_s", r.best_req_per_s)
-            .with("replays", r.reps);
-            writeln!(out, "{}", rec.to_json_line()).map_err(wr)?;
+        let case = CapacityCase {
+            args,
+            kind,
+            pages,
+            unique,
+            reference,
+            r,
+        };
+        w(if args.json {
+            case.record().to_json_line()
         } else {
-            writeln!(
-                out,
-                "{:>10} {:>12.0} {:>12.0} {:>7.3} {:>9.3} {:>9.3} {:>9.3} {:>11} {:>6.1} {:>8} {:>10} {:>9.1}",
-                cap_name,
-                r.req_per_s,
-                r.best_req_per_s,
-                r.req_per_s / reference,
-                per_req(r.totals.match_time),
-                per_req(r.totals.insert_time),
-                per_req(r.totals.evict_time),
-                r.totals.hit_tokens,
-                100.0 * r.totals.hit_ratio(),
-                r.totals.skipped,
-                r.totals.evicted_tokens,
-                meta_per_page,
-            )
-            .map_err(wr)?;
-        }
+            case.row()
+        })?;
     }
     if args.big_tree_pages > 0 {
         let b = big_tree(args.big_tree_pages, ps, args.big_key_tokens, args.seed)?;
-        let meta = b.memory.0 as f64 / b.pages as f64;
-        let toks = b.memory.1 as f64 / b.pages as f64;
-        if args.json {
-            let rec = Record::new(
-                "tree",
-                format!("match/{}tok/{}pages", args.big_key_tokens, b.pages),
-                b.match_us.0,
-                "us",
-            )
-            .with_reference(b.memcmp_us)
-            .with("reference_what", "compare the key with a copy (us)")
-            .with("p99_us", b.match_us.1)
-            .with("mean_us", b.match_us.2)
-            .with("lookups", b.lookups)
-            .with("keys", b.keys)
-            .with("nodes", b.nodes)
-            .with("mean_nodes_per_lookup", b.mean_depth)
-            .with("metadata_bytes_per_page", meta)
-            .with("token_bytes_per_page", toks);
-            writeln!(out, "{}", rec.to_json_line()).map_err(wr)?;
-        } else {
-            writeln!(
-                out,
-                "match_prefix of a {}-token key in a tree of {} pages ({} nodes, {} keys, {:.1} nodes per lookup): median {:.2} us, p99 {:.2} us, mean {:.2} us; reference (compare key with a copy) {:.2} us; metadata {:.1} B/page (+{:.0} B/page of token ids)",
-                args.big_key_tokens,
-                b.pages,
-                b.nodes,
-                b.keys,
-                b.mean_depth,
-                b.match_us.0,
-                b.match_us.1,
-                b.match_us.2,
-                b.memcmp_us,
-                meta,
-                toks
-            )
-            .map_err(wr)?;
-        }
+        w(big_tree_output(args, &b))?;
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! The report of the main job: a side-by-side table (no cache and each cache configuration),
 //! JSON records in the bench convention, `report.json` and SVG plots in a report directory.
 //!
-//! TTFT and throughput are simulated (the compute model of [`crate::sim::model`]); bytes moved
+//! TTFT and throughput are simulated (the compute model of [`hicache_sim::model`]); bytes moved
 //! and GB/s are what the cache measured on this machine (on the sim device, CPU memcpy and the
 //! local disk: they say nothing about a GPU).
 
@@ -15,9 +15,9 @@ use serde::Serialize;
 
 use crate::error::{BenchError, Result};
 use crate::record::Record;
-use crate::sim::engine::EngineConfig;
-use crate::sim::links::CopyTime;
-use crate::sim::model::{ComputeModel, ModelShape};
+use hicache_sim::engine::EngineConfig;
+use hicache_sim::links::CopyTime;
+use hicache_sim::model::{ComputeModel, ModelShape};
 pub use summary::{Hits, Percentiles, RoundSummary, Summary, percentile};
 
 /// Everything one invocation measured, as written to `report.json`.
@@ -57,6 +57,111 @@ fn gb(bytes: u64) -> f64 {
     bytes as f64 / 1e9
 }
 
+/// A row of the table: its name and how a configuration's cell reads.
+type Row = (String, Box<dyn Fn(&Summary) -> String>);
+
+fn row(name: &str, cell: impl Fn(&Summary) -> String + 'static) -> Row {
+    (name.to_string(), Box::new(cell))
+}
+
+/// Requests, tokens and where the hits came from.
+fn hit_rows() -> Vec<Row> {
+    let pct = |s: &Summary, t: u64| format!("{t} {:>5.1}%", s.share(t) * 100.0);
+    vec![
+        row("requests", |s| s.requests.to_string()),
+        row("prompt tokens", |s| s.prompt_tokens.to_string()),
+        row("hit tokens L1", move |s| pct(s, s.hits.l1)),
+        row("hit tokens L2", move |s| pct(s, s.hits.l2)),
+        row("hit tokens L3", move |s| pct(s, s.hits.l3)),
+        row("hit ratio", |s| format!("{:.1}%", s.hit_ratio() * 100.0)),
+        row("recomputed tokens", |s| s.computed_tokens.to_string()),
+    ]
+}
+
+/// Bytes moved between tiers, with their measured rate.
+fn transfer_rows() -> Vec<Row> {
+    [
+        "moved L1→L2 (D2H)",
+        "moved L2→L1 (H2D)",
+        "moved L2→L3",
+        "moved L3→L2",
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, name)| {
+        row(name, move |s| {
+            let t = s.transfers()[i].1;
+            if t.pages == 0 {
+                "-".to_string()
+            } else {
+                format!("{:.2} GB {:.1} GB/s", gb(t.bytes), t.gbps())
+            }
+        })
+    })
+    .collect()
+}
+
+/// Simulated TTFT, stalls and throughput, and evictions.
+fn timing_rows() -> Vec<Row> {
+    let ms = |x: f64| format!("{:.1}", x * 1e3);
+    vec![
+        row("TTFT p50 (ms)", move |s| ms(s.ttft.p50)),
+        row("TTFT p90 (ms)", move |s| ms(s.ttft.p90)),
+        row("TTFT p99 (ms)", move |s| ms(s.ttft.p99)),
+        row("TTFT mean (ms)", move |s| ms(s.ttft.mean)),
+        row("load stall (ms)", move |s| ms(s.load_stall_seconds)),
+        row("throughput (req/s)", |s| {
+            format!("{:.2}", s.request_throughput)
+        }),
+        row("input (tok/s)", |s| format!("{:.0}", s.input_throughput)),
+        row("evicted pages L1/L2", |s| {
+            format!("{}/{}", s.cache.evicted_pages_l1, s.cache.evicted_pages_l2)
+        }),
+    ]
+}
+
+/// What copy time cost: hits lost per tier and TTFT with copies free (`-` where the
+/// configuration did not run copies free).
+fn copy_cost_rows() -> Vec<Row> {
+    let lost = |s: &Summary, tier: usize| match s.free_copy_hits {
+        Some(f) => {
+            let (free, got) = [(f.l1, s.hits.l1), (f.l2, s.hits.l2), (f.l3, s.hits.l3)][tier];
+            format!("{:+}", free as i64 - got as i64)
+        }
+        None => "-".to_string(),
+    };
+    let free_ttft = |s: &Summary, f: fn(&Percentiles) -> f64| match &s.free_copy_ttft {
+        Some(t) => format!("{:.1}", f(t) * 1e3),
+        None => "-".to_string(),
+    };
+    vec![
+        row("hits lost to copies L1", move |s| lost(s, 0)),
+        row("hits lost to copies L2", move |s| lost(s, 1)),
+        row("hits lost to copies L3", move |s| lost(s, 2)),
+        row("TTFT p90, copies free", move |s| free_ttft(s, |t| t.p90)),
+        row("TTFT mean, copies free", move |s| free_ttft(s, |t| t.mean)),
+    ]
+}
+
+/// L3 errors, refusals while copies ran, link occupancy and wall time.
+fn health_rows() -> Vec<Row> {
+    vec![
+        row("L3 errors (write/read pages)", |s| {
+            format!("{}/{}", s.cache.l3_write_failures, s.cache.l3_read_failures)
+        }),
+        row("refused: D2H in flight", |s| {
+            s.cache.refused_during_copies.to_string()
+        }),
+        row("D2H / L3 link busy (s)", |s| {
+            format!(
+                "{:.2} / {:.2}",
+                s.links.d2h.busy_seconds, s.links.l3.busy_seconds
+            )
+        }),
+        row("wall time (s)", |s| format!("{:.2}", s.wall_seconds)),
+    ]
+}
+
 impl Report {
     /// The baseline followed by every run.
     pub fn all(&self) -> impl Iterator<Item = &Summary> {
@@ -68,136 +173,30 @@ impl Report {
         self.all().flat_map(|s| s.check(self.page_size)).collect()
     }
 
-    /// The human table.
+    /// The human table: one column per configuration (the baseline first), one row per
+    /// figure.
     pub fn table(&self) -> String {
         let cols: Vec<&Summary> = self.all().collect();
         let mut out = String::new();
         let _ = writeln!(out, "{}", self.title);
-        let row = |out: &mut String, name: &str, cells: Vec<String>| {
+        let mut row = |name: &str, cells: Vec<String>| {
             let _ = write!(out, "{name:<24}");
             for c in cells {
                 let _ = write!(out, " {c:>19}");
             }
             out.push('\n');
         };
-        row(&mut out, "", cols.iter().map(|s| s.label.clone()).collect());
-        let each = |f: &dyn Fn(&Summary) -> String| cols.iter().map(|s| f(s)).collect::<Vec<_>>();
-        row(&mut out, "requests", each(&|s| s.requests.to_string()));
-        row(
-            &mut out,
-            "prompt tokens",
-            each(&|s| s.prompt_tokens.to_string()),
-        );
-        let pct = |s: &Summary, t: u64| format!("{t} {:>5.1}%", s.share(t) * 100.0);
-        row(&mut out, "hit tokens L1", each(&|s| pct(s, s.hits.l1)));
-        row(&mut out, "hit tokens L2", each(&|s| pct(s, s.hits.l2)));
-        row(&mut out, "hit tokens L3", each(&|s| pct(s, s.hits.l3)));
-        row(
-            &mut out,
-            "hit ratio",
-            each(&|s| format!("{:.1}%", s.hit_ratio() * 100.0)),
-        );
-        row(
-            &mut out,
-            "recomputed tokens",
-            each(&|s| s.computed_tokens.to_string()),
-        );
-        for (i, name) in [
-            "moved L1→L2 (D2H)",
-            "moved L2→L1 (H2D)",
-            "moved L2→L3",
-            "moved L3→L2",
-        ]
-        .iter()
-        .enumerate()
-        {
-            row(
-                &mut out,
-                name,
-                each(&|s| {
-                    let t = s.transfers()[i].1;
-                    if t.pages == 0 {
-                        "-".to_string()
-                    } else {
-                        format!("{:.2} GB {:.1} GB/s", gb(t.bytes), t.gbps())
-                    }
-                }),
-            );
+        row("", cols.iter().map(|s| s.label.clone()).collect());
+        let rows = [
+            hit_rows(),
+            transfer_rows(),
+            timing_rows(),
+            copy_cost_rows(),
+            health_rows(),
+        ];
+        for (name, cell) in rows.into_iter().flatten() {
+            row(&name, cols.iter().map(|s| cell(s)).collect());
         }
-        let ms = |x: f64| format!("{:.1}", x * 1e3);
-        row(&mut out, "TTFT p50 (ms)", each(&|s| ms(s.ttft.p50)));
-        row(&mut out, "TTFT p90 (ms)", each(&|s| ms(s.ttft.p90)));
-        row(&mut out, "TTFT p99 (ms)", each(&|s| ms(s.ttft.p99)));
-        row(&mut out, "TTFT mean (ms)", each(&|s| ms(s.ttft.mean)));
-        row(
-            &mut out,
-            "load stall (ms)",
-            each(&|s| ms(s.load_stall_seconds)),
-        );
-        row(
-            &mut out,
-            "throughput (req/s)",
-            each(&|s| format!("{:.2}", s.request_throughput)),
-        );
-        row(
-            &mut out,
-            "input (tok/s)",
-            each(&|s| format!("{:.0}", s.input_throughput)),
-        );
-        row(
-            &mut out,
-            "evicted pages L1/L2",
-            each(&|s| format!("{}/{}", s.cache.evicted_pages_l1, s.cache.evicted_pages_l2)),
-        );
-        let lost = |s: &Summary, tier: usize| match s.free_copy_hits {
-            Some(f) => {
-                let (free, got) = [(f.l1, s.hits.l1), (f.l2, s.hits.l2), (f.l3, s.hits.l3)][tier];
-                format!("{:+}", free as i64 - got as i64)
-            }
-            None => "-".to_string(),
-        };
-        row(&mut out, "hits lost to copies L1", each(&|s| lost(s, 0)));
-        row(&mut out, "hits lost to copies L2", each(&|s| lost(s, 1)));
-        row(&mut out, "hits lost to copies L3", each(&|s| lost(s, 2)));
-        let free_ttft = |s: &Summary, f: fn(&Percentiles) -> f64| match &s.free_copy_ttft {
-            Some(t) => format!("{:.1}", f(t) * 1e3),
-            None => "-".to_string(),
-        };
-        row(
-            &mut out,
-            "TTFT p90, copies free",
-            each(&|s| free_ttft(s, |t| t.p90)),
-        );
-        row(
-            &mut out,
-            "TTFT mean, copies free",
-            each(&|s| free_ttft(s, |t| t.mean)),
-        );
-        row(
-            &mut out,
-            "L3 errors (write/read pages)",
-            each(&|s| format!("{}/{}", s.cache.l3_write_failures, s.cache.l3_read_failures)),
-        );
-        row(
-            &mut out,
-            "refused: D2H in flight",
-            each(&|s| s.cache.refused_during_copies.to_string()),
-        );
-        row(
-            &mut out,
-            "D2H / L3 link busy (s)",
-            each(&|s| {
-                format!(
-                    "{:.2} / {:.2}",
-                    s.links.d2h.busy_seconds, s.links.l3.busy_seconds
-                )
-            }),
-        );
-        row(
-            &mut out,
-            "wall time (s)",
-            each(&|s| format!("{:.2}", s.wall_seconds)),
-        );
         let _ = writeln!(out, "{}", self.link_model());
         let _ = writeln!(
             out,
@@ -252,7 +251,7 @@ impl Report {
         }
     }
 
-    /// One record per figure (DESIGN.md §7). TTFT and throughput carry the no-cache figure as
+    /// One record per figure, in the bench output convention of [`Record`]. TTFT and throughput carry the no-cache figure as
     /// their reference.
     pub fn records(&self) -> Vec<Record> {
         let base = &self.baseline;
@@ -318,13 +317,13 @@ impl Report {
     pub fn write_to(&self, dir: &Path) -> Result<Vec<PathBuf>> {
         let json = dir.join("report.json");
         let text = serde_json::to_string_pretty(self)
-            .map_err(|e| BenchError::Usage(format!("report.json: {e}")))?;
+            .map_err(|e| BenchError::usage(format!("report.json: {e}")))?;
         std::fs::write(&json, text).map_err(BenchError::io(&json))?;
         let hits = dir.join("hit_ratio_per_round.svg");
         let cdf = dir.join("ttft_cdf.svg");
         let bw = dir.join("bandwidth.svg");
         // The baseline has no hits and moves nothing: plotted only in the TTFT CDF.
-        let plot_err = |e: String| BenchError::Usage(format!("writing a plot: {e}"));
+        let plot_err = |e: String| BenchError::usage(format!("writing a plot: {e}"));
         plot::hit_ratio_per_round(&hits, &self.runs, 1).map_err(plot_err)?;
         plot::ttft_cdf(&cdf, &self.all().cloned().collect::<Vec<_>>()).map_err(plot_err)?;
         plot::bandwidth(&bw, &self.runs, 1).map_err(plot_err)?;
@@ -336,7 +335,7 @@ impl Report {
 /// directory fails before the run, not after).
 pub fn prepare_dir(dir: &Path) -> Result<()> {
     let unusable = |what: &str, e: std::io::Error| {
-        BenchError::Usage(format!(
+        BenchError::usage(format!(
             "report directory {}: cannot {what} it: {e}",
             dir.display()
         ))
@@ -351,8 +350,8 @@ pub fn prepare_dir(dir: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sim::cache::{CacheStats, TransferStats};
-    use crate::sim::engine::{RequestRecord, RunResult};
+    use hicache_sim::cache::{CacheStats, TransferStats};
+    use hicache_sim::engine::{RequestRecord, RunResult};
     use std::time::Duration;
 
     fn run(hit: usize, ttft: f64, h2d_pages: u64) -> RunResult {

@@ -4,9 +4,9 @@
 
 use serde::Serialize;
 
-use crate::sim::cache::{CacheStats, TransferStats};
-use crate::sim::engine::{RunResult, StepKind};
-use crate::sim::links::Links;
+use hicache_sim::cache::{CacheStats, TransferStats};
+use hicache_sim::engine::{RunResult, StepKind};
+use hicache_sim::links::Links;
 
 /// Nearest-rank percentiles of a sample, in the sample's unit.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Serialize)]
@@ -288,7 +288,7 @@ impl Summary {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sim::engine::{RequestRecord, StepRecord};
+    use hicache_sim::engine::{RequestRecord, StepRecord};
 
     fn rec(id: u64, round: usize, prompt: usize, hits: [usize; 3], ttft: f64) -> RequestRecord {
         RequestRecord {

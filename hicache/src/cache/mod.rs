@@ -222,6 +222,30 @@ impl HiCache {
         self.copies.set_compute_stream(stream);
     }
 
+    // ----- figures for benches and dashboards -----------------------------------------------
+
+    /// The tree's counts (nodes, pages per tier, evictable and protected sizes), without the
+    /// tree itself.
+    pub fn tree_stats(&self) -> hicache_core::TreeStats {
+        self.tiers.tree.stats()
+    }
+
+    /// One bulk copy of the first `bytes` of the pinned host pool to (or from) `scratch` on
+    /// the transfer engine's stream for `dir`, waited for: the physical reference the
+    /// controller's page copies (which take the same streams) are measured against.
+    pub fn bulk_copy(
+        &self,
+        dir: hicache_gpu::Direction,
+        scratch: &hicache_gpu::DeviceBuffer,
+        bytes: usize,
+    ) -> Result<()> {
+        self.copies
+            .engine()
+            .bulk_copy(dir, scratch, bytes, &[])?
+            .wait()?;
+        Ok(())
+    }
+
     // ----- inspection (feature `test-util`) ---------------------------------------------------
 
     /// The tree (read-only: for inspection, tests and reports).

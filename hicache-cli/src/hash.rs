@@ -1,11 +1,11 @@
-//! `hicache-bench hash`: page hashes of token ids read from standard input.
+//! `hicache hash`: page hashes of token ids read from standard input.
 
 use std::io::{BufRead, Write};
 
 use clap::{Args, ValueEnum};
 use hicache_core::{DType, HashMode, KvKind, LayoutKind, Namespace, PageHash, PageHasher};
 
-use crate::error::{BenchError, Result};
+use crate::error::{CliError, Result};
 
 /// Hash mode on the command line.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -45,7 +45,7 @@ pub fn parse_tokens(text: &str) -> Result<Vec<u32>> {
         .enumerate()
         .map(|(i, w)| {
             w.parse::<u32>().map_err(|e| {
-                BenchError::Usage(format!("token {i} ({w:?}) is not an id in 0..2^32: {e}"))
+                CliError::Usage(format!("token {i} ({w:?}) is not an id in 0..2^32: {e}"))
             })
         })
         .collect()
@@ -55,7 +55,7 @@ pub fn parse_tokens(text: &str) -> Result<Vec<u32>> {
 pub fn run(args: &HashArgs, input: impl BufRead, mut out: impl Write) -> Result<()> {
     let mut text = String::new();
     for line in input.lines() {
-        let line = line.map_err(BenchError::io("<stdin>"))?;
+        let line = line.map_err(CliError::io("<stdin>"))?;
         text.push_str(&line);
         text.push(' ');
     }
@@ -87,7 +87,7 @@ pub fn run(args: &HashArgs, input: impl BufRead, mut out: impl Write) -> Result<
     };
     let tail = tokens.len() % args.page_size as usize;
     for h in hasher.hash_pages(prior, &tokens) {
-        writeln!(out, "{h}").map_err(BenchError::io("<stdout>"))?;
+        writeln!(out, "{h}").map_err(CliError::io("<stdout>"))?;
     }
     if tail != 0 {
         eprintln!(

@@ -19,14 +19,14 @@
 //! Each link is a FIFO: a transfer issued at `t` starts at `max(t, link free)` and takes
 //! `bytes / bandwidth`.
 //!
-//! [`ComputeModel::prefill_step`]: crate::sim::ComputeModel::prefill_step
-//! [`ComputeModel::d2h_bytes_per_s`]: crate::sim::ComputeModel::d2h_bytes_per_s
-//! [`ComputeModel::l3_bytes_per_s`]: crate::sim::ComputeModel::l3_bytes_per_s
-//! [`ComputeModel::l3_latency_s`]: crate::sim::ComputeModel::l3_latency_s
+//! [`ComputeModel::prefill_step`]: crate::ComputeModel::prefill_step
+//! [`ComputeModel::d2h_bytes_per_s`]: crate::ComputeModel::d2h_bytes_per_s
+//! [`ComputeModel::l3_bytes_per_s`]: crate::ComputeModel::l3_bytes_per_s
+//! [`ComputeModel::l3_latency_s`]: crate::ComputeModel::l3_latency_s
 
 use serde::Serialize;
 
-use crate::sim::model::ComputeModel;
+use crate::model::ComputeModel;
 
 /// How background copies are timed.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -135,7 +135,7 @@ mod tests {
     fn prefetch_reads_and_backup_writes_share_the_l3_link() {
         let c = ComputeModel {
             l3_bytes_per_s: 1000.0,
-            ..ComputeModel::h100(&crate::sim::ModelShape::llama3_8b())
+            ..ComputeModel::h100(&crate::ModelShape::llama3_8b())
         };
         let mut links = Links::new(&c, CopyTime::Charged);
         let backup_done = links.l3.transfer(0.0, 1000);

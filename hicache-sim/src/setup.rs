@@ -8,8 +8,8 @@ use hicache_core::{KvShape, LayoutKind, PrefetchPolicy, StrategyKind, WritePolic
 use hicache_gpu::IoBackend;
 use serde::{Serialize, Serializer};
 
+use crate::cache::CacheUnderTest;
 use crate::error::Result;
-use crate::sim::cache::CacheUnderTest;
 
 /// Which device holds L1.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -157,20 +157,26 @@ pub struct ObserveSetup {
     pub kv_events: Option<String>,
 }
 
-/// Builds the cache under test for one run.
-pub trait CacheFactory {
+/// Builds the cache under test for one run (`Sync`: runs that do not measure the machine, such
+/// as the copies-free counterfactuals, may build their caches on threads side by side).
+pub trait CacheFactory: Sync {
     /// A fresh, empty cache configured by `setup`. Configuration errors should be
-    /// [`BenchError::Usage`](crate::BenchError::Usage) (exit code 2).
+    /// [`SimError::Usage`](crate::SimError::Usage) (exit code 2).
     fn build(&self, setup: &CacheSetup) -> Result<Box<dyn CacheUnderTest>>;
 }
 
 impl<F> CacheFactory for F
 where
-    F: Fn(&CacheSetup) -> Result<Box<dyn CacheUnderTest>>,
+    F: Fn(&CacheSetup) -> Result<Box<dyn CacheUnderTest>> + Sync,
 {
     fn build(&self, setup: &CacheSetup) -> Result<Box<dyn CacheUnderTest>> {
         self(setup)
     }
+}
+
+/// Whether `device` is the emulated driver (`hicache-cuda-emu`), whose figures are CPU copies.
+pub fn is_emulated(device: &hicache_gpu::Device) -> bool {
+    device.name().contains("hicache-cuda-emu")
 }
 
 #[cfg(test)]

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 
-/// The bench binary under test.
-pub const EXE: &str = env!("CARGO_BIN_EXE_hicache-bench");
+/// The `hicache` binary under test.
+pub const EXE: &str = env!("CARGO_BIN_EXE_hicache");
 
 /// A fresh directory under target/, on the work tree's disk, so O_DIRECT paths really run.
 pub fn dir() -> tempfile::TempDir {

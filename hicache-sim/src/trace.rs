@@ -8,7 +8,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::error::{BenchError, Result};
+use crate::error::{Result, SimError};
 
 /// One request of a trace.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -256,7 +256,7 @@ pub fn read(name: &str, input: impl Read) -> Result<Vec<Request>> {
     let mut input = BufReader::new(input);
     let gz = input
         .fill_buf()
-        .map_err(BenchError::io(name))?
+        .map_err(SimError::io(name))?
         .starts_with(&[0x1f, 0x8b]);
     let reader: Box<dyn BufRead> = if gz {
         Box::new(BufReader::new(flate2::read::MultiGzDecoder::new(input)))
@@ -266,12 +266,12 @@ pub fn read(name: &str, input: impl Read) -> Result<Vec<Request>> {
     let mut out = Vec::new();
     for (i, line) in reader.lines().enumerate() {
         let lineno = i + 1;
-        let line = line.map_err(BenchError::io(name))?;
+        let line = line.map_err(SimError::io(name))?;
         if line.trim().is_empty() {
             continue;
         }
         let parsed: Line = serde_json::from_str(&line).map_err(|e| {
-            BenchError::Usage(format!(
+            SimError::Usage(format!(
                 "{name}:{lineno}: not a trace line ({e}); expected {{\"id\": ..., \"tokens\": [u32, ...]}}"
             ))
         })?;
@@ -279,7 +279,7 @@ pub fn read(name: &str, input: impl Read) -> Result<Vec<Request>> {
             serde_json::Value::String(s) => s,
             v @ serde_json::Value::Number(_) => v.to_string(),
             v => {
-                return Err(BenchError::Usage(format!(
+                return Err(SimError::Usage(format!(
                     "{name}:{lineno}: id must be a string or a number, got {v}"
                 )));
             }
@@ -292,7 +292,7 @@ pub fn read(name: &str, input: impl Read) -> Result<Vec<Request>> {
                 v.as_u64()
                     .and_then(|t| u32::try_from(t).ok())
                     .ok_or_else(|| {
-                        BenchError::Usage(format!(
+                        SimError::Usage(format!(
                             "{name}:{lineno}: token {pos} ({v}) is not an id in 0..2^32"
                         ))
                     })
@@ -305,7 +305,7 @@ pub fn read(name: &str, input: impl Read) -> Result<Vec<Request>> {
 
 /// Reads a trace file.
 pub fn read_file(path: &Path) -> Result<Vec<Request>> {
-    let f = std::fs::File::open(path).map_err(BenchError::io(path))?;
+    let f = std::fs::File::open(path).map_err(SimError::io(path))?;
     read(&path.display().to_string(), f)
 }
 

@@ -1,5 +1,5 @@
-//! The request sender of the multi-turn workload (after SGLang's `bench_multiturn.py`,
-//! spec §11.1): conversations are released turn by turn to the simulated engine.
+//! The request sender of the multi-turn workload (after SGLang's `bench_multiturn.py`:
+//! closed-loop clients, each sending its next turn when the answer to the last one arrived): conversations are released turn by turn to the simulated engine.
 //!
 //! # Rules (normative; the simulation is reproducible from them and the seed)
 //!

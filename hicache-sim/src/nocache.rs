@@ -2,7 +2,7 @@
 //! computed in full and device pages are returned when a request finishes. The "no cache"
 //! column of the report is this cache run through the same engine and workload.
 
-use crate::sim::cache::{
+use crate::cache::{
     Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
     RequestId,
 };

@@ -7,13 +7,13 @@ mod common;
 use std::time::Duration;
 
 use common::{ExactPrefix, ExactPrefixConfig};
-use hicache_bench::sim::engine::{self, EngineConfig, RunResult, StepKind};
-use hicache_bench::sim::{
+use hicache_sim::engine::{self, EngineConfig, RunResult, StepKind};
+use hicache_sim::trace::{Conversation, LongContext, MultiTurn};
+use hicache_sim::workload::{Arrivals, Workload};
+use hicache_sim::{
     Admission, CacheResult, CacheStats, CacheUnderTest, ComputeModel, DeviceSlot, ModelShape,
     NoCache, PrefetchStatus, RequestId,
 };
-use hicache_bench::trace::{Conversation, LongContext, MultiTurn};
-use hicache_bench::workload::{Arrivals, Workload};
 
 const PS: usize = 16;
 const PAGE_BYTES: u64 = 16 * 131_072;
@@ -109,7 +109,7 @@ fn every_prompt_token_is_a_hit_or_computed() {
         tokens += q.prompt_tokens;
     }
     let s = r.cache;
-    let sum = |f: fn(&hicache_bench::sim::RequestRecord) -> usize| {
+    let sum = |f: fn(&hicache_sim::RequestRecord) -> usize| {
         r.requests.iter().map(f).sum::<usize>() as u64
     };
     assert_eq!(s.request_tokens, tokens as u64);

@@ -1,11 +1,13 @@
 //! The contract between the simulated engine and the cache it drives.
 //!
-//! The engine calls these methods in the order of one SGLang scheduler tick (spec §8):
+//! The engine calls these methods in the order of one SGLang scheduler tick (its
+//! event loop: receive requests, check prefetches, build the prefill batch, run the forward,
+//! process the results):
 //!
 //! 1. [`arrive`](CacheUnderTest::arrive) for each request as it joins the waiting queue
 //!    (match, start the L3 prefetch of the uncached suffix);
 //! 2. [`advance`](CacheUnderTest::advance) once per tick before scheduling, with the simulated
-//!    time and the links background copies take ([`crate::sim::links`]);
+//!    time and the links background copies take ([`crate::links`]);
 //! 3. for each waiting request in FCFS order: [`prefetch_status`](CacheUnderTest::prefetch_status)
 //!    (a `Pending` request is skipped and stays queued), then
 //!    [`admit`](CacheUnderTest::admit) (match again, load back host pages, allocate every device
@@ -43,7 +45,7 @@ pub use hicache_core::DeviceSlot;
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::sim::links::Links;
+use crate::links::Links;
 
 /// A request's id, unique within one run.
 pub type RequestId = u64;

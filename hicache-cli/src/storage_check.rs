@@ -1,4 +1,4 @@
-//! `hicache-bench storage-check`: opens a backend's storage as a restart would (but read-only
+//! `hicache storage-check`: opens a backend's storage as a restart would (but read-only
 //! where the backend has a read-only mode) and checks the
 //! pages `storage-write` acknowledged: pages `0..=upto` must all read back bit-exact, and no page
 //! of the seed (including ones written after the last acknowledgement) may read back wrong.
@@ -11,8 +11,8 @@ use clap::Args;
 use hicache_storage::{PageBufMut, PageKey, PageOutcome, pattern};
 use serde::Serialize;
 
-use crate::cmd::storage_common::{BackendArgs, LAYOUT, aligned_region, runtime, seed_key};
-use crate::error::{BenchError, Result};
+use crate::backend::{BackendArgs, LAYOUT, aligned_region, runtime, seed_key};
+use crate::error::{CliError, Result};
 
 /// Backends with a `read_only` open mode, which the check uses.
 const READ_ONLY_BACKENDS: [&str; 2] = ["file", "uring"];
@@ -62,7 +62,7 @@ pub struct CheckSummary {
 /// Runs `storage-check`, printing the JSON summary to `out`.
 pub fn run(args: &StorageCheckArgs, mut out: impl Write) -> Result<CheckSummary> {
     if args.page_bytes == 0 {
-        return Err(BenchError::Usage("--page-bytes must be at least 1".into()));
+        return Err(CliError::Usage("--page-bytes must be at least 1".into()));
     }
     let rt = runtime()?;
     let summary = rt.block_on(async {
@@ -124,16 +124,16 @@ pub fn run(args: &StorageCheckArgs, mut out: impl Write) -> Result<CheckSummary>
             }
             i += n as u64;
         }
-        Ok::<_, BenchError>(s)
+        Ok::<_, CliError>(s)
     })?;
     writeln!(
         out,
         "{}",
         serde_json::to_string(&summary).expect("a summary of numbers serialises")
     )
-    .map_err(BenchError::io("<stdout>"))?;
+    .map_err(CliError::io("<stdout>"))?;
     if summary.missing > 0 || summary.wrong > 0 {
-        return Err(BenchError::CheckFailed(format!(
+        return Err(CliError::CheckFailed(format!(
             "{} acknowledged pages missing (first: {:?}), {} pages with wrong bytes",
             summary.missing, summary.first_missing, summary.wrong
         )));

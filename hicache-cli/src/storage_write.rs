@@ -1,4 +1,4 @@
-//! `hicache-bench storage-write`: writes deterministic pages forever (or `--pages K`) and prints
+//! `hicache storage-write`: writes deterministic pages forever (or `--pages K`) and prints
 //! `acked <last index>` after each batch the backend acknowledged, for durability checks: kill
 //! it at any moment, then `storage-check --upto <last acked>`. With `--inflight N`, N batches
 //! run at once (as the controller drives L3; their durability barriers merge) and the printed
@@ -10,8 +10,8 @@ use clap::Args;
 use futures_util::StreamExt;
 use hicache_storage::{PageBuf, PageKey, PageOutcome, Storage, pattern};
 
-use crate::cmd::storage_common::{BackendArgs, LAYOUT, aligned_region, runtime, seed_key};
-use crate::error::{BenchError, Result};
+use crate::backend::{BackendArgs, LAYOUT, aligned_region, runtime, seed_key};
+use crate::error::{CliError, Result};
 
 /// Arguments of `storage-write`.
 #[derive(Debug, Args)]
@@ -39,7 +39,7 @@ pub struct StorageWriteArgs {
 /// Runs `storage-write`, printing `acked <i>` lines to `out`.
 pub fn run(args: &StorageWriteArgs, mut out: impl Write) -> Result<()> {
     if args.page_bytes == 0 || args.batch == 0 || args.inflight == 0 {
-        return Err(BenchError::Usage(
+        return Err(CliError::Usage(
             "--page-bytes, --batch and --inflight must be at least 1".into(),
         ));
     }
@@ -87,7 +87,7 @@ pub fn run(args: &StorageWriteArgs, mut out: impl Write) -> Result<()> {
             if let Some(w) = watermark {
                 writeln!(out, "acked {w}")
                     .and_then(|()| out.flush())
-                    .map_err(BenchError::io("<stdout>"))?;
+                    .map_err(CliError::io("<stdout>"))?;
             }
         }
         Ok(())
@@ -118,7 +118,7 @@ async fn write_batch(
         .enumerate()
         .find(|(_, o)| !matches!(o, PageOutcome::Stored | PageOutcome::Present))
     {
-        return Err(BenchError::CheckFailed(format!(
+        return Err(CliError::CheckFailed(format!(
             "page {} ({}) was not stored: {o:?}",
             first + j as u64,
             keys[j]

@@ -6,7 +6,7 @@
 //! Each iteration, at simulated time `now`:
 //!
 //! 1. [`CacheUnderTest::advance`] to `now` (copies completed on the simulated links by `now`
-//!    finish; see [`crate::sim::links`]); then every request the workload sends at or before
+//!    finish; see [`crate::links`]); then every request the workload sends at or before
 //!    `now` joins the waiting queue ([`CacheUnderTest::arrive`]).
 //! 2. A prefill batch is built under a budget of `max_prefill_tokens` computed tokens:
 //!    requests whose prompt was cut by the budget in an earlier step (chunked prefill) continue
@@ -53,10 +53,10 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::error::{BenchError, Result};
-use crate::sim::cache::{Admission, CacheError, CacheStats, CacheUnderTest, PrefetchStatus};
-use crate::sim::links::{CopyTime, Links};
-use crate::sim::model::ComputeModel;
+use crate::cache::{Admission, CacheError, CacheStats, CacheUnderTest, PrefetchStatus};
+use crate::error::{Result, SimError};
+use crate::links::{CopyTime, Links};
+use crate::model::ComputeModel;
 use crate::workload::{Sent, Workload};
 
 /// Scheduler settings.
@@ -64,7 +64,7 @@ use crate::workload::{Sent, Workload};
 pub struct EngineConfig {
     /// Most tokens computed in one prefill step (SGLang's chunked prefill size).
     pub max_prefill_tokens: usize,
-    /// Whether write-through copies and L3 backups take simulated time ([`crate::sim::links`]).
+    /// Whether write-through copies and L3 backups take simulated time ([`crate::links`]).
     pub copy_time: CopyTime,
     /// Layers of the model (layer-wise load overlap).
     pub layers: u32,
@@ -184,11 +184,11 @@ struct Active {
     to_compute: usize,
     /// Answer tokens produced so far.
     produced: usize,
-    slots: Vec<crate::sim::cache::DeviceSlot>,
+    slots: Vec<crate::cache::DeviceSlot>,
 }
 
-fn cache_err(e: CacheError) -> BenchError {
-    BenchError::Cache(e.0)
+fn cache_err(e: CacheError) -> SimError {
+    SimError::Cache(e.0)
 }
 
 /// Runs `workload` through `cache` to the end. `progress` is called with (finished, total)
@@ -225,15 +225,15 @@ impl<'a> Engine<'a> {
         compute: &'a ComputeModel,
         config: &'a EngineConfig,
     ) -> Result<Self> {
-        compute.validate().map_err(BenchError::Usage)?;
+        compute.validate().map_err(SimError::Usage)?;
         if config.max_prefill_tokens == 0 {
-            return Err(BenchError::Usage(
+            return Err(SimError::Usage(
                 "the prefill token budget must be at least 1".into(),
             ));
         }
         let page_size = cache.page_size();
         if page_size == 0 {
-            return Err(BenchError::Cache("the cache reports page size 0".into()));
+            return Err(SimError::Cache("the cache reports page size 0".into()));
         }
         check_fits(workload, page_size, cache.device_pages())?;
         Ok(Self {
@@ -290,7 +290,7 @@ impl<'a> Engine<'a> {
                 let since = *stalled_since.get_or_insert_with(Instant::now);
                 if since.elapsed() > self.config.wall_wait_limit {
                     let r = &self.requests[req as usize];
-                    return Err(BenchError::Cache(format!(
+                    return Err(SimError::Cache(format!(
                         "request {req} ({}, {} prompt tokens): the cache refused admission for \
                          {:?} with no request running ({} device pages)",
                         r.conversation,
@@ -358,7 +358,7 @@ impl<'a> Engine<'a> {
                 PrefetchStatus::Ready { l3_pages } => break l3_pages,
                 PrefetchStatus::Pending => {
                     if started.elapsed() > self.config.wall_wait_limit {
-                        return Err(BenchError::Cache(format!(
+                        return Err(SimError::Cache(format!(
                             "request {} ({}): prefetch still pending after {:?}",
                             sent.id,
                             self.requests[sent.id as usize].conversation,
@@ -454,7 +454,7 @@ impl<'a> Engine<'a> {
         let prefix = adm.prefix_pages();
         let total = (prompt_len + answer).div_ceil(ps);
         let fail = |what: String| {
-            Err(BenchError::Cache(format!(
+            Err(SimError::Cache(format!(
                 "request {} ({}): admission breaks the cache contract: {what}",
                 sent.id, self.requests[sent.id as usize].conversation
             )))
@@ -593,7 +593,7 @@ impl<'a> Engine<'a> {
             .min(next_prefetch)
             .min(next_copy);
         if !next.is_finite() {
-            return Err(BenchError::Cache(format!(
+            return Err(SimError::Cache(format!(
                 "the simulation stalled at {:.3} s with {} requests waiting and none running",
                 self.now,
                 self.waiting.len()
@@ -610,14 +610,14 @@ fn check_fits(workload: &Workload, page_size: usize, device_pages: usize) -> Res
     for c in workload.conversations() {
         for (round, t) in c.turns.iter().enumerate() {
             if t.prompt_end == 0 {
-                return Err(BenchError::Usage(format!(
+                return Err(SimError::Usage(format!(
                     "request {} round {round}: empty prompt",
                     c.id
                 )));
             }
             let pages = t.answer_end.div_ceil(page_size);
             if pages > device_pages {
-                return Err(BenchError::Usage(format!(
+                return Err(SimError::Usage(format!(
                     "request {} round {round}: {} prompt and answer tokens need {pages} pages of \
                      {page_size} tokens but the device holds {device_pages} pages; raise \
                      --device-pages/--device-gb or shorten the workload",

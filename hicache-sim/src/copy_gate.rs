@@ -1,5 +1,5 @@
 //! Holds the `hicache` controller's background copies back until they have completed in
-//! simulated time ([`crate::sim::links`]), without changing the controller.
+//! simulated time ([`crate::links`]), without changing the controller.
 //!
 //! Two gates, both shared with the adapter that drives them:
 //!

@@ -20,7 +20,7 @@
 //!   PCIe 5.0 x16; see "Machines" in `docs/benchmarks.md`), overlapped layer by layer with the
 //!   forward.
 //! - **L1 → L2 write-through copies (D2H)**: 50 GB/s (95% of the 52.7 GB/s bulk pinned D2H
-//!   copy measured on our H100), on their own link (PCIe is full duplex); see [`crate::sim::links`].
+//!   copy measured on our H100), on their own link (PCIe is full duplex); see [`crate::links`].
 //! - **L3 → L2 prefetch and L2 → L3 backup**: 12 GB/s after 0.5 ms (a 100 Gb/s RDMA link, 12.5 GB/s line rate, as
 //!   Mooncake and 3FS deployments use; about two PCIe 4.0 NVMe drives), one link shared by all
 //!   prefetches (each starting when its request arrives) and backups.

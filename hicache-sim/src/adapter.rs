@@ -2,14 +2,14 @@
 //! [`CacheUnderTest`] for [`HiCache`] and [`CacheFactory`] for building it from a
 //! [`CacheSetup`].
 //!
-//! How the engine's rules (see [`crate::sim::cache`]) map onto the controller:
+//! How the engine's rules (see [`crate::cache`]) map onto the controller:
 //! 1. The prefix is matched on `tokens[..len - 1]` (page-aligned), so it never covers the last
 //!    prompt token.
 //! 2. Admission is all or nothing: `admit` then `alloc_device` for the rest; when the rest does
 //!    not fit, `unadmit` undoes the admission (the request stays, its hits are not counted).
 //! 3. `cache_finished` takes every slot back.
 //! 4. Hits are recorded by the controller once an admission is final.
-//! 5. Copy time ([`crate::sim::links`]): `advance` times every write-through batch on the
+//! 5. Copy time ([`crate::links`]): `advance` times every write-through batch on the
 //!    D2H link and every window of L3 backups on the L3 link when they launch, and lets the
 //!    controller finish them (and lookups see the backed-up pages) only once the clock has
 //!    reached their completion ([`crate::copy_gate`]). Before it moves the clock it waits in
@@ -26,14 +26,14 @@ use hicache::{
 };
 use hicache_gpu::IoBackend;
 
-use crate::copy_gate::{Clock, ClockRank, L3Clock, gated_registry};
-use crate::error::{BenchError, Result};
-use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize, TieringMode};
-use crate::sim::cache::{
+use crate::cache::{
     Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
     RequestId, TransferStats,
 };
-use crate::sim::links::Links;
+use crate::copy_gate::{Clock, ClockRank, L3Clock, gated_registry};
+use crate::error::{Result, SimError};
+use crate::links::Links;
+use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize, TieringMode};
 
 /// Longest wall time `advance` waits for launched work to finish before it gives up.
 const QUIET_LIMIT: Duration = Duration::from_secs(300);
@@ -71,7 +71,7 @@ pub fn config_for(setup: &CacheSetup) -> Result<HiCacheConfig> {
     let extra = match &storage {
         Some(s) if !s.extra_config.is_empty() => Some(
             serde_json::to_string(&s.extra_config)
-                .map_err(|e| BenchError::Usage(format!("extra-config: {e}")))?,
+                .map_err(|e| SimError::Usage(format!("extra-config: {e}")))?,
         ),
         _ => None,
     };
@@ -110,14 +110,14 @@ impl CacheFactory for HiCacheFactory {
         let device = match setup.device {
             DeviceKind::Sim => Device::sim(),
             DeviceKind::Cuda => {
-                Device::cuda(0).map_err(|e| BenchError::Usage(format!("--device cuda: {e}")))?
+                Device::cuda(0).map_err(|e| SimError::Usage(format!("--device cuda: {e}")))?
             }
         };
         let clock = Arc::new(Mutex::new(Clock::default()));
         let l3_clock = Arc::new(Mutex::new(L3Clock::default()));
         let registry = hicache::backends::builtin_registry()
             .and_then(|base| Ok(gated_registry(&base, &l3_clock)?))
-            .map_err(|e| BenchError::Usage(format!("cannot list the backends: {e}")))?;
+            .map_err(|e| SimError::Usage(format!("cannot list the backends: {e}")))?;
         let cache = HiCache::builder(cfg)
             .shape(setup.kv_shape)
             .device(device)
@@ -125,7 +125,7 @@ impl CacheFactory for HiCacheFactory {
             .rank_group(Arc::new(ClockRank::new(clock.clone())))
             .registry(Arc::new(registry))
             .build()
-            .map_err(|e| BenchError::Usage(format!("cannot build the cache: {e}")))?;
+            .map_err(|e| SimError::Usage(format!("cannot build the cache: {e}")))?;
         if let Some(addr) = cache.metrics_endpoint() {
             eprintln!("metrics: http://{addr}/metrics");
         }

@@ -1,5 +1,5 @@
 //! TEST DOUBLE: `ExactPrefix`, a naive model of a three-tier prefix cache used only by the
-//! tests of the simulated engine and the multiturn command. It is not the `hicache`
+//! tests of the simulated engine (here) and of the bench's multiturn command (which includes this file by path). It is not the `hicache`
 //! controller and is never used by the binary.
 //!
 //! Model: every whole page of every cached sequence is an entry keyed by the tokens up to the
@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 
-use hicache_bench::sim::{
+use hicache_sim::{
     Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
     RequestId,
 };
@@ -157,11 +157,7 @@ impl ExactPrefix {
         true
     }
 
-    fn count(
-        &mut self,
-        dir: fn(&mut CacheStats) -> &mut hicache_bench::sim::TransferStats,
-        n: usize,
-    ) {
+    fn count(&mut self, dir: fn(&mut CacheStats) -> &mut hicache_sim::TransferStats, n: usize) {
         if n > 0 {
             let b = self.cfg.page_bytes;
             let t = dir(&mut self.stats);

@@ -1,4 +1,4 @@
-//! `hicache-bench storage-clear`: opens a backend's storage and removes every page of one
+//! `hicache storage-clear`: opens a backend's storage and removes every page of one
 //! namespace with [`Storage::clear`](hicache_storage::Storage::clear), printing a JSON line
 //! `{"backend": …, "namespace": …, "removed": N}`. Pages of other namespaces and files that are
 //! not the backend's are never touched. A backend without the capability is an error naming it
@@ -11,8 +11,8 @@ use hicache_core::NamespaceId;
 use hicache_storage::pattern;
 use serde::Serialize;
 
-use crate::cmd::storage_common::{BackendArgs, runtime};
-use crate::error::{BenchError, Result};
+use crate::backend::{BackendArgs, runtime};
+use crate::error::{CliError, Result};
 
 /// Arguments of `storage-clear`.
 #[derive(Debug, Args)]
@@ -43,7 +43,7 @@ fn namespace(arg: Option<&str>) -> Result<NamespaceId> {
     match arg {
         None => Ok(pattern::namespace(0)),
         Some(s) => NamespaceId::from_hex(s.trim())
-            .map_err(|e| BenchError::Usage(format!("--namespace {s:?}: {e}"))),
+            .map_err(|e| CliError::Usage(format!("--namespace {s:?}: {e}"))),
     }
 }
 
@@ -55,7 +55,7 @@ pub fn run(args: &StorageClearArgs, mut out: impl Write) -> Result<ClearSummary>
         // The page size only matters to backends that check a capacity against it.
         let storage = args.backend.open(&[], 4096).await?;
         let removed = storage.clear(ns).await?;
-        Ok::<_, BenchError>(ClearSummary {
+        Ok::<_, CliError>(ClearSummary {
             backend: storage.info().name,
             namespace: ns.to_hex(),
             removed,
@@ -66,7 +66,7 @@ pub fn run(args: &StorageClearArgs, mut out: impl Write) -> Result<ClearSummary>
         "{}",
         serde_json::to_string(&summary).expect("a summary of strings and numbers serialises")
     )
-    .map_err(BenchError::io("<stdout>"))?;
+    .map_err(CliError::io("<stdout>"))?;
     Ok(summary)
 }
 

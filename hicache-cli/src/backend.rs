@@ -1,16 +1,17 @@
 //! What the storage subcommands share: choosing and opening a backend from `--backend`,
-//! `--dir` and `--extra-config`, the page keys of a seed, and page-aligned buffers.
+//! `--dir` and `--extra-config` (any backend of the facade's registry,
+//! [`hicache::backends::builtin_registry`]), the page keys of a seed, and page-aligned buffers.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Args;
 use hicache_core::{LayoutKind, PageKey};
-use hicache_storage::{BackendContext, Registry, Storage, StorageConfig, pattern};
+use hicache_storage::{BackendContext, Storage, StorageConfig, pattern};
 use memmap2::MmapMut;
 use serde_json::Value;
 
-use crate::error::{BenchError, Result};
+use crate::error::{CliError, Result};
 
 /// The layout tag the tools store pages with.
 pub const LAYOUT: LayoutKind = LayoutKind::PageFirst;
@@ -29,20 +30,6 @@ pub struct BackendArgs {
     pub extra_config: Option<String>,
 }
 
-/// Every backend compiled into this binary.
-pub fn registry() -> Result<Registry> {
-    let r = Registry::with_builtins();
-    #[cfg(feature = "file")]
-    hicache_backend_local::FileFactory::register(&r)?;
-    #[cfg(feature = "uring")]
-    hicache_backend_local::UringFactory::register(&r)?;
-    #[cfg(feature = "rdma")]
-    hicache_backend_rdma::register(&r)?;
-    #[cfg(feature = "redis")]
-    hicache_backend_redis::register(&r)?;
-    Ok(r)
-}
-
 impl BackendArgs {
     /// The configuration: the extra-config with `dir` (from `--dir`) and any `overrides` set
     /// where the document does not set them.
@@ -52,17 +39,17 @@ impl BackendArgs {
             Some(s) => {
                 let text = match s.strip_prefix('@') {
                     Some(p) => hicache_storage::read_config_file(std::path::Path::new(p))
-                        .map_err(|e| BenchError::Usage(format!("--extra-config: {e}")))?,
+                        .map_err(|e| CliError::Usage(format!("--extra-config: {e}")))?,
                     None => s.to_string(),
                 };
                 match serde_json::from_str::<Value>(&text) {
                     Ok(Value::Object(m)) => m,
                     Ok(_) => {
-                        return Err(BenchError::Usage(
+                        return Err(CliError::Usage(
                             "--extra-config must be a JSON object".into(),
                         ));
                     }
-                    Err(e) => return Err(BenchError::Usage(format!("--extra-config: {e}"))),
+                    Err(e) => return Err(CliError::Usage(format!("--extra-config: {e}"))),
                 }
             }
         };
@@ -92,7 +79,9 @@ impl BackendArgs {
             layout: LAYOUT,
             ..BackendContext::default()
         };
-        Ok(registry()?.open(&config, &ctx).await?)
+        Ok(hicache::backends::builtin_registry()?
+            .open(&config, &ctx)
+            .await?)
     }
 }
 
@@ -105,14 +94,14 @@ pub fn seed_key(seed: u64, index: u64) -> PageKey {
 /// so backends can use their zero-copy paths.
 pub fn aligned_region(pages: usize, page_bytes: usize) -> Result<MmapMut> {
     let len = pages.checked_mul(page_bytes).ok_or_else(|| {
-        BenchError::Usage(format!(
+        CliError::Usage(format!(
             "--page-bytes {page_bytes} is too large: {pages} pages of it overflow a {}-bit \
              byte count",
             usize::BITS
         ))
     })?;
     MmapMut::map_anon(len.max(1)).map_err(|e| {
-        BenchError::Usage(format!(
+        CliError::Usage(format!(
             "cannot map {pages} pages of {page_bytes} bytes: {e}"
         ))
     })
@@ -124,5 +113,5 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|e| BenchError::Usage(format!("cannot start a tokio runtime: {e}")))
+        .map_err(|e| CliError::Usage(format!("cannot start a tokio runtime: {e}")))
 }
