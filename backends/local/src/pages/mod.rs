@@ -27,7 +27,7 @@
 //!    process's view (see [`index`]); in shared mode the janitor bounds the directory total.
 //! 4. **Recovered.** Opening scans `pages/`, keeps every file whose header and size check out,
 //!    deletes the rest and every stale temp file, counting them in `discarded_on_open`.
-//! 5. **One outcome, either driver.** Page I/O goes through `hicache-localio`'s io_uring
+//! 5. **One outcome, either driver.** Page I/O goes through the `io` engine's io_uring
 //!    driver ([`IoEngine::Uring`]) or its thread pool ([`IoEngine::Threads`]); `auto` probes
 //!    io_uring at open and falls back to threads. Both run the same stages (the crate is
 //!    split by stage: `open`, `recover`, `write`, `read`, `janitor`) and verify reads the

@@ -3,7 +3,7 @@
 //! [`WriteIo`] prepares a page's file bytes (header, data, padding) as one iovec list and
 //! [`ReadIo`] the destination of a page file's bytes (header buffer, then the caller's page),
 //! so that a page is written with one vectored write and read with one vectored read, through
-//! either driver of `hicache-localio`. [`ReadIo::finish`] verifies what a read brought in.
+//! either driver of the `io` engine. [`ReadIo::finish`] verifies what a read brought in.
 //!
 //! With O_DIRECT, a page whose parts are sector-aligned in address and length (the pinned
 //! host pool's pages are) moves straight from and into the caller's memory; an unaligned page
