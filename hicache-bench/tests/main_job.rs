@@ -142,11 +142,11 @@ fn copy_time_is_charged_on_the_simulated_links() {
     );
     // The links carried every page copied: D2H batches, L3 prefetches and backups.
     // (Writes launched by the shutdown's drain, after the last request, are not timed.)
-    assert!(c.links.d2h.bytes > 0 && c.links.d2h.bytes <= c.cache.d2h.bytes);
-    assert_eq!(c.links.l3_read_bytes, c.cache.l3_to_l2.bytes);
+    assert!(c.links.d2h.bytes > 0 && c.links.d2h.bytes <= c.cache.metrics.d2h.bytes);
+    assert_eq!(c.links.l3_read_bytes, c.cache.metrics.l3_to_l2.bytes);
     // Backups count pages already in L3 as stored; the link carries only what was written.
     let written = c.links.l3.bytes - c.links.l3_read_bytes;
-    assert!(written > 0 && written <= c.cache.l2_to_l3.bytes);
+    assert!(written > 0 && written <= c.cache.metrics.l2_to_l3.bytes);
     assert_eq!(f.links.d2h.bytes, 0);
     assert_eq!(f.cache.refused_during_copies, 0);
     let again = run(&slow);

@@ -321,7 +321,7 @@ fn a_cache_that_breaks_accounting_fails_the_check() {
         }
         fn stats(&self) -> hicache_sim::CacheStats {
             let mut s = self.0.stats();
-            s.h2d.bytes += 1;
+            s.metrics.h2d.bytes += 1;
             s
         }
     }

@@ -28,7 +28,7 @@ use hicache_gpu::IoBackend;
 
 use crate::cache::{
     Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
-    RequestId, TransferStats,
+    RequestId,
 };
 use crate::copy_gate::{Clock, ClockRank, L3Clock, gated_registry};
 use crate::error::{Result, SimError};
@@ -143,15 +143,6 @@ impl CacheFactory for HiCacheFactory {
             l3_clock,
             refused_during_copies: 0,
         }))
-    }
-}
-
-fn transfer(t: hicache::metrics::TransferTotals) -> TransferStats {
-    TransferStats {
-        pages: t.pages,
-        bytes: t.bytes,
-        seconds: t.seconds,
-        batches: t.batches,
     }
 }
 
@@ -329,30 +320,11 @@ impl CacheUnderTest for HiCacheUnderTest {
     }
 
     fn stats(&self) -> CacheStats {
-        let m = self.cache.metrics().snapshot();
         CacheStats {
             page_bytes: self.cache.shape().page_bytes() as u64,
-            d2h: transfer(m.d2h),
-            h2d: transfer(m.h2d),
-            l2_to_l3: transfer(m.l2_to_l3),
-            l3_to_l2: transfer(m.l3_to_l2),
-            hit_tokens_l1: m.hit_tokens_l1,
-            hit_tokens_l2: m.hit_tokens_l2,
-            hit_tokens_l3: m.hit_tokens_l3,
-            request_tokens: m.request_tokens,
-            prefetch_completed: m.prefetch_completed,
-            prefetch_partial: m.prefetch_partial,
-            prefetch_below_threshold: m.prefetch_below_threshold,
-            prefetch_rate_limited: m.prefetch_rate_limited,
-            prefetch_no_host_memory: m.prefetch_no_host_memory,
-            prefetch_failed: m.prefetch_failed,
-            dropped_tokens: m.dropped_tokens,
-            evicted_pages_l1: m.evicted_pages_l1,
-            evicted_pages_l2: m.evicted_pages_l2,
+            metrics: self.cache.metrics().snapshot(),
             l3_pages_in_flight: lock(&self.l3_clock).pages_in_flight(),
             refused_during_copies: self.refused_during_copies,
-            l3_write_failures: m.l3_write_failures,
-            l3_read_failures: m.l3_read_failures,
         }
     }
 }

@@ -41,6 +41,7 @@
 //! The engine never sees tiers or slots beyond what these types carry, so any cache (the
 //! `hicache` controller, a baseline without prefix caching, a test model) can be measured.
 
+use hicache::metrics::MetricsSnapshot;
 pub use hicache_core::DeviceSlot;
 use serde::Serialize;
 use thiserror::Error;
@@ -110,80 +111,25 @@ impl Admission {
     }
 }
 
-/// Totals of one transfer direction.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Serialize)]
-pub struct TransferStats {
-    /// Pages moved.
-    pub pages: u64,
-    /// Bytes moved.
-    pub bytes: u64,
-    /// Sum of the batches' durations in seconds (wall time on this machine).
-    pub seconds: f64,
-    /// Batched transfers.
-    pub batches: u64,
-}
+/// Totals of one transfer direction: the facade's, which the engine reads unchanged.
+pub use hicache::metrics::TransferTotals as TransferStats;
 
-impl TransferStats {
-    /// Achieved bandwidth over the batches' durations in GB/s (1e9 bytes), 0 when idle.
-    pub fn gbps(&self) -> f64 {
-        if self.seconds > 0.0 {
-            self.bytes as f64 / self.seconds / 1e9
-        } else {
-            0.0
-        }
-    }
-}
-
-/// What the cache did during one run (the names of `hicache::metrics`).
+/// What the cache did during one run: the facade's [`MetricsSnapshot`] (the cache under test
+/// reports in its names; a cache that is not `hicache` fills what applies) plus what only the
+/// simulation knows.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Serialize)]
 pub struct CacheStats {
     /// Bytes of one page (all layers, K and V).
     pub page_bytes: u64,
-    /// L1 → L2 (backup).
-    pub d2h: TransferStats,
-    /// L2 → L1 (load-back).
-    pub h2d: TransferStats,
-    /// L2 → L3 (storage backup).
-    pub l2_to_l3: TransferStats,
-    /// L3 → L2 (prefetch).
-    pub l3_to_l2: TransferStats,
-    /// Prompt tokens served from L1.
-    pub hit_tokens_l1: u64,
-    /// Prompt tokens served from L2.
-    pub hit_tokens_l2: u64,
-    /// Prompt tokens served from L3.
-    pub hit_tokens_l3: u64,
-    /// Prompt tokens of admitted requests.
-    pub request_tokens: u64,
-    /// Prefetches that brought every hit page.
-    pub prefetch_completed: u64,
-    /// Prefetches terminated by policy with part of the hit.
-    pub prefetch_partial: u64,
-    /// Prefetches whose hit was below the threshold.
-    pub prefetch_below_threshold: u64,
-    /// Prefetches not started for the in-flight limit.
-    pub prefetch_rate_limited: u64,
-    /// Prefetches without host memory for the hit.
-    pub prefetch_no_host_memory: u64,
-    /// Prefetches that failed in the backend.
-    pub prefetch_failed: u64,
-    /// Cached tokens dropped without a copy in any tier (write_back under host pressure).
-    pub dropped_tokens: u64,
-    /// Pages evicted from L1.
-    pub evicted_pages_l1: u64,
-    /// Pages evicted from L2.
-    pub evicted_pages_l2: u64,
+    /// The cache's counters: hits per tier, bytes moved per direction, prefetch outcomes,
+    /// evictions, L3 failures.
+    #[serde(flatten)]
+    pub metrics: MetricsSnapshot,
     /// L3 pages lookups found stored but not yet visible: their backup had not completed in
     /// simulated time (L3 hits lost to copies in flight).
     pub l3_pages_in_flight: u64,
     /// Admissions refused while device pages were held by write-through copies in flight.
     pub refused_during_copies: u64,
-    /// L3 pages backups were to store that were not stored: storage errors (not in
-    /// `l2_to_l3`, which counts only pages stored).
-    pub l3_write_failures: u64,
-    /// L3 pages lost to failed lookups and reads of prefetches: storage errors (hits lost,
-    /// not misses).
-    pub l3_read_failures: u64,
 }
 
 /// A cache the simulated engine can drive. See the [module documentation](self) for the call

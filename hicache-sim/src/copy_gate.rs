@@ -159,11 +159,6 @@ impl L3Clock {
         bytes
     }
 
-    /// Whether pages were stored since the last window was timed.
-    pub fn window_open(&self) -> bool {
-        !self.window.is_empty()
-    }
-
     /// Pages lookups found stored but not yet visible (L3 hits lost to backups in flight).
     pub fn pages_in_flight(&self) -> u64 {
         self.pages_in_flight

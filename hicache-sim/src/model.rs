@@ -195,11 +195,6 @@ impl ComputeModel {
         }
         t
     }
-
-    /// Seconds to move `bytes` from L3 to L2 at the L3 bandwidth (latency excluded).
-    pub fn l3_transfer(&self, bytes: u64) -> f64 {
-        bytes as f64 / self.l3_bytes_per_s
-    }
 }
 
 #[cfg(test)]

@@ -69,7 +69,7 @@ impl CacheUnderTest for NoCache {
             return Ok(None);
         }
         let new_slots = self.free.split_off(self.free.len() - pages);
-        self.stats.request_tokens += tokens.len() as u64;
+        self.stats.metrics.request_tokens += tokens.len() as u64;
         Ok(Some(Admission {
             new_slots,
             ..Admission::default()
@@ -136,7 +136,7 @@ mod tests {
         assert_eq!(c.free_pages(), 10);
         assert!(c.cache_finished(1, &[1; 12], &a.new_slots).is_err());
         assert!(c.cache_finished(1, &[1; 5], &a.new_slots).is_err());
-        assert_eq!(c.stats().request_tokens, 9);
+        assert_eq!(c.stats().metrics.request_tokens, 9);
         assert_eq!(c.stats().page_bytes, 100);
     }
 }

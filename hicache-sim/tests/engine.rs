@@ -112,18 +112,21 @@ fn every_prompt_token_is_a_hit_or_computed() {
     let sum = |f: fn(&hicache_sim::RequestRecord) -> usize| {
         r.requests.iter().map(f).sum::<usize>() as u64
     };
-    assert_eq!(s.request_tokens, tokens as u64);
-    assert_eq!(s.hit_tokens_l1, sum(|q| q.hit_l1));
-    assert_eq!(s.hit_tokens_l2, sum(|q| q.hit_l2));
-    assert_eq!(s.hit_tokens_l3, sum(|q| q.hit_l3));
-    assert_eq!(s.h2d.pages * PS as u64, s.hit_tokens_l2 + s.hit_tokens_l3);
+    assert_eq!(s.metrics.request_tokens, tokens as u64);
+    assert_eq!(s.metrics.hit_tokens_l1, sum(|q| q.hit_l1));
+    assert_eq!(s.metrics.hit_tokens_l2, sum(|q| q.hit_l2));
+    assert_eq!(s.metrics.hit_tokens_l3, sum(|q| q.hit_l3));
+    assert_eq!(
+        s.metrics.h2d.pages * PS as u64,
+        s.metrics.hit_tokens_l2 + s.metrics.hit_tokens_l3
+    );
     assert!(
-        s.hit_tokens_l1 > 0 && s.hit_tokens_l2 > 0 && s.hit_tokens_l3 > 0,
+        s.metrics.hit_tokens_l1 > 0 && s.metrics.hit_tokens_l2 > 0 && s.metrics.hit_tokens_l3 > 0,
         "{s:?}"
     );
     // Loads in the steps are the admissions' host pages.
     let loaded: u64 = r.steps.iter().map(|s| s.load_bytes).sum();
-    assert_eq!(loaded, s.h2d.bytes);
+    assert_eq!(loaded, s.metrics.h2d.bytes);
     // Everything handed back: no locks, all pages free or cached.
     assert_eq!(cache.lock_count(), 0);
     // Prefill steps computed exactly the computed tokens.
@@ -135,7 +138,7 @@ fn every_prompt_token_is_a_hit_or_computed() {
         .sum();
     assert_eq!(
         computed as u64,
-        tokens as u64 - s.hit_tokens_l1 - s.hit_tokens_l2 - s.hit_tokens_l3
+        tokens as u64 - s.metrics.hit_tokens_l1 - s.metrics.hit_tokens_l2 - s.metrics.hit_tokens_l3
     );
     // Decode steps produced every answer token but the first of each request.
     let decoded: usize = r
@@ -162,9 +165,9 @@ fn each_tier_adds_hits_and_cuts_ttft() {
     assert!(p50(&base) > p50(&l1), "{} {}", p50(&base), p50(&l1));
     assert!(p50(&l1) > p50(&l2), "{} {}", p50(&l1), p50(&l2));
     assert!(p50(&l2) >= p50(&l3), "{} {}", p50(&l2), p50(&l3));
-    assert_eq!(l1.cache.h2d.pages, 0);
-    assert_eq!(l2.cache.l3_to_l2.pages, 0);
-    assert!(l3.cache.l3_to_l2.pages > 0);
+    assert_eq!(l1.cache.metrics.h2d.pages, 0);
+    assert_eq!(l2.cache.metrics.l3_to_l2.pages, 0);
+    assert!(l3.cache.metrics.l3_to_l2.pages > 0);
 }
 
 #[test]
@@ -528,8 +531,8 @@ proptest::proptest! {
             hits[2] += q.hit_l3 as u64;
         }
         let s = r.cache;
-        proptest::prop_assert_eq!([s.hit_tokens_l1, s.hit_tokens_l2, s.hit_tokens_l3], hits);
-        proptest::prop_assert_eq!(s.h2d.pages * PS as u64, hits[1] + hits[2]);
+        proptest::prop_assert_eq!([s.metrics.hit_tokens_l1, s.metrics.hit_tokens_l2, s.metrics.hit_tokens_l3], hits);
+        proptest::prop_assert_eq!(s.metrics.h2d.pages * PS as u64, hits[1] + hits[2]);
         for step in &r.steps {
             if step.kind == StepKind::Prefill {
                 proptest::prop_assert!(step.tokens <= budget);
@@ -537,7 +540,7 @@ proptest::proptest! {
         }
         proptest::prop_assert_eq!(cache.lock_count(), 0);
         if host_pages == 0 {
-            proptest::prop_assert_eq!(s.hit_tokens_l2 + s.hit_tokens_l3, 0);
+            proptest::prop_assert_eq!(s.metrics.hit_tokens_l2 + s.metrics.hit_tokens_l3, 0);
         }
     }
 }

@@ -42,9 +42,9 @@ fn run(plan: &Plan, tiers: Tiers) -> RunResult {
 
 fn hits(r: &RunResult) -> [u64; 3] {
     [
-        r.cache.hit_tokens_l1,
-        r.cache.hit_tokens_l2,
-        r.cache.hit_tokens_l3,
+        r.cache.metrics.hit_tokens_l1,
+        r.cache.metrics.hit_tokens_l2,
+        r.cache.metrics.hit_tokens_l3,
     ]
 }
 

@@ -115,7 +115,10 @@ fn timing_rows() -> Vec<Row> {
         }),
         row("input (tok/s)", |s| format!("{:.0}", s.input_throughput)),
         row("evicted pages L1/L2", |s| {
-            format!("{}/{}", s.cache.evicted_pages_l1, s.cache.evicted_pages_l2)
+            format!(
+                "{}/{}",
+                s.cache.metrics.evicted_pages_l1, s.cache.metrics.evicted_pages_l2
+            )
         }),
     ]
 }
@@ -147,7 +150,10 @@ fn copy_cost_rows() -> Vec<Row> {
 fn health_rows() -> Vec<Row> {
     vec![
         row("L3 errors (write/read pages)", |s| {
-            format!("{}/{}", s.cache.l3_write_failures, s.cache.l3_read_failures)
+            format!(
+                "{}/{}",
+                s.cache.metrics.l3_write_failures, s.cache.metrics.l3_read_failures
+            )
         }),
         row("refused: D2H in flight", |s| {
             s.cache.refused_during_copies.to_string()
@@ -213,11 +219,11 @@ impl Report {
     pub fn l3_error_warning(&self) -> Option<String> {
         let bad: Vec<String> = self
             .all()
-            .filter(|s| s.cache.l3_write_failures + s.cache.l3_read_failures > 0)
+            .filter(|s| s.cache.metrics.l3_write_failures + s.cache.metrics.l3_read_failures > 0)
             .map(|s| {
                 format!(
                     "{} ({} pages not written, {} not read)",
-                    s.label, s.cache.l3_write_failures, s.cache.l3_read_failures
+                    s.label, s.cache.metrics.l3_write_failures, s.cache.metrics.l3_read_failures
                 )
             })
             .collect();
@@ -350,6 +356,7 @@ pub fn prepare_dir(dir: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hicache::metrics::MetricsSnapshot;
     use hicache_sim::cache::{CacheStats, TransferStats};
     use hicache_sim::engine::{RequestRecord, RunResult};
     use std::time::Duration;
@@ -376,14 +383,17 @@ mod tests {
             steps: Vec::new(),
             cache: CacheStats {
                 page_bytes: 100,
-                h2d: TransferStats {
-                    pages: h2d_pages,
-                    bytes: h2d_pages * 100,
-                    seconds: 1e-6,
-                    batches: 1,
+                metrics: MetricsSnapshot {
+                    h2d: TransferStats {
+                        pages: h2d_pages,
+                        bytes: h2d_pages * 100,
+                        seconds: 1e-6,
+                        batches: 1,
+                    },
+                    hit_tokens_l2: 4 * hit as u64,
+                    request_tokens: 512,
+                    ..MetricsSnapshot::default()
                 },
-                hit_tokens_l2: 4 * hit as u64,
-                request_tokens: 512,
                 ..CacheStats::default()
             },
             sim_seconds: 5.0,
@@ -439,8 +449,8 @@ mod tests {
     #[test]
     fn l3_errors_are_a_row_a_json_field_and_a_warning() {
         let mut r = report();
-        r.runs[0].cache.l3_write_failures = 7;
-        r.runs[0].cache.l3_read_failures = 3;
+        r.runs[0].cache.metrics.l3_write_failures = 7;
+        r.runs[0].cache.metrics.l3_read_failures = 3;
         let t = r.table();
         let errors = t
             .lines()

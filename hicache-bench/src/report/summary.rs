@@ -228,10 +228,10 @@ impl Summary {
     /// The four transfer directions with their names.
     pub fn transfers(&self) -> [(&'static str, TransferStats); 4] {
         [
-            ("d2h", self.cache.d2h),
-            ("h2d", self.cache.h2d),
-            ("l2_to_l3", self.cache.l2_to_l3),
-            ("l3_to_l2", self.cache.l3_to_l2),
+            ("d2h", self.cache.metrics.d2h),
+            ("h2d", self.cache.metrics.h2d),
+            ("l2_to_l3", self.cache.metrics.l2_to_l3),
+            ("l3_to_l2", self.cache.metrics.l3_to_l2),
         ]
     }
 
@@ -254,10 +254,10 @@ impl Summary {
         }
         let c = &self.cache;
         for (tier, engine, cache) in [
-            ("L1", self.hits.l1, c.hit_tokens_l1),
-            ("L2", self.hits.l2, c.hit_tokens_l2),
-            ("L3", self.hits.l3, c.hit_tokens_l3),
-            ("prompt", self.prompt_tokens, c.request_tokens),
+            ("L1", self.hits.l1, c.metrics.hit_tokens_l1),
+            ("L2", self.hits.l2, c.metrics.hit_tokens_l2),
+            ("L3", self.hits.l3, c.metrics.hit_tokens_l3),
+            ("prompt", self.prompt_tokens, c.metrics.request_tokens),
         ] {
             if engine != cache {
                 bad.push(format!(
@@ -273,11 +273,11 @@ impl Summary {
                 ));
             }
         }
-        let loaded = c.h2d.pages * page_size as u64;
+        let loaded = c.metrics.h2d.pages * page_size as u64;
         if loaded != self.hits.l2 + self.hits.l3 {
             bad.push(format!(
                 "{l}: H2D moved {} pages ({loaded} tokens) for {} L2 + L3 hit tokens",
-                c.h2d.pages,
+                c.metrics.h2d.pages,
                 self.hits.l2 + self.hits.l3
             ));
         }
@@ -288,6 +288,7 @@ impl Summary {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hicache::metrics::MetricsSnapshot;
     use hicache_sim::engine::{RequestRecord, StepRecord};
 
     fn rec(id: u64, round: usize, prompt: usize, hits: [usize; 3], ttft: f64) -> RequestRecord {
@@ -328,16 +329,19 @@ mod tests {
             }],
             cache: CacheStats {
                 page_bytes: 1000,
-                h2d: TransferStats {
-                    pages: 3,
-                    bytes: 3000,
-                    seconds: 0.5,
-                    batches: 2,
+                metrics: MetricsSnapshot {
+                    h2d: TransferStats {
+                        pages: 3,
+                        bytes: 3000,
+                        seconds: 0.5,
+                        batches: 2,
+                    },
+                    hit_tokens_l1: 128,
+                    hit_tokens_l2: 128,
+                    hit_tokens_l3: 64,
+                    request_tokens: 600,
+                    ..MetricsSnapshot::default()
                 },
-                hit_tokens_l1: 128,
-                hit_tokens_l2: 128,
-                hit_tokens_l3: 64,
-                request_tokens: 600,
                 ..CacheStats::default()
             },
             sim_seconds: 4.0,
@@ -390,8 +394,8 @@ mod tests {
     #[test]
     fn checks_catch_each_inconsistency() {
         let mut r = run();
-        r.cache.h2d.bytes += 1;
-        r.cache.hit_tokens_l3 = 0;
+        r.cache.metrics.h2d.bytes += 1;
+        r.cache.metrics.hit_tokens_l3 = 0;
         r.requests[0].computed = 0;
         let bad = Summary::new("x", &r).check(64);
         assert_eq!(bad.len(), 3, "{bad:#?}");
@@ -399,8 +403,8 @@ mod tests {
         assert!(bad.iter().any(|b| b.contains("L3 tokens")));
         assert!(bad.iter().any(|b| b.contains("h2d")));
         let mut r = run();
-        r.cache.h2d.pages = 2;
-        r.cache.h2d.bytes = 2000;
+        r.cache.metrics.h2d.pages = 2;
+        r.cache.metrics.h2d.bytes = 2000;
         let bad = Summary::new("x", &r).check(64);
         assert_eq!(bad.len(), 1);
         assert!(bad[0].contains("H2D moved 2 pages"), "{bad:?}");

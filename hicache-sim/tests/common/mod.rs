@@ -126,7 +126,7 @@ impl ExactPrefix {
             };
             let slot = self.entries.get_mut(&k).unwrap().slot.take().unwrap();
             self.free.push(slot);
-            self.stats.evicted_pages_l1 += 1;
+            self.stats.metrics.evicted_pages_l1 += 1;
             self.drop_if_empty(&k);
         }
     }
@@ -149,7 +149,7 @@ impl ExactPrefix {
             }
             self.entries.get_mut(&v).unwrap().in_l2 = false;
             self.l2_used -= 1;
-            self.stats.evicted_pages_l2 += 1;
+            self.stats.metrics.evicted_pages_l2 += 1;
             self.drop_if_empty(&v);
         }
         self.entries.get_mut(k).unwrap().in_l2 = true;
@@ -218,9 +218,9 @@ impl CacheUnderTest for ExactPrefix {
                 k += 1;
             }
         }
-        self.count(|s| &mut s.l3_to_l2, fetched);
+        self.count(|s| &mut s.metrics.l3_to_l2, fetched);
         if fetched > 0 {
-            self.stats.prefetch_completed += 1;
+            self.stats.metrics.prefetch_completed += 1;
         }
         self.prefetched.insert(req, fetched);
         Ok(())
@@ -287,17 +287,17 @@ impl CacheUnderTest for ExactPrefix {
         }
         let new_slots = self.free.split_off(self.free.len() - (total - prefix));
         self.pending_load += host_keys.len();
-        self.count(|s| &mut s.h2d, host_keys.len());
+        self.count(|s| &mut s.metrics.h2d, host_keys.len());
         let l3 = self
             .prefetched
             .remove(&req)
             .unwrap_or(0)
             .min(host_keys.len());
         let l2 = host_keys.len() - l3;
-        self.stats.hit_tokens_l1 += (l1_keys.len() * ps) as u64;
-        self.stats.hit_tokens_l2 += (l2 * ps) as u64;
-        self.stats.hit_tokens_l3 += (l3 * ps) as u64;
-        self.stats.request_tokens += tokens.len() as u64;
+        self.stats.metrics.hit_tokens_l1 += (l1_keys.len() * ps) as u64;
+        self.stats.metrics.hit_tokens_l2 += (l2 * ps) as u64;
+        self.stats.metrics.hit_tokens_l3 += (l3 * ps) as u64;
+        self.stats.metrics.request_tokens += tokens.len() as u64;
         let mut keys = l1_keys.clone();
         keys.extend(host_keys.iter().cloned());
         self.touch(&keys);
@@ -380,8 +380,8 @@ impl CacheUnderTest for ExactPrefix {
             }
         }
         self.free.extend_from_slice(&slots[full..]);
-        self.count(|s| &mut s.d2h, d2h);
-        self.count(|s| &mut s.l2_to_l3, l3);
+        self.count(|s| &mut s.metrics.d2h, d2h);
+        self.count(|s| &mut s.metrics.l2_to_l3, l3);
         Ok(())
     }
 
