@@ -38,13 +38,10 @@ impl CliError {
     /// The process exit code for this error: 2 for bad input, 1 for failed checks and
     /// run-time failures.
     pub fn exit_code(&self) -> u8 {
-        use hicache_storage::StorageError as S;
         match self {
             CliError::Usage(_) | CliError::Io { .. } | CliError::Core(_) => 2,
             CliError::CheckFailed(_) | CliError::Registry(_) => 1,
-            CliError::Storage(
-                S::Config { .. } | S::ConfigSyntax { .. } | S::UnknownBackend { .. },
-            ) => 2,
+            CliError::Storage(e) if e.is_bad_config() => 2,
             CliError::Storage(_) => 1,
         }
     }

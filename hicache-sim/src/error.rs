@@ -33,13 +33,10 @@ pub enum SimError {
 impl SimError {
     /// The process exit code for this error: 2 for bad input, 1 for run-time failures.
     pub fn exit_code(&self) -> u8 {
-        use hicache_storage::StorageError as S;
         match self {
             SimError::Usage(_) | SimError::Io { .. } | SimError::Core(_) => 2,
             SimError::Cache(_) => 1,
-            SimError::Storage(
-                S::Config { .. } | S::ConfigSyntax { .. } | S::UnknownBackend { .. },
-            ) => 2,
+            SimError::Storage(e) if e.is_bad_config() => 2,
             SimError::Storage(_) => 1,
         }
     }

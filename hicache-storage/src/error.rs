@@ -193,6 +193,18 @@ impl StorageError {
         let path = path.into();
         move |source| StorageError::Io { op, path, source }
     }
+
+    /// Whether the error is the caller's configuration (a bad field, malformed extra-config
+    /// JSON, a backend name not compiled in) rather than a failure of the backend: what a
+    /// command line reports as bad input.
+    pub fn is_bad_config(&self) -> bool {
+        matches!(
+            self,
+            StorageError::Config { .. }
+                | StorageError::ConfigSyntax { .. }
+                | StorageError::UnknownBackend { .. }
+        )
+    }
 }
 
 /// Result alias of `hicache-storage`.
@@ -203,6 +215,17 @@ mod tests {
     use std::error::Error as _;
 
     use super::*;
+
+    #[test]
+    fn only_configuration_errors_are_bad_config() {
+        assert!(StorageError::config("file", "dir", "\"\"", "empty").is_bad_config());
+        let unknown = StorageError::UnknownBackend {
+            name: "nope".into(),
+            known: vec!["file".into()],
+        };
+        assert!(unknown.is_bad_config());
+        assert!(!StorageError::backend("file", "disk gone").is_bad_config());
+    }
 
     #[test]
     fn a_backend_error_keeps_its_cause_as_source() {
