@@ -38,7 +38,7 @@ impl Pages {
         {
             return None;
         }
-        let mut ix = self.index.lock();
+        let mut ix = self.core.index.lock();
         if !ix.contains(key) {
             let mut victims = Vec::new();
             if ix.reserve(file_bytes(h.meta.len), &mut victims) {
@@ -91,15 +91,15 @@ impl Pages {
             }
         }
         let mut total: u64 = files.iter().map(|f| f.1).sum();
-        if total > self.capacity {
+        if total > self.core.capacity {
             files.sort_by_key(|f| f.0);
             for (_, len, k, p) in files {
-                if total <= self.capacity {
+                if total <= self.core.capacity {
                     break;
                 }
                 if remove_file(&p).unwrap_or(false) {
                     total -= len;
-                    let e = self.index.lock().remove(&k);
+                    let e = self.core.index.lock().remove(&k);
                     bump(&self.core.counters.evicted_pages, 1);
                     bump(
                         &self.core.counters.evicted_bytes,
@@ -128,7 +128,7 @@ impl Pages {
             if k.namespace != namespace || !e.file_type().is_ok_and(|t| t.is_file()) {
                 continue;
             }
-            let known = self.index.lock().remove(&k).is_some();
+            let known = self.core.index.lock().remove(&k).is_some();
             match remove_file(&e.path()) {
                 Ok(existed) => removed += u64::from(existed || known),
                 Err(err) => {
@@ -139,14 +139,14 @@ impl Pages {
         }
         // Pages the index knew but the listing missed (deleted behind our back): forget them.
         let stale: Vec<PageKey> = {
-            let ix = self.index.lock();
+            let ix = self.core.index.lock();
             ix.keys()
                 .filter(|k| k.namespace == namespace)
                 .copied()
                 .collect()
         };
         for k in stale {
-            self.index.lock().remove(&k);
+            self.core.index.lock().remove(&k);
             if remove_file(&self.paths.page_path(&k))? {
                 removed += 1;
             }

@@ -102,9 +102,7 @@ pub struct Pages {
     direct: bool,
     driver: Box<dyn Driver>,
     uring: bool,
-    capacity: u64,
     rescan_bytes: u64,
-    index: Arc<Mutex<Index>>,
     /// The read-only guard and the counters (what the generic backend reads).
     core: Core<Index>,
     /// Time as expiry (`ttl_s`) sees it.
@@ -186,17 +184,18 @@ impl Pages {
 
     /// Wakes the reclaim thread when committed bytes exceed the high watermark.
     pub(crate) fn check_watermark(&self) {
-        self.reclaim.check_watermark(|| self.index.lock().used());
+        self.reclaim
+            .check_watermark(|| self.core.index.lock().used());
     }
 
     /// Starts the reclaim stage (see [`ReclaimStage::start`]) over this instance's index.
     fn start_reclaimer(&mut self) -> Result<()> {
         let l = self.opts.lifecycle;
         let ctx = janitor::Reclaim {
-            index: self.index.clone(),
+            index: self.core.index.clone(),
             counters: self.core.counters.clone(),
             paths: self.paths.clone(),
-            capacity: self.capacity,
+            capacity: self.core.capacity,
             lifecycle: l,
             clock: self.clock.clone(),
             hook: self.reclaim_hook.clone(),
@@ -206,7 +205,7 @@ impl Pages {
             self.opts.read_only,
             l.ttl,
             l.watermarks,
-            self.capacity,
+            self.core.capacity,
             move || ctx.pass(),
         )
         .map_err(|e| e.into_storage(NAME))?;
@@ -274,7 +273,7 @@ impl backend::Layout for Pages {
             max_batch: self.opts.max_batch,
             zero_copy: self.direct,
             shared: self.opts.shared,
-            max_page_bytes: (self.capacity as usize).saturating_sub(HEADER_LEN),
+            max_page_bytes: (self.core.capacity as usize).saturating_sub(HEADER_LEN),
         }
     }
 
@@ -299,7 +298,7 @@ impl backend::Layout for Pages {
     fn delete(&self, keys: &[PageKey]) -> usize {
         let mut n = 0;
         for k in keys {
-            let known = self.index.lock().remove(k).is_some();
+            let known = self.core.index.lock().remove(k).is_some();
             if known || self.opts.shared {
                 match remove_file(&self.paths.page_path(k)) {
                     Ok(existed) => n += usize::from(existed || known),

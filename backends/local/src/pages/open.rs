@@ -268,8 +268,6 @@ impl Pages {
             instance_tmp: inst.tmp,
             instance_lock_path: inst.lock_path,
             direct,
-            capacity,
-            index: index.clone(),
             core: Core {
                 guard,
                 counters: Arc::new(counters),
@@ -339,8 +337,6 @@ impl Pages {
             instance_tmp: PathBuf::new(),
             instance_lock_path: PathBuf::new(),
             direct: false,
-            capacity,
-            index: index.clone(),
             core: Core {
                 guard,
                 counters: Arc::new(counters),

@@ -31,12 +31,12 @@ impl Pages {
     /// process wrote).
     pub(crate) fn leading_run(&self, keys: &[PageKey]) -> usize {
         let mut hits = {
-            let ix = self.index.lock();
+            let ix = self.core.index.lock();
             keys.iter()
                 .take_while(|k| ix.get(k).is_some_and(|e| !self.expired(e.written)))
                 .count()
         };
-        if hits < keys.len() && self.index.lock().contains(&keys[hits]) {
+        if hits < keys.len() && self.core.index.lock().contains(&keys[hits]) {
             // Present but expired: a miss, and the reclaim thread removes it.
             self.wake_reclaimer();
         }
@@ -52,7 +52,7 @@ impl Pages {
                     .take_while(|k| {
                         let on_disk = std::fs::symlink_metadata(self.paths.page_path(k)).is_ok();
                         if !on_disk {
-                            self.index.lock().remove(k);
+                            self.core.index.lock().remove(k);
                         }
                         on_disk
                     })
@@ -82,7 +82,7 @@ impl Pages {
         let mut want = vec![false; n];
         let mut expired = false;
         {
-            let mut ix = self.index.lock();
+            let mut ix = self.core.index.lock();
             for (i, (k, d)) in keys.iter().zip(dst.iter()).enumerate() {
                 match ix.get(k) {
                     Some(e) if e.meta != d.meta() => {
@@ -126,7 +126,7 @@ impl Pages {
             ReadResult::Hit => {
                 if self.opts.shared {
                     let _ = sys::touch_mtime(&self.paths.page_path(key));
-                    let mut ix = self.index.lock();
+                    let mut ix = self.core.index.lock();
                     if !ix.contains(key) {
                         let mut v = Vec::new();
                         if ix.reserve(file_bytes(meta.len), &mut v) {
@@ -140,7 +140,7 @@ impl Pages {
                 PageOutcome::Hit
             }
             ReadResult::Missing => {
-                self.index.lock().remove(key);
+                self.core.index.lock().remove(key);
                 PageOutcome::Miss
             }
             ReadResult::Mismatch(stored) => {
@@ -151,7 +151,7 @@ impl Pages {
             ReadResult::Corrupt(why) => {
                 d.zero();
                 tracing::warn!(key = %key, %why, "file backend: corrupt page dropped");
-                self.index.lock().remove(key);
+                self.core.index.lock().remove(key);
                 // A read-only instance deletes nothing (it only stops serving the page).
                 if !self.opts.read_only {
                     let _ = remove_file(&self.paths.page_path(key));

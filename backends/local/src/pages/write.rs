@@ -52,13 +52,13 @@ impl Pages {
         let mut victims = Vec::new();
         let mut reserved = 0u64;
         let mut batch = {
-            let mut ix = self.index.lock();
+            let mut ix = self.core.index.lock();
             let mut b = SetBatch::classify(
                 keys,
                 src,
                 |len| {
-                    (file_bytes(len) > self.capacity)
-                        .then(|| (self.capacity as usize).saturating_sub(HEADER_LEN))
+                    (file_bytes(len) > self.core.capacity)
+                        .then(|| (self.core.capacity as usize).saturating_sub(HEADER_LEN))
                 },
                 |k, meta| {
                     // An expired page is rewritten (a fresh write time), not kept.
@@ -88,7 +88,7 @@ impl Pages {
         let results = self.write_batch(keys, src, &batch.todo);
         let mut stored_bytes = 0u64;
         {
-            let mut ix = self.index.lock();
+            let mut ix = self.core.index.lock();
             for (i, r) in results {
                 batch.outcomes.set(
                     i,

@@ -85,7 +85,7 @@ impl Slabs {
             }
         }
         let mut log = self.log.lock();
-        let mut ix = self.index.lock();
+        let mut ix = self.core.index.lock();
         let mut recs: Vec<[u8; format::RECORD_LEN]> =
             self.dels.lock().drain(..).map(|r| r.encode()).collect();
         let mut entries: Vec<(usize, usize, Entry)> = Vec::new();

@@ -134,10 +134,8 @@ pub struct Slabs {
     // Dropped first: the ring thread ends before the slab files close.
     engine: Engine,
     opts: UringOptions,
-    capacity: u64,
     slabs: RwLock<Vec<Arc<Slab>>>,
     new_slab: Mutex<()>,
-    index: Arc<Mutex<Index>>,
     log: Mutex<IndexLog>,
     dels: Arc<Mutex<Vec<Record>>>,
     /// The read-only guard and the counters (what the generic backend reads).
@@ -189,7 +187,7 @@ impl Slabs {
     /// Where `key`'s bytes lie: slab path, byte offset and page length (for tools and tests
     /// that inspect or damage the medium).
     pub fn page_location(&self, key: &PageKey) -> Option<(PathBuf, u64, usize)> {
-        let e = *self.index.lock().get(key)?;
+        let e = *self.core.index.lock().get(key)?;
         let b = self.slabs.read()[e.loc.class as usize].slot_bytes;
         Some((
             self.opts.dir.join(slab_file_name(b)),
@@ -219,8 +217,8 @@ impl Slabs {
     pub(crate) fn start_reclaimer(&mut self) -> Result<()> {
         let pass = reclaim::Reclaim {
             ttl: self.opts.ttl,
-            low: self.opts.watermarks.map(|w| w.bytes(self.capacity).1),
-            index: self.index.clone(),
+            low: self.opts.watermarks.map(|w| w.bytes(self.core.capacity).1),
+            index: self.core.index.clone(),
             dels: self.dels.clone(),
             counters: self.core.counters.clone(),
             clock: self.clock.clone(),
@@ -230,7 +228,7 @@ impl Slabs {
             self.opts.read_only,
             self.opts.ttl,
             self.opts.watermarks,
-            self.capacity,
+            self.core.capacity,
             move || pass.pass(),
         )
         .map_err(|e| e.into_storage(NAME))?;
@@ -240,7 +238,7 @@ impl Slabs {
     /// Wakes the reclaim thread when page bytes exceed the high watermark.
     fn check_watermark(&self) {
         self.reclaim
-            .check_watermark(|| self.index.lock().data_bytes());
+            .check_watermark(|| self.core.index.lock().data_bytes());
     }
 
     /// Waits at most `timeout` until the reclaim thread has no pass asked for or running;
@@ -250,7 +248,7 @@ impl Slabs {
     }
 
     pub(crate) fn max_page_bytes(&self) -> usize {
-        usize::try_from(self.capacity / ALIGN as u64 * ALIGN as u64).unwrap_or(usize::MAX)
+        usize::try_from(self.core.capacity / ALIGN as u64 * ALIGN as u64).unwrap_or(usize::MAX)
     }
 }
 
@@ -305,12 +303,12 @@ impl Layout for Slabs {
 
     fn exists(&self, keys: &[PageKey]) -> usize {
         let hits = {
-            let ix = self.index.lock();
+            let ix = self.core.index.lock();
             keys.iter()
                 .take_while(|k| ix.get(k).is_some_and(|e| !self.is_expired(e.written)))
                 .count()
         };
-        if hits < keys.len() && self.index.lock().get(&keys[hits]).is_some() {
+        if hits < keys.len() && self.core.index.lock().get(&keys[hits]).is_some() {
             // The run ended at an expired page: the reclaim thread deletes it.
             self.wake_reclaimer();
         }
@@ -380,6 +378,7 @@ impl Layout for Slabs {
     /// the namespace is either intact or absent.
     fn clear(&self, namespace: NamespaceId) -> Result<u64> {
         let doomed: Vec<PageKey> = self
+            .core
             .index
             .lock()
             .entries_by_seq()
@@ -408,7 +407,7 @@ impl Slabs {
             self.dels.lock().drain(..).map(|r| r.encode()).collect();
         let mut n = 0;
         {
-            let mut ix = self.index.lock();
+            let mut ix = self.core.index.lock();
             for key in keys {
                 if ix.remove(&key).is_some() {
                     n += 1;

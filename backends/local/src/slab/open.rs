@@ -263,10 +263,8 @@ impl Slabs {
         let index = Arc::new(Mutex::new(index));
         let mut backend = Self {
             engine,
-            capacity,
             slabs: RwLock::new(slabs),
             new_slab: Mutex::new(()),
-            index: index.clone(),
             log: Mutex::new(log),
             dels: Arc::new(Mutex::new(Vec::new())),
             core: Core {

@@ -79,7 +79,7 @@ impl Slabs {
     ) -> Vec<Option<Entry>> {
         let mut found = vec![None; keys.len()];
         let mut expired = false;
-        let mut ix = self.index.lock();
+        let mut ix = self.core.index.lock();
         for (i, (k, d)) in keys.iter().zip(dst.iter()).enumerate() {
             match ix.get(k).copied() {
                 None => out.set(i, PageOutcome::Miss),
@@ -190,7 +190,7 @@ impl Slabs {
     /// Unpins the batch's pages and drops the damaged ones (their `del` records ride on the
     /// next append).
     fn release(&self, r: &Reads) {
-        let mut ix = self.index.lock();
+        let mut ix = self.core.index.lock();
         for e in r.found.iter().flatten() {
             ix.unpin(e.loc);
         }

@@ -163,7 +163,7 @@ impl Slabs {
             return Err(backend_err("too many page size classes"));
         }
         let (slab, len) = Self::make_slab(&self.engine, &self.opts.dir, slot_bytes, n, false)?;
-        let mut ix = self.index.lock();
+        let mut ix = self.core.index.lock();
         let id = ix.add_class(
             slot_bytes,
             u32::try_from(len.div_ceil(slot_bytes)).unwrap_or(u32::MAX),

@@ -23,11 +23,11 @@ impl Slabs {
     /// `batch_set` on the calling (blocking) thread.
     pub(crate) fn set_blocking(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Vec<PageOutcome> {
         let mut batch = {
-            let mut ix = self.index.lock();
+            let mut ix = self.core.index.lock();
             SetBatch::classify(
                 keys,
                 src,
-                |len| (slot_bytes(len) > self.capacity).then(|| self.max_page_bytes()),
+                |len| (slot_bytes(len) > self.core.capacity).then(|| self.max_page_bytes()),
                 |k, meta| {
                     // An expired page (`ttl_s`) is rewritten (with a new write time).
                     let same = ix
@@ -46,7 +46,7 @@ impl Slabs {
         // Pages whose data write failed give their slots back; the rest are committed.
         let mut item = CommitItem::default();
         {
-            let mut ix = self.index.lock();
+            let mut ix = self.core.index.lock();
             for (i, r) in results.into_iter().enumerate() {
                 let Some(loc) = locs[i] else { continue };
                 match r {
@@ -101,7 +101,7 @@ impl Slabs {
         }
         let slabs: Vec<Arc<Slab>> = self.slabs.read().clone();
         let mut evicted = Vec::new();
-        let mut ix = self.index.lock();
+        let mut ix = self.core.index.lock();
         for &(i, class) in &classes {
             match ix.reserve(class, &Disk(&slabs), &mut evicted) {
                 Ok(loc) => locs[i] = Some(loc),
