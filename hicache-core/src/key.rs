@@ -443,7 +443,7 @@ impl PoolDeployment {
 /// A page of the pool is stored under [`PageKey::new`]`(namespace, hash)` with SGLang's page
 /// hash (the same key as the Full KV page of those tokens).
 pub fn pool_namespace_id(fp: &PoolFingerprint, dep: &PoolDeployment) -> Result<NamespaceId> {
-    use crate::hash::{FORMAT_VERSION, HashMode, Namespace, PageHasher};
+    use crate::hash::{HashMode, Namespace, PageHasher};
     use crate::layout::KvKind;
     let kv = if fp.sharded(dep.is_mla_model) {
         KvKind::Mha {
@@ -453,19 +453,16 @@ pub fn pool_namespace_id(fp: &PoolFingerprint, dep: &PoolDeployment) -> Result<N
     } else {
         KvKind::Mla { kv_dim: 1 }
     };
-    let ns = Namespace {
-        model: dep.model.clone(),
-        dtype: DType::Bf16,
-        layout: fp.namespace_layout(),
+    let mut ns = Namespace::single_rank(
+        dep.model.clone(),
+        DType::Bf16,
+        fp.namespace_layout(),
         kv,
-        layers: 1,
-        page_size: fp.page_size,
-        tp_rank: dep.tp.0,
-        tp_size: dep.tp.1,
-        pp_rank: dep.pp.0,
-        pp_size: dep.pp.1,
-        format_version: FORMAT_VERSION,
-    };
+        1,
+        fp.page_size,
+    );
+    (ns.tp_rank, ns.tp_size) = dep.tp;
+    (ns.pp_rank, ns.pp_size) = dep.pp;
     let mut extra = format!("v2|{}", fp.render());
     if dep.cp.1 > 1 {
         extra.push_str(&format!("|cp{}/{}", dep.cp.0, dep.cp.1));

@@ -349,7 +349,6 @@ fn sglang_sidecar_order(pool: &HostPool, parts: Vec<IoVec>) -> Vec<IoVec> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mamba::MambaShape;
     use crate::pool::PoolSize;
     use hicache_core::{DType, KvKind, KvShape};
     use proptest::prelude::*;
@@ -367,23 +366,16 @@ mod tests {
         }
     }
 
-    fn mamba_shape() -> MambaShape {
-        MambaShape {
-            layers: 2,
-            temporal_elems: 32,
-            temporal_dtype: DType::F32,
-            conv_elems: vec![18, 5],
-            conv_dtype: DType::Bf16,
-        }
-    }
-
     /// KV: 3 layers, 6 pages; SWA: 2 layers, 4 pages, `swa_layout`; Mamba: 5 slots.
     fn config(swa_layout: LayoutKind) -> HostPoolGroupConfig {
         let kv = HostPoolConfig::new(kv_shape(3, 4), LayoutKind::PageFirst, PoolSize::Pages(6));
         let swa = HostPoolConfig::new(kv_shape(2, 4), swa_layout, PoolSize::Pages(4));
         HostPoolGroupConfig::new(kv)
             .swa(swa)
-            .mamba(MambaPoolConfig::new(mamba_shape(), PoolSize::Pages(5)))
+            .mamba(MambaPoolConfig::new(
+                crate::mamba::tests::shape(),
+                PoolSize::Pages(5),
+            ))
             .reserve_bytes(0)
     }
 

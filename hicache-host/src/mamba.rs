@@ -346,7 +346,7 @@ impl MambaPool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// The shape of `bindings/python/tests/sglang_pools.py::mamba_pool()`: 2 layers, temporal
