@@ -325,6 +325,32 @@ impl MambaPool {
         Ok(())
     }
 
+    /// Pieces per slot (temporal when it has elements, then each conv piece).
+    pub fn pieces_per_slot(&self) -> usize {
+        self.pieces.len()
+    }
+
+    /// The bytes of layer `layer` of piece `piece` of slot `slot` (one layer's state, for
+    /// per-layer transfers to and from the device; SGLang's `[slot][layer][1][shape]` row).
+    pub fn layer_iovec(&self, slot: MambaSlot, piece: usize, layer: usize) -> Result<IoVec> {
+        self.check_slot(slot)?;
+        let (len, start) = *self.pieces.get(piece).ok_or(HostError::PartOutOfRange {
+            part: piece,
+            parts: self.pieces.len(),
+        })?;
+        let layers = self.shape.layers as usize;
+        if layer >= layers {
+            return Err(HostError::BadMambaShape(format!(
+                "layer {layer} of a state of {layers} layers"
+            )));
+        }
+        let row = len / layers;
+        Ok(IoVec {
+            addr: self.memory.as_ptr() as usize + start + slot.0 as usize * len + layer * row,
+            len: row,
+        })
+    }
+
     /// Copies slot `slot` in flat order into `dst` (exactly one slot long).
     pub fn get_slot(&self, slot: MambaSlot, dst: &mut [u8]) -> Result<()> {
         pool::check_buffer("get_slot", dst.len(), self.slot_bytes())?;
@@ -427,6 +453,14 @@ pub(crate) mod tests {
             pool.get_slot(MambaSlot(s), &mut back).unwrap();
             assert!(back.iter().all(|&b| b == 0), "slot {s} touched");
         }
+        // Layer 1 of conv piece 0 of slot 2: bytes 256 + 36 .. 256 + 72 of the flat slot.
+        let row = pool.layer_iovec(MambaSlot(2), 1, 1).unwrap();
+        assert_eq!(row.len, 36);
+        // SAFETY: inside the pool's mapping; nothing writes slot 2 while this reads.
+        let got = unsafe { std::slice::from_raw_parts(row.as_ptr(), row.len) };
+        assert_eq!(got, &data[292..328]);
+        assert!(pool.layer_iovec(MambaSlot(2), 3, 0).is_err());
+        assert!(pool.layer_iovec(MambaSlot(2), 0, 2).is_err());
         let iovs = pool.slot_iovecs(MambaSlot(3)).unwrap();
         assert_eq!(
             iovs.iter().map(|v| v.len).collect::<Vec<_>>(),
