@@ -19,7 +19,7 @@
 
 use std::fmt;
 
-use hicache_core::{HostSlot, LayoutKind, MemoryRegion};
+use hicache_core::{HostSlot, KvKind, LayoutKind, MemoryRegion, PoolFingerprint};
 
 use crate::error::{HostError, Result};
 use crate::mamba::{MambaPool, MambaPoolConfig, MambaSlot};
@@ -326,6 +326,41 @@ impl HostPoolGroup {
         Ok(())
     }
 
+    /// The storage fingerprint of a sidecar component's pool (SGLang's pool as the Python
+    /// package names it), for its L3 namespace with [`hicache_core::pool_namespace_id`];
+    /// `None` for the KV pool, whose pages live in the model's KV namespace. The SWA pool must
+    /// be MHA (SGLang's `MHATokenToKVPoolHost`); its piece sizes are this group's iovecs.
+    pub fn sidecar_fingerprint(&self, component: HostComponent) -> Result<Option<PoolFingerprint>> {
+        match component {
+            HostComponent::Kv => Ok(None),
+            HostComponent::Mamba => {
+                let m = self.mamba_pool()?;
+                Ok(Some(m.shape().fingerprint(m.layout_kind())))
+            }
+            HostComponent::Swa => {
+                let swa = self.kv_like(component)?;
+                let shape = swa.shape();
+                let KvKind::Mha { heads, head_dim } = shape.kind else {
+                    return Err(wrap(
+                        component,
+                        HostError::BadSize(
+                            "an MLA sliding-window pool has no SGLang sidecar geometry".into(),
+                        ),
+                    ));
+                };
+                Ok(Some(PoolFingerprint::swa_mha(
+                    swa.layout_kind(),
+                    shape.page_size,
+                    shape.layers,
+                    heads,
+                    head_dim,
+                    head_dim,
+                    shape.dtype,
+                )))
+            }
+        }
+    }
+
     /// Bytes mapped by the whole group.
     pub fn mapped_bytes(&self) -> usize {
         self.regions().iter().map(|(_, r)| r.len).sum()
@@ -350,7 +385,7 @@ fn sglang_sidecar_order(pool: &HostPool, parts: Vec<IoVec>) -> Vec<IoVec> {
 mod tests {
     use super::*;
     use crate::pool::PoolSize;
-    use hicache_core::{DType, KvKind, KvShape};
+    use hicache_core::{DType, KvShape, PoolPieces};
     use proptest::prelude::*;
     use std::collections::BTreeSet;
 
@@ -474,6 +509,26 @@ mod tests {
             .map(|(h, l)| lay.offset(h, 3, l, 0))
             .collect();
         assert_eq!(got, want);
+    }
+
+    /// The fingerprint a sidecar is stored under describes exactly its iovecs.
+    #[test]
+    fn sidecar_fingerprints_describe_the_iovecs() {
+        for lay in [LayoutKind::LayerFirst, LayoutKind::PageFirst] {
+            let g = HostPoolGroup::new(config(lay)).unwrap();
+            assert_eq!(g.sidecar_fingerprint(HostComponent::Kv).unwrap(), None);
+            for c in [HostComponent::Swa, HostComponent::Mamba] {
+                let fp = g.sidecar_fingerprint(c).unwrap().unwrap();
+                let lens: Vec<u64> = g
+                    .iovecs(c, 1)
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.len as u64)
+                    .collect();
+                assert_eq!(fp.pieces, PoolPieces::Pieces(lens), "{c} {lay:?}");
+                assert_eq!(fp.pool, c.as_str());
+            }
+        }
     }
 
     #[derive(Debug, Clone)]
