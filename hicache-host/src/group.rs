@@ -511,6 +511,13 @@ mod tests {
         assert_eq!(got, want);
     }
 
+    #[test]
+    fn group_is_shared_across_threads() {
+        fn shared<T: Send + Sync>() {}
+        shared::<HostPoolGroup>();
+        shared::<MambaPool>();
+    }
+
     /// The fingerprint a sidecar is stored under describes exactly its iovecs.
     #[test]
     fn sidecar_fingerprints_describe_the_iovecs() {
