@@ -32,7 +32,10 @@ pub use error::{CoreError, Result};
 pub use event::{KvEvent, Medium};
 pub use eviction::{EvictionStrategy, NodeStats, StrategyKind};
 pub use hash::{ChainStart, FORMAT_VERSION, HashMode, Namespace, PageHasher};
-pub use key::{NamespaceId, PageHash, PageKey, tokens_from_i64, tokens_from_u64};
+pub use key::{
+    NamespaceId, PageHash, PageKey, PoolDeployment, PoolFingerprint, PoolPieces, pool_namespace_id,
+    tokens_from_i64, tokens_from_u64, torch_dtype_name,
+};
 pub use layout::{DType, KvKind, KvShape, LayoutKind};
 pub use policy::{PrefetchConfig, PrefetchPolicy, WritePolicy};
 pub use region::MemoryRegion;

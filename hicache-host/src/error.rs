@@ -89,6 +89,21 @@ pub enum HostError {
     /// An allocator error (double free, out of range).
     #[error(transparent)]
     Alloc(#[from] AllocError),
+    /// An invalid Mamba state geometry or layout.
+    #[error("invalid Mamba state pool: {0}")]
+    BadMambaShape(String),
+    /// An error of one component's pool of a host pool group; the source names the slot.
+    #[error("{component} host pool: {source}")]
+    Component {
+        /// The component whose pool failed.
+        component: crate::group::HostComponent,
+        /// What went wrong there.
+        #[source]
+        source: Box<HostError>,
+    },
+    /// A component the host pool group was built without.
+    #[error("the host pool group has no {0} pool")]
+    NoComponent(crate::group::HostComponent),
 }
 
 /// Result alias of `hicache-host`.

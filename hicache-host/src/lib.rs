@@ -11,6 +11,10 @@
 //!   slot type so the device pool reuses it.
 //! - [`pool`]: [`HostPool`], sized by pages, bytes or ratio with a RAM check, with page views
 //!   (iovecs for zero-copy L3, flat `get_page` / `set_page` copies for generic backends).
+//! - [`mamba`]: [`MambaPool`], Mamba / linear-attention states, one per slot, in SGLang's
+//!   `MambaPoolHost` geometry (temporal + conv pieces, each with its own dtype).
+//! - [`group`]: [`HostPoolGroup`], a hybrid model's pools: KV, sliding-window KV and Mamba
+//!   state, one RAM check over the group, per-component slots, iovecs, copies and regions.
 //!
 //! This crate knows nothing about CUDA: `hicache-gpu` page-locks the region with
 //! `cuMemHostRegister` and unregisters it before the pool can be dropped.
@@ -18,13 +22,17 @@
 
 pub mod alloc;
 pub mod error;
+pub mod group;
 pub mod layout;
+pub mod mamba;
 pub mod memory;
 pub mod pool;
 
 pub use alloc::{HostSlot, PageAllocator, Slot};
 pub use error::{AllocError, HostError, Result};
+pub use group::{HostComponent, HostPoolGroup, HostPoolGroupConfig};
 pub use layout::{HostLayout, PagePart, Strides};
+pub use mamba::{MambaPool, MambaPoolConfig, MambaShape, MambaSlot};
 pub use memory::{Backing, HostMemory, HugePagePolicy};
 pub use pool::{DEFAULT_RESERVE_BYTES, HostPool, HostPoolConfig, IoVec, PoolSize};
 

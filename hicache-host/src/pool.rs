@@ -49,14 +49,26 @@ impl PoolSize {
     /// Number of pages for `shape`.
     pub fn pages(&self, shape: &KvShape) -> Result<usize> {
         shape.validate()?;
-        let ps = shape.page_size as u64;
+        self.units(shape.token_bytes() as u64, shape.page_size as u64)
+    }
+
+    /// Number of pages of `page_size` units of `unit_bytes` each (a unit is a token of a KV
+    /// pool, or one state slot of a state pool, whose pages are one slot): the sizing of
+    /// [`PoolSize::pages`] for any pool geometry. Both arguments must be non-zero.
+    pub fn units(&self, unit_bytes: u64, page_size: u64) -> Result<usize> {
+        if unit_bytes == 0 || page_size == 0 {
+            return Err(HostError::BadSize(format!(
+                "a pool unit of {unit_bytes} bytes in pages of {page_size}"
+            )));
+        }
+        let ps = page_size;
         let pages = match *self {
             PoolSize::Pages(n) => n as u64,
             PoolSize::Bytes(b) => {
                 if b == 0 {
                     return Err(HostError::BadSize("hicache size of 0 bytes".into()));
                 }
-                b / shape.token_bytes() as u64 / ps + 1
+                b / unit_bytes / ps + 1
             }
             PoolSize::Ratio {
                 ratio,
@@ -154,6 +166,81 @@ impl IoVec {
     }
 }
 
+/// The RAM check: `requested` bytes must fit in `MemAvailable` once `reserve` (default:
+/// `min(DEFAULT_RESERVE_BYTES, MemTotal / 4)`) is kept free. Passes where the machine does
+/// not say how much is available.
+pub(crate) fn check_ram(requested: u64, reserve: Option<u64>) -> Result<()> {
+    if let Some(available) = memory::mem_available() {
+        let reserve = reserve.unwrap_or_else(|| {
+            let quarter = memory::mem_total().unwrap_or(u64::MAX) / 4;
+            DEFAULT_RESERVE_BYTES.min(quarter)
+        });
+        if requested > available.saturating_sub(reserve) {
+            return Err(HostError::InsufficientMemory {
+                requested,
+                available,
+                reserve,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The region descriptor of a pool's mapping.
+pub(crate) fn region_of(memory: &HostMemory, cuda_registered: &AtomicBool) -> MemoryRegion {
+    MemoryRegion {
+        addr: memory.as_ptr() as usize,
+        len: memory.len(),
+        cuda_registered: cuda_registered.load(Ordering::Acquire),
+        huge_pages: memory.huge_pages(),
+    }
+}
+
+/// Copies the bytes of `iovs`, in order, into `dst`, whose length must be their total.
+///
+/// # Safety
+/// Every iovec must lie inside a live mapping, disjoint from `dst`, and have no writer while
+/// this runs (rule 1 of the module docs).
+pub(crate) unsafe fn gather(iovs: &[IoVec], dst: &mut [u8]) {
+    let mut at = 0;
+    for iov in iovs {
+        // SAFETY: per the contract; dst[at..at + len] is in bounds (total length checked by
+        // every caller).
+        unsafe { std::ptr::copy_nonoverlapping(iov.as_ptr(), dst[at..].as_mut_ptr(), iov.len) };
+        at += iov.len;
+    }
+    debug_assert_eq!(at, dst.len());
+}
+
+/// Writes `src`, in order, into the bytes of `iovs`; `src` must be their total length.
+///
+/// # Safety
+/// Every iovec must lie inside a live mapping, disjoint from `src`, with no other user while
+/// this runs (rule 1 of the module docs).
+pub(crate) unsafe fn scatter(iovs: &[IoVec], src: &[u8]) {
+    let mut at = 0;
+    for iov in iovs {
+        let chunk = &src[at..at + iov.len];
+        // SAFETY: per the contract; chunk is exactly iov.len bytes.
+        unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), iov.as_ptr(), iov.len) };
+        at += iov.len;
+    }
+    debug_assert_eq!(at, src.len());
+}
+
+/// Checks that a copy buffer has the length of one page (or slot).
+pub(crate) fn check_buffer(what: &'static str, got: usize, expected: usize) -> Result<()> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(HostError::BufferSize {
+            what,
+            got,
+            expected,
+        })
+    }
+}
+
 /// The L2 KV pool (see the module docs for the ownership rules).
 pub struct HostPool {
     layout: HostLayout,
@@ -181,19 +268,7 @@ impl HostPool {
         let pages = config.size.pages(&config.shape)?;
         let layout = HostLayout::new(config.shape, config.layout, pages)?;
         let requested = layout.total_bytes() as u64;
-        if let Some(available) = memory::mem_available() {
-            let reserve = config.reserve_bytes.unwrap_or_else(|| {
-                let quarter = memory::mem_total().unwrap_or(u64::MAX) / 4;
-                DEFAULT_RESERVE_BYTES.min(quarter)
-            });
-            if requested > available.saturating_sub(reserve) {
-                return Err(HostError::InsufficientMemory {
-                    requested,
-                    available,
-                    reserve,
-                });
-            }
-        }
+        check_ram(requested, config.reserve_bytes)?;
         let memory = HostMemory::new(layout.total_bytes(), config.huge_pages)?;
         tracing::info!(
             pages,
@@ -247,12 +322,7 @@ impl HostPool {
 
     /// The whole mapping as a [`MemoryRegion`], for io_uring / RDMA / CUDA registration.
     pub fn region(&self) -> MemoryRegion {
-        MemoryRegion {
-            addr: self.memory.as_ptr() as usize,
-            len: self.memory.len(),
-            cuda_registered: self.cuda_registered.load(Ordering::Acquire),
-            huge_pages: self.memory.huge_pages(),
-        }
+        region_of(&self.memory, &self.cuda_registered)
     }
 
     /// Records whether the region is page-locked with CUDA. Called by the owner of the
@@ -321,30 +391,20 @@ impl HostPool {
 
     /// Copies page `slot` in flat order into `dst` (exactly one page long).
     pub fn get_page(&self, slot: HostSlot, dst: &mut [u8]) -> Result<()> {
-        self.check_page_buffer("get_page", dst.len())?;
-        for (iov, chunk) in self
-            .page_iovecs(slot)?
-            .iter()
-            .zip(dst.chunks_exact_mut(self.layout.part_bytes()))
-        {
-            // SAFETY: iov lies inside the mapping (checked slot, layout invariant); dst is a
-            // distinct Rust buffer of iov.len bytes; the page has one user (rule 1).
-            unsafe { std::ptr::copy_nonoverlapping(iov.as_ptr(), chunk.as_mut_ptr(), iov.len) };
-        }
+        check_buffer("get_page", dst.len(), self.page_bytes())?;
+        let iovs = self.page_iovecs(slot)?;
+        // SAFETY: the iovecs lie inside the mapping (checked slot, layout invariant); dst is a
+        // distinct Rust buffer of the page's length; the page has one user (rule 1).
+        unsafe { gather(&iovs, dst) };
         Ok(())
     }
 
     /// Writes page `slot` from `src` in flat order (exactly one page long).
     pub fn set_page(&self, slot: HostSlot, src: &[u8]) -> Result<()> {
-        self.check_page_buffer("set_page", src.len())?;
-        for (iov, chunk) in self
-            .page_iovecs(slot)?
-            .iter()
-            .zip(src.chunks_exact(self.layout.part_bytes()))
-        {
-            // SAFETY: as in get_page, with the copy reversed.
-            unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), iov.as_ptr(), iov.len) };
-        }
+        check_buffer("set_page", src.len(), self.page_bytes())?;
+        let iovs = self.page_iovecs(slot)?;
+        // SAFETY: as in get_page, with the copy reversed.
+        unsafe { scatter(&iovs, src) };
         Ok(())
     }
 
@@ -366,19 +426,6 @@ impl HostPool {
             // SAFETY: inside the mapping, which outlives &self; no writer per the contract.
             .map(|iov| unsafe { std::slice::from_raw_parts(iov.as_ptr(), iov.len) })
             .collect())
-    }
-
-    fn check_page_buffer(&self, what: &'static str, got: usize) -> Result<()> {
-        let expected = self.page_bytes();
-        if got == expected {
-            Ok(())
-        } else {
-            Err(HostError::BufferSize {
-                what,
-                got,
-                expected,
-            })
-        }
     }
 }
 
