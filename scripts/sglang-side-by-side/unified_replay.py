@@ -314,17 +314,19 @@ class Replay:
                 rec.ev[2] if self.mamba else rec.ev[1], full, aux, skipped]
 
     def abort(self, req):
-        """A request whose KV could not be allocated: SGLang's release without checkpoint."""
+        """A request whose request slots or KV could not be allocated after eviction
+        (SGLang's own allocators raise): it gives back what it took, in SGLang's pool
+        calls, inserts nothing and drops its admission lock."""
+        pool = self.cache.req_to_token_pool
+        if req.kv.holds_kv and self.mamba:
+            pool.free_mamba_cache(req)
+        elif req.kv.holds_mamba:
+            pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
+            req.kv.mamba_pool_idx = None
         if req.kv.holds_kv:
-            release_kv_cache(req, self.cache, checkpoint=False)
-        else:
-            if req.kv.holds_mamba:
-                self.cache.req_to_token_pool.mamba_allocator.free(
-                    req.kv.mamba_pool_idx.unsqueeze(-1)
-                )
-                req.kv.mamba_pool_idx = None
-            self.cache.unlock(req.lock)
-            req.lock = None
+            pool.free(req)
+        self.cache.unlock(req.lock)
+        req.lock = None
 
 
 def cache_inserted(req, skipped):
