@@ -23,6 +23,8 @@ every repeat on a new, empty cache built outside it).
 """
 
 import argparse
+import contextlib
+import io
 import json
 import logging
 import os
@@ -41,7 +43,7 @@ import sglang_stubs
 sglang_stubs.install(["openai", "sglang.srt.parser.reasoning_parser"])
 SGLANG_VERSION = sglang_import.load()
 warnings.filterwarnings("ignore")
-logging.disable(logging.WARNING)
+logging.disable(logging.CRITICAL)
 
 import torch  # noqa: E402
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape  # noqa: E402
@@ -277,21 +279,7 @@ class Replay:
         req.lock = cache.lock(req.last_node)
         prefix = cache.prefix_device_indices(req) if matched else None
         skipped = 0
-        try:
-            rows = alloc_req_slots(cache.req_to_token_pool, [req], cache)
-            extend = len(tokens) - matched
-            last = prefix[-1:] if matched else torch.full((1,), -1, dtype=torch.int64)
-            out = alloc_paged_token_slots_extend(
-                tree_cache=cache,
-                prefix_lens=torch.tensor([matched], dtype=torch.int64),
-                prefix_lens_cpu=torch.tensor([matched], dtype=torch.int64),
-                seq_lens=torch.tensor([len(tokens)], dtype=torch.int64),
-                seq_lens_cpu=torch.tensor([len(tokens)], dtype=torch.int64),
-                last_loc=last,
-                extend_num_tokens=extend,
-            )
-        except RuntimeError:
-            out = None
+        rows, out = self.allocate(req, prefix, matched, len(tokens))
         if out is None:
             skipped = 1
             self.abort(req)
@@ -312,6 +300,30 @@ class Replay:
         full, aux = self.tree_sizes()
         return [matched, m.full_kv_hit_length, branch, inserted, rec.ev[0],
                 rec.ev[2] if self.mamba else rec.ev[1], full, aux, skipped]
+
+    def allocate(self, req, prefix, matched, length):
+        """Steps 3 and 4 of the protocol: request slots, then the extend's KV, each through
+        SGLang's own function (which evicts as the scheduler does). (None, None) when an
+        allocation fails after eviction; SGLang then prints its tree to stdout and raises."""
+        cache = self.cache
+        last = prefix[-1:] if matched else torch.full((1,), -1, dtype=torch.int64)
+        prefix_lens = torch.tensor([matched], dtype=torch.int64)
+        seq_lens = torch.tensor([length], dtype=torch.int64)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                rows = alloc_req_slots(cache.req_to_token_pool, [req], cache)
+                out = alloc_paged_token_slots_extend(
+                    tree_cache=cache,
+                    prefix_lens=prefix_lens,
+                    prefix_lens_cpu=prefix_lens,
+                    seq_lens=seq_lens,
+                    seq_lens_cpu=seq_lens,
+                    last_loc=last,
+                    extend_num_tokens=length - matched,
+                )
+        except RuntimeError:
+            return None, None
+        return rows, out
 
     def abort(self, req):
         """A request whose request slots or KV could not be allocated after eviction
