@@ -80,19 +80,32 @@ SAMPLED_TOKEN = 0
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", required=True)
-    ap.add_argument("--page-size", type=int, required=True)
-    ap.add_argument("--capacity-pages", type=int, required=True)
-    ap.add_argument("--components", required=True, choices=["full,swa", "full,mamba"])
+    ap.add_argument("--trace")
+    ap.add_argument("--page-size", type=int)
+    ap.add_argument("--capacity-pages", type=int)
+    ap.add_argument("--components", choices=["full,swa", "full,mamba"])
     ap.add_argument("--swa-window", type=int)
     ap.add_argument("--swa-capacity-pages", type=int)
     ap.add_argument("--mamba-chunk", type=int, default=64)
     ap.add_argument("--mamba-slots", type=int)
-    ap.add_argument("--log", required=True)
+    ap.add_argument("--log")
+    ap.add_argument(
+        "--configs",
+        help="batch mode: replay every line of this configs.txt (name, trace, options; "
+        "traces relative to its directory) and write OUT/<name>.log",
+    )
+    ap.add_argument("--out", help="batch mode: directory of the logs")
     ap.add_argument("--tree-core", choices=["rust", "python"], default="rust")
     ap.add_argument("--time-repeats", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print a JSON summary line")
     a = ap.parse_args(argv)
+    if a.configs:
+        if not a.out:
+            ap.error("--configs needs --out")
+        return a
+    for need in ("trace", "page_size", "capacity_pages", "components", "log"):
+        if getattr(a, need) is None:
+            ap.error(f"--{need.replace('_', '-')} is required")
     if a.components == "full,swa" and a.swa_window is None:
         ap.error("--components full,swa needs --swa-window")
     if a.components == "full,mamba" and a.swa_window is not None:
@@ -381,8 +394,20 @@ def write_log(path, rows, final):
         f.write("\n".join(lines) + "\n")
 
 
-def main(argv=None):
-    a = parse_args(argv)
+def read_configs(path):
+    """(name, trace path, option list) per non-comment line of a configs.txt."""
+    base = os.path.dirname(os.path.abspath(path))
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.strip() and not line.startswith("#"):
+                name, trace, opts = line.rstrip("\n").split("\t")
+                out.append((name, os.path.join(base, trace), opts.split()))
+    return out
+
+
+def run_config(a):
+    """One configuration: replay, write the log, time the extra repeats; a summary dict."""
     trace = read_trace(a.trace)
     max_len = max((len(t) for _, t in trace), default=1) + 2 * a.page_size + 8
     install_server_args(a)
@@ -391,16 +416,32 @@ def main(argv=None):
     times = [dt]
     for _ in range(a.time_repeats):
         times.append(replay(a, trace, max_len)[0])
-    if a.json:
-        probe = build_cache(a, max_len)
-        print(json.dumps({
-            "sglang": SGLANG_VERSION,
-            "tree_core": type(probe.tree_core).__name__,
-            "requests": len(trace),
-            "req_per_s": len(trace) / statistics.median(times),
-            "best_req_per_s": len(trace) / min(times),
-            "replays": len(times),
-        }))
+    probe = build_cache(a, max_len)
+    return {
+        "sglang": SGLANG_VERSION,
+        "tree_core": type(probe.tree_core).__name__,
+        "requests": len(trace),
+        "req_per_s": len(trace) / statistics.median(times),
+        "best_req_per_s": len(trace) / min(times),
+        "replays": len(times),
+    }
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if not a.configs:
+        summary = run_config(a)
+        if a.json:
+            print(json.dumps(summary))
+        return
+    os.makedirs(a.out, exist_ok=True)
+    for name, trace, opts in read_configs(a.configs):
+        extra = ["--tree-core", a.tree_core, "--time-repeats", str(a.time_repeats)]
+        one = parse_args(opts + ["--trace", trace, "--log", os.path.join(a.out, name + ".log")]
+                         + extra)
+        summary = run_config(one)
+        if a.json:
+            print(json.dumps({"config": name, **summary}), flush=True)
 
 
 if __name__ == "__main__":
