@@ -2,7 +2,8 @@
 ``hicache-bench/tests/fixtures/unified/configs.txt`` SGLang 0.5.23's own ``UnifiedRadixCache``
 (replayed by ``scripts/sglang-side-by-side/unified_replay.py``, protocol in
 ``UNIFIED_PROTOCOL.md`` there) and ``hicache-bench tree --components ...`` must write
-byte-identical logs.
+byte-identical logs. SGLang's logs are also committed (``expected/<name>.log`` beside the
+configurations, for Rust-only tests); SGLang's replay must reproduce them exactly.
 
 SGLang runs in one child process for all configurations (its scheduler settings are process
 globals, so they stay out of this test process). The Rust side is the workspace's
@@ -24,6 +25,7 @@ require_sglang()
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 FIXTURES = os.path.join(ROOT, "hicache-bench", "tests", "fixtures", "unified")
 CONFIGS = os.path.join(FIXTURES, "configs.txt")
+EXPECTED = os.path.join(FIXTURES, "expected")
 REPLAY = os.path.join(ROOT, "scripts", "sglang-side-by-side", "unified_replay.py")
 
 
@@ -90,6 +92,29 @@ def test_configs_cover_every_component_and_page_size():
     pages = {int(o[o.index("--page-size") + 1]) for _, _, o in CASES}
     assert any(all(w % p == 0 for p in pages) for w in windows)
     assert any(all(w % p != 0 for p in pages) for w in windows)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_sglang_reproduces_committed_log(name, sglang_logs):
+    with open(os.path.join(EXPECTED, f"{name}.log")) as f:
+        committed = f.read()
+    diff = first_difference(committed, (sglang_logs / f"{name}.log").read_text())
+    assert diff is None, f"{name}: SGLang's replay no longer gives expected/{name}.log: {diff}"
+
+
+def test_totals_line_sums_the_rows(sglang_logs):
+    """The totals line of every SGLang log is the sum of its rows (and its last tree sizes)."""
+    for name, _, _ in CASES:
+        lines = (sglang_logs / f"{name}.log").read_text().rstrip("\n").split("\n")
+        header, rows, totals = lines[0].split("\t"), lines[1:-1], lines[-1]
+        cols = [dict(zip(header, r.split("\t"))) for r in rows]
+        want = {"requests": len(cols)}
+        for k in ("prompt", "matched", "full_hit", "inserted", "ev_full", "ev_aux", "skipped"):
+            want[k] = sum(int(c[k]) for c in cols)
+        want["final_tree_full"] = int(cols[-1]["tree_full"]) if cols else 0
+        want["final_tree_aux"] = int(cols[-1]["tree_aux"]) if cols else 0
+        expected = "# totals " + " ".join(f"{k}={v}" for k, v in want.items())
+        assert totals == expected, name
 
 
 @pytest.mark.parametrize("name,trace,opts", CASES, ids=[c[0] for c in CASES])
