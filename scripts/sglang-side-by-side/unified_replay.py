@@ -18,8 +18,9 @@ for the extend plus one spare page), the Mamba track point
 (``Req.update_finish_state``) and ``release_kv_cache(checkpoint=True)``. All cache, pool and
 allocator code is the installed SGLang, unchanged, on CPU tensors with tiny head sizes.
 
-Timing (``--time-repeats``) covers the request loop only (requests built before the clock,
-every repeat on a new, empty cache built outside it).
+Timing (``--time-repeats``) covers the request loop only: the trace is read and every
+repeat's new, empty cache and pools are built before the clock starts. ``--configs FILE
+--out DIR`` replays every line of a configs.txt in one process.
 """
 
 import argparse
@@ -79,6 +80,7 @@ SAMPLED_TOKEN = 0
 
 
 def parse_args(argv=None):
+    """The options of one replay (or of the batch mode)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace")
     ap.add_argument("--page-size", type=int)
@@ -139,6 +141,7 @@ def install_server_args(a):
 
 
 def mamba_cache_params():
+    """A tiny Mamba2 state (one layer, a few elements): the tree only moves slot ids."""
     shape = Mamba2StateShape.create(
         tp_world_size=1,
         intermediate_size=4,
@@ -251,6 +254,8 @@ class Recorder:
             setattr(cache, name, self.timed(name, getattr(cache, name)))
 
     def timed(self, name, fn):
+        """``fn`` wrapped to add its time to ``cache_seconds`` (outermost calls) and to
+        keep the result of ``match_prefix``."""
         def call(*args, **kwargs):
             self.depth += 1
             t0 = time.perf_counter()
@@ -267,6 +272,7 @@ class Recorder:
         return call
 
     def start(self):
+        """Forget the previous request's match and eviction counts."""
         self.match = None
         self.ev = [0, 0, 0]
 
@@ -288,6 +294,7 @@ class Replay:
         )
 
     def tree_sizes(self):
+        """(Full tokens, SWA tokens or Mamba states) held by the tree now."""
         c = self.cache
         full = c.full_evictable_size() + c.full_protected_size()
         if self.mamba:
@@ -298,7 +305,7 @@ class Replay:
 
     def run_one(self, rid, tokens):
         """One request start to finish; returns its log fields after `prompt`."""
-        cache, rec, page = self.cache, self.rec, self.a.page_size
+        cache, rec = self.cache, self.rec
         rec.start()
         sampling = SamplingParams(max_new_tokens=1)
         sampling.normalize(None)
@@ -381,6 +388,7 @@ def cache_inserted(req, skipped):
 
 
 def fmt(v):
+    """A log field: ``-`` for none, else the decimal integer."""
     return "-" if v is None else str(v)
 
 
@@ -397,11 +405,12 @@ def replay(a, trace, max_len):
 
 
 def write_log(path, rows, final):
+    """The header, one line per request and the totals line (UNIFIED_PROTOCOL.md §5)."""
     cols = ["prompt", "matched", "full_hit", "inserted", "ev_full", "ev_aux", "skipped"]
     tot = dict.fromkeys(cols, 0)
     lines = [HEADER]
     for i, row in enumerate(rows):
-        rid, prompt, matched, full_hit, branch, ins, evf, eva, tf, ta, sk = row
+        rid, prompt, matched, full_hit, _, ins, evf, eva, _, _, sk = row
         lines.append("\t".join([str(i), rid] + [fmt(v) for v in row[1:]]))
         for k, v in zip(cols, [prompt, matched, full_hit, ins, evf, eva, sk]):
             tot[k] += v
@@ -469,5 +478,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     main()
