@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use hicache_core::{
     DeviceSlot, HiRadixTree, InsertOptions, NoHost, NodeId, PageHasher, StrategyKind, TenantId,
-    TreeConfig,
+    TreeConfig, UnifiedConfig,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -36,6 +36,8 @@ use rand_chacha::ChaCha8Rng;
 use crate::error::{BenchError, Result};
 use crate::record::Record;
 use hicache_sim::trace::{self, MultiTurn, Request};
+
+pub mod hybrid;
 
 /// A capacity on the command line: `unlimited`, a number of pages, or a percentage of the
 /// unique pages of the trace (`25%`).
@@ -142,6 +144,24 @@ pub struct TreeArgs {
     /// Compute a SHA-256 page hash for every inserted page (as with L3 or KV events on).
     #[arg(long)]
     pub hashing: bool,
+    /// Replay through the unified tree with these components (`full`, `full,swa`,
+    /// `full,mamba`) under SGLang's scheduler protocol (see `tree/hybrid.rs`); needs one
+    /// `--capacity-pages` value in pages.
+    #[arg(long)]
+    pub components: Option<String>,
+    /// SWA window in tokens (with `--components full,swa`).
+    #[arg(long)]
+    pub swa_window: Option<u32>,
+    /// SWA pool in pages (default: `--capacity-pages`).
+    #[arg(long)]
+    pub swa_capacity_pages: Option<u64>,
+    /// Mamba chunk in tokens (the model's `mamba_chunk_size`; the cache chunk is
+    /// `max(chunk, page size)`).
+    #[arg(long, default_value_t = 64)]
+    pub mamba_chunk: u32,
+    /// Mamba state slots (default: `--capacity-pages`).
+    #[arg(long)]
+    pub mamba_slots: Option<u32>,
 }
 
 /// Per-request outcome (the `--log` line).
@@ -828,6 +848,9 @@ fn big_tree_output(args: &TreeArgs, b: &BigTreeResult) -> String {
 
 /// Runs `tree`, writing the table or JSON lines to `out`.
 pub fn run(args: &TreeArgs, mut out: impl Write) -> Result<()> {
+    if args.components.is_some() {
+        return run_hybrid(args, out);
+    }
     let kind = validate(args)?;
     let trace = trace_of(args)?;
     let ps = args.page_size;
@@ -882,6 +905,71 @@ pub fn run(args: &TreeArgs, mut out: impl Write) -> Result<()> {
         w(big_tree_output(args, &b))?;
     }
     Ok(())
+}
+
+/// The hybrid setup of `--components`.
+fn hybrid_setup(args: &TreeArgs) -> Result<hybrid::HybridSetup> {
+    let comps = args.components.as_deref().unwrap_or("full");
+    let (swa, mamba) = match comps {
+        "full" => (false, false),
+        "full,swa" => (true, false),
+        "full,mamba" => (false, true),
+        other => {
+            return Err(BenchError::usage(format!(
+                "--components {other:?}: expected full, full,swa or full,mamba"
+            )));
+        }
+    };
+    if swa != args.swa_window.is_some() {
+        return Err(BenchError::usage(
+            "--swa-window goes with --components full,swa (and only with it)",
+        ));
+    }
+    let full_pages = match args.capacity.as_slice() {
+        [Capacity::Pages(n)] => *n as u64,
+        _ => {
+            return Err(BenchError::usage(
+                "--components needs exactly one --capacity-pages value in pages",
+            ));
+        }
+    };
+    Ok(hybrid::HybridSetup {
+        tree: UnifiedConfig {
+            page_size: args.page_size,
+            swa_window: args.swa_window,
+            mamba_chunk: mamba.then_some(args.mamba_chunk),
+        },
+        full_pages,
+        swa_pages: args.swa_capacity_pages.unwrap_or(full_pages),
+        mamba_slots: args.mamba_slots.unwrap_or(full_pages as u32),
+        mamba_state_chunk: args.mamba_chunk,
+    })
+}
+
+/// `tree --components`: the unified-tree replay, its log and its rate.
+fn run_hybrid(args: &TreeArgs, mut out: impl Write) -> Result<()> {
+    let setup = hybrid_setup(args)?;
+    let trace = trace_of(args)?;
+    let (rows, fin) = hybrid::replay(&setup, &trace)?;
+    if let Some(path) = &args.log {
+        hybrid::write_log(path, &trace, &rows, fin)?;
+    }
+    let (median, best) = hybrid::rate(&setup, &trace, Duration::from_millis(args.min_time_ms))?;
+    let comps = args.components.as_deref().unwrap_or("full");
+    let line = if args.json {
+        format!(
+            "{{\"components\":\"{comps}\",\"requests\":{},\"req_per_s\":{median:.1},\"best_req_per_s\":{best:.1}}}",
+            trace.len()
+        )
+    } else {
+        format!(
+            "unified tree replay [{comps}]: {} requests, page {}, {} pages: {median:.0} req/s (best {best:.0})",
+            trace.len(),
+            args.page_size,
+            setup.full_pages
+        )
+    };
+    writeln!(out, "{line}").map_err(BenchError::io("<stdout>"))
 }
 
 fn write_log(path: &PathBuf, trace: &[Request], log: &[RequestOutcome]) -> Result<()> {
