@@ -942,7 +942,6 @@ fn hybrid_setup(args: &TreeArgs) -> Result<hybrid::HybridSetup> {
         full_pages,
         swa_pages: args.swa_capacity_pages.unwrap_or(full_pages),
         mamba_slots: args.mamba_slots.unwrap_or(full_pages as u32),
-        mamba_state_chunk: args.mamba_chunk,
     })
 }
 

@@ -39,7 +39,7 @@ impl UnifiedTree {
     /// new leaf with Full, SWA from the window floor on (capped at one window by a split) and
     /// the handed Mamba state.
     pub fn insert(&mut self, key: &[u32], p: &InsertParams) -> Result<UnifiedInsert> {
-        if key.len() % self.ps() != 0 {
+        if !key.len().is_multiple_of(self.ps()) {
             return Err(CoreError::Unaligned {
                 what: "key",
                 len: key.len(),
@@ -97,10 +97,10 @@ impl UnifiedTree {
             (true, Some(slot)) => self.mamba_commit(target, new_leaf, slot),
             _ => false,
         };
-        if let Some(w) = self.cfg.swa_window {
-            if target != ROOT {
-                self.refresh_window(target, w as usize + self.ps());
-            }
+        if let Some(w) = self.cfg.swa_window
+            && target != ROOT
+        {
+            self.refresh_window(target, w as usize + self.ps());
         }
         Ok(UnifiedInsert {
             prefix_len: total,

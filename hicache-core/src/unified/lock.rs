@@ -93,6 +93,17 @@ impl UnifiedTree {
         {
             return Err(bad(Component::Mamba, i));
         }
+        let mut cur = i;
+        while self.has[1] && cur != ROOT {
+            let d = self.arena.nodes[cur as usize].comp[1];
+            if d.lock == 0 {
+                return Err(bad(Component::Swa, cur));
+            }
+            if receipt.swa_uuid == Some(d.uuid) {
+                break;
+            }
+            cur = self.arena.nodes[cur as usize].parent;
+        }
         Ok(())
     }
 

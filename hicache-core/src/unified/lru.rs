@@ -150,7 +150,8 @@ impl Lru {
         None
     }
 
-    /// Nodes from most to least recent (for checks and tests).
+    /// Nodes from most to least recent (for tests).
+    #[cfg(test)]
     pub(crate) fn order(&self) -> Vec<u32> {
         let mut out = Vec::with_capacity(self.len);
         let mut x = self.head_next;

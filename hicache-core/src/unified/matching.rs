@@ -127,19 +127,9 @@ impl UnifiedTree {
             node: self.id(best),
             full_hit_len: full_hit,
             swa_branching: self.has[1].then(|| past(self.ps())).flatten(),
-            mamba_branching: self.cfg.mamba_chunk.and_then(|c| past(self.mamba_grid(c))),
+            mamba_branching: self.cfg.mamba_grid().and_then(past),
             mamba_slot: n.comp[2].present.then_some(n.mamba_slot),
         }
-    }
-
-    /// `lcm(chunk, page_size)`: where a Mamba checkpoint may sit.
-    pub(crate) fn mamba_grid(&self, chunk: u32) -> usize {
-        let (a, b) = (chunk as usize, self.ps());
-        let (mut x, mut y) = (a, b);
-        while y != 0 {
-            (x, y) = (y, x % y);
-        }
-        a / x * b
     }
 
     /// MATCH_END refresh: SWA moves the window ancestors of the matched node to MRU (the node

@@ -107,6 +107,18 @@ impl UnifiedConfig {
         }
     }
 
+    /// The Mamba checkpoint grid, `lcm(max(chunk, page_size), page_size)` tokens (SGLang's
+    /// `mamba_checkpoint_grid`); `None` without Mamba.
+    pub fn mamba_grid(&self) -> Option<usize> {
+        let chunk = self.mamba_chunk?.max(self.page_size) as usize;
+        let ps = self.page_size as usize;
+        let (mut x, mut y) = (chunk, ps);
+        while y != 0 {
+            (x, y) = (y, x % y);
+        }
+        Some(chunk / x * ps)
+    }
+
     /// The configured components, in order.
     pub fn components(&self) -> Vec<Component> {
         let mut v = vec![Component::Full];
@@ -332,20 +344,15 @@ impl UnifiedTree {
         if want == self.in_leaves(i) {
             return;
         }
+        if !want {
+            self.remove_from_leaves(i);
+            return;
+        }
         if self.leaf_pos.len() <= i as usize {
             self.leaf_pos.resize(i as usize + 1, NIL);
         }
-        if want {
-            self.leaf_pos[i as usize] = self.leaves.len() as u32;
-            self.leaves.push(i);
-        } else {
-            let p = self.leaf_pos[i as usize] as usize;
-            self.leaves.swap_remove(p);
-            if let Some(&moved) = self.leaves.get(p) {
-                self.leaf_pos[moved as usize] = p as u32;
-            }
-            self.leaf_pos[i as usize] = NIL;
-        }
+        self.leaf_pos[i as usize] = self.leaves.len() as u32;
+        self.leaves.push(i);
     }
 
     fn remove_from_leaves(&mut self, i: u32) {

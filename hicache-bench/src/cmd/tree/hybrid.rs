@@ -52,8 +52,6 @@ pub struct HybridSetup {
     pub swa_pages: u64,
     /// Mamba state slots.
     pub mamba_slots: u32,
-    /// The model's Mamba state chunk (`mamba_chunk_size`), tokens.
-    pub mamba_state_chunk: u32,
 }
 
 /// One log line.
@@ -266,37 +264,29 @@ impl HybridReplay {
     /// The tracked Mamba checkpoint (SGLang's
     /// `_mamba_radix_cache_v2_req_prepare_for_extend`); 0 when none.
     fn mamba_track(&self, matched: usize, extend: usize, branching: Option<usize>) -> usize {
-        let chunk = self
-            .setup
-            .tree
-            .mamba_chunk
-            .unwrap_or(64)
-            .max(self.setup.tree.page_size) as usize;
-        let grid = lcm(chunk, self.ps());
+        let cfg = &self.setup.tree;
+        let (Some(grid), Some(state_chunk)) = (cfg.mamba_grid(), cfg.mamba_chunk) else {
+            return 0;
+        };
         if extend < grid {
             return 0;
         }
+        let chunk = state_chunk.max(cfg.page_size) as usize;
+        let state_chunk = state_chunk as usize;
         let mut aligned = matched + extend / grid * grid;
-        let state_chunk = self.setup.mamba_state_chunk as usize;
         let mut track = matched + extend;
         if matched + extend / state_chunk * state_chunk != aligned {
             track = aligned + 1;
         }
-        if let Some(b) = branching {
-            if b > matched && b < track && (b - matched) % chunk == 0 {
-                aligned = b;
-            }
+        if let Some(b) = branching
+            && b > matched
+            && b < track
+            && (b - matched).is_multiple_of(chunk)
+        {
+            aligned = b;
         }
         aligned
     }
-}
-
-fn lcm(a: usize, b: usize) -> usize {
-    let (mut x, mut y) = (a, b);
-    while y != 0 {
-        (x, y) = (y, x % y);
-    }
-    a / x * b
 }
 
 /// Replays the whole trace; the outcomes and the final tree sizes.

@@ -15,7 +15,7 @@ pub(super) fn check(t: &UnifiedTree) -> Result<(), String> {
         if !n.live || i == ROOT {
             continue;
         }
-        if n.key.is_empty() || n.key.len() % t.ps() != 0 || !n.comp[0].present {
+        if n.key.is_empty() || !n.key.len().is_multiple_of(t.ps()) || !n.comp[0].present {
             return Err(format!("node {i}: empty/unaligned key or Full missing"));
         }
         if n.parent == NIL || !t.arena.nodes[n.parent as usize].children.contains(&i) {
@@ -44,6 +44,20 @@ pub(super) fn check(t: &UnifiedTree) -> Result<(), String> {
         }
         if t.in_leaves(i) != t.is_leaf_candidate(i) {
             return Err(format!("node {i}: evictable-leaf set out of date"));
+        }
+    }
+    for c in [Component::Swa, Component::Mamba] {
+        let present = t
+            .arena
+            .nodes
+            .iter()
+            .filter(|n| n.live && n.comp[c as usize].present)
+            .count();
+        if t.lrus[c.lru()].len() != present {
+            return Err(format!(
+                "{c:?}: LRU holds {} nodes, {present} have data",
+                t.lrus[c.lru()].len()
+            ));
         }
     }
     for c in comps {
