@@ -1084,6 +1084,11 @@ mod tests {
             big_tree_pages: 64,
             big_key_tokens: 32,
             hashing: true,
+            components: None,
+            swa_window: None,
+            swa_capacity_pages: None,
+            mamba_chunk: 64,
+            mamba_slots: None,
         };
         let mut out = Vec::new();
         run(&args, &mut out).unwrap();
@@ -1115,5 +1120,27 @@ mod tests {
             ..bad
         };
         assert_eq!(run(&two, Vec::new()).unwrap_err().exit_code(), 2);
+        // The same flags through the unified tree: a log in the issue-26 format.
+        let hybrid = TreeArgs {
+            components: Some("full,swa".into()),
+            swa_window: Some(8),
+            capacity: vec![Capacity::Pages(64)],
+            json: false,
+            ..two
+        };
+        let mut out2 = Vec::new();
+        run(&hybrid, &mut out2).unwrap();
+        assert!(String::from_utf8(out2).unwrap().contains("req/s"));
+        let text = std::fs::read_to_string(dir.path().join("log.tsv")).unwrap();
+        assert!(text.starts_with(hybrid::HEADER));
+        assert!(text.contains("# totals requests=12 "));
+        let no_window = TreeArgs {
+            swa_window: None,
+            ..hybrid
+        };
+        assert!(
+            run(&no_window, Vec::new()).is_err(),
+            "full,swa needs a window"
+        );
     }
 }

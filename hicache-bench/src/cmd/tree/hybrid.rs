@@ -380,3 +380,81 @@ pub fn write_log(
 ) -> Result<()> {
     std::fs::write(path, log_text(trace, rows, fin)).map_err(BenchError::io(path))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(id: &str, tokens: Vec<u32>) -> Request {
+        Request {
+            id: id.into(),
+            tokens,
+        }
+    }
+
+    /// Two turns of one conversation and an unrelated request, 16-token pages.
+    fn trace() -> Vec<Request> {
+        let turn1: Vec<u32> = (0..100).collect();
+        let turn2: Vec<u32> = (0..200).collect();
+        let other: Vec<u32> = (1000..1130).collect();
+        vec![req("a", turn1), req("b", turn2), req("c", other)]
+    }
+
+    fn setup(swa: Option<u32>, mamba: Option<u32>, pages: u64, aux: u64) -> HybridSetup {
+        HybridSetup {
+            tree: UnifiedConfig {
+                page_size: 16,
+                swa_window: swa,
+                mamba_chunk: mamba,
+            },
+            full_pages: pages,
+            swa_pages: aux,
+            mamba_slots: aux as u32,
+        }
+    }
+
+    #[test]
+    fn swa_replay_reuses_the_prefix_and_logs_totals() {
+        let t = trace();
+        let (rows, fin) = replay(&setup(Some(32), None, 1000, 1000), &t).unwrap();
+        assert_eq!((rows[0].matched, rows[0].inserted), (0, 96));
+        assert_eq!(
+            (rows[1].matched, rows[1].full_hit, rows[1].inserted),
+            (96, 96, 192)
+        );
+        assert_eq!(rows[2].matched, 0);
+        assert_eq!(fin, [192 + 128, 192 + 128]);
+        let log = log_text(&t, &rows, fin);
+        assert!(log.starts_with(HEADER));
+        assert!(log.ends_with(
+            "# totals requests=3 prompt=430 matched=96 full_hit=96 inserted=416 ev_full=0 ev_aux=0 skipped=0 final_tree_full=320 final_tree_aux=320\n"
+        ));
+    }
+
+    #[test]
+    fn a_small_swa_pool_tombstones_the_older_window() {
+        // SWA pool of 9 pages: the second turn's extend needs 7 + 1 pages while the first
+        // turn holds 6 (a 64-token node and its 32-token window leaf, locked by the match):
+        // the older node becomes a tombstone, Full stays.
+        let (rows, _) = replay(&setup(Some(32), None, 1000, 9), &trace()).unwrap();
+        assert_eq!((rows[1].ev_full, rows[1].ev_aux), (0, 64), "{:?}", rows[1]);
+        assert!(!rows[1].skipped);
+        // With 8 pages the tombstone frees too little: the request is skipped.
+        let (rows, _) = replay(&setup(Some(32), None, 1000, 8), &trace()).unwrap();
+        assert!(rows[1].skipped);
+    }
+
+    #[test]
+    fn mamba_replay_tracks_chunk_checkpoints_and_skips_without_room() {
+        let t = trace();
+        let (rows, fin) = replay(&setup(None, Some(64), 1000, 16), &t).unwrap();
+        assert_eq!(rows[0].inserted, 64, "the checkpoint at 64 of 100 tokens");
+        assert_eq!(rows[1].matched, 64);
+        assert_eq!(rows[1].inserted, 192);
+        assert_eq!(fin[1], 3, "one state per inserted checkpoint");
+        // 4 pages cannot hold a 100-token extend plus a spare page: skipped, nothing held.
+        let (rows, fin) = replay(&setup(None, Some(64), 4, 16), &t).unwrap();
+        assert!(rows.iter().all(|r| r.skipped));
+        assert_eq!(fin, [0, 0]);
+    }
+}
