@@ -9,6 +9,10 @@
 //! which re-stamps the path; (6) unlock. Free pages = C − pages held by the tree. The tree's
 //! logical clock ticks once per match and once per insert.
 //!
+//! With `--components full[,swa|,mamba]` the replay runs through the unified tree
+//! ([`hicache_core::UnifiedTree`]) under SGLang's scheduler protocol instead, and `--log`
+//! writes the issue-26 format: see the [`hybrid`] module.
+//!
 //! Timing: requests/s is measured on replays without per-phase timers (the trace is parsed
 //! before the clock starts), repeated for at least `--min-time-ms` and reported as the median
 //! (and the best). Each timed replay starts from the same tree flushed with `reset()` outside

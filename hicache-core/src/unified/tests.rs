@@ -97,6 +97,26 @@ fn swa_leaf_is_capped_at_one_window_and_tombstones_gate_the_match() {
 }
 
 #[test]
+fn swa_floor_leaves_a_tombstone_below_it() {
+    // The request's SWA KV starts at 8: the leaf splits there, the older part a tombstone.
+    let mut t = swa(4, 6);
+    let p = InsertParams {
+        swa_evicted_len: 8,
+        ..Default::default()
+    };
+    t.insert(&toks(0..16), &p).unwrap();
+    assert_eq!((t.size(Component::Full), t.size(Component::Swa)), (16, 8));
+    let m = t.match_prefix(&toks(0..16)).unwrap();
+    assert_eq!(
+        m.device_prefix_len, 16,
+        "8 live tokens after the tombstone cover 6"
+    );
+    let m = t.match_prefix(&toks(0..8)).unwrap();
+    assert_eq!(m.device_prefix_len, 0);
+    t.check_invariants().unwrap();
+}
+
+#[test]
 fn swa_window_lock_protects_only_the_window() {
     let mut t = swa(4, 4);
     t.insert(&toks(0..16), &InsertParams::default()).unwrap();
