@@ -9,6 +9,8 @@
 //! - [`region`]: the [`MemoryRegion`] descriptor of the pinned host pool.
 //! - [`slot`]: page slots of the device and host pools ([`DeviceSlot`], [`HostSlot`]).
 //! - [`tree`]: the [`HiRadixTree`], which pages live in device and host memory.
+//! - [`unified`]: the [`UnifiedTree`], whose nodes carry Full, sliding-window and Mamba
+//!   components with SGLang's `UnifiedRadixCache` semantics.
 //! - [`eviction`]: eviction strategies behind [`EvictionStrategy`].
 //! - [`policy`]: write and prefetch policies; [`event`]: KV events.
 //!
@@ -27,6 +29,7 @@ pub mod policy;
 pub mod region;
 pub mod slot;
 pub mod tree;
+pub mod unified;
 
 pub use error::{CoreError, Result};
 pub use event::{KvEvent, Medium};
@@ -45,4 +48,8 @@ pub use tree::{
     HostAllocator, HostInsertResult, InsertOptions, InsertResult, LoadBackPlan, LoadId,
     MatchResult, NoHost, NodeId, NodeInfo, StagedWriteBack, TenantId, TreeConfig, TreeStats,
     WriteId, page_aligned,
+};
+pub use unified::{
+    Component, EvictRequest, Evicted, InsertParams, LockReceipt, UnifiedConfig, UnifiedInsert,
+    UnifiedMatch, UnifiedTree,
 };

@@ -9,6 +9,10 @@
 //! which re-stamps the path; (6) unlock. Free pages = C − pages held by the tree. The tree's
 //! logical clock ticks once per match and once per insert.
 //!
+//! With `--components full[,swa|,mamba]` the replay runs through the unified tree
+//! ([`hicache_core::UnifiedTree`]) under SGLang's scheduler protocol instead, and `--log`
+//! writes the issue-26 format: see the [`hybrid`] module.
+//!
 //! Timing: requests/s is measured on replays without per-phase timers (the trace is parsed
 //! before the clock starts), repeated for at least `--min-time-ms` and reported as the median
 //! (and the best). Each timed replay starts from the same tree flushed with `reset()` outside
@@ -28,7 +32,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use hicache_core::{
     DeviceSlot, HiRadixTree, InsertOptions, NoHost, NodeId, PageHasher, StrategyKind, TenantId,
-    TreeConfig,
+    TreeConfig, UnifiedConfig,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -36,6 +40,8 @@ use rand_chacha::ChaCha8Rng;
 use crate::error::{BenchError, Result};
 use crate::record::Record;
 use hicache_sim::trace::{self, MultiTurn, Request};
+
+pub mod hybrid;
 
 /// A capacity on the command line: `unlimited`, a number of pages, or a percentage of the
 /// unique pages of the trace (`25%`).
@@ -142,6 +148,24 @@ pub struct TreeArgs {
     /// Compute a SHA-256 page hash for every inserted page (as with L3 or KV events on).
     #[arg(long)]
     pub hashing: bool,
+    /// Replay through the unified tree with these components (`full`, `full,swa`,
+    /// `full,mamba`) under SGLang's scheduler protocol (see `tree/hybrid.rs`); needs one
+    /// `--capacity-pages` value in pages.
+    #[arg(long)]
+    pub components: Option<String>,
+    /// SWA window in tokens (with `--components full,swa`).
+    #[arg(long)]
+    pub swa_window: Option<u32>,
+    /// SWA pool in pages (default: `--capacity-pages`).
+    #[arg(long)]
+    pub swa_capacity_pages: Option<u64>,
+    /// Mamba chunk in tokens (the model's `mamba_chunk_size`; the cache chunk is
+    /// `max(chunk, page size)`).
+    #[arg(long, default_value_t = 64)]
+    pub mamba_chunk: u32,
+    /// Mamba state slots (default: `--capacity-pages`).
+    #[arg(long)]
+    pub mamba_slots: Option<u32>,
 }
 
 /// Per-request outcome (the `--log` line).
@@ -828,6 +852,9 @@ fn big_tree_output(args: &TreeArgs, b: &BigTreeResult) -> String {
 
 /// Runs `tree`, writing the table or JSON lines to `out`.
 pub fn run(args: &TreeArgs, mut out: impl Write) -> Result<()> {
+    if args.components.is_some() {
+        return run_hybrid(args, out);
+    }
     let kind = validate(args)?;
     let trace = trace_of(args)?;
     let ps = args.page_size;
@@ -882,6 +909,70 @@ pub fn run(args: &TreeArgs, mut out: impl Write) -> Result<()> {
         w(big_tree_output(args, &b))?;
     }
     Ok(())
+}
+
+/// The hybrid setup of `--components`.
+fn hybrid_setup(args: &TreeArgs) -> Result<hybrid::HybridSetup> {
+    let comps = args.components.as_deref().unwrap_or("full");
+    let (swa, mamba) = match comps {
+        "full" => (false, false),
+        "full,swa" => (true, false),
+        "full,mamba" => (false, true),
+        other => {
+            return Err(BenchError::usage(format!(
+                "--components {other:?}: expected full, full,swa or full,mamba"
+            )));
+        }
+    };
+    if swa != args.swa_window.is_some() {
+        return Err(BenchError::usage(
+            "--swa-window goes with --components full,swa (and only with it)",
+        ));
+    }
+    let full_pages = match args.capacity.as_slice() {
+        [Capacity::Pages(n)] => *n as u64,
+        _ => {
+            return Err(BenchError::usage(
+                "--components needs exactly one --capacity-pages value in pages",
+            ));
+        }
+    };
+    Ok(hybrid::HybridSetup {
+        tree: UnifiedConfig {
+            page_size: args.page_size,
+            swa_window: args.swa_window,
+            mamba_chunk: mamba.then_some(args.mamba_chunk),
+        },
+        full_pages,
+        swa_pages: args.swa_capacity_pages.unwrap_or(full_pages),
+        mamba_slots: args.mamba_slots.unwrap_or(full_pages as u32),
+    })
+}
+
+/// `tree --components`: the unified-tree replay, its log and its rate.
+fn run_hybrid(args: &TreeArgs, mut out: impl Write) -> Result<()> {
+    let setup = hybrid_setup(args)?;
+    let trace = trace_of(args)?;
+    let (rows, fin) = hybrid::replay(&setup, &trace)?;
+    if let Some(path) = &args.log {
+        hybrid::write_log(path, &trace, &rows, fin)?;
+    }
+    let (median, best) = hybrid::rate(&setup, &trace, Duration::from_millis(args.min_time_ms))?;
+    let comps = args.components.as_deref().unwrap_or("full");
+    let line = if args.json {
+        format!(
+            "{{\"components\":\"{comps}\",\"requests\":{},\"req_per_s\":{median:.1},\"best_req_per_s\":{best:.1}}}",
+            trace.len()
+        )
+    } else {
+        format!(
+            "unified tree replay [{comps}]: {} requests, page {}, {} pages: {median:.0} req/s (best {best:.0})",
+            trace.len(),
+            args.page_size,
+            setup.full_pages
+        )
+    };
+    writeln!(out, "{line}").map_err(BenchError::io("<stdout>"))
 }
 
 fn write_log(path: &PathBuf, trace: &[Request], log: &[RequestOutcome]) -> Result<()> {
@@ -997,6 +1088,11 @@ mod tests {
             big_tree_pages: 64,
             big_key_tokens: 32,
             hashing: true,
+            components: None,
+            swa_window: None,
+            swa_capacity_pages: None,
+            mamba_chunk: 64,
+            mamba_slots: None,
         };
         let mut out = Vec::new();
         run(&args, &mut out).unwrap();
@@ -1028,5 +1124,27 @@ mod tests {
             ..bad
         };
         assert_eq!(run(&two, Vec::new()).unwrap_err().exit_code(), 2);
+        // The same flags through the unified tree: a log in the issue-26 format.
+        let hybrid = TreeArgs {
+            components: Some("full,swa".into()),
+            swa_window: Some(8),
+            capacity: vec![Capacity::Pages(64)],
+            json: false,
+            ..two
+        };
+        let mut out2 = Vec::new();
+        run(&hybrid, &mut out2).unwrap();
+        assert!(String::from_utf8(out2).unwrap().contains("req/s"));
+        let text = std::fs::read_to_string(dir.path().join("log.tsv")).unwrap();
+        assert!(text.starts_with(hybrid::HEADER));
+        assert!(text.contains("# totals requests=12 "));
+        let no_window = TreeArgs {
+            swa_window: None,
+            ..hybrid
+        };
+        assert!(
+            run(&no_window, Vec::new()).is_err(),
+            "full,swa needs a window"
+        );
     }
 }

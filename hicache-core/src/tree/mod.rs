@@ -141,6 +141,16 @@ impl NodeId {
     pub fn index(self) -> u32 {
         self.index
     }
+
+    /// A handle from its parts (for the other trees of this crate).
+    pub(crate) fn from_parts(index: u32, generation: u32) -> Self {
+        Self { index, generation }
+    }
+
+    /// The index and generation.
+    pub(crate) fn parts(self) -> (u32, u32) {
+        (self.index, self.generation)
+    }
 }
 
 impl fmt::Debug for NodeId {

@@ -1,0 +1,460 @@
+//! `hicache-bench tree --components ...`: replays a trace through the [`UnifiedTree`] under
+//! SGLang 0.5.23's scheduler protocol and writes the issue-26 per-request log.
+//!
+//! Protocol (normative; it reproduces `scripts/sglang-side-by-side/unified_replay.py`, which
+//! drives SGLang's own `UnifiedRadixCache`). Page size P; Full capacity C pages, SWA capacity
+//! S pages, M Mamba slots. Each trace line is one request of L tokens with
+//! `max_new_tokens = 1`, run alone:
+//!
+//! 1. **Match** the first L − 1 tokens (page-aligned). With Mamba, a hit on a node with a
+//!    state takes one slot for the copy-on-write (evicting one state, node locked, if none is
+//!    free). `matched` = the valid prefix, `full_hit` = Full tokens walked, `branch` = the
+//!    branching length of SWA or Mamba.
+//! 2. **Lock** the matched node.
+//! 3. **Mamba slots** (`alloc_req_slots`): the request needs 1 (unless it took the COW slot)
+//!    + 2 ping-pong slots; if fewer are free, evict the difference in states.
+//! 4. **KV** (`alloc_paged_token_slots_extend`): demand = (L − matched) + P tokens; evict
+//!    each pool's shortfall (Full, and SWA); then the extend needs ⌈(L − matched)/P⌉ free
+//!    pages in each pool, else the request is `skipped` (released without insert).
+//! 5. **Insert** on release: SWA inserts up to its branching length when it goes past the
+//!    match, else L; Mamba inserts up to the tracked checkpoint (`matched + k·grid` for the
+//!    largest k, or the branching length when it lies on the chunk grid inside the extend;
+//!    nothing when the extend is shorter than one grid), with a ping-pong slot as the state.
+//!    The key is page-aligned; `inserted` is its length. Then unlock; every slot the request
+//!    still holds is freed.
+//!
+//! Columns: `ev_full` / `ev_aux` sum every eviction of the request (Full tokens; SWA tokens
+//! or Mamba states, cascades included); `tree_full` / `tree_aux` are the tree's sizes after it.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use hicache_core::{Component, EvictRequest, Evicted, InsertParams, UnifiedConfig, UnifiedTree};
+use hicache_sim::trace::Request;
+
+use crate::error::{BenchError, Result};
+
+/// The issue-26 log header.
+pub const HEADER: &str = "idx\tid\tprompt\tmatched\tfull_hit\tbranch\tinserted\tev_full\tev_aux\ttree_full\ttree_aux\tskipped";
+
+/// Ping-pong tracking slots of SGLang's `extra_buffer` strategy (overlap schedule on).
+const TRACKING_SLOTS: usize = 2;
+
+/// Capacities and component settings of one hybrid replay.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HybridSetup {
+    /// The tree's configuration.
+    pub tree: UnifiedConfig,
+    /// Full pool, pages.
+    pub full_pages: u64,
+    /// SWA pool, pages.
+    pub swa_pages: u64,
+    /// Mamba state slots.
+    pub mamba_slots: u32,
+}
+
+/// One log line.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HybridOutcome {
+    /// Prompt tokens.
+    pub prompt: usize,
+    /// Reused prefix.
+    pub matched: usize,
+    /// Full tokens walked.
+    pub full_hit: usize,
+    /// Branching length.
+    pub branch: Option<usize>,
+    /// Inserted key length.
+    pub inserted: usize,
+    /// Full tokens evicted.
+    pub ev_full: u64,
+    /// SWA tokens or Mamba states evicted.
+    pub ev_aux: u64,
+    /// Full tokens in the tree after.
+    pub tree_full: u64,
+    /// SWA tokens or Mamba states in the tree after.
+    pub tree_aux: u64,
+    /// Whether the KV allocation failed.
+    pub skipped: bool,
+}
+
+/// A replay in progress: the tree and the free Mamba slots.
+pub struct HybridReplay {
+    setup: HybridSetup,
+    tree: UnifiedTree,
+    free_mamba: Vec<u32>,
+    aux: Option<Component>,
+}
+
+impl HybridReplay {
+    /// A replay over an empty tree.
+    pub fn new(setup: HybridSetup) -> Result<Self> {
+        let tree = UnifiedTree::new(setup.tree.clone())?;
+        let aux = if tree.has(Component::Swa) {
+            Some(Component::Swa)
+        } else if tree.has(Component::Mamba) {
+            Some(Component::Mamba)
+        } else {
+            None
+        };
+        let free_mamba = (0..setup.mamba_slots).rev().collect();
+        Ok(Self {
+            setup,
+            tree,
+            free_mamba,
+            aux,
+        })
+    }
+
+    /// The tree (for checks).
+    pub fn tree(&self) -> &UnifiedTree {
+        &self.tree
+    }
+
+    fn ps(&self) -> usize {
+        self.setup.tree.page_size as usize
+    }
+
+    fn evict(&mut self, req: EvictRequest, ev: &mut [u64; 2]) {
+        let e: Evicted = self.tree.evict(req);
+        ev[0] += e.full;
+        ev[1] += match self.aux {
+            Some(Component::Swa) => e.swa,
+            Some(Component::Mamba) => e.mamba,
+            _ => 0,
+        };
+        self.free_mamba.extend_from_slice(&e.mamba_slots);
+    }
+
+    fn available(&self, c: Component) -> u64 {
+        let cap = match c {
+            Component::Swa => self.setup.swa_pages,
+            _ => self.setup.full_pages,
+        } * self.ps() as u64;
+        cap.saturating_sub(self.tree.size(c))
+    }
+
+    /// Takes `n` Mamba slots, evicting states first when fewer are free; `None` when the
+    /// tree cannot free enough.
+    fn take_mamba(&mut self, n: usize, ev: &mut [u64; 2]) -> Option<Vec<u32>> {
+        if self.free_mamba.len() < n {
+            let short = (n - self.free_mamba.len()) as u64;
+            self.evict(
+                EvictRequest {
+                    mamba: short,
+                    ..Default::default()
+                },
+                ev,
+            );
+        }
+        (self.free_mamba.len() >= n).then(|| self.free_mamba.split_off(self.free_mamba.len() - n))
+    }
+
+    /// Runs one request (see the module documentation).
+    pub fn run_one(&mut self, tokens: &[u32]) -> Result<HybridOutcome> {
+        let ps = self.ps();
+        let l = tokens.len();
+        let mamba = self.tree.has(Component::Mamba);
+        let mut ev = [0u64; 2];
+        let m = self.tree.match_prefix(&tokens[..l.saturating_sub(1)])?;
+        let mut held: Vec<u32> = Vec::new();
+        if mamba && m.mamba_slot.is_some() {
+            if self.free_mamba.is_empty() {
+                let r = self.tree.lock(m.node, false)?;
+                self.evict(
+                    EvictRequest {
+                        mamba: 1,
+                        ..Default::default()
+                    },
+                    &mut ev,
+                );
+                self.tree.unlock(&r)?;
+            }
+            held.extend(self.free_mamba.pop());
+        }
+        let matched = m.device_prefix_len;
+        let mut out = HybridOutcome {
+            prompt: l,
+            matched,
+            full_hit: m.full_hit_len,
+            branch: if mamba {
+                m.mamba_branching
+            } else {
+                m.swa_branching
+            },
+            ..Default::default()
+        };
+        let receipt = self.tree.lock(m.node, false)?;
+        let mut ok = true;
+        if mamba {
+            let need = usize::from(held.is_empty()) + TRACKING_SLOTS;
+            match self.take_mamba(need, &mut ev) {
+                Some(s) => held.extend(s),
+                None => ok = false,
+            }
+        }
+        let extend = l - matched;
+        if ok {
+            ok = self.alloc_kv(extend, &mut ev);
+        }
+        if ok {
+            let len = if mamba {
+                self.mamba_track(matched, extend, m.mamba_branching)
+            } else {
+                match m.swa_branching {
+                    Some(b) if b > matched && b <= l => b,
+                    _ => l,
+                }
+            };
+            let key = &tokens[..len / ps * ps];
+            if !key.is_empty() {
+                // The tracked state sits in the ping-pong slot last written (index 1 of the
+                // two when the request allocated three, the last one held).
+                let state = held.last().copied();
+                let p = InsertParams {
+                    prev_prefix_len: matched,
+                    swa_evicted_len: 0,
+                    mamba_slot: state.filter(|_| mamba),
+                };
+                let r = self.tree.insert(key, &p)?;
+                out.inserted = key.len();
+                if mamba && !r.mamba_exist {
+                    held.pop();
+                }
+            }
+        }
+        out.skipped = !ok;
+        self.tree.unlock(&receipt)?;
+        self.free_mamba.extend(held);
+        out.ev_full = ev[0];
+        out.ev_aux = ev[1];
+        out.tree_full = self.tree.size(Component::Full);
+        out.tree_aux = self.aux.map_or(0, |c| self.tree.size(c));
+        Ok(out)
+    }
+
+    /// Evicts for the extend plus one spare page in each pool; whether the extend's pages
+    /// are then free.
+    fn alloc_kv(&mut self, extend: usize, ev: &mut [u64; 2]) -> bool {
+        let ps = self.ps() as u64;
+        let demand = extend as u64 + ps;
+        let full_short = demand.saturating_sub(self.available(Component::Full));
+        let swa = self.tree.has(Component::Swa);
+        let swa_short = if swa {
+            demand.saturating_sub(self.available(Component::Swa))
+        } else {
+            0
+        };
+        if full_short > 0 || swa_short > 0 {
+            self.evict(
+                EvictRequest {
+                    full: full_short,
+                    swa: swa_short,
+                    mamba: 0,
+                },
+                ev,
+            );
+        }
+        let pages = (extend as u64).div_ceil(ps);
+        self.available(Component::Full) / ps >= pages
+            && (!swa || self.available(Component::Swa) / ps >= pages)
+    }
+
+    /// The tracked Mamba checkpoint (SGLang's
+    /// `_mamba_radix_cache_v2_req_prepare_for_extend`); 0 when none.
+    fn mamba_track(&self, matched: usize, extend: usize, branching: Option<usize>) -> usize {
+        let cfg = &self.setup.tree;
+        let (Some(grid), Some(state_chunk)) = (cfg.mamba_grid(), cfg.mamba_chunk) else {
+            return 0;
+        };
+        if extend < grid {
+            return 0;
+        }
+        let chunk = state_chunk.max(cfg.page_size) as usize;
+        let state_chunk = state_chunk as usize;
+        let mut aligned = matched + extend / grid * grid;
+        let mut track = matched + extend;
+        if matched + extend / state_chunk * state_chunk != aligned {
+            track = aligned + 1;
+        }
+        if let Some(b) = branching
+            && b > matched
+            && b < track
+            && (b - matched).is_multiple_of(chunk)
+        {
+            aligned = b;
+        }
+        aligned
+    }
+}
+
+/// Replays the whole trace; the outcomes and the final tree sizes.
+pub fn replay(setup: &HybridSetup, trace: &[Request]) -> Result<(Vec<HybridOutcome>, [u64; 2])> {
+    let mut r = HybridReplay::new(setup.clone())?;
+    let mut out = Vec::with_capacity(trace.len());
+    for req in trace {
+        out.push(r.run_one(&req.tokens)?);
+    }
+    let fin = [
+        r.tree.size(Component::Full),
+        r.aux.map_or(0, |c| r.tree.size(c)),
+    ];
+    Ok((out, fin))
+}
+
+/// Requests per second: the median over replays repeated for at least `min_time`.
+pub fn rate(setup: &HybridSetup, trace: &[Request], min_time: Duration) -> Result<(f64, f64)> {
+    let mut rates = Vec::new();
+    let start = Instant::now();
+    while rates.is_empty() || start.elapsed() < min_time {
+        let mut r = HybridReplay::new(setup.clone())?;
+        let t0 = Instant::now();
+        for req in trace {
+            std::hint::black_box(r.run_one(&req.tokens)?);
+        }
+        rates.push(trace.len() as f64 / t0.elapsed().as_secs_f64().max(1e-12));
+    }
+    rates.sort_by(f64::total_cmp);
+    Ok((rates[rates.len() / 2], rates[rates.len() - 1]))
+}
+
+/// The log text: header, one line per request, the totals line.
+pub fn log_text(trace: &[Request], rows: &[HybridOutcome], fin: [u64; 2]) -> String {
+    let mut s = String::new();
+    s.push_str(HEADER);
+    s.push('\n');
+    let mut tot = [0u64; 7];
+    for (i, (req, o)) in trace.iter().zip(rows).enumerate() {
+        let branch = o.branch.map_or_else(|| "-".to_string(), |b| b.to_string());
+        let _ = writeln!(
+            s,
+            "{i}\t{}\t{}\t{}\t{}\t{branch}\t{}\t{}\t{}\t{}\t{}\t{}",
+            req.id,
+            o.prompt,
+            o.matched,
+            o.full_hit,
+            o.inserted,
+            o.ev_full,
+            o.ev_aux,
+            o.tree_full,
+            o.tree_aux,
+            u8::from(o.skipped)
+        );
+        let row = [
+            o.prompt as u64,
+            o.matched as u64,
+            o.full_hit as u64,
+            o.inserted as u64,
+            o.ev_full,
+            o.ev_aux,
+            u64::from(o.skipped),
+        ];
+        for (t, v) in tot.iter_mut().zip(row) {
+            *t += v;
+        }
+    }
+    let _ = writeln!(
+        s,
+        "# totals requests={} prompt={} matched={} full_hit={} inserted={} ev_full={} ev_aux={} skipped={} final_tree_full={} final_tree_aux={}",
+        rows.len(),
+        tot[0],
+        tot[1],
+        tot[2],
+        tot[3],
+        tot[4],
+        tot[5],
+        tot[6],
+        fin[0],
+        fin[1]
+    );
+    s
+}
+
+/// Writes [`log_text`] to `path`.
+pub fn write_log(
+    path: &Path,
+    trace: &[Request],
+    rows: &[HybridOutcome],
+    fin: [u64; 2],
+) -> Result<()> {
+    std::fs::write(path, log_text(trace, rows, fin)).map_err(BenchError::io(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(id: &str, tokens: Vec<u32>) -> Request {
+        Request {
+            id: id.into(),
+            tokens,
+        }
+    }
+
+    /// Two turns of one conversation and an unrelated request, 16-token pages.
+    fn trace() -> Vec<Request> {
+        let turn1: Vec<u32> = (0..100).collect();
+        let turn2: Vec<u32> = (0..200).collect();
+        let other: Vec<u32> = (1000..1130).collect();
+        vec![req("a", turn1), req("b", turn2), req("c", other)]
+    }
+
+    fn setup(swa: Option<u32>, mamba: Option<u32>, pages: u64, aux: u64) -> HybridSetup {
+        HybridSetup {
+            tree: UnifiedConfig {
+                page_size: 16,
+                swa_window: swa,
+                mamba_chunk: mamba,
+            },
+            full_pages: pages,
+            swa_pages: aux,
+            mamba_slots: aux as u32,
+        }
+    }
+
+    #[test]
+    fn swa_replay_reuses_the_prefix_and_logs_totals() {
+        let t = trace();
+        let (rows, fin) = replay(&setup(Some(32), None, 1000, 1000), &t).unwrap();
+        assert_eq!((rows[0].matched, rows[0].inserted), (0, 96));
+        assert_eq!(
+            (rows[1].matched, rows[1].full_hit, rows[1].inserted),
+            (96, 96, 192)
+        );
+        assert_eq!(rows[2].matched, 0);
+        assert_eq!(fin, [192 + 128, 192 + 128]);
+        let log = log_text(&t, &rows, fin);
+        assert!(log.starts_with(HEADER));
+        assert!(log.ends_with(
+            "# totals requests=3 prompt=430 matched=96 full_hit=96 inserted=416 ev_full=0 ev_aux=0 skipped=0 final_tree_full=320 final_tree_aux=320\n"
+        ));
+    }
+
+    #[test]
+    fn a_small_swa_pool_tombstones_the_older_window() {
+        // SWA pool of 9 pages: the second turn's extend needs 7 + 1 pages while the first
+        // turn holds 6 (a 64-token node and its 32-token window leaf, locked by the match):
+        // the older node becomes a tombstone, Full stays.
+        let (rows, _) = replay(&setup(Some(32), None, 1000, 9), &trace()).unwrap();
+        assert_eq!((rows[1].ev_full, rows[1].ev_aux), (0, 64), "{:?}", rows[1]);
+        assert!(!rows[1].skipped);
+        // With 8 pages the tombstone frees too little: the request is skipped.
+        let (rows, _) = replay(&setup(Some(32), None, 1000, 8), &trace()).unwrap();
+        assert!(rows[1].skipped);
+    }
+
+    #[test]
+    fn mamba_replay_tracks_chunk_checkpoints_and_skips_without_room() {
+        let t = trace();
+        let (rows, fin) = replay(&setup(None, Some(64), 1000, 16), &t).unwrap();
+        assert_eq!(rows[0].inserted, 64, "the checkpoint at 64 of 100 tokens");
+        assert_eq!(rows[1].matched, 64);
+        assert_eq!(rows[1].inserted, 192);
+        assert_eq!(fin[1], 3, "one state per inserted checkpoint");
+        // 4 pages cannot hold a 100-token extend plus a spare page: skipped, nothing held.
+        let (rows, fin) = replay(&setup(None, Some(64), 4, 16), &t).unwrap();
+        assert!(rows.iter().all(|r| r.skipped));
+        assert_eq!(fin, [0, 0]);
+    }
+}

@@ -1,0 +1,185 @@
+//! Eviction: each component frees from its own order until its request is met (SGLang's
+//! `_evict_components`, device tier, no allocator targets).
+//!
+//! - Full: the evictable leaves, oldest time first (a heap built at the start of the walk; a
+//!   parent that becomes a leaf joins it).
+//! - SWA, Mamba: their LRU from the tail, skipping locked nodes. A leaf goes whole; an
+//!   internal node becomes a tombstone for the component, cascading to components of lower
+//!   or equal internal priority (SWA takes Mamba with it; Mamba takes nothing).
+//!
+//! Invariant kept here: nothing with a positive lock count is evicted — the Full heap holds
+//! only evictable leaves (unlocked in every component) and the LRU scans skip locked nodes.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use super::node::ROOT;
+use super::{Component, UnifiedTree};
+
+/// How much to free per component (SGLang's `EvictParams`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EvictRequest {
+    /// Full tokens.
+    pub full: u64,
+    /// SWA tokens.
+    pub swa: u64,
+    /// Mamba states.
+    pub mamba: u64,
+}
+
+/// What an eviction freed (each component counts what it freed, cascades included).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Evicted {
+    /// Full tokens.
+    pub full: u64,
+    /// SWA tokens.
+    pub swa: u64,
+    /// Mamba states.
+    pub mamba: u64,
+    /// The Mamba state slots freed, for the caller's allocator.
+    pub mamba_slots: Vec<u32>,
+}
+
+impl Evicted {
+    fn get(&self, c: Component) -> u64 {
+        match c {
+            Component::Full => self.full,
+            Component::Swa => self.swa,
+            Component::Mamba => self.mamba,
+        }
+    }
+
+    fn add(&mut self, c: Component, n: u64) {
+        match c {
+            Component::Full => self.full += n,
+            Component::Swa => self.swa += n,
+            Component::Mamba => self.mamba += n,
+        }
+    }
+}
+
+impl UnifiedTree {
+    /// Frees at least what `req` asks of each component where the tree can (components in
+    /// order; what a component already freed by cascade counts towards its request).
+    pub fn evict(&mut self, req: EvictRequest) -> Evicted {
+        let mut out = Evicted::default();
+        let want = [req.full, req.swa, req.mamba];
+        for c in [Component::Full, Component::Swa, Component::Mamba] {
+            if !self.has[c as usize] || out.get(c) >= want[c as usize] {
+                continue;
+            }
+            match c {
+                Component::Full => self.evict_full(want[0], &mut out),
+                _ => self.evict_aux(c, want[c as usize], &mut out),
+            }
+        }
+        out
+    }
+
+    fn evict_full(&mut self, want: u64, out: &mut Evicted) {
+        let mut heap: BinaryHeap<Reverse<(u64, u32, u32)>> = self
+            .leaves
+            .iter()
+            .map(|&i| {
+                let n = &self.arena.nodes[i as usize];
+                Reverse((n.time, i, n.generation))
+            })
+            .collect();
+        while out.full < want {
+            let Some(Reverse((_, i, g))) = heap.pop() else {
+                break;
+            };
+            if !self.in_leaves(i) || self.arena.nodes[i as usize].generation != g {
+                continue;
+            }
+            let parent = self.delete_leaf(i, out);
+            if self.in_leaves(parent) {
+                let n = &self.arena.nodes[parent as usize];
+                heap.push(Reverse((n.time, parent, n.generation)));
+            }
+        }
+    }
+
+    fn evict_aux(&mut self, c: Component, want: u64, out: &mut Evicted) {
+        let l = c.lru();
+        let ci = c as usize;
+        let mut cursor = self.lru_tail_unlocked(c, None);
+        loop {
+            if cursor.is_some_and(|x| !self.lrus[l].contains(x)) {
+                cursor = self.lru_tail_unlocked(c, None);
+            }
+            let Some(x) = cursor else { break };
+            if out.get(c) >= want {
+                break;
+            }
+            cursor = self.lru_tail_unlocked(c, Some(x));
+            if self.in_leaves(x) {
+                self.delete_leaf(x, out);
+                continue;
+            }
+            debug_assert_eq!(self.arena.nodes[x as usize].comp[ci].lock, 0);
+            self.drop_comp(x, c, out);
+            // Cascade on an internal node: every component of lower internal priority
+            // (with equal priority only the trigger itself).
+            for lower in [Component::Swa, Component::Mamba] {
+                if lower != c
+                    && self.has[lower as usize]
+                    && lower.internal_priority() < c.internal_priority()
+                    && self.arena.nodes[x as usize].comp[lower as usize].present
+                {
+                    self.drop_comp(x, lower, out);
+                }
+            }
+            self.update_leaf(x);
+        }
+    }
+
+    /// The unlocked node before `from` (or the tail) in `c`'s LRU.
+    fn lru_tail_unlocked(&self, c: Component, from: Option<u32>) -> Option<u32> {
+        let nodes = &self.arena.nodes;
+        self.lrus[c.lru()].prev_unlocked(from, |x| nodes[x as usize].comp[c as usize].lock == 0)
+    }
+
+    /// Makes `c` a tombstone on `i`: off its LRU, out of the ledger, counted in `out`.
+    fn drop_comp(&mut self, i: u32, c: Component, out: &mut Evicted) {
+        let n = self.comp_len(i, c);
+        let d = &mut self.arena.nodes[i as usize].comp[c as usize];
+        if !d.present {
+            return;
+        }
+        d.present = false;
+        if d.lock > 0 {
+            self.protected[c as usize] -= n;
+        } else {
+            self.evictable[c as usize] -= n;
+        }
+        if c != Component::Full {
+            self.lrus[c.lru()].remove(i);
+        }
+        if c == Component::Mamba {
+            out.mamba_slots
+                .push(self.arena.nodes[i as usize].mamba_slot);
+        }
+        out.add(c, n);
+    }
+
+    /// Deletes the evictable leaf `i` with every component on it; returns its parent.
+    fn delete_leaf(&mut self, i: u32, out: &mut Evicted) -> u32 {
+        for c in [Component::Full, Component::Swa, Component::Mamba] {
+            if self.has[c as usize] {
+                self.drop_comp(i, c, out);
+            }
+        }
+        self.remove_from_leaves(i);
+        let parent = self.arena.nodes[i as usize].parent;
+        let siblings = &mut self.arena.nodes[parent as usize].children;
+        if let Some(p) = siblings.iter().position(|&x| x == i) {
+            siblings.swap_remove(p);
+        }
+        self.arena.release(i);
+        if parent != ROOT {
+            self.update_leaf(parent);
+        }
+        parent
+    }
+}

@@ -1,0 +1,161 @@
+//! `match_prefix`: the walk, the composed validators, the post-processing (LRU refresh,
+//! path stamps, branching lengths).
+
+use super::UnifiedTree;
+use super::node::ROOT;
+use crate::error::Result;
+use crate::tree::NodeId;
+
+/// What a match found (SGLang's `MatchResult`, device tier).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnifiedMatch {
+    /// Tokens the request may reuse: the path up to [`node`](Self::node).
+    pub device_prefix_len: usize,
+    /// The deepest node where every component's validator passed (lock this one).
+    pub node: NodeId,
+    /// Tokens of Full KV the walk matched, valid or not (`full_kv_hit_length`).
+    pub full_hit_len: usize,
+    /// SWA branching length: the page-aligned Full hit when it goes past the valid prefix.
+    pub swa_branching: Option<usize>,
+    /// Mamba branching length: the Full hit aligned to `lcm(chunk, page)` when it goes past
+    /// the valid prefix.
+    pub mamba_branching: Option<usize>,
+    /// The Mamba state slot at [`node`](Self::node), the copy-on-write source.
+    pub mamba_slot: Option<u32>,
+}
+
+/// The per-match validator state: SWA's running window since the last tombstone.
+struct Validators {
+    swa_window: Option<u64>,
+    swa_len: u64,
+    mamba: bool,
+}
+
+impl Validators {
+    /// Runs every configured validator on `i` (all of them: SWA's is stateful).
+    fn all(&mut self, t: &UnifiedTree, i: u32) -> bool {
+        let n = &t.arena.nodes[i as usize];
+        let mut ok = n.comp[0].present;
+        if let Some(w) = self.swa_window {
+            if n.comp[1].present {
+                self.swa_len = self.swa_len.saturating_add(n.key.len() as u64);
+                ok &= self.swa_len >= w;
+            } else {
+                self.swa_len = 0;
+                ok = false;
+            }
+        }
+        if self.mamba {
+            ok &= n.comp[2].present;
+        }
+        ok
+    }
+}
+
+impl UnifiedTree {
+    /// Finds the longest prefix of `key` (truncated to whole pages) where every component
+    /// allows a match; splits a node the key ends inside; refreshes the LRUs and stamps the
+    /// matched path.
+    pub fn match_prefix(&mut self, key: &[u32]) -> Result<UnifiedMatch> {
+        let key = &key[..key.len() / self.ps() * self.ps()];
+        if key.is_empty() {
+            return Ok(self.empty_match());
+        }
+        let mut v = Validators {
+            swa_window: self.cfg.swa_window.map(u64::from),
+            swa_len: u64::MAX,
+            mamba: self.has[2],
+        };
+        let (mut node, mut offset, mut full_hit) = (ROOT, 0usize, 0usize);
+        let (mut best, mut best_len) = (ROOT, 0usize);
+        while offset < key.len() {
+            let Some(child) = self.child(node, &key[offset..]) else {
+                break;
+            };
+            let plen = self.match_len(child, &key[offset..]);
+            full_hit += plen;
+            let whole = plen == self.arena.nodes[child as usize].key.len();
+            node = if whole {
+                child
+            } else {
+                self.split(child, plen)
+            };
+            offset += plen;
+            if v.all(self, node) {
+                best = node;
+                best_len = offset;
+            }
+            if !whole {
+                break;
+            }
+        }
+        self.refresh_match_end(best);
+        let mut time = self.tick();
+        let mut i = best;
+        loop {
+            self.arena.nodes[i as usize].time = time;
+            time -= 1;
+            if i == ROOT {
+                break;
+            }
+            i = self.arena.nodes[i as usize].parent;
+        }
+        Ok(self.finish_match(best, best_len, full_hit))
+    }
+
+    fn empty_match(&self) -> UnifiedMatch {
+        UnifiedMatch {
+            device_prefix_len: 0,
+            node: self.root(),
+            full_hit_len: 0,
+            swa_branching: None,
+            mamba_branching: None,
+            mamba_slot: None,
+        }
+    }
+
+    /// The branching lengths: the Full hit aligned to each component's grid, when past the
+    /// valid prefix.
+    fn finish_match(&self, best: u32, best_len: usize, full_hit: usize) -> UnifiedMatch {
+        let past = |grid: usize| {
+            let aligned = full_hit / grid * grid;
+            (aligned > best_len).then_some(aligned)
+        };
+        let n = &self.arena.nodes[best as usize];
+        UnifiedMatch {
+            device_prefix_len: best_len,
+            node: self.id(best),
+            full_hit_len: full_hit,
+            swa_branching: self.has[1].then(|| past(self.ps())).flatten(),
+            mamba_branching: self.cfg.mamba_grid().and_then(past),
+            mamba_slot: n.comp[2].present.then_some(n.mamba_slot),
+        }
+    }
+
+    /// MATCH_END refresh: SWA moves the window ancestors of the matched node to MRU (the node
+    /// most recent); Mamba moves the matched node alone.
+    fn refresh_match_end(&mut self, best: u32) {
+        if let Some(w) = self.cfg.swa_window {
+            self.refresh_window(best, w as usize + self.ps());
+        }
+        if self.has[2] && best != ROOT && self.arena.nodes[best as usize].comp[2].present {
+            self.lrus[1].touch(best);
+        }
+    }
+
+    /// SGLang's `reset_node_and_window_ancestors_mru`: from `i` upwards while fewer than
+    /// `span` tokens were passed, each node with SWA data goes behind the previous one,
+    /// starting at the head.
+    pub(crate) fn refresh_window(&mut self, mut i: u32, span: usize) {
+        let mut prev = None;
+        let mut acc = 0usize;
+        while i != ROOT && acc < span {
+            if self.arena.nodes[i as usize].comp[1].present {
+                self.lrus[0].move_after(prev, i);
+                prev = Some(i);
+            }
+            acc += self.arena.nodes[i as usize].key.len();
+            i = self.arena.nodes[i as usize].parent;
+        }
+    }
+}
