@@ -577,7 +577,11 @@ impl Store {
         sizes: Vec<usize>,
     ) -> PyResult<()> {
         let this = slf.get();
-        let op = if load { "submit_job(load)" } else { "submit_job(store)" };
+        let op = if load {
+            "submit_job(load)"
+        } else {
+            "submit_job(store)"
+        };
         drop(this.backend(op)?);
         let call = Call::from_keys(keys_each(op, &namespaces, &hashes)?);
         let pieces = Pieces::new(

@@ -106,7 +106,7 @@ def _view_region(view: memoryview) -> Tuple[numpy.ndarray, int, int]:
     flat = numpy.frombuffer(view, dtype=numpy.uint8)
     if flat.flags.writeable is False:
         raise ValueError("primary_kv_view must be writable (vLLM's CPU tier)")
-    return flat, int(flat.ctypes.data), int(flat.nbytes)
+    return flat, int(flat.__array_interface__["data"][0]), int(flat.nbytes)
 
 
 class HiCacheRsTier(SecondaryTierManager):
