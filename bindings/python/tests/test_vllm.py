@@ -95,7 +95,7 @@ def test_a_redis_server_killed_mid_use_gives_misses_and_failed_stores(tmp_path, 
     proc, addr = start_redis(tmp_path)
     try:
         e = engines(ours({"backend": "redis", "nodes": [addr], "cluster": False,
-                          "key_prefix": "kill:"}))
+                          "key_prefix": "kill:", "timeout_ms": 1000}))
         ks = H.keys("redis-kill", 3)
         e.store(ks)
         e.evict_all()

@@ -36,7 +36,9 @@ Model of the class (each point is kept by the code named in it):
 5. Failures are misses or failed jobs, never an exception into vLLM's scheduler: a lookup that
    fails is a ``MISS``; a job the store refuses or a backend that fails is a failed
    ``JobResult`` (a partly read load names the keys read in full in ``successful_keys``);
-   a block that cannot be read intact is a miss of the backend, so no wrong bytes reach vLLM.
+   a block that cannot be read intact is a miss of the backend, so no wrong bytes reach vLLM;
+   a block whose load failed answers ``MISS`` until it is stored again (``_unreadable``), so
+   vLLM never loops promoting a block the backend lists but cannot read.
 6. ``lookup`` answers one chunk, as vLLM asks: vLLM's scheduler walks a request's chunks in
    order and stops at the first that is not a hit, so the chunks vLLM loads are the leading
    run of stored blocks.
@@ -49,7 +51,7 @@ import json
 import logging
 import time
 from collections.abc import Collection, Iterable
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Set, Tuple
 
 import numpy
 
@@ -127,7 +129,10 @@ class HiCacheRsTier(SecondaryTierManager):
         self._store.set_allowed_regions([(base, length)])
         self.backend_name = self._store.info()["name"]
         self._namespaces: Dict[int, str] = {}
-        self._jobs: Dict[int, List[OffloadKey]] = {}
+        self._jobs: Dict[int, Tuple[bool, List[OffloadKey]]] = {}
+        # Point 5: blocks whose load failed answer MISS until stored again (no endless
+        # promote-fail loop on a block the backend lists but cannot read).
+        self._unreadable: Set[OffloadKey] = set()
         self._refused: List[JobResult] = []
         self._closed = False
         for group in range(len(self._spec_config.groups)):
@@ -186,7 +191,7 @@ class HiCacheRsTier(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """Point 6: HIT when the backend has the chunk, MISS otherwise or on any failure
         (point 5)."""
-        if self._closed:
+        if self._closed or key in self._unreadable:
             return LookupResult.MISS
         try:
             (ns,), (h,) = self._keys([key])
@@ -205,7 +210,7 @@ class HiCacheRsTier(SecondaryTierManager):
 
     def _submit(self, job: TransferJob, load: bool) -> None:
         keys = list(job.keys)
-        self._jobs[job.job_id] = keys
+        self._jobs[job.job_id] = (load, keys)
         size = self.block_size_bytes
         try:
             if len(keys) != len(job.chunk_ids):
@@ -216,6 +221,8 @@ class HiCacheRsTier(SecondaryTierManager):
         except Exception as e:  # point 5: a refused job is a failed job
             logger.warning("hicache-rs %s job %s refused: %s", "load" if load else "store",
                            job.job_id, e)
+            if load:
+                self._unreadable.update(keys)
             self._refused.append(JobResult(job_id=job.job_id, success=False))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -224,11 +231,15 @@ class HiCacheRsTier(SecondaryTierManager):
         for r in results:
             self._jobs.pop(r.job_id, None)
         for job_id, ok, seconds, error in self._store.take_completed():
-            keys = self._jobs.pop(job_id, [])
+            load, keys = self._jobs.pop(job_id, (False, []))
             if error is not None:
                 logger.warning("hicache-rs job %s failed: %s", job_id, error)
             success = error is None and all(ok)
             read = tuple(k for k, o in zip(keys, ok) if o)
+            if load:
+                self._unreadable.update(k for k, o in zip(keys, ok) if not o)
+            else:
+                self._unreadable.difference_update(read)
             done = len(read)
             results.append(JobResult(
                 job_id=job_id,
