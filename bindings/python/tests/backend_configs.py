@@ -25,9 +25,9 @@ def plugin_path():
     return None
 
 
-def ours_config(name, request, tmp_path):
+def ours_config(name, request, tmp_path, subdir="ours", uring_capacity="64MiB", grow="1MiB"):
     """hicache-rs' extra-config for backend ``name``; a real redis-server / in-process rdma
-    server on loopback; the example plugin .so."""
+    server on loopback; the example plugin .so; local directories under ``tmp_path/subdir``."""
     if name == "redis":
         return {"backend": "redis", "nodes": [request.getfixturevalue("redis_server")],
                 "cluster": False, "key_prefix": f"v2-{os.getpid()}-{id(request)}-{tmp_path.name}:"}
@@ -41,8 +41,8 @@ def ours_config(name, request, tmp_path):
         return {"backend": "plugin", "plugin_path": path, "capacity": "64MiB"}
     return {
         "memory": {"backend": "memory"},
-        "file": {"backend": "file", "dir": str(tmp_path / "ours")},
-        "uring": {"backend": "uring", "dir": str(tmp_path / "ours"), "capacity": "64MiB",
-                  "grow_bytes": "1MiB"},
+        "file": {"backend": "file", "dir": str(tmp_path / subdir)},
+        "uring": {"backend": "uring", "dir": str(tmp_path / subdir), "capacity": uring_capacity,
+                  "grow_bytes": grow},
         "rdma": {"backend": "rdma", "spawn_server": True, "capacity": "64MiB"},
     }[name]
