@@ -49,8 +49,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from typing import Any, ClassVar, Dict, List, Optional, Set, Tuple
 
 import numpy
@@ -123,20 +122,20 @@ class HiCacheRsTier(SecondaryTierManager):
         text, self._tenant, locality = _split_config(config)
         self.locality = Locality(locality) if locality is not None else None
         self._spec_config = offloading_spec.config
+        self._namespaces: Dict[int, str] = {}
+        for group in range(len(self._spec_config.groups)):
+            self._namespace(group)  # a bad dtype or geometry fails before anything opens
         self._flat, base, length = _view_region(primary_kv_view)
         self._base = base
         self._store = Store(text, page_bytes=self.block_size_bytes, layout=LAYOUT)
         self._store.set_allowed_regions([(base, length)])
         self.backend_name = self._store.info()["name"]
-        self._namespaces: Dict[int, str] = {}
         self._jobs: Dict[int, Tuple[bool, List[OffloadKey]]] = {}
         # Point 5: blocks whose load failed answer MISS until stored again (no endless
         # promote-fail loop on a block the backend lists but cannot read).
         self._unreadable: Set[OffloadKey] = set()
         self._refused: List[JobResult] = []
         self._closed = False
-        for group in range(len(self._spec_config.groups)):
-            self._namespace(group)
 
     # ---- keys (point 2) ---------------------------------------------------------------
 
