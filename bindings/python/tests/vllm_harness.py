@@ -113,9 +113,10 @@ class Engine:
         self.rows[:] = 0xEE
 
     def _wait_async_lookups(self):
-        """vLLM's fs tier answers lookups from a background thread: block until its next
-        result batch is posted (a blocking queue read, bounded), and put it back."""
-        lm = getattr(self.tier, "_lookup_manager", None)
+        """vLLM's fs tier and ours answer lookups from vLLM's AsyncLookupManager thread:
+        block until its next result batch is posted (a blocking queue read, bounded), and put
+        it back."""
+        lm = getattr(self.tier, "_lookup_manager", None) or getattr(self.tier, "_lookups", None)
         if lm is not None:
             lm._pending_results.put(lm._pending_results.get(timeout=30))
 

@@ -39,9 +39,11 @@ Model of the class (each point is kept by the code named in it):
    a block that cannot be read intact is a miss of the backend, so no wrong bytes reach vLLM;
    a block whose load failed answers ``MISS`` until it is stored again (``_unreadable``), so
    vLLM never loops promoting a block the backend lists but cannot read.
-6. ``lookup`` answers one chunk, as vLLM asks: vLLM's scheduler walks a request's chunks in
-   order and stops at the first that is not a hit, so the chunks vLLM loads are the leading
-   run of stored blocks.
+6. ``lookup`` never blocks the scheduler: it answers from vLLM's own ``AsyncLookupManager``
+   (as vLLM's fs tier does), whose thread asks the backend for every key a step looked up
+   (``Store.batch_exists_each``, GIL released) after ``on_schedule_end``; until then the
+   answer is ``RETRY``. vLLM's scheduler walks a request's chunks in order and stops at the
+   first that is not a hit, so the chunks vLLM loads are the leading run of stored blocks.
 """
 
 from __future__ import annotations
@@ -64,7 +66,13 @@ from vllm.v1.kv_offload.base import (
     get_offload_block_hash,
     get_offload_group_idx,
 )
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import (
+    JobResult,
+    ScheduleEndContext,
+    SecondaryTierManager,
+    TransferJob,
+)
 
 from hicache_rs._native import Store, check_extra_config, namespace_id
 
@@ -110,6 +118,26 @@ def _view_region(view: memoryview) -> Tuple[numpy.ndarray, int, int]:
     return flat, int(flat.__array_interface__["data"][0]), int(flat.nbytes)
 
 
+class _Lookups(AsyncLookupManager):
+    """Point 6: vLLM's async lookup thread asking our store."""
+
+    def __init__(self, tier: "HiCacheRsTier", tier_type: str) -> None:
+        super().__init__(tier_type=tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: List[OffloadKey], req_context: ReqContext) -> List[bool]:
+        """Presence of every key, asked per namespace (a failure raises: vLLM's thread
+        answers every key of the batch as a miss)."""
+        namespaces, hashes = self._tier._keys(keys)
+        found = [False] * len(keys)
+        for ns in set(namespaces):
+            at = [i for i, n in enumerate(namespaces) if n == ns]
+            present = self._tier._store.batch_exists_each(ns, [hashes[i] for i in at])
+            for i, p in zip(at, present):
+                found[i] = bool(p)
+        return found
+
+
 class HiCacheRsTier(SecondaryTierManager):
     """hicache-rs' L3 backends (file, uring, redis, rdma, plugin, memory) as a vLLM
     secondary tier."""
@@ -136,6 +164,7 @@ class HiCacheRsTier(SecondaryTierManager):
         self._unreadable: Set[OffloadKey] = set()
         self._refused: List[JobResult] = []
         self._closed = False
+        self._lookups = _Lookups(self, tier_type)
 
     # ---- keys (point 2) ---------------------------------------------------------------
 
@@ -188,16 +217,22 @@ class HiCacheRsTier(SecondaryTierManager):
     # ---- vLLM's interface ---------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """Point 6: HIT when the backend has the chunk, MISS otherwise or on any failure
-        (point 5)."""
+        """Point 6: RETRY until the backend answered, then HIT when it has the chunk, MISS
+        otherwise or on any failure (point 5)."""
         if self._closed or key in self._unreadable:
             return LookupResult.MISS
-        try:
-            (ns,), (h,) = self._keys([key])
-            return LookupResult.HIT if self._store.batch_exists(ns, [h]) == 1 else LookupResult.MISS
-        except Exception as e:  # point 5: never into the scheduler
-            logger.warning("hicache-rs lookup failed (answered as a miss): %s", e)
-            return LookupResult.MISS
+        found = self._lookups.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Hands this step's lookups to the lookup thread (point 6)."""
+        self._lookups.flush()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Drops the request's lookup state."""
+        self._lookups.cleanup(req_context.req_id)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Starts a native store of the job's chunks from vLLM's CPU tier (point 4)."""
@@ -236,7 +271,9 @@ class HiCacheRsTier(SecondaryTierManager):
             success = error is None and all(ok)
             read = tuple(k for k, o in zip(keys, ok) if o)
             if load:
-                self._unreadable.update(k for k, o in zip(keys, ok) if not o)
+                failed = [k for k, o in zip(keys, ok) if not o]
+                self._unreadable.update(failed)
+                self._lookups.mark_miss(failed)
             else:
                 self._unreadable.difference_update(read)
             done = len(read)
@@ -266,6 +303,7 @@ class HiCacheRsTier(SecondaryTierManager):
         """Waits for the jobs in flight, then closes the backend."""
         if not self._closed:
             self._closed = True
+            self._lookups.shutdown()
             self._store.close()
             # vLLM releases the CPU tier's memoryview after the tiers: no export may remain.
             self._flat = None
