@@ -137,15 +137,16 @@ def test_two_models_on_one_store_never_see_each_others_blocks(tmp_path, engines)
     a2 = engines(ours(shared), model="org/model-a")
     salted = engines(ours({**shared, "tenant": "t2"}), model="org/model-a")
     half = engines(ours(shared), model="org/model-a", dtype="float16")
+    # A vLLM dtype name hicache-rs has no element type for: its own namespace all the same.
+    inc = engines(ours(shared), model="org/model-a", dtype="fp8_inc")
     ks = H.keys("models", 3)
     a.store(ks)
-    assert b.hit_run(ks)[0] == 0
-    assert salted.hit_run(ks)[0] == 0
-    assert half.hit_run(ks)[0] == 0
+    for other in (b, salted, half, inc):
+        assert other.hit_run(ks)[0] == 0
     n, req = a2.hit_run(ks)
     assert n == 3
     assert a2.load(ks, req) == [H.payload(k, a2.block) for k in ks]
-    assert len({x.tier.namespace_of(0) for x in (a, b, salted, half)}) == 4
+    assert len({x.tier.namespace_of(0) for x in (a, b, salted, half, inc)}) == 5
 
 
 def test_a_corrupt_block_is_a_miss_not_wrong_bytes(tmp_path, engines):

@@ -84,9 +84,13 @@ VLLM_FIELDS = ("locality",)
 #: The native layout every vLLM chunk is stored in: one piece, the chunk's bytes.
 LAYOUT = "page_first"
 
-#: Our spellings of vLLM's KV cache dtypes (others are rejected by ``namespace_id``).
-_DTYPES = {"auto": "bfloat16", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
-           "fp8_e5m2": "float8_e5m2", "bf16": "bfloat16", "half": "float16"}
+#: Our element types for vLLM's KV cache dtype names; any other name (``auto``, ``fp8_inc``,
+#: ...) is namespaced as ``bfloat16``. The namespace also carries vLLM's own name verbatim
+#: (``kv-dtype=``), so two dtypes never share blocks either way.
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
+           "half": "float16", "float32": "float32", "float": "float32",
+           "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn",
+           "fp8_e5m2": "float8_e5m2", "float8_e5m2": "float8_e5m2"}
 
 
 def _split_config(config: Dict[str, Any]) -> Tuple[str, Optional[str], Optional[str]]:
@@ -190,7 +194,7 @@ class HiCacheRsTier(SecondaryTierManager):
         tp_size, pp_size = max(par.tp_size, 1), max(par.pp_size, 1)
         ns = namespace_id(
             cfg.model.name,
-            _DTYPES.get(plain, plain),
+            _DTYPES.get(plain, "bfloat16"),
             LAYOUT,
             False,
             1,
