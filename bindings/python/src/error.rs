@@ -106,6 +106,16 @@ pub enum BindingError {
         /// Position of the page.
         page: usize,
     },
+    /// A job's namespaces and keys differ in number.
+    #[error("{op}: {namespaces} namespaces for {keys} keys: one namespace per key")]
+    NamespaceCount {
+        /// The operation.
+        op: &'static str,
+        /// Keys in the job.
+        keys: usize,
+        /// Namespaces given.
+        namespaces: usize,
+    },
     /// `set_allowed_regions` or `add_allowed_regions` without any region.
     #[error(
         "allowed regions (set_allowed_regions / add_allowed_regions): no region given \

@@ -11,7 +11,9 @@
 //!   the pool memory registered with it ([`regions`]) when there is one;
 //! - [`namespace_id`]: the namespace SGLang's bare content hashes are paired with (model, dtype,
 //!   layout, geometry, TP/PP rank, tenant: see [`identity`]);
-//! - [`sglang_page_hashes`]: our SGLang-compatible page hash chain, for tools.
+//! - [`sglang_page_hashes`]: our SGLang-compatible page hash chain, for tools;
+//! - [`jobs`]: the asynchronous loads and stores (`Store.submit_job`) and their completion
+//!   queue, behind vLLM's secondary tier `hicache_rs.vllm.HiCacheRsTier`.
 //!
 //! `cargo test` checks the Rust side; the package's pytest suite runs it against SGLang's own
 //! code (see the crate README).
@@ -19,6 +21,7 @@
 pub mod backends;
 pub mod error;
 pub mod identity;
+pub mod jobs;
 pub mod pages;
 pub mod regions;
 pub mod store;

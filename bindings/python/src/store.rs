@@ -37,6 +37,7 @@ use pyo3::types::{PyBytes, PyDict};
 use crate::backends;
 use crate::error::{BindingError, Result};
 use crate::identity;
+use crate::jobs::{Completion, Jobs};
 use crate::pages::Pieces;
 use crate::regions::Regions;
 
@@ -57,6 +58,8 @@ pub struct Store {
     regions: RwLock<Option<Regions>>,
     /// Whether `set_allowed_regions` (the once-only call) was made.
     regions_set_once: parking_lot::Mutex<bool>,
+    /// The asynchronous jobs (`submit_job`) in flight and their completions.
+    jobs: Arc<Jobs>,
 }
 
 /// Parses the keys of a batch under one namespace.
@@ -75,6 +78,27 @@ fn page_keys(namespace: &str, hashes: &[String]) -> Result<Vec<PageKey>> {
                 })
         })
         .collect()
+}
+
+/// The keys of a job whose keys each have their own namespace (`namespaces[i]` for
+/// `hashes[i]`).
+fn keys_each(op: &'static str, namespaces: &[String], hashes: &[String]) -> Result<Vec<PageKey>> {
+    if namespaces.len() != hashes.len() {
+        return Err(BindingError::NamespaceCount {
+            op,
+            keys: hashes.len(),
+            namespaces: namespaces.len(),
+        });
+    }
+    let mut keys = Vec::with_capacity(hashes.len());
+    for (index, (ns, h)) in namespaces.iter().zip(hashes).enumerate() {
+        let key = page_keys(ns, std::slice::from_ref(h)).map_err(|e| match e {
+            BindingError::BadKey { key, .. } => BindingError::BadKey { index, key },
+            e => e,
+        })?;
+        keys.extend(key);
+    }
+    Ok(keys)
 }
 
 /// `len` zero bytes, or [`BindingError::OutOfMemory`] when they cannot be had (never an
@@ -119,6 +143,16 @@ impl Call {
             pass: prefix.is_some(),
             extra_info,
         })
+    }
+
+    /// A call of `keys` (each under its own namespace) without prefix keys or extra info.
+    fn from_keys(chain: Vec<PageKey>) -> Self {
+        Self {
+            chain,
+            base: 0,
+            pass: false,
+            extra_info: None,
+        }
     }
 
     fn keys(&self) -> &[PageKey] {
@@ -344,6 +378,7 @@ impl Store {
             memory,
             regions: RwLock::new(None),
             regions_set_once: parking_lot::Mutex::new(false),
+            jobs: Arc::new(Jobs::default()),
         })
     }
 
@@ -522,6 +557,81 @@ impl Store {
         Ok(py.detach(|| self.set_from(&call, layout, &pieces))?)
     }
 
+    /// Starts an asynchronous job and returns at once: a load (`load=True`: reads page `i`
+    /// into `ptrs[i]`, `sizes[i]` bytes) or a store (writes page `i` from that memory), key
+    /// `i` being `hashes[i]` under `namespaces[i]`. The job runs on the store's I/O threads
+    /// without the GIL; its outcome is queued for `take_completed`. The caller keeps the
+    /// memory alive and leaves it alone (a load's destination unread, a store's source
+    /// unwritten) until the job's completion is taken. Bad input (counts, keys, a piece
+    /// outside the registered regions) is a `ValueError` here and no job starts; a closed
+    /// store is a `RuntimeError`; a backend failure is a failed completion.
+    #[pyo3(signature = (job_id, load, namespaces, hashes, ptrs, sizes))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_job(
+        slf: &Bound<'_, Self>,
+        job_id: u64,
+        load: bool,
+        namespaces: Vec<String>,
+        hashes: Vec<String>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<()> {
+        let this = slf.get();
+        let op = if load {
+            "submit_job(load)"
+        } else {
+            "submit_job(store)"
+        };
+        drop(this.backend(op)?);
+        let call = Call::from_keys(keys_each(op, &namespaces, &hashes)?);
+        let pieces = Pieces::new(
+            op,
+            hashes.len(),
+            ptrs,
+            sizes,
+            false,
+            this.regions.read().as_ref(),
+        )?;
+        let store: Py<Store> = slf.clone().unbind();
+        let ticket = this.jobs.start(job_id, hashes.len());
+        this.runtime.spawn_blocking(move || {
+            let s = store.get();
+            let outcome = if load {
+                s.get_into(&call, LayoutKind::PageFirst, &pieces)
+            } else {
+                s.set_from(&call, LayoutKind::PageFirst, &pieces)
+            };
+            ticket.finish(outcome.map_err(|e| e.to_string()));
+            // Without the GIL: pyo3 defers this reference's release to the next holder of
+            // the GIL, so the store is never dropped on one of its own threads.
+            drop(store);
+        });
+        Ok(())
+    }
+
+    /// The asynchronous jobs finished since the last call, oldest first: `(job_id, ok,
+    /// seconds, error)` with one bool per key in `ok` (page read in full, or stored) and
+    /// `error` the message of a failure of the whole job (then every bool is `False`).
+    fn take_completed(&self) -> Vec<(u64, Vec<bool>, f64, Option<String>)> {
+        self.jobs
+            .take()
+            .into_iter()
+            .map(|c: Completion| (c.job_id, c.ok, c.seconds, c.error))
+            .collect()
+    }
+
+    /// Blocks (without the GIL) until no asynchronous job is in flight; woken by the last
+    /// job to finish.
+    fn wait_idle(&self, py: Python<'_>) {
+        py.detach(|| self.jobs.wait_idle());
+    }
+
+    /// Asynchronous jobs started and not yet finished.
+    #[getter]
+    fn jobs_in_flight(&self) -> usize {
+        self.jobs.in_flight()
+    }
+
     /// Reads one page of `length` bytes into new `bytes` (for tools), or `None` on a miss.
     /// A length of 0 or above the largest page (1 GiB, or the backend's limit) is a
     /// `ValueError`; memory that cannot be allocated a `MemoryError`.
@@ -649,12 +759,13 @@ impl Store {
     }
 
     /// Closes the backend; later calls raise `RuntimeError`. Waits for the calls in flight
-    /// to return first, so that when `close` returns the backend is really closed (its
+    /// (and the asynchronous jobs) to return first, so that when `close` returns the backend is really closed (its
     /// directory lock released: a new store may open the same directory at once). Idempotent.
     fn close(&self, py: Python<'_>) {
         // Without the GIL: waiting for calls in flight, and dropping a backend (which may
         // flush files or close connections), must not stop other Python threads.
         py.detach(|| {
+            self.jobs.wait_idle();
             let taken = self.backend.write().take();
             drop(taken);
         });

@@ -82,3 +82,14 @@ def redis_server(tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def require_vllm():
+    """Skips the calling module without vLLM (target/python-vllm on PYTHONPATH, see
+    setup-vllm-env.sh), or fails under HICACHE_REQUIRE_VLLM=1 (CI)."""
+    if importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("torch"):
+        return
+    msg = "vllm is not importable (bash bindings/python/setup-vllm-env.sh installs it)"
+    if os.environ.get("HICACHE_REQUIRE_VLLM") == "1":
+        pytest.fail(msg + " and HICACHE_REQUIRE_VLLM=1", pytrace=False)
+    pytest.skip(msg, allow_module_level=True)

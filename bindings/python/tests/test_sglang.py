@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from backend_configs import ours_config
 from conftest import require_sglang, start_redis
 
 require_sglang()
@@ -60,18 +61,10 @@ def keys(n, start=0, page_size=4):
 
 @pytest.fixture(params=["memory", "file", "uring", "rdma", "redis"])
 def ours(request, tmp_path):
-    if request.param == "redis":
-        # A real redis-server on loopback; each test its own key prefix.
-        return {"backend": "redis", "nodes": [request.getfixturevalue("redis_server")],
-                "cluster": False, "key_prefix": f"t{id(tmp_path)}:"}
-    return {
-        "memory": {"backend": "memory"},
-        "file": {"backend": "file", "dir": str(tmp_path / "l3")},
-        "uring": {"backend": "uring", "dir": str(tmp_path / "l3"), "capacity": "256MiB",
-                  "grow_bytes": "4MiB"},
-        # An in-process hicache-rdma-server on loopback, over TCP.
-        "rdma": {"backend": "rdma", "spawn_server": True, "capacity": "64MiB"},
-    }[request.param]
+    # A real redis-server / an in-process hicache-rdma-server on loopback (TCP); each test its
+    # own redis key prefix.
+    return ours_config(request.param, request, tmp_path, subdir="l3", uring_capacity="256MiB",
+                       grow="4MiB")
 
 
 def test_the_factory_loads_our_class_from_the_extra_config(ours):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pathlib
 
 import pytest
 import torch
@@ -26,9 +25,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 import sglang_pools
+from backend_configs import BACKENDS, ours_config, plugin_path  # noqa: F401 (re-exported)
 from sglang_pools import storage_config
-
-ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 KV, MAMBA, INDEXER, SWA = PoolName.KV, PoolName.MAMBA, PoolName.INDEXER, PoolName.SWA
 
@@ -39,8 +37,6 @@ DYNAMIC = {
     "interface_v1": 1,
 }
 
-#: Every backend hicache-rs can compile into the package.
-BACKENDS = ("memory", "file", "uring", "redis", "rdma", "plugin")
 
 
 # ---- pools ----------------------------------------------------------------------------------
@@ -139,39 +135,6 @@ def chain(tag, pages, page_size=4):
 
 
 # ---- backends -------------------------------------------------------------------------------
-
-
-def plugin_path():
-    """The example plugin (``cargo build -p hicache-plugin-example``; run-tests.sh builds it)."""
-    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
-    for profile in ("debug", "release"):
-        p = target / profile / "libhicache_plugin_example.so"
-        if p.exists():
-            return str(p)
-    return None
-
-
-def ours_config(name, request, tmp_path):
-    """hicache-rs' extra-config for backend ``name``; a real redis-server / in-process rdma
-    server on loopback; the example plugin .so."""
-    if name == "redis":
-        return {"backend": "redis", "nodes": [request.getfixturevalue("redis_server")],
-                "cluster": False, "key_prefix": f"v2-{os.getpid()}-{id(request)}-{tmp_path.name}:"}
-    if name == "plugin":
-        path = plugin_path()
-        if path is None:
-            msg = "target/debug/libhicache_plugin_example.so is not built"
-            if os.environ.get("HICACHE_REQUIRE_PLUGIN") == "1":
-                pytest.fail(msg, pytrace=False)
-            pytest.skip(msg)
-        return {"backend": "plugin", "plugin_path": path, "capacity": "64MiB"}
-    return {
-        "memory": {"backend": "memory"},
-        "file": {"backend": "file", "dir": str(tmp_path / "ours")},
-        "uring": {"backend": "uring", "dir": str(tmp_path / "ours"), "capacity": "64MiB",
-                  "grow_bytes": "1MiB"},
-        "rdma": {"backend": "rdma", "spawn_server": True, "capacity": "64MiB"},
-    }[name]
 
 
 def register(backend, pools):
