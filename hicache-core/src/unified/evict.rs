@@ -38,6 +38,12 @@ pub struct Evicted {
     pub mamba: u64,
     /// The Mamba state slots freed, for the caller's allocator.
     pub mamba_slots: Vec<u32>,
+    /// The device Full page slots freed (trees made with
+    /// [`UnifiedTree::with_device_slots`] only).
+    pub full_pages: Vec<u32>,
+    /// The device SWA page slots freed (trees made with
+    /// [`UnifiedTree::with_device_slots`] only).
+    pub swa_pages: Vec<u32>,
 }
 
 impl Evicted {
@@ -156,9 +162,11 @@ impl UnifiedTree {
         if c != Component::Full {
             self.lrus[c.lru()].remove(i);
         }
-        if c == Component::Mamba {
-            out.mamba_slots
-                .push(self.arena.nodes[i as usize].mamba_slot);
+        let node = &mut self.arena.nodes[i as usize];
+        match c {
+            Component::Full => out.full_pages.append(&mut node.full_pages),
+            Component::Swa => out.swa_pages.append(&mut node.swa_pages),
+            Component::Mamba => out.mamba_slots.push(node.mamba_slot),
         }
         out.add(c, n);
     }

@@ -36,6 +36,9 @@
 //!    Mamba) over the tree, protected counting nodes with `lock > 0`.
 //! 4. The evictable-leaf set is exact: live, unlocked in every component, no child.
 //! 5. A Full lock is at least the sum of its children's Full locks (path locks nest).
+//! 6. Device slots (a tree made with [`UnifiedTree::with_device_slots`]): one Full slot per
+//!    page on every node, one SWA slot per page where SWA is present, none twice; a tree
+//!    without tracking holds none (see `slots`).
 
 use crate::error::{CoreError, Result};
 use crate::tree::NodeId;
@@ -47,6 +50,7 @@ mod lock;
 mod lru;
 mod matching;
 mod node;
+mod slots;
 
 #[cfg(test)]
 mod tests;
@@ -55,6 +59,7 @@ pub use evict::{EvictRequest, Evicted};
 pub use insert::{InsertParams, UnifiedInsert};
 pub use lock::LockReceipt;
 pub use matching::UnifiedMatch;
+pub use slots::InsertSlots;
 
 use lru::Lru;
 use node::{Arena, NIL, ROOT};
@@ -163,6 +168,8 @@ pub struct UnifiedTree {
     protected: [u64; 3],
     clock: u64,
     uuid: u64,
+    /// Whether nodes carry device page slots (see [`UnifiedTree::with_device_slots`]).
+    slots: bool,
 }
 
 const CLOCK_SHIFT: u32 = 20;
@@ -183,6 +190,7 @@ impl UnifiedTree {
             protected: [0; 3],
             clock: 0,
             uuid: 0,
+            slots: false,
         };
         t.reset();
         Ok(t)
@@ -394,8 +402,16 @@ impl UnifiedTree {
         let prefix = std::mem::replace(&mut self.arena.nodes[child as usize].key, suffix);
         let new = self.arena.alloc(parent, prefix, time);
         let c = self.arena.nodes[child as usize].comp;
+        let pages = len / self.ps();
+        let (full, swa) = {
+            let ch = &mut self.arena.nodes[child as usize];
+            let full = slots::take_prefix(&mut ch.full_pages, pages);
+            (full, slots::take_prefix(&mut ch.swa_pages, pages))
+        };
         {
             let n = &mut self.arena.nodes[new as usize];
+            n.full_pages = full;
+            n.swa_pages = swa;
             n.children.push(child);
             n.comp[0] = node::Comp { uuid: 0, ..c[0] };
             n.comp[1] = c[1];

@@ -215,9 +215,85 @@ fn snapshot(t: &UnifiedTree, r: &LockReceipt) -> Vec<bool> {
         .collect()
 }
 
-fn run_model(cfg: UnifiedConfig, ops: &[Op]) -> std::result::Result<(), TestCaseError> {
+/// Every device slot the tree holds, per component (Full, SWA).
+fn held_slots(t: &UnifiedTree) -> [Vec<u32>; 2] {
+    let mut out = [Vec::new(), Vec::new()];
+    for n in t.arena.nodes.iter().filter(|n| n.live) {
+        out[0].extend(&n.full_pages);
+        out[1].extend(&n.swa_pages);
+    }
+    out.iter_mut().for_each(|v| v.sort_unstable());
+    out
+}
+
+/// The request's slots: the tree's own on the matched prefix, fresh ones elsewhere.
+fn request_slots(t: &UnifiedTree, m: &UnifiedMatch, pages: usize, next: &mut u32) -> [Vec<u32>; 2] {
+    let mut fresh = |x: Option<u32>| {
+        x.unwrap_or_else(|| {
+            *next += 1;
+            *next
+        })
+    };
+    let mut out = [Vec::new(), Vec::new()];
+    for (c, comp) in [Component::Full, Component::Swa].into_iter().enumerate() {
+        if !t.has(comp) {
+            continue;
+        }
+        let mut v = t.prefix_pages(m.node, comp).unwrap();
+        v.resize(pages, None);
+        out[c] = v.into_iter().map(&mut fresh).collect();
+    }
+    out
+}
+
+/// Inserts `k` with slots and checks the ledger: the tree's slots before plus the fresh
+/// handed ones equal the tree's slots after plus the returned ones.
+fn insert_tracked(
+    t: &mut UnifiedTree,
+    m: &UnifiedMatch,
+    k: &[u32],
+    p: &InsertParams,
+    next: &mut u32,
+) -> std::result::Result<UnifiedInsert, TestCaseError> {
+    let before = held_slots(t);
+    let s = request_slots(t, m, k.len() / t.ps(), next);
+    let ins = t
+        .insert_with_slots(
+            k,
+            p,
+            InsertSlots {
+                full: &s[0],
+                swa: &s[1],
+            },
+        )
+        .unwrap();
+    let after = held_slots(t);
+    let released = [&ins.release_full, &ins.release_swa];
+    for c in 0..2 {
+        let mut lhs = before[c].clone();
+        lhs.extend(s[c].iter().filter(|x| !before[c].contains(x)));
+        lhs.sort_unstable();
+        lhs.dedup();
+        let mut rhs = after[c].clone();
+        rhs.extend(released[c]);
+        rhs.sort_unstable();
+        prop_assert_eq!(lhs, rhs, "slot ledger of component {} on insert", c);
+    }
+    Ok(ins)
+}
+
+fn run_model(
+    cfg: UnifiedConfig,
+    ops: &[Op],
+    slots: bool,
+) -> std::result::Result<(), TestCaseError> {
     let ps = cfg.page_size as usize;
-    let mut t = UnifiedTree::new(cfg.clone()).unwrap();
+    let mut t = if slots {
+        UnifiedTree::with_device_slots(cfg.clone()).unwrap()
+    } else {
+        UnifiedTree::new(cfg.clone()).unwrap()
+    };
+    let mut next = 1_000_000u32;
     let mut held: Vec<(LockReceipt, Vec<bool>)> = Vec::new();
     let mut slot = 0u32;
     for op in ops {
@@ -233,7 +309,11 @@ fn run_model(cfg: UnifiedConfig, ops: &[Op]) -> std::result::Result<(), TestCase
                     swa_evicted_len: 0,
                     mamba_slot: Some(slot),
                 };
-                let ins = t.insert(&k, &p).unwrap();
+                let ins = if slots {
+                    insert_tracked(&mut t, &m, &k, &p, &mut next)?
+                } else {
+                    t.insert(&k, &p).unwrap()
+                };
                 prop_assert!(ins.prefix_len >= m.device_prefix_len);
                 if hold {
                     let snap = snapshot(&t, &r);
@@ -256,6 +336,13 @@ fn run_model(cfg: UnifiedConfig, ops: &[Op]) -> std::result::Result<(), TestCase
                     mamba: m,
                 });
                 check_eviction(&before, &t, &e)?;
+                let (mut lhs, mut rhs) = (held_slots(&before), held_slots(&t));
+                for (c, freed) in [&e.full_pages, &e.swa_pages].into_iter().enumerate() {
+                    rhs[c].extend(freed);
+                    rhs[c].sort_unstable();
+                    lhs[c].sort_unstable();
+                    prop_assert_eq!(&lhs[c], &rhs[c], "slot ledger of component {} on evict", c);
+                }
                 for (r, snap) in &held {
                     prop_assert_eq!(&snapshot(&t, r), snap, "a locked component was evicted");
                 }
@@ -335,19 +422,19 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
     #[test]
-    fn model_full_swa(ops in proptest::collection::vec(op(), 1..40), w in 1u32..20) {
-        run_model(UnifiedConfig { swa_window: Some(w), ..UnifiedConfig::full(2) }, &ops)?;
+    fn model_full_swa(ops in proptest::collection::vec(op(), 1..40), w in 1u32..20, slots: bool) {
+        run_model(UnifiedConfig { swa_window: Some(w), ..UnifiedConfig::full(2) }, &ops, slots)?;
     }
 
     #[test]
-    fn model_full_mamba(ops in proptest::collection::vec(op(), 1..40)) {
-        run_model(UnifiedConfig { mamba_chunk: Some(4), ..UnifiedConfig::full(2) }, &ops)?;
+    fn model_full_mamba(ops in proptest::collection::vec(op(), 1..40), slots: bool) {
+        run_model(UnifiedConfig { mamba_chunk: Some(4), ..UnifiedConfig::full(2) }, &ops, slots)?;
     }
 
     #[test]
-    fn model_full_swa_mamba(ops in proptest::collection::vec(op(), 1..40), w in 1u32..12) {
+    fn model_full_swa_mamba(ops in proptest::collection::vec(op(), 1..40), w in 1u32..12, slots: bool) {
         let cfg = UnifiedConfig { swa_window: Some(w), mamba_chunk: Some(2), ..UnifiedConfig::full(2) };
-        run_model(cfg, &ops)?;
+        run_model(cfg, &ops, slots)?;
     }
 
     #[test]
@@ -359,4 +446,89 @@ proptest! {
         let (i, _) = m.node.parts();
         prop_assert_eq!(t.lrus[0].order().first().copied(), Some(i));
     }
+}
+
+#[test]
+fn device_slots_follow_split_recovery_and_eviction() {
+    let cfg = UnifiedConfig {
+        swa_window: Some(4),
+        ..UnifiedConfig::full(2)
+    };
+    assert!(
+        UnifiedTree::new(cfg.clone())
+            .unwrap()
+            .insert_with_slots(
+                &toks(0..2),
+                &InsertParams::default(),
+                InsertSlots {
+                    full: &[1],
+                    swa: &[1]
+                }
+            )
+            .is_err()
+    );
+    let mut t = UnifiedTree::with_device_slots(cfg).unwrap();
+    assert!(t.insert(&toks(0..2), &InsertParams::default()).is_err());
+    let k = toks(0..8);
+    let s = InsertSlots {
+        full: &[10, 11, 12, 13],
+        swa: &[20, 21, 22, 23],
+    };
+    let ins = t
+        .insert_with_slots(&k, &InsertParams::default(), s)
+        .unwrap();
+    assert!(ins.release_full.is_empty() && ins.release_swa.is_empty());
+    // The leaf is capped at one window (2 pages): the older part holds pages 0..2.
+    let full: Vec<_> = t.prefix_pages(ins.node, Component::Full).unwrap();
+    assert_eq!(full, [10, 11, 12, 13].map(Some));
+    // Evict SWA only: the LRU tail is the older internal node; it becomes a tombstone and
+    // hands its slots back.
+    let e = t.evict(EvictRequest {
+        swa: 4,
+        ..EvictRequest::default()
+    });
+    assert_eq!(e.full_pages, Vec::<u32>::new());
+    let mut freed = e.swa_pages.clone();
+    freed.sort_unstable();
+    assert_eq!(freed, [20, 21]);
+    assert_eq!(
+        t.prefix_pages(ins.node, Component::Swa).unwrap(),
+        [None, None, Some(22), Some(23)]
+    );
+    // Re-inserting recovers the tombstones (unlocked Full): the tree takes the request's
+    // Full and SWA slots there and returns its old Full slots and the duplicate tail.
+    let s = InsertSlots {
+        full: &[30, 31, 32, 33],
+        swa: &[40, 41, 42, 43],
+    };
+    let ins = t
+        .insert_with_slots(&k, &InsertParams::default(), s)
+        .unwrap();
+    let mut rf = ins.release_full.clone();
+    rf.sort_unstable();
+    assert_eq!(rf, [10, 11, 32, 33]);
+    let mut rs = ins.release_swa.clone();
+    rs.sort_unstable();
+    assert_eq!(rs, [42, 43]);
+    assert_eq!(
+        t.prefix_pages(ins.node, Component::Full).unwrap(),
+        [30, 31, 12, 13].map(Some)
+    );
+    assert_eq!(
+        t.prefix_pages(ins.node, Component::Swa).unwrap(),
+        [40, 41, 22, 23].map(Some)
+    );
+    // A match that ends inside a node splits it; the prefix keeps the first slots.
+    let m = t.match_prefix(&toks(0..2)).unwrap();
+    assert_eq!(t.prefix_pages(m.node, Component::Swa).unwrap(), [Some(40)]);
+    t.check_invariants().unwrap();
+    // Evicting everything returns every slot the tree holds.
+    let e = t.evict(EvictRequest {
+        full: 100,
+        ..EvictRequest::default()
+    });
+    let mut all = e.full_pages.clone();
+    all.sort_unstable();
+    assert_eq!(all, [12, 13, 30, 31]);
+    assert_eq!(t.size(Component::Full), 0);
 }

@@ -69,5 +69,5 @@ pub(super) fn check(t: &UnifiedTree) -> Result<(), String> {
             ));
         }
     }
-    Ok(())
+    t.check_slots()
 }
