@@ -44,6 +44,12 @@ pub struct Evicted {
     /// The device SWA page slots freed (trees made with
     /// [`UnifiedTree::with_device_slots`] only).
     pub swa_pages: Vec<u32>,
+    /// Host Full page slots freed with deleted leaves (backed-up nodes).
+    pub host_full_pages: Vec<u32>,
+    /// Host SWA page slots freed with deleted leaves.
+    pub host_swa_pages: Vec<u32>,
+    /// Host Mamba state slots freed with deleted leaves.
+    pub host_mamba_slots: Vec<u32>,
 }
 
 impl Evicted {
@@ -179,6 +185,10 @@ impl UnifiedTree {
             }
         }
         self.remove_from_leaves(i);
+        let n = &mut self.arena.nodes[i as usize];
+        out.host_full_pages.append(&mut n.host_full);
+        out.host_swa_pages.append(&mut n.host_swa);
+        out.host_mamba_slots.extend(n.host_mamba.take());
         let parent = self.arena.nodes[i as usize].parent;
         let siblings = &mut self.arena.nodes[parent as usize].children;
         if let Some(p) = siblings.iter().position(|&x| x == i) {

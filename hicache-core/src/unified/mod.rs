@@ -39,12 +39,16 @@
 //! 6. Device slots (a tree made with [`UnifiedTree::with_device_slots`]): one Full slot per
 //!    page on every node, one SWA slot per page where SWA is present, none twice; a tree
 //!    without tracking holds none (see `slots`).
+//! 7. Host copies (write-through backup, see `host`): one host slot per page or none; a
+//!    backed-up node's parent is the root or backed up; host SWA / Mamba only where host
+//!    Full is; no host slot twice.
 
 use crate::error::{CoreError, Result};
 use crate::tree::NodeId;
 
 mod components;
 mod evict;
+mod host;
 mod insert;
 mod lock;
 mod lru;
@@ -56,6 +60,7 @@ mod slots;
 mod tests;
 
 pub use evict::{EvictRequest, Evicted};
+pub use host::{BackupId, HostBackup, UnifiedBackupPlan};
 pub use insert::{InsertParams, UnifiedInsert};
 pub use lock::LockReceipt;
 pub use matching::UnifiedMatch;
@@ -170,6 +175,9 @@ pub struct UnifiedTree {
     uuid: u64,
     /// Whether nodes carry device page slots (see [`UnifiedTree::with_device_slots`]).
     slots: bool,
+    /// Backups committed and not finished: the lock each holds.
+    backups: std::collections::HashMap<u64, LockReceipt>,
+    next_backup: u64,
 }
 
 const CLOCK_SHIFT: u32 = 20;
@@ -191,6 +199,8 @@ impl UnifiedTree {
             clock: 0,
             uuid: 0,
             slots: false,
+            backups: std::collections::HashMap::new(),
+            next_backup: 0,
         };
         t.reset();
         Ok(t)
@@ -209,6 +219,7 @@ impl UnifiedTree {
         self.leaf_pos.clear();
         self.evictable = [0; 3];
         self.protected = [0; 3];
+        self.backups.clear();
     }
 
     /// The configuration.
@@ -403,15 +414,22 @@ impl UnifiedTree {
         let new = self.arena.alloc(parent, prefix, time);
         let c = self.arena.nodes[child as usize].comp;
         let pages = len / self.ps();
-        let (full, swa) = {
+        let [full, swa, host_full, host_swa] = {
             let ch = &mut self.arena.nodes[child as usize];
-            let full = slots::take_prefix(&mut ch.full_pages, pages);
-            (full, slots::take_prefix(&mut ch.swa_pages, pages))
+            [
+                &mut ch.full_pages,
+                &mut ch.swa_pages,
+                &mut ch.host_full,
+                &mut ch.host_swa,
+            ]
+            .map(|v| slots::take_prefix(v, pages))
         };
         {
             let n = &mut self.arena.nodes[new as usize];
             n.full_pages = full;
             n.swa_pages = swa;
+            n.host_full = host_full;
+            n.host_swa = host_swa;
             n.children.push(child);
             n.comp[0] = node::Comp { uuid: 0, ..c[0] };
             n.comp[1] = c[1];

@@ -69,5 +69,6 @@ pub(super) fn check(t: &UnifiedTree) -> Result<(), String> {
             ));
         }
     }
-    t.check_slots()
+    t.check_slots()?;
+    t.check_host()
 }
