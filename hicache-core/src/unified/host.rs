@@ -2,8 +2,8 @@
 //! following SGLang 0.5.23's `UnifiedRadixCache` write-through: Full backs up the node's
 //! pages (ancestors first: a backed-up node's parent is backed up), SWA backs up every
 //! device-only SWA node within one window of the node (walking up until `W` tokens are
-//! covered or a node has SWA neither on device nor on host), Mamba backs up the node's
-//! state. The tree stays metadata only: the caller copies the device slots of a
+//! covered, a node has SWA neither on device nor on host, or a node has a backup in
+//! flight), Mamba backs up the node's state. The tree stays metadata only: the caller copies the device slots of a
 //! [`UnifiedBackupPlan`] into host slots it allocated and commits them; the node is locked
 //! from the commit until [`UnifiedTree::finish_backup`].
 //!
@@ -123,6 +123,9 @@ impl UnifiedTree {
         };
         let (mut covered, mut out) = (0usize, Vec::new());
         while i != ROOT && covered < w as usize {
+            if self.backup_pending(i) {
+                break;
+            }
             let n = &self.arena.nodes[i as usize];
             if !n.comp[1].present && n.host_swa.is_empty() {
                 break;
@@ -198,6 +201,13 @@ impl UnifiedTree {
     /// Backups committed and not finished.
     pub fn pending_backups(&self) -> usize {
         self.backups.len()
+    }
+
+    /// Whether node `i` has a committed, unfinished backup (SGLang's
+    /// `write_through_pending_id`): the SWA window walk of a later plan stops there.
+    fn backup_pending(&self, i: u32) -> bool {
+        let id = self.id(i);
+        self.backups.values().any(|r| r.node == id)
     }
 
     /// The host invariants of the module documentation.
