@@ -50,6 +50,6 @@ pub use tree::{
     WriteId, page_aligned,
 };
 pub use unified::{
-    Component, EvictRequest, Evicted, InsertParams, LockReceipt, UnifiedConfig, UnifiedInsert,
-    UnifiedMatch, UnifiedTree,
+    BackupId, Component, EvictRequest, Evicted, HostBackup, InsertParams, InsertSlots, LockReceipt,
+    UnifiedBackupPlan, UnifiedConfig, UnifiedInsert, UnifiedMatch, UnifiedTree,
 };

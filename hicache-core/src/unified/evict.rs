@@ -38,6 +38,18 @@ pub struct Evicted {
     pub mamba: u64,
     /// The Mamba state slots freed, for the caller's allocator.
     pub mamba_slots: Vec<u32>,
+    /// The device Full page slots freed (trees made with
+    /// [`UnifiedTree::with_device_slots`] only).
+    pub full_pages: Vec<u32>,
+    /// The device SWA page slots freed (trees made with
+    /// [`UnifiedTree::with_device_slots`] only).
+    pub swa_pages: Vec<u32>,
+    /// Host Full page slots freed with deleted leaves (backed-up nodes).
+    pub host_full_pages: Vec<u32>,
+    /// Host SWA page slots freed with deleted leaves.
+    pub host_swa_pages: Vec<u32>,
+    /// Host Mamba state slots freed with deleted leaves.
+    pub host_mamba_slots: Vec<u32>,
 }
 
 impl Evicted {
@@ -156,9 +168,11 @@ impl UnifiedTree {
         if c != Component::Full {
             self.lrus[c.lru()].remove(i);
         }
-        if c == Component::Mamba {
-            out.mamba_slots
-                .push(self.arena.nodes[i as usize].mamba_slot);
+        let node = &mut self.arena.nodes[i as usize];
+        match c {
+            Component::Full => out.full_pages.append(&mut node.full_pages),
+            Component::Swa => out.swa_pages.append(&mut node.swa_pages),
+            Component::Mamba => out.mamba_slots.push(node.mamba_slot),
         }
         out.add(c, n);
     }
@@ -171,6 +185,10 @@ impl UnifiedTree {
             }
         }
         self.remove_from_leaves(i);
+        let n = &mut self.arena.nodes[i as usize];
+        out.host_full_pages.append(&mut n.host_full);
+        out.host_swa_pages.append(&mut n.host_swa);
+        out.host_mamba_slots.extend(n.host_mamba.take());
         let parent = self.arena.nodes[i as usize].parent;
         let siblings = &mut self.arena.nodes[parent as usize].children;
         if let Some(p) = siblings.iter().position(|&x| x == i) {

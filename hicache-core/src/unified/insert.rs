@@ -2,7 +2,7 @@
 //! leaf, and each component's commit.
 
 use super::node::ROOT;
-use super::{Component, UnifiedTree};
+use super::{Component, InsertSlots, UnifiedTree};
 use crate::error::{CoreError, Result};
 use crate::tree::NodeId;
 
@@ -31,14 +31,39 @@ pub struct UnifiedInsert {
     /// Tokens of the request's KV the tree did not take (duplicates of cached tokens): the
     /// caller frees them.
     pub duplicate_tokens: usize,
+    /// Device Full slots the caller frees: the request's pages the tree did not adopt and
+    /// tree pages replaced by the request's ([`UnifiedTree::insert_with_slots`] only).
+    pub release_full: Vec<u32>,
+    /// Device SWA slots of the request the tree did not adopt
+    /// ([`UnifiedTree::insert_with_slots`] only).
+    pub release_swa: Vec<u32>,
 }
 
 impl UnifiedTree {
     /// Inserts `key` (a whole number of pages). Existing nodes are touched and reused; SWA
     /// tombstones inside the request's window take the request's KV; the remainder becomes a
     /// new leaf with Full, SWA from the window floor on (capped at one window by a split) and
-    /// the handed Mamba state.
+    /// the handed Mamba state. A tree made with
+    /// [`with_device_slots`](Self::with_device_slots) takes
+    /// [`insert_with_slots`](Self::insert_with_slots) instead.
     pub fn insert(&mut self, key: &[u32], p: &InsertParams) -> Result<UnifiedInsert> {
+        if self.slots {
+            return Err(CoreError::InvalidPolicy {
+                field: "slots",
+                value: "none".into(),
+                reason: "this tree tracks device slots: use insert_with_slots",
+            });
+        }
+        self.insert_inner(key, p, None)
+    }
+
+    /// The insert, with the request's slots when the tree tracks them.
+    pub(crate) fn insert_inner(
+        &mut self,
+        key: &[u32],
+        p: &InsertParams,
+        slots: Option<InsertSlots<'_>>,
+    ) -> Result<UnifiedInsert> {
         if !key.len().is_multiple_of(self.ps()) {
             return Err(CoreError::Unaligned {
                 what: "key",
@@ -60,9 +85,12 @@ impl UnifiedTree {
                 node: self.root(),
                 mamba_exist: true,
                 duplicate_tokens: 0,
+                release_full: Vec::new(),
+                release_swa: Vec::new(),
             });
         }
         let (mut node, mut total, mut dup) = (ROOT, 0usize, 0usize);
+        let mut replaced = Vec::new();
         while total < key.len() {
             let Some(child) = self.child(node, &key[total..]) else {
                 break;
@@ -79,6 +107,11 @@ impl UnifiedTree {
             } else {
                 plen
             };
+            if let Some(s) = slots
+                && consumed_from < plen
+            {
+                self.adopt_recovered_full(next, total + consumed_from, s, &mut replaced);
+            }
             let dup_start = p.prev_prefix_len.saturating_sub(total);
             dup += consumed_from.saturating_sub(dup_start);
             node = next;
@@ -102,12 +135,18 @@ impl UnifiedTree {
         {
             self.refresh_window(target, w as usize + self.ps());
         }
-        Ok(UnifiedInsert {
+        let mut out = UnifiedInsert {
             prefix_len: total,
             node: self.id(target),
             mamba_exist,
             duplicate_tokens: dup,
-        })
+            release_full: replaced,
+            release_swa: Vec::new(),
+        };
+        if let Some(s) = slots {
+            self.settle_slots(target, p, s, &mut out);
+        }
+        Ok(out)
     }
 
     /// A new leaf under `parent` with Full present (SGLang's `_add_new_node`).

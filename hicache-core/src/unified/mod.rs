@@ -36,25 +36,35 @@
 //!    Mamba) over the tree, protected counting nodes with `lock > 0`.
 //! 4. The evictable-leaf set is exact: live, unlocked in every component, no child.
 //! 5. A Full lock is at least the sum of its children's Full locks (path locks nest).
+//! 6. Device slots (a tree made with [`UnifiedTree::with_device_slots`]): one Full slot per
+//!    page on every node, one SWA slot per page where SWA is present, none twice; a tree
+//!    without tracking holds none (see `slots`).
+//! 7. Host copies (write-through backup, see `host`): one host slot per page or none; a
+//!    backed-up node's parent is the root or backed up; host SWA / Mamba only where host
+//!    Full is; no host slot twice.
 
 use crate::error::{CoreError, Result};
 use crate::tree::NodeId;
 
 mod components;
 mod evict;
+mod host;
 mod insert;
 mod lock;
 mod lru;
 mod matching;
 mod node;
+mod slots;
 
 #[cfg(test)]
 mod tests;
 
 pub use evict::{EvictRequest, Evicted};
+pub use host::{BackupId, HostBackup, UnifiedBackupPlan};
 pub use insert::{InsertParams, UnifiedInsert};
 pub use lock::LockReceipt;
 pub use matching::UnifiedMatch;
+pub use slots::InsertSlots;
 
 use lru::Lru;
 use node::{Arena, NIL, ROOT};
@@ -163,6 +173,11 @@ pub struct UnifiedTree {
     protected: [u64; 3],
     clock: u64,
     uuid: u64,
+    /// Whether nodes carry device page slots (see [`UnifiedTree::with_device_slots`]).
+    slots: bool,
+    /// Backups committed and not finished: the lock each holds.
+    backups: std::collections::HashMap<u64, LockReceipt>,
+    next_backup: u64,
 }
 
 const CLOCK_SHIFT: u32 = 20;
@@ -183,6 +198,9 @@ impl UnifiedTree {
             protected: [0; 3],
             clock: 0,
             uuid: 0,
+            slots: false,
+            backups: std::collections::HashMap::new(),
+            next_backup: 0,
         };
         t.reset();
         Ok(t)
@@ -201,6 +219,7 @@ impl UnifiedTree {
         self.leaf_pos.clear();
         self.evictable = [0; 3];
         self.protected = [0; 3];
+        self.backups.clear();
     }
 
     /// The configuration.
@@ -394,8 +413,23 @@ impl UnifiedTree {
         let prefix = std::mem::replace(&mut self.arena.nodes[child as usize].key, suffix);
         let new = self.arena.alloc(parent, prefix, time);
         let c = self.arena.nodes[child as usize].comp;
+        let pages = len / self.ps();
+        let [full, swa, host_full, host_swa] = {
+            let ch = &mut self.arena.nodes[child as usize];
+            [
+                &mut ch.full_pages,
+                &mut ch.swa_pages,
+                &mut ch.host_full,
+                &mut ch.host_swa,
+            ]
+            .map(|v| slots::take_prefix(v, pages))
+        };
         {
             let n = &mut self.arena.nodes[new as usize];
+            n.full_pages = full;
+            n.swa_pages = swa;
+            n.host_full = host_full;
+            n.host_swa = host_swa;
             n.children.push(child);
             n.comp[0] = node::Comp { uuid: 0, ..c[0] };
             n.comp[1] = c[1];

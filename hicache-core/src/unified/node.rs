@@ -37,6 +37,18 @@ pub(crate) struct Node {
     pub comp: [Comp; 3],
     /// The Mamba state slot, meaningful while `comp[MAMBA].present`.
     pub mamba_slot: u32,
+    /// Device Full page slots, one per page of `key` (empty when the tree does not track
+    /// slots).
+    pub full_pages: Vec<u32>,
+    /// Device SWA page slots, one per page of `key` while SWA is present (empty otherwise or
+    /// when the tree does not track slots).
+    pub swa_pages: Vec<u32>,
+    /// Host Full page slots, one per page of `key` once backed up (empty otherwise).
+    pub host_full: Vec<u32>,
+    /// Host SWA page slots, one per page of `key` once SWA is backed up (empty otherwise).
+    pub host_swa: Vec<u32>,
+    /// Host Mamba state slot once the state is backed up.
+    pub host_mamba: Option<u32>,
     /// Bumped when the index is reused, so stale handles are detected.
     pub generation: u32,
     /// False once deleted (the index is on the free list).
@@ -52,6 +64,11 @@ impl Node {
             time,
             comp: [Comp::default(); 3],
             mamba_slot: 0,
+            full_pages: Vec::new(),
+            swa_pages: Vec::new(),
+            host_full: Vec::new(),
+            host_swa: Vec::new(),
+            host_mamba: None,
             generation,
             live: true,
         }
@@ -93,6 +110,11 @@ impl Arena {
         n.live = false;
         n.children = Vec::new();
         n.key = Vec::new();
+        n.full_pages = Vec::new();
+        n.swa_pages = Vec::new();
+        n.host_full = Vec::new();
+        n.host_swa = Vec::new();
+        n.host_mamba = None;
         self.free.push(i);
     }
 

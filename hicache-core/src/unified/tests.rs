@@ -183,6 +183,8 @@ enum Op {
     Release,
     /// Evict (Full tokens, SWA tokens, Mamba states).
     Evict(u64, u64, u64),
+    /// Back up the n-th live node (ancestors first); finish the pending backups or not.
+    Backup(usize, bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -191,6 +193,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(seq, len, hold)| Op::Request { seq, len, hold }),
         1 => Just(Op::Release),
         2 => (0u64..40, 0u64..40, 0u64..4).prop_map(|(a, b, c)| Op::Evict(a, b, c)),
+        2 => (0usize..64, any::<bool>()).prop_map(|(n, f)| Op::Backup(n, f)),
     ]
 }
 
@@ -215,9 +218,139 @@ fn snapshot(t: &UnifiedTree, r: &LockReceipt) -> Vec<bool> {
         .collect()
 }
 
-fn run_model(cfg: UnifiedConfig, ops: &[Op]) -> std::result::Result<(), TestCaseError> {
+/// Every slot the tree holds: device Full, device SWA, host Full, host SWA, host Mamba.
+fn held_slots(t: &UnifiedTree) -> [Vec<u32>; 5] {
+    let mut out: [Vec<u32>; 5] = Default::default();
+    for n in t.arena.nodes.iter().filter(|n| n.live) {
+        out[0].extend(&n.full_pages);
+        out[1].extend(&n.swa_pages);
+        out[2].extend(&n.host_full);
+        out[3].extend(&n.host_swa);
+        out[4].extend(n.host_mamba);
+    }
+    out.iter_mut().for_each(|v| v.sort_unstable());
+    out
+}
+
+/// The request's slots: the tree's own on the matched prefix, fresh ones elsewhere.
+fn request_slots(t: &UnifiedTree, m: &UnifiedMatch, pages: usize, next: &mut u32) -> [Vec<u32>; 2] {
+    let mut fresh = |x: Option<u32>| {
+        x.unwrap_or_else(|| {
+            *next += 1;
+            *next
+        })
+    };
+    let mut out = [Vec::new(), Vec::new()];
+    for (c, comp) in [Component::Full, Component::Swa].into_iter().enumerate() {
+        if !t.has(comp) {
+            continue;
+        }
+        let mut v = t.prefix_pages(m.node, comp).unwrap();
+        v.resize(pages, None);
+        out[c] = v.into_iter().map(&mut fresh).collect();
+    }
+    out
+}
+
+/// Inserts `k` with slots and checks the ledger: the tree's slots before plus the fresh
+/// handed ones equal the tree's slots after plus the returned ones.
+fn insert_tracked(
+    t: &mut UnifiedTree,
+    m: &UnifiedMatch,
+    k: &[u32],
+    p: &InsertParams,
+    next: &mut u32,
+) -> std::result::Result<UnifiedInsert, TestCaseError> {
+    let before = held_slots(t);
+    let s = request_slots(t, m, k.len() / t.ps(), next);
+    let ins = t
+        .insert_with_slots(
+            k,
+            p,
+            InsertSlots {
+                full: &s[0],
+                swa: &s[1],
+            },
+        )
+        .unwrap();
+    let after = held_slots(t);
+    let released = [&ins.release_full, &ins.release_swa];
+    for c in 0..2 {
+        let mut lhs = before[c].clone();
+        lhs.extend(s[c].iter().filter(|x| !before[c].contains(x)));
+        lhs.sort_unstable();
+        lhs.dedup();
+        let mut rhs = after[c].clone();
+        rhs.extend(released[c]);
+        rhs.sort_unstable();
+        prop_assert_eq!(lhs, rhs, "slot ledger of component {} on insert", c);
+    }
+    prop_assert_eq!(&before[2..], &after[2..], "an insert moves no host slot");
+    Ok(ins)
+}
+
+/// Backs up the `n`-th live node and its unbacked ancestors (ancestors first) with fresh
+/// host slots; checks that each plan copies exactly the device slots of what it backs up.
+fn backup_nth(
+    t: &mut UnifiedTree,
+    n: usize,
+    next: &mut u32,
+    pending: &mut Vec<BackupId>,
+) -> std::result::Result<(), TestCaseError> {
+    let live: Vec<u32> = (1..t.arena.nodes.len() as u32)
+        .filter(|&i| t.arena.nodes[i as usize].live)
+        .collect();
+    let Some(&i) = live.get(n % live.len().max(1)) else {
+        return Ok(());
+    };
+    let node = t.id(i);
+    let mut chain = t.unbacked_chain(node).unwrap();
+    if chain.last() != Some(&node) {
+        chain.push(node);
+    }
+    for id in chain {
+        let Some(plan) = t.plan_backup(id).unwrap() else {
+            continue;
+        };
+        let mut fresh = |k: usize| -> Vec<u32> {
+            (0..k)
+                .map(|_| {
+                    *next += 1;
+                    *next
+                })
+                .collect()
+        };
+        let (full, swa) = (fresh(plan.full.len()), fresh(plan.swa_pages()));
+        let mamba = plan.mamba.map(|_| fresh(1)[0]);
+        let host = HostBackup {
+            full: &full,
+            swa: &swa,
+            mamba,
+        };
+        pending.push(t.commit_backup(&plan, host).unwrap());
+        prop_assert!(t.backed_up(id, Component::Full).unwrap());
+        prop_assert!(t.plan_backup(id).unwrap().is_none(), "backed up twice");
+        prop_assert!(
+            t.lock_count(id, Component::Full).unwrap() > 0,
+            "backup not locked"
+        );
+    }
+    Ok(())
+}
+
+fn run_model(
+    cfg: UnifiedConfig,
+    ops: &[Op],
+    slots: bool,
+) -> std::result::Result<(), TestCaseError> {
     let ps = cfg.page_size as usize;
-    let mut t = UnifiedTree::new(cfg.clone()).unwrap();
+    let mut t = if slots {
+        UnifiedTree::with_device_slots(cfg.clone()).unwrap()
+    } else {
+        UnifiedTree::new(cfg.clone()).unwrap()
+    };
+    let mut next = 1_000_000u32;
+    let mut pending = Vec::new();
     let mut held: Vec<(LockReceipt, Vec<bool>)> = Vec::new();
     let mut slot = 0u32;
     for op in ops {
@@ -233,7 +366,11 @@ fn run_model(cfg: UnifiedConfig, ops: &[Op]) -> std::result::Result<(), TestCase
                     swa_evicted_len: 0,
                     mamba_slot: Some(slot),
                 };
-                let ins = t.insert(&k, &p).unwrap();
+                let ins = if slots {
+                    insert_tracked(&mut t, &m, &k, &p, &mut next)?
+                } else {
+                    t.insert(&k, &p).unwrap()
+                };
                 prop_assert!(ins.prefix_len >= m.device_prefix_len);
                 if hold {
                     let snap = snapshot(&t, &r);
@@ -247,6 +384,19 @@ fn run_model(cfg: UnifiedConfig, ops: &[Op]) -> std::result::Result<(), TestCase
                     let (r, _) = held.remove(0);
                     t.unlock(&r).unwrap();
                 }
+                if !pending.is_empty() {
+                    t.finish_backup(pending.remove(0)).unwrap();
+                }
+            }
+            Op::Backup(n, finish) => {
+                if slots {
+                    backup_nth(&mut t, n, &mut next, &mut pending)?;
+                }
+                if finish {
+                    for id in pending.drain(..) {
+                        t.finish_backup(id).unwrap();
+                    }
+                }
             }
             Op::Evict(f, s, m) => {
                 let before = t.clone();
@@ -256,6 +406,20 @@ fn run_model(cfg: UnifiedConfig, ops: &[Op]) -> std::result::Result<(), TestCase
                     mamba: m,
                 });
                 check_eviction(&before, &t, &e)?;
+                let (mut lhs, mut rhs) = (held_slots(&before), held_slots(&t));
+                let freed_lists = [
+                    &e.full_pages,
+                    &e.swa_pages,
+                    &e.host_full_pages,
+                    &e.host_swa_pages,
+                    &e.host_mamba_slots,
+                ];
+                for (c, freed) in freed_lists.into_iter().enumerate() {
+                    rhs[c].extend(freed);
+                    rhs[c].sort_unstable();
+                    lhs[c].sort_unstable();
+                    prop_assert_eq!(&lhs[c], &rhs[c], "slot ledger of component {} on evict", c);
+                }
                 for (r, snap) in &held {
                     prop_assert_eq!(&snapshot(&t, r), snap, "a locked component was evicted");
                 }
@@ -266,6 +430,10 @@ fn run_model(cfg: UnifiedConfig, ops: &[Op]) -> std::result::Result<(), TestCase
     for (r, _) in held.drain(..) {
         t.unlock(&r).unwrap();
     }
+    for id in pending.drain(..) {
+        t.finish_backup(id).unwrap();
+    }
+    prop_assert_eq!(t.pending_backups(), 0);
     for c in [Component::Full, Component::Swa, Component::Mamba] {
         prop_assert_eq!(t.protected_size(c), 0, "all locks released");
     }
@@ -335,19 +503,19 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
     #[test]
-    fn model_full_swa(ops in proptest::collection::vec(op(), 1..40), w in 1u32..20) {
-        run_model(UnifiedConfig { swa_window: Some(w), ..UnifiedConfig::full(2) }, &ops)?;
+    fn model_full_swa(ops in proptest::collection::vec(op(), 1..40), w in 1u32..20, slots: bool) {
+        run_model(UnifiedConfig { swa_window: Some(w), ..UnifiedConfig::full(2) }, &ops, slots)?;
     }
 
     #[test]
-    fn model_full_mamba(ops in proptest::collection::vec(op(), 1..40)) {
-        run_model(UnifiedConfig { mamba_chunk: Some(4), ..UnifiedConfig::full(2) }, &ops)?;
+    fn model_full_mamba(ops in proptest::collection::vec(op(), 1..40), slots: bool) {
+        run_model(UnifiedConfig { mamba_chunk: Some(4), ..UnifiedConfig::full(2) }, &ops, slots)?;
     }
 
     #[test]
-    fn model_full_swa_mamba(ops in proptest::collection::vec(op(), 1..40), w in 1u32..12) {
+    fn model_full_swa_mamba(ops in proptest::collection::vec(op(), 1..40), w in 1u32..12, slots: bool) {
         let cfg = UnifiedConfig { swa_window: Some(w), mamba_chunk: Some(2), ..UnifiedConfig::full(2) };
-        run_model(cfg, &ops)?;
+        run_model(cfg, &ops, slots)?;
     }
 
     #[test]
@@ -359,4 +527,184 @@ proptest! {
         let (i, _) = m.node.parts();
         prop_assert_eq!(t.lrus[0].order().first().copied(), Some(i));
     }
+}
+
+#[test]
+fn device_slots_follow_split_recovery_and_eviction() {
+    let cfg = UnifiedConfig {
+        swa_window: Some(4),
+        ..UnifiedConfig::full(2)
+    };
+    assert!(
+        UnifiedTree::new(cfg.clone())
+            .unwrap()
+            .insert_with_slots(
+                &toks(0..2),
+                &InsertParams::default(),
+                InsertSlots {
+                    full: &[1],
+                    swa: &[1]
+                }
+            )
+            .is_err()
+    );
+    let mut t = UnifiedTree::with_device_slots(cfg).unwrap();
+    assert!(t.insert(&toks(0..2), &InsertParams::default()).is_err());
+    let k = toks(0..8);
+    let s = InsertSlots {
+        full: &[10, 11, 12, 13],
+        swa: &[20, 21, 22, 23],
+    };
+    let ins = t
+        .insert_with_slots(&k, &InsertParams::default(), s)
+        .unwrap();
+    assert!(ins.release_full.is_empty() && ins.release_swa.is_empty());
+    // The leaf is capped at one window (2 pages): the older part holds pages 0..2.
+    let full: Vec<_> = t.prefix_pages(ins.node, Component::Full).unwrap();
+    assert_eq!(full, [10, 11, 12, 13].map(Some));
+    // Evict SWA only: the LRU tail is the older internal node; it becomes a tombstone and
+    // hands its slots back.
+    let e = t.evict(EvictRequest {
+        swa: 4,
+        ..EvictRequest::default()
+    });
+    assert_eq!(e.full_pages, Vec::<u32>::new());
+    let mut freed = e.swa_pages.clone();
+    freed.sort_unstable();
+    assert_eq!(freed, [20, 21]);
+    assert_eq!(
+        t.prefix_pages(ins.node, Component::Swa).unwrap(),
+        [None, None, Some(22), Some(23)]
+    );
+    // Re-inserting recovers the tombstones (unlocked Full): the tree takes the request's
+    // Full and SWA slots there and returns its old Full slots and the duplicate tail.
+    let s = InsertSlots {
+        full: &[30, 31, 32, 33],
+        swa: &[40, 41, 42, 43],
+    };
+    let ins = t
+        .insert_with_slots(&k, &InsertParams::default(), s)
+        .unwrap();
+    let mut rf = ins.release_full.clone();
+    rf.sort_unstable();
+    assert_eq!(rf, [10, 11, 32, 33]);
+    let mut rs = ins.release_swa.clone();
+    rs.sort_unstable();
+    assert_eq!(rs, [42, 43]);
+    assert_eq!(
+        t.prefix_pages(ins.node, Component::Full).unwrap(),
+        [30, 31, 12, 13].map(Some)
+    );
+    assert_eq!(
+        t.prefix_pages(ins.node, Component::Swa).unwrap(),
+        [40, 41, 22, 23].map(Some)
+    );
+    // A match that ends inside a node splits it; the prefix keeps the first slots.
+    let m = t.match_prefix(&toks(0..2)).unwrap();
+    assert_eq!(t.prefix_pages(m.node, Component::Swa).unwrap(), [Some(40)]);
+    t.check_invariants().unwrap();
+    // Evicting everything returns every slot the tree holds.
+    let e = t.evict(EvictRequest {
+        full: 100,
+        ..EvictRequest::default()
+    });
+    let mut all = e.full_pages.clone();
+    all.sort_unstable();
+    assert_eq!(all, [12, 13, 30, 31]);
+    assert_eq!(t.size(Component::Full), 0);
+}
+
+#[test]
+fn write_through_backs_up_each_component_ancestors_first() {
+    let cfg = UnifiedConfig {
+        swa_window: Some(4),
+        mamba_chunk: Some(2),
+        ..UnifiedConfig::full(2)
+    };
+    let mut plain = UnifiedTree::new(cfg.clone()).unwrap();
+    let p = InsertParams {
+        mamba_slot: Some(7),
+        ..InsertParams::default()
+    };
+    let ins = plain.insert(&toks(0..4), &p).unwrap();
+    assert!(
+        plain.plan_backup(ins.node).is_err(),
+        "no device slots to copy"
+    );
+    let mut t = UnifiedTree::with_device_slots(cfg).unwrap();
+    let s = InsertSlots {
+        full: &[10, 11, 12, 13],
+        swa: &[20, 21, 22, 23],
+    };
+    let leaf = t.insert_with_slots(&toks(0..8), &p, s).unwrap().node;
+    // The leaf was capped at one window: its parent holds pages 0..2 and must go first.
+    let chain = t.unbacked_chain(leaf).unwrap();
+    assert_eq!(chain.len(), 2);
+    assert_eq!(chain[1], leaf);
+    assert!(t.plan_backup(leaf).is_err(), "parent not backed up");
+    let first = t.plan_backup(chain[0]).unwrap().unwrap();
+    assert_eq!((first.full.clone(), first.mamba), (vec![10, 11], None));
+    assert_eq!(first.swa, vec![(chain[0], vec![20, 21])]);
+    let bad = HostBackup {
+        full: &[100],
+        swa: &[200, 201],
+        mamba: None,
+    };
+    assert!(
+        t.commit_backup(&first, bad).is_err(),
+        "one host slot per page"
+    );
+    let host = HostBackup {
+        full: &[100, 101],
+        swa: &[200, 201],
+        mamba: None,
+    };
+    let a = t.commit_backup(&first, host).unwrap();
+    assert!(
+        t.commit_backup(&first, host).is_err(),
+        "a stale plan is refused"
+    );
+    assert_eq!(t.lock_count(chain[0], Component::Full).unwrap(), 1);
+    let second = t.plan_backup(leaf).unwrap().unwrap();
+    assert_eq!(second.full, vec![12, 13]);
+    assert_eq!(second.swa, vec![(leaf, vec![22, 23])]);
+    assert_eq!(second.mamba, Some(7));
+    let b = t
+        .commit_backup(
+            &second,
+            HostBackup {
+                full: &[102, 103],
+                swa: &[202, 203],
+                mamba: Some(300),
+            },
+        )
+        .unwrap();
+    assert_eq!(t.pending_backups(), 2);
+    for c in [Component::Full, Component::Swa, Component::Mamba] {
+        assert!(t.backed_up(leaf, c).unwrap());
+    }
+    assert_eq!(t.plan_backup(leaf).unwrap(), None);
+    // Locked while the copies run: nothing can be evicted.
+    let e = t.evict(EvictRequest {
+        full: 100,
+        swa: 100,
+        mamba: 10,
+    });
+    assert_eq!((e.full, e.swa, e.mamba), (0, 0, 0));
+    t.finish_backup(a).unwrap();
+    t.finish_backup(b).unwrap();
+    assert!(t.finish_backup(b).is_err(), "finished twice");
+    t.check_invariants().unwrap();
+    assert_eq!(t.protected_size(Component::Full), 0);
+    // A deleted leaf hands its host slots back with its device slots.
+    let e = t.evict(EvictRequest {
+        full: 100,
+        ..EvictRequest::default()
+    });
+    let mut host_full = e.host_full_pages.clone();
+    host_full.sort_unstable();
+    assert_eq!(host_full, [100, 101, 102, 103]);
+    assert_eq!(e.host_mamba_slots, [300]);
+    assert_eq!(e.host_swa_pages.len(), 4);
+    assert_eq!(t.node_count(), 1);
 }

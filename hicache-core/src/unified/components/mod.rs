@@ -69,5 +69,6 @@ pub(super) fn check(t: &UnifiedTree) -> Result<(), String> {
             ));
         }
     }
-    Ok(())
+    t.check_slots()?;
+    t.check_host()
 }
