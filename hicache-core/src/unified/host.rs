@@ -8,7 +8,8 @@
 //! from the commit until [`UnifiedTree::finish_backup`].
 //!
 //! Host data survives a device tombstone (an internal node's SWA or Mamba evicted from the
-//! device keeps its host copy); a deleted leaf hands its host slots back in
+//! device keeps its host copy) and a demotion (a backed-up device leaf evicted from the
+//! device stays host-only, see `evict`); a deleted leaf hands its host slots back in
 //! [`Evicted`](super::Evicted).
 //!
 //! Invariant kept here (checked by `check_invariants`): host Full and SWA slots are one per
@@ -61,12 +62,7 @@ pub struct HostBackup<'a> {
 impl UnifiedTree {
     /// Whether component `c` of `node` is on host.
     pub fn backed_up(&self, node: NodeId, c: Component) -> Result<bool> {
-        let n = &self.arena.nodes[self.index(node)? as usize];
-        Ok(match c {
-            Component::Full => !n.host_full.is_empty(),
-            Component::Swa => !n.host_swa.is_empty(),
-            Component::Mamba => n.host_mamba.is_some(),
-        })
+        Ok(self.arena.nodes[self.index(node)? as usize].on_host(c))
     }
 
     /// The nodes on the path to `node` whose Full is not on host, ancestors first: the
@@ -83,7 +79,8 @@ impl UnifiedTree {
     }
 
     /// What backing up `node` copies now; `None` when every component is on host already.
-    /// Errors: a tree without device slots, the root, or a parent not backed up.
+    /// Errors: a tree without device slots, the root, a host-only node, or a parent not
+    /// backed up.
     pub fn plan_backup(&self, node: NodeId) -> Result<Option<UnifiedBackupPlan>> {
         let i = self.index(node)?;
         let refuse = |reason| CoreError::InvalidPolicy {
@@ -98,6 +95,9 @@ impl UnifiedTree {
             return Err(refuse("the root holds no data"));
         }
         let n = &self.arena.nodes[i as usize];
+        if !n.comp[0].present {
+            return Err(refuse("the node is host-only"));
+        }
         if n.parent != ROOT && self.arena.nodes[n.parent as usize].host_full.is_empty() {
             return Err(refuse("back up the ancestors first (unbacked_chain)"));
         }
@@ -181,9 +181,9 @@ impl UnifiedTree {
             n.host_mamba = host.mamba;
         }
         let receipt = self.lock(plan.node, false)?;
-        self.next_backup += 1;
-        self.backups.insert(self.next_backup, receipt);
-        Ok(BackupId(self.next_backup))
+        self.next_transfer += 1;
+        self.backups.insert(self.next_transfer, receipt);
+        Ok(BackupId(self.next_transfer))
     }
 
     /// The copy of a committed backup has landed: releases the node's lock.

@@ -50,6 +50,7 @@ mod components;
 mod evict;
 mod host;
 mod insert;
+mod load;
 mod lock;
 mod lru;
 mod matching;
@@ -62,6 +63,7 @@ mod tests;
 pub use evict::{EvictRequest, Evicted};
 pub use host::{BackupId, HostBackup, UnifiedBackupPlan};
 pub use insert::{InsertParams, UnifiedInsert};
+pub use load::{DeviceLoad, UnifiedLoadId, UnifiedLoadPlan};
 pub use lock::LockReceipt;
 pub use matching::UnifiedMatch;
 pub use slots::InsertSlots;
@@ -177,7 +179,10 @@ pub struct UnifiedTree {
     slots: bool,
     /// Backups committed and not finished: the lock each holds.
     backups: std::collections::HashMap<u64, LockReceipt>,
-    next_backup: u64,
+    /// Load-backs committed and not finished: the lock each holds.
+    loads: std::collections::HashMap<u64, LockReceipt>,
+    /// The last backup or load-back id handed out.
+    next_transfer: u64,
 }
 
 const CLOCK_SHIFT: u32 = 20;
@@ -200,7 +205,8 @@ impl UnifiedTree {
             uuid: 0,
             slots: false,
             backups: std::collections::HashMap::new(),
-            next_backup: 0,
+            loads: std::collections::HashMap::new(),
+            next_transfer: 0,
         };
         t.reset();
         Ok(t)
@@ -220,6 +226,7 @@ impl UnifiedTree {
         self.evictable = [0; 3];
         self.protected = [0; 3];
         self.backups.clear();
+        self.loads.clear();
     }
 
     /// The configuration.

@@ -56,6 +56,15 @@ pub(crate) struct Node {
 }
 
 impl Node {
+    /// Whether component `c` has a host copy on this node.
+    pub(crate) fn on_host(&self, c: super::Component) -> bool {
+        match c {
+            super::Component::Full => !self.host_full.is_empty(),
+            super::Component::Swa => !self.host_swa.is_empty(),
+            super::Component::Mamba => self.host_mamba.is_some(),
+        }
+    }
+
     pub(crate) fn new(parent: u32, key: Vec<u32>, time: u64, generation: u32) -> Self {
         Self {
             parent,

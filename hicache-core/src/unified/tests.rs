@@ -298,7 +298,7 @@ fn backup_nth(
     pending: &mut Vec<BackupId>,
 ) -> std::result::Result<(), TestCaseError> {
     let live: Vec<u32> = (1..t.arena.nodes.len() as u32)
-        .filter(|&i| t.arena.nodes[i as usize].live)
+        .filter(|&i| t.arena.nodes[i as usize].live && t.arena.nodes[i as usize].comp[0].present)
         .collect();
     let Some(&i) = live.get(n % live.len().max(1)) else {
         return Ok(());
@@ -481,13 +481,21 @@ fn check_eviction(
         );
     }
     // Cascade: on a surviving node, SWA dropped by this eviction takes Mamba with it; Full
-    // never leaves a surviving node.
+    // leaves a surviving node only by demotion (backed up, host slots kept).
     for (i, n) in after.arena.nodes.iter().enumerate() {
         let b = &before.arena.nodes[i];
         if !n.live || !b.live || n.generation != b.generation {
             continue;
         }
-        prop_assert!(n.comp[0].present);
+        if !n.comp[0].present {
+            prop_assert!(
+                !b.host_full.is_empty(),
+                "only a backed-up node leaves the device and stays (demoted)"
+            );
+            prop_assert_eq!(&n.host_full, &b.host_full, "demotion keeps host slots");
+            prop_assert_eq!(&n.host_swa, &b.host_swa, "demotion keeps host slots");
+            prop_assert_eq!(n.host_mamba, b.host_mamba, "demotion keeps host slots");
+        }
         if b.comp[1].present && !n.comp[1].present && b.comp[2].present {
             prop_assert!(
                 !n.comp[2].present,
@@ -696,15 +704,124 @@ fn write_through_backs_up_each_component_ancestors_first() {
     assert!(t.finish_backup(b).is_err(), "finished twice");
     t.check_invariants().unwrap();
     assert_eq!(t.protected_size(Component::Full), 0);
-    // A deleted leaf hands its host slots back with its device slots.
+    // Device eviction demotes the backed-up nodes: device slots freed, host slots kept.
     let e = t.evict(EvictRequest {
         full: 100,
         ..EvictRequest::default()
     });
+    let mut dev_full = e.full_pages.clone();
+    dev_full.sort_unstable();
+    assert_eq!(dev_full, [10, 11, 12, 13]);
+    assert_eq!(
+        (e.mamba_slots.clone(), e.host_full_pages.len()),
+        (vec![7], 0)
+    );
+    assert_eq!(t.size(Component::Full), 0);
+    assert_eq!(t.node_count(), 3, "demoted nodes stay, host-only");
+    t.check_invariants().unwrap();
+    // A host-only node is no device hit; the match reports the host extent per component.
+    let m = t.match_prefix(&toks(0..8)).unwrap();
+    assert_eq!((m.device_prefix_len, m.node), (0, t.root()));
+    assert_eq!((m.host_node, m.host_hit_len), (leaf, 8));
+    assert_eq!((m.swa_host_hit_len, m.mamba_host_hit), (4, true));
+    // Load-back copies exactly the backed-up host slots, ancestors first.
+    let plan = t.plan_load_back(m.host_node).unwrap().unwrap();
+    assert_eq!(
+        plan.full,
+        vec![(chain[0], vec![100, 101]), (leaf, vec![102, 103])]
+    );
+    assert_eq!(plan.swa, vec![(leaf, vec![202, 203])]);
+    assert_eq!(plan.mamba, Some(300));
+    let dev = DeviceLoad {
+        full: &[40, 41, 42, 43],
+        swa: &[50, 51],
+        mamba: Some(60),
+    };
+    let id = t.commit_load_back(&plan, dev).unwrap();
+    assert!(t.commit_load_back(&plan, dev).is_err(), "a stale plan");
+    assert_eq!(t.plan_load_back(leaf).unwrap(), None);
+    let e = t.evict(EvictRequest {
+        full: 100,
+        ..EvictRequest::default()
+    });
+    assert_eq!(e.full, 0, "locked while the load runs");
+    t.finish_load_back(id).unwrap();
+    t.check_invariants().unwrap();
+    let m = t.match_prefix(&toks(0..8)).unwrap();
+    assert_eq!((m.device_prefix_len, m.node, m.host_hit_len), (8, leaf, 0));
+    assert_eq!(m.mamba_slot, Some(60));
+    assert_eq!(
+        t.prefix_pages(leaf, Component::Full).unwrap(),
+        [40, 41, 42, 43].map(Some)
+    );
+    // Demote again, then free the host copies: whole host-only leaves, children first.
+    t.evict(EvictRequest {
+        full: 100,
+        ..EvictRequest::default()
+    });
+    let e = t.evict_host(100);
     let mut host_full = e.host_full_pages.clone();
     host_full.sort_unstable();
     assert_eq!(host_full, [100, 101, 102, 103]);
     assert_eq!(e.host_mamba_slots, [300]);
     assert_eq!(e.host_swa_pages.len(), 4);
     assert_eq!(t.node_count(), 1);
+    t.check_invariants().unwrap();
+}
+
+#[test]
+fn an_insert_puts_a_host_only_node_back_on_device_with_the_request_slots() {
+    let cfg = UnifiedConfig {
+        swa_window: Some(4),
+        ..UnifiedConfig::full(2)
+    };
+    let mut t = UnifiedTree::with_device_slots(cfg).unwrap();
+    let s = InsertSlots {
+        full: &[10, 11],
+        swa: &[20, 21],
+    };
+    let node = t
+        .insert_with_slots(&toks(0..4), &InsertParams::default(), s)
+        .unwrap()
+        .node;
+    let plan = t.plan_backup(node).unwrap().unwrap();
+    let host = HostBackup {
+        full: &[100, 101],
+        swa: &[200, 201],
+        mamba: None,
+    };
+    let id = t.commit_backup(&plan, host).unwrap();
+    t.finish_backup(id).unwrap();
+    t.evict(EvictRequest {
+        full: 4,
+        ..EvictRequest::default()
+    });
+    assert!(!t.present(node, Component::Full).unwrap());
+    let s = InsertSlots {
+        full: &[30, 31],
+        swa: &[40, 41],
+    };
+    let ins = t
+        .insert_with_slots(&toks(0..4), &InsertParams::default(), s)
+        .unwrap();
+    assert_eq!(
+        (ins.prefix_len, ins.duplicate_tokens),
+        (4, 0),
+        "the tree took the KV"
+    );
+    assert!(ins.release_full.is_empty() && ins.release_swa.is_empty());
+    assert_eq!(
+        t.prefix_pages(ins.node, Component::Full).unwrap(),
+        [Some(30), Some(31)]
+    );
+    assert_eq!(
+        t.prefix_pages(ins.node, Component::Swa).unwrap(),
+        [Some(40), Some(41)]
+    );
+    assert!(
+        t.backed_up(ins.node, Component::Full).unwrap(),
+        "host copy kept"
+    );
+    assert_eq!(t.size(Component::Full), 4);
+    t.check_invariants().unwrap();
 }
