@@ -185,6 +185,14 @@ enum Op {
     Evict(u64, u64, u64),
     /// Back up the n-th live node (ancestors first); finish the pending backups or not.
     Backup(usize, bool),
+    /// Match a key and load its host hit back to device; finish the load or keep it pending.
+    LoadBack {
+        seq: usize,
+        len: usize,
+        finish: bool,
+    },
+    /// Free host Full tokens.
+    EvictHost(u64),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -194,6 +202,9 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Release),
         2 => (0u64..40, 0u64..40, 0u64..4).prop_map(|(a, b, c)| Op::Evict(a, b, c)),
         2 => (0usize..64, any::<bool>()).prop_map(|(n, f)| Op::Backup(n, f)),
+        2 => (0usize..4, 1usize..12, any::<bool>())
+            .prop_map(|(seq, len, finish)| Op::LoadBack { seq, len, finish }),
+        1 => (0u64..40).prop_map(Op::EvictHost),
     ]
 }
 
@@ -291,11 +302,58 @@ fn insert_tracked(
 
 /// Backs up the `n`-th live node and its unbacked ancestors (ancestors first) with fresh
 /// host slots; checks that each plan copies exactly the device slots of what it backs up.
+/// What each host slot holds, recorded when its backup commits: (component, slot) → the
+/// page's tokens (Full, SWA) or the node's depth in tokens (Mamba).
+type HostIds = std::collections::HashMap<(usize, u32), Vec<u32>>;
+
+/// The tokens of each page of `node`.
+fn page_tokens(t: &UnifiedTree, node: NodeId) -> Vec<Vec<u32>> {
+    let (i, _) = node.parts();
+    t.arena.nodes[i as usize]
+        .key
+        .chunks(t.ps())
+        .map(<[u32]>::to_vec)
+        .collect()
+}
+
+/// Records (`record`) or checks what the host slots of `lists` (per node, one per page)
+/// and `mamba` (at `node`) hold.
+fn host_ids(
+    t: &UnifiedTree,
+    ids: &mut HostIds,
+    lists: [&[(NodeId, Vec<u32>)]; 2],
+    mamba: Option<(NodeId, u32)>,
+    record: bool,
+) -> std::result::Result<(), TestCaseError> {
+    let mut entries = Vec::new();
+    for (c, list) in lists.into_iter().enumerate() {
+        for (node, slots) in list {
+            entries.extend(slots.iter().map(|&h| (c, h)).zip(page_tokens(t, *node)));
+        }
+    }
+    if let Some((node, h)) = mamba {
+        entries.push(((2, h), vec![t.depth_tokens(node).unwrap() as u32]));
+    }
+    for (k, v) in entries {
+        if record {
+            prop_assert!(
+                ids.insert(k, v).is_none(),
+                "host slot {:?} written twice",
+                k
+            );
+        } else {
+            prop_assert_eq!(ids.get(&k), Some(&v), "host slot {:?} holds other bytes", k);
+        }
+    }
+    Ok(())
+}
+
 fn backup_nth(
     t: &mut UnifiedTree,
     n: usize,
     next: &mut u32,
     pending: &mut Vec<BackupId>,
+    ids: &mut HostIds,
 ) -> std::result::Result<(), TestCaseError> {
     let live: Vec<u32> = (1..t.arena.nodes.len() as u32)
         .filter(|&i| t.arena.nodes[i as usize].live && t.arena.nodes[i as usize].comp[0].present)
@@ -328,6 +386,12 @@ fn backup_nth(
             mamba,
         };
         pending.push(t.commit_backup(&plan, host).unwrap());
+        let full = [(id, full.clone())];
+        let lists = [
+            &full[..usize::from(!plan.full.is_empty())],
+            &host_swa_lists(&plan, &swa),
+        ];
+        host_ids(t, ids, lists, mamba.map(|h| (id, h)), true)?;
         prop_assert!(t.backed_up(id, Component::Full).unwrap());
         prop_assert!(t.plan_backup(id).unwrap().is_none(), "backed up twice");
         prop_assert!(
@@ -336,6 +400,75 @@ fn backup_nth(
         );
     }
     Ok(())
+}
+
+/// The host SWA slots of a backup, split per node as its plan lists them.
+fn host_swa_lists(plan: &UnifiedBackupPlan, swa: &[u32]) -> Vec<(NodeId, Vec<u32>)> {
+    let mut rest = swa;
+    plan.swa
+        .iter()
+        .map(|(node, pages)| {
+            let (mine, tail) = rest.split_at(pages.len());
+            rest = tail;
+            (*node, mine.to_vec())
+        })
+        .collect()
+}
+
+/// Matches `k` and loads its host hit back: the plan reads exactly the host slots the
+/// backups wrote for those pages; host slots stay, fresh device slots are adopted, and the
+/// device match then reaches the loaded node.
+fn load_back(
+    t: &mut UnifiedTree,
+    k: &[u32],
+    next: &mut u32,
+    ids: &mut HostIds,
+) -> std::result::Result<Option<UnifiedLoadId>, TestCaseError> {
+    let m = t.match_prefix(k).unwrap();
+    check_match(t, &m)?;
+    let Some(plan) = t.plan_load_back(m.host_node).unwrap() else {
+        prop_assert_eq!(m.host_hit_len, 0);
+        return Ok(None);
+    };
+    host_ids(
+        t,
+        ids,
+        [&plan.full, &plan.swa],
+        plan.mamba.map(|h| (plan.node, h)),
+        false,
+    )?;
+    let before = held_slots(t);
+    let mut fresh = |k: usize| -> Vec<u32> {
+        (0..k)
+            .map(|_| {
+                *next += 1;
+                *next
+            })
+            .collect()
+    };
+    let (full, swa) = (fresh(plan.full_pages()), fresh(plan.swa_pages()));
+    let mamba = plan.mamba.map(|_| fresh(1)[0]);
+    let dev = DeviceLoad {
+        full: &full,
+        swa: &swa,
+        mamba,
+    };
+    let id = t.commit_load_back(&plan, dev).unwrap();
+    let after = held_slots(t);
+    prop_assert_eq!(&before[2..], &after[2..], "a load-back moves no host slot");
+    for (c, new) in [full, swa].into_iter().enumerate() {
+        let mut want = before[c].clone();
+        want.extend(new);
+        want.sort_unstable();
+        prop_assert_eq!(&want, &after[c], "device slots adopted by the load-back");
+    }
+    let depth = t.depth_tokens(plan.node).unwrap();
+    let again = t.match_prefix(k).unwrap();
+    prop_assert!(
+        again.device_prefix_len >= depth,
+        "loaded prefix not a device hit"
+    );
+    Ok(Some(id))
 }
 
 fn run_model(
@@ -351,6 +484,8 @@ fn run_model(
     };
     let mut next = 1_000_000u32;
     let mut pending = Vec::new();
+    let mut loads = Vec::new();
+    let mut ids = HostIds::new();
     let mut held: Vec<(LockReceipt, Vec<bool>)> = Vec::new();
     let mut slot = 0u32;
     for op in ops {
@@ -387,10 +522,47 @@ fn run_model(
                 if !pending.is_empty() {
                     t.finish_backup(pending.remove(0)).unwrap();
                 }
+                if !loads.is_empty() {
+                    t.finish_load_back(loads.remove(0)).unwrap();
+                }
+            }
+            Op::LoadBack { seq, len, finish } => {
+                if slots
+                    && let Some(id) = load_back(&mut t, &key(seq, len, ps), &mut next, &mut ids)?
+                {
+                    if finish {
+                        t.finish_load_back(id).unwrap();
+                    } else {
+                        loads.push(id);
+                    }
+                }
+            }
+            Op::EvictHost(n) => {
+                let before = held_slots(&t);
+                let e = t.evict_host(n);
+                let after = held_slots(&t);
+                prop_assert_eq!(
+                    &before[..2],
+                    &after[..2],
+                    "host eviction moves no device slot"
+                );
+                prop_assert_eq!((e.full, e.swa, e.mamba), (0, 0, 0));
+                let freed = [&e.host_full_pages, &e.host_swa_pages, &e.host_mamba_slots];
+                for (c, f) in freed.into_iter().enumerate() {
+                    let mut rhs = after[c + 2].clone();
+                    rhs.extend(f);
+                    rhs.sort_unstable();
+                    prop_assert_eq!(
+                        &before[c + 2],
+                        &rhs,
+                        "host slot ledger of {} on evict_host",
+                        c
+                    );
+                }
             }
             Op::Backup(n, finish) => {
                 if slots {
-                    backup_nth(&mut t, n, &mut next, &mut pending)?;
+                    backup_nth(&mut t, n, &mut next, &mut pending, &mut ids)?;
                 }
                 if finish {
                     for id in pending.drain(..) {
@@ -433,7 +605,10 @@ fn run_model(
     for id in pending.drain(..) {
         t.finish_backup(id).unwrap();
     }
-    prop_assert_eq!(t.pending_backups(), 0);
+    for id in loads.drain(..) {
+        t.finish_load_back(id).unwrap();
+    }
+    prop_assert_eq!(t.pending_backups() + t.pending_load_backs(), 0);
     for c in [Component::Full, Component::Swa, Component::Mamba] {
         prop_assert_eq!(t.protected_size(c), 0, "all locks released");
     }
@@ -443,7 +618,15 @@ fn run_model(
 
 /// A match never ends where a component has no data (a tombstone serves nothing).
 fn check_match(t: &UnifiedTree, m: &UnifiedMatch) -> std::result::Result<(), TestCaseError> {
-    prop_assert!(m.full_hit_len >= m.device_prefix_len);
+    prop_assert!(m.full_hit_len >= m.device_prefix_len + m.host_hit_len);
+    if t.tracks_slots() {
+        let pages = t.prefix_pages(m.node, Component::Full).unwrap();
+        prop_assert!(
+            pages.iter().all(Option::is_some),
+            "a host-only node matched as a device hit"
+        );
+        prop_assert_eq!(pages.len() * t.ps(), m.device_prefix_len);
+    }
     if m.node != t.root() {
         prop_assert!(t.present(m.node, Component::Full).unwrap());
         if t.has(Component::Swa) {
