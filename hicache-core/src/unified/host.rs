@@ -44,8 +44,46 @@ pub struct UnifiedBackupPlan {
 impl UnifiedBackupPlan {
     /// SWA pages to copy (the length of [`HostBackup::swa`]).
     pub fn swa_pages(&self) -> usize {
-        self.swa.iter().map(|(_, p)| p.len()).sum()
+        list_pages(&self.swa)
     }
+}
+
+/// Pages in a per-node page list.
+pub(crate) fn list_pages(list: &[(NodeId, Vec<u32>)]) -> usize {
+    list.iter().map(|(_, p)| p.len()).sum()
+}
+
+/// Hands each node of `list` its run of `slots` (one per page, in order); `slots` holds
+/// exactly [`list_pages`] entries.
+pub(crate) fn per_node<'a>(
+    list: &'a [(NodeId, Vec<u32>)],
+    mut slots: &'a [u32],
+) -> impl Iterator<Item = (NodeId, &'a [u32])> {
+    list.iter().map(move |(node, pages)| {
+        let (mine, tail) = slots.split_at(pages.len());
+        slots = tail;
+        (*node, mine)
+    })
+}
+
+/// The refusal of a commit whose plan is stale (`fresh` false) or whose slots do not match
+/// the plan one per page and state (`fits` false).
+pub(crate) fn check_commit(
+    field: &'static str,
+    node: NodeId,
+    fresh: bool,
+    fits: bool,
+) -> Result<()> {
+    let reason = match (fresh, fits) {
+        (false, _) => "the plan is out of date: plan again",
+        (true, false) => "one slot per planned page and state",
+        (true, true) => return Ok(()),
+    };
+    Err(CoreError::InvalidPolicy {
+        field,
+        value: format!("{node:?}"),
+        reason,
+    })
 }
 
 /// The host slots a backup wrote, in the order of its [`UnifiedBackupPlan`].
@@ -148,30 +186,15 @@ impl UnifiedTree {
         plan: &UnifiedBackupPlan,
         host: HostBackup<'_>,
     ) -> Result<BackupId> {
-        if self.plan_backup(plan.node)?.as_ref() != Some(plan) {
-            return Err(CoreError::InvalidPolicy {
-                field: "backup",
-                value: format!("{:?}", plan.node),
-                reason: "the plan is out of date: plan again",
-            });
-        }
-        if host.full.len() != plan.full.len()
-            || host.swa.len() != plan.swa_pages()
-            || host.mamba.is_some() != plan.mamba.is_some()
-        {
-            return Err(CoreError::InvalidPolicy {
-                field: "host slots",
-                value: format!("{} full, {} swa", host.full.len(), host.swa.len()),
-                reason: "one host slot per planned page and state",
-            });
-        }
+        let fresh = self.plan_backup(plan.node)?.as_ref() == Some(plan);
+        let fits = host.full.len() == plan.full.len()
+            && host.swa.len() == plan.swa_pages()
+            && host.mamba.is_some() == plan.mamba.is_some();
+        check_commit("backup", plan.node, fresh, fits)?;
         let i = self.index(plan.node)?;
-        let mut rest = host.swa;
-        for (node, pages) in &plan.swa {
-            let (mine, tail) = rest.split_at(pages.len());
-            let j = self.index(*node)?;
+        for (node, mine) in per_node(&plan.swa, host.swa) {
+            let j = self.index(node)?;
             self.arena.nodes[j as usize].host_swa = mine.to_vec();
-            rest = tail;
         }
         let n = &mut self.arena.nodes[i as usize];
         if !host.full.is_empty() {
@@ -180,21 +203,37 @@ impl UnifiedTree {
         if host.mamba.is_some() {
             n.host_mamba = host.mamba;
         }
-        let receipt = self.lock(plan.node, false)?;
-        self.next_transfer += 1;
-        self.backups.insert(self.next_transfer, receipt);
-        Ok(BackupId(self.next_transfer))
+        self.start_transfer(plan.node, false).map(BackupId)
     }
 
     /// The copy of a committed backup has landed: releases the node's lock.
     pub fn finish_backup(&mut self, id: BackupId) -> Result<()> {
-        let receipt = self
-            .backups
-            .remove(&id.0)
-            .ok_or(CoreError::UnknownTransfer {
-                kind: "write",
-                id: id.0,
-            })?;
+        self.end_transfer(false, id.0)
+    }
+
+    /// Locks `node` for a committed backup (`load` false) or load-back; returns its id.
+    pub(crate) fn start_transfer(&mut self, node: NodeId, load: bool) -> Result<u64> {
+        let receipt = self.lock(node, false)?;
+        self.next_transfer += 1;
+        let map = if load {
+            &mut self.loads
+        } else {
+            &mut self.backups
+        };
+        map.insert(self.next_transfer, receipt);
+        Ok(self.next_transfer)
+    }
+
+    /// Releases the lock of a committed backup (`load` false) or load-back.
+    pub(crate) fn end_transfer(&mut self, load: bool, id: u64) -> Result<()> {
+        let (map, kind) = if load {
+            (&mut self.loads, "load")
+        } else {
+            (&mut self.backups, "write")
+        };
+        let receipt = map
+            .remove(&id)
+            .ok_or(CoreError::UnknownTransfer { kind, id })?;
         self.unlock(&receipt)
     }
 

@@ -13,8 +13,9 @@
 //! bytes; a commit applies only the plan the tree would make now; nodes come back on
 //! device parents first (a device node's parent is on device).
 
+use super::host::{check_commit, list_pages, per_node};
 use super::node::ROOT;
-use super::{Component, LockReceipt, UnifiedTree};
+use super::{Component, UnifiedTree};
 use crate::error::{CoreError, Result};
 use crate::tree::NodeId;
 
@@ -39,12 +40,12 @@ pub struct UnifiedLoadPlan {
 impl UnifiedLoadPlan {
     /// Full pages to copy (the length of [`DeviceLoad::full`]).
     pub fn full_pages(&self) -> usize {
-        self.full.iter().map(|(_, p)| p.len()).sum()
+        list_pages(&self.full)
     }
 
     /// SWA pages to copy (the length of [`DeviceLoad::swa`]).
     pub fn swa_pages(&self) -> usize {
-        self.swa.iter().map(|(_, p)| p.len()).sum()
+        list_pages(&self.swa)
     }
 }
 
@@ -130,57 +131,32 @@ impl UnifiedTree {
         plan: &UnifiedLoadPlan,
         dev: DeviceLoad<'_>,
     ) -> Result<UnifiedLoadId> {
-        if self.plan_load_back(plan.node)?.as_ref() != Some(plan) {
-            return Err(CoreError::InvalidPolicy {
-                field: "load_back",
-                value: format!("{:?}", plan.node),
-                reason: "the plan is out of date: plan again",
-            });
-        }
-        if dev.full.len() != plan.full_pages()
-            || dev.swa.len() != plan.swa_pages()
-            || dev.mamba.is_some() != plan.mamba.is_some()
-        {
-            return Err(CoreError::InvalidPolicy {
-                field: "device slots",
-                value: format!("{} full, {} swa", dev.full.len(), dev.swa.len()),
-                reason: "one device slot per planned page and state",
-            });
-        }
-        let mut rest = dev.full;
-        for (node, pages) in &plan.full {
-            let (mine, tail) = rest.split_at(pages.len());
-            let i = self.index(*node)?;
+        let fresh = self.plan_load_back(plan.node)?.as_ref() == Some(plan);
+        let fits = dev.full.len() == plan.full_pages()
+            && dev.swa.len() == plan.swa_pages()
+            && dev.mamba.is_some() == plan.mamba.is_some();
+        check_commit("load_back", plan.node, fresh, fits)?;
+        for (node, mine) in per_node(&plan.full, dev.full) {
+            let i = self.index(node)?;
             self.arena.nodes[i as usize].full_pages = mine.to_vec();
             self.unevict(i);
-            rest = tail;
         }
-        let mut rest = dev.swa;
-        for (node, pages) in &plan.swa {
-            let (mine, tail) = rest.split_at(pages.len());
-            let i = self.index(*node)?;
+        for (node, mine) in per_node(&plan.swa, dev.swa) {
+            let i = self.index(node)?;
             self.arena.nodes[i as usize].swa_pages = mine.to_vec();
             self.set_present(i, Component::Swa);
-            rest = tail;
         }
         let i = self.index(plan.node)?;
         if let Some(slot) = dev.mamba {
             self.arena.nodes[i as usize].mamba_slot = slot;
             self.set_present(i, Component::Mamba);
         }
-        let receipt = self.lock(plan.node, false)?;
-        self.next_transfer += 1;
-        self.loads.insert(self.next_transfer, receipt);
-        Ok(UnifiedLoadId(self.next_transfer))
+        self.start_transfer(plan.node, true).map(UnifiedLoadId)
     }
 
     /// The copy of a committed load-back has landed: releases the node's lock.
     pub fn finish_load_back(&mut self, id: UnifiedLoadId) -> Result<()> {
-        let receipt: LockReceipt = self.loads.remove(&id.0).ok_or(CoreError::UnknownTransfer {
-            kind: "load",
-            id: id.0,
-        })?;
-        self.unlock(&receipt)
+        self.end_transfer(true, id.0)
     }
 
     /// Load-backs committed and not finished.

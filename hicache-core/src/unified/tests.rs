@@ -404,14 +404,8 @@ fn backup_nth(
 
 /// The host SWA slots of a backup, split per node as its plan lists them.
 fn host_swa_lists(plan: &UnifiedBackupPlan, swa: &[u32]) -> Vec<(NodeId, Vec<u32>)> {
-    let mut rest = swa;
-    plan.swa
-        .iter()
-        .map(|(node, pages)| {
-            let (mine, tail) = rest.split_at(pages.len());
-            rest = tail;
-            (*node, mine.to_vec())
-        })
+    host::per_node(&plan.swa, swa)
+        .map(|(node, mine)| (node, mine.to_vec()))
         .collect()
 }
 
