@@ -100,9 +100,10 @@ impl UnifiedTree {
         Ok((!empty).then_some(plan))
     }
 
-    /// The nodes within one window of `i` whose SWA is on host only, ancestors first
-    /// (the walk of the match's SWA host hit).
-    fn host_swa_window(&self, mut i: u32) -> Vec<(NodeId, Vec<u32>)> {
+    /// The nodes within one window of `i` whose SWA is on host only, ancestors first,
+    /// walking up until the window is covered or a node has SWA neither on device nor on
+    /// host (also the match's SWA host hit, SGLang's `swa_host_hit`).
+    pub(crate) fn host_swa_window(&self, mut i: u32) -> Vec<(NodeId, Vec<u32>)> {
         let Some(w) = self.cfg.swa_window else {
             return Vec::new();
         };

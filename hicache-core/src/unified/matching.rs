@@ -1,6 +1,7 @@
 //! `match_prefix`: the walk, the composed validators, the post-processing (LRU refresh,
 //! path stamps, branching lengths).
 
+use super::host::list_pages;
 use super::node::ROOT;
 use super::{Component, UnifiedTree};
 use crate::error::Result;
@@ -169,30 +170,9 @@ impl UnifiedTree {
             mamba_slot: n.comp[2].present.then_some(n.mamba_slot),
             host_node: self.id(host),
             host_hit_len: host_hit,
-            swa_host_hit_len: self.swa_host_hit(host),
+            swa_host_hit_len: list_pages(&self.host_swa_window(host)) * self.ps(),
             mamba_host_hit: host != ROOT && !h.comp[2].present && h.host_mamba.is_some(),
         }
-    }
-
-    /// SWA tokens held on host only within one window of `i` (walking up until the window
-    /// is covered or a node has SWA neither on device nor on host).
-    fn swa_host_hit(&self, mut i: u32) -> usize {
-        let Some(w) = self.cfg.swa_window else {
-            return 0;
-        };
-        let (mut covered, mut hit) = (0usize, 0usize);
-        while i != ROOT && covered < w as usize {
-            let n = &self.arena.nodes[i as usize];
-            if !n.comp[1].present {
-                if n.host_swa.is_empty() {
-                    break;
-                }
-                hit += n.key.len();
-            }
-            covered += n.key.len();
-            i = n.parent;
-        }
-        hit
     }
 
     /// MATCH_END refresh: SWA moves the window ancestors of the matched node to MRU (the node
