@@ -14,8 +14,8 @@
 //!
 //! Invariant kept here (checked by `check_invariants`): in a slot-tracking tree every live
 //! non-root node has one Full slot per page exactly when Full is on device (none on a
-//! host-only node) and one SWA slot per page exactly when SWA is present; no slot of a component appears twice in the tree. A tree without tracking holds
-//! no slots at all.
+//! host-only node) and one SWA slot per page exactly when SWA is present; no slot of a
+//! component appears twice in the tree. A tree without tracking holds no slots at all.
 
 use std::collections::HashSet;
 
