@@ -196,15 +196,21 @@ enum Op {
 }
 
 fn op() -> impl Strategy<Value = Op> {
+    op_weighted(1)
+}
+
+/// Operations with the host-tier ones (backup, load-back, host eviction) `host` times as
+/// likely as in [`op`].
+fn op_weighted(host: u32) -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0usize..4, 1usize..12, any::<bool>())
             .prop_map(|(seq, len, hold)| Op::Request { seq, len, hold }),
         1 => Just(Op::Release),
         2 => (0u64..40, 0u64..40, 0u64..4).prop_map(|(a, b, c)| Op::Evict(a, b, c)),
-        2 => (0usize..64, any::<bool>()).prop_map(|(n, f)| Op::Backup(n, f)),
-        2 => (0usize..4, 1usize..12, any::<bool>())
+        2 * host => (0usize..64, any::<bool>()).prop_map(|(n, f)| Op::Backup(n, f)),
+        2 * host => (0usize..4, 1usize..12, any::<bool>())
             .prop_map(|(seq, len, finish)| Op::LoadBack { seq, len, finish }),
-        1 => (0u64..40).prop_map(Op::EvictHost),
+        host => (0u64..40).prop_map(Op::EvictHost),
     ]
 }
 
@@ -701,6 +707,16 @@ proptest! {
     fn model_full_swa_mamba(ops in proptest::collection::vec(op(), 1..40), w in 1u32..12, slots: bool) {
         let cfg = UnifiedConfig { swa_window: Some(w), mamba_chunk: Some(2), ..UnifiedConfig::full(2) };
         run_model(cfg, &ops, slots)?;
+    }
+
+    #[test]
+    fn model_host_tier(ops in proptest::collection::vec(op_weighted(3), 1..60), w in 0u32..12, mamba: bool) {
+        let cfg = UnifiedConfig {
+            swa_window: (w > 0).then_some(w),
+            mamba_chunk: mamba.then_some(2),
+            ..UnifiedConfig::full(2)
+        };
+        run_model(cfg, &ops, true)?;
     }
 
     #[test]
