@@ -213,7 +213,7 @@ impl UnifiedTree {
     }
 
     /// A host-only leaf (SGLang's `_is_host_leaf`): live, not the root, Full on host only,
-    /// no children, unlocked.
+    /// no children, unlocked on device and host.
     fn is_host_leaf(&self, i: u32) -> bool {
         let n = &self.arena.nodes[i as usize];
         i != ROOT
@@ -222,6 +222,7 @@ impl UnifiedTree {
             && !n.host_full.is_empty()
             && n.children.is_empty()
             && n.comp.iter().all(|c| c.lock == 0)
+            && n.host_lock == 0
     }
 
     /// Evicts the device leaf `i` with every component on it: a node whose Full is backed

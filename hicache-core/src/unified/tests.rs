@@ -193,6 +193,8 @@ enum Op {
     },
     /// Free host Full tokens.
     EvictHost(u64),
+    /// Pin the host copy of the n-th node on host.
+    PinHost(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -211,6 +213,7 @@ fn op_weighted(host: u32) -> impl Strategy<Value = Op> {
         2 * host => (0usize..4, 1usize..12, any::<bool>())
             .prop_map(|(seq, len, finish)| Op::LoadBack { seq, len, finish }),
         host => (0u64..40).prop_map(Op::EvictHost),
+        host => (0usize..64).prop_map(Op::PinHost),
     ]
 }
 
@@ -485,6 +488,7 @@ fn run_model(
     let mut next = 1_000_000u32;
     let mut pending = Vec::new();
     let mut loads = Vec::new();
+    let mut pins: Vec<NodeId> = Vec::new();
     let mut ids = HostIds::new();
     let mut held: Vec<(LockReceipt, Vec<bool>)> = Vec::new();
     let mut slot = 0u32;
@@ -525,6 +529,20 @@ fn run_model(
                 if !loads.is_empty() {
                     t.finish_load_back(loads.remove(0)).unwrap();
                 }
+                if !pins.is_empty() {
+                    t.unlock_host(pins.remove(0)).unwrap();
+                }
+            }
+            Op::PinHost(n) => {
+                let on_host: Vec<NodeId> = (1..t.arena.nodes.len() as u32)
+                    .filter(|&i| t.arena.nodes[i as usize].live)
+                    .map(|i| t.id(i))
+                    .filter(|&id| t.backed_up(id, Component::Full).unwrap())
+                    .collect();
+                if let Some(&id) = on_host.get(n % on_host.len().max(1)) {
+                    t.lock_host(id).unwrap();
+                    pins.push(id);
+                }
             }
             Op::LoadBack { seq, len, finish } => {
                 if slots
@@ -557,6 +575,12 @@ fn run_model(
                         &rhs,
                         "host slot ledger of {} on evict_host",
                         c
+                    );
+                }
+                for &id in &pins {
+                    prop_assert!(
+                        t.backed_up(id, Component::Full).unwrap(),
+                        "a pinned host copy was freed"
                     );
                 }
             }
@@ -608,6 +632,13 @@ fn run_model(
     for id in loads.drain(..) {
         t.finish_load_back(id).unwrap();
     }
+    for id in pins.drain(..) {
+        t.unlock_host(id).unwrap();
+    }
+    prop_assert!(
+        t.unlock_host(t.root()).is_err(),
+        "an unbalanced host unlock is an error"
+    );
     prop_assert_eq!(t.pending_backups() + t.pending_load_backs(), 0);
     for c in [Component::Full, Component::Swa, Component::Mamba] {
         prop_assert_eq!(t.protected_size(c), 0, "all locks released");
@@ -952,6 +983,12 @@ fn write_through_backs_up_each_component_ancestors_first() {
         full: 100,
         ..EvictRequest::default()
     });
+    t.lock_host(leaf).unwrap();
+    assert!(
+        t.evict_host(100).host_full_pages.is_empty(),
+        "a pin keeps the path"
+    );
+    t.unlock_host(leaf).unwrap();
     let e = t.evict_host(100);
     let mut host_full = e.host_full_pages.clone();
     host_full.sort_unstable();
