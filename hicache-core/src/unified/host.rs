@@ -192,6 +192,7 @@ impl UnifiedTree {
             && host.swa.len() == plan.swa_pages()
             && host.mamba.is_some() == plan.mamba.is_some();
         check_commit("backup", plan.node, fresh, fits)?;
+        self.host_seen = true;
         let i = self.index(plan.node)?;
         for (node, mine) in per_node(&plan.swa, host.swa) {
             let j = self.index(node)?;

@@ -104,12 +104,15 @@ impl UnifiedTree {
                 self.split(child, plen)
             };
             offset += plen;
-            if v.all(self, node) {
-                host_best = node;
-            }
             if dv.all(self, node) {
                 best = node;
                 best_len = offset;
+            }
+            // Without host copies the host validators agree with the device ones.
+            if !self.host_seen {
+                host_best = best;
+            } else if v.all(self, node) {
+                host_best = node;
             }
             if !whole {
                 break;
@@ -170,7 +173,11 @@ impl UnifiedTree {
             mamba_slot: n.comp[2].present.then_some(n.mamba_slot),
             host_node: self.id(host),
             host_hit_len: host_hit,
-            swa_host_hit_len: list_pages(&self.host_swa_window(host)) * self.ps(),
+            swa_host_hit_len: if self.host_seen {
+                list_pages(&self.host_swa_window(host)) * self.ps()
+            } else {
+                0
+            },
             mamba_host_hit: host != ROOT && !h.comp[2].present && h.host_mamba.is_some(),
         }
     }

@@ -195,6 +195,9 @@ pub struct UnifiedTree {
     loads: std::collections::HashMap<u64, LockReceipt>,
     /// The last backup or load-back id handed out.
     next_transfer: u64,
+    /// Whether a backup was ever committed since the last reset: until then no node has
+    /// host data, and matches skip the host validators (the device-tier cost is unchanged).
+    host_seen: bool,
 }
 
 const CLOCK_SHIFT: u32 = 20;
@@ -219,6 +222,7 @@ impl UnifiedTree {
             backups: std::collections::HashMap::new(),
             loads: std::collections::HashMap::new(),
             next_transfer: 0,
+            host_seen: false,
         };
         t.reset();
         Ok(t)
@@ -239,6 +243,7 @@ impl UnifiedTree {
         self.protected = [0; 3];
         self.backups.clear();
         self.loads.clear();
+        self.host_seen = false;
     }
 
     /// The configuration.
