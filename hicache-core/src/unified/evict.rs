@@ -50,11 +50,12 @@ pub struct Evicted {
     /// The device SWA page slots freed (trees made with
     /// [`UnifiedTree::with_device_slots`] only).
     pub swa_pages: Vec<u32>,
-    /// Host Full page slots freed with deleted leaves (backed-up nodes).
+    /// Host Full page slots freed by [`UnifiedTree::evict_host`] (device eviction demotes a
+    /// backed-up leaf and keeps its host slots).
     pub host_full_pages: Vec<u32>,
-    /// Host SWA page slots freed with deleted leaves.
+    /// Host SWA page slots freed by [`UnifiedTree::evict_host`].
     pub host_swa_pages: Vec<u32>,
-    /// Host Mamba state slots freed with deleted leaves.
+    /// Host Mamba state slots freed by [`UnifiedTree::evict_host`].
     pub host_mamba_slots: Vec<u32>,
 }
 

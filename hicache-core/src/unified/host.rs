@@ -9,8 +9,8 @@
 //!
 //! Host data survives a device tombstone (an internal node's SWA or Mamba evicted from the
 //! device keeps its host copy) and a demotion (a backed-up device leaf evicted from the
-//! device stays host-only, see `evict`); a deleted leaf hands its host slots back in
-//! [`Evicted`](super::Evicted).
+//! device stays host-only, see `evict`); [`UnifiedTree::evict_host`] deletes host-only
+//! leaves and hands their host slots back in [`Evicted`](super::Evicted).
 //!
 //! Invariant kept here (checked by `check_invariants`): host Full and SWA slots are one per
 //! page or none; a node with host Full has a parent that is the root or has host Full; host
