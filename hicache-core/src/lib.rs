@@ -50,6 +50,7 @@ pub use tree::{
     WriteId, page_aligned,
 };
 pub use unified::{
-    BackupId, Component, EvictRequest, Evicted, HostBackup, InsertParams, InsertSlots, LockReceipt,
-    UnifiedBackupPlan, UnifiedConfig, UnifiedInsert, UnifiedMatch, UnifiedTree,
+    BackupId, Component, DeviceLoad, EvictRequest, Evicted, HostBackup, InsertParams, InsertSlots,
+    LockReceipt, UnifiedBackupPlan, UnifiedConfig, UnifiedInsert, UnifiedLoadId, UnifiedLoadPlan,
+    UnifiedMatch, UnifiedTree,
 };

@@ -6,6 +6,12 @@
 //! - SWA, Mamba: their LRU from the tail, skipping locked nodes. A leaf goes whole; an
 //!   internal node becomes a tombstone for the component, cascading to components of lower
 //!   or equal internal priority (SWA takes Mamba with it; Mamba takes nothing).
+//! - A device leaf whose Full is on host is *demoted* instead of deleted: every device
+//!   component goes, the node stays *host-only* (device Full absent, host slots kept) and a
+//!   later insert of its tokens rematerialises it with the request's device slots. A device
+//!   leaf is one with device Full whose children have none (host-only children allowed).
+//!
+//! - Host: [`UnifiedTree::evict_host`] deletes host-only leaves, oldest first.
 //!
 //! Invariant kept here: nothing with a positive lock count is evicted — the Full heap holds
 //! only evictable leaves (unlocked in every component) and the LRU scans skip locked nodes.
@@ -44,11 +50,12 @@ pub struct Evicted {
     /// The device SWA page slots freed (trees made with
     /// [`UnifiedTree::with_device_slots`] only).
     pub swa_pages: Vec<u32>,
-    /// Host Full page slots freed with deleted leaves (backed-up nodes).
+    /// Host Full page slots freed by [`UnifiedTree::evict_host`] (device eviction demotes a
+    /// backed-up leaf and keeps its host slots).
     pub host_full_pages: Vec<u32>,
-    /// Host SWA page slots freed with deleted leaves.
+    /// Host SWA page slots freed by [`UnifiedTree::evict_host`].
     pub host_swa_pages: Vec<u32>,
-    /// Host Mamba state slots freed with deleted leaves.
+    /// Host Mamba state slots freed by [`UnifiedTree::evict_host`].
     pub host_mamba_slots: Vec<u32>,
 }
 
@@ -104,7 +111,7 @@ impl UnifiedTree {
             if !self.in_leaves(i) || self.arena.nodes[i as usize].generation != g {
                 continue;
             }
-            let parent = self.delete_leaf(i, out);
+            let parent = self.evict_device_leaf(i, out);
             if self.in_leaves(parent) {
                 let n = &self.arena.nodes[parent as usize];
                 heap.push(Reverse((n.time, parent, n.generation)));
@@ -126,7 +133,7 @@ impl UnifiedTree {
             }
             cursor = self.lru_tail_unlocked(c, Some(x));
             if self.in_leaves(x) {
-                self.delete_leaf(x, out);
+                self.evict_device_leaf(x, out);
                 continue;
             }
             debug_assert_eq!(self.arena.nodes[x as usize].comp[ci].lock, 0);
@@ -175,6 +182,68 @@ impl UnifiedTree {
             Component::Mamba => out.mamba_slots.push(node.mamba_slot),
         }
         out.add(c, n);
+    }
+
+    /// Frees at least `full_tokens` of host Full (whole host-only leaves, oldest time first;
+    /// a parent that becomes a host-only leaf joins), with the host SWA and Mamba on them.
+    /// The freed host slots are in the `host_*` lists of the result; device counts stay 0.
+    /// A node with a backup or load-back in flight is never host-only, so never freed here.
+    pub fn evict_host(&mut self, full_tokens: u64) -> Evicted {
+        let mut out = Evicted::default();
+        let entry = |t: &Self, i: u32| {
+            let n = &t.arena.nodes[i as usize];
+            Reverse((n.time, i, n.generation))
+        };
+        let mut heap: BinaryHeap<_> = (1..self.arena.nodes.len() as u32)
+            .filter(|&i| self.is_host_leaf(i))
+            .map(|i| entry(self, i))
+            .collect();
+        while ((out.host_full_pages.len() * self.ps()) as u64) < full_tokens {
+            let Some(Reverse((_, i, g))) = heap.pop() else {
+                break;
+            };
+            if self.arena.nodes[i as usize].generation != g || !self.is_host_leaf(i) {
+                continue;
+            }
+            let parent = self.delete_leaf(i, &mut out);
+            if self.is_host_leaf(parent) {
+                heap.push(entry(self, parent));
+            }
+        }
+        out
+    }
+
+    /// A host-only leaf (SGLang's `_is_host_leaf`): live, not the root, Full on host only,
+    /// no children, unlocked on device and host.
+    fn is_host_leaf(&self, i: u32) -> bool {
+        let n = &self.arena.nodes[i as usize];
+        i != ROOT
+            && n.live
+            && !n.comp[0].present
+            && !n.host_full.is_empty()
+            && n.children.is_empty()
+            && n.comp.iter().all(|c| c.lock == 0)
+            && n.host_lock == 0
+    }
+
+    /// Evicts the device leaf `i` with every component on it: a node whose Full is backed
+    /// up is *demoted* (SGLang's `_demote`: its device data is freed, the node stays
+    /// host-only with its host slots), any other is deleted. Returns its parent.
+    fn evict_device_leaf(&mut self, i: u32, out: &mut Evicted) -> u32 {
+        if self.arena.nodes[i as usize].host_full.is_empty() {
+            return self.delete_leaf(i, out);
+        }
+        for c in [Component::Full, Component::Swa, Component::Mamba] {
+            if self.has[c as usize] {
+                self.drop_comp(i, c, out);
+            }
+        }
+        self.update_leaf(i);
+        let parent = self.arena.nodes[i as usize].parent;
+        if parent != ROOT {
+            self.update_leaf(parent);
+        }
+        parent
     }
 
     /// Deletes the evictable leaf `i` with every component on it; returns its parent.

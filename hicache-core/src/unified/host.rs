@@ -8,12 +8,14 @@
 //! from the commit until [`UnifiedTree::finish_backup`].
 //!
 //! Host data survives a device tombstone (an internal node's SWA or Mamba evicted from the
-//! device keeps its host copy); a deleted leaf hands its host slots back in
-//! [`Evicted`](super::Evicted).
+//! device keeps its host copy) and a demotion (a backed-up device leaf evicted from the
+//! device stays host-only, see `evict`); [`UnifiedTree::evict_host`] deletes host-only
+//! leaves and hands their host slots back in [`Evicted`](super::Evicted).
 //!
 //! Invariant kept here (checked by `check_invariants`): host Full and SWA slots are one per
 //! page or none; a node with host Full has a parent that is the root or has host Full; host
-//! SWA or Mamba only where host Full is; no host slot of a component appears twice.
+//! SWA or Mamba only where host Full is; no host slot of a component appears twice; a host
+//! pin ([`UnifiedTree::lock_host`]) only where host Full is.
 
 use std::collections::HashSet;
 
@@ -43,8 +45,46 @@ pub struct UnifiedBackupPlan {
 impl UnifiedBackupPlan {
     /// SWA pages to copy (the length of [`HostBackup::swa`]).
     pub fn swa_pages(&self) -> usize {
-        self.swa.iter().map(|(_, p)| p.len()).sum()
+        list_pages(&self.swa)
     }
+}
+
+/// Pages in a per-node page list.
+pub(crate) fn list_pages(list: &[(NodeId, Vec<u32>)]) -> usize {
+    list.iter().map(|(_, p)| p.len()).sum()
+}
+
+/// Hands each node of `list` its run of `slots` (one per page, in order); `slots` holds
+/// exactly [`list_pages`] entries.
+pub(crate) fn per_node<'a>(
+    list: &'a [(NodeId, Vec<u32>)],
+    mut slots: &'a [u32],
+) -> impl Iterator<Item = (NodeId, &'a [u32])> {
+    list.iter().map(move |(node, pages)| {
+        let (mine, tail) = slots.split_at(pages.len());
+        slots = tail;
+        (*node, mine)
+    })
+}
+
+/// The refusal of a commit whose plan is stale (`fresh` false) or whose slots do not match
+/// the plan one per page and state (`fits` false).
+pub(crate) fn check_commit(
+    field: &'static str,
+    node: NodeId,
+    fresh: bool,
+    fits: bool,
+) -> Result<()> {
+    let reason = match (fresh, fits) {
+        (false, _) => "the plan is out of date: plan again",
+        (true, false) => "one slot per planned page and state",
+        (true, true) => return Ok(()),
+    };
+    Err(CoreError::InvalidPolicy {
+        field,
+        value: format!("{node:?}"),
+        reason,
+    })
 }
 
 /// The host slots a backup wrote, in the order of its [`UnifiedBackupPlan`].
@@ -61,12 +101,7 @@ pub struct HostBackup<'a> {
 impl UnifiedTree {
     /// Whether component `c` of `node` is on host.
     pub fn backed_up(&self, node: NodeId, c: Component) -> Result<bool> {
-        let n = &self.arena.nodes[self.index(node)? as usize];
-        Ok(match c {
-            Component::Full => !n.host_full.is_empty(),
-            Component::Swa => !n.host_swa.is_empty(),
-            Component::Mamba => n.host_mamba.is_some(),
-        })
+        Ok(self.arena.nodes[self.index(node)? as usize].on_host(c))
     }
 
     /// The nodes on the path to `node` whose Full is not on host, ancestors first: the
@@ -83,7 +118,8 @@ impl UnifiedTree {
     }
 
     /// What backing up `node` copies now; `None` when every component is on host already.
-    /// Errors: a tree without device slots, the root, or a parent not backed up.
+    /// Errors: a tree without device slots, the root, a host-only node, or a parent not
+    /// backed up.
     pub fn plan_backup(&self, node: NodeId) -> Result<Option<UnifiedBackupPlan>> {
         let i = self.index(node)?;
         let refuse = |reason| CoreError::InvalidPolicy {
@@ -98,6 +134,9 @@ impl UnifiedTree {
             return Err(refuse("the root holds no data"));
         }
         let n = &self.arena.nodes[i as usize];
+        if !n.comp[0].present {
+            return Err(refuse("the node is host-only"));
+        }
         if n.parent != ROOT && self.arena.nodes[n.parent as usize].host_full.is_empty() {
             return Err(refuse("back up the ancestors first (unbacked_chain)"));
         }
@@ -148,30 +187,16 @@ impl UnifiedTree {
         plan: &UnifiedBackupPlan,
         host: HostBackup<'_>,
     ) -> Result<BackupId> {
-        if self.plan_backup(plan.node)?.as_ref() != Some(plan) {
-            return Err(CoreError::InvalidPolicy {
-                field: "backup",
-                value: format!("{:?}", plan.node),
-                reason: "the plan is out of date: plan again",
-            });
-        }
-        if host.full.len() != plan.full.len()
-            || host.swa.len() != plan.swa_pages()
-            || host.mamba.is_some() != plan.mamba.is_some()
-        {
-            return Err(CoreError::InvalidPolicy {
-                field: "host slots",
-                value: format!("{} full, {} swa", host.full.len(), host.swa.len()),
-                reason: "one host slot per planned page and state",
-            });
-        }
+        let fresh = self.plan_backup(plan.node)?.as_ref() == Some(plan);
+        let fits = host.full.len() == plan.full.len()
+            && host.swa.len() == plan.swa_pages()
+            && host.mamba.is_some() == plan.mamba.is_some();
+        check_commit("backup", plan.node, fresh, fits)?;
+        self.host_seen = true;
         let i = self.index(plan.node)?;
-        let mut rest = host.swa;
-        for (node, pages) in &plan.swa {
-            let (mine, tail) = rest.split_at(pages.len());
-            let j = self.index(*node)?;
+        for (node, mine) in per_node(&plan.swa, host.swa) {
+            let j = self.index(node)?;
             self.arena.nodes[j as usize].host_swa = mine.to_vec();
-            rest = tail;
         }
         let n = &mut self.arena.nodes[i as usize];
         if !host.full.is_empty() {
@@ -180,22 +205,73 @@ impl UnifiedTree {
         if host.mamba.is_some() {
             n.host_mamba = host.mamba;
         }
-        let receipt = self.lock(plan.node, false)?;
-        self.next_backup += 1;
-        self.backups.insert(self.next_backup, receipt);
-        Ok(BackupId(self.next_backup))
+        self.start_transfer(plan.node, false).map(BackupId)
     }
 
     /// The copy of a committed backup has landed: releases the node's lock.
     pub fn finish_backup(&mut self, id: BackupId) -> Result<()> {
-        let receipt = self
-            .backups
-            .remove(&id.0)
-            .ok_or(CoreError::UnknownTransfer {
-                kind: "write",
-                id: id.0,
-            })?;
+        self.end_transfer(false, id.0)
+    }
+
+    /// Locks `node` for a committed backup (`load` false) or load-back; returns its id.
+    pub(crate) fn start_transfer(&mut self, node: NodeId, load: bool) -> Result<u64> {
+        let receipt = self.lock(node, false)?;
+        self.next_transfer += 1;
+        let map = if load {
+            &mut self.loads
+        } else {
+            &mut self.backups
+        };
+        map.insert(self.next_transfer, receipt);
+        Ok(self.next_transfer)
+    }
+
+    /// Releases the lock of a committed backup (`load` false) or load-back.
+    pub(crate) fn end_transfer(&mut self, load: bool, id: u64) -> Result<()> {
+        let (map, kind) = if load {
+            (&mut self.loads, "load")
+        } else {
+            (&mut self.backups, "write")
+        };
+        let receipt = map
+            .remove(&id)
+            .ok_or(CoreError::UnknownTransfer { kind, id })?;
         self.unlock(&receipt)
+    }
+
+    /// Pins `node`'s host copy (SGLang's `inc_host_lock_ref`): until
+    /// [`unlock_host`](Self::unlock_host), [`evict_host`](Self::evict_host) frees neither
+    /// it nor, so, its ancestors. Errors: a node whose Full is not on host.
+    pub fn lock_host(&mut self, node: NodeId) -> Result<()> {
+        let i = self.index(node)?;
+        if self.arena.nodes[i as usize].host_full.is_empty() {
+            return Err(CoreError::InvalidPolicy {
+                field: "lock_host",
+                value: format!("{node:?}"),
+                reason: "the node is not on host",
+            });
+        }
+        self.arena.nodes[i as usize].host_lock += 1;
+        Ok(())
+    }
+
+    /// Releases one [`lock_host`](Self::lock_host) pin. Errors: no pin held.
+    pub fn unlock_host(&mut self, node: NodeId) -> Result<()> {
+        let i = self.index(node)?;
+        let n = &mut self.arena.nodes[i as usize];
+        if n.host_lock == 0 {
+            return Err(CoreError::InvalidState {
+                node: format!("{node:?}"),
+                reason: "host lock is 0: unlock_host without lock_host".into(),
+            });
+        }
+        n.host_lock -= 1;
+        Ok(())
+    }
+
+    /// `node`'s host pins.
+    pub fn host_lock_count(&self, node: NodeId) -> Result<u32> {
+        Ok(self.arena.nodes[self.index(node)? as usize].host_lock)
     }
 
     /// Backups committed and not finished.
@@ -225,6 +301,9 @@ impl UnifiedTree {
             let parent = n.parent as usize;
             if full && parent != ROOT as usize && self.arena.nodes[parent].host_full.is_empty() {
                 return Err(format!("node {i}: on host, its parent is not"));
+            }
+            if !full && n.host_lock > 0 {
+                return Err(format!("node {i}: host-pinned without a host copy"));
             }
             if !full && (!n.host_swa.is_empty() || n.host_mamba.is_some()) {
                 return Err(format!("node {i}: host SWA or Mamba without host Full"));

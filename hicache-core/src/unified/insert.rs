@@ -1,5 +1,6 @@
-//! `insert`: the walk over existing nodes (with SWA tombstone recovery on overlaps), the new
-//! leaf, and each component's commit.
+//! `insert`: the walk over existing nodes (with SWA tombstone recovery on overlaps and
+//! host-only nodes put back on device with the request's KV), the new leaf, and each
+//! component's commit.
 
 use super::node::ROOT;
 use super::{Component, InsertSlots, UnifiedTree};
@@ -102,7 +103,15 @@ impl UnifiedTree {
             } else {
                 child
             };
-            let consumed_from = if self.has[1] {
+            let consumed_from = if !self.arena.nodes[next as usize].comp[0].present {
+                // A host-only node takes the request's KV back on device (SGLang's
+                // `_unevict_node_on_insert` and `recover_after_unevict`).
+                self.unevict(next);
+                if self.has[1] {
+                    self.swa_recover_after_unevict(next, total, plen, p);
+                }
+                0
+            } else if self.has[1] {
                 self.swa_recover_overlap(next, plen, total, p)
             } else {
                 plen
@@ -147,6 +156,18 @@ impl UnifiedTree {
             self.settle_slots(target, p, s, &mut out);
         }
         Ok(out)
+    }
+
+    /// Puts the host-only node `i` back on device (its Full slots come from the insert or
+    /// the load-back that calls this).
+    pub(crate) fn unevict(&mut self, i: u32) {
+        self.arena.nodes[i as usize].comp[0].present = true;
+        self.credit(i, Component::Full);
+        self.update_leaf(i);
+        let parent = self.arena.nodes[i as usize].parent;
+        if parent != ROOT {
+            self.update_leaf(parent);
+        }
     }
 
     /// A new leaf under `parent` with Full present (SGLang's `_add_new_node`).

@@ -30,18 +30,30 @@
 //!
 //! # Invariants (checked by [`UnifiedTree::check_invariants`])
 //!
-//! 1. Full is present on every live non-root node; keys are whole pages, non-empty.
-//! 2. A node is in a component's LRU iff the component is present on it.
-//! 3. `evictable[c] + protected[c]` = Σ of component `c`'s sizes (tokens; states for
-//!    Mamba) over the tree, protected counting nodes with `lock > 0`.
-//! 4. The evictable-leaf set is exact: live, unlocked in every component, no child.
+//! 1. Full is on device on every live non-root node except *host-only* (demoted) nodes,
+//!    which hold Full on host and no device component; a device node's parent is the root
+//!    or on device. Keys are whole pages, non-empty.
+//! 2. A node is in a component's LRU iff the component is present (on device) on it.
+//! 3. `evictable[c] + protected[c]` = Σ of component `c`'s device sizes (tokens; states
+//!    for Mamba) over the tree, protected counting nodes with `lock > 0`.
+//! 4. The evictable-leaf set (device leaves) is exact: on device, unlocked in every
+//!    component, no child with Full on device.
 //! 5. A Full lock is at least the sum of its children's Full locks (path locks nest).
 //! 6. Device slots (a tree made with [`UnifiedTree::with_device_slots`]): one Full slot per
-//!    page on every node, one SWA slot per page where SWA is present, none twice; a tree
-//!    without tracking holds none (see `slots`).
+//!    page where Full is on device, one SWA slot per page where SWA is present, none twice;
+//!    a tree without tracking holds none (see `slots`).
 //! 7. Host copies (write-through backup, see `host`): one host slot per page or none; a
 //!    backed-up node's parent is the root or backed up; host SWA / Mamba only where host
 //!    Full is; no host slot twice.
+//!
+//! # Host tier (trees with device slots)
+//!
+//! A backed-up device leaf is demoted on device eviction (`evict`); a match reports how far
+//! the host copies reach ([`UnifiedMatch::host_node`] and the host hits) but its device
+//! node is never host-only; [`UnifiedTree::plan_load_back`] brings a host hit back
+//! (`load`), an insert over a host-only node puts it back with the request's KV, and
+//! [`UnifiedTree::evict_host`] frees host-only leaves. A tree without host copies behaves
+//! exactly as before (the replay against SGLang's device tier).
 
 use crate::error::{CoreError, Result};
 use crate::tree::NodeId;
@@ -50,6 +62,7 @@ mod components;
 mod evict;
 mod host;
 mod insert;
+mod load;
 mod lock;
 mod lru;
 mod matching;
@@ -62,6 +75,7 @@ mod tests;
 pub use evict::{EvictRequest, Evicted};
 pub use host::{BackupId, HostBackup, UnifiedBackupPlan};
 pub use insert::{InsertParams, UnifiedInsert};
+pub use load::{DeviceLoad, UnifiedLoadId, UnifiedLoadPlan};
 pub use lock::LockReceipt;
 pub use matching::UnifiedMatch;
 pub use slots::InsertSlots;
@@ -177,7 +191,13 @@ pub struct UnifiedTree {
     slots: bool,
     /// Backups committed and not finished: the lock each holds.
     backups: std::collections::HashMap<u64, LockReceipt>,
-    next_backup: u64,
+    /// Load-backs committed and not finished: the lock each holds.
+    loads: std::collections::HashMap<u64, LockReceipt>,
+    /// The last backup or load-back id handed out.
+    next_transfer: u64,
+    /// Whether a backup was ever committed since the last reset: until then no node has
+    /// host data, and matches skip the host validators (the device-tier cost is unchanged).
+    host_seen: bool,
 }
 
 const CLOCK_SHIFT: u32 = 20;
@@ -200,7 +220,9 @@ impl UnifiedTree {
             uuid: 0,
             slots: false,
             backups: std::collections::HashMap::new(),
-            next_backup: 0,
+            loads: std::collections::HashMap::new(),
+            next_transfer: 0,
+            host_seen: false,
         };
         t.reset();
         Ok(t)
@@ -220,6 +242,8 @@ impl UnifiedTree {
         self.evictable = [0; 3];
         self.protected = [0; 3];
         self.backups.clear();
+        self.loads.clear();
+        self.host_seen = false;
     }
 
     /// The configuration.

@@ -49,6 +49,10 @@ pub(crate) struct Node {
     pub host_swa: Vec<u32>,
     /// Host Mamba state slot once the state is backed up.
     pub host_mamba: Option<u32>,
+    /// Host pins (readers of the host copy, e.g. a write to storage); a pinned node is never
+    /// freed from host. Not inherited by the prefix of a split: the pinned suffix keeps its
+    /// ancestors alive (only childless nodes are freed from host).
+    pub host_lock: u32,
     /// Bumped when the index is reused, so stale handles are detected.
     pub generation: u32,
     /// False once deleted (the index is on the free list).
@@ -56,6 +60,15 @@ pub(crate) struct Node {
 }
 
 impl Node {
+    /// Whether component `c` has a host copy on this node.
+    pub(crate) fn on_host(&self, c: super::Component) -> bool {
+        match c {
+            super::Component::Full => !self.host_full.is_empty(),
+            super::Component::Swa => !self.host_swa.is_empty(),
+            super::Component::Mamba => self.host_mamba.is_some(),
+        }
+    }
+
     pub(crate) fn new(parent: u32, key: Vec<u32>, time: u64, generation: u32) -> Self {
         Self {
             parent,
@@ -69,6 +82,7 @@ impl Node {
             host_full: Vec::new(),
             host_swa: Vec::new(),
             host_mamba: None,
+            host_lock: 0,
             generation,
             live: true,
         }

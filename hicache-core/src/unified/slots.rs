@@ -13,9 +13,9 @@
 //! they free in [`Evicted`](super::Evicted).
 //!
 //! Invariant kept here (checked by `check_invariants`): in a slot-tracking tree every live
-//! non-root node has one Full slot per page and one SWA slot per page exactly when SWA is
-//! present; no slot of a component appears twice in the tree. A tree without tracking holds
-//! no slots at all.
+//! non-root node has one Full slot per page exactly when Full is on device (none on a
+//! host-only node) and one SWA slot per page exactly when SWA is present; no slot of a
+//! component appears twice in the tree. A tree without tracking holds no slots at all.
 
 use std::collections::HashSet;
 
@@ -90,7 +90,7 @@ impl UnifiedTree {
     }
 
     /// Component `c`'s slots on the pages from the root to `node` (`None` where `c` is a
-    /// tombstone). Full and SWA only; empty for a tree without slot tracking.
+    /// tombstone or the node is host-only). Full and SWA only; empty for a tree without slot tracking.
     pub fn prefix_pages(&self, node: NodeId, c: Component) -> Result<Vec<Option<u32>>> {
         let mut i = self.index(node)?;
         if c == Component::Mamba || !self.has[c as usize] {
@@ -108,9 +108,9 @@ impl UnifiedTree {
             let n = &self.arena.nodes[i as usize];
             let pages = n.key.len() / self.ps();
             match (c, n.comp[c as usize].present) {
+                (_, false) => out.extend(std::iter::repeat_n(None, pages)),
                 (Component::Full, _) => out.extend(n.full_pages.iter().rev().map(|&x| Some(x))),
                 (_, true) => out.extend(n.swa_pages.iter().rev().map(|&x| Some(x))),
-                (_, false) => out.extend(std::iter::repeat_n(None, pages)),
             }
             i = n.parent;
         }
@@ -189,7 +189,8 @@ impl UnifiedTree {
                 continue;
             }
             let pages = n.key.len() / self.ps();
-            let want = [pages, if n.comp[1].present { pages } else { 0 }];
+            let on = |c: usize| if n.comp[c].present { pages } else { 0 };
+            let want = [on(0), on(1)];
             let have = [&n.full_pages, &n.swa_pages];
             for c in 0..2 {
                 let want = if self.slots { want[c] } else { 0 };

@@ -185,15 +185,35 @@ enum Op {
     Evict(u64, u64, u64),
     /// Back up the n-th live node (ancestors first); finish the pending backups or not.
     Backup(usize, bool),
+    /// Match a key and load its host hit back to device; finish the load or keep it pending.
+    LoadBack {
+        seq: usize,
+        len: usize,
+        finish: bool,
+    },
+    /// Free host Full tokens.
+    EvictHost(u64),
+    /// Pin the host copy of the n-th node on host.
+    PinHost(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
+    op_weighted(1)
+}
+
+/// Operations with the host-tier ones (backup, load-back, host eviction) `host` times as
+/// likely as in [`op`].
+fn op_weighted(host: u32) -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0usize..4, 1usize..12, any::<bool>())
             .prop_map(|(seq, len, hold)| Op::Request { seq, len, hold }),
         1 => Just(Op::Release),
         2 => (0u64..40, 0u64..40, 0u64..4).prop_map(|(a, b, c)| Op::Evict(a, b, c)),
-        2 => (0usize..64, any::<bool>()).prop_map(|(n, f)| Op::Backup(n, f)),
+        2 * host => (0usize..64, any::<bool>()).prop_map(|(n, f)| Op::Backup(n, f)),
+        2 * host => (0usize..4, 1usize..12, any::<bool>())
+            .prop_map(|(seq, len, finish)| Op::LoadBack { seq, len, finish }),
+        host => (0u64..40).prop_map(Op::EvictHost),
+        host => (0usize..64).prop_map(Op::PinHost),
     ]
 }
 
@@ -291,14 +311,61 @@ fn insert_tracked(
 
 /// Backs up the `n`-th live node and its unbacked ancestors (ancestors first) with fresh
 /// host slots; checks that each plan copies exactly the device slots of what it backs up.
+/// What each host slot holds, recorded when its backup commits: (component, slot) → the
+/// page's tokens (Full, SWA) or the node's depth in tokens (Mamba).
+type HostIds = std::collections::HashMap<(usize, u32), Vec<u32>>;
+
+/// The tokens of each page of `node`.
+fn page_tokens(t: &UnifiedTree, node: NodeId) -> Vec<Vec<u32>> {
+    let (i, _) = node.parts();
+    t.arena.nodes[i as usize]
+        .key
+        .chunks(t.ps())
+        .map(<[u32]>::to_vec)
+        .collect()
+}
+
+/// Records (`record`) or checks what the host slots of `lists` (per node, one per page)
+/// and `mamba` (at `node`) hold.
+fn host_ids(
+    t: &UnifiedTree,
+    ids: &mut HostIds,
+    lists: [&[(NodeId, Vec<u32>)]; 2],
+    mamba: Option<(NodeId, u32)>,
+    record: bool,
+) -> std::result::Result<(), TestCaseError> {
+    let mut entries = Vec::new();
+    for (c, list) in lists.into_iter().enumerate() {
+        for (node, slots) in list {
+            entries.extend(slots.iter().map(|&h| (c, h)).zip(page_tokens(t, *node)));
+        }
+    }
+    if let Some((node, h)) = mamba {
+        entries.push(((2, h), vec![t.depth_tokens(node).unwrap() as u32]));
+    }
+    for (k, v) in entries {
+        if record {
+            prop_assert!(
+                ids.insert(k, v).is_none(),
+                "host slot {:?} written twice",
+                k
+            );
+        } else {
+            prop_assert_eq!(ids.get(&k), Some(&v), "host slot {:?} holds other bytes", k);
+        }
+    }
+    Ok(())
+}
+
 fn backup_nth(
     t: &mut UnifiedTree,
     n: usize,
     next: &mut u32,
     pending: &mut Vec<BackupId>,
+    ids: &mut HostIds,
 ) -> std::result::Result<(), TestCaseError> {
     let live: Vec<u32> = (1..t.arena.nodes.len() as u32)
-        .filter(|&i| t.arena.nodes[i as usize].live)
+        .filter(|&i| t.arena.nodes[i as usize].live && t.arena.nodes[i as usize].comp[0].present)
         .collect();
     let Some(&i) = live.get(n % live.len().max(1)) else {
         return Ok(());
@@ -328,6 +395,12 @@ fn backup_nth(
             mamba,
         };
         pending.push(t.commit_backup(&plan, host).unwrap());
+        let full = [(id, full.clone())];
+        let lists = [
+            &full[..usize::from(!plan.full.is_empty())],
+            &host_swa_lists(&plan, &swa),
+        ];
+        host_ids(t, ids, lists, mamba.map(|h| (id, h)), true)?;
         prop_assert!(t.backed_up(id, Component::Full).unwrap());
         prop_assert!(t.plan_backup(id).unwrap().is_none(), "backed up twice");
         prop_assert!(
@@ -336,6 +409,69 @@ fn backup_nth(
         );
     }
     Ok(())
+}
+
+/// The host SWA slots of a backup, split per node as its plan lists them.
+fn host_swa_lists(plan: &UnifiedBackupPlan, swa: &[u32]) -> Vec<(NodeId, Vec<u32>)> {
+    host::per_node(&plan.swa, swa)
+        .map(|(node, mine)| (node, mine.to_vec()))
+        .collect()
+}
+
+/// Matches `k` and loads its host hit back: the plan reads exactly the host slots the
+/// backups wrote for those pages; host slots stay, fresh device slots are adopted, and the
+/// device match then reaches the loaded node.
+fn load_back(
+    t: &mut UnifiedTree,
+    k: &[u32],
+    next: &mut u32,
+    ids: &mut HostIds,
+) -> std::result::Result<Option<UnifiedLoadId>, TestCaseError> {
+    let m = t.match_prefix(k).unwrap();
+    check_match(t, &m)?;
+    let Some(plan) = t.plan_load_back(m.host_node).unwrap() else {
+        prop_assert_eq!(m.host_hit_len, 0);
+        return Ok(None);
+    };
+    host_ids(
+        t,
+        ids,
+        [&plan.full, &plan.swa],
+        plan.mamba.map(|h| (plan.node, h)),
+        false,
+    )?;
+    let before = held_slots(t);
+    let mut fresh = |k: usize| -> Vec<u32> {
+        (0..k)
+            .map(|_| {
+                *next += 1;
+                *next
+            })
+            .collect()
+    };
+    let (full, swa) = (fresh(plan.full_pages()), fresh(plan.swa_pages()));
+    let mamba = plan.mamba.map(|_| fresh(1)[0]);
+    let dev = DeviceLoad {
+        full: &full,
+        swa: &swa,
+        mamba,
+    };
+    let id = t.commit_load_back(&plan, dev).unwrap();
+    let after = held_slots(t);
+    prop_assert_eq!(&before[2..], &after[2..], "a load-back moves no host slot");
+    for (c, new) in [full, swa].into_iter().enumerate() {
+        let mut want = before[c].clone();
+        want.extend(new);
+        want.sort_unstable();
+        prop_assert_eq!(&want, &after[c], "device slots adopted by the load-back");
+    }
+    let depth = t.depth_tokens(plan.node).unwrap();
+    let again = t.match_prefix(k).unwrap();
+    prop_assert!(
+        again.device_prefix_len >= depth,
+        "loaded prefix not a device hit"
+    );
+    Ok(Some(id))
 }
 
 fn run_model(
@@ -351,6 +487,9 @@ fn run_model(
     };
     let mut next = 1_000_000u32;
     let mut pending = Vec::new();
+    let mut loads = Vec::new();
+    let mut pins: Vec<NodeId> = Vec::new();
+    let mut ids = HostIds::new();
     let mut held: Vec<(LockReceipt, Vec<bool>)> = Vec::new();
     let mut slot = 0u32;
     for op in ops {
@@ -387,10 +526,67 @@ fn run_model(
                 if !pending.is_empty() {
                     t.finish_backup(pending.remove(0)).unwrap();
                 }
+                if !loads.is_empty() {
+                    t.finish_load_back(loads.remove(0)).unwrap();
+                }
+                if !pins.is_empty() {
+                    t.unlock_host(pins.remove(0)).unwrap();
+                }
+            }
+            Op::PinHost(n) => {
+                let on_host: Vec<NodeId> = (1..t.arena.nodes.len() as u32)
+                    .filter(|&i| t.arena.nodes[i as usize].live)
+                    .map(|i| t.id(i))
+                    .filter(|&id| t.backed_up(id, Component::Full).unwrap())
+                    .collect();
+                if let Some(&id) = on_host.get(n % on_host.len().max(1)) {
+                    t.lock_host(id).unwrap();
+                    pins.push(id);
+                }
+            }
+            Op::LoadBack { seq, len, finish } => {
+                if slots
+                    && let Some(id) = load_back(&mut t, &key(seq, len, ps), &mut next, &mut ids)?
+                {
+                    if finish {
+                        t.finish_load_back(id).unwrap();
+                    } else {
+                        loads.push(id);
+                    }
+                }
+            }
+            Op::EvictHost(n) => {
+                let before = held_slots(&t);
+                let e = t.evict_host(n);
+                let after = held_slots(&t);
+                prop_assert_eq!(
+                    &before[..2],
+                    &after[..2],
+                    "host eviction moves no device slot"
+                );
+                prop_assert_eq!((e.full, e.swa, e.mamba), (0, 0, 0));
+                let freed = [&e.host_full_pages, &e.host_swa_pages, &e.host_mamba_slots];
+                for (c, f) in freed.into_iter().enumerate() {
+                    let mut rhs = after[c + 2].clone();
+                    rhs.extend(f);
+                    rhs.sort_unstable();
+                    prop_assert_eq!(
+                        &before[c + 2],
+                        &rhs,
+                        "host slot ledger of {} on evict_host",
+                        c
+                    );
+                }
+                for &id in &pins {
+                    prop_assert!(
+                        t.backed_up(id, Component::Full).unwrap(),
+                        "a pinned host copy was freed"
+                    );
+                }
             }
             Op::Backup(n, finish) => {
                 if slots {
-                    backup_nth(&mut t, n, &mut next, &mut pending)?;
+                    backup_nth(&mut t, n, &mut next, &mut pending, &mut ids)?;
                 }
                 if finish {
                     for id in pending.drain(..) {
@@ -433,7 +629,17 @@ fn run_model(
     for id in pending.drain(..) {
         t.finish_backup(id).unwrap();
     }
-    prop_assert_eq!(t.pending_backups(), 0);
+    for id in loads.drain(..) {
+        t.finish_load_back(id).unwrap();
+    }
+    for id in pins.drain(..) {
+        t.unlock_host(id).unwrap();
+    }
+    prop_assert!(
+        t.unlock_host(t.root()).is_err(),
+        "an unbalanced host unlock is an error"
+    );
+    prop_assert_eq!(t.pending_backups() + t.pending_load_backs(), 0);
     for c in [Component::Full, Component::Swa, Component::Mamba] {
         prop_assert_eq!(t.protected_size(c), 0, "all locks released");
     }
@@ -443,7 +649,15 @@ fn run_model(
 
 /// A match never ends where a component has no data (a tombstone serves nothing).
 fn check_match(t: &UnifiedTree, m: &UnifiedMatch) -> std::result::Result<(), TestCaseError> {
-    prop_assert!(m.full_hit_len >= m.device_prefix_len);
+    prop_assert!(m.full_hit_len >= m.device_prefix_len + m.host_hit_len);
+    if t.tracks_slots() {
+        let pages = t.prefix_pages(m.node, Component::Full).unwrap();
+        prop_assert!(
+            pages.iter().all(Option::is_some),
+            "a host-only node matched as a device hit"
+        );
+        prop_assert_eq!(pages.len() * t.ps(), m.device_prefix_len);
+    }
     if m.node != t.root() {
         prop_assert!(t.present(m.node, Component::Full).unwrap());
         if t.has(Component::Swa) {
@@ -481,13 +695,21 @@ fn check_eviction(
         );
     }
     // Cascade: on a surviving node, SWA dropped by this eviction takes Mamba with it; Full
-    // never leaves a surviving node.
+    // leaves a surviving node only by demotion (backed up, host slots kept).
     for (i, n) in after.arena.nodes.iter().enumerate() {
         let b = &before.arena.nodes[i];
         if !n.live || !b.live || n.generation != b.generation {
             continue;
         }
-        prop_assert!(n.comp[0].present);
+        if !n.comp[0].present {
+            prop_assert!(
+                !b.host_full.is_empty(),
+                "only a backed-up node leaves the device and stays (demoted)"
+            );
+            prop_assert_eq!(&n.host_full, &b.host_full, "demotion keeps host slots");
+            prop_assert_eq!(&n.host_swa, &b.host_swa, "demotion keeps host slots");
+            prop_assert_eq!(n.host_mamba, b.host_mamba, "demotion keeps host slots");
+        }
         if b.comp[1].present && !n.comp[1].present && b.comp[2].present {
             prop_assert!(
                 !n.comp[2].present,
@@ -516,6 +738,16 @@ proptest! {
     fn model_full_swa_mamba(ops in proptest::collection::vec(op(), 1..40), w in 1u32..12, slots: bool) {
         let cfg = UnifiedConfig { swa_window: Some(w), mamba_chunk: Some(2), ..UnifiedConfig::full(2) };
         run_model(cfg, &ops, slots)?;
+    }
+
+    #[test]
+    fn model_host_tier(ops in proptest::collection::vec(op_weighted(3), 1..60), w in 0u32..12, mamba: bool) {
+        let cfg = UnifiedConfig {
+            swa_window: (w > 0).then_some(w),
+            mamba_chunk: mamba.then_some(2),
+            ..UnifiedConfig::full(2)
+        };
+        run_model(cfg, &ops, true)?;
     }
 
     #[test]
@@ -696,15 +928,130 @@ fn write_through_backs_up_each_component_ancestors_first() {
     assert!(t.finish_backup(b).is_err(), "finished twice");
     t.check_invariants().unwrap();
     assert_eq!(t.protected_size(Component::Full), 0);
-    // A deleted leaf hands its host slots back with its device slots.
+    // Device eviction demotes the backed-up nodes: device slots freed, host slots kept.
     let e = t.evict(EvictRequest {
         full: 100,
         ..EvictRequest::default()
     });
+    let mut dev_full = e.full_pages.clone();
+    dev_full.sort_unstable();
+    assert_eq!(dev_full, [10, 11, 12, 13]);
+    assert_eq!(
+        (e.mamba_slots.clone(), e.host_full_pages.len()),
+        (vec![7], 0)
+    );
+    assert_eq!(t.size(Component::Full), 0);
+    assert_eq!(t.node_count(), 3, "demoted nodes stay, host-only");
+    t.check_invariants().unwrap();
+    // A host-only node is no device hit; the match reports the host extent per component.
+    let m = t.match_prefix(&toks(0..8)).unwrap();
+    assert_eq!((m.device_prefix_len, m.node), (0, t.root()));
+    assert_eq!((m.host_node, m.host_hit_len), (leaf, 8));
+    assert_eq!((m.swa_host_hit_len, m.mamba_host_hit), (4, true));
+    // Load-back copies exactly the backed-up host slots, ancestors first.
+    let plan = t.plan_load_back(m.host_node).unwrap().unwrap();
+    assert_eq!(
+        plan.full,
+        vec![(chain[0], vec![100, 101]), (leaf, vec![102, 103])]
+    );
+    assert_eq!(plan.swa, vec![(leaf, vec![202, 203])]);
+    assert_eq!(plan.mamba, Some(300));
+    let dev = DeviceLoad {
+        full: &[40, 41, 42, 43],
+        swa: &[50, 51],
+        mamba: Some(60),
+    };
+    let id = t.commit_load_back(&plan, dev).unwrap();
+    assert!(t.commit_load_back(&plan, dev).is_err(), "a stale plan");
+    assert_eq!(t.plan_load_back(leaf).unwrap(), None);
+    let e = t.evict(EvictRequest {
+        full: 100,
+        ..EvictRequest::default()
+    });
+    assert_eq!(e.full, 0, "locked while the load runs");
+    t.finish_load_back(id).unwrap();
+    t.check_invariants().unwrap();
+    let m = t.match_prefix(&toks(0..8)).unwrap();
+    assert_eq!((m.device_prefix_len, m.node, m.host_hit_len), (8, leaf, 0));
+    assert_eq!(m.mamba_slot, Some(60));
+    assert_eq!(
+        t.prefix_pages(leaf, Component::Full).unwrap(),
+        [40, 41, 42, 43].map(Some)
+    );
+    // Demote again, then free the host copies: whole host-only leaves, children first.
+    t.evict(EvictRequest {
+        full: 100,
+        ..EvictRequest::default()
+    });
+    t.lock_host(leaf).unwrap();
+    assert!(
+        t.evict_host(100).host_full_pages.is_empty(),
+        "a pin keeps the path"
+    );
+    t.unlock_host(leaf).unwrap();
+    let e = t.evict_host(100);
     let mut host_full = e.host_full_pages.clone();
     host_full.sort_unstable();
     assert_eq!(host_full, [100, 101, 102, 103]);
     assert_eq!(e.host_mamba_slots, [300]);
     assert_eq!(e.host_swa_pages.len(), 4);
     assert_eq!(t.node_count(), 1);
+    t.check_invariants().unwrap();
+}
+
+#[test]
+fn an_insert_puts_a_host_only_node_back_on_device_with_the_request_slots() {
+    let cfg = UnifiedConfig {
+        swa_window: Some(4),
+        ..UnifiedConfig::full(2)
+    };
+    let mut t = UnifiedTree::with_device_slots(cfg).unwrap();
+    let s = InsertSlots {
+        full: &[10, 11],
+        swa: &[20, 21],
+    };
+    let node = t
+        .insert_with_slots(&toks(0..4), &InsertParams::default(), s)
+        .unwrap()
+        .node;
+    let plan = t.plan_backup(node).unwrap().unwrap();
+    let host = HostBackup {
+        full: &[100, 101],
+        swa: &[200, 201],
+        mamba: None,
+    };
+    let id = t.commit_backup(&plan, host).unwrap();
+    t.finish_backup(id).unwrap();
+    t.evict(EvictRequest {
+        full: 4,
+        ..EvictRequest::default()
+    });
+    assert!(!t.present(node, Component::Full).unwrap());
+    let s = InsertSlots {
+        full: &[30, 31],
+        swa: &[40, 41],
+    };
+    let ins = t
+        .insert_with_slots(&toks(0..4), &InsertParams::default(), s)
+        .unwrap();
+    assert_eq!(
+        (ins.prefix_len, ins.duplicate_tokens),
+        (4, 0),
+        "the tree took the KV"
+    );
+    assert!(ins.release_full.is_empty() && ins.release_swa.is_empty());
+    assert_eq!(
+        t.prefix_pages(ins.node, Component::Full).unwrap(),
+        [Some(30), Some(31)]
+    );
+    assert_eq!(
+        t.prefix_pages(ins.node, Component::Swa).unwrap(),
+        [Some(40), Some(41)]
+    );
+    assert!(
+        t.backed_up(ins.node, Component::Full).unwrap(),
+        "host copy kept"
+    );
+    assert_eq!(t.size(Component::Full), 4);
+    t.check_invariants().unwrap();
 }

@@ -15,8 +15,17 @@ pub(super) fn check(t: &UnifiedTree) -> Result<(), String> {
         if !n.live || i == ROOT {
             continue;
         }
-        if n.key.is_empty() || !n.key.len().is_multiple_of(t.ps()) || !n.comp[0].present {
-            return Err(format!("node {i}: empty/unaligned key or Full missing"));
+        if n.key.is_empty() || !n.key.len().is_multiple_of(t.ps()) {
+            return Err(format!("node {i}: empty/unaligned key"));
+        }
+        // Host-only (demoted) nodes: Full on host, no device component, device parent or
+        // host-only parent; a device node's parent is on device.
+        if !n.comp[0].present {
+            if n.host_full.is_empty() || n.comp.iter().any(|c| c.present) {
+                return Err(format!("node {i}: Full neither on device nor host-only"));
+            }
+        } else if n.parent != ROOT && !t.arena.nodes[n.parent as usize].comp[0].present {
+            return Err(format!("node {i}: on device under a host-only parent"));
         }
         if n.parent == NIL || !t.arena.nodes[n.parent as usize].children.contains(&i) {
             return Err(format!("node {i}: not a child of its parent"));

@@ -21,15 +21,25 @@ impl UnifiedTree {
         if p.prev_prefix_len >= total + plen {
             return plen;
         }
-        match self.swa_clip(i, total, total + plen, p.swa_evicted_len) {
-            Some(live_start) => {
-                // Locked Full keeps its own KV and takes only the request's SWA; unlocked
-                // Full swaps to the request's KV. Either way SWA becomes present here.
-                self.set_present(i, Component::Swa);
-                live_start - total
-            }
-            None => plen,
-        }
+        // Locked Full keeps its own KV and takes only the request's SWA; unlocked Full swaps
+        // to the request's KV. Either way SWA becomes present here.
+        self.swa_recover_after_unevict(i, total, plen, p)
+            .map_or(plen, |live_start| live_start - total)
+    }
+
+    /// SGLang's `recover_after_unevict` for SWA (also the recovery of an overlapped
+    /// tombstone): node `i`, covering `[total, total + plen)`, takes the request's SWA from
+    /// the window floor on. Returns where it starts, `None` when it took none.
+    pub(crate) fn swa_recover_after_unevict(
+        &mut self,
+        i: u32,
+        total: usize,
+        plen: usize,
+        p: &InsertParams,
+    ) -> Option<usize> {
+        let live_start = self.swa_clip(i, total, total + plen, p.swa_evicted_len)?;
+        self.set_present(i, Component::Swa);
+        Some(live_start)
     }
 
     /// SGLang's `_clip_to_window`: for a tombstone `i` covering `[start, end)`, the first
