@@ -16,6 +16,7 @@
 //! Invariant kept here: nothing with a positive lock count is evicted — the Full heap holds
 //! only evictable leaves (unlocked in every component) and the LRU scans skip locked nodes.
 
+use super::FULL;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
@@ -219,7 +220,7 @@ impl UnifiedTree {
         let n = &self.arena.nodes[i as usize];
         i != ROOT
             && n.live
-            && !n.comp[0].present
+            && !n.comp[FULL].present
             && !n.host_full.is_empty()
             && n.children.is_empty()
             && n.comp.iter().all(|c| c.lock == 0)

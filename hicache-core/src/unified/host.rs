@@ -17,6 +17,7 @@
 //! SWA or Mamba only where host Full is; no host slot of a component appears twice; a host
 //! pin ([`UnifiedTree::lock_host`]) only where host Full is.
 
+use super::{FULL, MAMBA, SWA};
 use std::collections::HashSet;
 
 use super::node::ROOT;
@@ -134,7 +135,7 @@ impl UnifiedTree {
             return Err(refuse("the root holds no data"));
         }
         let n = &self.arena.nodes[i as usize];
-        if !n.comp[0].present {
+        if !n.comp[FULL].present {
             return Err(refuse("the node is host-only"));
         }
         if n.parent != ROOT && self.arena.nodes[n.parent as usize].host_full.is_empty() {
@@ -148,7 +149,7 @@ impl UnifiedTree {
                 Vec::new()
             },
             swa: self.unbacked_swa(i),
-            mamba: (self.has[2] && n.comp[2].present && n.host_mamba.is_none())
+            mamba: (self.has[MAMBA] && n.comp[MAMBA].present && n.host_mamba.is_none())
                 .then_some(n.mamba_slot),
         };
         let empty = plan.full.is_empty() && plan.swa.is_empty() && plan.mamba.is_none();
@@ -166,11 +167,11 @@ impl UnifiedTree {
                 break;
             }
             let n = &self.arena.nodes[i as usize];
-            if !n.comp[1].present && n.host_swa.is_empty() {
+            if !n.comp[SWA].present && n.host_swa.is_empty() {
                 break;
             }
             covered += n.key.len();
-            if n.comp[1].present && n.host_swa.is_empty() {
+            if n.comp[SWA].present && n.host_swa.is_empty() {
                 out.push((self.id(i), n.swa_pages.clone()));
             }
             i = n.parent;

@@ -4,6 +4,7 @@
 
 use super::node::ROOT;
 use super::{Component, InsertSlots, UnifiedTree};
+use super::{FULL, MAMBA, MAMBA_LRU, SWA};
 use crate::error::{CoreError, Result};
 use crate::tree::NodeId;
 
@@ -72,7 +73,7 @@ impl UnifiedTree {
                 page_size: self.cfg.page_size,
             });
         }
-        if self.has[2] && p.mamba_slot.is_none() && !key.is_empty() {
+        if self.has[MAMBA] && p.mamba_slot.is_none() && !key.is_empty() {
             return Err(CoreError::InvalidPolicy {
                 field: "mamba_slot",
                 value: "none".into(),
@@ -103,15 +104,15 @@ impl UnifiedTree {
             } else {
                 child
             };
-            let consumed_from = if !self.arena.nodes[next as usize].comp[0].present {
+            let consumed_from = if !self.arena.nodes[next as usize].comp[FULL].present {
                 // A host-only node takes the request's KV back on device (SGLang's
                 // `_unevict_node_on_insert` and `recover_after_unevict`).
                 self.unevict(next);
-                if self.has[1] {
+                if self.has[SWA] {
                     self.swa_recover_after_unevict(next, total, plen, p);
                 }
                 0
-            } else if self.has[1] {
+            } else if self.has[SWA] {
                 self.swa_recover_overlap(next, plen, total, p)
             } else {
                 plen
@@ -132,10 +133,10 @@ impl UnifiedTree {
         } else {
             node
         };
-        if self.has[1] && new_leaf {
+        if self.has[SWA] && new_leaf {
             self.swa_commit_leaf(target, total, p);
         }
-        let mamba_exist = match (self.has[2], p.mamba_slot) {
+        let mamba_exist = match (self.has[MAMBA], p.mamba_slot) {
             (true, Some(slot)) => self.mamba_commit(target, new_leaf, slot),
             _ => false,
         };
@@ -161,7 +162,7 @@ impl UnifiedTree {
     /// Puts the host-only node `i` back on device (its Full slots come from the insert or
     /// the load-back that calls this).
     pub(crate) fn unevict(&mut self, i: u32) {
-        self.arena.nodes[i as usize].comp[0].present = true;
+        self.arena.nodes[i as usize].comp[FULL].present = true;
         self.credit(i, Component::Full);
         self.update_leaf(i);
         let parent = self.arena.nodes[i as usize].parent;
@@ -175,7 +176,7 @@ impl UnifiedTree {
         let time = self.tick();
         let i = self.arena.alloc(parent, key, time);
         self.arena.nodes[parent as usize].children.push(i);
-        self.arena.nodes[i as usize].comp[0].present = true;
+        self.arena.nodes[i as usize].comp[FULL].present = true;
         self.evictable[Component::Full as usize] += self.comp_len(i, Component::Full);
         self.update_leaf(i);
         self.update_leaf(parent);
@@ -185,7 +186,7 @@ impl UnifiedTree {
     /// Mamba's commit: a new leaf takes the slot; an existing node without state takes it
     /// (and is stamped); one with state keeps its own (`mamba_exist`), refreshed and stamped.
     fn mamba_commit(&mut self, target: u32, new_leaf: bool, slot: u32) -> bool {
-        let has_state = self.arena.nodes[target as usize].comp[2].present;
+        let has_state = self.arena.nodes[target as usize].comp[MAMBA].present;
         if new_leaf || !has_state {
             self.arena.nodes[target as usize].mamba_slot = slot;
             self.set_present(target, Component::Mamba);
@@ -194,7 +195,7 @@ impl UnifiedTree {
             }
             return false;
         }
-        self.lrus[1].touch(target);
+        self.lrus[MAMBA_LRU].touch(target);
         self.arena.nodes[target as usize].time = self.tick();
         true
     }

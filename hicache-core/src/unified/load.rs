@@ -16,6 +16,7 @@
 use super::host::{check_commit, list_pages, per_node};
 use super::node::ROOT;
 use super::{Component, UnifiedTree};
+use super::{FULL, MAMBA, SWA};
 use crate::error::{CoreError, Result};
 use crate::tree::NodeId;
 
@@ -76,13 +77,13 @@ impl UnifiedTree {
         }
         let mut full = Vec::new();
         let mut i = target;
-        while i != ROOT && !self.arena.nodes[i as usize].comp[0].present {
+        while i != ROOT && !self.arena.nodes[i as usize].comp[FULL].present {
             full.push((self.id(i), self.arena.nodes[i as usize].host_full.clone()));
             i = self.arena.nodes[i as usize].parent;
         }
         full.reverse();
         let t = &self.arena.nodes[target as usize];
-        let mamba = if self.has[2] && target != ROOT && !t.comp[2].present {
+        let mamba = if self.has[MAMBA] && target != ROOT && !t.comp[MAMBA].present {
             Some(
                 t.host_mamba
                     .ok_or(refuse("the Mamba state is neither on device nor host"))?,
@@ -110,7 +111,7 @@ impl UnifiedTree {
         let (mut covered, mut out) = (0usize, Vec::new());
         while i != ROOT && covered < w as usize {
             let n = &self.arena.nodes[i as usize];
-            if !n.comp[1].present {
+            if !n.comp[SWA].present {
                 if n.host_swa.is_empty() {
                     break;
                 }

@@ -7,6 +7,7 @@
 
 use super::node::ROOT;
 use super::{Component, UnifiedTree};
+use super::{FULL, MAMBA, SWA};
 use crate::error::{CoreError, Result};
 use crate::tree::NodeId;
 
@@ -32,7 +33,7 @@ impl UnifiedTree {
         if let Some(w) = self.cfg.swa_window {
             swa_uuid = self.lock_swa(i, w as usize);
         }
-        if self.has[2] && !skip_mamba && i != ROOT {
+        if self.has[MAMBA] && !skip_mamba && i != ROOT {
             self.bump(i, Component::Mamba, true);
         }
         self.update_leaf(i);
@@ -47,16 +48,16 @@ impl UnifiedTree {
     pub fn unlock(&mut self, receipt: &LockReceipt) -> Result<()> {
         let i = self.index(receipt.node)?;
         self.check_unlock(i, receipt)?;
-        if self.has[2] && !receipt.mamba_skipped && i != ROOT {
+        if self.has[MAMBA] && !receipt.mamba_skipped && i != ROOT {
             self.bump(i, Component::Mamba, false);
             self.update_leaf(i);
         }
-        if self.has[1] && i != ROOT {
+        if self.has[SWA] && i != ROOT {
             let mut cur = i;
             while cur != ROOT {
                 self.bump(cur, Component::Swa, false);
                 self.update_leaf(cur);
-                let stamp = self.arena.nodes[cur as usize].comp[1].uuid;
+                let stamp = self.arena.nodes[cur as usize].comp[SWA].uuid;
                 if receipt.swa_uuid.is_some_and(|u| u == stamp) {
                     break;
                 }
@@ -81,21 +82,21 @@ impl UnifiedTree {
         };
         let mut cur = i;
         while cur != ROOT {
-            if self.arena.nodes[cur as usize].comp[0].lock == 0 {
+            if self.arena.nodes[cur as usize].comp[FULL].lock == 0 {
                 return Err(bad(Component::Full, cur));
             }
             cur = self.arena.nodes[cur as usize].parent;
         }
-        if self.has[2]
+        if self.has[MAMBA]
             && !receipt.mamba_skipped
             && i != ROOT
-            && self.arena.nodes[i as usize].comp[2].lock == 0
+            && self.arena.nodes[i as usize].comp[MAMBA].lock == 0
         {
             return Err(bad(Component::Mamba, i));
         }
         let mut cur = i;
-        while self.has[1] && cur != ROOT {
-            let d = self.arena.nodes[cur as usize].comp[1];
+        while self.has[SWA] && cur != ROOT {
+            let d = self.arena.nodes[cur as usize].comp[SWA];
             if d.lock == 0 {
                 return Err(bad(Component::Swa, cur));
             }
@@ -123,11 +124,11 @@ impl UnifiedTree {
             self.bump(cur, Component::Swa, true);
             covered += self.arena.nodes[cur as usize].key.len();
             if covered >= w {
-                if self.arena.nodes[cur as usize].comp[1].uuid == 0 {
+                if self.arena.nodes[cur as usize].comp[SWA].uuid == 0 {
                     self.uuid += 1;
-                    self.arena.nodes[cur as usize].comp[1].uuid = self.uuid;
+                    self.arena.nodes[cur as usize].comp[SWA].uuid = self.uuid;
                 }
-                return Some(self.arena.nodes[cur as usize].comp[1].uuid);
+                return Some(self.arena.nodes[cur as usize].comp[SWA].uuid);
             }
             cur = self.arena.nodes[cur as usize].parent;
         }

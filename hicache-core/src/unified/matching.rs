@@ -4,6 +4,7 @@
 use super::host::list_pages;
 use super::node::ROOT;
 use super::{Component, UnifiedTree};
+use super::{MAMBA, MAMBA_LRU, SWA, SWA_LRU};
 use crate::error::Result;
 use crate::tree::NodeId;
 
@@ -52,7 +53,7 @@ impl Validators {
         Self {
             swa_window: t.cfg.swa_window.map(u64::from),
             swa_len: u64::MAX,
-            mamba: t.has[2],
+            mamba: t.has[MAMBA],
             host,
         }
     }
@@ -168,9 +169,9 @@ impl UnifiedTree {
             device_prefix_len: best_len,
             node: self.id(best),
             full_hit_len: full_hit,
-            swa_branching: self.has[1].then(|| past(self.ps())).flatten(),
+            swa_branching: self.has[SWA].then(|| past(self.ps())).flatten(),
             mamba_branching: self.cfg.mamba_grid().and_then(past),
-            mamba_slot: n.comp[2].present.then_some(n.mamba_slot),
+            mamba_slot: n.comp[MAMBA].present.then_some(n.mamba_slot),
             host_node: self.id(host),
             host_hit_len: host_hit,
             swa_host_hit_len: if self.host_seen {
@@ -178,7 +179,7 @@ impl UnifiedTree {
             } else {
                 0
             },
-            mamba_host_hit: host != ROOT && !h.comp[2].present && h.host_mamba.is_some(),
+            mamba_host_hit: host != ROOT && !h.comp[MAMBA].present && h.host_mamba.is_some(),
         }
     }
 
@@ -188,8 +189,8 @@ impl UnifiedTree {
         if let Some(w) = self.cfg.swa_window {
             self.refresh_window(best, w as usize + self.ps());
         }
-        if self.has[2] && best != ROOT && self.arena.nodes[best as usize].comp[2].present {
-            self.lrus[1].touch(best);
+        if self.has[MAMBA] && best != ROOT && self.arena.nodes[best as usize].comp[MAMBA].present {
+            self.lrus[MAMBA_LRU].touch(best);
         }
     }
 
@@ -200,8 +201,8 @@ impl UnifiedTree {
         let mut prev = None;
         let mut acc = 0usize;
         while i != ROOT && acc < span {
-            if self.arena.nodes[i as usize].comp[1].present {
-                self.lrus[0].move_after(prev, i);
+            if self.arena.nodes[i as usize].comp[SWA].present {
+                self.lrus[SWA_LRU].move_after(prev, i);
                 prev = Some(i);
             }
             acc += self.arena.nodes[i as usize].key.len();

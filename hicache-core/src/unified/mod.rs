@@ -94,6 +94,17 @@ pub enum Component {
     Mamba = 2,
 }
 
+/// Index of Full's data in a node's per-component arrays (`comp`, `has`, sizes).
+const FULL: usize = Component::Full as usize;
+/// Index of SWA's data in a node's per-component arrays.
+const SWA: usize = Component::Swa as usize;
+/// Index of Mamba's data in a node's per-component arrays.
+const MAMBA: usize = Component::Mamba as usize;
+/// SWA's LRU in `UnifiedTree::lrus`.
+const SWA_LRU: usize = SWA - 1;
+/// Mamba's LRU in `UnifiedTree::lrus`.
+const MAMBA_LRU: usize = MAMBA - 1;
+
 impl Component {
     /// Cascade priority on an internal node (higher is evicted later); all are 0 on a leaf.
     pub fn internal_priority(self) -> u8 {
@@ -235,7 +246,7 @@ impl UnifiedTree {
         for c in &mut self.arena.nodes[ROOT as usize].comp {
             c.lock = 1;
         }
-        self.arena.nodes[ROOT as usize].comp[0].present = true;
+        self.arena.nodes[ROOT as usize].comp[FULL].present = true;
         self.lrus = [Lru::default(), Lru::default()];
         self.leaves.clear();
         self.leaf_pos.clear();
@@ -367,12 +378,12 @@ impl UnifiedTree {
     fn is_leaf_candidate(&self, i: u32) -> bool {
         let n = &self.arena.nodes[i as usize];
         i != ROOT
-            && n.comp[0].present
+            && n.comp[FULL].present
             && n.comp.iter().all(|c| c.lock == 0)
             && !n
                 .children
                 .iter()
-                .any(|&ch| self.arena.nodes[ch as usize].comp[0].present)
+                .any(|&ch| self.arena.nodes[ch as usize].comp[FULL].present)
     }
 
     /// Whether `i` is in the evictable-leaf set.
@@ -455,10 +466,10 @@ impl UnifiedTree {
             n.host_full = host_full;
             n.host_swa = host_swa;
             n.children.push(child);
-            n.comp[0] = node::Comp { uuid: 0, ..c[0] };
-            n.comp[1] = c[1];
+            n.comp[FULL] = node::Comp { uuid: 0, ..c[FULL] };
+            n.comp[SWA] = c[SWA];
         }
-        self.arena.nodes[child as usize].comp[1].uuid = 0;
+        self.arena.nodes[child as usize].comp[SWA].uuid = 0;
         self.arena.nodes[child as usize].parent = new;
         let siblings = &mut self.arena.nodes[parent as usize].children;
         let pos = siblings
@@ -466,8 +477,8 @@ impl UnifiedTree {
             .position(|&x| x == child)
             .expect("child of its parent");
         siblings[pos] = new;
-        if self.has[1] && c[1].present {
-            self.lrus[0].insert_after(child, new);
+        if self.has[SWA] && c[SWA].present {
+            self.lrus[SWA_LRU].insert_after(child, new);
         }
         self.arena.nodes[child as usize].time = self.tick();
         self.update_leaf(new);

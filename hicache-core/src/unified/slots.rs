@@ -17,6 +17,7 @@
 //! host-only node) and one SWA slot per page exactly when SWA is present; no slot of a
 //! component appears twice in the tree. A tree without tracking holds no slots at all.
 
+use super::{FULL, SWA};
 use std::collections::HashSet;
 
 use super::node::ROOT;
@@ -67,7 +68,7 @@ impl UnifiedTree {
         s: InsertSlots<'_>,
     ) -> Result<UnifiedInsert> {
         let pages = key.len() / self.ps();
-        let swa_pages = if self.has[1] { pages } else { 0 };
+        let swa_pages = if self.has[SWA] { pages } else { 0 };
         let bad = |value: String, reason| CoreError::InvalidPolicy {
             field: "slots",
             value,
@@ -129,7 +130,7 @@ impl UnifiedTree {
     ) {
         let ps = self.ps();
         let n = &mut self.arena.nodes[i as usize];
-        if n.comp[0].lock > 0 {
+        if n.comp[FULL].lock > 0 {
             return;
         }
         let first = start / ps;
@@ -165,15 +166,15 @@ impl UnifiedTree {
             if n.full_pages.is_empty() {
                 n.full_pages = s.full[first..first + pages].to_vec();
             }
-            if n.comp[1].present && n.swa_pages.is_empty() {
+            if n.comp[SWA].present && n.swa_pages.is_empty() {
                 n.swa_pages = s.swa[first..first + pages].to_vec();
             }
             for k in 0..pages {
                 if n.full_pages[k] != s.full[first + k] {
                     out.release_full.push(s.full[first + k]);
                 }
-                let swa_kept = n.comp[1].present && n.swa_pages[k] == s.swa[first + k];
-                if self.has[1] && (first + k) * ps >= p.swa_evicted_len && !swa_kept {
+                let swa_kept = n.comp[SWA].present && n.swa_pages[k] == s.swa[first + k];
+                if self.has[SWA] && (first + k) * ps >= p.swa_evicted_len && !swa_kept {
                     out.release_swa.push(s.swa[first + k]);
                 }
             }

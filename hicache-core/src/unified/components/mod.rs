@@ -5,6 +5,7 @@ mod swa;
 
 use super::node::{NIL, ROOT};
 use super::{Component, UnifiedTree};
+use crate::unified::FULL;
 
 /// Checks the invariants of the module documentation of [`super`].
 pub(super) fn check(t: &UnifiedTree) -> Result<(), String> {
@@ -20,11 +21,11 @@ pub(super) fn check(t: &UnifiedTree) -> Result<(), String> {
         }
         // Host-only (demoted) nodes: Full on host, no device component, device parent or
         // host-only parent; a device node's parent is on device.
-        if !n.comp[0].present {
+        if !n.comp[FULL].present {
             if n.host_full.is_empty() || n.comp.iter().any(|c| c.present) {
                 return Err(format!("node {i}: Full neither on device nor host-only"));
             }
-        } else if n.parent != ROOT && !t.arena.nodes[n.parent as usize].comp[0].present {
+        } else if n.parent != ROOT && !t.arena.nodes[n.parent as usize].comp[FULL].present {
             return Err(format!("node {i}: on device under a host-only parent"));
         }
         if n.parent == NIL || !t.arena.nodes[n.parent as usize].children.contains(&i) {
@@ -46,9 +47,9 @@ pub(super) fn check(t: &UnifiedTree) -> Result<(), String> {
         let child_locks: u32 = n
             .children
             .iter()
-            .map(|&c| t.arena.nodes[c as usize].comp[0].lock)
+            .map(|&c| t.arena.nodes[c as usize].comp[FULL].lock)
             .sum();
-        if n.comp[0].lock < child_locks {
+        if n.comp[FULL].lock < child_locks {
             return Err(format!("node {i}: Full lock below its children's"));
         }
         if t.in_leaves(i) != t.is_leaf_candidate(i) {

@@ -6,6 +6,7 @@
 
 use super::super::node::ROOT;
 use super::super::{Component, InsertParams, UnifiedTree};
+use crate::unified::SWA;
 
 impl UnifiedTree {
     /// SGLang's `update_component_on_insert_overlap` for SWA: node `i` covers
@@ -46,7 +47,7 @@ impl UnifiedTree {
     /// position at or past the window floor, splitting off the part below it. `None` when
     /// SWA is present or the whole span is below the floor.
     fn swa_clip(&mut self, i: u32, start: usize, end: usize, floor: usize) -> Option<usize> {
-        if self.arena.nodes[i as usize].comp[1].present {
+        if self.arena.nodes[i as usize].comp[SWA].present {
             return None;
         }
         let live_start = start.max(floor);
@@ -77,7 +78,7 @@ impl UnifiedTree {
     /// SGLang's `_maybe_split_leaf_for_swa_lock`: the split-off older part, if any.
     fn swa_cap_leaf(&mut self, leaf: u32) -> Option<u32> {
         let w = self.cfg.swa_window? as usize;
-        if leaf == ROOT || self.arena.nodes[leaf as usize].comp[1].lock > 0 {
+        if leaf == ROOT || self.arena.nodes[leaf as usize].comp[SWA].lock > 0 {
             return None;
         }
         let ps = self.ps();
