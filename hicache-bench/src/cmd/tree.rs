@@ -960,10 +960,19 @@ fn run_hybrid(args: &TreeArgs, mut out: impl Write) -> Result<()> {
     let (median, best) = hybrid::rate(&setup, &trace, Duration::from_millis(args.min_time_ms))?;
     let comps = args.components.as_deref().unwrap_or("full");
     let line = if args.json {
-        format!(
-            "{{\"components\":\"{comps}\",\"requests\":{},\"req_per_s\":{median:.1},\"best_req_per_s\":{best:.1}}}",
-            trace.len()
+        Record::new(
+            "tree",
+            format!(
+                "unified/{comps}/page{}/{}pages",
+                args.page_size, setup.full_pages
+            ),
+            median,
+            "req/s",
         )
+        .with("components", comps)
+        .with("requests", trace.len())
+        .with("best_req_per_s", best)
+        .to_json_line()
     } else {
         format!(
             "unified tree replay [{comps}]: {} requests, page {}, {} pages: {median:.0} req/s (best {best:.0})",
@@ -1146,5 +1155,20 @@ mod tests {
             run(&no_window, Vec::new()).is_err(),
             "full,swa needs a window"
         );
+        // With --json, one record in the benches' convention.
+        let json = TreeArgs {
+            swa_window: Some(8),
+            json: true,
+            log: None,
+            ..no_window
+        };
+        let mut out3 = Vec::new();
+        run(&json, &mut out3).unwrap();
+        let rec: serde_json::Value = serde_json::from_slice(&out3).unwrap();
+        assert_eq!(rec["bench"], "tree");
+        assert_eq!(rec["unit"], "req/s");
+        assert_eq!(rec["components"], "full,swa");
+        assert_eq!(rec["requests"], 12);
+        assert!(rec["value"].as_f64().unwrap() > 0.0);
     }
 }
