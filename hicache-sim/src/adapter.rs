@@ -17,7 +17,7 @@
 //!    does not depend on how fast this machine copies. With copy time `free` it drains
 //!    everything instead, while the clock stands still (the upper-bound model).
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hicache::{
@@ -30,13 +30,13 @@ use crate::cache::{
     Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
     RequestId,
 };
-use crate::copy_gate::{Clock, ClockRank, L3Clock, gated_registry};
+use crate::copy_gate::CopyTimer;
 use crate::error::{Result, SimError};
 use crate::links::Links;
 use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize, TieringMode};
 
 /// Longest wall time `advance` waits for launched work to finish before it gives up.
-const QUIET_LIMIT: Duration = Duration::from_secs(300);
+pub(crate) const QUIET_LIMIT: Duration = Duration::from_secs(300);
 
 /// Builds `HiCache` instances for the main job.
 #[derive(Debug, Default, Clone, Copy)]
@@ -47,14 +47,9 @@ pub struct HiCacheUnderTest {
     cache: HiCache,
     counter: Arc<LayerDoneCounter>,
     consumer: Option<usize>,
-    clock: Arc<Mutex<Clock>>,
-    l3_clock: Arc<Mutex<L3Clock>>,
+    timer: CopyTimer,
     page_bytes: u64,
     refused_during_copies: u64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn err(e: hicache::HiCacheError) -> CacheError {
@@ -113,16 +108,15 @@ impl CacheFactory for HiCacheFactory {
                 Device::cuda(0).map_err(|e| SimError::Usage(format!("--device cuda: {e}")))?
             }
         };
-        let clock = Arc::new(Mutex::new(Clock::default()));
-        let l3_clock = Arc::new(Mutex::new(L3Clock::default()));
+        let timer = CopyTimer::default();
         let registry = hicache::backends::builtin_registry()
-            .and_then(|base| Ok(gated_registry(&base, &l3_clock)?))
+            .and_then(|base| Ok(timer.gated_registry(&base)?))
             .map_err(|e| SimError::Usage(format!("cannot list the backends: {e}")))?;
         let cache = HiCache::builder(cfg)
             .shape(setup.kv_shape)
             .device(device)
             .device_pages(setup.device_pages)
-            .rank_group(Arc::new(ClockRank::new(clock.clone())))
+            .rank_group(Arc::new(timer.dense_rank()))
             .registry(Arc::new(registry))
             .build()
             .map_err(|e| SimError::Usage(format!("cannot build the cache: {e}")))?;
@@ -139,8 +133,7 @@ impl CacheFactory for HiCacheFactory {
             cache,
             counter,
             consumer: None,
-            clock,
-            l3_clock,
+            timer,
             refused_during_copies: 0,
         }))
     }
@@ -166,34 +159,17 @@ impl HiCacheUnderTest {
     }
 
     /// Times what the last poll launched: new write batches on the D2H link; new backups
-    /// join the open window (timed by [`Self::close_window`]).
+    /// join the open window (timed by [`CopyTimer::close_window`]).
     fn time_launches(&self, now: f64, links: &mut Links) -> CacheResult<()> {
         let f = self.cache.in_flight().map_err(err)?;
-        let mut c = lock(&self.clock);
-        let known = c.writes.len();
-        for &(pages, _) in f.writes.iter().skip(known) {
-            let done = links.d2h.transfer(now, pages as u64 * self.page_bytes);
-            c.writes.push_back(done);
-        }
-        let known = c.backups.len();
-        for _ in known..f.backups.len() {
-            c.backups.push_back(f64::INFINITY);
-        }
+        let writes: Vec<u64> = f
+            .writes
+            .iter()
+            .map(|&(pages, _)| pages as u64 * self.page_bytes)
+            .collect();
+        self.timer.time_writes(now, links, &writes);
+        self.timer.add_backups(f.backups.len());
         Ok(())
-    }
-
-    /// Times the open window of backups (every page they stored, as one transfer on the L3
-    /// link issued now); pages stored become visible and the backups finishable when it ends.
-    fn close_window(&self, now: f64, links: &mut Links) {
-        let mut c = lock(&self.clock);
-        let mut done = now;
-        lock(&self.l3_clock).close_window(|bytes| {
-            done = links.l3.transfer(now, bytes);
-            done
-        });
-        for t in c.backups.iter_mut().filter(|t| t.is_infinite()) {
-            *t = done;
-        }
     }
 }
 
@@ -212,12 +188,7 @@ impl CacheUnderTest for HiCacheUnderTest {
 
     fn poll(&mut self) -> CacheResult<()> {
         // Copy time free: every copy counts as complete, every stored page as visible.
-        lock(&self.clock).open = true;
-        {
-            let mut l3 = lock(&self.l3_clock);
-            l3.close_window(|_| 0.0);
-            l3.set_now(f64::INFINITY);
-        }
+        self.timer.open_all();
         self.cache.drain().map_err(err)
     }
 
@@ -227,21 +198,20 @@ impl CacheUnderTest for HiCacheUnderTest {
         }
         // Lookups started at the old time finish at the old time (invariant 1).
         self.wait_quiet()?;
-        lock(&self.clock).now = now;
-        lock(&self.l3_clock).set_now(now);
+        self.timer.set_now(now);
         loop {
             self.cache.poll().map_err(err)?;
             self.time_launches(now, links)?;
             self.wait_quiet()?;
-            self.close_window(now, links);
-            if !lock(&self.clock).any_due() {
+            self.timer.close_window(now, links);
+            if !self.timer.any_due() {
                 return Ok(());
             }
         }
     }
 
     fn next_completion(&self) -> Option<f64> {
-        lock(&self.clock).next_completion()
+        self.timer.next_completion()
     }
 
     fn prefetch_status(&mut self, req: RequestId) -> CacheResult<PrefetchStatus> {
@@ -276,9 +246,10 @@ impl CacheUnderTest for HiCacheUnderTest {
                 l3_pages: adm.storage_pages,
                 prefix_slots: adm.prefix_slots,
                 new_slots,
+                load_bytes: None,
             })),
             None => {
-                if !lock(&self.clock).writes.is_empty() {
+                if self.timer.writes_in_flight() > 0 {
                     self.refused_during_copies += 1;
                 }
                 self.cache.unadmit(req).map_err(err)?;
@@ -314,8 +285,7 @@ impl CacheUnderTest for HiCacheUnderTest {
 
     fn shutdown(&mut self) -> CacheResult<()> {
         // Whatever is still in flight completes after the last request: nothing waits for it.
-        lock(&self.clock).open = true;
-        lock(&self.l3_clock).set_now(f64::INFINITY);
+        self.timer.close_run();
         self.cache.shutdown().map_err(err)
     }
 
@@ -323,8 +293,9 @@ impl CacheUnderTest for HiCacheUnderTest {
         CacheStats {
             page_bytes: self.cache.shape().page_bytes() as u64,
             metrics: self.cache.metrics().snapshot(),
-            l3_pages_in_flight: lock(&self.l3_clock).pages_in_flight(),
+            l3_pages_in_flight: self.timer.l3_pages_in_flight(),
             refused_during_copies: self.refused_during_copies,
+            components: None,
         }
     }
 }

@@ -97,6 +97,10 @@ pub struct Admission {
     pub prefix_slots: Vec<DeviceSlot>,
     /// Device slots for the rest of the prompt and the new tokens.
     pub new_slots: Vec<DeviceSlot>,
+    /// Bytes this admission copies from host to device, when the cache knows them exactly
+    /// (a hybrid model loads Full pages, SWA pages and a Mamba state); `None`:
+    /// [`load_pages`](Self::load_pages) pages of the engine's page size.
+    pub load_bytes: Option<u64>,
 }
 
 impl Admission {
@@ -130,6 +134,57 @@ pub struct CacheStats {
     pub l3_pages_in_flight: u64,
     /// Admissions refused while device pages were held by write-through copies in flight.
     pub refused_during_copies: u64,
+    /// A hybrid model's moves per component (`metrics` then counts the Full component's
+    /// pages, and `page_bytes` is a Full page); `None` for a dense model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub components: Option<HybridMoves>,
+}
+
+/// Pages (states for Mamba) and bytes one component of a hybrid model moved, per direction.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Serialize)]
+pub struct ComponentMoves {
+    /// Device → host (write-through).
+    pub d2h: TransferStats,
+    /// Host → device (load-back).
+    pub h2d: TransferStats,
+    /// Host → L3 (backup).
+    pub l2_to_l3: TransferStats,
+    /// L3 → host (prefetch).
+    pub l3_to_l2: TransferStats,
+}
+
+impl ComponentMoves {
+    /// The four directions with their report names.
+    pub fn directions(&self) -> [(&'static str, TransferStats); 4] {
+        [
+            ("d2h", self.d2h),
+            ("h2d", self.h2d),
+            ("l2_to_l3", self.l2_to_l3),
+            ("l3_to_l2", self.l3_to_l2),
+        ]
+    }
+}
+
+/// A hybrid model's moves per component.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Serialize)]
+pub struct HybridMoves {
+    /// Full-attention KV pages.
+    pub full: ComponentMoves,
+    /// Sliding-window KV pages.
+    pub swa: ComponentMoves,
+    /// Mamba states.
+    pub mamba: ComponentMoves,
+}
+
+impl HybridMoves {
+    /// The components with their report names.
+    pub fn components(&self) -> [(&'static str, &ComponentMoves); 3] {
+        [
+            ("full", &self.full),
+            ("swa", &self.swa),
+            ("mamba", &self.mamba),
+        ]
+    }
 }
 
 /// A cache the simulated engine can drive. See the [module documentation](self) for the call

@@ -31,6 +31,8 @@ use hicache_storage::{
     async_trait,
 };
 
+use crate::links::Links;
+
 /// The simulated clock and the completion times of what is in flight.
 #[derive(Debug, Default)]
 pub struct Clock {
@@ -76,12 +78,32 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Debug, Clone)]
 pub struct ClockRank {
     clock: Arc<Mutex<Clock>>,
+    /// Index of "write-through copies finished" in the exchanged vector.
+    writes_at: usize,
+    /// Index of "L3 backups finished", if the controller exchanges it.
+    backups_at: Option<usize>,
 }
 
 impl ClockRank {
-    /// A rank bounded by `clock`.
+    /// The dense controller's rank bounded by `clock` (writes at
+    /// [`EXCHANGE_WRITES_FINISHED`], backups at [`EXCHANGE_BACKUPS_FINISHED`]).
     pub fn new(clock: Arc<Mutex<Clock>>) -> Self {
-        Self { clock }
+        Self {
+            clock,
+            writes_at: EXCHANGE_WRITES_FINISHED,
+            backups_at: Some(EXCHANGE_BACKUPS_FINISHED),
+        }
+    }
+
+    /// A rank bounded by `clock` for a controller that exchanges its finished
+    /// write-through (device → host) copies at index `writes_at` and nothing else the
+    /// clock bounds (the hybrid controller's `HYBRID_EXCHANGE_BACKUPS`).
+    pub fn writes_only(clock: Arc<Mutex<Clock>>, writes_at: usize) -> Self {
+        Self {
+            clock,
+            writes_at,
+            backups_at: None,
+        }
     }
 }
 
@@ -95,14 +117,13 @@ impl RankGroup for ClockRank {
     }
 
     fn exchange(&self, min: &mut [u64], _max: &mut [u64]) -> Result<(), RankError> {
-        if min.len() <= EXCHANGE_BACKUPS_FINISHED {
+        let last = self.writes_at.max(self.backups_at.unwrap_or(0));
+        if min.len() <= last {
             return Ok(());
         }
         let mut c = lock(&self.clock);
-        for (i, writes) in [
-            (EXCHANGE_WRITES_FINISHED, true),
-            (EXCHANGE_BACKUPS_FINISHED, false),
-        ] {
+        let gates = [(Some(self.writes_at), true), (self.backups_at, false)];
+        for (i, writes) in gates.into_iter().filter_map(|(i, w)| Some((i?, w))) {
             let q = if writes { &c.writes } else { &c.backups };
             let agreed = min[i].min(c.due(q));
             min[i] = agreed;
@@ -115,6 +136,125 @@ impl RankGroup for ClockRank {
             q.drain(..n);
         }
         Ok(())
+    }
+}
+
+/// The simulated-time state an adapter shares with its gates ([`ClockRank`] and
+/// [`GatedStorage`]), and the steps every adapter takes on it: time what the controller
+/// launched on the [`Links`], open everything when copies are free, close the L3 window.
+#[derive(Debug, Clone, Default)]
+pub struct CopyTimer {
+    /// Completions of the copies in flight.
+    pub clock: Arc<Mutex<Clock>>,
+    /// Visibility of stored pages.
+    pub l3: Arc<Mutex<L3Clock>>,
+}
+
+impl CopyTimer {
+    /// Copy time free: every copy counts as complete and every stored page as visible.
+    pub fn open_all(&self) {
+        lock(&self.clock).open = true;
+        let mut l3 = lock(&self.l3);
+        l3.close_window(|_| 0.0);
+        l3.set_now(f64::INFINITY);
+    }
+
+    /// The end of a run: whatever is still in flight completes after the last request.
+    pub fn close_run(&self) {
+        lock(&self.clock).open = true;
+        lock(&self.l3).set_now(f64::INFINITY);
+    }
+
+    /// Moves the simulated clock of both gates to `now`.
+    pub fn set_now(&self, now: f64) {
+        lock(&self.clock).now = now;
+        lock(&self.l3).set_now(now);
+    }
+
+    /// Write-through batches timed so far and not yet finished.
+    pub fn writes_in_flight(&self) -> usize {
+        lock(&self.clock).writes.len()
+    }
+
+    /// Times write-through batches launched at `now` beyond those already timed, one D2H
+    /// transfer of its bytes each, in launch order; `in_flight` lists every batch in flight,
+    /// oldest first, by its bytes.
+    pub fn time_writes(&self, now: f64, links: &mut Links, in_flight: &[u64]) {
+        let mut c = lock(&self.clock);
+        let known = c.writes.len();
+        for &bytes in in_flight.iter().skip(known) {
+            let done = links.d2h.transfer(now, bytes);
+            c.writes.push_back(done);
+        }
+    }
+
+    /// Times `count` write-through copies launched at `now` whose bytes are known only
+    /// together: one D2H transfer of `bytes`, at whose end they all complete.
+    pub fn time_write_group(&self, now: f64, links: &mut Links, count: usize, bytes: u64) {
+        if count == 0 {
+            return;
+        }
+        let done = links.d2h.transfer(now, bytes);
+        lock(&self.clock)
+            .writes
+            .extend(std::iter::repeat_n(done, count));
+    }
+
+    /// Records L3 backups in flight up to `in_flight` in total, untimed until the window
+    /// they stored in closes ([`CopyTimer::close_window`]).
+    pub fn add_backups(&self, in_flight: usize) {
+        let mut c = lock(&self.clock);
+        while c.backups.len() < in_flight {
+            c.backups.push_back(f64::INFINITY);
+        }
+    }
+
+    /// Times the open window of L3 backups (every page they stored, as one transfer on the
+    /// L3 link issued now); pages stored become visible and the backups finishable when it
+    /// ends.
+    pub fn close_window(&self, now: f64, links: &mut Links) {
+        let mut c = lock(&self.clock);
+        let mut done = now;
+        lock(&self.l3).close_window(|bytes| {
+            done = links.l3.transfer(now, bytes);
+            done
+        });
+        for t in c.backups.iter_mut().filter(|t| t.is_infinite()) {
+            *t = done;
+        }
+    }
+
+    /// Whether a copy in flight has completed by the clock (the controller may finish it).
+    pub fn any_due(&self) -> bool {
+        lock(&self.clock).any_due()
+    }
+
+    /// The earliest completion in flight.
+    pub fn next_completion(&self) -> Option<f64> {
+        lock(&self.clock).next_completion()
+    }
+
+    /// L3 pages lookups found stored but not yet visible.
+    pub fn l3_pages_in_flight(&self) -> u64 {
+        lock(&self.l3).pages_in_flight()
+    }
+
+    /// The rank group of the dense controller, bounded by this clock.
+    pub fn dense_rank(&self) -> ClockRank {
+        ClockRank::new(self.clock.clone())
+    }
+
+    /// `base`'s backends, each opened behind a [`GatedStorage`] on this clock.
+    pub fn gated_registry(&self, base: &Registry) -> hicache_storage::Result<Registry> {
+        gated_registry(base, &self.l3)
+    }
+
+    /// `inner` behind a [`GatedStorage`] on this clock.
+    pub fn gate(&self, inner: Arc<dyn Storage>) -> Arc<dyn Storage> {
+        Arc::new(GatedStorage {
+            inner,
+            clock: self.l3.clone(),
+        })
     }
 }
 
@@ -169,7 +309,6 @@ impl L3Clock {
 pub struct GatedStorage {
     inner: Arc<dyn Storage>,
     clock: Arc<Mutex<L3Clock>>,
-    page_bytes: u64,
 }
 
 #[async_trait]
@@ -231,10 +370,10 @@ impl Storage for GatedStorage {
     ) -> hicache_storage::Result<Vec<PageOutcome>> {
         let out = self.inner.batch_set_with(keys, src, ctx).await?;
         let mut c = lock(&self.clock);
-        for (k, o) in keys.iter().zip(&out) {
+        for ((k, o), buf) in keys.iter().zip(&out).zip(src) {
             if o.is_ok() {
                 c.window.push(*k);
-                c.window_bytes += self.page_bytes;
+                c.window_bytes += buf.len() as u64;
                 c.hidden.entry(*k).or_insert(f64::INFINITY);
             }
         }
@@ -288,7 +427,6 @@ impl BackendFactory for GatedFactory {
         Ok(Arc::new(GatedStorage {
             inner,
             clock: self.clock.clone(),
-            page_bytes: ctx.page_bytes as u64,
         }))
     }
 }
@@ -350,7 +488,6 @@ mod tests {
         let g = GatedStorage {
             inner,
             clock: clock.clone(),
-            page_bytes: 8,
         };
         let keys: Vec<PageKey> = (0..2u8)
             .map(|i| PageKey::new(Default::default(), PageHash([i; 32])))

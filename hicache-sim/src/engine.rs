@@ -428,7 +428,9 @@ impl<'a> Engine<'a> {
             rec.hit_l3 = adm.l3_pages * ps;
             let cached = adm.prefix_pages() * ps;
             rec.computed = prompt_len - cached;
-            load_bytes += adm.load_pages() as u64 * self.config.page_bytes;
+            load_bytes += adm
+                .load_bytes
+                .unwrap_or(adm.load_pages() as u64 * self.config.page_bytes);
             budget = budget.saturating_sub(prompt_len - cached);
             let mut slots = adm.prefix_slots;
             slots.extend_from_slice(&adm.new_slots);
@@ -538,7 +540,7 @@ impl<'a> Engine<'a> {
 
     fn decode_step(&mut self, progress: &mut dyn FnMut(usize, usize)) -> Result<()> {
         let context: usize = self.decoding.iter().map(|a| a.cached + a.produced).sum();
-        let duration = self.compute.decode_step(context);
+        let duration = self.compute.decode_step(context, self.decoding.len());
         self.steps.push(StepRecord {
             kind: StepKind::Decode,
             start: self.now,

@@ -31,8 +31,8 @@ pub mod trace;
 pub mod workload;
 
 pub use cache::{
-    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
-    RequestId, TransferStats,
+    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, ComponentMoves, DeviceSlot,
+    HybridMoves, PrefetchStatus, RequestId, TransferStats,
 };
 pub use engine::{EngineConfig, RequestRecord, RunResult, StepKind, StepRecord};
 pub use error::{Result, SimError};

@@ -308,6 +308,7 @@ impl CacheUnderTest for ExactPrefix {
             l3_pages: l3,
             prefix_slots,
             new_slots,
+            load_bytes: None,
         }))
     }
 
