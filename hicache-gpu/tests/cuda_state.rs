@@ -37,7 +37,7 @@ fn state_round_trips_events_and_bad_slots_on_cuda() {
 
 /// A random op of the model runner (the sim suite draws them with proptest).
 fn random_op(rng: &mut ChaCha8Rng) -> Op {
-    let mut picks = |rng: &mut ChaCha8Rng| {
+    let picks = |rng: &mut ChaCha8Rng| {
         (0..rng.random_range(0..4))
             .map(|_| (rng.random_range(0..8), rng.random_range(0..8)))
             .collect()
