@@ -321,6 +321,11 @@ impl Stream {
         }
     }
 
+    /// Holds the stream's later work until every event of `events` completes.
+    pub fn wait_all(&self, events: &[&Event]) -> Result<()> {
+        events.iter().try_for_each(|e| self.wait(e))
+    }
+
     /// Blocks until everything queued so far has completed.
     pub fn synchronize(&self) -> Result<()> {
         match &self.inner {

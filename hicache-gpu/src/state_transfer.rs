@@ -123,9 +123,7 @@ impl StateTransfer {
     ) -> Result<Completion> {
         self.validate(Direction::ToHost, dev, host)?;
         let stream = &self.write_stream;
-        for e in after {
-            stream.wait(e)?;
-        }
+        stream.wait_all(after)?;
         let layers = 0..self.pool.shape().layers as usize;
         let ops = self.plan(dev, host, layers)?;
         if !ops.is_empty() {
@@ -147,9 +145,7 @@ impl StateTransfer {
     ) -> Result<LoadHandle> {
         self.validate(Direction::ToDevice, dev, host)?;
         let stream = &self.load_stream;
-        for e in after {
-            stream.wait(e)?;
-        }
+        stream.wait_all(after)?;
         let layers = self.pool.shape().layers as usize;
         let mut events = Vec::with_capacity(layers);
         for l in 0..layers {
@@ -178,9 +174,7 @@ impl StateTransfer {
             return Err(GpuError::SameSlot { slot: src.0 });
         }
         let stream = &self.load_stream;
-        for e in after {
-            stream.wait(e)?;
-        }
+        stream.wait_all(after)?;
         let copies = self
             .pool
             .slot_rows(src)

@@ -9,23 +9,13 @@ use hicache_host::{MambaPool, MambaPoolConfig, PoolSize};
 use proptest::prelude::*;
 use state_common::{Op, bad_slots_are_refused, ordered_by_events, round_trips, run_model, shapes};
 
+/// Round trips in `MambaPool::get_slot` order, ordering by streams and events, and bad slots
+/// as errors that change nothing, for every shape.
 #[test]
-fn device_and_host_slots_read_back_equal() {
+fn state_round_trips_events_and_bad_slots() {
     for shape in shapes() {
         round_trips(&Device::sim(), &shape);
-    }
-}
-
-#[test]
-fn transfers_are_ordered_by_streams_and_events() {
-    for shape in shapes() {
         ordered_by_events(&Device::sim(), &shape);
-    }
-}
-
-#[test]
-fn bad_slots_are_errors_that_change_nothing() {
-    for shape in shapes() {
         bad_slots_are_refused(&Device::sim(), &shape);
     }
 }
@@ -70,6 +60,15 @@ fn slot_bytes_are_pieces_then_layers() {
     // SAFETY: a row of an allocated host slot that no transfer uses now.
     let got = unsafe { std::slice::from_raw_parts(row.addr as *const u8, row.len) };
     assert_eq!(got, &data[128..256]);
+    // Device rows (sim device memory is host memory): `piece_ptr(p, l) + slot·row` for
+    // (piece, layer) = (temporal, 1), (conv 0, 0), (conv 1, 1).
+    for (piece, layer, flat) in [(0, 1, 128), (1, 0, 256), (2, 1, 256 + 72 + 10)] {
+        let lb = f.pool.piece_layer_bytes(piece).unwrap();
+        let addr = f.pool.piece_ptr(piece, layer) + (d[1].0 as usize * lb) as u64;
+        // SAFETY: inside the piece's buffer (slot 1 of 2), which no transfer uses now.
+        let got = unsafe { std::slice::from_raw_parts(addr as *const u8, lb) };
+        assert_eq!(got, &data[flat..flat + lb], "piece {piece} layer {layer}");
+    }
 }
 
 fn op() -> impl Strategy<Value = Op> {
