@@ -18,8 +18,11 @@
 //! `copy_slot` distinct slots; at construction, pools of the same shape.
 //!
 //! Ordering: each call waits (on the device) for the events in `after` before it reads its
-//! source. Dropping the transfer synchronises both streams, so in-flight copies never outlive
-//! the pools and the registration they use.
+//! source. Calls on one stream run in call order (a `copy_slot` after a `load` of its source
+//! sees the loaded state); across the two streams the caller orders them, passing the event
+//! of the earlier transfer (e.g. a backup of a slot that `copy_slot` just wrote waits for the
+//! copy's [`Completion::event`]). Dropping the transfer synchronises both streams, so
+//! in-flight copies never outlive the pools and the registration they use.
 
 use std::sync::Arc;
 
