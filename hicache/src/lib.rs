@@ -101,6 +101,6 @@ pub use hicache_core::{
     Component, CoreError, DType, DeviceSlot, HashMode, HiRadixTree, HostSlot, KvEvent, KvKind,
     KvShape, LayoutKind, Medium, Namespace, PrefetchPolicy, StrategyKind, TenantId, WritePolicy,
 };
-pub use hicache_gpu::{Device, DevicePool, GpuError, LayerDoneCounter, TransferConfig};
+pub use hicache_gpu::{Device, DevicePool, GpuError, LayerDoneCounter, StatePool, TransferConfig};
 pub use hicache_host::{HostError, MambaShape};
 pub use hicache_storage::{Registry, Storage, StorageConfig, StorageError};

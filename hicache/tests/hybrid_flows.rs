@@ -145,3 +145,40 @@ fn bad_input_is_an_error_that_says_what() {
     c.shutdown().unwrap();
     assert!(matches!(c.poll(), Err(HiCacheError::Closed)));
 }
+
+#[test]
+fn full_mamba_state_comes_back_from_host_byte_equal() {
+    // Chunk 8: turn one (40 tokens) inserts its checkpoint at 40.
+    let run = evict_to_host_and_load_back(config(None, Some(8)));
+    assert_eq!(run.admission.cached_tokens(), 40);
+    assert_eq!(
+        run.checked[2], 1,
+        "the Mamba state, copied into the request's slot"
+    );
+}
+
+#[test]
+fn full_swa_mamba_all_come_back_from_host_byte_equal() {
+    let run = evict_to_host_and_load_back(config(Some(8), Some(8)));
+    assert!(run.admission.cached_tokens() >= 32, "{run:?}");
+    assert!(run.checked[1] >= 2, "{run:?}");
+    assert_eq!(run.checked[2], 1, "{run:?}");
+}
+
+#[test]
+fn mamba_hit_is_copied_on_write_into_the_requests_own_slot() {
+    let mut e = Engine::new(cache(config(None, Some(8)), 64));
+    let a = prompt(1, 40);
+    e.run(&a);
+    let mut a2 = a.clone();
+    a2.extend(prompt(3, 24));
+    let run = e.run(&a2);
+    assert_eq!(run.admission.device_tokens, 40);
+    assert_eq!(run.checked[2], 1);
+    e.settle();
+    // The tree's states plus none leaked: every slot is the tree's or free.
+    let pool = e.cache.state_pool().unwrap();
+    let tree_states = e.cache.tree().size(Component::Mamba) as usize;
+    assert_eq!(pool.available() + tree_states, pool.num_slots());
+    e.cache.shutdown().unwrap();
+}

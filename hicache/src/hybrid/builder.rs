@@ -3,13 +3,17 @@
 
 use std::sync::Arc;
 
-use hicache_core::{Component, KvShape, LayoutKind, Namespace, UnifiedTree};
+use hicache_core::{KvShape, LayoutKind, Namespace, UnifiedTree};
 use hicache_gpu::{Device, DevicePool, TransferConfig};
-use hicache_host::{HostPool, HostPoolConfig, MambaShape, PoolSize};
+use hicache_host::{
+    HostPool, HostPoolConfig, HostPoolGroup, HostPoolGroupConfig, MambaPoolConfig, MambaShape,
+    PoolSize,
+};
 use hicache_storage::Storage;
 
 use super::cache::HybridCache;
 use super::pools::{KvPart, Pools};
+use super::state::StatePart;
 use super::types::HybridConfig;
 use crate::error::{HiCacheError, Result};
 use crate::rank::{RankGroup, SingleRank};
@@ -198,16 +202,31 @@ impl HybridCacheBuilder {
         Ok(full)
     }
 
-    /// A KV component's device pool, host pool and engine.
-    fn kv_part(&self, device: &Device, shape: KvShape, dev: usize, host: usize) -> Result<KvPart> {
-        let dev_pool = Arc::new(DevicePool::new(device, shape, dev)?);
-        let pages = if host == 0 { dev } else { host };
-        let mut host_cfg = HostPoolConfig::new(shape, self.host_layout, PoolSize::Pages(pages));
-        if let Some(r) = self.reserve {
-            host_cfg = host_cfg.reserve_bytes(r);
+    /// The host pool group: Full KV, SWA KV, Mamba states (host sizes default to the
+    /// device's).
+    fn host_group(&self, full: KvShape) -> Result<HostPoolGroup> {
+        let or_dev = |host: usize, dev: usize| PoolSize::Pages(if host == 0 { dev } else { host });
+        let kv = |shape, host, dev| HostPoolConfig::new(shape, self.host_layout, or_dev(host, dev));
+        let mut cfg = HostPoolGroupConfig::new(kv(full, self.host_pages.0, self.device_pages.0));
+        if let Some(swa) = self.swa_shape {
+            cfg = cfg.swa(kv(swa, self.host_pages.1, self.device_pages.1));
         }
-        let host_pool = Arc::new(HostPool::new(host_cfg)?);
-        KvPart::new(dev_pool, host_pool, self.transfer)
+        if let Some(m) = &self.mamba_shape {
+            // SGLang refuses `layer_first` for states; both page-first layouts lay a slot out
+            // the same way.
+            let layout = match self.host_layout {
+                LayoutKind::LayerFirst => LayoutKind::PageFirst,
+                other => other,
+            };
+            let mut mc =
+                MambaPoolConfig::new(m.clone(), or_dev(self.host_mamba_slots, self.mamba_slots));
+            mc.layout = layout;
+            cfg = cfg.mamba(mc);
+        }
+        if let Some(r) = self.reserve {
+            cfg = cfg.reserve_bytes(r);
+        }
+        Ok(HostPoolGroup::new(cfg)?)
     }
 
     /// Validates everything and allocates the pools.
@@ -220,25 +239,29 @@ impl HybridCacheBuilder {
                 "L3 for hybrid models is not available yet",
             ));
         }
-        if self.mamba_shape.is_some() {
-            return Err(HiCacheError::config(
-                "mamba_shape",
-                "given",
-                "device Mamba state pools are not available yet",
-            ));
-        }
         let device = self.device.clone().unwrap_or_else(Device::sim);
-        let full_part = self.kv_part(&device, full, self.device_pages.0, self.host_pages.0)?;
-        let swa_part = match self.swa_shape {
-            Some(s) => Some(self.kv_part(&device, s, self.device_pages.1, self.host_pages.1)?),
-            None => None,
+        let group = self.host_group(full)?;
+        let kv_part = |shape, pages, host: &Arc<HostPool>| {
+            let dev = Arc::new(DevicePool::new(&device, shape, pages)?);
+            KvPart::new(dev, host.clone(), self.transfer)
+        };
+        let full_part = kv_part(full, self.device_pages.0, group.kv_shared())?;
+        let swa_part = match (self.swa_shape, group.swa_shared()) {
+            (Some(s), Some(host)) => Some(kv_part(s, self.device_pages.1, host)?),
+            _ => None,
+        };
+        let mamba_part = match (&self.mamba_shape, group.mamba_shared()) {
+            (Some(m), Some(host)) => {
+                Some(StatePart::new(&device, m, self.mamba_slots, host.clone())?)
+            }
+            _ => None,
         };
         let tree = UnifiedTree::with_device_slots(self.cfg.tree())?;
-        debug_assert!(tree.has(Component::Full));
         let pools = Pools {
+            group,
             full: full_part,
             swa: swa_part,
-            mamba: None,
+            mamba: mamba_part,
         };
         Ok(HybridCache::assemble(self.cfg, tree, pools, self.rank))
     }

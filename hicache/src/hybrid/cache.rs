@@ -122,6 +122,16 @@ impl HybridCache {
         Ok(&self.pools.kv(c)?.dev)
     }
 
+    /// The device Mamba state pool (the engine's kernels address its slots).
+    pub fn state_pool(&self) -> Result<&Arc<hicache_gpu::StatePool>> {
+        Ok(&self.pools.state()?.dev)
+    }
+
+    /// The host pools of every component.
+    pub fn host_pools(&self) -> &hicache_host::HostPoolGroup {
+        &self.pools.group
+    }
+
     /// Bytes of one Mamba state (0 without Mamba).
     pub fn state_bytes(&self) -> usize {
         self.pools.mamba.as_ref().map_or(0, |m| m.slot_bytes())

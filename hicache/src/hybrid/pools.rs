@@ -13,7 +13,7 @@ use hicache_core::{Component, DeviceSlot, Evicted, HostSlot};
 use hicache_gpu::{
     Completion, DevicePool, HostRegistration, LoadHandle, TransferConfig, TransferEngine,
 };
-use hicache_host::HostPool;
+use hicache_host::{HostPool, HostPoolGroup};
 
 use crate::error::{HiCacheError, Result};
 
@@ -117,6 +117,8 @@ fn host_slots(s: &[u32]) -> Vec<HostSlot> {
 
 /// Every component's pools.
 pub(crate) struct Pools {
+    /// The host pools (the KV parts hold shared handles of the group's pools).
+    pub group: HostPoolGroup,
     /// Full-attention KV.
     pub full: KvPart,
     /// Sliding-window KV, when configured.

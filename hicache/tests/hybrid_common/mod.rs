@@ -176,6 +176,29 @@ impl Engine {
         self.cache.flush().unwrap();
         assert_eq!(self.cache.copies_in_flight(), 0);
         self.cache.tree().check_invariants().unwrap();
+        self.assert_no_leaks();
+    }
+
+    /// With no request running: every device page and state is the tree's or free.
+    pub fn assert_no_leaks(&self) {
+        let tree = self.cache.tree();
+        let ps = self.ps() as u64;
+        for c in [Component::Full, Component::Swa] {
+            if tree.has(c) {
+                let pool = self.cache.device_pool(c).unwrap();
+                let held = (tree.size(c) / ps) as usize;
+                assert_eq!(
+                    pool.available() + held,
+                    pool.num_pages(),
+                    "{c:?} pages leaked"
+                );
+            }
+        }
+        if tree.has(Component::Mamba) {
+            let pool = self.cache.state_pool().unwrap();
+            let held = tree.size(Component::Mamba) as usize;
+            assert_eq!(pool.available() + held, pool.num_slots(), "states leaked");
+        }
     }
 }
 
