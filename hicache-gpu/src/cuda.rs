@@ -39,7 +39,7 @@ use parking_lot::Mutex;
 use crate::copy::CopyParams;
 use crate::error::{GpuError, Result};
 use crate::kernels;
-use crate::plan::{self, Direction, MemcpyOp};
+use crate::plan::{self, DeviceCopy, Direction, MemcpyOp};
 
 // SAFETY: CopyParams is repr(C) plain old data (u64/u32 fields only), matching the kernel's
 // struct layout (checked by a unit test in `copy`).
@@ -671,6 +671,23 @@ impl CudaDevice {
                 }
             };
             r.result().map_err(GpuError::driver("cuMemcpyAsync"))?;
+        }
+        Ok(())
+    }
+
+    /// Queues device-to-device copies, one `cuMemcpyDtoDAsync` each.
+    ///
+    /// # Safety
+    /// Every copy's ranges must be device memory of this context, valid until the work
+    /// completes, with no destination overlapping a source.
+    pub unsafe fn run_d2d(&self, stream: &Arc<CudaStream>, copies: &[DeviceCopy]) -> Result<()> {
+        self.bind()?;
+        let s = stream.cu_stream();
+        for c in copies {
+            // SAFETY: per the function's contract.
+            unsafe { sys::cuMemcpyDtoDAsync_v2(c.dst, c.src, c.bytes as usize, s) }
+                .result()
+                .map_err(GpuError::driver("cuMemcpyDtoDAsync"))?;
         }
         Ok(())
     }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use crate::copy::CopyParams;
 use crate::error::{GpuError, Result};
-use crate::plan::{Direction, MemcpyOp};
+use crate::plan::{DeviceCopy, Direction, MemcpyOp};
 
 /// Always false: this build has no CUDA backend.
 pub fn driver_available() -> bool {
@@ -166,6 +166,14 @@ impl CudaDevice {
         _dir: Direction,
         _ops: &[MemcpyOp],
     ) -> Result<()> {
+        match *self {}
+    }
+
+    /// Unreachable: no device exists.
+    ///
+    /// # Safety
+    /// None needed: it cannot be called.
+    pub unsafe fn run_d2d(&self, _stream: &Arc<CudaStream>, _copies: &[DeviceCopy]) -> Result<()> {
         match *self {}
     }
 }

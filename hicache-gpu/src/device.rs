@@ -10,7 +10,7 @@ use std::sync::Arc;
 use crate::copy::{self, CopyParams};
 use crate::cuda::{self, CudaDevice, CudaMemory, StreamScratch};
 use crate::error::{GpuError, Result};
-use crate::plan::{self, Direction, MemcpyOp};
+use crate::plan::{self, DeviceCopy, Direction, MemcpyOp};
 use crate::sim::{SimEvent, SimMemory, SimStream};
 
 /// Which implementation a [`Device`] is.
@@ -321,6 +321,11 @@ impl Stream {
         }
     }
 
+    /// Holds the stream's later work until every event of `events` completes.
+    pub fn wait_all(&self, events: &[&Event]) -> Result<()> {
+        events.iter().try_for_each(|e| self.wait(e))
+    }
+
     /// Blocks until everything queued so far has completed.
     pub fn synchronize(&self) -> Result<()> {
         match &self.inner {
@@ -435,6 +440,33 @@ impl Stream {
             (StreamInner::Sim(s), _) => s.run(move || {
                 // SAFETY: per the function's contract.
                 unsafe { plan::run_plan_on_cpu(dir, &ops) }
+            }),
+            _ => unreachable!("a stream's backend is its device's"),
+        }
+    }
+
+    /// Queues device-to-device copies (`cuMemcpyDtoDAsync` each; sim: memcpy on the
+    /// stream's worker thread).
+    ///
+    /// # Safety
+    /// Every copy's ranges must be device memory of this device, valid until the work
+    /// completes, with no destination overlapping a source or another destination.
+    pub(crate) unsafe fn run_d2d(&self, copies: Vec<DeviceCopy>) -> Result<()> {
+        match (&self.inner, self.device.backend()) {
+            // SAFETY: per the function's contract.
+            (StreamInner::Cuda(s), Backend::Cuda(c)) => unsafe { c.run_d2d(s, &copies) },
+            (StreamInner::Sim(s), _) => s.run(move || {
+                for c in copies {
+                    // SAFETY: sim device memory is host memory; valid and disjoint per the
+                    // function's contract.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            c.src as *const u8,
+                            c.dst as *mut u8,
+                            c.bytes as usize,
+                        )
+                    };
+                }
             }),
             _ => unreachable!("a stream's backend is its device's"),
         }

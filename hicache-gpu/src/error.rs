@@ -1,7 +1,7 @@
 //! The error type of `hicache-gpu`.
 
 use hicache_core::KvShape;
-use hicache_host::{AllocError, HostError};
+use hicache_host::{AllocError, HostError, MambaShape};
 use thiserror::Error;
 
 /// Everything that can go wrong in `hicache-gpu`. Each variant names what and where.
@@ -92,6 +92,30 @@ pub enum GpuError {
         host: KvShape,
         /// Device pool shape.
         device: KvShape,
+    },
+    /// A slot that is not allocated in its pool was given to a transfer or a slot access.
+    #[error("{pool} slot {slot} at position {position} is not allocated")]
+    SlotNotAllocated {
+        /// `device state` or `host state`.
+        pool: &'static str,
+        /// The slot.
+        slot: u32,
+        /// Its position in the list.
+        position: usize,
+    },
+    /// A copy of a state slot onto itself.
+    #[error("state slot {slot} cannot be copied onto itself")]
+    SameSlot {
+        /// The slot.
+        slot: u32,
+    },
+    /// The host and device state pools hold different Mamba shapes.
+    #[error("host state pool shape {host:?} does not match device state pool shape {device:?}")]
+    StateShapeMismatch {
+        /// Host pool shape.
+        host: Box<MambaShape>,
+        /// Device pool shape.
+        device: Box<MambaShape>,
     },
     /// A layer index or range outside the model.
     #[error("layers {begin}..{end} out of range (the model has {layers} layers)")]

@@ -106,6 +106,34 @@ impl MemcpyOp {
     }
 }
 
+/// One device-to-device copy (`cuMemcpyDtoDAsync`); source and destination never overlap.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct DeviceCopy {
+    /// Destination device address.
+    pub dst: u64,
+    /// Source device address.
+    pub src: u64,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+/// Appends a linear copy to `ops`, merged into the last op when that is a linear copy whose
+/// device and host ranges both end where the new one starts (one DMA copy per contiguous run).
+pub fn push_linear(ops: &mut Vec<MemcpyOp>, dev: u64, host: u64, bytes: u64) {
+    if let Some(MemcpyOp::Linear {
+        dev: d0,
+        host: h0,
+        bytes: n0,
+    }) = ops.last_mut()
+        && *d0 + *n0 == dev
+        && *h0 + *n0 == host
+    {
+        *n0 += bytes;
+        return;
+    }
+    ops.push(MemcpyOp::Linear { dev, host, bytes });
+}
+
 /// The geometry a plan needs (all strides in bytes).
 #[derive(Clone, Debug)]
 pub struct PlanGeometry<'a> {
@@ -343,6 +371,21 @@ mod tests {
             rows.iter().map(|r| r.2).sum::<u64>() + rest.iter().map(|o| o.bytes()).sum::<u64>();
         assert_eq!(moved, ops.iter().map(|o| o.bytes()).sum::<u64>());
         assert_eq!(split_for_batch(&ops, 0).0.len(), 1);
+    }
+
+    #[test]
+    fn linear_copies_merge_only_when_both_sides_continue() {
+        let mut ops = Vec::new();
+        push_linear(&mut ops, 100, 1000, 10);
+        push_linear(&mut ops, 110, 1010, 5);
+        push_linear(&mut ops, 115, 2000, 5);
+        push_linear(&mut ops, 300, 2005, 5);
+        push_linear(&mut ops, 305, 2010, 1);
+        let lin = |dev, host, bytes| MemcpyOp::Linear { dev, host, bytes };
+        assert_eq!(
+            ops,
+            vec![lin(100, 1000, 15), lin(115, 2000, 5), lin(300, 2005, 6)]
+        );
     }
 
     #[test]

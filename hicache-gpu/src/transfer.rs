@@ -150,6 +150,11 @@ pub struct Completion {
 }
 
 impl Completion {
+    /// The completion marked by `event`.
+    pub(crate) fn new(event: Event) -> Self {
+        Self { event }
+    }
+
     /// Whether the transfer has finished (never blocks).
     pub fn is_done(&self) -> Result<bool> {
         self.event.is_done()
@@ -173,6 +178,13 @@ pub struct LoadHandle {
 }
 
 impl LoadHandle {
+    /// A handle over one event per layer, in layer order.
+    pub(crate) fn from_events(layers: Vec<Event>) -> Self {
+        Self {
+            layers: Arc::new(layers),
+        }
+    }
+
     /// Layers (events).
     pub fn num_layers(&self) -> usize {
         self.layers.len()
@@ -456,22 +468,12 @@ impl TransferEngine {
                 for (k, &(h, _)) in chunk.iter().enumerate() {
                     let src = st.layout.part(k, part);
                     let dst = host_layout.part(h as usize, part);
-                    let op = MemcpyOp::Linear {
-                        dev: st.buffers[b].addr() + src.offset as u64,
-                        host: host_base + dst.offset as u64,
-                        bytes: src.len as u64,
-                    };
-                    match (ops.last_mut(), op) {
-                        (
-                            Some(MemcpyOp::Linear { dev, host, bytes }),
-                            MemcpyOp::Linear {
-                                dev: d2,
-                                host: h2,
-                                bytes: n2,
-                            },
-                        ) if *dev + *bytes == d2 && *host + *bytes == h2 => *bytes += n2,
-                        _ => ops.push(op),
-                    }
+                    plan::push_linear(
+                        &mut ops,
+                        st.buffers[b].addr() + src.offset as u64,
+                        host_base + dst.offset as u64,
+                        src.len as u64,
+                    );
                 }
             }
             // SAFETY: staging offsets are inside buffer b (k < pages); host offsets are parts

@@ -513,3 +513,58 @@ fn engine_buffers_spanning_two_vmm_mappings_register_and_copy() {
         check_all_pair_lists(&fx, 21);
     }
 }
+
+/// Mamba states on CUDA: the host state pool is page-locked while a `StateTransfer` lives
+/// (and no longer after), a backup of several slots is one `cuMemcpyBatchAsync`, a load one
+/// per layer (an event each), and a slot copy one `cuMemcpyDtoDAsync` per piece and layer.
+#[test]
+#[cfg_attr(
+    not(all(hicache_test_cuda, hicache_cuda_emu)),
+    ignore = "needs the emulated CUDA driver: \
+              HICACHE_TEST_CUDA=1 scripts/with-cuda-emu.sh cargo test -p hicache-gpu --test cuda_emu_counts"
+)]
+fn state_copies_are_batched_and_slot_copies_stay_on_the_device() {
+    let (device, counters) = emulated();
+    let _serial = COUNTED.lock().unwrap_or_else(|e| e.into_inner());
+    let shape = hicache_host::MambaShape {
+        layers: 2,
+        temporal_elems: 32,
+        temporal_dtype: DType::F32,
+        conv_elems: vec![18, 5],
+        conv_dtype: DType::Bf16,
+    };
+    let pool = Arc::new(hicache_gpu::StatePool::new(&device, &shape, 4).unwrap());
+    let host = Arc::new(
+        hicache_host::MambaPool::new(hicache_host::MambaPoolConfig::new(
+            shape.clone(),
+            PoolSize::Pages(4),
+        ))
+        .unwrap(),
+    );
+    counters.reset();
+    let xfer = hicache_gpu::StateTransfer::new(pool.clone(), host.clone()).unwrap();
+    assert_eq!(counters.calls("cuMemHostRegister_v2"), 1);
+    assert!(host.region().cuda_registered);
+    let (d, h) = (pool.alloc(4).unwrap(), host.alloc(4).unwrap());
+    counters.reset();
+    xfer.backup(&d, &h, &[]).unwrap().wait().unwrap();
+    assert_eq!(counters.calls("cuMemcpyBatchAsync_v2"), 1);
+    assert_eq!(counters.calls("cuMemcpyDtoHAsync_v2"), 0);
+    counters.reset();
+    xfer.load(&h, &d, &[]).unwrap().wait().unwrap();
+    assert_eq!(
+        counters.calls("cuMemcpyBatchAsync_v2"),
+        2,
+        "one batch per layer"
+    );
+    counters.reset();
+    xfer.copy_slot(d[0], d[1], &[]).unwrap().wait().unwrap();
+    assert_eq!(counters.calls("cuMemcpyDtoDAsync_v2"), 3 * 2);
+    assert_eq!(counters.calls("cuMemcpyDtoHAsync_v2"), 0);
+    assert_eq!(counters.calls("cuMemcpyHtoDAsync_v2"), 0);
+    drop(xfer);
+    assert!(
+        !host.region().cuda_registered,
+        "unregistered with the transfer"
+    );
+}

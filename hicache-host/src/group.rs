@@ -18,6 +18,7 @@
 //!    their source, the slot.
 
 use std::fmt;
+use std::sync::Arc;
 
 use hicache_core::{HostSlot, KvKind, LayoutKind, MemoryRegion, PoolFingerprint};
 
@@ -135,9 +136,9 @@ fn wrap(component: HostComponent, source: HostError) -> HostError {
 /// The host pools of one model (see the module docs).
 #[derive(Debug)]
 pub struct HostPoolGroup {
-    kv: HostPool,
-    swa: Option<HostPool>,
-    mamba: Option<MambaPool>,
+    kv: Arc<HostPool>,
+    swa: Option<Arc<HostPool>>,
+    mamba: Option<Arc<MambaPool>>,
 }
 
 impl HostPoolGroup {
@@ -147,7 +148,9 @@ impl HostPoolGroup {
         pool::check_ram(config.total_bytes()?, config.reserve_bytes)?;
         // The group's check covers the pools: each one's own check only needs to pass.
         let kv_like = |c: HostComponent, cfg: HostPoolConfig| {
-            HostPool::new(cfg.reserve_bytes(0)).map_err(|e| wrap(c, e))
+            HostPool::new(cfg.reserve_bytes(0))
+                .map(Arc::new)
+                .map_err(|e| wrap(c, e))
         };
         let kv = kv_like(HostComponent::Kv, config.kv)?;
         let swa = config
@@ -156,7 +159,11 @@ impl HostPoolGroup {
             .transpose()?;
         let mamba = config
             .mamba
-            .map(|cfg| MambaPool::new(cfg).map_err(|e| wrap(HostComponent::Mamba, e)))
+            .map(|cfg| {
+                MambaPool::new(cfg)
+                    .map(Arc::new)
+                    .map_err(|e| wrap(HostComponent::Mamba, e))
+            })
             .transpose()?;
         Ok(Self { kv, swa, mamba })
     }
@@ -168,11 +175,27 @@ impl HostPoolGroup {
 
     /// The sliding-window KV pool, if configured.
     pub fn swa(&self) -> Option<&HostPool> {
-        self.swa.as_ref()
+        self.swa.as_deref()
     }
 
     /// The Mamba state pool, if configured.
     pub fn mamba(&self) -> Option<&MambaPool> {
+        self.mamba.as_deref()
+    }
+
+    /// The full-attention KV pool as a shared handle (e.g. for a `TransferEngine`'s host
+    /// registration); the group keeps its own handle.
+    pub fn kv_shared(&self) -> &Arc<HostPool> {
+        &self.kv
+    }
+
+    /// The sliding-window KV pool as a shared handle, if configured.
+    pub fn swa_shared(&self) -> Option<&Arc<HostPool>> {
+        self.swa.as_ref()
+    }
+
+    /// The Mamba state pool as a shared handle (e.g. for a `StateTransfer`), if configured.
+    pub fn mamba_shared(&self) -> Option<&Arc<MambaPool>> {
         self.mamba.as_ref()
     }
 
@@ -196,14 +219,14 @@ impl HostPoolGroup {
     fn kv_like(&self, c: HostComponent) -> Result<&HostPool> {
         match c {
             HostComponent::Kv => Ok(&self.kv),
-            HostComponent::Swa => self.swa.as_ref().ok_or(HostError::NoComponent(c)),
+            HostComponent::Swa => self.swa.as_deref().ok_or(HostError::NoComponent(c)),
             HostComponent::Mamba => Err(HostError::NoComponent(c)),
         }
     }
 
     fn mamba_pool(&self) -> Result<&MambaPool> {
         self.mamba
-            .as_ref()
+            .as_deref()
             .ok_or(HostError::NoComponent(HostComponent::Mamba))
     }
 
@@ -435,6 +458,26 @@ mod tests {
         g.set_cuda_registered(HostComponent::Mamba, true).unwrap();
         assert!(g.regions()[2].1.cuda_registered);
         assert!(!g.regions()[1].1.cuda_registered);
+    }
+
+    /// The shared handles are the group's own pools, and outlive the group.
+    #[test]
+    fn shared_handles_are_the_groups_pools() {
+        let g = HostPoolGroup::new(config(LayoutKind::PageFirst)).unwrap();
+        assert!(std::ptr::eq(&**g.kv_shared(), g.kv()));
+        assert!(std::ptr::eq(&**g.swa_shared().unwrap(), g.swa().unwrap()));
+        let mamba = g.mamba_shared().unwrap().clone();
+        assert!(std::ptr::eq(&*mamba, g.mamba().unwrap()));
+        let s = g.alloc(HostComponent::Mamba, 1).unwrap().unwrap()[0];
+        let data: Vec<u8> = (0..348).map(|i| i as u8).collect();
+        g.set(HostComponent::Mamba, s, &data).unwrap();
+        drop(g);
+        let mut back = vec![0; 348];
+        mamba.get_slot(MambaSlot(s), &mut back).unwrap();
+        assert_eq!(back, data);
+        let kv_only =
+            HostPoolGroup::new(HostPoolGroupConfig::new(config(LayoutKind::PageFirst).kv)).unwrap();
+        assert!(kv_only.swa_shared().is_none() && kv_only.mamba_shared().is_none());
     }
 
     #[test]

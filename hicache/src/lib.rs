@@ -72,6 +72,7 @@ mod cache;
 pub mod config;
 mod copies;
 pub mod error;
+pub mod hybrid;
 mod kv_events_config;
 mod l2_l3_sharing;
 mod l3;
@@ -86,6 +87,10 @@ pub use builder::HiCacheBuilder;
 pub use cache::HiCache;
 pub use config::{HiCacheConfig, HostMemoryMode, IoBackendKind, StorageWriteMode};
 pub use error::{HiCacheError, Result};
+pub use hybrid::{
+    ComponentTotals, HybridAdmission, HybridArrival, HybridCache, HybridCacheBuilder, HybridConfig,
+    HybridDemand, HybridSlots, HybridTotals, StateSlot,
+};
 pub use l3::L3_WRITE_BATCHES_IN_FLIGHT;
 pub use l3::RequestId;
 pub use rank::{RankError, RankGroup, SingleRank, TcpRankGroup};
@@ -93,9 +98,9 @@ pub use request_state::{Admission, Arrival};
 pub use tick::{EXCHANGE_BACKUPS_FINISHED, EXCHANGE_WRITES_FINISHED, InFlight, PollReport};
 
 pub use hicache_core::{
-    CoreError, DType, DeviceSlot, HashMode, HiRadixTree, HostSlot, KvEvent, KvKind, KvShape,
-    LayoutKind, Medium, PrefetchPolicy, StrategyKind, TenantId, WritePolicy,
+    Component, CoreError, DType, DeviceSlot, HashMode, HiRadixTree, HostSlot, KvEvent, KvKind,
+    KvShape, LayoutKind, Medium, Namespace, PrefetchPolicy, StrategyKind, TenantId, WritePolicy,
 };
-pub use hicache_gpu::{Device, DevicePool, GpuError, LayerDoneCounter, TransferConfig};
-pub use hicache_host::HostError;
+pub use hicache_gpu::{Device, DevicePool, GpuError, LayerDoneCounter, StatePool, TransferConfig};
+pub use hicache_host::{HostError, MambaShape};
 pub use hicache_storage::{Registry, Storage, StorageConfig, StorageError};

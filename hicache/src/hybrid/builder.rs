@@ -1,0 +1,268 @@
+//! [`HybridCacheBuilder`]: validates a hybrid model's geometry and allocates each
+//! component's device pool, host pool and copy engine.
+
+use std::sync::Arc;
+
+use hicache_core::{KvShape, LayoutKind, Namespace, UnifiedTree};
+use hicache_gpu::{Device, DevicePool, TransferConfig};
+use hicache_host::{
+    HostPool, HostPoolConfig, HostPoolGroup, HostPoolGroupConfig, MambaPoolConfig, MambaShape,
+    PoolSize,
+};
+use hicache_storage::Storage;
+
+use super::cache::HybridCache;
+use super::pools::{KvPart, Pools};
+use super::state::StatePart;
+use super::types::HybridConfig;
+use crate::error::{HiCacheError, Result};
+use crate::rank::{RankGroup, SingleRank};
+
+/// Builds a [`HybridCache`] (see [`HybridCache::builder`]).
+pub struct HybridCacheBuilder {
+    cfg: HybridConfig,
+    full_shape: Option<KvShape>,
+    swa_shape: Option<KvShape>,
+    mamba_shape: Option<MambaShape>,
+    device: Option<Device>,
+    device_pages: (usize, usize),
+    mamba_slots: usize,
+    host_pages: (usize, usize),
+    host_mamba_slots: usize,
+    host_layout: LayoutKind,
+    reserve: Option<u64>,
+    namespace: Option<Namespace>,
+    rank: Arc<dyn RankGroup>,
+    storage: Option<Arc<dyn Storage>>,
+    transfer: TransferConfig,
+}
+
+impl std::fmt::Debug for HybridCacheBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HybridCacheBuilder")
+            .field("cfg", &self.cfg)
+            .field("device_pages", &self.device_pages)
+            .field("host_pages", &self.host_pages)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HybridCacheBuilder {
+    /// A builder with `cfg`, the sim device and no pools sized yet.
+    pub fn new(cfg: HybridConfig) -> Self {
+        Self {
+            cfg,
+            full_shape: None,
+            swa_shape: None,
+            mamba_shape: None,
+            device: None,
+            device_pages: (0, 0),
+            mamba_slots: 0,
+            host_pages: (0, 0),
+            host_mamba_slots: 0,
+            host_layout: LayoutKind::PageFirst,
+            reserve: None,
+            namespace: None,
+            rank: Arc::new(SingleRank),
+            storage: None,
+            transfer: TransferConfig::default(),
+        }
+    }
+
+    /// The KV shape of the full-attention layers (required).
+    pub fn full_shape(mut self, shape: KvShape) -> Self {
+        self.full_shape = Some(shape);
+        self
+    }
+
+    /// The KV shape of the sliding-window layers (required with `swa_window`).
+    pub fn swa_shape(mut self, shape: KvShape) -> Self {
+        self.swa_shape = Some(shape);
+        self
+    }
+
+    /// The state shape of the Mamba layers (required with `mamba_chunk`).
+    pub fn mamba_shape(mut self, shape: MambaShape) -> Self {
+        self.mamba_shape = Some(shape);
+        self
+    }
+
+    /// The device (default: the sim device).
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = Some(device);
+        self
+    }
+
+    /// Device pages of the Full and SWA pools.
+    pub fn device_pages(mut self, full: usize, swa: usize) -> Self {
+        self.device_pages = (full, swa);
+        self
+    }
+
+    /// Device Mamba state slots.
+    pub fn mamba_slots(mut self, n: usize) -> Self {
+        self.mamba_slots = n;
+        self
+    }
+
+    /// Host pages of the Full and SWA pools (default: as many as on device).
+    pub fn host_pages(mut self, full: usize, swa: usize) -> Self {
+        self.host_pages = (full, swa);
+        self
+    }
+
+    /// Host Mamba state slots (default: as many as on device).
+    pub fn host_mamba_slots(mut self, n: usize) -> Self {
+        self.host_mamba_slots = n;
+        self
+    }
+
+    /// The host (and L3) page layout (default `page_first`).
+    pub fn host_layout(mut self, layout: LayoutKind) -> Self {
+        self.host_layout = layout;
+        self
+    }
+
+    /// Host RAM to leave free when mapping the host pools (default: the host crate's).
+    pub fn host_reserve_bytes(mut self, bytes: u64) -> Self {
+        self.reserve = Some(bytes);
+        self
+    }
+
+    /// The KV namespace of this rank's L3 pages.
+    pub fn namespace(mut self, namespace: Namespace) -> Self {
+        self.namespace = Some(namespace);
+        self
+    }
+
+    /// The tensor-parallel group (default: a single rank).
+    pub fn rank_group(mut self, rank: Arc<dyn RankGroup>) -> Self {
+        self.rank = rank;
+        self
+    }
+
+    /// An L3 backend.
+    pub fn storage(mut self, storage: Arc<dyn Storage>) -> Self {
+        self.storage = Some(storage);
+        self
+    }
+
+    /// Copy engine tuning.
+    pub fn transfer(mut self, transfer: TransferConfig) -> Self {
+        self.transfer = transfer;
+        self
+    }
+
+    /// Checks that the configured components and the shapes agree.
+    fn validate(&self) -> Result<KvShape> {
+        let cfg = &self.cfg;
+        let full = self.full_shape.ok_or_else(|| {
+            HiCacheError::config("full_shape", "none", "the Full KV shape is required")
+        })?;
+        for (field, shape) in [("full_shape", Some(full)), ("swa_shape", self.swa_shape)] {
+            if let Some(s) = shape
+                && s.page_size != cfg.page_size
+            {
+                return Err(HiCacheError::config(
+                    field,
+                    s.page_size,
+                    format!("its page size must be the config's {}", cfg.page_size),
+                ));
+            }
+        }
+        if cfg.swa_window.is_some() != self.swa_shape.is_some() {
+            return Err(HiCacheError::config(
+                "swa_shape",
+                format!("{:?}", self.swa_shape.map(|s| s.layers)),
+                "give an SWA shape exactly when swa_window is set",
+            ));
+        }
+        if cfg.mamba_chunk.is_some() != self.mamba_shape.is_some() {
+            return Err(HiCacheError::config(
+                "mamba_shape",
+                format!("{:?}", self.mamba_shape.as_ref().map(|s| s.layers)),
+                "give a Mamba shape exactly when mamba_chunk is set",
+            ));
+        }
+        let (full_pages, swa_pages) = self.device_pages;
+        if full_pages == 0 || (cfg.swa_window.is_some() && swa_pages == 0) {
+            return Err(HiCacheError::config(
+                "device_pages",
+                format!("{full_pages}, {swa_pages}"),
+                "every configured KV component needs device pages",
+            ));
+        }
+        if cfg.mamba_chunk.is_some() && self.mamba_slots == 0 {
+            return Err(HiCacheError::config(
+                "mamba_slots",
+                0,
+                "Mamba needs device state slots",
+            ));
+        }
+        Ok(full)
+    }
+
+    /// The host pool group: Full KV, SWA KV, Mamba states (host sizes default to the
+    /// device's).
+    fn host_group(&self, full: KvShape) -> Result<HostPoolGroup> {
+        let or_dev = |host: usize, dev: usize| PoolSize::Pages(if host == 0 { dev } else { host });
+        let kv = |shape, host, dev| HostPoolConfig::new(shape, self.host_layout, or_dev(host, dev));
+        let mut cfg = HostPoolGroupConfig::new(kv(full, self.host_pages.0, self.device_pages.0));
+        if let Some(swa) = self.swa_shape {
+            cfg = cfg.swa(kv(swa, self.host_pages.1, self.device_pages.1));
+        }
+        if let Some(m) = &self.mamba_shape {
+            // SGLang refuses `layer_first` for states; both page-first layouts lay a slot out
+            // the same way.
+            let layout = match self.host_layout {
+                LayoutKind::LayerFirst => LayoutKind::PageFirst,
+                other => other,
+            };
+            let mut mc =
+                MambaPoolConfig::new(m.clone(), or_dev(self.host_mamba_slots, self.mamba_slots));
+            mc.layout = layout;
+            cfg = cfg.mamba(mc);
+        }
+        if let Some(r) = self.reserve {
+            cfg = cfg.reserve_bytes(r);
+        }
+        Ok(HostPoolGroup::new(cfg)?)
+    }
+
+    /// Validates everything and allocates the pools.
+    pub fn build(self) -> Result<HybridCache> {
+        let full = self.validate()?;
+        if self.storage.is_some() {
+            return Err(HiCacheError::config(
+                "storage",
+                "given",
+                "L3 for hybrid models is not available yet",
+            ));
+        }
+        let device = self.device.clone().unwrap_or_else(Device::sim);
+        let group = self.host_group(full)?;
+        let kv_part = |shape, pages, host: &Arc<HostPool>| {
+            let dev = Arc::new(DevicePool::new(&device, shape, pages)?);
+            KvPart::new(dev, host.clone(), self.transfer)
+        };
+        let full_part = kv_part(full, self.device_pages.0, group.kv_shared())?;
+        let swa_part = match (self.swa_shape, group.swa_shared()) {
+            (Some(s), Some(host)) => Some(kv_part(s, self.device_pages.1, host)?),
+            _ => None,
+        };
+        let mamba_part = match (&self.mamba_shape, group.mamba_shared()) {
+            (Some(m), Some(host)) => {
+                Some(StatePart::new(&device, m, self.mamba_slots, host.clone())?)
+            }
+            _ => None,
+        };
+        let tree = UnifiedTree::with_device_slots(self.cfg.tree())?;
+        let pools = Pools {
+            group,
+            full: full_part,
+            swa: swa_part,
+            mamba: mamba_part,
+        };
+        Ok(HybridCache::assemble(self.cfg, tree, pools, self.rank))
+    }
+}

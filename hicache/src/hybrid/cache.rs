@@ -1,0 +1,623 @@
+//! [`HybridCache`]: the controller of a hybrid model (Full KV + SWA KV + Mamba state) over
+//! the [`UnifiedTree`], one scheduler tick at a time, as the dense `HiCache`.
+//!
+//! Ownership of slots, per component (invariants):
+//! 1. A device Full / SWA page or Mamba state slot is owned by the tree (a cached prefix,
+//!    freed only when an eviction or an insert reports it), by a request (from
+//!    [`HybridCache::alloc`] or an admission's copy-on-write slot, until the request hands it
+//!    to [`HybridCache::cache_finished`] or [`HybridCache::release`]), or free.
+//! 2. An admitted request holds a lock on its matched node (Full path, SWA window, Mamba
+//!    node), so its prefix slots stay put until `cache_finished` or `abort`.
+//! 3. A host slot is owned by the tree from the commit of the backup that wrote it until a
+//!    host eviction reports it; a node being copied (either way) is locked in the tree until
+//!    the poll that finishes its copy, at a count every rank agreed on.
+//! 4. The Mamba state of a match is never handed to a request: the request gets a copy in a
+//!    slot of its own (copy-on-write), so the cached state never changes under it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use hicache_core::{
+    Component, DeviceLoad, DeviceSlot, EvictRequest, Evicted, InsertParams, InsertSlots,
+    LockReceipt, UnifiedMatch, UnifiedTree,
+};
+
+use super::copies::Copies;
+use super::pools::Pools;
+use super::types::{
+    HybridAdmission, HybridArrival, HybridConfig, HybridDemand, HybridSlots, HybridTotals,
+};
+use super::{StateSlot, lengths};
+use crate::error::{HiCacheError, Result};
+use crate::rank::RankGroup;
+
+/// Slots of every component, as the tree's `u32` indices.
+#[derive(Debug, Default)]
+pub(crate) struct Units {
+    pub full: Vec<u32>,
+    pub swa: Vec<u32>,
+    pub mamba: Vec<u32>,
+}
+
+/// A request between `arrive` and `cache_finished` / `abort`.
+enum Req {
+    /// Arrived, not admitted.
+    Arrived,
+    /// Admitted: holds a lock on its prefix.
+    Admitted(Admitted),
+}
+
+struct Admitted {
+    receipt: LockReceipt,
+    /// Prefix tokens on device (after any load-back).
+    matched: usize,
+    swa_branching: Option<usize>,
+    mamba_branching: Option<usize>,
+    /// The prefix's Full slots (the tree's).
+    prefix_full: Vec<u32>,
+    /// The request's copy-on-write state slot.
+    cow: Option<u32>,
+}
+
+/// The hierarchical cache of a hybrid model on one rank (see the module docs for who owns
+/// which slot, and the crate docs for the call sequence of a tick).
+pub struct HybridCache {
+    pub(crate) cfg: HybridConfig,
+    pub(crate) tree: UnifiedTree,
+    pub(crate) pools: Pools,
+    pub(crate) copies: Copies,
+    pub(crate) rank: Arc<dyn RankGroup>,
+    pub(crate) totals: HybridTotals,
+    pub(crate) events: Vec<hicache_core::KvEvent>,
+    requests: HashMap<u64, Req>,
+    closed: bool,
+}
+
+impl std::fmt::Debug for HybridCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HybridCache")
+            .field("config", &self.cfg)
+            .field("requests", &self.requests.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl HybridCache {
+    /// Starts building a cache with `cfg`.
+    pub fn builder(cfg: HybridConfig) -> super::HybridCacheBuilder {
+        super::HybridCacheBuilder::new(cfg)
+    }
+
+    pub(crate) fn assemble(
+        cfg: HybridConfig,
+        tree: UnifiedTree,
+        pools: Pools,
+        rank: Arc<dyn RankGroup>,
+    ) -> Self {
+        Self {
+            cfg,
+            tree,
+            pools,
+            copies: Copies::default(),
+            rank,
+            totals: HybridTotals::default(),
+            events: Vec::new(),
+            requests: HashMap::new(),
+            closed: false,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &HybridConfig {
+        &self.cfg
+    }
+
+    /// The tree (for inspection).
+    pub fn tree(&self) -> &UnifiedTree {
+        &self.tree
+    }
+
+    /// The device pool of Full or SWA KV (the engine's kernels read and write its pages).
+    pub fn device_pool(&self, c: Component) -> Result<&Arc<hicache_gpu::DevicePool>> {
+        Ok(&self.pools.kv(c)?.dev)
+    }
+
+    /// The device Mamba state pool (the engine's kernels address its slots).
+    pub fn state_pool(&self) -> Result<&Arc<hicache_gpu::StatePool>> {
+        Ok(&self.pools.state()?.dev)
+    }
+
+    /// The host pools of every component.
+    pub fn host_pools(&self) -> &hicache_host::HostPoolGroup {
+        &self.pools.group
+    }
+
+    /// Bytes of one Mamba state (0 without Mamba).
+    pub fn state_bytes(&self) -> usize {
+        self.pools.mamba.as_ref().map_or(0, |m| m.slot_bytes())
+    }
+
+    /// Reads a device Mamba state (synchronous; for checks and tests, an engine's kernels
+    /// use the state pool's addresses).
+    pub fn read_state(&self, slot: StateSlot) -> Result<Vec<u8>> {
+        self.pools.state()?.read(slot.0)
+    }
+
+    /// Writes a device Mamba state (synchronous).
+    pub fn write_state(&self, slot: StateSlot, src: &[u8]) -> Result<()> {
+        self.pools.state()?.write(slot.0, src)
+    }
+
+    /// The counters so far.
+    pub fn metrics(&self) -> HybridTotals {
+        self.totals
+    }
+
+    /// The KV events since the last call.
+    pub fn drain_events(&mut self) -> Vec<hicache_core::KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    fn ps(&self) -> usize {
+        self.cfg.page_size as usize
+    }
+
+    /// Whether [`shutdown`](Self::shutdown) was called.
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.closed {
+            return Err(HiCacheError::Closed);
+        }
+        Ok(())
+    }
+
+    /// The key a request matches: its tokens but the last (at least one token is computed),
+    /// whole pages.
+    fn match_key(tokens: &[u32]) -> &[u32] {
+        &tokens[..tokens.len().saturating_sub(1)]
+    }
+
+    /// A request arrives: matches its prompt (nothing is copied yet).
+    pub fn arrive(&mut self, req: u64, tokens: &[u32]) -> Result<HybridArrival> {
+        self.check_open()?;
+        if self.requests.contains_key(&req) {
+            return Err(HiCacheError::request(req, "already arrived"));
+        }
+        if tokens.is_empty() {
+            return Err(HiCacheError::request(req, "an empty prompt"));
+        }
+        let m = self.tree.match_prefix(Self::match_key(tokens))?;
+        self.requests.insert(req, Req::Arrived);
+        Ok(HybridArrival {
+            device_tokens: m.device_prefix_len,
+            host_tokens: m.host_hit_len,
+            storage_tokens: 0,
+        })
+    }
+
+    /// Whether the request's L3 prefetch (if any) is done, so it can be admitted.
+    pub fn prefetch_ready(&mut self, req: u64) -> Result<bool> {
+        self.check_open()?;
+        match self.requests.get(&req) {
+            Some(Req::Arrived) => Ok(true),
+            Some(Req::Admitted(_)) => Err(HiCacheError::request(req, "already admitted")),
+            None => Err(HiCacheError::request(req, "unknown request")),
+        }
+    }
+
+    /// Admits an arrived request: matches again, loads back what is on host per component,
+    /// locks the prefix and copies its Mamba state into a fresh slot of the request.
+    pub fn admit(&mut self, req: u64, tokens: &[u32]) -> Result<HybridAdmission> {
+        self.check_open()?;
+        match self.requests.get(&req) {
+            Some(Req::Arrived) => {}
+            Some(Req::Admitted(_)) => return Err(HiCacheError::request(req, "already admitted")),
+            None => return Err(HiCacheError::request(req, "unknown request (call arrive)")),
+        }
+        if tokens.is_empty() {
+            return Err(HiCacheError::request(req, "an empty prompt"));
+        }
+        let first = self.tree.match_prefix(Self::match_key(tokens))?;
+        let host_tokens = self.load_back(&first)?;
+        let m = if host_tokens > 0 {
+            self.tree.match_prefix(Self::match_key(tokens))?
+        } else {
+            first.clone()
+        };
+        let receipt = self.tree.lock(m.node, false)?;
+        let cow = match m.mamba_slot {
+            Some(src) => self.copy_on_write(src)?,
+            None => None,
+        };
+        let prefix_full = self.prefix_slots(m.node, Component::Full)?;
+        let slots = HybridSlots {
+            full: prefix_full.iter().map(|&s| DeviceSlot(s)).collect(),
+            swa: self.swa_prefix(m.node)?,
+            mamba: cow.map(StateSlot).into_iter().collect(),
+        };
+        self.count_hits(first.device_prefix_len, host_tokens);
+        self.requests.insert(
+            req,
+            Req::Admitted(Admitted {
+                receipt,
+                matched: m.device_prefix_len,
+                swa_branching: m.swa_branching,
+                mamba_branching: m.mamba_branching,
+                prefix_full,
+                cow,
+            }),
+        );
+        Ok(HybridAdmission {
+            device_tokens: first.device_prefix_len,
+            host_tokens: m.device_prefix_len - first.device_prefix_len,
+            storage_tokens: 0,
+            slots,
+        })
+    }
+
+    fn count_hits(&mut self, device: usize, host: usize) {
+        for c in self.tree.config().components() {
+            let t = self.totals.get_mut(c);
+            t.hit_tokens_l1 += device as u64;
+            t.hit_tokens_l2 += host as u64;
+        }
+    }
+
+    /// The Full slots of the path to `node` (all on device).
+    fn prefix_slots(&self, node: hicache_core::NodeId, c: Component) -> Result<Vec<u32>> {
+        let pages = self.tree.prefix_pages(node, c)?;
+        pages
+            .into_iter()
+            .map(|s| s.ok_or_else(|| HiCacheError::BadArgument("a prefix page off device".into())))
+            .collect()
+    }
+
+    /// The SWA slots of the path to `node` (`None` at tombstones); empty without SWA.
+    fn swa_prefix(&self, node: hicache_core::NodeId) -> Result<Vec<Option<DeviceSlot>>> {
+        if !self.tree.has(Component::Swa) {
+            return Ok(Vec::new());
+        }
+        let pages = self.tree.prefix_pages(node, Component::Swa)?;
+        Ok(pages.into_iter().map(|s| s.map(DeviceSlot)).collect())
+    }
+
+    /// Copies the matched state `src` into a new slot of the request (evicting one state
+    /// when none is free; the caller has locked the matched node, so `src` stays).
+    fn copy_on_write(&mut self, src: u32) -> Result<Option<u32>> {
+        let Some(units) = self.alloc_units(HybridDemand {
+            mamba_slots: 1,
+            ..Default::default()
+        })?
+        else {
+            return Ok(None);
+        };
+        let dst = units.mamba[0];
+        let launched = self.pools.state()?.copy(src, dst)?;
+        self.copies.add_cow(launched);
+        Ok(Some(dst))
+    }
+
+    /// Brings `m`'s host hit back to device per component (SGLang's `load_back`): the Full
+    /// chain, the SWA window, the Mamba state. Returns the Full tokens loaded (0 when
+    /// nothing was on host or the device has no room).
+    fn load_back(&mut self, m: &UnifiedMatch) -> Result<usize> {
+        if m.host_node == m.node {
+            return Ok(0);
+        }
+        let Some(plan) = self.tree.plan_load_back(m.host_node)? else {
+            return Ok(0);
+        };
+        // The device prefix stays locked while the pools make room.
+        let guard = self.tree.lock(m.node, false)?;
+        let units = self.alloc_units(HybridDemand {
+            full_pages: plan.full_pages(),
+            swa_pages: plan.swa_pages(),
+            mamba_slots: usize::from(plan.mamba.is_some()),
+        });
+        let units = match units {
+            Ok(Some(u)) if self.tree.plan_load_back(m.host_node)?.as_ref() == Some(&plan) => u,
+            Ok(Some(u)) => {
+                self.free_units(&u)?;
+                self.tree.unlock(&guard)?;
+                return Ok(0);
+            }
+            other => {
+                self.tree.unlock(&guard)?;
+                return other.map(|_| 0);
+            }
+        };
+        let launched = self.launch_load(&plan, &units)?;
+        let id = self.tree.commit_load_back(
+            &plan,
+            DeviceLoad {
+                full: &units.full,
+                swa: &units.swa,
+                mamba: units.mamba.first().copied(),
+            },
+        )?;
+        self.tree.unlock(&guard)?;
+        self.copies.add_load(id, launched);
+        Ok(plan.full_pages() * self.ps())
+    }
+
+    /// Allocates every component's demand, evicting each one's shortfall first; all or
+    /// nothing.
+    pub(crate) fn alloc_units(&mut self, d: HybridDemand) -> Result<Option<Units>> {
+        let ps = self.ps() as u64;
+        let short = |p: &Pools, c, want: usize| want.saturating_sub(p.dev_available(c)) as u64;
+        let req = EvictRequest {
+            full: short(&self.pools, Component::Full, d.full_pages) * ps,
+            swa: short(&self.pools, Component::Swa, d.swa_pages) * ps,
+            mamba: short(&self.pools, Component::Mamba, d.mamba_slots),
+        };
+        if req != EvictRequest::default() {
+            let e = self.tree.evict(req);
+            self.after_evict(&e)?;
+        }
+        let fits = self.pools.dev_available(Component::Full) >= d.full_pages
+            && self.pools.dev_available(Component::Swa) >= d.swa_pages
+            && self.pools.dev_available(Component::Mamba) >= d.mamba_slots;
+        if !fits {
+            return Ok(None);
+        }
+        let mut u = Units::default();
+        if d.full_pages > 0 {
+            u.full = self.pools.full.alloc_dev(d.full_pages).unwrap_or_default();
+        }
+        if d.swa_pages > 0 {
+            u.swa = self
+                .pools
+                .kv(Component::Swa)?
+                .alloc_dev(d.swa_pages)
+                .unwrap_or_default();
+        }
+        if d.mamba_slots > 0 {
+            u.mamba = self
+                .pools
+                .state()?
+                .alloc_dev(d.mamba_slots)
+                .unwrap_or_default();
+        }
+        Ok(Some(u))
+    }
+
+    /// Frees slots a request or a failed step held.
+    pub(crate) fn free_units(&self, u: &Units) -> Result<()> {
+        self.pools.full.free_dev(&u.full)?;
+        if !u.swa.is_empty() {
+            self.pools.kv(Component::Swa)?.free_dev(&u.swa)?;
+        }
+        if !u.mamba.is_empty() {
+            self.pools.state()?.free_dev(&u.mamba)?;
+        }
+        Ok(())
+    }
+
+    /// Frees what a device eviction reports and counts it.
+    pub(crate) fn after_evict(&mut self, e: &Evicted) -> Result<()> {
+        self.pools.free_evicted(e)?;
+        self.totals.full.evicted_device += e.full_pages.len() as u64;
+        self.totals.swa.evicted_device += e.swa_pages.len() as u64;
+        self.totals.mamba.evicted_device += e.mamba_slots.len() as u64;
+        Ok(())
+    }
+
+    /// Device slots for a request's new pages and states, evicting per component as needed;
+    /// `None` when the tree cannot free enough (nothing is allocated then).
+    pub fn alloc(&mut self, d: HybridDemand) -> Result<Option<HybridSlots>> {
+        self.check_open()?;
+        let bad = |what: &str| HiCacheError::BadArgument(format!("{what} without that component"));
+        if d.swa_pages > 0 && !self.tree.has(Component::Swa) {
+            return Err(bad("SWA pages asked"));
+        }
+        if d.mamba_slots > 0 && !self.tree.has(Component::Mamba) {
+            return Err(bad("Mamba slots asked"));
+        }
+        let Some(u) = self.alloc_units(d)? else {
+            return Ok(None);
+        };
+        Ok(Some(HybridSlots {
+            full: u.full.into_iter().map(DeviceSlot).collect(),
+            swa: u.swa.into_iter().map(|s| Some(DeviceSlot(s))).collect(),
+            mamba: u.mamba.into_iter().map(StateSlot).collect(),
+        }))
+    }
+
+    /// Frees slots a request holds and will not hand to `cache_finished` (never a prefix's).
+    pub fn release(&mut self, slots: HybridSlots) -> Result<()> {
+        self.check_open()?;
+        self.free_units(&Units {
+            full: slots.full.iter().map(|s| s.0).collect(),
+            swa: slots.swa.iter().flatten().map(|s| s.0).collect(),
+            mamba: slots.mamba.iter().map(|s| s.0).collect(),
+        })
+    }
+
+    /// Drops a request: releases its prefix lock and its copy-on-write state slot. Slots it
+    /// allocated stay the engine's (free them with [`release`](Self::release)).
+    pub fn abort(&mut self, req: u64) -> Result<()> {
+        self.check_open()?;
+        match self.requests.remove(&req) {
+            None => Err(HiCacheError::request(req, "unknown request")),
+            Some(Req::Arrived) => Ok(()),
+            Some(Req::Admitted(a)) => {
+                self.tree.unlock(&a.receipt)?;
+                if let Some(c) = a.cow {
+                    self.pools.state()?.free_dev(&[c])?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// A request ended: inserts its sequence (SGLang's insert lengths) with its slots, frees
+    /// the slots the tree did not take, releases its prefix lock and queues the inserted
+    /// node for write-through. `slots` are all the request's slots (the admission's prefix
+    /// followed by what it allocated; see [`HybridSlots`]).
+    pub fn cache_finished(&mut self, req: u64, tokens: &[u32], slots: HybridSlots) -> Result<()> {
+        self.check_open()?;
+        let a = match self.requests.get(&req) {
+            Some(Req::Admitted(_)) => match self.requests.remove(&req) {
+                Some(Req::Admitted(a)) => a,
+                _ => unreachable!("checked above"),
+            },
+            Some(Req::Arrived) => return Err(HiCacheError::request(req, "not admitted")),
+            None => return Err(HiCacheError::request(req, "unknown request")),
+        };
+        if let Err(e) = self.check_finished(&a, tokens, &slots) {
+            self.requests.insert(req, Req::Admitted(a));
+            return Err(e);
+        }
+        let inserted = self.insert_finished(&a, tokens, slots);
+        self.tree.unlock(&a.receipt)?;
+        if let Some(node) = inserted?
+            && self.cfg.write_through
+        {
+            self.copies.queue_write(node);
+        }
+        Ok(())
+    }
+
+    /// The tokens [`cache_finished`](Self::cache_finished) will insert for an admitted
+    /// request whose sequence is `len` tokens long (SGLang's insert length, whole pages):
+    /// with Mamba, the checkpoint whose state the engine hands as the state to insert.
+    pub fn insert_len(&self, req: u64, len: usize) -> Result<usize> {
+        match self.requests.get(&req) {
+            Some(Req::Admitted(a)) => Ok(self.insert_len_of(a, len)),
+            Some(Req::Arrived) => Err(HiCacheError::request(req, "not admitted")),
+            None => Err(HiCacheError::request(req, "unknown request")),
+        }
+    }
+
+    fn insert_len_of(&self, a: &Admitted, len: usize) -> usize {
+        let want = lengths::insert_len(
+            self.tree.config(),
+            len,
+            a.matched,
+            a.swa_branching,
+            a.mamba_branching,
+        );
+        want / self.ps() * self.ps()
+    }
+
+    /// Slot counts and ownership of a finished request's slots.
+    fn check_finished(&self, a: &Admitted, tokens: &[u32], s: &HybridSlots) -> Result<()> {
+        let pages = tokens.len().div_ceil(self.ps());
+        let swa_pages = if self.tree.has(Component::Swa) {
+            pages
+        } else {
+            0
+        };
+        let bad = |what: String| Err(HiCacheError::BadArgument(what));
+        if s.full.len() != pages || s.swa.len() != swa_pages {
+            return bad(format!(
+                "{} Full and {} SWA slots for {} tokens: want {pages} and {swa_pages}",
+                s.full.len(),
+                s.swa.len(),
+                tokens.len()
+            ));
+        }
+        if tokens.len() < a.matched {
+            return bad(format!(
+                "{} tokens, shorter than the {}-token prefix",
+                tokens.len(),
+                a.matched
+            ));
+        }
+        let prefix: Vec<u32> = s.full[..a.prefix_full.len()].iter().map(|x| x.0).collect();
+        if prefix != a.prefix_full {
+            return bad("the Full slots do not start with the admission's prefix".into());
+        }
+        if !s.mamba.is_empty() && !self.tree.has(Component::Mamba) {
+            return bad("Mamba slots without that component".into());
+        }
+        Ok(())
+    }
+
+    /// Inserts a finished request and frees what the tree did not take; the node inserted.
+    fn insert_finished(
+        &mut self,
+        a: &Admitted,
+        tokens: &[u32],
+        s: HybridSlots,
+    ) -> Result<Option<hicache_core::NodeId>> {
+        let ps = self.ps();
+        let pages = self.insert_len_of(a, tokens.len()) / ps;
+        let mamba = self.tree.has(Component::Mamba);
+        let state = s.mamba.first().map(|x| x.0);
+        let insert = pages > 0 && pages * ps > a.matched && (!mamba || state.is_some());
+        let prefix_pages = a.prefix_full.len();
+        let full: Vec<u32> = s.full.iter().map(|x| x.0).collect();
+        // SWA floor: past the last page without SWA KV; entries below are not read.
+        let floor = s.swa[..pages.min(s.swa.len())]
+            .iter()
+            .rposition(Option::is_none)
+            .map_or(0, |i| i + 1);
+        let swa: Vec<u32> = s.swa.iter().map(|x| x.map_or(u32::MAX, |d| d.0)).collect();
+        let mut free = Units::default();
+        let mut node = None;
+        if insert {
+            let r = self.tree.insert_with_slots(
+                &tokens[..pages * ps],
+                &InsertParams {
+                    prev_prefix_len: a.matched,
+                    swa_evicted_len: floor * ps,
+                    mamba_slot: state.filter(|_| mamba),
+                },
+                InsertSlots {
+                    full: &full[..pages],
+                    swa: if swa.is_empty() { &[] } else { &swa[..pages] },
+                },
+            )?;
+            free.full = r.release_full;
+            free.swa = r.release_swa;
+            node = Some(r.node);
+            if r.mamba_exist {
+                free.mamba.extend(state);
+            }
+            // The request's own SWA pages below the floor (never read by the insert).
+            free.swa.extend(
+                swa[prefix_pages.min(floor)..floor]
+                    .iter()
+                    .filter(|&&x| x != u32::MAX),
+            );
+        } else {
+            // Nothing inserted: every page past the prefix is the request's.
+            free.full.extend(&full[prefix_pages.min(pages)..pages]);
+            let swa_own = &swa[prefix_pages.min(pages).min(swa.len())..pages.min(swa.len())];
+            free.swa.extend(swa_own.iter().filter(|&&x| x != u32::MAX));
+            free.mamba.extend(state);
+        }
+        // Pages past the key are the request's.
+        let tail = pages.max(prefix_pages);
+        free.full.extend(&full[tail.min(full.len())..]);
+        free.swa.extend(
+            swa[tail.min(swa.len())..]
+                .iter()
+                .filter(|&&x| x != u32::MAX),
+        );
+        free.mamba.extend(s.mamba.iter().skip(1).map(|x| x.0));
+        if let Some(c) = a.cow
+            && !s.mamba.iter().any(|x| x.0 == c)
+        {
+            free.mamba.push(c);
+        }
+        self.free_units(&free)?;
+        Ok(node)
+    }
+
+    /// Blocks until every copy the cache launched has landed, finishes them, and refuses
+    /// further calls.
+    pub fn shutdown(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        self.pools.synchronize()?;
+        self.finish_copies(true)?;
+        self.closed = true;
+        Ok(())
+    }
+}

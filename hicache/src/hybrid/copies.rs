@@ -1,0 +1,141 @@
+//! [`Copies`]: the device↔host copies in flight, oldest first, and the nodes waiting for
+//! write-through. Each entry holds the tree's id of its committed transfer; the tree keeps
+//! the node locked until [`HybridCache::poll`](super::HybridCache::poll) finishes it.
+
+use std::collections::VecDeque;
+
+use hicache_core::{BackupId, NodeId, UnifiedLoadId};
+
+use super::pools::Launched;
+use crate::error::Result;
+
+/// A committed write-through backup and its copies (one per component that had data).
+#[derive(Debug)]
+pub(crate) struct Backup {
+    pub id: BackupId,
+    pub copies: Vec<Launched>,
+}
+
+/// A committed load-back, the batch it belongs to and its copies.
+#[derive(Debug)]
+pub(crate) struct Load {
+    pub id: UnifiedLoadId,
+    pub batch: usize,
+    pub copies: Vec<Launched>,
+}
+
+/// Copies in flight (see the module docs).
+#[derive(Debug, Default)]
+pub(crate) struct Copies {
+    /// Backups, oldest first.
+    pub backups: VecDeque<Backup>,
+    /// Load-backs, oldest first.
+    pub loads: VecDeque<Load>,
+    /// Copy-on-write state copies (nothing to finish in the tree; kept until landed).
+    pub cows: Vec<(usize, Launched)>,
+    /// Inserted nodes to back up at the next poll.
+    pub writes: Vec<NodeId>,
+    /// The load batch being filled (closed by `start_loading`).
+    pub batch: usize,
+    /// Whether the open batch has any copy.
+    pub batch_used: bool,
+}
+
+/// Whether every copy of a list has landed.
+pub(crate) fn all_done(copies: &[Launched]) -> Result<bool> {
+    for c in copies {
+        if !c.is_done()? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+impl Copies {
+    /// Records a committed load-back in the open batch.
+    pub fn add_load(&mut self, id: UnifiedLoadId, copies: Vec<Launched>) {
+        self.batch_used = true;
+        self.loads.push_back(Load {
+            id,
+            batch: self.batch,
+            copies,
+        });
+    }
+
+    /// Records a copy-on-write state copy in the open batch.
+    pub fn add_cow(&mut self, copy: Launched) {
+        self.batch_used = true;
+        self.cows.push((self.batch, copy));
+    }
+
+    /// Queues `node` for write-through.
+    pub fn queue_write(&mut self, node: NodeId) {
+        if !self.writes.contains(&node) {
+            self.writes.push(node);
+        }
+    }
+
+    /// Closes the open batch: its id, or `None` when it has no copy.
+    pub fn close_batch(&mut self) -> Option<usize> {
+        if !self.batch_used {
+            return None;
+        }
+        let id = self.batch;
+        self.batch += 1;
+        self.batch_used = false;
+        Some(id)
+    }
+
+    /// Blocks until every copy of batch `batch` has landed. Errors: a batch never handed out.
+    pub fn wait_batch(&self, batch: usize) -> Result<()> {
+        if batch >= self.batch {
+            return Err(crate::error::HiCacheError::BadArgument(format!(
+                "load batch {batch} was never started"
+            )));
+        }
+        let loads = self.loads.iter().filter(|l| l.batch == batch);
+        for c in loads.flat_map(|l| &l.copies) {
+            c.wait()?;
+        }
+        for (_, c) in self.cows.iter().filter(|(b, _)| *b == batch) {
+            c.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Leading backups whose copies have landed.
+    pub fn backups_done(&self) -> Result<usize> {
+        let mut n = 0;
+        for b in &self.backups {
+            if !all_done(&b.copies)? {
+                break;
+            }
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Leading load-backs whose copies have landed.
+    pub fn loads_done(&self) -> Result<usize> {
+        let mut n = 0;
+        for l in &self.loads {
+            if !all_done(&l.copies)? {
+                break;
+            }
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Forgets the copy-on-write copies that have landed.
+    pub fn prune_cows(&mut self) -> Result<()> {
+        let mut keep = Vec::new();
+        for (b, c) in self.cows.drain(..) {
+            if !c.is_done()? {
+                keep.push((b, c));
+            }
+        }
+        self.cows = keep;
+        Ok(())
+    }
+}

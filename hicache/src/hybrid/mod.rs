@@ -1,0 +1,42 @@
+//! The hybrid-model facade: [`HybridCache`] drives SGLang 0.5.23's `UnifiedRadixCache`
+//! semantics ([`hicache_core::UnifiedTree`]) over one device pool, one host pool and one copy
+//! engine per component — Full-attention KV, sliding-window (SWA) KV, Mamba state.
+//!
+//! One scheduler tick, as the dense `HiCache`:
+//!
+//! ```text
+//! on arrival       cache.arrive(req, &prompt)          match (nothing copied)
+//! every iteration:
+//!   1. cache.poll()                                      finish copies; write-through
+//!   2. per waiting request: cache.prefetch_ready(req)?, then
+//!        cache.admit(req, &prompt)    → prefix slots per component (host hits loaded
+//!                                       back, the Mamba state copied into the request's slot)
+//!        cache.alloc(HybridDemand)    → slots for the rest (evicts per component)
+//!   3. cache.start_loading()          → Some(batch): cache.wait_loaded(batch) before use
+//!   4. forward pass
+//!   5. cache.cache_finished(req, &tokens, slots)   insert (SGLang's lengths)
+//! on abort         cache.abort(req) (+ cache.release(slots) for what it allocated)
+//! at the end       cache.shutdown()
+//! ```
+//!
+//! A request matches its tokens but the last (at least one token is computed, as SGLang's
+//! scheduler does). Ownership of each component's slots is stated in `cache`; the copies in
+//! flight in `copies`; the rank agreement in `tick`.
+
+mod builder;
+mod cache;
+mod copies;
+mod lengths;
+mod pools;
+mod state;
+mod tick;
+mod types;
+
+pub use builder::HybridCacheBuilder;
+pub use cache::HybridCache;
+pub use state::StateSlot;
+pub use tick::{HYBRID_EXCHANGE_BACKUPS, HYBRID_EXCHANGE_LOADS};
+pub use types::{
+    ComponentTotals, HybridAdmission, HybridArrival, HybridConfig, HybridDemand, HybridSlots,
+    HybridTotals,
+};

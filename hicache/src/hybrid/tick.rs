@@ -1,0 +1,265 @@
+//! The per-tick pump of [`HybridCache`]: finishing copies at counts every rank agreed on,
+//! launching write-through per component, and the load batches the engine waits on.
+//!
+//! The exchanged vector (reduced with `min`): `[backups finished, load-backs finished]`,
+//! each counted from the oldest. Every rank commits the same copies in the same order (the
+//! same calls, the same tree), so finishing the agreed number keeps every tree identical.
+
+use hicache_core::{Component, HostBackup, NodeId, UnifiedLoadPlan};
+
+use super::cache::{HybridCache, Units};
+use super::copies::Backup;
+use super::pools::Launched;
+use crate::error::Result;
+
+/// Index of "backups finished" in the exchanged vector.
+pub const HYBRID_EXCHANGE_BACKUPS: usize = 0;
+/// Index of "load-backs finished" in the exchanged vector.
+pub const HYBRID_EXCHANGE_LOADS: usize = 1;
+
+impl HybridCache {
+    /// One scheduler tick: finishes the copies every rank has seen land, then launches the
+    /// write-through of the nodes inserted since the last poll.
+    pub fn poll(&mut self) -> Result<()> {
+        if self.is_closed() {
+            return Err(crate::HiCacheError::Closed);
+        }
+        self.finish_copies(false)?;
+        self.launch_writes()
+    }
+
+    /// Blocks until every copy launched so far has landed, then finishes them all (every
+    /// rank must call it at the same point, as `poll`).
+    pub fn flush(&mut self) -> Result<()> {
+        if self.is_closed() {
+            return Err(crate::HiCacheError::Closed);
+        }
+        self.finish_copies(true)
+    }
+
+    /// Closes the batch of load-backs and copy-on-write copies launched by the admissions
+    /// since the last call: its id for [`wait_loaded`](Self::wait_loaded), or `None` when
+    /// nothing was launched.
+    pub fn start_loading(&mut self) -> Result<Option<usize>> {
+        if self.is_closed() {
+            return Err(crate::HiCacheError::Closed);
+        }
+        Ok(self.copies.close_batch())
+    }
+
+    /// Blocks until every copy of the batch `producer` (from
+    /// [`start_loading`](Self::start_loading)) has landed on the device.
+    pub fn wait_loaded(&mut self, producer: usize) -> Result<()> {
+        self.copies.wait_batch(producer)
+    }
+
+    /// Finishes the leading copies that landed on every rank (`all`: waits for every copy
+    /// first, as shutdown does).
+    pub(crate) fn finish_copies(&mut self, all: bool) -> Result<()> {
+        if all {
+            for c in self.copies.backups.iter().flat_map(|b| &b.copies) {
+                c.wait()?;
+            }
+            for c in self.copies.loads.iter().flat_map(|l| &l.copies) {
+                c.wait()?;
+            }
+        }
+        let mut min = [
+            self.copies.backups_done()? as u64,
+            self.copies.loads_done()? as u64,
+        ];
+        let mut max = min;
+        self.rank.exchange(&mut min, &mut max)?;
+        for _ in 0..min[HYBRID_EXCHANGE_BACKUPS] {
+            let b = self.copies.backups.pop_front().expect("counted above");
+            self.tree.finish_backup(b.id)?;
+        }
+        for _ in 0..min[HYBRID_EXCHANGE_LOADS] {
+            let l = self.copies.loads.pop_front().expect("counted above");
+            self.tree.finish_load_back(l.id)?;
+        }
+        self.copies.prune_cows()
+    }
+
+    /// Backs up every node queued by `cache_finished` (its unbacked ancestors first).
+    fn launch_writes(&mut self) -> Result<()> {
+        for node in std::mem::take(&mut self.copies.writes) {
+            // A node evicted (deleted, or demoted) since its insert has nothing to copy.
+            if !self.tree.present(node, Component::Full).unwrap_or(false) {
+                continue;
+            }
+            let mut chain = self.tree.unbacked_chain(node)?;
+            if chain.last() != Some(&node) {
+                chain.push(node);
+            }
+            for n in chain {
+                if !self.backup_node(n)? {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Launches the backup of `node` per component and commits it; `false` when the host
+    /// pools cannot make room (the node stays device-only).
+    fn backup_node(&mut self, node: NodeId) -> Result<bool> {
+        let Some(plan) = self.tree.plan_backup(node)? else {
+            return Ok(true);
+        };
+        let mamba = usize::from(plan.mamba.is_some());
+        let Some(host) = self.alloc_host(plan.full.len(), plan.swa_pages(), mamba)? else {
+            return Ok(false);
+        };
+        if self.tree.plan_backup(node)?.as_ref() != Some(&plan) {
+            self.free_host_units(&host)?;
+            return Ok(false);
+        }
+        let swa_dev: Vec<u32> = plan
+            .swa
+            .iter()
+            .flat_map(|(_, p)| p.iter().copied())
+            .collect();
+        let mut copies = Vec::new();
+        if !plan.full.is_empty() {
+            copies.push(self.pools.full.backup(&plan.full, &host.full)?);
+        }
+        if !swa_dev.is_empty() {
+            copies.push(self.pools.kv(Component::Swa)?.backup(&swa_dev, &host.swa)?);
+        }
+        if let Some(dev) = plan.mamba {
+            copies.push(self.pools.state()?.backup(dev, host.mamba[0])?);
+        }
+        let id = self.tree.commit_backup(
+            &plan,
+            HostBackup {
+                full: &host.full,
+                swa: &host.swa,
+                mamba: host.mamba.first().copied(),
+            },
+        )?;
+        self.count_moved(true, &host)?;
+        self.copies.backups.push_back(Backup { id, copies });
+        Ok(true)
+    }
+
+    /// Counts pages (states) and bytes of a copy per component: device → host (`d2h`) or
+    /// host → device.
+    pub(crate) fn count_moved(&mut self, d2h: bool, u: &Units) -> Result<()> {
+        let sizes = [
+            (Component::Full, u.full.len(), self.pools.full.page_bytes()),
+            (
+                Component::Swa,
+                u.swa.len(),
+                self.pools.swa.as_ref().map_or(0, |p| p.page_bytes()),
+            ),
+            (
+                Component::Mamba,
+                u.mamba.len(),
+                self.pools.mamba.as_ref().map_or(0, |m| m.slot_bytes()),
+            ),
+        ];
+        for (c, n, bytes) in sizes {
+            let t = self.totals.get_mut(c);
+            let (pages, total) = if d2h {
+                (&mut t.pages_d2h, &mut t.bytes_d2h)
+            } else {
+                (&mut t.pages_h2d, &mut t.bytes_h2d)
+            };
+            *pages += n as u64;
+            *total += (n * bytes) as u64;
+        }
+        Ok(())
+    }
+
+    /// Host slots of every component, evicting host-only nodes while any pool is short; all
+    /// or nothing.
+    pub(crate) fn alloc_host(
+        &mut self,
+        full: usize,
+        swa: usize,
+        mamba: usize,
+    ) -> Result<Option<Units>> {
+        let need = [
+            (Component::Full, full),
+            (Component::Swa, swa),
+            (Component::Mamba, mamba),
+        ];
+        loop {
+            let short = need
+                .iter()
+                .map(|&(c, n)| n.saturating_sub(self.pools.host_available(c)))
+                .collect::<Vec<_>>();
+            if short.iter().all(|&s| s == 0) {
+                break;
+            }
+            // At least one page of Full per round: host nodes go whole, with their SWA and
+            // Mamba copies.
+            let tokens = (short[0].max(1) * self.cfg.page_size as usize) as u64;
+            let e = self.tree.evict_host(tokens);
+            if e.host_full_pages.is_empty() {
+                return Ok(None);
+            }
+            self.pools.free_host_evicted(&e)?;
+            self.totals.full.evicted_host += e.host_full_pages.len() as u64;
+            self.totals.swa.evicted_host += e.host_swa_pages.len() as u64;
+            self.totals.mamba.evicted_host += e.host_mamba_slots.len() as u64;
+        }
+        let mut u = Units::default();
+        if full > 0 {
+            u.full = self.pools.full.alloc_host(full).unwrap_or_default();
+        }
+        if swa > 0 {
+            u.swa = self
+                .pools
+                .kv(Component::Swa)?
+                .alloc_host(swa)
+                .unwrap_or_default();
+        }
+        if mamba > 0 {
+            u.mamba = self.pools.state()?.alloc_host(mamba).unwrap_or_default();
+        }
+        Ok(Some(u))
+    }
+
+    /// Frees host slots of a step that did not happen.
+    pub(crate) fn free_host_units(&self, u: &Units) -> Result<()> {
+        self.pools.full.free_host(&u.full)?;
+        if !u.swa.is_empty() {
+            self.pools.kv(Component::Swa)?.free_host(&u.swa)?;
+        }
+        if !u.mamba.is_empty() {
+            self.pools.state()?.free_host(&u.mamba)?;
+        }
+        Ok(())
+    }
+
+    /// Backups and load-backs committed and not yet finished by a poll.
+    pub fn copies_in_flight(&self) -> usize {
+        self.copies.backups.len() + self.copies.loads.len()
+    }
+
+    /// Launches the host → device copies of a load-back plan into `dev` (per component).
+    pub(crate) fn launch_load(
+        &mut self,
+        plan: &UnifiedLoadPlan,
+        dev: &Units,
+    ) -> Result<Vec<Launched>> {
+        let flat = |l: &[(NodeId, Vec<u32>)]| -> Vec<u32> {
+            l.iter().flat_map(|(_, p)| p.iter().copied()).collect()
+        };
+        let mut copies = Vec::new();
+        if !dev.full.is_empty() {
+            copies.push(self.pools.full.load(&flat(&plan.full), &dev.full)?);
+        }
+        if !dev.swa.is_empty() {
+            let swa = self.pools.kv(Component::Swa)?;
+            copies.push(swa.load(&flat(&plan.swa), &dev.swa)?);
+        }
+        if let (Some(host), Some(&d)) = (plan.mamba, dev.mamba.first()) {
+            copies.push(self.pools.state()?.load(host, d)?);
+        }
+        self.count_moved(false, dev)?;
+        Ok(copies)
+    }
+}

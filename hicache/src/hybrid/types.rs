@@ -1,0 +1,181 @@
+//! The plain data of the hybrid facade: its configuration, what a request is handed, what it
+//! hands back, and the per-component totals.
+
+use hicache_core::{Component, DeviceSlot, HashMode};
+
+use super::StateSlot;
+
+/// Configuration of a [`HybridCache`](super::HybridCache).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HybridConfig {
+    /// Tokens per page, the same for every component (1..=65536).
+    pub page_size: u32,
+    /// Sliding-window size in tokens (SGLang's `swa_retain_window`); `None`: no SWA layers.
+    pub swa_window: Option<u32>,
+    /// Mamba checkpoint chunk in tokens (`mamba_cache_chunk_size`); `None`: no Mamba layers.
+    pub mamba_chunk: Option<u32>,
+    /// How L3 page keys are chained.
+    pub hash_mode: HashMode,
+    /// An L3 prefetch starts only when at least this many tokens are missing from L1 and L2.
+    pub prefetch_threshold_tokens: usize,
+    /// Back up every inserted node to host at the next `poll` (SGLang's write-through).
+    pub write_through: bool,
+}
+
+impl Default for HybridConfig {
+    fn default() -> Self {
+        Self {
+            page_size: 16,
+            swa_window: None,
+            mamba_chunk: None,
+            hash_mode: HashMode::default(),
+            prefetch_threshold_tokens: 256,
+            write_through: true,
+        }
+    }
+}
+
+impl HybridConfig {
+    /// The tree's configuration.
+    pub(crate) fn tree(&self) -> hicache_core::UnifiedConfig {
+        hicache_core::UnifiedConfig {
+            page_size: self.page_size,
+            swa_window: self.swa_window,
+            mamba_chunk: self.mamba_chunk,
+        }
+    }
+}
+
+/// Device slots of a request, per component.
+///
+/// As an admission's prefix ([`HybridAdmission::slots`]) the Full and SWA slots are the
+/// tree's (locked for the request until `cache_finished` or `abort`); slots from
+/// [`HybridCache::alloc`](super::HybridCache::alloc) are the request's until it hands them
+/// to `cache_finished` (or frees them with `release`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HybridSlots {
+    /// Full-attention pages, one per page (a partial last page included).
+    pub full: Vec<DeviceSlot>,
+    /// SWA pages, one per page; `None` where the request holds no SWA KV (pages outside the
+    /// window of a matched prefix, or pages the engine freed below its window). Empty
+    /// without SWA.
+    pub swa: Vec<Option<DeviceSlot>>,
+    /// Mamba state slots. An admission's is the request's own copy-on-write slot (empty
+    /// without a matched state); in `cache_finished` the first is the state inserted at the
+    /// insert length (SGLang's tracked checkpoint) and every one is taken over by the cache.
+    pub mamba: Vec<StateSlot>,
+}
+
+impl HybridSlots {
+    /// Appends `other`'s slots after this one's (a prefix followed by an extend).
+    pub fn extend(&mut self, other: HybridSlots) {
+        self.full.extend(other.full);
+        self.swa.extend(other.swa);
+        self.mamba.extend(other.mamba);
+    }
+}
+
+/// What [`HybridCache::alloc`](super::HybridCache::alloc) asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HybridDemand {
+    /// Full-attention device pages.
+    pub full_pages: usize,
+    /// SWA device pages (must be 0 without SWA).
+    pub swa_pages: usize,
+    /// Mamba state slots (must be 0 without Mamba).
+    pub mamba_slots: usize,
+}
+
+/// What a request's arrival found (before any copy).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HybridArrival {
+    /// Prefix tokens valid on device (every component).
+    pub device_tokens: usize,
+    /// Further tokens a load-back from host would restore.
+    pub host_tokens: usize,
+    /// Further tokens an L3 prefetch is fetching.
+    pub storage_tokens: usize,
+}
+
+/// What [`HybridCache::admit`](super::HybridCache::admit) gives a request.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HybridAdmission {
+    /// Prefix tokens that were valid on device at admission.
+    pub device_tokens: usize,
+    /// Prefix tokens loaded back from host (L2) by this admission.
+    pub host_tokens: usize,
+    /// Of those, tokens that came from L3 through a prefetch.
+    pub storage_tokens: usize,
+    /// The prefix: Full slots, SWA slots (`None` outside the window), the request's own
+    /// copy-on-write Mamba slot.
+    pub slots: HybridSlots,
+}
+
+impl HybridAdmission {
+    /// Tokens of the prompt the request reuses.
+    pub fn cached_tokens(&self) -> usize {
+        self.device_tokens + self.host_tokens
+    }
+}
+
+/// Counters of one component.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ComponentTotals {
+    /// Tokens of prompts served from device (L1) at admission.
+    pub hit_tokens_l1: u64,
+    /// Tokens of prompts loaded back from host (L2).
+    pub hit_tokens_l2: u64,
+    /// Tokens of prompts fetched from L3.
+    pub hit_tokens_l3: u64,
+    /// Pages (states for Mamba) copied device → host.
+    pub pages_d2h: u64,
+    /// Bytes copied device → host.
+    pub bytes_d2h: u64,
+    /// Pages (states) copied host → device.
+    pub pages_h2d: u64,
+    /// Bytes copied host → device.
+    pub bytes_h2d: u64,
+    /// Pages (states) written host → L3.
+    pub pages_l2_to_l3: u64,
+    /// Bytes written host → L3.
+    pub bytes_l2_to_l3: u64,
+    /// Pages (states) read L3 → host.
+    pub pages_l3_to_l2: u64,
+    /// Bytes read L3 → host.
+    pub bytes_l3_to_l2: u64,
+    /// Device pages (states) evicted.
+    pub evicted_device: u64,
+    /// Host pages (states) evicted.
+    pub evicted_host: u64,
+}
+
+/// Counters of a [`HybridCache`](super::HybridCache), per component.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HybridTotals {
+    /// Full-attention KV.
+    pub full: ComponentTotals,
+    /// Sliding-window KV.
+    pub swa: ComponentTotals,
+    /// Mamba state.
+    pub mamba: ComponentTotals,
+}
+
+impl HybridTotals {
+    /// The counters of `c`.
+    pub fn get(&self, c: Component) -> &ComponentTotals {
+        match c {
+            Component::Full => &self.full,
+            Component::Swa => &self.swa,
+            Component::Mamba => &self.mamba,
+        }
+    }
+
+    /// The counters of `c`, to update.
+    pub(crate) fn get_mut(&mut self, c: Component) -> &mut ComponentTotals {
+        match c {
+            Component::Full => &mut self.full,
+            Component::Swa => &mut self.swa,
+            Component::Mamba => &mut self.mamba,
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! A small engine for the hybrid facade's tests: it writes a deterministic pattern into
+//! every page (per component) and state it computes, and checks every prefix it is handed
+//! against the same pattern, so a page or state served from the wrong place fails.
+#![allow(dead_code)]
+
+use hicache::{
+    Component, DType, DeviceSlot, HybridAdmission, HybridCache, HybridDemand, HybridSlots, KvKind,
+    KvShape, MambaShape,
+};
+use hicache_core::PageHasher;
+
+/// A small MHA shape (`layers` layers).
+pub fn kv_shape(page_size: u32, layers: u32) -> KvShape {
+    KvShape {
+        kind: KvKind::Mha {
+            heads: 2,
+            head_dim: 16,
+        },
+        layers,
+        dtype: DType::Bf16,
+        page_size,
+    }
+}
+
+/// A small Mamba state: 3 layers, a temporal piece and two conv pieces.
+pub fn mamba_shape() -> MambaShape {
+    MambaShape {
+        layers: 3,
+        temporal_elems: 64,
+        temporal_dtype: DType::F32,
+        conv_elems: vec![48, 16],
+        conv_dtype: DType::Bf16,
+    }
+}
+
+/// `len` bytes derived from `salt` and the tokens `tokens`.
+pub fn pattern(salt: u64, tokens: &[u32], len: usize) -> Vec<u8> {
+    let h = PageHasher::hash_page(None, tokens);
+    let mut x = u64::from_le_bytes(h.0[..8].try_into().unwrap()) ^ salt;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// Deterministic tokens.
+pub fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| seed * 100_000 + i).collect()
+}
+
+/// What one request saw.
+#[derive(Debug)]
+pub struct Run {
+    /// The admission.
+    pub admission: HybridAdmission,
+    /// Prefix pages whose bytes were checked, per component (Full, SWA); states checked.
+    pub checked: [usize; 3],
+}
+
+/// The engine: runs requests one at a time to completion.
+pub struct Engine {
+    /// The cache under test.
+    pub cache: HybridCache,
+    next: u64,
+}
+
+impl Engine {
+    /// An engine over `cache`.
+    pub fn new(cache: HybridCache) -> Self {
+        Self { cache, next: 1 }
+    }
+
+    fn ps(&self) -> usize {
+        self.cache.config().page_size as usize
+    }
+
+    fn has(&self, c: Component) -> bool {
+        self.cache.tree().has(c)
+    }
+
+    fn write_page(&self, c: Component, slot: DeviceSlot, tokens: &[u32], page: usize) {
+        let pool = self.cache.device_pool(c).unwrap();
+        let end = ((page + 1) * self.ps()).min(tokens.len());
+        let bytes = pattern(c as u64, &tokens[..end], pool.page_bytes());
+        pool.write_page(slot, &bytes).unwrap();
+    }
+
+    fn page_ok(&self, c: Component, slot: DeviceSlot, tokens: &[u32], page: usize) -> bool {
+        let pool = self.cache.device_pool(c).unwrap();
+        let end = ((page + 1) * self.ps()).min(tokens.len());
+        let mut got = vec![0u8; pool.page_bytes()];
+        pool.read_page(slot, &mut got).unwrap();
+        got == pattern(c as u64, &tokens[..end], pool.page_bytes())
+    }
+
+    /// Checks the admission's prefix bytes per component; the counts checked.
+    fn check_prefix(&self, tokens: &[u32], a: &HybridAdmission) -> [usize; 3] {
+        let mut n = [0; 3];
+        for (p, &s) in a.slots.full.iter().enumerate() {
+            assert!(self.page_ok(Component::Full, s, tokens, p), "Full page {p}");
+            n[0] += 1;
+        }
+        for (p, s) in a.slots.swa.iter().enumerate() {
+            if let Some(s) = *s {
+                assert!(self.page_ok(Component::Swa, s, tokens, p), "SWA page {p}");
+                n[1] += 1;
+            }
+        }
+        if let Some(&s) = a.slots.mamba.first() {
+            let want = pattern(2, &tokens[..a.cached_tokens()], self.cache.state_bytes());
+            assert_eq!(self.cache.read_state(s).unwrap(), want, "Mamba state");
+            n[2] += 1;
+        }
+        n
+    }
+
+    /// Runs `tokens` as one request: arrive, admit (prefix bytes checked), compute the rest
+    /// (patterns written), finish, poll.
+    pub fn run(&mut self, tokens: &[u32]) -> Run {
+        let req = self.next;
+        self.next += 1;
+        let c = &mut self.cache;
+        c.arrive(req, tokens).unwrap();
+        c.poll().unwrap();
+        assert!(c.prefetch_ready(req).unwrap());
+        let admission = c.admit(req, tokens).unwrap();
+        if let Some(b) = c.start_loading().unwrap() {
+            c.wait_loaded(b).unwrap();
+        }
+        let checked = self.check_prefix(tokens, &admission);
+        let pages = tokens.len().div_ceil(self.ps());
+        let have = admission.slots.full.len();
+        let swa = self.has(Component::Swa);
+        let mamba = self.has(Component::Mamba);
+        let own_state = admission.slots.mamba.first().copied();
+        let demand = HybridDemand {
+            full_pages: pages - have,
+            swa_pages: if swa { pages - have } else { 0 },
+            mamba_slots: usize::from(mamba && own_state.is_none()),
+        };
+        let new = self
+            .cache
+            .alloc(demand)
+            .unwrap()
+            .expect("room for the request");
+        for (k, &s) in new.full.iter().enumerate() {
+            self.write_page(Component::Full, s, tokens, have + k);
+        }
+        for (k, s) in new.swa.iter().enumerate() {
+            self.write_page(Component::Swa, s.unwrap(), tokens, have + k);
+        }
+        let mut slots = admission.slots.clone();
+        slots.extend(new);
+        if swa {
+            // The prefix's SWA pages outside the window stay `None`: the request has none.
+            assert_eq!(slots.swa.len(), pages);
+        }
+        if let Some(&state) = slots.mamba.first() {
+            let at = self.cache.insert_len(req, tokens.len()).unwrap();
+            let bytes = pattern(2, &tokens[..at], self.cache.state_bytes());
+            self.cache.write_state(state, &bytes).unwrap();
+        }
+        self.cache.cache_finished(req, tokens, slots).unwrap();
+        self.cache.poll().unwrap();
+        Run { admission, checked }
+    }
+
+    /// Waits for every copy and finishes it.
+    pub fn settle(&mut self) {
+        self.cache.flush().unwrap();
+        assert_eq!(self.cache.copies_in_flight(), 0);
+        self.cache.tree().check_invariants().unwrap();
+        self.assert_no_leaks();
+    }
+
+    /// With no request running: every device page and state is the tree's or free.
+    pub fn assert_no_leaks(&self) {
+        let tree = self.cache.tree();
+        let ps = self.ps() as u64;
+        for c in [Component::Full, Component::Swa] {
+            if tree.has(c) {
+                let pool = self.cache.device_pool(c).unwrap();
+                let held = (tree.size(c) / ps) as usize;
+                assert_eq!(
+                    pool.available() + held,
+                    pool.num_pages(),
+                    "{c:?} pages leaked"
+                );
+            }
+        }
+        if tree.has(Component::Mamba) {
+            let pool = self.cache.state_pool().unwrap();
+            let held = tree.size(Component::Mamba) as usize;
+            assert_eq!(pool.available() + held, pool.num_slots(), "states leaked");
+        }
+    }
+}
+
+/// Free slots the engine would hand back: none (a helper for tests that abort).
+pub fn no_slots() -> HybridSlots {
+    HybridSlots::default()
+}

@@ -1,0 +1,184 @@
+//! Whole flows of the hybrid facade on the sim device (or CUDA with
+//! `HICACHE_TEST_DEVICE=cuda`): real bytes written into device pages per component, evicted
+//! to host, loaded back and compared byte for byte (Full pages, SWA pages in the window, the
+//! Mamba state), for [Full, SWA], [Full, Mamba] and [Full, SWA, Mamba].
+
+mod common;
+mod hybrid_common;
+
+use common::test_device;
+use hicache::{Component, HiCacheError, HybridCache, HybridConfig, HybridDemand, HybridSlots};
+use hybrid_common::{Engine, kv_shape, mamba_shape, prompt};
+
+const PS: u32 = 4;
+
+fn config(swa: Option<u32>, mamba: Option<u32>) -> HybridConfig {
+    HybridConfig {
+        page_size: PS,
+        swa_window: swa,
+        mamba_chunk: mamba,
+        ..Default::default()
+    }
+}
+
+/// A cache of `device` pages per KV component (and as many state slots), 64 on host.
+fn cache(cfg: HybridConfig, device: usize) -> HybridCache {
+    let swa = cfg.swa_window.is_some();
+    let mamba = cfg.mamba_chunk.is_some();
+    let mut b = HybridCache::builder(cfg)
+        .device(test_device())
+        .full_shape(kv_shape(PS, 4))
+        .device_pages(device, if swa { device } else { 0 })
+        .host_pages(64, 64)
+        .host_reserve_bytes(0);
+    if swa {
+        b = b.swa_shape(kv_shape(PS, 2));
+    }
+    if mamba {
+        b = b
+            .mamba_shape(mamba_shape())
+            .mamba_slots(8)
+            .host_mamba_slots(16);
+    }
+    b.build().unwrap()
+}
+
+/// Turn one, then an unrelated request that pushes it out of L1 into L2, then turn two
+/// (turn one plus more tokens): its prefix is loaded back from host and checked byte for
+/// byte per component by the engine.
+fn evict_to_host_and_load_back(cfg: HybridConfig) -> hybrid_common::Run {
+    let mut e = Engine::new(cache(cfg, 16));
+    let a = prompt(1, 40);
+    e.run(&a);
+    e.settle();
+    let b = prompt(2, 40);
+    e.run(&b);
+    e.settle();
+    let t = e.cache.metrics();
+    assert!(t.full.evicted_device >= 9, "turn one left L1: {t:?}");
+    let mut a2 = a.clone();
+    a2.extend(prompt(3, 24));
+    let run = e.run(&a2);
+    e.settle();
+    assert!(run.admission.host_tokens > 0, "an L2 hit: {run:?}");
+    assert_eq!(run.admission.device_tokens, 0, "{run:?}");
+    assert_eq!(run.checked[0] * PS as usize, run.admission.cached_tokens());
+    let t = e.cache.metrics();
+    assert!(t.full.pages_h2d >= run.checked[0] as u64, "{t:?}");
+    e.cache.shutdown().unwrap();
+    run
+}
+
+#[test]
+fn full_swa_pages_come_back_from_host_byte_equal() {
+    let run = evict_to_host_and_load_back(config(Some(8), None));
+    assert_eq!(run.admission.cached_tokens(), 40);
+    // The window's SWA pages (8 tokens: 2 pages) are back and equal.
+    assert!(run.checked[1] >= 2, "{run:?}");
+}
+
+#[test]
+fn l1_hit_serves_the_prefix_and_counts_it() {
+    let mut e = Engine::new(cache(config(Some(8), None), 64));
+    let a = prompt(1, 40);
+    e.run(&a);
+    let mut a2 = a.clone();
+    a2.extend(prompt(3, 24));
+    let run = e.run(&a2);
+    assert_eq!(run.admission.device_tokens, 40);
+    assert_eq!(run.admission.host_tokens, 0);
+    e.settle();
+    let t = e.cache.metrics();
+    assert_eq!(t.full.hit_tokens_l1, 40);
+    assert!(t.full.pages_d2h >= 10 && t.swa.pages_d2h >= 2, "{t:?}");
+    e.cache.shutdown().unwrap();
+}
+
+#[test]
+fn bad_input_is_an_error_that_says_what() {
+    let mut c = cache(config(Some(8), None), 16);
+    let p = prompt(1, 12);
+    assert!(matches!(
+        c.admit(7, &p),
+        Err(HiCacheError::Request { request: 7, .. })
+    ));
+    c.arrive(7, &p).unwrap();
+    assert!(matches!(c.arrive(7, &p), Err(HiCacheError::Request { .. })));
+    let adm = c.admit(7, &p).unwrap();
+    assert_eq!(adm.cached_tokens(), 0);
+    // Wrong slot counts: 3 pages of tokens, 1 slot each.
+    let one = c
+        .alloc(HybridDemand {
+            full_pages: 1,
+            swa_pages: 1,
+            mamba_slots: 0,
+        })
+        .unwrap()
+        .unwrap();
+    let err = c.cache_finished(7, &p, one.clone()).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("1 Full and 1 SWA slots for 12 tokens"),
+        "{err}"
+    );
+    // Mamba slots without Mamba.
+    let err = c
+        .alloc(HybridDemand {
+            mamba_slots: 1,
+            ..Default::default()
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("Mamba"), "{err}");
+    // Oversize demands are a refusal, not a panic.
+    let none = c
+        .alloc(HybridDemand {
+            full_pages: 1000,
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(none, None);
+    c.release(one).unwrap();
+    c.abort(7).unwrap();
+    assert!(c.abort(7).is_err());
+    assert!(c.cache_finished(8, &p, HybridSlots::default()).is_err());
+    assert_eq!(c.device_pool(Component::Full).unwrap().available(), 16);
+    c.shutdown().unwrap();
+    assert!(matches!(c.poll(), Err(HiCacheError::Closed)));
+}
+
+#[test]
+fn full_mamba_state_comes_back_from_host_byte_equal() {
+    // Chunk 8: turn one (40 tokens) inserts its checkpoint at 40.
+    let run = evict_to_host_and_load_back(config(None, Some(8)));
+    assert_eq!(run.admission.cached_tokens(), 40);
+    assert_eq!(
+        run.checked[2], 1,
+        "the Mamba state, copied into the request's slot"
+    );
+}
+
+#[test]
+fn full_swa_mamba_all_come_back_from_host_byte_equal() {
+    let run = evict_to_host_and_load_back(config(Some(8), Some(8)));
+    assert!(run.admission.cached_tokens() >= 32, "{run:?}");
+    assert!(run.checked[1] >= 2, "{run:?}");
+    assert_eq!(run.checked[2], 1, "{run:?}");
+}
+
+#[test]
+fn mamba_hit_is_copied_on_write_into_the_requests_own_slot() {
+    let mut e = Engine::new(cache(config(None, Some(8)), 64));
+    let a = prompt(1, 40);
+    e.run(&a);
+    let mut a2 = a.clone();
+    a2.extend(prompt(3, 24));
+    let run = e.run(&a2);
+    assert_eq!(run.admission.device_tokens, 40);
+    assert_eq!(run.checked[2], 1);
+    e.settle();
+    // The tree's states plus none leaked: every slot is the tree's or free.
+    let pool = e.cache.state_pool().unwrap();
+    let tree_states = e.cache.tree().size(Component::Mamba) as usize;
+    assert_eq!(pool.available() + tree_states, pool.num_slots());
+    e.cache.shutdown().unwrap();
+}
