@@ -14,6 +14,8 @@
 //! - [`setup`], [`adapter`] and [`copy_gate`]: the cache configuration in SGLang's names and
 //!   the adapter that runs the real `hicache` controller as the cache under test, with its
 //!   background copies held back until they complete in simulated time.
+//! - [`hybrid_adapter`]: the same for the hybrid controller (`hicache::HybridCache`) and a
+//!   hybrid model of [`model`] (Full-attention KV plus sliding-window KV or Mamba states).
 //! - [`plan`]: the main job's parameters validated into a runnable [`Plan`].
 #![warn(missing_docs)]
 
@@ -22,6 +24,7 @@ pub mod cache;
 pub mod copy_gate;
 pub mod engine;
 pub mod error;
+pub mod hybrid_adapter;
 pub mod links;
 pub mod model;
 pub mod nocache;
@@ -36,8 +39,9 @@ pub use cache::{
 };
 pub use engine::{EngineConfig, RequestRecord, RunResult, StepKind, StepRecord};
 pub use error::{Result, SimError};
+pub use hybrid_adapter::{HybridAdapter, HybridFactory};
 pub use links::{CopyTime, Link, Links};
-pub use model::{ComputeModel, ModelShape};
+pub use model::{ComputeModel, HybridModel, LinearAttention, ModelShape};
 pub use nocache::NoCache;
 pub use plan::{MultiturnArgs, Plan};
 pub use setup::{CacheFactory, CacheSetup};

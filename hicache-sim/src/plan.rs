@@ -21,7 +21,7 @@ use crate::cache::CacheUnderTest;
 use crate::engine::{self, EngineConfig, RunResult};
 use crate::error::{Result, SimError};
 use crate::links::CopyTime;
-use crate::model::{ComputeModel, ModelShape};
+use crate::model::{ComputeModel, HybridModel, ModelShape};
 use crate::setup::{
     CacheSetup, DeviceKind, HostSize, ObserveSetup, StorageSetup, TieringMode, Tiers,
 };
@@ -727,6 +727,22 @@ impl Plan {
             s.storage.backend,
             s.device,
         ) + &emulated_note(s.device)
+    }
+
+    /// This plan for the hybrid model `model` on the same node, workload, cache settings and
+    /// tiers: its costs ([`HybridModel::compute_h100`] with this plan's link figures), its
+    /// layers, and a page of its Full and SWA KV as the engine's page (what a page hit
+    /// loads and a prefetch reads).
+    pub fn for_hybrid(&self, model: &HybridModel) -> Plan {
+        let ps = self.setup.kv_shape.page_size;
+        let full = model.full_kv_shape(ps);
+        let swa = model.swa_kv_shape(ps).map_or(0, |s| s.page_bytes());
+        let mut p = self.clone();
+        p.compute = model.compute_h100().with_node_of(&self.compute);
+        p.engine.layers = model.layers;
+        p.engine.page_bytes = (full.page_bytes() + swa) as u64;
+        p.setup.kv_shape = full;
+        p
     }
 
     /// Runs the workload once through `cache` with the plan's scheduler settings;

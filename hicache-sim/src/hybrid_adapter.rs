@@ -1,0 +1,519 @@
+//! The `hicache` hybrid controller ([`HybridCache`]) as the cache under test of the simulated
+//! engine: [`HybridAdapter`] implements [`CacheUnderTest`] for a hybrid model
+//! ([`HybridModel`]: Full-attention KV plus sliding-window KV or a Mamba state per request),
+//! and [`HybridFactory`] builds it from a [`CacheSetup`].
+//!
+//! The engine sees Full pages only; the adapter keeps the rest of each request. How the
+//! engine's rules (see [`crate::cache`]) map onto the controller:
+//! 1. `HybridCache::admit` matches the prompt but its last token, whole pages.
+//! 2. All or nothing: `admit` (prefix per component, host hits loaded back, the matched Mamba
+//!    state copied into a slot of the request), then `alloc` of the rest: a Full and an SWA
+//!    page per page of prompt and answer, and Mamba slots (a working state unless the
+//!    admission copied one, plus SGLang's two ping-pong checkpoint slots). When `alloc`
+//!    refuses, the admission is kept (its prefix locked, its hits not yet counted) and only
+//!    the allocation is retried when the engine admits the request again, so hits and loads
+//!    count once.
+//! 3. `cache_finished` hands the engine's Full slots back with the request's SWA slots and
+//!    its Mamba slots (the first checkpoint slot first: the state inserted).
+//! 4. Hits per tier are counted by the adapter when an admission is final (the controller's
+//!    per-component counters are reported beside them).
+//! 5. Copy time: as [`crate::adapter`], on the same machinery ([`CopyTimer`]): `advance`
+//!    times each poll's write-through copies (every component's bytes) as one transfer on
+//!    the D2H link, and the rank group ([`ClockRank::writes_only`]) lets the controller
+//!    finish them only once the clock has reached their completion; L3 pages become visible
+//!    to lookups once their backup window has completed on the L3 link ([`GatedStorage`]).
+//!    Before the clock moves, `flush` waits in wall time for every launched copy.
+//!
+//! [`GatedStorage`]: crate::copy_gate::GatedStorage
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use hicache::hybrid::HYBRID_EXCHANGE_BACKUPS;
+use hicache::metrics::TransferTotals;
+use hicache::{
+    ComponentTotals, Device, HybridCache, HybridConfig, HybridDemand, HybridSlots, HybridTotals,
+    StateSlot,
+};
+use hicache_storage::{BackendContext, Storage, StorageConfig};
+use serde_json::Value;
+
+use crate::cache::{
+    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, ComponentMoves, DeviceSlot,
+    HybridMoves, PrefetchStatus, RequestId,
+};
+use crate::copy_gate::{ClockRank, CopyTimer};
+use crate::error::{Result, SimError};
+use crate::links::Links;
+use crate::model::HybridModel;
+use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize};
+
+/// Ping-pong checkpoint slots a request of a Mamba hybrid holds beside its working state
+/// (SGLang's `extra_buffer` strategy with the overlap schedule on).
+pub const TRACKING_SLOTS: usize = 2;
+
+/// Builds [`HybridAdapter`]s for one hybrid model.
+#[derive(Clone, Debug)]
+pub struct HybridFactory {
+    /// The model (its components' shapes).
+    pub model: HybridModel,
+    /// SWA device pages per Full device page (SGLang's `swa_full_tokens_ratio`, 0.8 by
+    /// default); the host pools keep the same ratio.
+    pub swa_ratio: f64,
+    /// Device Mamba state slots.
+    pub mamba_slots: usize,
+    /// Host Mamba state slots (with L2).
+    pub host_mamba_slots: usize,
+}
+
+impl HybridFactory {
+    /// `model` with SGLang's SWA ratio (0.8) and `mamba_slots` device state slots, twice as
+    /// many on host.
+    pub fn new(model: HybridModel, mamba_slots: usize) -> Self {
+        Self {
+            model,
+            swa_ratio: 0.8,
+            mamba_slots,
+            host_mamba_slots: 2 * mamba_slots,
+        }
+    }
+
+    /// SWA pages for `full` Full pages.
+    fn swa_pages(&self, full: usize) -> usize {
+        (full as f64 * self.swa_ratio).ceil() as usize
+    }
+
+    fn config(&self, page_size: u32, host: bool) -> HybridConfig {
+        HybridConfig {
+            page_size,
+            swa_window: self.model.window,
+            // SGLang's `mamba_cache_chunk_size` default (FLA's chunk of 64 tokens).
+            mamba_chunk: self.model.linear.as_ref().map(|_| 64),
+            write_through: host,
+            ..HybridConfig::default()
+        }
+    }
+
+    /// Host Full pages of `setup` (its ratio or gigabytes, counted in Full + SWA pages).
+    fn host_pages(&self, setup: &CacheSetup, ps: u32) -> usize {
+        match setup.host_size {
+            HostSize::Ratio(r) => (setup.device_pages as f64 * r) as usize,
+            HostSize::Gigabytes(g) => {
+                let full = self.model.full_kv_shape(ps).page_bytes() as f64;
+                let swa = self.model.swa_kv_shape(ps).map_or(0, |s| s.page_bytes()) as f64;
+                (g * 1e9 / (full + self.swa_ratio * swa)) as usize
+            }
+        }
+    }
+
+    /// The L3 backend of `setup` behind the timer's gate.
+    fn storage(&self, setup: &CacheSetup, timer: &CopyTimer) -> Result<Arc<dyn Storage>> {
+        let usage = |e: String| SimError::Usage(format!("L3 of the hybrid model: {e}"));
+        let s = &setup.storage;
+        let config = StorageConfig::from_value(
+            Some(&s.backend),
+            Value::Object(s.extra_config.clone()),
+            "--extra-config",
+        )?;
+        let registry = hicache::backends::builtin_registry().map_err(|e| usage(e.to_string()))?;
+        let ctx = BackendContext {
+            layout: setup.mem_layout,
+            ..BackendContext::default()
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| usage(e.to_string()))?;
+        let inner = runtime
+            .block_on(registry.open(&config, &ctx))
+            .map_err(|e| usage(e.to_string()))?;
+        Ok(timer.gate(inner))
+    }
+}
+
+impl CacheFactory for HybridFactory {
+    fn build(&self, setup: &CacheSetup) -> Result<Box<dyn CacheUnderTest>> {
+        Ok(Box::new(self.build_adapter(setup)?))
+    }
+}
+
+impl HybridFactory {
+    /// A fresh adapter over a fresh cache configured by `setup` (its page size, Full device
+    /// pages, host size, tiers, L3 backend and device) for this factory's model.
+    pub fn build_adapter(&self, setup: &CacheSetup) -> Result<HybridAdapter> {
+        let ps = setup.kv_shape.page_size;
+        let device = match setup.device {
+            DeviceKind::Sim => Device::sim(),
+            DeviceKind::Cuda => {
+                Device::cuda(0).map_err(|e| SimError::Usage(format!("--device cuda: {e}")))?
+            }
+        };
+        let timer = CopyTimer::default();
+        let full = setup.device_pages;
+        let host = if setup.tiers.host {
+            self.host_pages(setup, ps)
+        } else {
+            0
+        };
+        let mut b = HybridCache::builder(self.config(ps, setup.tiers.host))
+            .full_shape(self.model.full_kv_shape(ps))
+            .device(device)
+            .device_pages(full, self.swa_pages(full))
+            .host_pages(host, self.swa_pages(host))
+            .rank_group(Arc::new(ClockRank::writes_only(
+                timer.clock.clone(),
+                HYBRID_EXCHANGE_BACKUPS,
+            )));
+        if let Some(s) = self.model.swa_kv_shape(ps) {
+            b = b.swa_shape(s);
+        }
+        if let Some(m) = self.model.mamba_shape() {
+            b = b
+                .mamba_shape(m)
+                .mamba_slots(self.mamba_slots)
+                .host_mamba_slots(self.host_mamba_slots);
+        }
+        if setup.tiers.storage {
+            b = b.storage(self.storage(setup, &timer)?);
+        }
+        let cache = b.build().map_err(|e| {
+            SimError::Usage(format!("cannot build the {} cache: {e}", self.model.name))
+        })?;
+        Ok(HybridAdapter::new(cache, &self.model, ps, full, timer))
+    }
+}
+
+/// What the adapter holds for a request the engine does not see.
+#[derive(Debug, Default)]
+struct Held {
+    /// SWA slots, one per page (prefix then new).
+    swa: Vec<Option<DeviceSlot>>,
+    /// Mamba slots: the checkpoint slots first, then the working state.
+    mamba: Vec<StateSlot>,
+}
+
+/// An admission kept while its allocation is refused (rule 2 of the module docs).
+#[derive(Debug)]
+struct Pending {
+    prefix: HybridSlots,
+    device_tokens: usize,
+    host_tokens: usize,
+    storage_tokens: usize,
+    load_bytes: u64,
+}
+
+/// Tokens served per tier, counted once per final admission.
+#[derive(Debug, Default, Clone, Copy)]
+struct Hits {
+    l1: u64,
+    l2: u64,
+    l3: u64,
+    requests: u64,
+}
+
+/// The adapter (see the module documentation).
+pub struct HybridAdapter {
+    cache: HybridCache,
+    timer: CopyTimer,
+    page_size: usize,
+    device_pages: usize,
+    full_page_bytes: u64,
+    has_swa: bool,
+    has_mamba: bool,
+    held: HashMap<RequestId, Held>,
+    pending: HashMap<RequestId, Pending>,
+    storage_pages: HashMap<RequestId, usize>,
+    hits: Hits,
+    d2h_timed: u64,
+    refused_during_copies: u64,
+}
+
+fn err(e: hicache::HiCacheError) -> CacheError {
+    CacheError(e.to_string())
+}
+
+/// Bytes moved in one direction, summed over the components.
+fn total(t: &HybridTotals, f: fn(&ComponentTotals) -> u64) -> u64 {
+    f(&t.full) + f(&t.swa) + f(&t.mamba)
+}
+
+fn moves(c: &ComponentTotals) -> ComponentMoves {
+    let t = |pages, bytes| TransferTotals {
+        pages,
+        bytes,
+        ..TransferTotals::default()
+    };
+    ComponentMoves {
+        d2h: t(c.pages_d2h, c.bytes_d2h),
+        h2d: t(c.pages_h2d, c.bytes_h2d),
+        l2_to_l3: t(c.pages_l2_to_l3, c.bytes_l2_to_l3),
+        l3_to_l2: t(c.pages_l3_to_l2, c.bytes_l3_to_l2),
+    }
+}
+
+impl HybridAdapter {
+    /// The adapter over `cache` (built for `model` with `page_size` and `device_pages` Full
+    /// device pages), timing copies on `timer` (whose clock bounds the cache's rank group).
+    pub fn new(
+        cache: HybridCache,
+        model: &HybridModel,
+        page_size: u32,
+        device_pages: usize,
+        timer: CopyTimer,
+    ) -> Self {
+        Self {
+            cache,
+            timer,
+            page_size: page_size as usize,
+            device_pages,
+            full_page_bytes: model.full_kv_shape(page_size).page_bytes() as u64,
+            has_swa: model.swa_layers > 0,
+            has_mamba: model.linear_layers > 0,
+            held: HashMap::new(),
+            pending: HashMap::new(),
+            storage_pages: HashMap::new(),
+            hits: Hits::default(),
+            d2h_timed: 0,
+            refused_during_copies: 0,
+        }
+    }
+
+    /// The controller under test.
+    pub fn cache(&self) -> &HybridCache {
+        &self.cache
+    }
+
+    /// Times what the last poll launched: every write-through copy committed since the last
+    /// call, all components, as one transfer on the D2H link.
+    fn time_launches(&mut self, now: f64, links: &mut Links) {
+        // Loads finished at the flush before this poll: what is in flight is write-through.
+        let in_flight = self.cache.copies_in_flight();
+        let known = self.timer.writes_in_flight();
+        let d2h = total(&self.cache.metrics(), |c| c.bytes_d2h);
+        let bytes = d2h - self.d2h_timed;
+        self.d2h_timed = d2h;
+        self.timer
+            .time_write_group(now, links, in_flight.saturating_sub(known), bytes);
+    }
+
+    /// The request's admission: kept from a refused allocation, or a fresh one.
+    fn admission(&mut self, req: RequestId, tokens: &[u32]) -> CacheResult<Pending> {
+        if let Some(p) = self.pending.remove(&req) {
+            return Ok(p);
+        }
+        let before = total(&self.cache.metrics(), |c| c.bytes_h2d);
+        let adm = self.cache.admit(req, tokens).map_err(err)?;
+        let after = total(&self.cache.metrics(), |c| c.bytes_h2d);
+        Ok(Pending {
+            prefix: adm.slots,
+            device_tokens: adm.device_tokens,
+            host_tokens: adm.host_tokens,
+            storage_tokens: adm.storage_tokens,
+            load_bytes: after - before,
+        })
+    }
+
+    /// What the rest of a request needs: a Full (and SWA) page per page past the prefix,
+    /// and Mamba slots for its working state (unless the admission copied one) and
+    /// checkpoints.
+    fn demand(&self, p: &Pending, total_pages: usize) -> HybridDemand {
+        let new_pages = total_pages - p.prefix.full.len();
+        HybridDemand {
+            full_pages: new_pages,
+            swa_pages: if self.has_swa {
+                total_pages - p.prefix.swa.len()
+            } else {
+                0
+            },
+            mamba_slots: if self.has_mamba {
+                usize::from(p.prefix.mamba.is_empty()) + TRACKING_SLOTS
+            } else {
+                0
+            },
+        }
+    }
+
+    /// Counts a final admission's hits per tier (rule 4) and builds the engine's view.
+    fn admitted(
+        &mut self,
+        req: RequestId,
+        p: Pending,
+        rest: HybridSlots,
+        prompt: usize,
+    ) -> Admission {
+        let ps = self.page_size;
+        let l3 = p.storage_tokens.min(p.host_tokens);
+        self.hits.l1 += p.device_tokens as u64;
+        self.hits.l2 += (p.host_tokens - l3) as u64;
+        self.hits.l3 += l3 as u64;
+        self.hits.requests += prompt as u64;
+        let mut swa = p.prefix.swa;
+        swa.extend(rest.swa);
+        // The checkpoint slots first (the first is the state inserted), then the working
+        // state: the admission's copy, or the first slot allocated.
+        let mut mamba = rest.mamba;
+        mamba.extend(p.prefix.mamba);
+        self.held.insert(req, Held { swa, mamba });
+        Admission {
+            l1_pages: p.device_tokens / ps,
+            l2_pages: (p.host_tokens - l3) / ps,
+            l3_pages: l3 / ps,
+            prefix_slots: p.prefix.full,
+            new_slots: rest.full,
+            load_bytes: Some(p.load_bytes),
+        }
+    }
+}
+
+impl CacheUnderTest for HybridAdapter {
+    fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    fn device_pages(&self) -> usize {
+        self.device_pages
+    }
+
+    fn arrive(&mut self, req: RequestId, tokens: &[u32]) -> CacheResult<()> {
+        let a = self.cache.arrive(req, tokens).map_err(err)?;
+        self.storage_pages
+            .insert(req, a.storage_tokens / self.page_size);
+        Ok(())
+    }
+
+    fn poll(&mut self) -> CacheResult<()> {
+        // Copy time free: every copy counts as complete, every stored page as visible.
+        self.timer.open_all();
+        self.cache.flush().map_err(err)?;
+        self.cache.poll().map_err(err)?;
+        self.cache.flush().map_err(err)
+    }
+
+    fn advance(&mut self, now: f64, links: &mut Links) -> CacheResult<()> {
+        if !links.charged() {
+            return self.poll();
+        }
+        // Copies launched at the old time land at the old time (invariant 1 of copy_gate).
+        self.cache.flush().map_err(err)?;
+        self.timer.set_now(now);
+        loop {
+            self.cache.poll().map_err(err)?;
+            self.time_launches(now, links);
+            self.cache.flush().map_err(err)?;
+            self.timer.close_window(now, links);
+            if !self.timer.any_due() {
+                return Ok(());
+            }
+        }
+    }
+
+    fn next_completion(&self) -> Option<f64> {
+        self.timer.next_completion()
+    }
+
+    fn prefetch_status(&mut self, req: RequestId) -> CacheResult<PrefetchStatus> {
+        if self.pending.contains_key(&req) {
+            return Ok(PrefetchStatus::Ready { l3_pages: 0 });
+        }
+        if !self.cache.prefetch_ready(req).map_err(err)? {
+            return Ok(PrefetchStatus::Pending);
+        }
+        Ok(PrefetchStatus::Ready {
+            l3_pages: self.storage_pages.get(&req).copied().unwrap_or(0),
+        })
+    }
+
+    fn admit(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        new_tokens: usize,
+    ) -> CacheResult<Option<Admission>> {
+        if tokens.is_empty() {
+            return Err(CacheError(format!("request {req}: empty prompt")));
+        }
+        let p = self.admission(req, tokens)?;
+        let total_pages = (tokens.len() + new_tokens).div_ceil(self.page_size);
+        let demand = self.demand(&p, total_pages);
+        match self.cache.alloc(demand).map_err(err)? {
+            Some(rest) => {
+                self.storage_pages.remove(&req);
+                Ok(Some(self.admitted(req, p, rest, tokens.len())))
+            }
+            None => {
+                if self.timer.writes_in_flight() > 0 {
+                    self.refused_during_copies += 1;
+                }
+                self.pending.insert(req, p);
+                Ok(None)
+            }
+        }
+    }
+
+    fn start_loading(&mut self) -> CacheResult<Option<usize>> {
+        self.cache.start_loading().map_err(err)
+    }
+
+    fn wait_layer(&mut self, idx: usize, layer: usize) -> CacheResult<()> {
+        // The controller's load batches land whole: the first layer's wait waits for all.
+        if layer == 0 {
+            self.cache.wait_loaded(idx).map_err(err)?;
+        }
+        Ok(())
+    }
+
+    fn cache_finished(
+        &mut self,
+        req: RequestId,
+        tokens: &[u32],
+        slots: &[DeviceSlot],
+    ) -> CacheResult<()> {
+        let held = self
+            .held
+            .remove(&req)
+            .ok_or_else(|| CacheError(format!("request {req}: finished but never admitted")))?;
+        let pages = tokens.len().div_ceil(self.page_size);
+        let mut swa = held.swa;
+        swa.truncate(if self.has_swa { pages } else { 0 });
+        let all = HybridSlots {
+            full: slots.to_vec(),
+            swa,
+            mamba: held.mamba,
+        };
+        self.cache.cache_finished(req, tokens, all).map_err(err)
+    }
+
+    fn shutdown(&mut self) -> CacheResult<()> {
+        // Whatever is still in flight completes after the last request: nothing waits for it.
+        self.timer.close_run();
+        self.cache.shutdown().map_err(err)
+    }
+
+    fn stats(&self) -> CacheStats {
+        let t = self.cache.metrics();
+        let full = moves(&t.full);
+        let mut stats = CacheStats {
+            page_bytes: self.full_page_bytes,
+            l3_pages_in_flight: self.timer.l3_pages_in_flight(),
+            refused_during_copies: self.refused_during_copies,
+            components: Some(HybridMoves {
+                full,
+                swa: moves(&t.swa),
+                mamba: moves(&t.mamba),
+            }),
+            ..CacheStats::default()
+        };
+        let m = &mut stats.metrics;
+        m.hit_tokens_l1 = self.hits.l1;
+        m.hit_tokens_l2 = self.hits.l2;
+        m.hit_tokens_l3 = self.hits.l3;
+        m.request_tokens = self.hits.requests;
+        m.d2h = full.d2h;
+        m.h2d = full.h2d;
+        m.l2_to_l3 = full.l2_to_l3;
+        m.l3_to_l2 = full.l3_to_l2;
+        m.evicted_pages_l1 = t.full.evicted_device;
+        m.evicted_pages_l2 = t.full.evicted_host;
+        stats
+    }
+}

@@ -1,0 +1,229 @@
+//! The hybrid adapter (`HybridAdapter` over `hicache::HybridCache`) on a small multi-turn
+//! workload, for a Mamba hybrid and a sliding-window hybrid of tiny shapes: runs repeat, the
+//! engine's contract holds (its checks stop a run that breaks rules 1–3; rule 4 is checked
+//! here), and the bytes moved per component add up to the pages the pools and the tree hold.
+
+use hicache::Component;
+use hicache_host::HostComponent;
+use hicache_sim::engine::RunResult;
+use hicache_sim::plan::{MultiturnArgs, Plan, plan};
+use hicache_sim::{CacheUnderTest, HybridFactory, HybridModel, LinearAttention};
+
+/// Qwen3.5's layer mix with tiny heads.
+fn tiny_mamba() -> HybridModel {
+    HybridModel {
+        q_heads: 2,
+        kv_heads: 1,
+        head_dim: 8,
+        params: 1e8,
+        linear: Some(LinearAttention {
+            key_heads: 1,
+            value_heads: 2,
+            key_head_dim: 8,
+            value_head_dim: 8,
+            ..HybridModel::qwen35_9b().linear.unwrap()
+        }),
+        ..HybridModel::qwen35_9b()
+    }
+}
+
+/// Gemma 3's layer mix with tiny heads and a 64-token window.
+fn tiny_swa() -> HybridModel {
+    HybridModel {
+        q_heads: 2,
+        kv_heads: 1,
+        head_dim: 8,
+        params: 1e8,
+        window: Some(64),
+        ..HybridModel::gemma3_12b()
+    }
+}
+
+fn small_plan(tiers: &str) -> Plan {
+    let args = MultiturnArgs::try_parse(&[
+        "--clients",
+        "4",
+        "--rounds",
+        "3",
+        "--system-tokens",
+        "128",
+        "--user-tokens",
+        "48",
+        "--answer-tokens",
+        "16",
+        "--page-size",
+        "16",
+        "--device-pages",
+        "48",
+        "--hicache-ratio",
+        "3",
+        "--tiers",
+        tiers,
+    ])
+    .unwrap();
+    plan(&args).unwrap()
+}
+
+fn run(model: &HybridModel, tiers: &str) -> (RunResult, HybridFactory, Plan) {
+    let base = small_plan(tiers);
+    let p = base.for_hybrid(model);
+    let factory = HybridFactory::new(model.clone(), 16);
+    let mut cache = factory.build_adapter(&p.setup).unwrap();
+    let r = p.run_one(&mut cache, &mut |_| {}).unwrap();
+    check_moves(&cache, model, &p);
+    (r, factory, p)
+}
+
+/// Rule 4: the cache counted each admitted request's prefix once, by tier, as the engine did.
+fn check_hits(r: &RunResult) {
+    let m = &r.cache.metrics;
+    let sum = |f: fn(&hicache_sim::RequestRecord) -> usize| -> u64 {
+        r.requests.iter().map(|q| f(q) as u64).sum()
+    };
+    assert_eq!(m.hit_tokens_l1, sum(|q| q.hit_l1));
+    assert_eq!(m.hit_tokens_l2, sum(|q| q.hit_l2));
+    assert_eq!(m.hit_tokens_l3, sum(|q| q.hit_l3));
+    assert_eq!(m.request_tokens, sum(|q| q.prompt_tokens));
+    for q in &r.requests {
+        assert_eq!(q.hit() + q.computed, q.prompt_tokens, "request {}", q.id);
+        assert_eq!(q.hit() % 16, 0, "request {}: whole pages", q.id);
+    }
+}
+
+/// Bytes per component are pages × the component's page (state) bytes, and what was copied
+/// to host minus what host eviction freed is what the host pools hold; on device, the pools
+/// hold exactly what the tree reports.
+fn check_moves(cache: &hicache_sim::HybridAdapter, model: &HybridModel, p: &Plan) {
+    let ps = p.setup.kv_shape.page_size;
+    let stats = cache.stats();
+    let moves = stats
+        .components
+        .expect("a hybrid cache reports its components");
+    let t = cache.cache().metrics();
+    let host = cache.cache().host_pools();
+    let tree = cache.cache().tree();
+    let parts = [
+        (
+            Component::Full,
+            HostComponent::Kv,
+            &moves.full,
+            &t.full,
+            model.full_kv_shape(ps).page_bytes() as u64,
+        ),
+        (
+            Component::Swa,
+            HostComponent::Swa,
+            &moves.swa,
+            &t.swa,
+            model.swa_kv_shape(ps).map_or(0, |s| s.page_bytes()) as u64,
+        ),
+        (
+            Component::Mamba,
+            HostComponent::Mamba,
+            &moves.mamba,
+            &t.mamba,
+            model.state_bytes(),
+        ),
+    ];
+    for (c, hc, m, totals, unit) in parts {
+        for (dir, x) in m.directions() {
+            assert_eq!(x.bytes, x.pages * unit, "{c:?} {dir}");
+        }
+        if !tree.has(c) {
+            assert_eq!(
+                m.d2h.pages + m.h2d.pages,
+                0,
+                "{c:?} moved without that component"
+            );
+            continue;
+        }
+        let used_host = host.capacity(hc).unwrap() - host.available(hc).unwrap();
+        assert_eq!(
+            m.d2h.pages - totals.evicted_host,
+            used_host as u64,
+            "{c:?}: host pages copied minus evicted"
+        );
+        let on_device = match c {
+            Component::Mamba => {
+                let pool = cache.cache().state_pool().unwrap();
+                (pool.num_slots() - pool.available()) as u64
+            }
+            _ => {
+                let pool = cache.cache().device_pool(c).unwrap();
+                ((pool.num_pages() - pool.available()) * ps as usize) as u64
+            }
+        };
+        assert_eq!(on_device, tree.size(c), "{c:?}: device pool vs tree");
+    }
+    // The Full component is the dense view the report checks.
+    assert_eq!(stats.metrics.d2h.pages, moves.full.d2h.pages);
+    assert_eq!(
+        stats.page_bytes,
+        model.full_kv_shape(ps).page_bytes() as u64
+    );
+}
+
+fn hits_of(r: &RunResult) -> Vec<(usize, usize, usize)> {
+    r.requests
+        .iter()
+        .map(|q| (q.hit_l1, q.hit_l2, q.hit_l3))
+        .collect()
+}
+
+#[test]
+fn a_mamba_hybrid_repeats_and_keeps_the_contract() {
+    let m = tiny_mamba();
+    let (a, _, _) = run(&m, "l1+l2");
+    let (b, _, _) = run(&m, "l1+l2");
+    assert_eq!(hits_of(&a), hits_of(&b), "two runs, same hits");
+    assert_eq!(
+        a.requests.iter().map(|q| q.first_token).collect::<Vec<_>>(),
+        b.requests.iter().map(|q| q.first_token).collect::<Vec<_>>()
+    );
+    check_hits(&a);
+    let moves = a.cache.components.unwrap();
+    assert!(
+        a.cache.metrics.hit_tokens_l1 > 0,
+        "later rounds reuse their history"
+    );
+    assert!(
+        a.cache.metrics.hit_tokens_l2 > 0,
+        "evicted history comes back from host"
+    );
+    assert!(moves.mamba.h2d.pages > 0, "with its state");
+    assert!(moves.mamba.d2h.pages > 0, "states are written through");
+    assert!(moves.full.d2h.pages > 0);
+    assert_eq!(moves.swa.d2h.pages, 0);
+    // Every component's write-through was timed on the simulated D2H link.
+    let copied: u64 = moves.components().iter().map(|(_, c)| c.d2h.bytes).sum();
+    assert_eq!(a.links.d2h.bytes, copied);
+}
+
+#[test]
+fn a_sliding_window_hybrid_repeats_and_keeps_the_contract() {
+    let m = tiny_swa();
+    let (a, _, _) = run(&m, "l1+l2");
+    let (b, _, _) = run(&m, "l1+l2");
+    assert_eq!(hits_of(&a), hits_of(&b), "two runs, same hits");
+    check_hits(&a);
+    let moves = a.cache.components.unwrap();
+    assert!(a.cache.metrics.hit_tokens_l1 > 0);
+    assert!(
+        a.cache.metrics.hit_tokens_l2 > 0,
+        "evicted history comes back from host"
+    );
+    assert!(moves.swa.d2h.pages > 0, "SWA pages are written through");
+    assert_eq!(moves.mamba.d2h.pages, 0);
+}
+
+#[test]
+fn device_only_runs_move_nothing_to_host() {
+    let m = tiny_mamba();
+    let (a, _, _) = run(&m, "l1");
+    check_hits(&a);
+    let moves = a.cache.components.unwrap();
+    assert_eq!(a.cache.metrics.hit_tokens_l2, 0);
+    for (_, c) in moves.components() {
+        assert_eq!(c.d2h.pages + c.h2d.pages, 0);
+    }
+}
