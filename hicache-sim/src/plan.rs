@@ -178,9 +178,14 @@ pub struct MultiturnArgs {
     #[arg(long, value_enum, default_value = "l1+l2+l3", help_heading = "Cache")]
     pub tiers: TiersArg,
     /// Run L1 only, L1+L2, L1+L2+L3 and the two other L3 modes (buffer_only, exclusive) on
-    /// the same workload and show them side by side.
+    /// the same workload and show them side by side (with the hybrid models' columns unless
+    /// --no-hybrid).
     #[arg(long, help_heading = "Cache")]
     pub compare: bool,
+    /// With --compare, skip the hybrid models (Qwen3.5-9B, Gemma 3 12B) run beside the dense
+    /// model.
+    #[arg(long, help_heading = "Cache")]
+    pub no_hybrid: bool,
 
     // --- Model --------------------------------------------------------------------------------
     /// Layers of the simulated model [default: 32, Llama-3-8B].

@@ -16,11 +16,12 @@ use hicache_sim::links::CopyTime;
 use hicache_sim::nocache::NoCache;
 use hicache_sim::plan::{Plan, counterfactual_for, plan, scratch_l3};
 use hicache_sim::setup::{CacheFactory, Tiers};
+use hicache_sim::{HybridFactory, HybridModel};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::Value;
 
 use crate::error::{BenchError, Result};
-use crate::report::{self, Hits, Percentiles, Report, Summary};
+use crate::report::{self, Hits, HybridColumn, Percentiles, Report, Summary};
 
 pub use hicache_sim::plan::{MultiturnArgs, TiersArg};
 
@@ -35,6 +36,53 @@ fn progress_bar(total: u64, hidden: bool) -> ProgressBar {
         bar.set_style(style.progress_chars("=> "));
     }
     bar
+}
+
+/// Tiers of the hybrid models' columns.
+pub const HYBRID_TIERS: Tiers = Tiers::L1_L2;
+
+/// Device Mamba state slots of the Mamba hybrid (its host pool holds twice as many).
+pub const MAMBA_SLOTS: usize = 16;
+
+/// The hybrid models run beside the dense one: Qwen3.5-9B on one rank (as the dense
+/// Llama-3-8B), Gemma 3 12B on one of two tensor-parallel ranks (on one rank its 40
+/// sliding-window layers alone hold 320 KiB per token).
+pub fn hybrid_factories() -> Result<Vec<HybridFactory>> {
+    let gemma = HybridModel::gemma3_12b()
+        .with_tp(2)
+        .map_err(BenchError::usage)?;
+    Ok(vec![
+        HybridFactory::new(HybridModel::qwen35_9b(), MAMBA_SLOTS),
+        HybridFactory::new(gemma, 0),
+    ])
+}
+
+/// One hybrid model on the plan's workload: its no-cache baseline and its run with
+/// [`HYBRID_TIERS`] on a fresh cache (and scratch L3).
+fn run_hybrid(plan: &Plan, factory: &HybridFactory, bar: &ProgressBar) -> Result<HybridColumn> {
+    let hp = plan.for_hybrid(&factory.model);
+    bar.set_message(factory.model.name.clone());
+    let mut none = NoCache::new(
+        hp.setup.kv_shape.page_size as usize,
+        hp.setup.device_pages,
+        hp.engine.page_bytes,
+    );
+    let baseline = run_through(&hp, &mut none, bar, &hp.engine)?;
+    let mut setup = hp.setup.clone();
+    setup.tiers = HYBRID_TIERS;
+    let (scratch, setup) = scratch_l3(&setup)?;
+    let result = {
+        let mut cache = factory.build(&setup)?;
+        run_through(&hp, cache.as_mut(), bar, &hp.engine)?
+    };
+    drop(scratch);
+    Ok(HybridColumn {
+        model: factory.model.clone(),
+        compute: hp.compute.clone(),
+        page_bytes: hp.engine.page_bytes,
+        baseline: Summary::new("no cache", &baseline),
+        run: Summary::new(HYBRID_TIERS.label(), &result),
+    })
 }
 
 /// How many runs `plan` makes: the no-cache baseline, every configuration, and with
@@ -172,9 +220,14 @@ fn run_configuration(
     Ok(summary)
 }
 
-/// The report of the plan's runs: the setup and workload as recorded, the baseline and every
-/// configuration.
-fn report_of(plan: &Plan, baseline: Summary, runs: Vec<Summary>) -> Result<Report> {
+/// The report of the plan's runs: the setup and workload as recorded, the baseline, every
+/// configuration and the hybrid models' columns.
+fn report_of(
+    plan: &Plan,
+    baseline: Summary,
+    runs: Vec<Summary>,
+    hybrid: Vec<HybridColumn>,
+) -> Result<Report> {
     let usage = |what: &str, e: serde_json::Error| {
         BenchError::usage(format!("cannot record the {what}: {e}"))
     };
@@ -193,6 +246,7 @@ fn report_of(plan: &Plan, baseline: Summary, runs: Vec<Summary>) -> Result<Repor
         page_size: plan.setup.kv_shape.page_size as usize,
         baseline,
         runs,
+        hybrid,
     })
 }
 
@@ -239,10 +293,13 @@ pub fn run(
     // With --compare and copy time charged, every configuration with copies runs a second
     // time with copies free: the hits copy time cost, per tier.
     let counterfactual = args.compare && plan.engine.copy_time == CopyTime::Charged;
-    let bar = progress_bar(
-        plan.workload.requests as u64 * run_count(&plan, counterfactual),
-        hidden,
-    );
+    let hybrids = if args.compare && !args.no_hybrid {
+        hybrid_factories()?
+    } else {
+        Vec::new()
+    };
+    let runs_total = run_count(&plan, counterfactual) + 2 * hybrids.len() as u64;
+    let bar = progress_bar(plan.workload.requests as u64 * runs_total, hidden);
     let baseline = run_baseline(&plan, &bar)?;
     let free = run_counterfactuals(&plan, factory, &bar, counterfactual)?;
     let runs = plan
@@ -251,8 +308,12 @@ pub fn run(
         .zip(free)
         .map(|(&tiers, free)| run_configuration(&plan, tiers, factory, &bar, free))
         .collect::<Result<Vec<_>>>()?;
+    let hybrid = hybrids
+        .iter()
+        .map(|f| run_hybrid(&plan, f, &bar))
+        .collect::<Result<Vec<_>>>()?;
     bar.finish_and_clear();
-    let report = report_of(&plan, baseline, runs)?;
+    let report = report_of(&plan, baseline, runs, hybrid)?;
     let paths = report.write_to(&plan.report_dir)?;
     print_report(&report, &paths, args.json, &mut out)?;
     let bad = report.check();

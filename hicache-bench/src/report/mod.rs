@@ -17,7 +17,7 @@ use crate::error::{BenchError, Result};
 use crate::record::Record;
 use hicache_sim::engine::EngineConfig;
 use hicache_sim::links::CopyTime;
-use hicache_sim::model::{ComputeModel, ModelShape};
+use hicache_sim::model::{ComputeModel, HybridModel, ModelShape};
 pub use summary::{Hits, Percentiles, RoundSummary, Summary, percentile};
 
 /// Everything one invocation measured, as written to `report.json`.
@@ -41,6 +41,24 @@ pub struct Report {
     pub baseline: Summary,
     /// The cache configurations run.
     pub runs: Vec<Summary>,
+    /// The hybrid models run beside the dense one on the same workload (empty without them).
+    pub hybrid: Vec<HybridColumn>,
+}
+
+/// A hybrid model's columns: the same workload without prefix caching and through
+/// `hicache::HybridCache`, on the model's own compute model.
+#[derive(Clone, Debug, Serialize)]
+pub struct HybridColumn {
+    /// The model (its components' shapes).
+    pub model: HybridModel,
+    /// Its costs (the dense run's link figures).
+    pub compute: ComputeModel,
+    /// Bytes of a page of its Full and SWA KV (what the engine charges a page hit).
+    pub page_bytes: u64,
+    /// Without prefix caching.
+    pub baseline: Summary,
+    /// Through the hybrid cache (Full KV, SWA KV, Mamba states moved per component).
+    pub run: Summary,
 }
 
 fn slug(label: &str) -> String {
@@ -96,6 +114,36 @@ fn transfer_rows() -> Vec<Row> {
             } else {
                 format!("{:.2} GB {:.1} GB/s", gb(t.bytes), t.gbps())
             }
+        })
+    })
+    .collect()
+}
+
+/// Bytes a hybrid model moved per component (Full / SWA / Mamba) and direction; `-` for a
+/// dense model or a column that moved nothing.
+fn component_rows() -> Vec<Row> {
+    [
+        "moved D2H F/S/M (GB)",
+        "moved H2D F/S/M (GB)",
+        "moved L2→L3 F/S/M (GB)",
+        "moved L3→L2 F/S/M (GB)",
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, name)| {
+        row(name, move |s| match &s.cache.components {
+            Some(c)
+                if c.components()
+                    .iter()
+                    .any(|(_, m)| m.directions()[i].1.pages > 0) =>
+            {
+                c.components()
+                    .iter()
+                    .map(|(_, m)| format!("{:.2}", gb(m.directions()[i].1.bytes)))
+                    .collect::<Vec<_>>()
+                    .join("/")
+            }
+            _ => "-".to_string(),
         })
     })
     .collect()
@@ -168,31 +216,115 @@ fn health_rows() -> Vec<Row> {
     ]
 }
 
+/// Writes a header row and one row per figure, a column per summary.
+fn write_columns(
+    out: &mut String,
+    header: &[String],
+    cols: &[&Summary],
+    rows: impl Iterator<Item = Row>,
+) {
+    let mut line = |name: &str, cells: Vec<String>| {
+        let _ = write!(out, "{name:<24}");
+        for c in cells {
+            let _ = write!(out, " {c:>19}");
+        }
+        out.push('\n');
+    };
+    line("", header.to_vec());
+    for (name, cell) in rows {
+        line(&name, cols.iter().map(|s| cell(s)).collect());
+    }
+}
+
+/// A figure of a column.
+type Figure = fn(&Summary) -> f64;
+
+/// The records of one column `s` named `label`: TTFT and throughput (against `reference`,
+/// its no-cache column, if it is not one), hit ratio, and bytes moved per direction (per
+/// component for a hybrid model).
+fn summary_records(out: &mut Vec<Record>, label: &str, s: &Summary, reference: Option<&Summary>) {
+    let with_ref = |r: Record, f: Figure| match reference {
+        Some(b) => r.with_reference(f(b)),
+        None => r,
+    };
+    let ttft: [(&str, Figure); 3] = [
+        ("ttft_p50", |s| s.ttft.p50 * 1e3),
+        ("ttft_p90", |s| s.ttft.p90 * 1e3),
+        ("ttft_p99", |s| s.ttft.p99 * 1e3),
+    ];
+    for (name, f) in ttft {
+        let r = Record::new("multiturn", format!("{label}/{name}"), f(s), "ms");
+        out.push(with_ref(r, f));
+    }
+    let r = Record::new(
+        "multiturn",
+        format!("{label}/throughput"),
+        s.request_throughput,
+        "req/s",
+    );
+    out.push(with_ref(r, |s| s.request_throughput));
+    out.push(
+        Record::new(
+            "multiturn",
+            format!("{label}/hit_ratio"),
+            s.hit_ratio() * 100.0,
+            "%",
+        )
+        .with("requests", s.requests)
+        .with("prompt_tokens", s.prompt_tokens)
+        .with("hit_tokens_l1", s.hits.l1)
+        .with("hit_tokens_l2", s.hits.l2)
+        .with("hit_tokens_l3", s.hits.l3)
+        .with("recomputed_tokens", s.computed_tokens),
+    );
+    if let Some(c) = &s.cache.components {
+        for (component, m) in c.components() {
+            for (dir, t) in m.directions().into_iter().filter(|(_, t)| t.pages > 0) {
+                let case = format!("{label}/{component}_{dir}");
+                out.push(
+                    Record::new("multiturn", case, gb(t.bytes), "GB")
+                        .with("pages", t.pages)
+                        .with("bytes", t.bytes),
+                );
+            }
+        }
+        return;
+    }
+    for (dir, t) in s.transfers() {
+        if t.pages > 0 {
+            out.push(
+                Record::new("multiturn", format!("{label}/{dir}"), t.gbps(), "GB/s")
+                    .with("pages", t.pages)
+                    .with("bytes", t.bytes)
+                    .with("seconds", t.seconds),
+            );
+        }
+    }
+}
+
 impl Report {
     /// The baseline followed by every run.
     pub fn all(&self) -> impl Iterator<Item = &Summary> {
         std::iter::once(&self.baseline).chain(&self.runs)
     }
 
-    /// Every consistency violation of every configuration (empty when consistent).
+    /// Every consistency violation of every configuration, the hybrid models' included
+    /// (empty when consistent).
     pub fn check(&self) -> Vec<String> {
-        self.all().flat_map(|s| s.check(self.page_size)).collect()
+        let hybrid = self.hybrid.iter().flat_map(|h| [&h.baseline, &h.run]);
+        self.all()
+            .chain(hybrid)
+            .flat_map(|s| s.check(self.page_size))
+            .collect()
     }
 
     /// The human table: one column per configuration (the baseline first), one row per
-    /// figure.
+    /// figure; then the hybrid models' table, if any.
     pub fn table(&self) -> String {
         let cols: Vec<&Summary> = self.all().collect();
         let mut out = String::new();
         let _ = writeln!(out, "{}", self.title);
-        let mut row = |name: &str, cells: Vec<String>| {
-            let _ = write!(out, "{name:<24}");
-            for c in cells {
-                let _ = write!(out, " {c:>19}");
-            }
-            out.push('\n');
-        };
-        row("", cols.iter().map(|s| s.label.clone()).collect());
+        let header: Vec<String> = cols.iter().map(|s| s.label.clone()).collect();
         let rows = [
             hit_rows(),
             transfer_rows(),
@@ -200,9 +332,7 @@ impl Report {
             copy_cost_rows(),
             health_rows(),
         ];
-        for (name, cell) in rows.into_iter().flatten() {
-            row(&name, cols.iter().map(|s| cell(s)).collect());
-        }
+        write_columns(&mut out, &header, &cols, rows.into_iter().flatten());
         let _ = writeln!(out, "{}", self.link_model());
         let _ = writeln!(
             out,
@@ -210,6 +340,46 @@ impl Report {
              on this machine.",
             self.model.name
         );
+        if !self.hybrid.is_empty() {
+            out.push_str(&self.hybrid_table());
+        }
+        out
+    }
+
+    /// The hybrid models' columns: each model without prefix caching and through the hybrid
+    /// cache, on the same workload.
+    fn hybrid_table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "\nhybrid models, same workload (each on its own compute model; F/S/M: Full KV / \
+             sliding-window KV / Mamba states):"
+        );
+        let cols: Vec<&Summary> = self
+            .hybrid
+            .iter()
+            .flat_map(|h| [&h.baseline, &h.run])
+            .collect();
+        let header: Vec<String> = self
+            .hybrid
+            .iter()
+            .flat_map(|h| {
+                [
+                    format!("{} none", h.model.name),
+                    format!("{} {}", h.model.name, h.run.label),
+                ]
+            })
+            .collect();
+        let mut timing = timing_rows();
+        timing.truncate(7);
+        let wall = health_rows().pop();
+        let rows = [
+            hit_rows(),
+            component_rows(),
+            timing,
+            wall.into_iter().collect(),
+        ];
+        write_columns(&mut out, &header, &cols, rows.into_iter().flatten());
         out
     }
 
@@ -263,58 +433,14 @@ impl Report {
         let base = &self.baseline;
         let mut out = Vec::new();
         for s in self.all() {
-            let label = slug(&s.label);
-            let is_base = std::ptr::eq(s, base);
-            let with_ref = |r: Record, reference: f64| {
-                if is_base {
-                    r
-                } else {
-                    r.with_reference(reference)
-                }
-            };
-            for (name, v, b) in [
-                ("ttft_p50", s.ttft.p50, base.ttft.p50),
-                ("ttft_p90", s.ttft.p90, base.ttft.p90),
-                ("ttft_p99", s.ttft.p99, base.ttft.p99),
-            ] {
-                out.push(with_ref(
-                    Record::new("multiturn", format!("{label}/{name}"), v * 1e3, "ms"),
-                    b * 1e3,
-                ));
-            }
-            out.push(with_ref(
-                Record::new(
-                    "multiturn",
-                    format!("{label}/throughput"),
-                    s.request_throughput,
-                    "req/s",
-                ),
-                base.request_throughput,
-            ));
-            out.push(
-                Record::new(
-                    "multiturn",
-                    format!("{label}/hit_ratio"),
-                    s.hit_ratio() * 100.0,
-                    "%",
-                )
-                .with("requests", s.requests)
-                .with("prompt_tokens", s.prompt_tokens)
-                .with("hit_tokens_l1", s.hits.l1)
-                .with("hit_tokens_l2", s.hits.l2)
-                .with("hit_tokens_l3", s.hits.l3)
-                .with("recomputed_tokens", s.computed_tokens),
-            );
-            for (dir, t) in s.transfers() {
-                if t.pages > 0 {
-                    out.push(
-                        Record::new("multiturn", format!("{label}/{dir}"), t.gbps(), "GB/s")
-                            .with("pages", t.pages)
-                            .with("bytes", t.bytes)
-                            .with("seconds", t.seconds),
-                    );
-                }
-            }
+            let reference = (!std::ptr::eq(s, base)).then_some(base);
+            summary_records(&mut out, &slug(&s.label), s, reference);
+        }
+        for h in &self.hybrid {
+            let model = slug(&h.model.name);
+            summary_records(&mut out, &format!("{model}/no_cache"), &h.baseline, None);
+            let label = format!("{model}/{}", slug(&h.run.label));
+            summary_records(&mut out, &label, &h.run, Some(&h.baseline));
         }
         out
     }
@@ -420,6 +546,7 @@ mod tests {
             page_size: 64,
             baseline: Summary::new("no cache", &run(0, 0.2, 0)),
             runs: vec![Summary::new("L1+L2", &run(64, 0.1, 4))],
+            hybrid: Vec::new(),
         }
     }
 
