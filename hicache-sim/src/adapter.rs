@@ -30,13 +30,13 @@ use crate::cache::{
     Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
     RequestId,
 };
-use crate::copy_gate::CopyTimer;
+use crate::copy_gate::{CopyTimer, Gated, advance_gated};
 use crate::error::{Result, SimError};
 use crate::links::Links;
 use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize, TieringMode};
 
 /// Longest wall time `advance` waits for launched work to finish before it gives up.
-pub(crate) const QUIET_LIMIT: Duration = Duration::from_secs(300);
+const QUIET_LIMIT: Duration = Duration::from_secs(300);
 
 /// Builds `HiCache` instances for the main job.
 #[derive(Debug, Default, Clone, Copy)]
@@ -139,10 +139,14 @@ impl CacheFactory for HiCacheFactory {
     }
 }
 
-impl HiCacheUnderTest {
+impl Gated for HiCacheUnderTest {
+    fn timer(&self) -> &CopyTimer {
+        &self.timer
+    }
+
     /// Waits in wall time until every launched write-through copy, L3 backup and L3 lookup
     /// has really finished (invariant 1 of [`crate::copy_gate`]).
-    fn wait_quiet(&self) -> CacheResult<()> {
+    fn wait_quiet(&mut self) -> CacheResult<()> {
         let started = Instant::now();
         loop {
             let f = self.cache.in_flight().map_err(err)?;
@@ -158,9 +162,13 @@ impl HiCacheUnderTest {
         }
     }
 
+    fn tick(&mut self) -> CacheResult<()> {
+        self.cache.poll().map(drop).map_err(err)
+    }
+
     /// Times what the last poll launched: new write batches on the D2H link; new backups
     /// join the open window (timed by [`CopyTimer::close_window`]).
-    fn time_launches(&self, now: f64, links: &mut Links) -> CacheResult<()> {
+    fn time_launches(&mut self, now: f64, links: &mut Links) -> CacheResult<()> {
         let f = self.cache.in_flight().map_err(err)?;
         let writes: Vec<u64> = f
             .writes
@@ -197,17 +205,7 @@ impl CacheUnderTest for HiCacheUnderTest {
             return self.poll();
         }
         // Lookups started at the old time finish at the old time (invariant 1).
-        self.wait_quiet()?;
-        self.timer.set_now(now);
-        loop {
-            self.cache.poll().map_err(err)?;
-            self.time_launches(now, links)?;
-            self.wait_quiet()?;
-            self.timer.close_window(now, links);
-            if !self.timer.any_due() {
-                return Ok(());
-            }
-        }
+        advance_gated(self, now, links)
     }
 
     fn next_completion(&self) -> Option<f64> {

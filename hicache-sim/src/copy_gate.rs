@@ -31,6 +31,7 @@ use hicache_storage::{
     async_trait,
 };
 
+use crate::cache::CacheResult;
 use crate::links::Links;
 
 /// The simulated clock and the completion times of what is in flight.
@@ -255,6 +256,36 @@ impl CopyTimer {
             inner,
             clock: self.l3.clone(),
         })
+    }
+}
+
+/// A controller under a [`CopyTimer`]: the steps [`advance_gated`] takes on it.
+pub trait Gated {
+    /// The timer its gates share.
+    fn timer(&self) -> &CopyTimer;
+    /// Waits in wall time until every launched copy, backup and lookup has finished
+    /// (invariant 1).
+    fn wait_quiet(&mut self) -> CacheResult<()>;
+    /// One tick of the controller: finishes what the gates allow, launches new copies.
+    fn tick(&mut self) -> CacheResult<()>;
+    /// Times on `links` what the last tick launched, at `now`.
+    fn time_launches(&mut self, now: f64, links: &mut Links) -> CacheResult<()>;
+}
+
+/// Moves `g`'s clock to `now` and lets it finish every copy completed by then: waits for
+/// what runs (launched at the old time), then ticks, times the launches and closes the L3
+/// window until no completion is due.
+pub fn advance_gated(g: &mut impl Gated, now: f64, links: &mut Links) -> CacheResult<()> {
+    g.wait_quiet()?;
+    g.timer().set_now(now);
+    loop {
+        g.tick()?;
+        g.time_launches(now, links)?;
+        g.wait_quiet()?;
+        g.timer().close_window(now, links);
+        if !g.timer().any_due() {
+            return Ok(());
+        }
     }
 }
 

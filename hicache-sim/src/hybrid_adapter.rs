@@ -42,7 +42,7 @@ use crate::cache::{
     Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, ComponentMoves, DeviceSlot,
     HybridMoves, PrefetchStatus, RequestId,
 };
-use crate::copy_gate::{ClockRank, CopyTimer};
+use crate::copy_gate::{ClockRank, CopyTimer, Gated, advance_gated};
 use crate::error::{Result, SimError};
 use crate::links::Links;
 use crate::model::HybridModel;
@@ -283,19 +283,6 @@ impl HybridAdapter {
         &self.cache
     }
 
-    /// Times what the last poll launched: every write-through copy committed since the last
-    /// call, all components, as one transfer on the D2H link.
-    fn time_launches(&mut self, now: f64, links: &mut Links) {
-        // Loads finished at the flush before this poll: what is in flight is write-through.
-        let in_flight = self.cache.copies_in_flight();
-        let known = self.timer.writes_in_flight();
-        let d2h = total(&self.cache.metrics(), |c| c.bytes_d2h);
-        let bytes = d2h - self.d2h_timed;
-        self.d2h_timed = d2h;
-        self.timer
-            .time_write_group(now, links, in_flight.saturating_sub(known), bytes);
-    }
-
     /// The request's admission: kept from a refused allocation, or a fresh one.
     fn admission(&mut self, req: RequestId, tokens: &[u32]) -> CacheResult<Pending> {
         if let Some(p) = self.pending.remove(&req) {
@@ -365,6 +352,36 @@ impl HybridAdapter {
     }
 }
 
+impl Gated for HybridAdapter {
+    fn timer(&self) -> &CopyTimer {
+        &self.timer
+    }
+
+    /// `flush`: blocks until every launched copy has landed, then finishes what the rank
+    /// group agrees to.
+    fn wait_quiet(&mut self) -> CacheResult<()> {
+        self.cache.flush().map_err(err)
+    }
+
+    fn tick(&mut self) -> CacheResult<()> {
+        self.cache.poll().map_err(err)
+    }
+
+    /// Times what the last poll launched: every write-through copy committed since the last
+    /// call, all components, as one transfer on the D2H link.
+    fn time_launches(&mut self, now: f64, links: &mut Links) -> CacheResult<()> {
+        // Loads finished at the flush before this poll: what is in flight is write-through.
+        let in_flight = self.cache.copies_in_flight();
+        let known = self.timer.writes_in_flight();
+        let d2h = total(&self.cache.metrics(), |c| c.bytes_d2h);
+        let bytes = d2h - self.d2h_timed;
+        self.d2h_timed = d2h;
+        self.timer
+            .time_write_group(now, links, in_flight.saturating_sub(known), bytes);
+        Ok(())
+    }
+}
+
 impl CacheUnderTest for HybridAdapter {
     fn page_size(&self) -> usize {
         self.page_size
@@ -393,18 +410,7 @@ impl CacheUnderTest for HybridAdapter {
         if !links.charged() {
             return self.poll();
         }
-        // Copies launched at the old time land at the old time (invariant 1 of copy_gate).
-        self.cache.flush().map_err(err)?;
-        self.timer.set_now(now);
-        loop {
-            self.cache.poll().map_err(err)?;
-            self.time_launches(now, links);
-            self.cache.flush().map_err(err)?;
-            self.timer.close_window(now, links);
-            if !self.timer.any_due() {
-                return Ok(());
-            }
-        }
+        advance_gated(self, now, links)
     }
 
     fn next_completion(&self) -> Option<f64> {
