@@ -72,6 +72,7 @@ mod cache;
 pub mod config;
 mod copies;
 pub mod error;
+mod hybrid;
 mod kv_events_config;
 mod l2_l3_sharing;
 mod l3;

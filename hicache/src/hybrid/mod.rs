@@ -1,0 +1,2 @@
+mod l3_io;
+mod l3_keys;
