@@ -26,6 +26,8 @@
 mod builder;
 mod cache;
 mod copies;
+mod l3_io;
+mod l3_keys;
 mod lengths;
 mod pools;
 mod state;
