@@ -45,7 +45,7 @@ impl UnifiedTree {
         };
         let reason = if !self.slots {
             Some("the tree does not track device slots")
-        } else if pages == 0 || key.len() % ps != 0 {
+        } else if pages == 0 || !key.len().is_multiple_of(ps) {
             Some("the key must be a non-empty whole number of pages")
         } else if p != ROOT && self.arena.nodes[p as usize].host_full.is_empty() {
             Some("the parent is not on host")
