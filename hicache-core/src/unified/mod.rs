@@ -61,6 +61,7 @@ use crate::tree::NodeId;
 mod components;
 mod evict;
 mod host;
+mod host_insert;
 mod insert;
 mod load;
 mod lock;
@@ -74,6 +75,7 @@ mod tests;
 
 pub use evict::{EvictRequest, Evicted};
 pub use host::{BackupId, HostBackup, UnifiedBackupPlan};
+pub use host_insert::HostInsert;
 pub use insert::{InsertParams, UnifiedInsert};
 pub use load::{DeviceLoad, UnifiedLoadId, UnifiedLoadPlan};
 pub use lock::LockReceipt;

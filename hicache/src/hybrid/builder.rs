@@ -12,6 +12,8 @@ use hicache_host::{
 use hicache_storage::Storage;
 
 use super::cache::HybridCache;
+use super::l3::L3Part;
+use super::l3_keys::{HybridL3Layout, HybridL3Spec};
 use super::pools::{KvPart, Pools};
 use super::state::StatePart;
 use super::types::HybridConfig;
@@ -129,7 +131,8 @@ impl HybridCacheBuilder {
         self
     }
 
-    /// The KV namespace of this rank's L3 pages.
+    /// The KV namespace of this rank's L3 pages (default: model `hicache-hybrid`, the Full
+    /// shape, one rank); the SWA and Mamba namespaces derive from it.
     pub fn namespace(mut self, namespace: Namespace) -> Self {
         self.namespace = Some(namespace);
         self
@@ -232,13 +235,6 @@ impl HybridCacheBuilder {
     /// Validates everything and allocates the pools.
     pub fn build(self) -> Result<HybridCache> {
         let full = self.validate()?;
-        if self.storage.is_some() {
-            return Err(HiCacheError::config(
-                "storage",
-                "given",
-                "L3 for hybrid models is not available yet",
-            ));
-        }
         let device = self.device.clone().unwrap_or_else(Device::sim);
         let group = self.host_group(full)?;
         let kv_part = |shape, pages, host: &Arc<HostPool>| {
@@ -256,6 +252,29 @@ impl HybridCacheBuilder {
             }
             _ => None,
         };
+        let l3 = match &self.storage {
+            Some(storage) => {
+                let ns = self.namespace.clone().unwrap_or_else(|| {
+                    Namespace::single_rank(
+                        "hicache-hybrid",
+                        full.dtype,
+                        self.host_layout,
+                        full.kind,
+                        full.layers,
+                        full.page_size,
+                    )
+                });
+                let spec = HybridL3Spec {
+                    namespace: &ns,
+                    hash_mode: self.cfg.hash_mode,
+                    tenant: None,
+                    swa_window: self.cfg.swa_window,
+                };
+                let layout = HybridL3Layout::new(spec, &group)?;
+                Some(L3Part::new(storage.clone(), layout)?)
+            }
+            None => None,
+        };
         let tree = UnifiedTree::with_device_slots(self.cfg.tree())?;
         let pools = Pools {
             group,
@@ -263,6 +282,6 @@ impl HybridCacheBuilder {
             swa: swa_part,
             mamba: mamba_part,
         };
-        Ok(HybridCache::assemble(self.cfg, tree, pools, self.rank))
+        Ok(HybridCache::assemble(self.cfg, tree, pools, self.rank, l3))
     }
 }

@@ -41,8 +41,8 @@ pub(crate) struct Units {
 
 /// A request between `arrive` and `cache_finished` / `abort`.
 enum Req {
-    /// Arrived, not admitted.
-    Arrived,
+    /// Arrived, not admitted: the tokens its L3 prefetch brought to host.
+    Arrived { storage: usize },
     /// Admitted: holds a lock on its prefix.
     Admitted(Admitted),
 }
@@ -69,6 +69,7 @@ pub struct HybridCache {
     pub(crate) rank: Arc<dyn RankGroup>,
     pub(crate) totals: HybridTotals,
     pub(crate) events: Vec<hicache_core::KvEvent>,
+    pub(crate) l3: Option<super::l3::L3Part>,
     requests: HashMap<u64, Req>,
     closed: bool,
 }
@@ -93,6 +94,7 @@ impl HybridCache {
         tree: UnifiedTree,
         pools: Pools,
         rank: Arc<dyn RankGroup>,
+        l3: Option<super::l3::L3Part>,
     ) -> Self {
         Self {
             cfg,
@@ -102,6 +104,7 @@ impl HybridCache {
             rank,
             totals: HybridTotals::default(),
             events: Vec::new(),
+            l3,
             requests: HashMap::new(),
             closed: false,
         }
@@ -189,12 +192,14 @@ impl HybridCache {
         if tokens.is_empty() {
             return Err(HiCacheError::request(req, "an empty prompt"));
         }
-        let m = self.tree.match_prefix(Self::match_key(tokens))?;
-        self.requests.insert(req, Req::Arrived);
+        let key = Self::match_key(tokens);
+        let m = self.tree.match_prefix(key)?;
+        let storage = self.prefetch(key, &m)?;
+        self.requests.insert(req, Req::Arrived { storage });
         Ok(HybridArrival {
             device_tokens: m.device_prefix_len,
             host_tokens: m.host_hit_len,
-            storage_tokens: 0,
+            storage_tokens: storage,
         })
     }
 
@@ -202,7 +207,7 @@ impl HybridCache {
     pub fn prefetch_ready(&mut self, req: u64) -> Result<bool> {
         self.check_open()?;
         match self.requests.get(&req) {
-            Some(Req::Arrived) => Ok(true),
+            Some(Req::Arrived { .. }) => Ok(true),
             Some(Req::Admitted(_)) => Err(HiCacheError::request(req, "already admitted")),
             None => Err(HiCacheError::request(req, "unknown request")),
         }
@@ -212,11 +217,11 @@ impl HybridCache {
     /// locks the prefix and copies its Mamba state into a fresh slot of the request.
     pub fn admit(&mut self, req: u64, tokens: &[u32]) -> Result<HybridAdmission> {
         self.check_open()?;
-        match self.requests.get(&req) {
-            Some(Req::Arrived) => {}
+        let storage = match self.requests.get(&req) {
+            Some(Req::Arrived { storage }) => *storage,
             Some(Req::Admitted(_)) => return Err(HiCacheError::request(req, "already admitted")),
             None => return Err(HiCacheError::request(req, "unknown request (call arrive)")),
-        }
+        };
         if tokens.is_empty() {
             return Err(HiCacheError::request(req, "an empty prompt"));
         }
@@ -238,7 +243,9 @@ impl HybridCache {
             swa: self.swa_prefix(m.node)?,
             mamba: cow.map(StateSlot).into_iter().collect(),
         };
-        self.count_hits(first.device_prefix_len, host_tokens);
+        let host_tokens = m.device_prefix_len - first.device_prefix_len;
+        let storage_tokens = storage.min(host_tokens);
+        self.count_hits(first.device_prefix_len, host_tokens, storage_tokens);
         self.requests.insert(
             req,
             Req::Admitted(Admitted {
@@ -252,17 +259,18 @@ impl HybridCache {
         );
         Ok(HybridAdmission {
             device_tokens: first.device_prefix_len,
-            host_tokens: m.device_prefix_len - first.device_prefix_len,
-            storage_tokens: 0,
+            host_tokens,
+            storage_tokens,
             slots,
         })
     }
 
-    fn count_hits(&mut self, device: usize, host: usize) {
+    fn count_hits(&mut self, device: usize, host: usize, storage: usize) {
         for c in self.tree.config().components() {
             let t = self.totals.get_mut(c);
             t.hit_tokens_l1 += device as u64;
-            t.hit_tokens_l2 += host as u64;
+            t.hit_tokens_l2 += (host - storage) as u64;
+            t.hit_tokens_l3 += storage as u64;
         }
     }
 
@@ -442,7 +450,7 @@ impl HybridCache {
         self.check_open()?;
         match self.requests.remove(&req) {
             None => Err(HiCacheError::request(req, "unknown request")),
-            Some(Req::Arrived) => Ok(()),
+            Some(Req::Arrived { .. }) => Ok(()),
             Some(Req::Admitted(a)) => {
                 self.tree.unlock(&a.receipt)?;
                 if let Some(c) = a.cow {
@@ -464,7 +472,7 @@ impl HybridCache {
                 Some(Req::Admitted(a)) => a,
                 _ => unreachable!("checked above"),
             },
-            Some(Req::Arrived) => return Err(HiCacheError::request(req, "not admitted")),
+            Some(Req::Arrived { .. }) => return Err(HiCacheError::request(req, "not admitted")),
             None => return Err(HiCacheError::request(req, "unknown request")),
         };
         if let Err(e) = self.check_finished(&a, tokens, &slots) {
@@ -476,7 +484,8 @@ impl HybridCache {
         if let Some(node) = inserted?
             && self.cfg.write_through
         {
-            self.copies.queue_write(node);
+            let len = self.tree.depth_tokens(node)?;
+            self.copies.queue_write(node, tokens[..len].to_vec());
         }
         Ok(())
     }
@@ -487,7 +496,7 @@ impl HybridCache {
     pub fn insert_len(&self, req: u64, len: usize) -> Result<usize> {
         match self.requests.get(&req) {
             Some(Req::Admitted(a)) => Ok(self.insert_len_of(a, len)),
-            Some(Req::Arrived) => Err(HiCacheError::request(req, "not admitted")),
+            Some(Req::Arrived { .. }) => Err(HiCacheError::request(req, "not admitted")),
             None => Err(HiCacheError::request(req, "unknown request")),
         }
     }

@@ -13,6 +13,8 @@ use crate::error::Result;
 #[derive(Debug)]
 pub(crate) struct Backup {
     pub id: BackupId,
+    /// Its L3 backup, run once the copy finished (with L3 attached).
+    pub l3: Option<super::l3::L3Job>,
     pub copies: Vec<Launched>,
 }
 
@@ -34,7 +36,7 @@ pub(crate) struct Copies {
     /// Copy-on-write state copies (nothing to finish in the tree; kept until landed).
     pub cows: Vec<(usize, Launched)>,
     /// Inserted nodes to back up at the next poll.
-    pub writes: Vec<NodeId>,
+    pub writes: Vec<(NodeId, Vec<u32>)>,
     /// The load batch being filled (closed by `start_loading`).
     pub batch: usize,
     /// Whether the open batch has any copy.
@@ -68,10 +70,10 @@ impl Copies {
         self.cows.push((self.batch, copy));
     }
 
-    /// Queues `node` for write-through.
-    pub fn queue_write(&mut self, node: NodeId) {
-        if !self.writes.contains(&node) {
-            self.writes.push(node);
+    /// Queues `node` (the end of `tokens`, the inserted sequence) for write-through.
+    pub fn queue_write(&mut self, node: NodeId, tokens: Vec<u32>) {
+        if !self.writes.iter().any(|(n, _)| *n == node) {
+            self.writes.push((node, tokens));
         }
     }
 

@@ -55,7 +55,7 @@ fn mamba_checkpoint(
         on_grid + 1
     };
     match branching {
-        Some(b) if b > matched && b < tracked_end && (b - matched) % step == 0 => b,
+        Some(b) if b > matched && b < tracked_end && (b - matched).is_multiple_of(step) => b,
         _ => on_grid,
     }
 }

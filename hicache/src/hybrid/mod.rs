@@ -26,11 +26,24 @@
 mod builder;
 mod cache;
 mod copies;
+mod l3;
+mod l3_flow;
+mod l3_io;
+mod l3_keys;
 mod lengths;
 mod pools;
 mod state;
 mod tick;
 mod types;
+
+/// The tree's component of a host pool group's component.
+pub(crate) fn component_of(c: hicache_host::HostComponent) -> hicache_core::Component {
+    match c {
+        hicache_host::HostComponent::Kv => hicache_core::Component::Full,
+        hicache_host::HostComponent::Swa => hicache_core::Component::Swa,
+        hicache_host::HostComponent::Mamba => hicache_core::Component::Mamba,
+    }
+}
 
 pub use builder::HybridCacheBuilder;
 pub use cache::HybridCache;

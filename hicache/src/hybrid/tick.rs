@@ -73,6 +73,9 @@ impl HybridCache {
         for _ in 0..min[HYBRID_EXCHANGE_BACKUPS] {
             let b = self.copies.backups.pop_front().expect("counted above");
             self.tree.finish_backup(b.id)?;
+            if let Some(job) = &b.l3 {
+                self.l3_backup(job)?;
+            }
         }
         for _ in 0..min[HYBRID_EXCHANGE_LOADS] {
             let l = self.copies.loads.pop_front().expect("counted above");
@@ -83,7 +86,7 @@ impl HybridCache {
 
     /// Backs up every node queued by `cache_finished` (its unbacked ancestors first).
     fn launch_writes(&mut self) -> Result<()> {
-        for node in std::mem::take(&mut self.copies.writes) {
+        for (node, tokens) in std::mem::take(&mut self.copies.writes) {
             // A node evicted (deleted, or demoted) since its insert has nothing to copy.
             if !self.tree.present(node, Component::Full).unwrap_or(false) {
                 continue;
@@ -92,8 +95,9 @@ impl HybridCache {
             if chain.last() != Some(&node) {
                 chain.push(node);
             }
+            let hashes = self.l3_hashes(&tokens);
             for n in chain {
-                if !self.backup_node(n)? {
+                if !self.backup_node(n, &hashes)? {
                     break;
                 }
             }
@@ -103,7 +107,9 @@ impl HybridCache {
 
     /// Launches the backup of `node` per component and commits it; `false` when the host
     /// pools cannot make room (the node stays device-only).
-    fn backup_node(&mut self, node: NodeId) -> Result<bool> {
+    /// `hashes` are the page hashes of the inserted sequence (for the L3 keys; empty without
+    /// L3).
+    fn backup_node(&mut self, node: NodeId, hashes: &[hicache_core::PageHash]) -> Result<bool> {
         let Some(plan) = self.tree.plan_backup(node)? else {
             return Ok(true);
         };
@@ -139,7 +145,8 @@ impl HybridCache {
             },
         )?;
         self.count_moved(true, &host)?;
-        self.copies.backups.push_back(Backup { id, copies });
+        let l3 = self.l3_job(&plan, &host, hashes)?;
+        self.copies.backups.push_back(Backup { id, l3, copies });
         Ok(true)
     }
 

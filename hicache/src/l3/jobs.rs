@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use hicache_core::{HostSlot, NamespaceId, PageHash, PageHasher, PageKey};
-use hicache_host::HostPool;
+use hicache_host::{HostPool, IoVec};
 use hicache_storage::{BatchContext, LayoutKind, PageBuf, PageBufMut, PageOutcome, Storage};
 use parking_lot::{Condvar, Mutex};
 use tokio::sync::{Notify, Semaphore};
@@ -143,12 +143,33 @@ unsafe fn read_parts(pool: &HostPool, slot: HostSlot) -> Result<Vec<&[u8]>> {
 #[allow(clippy::mut_from_ref)]
 unsafe fn write_parts(pool: &HostPool, slot: HostSlot) -> Result<Vec<&mut [u8]>> {
     let iovs = pool.page_iovecs(slot)?;
-    Ok(iovs
-        .into_iter()
-        // SAFETY: each part is a disjoint run inside the pool's mapping, which outlives the
-        // borrow of `pool`; the caller is the page's only user.
+    // SAFETY: the parts are disjoint runs inside the pool's mapping, which outlives the
+    // borrow of `pool`; the caller is the page's only user.
+    Ok(unsafe { iovec_parts_mut(&iovs) })
+}
+
+/// Slices over a host slot's iovecs (of a pool or a pool group), for reading.
+///
+/// # Safety
+/// The iovecs must lie inside a mapping that outlives `'a`, and nothing may write them while
+/// the slices live.
+pub(crate) unsafe fn iovec_parts<'a>(iovs: &[IoVec]) -> Vec<&'a [u8]> {
+    iovs.iter()
+        // SAFETY: forwarded contract.
+        .map(|iov| unsafe { std::slice::from_raw_parts(iov.as_ptr().cast_const(), iov.len) })
+        .collect()
+}
+
+/// Mutable slices over a host slot's iovecs (of a pool or a pool group), for writing.
+///
+/// # Safety
+/// The iovecs must be disjoint and lie inside a mapping that outlives `'a`, and the caller
+/// must be their only user while the slices live.
+pub(crate) unsafe fn iovec_parts_mut<'a>(iovs: &[IoVec]) -> Vec<&'a mut [u8]> {
+    iovs.iter()
+        // SAFETY: forwarded contract.
         .map(|iov| unsafe { std::slice::from_raw_parts_mut(iov.as_ptr(), iov.len) })
-        .collect())
+        .collect()
 }
 
 /// The keys of one request's pages an operation moves, after the keys of the pages before

@@ -1,0 +1,186 @@
+//! [`L3Part`]: L3 for the hybrid facade, over the l3 layout's keys and I/O helpers.
+//!
+//! - **Backup.** When a node's write-through has finished (at an agreed poll), its host
+//!   copies go to L3 per component (KV pages keyed by the page hashes; SWA pages by the
+//!   node's last hashes; the Mamba state by the last page's hash), the node host-pinned
+//!   (`lock_host`) while the write runs.
+//! - **Prefetch.** On `arrive`, the part of the prompt cached in neither L1 nor L2 is looked
+//!   up with the hit policy; the hit (the minimum every rank found) is read into host slots
+//!   per component and inserted as host-only nodes under the host-valid prefix; `admit`
+//!   then loads it back like any host hit.
+//!
+//! The I/O runs on a current-thread runtime owned here, to completion inside the call that
+//! starts it (`poll` or `arrive`): no page is read or written after the call returns, so
+//! the host slots involved are never touched by L3 once the engine thread goes on.
+
+use std::sync::Arc;
+
+use hicache_core::{NodeId, PageHash, PageKey};
+use hicache_host::{HostComponent, HostPoolGroup};
+use hicache_storage::Storage;
+
+use super::l3_io::{PageResults, lookup, read_pages, write_pages};
+use super::l3_keys::{HitPolicy, HybridL3Layout};
+use crate::error::{HiCacheError, Result};
+
+/// One component's pages of an L3 write: keys and the host slots holding them.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct PagesOut {
+    /// The keys, one per slot.
+    pub keys: Vec<PageKey>,
+    /// The host slots.
+    pub slots: Vec<u32>,
+}
+
+/// The L3 backup of one backed-up node (and the SWA window nodes of its backup).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct L3Job {
+    /// The nodes to host-pin while the write runs.
+    pub nodes: Vec<NodeId>,
+    /// KV, SWA, Mamba pages.
+    pub parts: [PagesOut; 3],
+}
+
+/// What a prefetch's lookup decided.
+#[derive(Clone, Debug)]
+pub(crate) struct PrefetchPlan {
+    /// Pages hit.
+    pub hit: usize,
+    /// Keys per component (KV, SWA, Mamba) to read for the hit.
+    pub keys: [Vec<PageKey>; 3],
+}
+
+/// The attached storage and its layout.
+pub(crate) struct L3Part {
+    pub storage: Arc<dyn Storage>,
+    pub layout: HybridL3Layout,
+    rt: tokio::runtime::Runtime,
+}
+
+/// The components in [`L3Job::parts`] order.
+pub(crate) const PARTS: [HostComponent; 3] =
+    [HostComponent::Kv, HostComponent::Swa, HostComponent::Mamba];
+
+impl L3Part {
+    /// L3 over `storage` with `layout`.
+    pub fn new(storage: Arc<dyn Storage>, layout: HybridL3Layout) -> Result<Self> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(HiCacheError::Runtime)?;
+        Ok(Self {
+            storage,
+            layout,
+            rt,
+        })
+    }
+
+    /// Page hashes of the whole pages of `tokens`, from the root.
+    pub fn hashes(&self, tokens: &[u32]) -> Vec<PageHash> {
+        self.layout.chain(None, tokens)
+    }
+
+    /// Writes a job's pages; the pages stored (or already present) per component.
+    pub fn write(&self, group: &HostPoolGroup, job: &L3Job) -> Result<[usize; 3]> {
+        let mut out = [0; 3];
+        for (k, part) in job.parts.iter().enumerate() {
+            if part.keys.is_empty() {
+                continue;
+            }
+            let storage = &*self.storage;
+            // SAFETY: the slots are the tree's host copies of host-pinned nodes and this call
+            // runs the write to completion before returning, so nothing writes them meanwhile.
+            let r = self.rt.block_on(unsafe {
+                write_pages(
+                    storage,
+                    &self.layout,
+                    group,
+                    PARTS[k],
+                    &part.keys,
+                    &part.slots,
+                )
+            })?;
+            out[k] = r.ok();
+        }
+        Ok(out)
+    }
+
+    /// Looks up the span `hashes` (starting at the root when `at_root`); `None` without a
+    /// hit every configured component can restore.
+    pub fn plan(
+        &self,
+        hashes: &[PageHash],
+        at_root: bool,
+        components: [bool; 3],
+    ) -> Result<Option<PrefetchPlan>> {
+        let policies = self.layout.prefetch_policies(hashes.len(), at_root);
+        let listed = |c| policies.iter().any(|(x, _)| *x == c);
+        if (components[1] && !listed(HostComponent::Swa))
+            || (components[2] && !listed(HostComponent::Mamba))
+        {
+            // A component the span cannot restore: the pages would not make a valid match.
+            return Ok(None);
+        }
+        let verdict = self
+            .rt
+            .block_on(lookup(&*self.storage, &self.layout, hashes, &policies))?;
+        if verdict.hit_pages == 0 {
+            return Ok(None);
+        }
+        Ok(Some(self.plan_for(hashes, verdict.hit_pages, &policies)?))
+    }
+
+    /// The keys to read for a hit of `hit` pages.
+    pub fn plan_for(
+        &self,
+        hashes: &[PageHash],
+        hit: usize,
+        policies: &[(HostComponent, HitPolicy)],
+    ) -> Result<PrefetchPlan> {
+        let mut keys: [Vec<PageKey>; 3] = Default::default();
+        keys[0] = self
+            .layout
+            .read_keys(HostComponent::Kv, HitPolicy::AllPages, hashes, hit)?;
+        for &(c, policy) in policies {
+            let k = PARTS.iter().position(|&x| x == c).unwrap_or(0);
+            keys[k] = self.layout.read_keys(c, policy, hashes, hit)?;
+        }
+        Ok(PrefetchPlan { hit, keys })
+    }
+
+    /// The policies of a span (for [`plan_for`](Self::plan_for) after agreement).
+    pub fn policies(&self, span: usize, at_root: bool) -> Vec<(HostComponent, HitPolicy)> {
+        self.layout.prefetch_policies(span, at_root)
+    }
+
+    /// Reads a plan's pages into `slots` (per component, paired with the keys); whether
+    /// every page arrived.
+    pub fn read(
+        &self,
+        group: &HostPoolGroup,
+        plan: &PrefetchPlan,
+        slots: &[&[u32]; 3],
+    ) -> Result<bool> {
+        let mut all = true;
+        for k in 0..3 {
+            if plan.keys[k].is_empty() {
+                continue;
+            }
+            let storage = &*self.storage;
+            // SAFETY: the slots were just allocated for this read (distinct, owned by it, in
+            // no node yet) and the read runs to completion before returning.
+            let r: PageResults = self.rt.block_on(unsafe {
+                read_pages(
+                    storage,
+                    &self.layout,
+                    group,
+                    PARTS[k],
+                    &plan.keys[k],
+                    slots[k],
+                )
+            })?;
+            all &= r.ok() == plan.keys[k].len();
+        }
+        Ok(all)
+    }
+}

@@ -1,0 +1,121 @@
+//! L3 for the hybrid facade: pages written L1 → L2 → L3 by one cache come back
+//! L3 → L2 → L1 in a new cache over the same L3 directory, byte-equal per component (Full
+//! pages, SWA pages in the window, the Mamba state); the hit policy decides how far.
+
+mod common;
+mod hybrid_common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use hicache::{HybridCache, HybridConfig, StorageConfig};
+use hicache_storage::{BackendContext, Storage};
+use hybrid_common::{Engine, kv_shape, mamba_shape, prompt};
+
+const PS: u32 = 4;
+
+fn file_storage(dir: &Path) -> Arc<dyn Storage> {
+    let extra = format!(r#"{{"dir": "{}"}}"#, dir.display());
+    let cfg = StorageConfig::parse(Some("file"), Some(&extra)).unwrap();
+    let registry = hicache::backends::builtin_registry().unwrap();
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(registry.open(&cfg, &BackendContext::default()))
+        .unwrap()
+}
+
+fn cache(swa: bool, mamba: bool, storage: Arc<dyn Storage>) -> HybridCache {
+    let cfg = HybridConfig {
+        page_size: PS,
+        swa_window: swa.then_some(8),
+        mamba_chunk: mamba.then_some(8),
+        prefetch_threshold_tokens: 8,
+        ..Default::default()
+    };
+    let mut b = HybridCache::builder(cfg)
+        .device(common::test_device())
+        .full_shape(kv_shape(PS, 4))
+        .device_pages(32, if swa { 32 } else { 0 })
+        .host_pages(64, 64)
+        .host_reserve_bytes(0)
+        .storage(storage);
+    if swa {
+        b = b.swa_shape(kv_shape(PS, 2));
+    }
+    if mamba {
+        b = b
+            .mamba_shape(mamba_shape())
+            .mamba_slots(8)
+            .host_mamba_slots(16);
+    }
+    b.build().unwrap()
+}
+
+fn l3_round_trip(swa: bool, mamba: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let a = prompt(1, 40);
+    {
+        let mut e = Engine::new(cache(swa, mamba, file_storage(dir.path())));
+        e.run(&a);
+        e.settle();
+        let t = e.cache.metrics();
+        assert_eq!(t.full.pages_l2_to_l3, 10, "{t:?}");
+        // Every SWA page backed up to host goes to L3 too.
+        assert_eq!(t.swa.pages_l2_to_l3, t.swa.pages_d2h, "{t:?}");
+        assert_eq!(t.swa.pages_l2_to_l3 > 0, swa, "{t:?}");
+        assert_eq!(t.mamba.pages_l2_to_l3, u64::from(mamba), "{t:?}");
+        e.cache.shutdown().unwrap();
+    }
+    // A new cache (empty L1 and L2) over the same directory.
+    let mut e = Engine::new(cache(swa, mamba, file_storage(dir.path())));
+    let mut a2 = a.clone();
+    a2.extend(prompt(3, 24));
+    let run = e.run(&a2);
+    assert_eq!(run.admission.device_tokens, 0);
+    assert_eq!(run.admission.host_tokens, 40, "{run:?}");
+    assert_eq!(run.admission.storage_tokens, 40, "{run:?}");
+    assert_eq!(run.checked[0], 10, "every Full page checked");
+    if swa {
+        assert_eq!(run.checked[1], 2, "the window's SWA pages checked");
+    }
+    assert_eq!(run.checked[2], usize::from(mamba), "the state checked");
+    let t = e.cache.metrics();
+    assert_eq!(t.full.hit_tokens_l3, 40);
+    assert_eq!(t.full.pages_l3_to_l2, 10);
+    assert_eq!(t.mamba.pages_l3_to_l2, u64::from(mamba));
+    e.settle();
+    e.cache.shutdown().unwrap();
+}
+
+#[test]
+fn full_swa_pages_come_back_from_l3_in_a_new_cache() {
+    l3_round_trip(true, false);
+}
+
+#[test]
+fn full_mamba_pages_come_back_from_l3_in_a_new_cache() {
+    l3_round_trip(false, true);
+}
+
+#[test]
+fn full_swa_mamba_pages_come_back_from_l3_in_a_new_cache() {
+    l3_round_trip(true, true);
+}
+
+#[test]
+fn a_prompt_shorter_than_the_threshold_is_not_prefetched() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = prompt(1, 8);
+    {
+        let mut e = Engine::new(cache(true, true, file_storage(dir.path())));
+        e.run(&a);
+        e.settle();
+        e.cache.shutdown().unwrap();
+    }
+    let mut e = Engine::new(cache(true, true, file_storage(dir.path())));
+    let run = e.run(&a);
+    assert_eq!(run.admission.cached_tokens(), 0, "{run:?}");
+    e.cache.shutdown().unwrap();
+}
