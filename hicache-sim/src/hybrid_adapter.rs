@@ -48,6 +48,9 @@ use crate::links::Links;
 use crate::model::HybridModel;
 use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize};
 
+/// Values in the hybrid controller's per-tick exchange (backups and loads finished).
+const HYBRID_EXCHANGE_LEN: usize = 2;
+
 /// Ping-pong checkpoint slots a request of a Mamba hybrid holds beside its working state
 /// (SGLang's `extra_buffer` strategy with the overlap schedule on).
 pub const TRACKING_SLOTS: usize = 2;
@@ -57,8 +60,9 @@ pub const TRACKING_SLOTS: usize = 2;
 pub struct HybridFactory {
     /// The model (its components' shapes).
     pub model: HybridModel,
-    /// SWA device pages per Full device page (SGLang's `swa_full_tokens_ratio`, 0.8 by
-    /// default); the host pools keep the same ratio.
+    /// SWA device pages per Full device page (SGLang's `swa_full_tokens_ratio`); the host
+    /// pools keep the same ratio. A request holds an SWA page per page of its prompt and
+    /// answer, so below 1 the longest request may not fit.
     pub swa_ratio: f64,
     /// Device Mamba state slots.
     pub mamba_slots: usize,
@@ -67,12 +71,12 @@ pub struct HybridFactory {
 }
 
 impl HybridFactory {
-    /// `model` with SGLang's SWA ratio (0.8) and `mamba_slots` device state slots, twice as
-    /// many on host.
+    /// `model` with as many SWA pages as Full pages and `mamba_slots` device state slots,
+    /// twice as many on host.
     pub fn new(model: HybridModel, mamba_slots: usize) -> Self {
         Self {
             model,
-            swa_ratio: 0.8,
+            swa_ratio: 1.0,
             mamba_slots,
             host_mamba_slots: 2 * mamba_slots,
         }
@@ -83,9 +87,10 @@ impl HybridFactory {
         (full as f64 * self.swa_ratio).ceil() as usize
     }
 
-    fn config(&self, page_size: u32, host: bool) -> HybridConfig {
+    fn config(&self, page_size: u32, host: bool, prefetch_threshold: usize) -> HybridConfig {
         HybridConfig {
             page_size,
+            prefetch_threshold_tokens: prefetch_threshold,
             swa_window: self.model.window,
             // SGLang's `mamba_cache_chunk_size` default (FLA's chunk of 64 tokens).
             mamba_chunk: self.model.linear.as_ref().map(|_| 64),
@@ -106,8 +111,9 @@ impl HybridFactory {
         }
     }
 
-    /// The L3 backend of `setup` behind the timer's gate.
-    fn storage(&self, setup: &CacheSetup, timer: &CopyTimer) -> Result<Arc<dyn Storage>> {
+    /// The L3 backend of `setup` behind the timer's gate, and its prefetch threshold in
+    /// tokens (the extra-config's `prefetch_threshold`, as the dense cache reads it).
+    fn storage(&self, setup: &CacheSetup, timer: &CopyTimer) -> Result<(Arc<dyn Storage>, usize)> {
         let usage = |e: String| SimError::Usage(format!("L3 of the hybrid model: {e}"));
         let s = &setup.storage;
         let config = StorageConfig::from_value(
@@ -127,7 +133,10 @@ impl HybridFactory {
         let inner = runtime
             .block_on(registry.open(&config, &ctx))
             .map_err(|e| usage(e.to_string()))?;
-        Ok(timer.gate(inner))
+        Ok((
+            timer.gate(inner),
+            usize::try_from(config.common.prefetch_threshold).unwrap_or(usize::MAX),
+        ))
     }
 }
 
@@ -155,7 +164,14 @@ impl HybridFactory {
         } else {
             0
         };
-        let mut b = HybridCache::builder(self.config(ps, setup.tiers.host))
+        let storage = match setup.tiers.storage {
+            true => Some(self.storage(setup, &timer)?),
+            false => None,
+        };
+        let threshold = storage
+            .as_ref()
+            .map_or(HybridConfig::default().prefetch_threshold_tokens, |s| s.1);
+        let mut b = HybridCache::builder(self.config(ps, setup.tiers.host, threshold))
             .full_shape(self.model.full_kv_shape(ps))
             .device(device)
             .device_pages(full, self.swa_pages(full))
@@ -163,6 +179,7 @@ impl HybridFactory {
             .rank_group(Arc::new(ClockRank::writes_only(
                 timer.clock.clone(),
                 HYBRID_EXCHANGE_BACKUPS,
+                HYBRID_EXCHANGE_LEN,
             )));
         if let Some(s) = self.model.swa_kv_shape(ps) {
             b = b.swa_shape(s);
@@ -173,8 +190,8 @@ impl HybridFactory {
                 .mamba_slots(self.mamba_slots)
                 .host_mamba_slots(self.host_mamba_slots);
         }
-        if setup.tiers.storage {
-            b = b.storage(self.storage(setup, &timer)?);
+        if let Some((storage, _)) = storage {
+            b = b.storage(storage);
         }
         let cache = b.build().map_err(|e| {
             SimError::Usage(format!("cannot build the {} cache: {e}", self.model.name))

@@ -39,33 +39,32 @@ fn tiny_swa() -> HybridModel {
     }
 }
 
-fn small_plan(tiers: &str) -> Plan {
-    let args = MultiturnArgs::try_parse(&[
-        "--clients",
-        "4",
-        "--rounds",
-        "3",
-        "--system-tokens",
-        "128",
-        "--user-tokens",
-        "48",
-        "--answer-tokens",
-        "16",
-        "--page-size",
-        "16",
-        "--device-pages",
-        "48",
-        "--hicache-ratio",
-        "3",
-        "--tiers",
-        tiers,
-    ])
-    .unwrap();
-    plan(&args).unwrap()
+/// The small workload with `extra` flags (pairs) replacing or adding to its own.
+fn small_plan(tiers: &str, extra: &[&str]) -> Plan {
+    let mut flags = vec![
+        ("--clients", "4"),
+        ("--rounds", "3"),
+        ("--system-tokens", "128"),
+        ("--user-tokens", "48"),
+        ("--answer-tokens", "16"),
+        ("--page-size", "16"),
+        ("--device-pages", "48"),
+        ("--tiers", tiers),
+    ];
+    for pair in extra.chunks(2) {
+        flags.retain(|(k, _)| *k != pair[0]);
+        flags.push((pair[0], pair[1]));
+    }
+    let argv: Vec<&str> = flags.iter().flat_map(|(k, v)| [*k, *v]).collect();
+    plan(&MultiturnArgs::try_parse(&argv).unwrap()).unwrap()
 }
 
 fn run(model: &HybridModel, tiers: &str) -> (RunResult, HybridFactory, Plan) {
-    let base = small_plan(tiers);
+    run_with(model, tiers, &["--hicache-ratio", "3"])
+}
+
+fn run_with(model: &HybridModel, tiers: &str, extra: &[&str]) -> (RunResult, HybridFactory, Plan) {
+    let base = small_plan(tiers, extra);
     let p = base.for_hybrid(model);
     let factory = HybridFactory::new(model.clone(), 16);
     let mut cache = factory.build_adapter(&p.setup).unwrap();
@@ -91,8 +90,8 @@ fn check_hits(r: &RunResult) {
 }
 
 /// Bytes per component are pages × the component's page (state) bytes, and what was copied
-/// to host minus what host eviction freed is what the host pools hold; on device, the pools
-/// hold exactly what the tree reports.
+/// to host (from device or L3) minus what host eviction freed is what the host pools hold;
+/// on device, the pools hold exactly what the tree reports.
 fn check_moves(cache: &hicache_sim::HybridAdapter, model: &HybridModel, p: &Plan) {
     let ps = p.setup.kv_shape.page_size;
     let stats = cache.stats();
@@ -139,9 +138,9 @@ fn check_moves(cache: &hicache_sim::HybridAdapter, model: &HybridModel, p: &Plan
         }
         let used_host = host.capacity(hc).unwrap() - host.available(hc).unwrap();
         assert_eq!(
-            m.d2h.pages - totals.evicted_host,
+            m.d2h.pages + m.l3_to_l2.pages - totals.evicted_host,
             used_host as u64,
-            "{c:?}: host pages copied minus evicted"
+            "{c:?}: host pages copied from device or fetched from L3, minus evicted"
         );
         let on_device = match c {
             Component::Mamba => {
@@ -225,5 +224,51 @@ fn device_only_runs_move_nothing_to_host() {
     assert_eq!(a.cache.metrics.hit_tokens_l2, 0);
     for (_, c) in moves.components() {
         assert_eq!(c.d2h.pages + c.h2d.pages, 0);
+    }
+}
+
+#[test]
+fn l3_serves_what_host_memory_evicted_for_both_hybrids() {
+    // More history than host memory holds: what host eviction dropped comes back from L3
+    // (copy time charged: a page counts in L3 once its backup completed).
+    let extra = [
+        "--storage-backend",
+        "memory",
+        "--extra-config",
+        r#"{"prefetch_threshold": 16}"#,
+        "--hicache-ratio",
+        "2",
+        "--system-tokens",
+        "256",
+        "--clients",
+        "10",
+        "--device-pages",
+        "64",
+    ];
+    for m in [tiny_swa(), tiny_mamba()] {
+        let (a, _, _) = run_with(&m, "l1+l2+l3", &extra);
+        let (b, _, _) = run_with(&m, "l1+l2+l3", &extra);
+        assert_eq!(hits_of(&a), hits_of(&b), "{}: two runs, same hits", m.name);
+        check_hits(&a);
+        let moves = a.cache.components.unwrap();
+        assert!(moves.full.l2_to_l3.pages > 0, "{}: backed up to L3", m.name);
+        let aux = if m.swa_layers > 0 {
+            &moves.swa
+        } else {
+            &moves.mamba
+        };
+        assert!(
+            aux.l2_to_l3.pages > 0,
+            "{}: its other component too",
+            m.name
+        );
+        assert!(
+            a.cache.metrics.hit_tokens_l3 > 0,
+            "{}: L3 hits {:?}, {} pages stored but not yet visible",
+            m.name,
+            a.cache.metrics,
+            a.cache.l3_pages_in_flight
+        );
+        assert!(moves.full.l3_to_l2.pages > 0);
     }
 }

@@ -39,7 +39,7 @@ fn progress_bar(total: u64, hidden: bool) -> ProgressBar {
 }
 
 /// Tiers of the hybrid models' columns.
-pub const HYBRID_TIERS: Tiers = Tiers::L1_L2;
+pub const HYBRID_TIERS: Tiers = Tiers::L1_L2_L3;
 
 /// Device Mamba state slots of the Mamba hybrid (its host pool holds twice as many).
 pub const MAMBA_SLOTS: usize = 16;
