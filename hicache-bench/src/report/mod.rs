@@ -646,4 +646,84 @@ mod tests {
         assert!(e.to_string().contains("sub"), "{e}");
         prepare_dir(&dir.path().join("a/b")).unwrap();
     }
+
+    fn with_hybrid() -> Report {
+        let mut r = report();
+        let model = HybridModel::qwen35_9b();
+        let mut run_h = Summary::new("L1+L2+L3", &run(64, 0.1, 4));
+        let t = |pages: u64, bytes: u64| TransferStats {
+            pages,
+            bytes,
+            ..TransferStats::default()
+        };
+        let mut moves = hicache_sim::HybridMoves::default();
+        moves.full.h2d = t(4, 400);
+        moves.mamba.d2h = t(2, 3_000_000_000);
+        run_h.cache.components = Some(moves);
+        r.hybrid.push(HybridColumn {
+            compute: model.compute_h100(),
+            model,
+            page_bytes: 100,
+            baseline: Summary::new("no cache", &run(0, 0.4, 0)),
+            run: run_h,
+        });
+        r
+    }
+
+    #[test]
+    fn hybrid_models_get_their_own_table_records_and_checks() {
+        let r = with_hybrid();
+        assert!(r.check().is_empty(), "{:?}", r.check());
+        let t = r.table();
+        let (_, hybrid) = t.split_once("hybrid models").unwrap();
+        let header = hybrid.lines().nth(1).unwrap();
+        assert!(
+            header.contains("qwen3.5-9b none") && header.contains("qwen3.5-9b L1+L2+L3"),
+            "{hybrid}"
+        );
+        let d2h = hybrid
+            .lines()
+            .find(|l| l.starts_with("moved D2H F/S/M"))
+            .unwrap();
+        assert!(d2h.contains("0.00/0.00/3.00") && d2h.contains('-'), "{d2h}");
+        let p50 = hybrid.lines().find(|l| l.starts_with("TTFT p50")).unwrap();
+        assert!(p50.contains("440.0") && p50.contains("110.0"), "{p50}");
+        let recs = r.records();
+        let mamba = recs
+            .iter()
+            .find(|x| x.case == "qwen3.5-9b/l1+l2+l3/mamba_d2h")
+            .unwrap();
+        assert_eq!((mamba.value, mamba.unit.as_str()), (3.0, "GB"));
+        assert_eq!(mamba.extra["pages"], 2);
+        let p50 = recs
+            .iter()
+            .find(|x| x.case == "qwen3.5-9b/l1+l2+l3/ttft_p50")
+            .unwrap();
+        assert!(
+            (p50.reference.unwrap() - 440.0).abs() < 1e-9,
+            "its own no-cache run"
+        );
+        assert!(
+            recs.iter()
+                .any(|x| x.case == "qwen3.5-9b/no_cache/ttft_p50")
+        );
+        assert!(
+            !recs.iter().any(|x| x.case == "qwen3.5-9b/l1+l2+l3/h2d"),
+            "per component instead"
+        );
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["hybrid"][0]["model"]["linear_layers"], 24);
+        assert_eq!(
+            v["hybrid"][0]["run"]["cache"]["components"]["mamba"]["d2h"]["pages"],
+            2
+        );
+        // A hybrid column that breaks the report's rules is reported.
+        let mut bad = with_hybrid();
+        bad.hybrid[0].run.hits.l1 += 1;
+        assert!(
+            bad.check().iter().any(|e| e.contains("L1+L2+L3")),
+            "{:?}",
+            bad.check()
+        );
+    }
 }
