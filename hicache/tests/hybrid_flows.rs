@@ -6,9 +6,8 @@
 mod common;
 mod hybrid_common;
 
-use common::test_device;
 use hicache::{Component, HiCacheError, HybridCache, HybridConfig, HybridDemand, HybridSlots};
-use hybrid_common::{Engine, kv_shape, mamba_shape, prompt};
+use hybrid_common::{Engine, extended, prompt};
 
 const PS: u32 = 4;
 
@@ -21,26 +20,9 @@ fn config(swa: Option<u32>, mamba: Option<u32>) -> HybridConfig {
     }
 }
 
-/// A cache of `device` pages per KV component (and as many state slots), 64 on host.
+/// A cache of `device` pages per KV component (and 8 state slots), 64 on host.
 fn cache(cfg: HybridConfig, device: usize) -> HybridCache {
-    let swa = cfg.swa_window.is_some();
-    let mamba = cfg.mamba_chunk.is_some();
-    let mut b = HybridCache::builder(cfg)
-        .device(test_device())
-        .full_shape(kv_shape(PS, 4))
-        .device_pages(device, if swa { device } else { 0 })
-        .host_pages(64, 64)
-        .host_reserve_bytes(0);
-    if swa {
-        b = b.swa_shape(kv_shape(PS, 2));
-    }
-    if mamba {
-        b = b
-            .mamba_shape(mamba_shape())
-            .mamba_slots(8)
-            .host_mamba_slots(16);
-    }
-    b.build().unwrap()
+    hybrid_common::builder(cfg, device).build().unwrap()
 }
 
 /// Turn one, then an unrelated request that pushes it out of L1 into L2, then turn two
@@ -56,9 +38,7 @@ fn evict_to_host_and_load_back(cfg: HybridConfig) -> hybrid_common::Run {
     e.settle();
     let t = e.cache.metrics();
     assert!(t.full.evicted_device >= 9, "turn one left L1: {t:?}");
-    let mut a2 = a.clone();
-    a2.extend(prompt(3, 24));
-    let run = e.run(&a2);
+    let run = e.run(&extended(&a, 3, 24));
     e.settle();
     assert!(run.admission.host_tokens > 0, "an L2 hit: {run:?}");
     assert_eq!(run.admission.device_tokens, 0, "{run:?}");
@@ -82,9 +62,7 @@ fn l1_hit_serves_the_prefix_and_counts_it() {
     let mut e = Engine::new(cache(config(Some(8), None), 64));
     let a = prompt(1, 40);
     e.run(&a);
-    let mut a2 = a.clone();
-    a2.extend(prompt(3, 24));
-    let run = e.run(&a2);
+    let run = e.run(&extended(&a, 3, 24));
     assert_eq!(run.admission.device_tokens, 40);
     assert_eq!(run.admission.host_tokens, 0);
     e.settle();
@@ -170,9 +148,7 @@ fn mamba_hit_is_copied_on_write_into_the_requests_own_slot() {
     let mut e = Engine::new(cache(config(None, Some(8)), 64));
     let a = prompt(1, 40);
     e.run(&a);
-    let mut a2 = a.clone();
-    a2.extend(prompt(3, 24));
-    let run = e.run(&a2);
+    let run = e.run(&extended(&a, 3, 24));
     assert_eq!(run.admission.device_tokens, 40);
     assert_eq!(run.checked[2], 1);
     e.settle();
