@@ -6,7 +6,9 @@
 mod common;
 mod hybrid_common;
 
-use hicache::{Component, HiCacheError, HybridCache, HybridConfig, HybridDemand, HybridSlots};
+use hicache::{
+    Component, HiCacheError, HybridCache, HybridConfig, HybridDemand, HybridSlots, KvEvent, Medium,
+};
 use hybrid_common::{Engine, extended, prompt};
 
 const PS: u32 = 4;
@@ -156,5 +158,58 @@ fn mamba_hit_is_copied_on_write_into_the_requests_own_slot() {
     let pool = e.cache.state_pool().unwrap();
     let tree_states = e.cache.tree().size(Component::Mamba) as usize;
     assert_eq!(pool.available() + tree_states, pool.num_slots());
+    e.cache.shutdown().unwrap();
+}
+
+/// The Full page hashes of `events` with `medium`, stored or removed.
+fn hashes(events: &[KvEvent], medium: Medium, stored: bool) -> Vec<hicache_core::PageHash> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                medium: m,
+                ..
+            } if stored && *m == medium => Some(block_hashes.clone()),
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium: m,
+                ..
+            } if !stored && *m == medium => Some(block_hashes.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+#[test]
+fn kv_events_follow_full_pages_across_tiers_and_metrics_render_per_component() {
+    let cache = hybrid_common::builder(config(Some(8), None), 16)
+        .kv_events(true)
+        .build()
+        .unwrap();
+    let mut e = Engine::new(cache);
+    let a = prompt(1, 40);
+    e.run(&a);
+    e.settle();
+    let ev = e.cache.drain_events();
+    let on_gpu = hashes(&ev, Medium::Gpu, true);
+    assert_eq!(on_gpu.len(), 10, "{ev:?}");
+    let mut on_host = hashes(&ev, Medium::CpuPinned, true);
+    on_host.sort();
+    let mut sorted = on_gpu.clone();
+    sorted.sort();
+    assert_eq!(on_host, sorted, "the same pages backed up");
+    // Another request pushes turn one out of L1: its pages leave the GPU, stay on host.
+    e.run(&prompt(2, 40));
+    e.settle();
+    let ev = e.cache.drain_events();
+    let mut removed = hashes(&ev, Medium::Gpu, false);
+    removed.sort();
+    assert_eq!(removed, sorted, "{ev:?}");
+    assert!(hashes(&ev, Medium::CpuPinned, false).is_empty());
+    let text = e.cache.render_metrics();
+    let swa_d2h = r#"hicache_hybrid_moved_pages_total{component="swa",direction="d2h"}"#;
+    assert!(text.lines().any(|l| l.starts_with(swa_d2h)), "{text}");
     e.cache.shutdown().unwrap();
 }
