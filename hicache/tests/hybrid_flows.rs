@@ -213,3 +213,26 @@ fn kv_events_follow_full_pages_across_tiers_and_metrics_render_per_component() {
     assert!(text.lines().any(|l| l.starts_with(swa_d2h)), "{text}");
     e.cache.shutdown().unwrap();
 }
+
+#[test]
+fn full_host_pools_evict_host_only_nodes_for_new_backups() {
+    // 12 host pages: turn one's 10 backed-up pages must make room for the next request's.
+    let cache = hybrid_common::builder(config(Some(8), Some(8)), 16)
+        .host_pages(12, 12)
+        .build()
+        .unwrap();
+    let mut e = Engine::new(cache);
+    let a = prompt(1, 40);
+    e.run(&a);
+    e.settle();
+    e.run(&prompt(2, 40));
+    e.settle();
+    let t = e.cache.metrics();
+    assert!(t.full.evicted_host >= 8, "{t:?}");
+    assert!(t.full.pages_d2h >= 20, "both requests backed up: {t:?}");
+    // Turn one left L1 (for the second request) and then L2 (for its backup).
+    let run = e.run(&a);
+    assert_eq!(run.admission.cached_tokens(), 0, "{run:?}");
+    e.settle();
+    e.cache.shutdown().unwrap();
+}

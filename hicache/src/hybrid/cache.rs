@@ -482,12 +482,12 @@ impl HybridCache {
     /// followed by what it allocated; see [`HybridSlots`]).
     pub fn cache_finished(&mut self, req: u64, tokens: &[u32], slots: HybridSlots) -> Result<()> {
         self.check_open()?;
-        let a = match self.requests.get(&req) {
-            Some(Req::Admitted(_)) => match self.requests.remove(&req) {
-                Some(Req::Admitted(a)) => a,
-                _ => unreachable!("checked above"),
-            },
-            Some(Req::Arrived { .. }) => return Err(HiCacheError::request(req, "not admitted")),
+        let a = match self.requests.remove(&req) {
+            Some(Req::Admitted(a)) => a,
+            Some(arrived) => {
+                self.requests.insert(req, arrived);
+                return Err(HiCacheError::request(req, "not admitted"));
+            }
             None => return Err(HiCacheError::request(req, "unknown request")),
         };
         if let Err(e) = self.check_finished(&a, tokens, &slots) {

@@ -1,8 +1,10 @@
 //! [`Events`]: the KV events of the hybrid facade, for KV-aware routers — `BlockStored` /
 //! `BlockRemoved` of Full-attention pages per medium (GPU, CPU_PINNED), as the dense tree
 //! emits them: one event per run of pages an operation stores or removes, hashes from the
-//! page-hash chain of the cache's namespace. SWA pages and Mamba states emit nothing (SGLang
-//! 0.5.23 publishes block events for the full-attention pool only).
+//! page-hash chain of the cache's namespace. SWA pages and Mamba states emit nothing: SGLang
+//! 0.5.23's `UnifiedRadixCache` records one store / remove per node with the node's page
+//! hashes (GPU on insert and load-back, CPU_PINNED on backup and host insert, removals on
+//! device and host eviction), and its `BlockStored` has no field naming a component.
 //!
 //! Invariant: a device (host) Full slot has an entry in `dev` (`host`) exactly while the
 //! tree holds it — set when the tree adopts the slot (insert, load-back, backup,
