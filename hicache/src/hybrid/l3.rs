@@ -9,6 +9,10 @@
 //!   per component and inserted as host-only nodes under the host-valid prefix; `admit`
 //!   then loads it back like any host hit.
 //!
+//! With tensor parallelism a prefetch exchanges twice with the other ranks inside `arrive`
+//! (the hit pages, then whether every rank read them all), so every rank must call
+//! `arrive` for the same requests in the same order, as it does every other call.
+//!
 //! The I/O runs on a current-thread runtime owned here, to completion inside the call that
 //! starts it (`poll` or `arrive`): no page is read or written after the call returns, so
 //! the host slots involved are never touched by L3 once the engine thread goes on.
