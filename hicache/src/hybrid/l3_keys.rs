@@ -96,17 +96,20 @@ fn bad(what: String) -> HiCacheError {
 }
 
 impl HybridL3Layout {
-    /// The layout of `group`'s components under `spec` (rule 1). Errors: a KV pool whose page
-    /// size differs from the namespace's, an SWA pool without a window or a window without an
-    /// SWA pool, a sidecar whose fingerprint does not describe its slots.
+    /// The layout of `group`'s components under `spec` (rule 1). Errors: a KV pool whose
+    /// geometry or layout is not the namespace's, an SWA pool without a window or a window
+    /// without an SWA pool, a sidecar whose fingerprint does not describe its slots.
     pub fn new(spec: HybridL3Spec<'_>, group: &HostPoolGroup) -> Result<Self> {
         let ns = spec.namespace;
         let kv_pool = group.kv();
-        if kv_pool.shape().page_size != ns.page_size {
+        let shape = kv_pool.shape();
+        let pool_is = (shape.kind, shape.layers, shape.dtype, shape.page_size);
+        let ns_names = (ns.kv, ns.layers, ns.dtype, ns.page_size);
+        if pool_is != ns_names || kv_pool.layout_kind() != ns.layout {
             return Err(bad(format!(
-                "the KV host pool has pages of {} tokens, the namespace {}",
-                kv_pool.shape().page_size,
-                ns.page_size
+                "the KV host pool ({pool_is:?}, {:?}) is not the namespace's ({ns_names:?}, {:?})",
+                kv_pool.layout_kind(),
+                ns.layout
             )));
         }
         let hasher = PageHasher::new(spec.hash_mode, ns)?;
@@ -599,9 +602,18 @@ pub(crate) mod tests {
         assert!(layout_of(&ns, HashMode::Sglang, None, &swa, Some(0)).is_err());
         let plain = group(LayoutKind::PageFirst, false, false);
         assert!(layout_of(&ns, HashMode::Sglang, None, &plain, Some(8)).is_err());
-        let mut other = ns.clone();
-        other.page_size = 8;
-        assert!(layout_of(&other, HashMode::Sglang, None, &plain, None).is_err());
+        let edits: [fn(&mut Namespace); 4] = [
+            |n| n.page_size = 8,
+            |n| n.layers = 2,
+            |n| n.dtype = DType::F16,
+            |n| n.layout = LayoutKind::LayerFirst,
+        ];
+        for edit in edits {
+            let mut other = ns.clone();
+            edit(&mut other);
+            let e = layout_of(&other, HashMode::Sglang, None, &plain, None).unwrap_err();
+            assert!(e.to_string().contains("is not the namespace's"), "{e}");
+        }
         let l = layout_of(&ns, HashMode::Sglang, None, &plain, None).unwrap();
         assert!(l.keys(HostComponent::Mamba, &[]).is_err());
         assert_eq!(l.components(), vec![HostComponent::Kv]);
