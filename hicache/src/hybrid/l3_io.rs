@@ -669,18 +669,35 @@ mod tests {
         assert!(rt.block_on(io(&Down, &l, &g).lookup(&hashes, &[])).is_err());
     }
 
-    /// The helpers' futures can be spawned on a multi-threaded runtime.
+    /// The helpers run as tasks of a multi-threaded runtime, owning `Arc`s of the storage,
+    /// the layout and the group (as a controller spawns them).
     #[test]
-    fn futures_are_send() {
-        fn send<T: Send>(_: &T) {}
+    fn operations_run_as_spawned_tasks() {
         let (g, l) = setup();
-        let storage = memory(4);
-        // SAFETY: never polled.
-        let f = unsafe { io(&*storage, &l, &g).write_pages(pages(KV, &[], &[])) };
-        send(&f);
-        // SAFETY: never polled.
-        let f = unsafe { io(&*storage, &l, &g).read_pages(pages(KV, &[], &[])) };
-        send(&f);
-        send(&io(&*storage, &l, &g).lookup(&[], &[]));
+        let (g, l, storage) = (Arc::new(g), Arc::new(l), memory(4));
+        let want = fill(&g, SWA, 1, 5);
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .build()
+            .unwrap();
+        let task = {
+            let (g, l, storage) = (g.clone(), l.clone(), storage.clone());
+            rt.spawn(async move {
+                let hashes = l.chain(None, &(0..8).collect::<Vec<u32>>());
+                let keys = l.backup_keys(SWA, &hashes, 1)?;
+                let io = io(&*storage, &l, &g);
+                // SAFETY: this task is the only user of SWA slots 1 and 2.
+                let w = unsafe { io.write_pages(pages(SWA, &keys, &[1])) }.await?;
+                // SAFETY: as above.
+                let r = unsafe { io.read_pages(pages(SWA, &keys, &[2])) }.await?;
+                let policies = l.prefetch_policies(2, true);
+                Ok::<_, HiCacheError>((w.ok(), r.ok(), io.lookup(&hashes, &policies).await?))
+            })
+        };
+        let (written, read, verdict) = rt.block_on(task).unwrap().unwrap();
+        assert_eq!((written, read), (1, 1));
+        assert_eq!(get(&g, SWA, 2), want);
+        // No KV page was written: nothing is restorable.
+        assert_eq!(verdict.hit_pages, 0);
     }
 }
