@@ -431,6 +431,26 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        /// Per-key presence and the leading run equal what was written, for any batch size.
+        #[test]
+        fn presence_matches_a_model(
+            present in proptest::collection::vec(proptest::bool::weighted(0.7), 0..40),
+            max_batch in 1usize..6,
+        ) {
+            let storage = memory(max_batch);
+            let (g, l) = setup();
+            let hashes = l.chain(None, &(0..4 * present.len() as u32).collect::<Vec<u32>>());
+            let rt = runtime();
+            write_pattern(&rt, &*storage, &g, &l, KV, &hashes, &present);
+            let keys = l.keys(KV, &hashes).unwrap();
+            let lead = present.iter().take_while(|&&p| p).count();
+            proptest::prop_assert_eq!(rt.block_on(exists_each(&*storage, &keys)).unwrap(), present);
+            proptest::prop_assert_eq!(rt.block_on(leading_run(&*storage, &keys)).unwrap(), lead);
+        }
+    }
+
     /// Writes `present` pages of `c` over `hashes` from one slot.
     fn write_pattern(
         rt: &tokio::runtime::Runtime,
