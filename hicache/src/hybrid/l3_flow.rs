@@ -149,7 +149,9 @@ impl HybridCache {
             self.tree.has(hicache_core::Component::Swa),
             self.tree.has(hicache_core::Component::Mamba),
         ];
-        let local = l3.plan(span, at_root, comps)?.map_or(0, |p| p.hit);
+        let local = l3
+            .plan(&self.pools.group, span, at_root, comps)?
+            .map_or(0, |p| p.hit);
         let hit = self.agree_min(local as u64)? as usize;
         if hit == 0 {
             return Ok(0);
