@@ -236,3 +236,34 @@ fn full_host_pools_evict_host_only_nodes_for_new_backups() {
     e.settle();
     e.cache.shutdown().unwrap();
 }
+
+#[test]
+fn abort_releases_the_prefix_lock_and_the_copy_on_write_state() {
+    let mut e = Engine::new(cache(config(Some(8), Some(8)), 32));
+    let a = prompt(1, 40);
+    e.run(&a);
+    e.settle();
+    let a2 = extended(&a, 3, 24);
+    e.cache.arrive(99, &a2).unwrap();
+    let adm = e.cache.admit(99, &a2).unwrap();
+    assert_eq!(adm.device_tokens, 40);
+    assert_eq!(adm.slots.mamba.len(), 1, "a state of the request's own");
+    let mine = e
+        .cache
+        .alloc(HybridDemand {
+            full_pages: 6,
+            swa_pages: 6,
+            mamba_slots: 1,
+        })
+        .unwrap()
+        .unwrap();
+    e.cache.abort(99).unwrap();
+    e.cache.release(mine).unwrap();
+    assert_eq!(
+        e.cache.tree().protected_size(Component::Full),
+        0,
+        "unlocked"
+    );
+    e.settle();
+    e.cache.shutdown().unwrap();
+}
