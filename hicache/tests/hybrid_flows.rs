@@ -33,11 +33,9 @@ fn cache(cfg: HybridConfig, device: usize) -> HybridCache {
 fn evict_to_host_and_load_back(cfg: HybridConfig) -> hybrid_common::Run {
     let mut e = Engine::new(cache(cfg, 16));
     let a = prompt(1, 40);
-    e.run(&a);
-    e.settle();
+    e.turn(&a);
     let b = prompt(2, 40);
-    e.run(&b);
-    e.settle();
+    e.turn(&b);
     let t = e.cache.metrics();
     assert!(t.full.evicted_device >= 9, "turn one left L1: {t:?}");
     let run = e.run(&extended(&a, 3, 24));
@@ -190,8 +188,7 @@ fn kv_events_follow_full_pages_across_tiers_and_metrics_render_per_component() {
         .unwrap();
     let mut e = Engine::new(cache);
     let a = prompt(1, 40);
-    e.run(&a);
-    e.settle();
+    e.turn(&a);
     let ev = e.cache.drain_events();
     let on_gpu = hashes(&ev, Medium::Gpu, true);
     assert_eq!(on_gpu.len(), 10, "{ev:?}");
@@ -201,8 +198,7 @@ fn kv_events_follow_full_pages_across_tiers_and_metrics_render_per_component() {
     sorted.sort();
     assert_eq!(on_host, sorted, "the same pages backed up");
     // Another request pushes turn one out of L1: its pages leave the GPU, stay on host.
-    e.run(&prompt(2, 40));
-    e.settle();
+    e.turn(&prompt(2, 40));
     let ev = e.cache.drain_events();
     let mut removed = hashes(&ev, Medium::Gpu, false);
     removed.sort();
@@ -223,10 +219,8 @@ fn full_host_pools_evict_host_only_nodes_for_new_backups() {
         .unwrap();
     let mut e = Engine::new(cache);
     let a = prompt(1, 40);
-    e.run(&a);
-    e.settle();
-    e.run(&prompt(2, 40));
-    e.settle();
+    e.turn(&a);
+    e.turn(&prompt(2, 40));
     let t = e.cache.metrics();
     assert!(t.full.evicted_host >= 8, "{t:?}");
     assert!(t.full.pages_d2h >= 20, "both requests backed up: {t:?}");
@@ -241,8 +235,7 @@ fn full_host_pools_evict_host_only_nodes_for_new_backups() {
 fn abort_releases_the_prefix_lock_and_the_copy_on_write_state() {
     let mut e = Engine::new(cache(config(Some(8), Some(8)), 32));
     let a = prompt(1, 40);
-    e.run(&a);
-    e.settle();
+    e.turn(&a);
     let a2 = extended(&a, 3, 24);
     e.cache.arrive(99, &a2).unwrap();
     let adm = e.cache.admit(99, &a2).unwrap();

@@ -45,8 +45,7 @@ fn l3_round_trip(swa: bool, mamba: bool) {
     let a = prompt(1, 40);
     {
         let mut e = Engine::new(cache(swa, mamba, file_storage(dir.path())));
-        e.run(&a);
-        e.settle();
+        e.turn(&a);
         let t = e.cache.metrics();
         assert_eq!(t.full.pages_l2_to_l3, 10, "{t:?}");
         // Every SWA page backed up to host goes to L3 too.
@@ -95,8 +94,7 @@ fn a_prompt_shorter_than_the_threshold_is_not_prefetched() {
     let a = prompt(1, 8);
     {
         let mut e = Engine::new(cache(true, true, file_storage(dir.path())));
-        e.run(&a);
-        e.settle();
+        e.turn(&a);
         e.cache.shutdown().unwrap();
     }
     let mut e = Engine::new(cache(true, true, file_storage(dir.path())));

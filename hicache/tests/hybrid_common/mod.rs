@@ -175,11 +175,16 @@ impl Engine {
             swa_pages: if swa { pages - have } else { 0 },
             mamba_slots: usize::from(mamba && own_state.is_none()),
         };
-        let new = self
-            .cache
-            .alloc(demand)
-            .unwrap()
-            .expect("room for the request");
+        // Nodes whose copies are in flight stay locked: when they hold the room, wait for
+        // the copies (every rank decides alike, so every rank flushes here).
+        let new = match self.cache.alloc(demand).unwrap() {
+            Some(new) => new,
+            None => {
+                self.cache.flush().unwrap();
+                let again = self.cache.alloc(demand).unwrap();
+                again.expect("room once the copies finished")
+            }
+        };
         for (k, &s) in new.full.iter().enumerate() {
             self.write_page(Component::Full, s, tokens, have + k);
         }
@@ -200,6 +205,13 @@ impl Engine {
         self.cache.cache_finished(req, tokens, slots).unwrap();
         self.cache.poll().unwrap();
         Run { admission, checked }
+    }
+
+    /// [`run`](Self::run), then [`settle`](Self::settle).
+    pub fn turn(&mut self, tokens: &[u32]) -> Run {
+        let r = self.run(tokens);
+        self.settle();
+        r
     }
 
     /// Waits for every copy and finishes it.
