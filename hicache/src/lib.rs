@@ -56,6 +56,14 @@
 //! # Ok::<(), hicache::HiCacheError>(())
 //! ```
 //!
+//! ## Hybrid models
+//!
+//! [`HybridCache`] is the controller of a hybrid model — Full-attention KV, sliding-window
+//! (SWA) KV and Mamba state — over `hicache-core`'s `UnifiedTree` (SGLang 0.5.23's
+//! `UnifiedRadixCache`), with one device pool, host pool and copy engine per component and
+//! L3 in the layout our Python package shares with SGLang. Its tick is the same as above
+//! (see [`hybrid`]).
+//!
 //! ## Features
 //! - `file` (default): the file-system L3 backend.
 //! - `plugin` (default): L3 backends loaded from a `.so` through the versioned C ABI.

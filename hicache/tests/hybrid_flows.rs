@@ -6,9 +6,10 @@
 mod common;
 mod hybrid_common;
 
-use common::test_device;
-use hicache::{Component, HiCacheError, HybridCache, HybridConfig, HybridDemand, HybridSlots};
-use hybrid_common::{Engine, kv_shape, mamba_shape, prompt};
+use hicache::{
+    Component, HiCacheError, HybridCache, HybridConfig, HybridDemand, HybridSlots, KvEvent, Medium,
+};
+use hybrid_common::{Engine, extended, prompt};
 
 const PS: u32 = 4;
 
@@ -21,26 +22,9 @@ fn config(swa: Option<u32>, mamba: Option<u32>) -> HybridConfig {
     }
 }
 
-/// A cache of `device` pages per KV component (and as many state slots), 64 on host.
+/// A cache of `device` pages per KV component (and 8 state slots), 64 on host.
 fn cache(cfg: HybridConfig, device: usize) -> HybridCache {
-    let swa = cfg.swa_window.is_some();
-    let mamba = cfg.mamba_chunk.is_some();
-    let mut b = HybridCache::builder(cfg)
-        .device(test_device())
-        .full_shape(kv_shape(PS, 4))
-        .device_pages(device, if swa { device } else { 0 })
-        .host_pages(64, 64)
-        .host_reserve_bytes(0);
-    if swa {
-        b = b.swa_shape(kv_shape(PS, 2));
-    }
-    if mamba {
-        b = b
-            .mamba_shape(mamba_shape())
-            .mamba_slots(8)
-            .host_mamba_slots(16);
-    }
-    b.build().unwrap()
+    hybrid_common::builder(cfg, device).build().unwrap()
 }
 
 /// Turn one, then an unrelated request that pushes it out of L1 into L2, then turn two
@@ -49,16 +33,12 @@ fn cache(cfg: HybridConfig, device: usize) -> HybridCache {
 fn evict_to_host_and_load_back(cfg: HybridConfig) -> hybrid_common::Run {
     let mut e = Engine::new(cache(cfg, 16));
     let a = prompt(1, 40);
-    e.run(&a);
-    e.settle();
+    e.turn(&a);
     let b = prompt(2, 40);
-    e.run(&b);
-    e.settle();
+    e.turn(&b);
     let t = e.cache.metrics();
     assert!(t.full.evicted_device >= 9, "turn one left L1: {t:?}");
-    let mut a2 = a.clone();
-    a2.extend(prompt(3, 24));
-    let run = e.run(&a2);
+    let run = e.run(&extended(&a, 3, 24));
     e.settle();
     assert!(run.admission.host_tokens > 0, "an L2 hit: {run:?}");
     assert_eq!(run.admission.device_tokens, 0, "{run:?}");
@@ -82,9 +62,7 @@ fn l1_hit_serves_the_prefix_and_counts_it() {
     let mut e = Engine::new(cache(config(Some(8), None), 64));
     let a = prompt(1, 40);
     e.run(&a);
-    let mut a2 = a.clone();
-    a2.extend(prompt(3, 24));
-    let run = e.run(&a2);
+    let run = e.run(&extended(&a, 3, 24));
     assert_eq!(run.admission.device_tokens, 40);
     assert_eq!(run.admission.host_tokens, 0);
     e.settle();
@@ -170,9 +148,7 @@ fn mamba_hit_is_copied_on_write_into_the_requests_own_slot() {
     let mut e = Engine::new(cache(config(None, Some(8)), 64));
     let a = prompt(1, 40);
     e.run(&a);
-    let mut a2 = a.clone();
-    a2.extend(prompt(3, 24));
-    let run = e.run(&a2);
+    let run = e.run(&extended(&a, 3, 24));
     assert_eq!(run.admission.device_tokens, 40);
     assert_eq!(run.checked[2], 1);
     e.settle();
@@ -180,5 +156,107 @@ fn mamba_hit_is_copied_on_write_into_the_requests_own_slot() {
     let pool = e.cache.state_pool().unwrap();
     let tree_states = e.cache.tree().size(Component::Mamba) as usize;
     assert_eq!(pool.available() + tree_states, pool.num_slots());
+    e.cache.shutdown().unwrap();
+}
+
+/// The Full page hashes of `events` with `medium`, stored or removed.
+fn hashes(events: &[KvEvent], medium: Medium, stored: bool) -> Vec<hicache_core::PageHash> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                medium: m,
+                ..
+            } if stored && *m == medium => Some(block_hashes.clone()),
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium: m,
+                ..
+            } if !stored && *m == medium => Some(block_hashes.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+#[test]
+fn kv_events_follow_full_pages_across_tiers_and_metrics_render_per_component() {
+    let cache = hybrid_common::builder(config(Some(8), None), 16)
+        .kv_events(true)
+        .build()
+        .unwrap();
+    let mut e = Engine::new(cache);
+    let a = prompt(1, 40);
+    e.turn(&a);
+    let ev = e.cache.drain_events();
+    let on_gpu = hashes(&ev, Medium::Gpu, true);
+    assert_eq!(on_gpu.len(), 10, "{ev:?}");
+    let mut on_host = hashes(&ev, Medium::CpuPinned, true);
+    on_host.sort();
+    let mut sorted = on_gpu.clone();
+    sorted.sort();
+    assert_eq!(on_host, sorted, "the same pages backed up");
+    // Another request pushes turn one out of L1: its pages leave the GPU, stay on host.
+    e.turn(&prompt(2, 40));
+    let ev = e.cache.drain_events();
+    let mut removed = hashes(&ev, Medium::Gpu, false);
+    removed.sort();
+    assert_eq!(removed, sorted, "{ev:?}");
+    assert!(hashes(&ev, Medium::CpuPinned, false).is_empty());
+    let text = e.cache.render_metrics();
+    let swa_d2h = r#"hicache_hybrid_moved_pages_total{component="swa",direction="d2h"}"#;
+    assert!(text.lines().any(|l| l.starts_with(swa_d2h)), "{text}");
+    e.cache.shutdown().unwrap();
+}
+
+#[test]
+fn full_host_pools_evict_host_only_nodes_for_new_backups() {
+    // 12 host pages: turn one's 10 backed-up pages must make room for the next request's.
+    let cache = hybrid_common::builder(config(Some(8), Some(8)), 16)
+        .host_pages(12, 12)
+        .build()
+        .unwrap();
+    let mut e = Engine::new(cache);
+    let a = prompt(1, 40);
+    e.turn(&a);
+    e.turn(&prompt(2, 40));
+    let t = e.cache.metrics();
+    assert!(t.full.evicted_host >= 8, "{t:?}");
+    assert!(t.full.pages_d2h >= 20, "both requests backed up: {t:?}");
+    // Turn one left L1 (for the second request) and then L2 (for its backup).
+    let run = e.run(&a);
+    assert_eq!(run.admission.cached_tokens(), 0, "{run:?}");
+    e.settle();
+    e.cache.shutdown().unwrap();
+}
+
+#[test]
+fn abort_releases_the_prefix_lock_and_the_copy_on_write_state() {
+    let mut e = Engine::new(cache(config(Some(8), Some(8)), 32));
+    let a = prompt(1, 40);
+    e.turn(&a);
+    let a2 = extended(&a, 3, 24);
+    e.cache.arrive(99, &a2).unwrap();
+    let adm = e.cache.admit(99, &a2).unwrap();
+    assert_eq!(adm.device_tokens, 40);
+    assert_eq!(adm.slots.mamba.len(), 1, "a state of the request's own");
+    let mine = e
+        .cache
+        .alloc(HybridDemand {
+            full_pages: 6,
+            swa_pages: 6,
+            mamba_slots: 1,
+        })
+        .unwrap()
+        .unwrap();
+    e.cache.abort(99).unwrap();
+    e.cache.release(mine).unwrap();
+    assert_eq!(
+        e.cache.tree().protected_size(Component::Full),
+        0,
+        "unlocked"
+    );
+    e.settle();
     e.cache.shutdown().unwrap();
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use hicache::{HybridCache, HybridConfig, StorageConfig};
 use hicache_storage::{BackendContext, Storage};
-use hybrid_common::{Engine, kv_shape, mamba_shape, prompt};
+use hybrid_common::{Engine, extended, prompt};
 
 const PS: u32 = 4;
 
@@ -34,23 +34,10 @@ fn cache(swa: bool, mamba: bool, storage: Arc<dyn Storage>) -> HybridCache {
         prefetch_threshold_tokens: 8,
         ..Default::default()
     };
-    let mut b = HybridCache::builder(cfg)
-        .device(common::test_device())
-        .full_shape(kv_shape(PS, 4))
-        .device_pages(32, if swa { 32 } else { 0 })
-        .host_pages(64, 64)
-        .host_reserve_bytes(0)
-        .storage(storage);
-    if swa {
-        b = b.swa_shape(kv_shape(PS, 2));
-    }
-    if mamba {
-        b = b
-            .mamba_shape(mamba_shape())
-            .mamba_slots(8)
-            .host_mamba_slots(16);
-    }
-    b.build().unwrap()
+    hybrid_common::builder(cfg, 32)
+        .storage(storage)
+        .build()
+        .unwrap()
 }
 
 fn l3_round_trip(swa: bool, mamba: bool) {
@@ -58,8 +45,7 @@ fn l3_round_trip(swa: bool, mamba: bool) {
     let a = prompt(1, 40);
     {
         let mut e = Engine::new(cache(swa, mamba, file_storage(dir.path())));
-        e.run(&a);
-        e.settle();
+        e.turn(&a);
         let t = e.cache.metrics();
         assert_eq!(t.full.pages_l2_to_l3, 10, "{t:?}");
         // Every SWA page backed up to host goes to L3 too.
@@ -70,9 +56,7 @@ fn l3_round_trip(swa: bool, mamba: bool) {
     }
     // A new cache (empty L1 and L2) over the same directory.
     let mut e = Engine::new(cache(swa, mamba, file_storage(dir.path())));
-    let mut a2 = a.clone();
-    a2.extend(prompt(3, 24));
-    let run = e.run(&a2);
+    let run = e.run(&extended(&a, 3, 24));
     assert_eq!(run.admission.device_tokens, 0);
     assert_eq!(run.admission.host_tokens, 40, "{run:?}");
     assert_eq!(run.admission.storage_tokens, 40, "{run:?}");
@@ -110,8 +94,7 @@ fn a_prompt_shorter_than_the_threshold_is_not_prefetched() {
     let a = prompt(1, 8);
     {
         let mut e = Engine::new(cache(true, true, file_storage(dir.path())));
-        e.run(&a);
-        e.settle();
+        e.turn(&a);
         e.cache.shutdown().unwrap();
     }
     let mut e = Engine::new(cache(true, true, file_storage(dir.path())));

@@ -14,7 +14,7 @@ use hicache::hybrid::HYBRID_EXCHANGE_BACKUPS;
 use hicache::{
     Component, HybridCache, HybridConfig, RankError, RankGroup, SingleRank, TcpRankGroup,
 };
-use hybrid_common::{Engine, kv_shape, mamba_shape, prompt};
+use hybrid_common::{Engine, prompt};
 
 fn cache(rank: Arc<dyn RankGroup>) -> HybridCache {
     let cfg = HybridConfig {
@@ -23,16 +23,7 @@ fn cache(rank: Arc<dyn RankGroup>) -> HybridCache {
         mamba_chunk: Some(8),
         ..Default::default()
     };
-    HybridCache::builder(cfg)
-        .device(common::test_device())
-        .full_shape(kv_shape(4, 4))
-        .swa_shape(kv_shape(4, 2))
-        .mamba_shape(mamba_shape())
-        .device_pages(16, 16)
-        .mamba_slots(8)
-        .host_pages(64, 64)
-        .host_mamba_slots(16)
-        .host_reserve_bytes(0)
+    hybrid_common::builder(cfg, 16)
         .rank_group(rank)
         .build()
         .unwrap()

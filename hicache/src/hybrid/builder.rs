@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use hicache_core::{KvShape, LayoutKind, Namespace, UnifiedTree};
+use hicache_core::{KvShape, LayoutKind, Namespace, PageHasher, UnifiedTree};
 use hicache_gpu::{Device, DevicePool, TransferConfig};
 use hicache_host::{
     HostPool, HostPoolConfig, HostPoolGroup, HostPoolGroupConfig, MambaPoolConfig, MambaShape,
@@ -12,6 +12,7 @@ use hicache_host::{
 use hicache_storage::Storage;
 
 use super::cache::HybridCache;
+use super::events::Events;
 use super::l3::L3Part;
 use super::l3_keys::{HybridL3Layout, HybridL3Spec};
 use super::pools::{KvPart, Pools};
@@ -37,6 +38,7 @@ pub struct HybridCacheBuilder {
     rank: Arc<dyn RankGroup>,
     storage: Option<Arc<dyn Storage>>,
     transfer: TransferConfig,
+    kv_events: bool,
 }
 
 impl std::fmt::Debug for HybridCacheBuilder {
@@ -68,6 +70,7 @@ impl HybridCacheBuilder {
             rank: Arc::new(SingleRank),
             storage: None,
             transfer: TransferConfig::default(),
+            kv_events: false,
         }
     }
 
@@ -147,6 +150,12 @@ impl HybridCacheBuilder {
     /// An L3 backend.
     pub fn storage(mut self, storage: Arc<dyn Storage>) -> Self {
         self.storage = Some(storage);
+        self
+    }
+
+    /// Collects KV events for [`HybridCache::drain_events`] (default off: nothing is kept).
+    pub fn kv_events(mut self, on: bool) -> Self {
+        self.kv_events = on;
         self
     }
 
@@ -252,18 +261,18 @@ impl HybridCacheBuilder {
             }
             _ => None,
         };
+        let ns = self.namespace.clone().unwrap_or_else(|| {
+            Namespace::single_rank(
+                "hicache-hybrid",
+                full.dtype,
+                self.host_layout,
+                full.kind,
+                full.layers,
+                full.page_size,
+            )
+        });
         let l3 = match &self.storage {
             Some(storage) => {
-                let ns = self.namespace.clone().unwrap_or_else(|| {
-                    Namespace::single_rank(
-                        "hicache-hybrid",
-                        full.dtype,
-                        self.host_layout,
-                        full.kind,
-                        full.layers,
-                        full.page_size,
-                    )
-                });
                 let spec = HybridL3Spec {
                     namespace: &ns,
                     hash_mode: self.cfg.hash_mode,
@@ -275,6 +284,9 @@ impl HybridCacheBuilder {
             }
             None => None,
         };
+        let hasher = PageHasher::new(self.cfg.hash_mode, &ns)?;
+        let prior = hasher.chain_start(None, None).prior;
+        let events = Events::new(hasher, prior, self.kv_events);
         let tree = UnifiedTree::with_device_slots(self.cfg.tree())?;
         let pools = Pools {
             group,
@@ -282,6 +294,8 @@ impl HybridCacheBuilder {
             swa: swa_part,
             mamba: mamba_part,
         };
-        Ok(HybridCache::assemble(self.cfg, tree, pools, self.rank, l3))
+        Ok(HybridCache::assemble(
+            self.cfg, tree, pools, self.rank, l3, events,
+        ))
     }
 }

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use hicache_core::{
     Component, DeviceLoad, DeviceSlot, EvictRequest, Evicted, InsertParams, InsertSlots,
-    LockReceipt, UnifiedMatch, UnifiedTree,
+    LockReceipt, Medium, UnifiedMatch, UnifiedTree,
 };
 
 use super::copies::Copies;
@@ -68,7 +68,7 @@ pub struct HybridCache {
     pub(crate) copies: Copies,
     pub(crate) rank: Arc<dyn RankGroup>,
     pub(crate) totals: HybridTotals,
-    pub(crate) events: Vec<hicache_core::KvEvent>,
+    pub(crate) events: super::events::Events,
     pub(crate) l3: Option<super::l3::L3Part>,
     requests: HashMap<u64, Req>,
     closed: bool,
@@ -95,6 +95,7 @@ impl HybridCache {
         pools: Pools,
         rank: Arc<dyn RankGroup>,
         l3: Option<super::l3::L3Part>,
+        events: super::events::Events,
     ) -> Self {
         Self {
             cfg,
@@ -103,7 +104,7 @@ impl HybridCache {
             copies: Copies::default(),
             rank,
             totals: HybridTotals::default(),
-            events: Vec::new(),
+            events,
             l3,
             requests: HashMap::new(),
             closed: false,
@@ -156,9 +157,15 @@ impl HybridCache {
         self.totals
     }
 
+    /// The counters in the Prometheus text format (`hicache_hybrid_*_total` with a
+    /// `component` label).
+    pub fn render_metrics(&self) -> String {
+        super::metrics::render(&self.totals)
+    }
+
     /// The KV events since the last call.
     pub fn drain_events(&mut self) -> Vec<hicache_core::KvEvent> {
-        std::mem::take(&mut self.events)
+        self.events.drain()
     }
 
     fn ps(&self) -> usize {
@@ -338,6 +345,13 @@ impl HybridCache {
             }
         };
         let launched = self.launch_load(&plan, &units)?;
+        let host_full: Vec<u32> = plan
+            .full
+            .iter()
+            .flat_map(|(_, p)| p.iter().copied())
+            .collect();
+        self.events
+            .copied(Medium::CpuPinned, &host_full, Medium::Gpu, &units.full);
         let id = self.tree.commit_load_back(
             &plan,
             DeviceLoad {
@@ -407,6 +421,7 @@ impl HybridCache {
     /// Frees what a device eviction reports and counts it.
     pub(crate) fn after_evict(&mut self, e: &Evicted) -> Result<()> {
         self.pools.free_evicted(e)?;
+        self.events.removed(Medium::Gpu, &e.full_pages);
         self.totals.full.evicted_device += e.full_pages.len() as u64;
         self.totals.swa.evicted_device += e.swa_pages.len() as u64;
         self.totals.mamba.evicted_device += e.mamba_slots.len() as u64;
@@ -467,12 +482,12 @@ impl HybridCache {
     /// followed by what it allocated; see [`HybridSlots`]).
     pub fn cache_finished(&mut self, req: u64, tokens: &[u32], slots: HybridSlots) -> Result<()> {
         self.check_open()?;
-        let a = match self.requests.get(&req) {
-            Some(Req::Admitted(_)) => match self.requests.remove(&req) {
-                Some(Req::Admitted(a)) => a,
-                _ => unreachable!("checked above"),
-            },
-            Some(Req::Arrived { .. }) => return Err(HiCacheError::request(req, "not admitted")),
+        let a = match self.requests.remove(&req) {
+            Some(Req::Admitted(a)) => a,
+            Some(arrived) => {
+                self.requests.insert(req, arrived);
+                return Err(HiCacheError::request(req, "not admitted"));
+            }
             None => return Err(HiCacheError::request(req, "unknown request")),
         };
         if let Err(e) = self.check_finished(&a, tokens, &slots) {
@@ -581,6 +596,7 @@ impl HybridCache {
                     swa: if swa.is_empty() { &[] } else { &swa[..pages] },
                 },
             )?;
+            self.record_stored(&tokens[..pages * ps], &full[..pages], &r.release_full);
             free.full = r.release_full;
             free.swa = r.release_swa;
             node = Some(r.node);
@@ -616,6 +632,20 @@ impl HybridCache {
         }
         self.free_units(&free)?;
         Ok(node)
+    }
+
+    /// Emits the events of an insert: the tree's pages it replaced are removed, the
+    /// request's pages it adopted (`full` but `released`) are stored on the device.
+    fn record_stored(&mut self, tokens: &[u32], full: &[u32], released: &[u32]) {
+        self.events.removed(Medium::Gpu, released);
+        let infos = self.events.pages(tokens);
+        let (slots, infos): (Vec<u32>, Vec<_>) = full
+            .iter()
+            .zip(infos)
+            .filter(|(s, _)| !released.contains(s) && !self.events.on_device(**s))
+            .map(|(s, i)| (*s, i))
+            .unzip();
+        self.events.stored(Medium::Gpu, &slots, infos);
     }
 
     /// Blocks until every copy the cache launched has landed, finishes them, and refuses

@@ -53,6 +53,18 @@ pub(crate) fn all_done(copies: &[Launched]) -> Result<bool> {
     Ok(true)
 }
 
+/// How many of the leading entries have every copy landed.
+fn leading_done<'a>(entries: impl Iterator<Item = &'a [Launched]>) -> Result<usize> {
+    let mut n = 0;
+    for copies in entries {
+        if !all_done(copies)? {
+            break;
+        }
+        n += 1;
+    }
+    Ok(n)
+}
+
 impl Copies {
     /// Records a committed load-back in the open batch.
     pub fn add_load(&mut self, id: UnifiedLoadId, copies: Vec<Launched>) {
@@ -107,26 +119,12 @@ impl Copies {
 
     /// Leading backups whose copies have landed.
     pub fn backups_done(&self) -> Result<usize> {
-        let mut n = 0;
-        for b in &self.backups {
-            if !all_done(&b.copies)? {
-                break;
-            }
-            n += 1;
-        }
-        Ok(n)
+        leading_done(self.backups.iter().map(|b| &b.copies[..]))
     }
 
     /// Leading load-backs whose copies have landed.
     pub fn loads_done(&self) -> Result<usize> {
-        let mut n = 0;
-        for l in &self.loads {
-            if !all_done(&l.copies)? {
-                break;
-            }
-            n += 1;
-        }
-        Ok(n)
+        leading_done(self.loads.iter().map(|l| &l.copies[..]))
     }
 
     /// Forgets the copy-on-write copies that have landed.

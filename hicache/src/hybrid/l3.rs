@@ -9,6 +9,10 @@
 //!   per component and inserted as host-only nodes under the host-valid prefix; `admit`
 //!   then loads it back like any host hit.
 //!
+//! With tensor parallelism a prefetch exchanges twice with the other ranks inside `arrive`
+//! (the hit pages, then whether every rank read them all), so every rank must call
+//! `arrive` for the same requests in the same order, as it does every other call.
+//!
 //! The I/O runs on a current-thread runtime owned here, to completion inside the call that
 //! starts it (`poll` or `arrive`): no page is read or written after the call returns, so
 //! the host slots involved are never touched by L3 once the engine thread goes on.
@@ -19,7 +23,7 @@ use hicache_core::{NodeId, PageHash, PageKey};
 use hicache_host::{HostComponent, HostPoolGroup};
 use hicache_storage::Storage;
 
-use super::l3_io::{PageResults, lookup, read_pages, write_pages};
+use super::l3_io::{ComponentPages, HybridIo, PageResults};
 use super::l3_keys::{HitPolicy, HybridL3Layout};
 use crate::error::{HiCacheError, Result};
 
@@ -75,6 +79,15 @@ impl L3Part {
         })
     }
 
+    /// The I/O helpers over this storage and layout and `group`'s slots.
+    fn io<'a>(&'a self, group: &'a HostPoolGroup) -> HybridIo<'a> {
+        HybridIo {
+            storage: &*self.storage,
+            layout: &self.layout,
+            group,
+        }
+    }
+
     /// Page hashes of the whole pages of `tokens`, from the root.
     pub fn hashes(&self, tokens: &[u32]) -> Vec<PageHash> {
         self.layout.chain(None, tokens)
@@ -87,19 +100,16 @@ impl L3Part {
             if part.keys.is_empty() {
                 continue;
             }
-            let storage = &*self.storage;
+            let pages = ComponentPages {
+                component: PARTS[k],
+                keys: &part.keys,
+                slots: &part.slots,
+            };
             // SAFETY: the slots are the tree's host copies of host-pinned nodes and this call
             // runs the write to completion before returning, so nothing writes them meanwhile.
-            let r = self.rt.block_on(unsafe {
-                write_pages(
-                    storage,
-                    &self.layout,
-                    group,
-                    PARTS[k],
-                    &part.keys,
-                    &part.slots,
-                )
-            })?;
+            let r = self
+                .rt
+                .block_on(unsafe { self.io(group).write_pages(pages) })?;
             out[k] = r.ok();
         }
         Ok(out)
@@ -109,6 +119,7 @@ impl L3Part {
     /// hit every configured component can restore.
     pub fn plan(
         &self,
+        group: &HostPoolGroup,
         hashes: &[PageHash],
         at_root: bool,
         components: [bool; 3],
@@ -121,9 +132,7 @@ impl L3Part {
             // A component the span cannot restore: the pages would not make a valid match.
             return Ok(None);
         }
-        let verdict = self
-            .rt
-            .block_on(lookup(&*self.storage, &self.layout, hashes, &policies))?;
+        let verdict = self.rt.block_on(self.io(group).lookup(hashes, &policies))?;
         if verdict.hit_pages == 0 {
             return Ok(None);
         }
@@ -166,19 +175,16 @@ impl L3Part {
             if plan.keys[k].is_empty() {
                 continue;
             }
-            let storage = &*self.storage;
+            let pages = ComponentPages {
+                component: PARTS[k],
+                keys: &plan.keys[k],
+                slots: slots[k],
+            };
             // SAFETY: the slots were just allocated for this read (distinct, owned by it, in
             // no node yet) and the read runs to completion before returning.
-            let r: PageResults = self.rt.block_on(unsafe {
-                read_pages(
-                    storage,
-                    &self.layout,
-                    group,
-                    PARTS[k],
-                    &plan.keys[k],
-                    slots[k],
-                )
-            })?;
+            let r: PageResults = self
+                .rt
+                .block_on(unsafe { self.io(group).read_pages(pages) })?;
             all &= r.ok() == plan.keys[k].len();
         }
         Ok(all)

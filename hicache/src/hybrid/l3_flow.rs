@@ -149,7 +149,9 @@ impl HybridCache {
             self.tree.has(hicache_core::Component::Swa),
             self.tree.has(hicache_core::Component::Mamba),
         ];
-        let local = l3.plan(span, at_root, comps)?.map_or(0, |p| p.hit);
+        let local = l3
+            .plan(&self.pools.group, span, at_root, comps)?
+            .map_or(0, |p| p.hit);
         let hit = self.agree_min(local as u64)? as usize;
         if hit == 0 {
             return Ok(0);
@@ -159,7 +161,9 @@ impl HybridCache {
         if pin {
             self.tree.lock_host(m.host_node)?;
         }
-        let r = self.fetch_and_insert(l3, &plan, &key[start..start + hit * ps], m);
+        let mut infos = self.events.pages(&key[..start + hit * ps]);
+        let infos = infos.split_off(start / ps);
+        let r = self.fetch_and_insert(l3, &plan, &key[start..start + hit * ps], m, infos);
         if pin {
             self.tree.unlock_host(m.host_node)?;
         }
@@ -172,6 +176,7 @@ impl HybridCache {
         plan: &super::l3::PrefetchPlan,
         span: &[u32],
         m: &UnifiedMatch,
+        infos: Vec<super::events::PageInfo>,
     ) -> Result<usize> {
         let [kv, swa, mamba] = [0, 1, 2].map(|k| plan.keys[k].len());
         let host = self.alloc_host(kv, swa, mamba)?;
@@ -193,6 +198,8 @@ impl HybridCache {
             mamba: h.mamba.first().copied(),
         };
         self.tree.insert_host_only(m.host_node, span, insert)?;
+        self.events
+            .stored(hicache_core::Medium::CpuPinned, &h.full, infos);
         for (k, n) in [kv, swa, mamba]
             .into_iter()
             .enumerate()

@@ -6,9 +6,10 @@
 //! 1. **Presence.** [`leading_run`] asks `batch_exists` batch by batch and stops at the
 //!    first absent key. [`exists_each`] gives every key's presence with one call per absent
 //!    key plus one per batch (each call's leading run, then past the absent key).
-//! 2. **Lookup.** [`lookup`] takes KV's leading run over the span, then each sidecar pool's
-//!    presence over the pages of that run, only while some length is still restorable
-//!    ([`HitWalk`]), and gives the verdict of [`crate::hybrid::l3_keys::restorable`].
+//! 2. **Lookup.** [`HybridIo::lookup`] takes KV's leading run over the span, then each
+//!    sidecar pool's presence over the pages of that run, only while some length is still
+//!    restorable ([`HitWalk`]), and gives the verdict of
+//!    [`crate::hybrid::l3_keys::restorable`].
 //! 3. **Pages.** A slot's page is its iovecs in the group's flat order (SGLang's piece order),
 //!    stored with the component's layout ([`ComponentSpace`]). Bad input (as many keys as
 //!    slots, slots inside the pool, a slot of exactly the component's page size) is an error
@@ -120,42 +121,123 @@ pub(crate) async fn exists_each(storage: &dyn Storage, keys: &[PageKey]) -> Resu
     Ok(present)
 }
 
-/// A prefetch's lookup over the span `hashes` (rule 2): KV's leading run, then the pools of
-/// `policies` (from [`HybridL3Layout::prefetch_policies`]), in order.
-pub(crate) async fn lookup(
-    storage: &dyn Storage,
-    layout: &HybridL3Layout,
-    hashes: &[PageHash],
-    policies: &[(HostComponent, HitPolicy)],
-) -> Result<HitVerdict> {
-    let kv = leading_run(storage, &layout.keys(HostComponent::Kv, hashes)?).await?;
-    let mut walk = HitWalk::new(kv);
-    for &(component, policy) in policies {
-        let present = if walk.exhausted() {
-            Vec::new()
-        } else {
-            exists_each(storage, &layout.keys(component, &hashes[..kv])?).await?
-        };
-        walk.pool(policy, &present);
-    }
-    Ok(walk.finish())
+/// The L3 side of one hybrid model: its storage, layout and host pool group (a few borrows,
+/// copied into each operation's future).
+#[derive(Clone, Copy)]
+pub(crate) struct HybridIo<'a> {
+    /// The L3 backend.
+    pub storage: &'a dyn Storage,
+    /// Where each component's pages live.
+    pub layout: &'a HybridL3Layout,
+    /// The host slots pages move from and to.
+    pub group: &'a HostPoolGroup,
 }
 
-/// The iovecs of `slots` of `component`, checked (rule 3).
+impl HybridIo<'_> {
+    /// A prefetch's lookup over the span `hashes` (rule 2): KV's leading run, then the pools
+    /// of `policies` (from [`HybridL3Layout::prefetch_policies`]), in order.
+    pub async fn lookup(
+        self,
+        hashes: &[PageHash],
+        policies: &[(HostComponent, HitPolicy)],
+    ) -> Result<HitVerdict> {
+        let (storage, layout) = (self.storage, self.layout);
+        let kv = leading_run(storage, &layout.keys(HostComponent::Kv, hashes)?).await?;
+        let mut walk = HitWalk::new(kv);
+        for &(component, policy) in policies {
+            let present = if walk.exhausted() {
+                Vec::new()
+            } else {
+                exists_each(storage, &layout.keys(component, &hashes[..kv])?).await?
+            };
+            walk.pool(policy, &present);
+        }
+        Ok(walk.finish())
+    }
+
+    /// Writes `component`'s host `slots` to L3 under `keys` (paired in order; rule 3), batch
+    /// by batch; one outcome per page (rule 4).
+    ///
+    /// # Safety
+    /// Nothing may write the slots until the returned future completes or is dropped (the
+    /// slots stay host-protected while their backup runs).
+    pub async unsafe fn write_pages(self, pages: ComponentPages<'_>) -> Result<PageResults> {
+        let (space, iovs) = slot_iovecs(self.layout, self.group, pages)?;
+        let keys = pages.keys;
+        let batch = batch_len(self.storage);
+        let mut results = PageResults::default();
+        for (k, pages) in keys.chunks(batch).zip(iovs.chunks(batch)) {
+            let bufs: Vec<PageBuf<'_>> = pages
+                .iter()
+                // SAFETY: the iovecs are checked slots inside the group's mappings, which the
+                // borrow of the group keeps alive; nobody writes them meanwhile (the contract).
+                .map(|v| PageBuf::from_parts(space.layout, unsafe { iovec_parts(v) }))
+                .collect();
+            results.push_batch(k.len(), self.storage.batch_set(k, &bufs).await);
+        }
+        Ok(results)
+    }
+
+    /// Reads the pages `keys` of `component` from L3 into host `slots` (paired in order;
+    /// rule 3), batch by batch; one outcome per page (rule 4). A slot whose page missed or
+    /// failed holds no usable bytes.
+    ///
+    /// # Safety
+    /// The caller must be the only user of the slots (distinct slots, nobody reading or
+    /// writing them) until the returned future completes or is dropped.
+    pub async unsafe fn read_pages(self, pages: ComponentPages<'_>) -> Result<PageResults> {
+        let (space, iovs) = slot_iovecs(self.layout, self.group, pages)?;
+        let mut unique = pages.slots.to_vec();
+        unique.sort_unstable();
+        if unique.windows(2).any(|w| w[0] == w[1]) {
+            return Err(HiCacheError::BadArgument(format!(
+                "a read into {} slots {:?} names a slot twice",
+                pages.component, pages.slots
+            )));
+        }
+        let keys = pages.keys;
+        let batch = batch_len(self.storage);
+        let mut results = PageResults::default();
+        for (k, pages) in keys.chunks(batch).zip(iovs.chunks(batch)) {
+            let mut bufs: Vec<PageBufMut<'_>> = pages
+                .iter()
+                // SAFETY: distinct checked slots inside the group's mappings, alive for the
+                // borrow of the group; the caller is their only user (the contract).
+                .map(|v| PageBufMut::from_parts(space.layout, unsafe { iovec_parts_mut(v) }))
+                .collect();
+            results.push_batch(k.len(), self.storage.batch_get(k, &mut bufs).await);
+        }
+        Ok(results)
+    }
+}
+
+/// Pages of one component to move: `keys[i]` is the page of host slot `slots[i]`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ComponentPages<'a> {
+    /// The component.
+    pub component: HostComponent,
+    /// The pages' keys.
+    pub keys: &'a [PageKey],
+    /// The component's host slots, one per key.
+    pub slots: &'a [u32],
+}
+
+/// The space of the pages' component and the iovecs of their slots, checked (rule 3).
 fn slot_iovecs(
+    layout: &HybridL3Layout,
     group: &HostPoolGroup,
-    component: HostComponent,
-    space: &ComponentSpace,
-    keys: usize,
-    slots: &[u32],
-) -> Result<Vec<Vec<IoVec>>> {
+    pages: ComponentPages<'_>,
+) -> Result<(ComponentSpace, Vec<Vec<IoVec>>)> {
+    let (component, slots) = (pages.component, pages.slots);
+    let space = *layout.space(component)?;
+    let keys = pages.keys.len();
     if keys != slots.len() {
         return Err(HiCacheError::BadArgument(format!(
             "{keys} {component} keys for {} slots",
             slots.len()
         )));
     }
-    slots
+    let iovs = slots
         .iter()
         .map(|&slot| {
             let iovs = group.iovecs(component, slot)?;
@@ -168,87 +250,44 @@ fn slot_iovecs(
             }
             Ok(iovs)
         })
-        .collect()
-}
-
-/// Writes `component`'s host `slots` to L3 under `keys` (paired in order; rule 3), batch by
-/// batch; one outcome per page (rule 4).
-///
-/// # Safety
-/// Nothing may write the slots until the returned future completes or is dropped (the slots
-/// stay host-protected while their backup runs).
-pub(crate) async unsafe fn write_pages(
-    storage: &dyn Storage,
-    layout: &HybridL3Layout,
-    group: &HostPoolGroup,
-    component: HostComponent,
-    keys: &[PageKey],
-    slots: &[u32],
-) -> Result<PageResults> {
-    let space = *layout.space(component)?;
-    let iovs = slot_iovecs(group, component, &space, keys.len(), slots)?;
-    let batch = batch_len(storage);
-    let mut results = PageResults::default();
-    for (k, pages) in keys.chunks(batch).zip(iovs.chunks(batch)) {
-        let bufs: Vec<PageBuf<'_>> = pages
-            .iter()
-            // SAFETY: the iovecs are checked slots inside the group's mappings, which the
-            // borrow of `group` keeps alive; nobody writes them meanwhile (the contract).
-            .map(|v| PageBuf::from_parts(space.layout, unsafe { iovec_parts(v) }))
-            .collect();
-        results.push_batch(k.len(), storage.batch_set(k, &bufs).await);
-    }
-    Ok(results)
-}
-
-/// Reads the pages `keys` of `component` from L3 into host `slots` (paired in order; rule 3),
-/// batch by batch; one outcome per page (rule 4). A slot whose page missed or failed holds no
-/// usable bytes.
-///
-/// # Safety
-/// The caller must be the only user of the slots (distinct slots, nobody reading or writing
-/// them) until the returned future completes or is dropped.
-pub(crate) async unsafe fn read_pages(
-    storage: &dyn Storage,
-    layout: &HybridL3Layout,
-    group: &HostPoolGroup,
-    component: HostComponent,
-    keys: &[PageKey],
-    slots: &[u32],
-) -> Result<PageResults> {
-    let space = *layout.space(component)?;
-    let iovs = slot_iovecs(group, component, &space, keys.len(), slots)?;
-    let mut unique = slots.to_vec();
-    unique.sort_unstable();
-    if unique.windows(2).any(|w| w[0] == w[1]) {
-        return Err(HiCacheError::BadArgument(format!(
-            "a read into {component} slots {slots:?} names a slot twice"
-        )));
-    }
-    let batch = batch_len(storage);
-    let mut results = PageResults::default();
-    for (k, pages) in keys.chunks(batch).zip(iovs.chunks(batch)) {
-        let mut bufs: Vec<PageBufMut<'_>> = pages
-            .iter()
-            // SAFETY: distinct checked slots inside the group's mappings, alive for the
-            // borrow of `group`; the caller is their only user (the contract).
-            .map(|v| PageBufMut::from_parts(space.layout, unsafe { iovec_parts_mut(v) }))
-            .collect();
-        results.push_batch(k.len(), storage.batch_get(k, &mut bufs).await);
-    }
-    Ok(results)
+        .collect::<Result<_>>()?;
+    Ok((space, iovs))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::hybrid::l3_keys::restorable;
-    use crate::hybrid::l3_keys::tests::{group, layout_of, namespace};
-    use hicache_core::{HashMode, LayoutKind};
+    use crate::hybrid::l3_keys::tests::{group, mamba_shape, sglang_layout};
+    use hicache_core::{DType, LayoutKind};
     use hicache_storage::{
         BackendInfo, MemoryBackend, MemoryOptions, StorageExt, StorageStats, async_trait,
     };
     use std::sync::Arc;
+
+    fn io<'a>(
+        storage: &'a dyn Storage,
+        layout: &'a HybridL3Layout,
+        group: &'a HostPoolGroup,
+    ) -> HybridIo<'a> {
+        HybridIo {
+            storage,
+            layout,
+            group,
+        }
+    }
+
+    fn pages<'a>(
+        component: HostComponent,
+        keys: &'a [PageKey],
+        slots: &'a [u32],
+    ) -> ComponentPages<'a> {
+        ComponentPages {
+            component,
+            keys,
+            slots,
+        }
+    }
 
     const KV: HostComponent = HostComponent::Kv;
     const SWA: HostComponent = HostComponent::Swa;
@@ -279,7 +318,7 @@ mod tests {
     /// The layout of a group with every component (SWA `layer_first`), window 2 pages.
     fn setup() -> (HostPoolGroup, HybridL3Layout) {
         let g = group(LayoutKind::LayerFirst, true, true);
-        let l = layout_of(&namespace("m", (0, 1)), HashMode::Sglang, None, &g, Some(8)).unwrap();
+        let l = sglang_layout(&g, Some(8));
         (g, l)
     }
 
@@ -323,7 +362,7 @@ mod tests {
             let rt = runtime();
             // SAFETY: the test is the slots' only user.
             let w = rt
-                .block_on(unsafe { write_pages(&*storage, &l, &g, *c, &keys, src) })
+                .block_on(unsafe { io(&*storage, &l, &g).write_pages(pages(*c, &keys, src)) })
                 .unwrap();
             assert_eq!(
                 (w.ok(), w.leading_ok()),
@@ -339,7 +378,7 @@ mod tests {
             }
             // SAFETY: as above.
             let r = rt
-                .block_on(unsafe { read_pages(&*storage, &l, &g, *c, &keys, dst) })
+                .block_on(unsafe { io(&*storage, &l, &g).read_pages(pages(*c, &keys, dst)) })
                 .unwrap();
             assert_eq!(
                 (r.ok(), r.misses(), r.failures()),
@@ -373,7 +412,7 @@ mod tests {
         let slots = vec![0; written.len()];
         // SAFETY: the test is the slot's only user.
         let w = rt
-            .block_on(unsafe { write_pages(&*storage, &l, &g, MAMBA, &written, &slots) })
+            .block_on(unsafe { io(&*storage, &l, &g).write_pages(pages(MAMBA, &written, &slots)) })
             .unwrap();
         assert_eq!(w.ok(), written.len());
         let keys = l.keys(MAMBA, &hashes).unwrap();
@@ -390,6 +429,26 @@ mod tests {
             rt.block_on(exists_each(&*storage, &kv)).unwrap(),
             [false; 10]
         );
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        /// Per-key presence and the leading run equal what was written, for any batch size.
+        #[test]
+        fn presence_matches_a_model(
+            present in proptest::collection::vec(proptest::bool::weighted(0.7), 0..40),
+            max_batch in 1usize..6,
+        ) {
+            let storage = memory(max_batch);
+            let (g, l) = setup();
+            let hashes = l.chain(None, &(0..4 * present.len() as u32).collect::<Vec<u32>>());
+            let rt = runtime();
+            write_pattern(&rt, &*storage, &g, &l, KV, &hashes, &present);
+            let keys = l.keys(KV, &hashes).unwrap();
+            let lead = present.iter().take_while(|&&p| p).count();
+            proptest::prop_assert_eq!(rt.block_on(exists_each(&*storage, &keys)).unwrap(), present);
+            proptest::prop_assert_eq!(rt.block_on(leading_run(&*storage, &keys)).unwrap(), lead);
+        }
     }
 
     /// Writes `present` pages of `c` over `hashes` from one slot.
@@ -413,7 +472,7 @@ mod tests {
         let slots = vec![7.min(g.capacity(c).unwrap() as u32 - 1); keys.len()];
         // SAFETY: the test is the slot's only user.
         let w = rt
-            .block_on(unsafe { write_pages(storage, l, g, c, &keys, &slots) })
+            .block_on(unsafe { io(storage, l, g).write_pages(pages(c, &keys, &slots)) })
             .unwrap();
         assert_eq!(w.ok(), keys.len());
     }
@@ -442,7 +501,7 @@ mod tests {
             ]
         );
         let got = rt
-            .block_on(lookup(&*storage, &l, &hashes, &policies))
+            .block_on(io(&*storage, &l, &g).lookup(&hashes, &policies))
             .unwrap();
         let want = restorable(
             6,
@@ -457,7 +516,7 @@ mod tests {
         assert_eq!(got.restorable, vec![4]);
         // Without the Mamba states at 4 and 6 nothing is restorable.
         let none = rt
-            .block_on(lookup(&*storage, &l, &hashes[..3], &policies))
+            .block_on(io(&*storage, &l, &g).lookup(&hashes[..3], &policies))
             .unwrap();
         assert_eq!((none.kv_pages, none.hit_pages), (3, 0));
     }
@@ -489,12 +548,16 @@ mod tests {
         assert!(memory.corrupt_page(&keys[4]));
         // SAFETY: the test is the slots' only user.
         let r = rt
-            .block_on(unsafe { read_pages(&*storage, &l, &g, MAMBA, &keys, &[0, 1, 2, 3]) })
+            .block_on(unsafe {
+                io(&*storage, &l, &g).read_pages(pages(MAMBA, &keys, &[0, 1, 2, 3]))
+            })
             .unwrap_err();
         assert!(r.to_string().contains("5 mamba keys for 4 slots"), "{r}");
         // SAFETY: as above.
         let r = rt
-            .block_on(unsafe { read_pages(&*storage, &l, &g, MAMBA, &keys[..4], &[0, 1, 2, 3]) })
+            .block_on(unsafe {
+                io(&*storage, &l, &g).read_pages(pages(MAMBA, &keys[..4], &[0, 1, 2, 3]))
+            })
             .unwrap();
         assert_eq!(
             r.outcomes[..3],
@@ -507,7 +570,7 @@ mod tests {
         assert_eq!(get(&g, MAMBA, 3), good);
         // SAFETY: as above.
         let r = rt
-            .block_on(unsafe { read_pages(&*storage, &l, &g, MAMBA, &keys[4..5], &[1]) })
+            .block_on(unsafe { io(&*storage, &l, &g).read_pages(pages(MAMBA, &keys[4..5], &[1])) })
             .unwrap();
         assert_eq!(
             (r.outcomes.clone(), r.misses()),
@@ -518,8 +581,7 @@ mod tests {
     /// A KV pool as [`group`]'s beside a Mamba pool of one more conv element per layer.
     fn other_mamba_group() -> HostPoolGroup {
         use hicache_host::{HostPoolConfig, HostPoolGroupConfig, MambaPoolConfig, PoolSize};
-        let mut shape = crate::hybrid::l3_keys::tests::mamba_shape();
-        shape.conv_elems[1] += 1;
+        let shape = mamba_shape(2, 32, DType::F32, &[18, 6]);
         let kv = group(LayoutKind::PageFirst, false, false).kv().shape();
         let cfg = HostPoolGroupConfig::new(HostPoolConfig::new(
             kv,
@@ -542,43 +604,31 @@ mod tests {
         // SAFETY: every call is refused before touching a slot.
         unsafe {
             assert!(
-                err(rt.block_on(write_pages(&*storage, &l, &g, SWA, &keys, &[0])))
+                err(rt.block_on(io(&*storage, &l, &g).write_pages(pages(SWA, &keys, &[0]))))
                     .contains("2 swa keys for 1 slots")
             );
             assert!(
-                err(rt.block_on(write_pages(&*storage, &l, &g, SWA, &keys, &[0, 8])))
+                err(rt.block_on(io(&*storage, &l, &g).write_pages(pages(SWA, &keys, &[0, 8]))))
                     .contains("swa host pool")
             );
             assert!(
-                err(rt.block_on(read_pages(&*storage, &l, &g, SWA, &keys, &[3, 3])))
+                err(rt.block_on(io(&*storage, &l, &g).read_pages(pages(SWA, &keys, &[3, 3]))))
                     .contains("names a slot twice")
             );
             let plain = group(LayoutKind::PageFirst, false, false);
-            let kv_only = layout_of(
-                &namespace("m", (0, 1)),
-                HashMode::Sglang,
-                None,
-                &plain,
-                None,
-            )
-            .unwrap();
+            let kv_only = sglang_layout(&plain, None);
             assert!(
-                err(rt.block_on(read_pages(&*storage, &kv_only, &plain, MAMBA, &[], &[])))
-                    .contains("no mamba")
+                err(
+                    rt.block_on(io(&*storage, &kv_only, &plain).read_pages(pages(MAMBA, &[], &[])))
+                )
+                .contains("no mamba")
             );
             // A layout of another group: its Mamba pages are not this group's slots.
             let other = other_mamba_group();
-            let ol = layout_of(
-                &namespace("m", (0, 1)),
-                HashMode::Sglang,
-                None,
-                &other,
-                None,
-            )
-            .unwrap();
+            let ol = sglang_layout(&other, None);
             let mk = ol.keys(MAMBA, &hashes[..1]).unwrap();
             assert!(
-                err(rt.block_on(write_pages(&*storage, &ol, &g, MAMBA, &mk, &[0])))
+                err(rt.block_on(io(&*storage, &ol, &g).write_pages(pages(MAMBA, &mk, &[0]))))
                     .contains("holds 348 bytes, its pages 352")
             );
         }
@@ -627,30 +677,47 @@ mod tests {
         let rt = runtime();
         // SAFETY: the test is the slots' only user.
         let w = rt
-            .block_on(unsafe { write_pages(&Down, &l, &g, KV, &keys, &[0, 1, 2]) })
+            .block_on(unsafe { io(&Down, &l, &g).write_pages(pages(KV, &keys, &[0, 1, 2])) })
             .unwrap();
         assert_eq!((w.failures(), w.ok(), w.outcomes.len()), (3, 0, 3));
         // SAFETY: as above.
         let r = rt
-            .block_on(unsafe { read_pages(&Down, &l, &g, KV, &keys, &[3, 4, 5]) })
+            .block_on(unsafe { io(&Down, &l, &g).read_pages(pages(KV, &keys, &[3, 4, 5])) })
             .unwrap();
         assert_eq!((r.failures(), r.misses()), (3, 0));
         assert!(rt.block_on(exists_each(&Down, &keys)).is_err());
-        assert!(rt.block_on(lookup(&Down, &l, &hashes, &[])).is_err());
+        assert!(rt.block_on(io(&Down, &l, &g).lookup(&hashes, &[])).is_err());
     }
 
-    /// The helpers' futures can be spawned on a multi-threaded runtime.
+    /// The helpers run as tasks of a multi-threaded runtime, owning `Arc`s of the storage,
+    /// the layout and the group (as a controller spawns them).
     #[test]
-    fn futures_are_send() {
-        fn send<T: Send>(_: &T) {}
+    fn operations_run_as_spawned_tasks() {
         let (g, l) = setup();
-        let storage = memory(4);
-        // SAFETY: never polled.
-        let f = unsafe { write_pages(&*storage, &l, &g, KV, &[], &[]) };
-        send(&f);
-        // SAFETY: never polled.
-        let f = unsafe { read_pages(&*storage, &l, &g, KV, &[], &[]) };
-        send(&f);
-        send(&lookup(&*storage, &l, &[], &[]));
+        let (g, l, storage) = (Arc::new(g), Arc::new(l), memory(4));
+        let want = fill(&g, SWA, 1, 5);
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .build()
+            .unwrap();
+        let task = {
+            let (g, l, storage) = (g.clone(), l.clone(), storage.clone());
+            rt.spawn(async move {
+                let hashes = l.chain(None, &(0..8).collect::<Vec<u32>>());
+                let keys = l.backup_keys(SWA, &hashes, 1)?;
+                let io = io(&*storage, &l, &g);
+                // SAFETY: this task is the only user of SWA slots 1 and 2.
+                let w = unsafe { io.write_pages(pages(SWA, &keys, &[1])) }.await?;
+                // SAFETY: as above.
+                let r = unsafe { io.read_pages(pages(SWA, &keys, &[2])) }.await?;
+                let policies = l.prefetch_policies(2, true);
+                Ok::<_, HiCacheError>((w.ok(), r.ok(), io.lookup(&hashes, &policies).await?))
+            })
+        };
+        let (written, read, verdict) = rt.block_on(task).unwrap().unwrap();
+        assert_eq!((written, read), (1, 1));
+        assert_eq!(get(&g, SWA, 2), want);
+        // No KV page was written: nothing is restorable.
+        assert_eq!(verdict.hit_pages, 0);
     }
 }

@@ -96,17 +96,20 @@ fn bad(what: String) -> HiCacheError {
 }
 
 impl HybridL3Layout {
-    /// The layout of `group`'s components under `spec` (rule 1). Errors: a KV pool whose page
-    /// size differs from the namespace's, an SWA pool without a window or a window without an
-    /// SWA pool, a sidecar whose fingerprint does not describe its slots.
+    /// The layout of `group`'s components under `spec` (rule 1). Errors: a KV pool whose
+    /// geometry or layout is not the namespace's, an SWA pool without a window or a window
+    /// without an SWA pool, a sidecar whose fingerprint does not describe its slots.
     pub fn new(spec: HybridL3Spec<'_>, group: &HostPoolGroup) -> Result<Self> {
         let ns = spec.namespace;
         let kv_pool = group.kv();
-        if kv_pool.shape().page_size != ns.page_size {
+        let shape = kv_pool.shape();
+        let pool_is = (shape.kind, shape.layers, shape.dtype, shape.page_size);
+        let ns_names = (ns.kv, ns.layers, ns.dtype, ns.page_size);
+        if pool_is != ns_names || kv_pool.layout_kind() != ns.layout {
             return Err(bad(format!(
-                "the KV host pool has pages of {} tokens, the namespace {}",
-                kv_pool.shape().page_size,
-                ns.page_size
+                "the KV host pool ({pool_is:?}, {:?}) is not the namespace's ({ns_names:?}, {:?})",
+                kv_pool.layout_kind(),
+                ns.layout
             )));
         }
         let hasher = PageHasher::new(spec.hash_mode, ns)?;
@@ -410,13 +413,19 @@ pub(crate) mod tests {
         }
     }
 
-    /// The Python tests' `mamba_pool()`: 2 layers, temporal (4, 8) f32, convs (6, 3), (5,) bf16.
-    pub(crate) fn mamba_shape() -> MambaShape {
+    /// A Mamba shape: `layers`, `temporal` elements per layer of `temporal_dtype`, bf16 conv
+    /// pieces of `convs` elements per layer.
+    pub(crate) fn mamba_shape(
+        layers: u32,
+        temporal: u64,
+        temporal_dtype: DType,
+        convs: &[u64],
+    ) -> MambaShape {
         MambaShape {
-            layers: 2,
-            temporal_elems: 32,
-            temporal_dtype: DType::F32,
-            conv_elems: vec![18, 5],
+            layers,
+            temporal_elems: temporal,
+            temporal_dtype,
+            conv_elems: convs.to_vec(),
             conv_dtype: DType::Bf16,
         }
     }
@@ -434,7 +443,9 @@ pub(crate) mod tests {
             ));
         }
         if mamba {
-            cfg = cfg.mamba(MambaPoolConfig::new(mamba_shape(), PoolSize::Pages(4)));
+            // The Python tests' `mamba_pool()`: temporal (4, 8) f32, convs (6, 3) and (5,).
+            let shape = mamba_shape(2, 32, DType::F32, &[18, 5]);
+            cfg = cfg.mamba(MambaPoolConfig::new(shape, PoolSize::Pages(4)));
         }
         HostPoolGroup::new(cfg).unwrap()
     }
@@ -445,6 +456,18 @@ pub(crate) mod tests {
         let mut ns = Namespace::single_rank(model, s.dtype, LayoutKind::PageFirst, s.kind, 3, 4);
         (ns.tp_rank, ns.tp_size) = tp;
         ns
+    }
+
+    /// The SGLang-mode layout of `group` for model `m` on one rank, without a tenant.
+    pub(crate) fn sglang_layout(group: &HostPoolGroup, window: Option<u32>) -> HybridL3Layout {
+        layout_of(
+            &namespace("m", (0, 1)),
+            HashMode::Sglang,
+            None,
+            group,
+            window,
+        )
+        .unwrap()
     }
 
     pub(crate) fn layout_of(
@@ -514,13 +537,7 @@ pub(crate) mod tests {
             "b773f53cd00cad85e0b9433e94ba607b"
         );
         assert_eq!(l.window_pages(), 64);
-        let m = MambaShape {
-            layers: 3,
-            temporal_elems: 64,
-            temporal_dtype: DType::Bf16,
-            conv_elems: vec![64],
-            conv_dtype: DType::Bf16,
-        };
+        let m = mamba_shape(3, 64, DType::Bf16, &[64]);
         let kv = HostPoolConfig::new(mha(3, 1, 16, 4), LayoutKind::PageFirst, PoolSize::Pages(2));
         let cfg = HostPoolGroupConfig::new(kv)
             .mamba(MambaPoolConfig::new(m, PoolSize::Pages(2)))
@@ -585,9 +602,18 @@ pub(crate) mod tests {
         assert!(layout_of(&ns, HashMode::Sglang, None, &swa, Some(0)).is_err());
         let plain = group(LayoutKind::PageFirst, false, false);
         assert!(layout_of(&ns, HashMode::Sglang, None, &plain, Some(8)).is_err());
-        let mut other = ns.clone();
-        other.page_size = 8;
-        assert!(layout_of(&other, HashMode::Sglang, None, &plain, None).is_err());
+        let edits: [fn(&mut Namespace); 4] = [
+            |n| n.page_size = 8,
+            |n| n.layers = 2,
+            |n| n.dtype = DType::F16,
+            |n| n.layout = LayoutKind::LayerFirst,
+        ];
+        for edit in edits {
+            let mut other = ns.clone();
+            edit(&mut other);
+            let e = layout_of(&other, HashMode::Sglang, None, &plain, None).unwrap_err();
+            assert!(e.to_string().contains("is not the namespace's"), "{e}");
+        }
         let l = layout_of(&ns, HashMode::Sglang, None, &plain, None).unwrap();
         assert!(l.keys(HostComponent::Mamba, &[]).is_err());
         assert_eq!(l.components(), vec![HostComponent::Kv]);
@@ -602,7 +628,7 @@ pub(crate) mod tests {
     #[test]
     fn backups_key_components_as_sglang() {
         let g = group(LayoutKind::PageFirst, true, true);
-        let l = layout_of(&namespace("m", (0, 1)), HashMode::Sglang, None, &g, Some(8)).unwrap();
+        let l = sglang_layout(&g, Some(8));
         let h = hashes(5);
         let tail = |c, v: Vec<PageKey>| {
             v.iter().map(|k| k.hash).collect::<Vec<_>>() == h[h.len() - v.len()..]
@@ -638,14 +664,7 @@ pub(crate) mod tests {
     fn prefetches_stage_and_read_as_sglang() {
         let g = group(LayoutKind::PageFirst, true, true);
         // A window of 10 tokens is 3 pages of 4.
-        let l = layout_of(
-            &namespace("m", (0, 1)),
-            HashMode::Sglang,
-            None,
-            &g,
-            Some(10),
-        )
-        .unwrap();
+        let l = sglang_layout(&g, Some(10));
         assert_eq!(l.window_pages(), 3);
         assert_eq!(l.swa_prefetch_pages(5, false), 3);
         assert_eq!(l.swa_prefetch_pages(2, true), 2);

@@ -26,11 +26,13 @@
 mod builder;
 mod cache;
 mod copies;
+mod events;
 mod l3;
 mod l3_flow;
 mod l3_io;
 mod l3_keys;
 mod lengths;
+mod metrics;
 mod pools;
 mod state;
 mod tick;

@@ -145,6 +145,12 @@ impl HybridCache {
             },
         )?;
         self.count_moved(true, &host)?;
+        self.events.copied(
+            hicache_core::Medium::Gpu,
+            &plan.full,
+            hicache_core::Medium::CpuPinned,
+            &host.full,
+        );
         let l3 = self.l3_job(&plan, &host, hashes)?;
         self.copies.backups.push_back(Backup { id, l3, copies });
         Ok(true)
@@ -208,6 +214,8 @@ impl HybridCache {
                 return Ok(None);
             }
             self.pools.free_host_evicted(&e)?;
+            self.events
+                .removed(hicache_core::Medium::CpuPinned, &e.host_full_pages);
             self.totals.full.evicted_host += e.host_full_pages.len() as u64;
             self.totals.swa.evicted_host += e.host_swa_pages.len() as u64;
             self.totals.mamba.evicted_host += e.host_mamba_slots.len() as u64;

@@ -4,8 +4,8 @@
 #![allow(dead_code)]
 
 use hicache::{
-    Component, DType, DeviceSlot, HybridAdmission, HybridCache, HybridDemand, HybridSlots, KvKind,
-    KvShape, MambaShape,
+    Component, DType, DeviceSlot, HybridAdmission, HybridCache, HybridCacheBuilder, HybridConfig,
+    HybridDemand, HybridSlots, KvKind, KvShape, MambaShape,
 };
 use hicache_core::PageHasher;
 
@@ -31,6 +31,37 @@ pub fn mamba_shape() -> MambaShape {
         conv_elems: vec![48, 16],
         conv_dtype: DType::Bf16,
     }
+}
+
+/// A builder of the test shapes for `cfg`'s components: `device` pages per KV component and
+/// 8 device states, 64 host pages per KV component and 16 host states, on the test device.
+pub fn builder(cfg: HybridConfig, device: usize) -> HybridCacheBuilder {
+    let ps = cfg.page_size;
+    let swa = cfg.swa_window.is_some();
+    let mamba = cfg.mamba_chunk.is_some();
+    let mut b = HybridCache::builder(cfg)
+        .device(crate::common::test_device())
+        .full_shape(kv_shape(ps, 4))
+        .device_pages(device, if swa { device } else { 0 })
+        .host_pages(64, 64)
+        .host_reserve_bytes(0);
+    if swa {
+        b = b.swa_shape(kv_shape(ps, 2));
+    }
+    if mamba {
+        b = b
+            .mamba_shape(mamba_shape())
+            .mamba_slots(8)
+            .host_mamba_slots(16);
+    }
+    b
+}
+
+/// `tokens` and then `extra` more tokens (a second turn of a conversation).
+pub fn extended(tokens: &[u32], seed: u32, extra: usize) -> Vec<u32> {
+    let mut v = tokens.to_vec();
+    v.extend(prompt(seed, extra));
+    v
 }
 
 /// `len` bytes derived from `salt` and the tokens `tokens`.
@@ -144,11 +175,16 @@ impl Engine {
             swa_pages: if swa { pages - have } else { 0 },
             mamba_slots: usize::from(mamba && own_state.is_none()),
         };
-        let new = self
-            .cache
-            .alloc(demand)
-            .unwrap()
-            .expect("room for the request");
+        // Nodes whose copies are in flight stay locked: when they hold the room, wait for
+        // the copies (every rank decides alike, so every rank flushes here).
+        let new = match self.cache.alloc(demand).unwrap() {
+            Some(new) => new,
+            None => {
+                self.cache.flush().unwrap();
+                let again = self.cache.alloc(demand).unwrap();
+                again.expect("room once the copies finished")
+            }
+        };
         for (k, &s) in new.full.iter().enumerate() {
             self.write_page(Component::Full, s, tokens, have + k);
         }
@@ -169,6 +205,13 @@ impl Engine {
         self.cache.cache_finished(req, tokens, slots).unwrap();
         self.cache.poll().unwrap();
         Run { admission, checked }
+    }
+
+    /// [`run`](Self::run), then [`settle`](Self::settle).
+    pub fn turn(&mut self, tokens: &[u32]) -> Run {
+        let r = self.run(tokens);
+        self.settle();
+        r
     }
 
     /// Waits for every copy and finishes it.
