@@ -558,6 +558,24 @@ impl HybridCache {
         if !s.mamba.is_empty() && !self.tree.has(Component::Mamba) {
             return bad("Mamba slots without that component".into());
         }
+        let lists = [
+            (
+                Component::Full,
+                s.full.iter().map(|x| x.0).collect::<Vec<_>>(),
+            ),
+            (
+                Component::Swa,
+                s.swa.iter().flatten().map(|x| x.0).collect(),
+            ),
+            (Component::Mamba, s.mamba.iter().map(|x| x.0).collect()),
+        ];
+        for (c, list) in lists {
+            if !self.pools.owned_once(c, &list) {
+                return bad(format!(
+                    "{c:?} slots that are not allocated device slots, or named twice"
+                ));
+            }
+        }
         Ok(())
     }
 
