@@ -8,9 +8,11 @@
 //!    to [`HybridCache::cache_finished`] or [`HybridCache::release`]), or free.
 //! 2. An admitted request holds a lock on its matched node (Full path, SWA window, Mamba
 //!    node), so its prefix slots stay put until `cache_finished` or `abort`.
-//! 3. A host slot is owned by the tree from the commit of the backup that wrote it until a
-//!    host eviction reports it; a node being copied (either way) is locked in the tree until
-//!    the poll that finishes its copy, at a count every rank agreed on.
+//! 3. A host slot is owned by the tree from the commit of the backup that wrote it (or from
+//!    the host-only insert of the L3 prefetch that read it; until then by that prefetch
+//!    alone) until a host eviction reports it; a node being copied (either way) is locked in
+//!    the tree until the poll that finishes its copy, at a count every rank agreed on, and a
+//!    node whose host copy is written to L3 is host-pinned meanwhile.
 //! 4. The Mamba state of a match is never handed to a request: the request gets a copy in a
 //!    slot of its own (copy-on-write), so the cached state never changes under it.
 
