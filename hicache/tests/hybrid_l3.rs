@@ -102,3 +102,41 @@ fn a_prompt_shorter_than_the_threshold_is_not_prefetched() {
     assert_eq!(run.admission.cached_tokens(), 0, "{run:?}");
     e.cache.shutdown().unwrap();
 }
+
+/// A prefetch of a span below a cached prefix (not from the root), KV events off: the new
+/// cache computed the first 16 tokens itself; the rest of the prompt comes from L3.
+fn prefetch_below_a_cached_prefix(swa: bool, mamba: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let a = prompt(1, 40);
+    {
+        let mut e = Engine::new(cache(swa, mamba, file_storage(dir.path())));
+        e.turn(&a);
+        e.cache.shutdown().unwrap();
+    }
+    let mut e = Engine::new(cache(swa, mamba, file_storage(dir.path())));
+    e.turn(&a[..17]);
+    let run = e.run(&extended(&a, 3, 24));
+    // Before the fix this path panicked (page identities taken from events that were off).
+    assert_eq!(run.admission.device_tokens, 16, "{run:?}");
+    assert_eq!(run.admission.host_tokens, 24, "{run:?}");
+    assert_eq!(run.admission.storage_tokens, 24, "{run:?}");
+    assert_eq!(run.checked[0], 10, "every Full page checked");
+    e.settle();
+    e.assert_no_leaks();
+    e.cache.shutdown().unwrap();
+}
+
+#[test]
+fn full_prefetch_below_a_cached_prefix() {
+    prefetch_below_a_cached_prefix(false, false);
+}
+
+#[test]
+fn full_swa_prefetch_below_a_cached_prefix() {
+    prefetch_below_a_cached_prefix(true, false);
+}
+
+#[test]
+fn full_swa_mamba_prefetch_below_a_cached_prefix() {
+    prefetch_below_a_cached_prefix(true, true);
+}

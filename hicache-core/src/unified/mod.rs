@@ -63,6 +63,7 @@ mod evict;
 mod host;
 mod host_insert;
 mod insert;
+mod lengths;
 mod load;
 mod lock;
 mod lru;

@@ -24,12 +24,12 @@ use hicache_core::{
     LockReceipt, Medium, UnifiedMatch, UnifiedTree,
 };
 
+use super::StateSlot;
 use super::copies::Copies;
 use super::pools::Pools;
 use super::types::{
     HybridAdmission, HybridArrival, HybridConfig, HybridDemand, HybridSlots, HybridTotals,
 };
-use super::{StateSlot, lengths};
 use crate::error::{HiCacheError, Result};
 use crate::rank::RankGroup;
 
@@ -519,13 +519,10 @@ impl HybridCache {
     }
 
     fn insert_len_of(&self, a: &Admitted, len: usize) -> usize {
-        let want = lengths::insert_len(
-            self.tree.config(),
-            len,
-            a.matched,
-            a.swa_branching,
-            a.mamba_branching,
-        );
+        let want =
+            self.tree
+                .config()
+                .insert_len(len, a.matched, a.swa_branching, a.mamba_branching);
         want / self.ps() * self.ps()
     }
 

@@ -161,8 +161,9 @@ impl HybridCache {
         if pin {
             self.tree.lock_host(m.host_node)?;
         }
+        // Page identities for the events (empty when events are off).
         let mut infos = self.events.pages(&key[..start + hit * ps]);
-        let infos = infos.split_off(start / ps);
+        let infos = infos.split_off((start / ps).min(infos.len()));
         let r = self.fetch_and_insert(l3, &plan, &key[start..start + hit * ps], m, infos);
         if pin {
             self.tree.unlock_host(m.host_node)?;

@@ -31,7 +31,6 @@ mod l3;
 mod l3_flow;
 mod l3_io;
 mod l3_keys;
-mod lengths;
 mod metrics;
 mod pools;
 mod state;

@@ -199,14 +199,10 @@ impl HybridReplay {
             ok = self.alloc_kv(extend, &mut ev);
         }
         if ok {
-            let len = if mamba {
-                self.mamba_track(matched, extend, m.mamba_branching)
-            } else {
-                match m.swa_branching {
-                    Some(b) if b > matched && b <= l => b,
-                    _ => l,
-                }
-            };
+            let len = self
+                .setup
+                .tree
+                .insert_len(l, matched, m.swa_branching, m.mamba_branching);
             let key = &tokens[..len / ps * ps];
             if !key.is_empty() {
                 // The tracked state sits in the ping-pong slot last written (index 1 of the
@@ -259,33 +255,6 @@ impl HybridReplay {
         let pages = (extend as u64).div_ceil(ps);
         self.available(Component::Full) / ps >= pages
             && (!swa || self.available(Component::Swa) / ps >= pages)
-    }
-
-    /// The tracked Mamba checkpoint (SGLang's
-    /// `_mamba_radix_cache_v2_req_prepare_for_extend`); 0 when none.
-    fn mamba_track(&self, matched: usize, extend: usize, branching: Option<usize>) -> usize {
-        let cfg = &self.setup.tree;
-        let (Some(grid), Some(state_chunk)) = (cfg.mamba_grid(), cfg.mamba_chunk) else {
-            return 0;
-        };
-        if extend < grid {
-            return 0;
-        }
-        let chunk = state_chunk.max(cfg.page_size) as usize;
-        let state_chunk = state_chunk as usize;
-        let mut aligned = matched + extend / grid * grid;
-        let mut track = matched + extend;
-        if matched + extend / state_chunk * state_chunk != aligned {
-            track = aligned + 1;
-        }
-        if let Some(b) = branching
-            && b > matched
-            && b < track
-            && (b - matched).is_multiple_of(chunk)
-        {
-            aligned = b;
-        }
-        aligned
     }
 }
 
