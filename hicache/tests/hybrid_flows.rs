@@ -99,6 +99,31 @@ fn bad_input_is_an_error_that_says_what() {
             .contains("1 Full and 1 SWA slots for 12 tokens"),
         "{err}"
     );
+    // A slot named twice, and one that was never allocated.
+    let two = c
+        .alloc(HybridDemand {
+            full_pages: 2,
+            swa_pages: 3,
+            mamba_slots: 0,
+        })
+        .unwrap()
+        .unwrap();
+    let mut twice = HybridSlots {
+        full: vec![one.full[0], one.full[0], two.full[0]],
+        swa: two.swa.clone(),
+        mamba: Vec::new(),
+    };
+    let err = c.cache_finished(7, &p, twice.clone()).unwrap_err();
+    assert!(err.to_string().contains("named twice"), "{err}");
+    let pool = c.device_pool(Component::Full).unwrap().clone();
+    let free = (0..16)
+        .map(hicache::DeviceSlot)
+        .find(|&s| !pool.is_allocated(s))
+        .unwrap();
+    twice.full = vec![one.full[0], two.full[0], free];
+    let err = c.cache_finished(7, &p, twice).unwrap_err();
+    assert!(err.to_string().contains("not allocated"), "{err}");
+    c.release(two).unwrap();
     // Mamba slots without Mamba.
     let err = c
         .alloc(HybridDemand {

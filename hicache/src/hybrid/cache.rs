@@ -8,9 +8,11 @@
 //!    to [`HybridCache::cache_finished`] or [`HybridCache::release`]), or free.
 //! 2. An admitted request holds a lock on its matched node (Full path, SWA window, Mamba
 //!    node), so its prefix slots stay put until `cache_finished` or `abort`.
-//! 3. A host slot is owned by the tree from the commit of the backup that wrote it until a
-//!    host eviction reports it; a node being copied (either way) is locked in the tree until
-//!    the poll that finishes its copy, at a count every rank agreed on.
+//! 3. A host slot is owned by the tree from the commit of the backup that wrote it (or from
+//!    the host-only insert of the L3 prefetch that read it; until then by that prefetch
+//!    alone) until a host eviction reports it; a node being copied (either way) is locked in
+//!    the tree until the poll that finishes its copy, at a count every rank agreed on, and a
+//!    node whose host copy is written to L3 is host-pinned meanwhile.
 //! 4. The Mamba state of a match is never handed to a request: the request gets a copy in a
 //!    slot of its own (copy-on-write), so the cached state never changes under it.
 
@@ -557,6 +559,24 @@ impl HybridCache {
         }
         if !s.mamba.is_empty() && !self.tree.has(Component::Mamba) {
             return bad("Mamba slots without that component".into());
+        }
+        let lists = [
+            (
+                Component::Full,
+                s.full.iter().map(|x| x.0).collect::<Vec<_>>(),
+            ),
+            (
+                Component::Swa,
+                s.swa.iter().flatten().map(|x| x.0).collect(),
+            ),
+            (Component::Mamba, s.mamba.iter().map(|x| x.0).collect()),
+        ];
+        for (c, list) in lists {
+            if !self.pools.owned_once(c, &list) {
+                return bad(format!(
+                    "{c:?} slots that are not allocated device slots, or named twice"
+                ));
+            }
         }
         Ok(())
     }

@@ -158,6 +158,22 @@ impl Pools {
         }
     }
 
+    /// Whether every one of `slots` is an allocated device slot of `c`, none named twice.
+    pub fn owned_once(&self, c: Component, slots: &[u32]) -> bool {
+        let mut sorted = slots.to_vec();
+        sorted.sort_unstable();
+        if sorted.windows(2).any(|w| w[0] == w[1]) {
+            return false;
+        }
+        slots.iter().all(|&s| match c {
+            Component::Mamba => self
+                .mamba
+                .as_ref()
+                .is_some_and(|m| m.dev.is_allocated(hicache_gpu::StateSlot(s))),
+            _ => self.kv(c).is_ok_and(|p| p.dev.is_allocated(DeviceSlot(s))),
+        })
+    }
+
     /// Frees the device slots an eviction reports.
     pub fn free_evicted(&self, e: &Evicted) -> Result<()> {
         self.full.free_dev(&e.full_pages)?;
