@@ -240,6 +240,8 @@ pub struct HybridAdapter {
     device_pages: usize,
     full_page_bytes: u64,
     has_swa: bool,
+    /// Pages of the sliding window (a prefix's SWA pages the request's lock protects).
+    window_pages: usize,
     has_mamba: bool,
     held: HashMap<RequestId, Held>,
     pending: HashMap<RequestId, Pending>,
@@ -289,6 +291,9 @@ impl HybridAdapter {
             device_pages,
             full_page_bytes: model.full_kv_shape(page_size).page_bytes() as u64,
             has_swa: model.swa_layers > 0,
+            window_pages: model
+                .window
+                .map_or(0, |w| (w as usize).div_ceil(page_size as usize)),
             has_mamba: model.linear_layers > 0,
             held: HashMap::new(),
             pending: HashMap::new(),
@@ -355,7 +360,11 @@ impl HybridAdapter {
         self.hits.l2 += (p.host_tokens - l3) as u64;
         self.hits.l3 += l3 as u64;
         self.hits.requests += prompt as u64;
+        // The request's lock protects the prefix's SWA pages within the window only: those
+        // below it may be evicted while the request runs, so it does not hold them.
         let mut swa = p.prefix.swa;
+        let below = swa.len().saturating_sub(self.window_pages);
+        swa[..below].fill(None);
         swa.extend(rest.swa);
         // The checkpoint slots first (the first is the state inserted), then the working
         // state: the admission's copy, or the first slot allocated.
