@@ -171,7 +171,11 @@ impl HybridFactory {
         let threshold = storage
             .as_ref()
             .map_or(HybridConfig::default().prefetch_threshold_tokens, |s| s.1);
+        // KV events on: the facade's L3 prefetch past the root takes its page records from
+        // them (without them it panics, as of i26-facade 474c4d0). The simulation has no
+        // router: each tick drops them.
         let mut b = HybridCache::builder(self.config(ps, setup.tiers.host, threshold))
+            .kv_events(true)
             .full_shape(self.model.full_kv_shape(ps))
             .device(device)
             .device_pages(full, self.swa_pages(full))
@@ -236,6 +240,8 @@ pub struct HybridAdapter {
     device_pages: usize,
     full_page_bytes: u64,
     has_swa: bool,
+    /// Pages of the sliding window (a prefix's SWA pages the request's lock protects).
+    window_pages: usize,
     has_mamba: bool,
     held: HashMap<RequestId, Held>,
     pending: HashMap<RequestId, Pending>,
@@ -285,6 +291,9 @@ impl HybridAdapter {
             device_pages,
             full_page_bytes: model.full_kv_shape(page_size).page_bytes() as u64,
             has_swa: model.swa_layers > 0,
+            window_pages: model
+                .window
+                .map_or(0, |w| (w as usize).div_ceil(page_size as usize)),
             has_mamba: model.linear_layers > 0,
             held: HashMap::new(),
             pending: HashMap::new(),
@@ -351,7 +360,11 @@ impl HybridAdapter {
         self.hits.l2 += (p.host_tokens - l3) as u64;
         self.hits.l3 += l3 as u64;
         self.hits.requests += prompt as u64;
+        // The request's lock protects the prefix's SWA pages within the window only: those
+        // below it may be evicted while the request runs, so it does not hold them.
         let mut swa = p.prefix.swa;
+        let below = swa.len().saturating_sub(self.window_pages);
+        swa[..below].fill(None);
         swa.extend(rest.swa);
         // The checkpoint slots first (the first is the state inserted), then the working
         // state: the admission's copy, or the first slot allocated.
@@ -381,7 +394,9 @@ impl Gated for HybridAdapter {
     }
 
     fn tick(&mut self) -> CacheResult<()> {
-        self.cache.poll().map_err(err)
+        self.cache.poll().map_err(err)?;
+        self.cache.drain_events();
+        Ok(())
     }
 
     /// Times what the last poll launched: every write-through copy committed since the last
@@ -419,7 +434,7 @@ impl CacheUnderTest for HybridAdapter {
         // Copy time free: every copy counts as complete, every stored page as visible.
         self.timer.open_all();
         self.cache.flush().map_err(err)?;
-        self.cache.poll().map_err(err)?;
+        self.tick()?;
         self.cache.flush().map_err(err)
     }
 
