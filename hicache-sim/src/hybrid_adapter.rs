@@ -171,11 +171,7 @@ impl HybridFactory {
         let threshold = storage
             .as_ref()
             .map_or(HybridConfig::default().prefetch_threshold_tokens, |s| s.1);
-        // KV events on: the facade's L3 prefetch past the root takes its page records from
-        // them (without them it panics, as of i26-facade 474c4d0). The simulation has no
-        // router: each tick drops them.
         let mut b = HybridCache::builder(self.config(ps, setup.tiers.host, threshold))
-            .kv_events(true)
             .full_shape(self.model.full_kv_shape(ps))
             .device(device)
             .device_pages(full, self.swa_pages(full))
@@ -394,9 +390,7 @@ impl Gated for HybridAdapter {
     }
 
     fn tick(&mut self) -> CacheResult<()> {
-        self.cache.poll().map_err(err)?;
-        self.cache.drain_events();
-        Ok(())
+        self.cache.poll().map_err(err)
     }
 
     /// Times what the last poll launched: every write-through copy committed since the last
