@@ -20,7 +20,8 @@
 //!    ([`PageResults::misses`]), never a wrong page. A batch call that fails whole fails each
 //!    of its pages ([`PageResults::failures`]).
 
-// The hybrid facade (piece 2 of issue 26) drives these; until it lands nothing else does.
+// The facade drives this module; a few accessors and summaries (`restorable`, the layout's
+// `page_size` / `deployment` / `components`, `PageResults::misses` …) serve its tests only.
 #![allow(dead_code)]
 
 use hicache_core::{PageHash, PageKey};

@@ -28,7 +28,8 @@
 //!    the pool's own leading run, `trailing_pages` with window `w` keeps `p` when the pool has
 //!    pages `max(0, p - w) .. p`; the hit is the largest length every pool keeps.
 
-// The hybrid facade (piece 2 of issue 26) drives these; until it lands nothing else does.
+// The facade drives this module; a few accessors and summaries (`restorable`, the layout's
+// `page_size` / `deployment` / `components`, `PageResults::misses` …) serve its tests only.
 #![allow(dead_code)]
 
 use hicache_core::{
