@@ -140,3 +140,62 @@ fn full_swa_prefetch_below_a_cached_prefix() {
 fn full_swa_mamba_prefetch_below_a_cached_prefix() {
     prefetch_below_a_cached_prefix(true, true);
 }
+
+/// A backend whose every call fails.
+struct Down;
+
+#[hicache_storage::async_trait]
+impl Storage for Down {
+    fn info(&self) -> hicache_storage::BackendInfo {
+        hicache_storage::BackendInfo::new("down", 2)
+    }
+    async fn batch_exists(&self, _: &[hicache_core::PageKey]) -> hicache_storage::Result<usize> {
+        Err(hicache::StorageError::backend("down", "unreachable"))
+    }
+    async fn batch_get(
+        &self,
+        _: &[hicache_core::PageKey],
+        _: &mut [hicache_storage::PageBufMut<'_>],
+    ) -> hicache_storage::Result<Vec<hicache_storage::PageOutcome>> {
+        Err(hicache::StorageError::backend("down", "unreachable"))
+    }
+    async fn batch_set(
+        &self,
+        _: &[hicache_core::PageKey],
+        _: &[hicache_storage::PageBuf<'_>],
+    ) -> hicache_storage::Result<Vec<hicache_storage::PageOutcome>> {
+        Err(hicache::StorageError::backend("down", "unreachable"))
+    }
+    async fn delete(&self, _: &[hicache_core::PageKey]) -> hicache_storage::Result<usize> {
+        Ok(0)
+    }
+    fn stats(&self) -> hicache_storage::StorageStats {
+        hicache_storage::StorageStats::default()
+    }
+}
+
+/// A backend that is down: backups fail and are counted per component (the pages stay in
+/// L2, the tick goes on), lookups are misses; every request is still served.
+#[test]
+fn a_down_backend_is_counted_never_an_error() {
+    let mut e = Engine::new(cache(true, true, Arc::new(Down)));
+    let a = prompt(1, 40);
+    e.turn(&a);
+    let t = e.cache.metrics();
+    assert_eq!(t.full.pages_l2_to_l3, 0, "{t:?}");
+    assert_eq!(t.full.l3_failed_write_pages, t.full.pages_d2h, "{t:?}");
+    assert!(t.full.l3_failed_write_pages > 0, "{t:?}");
+    assert_eq!(t.swa.l3_failed_write_pages, t.swa.pages_d2h, "{t:?}");
+    assert_eq!(t.mamba.l3_failed_write_pages, t.mamba.pages_d2h, "{t:?}");
+    let text = e.cache.render_metrics();
+    assert!(
+        text.contains(r#"hicache_hybrid_l3_failed_pages_total{component="full",op="write"}"#),
+        "{text}"
+    );
+    // An unrelated prompt: its lookup fails, it is computed.
+    let run = e.run(&prompt(2, 40));
+    assert_eq!(run.admission.cached_tokens(), 0, "{run:?}");
+    e.settle();
+    e.assert_no_leaks();
+    e.cache.shutdown().unwrap();
+}

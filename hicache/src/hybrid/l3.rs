@@ -23,7 +23,7 @@ use hicache_core::{NodeId, PageHash, PageKey};
 use hicache_host::{HostComponent, HostPoolGroup};
 use hicache_storage::Storage;
 
-use super::l3_io::{ComponentPages, HybridIo, PageResults};
+use super::l3_io::{ComponentPages, HybridIo};
 use super::l3_keys::{HitPolicy, HybridL3Layout};
 use crate::error::{HiCacheError, Result};
 
@@ -93,9 +93,11 @@ impl L3Part {
         self.layout.chain(None, tokens)
     }
 
-    /// Writes a job's pages; the pages stored (or already present) per component.
-    pub fn write(&self, group: &HostPoolGroup, job: &L3Job) -> Result<[usize; 3]> {
-        let mut out = [0; 3];
+    /// Writes a job's pages: per component, the pages stored (or already present) and the
+    /// pages that failed. A failed call fails its component's pages (logged, counted by the
+    /// caller), never the tick: the pages stay in L2.
+    pub fn write(&self, group: &HostPoolGroup, job: &L3Job) -> WriteCounts {
+        let mut out = WriteCounts::default();
         for (k, part) in job.parts.iter().enumerate() {
             if part.keys.is_empty() {
                 continue;
@@ -107,12 +109,21 @@ impl L3Part {
             };
             // SAFETY: the slots are the tree's host copies of host-pinned nodes and this call
             // runs the write to completion before returning, so nothing writes them meanwhile.
-            let r = self
+            match self
                 .rt
-                .block_on(unsafe { self.io(group).write_pages(pages) })?;
-            out[k] = r.ok();
+                .block_on(unsafe { self.io(group).write_pages(pages) })
+            {
+                Ok(r) => out.stored[k] = r.ok(),
+                Err(e) => tracing::warn!(
+                    component = %PARTS[k],
+                    pages = part.keys.len(),
+                    error = %e,
+                    "hybrid L3 backup failed: the pages stay in L2"
+                ),
+            }
+            out.failed[k] = part.keys.len() - out.stored[k];
         }
-        Ok(out)
+        out
     }
 
     /// Looks up the span `hashes` (starting at the root when `at_root`); `None` without a
@@ -132,7 +143,15 @@ impl L3Part {
             // A component the span cannot restore: the pages would not make a valid match.
             return Ok(None);
         }
-        let verdict = self.rt.block_on(self.io(group).lookup(hashes, &policies))?;
+        let verdict = match self.rt.block_on(self.io(group).lookup(hashes, &policies)) {
+            Ok(v) => v,
+            Err(e) => {
+                // A lookup that fails is a miss (the pages are recomputed), never an error of
+                // the request.
+                tracing::warn!(error = %e, "hybrid L3 lookup failed: treated as a miss");
+                return Ok(None);
+            }
+        };
         if verdict.hit_pages == 0 {
             return Ok(None);
         }
@@ -162,15 +181,16 @@ impl L3Part {
         self.layout.prefetch_policies(span, at_root)
     }
 
-    /// Reads a plan's pages into `slots` (per component, paired with the keys); whether
-    /// every page arrived.
+    /// Reads a plan's pages into `slots` (per component, paired with the keys): per
+    /// component the pages that did not arrive (a failed call fails all of its component's;
+    /// logged). The prefetch is whole only when every count is 0.
     pub fn read(
         &self,
         group: &HostPoolGroup,
         plan: &PrefetchPlan,
         slots: &[&[u32]; 3],
-    ) -> Result<bool> {
-        let mut all = true;
+    ) -> [usize; 3] {
+        let mut missing = [0; 3];
         for k in 0..3 {
             if plan.keys[k].is_empty() {
                 continue;
@@ -182,11 +202,32 @@ impl L3Part {
             };
             // SAFETY: the slots were just allocated for this read (distinct, owned by it, in
             // no node yet) and the read runs to completion before returning.
-            let r: PageResults = self
+            let arrived = match self
                 .rt
-                .block_on(unsafe { self.io(group).read_pages(pages) })?;
-            all &= r.ok() == plan.keys[k].len();
+                .block_on(unsafe { self.io(group).read_pages(pages) })
+            {
+                Ok(r) => r.ok(),
+                Err(e) => {
+                    tracing::warn!(
+                        component = %PARTS[k],
+                        pages = plan.keys[k].len(),
+                        error = %e,
+                        "hybrid L3 read failed: the prefetch is dropped"
+                    );
+                    0
+                }
+            };
+            missing[k] = plan.keys[k].len() - arrived;
         }
-        Ok(all)
+        missing
     }
+}
+
+/// What [`L3Part::write`] did, per component (Full, SWA, Mamba).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct WriteCounts {
+    /// Pages stored or already present.
+    pub stored: [usize; 3],
+    /// Pages not stored.
+    pub failed: [usize; 3],
 }

@@ -90,11 +90,17 @@ impl HybridCache {
             for &n in &job.nodes {
                 c.tree.unlock_host(n)?;
             }
-            for (k, n) in written?.into_iter().enumerate().filter(|&(_, n)| n > 0) {
-                let bytes = c.pools.group.slot_bytes(PARTS[k])?;
-                let t = c.totals.get_mut(super::component_of(PARTS[k]));
+            for (k, part) in PARTS.iter().enumerate() {
+                let (n, failed) = (written.stored[k], written.failed[k]);
+                if n == 0 && failed == 0 {
+                    // Nothing of this component (perhaps not configured: no slot size).
+                    continue;
+                }
+                let bytes = c.pools.group.slot_bytes(*part)?;
+                let t = c.totals.get_mut(super::component_of(*part));
                 t.pages_l2_to_l3 += n as u64;
                 t.bytes_l2_to_l3 += (n * bytes) as u64;
+                t.l3_failed_write_pages += failed as u64;
             }
             Ok(())
         })
@@ -182,7 +188,15 @@ impl HybridCache {
         let [kv, swa, mamba] = [0, 1, 2].map(|k| plan.keys[k].len());
         let host = self.alloc_host(kv, swa, mamba)?;
         let read = match &host {
-            Some(h) => l3.read(&self.pools.group, plan, &[&h.full, &h.swa, &h.mamba])?,
+            Some(h) => {
+                let missing = l3.read(&self.pools.group, plan, &[&h.full, &h.swa, &h.mamba]);
+                for (k, part) in PARTS.iter().enumerate() {
+                    self.totals
+                        .get_mut(super::component_of(*part))
+                        .l3_failed_read_pages += missing[k] as u64;
+                }
+                missing == [0; 3]
+            }
             None => false,
         };
         let ok = self.agree_min(u64::from(read))? == 1;

@@ -9,7 +9,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
 use super::types::{ComponentTotals, HybridTotals};
-use crate::metrics::{Direction, Tier};
+use crate::metrics::{Direction, L3Op, Tier};
 
 /// A component of a hybrid model, as a label value.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
@@ -24,6 +24,12 @@ enum ComponentLabel {
 struct TierLabels {
     component: ComponentLabel,
     tier: Tier,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabels {
+    component: ComponentLabel,
+    op: L3Op,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -48,6 +54,7 @@ pub(crate) fn render(totals: &HybridTotals) -> String {
     let evicted = Family::<TierLabels, Counter>::default();
     let pages = Family::<DirectionLabels, Counter>::default();
     let bytes = Family::<DirectionLabels, Counter>::default();
+    let failed = Family::<OpLabels, Counter>::default();
     let comps = [
         (ComponentLabel::full, &totals.full),
         (ComponentLabel::swa, &totals.swa),
@@ -67,6 +74,12 @@ pub(crate) fn render(totals: &HybridTotals) -> String {
             evicted
                 .get_or_create(&TierLabels { component, tier })
                 .inc_by(v);
+        }
+        for (op, v) in [
+            (L3Op::write, t.l3_failed_write_pages),
+            (L3Op::read, t.l3_failed_read_pages),
+        ] {
+            failed.get_or_create(&OpLabels { component, op }).inc_by(v);
         }
         for (direction, p, b) in moved(t) {
             let l = DirectionLabels {
@@ -98,6 +111,11 @@ pub(crate) fn render(totals: &HybridTotals) -> String {
         "Bytes moved between tiers, per component and direction",
         bytes,
     );
+    registry.register(
+        "l3_failed_pages",
+        "L3 pages (Mamba: states) that failed, per component and operation",
+        failed,
+    );
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry)
         .expect("writing to a String cannot fail");
@@ -115,12 +133,14 @@ mod tests {
         t.swa.bytes_d2h = 3072;
         t.mamba.hit_tokens_l3 = 40;
         t.full.evicted_host = 2;
+        t.mamba.l3_failed_write_pages = 1;
         let text = render(&t);
         for line in [
             r#"hicache_hybrid_moved_pages_total{component="swa",direction="d2h"} 3"#,
             r#"hicache_hybrid_moved_bytes_total{component="swa",direction="d2h"} 3072"#,
             r#"hicache_hybrid_hit_tokens_total{component="mamba",tier="l3"} 40"#,
             r#"hicache_hybrid_evicted_pages_total{component="full",tier="l2"} 2"#,
+            r#"hicache_hybrid_l3_failed_pages_total{component="mamba",op="write"} 1"#,
         ] {
             assert!(
                 text.lines().any(|l| l == line),

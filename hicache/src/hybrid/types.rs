@@ -147,6 +147,12 @@ pub struct ComponentTotals {
     pub evicted_device: u64,
     /// Host pages (states) evicted.
     pub evicted_host: u64,
+    /// Pages (states) a backup was to store in L3 that are not stored (a failed call, a
+    /// page the backend refused).
+    pub l3_failed_write_pages: u64,
+    /// Pages (states) of an agreed prefetch hit that did not arrive (a failed lookup or
+    /// read, a page gone or damaged since the lookup).
+    pub l3_failed_read_pages: u64,
 }
 
 /// Counters of a [`HybridCache`](super::HybridCache), per component.
