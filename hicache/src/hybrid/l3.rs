@@ -109,10 +109,8 @@ impl L3Part {
             };
             // SAFETY: the slots are the tree's host copies of host-pinned nodes and this call
             // runs the write to completion before returning, so nothing writes them meanwhile.
-            match self
-                .rt
-                .block_on(unsafe { self.io(group).write_pages(pages) })
-            {
+            let write = unsafe { self.io(group).write_pages(pages) };
+            match self.rt.block_on(write) {
                 Ok(r) => out.stored[k] = r.ok(),
                 Err(e) => tracing::warn!(
                     component = %PARTS[k],
@@ -202,10 +200,8 @@ impl L3Part {
             };
             // SAFETY: the slots were just allocated for this read (distinct, owned by it, in
             // no node yet) and the read runs to completion before returning.
-            let arrived = match self
-                .rt
-                .block_on(unsafe { self.io(group).read_pages(pages) })
-            {
+            let read = unsafe { self.io(group).read_pages(pages) };
+            let arrived = match self.rt.block_on(read) {
                 Ok(r) => r.ok(),
                 Err(e) => {
                     tracing::warn!(
