@@ -1,0 +1,27 @@
+//! # hicache-index
+//!
+//! The fleet's KV index: which instance holds each prefix in device memory (L1) or pinned host
+//! memory (L2), and which L3 store holds it, so that a router can send a request where its
+//! prefix is cheapest to serve.
+//!
+//! - [`chain`]: the index's own page-hash chain, computed from the tokens a `BlockStored`
+//!   event carries (engine-agnostic: a query by tokens needs no engine hash).
+//! - [`table`]: the [`Index`] itself: holders (instances and L3 stores), the blocks each holds
+//!   per tier, prefix queries answered per instance with every tier cumulative through the
+//!   faster ones.
+//! - [`reference`]: a naive model of the same semantics, the oracle of the model tests.
+//!
+//! Terms: a *block* is one page of tokens, named by its chained [`BlockHash`]; a *holder* is an
+//! instance (one dp rank of one engine) or an L3 store; a *holder-block* is one (holder, tier,
+//! block) residency, the unit of the index's capacity and accounting.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod chain;
+pub mod error;
+pub mod reference;
+pub mod table;
+
+pub use chain::{BlockHash, ChainHasher};
+pub use error::{IndexError, Result};
+pub use table::{HolderId, HolderKind, Index, IndexStats, QueryMatch, Tier};
