@@ -9,6 +9,7 @@
 //! - [`table`]: the [`Index`] itself: holders (instances and L3 stores), the blocks each holds
 //!   per tier, prefix queries answered per instance with every tier cumulative through the
 //!   faster ones.
+//! - [`ingest`]: applying an engine's KV events (by its own block hashes) to the index.
 //! - [`reference`]: a naive model of the same semantics, the oracle of the model tests.
 //!
 //! Terms: a *block* is one page of tokens, named by its chained [`BlockHash`]; a *holder* is an
@@ -19,9 +20,11 @@
 
 pub mod chain;
 pub mod error;
+pub mod ingest;
 pub mod reference;
 pub mod table;
 
 pub use chain::{BlockHash, ChainHasher};
 pub use error::{IndexError, Result};
+pub use ingest::{EngineEvent, IngestCounts, InstanceFeed, tier_of_medium};
 pub use table::{HolderId, HolderKind, Index, IndexStats, QueryMatch, Tier};
