@@ -254,10 +254,8 @@ impl Index {
                 self.blocks.remove(&b);
             }
         }
-        if gone_for_holder {
-            if let Some(Some(holder)) = self.holders.get_mut(h as usize) {
-                holder.blocks.remove(&b);
-            }
+        if gone_for_holder && let Some(Some(holder)) = self.holders.get_mut(h as usize) {
+            holder.blocks.remove(&b);
         }
     }
 
