@@ -92,6 +92,19 @@ impl IngestCounts {
     }
 }
 
+/// One change [`InstanceFeed::apply_observed`] made in the index.
+#[derive(Copy, Clone, Debug)]
+pub struct Applied<'a> {
+    /// The holder changed.
+    pub holder: HolderId,
+    /// The tier.
+    pub tier: Tier,
+    /// Stored (`true`) or removed.
+    pub stored: bool,
+    /// The index hashes stored or removed.
+    pub hashes: &'a [BlockHash],
+}
+
 /// One instance's side of the index: its holders and its engine-hash map.
 #[derive(Debug)]
 pub struct InstanceFeed {
@@ -154,6 +167,18 @@ impl InstanceFeed {
         event: &EngineEvent,
         counts: &mut IngestCounts,
     ) -> Result<()> {
+        self.apply_observed(index, event, counts, &mut |_| {})
+    }
+
+    /// [`apply`](Self::apply), telling `observe` each store and removal it made in the index
+    /// (a service mirrors a shared store's pages with it).
+    pub fn apply_observed(
+        &mut self,
+        index: &mut Index,
+        event: &EngineEvent,
+        counts: &mut IngestCounts,
+        observe: &mut dyn FnMut(Applied<'_>),
+    ) -> Result<()> {
         match event {
             EngineEvent::BlockStored {
                 block_hashes,
@@ -194,6 +219,12 @@ impl InstanceFeed {
                     entry.1 |= tier.bit();
                 }
                 index.store(self.holder_for(tier), tier, &hashes)?;
+                observe(Applied {
+                    holder: self.holder_for(tier),
+                    tier,
+                    stored: true,
+                    hashes: &hashes,
+                });
                 counts.stored_blocks += hashes.len() as u64;
             }
             EngineEvent::BlockRemoved {
@@ -218,6 +249,12 @@ impl InstanceFeed {
                     }
                 }
                 index.remove(self.holder_for(tier), tier, &hashes)?;
+                observe(Applied {
+                    holder: self.holder_for(tier),
+                    tier,
+                    stored: false,
+                    hashes: &hashes,
+                });
                 counts.removed_blocks += hashes.len() as u64;
             }
             EngineEvent::AllBlocksCleared => {
@@ -225,6 +262,43 @@ impl InstanceFeed {
             }
         }
         counts.events += 1;
+        Ok(())
+    }
+
+    /// The engine-hash map's entries: (engine hash, index hash, tier mask), in no order.
+    pub fn entries(&self) -> impl Iterator<Item = (i64, BlockHash, u8)> + '_ {
+        self.map.iter().map(|(e, (h, m))| (*e, *h, *m))
+    }
+
+    /// Restores entries [`entries`](Self::entries) gave, and stores each in `index` for its
+    /// tiers (L3 ones only when its L3 is its own), one `store` call per tier. For a restart
+    /// from a snapshot: the map and the index end as they were (the ages of the holder-blocks
+    /// excepted).
+    pub fn restore(
+        &mut self,
+        index: &mut Index,
+        entries: impl IntoIterator<Item = (i64, BlockHash, u8)>,
+    ) -> Result<()> {
+        let mut per_tier: [Vec<BlockHash>; 3] = Default::default();
+        for (e, h, mask) in entries {
+            if mask & 7 == 0 {
+                continue;
+            }
+            self.map.insert(e, (h, mask & 7));
+            for (i, tier) in [Tier::L1, Tier::L2, Tier::L3].into_iter().enumerate() {
+                if mask & tier.bit() != 0 {
+                    per_tier[i].push(h);
+                }
+            }
+        }
+        for (i, tier) in [Tier::L1, Tier::L2, Tier::L3].into_iter().enumerate() {
+            // A shared store's pages are restored from the store's own record: what the
+            // instance once wrote there may have left it since.
+            if tier == Tier::L3 && self.l3 != self.instance {
+                continue;
+            }
+            index.store(self.holder_for(tier), tier, &per_tier[i])?;
+        }
         Ok(())
     }
 

@@ -10,6 +10,13 @@
 //!   per tier, prefix queries answered per instance with every tier cumulative through the
 //!   faster ones.
 //! - [`ingest`]: applying an engine's KV events (by its own block hashes) to the index.
+//! - [`decode`]: `KVEventBatch` payloads (SGLang's, vLLM's, ours) into engine events.
+//! - [`stream`]: one event stream's sequence bookkeeping (gaps, replays, restarts, death) as a
+//!   pure state machine.
+//! - [`registry`], [`service`], [`metrics`]: registered instances, one index per model, shared
+//!   stores, queries, counters.
+//! - [`transport`], [`driver`], [`http`], [`snapshot`]: the service around them: subscriptions
+//!   and replays, the HTTP API, the checksummed snapshot of a `--data-dir`.
 //! - [`reference`]: a naive model of the same semantics, the oracle of the model tests.
 //!
 //! Terms: a *block* is one page of tokens, named by its chained [`BlockHash`]; a *holder* is an
@@ -19,10 +26,19 @@
 #![warn(missing_docs)]
 
 pub mod chain;
+pub mod decode;
+pub mod driver;
 pub mod error;
+pub mod http;
 pub mod ingest;
+pub mod metrics;
 pub mod reference;
+pub mod registry;
+pub mod service;
+pub mod snapshot;
+pub mod stream;
 pub mod table;
+pub mod transport;
 
 pub use chain::{BlockHash, ChainHasher};
 pub use error::{IndexError, Result};

@@ -1,0 +1,146 @@
+//! `hicache-index`: the fleet's KV index as a service. See the crate's README and the user
+//! guide's "Fleet KV index" section.
+
+use clap::Parser;
+use hicache_index::driver::Hub;
+use hicache_index::http::{HttpLimits, serve};
+use hicache_index::service::{Service, ServiceConfig};
+use hicache_index::snapshot;
+use hicache_index::transport::ZeromqTransport;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// The fleet's KV index: subscribes to engines' KV events and answers which instance, tier and
+/// L3 store holds each prefix.
+#[derive(Parser, Debug)]
+#[command(name = "hicache-index", version)]
+struct Args {
+    /// Address of the HTTP API, e.g. 127.0.0.1:8420.
+    #[arg(long)]
+    listen: String,
+    /// Directory of the snapshot (loaded at start, written every --snapshot-secs and at exit).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Holder-blocks per model index at most (least recently stored evicted first).
+    #[arg(long)]
+    capacity: Option<u64>,
+    /// Seconds an instance may stay disconnected before its entries are dropped.
+    #[arg(long, default_value_t = 60)]
+    dead_after_secs: u64,
+    /// Milliseconds a replay may take before it counts as failed (the stream is fenced).
+    #[arg(long, default_value_t = 2000)]
+    replay_timeout_ms: u64,
+    /// Seconds a shared L3 store's page is kept without being stored again (the bound on
+    /// reporting a page a store lost without an event).
+    #[arg(long, default_value_t = 600)]
+    store_ttl_secs: u64,
+    /// Seconds between snapshots (with --data-dir).
+    #[arg(long, default_value_t = 30)]
+    snapshot_secs: u64,
+    /// HTTP connections open at once.
+    #[arg(long, default_value_t = 256)]
+    max_connections: usize,
+    /// Largest HTTP request body in bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    max_body: usize,
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let args = Args::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!("cannot start the runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(args)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("hicache-index: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    let cfg = ServiceConfig {
+        capacity: args.capacity,
+        replay_timeout: Duration::from_millis(args.replay_timeout_ms.max(1)),
+        dead_after: Duration::from_secs(args.dead_after_secs),
+        store_ttl: Duration::from_secs(args.store_ttl_secs.max(1)),
+    };
+    let mut svc = Service::new(cfg);
+    if let Some(dir) = &args.data_dir {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let t = Instant::now();
+        match snapshot::load(&mut svc, dir, 0).map_err(|e| e.to_string())? {
+            Some(n) => tracing::info!(
+                entries = n,
+                streams = svc.stream_ids().len(),
+                ms = t.elapsed().as_millis() as u64,
+                "snapshot loaded; streams catch up through replay"
+            ),
+            None => tracing::info!(dir = %dir.display(), "no snapshot yet"),
+        }
+    }
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    let hub = Hub::new(svc, ZeromqTransport);
+    hub.start_all();
+    tracing::info!(listen = %args.listen, "serving");
+    let limits = HttpLimits {
+        max_connections: args.max_connections.max(1),
+        max_body: args.max_body,
+        ..HttpLimits::default()
+    };
+    let server = tokio::spawn(serve(listener, hub.clone(), limits));
+    if let Some(dir) = args.data_dir.clone() {
+        let hub = hub.clone();
+        let period = Duration::from_secs(args.snapshot_secs.max(1));
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(period).await;
+                save(&hub, &dir).await;
+            }
+        });
+    }
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| format!("cannot watch SIGTERM: {e}"))?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    server.abort();
+    if let Some(dir) = &args.data_dir {
+        save(&hub, dir).await;
+    }
+    Ok(())
+}
+
+async fn save(hub: &std::sync::Arc<Hub<ZeromqTransport>>, dir: &std::path::Path) {
+    let t = Instant::now();
+    let bytes = snapshot::encode(&hub.service().lock());
+    let dir = dir.to_path_buf();
+    let len = bytes.len();
+    match tokio::task::spawn_blocking(move || snapshot::write(&dir, &bytes)).await {
+        Ok(Ok(())) => tracing::info!(
+            bytes = len,
+            ms = t.elapsed().as_millis() as u64,
+            "snapshot written"
+        ),
+        Ok(Err(e)) => tracing::error!("snapshot not written: {e}"),
+        Err(e) => tracing::error!("snapshot task failed: {e}"),
+    }
+}
