@@ -282,3 +282,107 @@ pub fn load(svc: &mut Service, dir: &Path, now_ms: u64) -> Result<Option<u64>, S
     };
     restore(svc, &path, &bytes, now_ms).map(Some)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::WireFormat;
+    use crate::service::ServiceConfig;
+
+    fn reg(i: usize, store: Option<&str>) -> Registration {
+        Registration {
+            instance: format!("i{i}"),
+            endpoint: "tcp://127.0.0.1:1".into(),
+            replay_endpoint: Some("tcp://127.0.0.1:2".into()),
+            topic: None,
+            format: WireFormat::Sglang,
+            model: "m".into(),
+            page_size: 16,
+            dp_rank: None,
+            l3_store: store.map(str::to_string),
+        }
+    }
+
+    /// A service of `instances` instances (half on a shared store) holding `per` blocks each,
+    /// in chains of 64, spread over the tiers.
+    fn filled(instances: usize, per: u64) -> Service {
+        let mut svc = Service::new(ServiceConfig::default());
+        for i in 0..instances {
+            svc.register(reg(i, (i % 2 == 0).then_some("s")), 0).unwrap();
+        }
+        let ids = svc.stream_ids();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for (n, id) in ids.iter().enumerate() {
+            let stream = svc.streams.get_mut(id).unwrap();
+            let model = svc.models.get_mut("m").unwrap();
+            let entries = (0..per).map(|k| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // Chains shared across instances at the head: block k of chain c.
+                let shared = (k % 64) < 16;
+                let h = if shared { k.wrapping_mul(0x100_0000_01b3) } else { x };
+                let mask = [1u8, 2, 3, 4, 1][(k as usize + n) % 5];
+                (k as i64 + ((n as i64) << 40), h, mask)
+            });
+            stream.feed.restore(&mut model.index, entries).unwrap();
+        }
+        svc
+    }
+
+    fn answers(svc: &mut Service) -> Vec<crate::service::QueryAnswer> {
+        (0..50u32)
+            .map(|c| {
+                let tokens: Vec<u32> = (0..64 * 16).map(|t| t + c * 7).collect();
+                svc.query("m", &tokens).unwrap()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_snapshot_restores_the_same_answers_and_refuses_damage() {
+        let mut a = filled(6, 2000);
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = encode(&a);
+        write(dir.path(), &bytes).unwrap();
+        let mut b = Service::new(ServiceConfig::default());
+        assert!(load(&mut b, dir.path(), 0).unwrap().unwrap() > 0);
+        assert_eq!(answers(&mut a), answers(&mut b));
+        assert_eq!(a.render_metrics().len() > 0, b.render_metrics().len() > 0);
+        let p = dir.path().join(FILE_NAME);
+        for bad in [
+            bytes[..bytes.len() / 2].to_vec(),
+            [&bytes[..100], b"x", &bytes[101..]].concat(),
+            b"HCIXSNAP".to_vec(),
+        ] {
+            std::fs::write(&p, &bad).unwrap();
+            let mut c = Service::new(ServiceConfig::default());
+            assert!(load(&mut c, dir.path(), 0).is_err());
+            assert!(c.stream_ids().is_empty(), "nothing of a refused file is loaded");
+        }
+    }
+
+    /// The restart figure: a snapshot of 10M holder-blocks loaded into a fresh service.
+    /// `cargo test --release -p hicache-index --lib ten_million -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a measurement, run by hand in release"]
+    fn ten_million_holder_blocks_restart() {
+        let t = std::time::Instant::now();
+        let svc = filled(16, 10_000_000 / 16);
+        let hb = svc.models["m"].index.stats().holder_blocks;
+        println!("built {hb} holder-blocks in {:?}", t.elapsed());
+        let dir = tempfile::tempdir().unwrap();
+        let t = std::time::Instant::now();
+        let bytes = encode(&svc);
+        write(dir.path(), &bytes).unwrap();
+        println!("snapshot of {} MB written in {:?}", bytes.len() >> 20, t.elapsed());
+        drop(svc);
+        let t = std::time::Instant::now();
+        let mut fresh = Service::new(ServiceConfig::default());
+        load(&mut fresh, dir.path(), 0).unwrap();
+        let took = t.elapsed();
+        let hb2 = fresh.models["m"].index.stats().holder_blocks;
+        println!("RESTART: {hb2} holder-blocks loaded and serving in {took:?}");
+        assert_eq!(hb, hb2);
+    }
+}
