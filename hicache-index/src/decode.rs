@@ -21,6 +21,11 @@
 //!    batch with a [`DecodeError`] that names the event and field; nothing of it is applied.
 //! 3. A vLLM event of a KV-cache group other than 0 (hybrid models publish one stream of
 //!    events per group) is skipped and counted: the index follows the first group only.
+//! 5. What else a block's KV depends on keeps it apart from plain token queries: SGLang's
+//!    `cache_salt` and vLLM's `extra_keys` of a sequence's first block (its cache salt, LoRA
+//!    name) root the chain elsewhere, like a LoRA adapter; a vLLM event with extra keys on a
+//!    later block (multimodal inputs) is skipped and counted, so its blocks and their children
+//!    are misses, never wrong hits.
 //! 4. An engine hash is reduced to the index's `i64` key of the engine-hash map: an int64 as
 //!    is, a uint64 by its two's complement, a byte string by its last 8 bytes big-endian (what
 //!    vLLM's integer mode keeps of the same digest).
@@ -321,6 +326,28 @@ fn decode_event(
                 // vLLM names adapters; the chain is rooted by an id, so the name is hashed.
                 lora_id = Some(xxh3_64(name.as_bytes()) as i64);
             }
+            // Rule 5: what else the KV depends on roots the chain apart, or drops the event.
+            let mut salt = f.opt_str("cache_salt")?.map(|s| xxh3_64(s.as_bytes()));
+            if let Some(Value::Array(extra)) = f.get("extra_keys") {
+                for (i, k) in extra.iter().enumerate() {
+                    if k.is_nil() {
+                        continue;
+                    }
+                    if i > 0 || parent_block_hash.is_some() {
+                        return Ok(None);
+                    }
+                    let mut bytes = Vec::new();
+                    rmpv::encode::write_value(&mut bytes, k)
+                        .map_err(|e| f.err("extra_keys", e.to_string()))?;
+                    salt = Some(xxh3_64(&bytes) ^ salt.unwrap_or(0));
+                }
+            }
+            if let Some(salt) = salt {
+                let mut key = [0u8; 16];
+                key[..8].copy_from_slice(&lora_id.unwrap_or(0).to_le_bytes());
+                key[8..].copy_from_slice(&salt.to_le_bytes());
+                lora_id = Some(xxh3_64(&key) as i64);
+            }
             let medium = f.opt_str("medium")?.map(str::to_string);
             Ok(Some(EngineEvent::BlockStored {
                 block_hashes,
@@ -380,7 +407,7 @@ mod tests {
             ),
             ("block_size", Value::from(2)),
             ("medium", s("CPU_PINNED")),
-            ("cache_salt", s("tenant-a")),
+            ("session_id", s("attribution only")),
             ("some_future_field", Value::Array(vec![])),
         ])
     }
@@ -468,6 +495,54 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn salts_and_extra_keys_keep_blocks_apart_from_plain_queries() {
+        let lora = |v: &Value, f| match decode_batch(f, &batch(vec![v.clone()]))
+            .unwrap()
+            .events
+            .first()
+        {
+            Some(EngineEvent::BlockStored { lora_id, .. }) => Some(*lora_id),
+            _ => None,
+        };
+        let plain = stored_sglang();
+        let mut salted = stored_sglang();
+        if let Value::Map(m) = &mut salted {
+            m.push((s("cache_salt"), s("tenant-a")));
+        }
+        assert_eq!(lora(&plain, WireFormat::Sglang), Some(None));
+        assert!(matches!(lora(&salted, WireFormat::Sglang), Some(Some(_))));
+        let vllm = |extra: Value, parent: Value| {
+            map(vec![
+                ("type", s("BlockStored")),
+                (
+                    "block_hashes",
+                    Value::Array(vec![Value::from(1), Value::from(2)]),
+                ),
+                ("parent_block_hash", parent),
+                (
+                    "token_ids",
+                    Value::Array((1..=4u32).map(Value::from).collect()),
+                ),
+                ("block_size", Value::from(2)),
+                ("extra_keys", extra),
+            ])
+        };
+        let first = Value::Array(vec![Value::Array(vec![s("salt")]), Value::Nil]);
+        assert!(matches!(
+            lora(&vllm(first.clone(), Value::Nil), WireFormat::Vllm),
+            Some(Some(_))
+        ));
+        assert_eq!(lora(&vllm(first, Value::from(7)), WireFormat::Vllm), None);
+        let later = Value::Array(vec![
+            Value::Nil,
+            Value::Array(vec![s("mm"), Value::from(0)]),
+        ]);
+        assert_eq!(lora(&vllm(later, Value::Nil), WireFormat::Vllm), None);
+        let none = Value::Array(vec![Value::Nil, Value::Nil]);
+        assert_eq!(lora(&vllm(none, Value::Nil), WireFormat::Vllm), Some(None));
     }
 
     #[test]

@@ -308,7 +308,8 @@ mod tests {
     fn filled(instances: usize, per: u64) -> Service {
         let mut svc = Service::new(ServiceConfig::default());
         for i in 0..instances {
-            svc.register(reg(i, (i % 2 == 0).then_some("s")), 0).unwrap();
+            svc.register(reg(i, (i % 2 == 0).then_some("s")), 0)
+                .unwrap();
         }
         let ids = svc.stream_ids();
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
@@ -321,7 +322,11 @@ mod tests {
                 x ^= x << 17;
                 // Chains shared across instances at the head: block k of chain c.
                 let shared = (k % 64) < 16;
-                let h = if shared { k.wrapping_mul(0x100_0000_01b3) } else { x };
+                let h = if shared {
+                    k.wrapping_mul(0x100_0000_01b3)
+                } else {
+                    x
+                };
                 let mask = [1u8, 2, 3, 4, 1][(k as usize + n) % 5];
                 (k as i64 + ((n as i64) << 40), h, mask)
             });
@@ -358,7 +363,10 @@ mod tests {
             std::fs::write(&p, &bad).unwrap();
             let mut c = Service::new(ServiceConfig::default());
             assert!(load(&mut c, dir.path(), 0).is_err());
-            assert!(c.stream_ids().is_empty(), "nothing of a refused file is loaded");
+            assert!(
+                c.stream_ids().is_empty(),
+                "nothing of a refused file is loaded"
+            );
         }
     }
 
@@ -375,7 +383,11 @@ mod tests {
         let t = std::time::Instant::now();
         let bytes = encode(&svc);
         write(dir.path(), &bytes).unwrap();
-        println!("snapshot of {} MB written in {:?}", bytes.len() >> 20, t.elapsed());
+        println!(
+            "snapshot of {} MB written in {:?}",
+            bytes.len() >> 20,
+            t.elapsed()
+        );
         drop(svc);
         let t = std::time::Instant::now();
         let mut fresh = Service::new(ServiceConfig::default());
