@@ -4,7 +4,7 @@
 use hicache_index::driver::Hub;
 use hicache_index::http::{HttpLimits, serve};
 use hicache_index::service::{Service, ServiceConfig};
-use hicache_index::transport::ZeromqTransport;
+use hicache_index::transport::{Transport, ZeromqTransport};
 use serde_json::Value;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,13 +12,13 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A running index: its hub and the address of its HTTP API.
-pub struct Running {
-    pub hub: Arc<Hub<ZeromqTransport>>,
+pub struct Running<T: Transport = ZeromqTransport> {
+    pub hub: Arc<Hub<T>>,
     pub addr: SocketAddr,
     server: tokio::task::JoinHandle<()>,
 }
 
-impl Drop for Running {
+impl<T: Transport> Drop for Running<T> {
     fn drop(&mut self) {
         self.server.abort();
     }
@@ -26,9 +26,14 @@ impl Drop for Running {
 
 /// Starts an index over `svc` (restored or empty) on 127.0.0.1:0.
 pub async fn start(svc: Service) -> Running {
+    start_with(svc, ZeromqTransport).await
+}
+
+/// [`start`] over another transport.
+pub async fn start_with<T: Transport>(svc: Service, transport: T) -> Running<T> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let hub = Hub::new(svc, ZeromqTransport);
+    let hub = Hub::new(svc, transport);
     hub.start_all();
     let limits = HttpLimits {
         max_connections: 8,
