@@ -21,6 +21,10 @@ struct Args {
     /// Directory of the snapshot (loaded at start, written every --snapshot-secs and at exit).
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// Start from a peer's state (`GET /dump` of another hicache-index at HOST:PORT) when the
+    /// data directory has no snapshot; the streams then catch up through replay.
+    #[arg(long)]
+    warm_from: Option<String>,
     /// Holder-blocks per model index at most (least recently stored evicted first).
     #[arg(long)]
     capacity: Option<u64>,
@@ -94,6 +98,20 @@ async fn run(args: Args) -> Result<(), String> {
             None => tracing::info!(dir = %dir.display(), "no snapshot yet"),
         }
     }
+    if let Some(peer) = &args.warm_from
+        && svc.stream_ids().is_empty()
+    {
+        let t = Instant::now();
+        let bytes = fetch_dump(peer).await?;
+        let n = snapshot::restore(&mut svc, std::path::Path::new(peer), &bytes, 0)
+            .map_err(|e| format!("warm start from {peer}: {e}"))?;
+        tracing::info!(
+            peer,
+            entries = n,
+            ms = t.elapsed().as_millis() as u64,
+            "warm start from a peer's dump"
+        );
+    }
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
@@ -143,4 +161,39 @@ async fn save(hub: &std::sync::Arc<Hub<ZeromqTransport>>, dir: &std::path::Path)
         Ok(Err(e)) => tracing::error!("snapshot not written: {e}"),
         Err(e) => tracing::error!("snapshot task failed: {e}"),
     }
+}
+
+/// `GET /dump` of a peer (plain HTTP/1.1, the body read to the end of the connection).
+async fn fetch_dump(peer: &str) -> Result<Vec<u8>, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let err = |e: std::io::Error| format!("warm start from {peer}: {e}");
+    let mut s = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::net::TcpStream::connect(peer),
+    )
+    .await
+    .map_err(|_| format!("warm start from {peer}: connect timed out"))?
+    .map_err(err)?;
+    s.write_all(
+        format!("GET /dump HTTP/1.1\r\nhost: {peer}\r\nconnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .map_err(err)?;
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(300), s.read_to_end(&mut out))
+        .await
+        .map_err(|_| format!("warm start from {peer}: the dump took over 300 s"))?
+        .map_err(err)?;
+    let end = out
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| format!("warm start from {peer}: not an HTTP answer"))?;
+    let head = String::from_utf8_lossy(&out[..end]).to_string();
+    if !head.starts_with("HTTP/1.1 200") {
+        return Err(format!(
+            "warm start from {peer}: {}",
+            head.lines().next().unwrap_or("")
+        ));
+    }
+    Ok(out.split_off(end + 4))
 }
