@@ -153,6 +153,19 @@ struct Candidate {
     in2: bool,
 }
 
+impl Candidate {
+    fn new(holder: u32, mask: u8) -> Self {
+        Self {
+            holder,
+            mask,
+            l1: 0,
+            l2: 0,
+            in1: true,
+            in2: true,
+        }
+    }
+}
+
 impl Index {
     /// An empty index holding at most `capacity` holder-blocks (`None`: unbounded).
     pub fn new(capacity: Option<u64>) -> Self {
@@ -451,32 +464,23 @@ impl Index {
         };
         // The first block: every instance holding it, itself or through a store it reads.
         let mut cands: Vec<Candidate> = Vec::new();
-        for e in self.blocks.entries(slot) {
-            let h = e.ht >> 2;
-            let Some(Some(holder)) = self.holders.get(h as usize) else {
-                continue;
-            };
-            let cand = |holder, mask| Candidate {
-                holder,
-                mask,
-                l1: 0,
-                l2: 0,
-                in1: true,
-                in2: true,
-            };
-            match holder.kind {
-                HolderKind::Instance => cands.push(cand(h, 1 << (e.ht & 3))),
-                HolderKind::Store => cands.extend(holder.readers.iter().map(|&r| cand(r, 8))),
-            }
+        let entries = self.blocks.entries(slot);
+        if entries.len() > 32 {
+            // Many holders: mark them in a dense array, read it back in holder order.
+            let mut marks = vec![0u8; self.holders.len()];
+            self.holders_of(entries, |h, bits| marks[h as usize] |= bits);
+            cands.extend(
+                marks
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, m)| **m != 0)
+                    .map(|(h, &m)| Candidate::new(h as u32, m)),
+            );
+        } else {
+            self.holders_of(entries, |h, bits| cands.push(Candidate::new(h, bits)));
+            Self::sort_merge(&mut cands);
         }
-        cands.sort_unstable_by_key(|c| c.holder);
-        cands.dedup_by(|later, kept| {
-            let same = later.holder == kept.holder;
-            if same {
-                kept.mask |= later.mask;
-            }
-            same
-        });
+        let mut survivors: Vec<Candidate> = Vec::new();
         let mut depth = 0u32;
         loop {
             // Every candidate holds block `depth` (mask set): extend its runs.
@@ -492,26 +496,50 @@ impl Index {
                 .and_then(|b| self.blocks.lookup(*b));
             let Some(slot) = next else { break };
             let entries = self.blocks.entries(slot);
+            let finish = |c: &Candidate, out: &mut Vec<QueryMatch>| {
+                out.push(QueryMatch {
+                    holder: HolderId(c.holder),
+                    l1: c.l1,
+                    l2: c.l2,
+                    l3: depth,
+                })
+            };
             let mut kept = 0;
-            for i in 0..cands.len() {
-                let mut c = cands[i];
-                c.mask = Self::own_mask(entries, c.holder);
-                if c.mask == 0
-                    && let Some(Some(holder)) = self.holders.get(c.holder as usize)
-                    && holder.stores.iter().any(|&s| Self::has_store(entries, s))
-                {
-                    c.mask = 8;
+            if entries.len() * 4 < cands.len() {
+                // Few holders of this block, many candidates: walk the block's holders and
+                // merge them with the (sorted) candidates.
+                survivors.clear();
+                self.holders_of(entries, |h, bits| survivors.push(Candidate::new(h, bits)));
+                Self::sort_merge(&mut survivors);
+                let mut s = survivors.iter().peekable();
+                for i in 0..cands.len() {
+                    let mut c = cands[i];
+                    while s.next_if(|x| x.holder < c.holder).is_some() {}
+                    match s.next_if(|x| x.holder == c.holder) {
+                        Some(x) => {
+                            c.mask = x.mask;
+                            cands[kept] = c;
+                            kept += 1;
+                        }
+                        None => finish(&c, out),
+                    }
                 }
-                if c.mask == 0 {
-                    out.push(QueryMatch {
-                        holder: HolderId(c.holder),
-                        l1: c.l1,
-                        l2: c.l2,
-                        l3: depth,
-                    });
-                } else {
-                    cands[kept] = c;
-                    kept += 1;
+            } else {
+                for i in 0..cands.len() {
+                    let mut c = cands[i];
+                    c.mask = Self::own_mask(entries, c.holder);
+                    if c.mask == 0
+                        && let Some(Some(holder)) = self.holders.get(c.holder as usize)
+                        && holder.stores.iter().any(|&s| Self::has_store(entries, s))
+                    {
+                        c.mask = 8;
+                    }
+                    if c.mask == 0 {
+                        finish(&c, out);
+                    } else {
+                        cands[kept] = c;
+                        kept += 1;
+                    }
                 }
             }
             cands.truncate(kept);
@@ -525,7 +553,36 @@ impl Index {
             l2: c.l2,
             l3: depth,
         }));
-        out.sort_unstable_by_key(|m| m.holder);
+        // Runs finished at each depth are each in holder order: a stable sort merges them.
+        out.sort_by_key(|m| m.holder);
+    }
+
+    /// Calls `f(instance, bits)` for every instance holding a block with these entries: its
+    /// own tier bits, or bit 3 for each store it reads that holds the block.
+    #[inline]
+    fn holders_of(&self, entries: &[Entry], mut f: impl FnMut(u32, u8)) {
+        for e in entries {
+            let h = e.ht >> 2;
+            let Some(Some(holder)) = self.holders.get(h as usize) else {
+                continue;
+            };
+            match holder.kind {
+                HolderKind::Instance => f(h, 1 << (e.ht & 3)),
+                HolderKind::Store => holder.readers.iter().for_each(|&r| f(r, 8)),
+            }
+        }
+    }
+
+    /// Sorts candidates by holder, merging each holder's bits into one.
+    fn sort_merge(cands: &mut Vec<Candidate>) {
+        cands.sort_unstable_by_key(|c| c.holder);
+        cands.dedup_by(|later, kept| {
+            let same = later.holder == kept.holder;
+            if same {
+                kept.mask |= later.mask;
+            }
+            same
+        });
     }
 
     /// The index's accounting.

@@ -153,25 +153,34 @@ impl Chains {
 /// replaced, shared stores attached and detached, queries), every answer and count compared.
 #[test]
 fn a_million_random_events_match_the_naive_model() {
-    let capacities = [None, Some(5), Some(60), Some(400), None, Some(2_000)];
-    let per_run = 1_000_000 / capacities.len() + 1;
+    // (capacity, instances, stores): the larger fleets give blocks held by more than 32
+    // holders and queries with many candidates (the query's dense and merge paths).
+    let runs = [
+        (None, 6, 3),
+        (Some(5), 6, 3),
+        (Some(60), 6, 3),
+        (Some(400), 6, 3),
+        (None, 40, 6),
+        (Some(2_000), 40, 6),
+    ];
+    let per_run = 1_000_000 / runs.len() + 1;
     let mut rng = StdRng::seed_from_u64(0x6869_6361_6368_6549);
     let mut events = 0u64;
     let mut out = Vec::new();
-    for capacity in capacities {
+    for (capacity, n_instances, n_stores) in runs {
         let chains = Chains::new(&mut rng);
         let mut idx = Index::new(capacity);
         let mut model = ReferenceIndex::new(capacity);
         let (mut instances, mut stores) = (Vec::new(), Vec::new());
-        for i in 0..9 {
-            let kind = if i < 6 {
+        for i in 0..n_instances + n_stores {
+            let kind = if i < n_instances {
                 HolderKind::Instance
             } else {
                 HolderKind::Store
             };
             let h = idx.add_holder(kind).unwrap();
             assert_eq!(h, model.add_holder(kind));
-            if i < 6 {
+            if i < n_instances {
                 instances.push(h)
             } else {
                 stores.push(h)
