@@ -52,6 +52,10 @@ enum Command {
     Tree(cmd::tree::TreeArgs),
     /// Storage backend throughput next to raw O_DIRECT I/O of the same bytes (or memcpy).
     Storage(cmd::storage::StorageArgs),
+    /// Replay a fleet KV-event file through the fleet index, next to a reference index.
+    Index(cmd::index::IndexArgs),
+    /// Write a fleet KV-event file from a trace (Mooncake) or the multi-turn workload.
+    IndexGen(cmd::index_gen::IndexGenArgs),
     /// The operator tools of `hicache` (hash, storage-write, storage-check, storage-clear),
     /// kept here as aliases: the same code and flags.
     #[command(flatten)]
@@ -75,6 +79,8 @@ fn main() -> ExitCode {
         Some(Command::Storage(args)) => {
             cmd::storage::run(&args, std::io::stdout().lock()).map(drop)
         }
+        Some(Command::Index(args)) => cmd::index::run(&args, std::io::stdout().lock()),
+        Some(Command::IndexGen(args)) => cmd::index_gen::run(&args, std::io::stdout().lock()),
         Some(Command::Tool(tool)) => tool.run().map_err(Into::into),
         // The main job: the multi-turn workload on the embedded default (sim device, host
         // pool, file L3 in a temp dir), every tier side by side.

@@ -1,6 +1,8 @@
 //! One module per subcommand.
 
 pub mod controller;
+pub mod index;
+pub mod index_gen;
 pub mod loadback;
 pub mod multiturn;
 pub mod plugin;
