@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub mod controller;
+pub mod fleet;
 pub mod loadback;
 pub mod multiturn;
 pub mod plugin;
