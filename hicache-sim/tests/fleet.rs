@@ -4,12 +4,12 @@ use hicache_index::router::Policy;
 use hicache_sim::fleet::{self, FleetSetup, L3Mode, Source};
 use hicache_sim::plan::{MultiturnArgs, plan};
 
-fn tiny(extra: &[&str]) -> hicache_sim::Plan {
-    let mut args = vec![
+fn tiny(rounds: &str) -> hicache_sim::Plan {
+    let args = [
         "--clients",
         "3",
         "--rounds",
-        "3",
+        rounds,
         "--system-tokens",
         "64",
         "--user-tokens",
@@ -26,13 +26,12 @@ fn tiny(extra: &[&str]) -> hicache_sim::Plan {
         "3",
         "--quiet",
     ];
-    args.extend_from_slice(extra);
     plan(&MultiturnArgs::try_parse(&args).unwrap()).unwrap()
 }
 
 #[test]
 fn every_policy_accounts_for_every_token_and_request() {
-    let p = tiny(&[]);
+    let p = tiny("3");
     for l3 in [L3Mode::None, L3Mode::Shared] {
         let setup = FleetSetup::from_plan(&p, 2, l3, true).unwrap();
         let mut recomputed = Vec::new();
@@ -73,7 +72,7 @@ fn every_policy_accounts_for_every_token_and_request() {
 
 #[test]
 fn timed_sources_release_requests_at_their_times() {
-    let p = tiny(&["--rounds", "1"]);
+    let p = tiny("1");
     let setup = FleetSetup::from_plan(&p, 2, L3Mode::None, true).unwrap();
     let run = fleet::run(
         &setup,
