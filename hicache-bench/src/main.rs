@@ -44,6 +44,8 @@ enum Command {
     Loadback(cmd::loadback::LoadbackArgs),
     /// The main job: a multi-turn serving simulation through the whole stack, per tier.
     Multiturn(Box<cmd::multiturn::MultiturnArgs>),
+    /// Cache-aware routing of a fleet of simulated engines, every policy on one workload.
+    Fleet(Box<cmd::fleet::FleetArgs>),
     /// L1<->L2 page transfers (backup, per-layer load) against bulk pinned copies.
     Transfer(cmd::transfer::TransferArgs),
     /// The plugin ABI's cost: the memory backend natively vs through the example plugin.
@@ -74,6 +76,7 @@ fn main() -> ExitCode {
             &hicache_sim::adapter::HiCacheFactory,
         )
         .map(drop),
+        Some(Command::Fleet(args)) => cmd::fleet::run(&args, std::io::stdout().lock()).map(drop),
         Some(Command::Tree(args)) => cmd::tree::run(&args, std::io::stdout().lock()),
         Some(Command::Transfer(args)) => cmd::transfer::run(&args, std::io::stdout().lock()),
         Some(Command::Storage(args)) => {

@@ -10,6 +10,7 @@
 //!   per tier, prefix queries answered per instance with every tier cumulative through the
 //!   faster ones.
 //! - [`ingest`]: applying an engine's KV events (by its own block hashes) to the index.
+//! - [`router`]: the routing policies a gateway links (ours and the peers' documented rules).
 //! - [`reference`]: a naive model of the same semantics, the oracle of the model tests.
 //!
 //! Terms: a *block* is one page of tokens, named by its chained [`BlockHash`]; a *holder* is an
@@ -22,6 +23,7 @@ pub mod chain;
 pub mod error;
 pub mod ingest;
 pub mod reference;
+pub mod router;
 pub mod table;
 
 pub use chain::{BlockHash, ChainHasher};
