@@ -44,6 +44,8 @@ enum Command {
     Loadback(cmd::loadback::LoadbackArgs),
     /// The main job: a multi-turn serving simulation through the whole stack, per tier.
     Multiturn(Box<cmd::multiturn::MultiturnArgs>),
+    /// Cache-aware routing of a fleet of simulated engines, every policy on one workload.
+    Fleet(Box<cmd::fleet::FleetArgs>),
     /// L1<->L2 page transfers (backup, per-layer load) against bulk pinned copies.
     Transfer(cmd::transfer::TransferArgs),
     /// The plugin ABI's cost: the memory backend natively vs through the example plugin.
@@ -52,6 +54,10 @@ enum Command {
     Tree(cmd::tree::TreeArgs),
     /// Storage backend throughput next to raw O_DIRECT I/O of the same bytes (or memcpy).
     Storage(cmd::storage::StorageArgs),
+    /// Replay a fleet KV-event file through the fleet index, next to a reference index.
+    Index(cmd::index::IndexArgs),
+    /// Write a fleet KV-event file from a trace (Mooncake) or the multi-turn workload.
+    IndexGen(cmd::index_gen::IndexGenArgs),
     /// The operator tools of `hicache` (hash, storage-write, storage-check, storage-clear),
     /// kept here as aliases: the same code and flags.
     #[command(flatten)]
@@ -70,11 +76,14 @@ fn main() -> ExitCode {
             &hicache_sim::adapter::HiCacheFactory,
         )
         .map(drop),
+        Some(Command::Fleet(args)) => cmd::fleet::run(&args, std::io::stdout().lock()).map(drop),
         Some(Command::Tree(args)) => cmd::tree::run(&args, std::io::stdout().lock()),
         Some(Command::Transfer(args)) => cmd::transfer::run(&args, std::io::stdout().lock()),
         Some(Command::Storage(args)) => {
             cmd::storage::run(&args, std::io::stdout().lock()).map(drop)
         }
+        Some(Command::Index(args)) => cmd::index::run(&args, std::io::stdout().lock()),
+        Some(Command::IndexGen(args)) => cmd::index_gen::run(&args, std::io::stdout().lock()),
         Some(Command::Tool(tool)) => tool.run().map_err(Into::into),
         // The main job: the multi-turn workload on the embedded default (sim device, host
         // pool, file L3 in a temp dir), every tier side by side.

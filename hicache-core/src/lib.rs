@@ -3,6 +3,7 @@
 //! The pure logic of hicache-rs: no I/O, no `unsafe`, no async runtime, no CUDA.
 //!
 //! - [`key`]: page identities ([`PageHash`], [`NamespaceId`], [`PageKey`]).
+//! - [`pool_key`]: the namespaces of SGLang's sidecar host pools (v2 interface).
 //! - [`hash`]: the chained page hasher ([`PageHasher`]) in SGLang-compatible and namespaced
 //!   modes.
 //! - [`layout`]: KV shapes ([`KvShape`]) and host layouts ([`LayoutKind`]).
@@ -26,6 +27,7 @@ pub mod hash;
 pub mod key;
 pub mod layout;
 pub mod policy;
+pub mod pool_key;
 pub mod region;
 pub mod slot;
 pub mod tree;
@@ -35,12 +37,12 @@ pub use error::{CoreError, Result};
 pub use event::{KvEvent, Medium};
 pub use eviction::{EvictionStrategy, NodeStats, StrategyKind};
 pub use hash::{ChainStart, FORMAT_VERSION, HashMode, Namespace, PageHasher};
-pub use key::{
-    NamespaceId, PageHash, PageKey, PoolDeployment, PoolFingerprint, PoolPieces, pool_namespace_id,
-    tokens_from_i64, tokens_from_u64, torch_dtype_name,
-};
+pub use key::{NamespaceId, PageHash, PageKey, tokens_from_i64, tokens_from_u64};
 pub use layout::{DType, KvKind, KvShape, LayoutKind};
 pub use policy::{PrefetchConfig, PrefetchPolicy, WritePolicy};
+pub use pool_key::{
+    PoolDeployment, PoolFingerprint, PoolPieces, pool_namespace_id, torch_dtype_name,
+};
 pub use region::MemoryRegion;
 pub use slot::{DeviceSlot, HostSlot};
 pub use tree::{

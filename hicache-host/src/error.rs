@@ -96,14 +96,14 @@ pub enum HostError {
     #[error("{component} host pool: {source}")]
     Component {
         /// The component whose pool failed.
-        component: crate::group::HostComponent,
+        component: crate::component::HostComponent,
         /// What went wrong there.
         #[source]
         source: Box<HostError>,
     },
     /// A component the host pool group was built without.
     #[error("the host pool group has no {0} pool")]
-    NoComponent(crate::group::HostComponent),
+    NoComponent(crate::component::HostComponent),
 }
 
 /// Result alias of `hicache-host`.

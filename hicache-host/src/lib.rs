@@ -13,6 +13,7 @@
 //!   (iovecs for zero-copy L3, flat `get_page` / `set_page` copies for generic backends).
 //! - [`mamba`]: [`MambaPool`], Mamba / linear-attention states, one per slot, in SGLang's
 //!   `MambaPoolHost` geometry (temporal + conv pieces, each with its own dtype).
+//! - [`component`]: [`HostComponent`], the pools of a group as SGLang names them.
 //! - [`group`]: [`HostPoolGroup`], a hybrid model's pools: KV, sliding-window KV and Mamba
 //!   state, one RAM check over the group, per-component slots, iovecs, copies and regions.
 //!
@@ -21,6 +22,7 @@
 #![warn(missing_docs)]
 
 pub mod alloc;
+pub mod component;
 pub mod error;
 pub mod group;
 pub mod layout;
@@ -29,8 +31,9 @@ pub mod memory;
 pub mod pool;
 
 pub use alloc::{HostSlot, PageAllocator, Slot};
+pub use component::HostComponent;
 pub use error::{AllocError, HostError, Result};
-pub use group::{HostComponent, HostPoolGroup, HostPoolGroupConfig};
+pub use group::{HostPoolGroup, HostPoolGroupConfig};
 pub use layout::{HostLayout, PagePart, Strides};
 pub use mamba::{MambaPool, MambaPoolConfig, MambaShape, MambaSlot};
 pub use memory::{Backing, HostMemory, HugePagePolicy};

@@ -17,6 +17,7 @@
 //!   stores, queries, counters.
 //! - [`transport`], [`driver`], [`http`], [`snapshot`]: the service around them: subscriptions
 //!   and replays, the HTTP API, the checksummed snapshot of a `--data-dir`.
+//! - [`router`]: the routing policies a gateway links (ours and the peers' documented rules).
 //! - [`reference`]: a naive model of the same semantics, the oracle of the model tests.
 //!
 //! Terms: a *block* is one page of tokens, named by its chained [`BlockHash`]; a *holder* is an
@@ -34,6 +35,7 @@ pub mod ingest;
 pub mod metrics;
 pub mod reference;
 pub mod registry;
+pub mod router;
 pub mod service;
 pub mod snapshot;
 pub mod stream;

@@ -12,6 +12,8 @@ pub struct ReferenceIndex {
     kinds: BTreeMap<u32, HolderKind>,
     stores_of: BTreeMap<u32, BTreeSet<u32>>,
     held: BTreeMap<(u32, Tier, BlockHash), (u64, u32)>,
+    /// The same residencies by age, for eviction (the oldest first).
+    by_age: BTreeMap<(u64, u32), (u32, Tier, BlockHash)>,
     next_holder: u32,
     clock: u64,
     /// Holder-blocks evicted for capacity.
@@ -65,21 +67,20 @@ impl ReferenceIndex {
         self.clock += 1;
         let mut new = 0;
         for (pos, &b) in hashes.iter().enumerate() {
-            if self
-                .held
-                .insert((h.0, tier, b), (self.clock, u32::MAX - pos as u32))
-                .is_none()
-            {
-                new += 1;
+            let age = (self.clock, u32::MAX - pos as u32);
+            match self.held.insert((h.0, tier, b), age) {
+                None => new += 1,
+                Some(old) => {
+                    self.by_age.remove(&old);
+                }
             }
+            self.by_age.insert(age, (h.0, tier, b));
         }
         if let Some(cap) = self.capacity {
             while self.held.len() as u64 > cap {
-                let oldest = *self
-                    .held
-                    .iter()
-                    .min_by_key(|(_, age)| **age)
-                    .map(|(k, _)| k)
+                let (_, oldest) = self
+                    .by_age
+                    .pop_first()
                     .expect("over capacity means not empty");
                 self.held.remove(&oldest);
                 self.evicted += 1;
@@ -90,49 +91,75 @@ impl ReferenceIndex {
 
     /// Removes blocks; returns how many were held.
     pub fn remove(&mut self, h: HolderId, tier: Tier, hashes: &[BlockHash]) -> usize {
-        hashes
-            .iter()
-            .filter(|b| self.held.remove(&(h.0, tier, **b)).is_some())
-            .count()
+        let mut removed = 0;
+        for b in hashes {
+            if let Some(age) = self.held.remove(&(h.0, tier, *b)) {
+                self.by_age.remove(&age);
+                removed += 1;
+            }
+        }
+        removed
     }
 
     /// Drops everything `h` holds.
     pub fn clear(&mut self, h: HolderId) -> usize {
         let before = self.held.len();
-        self.held.retain(|(id, _, _), _| *id != h.0);
+        let by_age = &mut self.by_age;
+        self.held.retain(|(id, _, _), age| {
+            let keep = *id != h.0;
+            if !keep {
+                by_age.remove(age);
+            }
+            keep
+        });
         before - self.held.len()
     }
 
-    fn holds(&self, h: u32, tiers: &[Tier], b: BlockHash) -> bool {
-        tiers.iter().any(|t| self.held.contains_key(&(h, *t, b)))
+    /// The tiers in which `h` holds `b`.
+    fn tiers_of(&self, h: u32, b: BlockHash) -> [bool; 3] {
+        [Tier::L1, Tier::L2, Tier::L3].map(|t| self.held.contains_key(&(h, t, b)))
     }
 
-    /// The query, by the rules, holder by holder.
+    /// The query, by the rules, holder by holder: one walk down the chain per instance, each
+    /// tier's run ending at its first block missing.
     pub fn query(&self, hashes: &[BlockHash]) -> Vec<QueryMatch> {
         let mut out = Vec::new();
         for (&id, &kind) in &self.kinds {
             if kind != HolderKind::Instance {
                 continue;
             }
-            let lead = |pred: &dyn Fn(BlockHash) -> bool| {
-                hashes.iter().take_while(|b| pred(**b)).count() as u32
-            };
             let no_stores = BTreeSet::new();
             let stores = self.stores_of.get(&id).unwrap_or(&no_stores);
-            let all = [Tier::L1, Tier::L2, Tier::L3];
-            let m = QueryMatch {
+            let mut m = QueryMatch {
                 holder: HolderId(id),
-                l1: lead(&|b| self.holds(id, &[Tier::L1], b)),
-                l2: lead(&|b| self.holds(id, &[Tier::L1, Tier::L2], b)),
-                l3: lead(&|b| {
-                    self.holds(id, &all, b) || stores.iter().any(|s| self.holds(*s, &all, b))
-                }),
+                l1: 0,
+                l2: 0,
+                l3: 0,
             };
+            let (mut run1, mut run2) = (true, true);
+            for &b in hashes {
+                let [in1, in2, in3] = self.tiers_of(id, b);
+                let shared = || stores.iter().any(|s| self.tiers_of(*s, b).contains(&true));
+                run1 &= in1;
+                run2 &= in1 || in2;
+                if !(in1 || in2 || in3 || shared()) {
+                    break;
+                }
+                m.l1 += u32::from(run1);
+                m.l2 += u32::from(run2);
+                m.l3 += 1;
+            }
             if m.l3 > 0 {
                 out.push(m);
             }
         }
         out
+    }
+
+    /// Distinct blocks held by anyone.
+    pub fn blocks(&self) -> u64 {
+        let set: BTreeSet<BlockHash> = self.held.keys().map(|(_, _, b)| *b).collect();
+        set.len() as u64
     }
 
     /// Holder-blocks held.

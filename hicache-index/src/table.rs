@@ -17,10 +17,23 @@
 //!    deepest block first (a chain loses its tail before its head), counted in
 //!    [`IndexStats::evicted`].
 
+//!
+//! Layout and cost (see [`blocks`] and [`ages`]): one hash table from block hash to a compact
+//! set of `(holder, tier)` entries (inline when a block has one, sorted chunks in an arena
+//! otherwise), 8 bytes per holder-block plus 16 bytes and a table bucket per block; one age
+//! log per (holder, tier), 4 bytes per holder-block plus one batch record per `store` call,
+//! which gives the eviction order, `clear` in the holder's own size, and exact refreshes
+//! through tombstones. A query walks the chain once, narrowing the set of instances still
+//! matching, and stops when it is empty.
+
+mod ages;
+mod blocks;
+
+use self::ages::{AgeLog, TOMBSTONE};
+use self::blocks::{BlockTable, Entry};
 use crate::chain::BlockHash;
 use crate::error::{IndexError, Result};
-use hashbrown::HashMap;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeSet;
 
 /// A tier of the cache hierarchy.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -36,10 +49,15 @@ pub enum Tier {
 impl Tier {
     /// The tier's bit in a tier mask.
     pub fn bit(self) -> u8 {
+        1 << self.index()
+    }
+
+    /// The tier's index: 0 for L1, 1 for L2, 2 for L3.
+    pub fn index(self) -> usize {
         match self {
-            Tier::L1 => 1,
-            Tier::L2 => 2,
-            Tier::L3 => 4,
+            Tier::L1 => 0,
+            Tier::L2 => 1,
+            Tier::L3 => 2,
         }
     }
 }
@@ -85,31 +103,67 @@ pub struct IndexStats {
     pub bytes: u64,
 }
 
-#[derive(Clone, Debug)]
+/// Holder ids are below this (an entry packs `id << 2 | tier` below bit 31).
+const MAX_HOLDERS: usize = 1 << 29;
+
+#[derive(Debug)]
 struct Holder {
     kind: HolderKind,
-    /// Stores an instance reads (instances only).
-    stores: Vec<HolderId>,
-    /// Blocks held (any tier).
-    blocks: HashSet<BlockHash>,
+    /// Stores an instance reads (instances only), in attach order.
+    stores: Vec<u32>,
+    /// Instances reading a store (stores only), sorted.
+    readers: Vec<u32>,
+    /// Age log per tier.
+    logs: [AgeLog; 3],
 }
 
-/// Key of one holder-block in the age order: (store call, position in it reversed).
-type Age = (u64, u32);
+#[inline]
+fn ht_of(h: u32, tier: usize) -> u32 {
+    h << 2 | tier as u32
+}
 
 /// The fleet's KV index for one model.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Index {
     capacity: Option<u64>,
     holders: Vec<Option<Holder>>,
-    /// block → (holder, tier mask) pairs.
-    blocks: HashMap<BlockHash, Vec<(u32, u8)>>,
-    /// Age of each holder-block, for capacity eviction.
-    ages: BTreeMap<Age, (u32, Tier, BlockHash)>,
-    age_of: HashMap<(u32, Tier, BlockHash), Age>,
+    blocks: BlockTable,
+    /// (front batch clock, ht) of every non-empty age log: the eviction order of the logs.
+    fronts: BTreeSet<(u64, u32)>,
     clock: u64,
     holder_blocks: u64,
     evicted: u64,
+}
+
+impl Default for Index {
+    fn default() -> Self {
+        Self::new(None)
+    }
+}
+
+/// One instance still matching a query, with its runs so far.
+#[derive(Clone, Copy, Debug)]
+struct Candidate {
+    holder: u32,
+    /// Own tier bits in the current block (bit 3: through a store).
+    mask: u8,
+    l1: u32,
+    l2: u32,
+    in1: bool,
+    in2: bool,
+}
+
+impl Candidate {
+    fn new(holder: u32, mask: u8) -> Self {
+        Self {
+            holder,
+            mask,
+            l1: 0,
+            l2: 0,
+            in1: true,
+            in2: true,
+        }
+    }
 }
 
 impl Index {
@@ -117,19 +171,25 @@ impl Index {
     pub fn new(capacity: Option<u64>) -> Self {
         Self {
             capacity,
-            ..Self::default()
+            holders: Vec::new(),
+            blocks: BlockTable::new(),
+            fronts: BTreeSet::new(),
+            clock: 0,
+            holder_blocks: 0,
+            evicted: 0,
         }
     }
 
     /// Adds a holder.
     pub fn add_holder(&mut self, kind: HolderKind) -> Result<HolderId> {
-        if self.holders.len() >= u32::MAX as usize {
-            return Err(IndexError::TooManyHolders(u32::MAX as usize));
+        if self.holders.len() >= MAX_HOLDERS {
+            return Err(IndexError::TooManyHolders(MAX_HOLDERS));
         }
         self.holders.push(Some(Holder {
             kind,
             stores: Vec::new(),
-            blocks: HashSet::new(),
+            readers: Vec::new(),
+            logs: Default::default(),
         }));
         Ok(HolderId(self.holders.len() as u32 - 1))
     }
@@ -168,9 +228,18 @@ impl Index {
     /// detached from it.
     pub fn remove_holder(&mut self, h: HolderId) -> Result<()> {
         self.clear(h)?;
-        self.holders[h.0 as usize] = None;
-        for other in self.holders.iter_mut().flatten() {
-            other.stores.retain(|s| *s != h);
+        let Some(gone) = self.holders[h.0 as usize].take() else {
+            return Ok(());
+        };
+        for s in gone.stores {
+            if let Some(Some(store)) = self.holders.get_mut(s as usize) {
+                store.readers.retain(|r| *r != h.0);
+            }
+        }
+        for r in gone.readers {
+            if let Some(Some(reader)) = self.holders.get_mut(r as usize) {
+                reader.stores.retain(|s| *s != h.0);
+            }
         }
         Ok(())
     }
@@ -180,16 +249,45 @@ impl Index {
         self.expect_kind(instance, HolderKind::Instance)?;
         self.expect_kind(store, HolderKind::Store)?;
         let i = self.holder_mut(instance)?;
-        if !i.stores.contains(&store) {
-            i.stores.push(store);
+        if i.stores.contains(&store.0) {
+            return Ok(());
+        }
+        i.stores.push(store.0);
+        let s = self.holder_mut(store)?;
+        if let Err(at) = s.readers.binary_search(&instance.0) {
+            s.readers.insert(at, instance.0);
         }
         Ok(())
     }
 
     /// Instance `instance` no longer reads store `store`.
     pub fn detach(&mut self, instance: HolderId, store: HolderId) -> Result<()> {
-        self.holder_mut(instance)?.stores.retain(|s| *s != store);
+        self.holder_mut(instance)?.stores.retain(|s| *s != store.0);
+        if let Some(Some(s)) = self.holders.get_mut(store.0 as usize) {
+            s.readers.retain(|r| *r != instance.0);
+        }
         Ok(())
+    }
+
+    /// Re-registers the log of `ht` in the eviction order after its front batch changed.
+    fn sync_front(fronts: &mut BTreeSet<(u64, u32)>, log: &mut AgeLog, ht: u32) {
+        let now = log.front_clock();
+        if now != log.key {
+            if let Some(old) = log.key {
+                fronts.remove(&(old, ht));
+            }
+            if let Some(new) = now {
+                fronts.insert((new, ht));
+            }
+            log.key = now;
+        }
+    }
+
+    /// Compacts `log` when its tombstones are due.
+    fn maybe_compact(blocks: &mut BlockTable, log: &mut AgeLog, ht: u32) {
+        if log.wants_compaction() {
+            log.compact(|slot, stamp| blocks.set_stamp(slot, ht, stamp));
+        }
     }
 
     /// `h` holds `hashes` in `tier` (a chain, first block first). Returns how many of them
@@ -199,145 +297,310 @@ impl Index {
             return Err(IndexError::StoreTier(h.0, tier));
         }
         self.clock += 1;
+        let ht = ht_of(h.0, tier.index());
+        let Self {
+            holders,
+            blocks,
+            fronts,
+            clock,
+            ..
+        } = self;
+        let log = &mut holders[h.0 as usize].as_mut().expect("checked above").logs[tier.index()];
+        let before = log.entries.len();
         let mut new = 0;
-        for (pos, &b) in hashes.iter().enumerate() {
-            let entries = self.blocks.entry(b).or_default();
-            match entries.iter_mut().find(|(id, _)| *id == h.0) {
-                Some((_, mask)) if *mask & tier.bit() != 0 => {}
-                Some((_, mask)) => {
-                    *mask |= tier.bit();
-                    new += 1;
-                }
+        // Deepest block first: the log's order is the eviction order.
+        for &b in hashes.iter().rev() {
+            let Some(slot) = blocks.lookup(b) else {
+                let stamp = log.next_stamp();
+                let slot = blocks.insert_new(b, Entry { ht, stamp });
+                log.push(slot);
+                new += 1;
+                continue;
+            };
+            match blocks.find(slot, ht) {
                 None => {
-                    entries.push((h.0, tier.bit()));
+                    let stamp = log.push(slot);
+                    blocks.insert(slot, Entry { ht, stamp });
                     new += 1;
                 }
+                // Already stored deeper in this same call: the deepest position's age stands.
+                Some(old) if log.index_of(old) >= before => {}
+                Some(old) => {
+                    log.kill(old);
+                    let stamp = log.push(slot);
+                    blocks.set_stamp(slot, ht, stamp);
+                }
             }
-            let age = (self.clock, u32::MAX - pos as u32);
-            if let Some(old) = self.age_of.insert((h.0, tier, b), age) {
-                self.ages.remove(&old);
-            } else {
-                self.holder_blocks += 1;
-            }
-            self.ages.insert(age, (h.0, tier, b));
-            self.holder_mut(h)?.blocks.insert(b);
         }
+        log.close_batch(before, *clock);
+        Self::maybe_compact(blocks, log, ht);
+        Self::sync_front(fronts, log, ht);
+        self.holder_blocks += new as u64;
         self.enforce_capacity();
         Ok(new)
     }
 
     fn enforce_capacity(&mut self) {
         let Some(cap) = self.capacity else { return };
-        while self.holder_blocks > cap {
-            let Some((_, (h, tier, b))) = self.ages.pop_first() else {
+        let Self {
+            holders,
+            blocks,
+            fronts,
+            holder_blocks,
+            evicted,
+            ..
+        } = self;
+        while *holder_blocks > cap {
+            let Some(&(_, ht)) = fronts.first() else {
                 break;
             };
-            self.drop_one(h, tier, b);
-            self.evicted += 1;
-        }
-    }
-
-    /// Drops one holder-block whose age entry is already gone.
-    fn drop_one(&mut self, h: u32, tier: Tier, b: BlockHash) {
-        self.age_of.remove(&(h, tier, b));
-        self.holder_blocks -= 1;
-        let mut gone_for_holder = false;
-        if let Some(entries) = self.blocks.get_mut(&b) {
-            if let Some(i) = entries.iter().position(|(id, _)| *id == h) {
-                entries[i].1 &= !tier.bit();
-                if entries[i].1 == 0 {
-                    entries.swap_remove(i);
-                    gone_for_holder = true;
-                }
+            let log = &mut holders[(ht >> 2) as usize]
+                .as_mut()
+                .expect("a registered log belongs to a live holder")
+                .logs[(ht & 3) as usize];
+            if let Some(slot) = log.pop_front()
+                && slot != TOMBSTONE
+            {
+                blocks.remove(slot, ht);
+                *holder_blocks -= 1;
+                *evicted += 1;
             }
-            if entries.is_empty() {
-                self.blocks.remove(&b);
-            }
-        }
-        if gone_for_holder && let Some(Some(holder)) = self.holders.get_mut(h as usize) {
-            holder.blocks.remove(&b);
+            Self::sync_front(fronts, log, ht);
         }
     }
 
     /// `h` no longer holds `hashes` in `tier`. Returns how many it held.
     pub fn remove(&mut self, h: HolderId, tier: Tier, hashes: &[BlockHash]) -> Result<usize> {
         self.holder(h)?;
+        let ht = ht_of(h.0, tier.index());
+        let Self {
+            holders,
+            blocks,
+            fronts,
+            ..
+        } = self;
+        let log = &mut holders[h.0 as usize].as_mut().expect("checked above").logs[tier.index()];
         let mut removed = 0;
         for &b in hashes {
-            if let Some(age) = self.age_of.get(&(h.0, tier, b)).copied() {
-                self.ages.remove(&age);
-                self.drop_one(h.0, tier, b);
+            if let Some(slot) = blocks.lookup(b)
+                && let Some(stamp) = blocks.find(slot, ht)
+            {
+                log.kill(stamp);
+                blocks.remove(slot, ht);
                 removed += 1;
             }
         }
+        Self::maybe_compact(blocks, log, ht);
+        Self::sync_front(fronts, log, ht);
+        self.holder_blocks -= removed as u64;
         Ok(removed)
     }
 
     /// `h` holds nothing any more. Returns how many holder-blocks it held.
     pub fn clear(&mut self, h: HolderId) -> Result<usize> {
-        let blocks: Vec<BlockHash> = self.holder(h)?.blocks.iter().copied().collect();
+        self.holder(h)?;
+        let Self {
+            holders,
+            blocks,
+            fronts,
+            ..
+        } = self;
+        let holder = holders[h.0 as usize].as_mut().expect("checked above");
         let mut removed = 0;
-        for tier in [Tier::L1, Tier::L2, Tier::L3] {
-            removed += self.remove(h, tier, &blocks)?;
+        for (t, log) in holder.logs.iter_mut().enumerate() {
+            let ht = ht_of(h.0, t);
+            for &slot in &log.entries {
+                if slot != TOMBSTONE {
+                    blocks.remove(slot, ht);
+                }
+            }
+            removed += log.live;
+            log.reset();
+            Self::sync_front(fronts, log, ht);
         }
-        Ok(removed)
+        self.holder_blocks -= removed;
+        Ok(removed as usize)
+    }
+
+    /// The tier bits of `holder` among a block's entries (sorted by `ht`).
+    #[inline]
+    fn own_mask(entries: &[Entry], holder: u32) -> u8 {
+        let lo = holder << 2;
+        let start = if entries.len() <= 8 {
+            entries
+                .iter()
+                .position(|e| e.ht >= lo)
+                .unwrap_or(entries.len())
+        } else {
+            entries.partition_point(|e| e.ht < lo)
+        };
+        let mut mask = 0;
+        for e in &entries[start..] {
+            if e.ht >> 2 != holder {
+                break;
+            }
+            mask |= 1 << (e.ht & 3);
+        }
+        mask
+    }
+
+    /// Whether a block's entries hold store `s`'s L3.
+    #[inline]
+    fn has_store(entries: &[Entry], s: u32) -> bool {
+        let ht = ht_of(s, 2);
+        if entries.len() <= 8 {
+            entries.iter().any(|e| e.ht == ht)
+        } else {
+            entries.binary_search_by_key(&ht, |e| e.ht).is_ok()
+        }
     }
 
     /// The instances holding a prefix of `hashes`, in holder order, written to `out` (cleared
     /// first).
     pub fn query(&self, hashes: &[BlockHash], out: &mut Vec<QueryMatch>) {
         out.clear();
-        for (id, holder) in self.holders.iter().enumerate() {
-            let Some(holder) = holder else { continue };
-            if holder.kind != HolderKind::Instance {
-                continue;
+        let Some(slot) = hashes.first().and_then(|b| self.blocks.lookup(*b)) else {
+            return;
+        };
+        // The first block: every instance holding it, itself or through a store it reads.
+        let mut cands: Vec<Candidate> = Vec::new();
+        let entries = self.blocks.entries(slot);
+        if entries.len() > 32 {
+            // Many holders: mark them in a dense array, read it back in holder order.
+            let mut marks = vec![0u8; self.holders.len()];
+            self.holders_of(entries, |h, bits| marks[h as usize] |= bits);
+            cands.extend(
+                marks
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, m)| **m != 0)
+                    .map(|(h, &m)| Candidate::new(h as u32, m)),
+            );
+        } else {
+            self.holders_of(entries, |h, bits| cands.push(Candidate::new(h, bits)));
+            Self::sort_merge(&mut cands);
+        }
+        let mut survivors: Vec<Candidate> = Vec::new();
+        let mut depth = 0u32;
+        loop {
+            // Every candidate holds block `depth` (mask set): extend its runs.
+            for c in &mut cands {
+                c.in1 &= c.mask & 1 != 0;
+                c.in2 &= c.mask & 3 != 0;
+                c.l1 += u32::from(c.in1);
+                c.l2 += u32::from(c.in2);
             }
-            let mut m = QueryMatch {
-                holder: HolderId(id as u32),
-                l1: 0,
-                l2: 0,
-                l3: 0,
+            depth += 1;
+            let next = hashes
+                .get(depth as usize)
+                .and_then(|b| self.blocks.lookup(*b));
+            let Some(slot) = next else { break };
+            let entries = self.blocks.entries(slot);
+            let finish = |c: &Candidate, out: &mut Vec<QueryMatch>| {
+                out.push(QueryMatch {
+                    holder: HolderId(c.holder),
+                    l1: c.l1,
+                    l2: c.l2,
+                    l3: depth,
+                })
             };
-            let (mut in1, mut in2) = (true, true);
-            for &b in hashes {
-                let Some(entries) = self.blocks.get(&b) else {
-                    break;
-                };
-                let own = entries
-                    .iter()
-                    .find(|(hid, _)| *hid == id as u32)
-                    .map_or(0, |e| e.1);
-                let shared = entries
-                    .iter()
-                    .any(|(hid, _)| holder.stores.iter().any(|s| s.0 == *hid));
-                in1 &= own & 1 != 0;
-                in2 &= own & 3 != 0;
-                if in1 {
-                    m.l1 += 1;
+            let mut kept = 0;
+            if entries.len() * 4 < cands.len() {
+                // Few holders of this block, many candidates: walk the block's holders and
+                // merge them with the (sorted) candidates.
+                survivors.clear();
+                self.holders_of(entries, |h, bits| survivors.push(Candidate::new(h, bits)));
+                Self::sort_merge(&mut survivors);
+                let mut s = survivors.iter().peekable();
+                for i in 0..cands.len() {
+                    let mut c = cands[i];
+                    while s.next_if(|x| x.holder < c.holder).is_some() {}
+                    match s.next_if(|x| x.holder == c.holder) {
+                        Some(x) => {
+                            c.mask = x.mask;
+                            cands[kept] = c;
+                            kept += 1;
+                        }
+                        None => finish(&c, out),
+                    }
                 }
-                if in2 {
-                    m.l2 += 1;
-                }
-                if own != 0 || shared {
-                    m.l3 += 1;
-                } else {
-                    break;
+            } else {
+                for i in 0..cands.len() {
+                    let mut c = cands[i];
+                    c.mask = Self::own_mask(entries, c.holder);
+                    if c.mask == 0
+                        && let Some(Some(holder)) = self.holders.get(c.holder as usize)
+                        && holder.stores.iter().any(|&s| Self::has_store(entries, s))
+                    {
+                        c.mask = 8;
+                    }
+                    if c.mask == 0 {
+                        finish(&c, out);
+                    } else {
+                        cands[kept] = c;
+                        kept += 1;
+                    }
                 }
             }
-            if m.l3 > 0 {
-                out.push(m);
+            cands.truncate(kept);
+            if cands.is_empty() {
+                break;
+            }
+        }
+        out.extend(cands.iter().map(|c| QueryMatch {
+            holder: HolderId(c.holder),
+            l1: c.l1,
+            l2: c.l2,
+            l3: depth,
+        }));
+        // Runs finished at each depth are each in holder order: a stable sort merges them.
+        out.sort_by_key(|m| m.holder);
+    }
+
+    /// Calls `f(instance, bits)` for every instance holding a block with these entries: its
+    /// own tier bits, or bit 3 for each store it reads that holds the block.
+    #[inline]
+    fn holders_of(&self, entries: &[Entry], mut f: impl FnMut(u32, u8)) {
+        for e in entries {
+            let h = e.ht >> 2;
+            let Some(Some(holder)) = self.holders.get(h as usize) else {
+                continue;
+            };
+            match holder.kind {
+                HolderKind::Instance => f(h, 1 << (e.ht & 3)),
+                HolderKind::Store => holder.readers.iter().for_each(|&r| f(r, 8)),
             }
         }
     }
 
+    /// Sorts candidates by holder, merging each holder's bits into one.
+    fn sort_merge(cands: &mut Vec<Candidate>) {
+        cands.sort_unstable_by_key(|c| c.holder);
+        cands.dedup_by(|later, kept| {
+            let same = later.holder == kept.holder;
+            if same {
+                kept.mask |= later.mask;
+            }
+            same
+        });
+    }
+
     /// The index's accounting.
     pub fn stats(&self) -> IndexStats {
+        let mut bytes = self.blocks.bytes()
+            + (self.holders.capacity() * size_of::<Option<Holder>>()) as u64
+            // A B-tree of (u64, u32) keys: about 24 bytes a key with its nodes' slack.
+            + self.fronts.len() as u64 * 24;
+        for holder in self.holders.iter().flatten() {
+            bytes += ((holder.stores.capacity() + holder.readers.capacity()) * 4) as u64;
+            bytes += holder.logs.iter().map(AgeLog::bytes).sum::<u64>();
+        }
         IndexStats {
             holders: self.holders.iter().flatten().count() as u64,
             blocks: self.blocks.len() as u64,
             holder_blocks: self.holder_blocks,
             evicted: self.evicted,
-            bytes: 0,
+            bytes,
         }
     }
 }

@@ -3,6 +3,8 @@
 use hicache_index::reference::ReferenceIndex;
 use hicache_index::{HolderId, HolderKind, Index, Tier};
 use proptest::prelude::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -100,4 +102,171 @@ fn a_store_holds_l3_only_and_kinds_are_checked() {
     idx.query(&[1, 2, 3], &mut out);
     assert_eq!(out.len(), 1);
     assert_eq!((out[0].l1, out[0].l2, out[0].l3), (1, 1, 2));
+}
+
+/// Random chains that overlap the way cached prefixes do: 24 template chains built from a
+/// small alphabet, several sharing their first blocks; an event takes a slice of one.
+struct Chains {
+    templates: Vec<Vec<u64>>,
+}
+
+impl Chains {
+    fn new(rng: &mut StdRng) -> Self {
+        let mut templates: Vec<Vec<u64>> = Vec::new();
+        for t in 0..24 {
+            let shared = if t > 0 && rng.random_bool(0.5) {
+                let other = &templates[rng.random_range(0..templates.len())];
+                other[..rng.random_range(1..other.len())].to_vec()
+            } else {
+                Vec::new()
+            };
+            let mut c = shared;
+            while c.len() < 16 {
+                c.push(rng.random_range(1..80));
+            }
+            templates.push(c);
+        }
+        Self { templates }
+    }
+
+    /// A chain: usually a template's prefix, sometimes a slice from its middle (an L3 store
+    /// filled out of order), sometimes with a repeated block.
+    fn pick(&self, rng: &mut StdRng) -> Vec<u64> {
+        let t = &self.templates[rng.random_range(0..self.templates.len())];
+        let start = if rng.random_bool(0.2) {
+            rng.random_range(0..t.len())
+        } else {
+            0
+        };
+        let end = rng.random_range(start..=t.len());
+        let mut c = t[start..end].to_vec();
+        if !c.is_empty() && rng.random_bool(0.05) {
+            let dup = c[rng.random_range(0..c.len())];
+            c.insert(rng.random_range(0..=c.len()), dup);
+        }
+        c
+    }
+}
+
+/// One long seeded run per capacity: 10^6 events in all (stores with refreshes and
+/// duplicates, removals of held and absent blocks, clears as restarts, holders removed and
+/// replaced, shared stores attached and detached, queries), every answer and count compared.
+#[test]
+fn a_million_random_events_match_the_naive_model() {
+    // (capacity, instances, stores): the larger fleets give blocks held by more than 32
+    // holders and queries with many candidates (the query's dense and merge paths).
+    let runs = [
+        (None, 6, 3),
+        (Some(5), 6, 3),
+        (Some(60), 6, 3),
+        (Some(400), 6, 3),
+        (None, 40, 6),
+        (Some(2_000), 40, 6),
+    ];
+    let per_run = 1_000_000 / runs.len() + 1;
+    let mut rng = StdRng::seed_from_u64(0x6869_6361_6368_6549);
+    let mut events = 0u64;
+    let mut out = Vec::new();
+    for (capacity, n_instances, n_stores) in runs {
+        let chains = Chains::new(&mut rng);
+        let mut idx = Index::new(capacity);
+        let mut model = ReferenceIndex::new(capacity);
+        let (mut instances, mut stores) = (Vec::new(), Vec::new());
+        for i in 0..n_instances + n_stores {
+            let kind = if i < n_instances {
+                HolderKind::Instance
+            } else {
+                HolderKind::Store
+            };
+            let h = idx.add_holder(kind).unwrap();
+            assert_eq!(h, model.add_holder(kind));
+            if i < n_instances {
+                instances.push(h)
+            } else {
+                stores.push(h)
+            }
+        }
+        for step in 0..per_run {
+            events += 1;
+            let any = |rng: &mut StdRng, i: &[HolderId], s: &[HolderId]| {
+                let n = rng.random_range(0..i.len() + s.len());
+                if n < i.len() {
+                    (i[n], true)
+                } else {
+                    (s[n - i.len()], false)
+                }
+            };
+            let tier = |rng: &mut StdRng| [Tier::L1, Tier::L2, Tier::L3][rng.random_range(0..3)];
+            match rng.random_range(0..1000) {
+                0..450 => {
+                    let (h, inst) = any(&mut rng, &instances, &stores);
+                    let t = if inst { tier(&mut rng) } else { Tier::L3 };
+                    let c = chains.pick(&mut rng);
+                    assert_eq!(
+                        idx.store(h, t, &c).unwrap(),
+                        model.store(h, t, &c),
+                        "store #{step}"
+                    );
+                }
+                450..600 => {
+                    let (h, _) = any(&mut rng, &instances, &stores);
+                    let t = tier(&mut rng);
+                    let mut c = chains.pick(&mut rng);
+                    if rng.random_bool(0.3) {
+                        c.push(rng.random_range(80..100));
+                    }
+                    assert_eq!(
+                        idx.remove(h, t, &c).unwrap(),
+                        model.remove(h, t, &c),
+                        "remove #{step}"
+                    );
+                }
+                600..615 => {
+                    let (h, _) = any(&mut rng, &instances, &stores);
+                    assert_eq!(idx.clear(h).unwrap(), model.clear(h), "clear #{step}");
+                }
+                615..618 => {
+                    // A holder goes away and a new one of the same kind takes its place.
+                    let (h, inst) = any(&mut rng, &instances, &stores);
+                    idx.remove_holder(h).unwrap();
+                    model.remove_holder(h);
+                    let kind = if inst {
+                        HolderKind::Instance
+                    } else {
+                        HolderKind::Store
+                    };
+                    let new = idx.add_holder(kind).unwrap();
+                    assert_eq!(new, model.add_holder(kind));
+                    let list = if inst { &mut instances } else { &mut stores };
+                    *list.iter_mut().find(|x| **x == h).unwrap() = new;
+                }
+                618..640 => {
+                    let i = instances[rng.random_range(0..instances.len())];
+                    let s = stores[rng.random_range(0..stores.len())];
+                    if rng.random_bool(0.6) {
+                        idx.attach(i, s).unwrap();
+                        model.attach(i, s);
+                    } else {
+                        idx.detach(i, s).unwrap();
+                        model.detach(i, s);
+                    }
+                }
+                _ => {
+                    let mut c = chains.pick(&mut rng);
+                    if rng.random_bool(0.1) {
+                        c.push(rng.random_range(1..100));
+                    }
+                    idx.query(&c, &mut out);
+                    assert_eq!(out, model.query(&c), "query #{step} {c:?}");
+                }
+            }
+            let stats = idx.stats();
+            assert_eq!(stats.holder_blocks, model.holder_blocks(), "after #{step}");
+            assert_eq!(stats.evicted, model.evicted, "after #{step}");
+            if step % 4_096 == 0 {
+                assert_eq!(stats.blocks, model.blocks(), "after #{step}");
+            }
+        }
+    }
+    assert!(events >= 1_000_000);
 }

@@ -101,7 +101,17 @@ pub fn config_for(setup: &CacheSetup) -> Result<HiCacheConfig> {
 
 impl CacheFactory for HiCacheFactory {
     fn build(&self, setup: &CacheSetup) -> Result<Box<dyn CacheUnderTest>> {
-        let cfg = config_for(setup)?;
+        Ok(Box::new(HiCacheUnderTest::build(setup, false)?))
+    }
+}
+
+impl HiCacheUnderTest {
+    /// The cache of `setup`; with `kv_events`, it collects KV events for
+    /// [`drain_kv_events`](Self::drain_kv_events) (the fleet simulation feeds them to its
+    /// index).
+    pub fn build(setup: &CacheSetup, kv_events: bool) -> Result<Self> {
+        let mut cfg = config_for(setup)?;
+        cfg.enable_kv_events |= kv_events;
         let device = match setup.device {
             DeviceKind::Sim => Device::sim(),
             DeviceKind::Cuda => {
@@ -128,14 +138,20 @@ impl CacheFactory for HiCacheFactory {
             eprintln!("kv events: {ep} (replay: {replay})");
         }
         let counter = cache.layer_done_counter().clone();
-        Ok(Box::new(HiCacheUnderTest {
+        Ok(HiCacheUnderTest {
             page_bytes: cache.shape().page_bytes() as u64,
             cache,
             counter,
             consumer: None,
             timer,
             refused_during_copies: 0,
-        }))
+        })
+    }
+
+    /// The KV events the cache collected since the last call (empty unless built with
+    /// `kv_events`).
+    pub fn drain_kv_events(&mut self) -> Vec<hicache_core::KvEvent> {
+        self.cache.drain_events()
     }
 }
 

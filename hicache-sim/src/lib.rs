@@ -16,6 +16,8 @@
 //!   background copies held back until they complete in simulated time.
 //! - [`hybrid_adapter`]: the same for the hybrid controller (`hicache::HybridCache`) and a
 //!   hybrid model of [`model`] (Full-attention KV plus sliding-window KV or Mamba states).
+//! - [`fleet`]: a fleet of engines (each its own `hicache::HiCache`) publishing KV events
+//!   into a real `hicache_index::Index`, behind a router, on one simulated clock.
 //! - [`plan`]: the main job's parameters validated into a runnable [`Plan`].
 #![warn(missing_docs)]
 
@@ -24,6 +26,7 @@ pub mod cache;
 pub mod copy_gate;
 pub mod engine;
 pub mod error;
+pub mod fleet;
 pub mod hybrid_adapter;
 pub mod links;
 pub mod model;

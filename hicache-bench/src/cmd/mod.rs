@@ -1,6 +1,9 @@
 //! One module per subcommand.
 
 pub mod controller;
+pub mod fleet;
+pub mod index;
+pub mod index_gen;
 pub mod loadback;
 pub mod multiturn;
 pub mod plugin;

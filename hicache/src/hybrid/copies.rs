@@ -5,9 +5,37 @@
 use std::collections::VecDeque;
 
 use hicache_core::{BackupId, NodeId, UnifiedLoadId};
+use hicache_gpu::{Completion, LoadHandle};
 
-use super::pools::Launched;
 use crate::error::Result;
+
+/// One copy launched on a stream, finished when its event has fired.
+#[derive(Clone, Debug)]
+pub(crate) enum Launched {
+    /// A device → host copy, or a device-to-device state copy.
+    Done(Completion),
+    /// A host → device load, one event per layer.
+    Load(LoadHandle),
+}
+
+impl Launched {
+    /// Whether the copy has landed (never blocks).
+    pub fn is_done(&self) -> Result<bool> {
+        Ok(match self {
+            Launched::Done(c) => c.is_done()?,
+            Launched::Load(l) => l.is_done()?,
+        })
+    }
+
+    /// Blocks until the copy has landed.
+    pub fn wait(&self) -> Result<()> {
+        match self {
+            Launched::Done(c) => c.wait()?,
+            Launched::Load(l) => l.wait()?,
+        }
+        Ok(())
+    }
+}
 
 /// A committed write-through backup and its copies (one per component that had data).
 #[derive(Debug)]

@@ -10,40 +10,11 @@
 use std::sync::Arc;
 
 use hicache_core::{Component, DeviceSlot, Evicted, HostSlot};
-use hicache_gpu::{
-    Completion, DevicePool, HostRegistration, LoadHandle, TransferConfig, TransferEngine,
-};
+use hicache_gpu::{DevicePool, HostRegistration, TransferConfig, TransferEngine};
 use hicache_host::{HostPool, HostPoolGroup};
 
+use super::copies::Launched;
 use crate::error::{HiCacheError, Result};
-
-/// One copy launched on a stream, finished when its event has fired.
-#[derive(Clone, Debug)]
-pub(crate) enum Launched {
-    /// A device → host copy, or a device-to-device state copy.
-    Done(Completion),
-    /// A host → device load, one event per layer.
-    Load(LoadHandle),
-}
-
-impl Launched {
-    /// Whether the copy has landed (never blocks).
-    pub fn is_done(&self) -> Result<bool> {
-        Ok(match self {
-            Launched::Done(c) => c.is_done()?,
-            Launched::Load(l) => l.is_done()?,
-        })
-    }
-
-    /// Blocks until the copy has landed.
-    pub fn wait(&self) -> Result<()> {
-        match self {
-            Launched::Done(c) => c.wait()?,
-            Launched::Load(l) => l.wait()?,
-        }
-        Ok(())
-    }
-}
 
 /// A KV component (Full or SWA): its device pool, its host pool and the engine between them.
 pub(crate) struct KvPart {

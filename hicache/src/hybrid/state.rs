@@ -13,7 +13,7 @@ use hicache_host::{MambaPool, MambaShape, MambaSlot};
 
 pub use hicache_gpu::StateSlot;
 
-use super::pools::Launched;
+use super::copies::Launched;
 use crate::error::Result;
 
 /// The Mamba component's pools and copy engine.

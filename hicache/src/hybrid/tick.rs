@@ -9,7 +9,7 @@ use hicache_core::{Component, HostBackup, NodeId, UnifiedLoadPlan};
 
 use super::cache::{HybridCache, Units};
 use super::copies::Backup;
-use super::pools::Launched;
+use super::copies::Launched;
 use crate::error::Result;
 
 /// Index of "backups finished" in the exchanged vector.

@@ -11,15 +11,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpStream;
 
 use super::Shared;
+use super::frames::{End, Rd, Wr, bounded, refuse_request, send_error};
 use super::handle::handle;
 use super::session::handshake;
-use crate::protocol::{
-    self, FrameError, FrameHead, ProtocolError, Reply, ReplyFrame, Request, code, op,
-};
+use crate::protocol::{self, FrameHead, ProtocolError, Request, code};
 use crate::tls::{BoxRead, BoxWrite};
-
-/// An error frame's code and message, for a request refused while the connection goes on.
-pub(super) type Refusal = (u16, String);
 
 /// How long a refusal or a closing error frame may take to send.
 const FAREWELL: Duration = Duration::from_secs(1);
@@ -81,62 +77,6 @@ impl Drop for ConnGuard {
     }
 }
 
-/// The buffered read half of a connection.
-pub(super) type Rd = BufReader<BoxRead>;
-/// The buffered write half of a connection.
-pub(super) type Wr = BufWriter<BoxWrite>;
-
-/// Why a connection ends early.
-#[derive(Debug)]
-pub(super) enum End {
-    /// A frame broke the protocol.
-    Protocol(ProtocolError),
-    /// The socket failed (or the peer closed mid-frame).
-    Io(std::io::Error),
-    /// The peer took too long; `silent`: close without an error frame (idle).
-    Timeout {
-        what: &'static str,
-        ms: u32,
-        silent: bool,
-    },
-    /// Refused with an error frame (authentication, a tenant's connection limit).
-    Refused { code: u16, message: String },
-}
-
-impl From<FrameError> for End {
-    fn from(e: FrameError) -> Self {
-        match e {
-            FrameError::Protocol(p) => End::Protocol(p),
-            FrameError::Io(e) => End::Io(e),
-        }
-    }
-}
-
-impl From<ProtocolError> for End {
-    fn from(e: ProtocolError) -> Self {
-        End::Protocol(e)
-    }
-}
-
-impl From<std::io::Error> for End {
-    fn from(e: std::io::Error) -> Self {
-        End::Io(e)
-    }
-}
-
-/// Runs `f`, ending the connection if it takes longer than `ms`.
-pub(super) async fn bounded<T, E: Into<End>>(
-    ms: u32,
-    what: &'static str,
-    silent: bool,
-    f: impl std::future::Future<Output = std::result::Result<T, E>>,
-) -> std::result::Result<T, End> {
-    match tokio::time::timeout(Duration::from_millis(ms as u64), f).await {
-        Ok(r) => r.map_err(Into::into),
-        Err(_) => Err(End::Timeout { what, ms, silent }),
-    }
-}
-
 /// Runs connection `conn` from `peer` to its end, telling the peer why it ends where it
 /// should hear it.
 pub(super) async fn connection(
@@ -192,30 +132,6 @@ pub(super) async fn connection(
     if let Some((c, m)) = farewell {
         let _ = tokio::time::timeout(FAREWELL, send_error(&mut w, 0, c, &m)).await;
     }
-}
-
-/// Sends an `ERROR` frame for request `id` and flushes.
-async fn send_error(w: &mut Wr, id: u64, code: u16, message: &str) -> std::io::Result<()> {
-    let f = ReplyFrame::Error {
-        code,
-        message: message.to_string(),
-    };
-    protocol::write_frame(w, id, op::ERROR, &f.encode(), 0).await?;
-    w.flush().await
-}
-
-/// Sends `reply` with the pool's current occupancy (the caller writes `payload_len` bytes
-/// after it).
-pub(super) async fn send(
-    shared: &Shared,
-    w: &mut Wr,
-    id: u64,
-    reply: Reply,
-    payload_len: u64,
-) -> std::io::Result<()> {
-    let occ = shared.occupancy(&shared.index.lock());
-    let f = ReplyFrame::Ok(occ, reply);
-    protocol::write_frame(w, id, f.op(), &f.encode(), payload_len).await
 }
 
 /// Serves one connection until it closes (`Ok`) or fails.
@@ -321,22 +237,4 @@ fn check_request(head: &FrameHead, req: &Request, max_batch: u32) -> Result<(), 
         });
     }
     Ok(())
-}
-
-/// Answers request `id` with an error frame; the connection goes on.
-pub(super) async fn refuse_request(
-    w: &mut Wr,
-    id: u64,
-    idle_ms: u32,
-    code: u16,
-    message: String,
-) -> Result<bool, End> {
-    bounded(
-        idle_ms,
-        "sending a reply",
-        false,
-        send_error(w, id, code, &message),
-    )
-    .await
-    .map(|()| false)
 }

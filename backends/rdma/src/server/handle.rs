@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::Shared;
-use super::conn::{End, Rd, Refusal, Wr, bounded, refuse_request, send};
+use super::frames::{End, Rd, Refusal, Wr, bounded, refuse_request, send};
 use super::index::Pinned;
 use crate::protocol::{self, PageReq, ProtocolError, Reply, Request, VerbsEndpoint, code, op};
 

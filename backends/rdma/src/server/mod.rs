@@ -34,6 +34,7 @@
 //! per-request authorization), `handle` (one request), [`index`] and [`pool`].
 
 mod conn;
+mod frames;
 mod handle;
 pub mod index;
 mod options;

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use hicache_core::PageKey;
 use tokio::io::AsyncWriteExt;
 
-use super::conn::{End, Rd, Refusal, Wr, send};
+use super::frames::{End, Rd, Refusal, Wr, send};
 use super::{ServerAuth, Shared};
 use crate::auth::{self, Grant};
 use crate::protocol::{

@@ -1,0 +1,182 @@
+//! What the router knows of each instance's load.
+//!
+//! Two sources, combined (invariant: every figure is the last report plus what the router
+//! did since, never below zero):
+//! 1. the router's own accounting: a routed request adds its prompt tokens still to compute
+//!    (`queued_prefill_tokens`) and its prompt to the KV the instance holds for running
+//!    requests; [`LoadTracker::finished`] takes the request back;
+//! 2. load reports from the instances ([`LoadReport`]), which replace the estimate: the deltas
+//!    since the previous report are dropped.
+
+use std::collections::HashMap;
+
+/// An instance's own account of its load (an engine's per-iteration metrics).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Prompt tokens admitted or waiting and not computed yet.
+    pub queued_prefill_tokens: u64,
+    /// Requests waiting or running.
+    pub requests: u64,
+    /// Tokens of KV the running requests hold (prompt and answer so far).
+    pub running_tokens: u64,
+}
+
+/// One instance's load as the router sees it.
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct InstanceLoad {
+    /// Prompt tokens still to compute.
+    pub queued_prefill_tokens: f64,
+    /// Requests waiting or running.
+    pub requests: f64,
+    /// KV tokens of running requests.
+    pub running_tokens: f64,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Slot {
+    report: LoadReport,
+    d_prefill: i64,
+    d_requests: i64,
+    d_running: i64,
+}
+
+/// A routed request the router still counts.
+#[derive(Copy, Clone, Debug)]
+struct Routed {
+    instance: usize,
+    new_tokens: u64,
+    prompt_tokens: u64,
+}
+
+/// Load per instance: the last report plus the router's own deltas since.
+#[derive(Clone, Debug, Default)]
+pub struct LoadTracker {
+    slots: Vec<Slot>,
+    routed: HashMap<u64, Routed>,
+}
+
+impl LoadTracker {
+    /// A tracker for `instances` instances, all idle.
+    pub fn new(instances: usize) -> Self {
+        Self {
+            slots: vec![Slot::default(); instances],
+            routed: HashMap::new(),
+        }
+    }
+
+    /// Instances tracked.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether no instance is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Requests routed and not finished.
+    pub fn outstanding(&self) -> usize {
+        self.routed.len()
+    }
+
+    /// `request` went to `instance` with `prompt_tokens`, of which `new_tokens` are to compute.
+    /// A request id routed again replaces its earlier record.
+    pub fn routed(&mut self, request: u64, instance: usize, prompt_tokens: u64, new_tokens: u64) {
+        self.finished(request);
+        let s = &mut self.slots[instance];
+        s.d_prefill += new_tokens as i64;
+        s.d_requests += 1;
+        s.d_running += prompt_tokens as i64;
+        self.routed.insert(
+            request,
+            Routed {
+                instance,
+                new_tokens,
+                prompt_tokens,
+            },
+        );
+    }
+
+    /// `request` finished (or was cancelled). Returns the instance it had gone to; an unknown
+    /// request is ignored (`None`).
+    pub fn finished(&mut self, request: u64) -> Option<usize> {
+        let r = self.routed.remove(&request)?;
+        let s = &mut self.slots[r.instance];
+        // Its prefill is done by now (a finished request computed its prompt).
+        s.d_prefill -= r.new_tokens as i64;
+        s.d_requests -= 1;
+        s.d_running -= r.prompt_tokens as i64;
+        Some(r.instance)
+    }
+
+    /// `instance` reported its load: the estimate restarts from it.
+    pub fn report(&mut self, instance: usize, report: LoadReport) {
+        if let Some(s) = self.slots.get_mut(instance) {
+            *s = Slot {
+                report,
+                ..Slot::default()
+            };
+        }
+    }
+
+    /// The load of `instance`.
+    pub fn load(&self, instance: usize) -> InstanceLoad {
+        let s = &self.slots[instance];
+        let f = |base: u64, d: i64| (base as i64 + d).max(0) as f64;
+        InstanceLoad {
+            queued_prefill_tokens: f(s.report.queued_prefill_tokens, s.d_prefill),
+            requests: f(s.report.requests, s.d_requests),
+            running_tokens: f(s.report.running_tokens, s.d_running),
+        }
+    }
+
+    /// The least-loaded instance: fewest requests, then fewest queued prefill tokens, then
+    /// the lowest index.
+    pub fn least_loaded(&self) -> usize {
+        (0..self.slots.len())
+            .min_by(|&a, &b| {
+                let (la, lb) = (self.load(a), self.load(b));
+                la.requests
+                    .total_cmp(&lb.requests)
+                    .then(
+                        la.queued_prefill_tokens
+                            .total_cmp(&lb.queued_prefill_tokens),
+                    )
+                    .then(a.cmp(&b))
+            })
+            .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routed_and_finished_requests_move_the_estimate_and_reports_reset_it() {
+        let mut t = LoadTracker::new(2);
+        t.routed(1, 0, 100, 60);
+        t.routed(2, 0, 50, 50);
+        assert_eq!(t.load(0).requests, 2.0);
+        assert_eq!(t.load(0).queued_prefill_tokens, 110.0);
+        assert_eq!(t.least_loaded(), 1);
+        assert_eq!(t.finished(1), Some(0));
+        assert_eq!(t.finished(1), None);
+        assert_eq!(t.load(0).requests, 1.0);
+        t.report(
+            0,
+            LoadReport {
+                queued_prefill_tokens: 7,
+                requests: 3,
+                running_tokens: 900,
+            },
+        );
+        assert_eq!(t.load(0).queued_prefill_tokens, 7.0);
+        assert_eq!(t.load(0).requests, 3.0);
+        // A request the report already counted finishes: the estimate goes below the report
+        // but never below zero.
+        t.finished(2);
+        assert_eq!(t.load(0).requests, 2.0);
+        assert_eq!(t.load(0).queued_prefill_tokens, 0.0);
+    }
+}

@@ -1,0 +1,215 @@
+//! Router tests: fallback, session affinity, hybrid fleets, the policies through the router.
+
+use super::*;
+use crate::ingest::{EngineEvent, IngestCounts, InstanceFeed};
+use crate::table::HolderKind;
+
+const PS: usize = 4;
+
+/// An index with `n` instances (no L3) and their feeds.
+fn fleet(n: usize) -> (Index, Vec<InstanceFeed>, Vec<InstanceInfo>) {
+    let mut idx = Index::new(None);
+    let mut feeds = Vec::new();
+    let mut infos = Vec::new();
+    for _ in 0..n {
+        let h = idx.add_holder(HolderKind::Instance).unwrap();
+        feeds.push(InstanceFeed::new(h, h, PS as u32));
+        infos.push(InstanceInfo {
+            holder: h,
+            l3: L3Access::None,
+        });
+    }
+    (idx, feeds, infos)
+}
+
+/// `feed` reports `tokens` (whole pages) stored in `medium`, engine hashes from `base`.
+fn store(idx: &mut Index, feed: &mut InstanceFeed, tokens: &[u32], medium: &str, base: i64) {
+    let pages = tokens.len() / PS;
+    let ev = EngineEvent::BlockStored {
+        block_hashes: (0..pages as i64).map(|i| base + i).collect(),
+        parent_block_hash: None,
+        token_ids: tokens[..pages * PS].to_vec(),
+        block_size: PS as u32,
+        lora_id: None,
+        medium: Some(medium.into()),
+    };
+    let mut c = IngestCounts::default();
+    feed.apply(idx, &ev, &mut c).unwrap();
+    assert_eq!(c.stored_blocks, pages as u64);
+}
+
+fn req(id: u64, tokens: &[u32], session: Option<u64>) -> RouteRequest<'_> {
+    RouteRequest {
+        request: id,
+        tokens,
+        session,
+        lora: None,
+    }
+}
+
+struct Down;
+impl OverlapSource for Down {
+    fn overlaps(&self, _: &[BlockHash], _: &mut Vec<QueryMatch>) -> Result<(), IndexUnavailable> {
+        Err(IndexUnavailable("connection refused".into()))
+    }
+}
+
+struct Slow<'a>(&'a Index);
+impl OverlapSource for Slow<'_> {
+    fn overlaps(&self, h: &[BlockHash], out: &mut Vec<QueryMatch>) -> Result<(), IndexUnavailable> {
+        std::thread::sleep(Duration::from_millis(20));
+        self.0.overlaps(h, out)
+    }
+}
+
+#[test]
+fn hicache_sends_a_prompt_where_its_prefix_is_in_l1() {
+    let (mut idx, mut feeds, infos) = fleet(3);
+    let prompt: Vec<u32> = (0..33).collect();
+    store(&mut idx, &mut feeds[2], &prompt[..32], "GPU", 100);
+    let mut r = Router::new(Policy::Hicache, infos, RouterConfig::new(PS));
+    let d = r.route(&idx, &req(1, &prompt, None));
+    assert_eq!(d.instance, 2);
+    assert_eq!(
+        d.overlap,
+        Overlap {
+            l1: 32,
+            l2: 32,
+            l3: 32
+        }
+    );
+    assert!(!d.fallback);
+    // Accounting: the credited overlap is not load; only the last token is.
+    assert_eq!(r.load().load(2).queued_prefill_tokens, 1.0);
+}
+
+#[test]
+fn a_lost_index_falls_back_to_least_load_and_is_counted() {
+    let (mut idx, mut feeds, infos) = fleet(2);
+    let prompt: Vec<u32> = (0..17).collect();
+    store(&mut idx, &mut feeds[0], &prompt[..16], "GPU", 1);
+    for policy in [Policy::Hicache, Policy::DynamoLinear] {
+        let mut r = Router::new(policy, infos.clone(), RouterConfig::new(PS));
+        // Instance 0 holds the prefix but is busier: the fallback ignores the cache.
+        r.report_load(
+            0,
+            LoadReport {
+                queued_prefill_tokens: 0,
+                requests: 3,
+                running_tokens: 0,
+            },
+        );
+        let d = r.route(&Down, &req(1, &prompt, None));
+        assert!(d.fallback, "{policy}");
+        assert_eq!(d.instance, 1);
+        assert_eq!(d.overlap, Overlap::default());
+        let mut cfg = RouterConfig::new(PS);
+        cfg.deadline = Duration::from_millis(1);
+        let mut r = Router::new(policy, infos.clone(), cfg);
+        r.report_load(
+            0,
+            LoadReport {
+                queued_prefill_tokens: 0,
+                requests: 3,
+                running_tokens: 0,
+            },
+        );
+        let d = r.route(&Slow(&idx), &req(2, &prompt, None));
+        assert!(d.fallback);
+        assert_eq!(d.instance, 1);
+        let s = r.stats();
+        assert_eq!((s.fallback_slow, s.fallback_down, s.decisions), (1, 0, 1));
+        // With the index back, the cache wins again.
+        let d = r.route(&idx, &req(3, &prompt, None));
+        assert!(!d.fallback);
+        assert_eq!(d.instance, 0);
+    }
+    let mut r = Router::new(Policy::Hicache, infos, RouterConfig::new(PS));
+    r.route(&Down, &req(1, &prompt, None));
+    assert_eq!(r.stats().fallback_down, 1);
+}
+
+#[test]
+fn sessions_stay_together_when_costs_tie() {
+    let (idx, _, infos) = fleet(2);
+    let mut r = Router::new(Policy::Hicache, infos, RouterConfig::new(PS));
+    // Nothing cached anywhere. Session 7's first turn goes to instance 0 (tie: lowest
+    // index), session 8's to instance 1 (instance 0 is busier).
+    let a: Vec<u32> = (0..9).collect();
+    assert_eq!(r.route(&idx, &req(1, &a, Some(7))).instance, 0);
+    assert_eq!(r.route(&idx, &req(2, &a, Some(8))).instance, 1);
+    // Equal load on both: without a session the tie goes to instance 0; session 8 stays on 1.
+    let d = r.route(&idx, &req(3, &a, Some(8)));
+    assert_eq!(d.instance, 1);
+    assert_eq!(r.stats().session_kept, 1);
+    r.finished(3);
+    assert_eq!(r.route(&idx, &req(4, &a, None)).instance, 0);
+    r.finished(4);
+    // Beyond the tolerance the cheaper instance wins over the session.
+    r.report_load(
+        1,
+        LoadReport {
+            queued_prefill_tokens: 10_000,
+            requests: 5,
+            running_tokens: 0,
+        },
+    );
+    assert_eq!(r.route(&idx, &req(5, &a, Some(8))).instance, 0);
+    assert_eq!(r.stats().session_kept, 1);
+}
+
+#[test]
+fn a_hybrid_fleet_is_never_routed_to_a_false_hit() {
+    // Both instances report the same Full-attention pages (as the hybrid facade's events
+    // do); only instance 0 holds a Mamba state, after block 2. Instance 1 lost its state.
+    let (mut idx, mut feeds, infos) = fleet(2);
+    let prompt: Vec<u32> = (100..117).collect();
+    store(&mut idx, &mut feeds[0], &prompt[..16], "GPU", 1);
+    store(&mut idx, &mut feeds[1], &prompt[..16], "GPU", 50);
+    let hashes = ChainHasher::new(PS).hashes(&prompt[..16]);
+    let mut cfg = RouterConfig::new(PS);
+    cfg.reuse = ReuseRule::Hybrid;
+    let mut r = Router::new(Policy::Hicache, infos.clone(), cfg.clone());
+    r.reusable_ends_mut().mark(0, Tier::L1, hashes[1]);
+    let d = r.route(&idx, &req(1, &prompt, None));
+    assert_eq!(d.instance, 0);
+    assert_eq!(
+        d.overlap,
+        Overlap {
+            l1: 8,
+            l2: 8,
+            l3: 8
+        }
+    );
+    // No instance can resume: no credit at all, whatever the Full pages say.
+    for policy in [Policy::Hicache, Policy::DynamoLinear] {
+        let mut r = Router::new(policy, infos.clone(), cfg.clone());
+        let d = r.route(&idx, &req(2, &prompt, None));
+        assert_eq!(d.overlap, Overlap::default(), "{policy}");
+    }
+    // The dense rule would have credited all four pages: the false hit the rule prevents.
+    let mut dense = Router::new(Policy::Hicache, infos, RouterConfig::new(PS));
+    assert_eq!(dense.route(&idx, &req(3, &prompt, None)).overlap.l1, 16);
+}
+
+#[test]
+fn dynamo_through_the_router_credits_tiers_by_its_weights() {
+    // Instance 0: 2 pages on device; instance 1: 4 pages in host memory (credit 3 > 2).
+    let (mut idx, mut feeds, infos) = fleet(2);
+    let prompt: Vec<u32> = (0..21).collect();
+    store(&mut idx, &mut feeds[0], &prompt[..8], "GPU", 1);
+    store(&mut idx, &mut feeds[1], &prompt[..16], "CPU_PINNED", 10);
+    let mut r = Router::new(Policy::DynamoLinear, infos, RouterConfig::new(PS));
+    let d = r.route(&idx, &req(1, &prompt, None));
+    assert_eq!(d.instance, 1);
+    // 21/4 = 5.25 blocks − 0.75·4 = 2.25.
+    assert!((d.score - 2.25).abs() < 1e-9);
+}
+
+#[test]
+fn policies_parse_by_name() {
+    for p in Policy::ALL {
+        assert_eq!(p.name().parse::<Policy>().unwrap(), p);
+    }
+    assert!("random".parse::<Policy>().unwrap_err().contains("hicache"));
+}
