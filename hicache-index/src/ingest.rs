@@ -280,6 +280,8 @@ impl InstanceFeed {
         entries: impl IntoIterator<Item = (i64, BlockHash, u8)>,
     ) -> Result<()> {
         let mut per_tier: [Vec<BlockHash>; 3] = Default::default();
+        let entries = entries.into_iter();
+        self.map.reserve(entries.size_hint().0);
         for (e, h, mask) in entries {
             if mask & 7 == 0 {
                 continue;
