@@ -17,7 +17,7 @@
 //! 3. Sequence numbers start at 0 and grow by one per published batch; the replay buffer holds
 //!    the last `buffer_steps` batches.
 //! 4. No peer can stop the process, the publishing, or other peers (the sockets are our own
-//!    ZMTP server, [`super::zmtp`], whose invariants say what is bounded): frames a peer sends
+//!    ZMTP server, [`hicache_zmtp`], whose invariants say what is bounded): frames a peer sends
 //!    are at most [`KvEventPublisher::MAX_FRAME`] bytes, at most
 //!    [`KvEventPublisher::MAX_PEERS`] connections per socket are served, a handshake must end
 //!    within 5 s; a subscriber that does not read misses batches (counted in
@@ -39,7 +39,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 
 use super::wire::{WireEvent, encode_batch};
-use super::zmtp::{self, PubSocket, Request, RouterSocket, SocketStats, StatsHandle};
+use hicache_zmtp::{self as zmtp, PubSocket, Request, RouterSocket, SocketStats, StatsHandle};
 use crate::error::{HiCacheError, Result};
 pub use crate::kv_events_config::KvEventsConfig;
 use crate::kv_events_config::bind_address;

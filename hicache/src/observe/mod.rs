@@ -6,7 +6,6 @@ mod collectors;
 mod kv_events;
 mod metrics_http;
 pub mod wire;
-mod zmtp;
 
 pub use collectors::{StorageCollector, StorageSlot};
 pub use kv_events::{KvEventPublisher, KvEventsConfig};
@@ -16,7 +15,7 @@ pub use metrics_http::{
     MAX_HEADER_BUF_BYTES, MAX_HEADERS, MAX_REQUEST_BODY_BYTES, MetricsLimits, MetricsServer,
     RenderFn,
 };
-pub use zmtp::SocketStats;
+pub use hicache_zmtp::SocketStats;
 
 use hicache_core::KvEvent;
 

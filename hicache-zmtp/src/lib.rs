@@ -1,7 +1,7 @@
-//! A small ZMTP 3.0 / 3.1 server (rfc.zeromq.org specs 23 and 37) with the two sockets the
-//! KV-event publisher needs: a PUB ([`PubSocket`]) and a ROUTER ([`RouterSocket`]), over TCP,
-//! with the NULL security mechanism. Clients are any ZMQ implementation (libzmq through pyzmq,
-//! the `zeromq` crate).
+//! ZMTP 3.0 / 3.1 (rfc.zeromq.org specs 23 and 37, ZeroMQ's wire protocol) over TCP with the
+//! NULL security mechanism, every frame, peer and queue bounded: the PUB ([`PubSocket`]) and
+//! ROUTER ([`RouterSocket`]) servers of hicache's KV-event publisher. Their clients are any ZMQ
+//! implementation (libzmq through pyzmq, the `zeromq` crate).
 //!
 //! It exists because a server facing the network must bound what a peer can make it do, and
 //! the `zeromq` crate cannot: its codec reserves whatever length a frame header claims (one
@@ -30,7 +30,10 @@
 //! 6. Every connection is a task of the runtime the socket was bound in; dropping that runtime
 //!    ends them all without waiting on any peer.
 
-mod codec;
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod codec;
 mod peer;
 mod publish;
 mod router;

@@ -20,7 +20,7 @@ const READ_CHUNK: usize = 4096;
 
 /// Reads frames from a stream into a buffer that never holds more than one frame of at most
 /// [`MAX_FRAME`] bytes plus its header and one read chunk.
-pub(super) struct FrameReader<R> {
+pub(crate) struct FrameReader<R> {
     io: R,
     buf: BytesMut,
 }
@@ -62,7 +62,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 
     /// The next message (its frames) or command. Commands are handed back as they come.
-    pub(super) async fn input(&mut self) -> Result<Input, ZmtpError> {
+    pub(crate) async fn input(&mut self) -> Result<Input, ZmtpError> {
         let mut frames = Vec::new();
         loop {
             match self.frame().await? {
@@ -82,7 +82,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
 }
 
 /// One thing a peer sent after the handshake.
-pub(super) enum Input {
+pub(crate) enum Input {
     /// A whole message.
     Message(Vec<Bytes>),
     /// A command.
@@ -91,7 +91,7 @@ pub(super) enum Input {
 
 /// Answers the commands both sockets treat alike; `Ok(Some(cmd))` hands back the ones the
 /// socket handles itself (SUBSCRIBE, CANCEL).
-pub(super) fn common_command(cmd: Command, outbox: &Outbox) -> Result<Option<Command>, ZmtpError> {
+pub(crate) fn common_command(cmd: Command, outbox: &Outbox) -> Result<Option<Command>, ZmtpError> {
     match cmd {
         Command::Ping(context) => {
             let mut out = BytesMut::new();
@@ -108,7 +108,7 @@ pub(super) fn common_command(cmd: Command, outbox: &Outbox) -> Result<Option<Com
 }
 
 /// A connection after its handshake: the peer's metadata, the halves of the stream.
-pub(super) struct Connected {
+pub(crate) struct Connected {
     /// The peer's READY properties.
     pub meta: Metadata,
     /// Reads frames (with whatever the handshake read past READY).
@@ -119,7 +119,7 @@ pub(super) struct Connected {
 
 /// The NULL handshake as the server: greetings both ways, READY both ways, the peer's socket
 /// type one of `accepts`; all within [`HANDSHAKE_TIMEOUT`].
-pub(super) async fn handshake(
+pub(crate) async fn handshake(
     stream: TcpStream,
     our_type: &'static str,
     accepts: &[&str],
@@ -180,7 +180,7 @@ pub(super) async fn handshake(
 /// A peer's outgoing queue: bounded, never awaited by the PUB, awaited with a deadline by the
 /// ROUTER; `close` ends the connection.
 #[derive(Clone, Debug)]
-pub(super) struct Outbox {
+pub(crate) struct Outbox {
     tx: mpsc::Sender<Bytes>,
     pending: Arc<AtomicUsize>,
     close: Arc<Notify>,
@@ -188,7 +188,7 @@ pub(super) struct Outbox {
 
 /// Why a message was not queued.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) enum NotQueued {
+pub(crate) enum NotQueued {
     /// The queue is full (the peer does not read fast enough).
     Full,
     /// The connection is gone.
@@ -197,7 +197,7 @@ pub(super) enum NotQueued {
 
 impl Outbox {
     /// A queue of `len` messages and the receiver its writer drains.
-    pub(super) fn new(len: usize) -> (Self, mpsc::Receiver<Bytes>, Arc<AtomicUsize>) {
+    pub(crate) fn new(len: usize) -> (Self, mpsc::Receiver<Bytes>, Arc<AtomicUsize>) {
         let (tx, rx) = mpsc::channel(len);
         let pending = Arc::new(AtomicUsize::new(0));
         let outbox = Self {
@@ -209,7 +209,7 @@ impl Outbox {
     }
 
     /// Queues `wire` (encoded frames) if there is room.
-    pub(super) fn try_send(&self, wire: Bytes) -> Result<(), NotQueued> {
+    pub(crate) fn try_send(&self, wire: Bytes) -> Result<(), NotQueued> {
         self.pending.fetch_add(1, Ordering::Relaxed);
         self.tx.try_send(wire).map_err(|e| {
             self.pending.fetch_sub(1, Ordering::Relaxed);
@@ -221,7 +221,7 @@ impl Outbox {
     }
 
     /// Queues `wire`, waiting at most `limit` for room.
-    pub(super) async fn send_timeout(&self, wire: Bytes, limit: Duration) -> Result<(), NotQueued> {
+    pub(crate) async fn send_timeout(&self, wire: Bytes, limit: Duration) -> Result<(), NotQueued> {
         self.pending.fetch_add(1, Ordering::Relaxed);
         let r = self
             .tx
@@ -238,23 +238,23 @@ impl Outbox {
     }
 
     /// Whether everything queued was written to the kernel.
-    pub(super) fn is_flushed(&self) -> bool {
+    pub(crate) fn is_flushed(&self) -> bool {
         self.pending.load(Ordering::Relaxed) == 0 || self.tx.is_closed()
     }
 
     /// Ends the connection.
-    pub(super) fn close(&self) {
+    pub(crate) fn close(&self) {
         self.close.notify_one();
     }
 
     /// Resolves when [`Outbox::close`] was called.
-    pub(super) async fn closed(&self) {
+    pub(crate) async fn closed(&self) {
         self.close.notified().await;
     }
 }
 
 /// Writes the queue to the peer until the queue closes or a write fails.
-pub(super) async fn write_queue(
+pub(crate) async fn write_queue(
     mut writer: OwnedWriteHalf,
     mut rx: mpsc::Receiver<Bytes>,
     pending: Arc<AtomicUsize>,
@@ -267,7 +267,7 @@ pub(super) async fn write_queue(
 }
 
 /// One served connection's place under [`MAX_PEERS`]; dropping it frees the place.
-pub(super) struct PeerSlot(Arc<Counters>);
+pub(crate) struct PeerSlot(Arc<Counters>);
 
 impl Drop for PeerSlot {
     fn drop(&mut self) {
@@ -277,7 +277,7 @@ impl Drop for PeerSlot {
 
 /// Accepts connections until the runtime ends, closing the ones beyond [`MAX_PEERS`] and
 /// handing the others to `serve` (which runs them as tasks of their own).
-pub(super) async fn accept_loop<F>(
+pub(crate) async fn accept_loop<F>(
     listener: tokio::net::TcpListener,
     counters: Arc<Counters>,
     socket: &'static str,
@@ -317,7 +317,7 @@ pub(super) async fn accept_loop<F>(
 }
 
 /// Logs and counts how a connection ended.
-pub(super) fn ended(
+pub(crate) fn ended(
     counters: &Counters,
     socket: &'static str,
     addr: SocketAddr,
