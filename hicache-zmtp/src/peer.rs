@@ -1,92 +1,278 @@
-//! What both sockets do with one connection: accept it within the peer cap, read bounded
-//! frames, do the NULL handshake, and write from a bounded queue.
+//! What both server sockets do with one connection: admit it (evicting the stalest peer of a
+//! full set), run it under the idle and stall deadlines, and write from a queue bounded in
+//! messages and bytes.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::sync::{Notify, mpsc};
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
-use super::codec::{self, Command, Frame, GREETING_LEN, Metadata, SIGNATURE_LEN};
-use super::{Counters, HANDSHAKE_TIMEOUT, MAX_FRAME, MAX_FRAMES_PER_MESSAGE, MAX_PEERS, ZmtpError};
+use crate::ZmtpError;
+use crate::codec::{self, Command};
+use crate::conn::FrameLimits;
+use crate::limits::ServerLimits;
+use crate::registry::{Admitted, Liveness, Registry};
+use crate::stats::{Counters, throttled};
 
-/// Bytes asked of the kernel per read.
+/// Bytes a server asks of the kernel per read (peers send small messages).
 const READ_CHUNK: usize = 4096;
 
-/// Reads frames from a stream into a buffer that never holds more than one frame of at most
-/// [`MAX_FRAME`] bytes plus its header and one read chunk.
-pub(crate) struct FrameReader<R> {
-    io: R,
-    buf: BytesMut,
+/// The frame limits of a server's connections.
+pub(crate) fn frame_limits(limits: &ServerLimits) -> FrameLimits {
+    FrameLimits {
+        max_frame: limits.max_frame,
+        max_frames: limits.max_frames_per_message,
+        max_message: limits
+            .max_frame
+            .saturating_mul(limits.max_frames_per_message),
+        read_chunk: READ_CHUNK,
+    }
 }
 
-impl<R: AsyncRead + Unpin> FrameReader<R> {
-    fn new(io: R, buf: BytesMut) -> Self {
-        Self { io, buf }
+/// One encoded message: frame headers and bodies, the bodies shared with whoever else holds
+/// them (the replay buffer, other peers' queues).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Wire {
+    parts: Vec<Bytes>,
+    len: usize,
+}
+
+impl Wire {
+    /// Encodes `frames` as one message without copying their bodies.
+    pub(crate) fn message(frames: &[Bytes]) -> Self {
+        let mut parts = Vec::with_capacity(frames.len() * 2);
+        let mut len = 0;
+        for (i, f) in frames.iter().enumerate() {
+            let mut head = BytesMut::with_capacity(9);
+            codec::encode_frame_header(i + 1 < frames.len(), f.len(), &mut head);
+            len += head.len() + f.len();
+            parts.push(head.freeze());
+            if !f.is_empty() {
+                parts.push(f.clone());
+            }
+        }
+        Self { parts, len }
     }
 
-    /// Reads more bytes; EOF is an error (the peer closed).
-    async fn fill(&mut self) -> Result<(), ZmtpError> {
-        self.buf.reserve(READ_CHUNK);
-        let n = (&mut self.io)
-            .take(READ_CHUNK as u64)
-            .read_buf(&mut self.buf)
-            .await?;
-        if n == 0 {
-            return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+    /// Already encoded bytes (a command).
+    pub(crate) fn raw(bytes: Bytes) -> Self {
+        let len = bytes.len();
+        Self {
+            parts: vec![bytes],
+            len,
         }
+    }
+
+    /// Bytes on the wire.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// A message in a peer's queue, holding its share of the byte budgets until it is written or
+/// the queue is dropped (the connection ended).
+struct Queued {
+    wire: Wire,
+    _peer: OwnedSemaphorePermit,
+    _socket: OwnedSemaphorePermit,
+    counters: Arc<Counters>,
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.counters.dequeued(self.wire.len());
+    }
+}
+
+/// The byte budget all the queues of one socket share.
+#[derive(Clone, Debug)]
+pub(crate) struct SocketBudget {
+    bytes: Arc<Semaphore>,
+    max: usize,
+}
+
+impl SocketBudget {
+    pub(crate) fn new(limits: &ServerLimits) -> Self {
+        Self {
+            bytes: Arc::new(Semaphore::new(limits.max_queued_bytes)),
+            max: limits.max_queued_bytes,
+        }
+    }
+}
+
+/// A peer's outgoing queue: bounded in messages and bytes, never awaited by the PUB, awaited
+/// with a deadline by the ROUTER.
+#[derive(Clone, Debug)]
+pub(crate) struct Outbox {
+    tx: mpsc::Sender<Queued>,
+    peer_bytes: Arc<Semaphore>,
+    peer_max: usize,
+    socket: SocketBudget,
+    counters: Arc<Counters>,
+    live: Arc<Liveness>,
+}
+
+impl std::fmt::Debug for Queued {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queued")
+            .field("len", &self.wire.len())
+            .finish()
+    }
+}
+
+/// Why a message was not queued.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum NotQueued {
+    /// The peer's queue is full (the peer does not read fast enough).
+    Full,
+    /// The socket's byte budget is spent (other peers do not read).
+    Budget,
+    /// The connection is gone.
+    Closed,
+}
+
+/// The receiving end of an [`Outbox`], drained by [`write_queue`].
+pub(crate) struct Inbox(mpsc::Receiver<Queued>);
+
+impl Outbox {
+    /// A queue for one peer and the receiver its writer drains.
+    pub(crate) fn new(
+        limits: &ServerLimits,
+        socket: SocketBudget,
+        counters: Arc<Counters>,
+        live: Arc<Liveness>,
+    ) -> (Self, Inbox) {
+        let (tx, rx) = mpsc::channel(limits.peer_queue);
+        let outbox = Self {
+            tx,
+            peer_bytes: Arc::new(Semaphore::new(limits.peer_queue_bytes)),
+            peer_max: limits.peer_queue_bytes,
+            socket,
+            counters,
+            live,
+        };
+        (outbox, Inbox(rx))
+    }
+
+    /// What `wire` costs of the peer's and the socket's budgets: its length, or the whole
+    /// budget for a bigger message (admitted only into an otherwise empty one).
+    fn costs(&self, wire: &Wire) -> (u32, u32) {
+        let clamp = |max: usize| u32::try_from(wire.len().min(max)).unwrap_or(u32::MAX);
+        (clamp(self.peer_max), clamp(self.socket.max))
+    }
+
+    fn queued(
+        &self,
+        wire: Wire,
+        peer: OwnedSemaphorePermit,
+        socket: OwnedSemaphorePermit,
+    ) -> Queued {
+        self.counters.queued(wire.len());
+        Queued {
+            wire,
+            _peer: peer,
+            _socket: socket,
+            counters: self.counters.clone(),
+        }
+    }
+
+    /// Queues `wire` if there is room; never waits.
+    pub(crate) fn try_send(&self, wire: Wire) -> Result<(), NotQueued> {
+        if self.tx.is_closed() {
+            return Err(NotQueued::Closed);
+        }
+        let (peer_cost, socket_cost) = self.costs(&wire);
+        let peer = self
+            .peer_bytes
+            .clone()
+            .try_acquire_many_owned(peer_cost)
+            .map_err(|_| NotQueued::Full)?;
+        let socket = self
+            .socket
+            .bytes
+            .clone()
+            .try_acquire_many_owned(socket_cost)
+            .map_err(|_| NotQueued::Budget)?;
+        let q = self.queued(wire, peer, socket);
+        self.tx.try_send(q).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => NotQueued::Full,
+            mpsc::error::TrySendError::Closed(_) => NotQueued::Closed,
+        })
+    }
+
+    /// Queues `wire`, waiting at most `limit` for room in the peer's queue ([`NotQueued::Full`]
+    /// then) and then at most `limit` again for the socket's byte budget ([`NotQueued::Budget`]:
+    /// other peers hold it; they are closed within the stall timeout if they do not read).
+    pub(crate) async fn send_timeout(&self, wire: Wire, limit: Duration) -> Result<(), NotQueued> {
+        let (peer_cost, socket_cost) = self.costs(&wire);
+        let peer_room = async {
+            let permit = self.tx.reserve().await.map_err(|_| NotQueued::Closed)?;
+            let peer = self
+                .peer_bytes
+                .clone()
+                .acquire_many_owned(peer_cost)
+                .await
+                .map_err(|_| NotQueued::Closed)?;
+            Ok::<_, NotQueued>((permit, peer))
+        };
+        let (permit, peer) = tokio::time::timeout(limit, peer_room)
+            .await
+            .map_err(|_| NotQueued::Full)??;
+        let socket = tokio::time::timeout(
+            limit,
+            self.socket.bytes.clone().acquire_many_owned(socket_cost),
+        )
+        .await
+        .map_err(|_| NotQueued::Budget)?
+        .map_err(|_| NotQueued::Closed)?;
+        permit.send(self.queued(wire, peer, socket));
         Ok(())
     }
 
-    /// The next `n` raw bytes (the greeting).
-    async fn bytes(&mut self, n: usize) -> Result<Bytes, ZmtpError> {
-        while self.buf.len() < n {
-            self.fill().await?;
-        }
-        Ok(self.buf.split_to(n).freeze())
+    /// Whether everything queued was written to the kernel (or the connection is gone).
+    pub(crate) fn is_flushed(&self) -> bool {
+        // A message's budget is returned once it was written (or the queue was dropped).
+        self.peer_bytes.available_permits() == self.peer_max || self.tx.is_closed()
     }
 
-    /// The next frame.
-    async fn frame(&mut self) -> Result<Frame, ZmtpError> {
-        loop {
-            if let Some(f) = codec::decode_frame(&mut self.buf, MAX_FRAME)? {
-                return Ok(f);
-            }
-            self.fill().await?;
-        }
-    }
-
-    /// The next message (its frames) or command. Commands are handed back as they come.
-    pub(crate) async fn input(&mut self) -> Result<Input, ZmtpError> {
-        let mut frames = Vec::new();
-        loop {
-            match self.frame().await? {
-                Frame::Command(body) => return Ok(Input::Command(codec::parse_command(&body)?)),
-                Frame::Message { more, body } => {
-                    if frames.len() == MAX_FRAMES_PER_MESSAGE {
-                        return Err(ZmtpError::TooManyFrames(MAX_FRAMES_PER_MESSAGE));
-                    }
-                    frames.push(body);
-                    if !more {
-                        return Ok(Input::Message(frames));
-                    }
-                }
-            }
-        }
+    /// Ends the connection.
+    pub(crate) fn close(&self) {
+        self.live.close();
     }
 }
 
-/// One thing a peer sent after the handshake.
-pub(crate) enum Input {
-    /// A whole message.
-    Message(Vec<Bytes>),
-    /// A command.
-    Command(Command),
+/// Writes the queue to the peer until the queue closes or a write fails. A write that makes
+/// no progress for `stall` ends the connection with [`ZmtpError::Stalled`]; every write that
+/// does is activity ([`Liveness::touch`]).
+pub(crate) async fn write_queue(
+    mut writer: OwnedWriteHalf,
+    Inbox(mut rx): Inbox,
+    live: Arc<Liveness>,
+    stall: Duration,
+) -> Result<(), ZmtpError> {
+    while let Some(q) = rx.recv().await {
+        for part in &q.wire.parts {
+            let mut at = 0;
+            while at < part.len() {
+                let n = tokio::time::timeout(stall, writer.write(&part[at..]))
+                    .await
+                    .map_err(|_| ZmtpError::Stalled(stall))??;
+                if n == 0 {
+                    return Err(std::io::Error::from(std::io::ErrorKind::WriteZero).into());
+                }
+                at += n;
+                live.touch();
+            }
+        }
+        // `q` drops here: its budgets are returned.
+    }
+    Ok(())
 }
 
 /// Answers the commands both sockets treat alike; `Ok(Some(cmd))` hands back the ones the
@@ -97,7 +283,7 @@ pub(crate) fn common_command(cmd: Command, outbox: &Outbox) -> Result<Option<Com
             let mut out = BytesMut::new();
             codec::encode_pong(&context, &mut out);
             // A peer whose queue is full is not reading; its PONG can wait for the next PING.
-            let _ = outbox.try_send(out.freeze());
+            let _ = outbox.try_send(Wire::raw(out.freeze()));
             Ok(None)
         }
         Command::Pong | Command::Other(_) => Ok(None),
@@ -107,183 +293,24 @@ pub(crate) fn common_command(cmd: Command, outbox: &Outbox) -> Result<Option<Com
     }
 }
 
-/// A connection after its handshake: the peer's metadata, the halves of the stream.
-pub(crate) struct Connected {
-    /// The peer's READY properties.
-    pub meta: Metadata,
-    /// Reads frames (with whatever the handshake read past READY).
-    pub reader: FrameReader<OwnedReadHalf>,
-    /// The write half, for [`write_queue`].
-    pub writer: OwnedWriteHalf,
+/// Closes a peer that is not useful `idle` after it started (the handshake included).
+pub(crate) async fn idle_deadline(live: &Liveness, idle: Duration) -> ZmtpError {
+    tokio::time::sleep(idle).await;
+    if live.is_useful() {
+        std::future::pending::<()>().await;
+    }
+    ZmtpError::Idle(idle)
 }
 
-/// The NULL handshake as the server: greetings both ways, READY both ways, the peer's socket
-/// type one of `accepts`; all within [`HANDSHAKE_TIMEOUT`].
-pub(crate) async fn handshake(
-    stream: TcpStream,
-    our_type: &'static str,
-    accepts: &[&str],
-    identity: Option<&[u8]>,
-) -> Result<Connected, ZmtpError> {
-    let work = async {
-        let mut stream = stream;
-        stream.write_all(&codec::greeting()).await?;
-        let mut reader = FrameReader::new(&mut stream, BytesMut::new());
-        let sig = reader.bytes(SIGNATURE_LEN).await?;
-        // Refuse garbage at its first bytes rather than after 64.
-        codec::check_signature(&sig)?;
-        let rest = reader.bytes(GREETING_LEN - SIGNATURE_LEN).await?;
-        let mut whole = sig.to_vec();
-        whole.extend_from_slice(&rest);
-        codec::parse_greeting(&whole)?;
-        // Our READY goes out before we read theirs: a client may wait for it.
-        let mut out = BytesMut::new();
-        codec::encode_ready(our_type, identity, &mut out);
-        reader.io.write_all(&out).await?;
-        let meta = match reader.frame().await? {
-            Frame::Command(body) => match codec::parse_command(&body)? {
-                Command::Ready(meta) => meta,
-                Command::Error(reason) => return Err(ZmtpError::PeerError(reason)),
-                _ => return Err(ZmtpError::NotReady("another command")),
-            },
-            Frame::Message { .. } => return Err(ZmtpError::NotReady("a message")),
-        };
-        let leftover = std::mem::take(&mut reader.buf);
-        let peer_type = meta.socket_type.clone().unwrap_or_default();
-        if !accepts.iter().any(|t| t.eq_ignore_ascii_case(&peer_type)) {
-            let mut out = BytesMut::new();
-            let reason = b"invalid socket type";
-            let mut data = vec![reason.len() as u8];
-            data.extend_from_slice(reason);
-            codec::encode_command("ERROR", &data, &mut out);
-            let _ = stream.write_all(&out).await;
-            return Err(ZmtpError::SocketType(peer_type, our_type));
-        }
-        if let Some(id) = &meta.identity
-            && id.len() > 255
-        {
-            return Err(ZmtpError::Identity(id.len()));
-        }
-        let (rd, writer) = stream.into_split();
-        Ok(Connected {
-            meta,
-            reader: FrameReader::new(rd, leftover),
-            writer,
-        })
-    };
-    match tokio::time::timeout(HANDSHAKE_TIMEOUT, work).await {
-        Ok(r) => r,
-        Err(_) => Err(ZmtpError::HandshakeTimeout(HANDSHAKE_TIMEOUT)),
-    }
-}
-
-/// A peer's outgoing queue: bounded, never awaited by the PUB, awaited with a deadline by the
-/// ROUTER; `close` ends the connection.
-#[derive(Clone, Debug)]
-pub(crate) struct Outbox {
-    tx: mpsc::Sender<Bytes>,
-    pending: Arc<AtomicUsize>,
-    close: Arc<Notify>,
-}
-
-/// Why a message was not queued.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum NotQueued {
-    /// The queue is full (the peer does not read fast enough).
-    Full,
-    /// The connection is gone.
-    Closed,
-}
-
-impl Outbox {
-    /// A queue of `len` messages and the receiver its writer drains.
-    pub(crate) fn new(len: usize) -> (Self, mpsc::Receiver<Bytes>, Arc<AtomicUsize>) {
-        let (tx, rx) = mpsc::channel(len);
-        let pending = Arc::new(AtomicUsize::new(0));
-        let outbox = Self {
-            tx,
-            pending: pending.clone(),
-            close: Arc::new(Notify::new()),
-        };
-        (outbox, rx, pending)
-    }
-
-    /// Queues `wire` (encoded frames) if there is room.
-    pub(crate) fn try_send(&self, wire: Bytes) -> Result<(), NotQueued> {
-        self.pending.fetch_add(1, Ordering::Relaxed);
-        self.tx.try_send(wire).map_err(|e| {
-            self.pending.fetch_sub(1, Ordering::Relaxed);
-            match e {
-                mpsc::error::TrySendError::Full(_) => NotQueued::Full,
-                mpsc::error::TrySendError::Closed(_) => NotQueued::Closed,
-            }
-        })
-    }
-
-    /// Queues `wire`, waiting at most `limit` for room.
-    pub(crate) async fn send_timeout(&self, wire: Bytes, limit: Duration) -> Result<(), NotQueued> {
-        self.pending.fetch_add(1, Ordering::Relaxed);
-        let r = self
-            .tx
-            .send_timeout(wire, limit)
-            .await
-            .map_err(|e| match e {
-                mpsc::error::SendTimeoutError::Timeout(_) => NotQueued::Full,
-                mpsc::error::SendTimeoutError::Closed(_) => NotQueued::Closed,
-            });
-        if r.is_err() {
-            self.pending.fetch_sub(1, Ordering::Relaxed);
-        }
-        r
-    }
-
-    /// Whether everything queued was written to the kernel.
-    pub(crate) fn is_flushed(&self) -> bool {
-        self.pending.load(Ordering::Relaxed) == 0 || self.tx.is_closed()
-    }
-
-    /// Ends the connection.
-    pub(crate) fn close(&self) {
-        self.close.notify_one();
-    }
-
-    /// Resolves when [`Outbox::close`] was called.
-    pub(crate) async fn closed(&self) {
-        self.close.notified().await;
-    }
-}
-
-/// Writes the queue to the peer until the queue closes or a write fails.
-pub(crate) async fn write_queue(
-    mut writer: OwnedWriteHalf,
-    mut rx: mpsc::Receiver<Bytes>,
-    pending: Arc<AtomicUsize>,
-) -> Result<(), ZmtpError> {
-    while let Some(wire) = rx.recv().await {
-        writer.write_all(&wire).await?;
-        pending.fetch_sub(1, Ordering::Relaxed);
-    }
-    Ok(())
-}
-
-/// One served connection's place under [`MAX_PEERS`]; dropping it frees the place.
-pub(crate) struct PeerSlot(Arc<Counters>);
-
-impl Drop for PeerSlot {
-    fn drop(&mut self) {
-        self.0.peers.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// Accepts connections until the runtime ends, closing the ones beyond [`MAX_PEERS`] and
-/// handing the others to `serve` (which runs them as tasks of their own).
+/// Accepts connections until the runtime ends, admitting each (the stalest peer of a full set
+/// makes room) and handing it to `serve` (which runs it as a task of its own).
 pub(crate) async fn accept_loop<F>(
     listener: tokio::net::TcpListener,
-    counters: Arc<Counters>,
+    registry: Arc<Registry>,
     socket: &'static str,
     serve: F,
 ) where
-    F: Fn(TcpStream, SocketAddr, PeerSlot),
+    F: Fn(TcpStream, SocketAddr, Admitted),
 {
     loop {
         let (stream, addr) = match listener.accept().await {
@@ -291,49 +318,68 @@ pub(crate) async fn accept_loop<F>(
             Err(e) => {
                 // Out of descriptors, or a connection reset before it was accepted: wait a
                 // little rather than spin.
-                tracing::warn!(socket, error = %e, "KV events: accept failed");
+                tracing::warn!(socket, error = %e, "ZMTP: accept failed");
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };
-        let served = counters.peers.fetch_add(1, Ordering::Relaxed);
-        let slot = PeerSlot(counters.clone());
-        if served >= MAX_PEERS {
-            let n = counters.refused_peers.fetch_add(1, Ordering::Relaxed) + 1;
-            // Every refusal at debug; at warn only the 1st, 2nd, 4th... (a flood of connections
-            // must not become a flood of log lines).
-            if n.is_power_of_two() {
-                tracing::warn!(socket, peer = %addr, max = MAX_PEERS, refused = n, "KV events: too many peers, connection refused");
-            } else {
-                tracing::debug!(socket, peer = %addr, max = MAX_PEERS, refused = n, "KV events: too many peers, connection refused");
-            }
-            drop(stream);
-            drop(slot);
-            continue;
-        }
+        let admitted = registry.admit(addr.ip());
         let _ = stream.set_nodelay(true);
-        serve(stream, addr, slot);
+        serve(stream, addr, admitted);
     }
 }
 
-/// Logs and counts how a connection ended.
-pub(crate) fn ended(
+/// Runs one connection until it ends or is closed (evicted, stalled ROUTER reply), then logs
+/// and counts how it ended.
+pub(crate) async fn run<F>(
     counters: &Counters,
     socket: &'static str,
     addr: SocketAddr,
-    r: Result<(), ZmtpError>,
-) {
+    admitted: Admitted,
+    connection: F,
+) where
+    F: Future<Output = Result<(), ZmtpError>>,
+{
+    let r = tokio::select! {
+        r = connection => r,
+        () = admitted.live.closed() => Err(if admitted.was_evicted() {
+            ZmtpError::Evicted
+        } else {
+            ZmtpError::Closed
+        }),
+    };
+    ended(counters, socket, addr, r);
+    drop(admitted);
+}
+
+/// Logs and counts how a connection ended.
+fn ended(counters: &Counters, socket: &'static str, addr: SocketAddr, r: Result<(), ZmtpError>) {
     match r {
-        Ok(()) => tracing::debug!(socket, peer = %addr, "KV events: peer closed"),
-        Err(e) if e.is_protocol() => {
-            let n = counters.closed_for_errors.fetch_add(1, Ordering::Relaxed) + 1;
-            // At warn only the 1st, 2nd, 4th... (bad peers must not flood the log).
-            if n.is_power_of_two() {
-                tracing::warn!(socket, peer = %addr, error = %e, closed = n, "KV events: connection closed");
+        Ok(()) => tracing::debug!(socket, peer = %addr, "ZMTP: peer closed"),
+        Err(e @ ZmtpError::Idle(_)) => {
+            let n = counters.idle_closed.fetch_add(1, Ordering::Relaxed) + 1;
+            if throttled(n) {
+                tracing::warn!(socket, peer = %addr, error = %e, idle_closed = n, "ZMTP: idle peer closed");
             } else {
-                tracing::debug!(socket, peer = %addr, error = %e, closed = n, "KV events: connection closed");
+                tracing::debug!(socket, peer = %addr, error = %e, idle_closed = n, "ZMTP: idle peer closed");
             }
         }
-        Err(e) => tracing::debug!(socket, peer = %addr, error = %e, "KV events: peer gone"),
+        Err(e @ ZmtpError::Stalled(_)) => {
+            let n = counters.stalled_peers.fetch_add(1, Ordering::Relaxed) + 1;
+            if throttled(n) {
+                tracing::warn!(socket, peer = %addr, error = %e, stalled = n, "ZMTP: a peer that does not read was closed");
+            } else {
+                tracing::debug!(socket, peer = %addr, error = %e, stalled = n, "ZMTP: a peer that does not read was closed");
+            }
+        }
+        Err(e) if e.is_protocol() => {
+            let n = counters.closed_for_errors.fetch_add(1, Ordering::Relaxed) + 1;
+            if throttled(n) {
+                tracing::warn!(socket, peer = %addr, error = %e, closed = n, "ZMTP: connection closed");
+            } else {
+                tracing::debug!(socket, peer = %addr, error = %e, closed = n, "ZMTP: connection closed");
+            }
+        }
+        Err(e) => tracing::debug!(socket, peer = %addr, error = %e, "ZMTP: peer gone"),
     }
 }

@@ -7,17 +7,17 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
-use super::codec;
-use super::peer::{self, Input, NotQueued, Outbox, PeerSlot};
-use super::{
-    Counters, MAX_OUTSTANDING_REQUESTS, MAX_PEERS, PEER_QUEUE, REPLY_STALL_TIMEOUT, StatsHandle,
-    ZmtpError,
-};
+use crate::ZmtpError;
+use crate::conn::{self, Input, Role};
+use crate::limits::{MAX_OUTSTANDING_REQUESTS, ServerLimits};
+use crate::peer::{self, NotQueued, Outbox, SocketBudget, Wire};
+use crate::registry::{Admitted, Liveness, Registry};
+use crate::stats::{Counters, StatsHandle, throttled};
 
 const SOCKET: &str = "ROUTER";
 
@@ -27,6 +27,8 @@ struct Shared {
     next_id: AtomicU32,
     counters: Arc<Counters>,
     requests: mpsc::Sender<Request>,
+    limits: ServerLimits,
+    budget: SocketBudget,
 }
 
 /// A ZMQ ROUTER socket bound to one TCP listener.
@@ -36,7 +38,7 @@ pub struct RouterSocket {
 }
 
 /// One message a peer sent, with the way to answer it. While it lives, that peer's next
-/// message is not read ([`super::MAX_OUTSTANDING_REQUESTS`]).
+/// message is not read ([`MAX_OUTSTANDING_REQUESTS`]).
 #[derive(Debug)]
 pub struct Request {
     /// The peer's routing id.
@@ -45,39 +47,45 @@ pub struct Request {
     pub frames: Vec<Bytes>,
     outbox: Outbox,
     counters: Arc<Counters>,
+    stall: std::time::Duration,
     _permit: OwnedSemaphorePermit,
 }
 
 /// Why a reply was not sent.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ReplyError {
-    /// The peer did not read for [`REPLY_STALL_TIMEOUT`]; it was disconnected.
+    /// The peer did not read for the stall timeout; it was disconnected.
     #[error("the peer did not read its replies; disconnected")]
     Stalled,
+    /// The socket's byte budget stayed spent by other peers for the stall timeout.
+    #[error("the socket's queues are full")]
+    Busy,
     /// The peer is gone.
     #[error("the peer is gone")]
     Closed,
 }
 
 impl Request {
-    /// Sends `frames` as one message to the peer, waiting at most [`REPLY_STALL_TIMEOUT`] for
-    /// room in its queue; a peer that stays full is disconnected.
-    pub async fn reply<B: AsRef<[u8]>>(&self, frames: &[B]) -> Result<(), ReplyError> {
-        let mut wire = BytesMut::new();
-        codec::encode_message(frames, &mut wire);
+    /// Sends `frames` as one message to the peer, waiting at most the stall timeout for room in
+    /// its queue (a peer that stays full is disconnected). The frames' bytes are queued as they
+    /// are (shared, never copied).
+    pub async fn reply(&self, frames: &[Bytes]) -> Result<(), ReplyError> {
         match self
             .outbox
-            .send_timeout(wire.freeze(), REPLY_STALL_TIMEOUT)
+            .send_timeout(Wire::message(frames), self.stall)
             .await
         {
             Ok(()) => Ok(()),
             Err(NotQueued::Closed) => Err(ReplyError::Closed),
+            Err(NotQueued::Budget) => Err(ReplyError::Busy),
             Err(NotQueued::Full) => {
-                self.counters.stalled_peers.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    identity = ?self.identity,
-                    "KV events: a replay client does not read its replies; disconnected"
-                );
+                let n = self.counters.stalled_peers.fetch_add(1, Ordering::Relaxed) + 1;
+                if throttled(n) {
+                    tracing::warn!(
+                        identity = ?self.identity, stalled = n,
+                        "ZMTP ROUTER: a client does not read its replies; disconnected"
+                    );
+                }
                 self.outbox.close();
                 Err(ReplyError::Stalled)
             }
@@ -86,25 +94,39 @@ impl Request {
 }
 
 impl RouterSocket {
-    /// Starts accepting on `listener` in the current tokio runtime (call it from inside one).
+    /// Starts accepting on `listener` in the current tokio runtime (call it from inside one),
+    /// with the default [`ServerLimits`].
     pub fn bind(listener: std::net::TcpListener) -> std::io::Result<Self> {
+        Self::bind_with(listener, ServerLimits::default())
+    }
+
+    /// [`RouterSocket::bind`] with other limits.
+    pub fn bind_with(
+        listener: std::net::TcpListener,
+        limits: ServerLimits,
+    ) -> std::io::Result<Self> {
         listener.set_nonblocking(true)?;
         let listener = tokio::net::TcpListener::from_std(listener)?;
+        let limits = limits.sane();
         // Each peer has at most one request in flight, so this never holds more than that.
-        let (tx, requests) = mpsc::channel(MAX_PEERS * MAX_OUTSTANDING_REQUESTS);
+        let (tx, requests) = mpsc::channel(limits.max_peers * MAX_OUTSTANDING_REQUESTS);
+        let counters = Arc::new(Counters::default());
+        let registry = Registry::new(&limits, counters.clone(), SOCKET);
         let shared = Arc::new(Shared {
             ids: Mutex::new(HashSet::new()),
             next_id: AtomicU32::new(1),
-            counters: Arc::new(Counters::default()),
+            counters,
             requests: tx,
+            budget: SocketBudget::new(&limits),
+            limits,
         });
         let s = shared.clone();
         tokio::spawn(peer::accept_loop(
             listener,
-            shared.counters.clone(),
+            registry,
             SOCKET,
-            move |stream, addr, slot| {
-                tokio::spawn(serve(stream, addr, slot, s.clone()));
+            move |stream, addr, admitted| {
+                tokio::spawn(serve(stream, addr, admitted, s.clone()));
             },
         ));
         Ok(Self { shared, requests })
@@ -154,48 +176,87 @@ impl Shared {
     }
 }
 
-async fn serve(stream: TcpStream, addr: SocketAddr, slot: PeerSlot, shared: Arc<Shared>) {
-    let r = connection(stream, shared.clone()).await;
-    peer::ended(&shared.counters, SOCKET, addr, r);
-    drop(slot);
+async fn serve(stream: TcpStream, addr: SocketAddr, admitted: Admitted, shared: Arc<Shared>) {
+    let live = admitted.live.clone();
+    let counters = shared.counters.clone();
+    peer::run(
+        &counters,
+        SOCKET,
+        addr,
+        admitted,
+        connection(stream, shared, live),
+    )
+    .await;
 }
 
-async fn connection(stream: TcpStream, shared: Arc<Shared>) -> Result<(), ZmtpError> {
-    let c = peer::handshake(stream, SOCKET, &["DEALER", "REQ", "ROUTER"], Some(b"")).await?;
-    let id = shared.claim_id(c.meta.identity.clone());
-    let (outbox, rx, pending) = Outbox::new(PEER_QUEUE);
-    let in_flight = Arc::new(Semaphore::new(MAX_OUTSTANDING_REQUESTS));
-    let mut reader = c.reader;
-    let read = async {
-        loop {
-            // Not one byte more is read from this peer until its last request was answered.
-            let Ok(permit) = in_flight.clone().acquire_owned().await else {
-                return Ok::<(), ZmtpError>(());
-            };
-            let frames = loop {
-                match reader.input().await? {
-                    Input::Message(frames) => break frames,
-                    Input::Command(cmd) => {
-                        // SUBSCRIBE/CANCEL mean nothing to a ROUTER.
-                        let _ = peer::common_command(cmd, &outbox)?;
+async fn connection(
+    stream: TcpStream,
+    shared: Arc<Shared>,
+    live: Arc<Liveness>,
+) -> Result<(), ZmtpError> {
+    let limits = &shared.limits;
+    let idle = peer::idle_deadline(&live, limits.idle_timeout);
+    let work = async {
+        let role = Role {
+            our_type: SOCKET,
+            accepts: &["DEALER", "REQ", "ROUTER"],
+            identity: Some(b""),
+        };
+        let c = conn::handshake(
+            stream,
+            role,
+            peer::frame_limits(limits),
+            limits.handshake_timeout,
+        )
+        .await?;
+        live.touch();
+        let id = shared.claim_id(c.meta.identity.clone());
+        let (outbox, inbox) = Outbox::new(
+            limits,
+            shared.budget.clone(),
+            shared.counters.clone(),
+            live.clone(),
+        );
+        let in_flight = Arc::new(Semaphore::new(MAX_OUTSTANDING_REQUESTS));
+        let mut reader = c.reader;
+        let read = async {
+            loop {
+                // Not one byte more is read from this peer until its last request was answered.
+                let Ok(permit) = in_flight.clone().acquire_owned().await else {
+                    return Ok::<(), ZmtpError>(());
+                };
+                let frames = loop {
+                    let input = reader.input().await?;
+                    live.touch();
+                    match input {
+                        Input::Message(frames) => break frames,
+                        Input::Command(cmd) => {
+                            // SUBSCRIBE/CANCEL mean nothing to a ROUTER.
+                            let _ = peer::common_command(cmd, &outbox)?;
+                        }
                     }
+                };
+                live.mark_useful();
+                let request = Request {
+                    identity: id.0.clone(),
+                    frames,
+                    outbox: outbox.clone(),
+                    counters: shared.counters.clone(),
+                    stall: limits.stall_timeout,
+                    _permit: permit,
+                };
+                if shared.requests.send(request).await.is_err() {
+                    return Ok(());
                 }
-            };
-            let request = Request {
-                identity: id.0.clone(),
-                frames,
-                outbox: outbox.clone(),
-                counters: shared.counters.clone(),
-                _permit: permit,
-            };
-            if shared.requests.send(request).await.is_err() {
-                return Ok(());
             }
+        };
+        tokio::select! {
+            r = read => r,
+            r = peer::write_queue(c.writer, inbox, live.clone(), limits.stall_timeout) => r,
         }
     };
     tokio::select! {
-        r = read => r,
-        r = peer::write_queue(c.writer, rx, pending) => r,
-        () = outbox.closed() => Ok(()),
+        r = work => r,
+        e = idle => Err(e),
     }
 }
