@@ -120,7 +120,7 @@ fn the_dealer_client_round_trips_with_our_router() {
         tokio::spawn(async move {
             while let Some(req) = router.recv().await {
                 let _ = req.reply(&req.frames).await;
-                let _ = req.reply(&[req.identity.clone()]).await;
+                let _ = req.reply(std::slice::from_ref(&req.identity)).await;
             }
         });
         let opts = ClientOptions {
