@@ -85,9 +85,21 @@ impl KvEventsConfig {
         if self.max_queue_size == 0 {
             return bad("kv_events_config.max_queue_size", &0, "must be at least 1");
         }
+        // tokio's bounded channel panics above this (it counts permits in the low bits).
+        if self.max_queue_size > MAX_QUEUE_SIZE {
+            return bad(
+                "kv_events_config.max_queue_size",
+                &self.max_queue_size,
+                "must be at most 2^61 - 1 (the queue's implementation limit; batches are queued in memory, so any useful size is far smaller)",
+            );
+        }
         Ok(())
     }
 }
+
+/// The largest `max_queue_size` accepted: tokio's bounded channel holds at most
+/// `Semaphore::MAX_PERMITS` (2^61 - 1) messages and panics when asked for more.
+pub const MAX_QUEUE_SIZE: usize = tokio::sync::Semaphore::MAX_PERMITS;
 
 /// The socket address of a `tcp://HOST:PORT` endpoint (`*` is every IPv4 interface).
 pub(crate) fn bind_address(endpoint: &str) -> std::result::Result<std::net::SocketAddr, String> {

@@ -1,6 +1,7 @@
-//! The KV-event sockets facing hostile or broken peers (issue 28): a frame header claiming
-//! 2**40 bytes, garbage, wrong greetings, silent peers, a replay client that floods requests
-//! and never reads, more connections than the cap. Each closes that connection only: an honest
+//! The KV-event sockets facing hostile or broken peers (issues 28 and 38): a frame header
+//! claiming 2**40 bytes, garbage, wrong greetings, silent peers, a replay client that floods
+//! requests and never reads, idle peers holding every place, replays to peers that never read,
+//! malformed replay requests, a queue size tokio cannot hold. Each closes that connection only: an honest
 //! subscriber (the `zeromq` crate, an independent ZMTP implementation) keeps receiving every
 //! batch in order, an honest replay completes, and dropping the publisher returns.
 //!
@@ -364,16 +365,18 @@ fn a_replay_client_that_floods_and_never_reads_stalls_nobody() {
         p.replay_stats().stalled_peers >= 1
     });
     sub.expect_every(&p, 100, 2000);
-    // The deaf subscriber misses batches once its queue is full (counted); the honest one
-    // misses none.
+    // The deaf subscriber misses batches once its queue is full, or is disconnected once it
+    // read nothing for the stall timeout (either counted); the honest one misses none.
+    let deaf_handled =
+        |s: hicache::observe::SocketStats| s.dropped_messages > 0 || s.stalled_peers > 0;
     for _ in 0..100 {
-        if p.pub_stats().dropped_messages > 0 {
+        if deaf_handled(p.pub_stats()) {
             break;
         }
         sub.expect_every(&p, 100, 2000);
     }
-    assert!(p.pub_stats().dropped_messages > 0, "{:?}", p.pub_stats());
-    // The deaf subscriber still connected, the drop is bounded.
+    assert!(deaf_handled(p.pub_stats()), "{:?}", p.pub_stats());
+    // Whatever the deaf subscriber's state, the drop is bounded.
     drop_within_bound(p);
     drop((flooder, deaf_sub));
 }
@@ -397,46 +400,180 @@ fn dropping_the_publisher_is_bounded_with_attackers_connected() {
     drop((flooder, deaf_sub));
 }
 
+/// A raw connection that sends its greeting and READY and then nothing (its own bytes are
+/// never read, so it does not matter whether the server kept it).
+fn idle_peer(to: SocketAddr, socket_type: &str) -> TcpStream {
+    let mut s = connect(to);
+    s.write_all(&greeting()).unwrap();
+    s.write_all(&ready(socket_type)).unwrap();
+    s
+}
+
+/// Issue 38.1: 256 connections per socket that complete the handshake and then send nothing
+/// used to hold every place; an honest subscriber got nothing, an honest replay client was
+/// reset. Now the stalest peer (an idle one first) makes room for a newer connection.
 #[test]
-fn connections_beyond_the_cap_are_refused_and_subscribers_keep_receiving() {
+fn idle_peers_cannot_lock_out_honest_subscribers_or_replay_clients() {
     let p = publisher(100);
     let pub_addr = addr(p.endpoint());
-    let mut sub = Sub::connect(p.endpoint());
-    sub.sync(&p);
-    let mut held = Vec::new();
-    let mut refused = 0;
-    for _ in 0..KvEventPublisher::MAX_PEERS + 8 {
-        let mut s = connect(pub_addr);
-        s.write_all(&greeting()).unwrap();
-        let mut g = [0u8; 64];
-        match s.read_exact(&mut g) {
-            Ok(()) => {
-                // Finish the handshake, so the place stays taken.
-                s.write_all(&ready("SUB")).unwrap();
-                held.push(s);
-            }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset
-                ) =>
-            {
-                refused += 1
-            }
-            Err(e) => panic!("neither served nor refused: {e}"),
+    let replay_ep = p.replay_endpoint().unwrap().to_string();
+    let replay_addr = addr(&replay_ep);
+    let mut idle = Vec::new();
+    for (to, ty) in [(pub_addr, "SUB"), (replay_addr, "DEALER")] {
+        for _ in 0..KvEventPublisher::MAX_PEERS {
+            idle.push(idle_peer(to, ty));
         }
     }
-    assert!(held.len() < KvEventPublisher::MAX_PEERS, "{}", held.len());
-    assert!(refused >= 8, "{refused} refused");
-    assert!(p.pub_stats().refused_peers >= 8);
+    // Every place was taken (the handshakes are done before the honest ones arrive).
+    eventually("the idle peers admitted", || {
+        p.pub_stats().peers > 0 && p.replay_stats().peers > 0
+    });
+    let mut sub = Sub::connect(p.endpoint());
+    sub.sync(&p);
     sub.expect_every(&p, 50, 4);
-    // Places free again when peers leave.
-    drop(held);
-    eventually("the places freed", || p.pub_stats().peers == 1);
-    let mut late = Sub::connect(p.endpoint());
-    late.sync(&p);
-    late.expect_every(&p, 20, 4);
+    let seqs = replay(&replay_ep, 0);
+    assert_eq!(seqs, (0..=sub.last.unwrap()).collect::<Vec<_>>());
+    // 256 more idle connections: they evict idle ones, never the subscriber that reads.
+    drop(idle);
+    let idle: Vec<_> = (0..KvEventPublisher::MAX_PEERS)
+        .map(|_| idle_peer(pub_addr, "SUB"))
+        .collect();
+    sub.expect_every(&p, 50, 4);
+    let (ps, rs) = (p.pub_stats(), p.replay_stats());
+    assert!(ps.peers <= KvEventPublisher::MAX_PEERS, "{ps:?}");
+    assert!(
+        ps.evicted_peers >= 1 && rs.evicted_peers >= 1,
+        "{ps:?} {rs:?}"
+    );
     drop_within_bound(p);
+    drop(idle);
+}
+
+/// A replay request `[b"", start]` as a raw DEALER writes it.
+fn replay_request(start: u64) -> Vec<u8> {
+    let mut req = vec![0x01, 0x00, 0x00, 0x08];
+    req.extend_from_slice(&start.to_be_bytes());
+    req
+}
+
+/// Issue 38.2: each replay used to copy the buffered batches into the peer's queue, bounded in
+/// messages only (~108 MiB per 10-byte request with long batches, never returned). Now the
+/// queues share the buffer's bytes and hold at most `PEER_QUEUE_BYTES` each, and what they
+/// held is released when the peer disconnects.
+#[test]
+fn replays_to_peers_that_never_read_stay_within_the_byte_bound() {
+    const PEERS: usize = 8;
+    let p = publisher(192);
+    let replay_ep = p.replay_endpoint().unwrap().to_string();
+    let mut sub = Sub::connect(p.endpoint());
+    sub.sync(&p);
+    // 192 batches of ~500 KB: one replay of them (~96 MB) is more than a peer may hold.
+    for _ in 0..12 {
+        sub.expect_every(&p, 16, 100_000);
+    }
+    let deaf: Vec<TcpStream> = (0..PEERS)
+        .map(|_| {
+            let mut s = handshaken(addr(&replay_ep), "DEALER");
+            s.write_all(&replay_request(0)).unwrap();
+            s
+        })
+        .collect();
+    // The queues fill up to their byte bound (and not past it).
+    let bound = (PEERS * KvEventPublisher::PEER_QUEUE_BYTES) as u64;
+    eventually("the deaf peers' queues full", || {
+        p.replay_stats().queued_bytes >= bound / 2
+    });
+    let rs = p.replay_stats();
+    assert!(rs.queued_bytes_peak <= bound, "{rs:?}");
+    assert!(
+        rs.queued_bytes_peak <= KvEventPublisher::MAX_QUEUED_BYTES as u64,
+        "{rs:?}"
+    );
+    // An honest replay is served meanwhile, live batches flow.
+    let last = sub.last.unwrap();
+    assert_eq!(
+        replay(&replay_ep, last - 3),
+        (last - 3..=last).collect::<Vec<_>>()
+    );
+    sub.expect_every(&p, 10, 4);
+    // Disconnecting returns what they held.
+    drop(deaf);
+    eventually("the queued bytes released", || {
+        p.replay_stats().queued_bytes == 0
+    });
+    assert!(p.replay_stats().queued_bytes_peak <= bound);
+    drop_within_bound(p);
+}
+
+/// Issue 38.3: a malformed replay request used to get no reply (and a warning each): it gets
+/// the end-of-replay marker, and the same connection still gets a good replay.
+#[test]
+fn malformed_replay_requests_get_the_end_marker() {
+    let p = publisher(100);
+    let mut sub = Sub::connect(p.endpoint());
+    sub.sync(&p);
+    sub.expect_every(&p, 5, 4);
+    let replay_ep = p.replay_endpoint().unwrap().to_string();
+    let last = sub.last.unwrap();
+    rt().block_on(async {
+        let mut dealer = DealerSocket::new();
+        dealer.connect(&replay_ep).await.unwrap();
+        let seq = Bytes::copy_from_slice(&last.to_be_bytes());
+        let bad: [Vec<Bytes>; 4] = [
+            vec![Bytes::from_static(b"x")],
+            vec![Bytes::new(), Bytes::from_static(b"short")],
+            vec![Bytes::from_static(b"not empty"), seq.clone()],
+            vec![Bytes::new(), seq.clone(), Bytes::from_static(b"extra")],
+        ];
+        for frames in bad.iter().chain(std::iter::once(&vec![Bytes::new(), seq])) {
+            dealer
+                .send(ZmqMessage::try_from(frames.clone()).unwrap())
+                .await
+                .unwrap();
+            let mut got = Vec::new();
+            loop {
+                let msg = tokio::time::timeout(BOUND, dealer.recv())
+                    .await
+                    .expect("every request is answered within the bound")
+                    .unwrap();
+                let frames = msg.into_vec();
+                assert_eq!(frames.len(), 4);
+                if frames[2][..] == (-1i64).to_be_bytes() {
+                    break;
+                }
+                got.push(u64::from_be_bytes(frames[2][..].try_into().unwrap()));
+            }
+            let good = frames.len() == 2 && frames[0].is_empty() && frames[1].len() == 8;
+            assert_eq!(got, if good { vec![last] } else { vec![] }, "{frames:?}");
+        }
+    });
+    assert_eq!(p.malformed_replay_requests(), 4);
+    drop_within_bound(p);
+}
+
+/// Issue 38.7: a `max_queue_size` above 2^61 - 1 passed validation and panicked inside tokio
+/// when the publisher started.
+#[test]
+fn a_queue_size_tokio_cannot_hold_is_a_config_error() {
+    for size in [1usize << 61, usize::MAX] {
+        let cfg = KvEventsConfig {
+            publisher: "zmq".into(),
+            endpoint: "tcp://127.0.0.1:0".into(),
+            max_queue_size: size,
+            ..Default::default()
+        };
+        let e = cfg.validate().unwrap_err();
+        assert!(e.to_string().contains("max_queue_size"), "{e}");
+        let e = KvEventPublisher::start(&cfg).unwrap_err();
+        assert!(e.to_string().contains("max_queue_size"), "{e}");
+    }
+    let ok = KvEventsConfig {
+        publisher: "zmq".into(),
+        endpoint: "tcp://127.0.0.1:0".into(),
+        max_queue_size: (1usize << 61) - 1,
+        ..Default::default()
+    };
+    ok.validate().unwrap();
 }
 
 /// libzmq (pyzmq, from `HICACHE_SGLANG_PYTHON`, whose venv has it; skipped when unset unless

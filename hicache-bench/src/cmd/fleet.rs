@@ -167,10 +167,16 @@ fn workload_of(args: &FleetArgs) -> Result<(Plan, Option<Vec<f64>>, String)> {
             p.setup.device_pages
         );
         times = Some(t);
-    } else if let Some(n) = args.requests {
-        if w.trace.is_some() {
-            p.conversations.truncate(n);
-        }
+    } else if let Some(n) = args.requests
+        && w.trace.is_some()
+    {
+        p.conversations.truncate(n);
+        p.workload.requests = p.conversations.iter().map(|c| c.turns.len()).sum();
+        p.workload.prompt_tokens = p
+            .conversations
+            .iter()
+            .flat_map(|c| c.turns.iter().map(|t| t.prompt_end))
+            .sum();
     }
     Ok((p, times, title))
 }
@@ -311,8 +317,11 @@ fn decision_times(
         let mut cfg = RouterConfig::new(ps);
         cfg.cost = setup.cost;
         let mut router = Router::new(policy, infos.clone(), cfg);
-        let mut ns = Vec::with_capacity(prompts.len());
-        for round in 0..2 {
+        // The first round warms caches and allocations; the others are timed, at least
+        // 4096 decisions in all.
+        let rounds = 1 + 4096usize.div_ceil(prompts.len().max(1));
+        let mut ns = Vec::with_capacity(4096 + prompts.len());
+        for round in 0..rounds {
             for (k, p) in prompts.iter().enumerate() {
                 let id = (round * prompts.len() + k) as u64;
                 let t0 = std::time::Instant::now();
@@ -328,8 +337,7 @@ fn decision_times(
                 let t = t0.elapsed().as_nanos() as f64 / 1e3;
                 std::hint::black_box(d);
                 router.finished(id);
-                // The first round warms caches and allocations; the second is timed.
-                if round == 1 {
+                if round > 0 {
                     ns.push(t);
                 }
             }

@@ -67,7 +67,7 @@ pub enum L3Mode {
 /// timestamps (open loop).
 pub enum Source {
     /// Closed-loop clients ([`Workload`]'s rules).
-    Closed(Workload),
+    Closed(Box<Workload>),
     /// Requests at fixed times: `(time, conversation)` sorted by time, one turn each.
     Timed {
         /// Arrivals.
@@ -82,10 +82,10 @@ pub enum Source {
 impl Source {
     /// A closed-loop source over `plan`'s conversations and release rules.
     pub fn closed(plan: &Plan) -> Result<Self> {
-        Ok(Source::Closed(
+        Ok(Source::Closed(Box::new(
             Workload::new(plan.conversations.clone(), plan.workload.arrivals.clone())
                 .map_err(SimError::Usage)?,
-        ))
+        )))
     }
 
     /// An open-loop source: conversation `i` (one turn) arrives at `times[i]`.

@@ -17,13 +17,19 @@
 //! 3. Sequence numbers start at 0 and grow by one per published batch; the replay buffer holds
 //!    the last `buffer_steps` batches.
 //! 4. No peer can stop the process, the publishing, or other peers (the sockets are our own
-//!    ZMTP server, [`super::zmtp`], whose invariants say what is bounded): frames a peer sends
+//!    ZMTP server, [`hicache_zmtp`], whose invariants say what is bounded): frames a peer sends
 //!    are at most [`KvEventPublisher::MAX_FRAME`] bytes, at most
-//!    [`KvEventPublisher::MAX_PEERS`] connections per socket are served, a handshake must end
-//!    within 5 s; a subscriber that does not read misses batches (counted in
-//!    [`KvEventPublisher::pub_stats`]) instead of slowing the others, and a replay client that
-//!    does not read is disconnected after 5 s without room (counted in
-//!    [`KvEventPublisher::replay_stats`]).
+//!    [`KvEventPublisher::MAX_PEERS`] connections per socket are served (the stalest peer makes
+//!    room for a new one, idle ones first), a handshake must end within 5 s, a peer that neither
+//!    subscribes nor asks for a replay within 30 s is closed; a subscriber that does not read
+//!    misses batches (counted in [`KvEventPublisher::pub_stats`]) instead of slowing the
+//!    others, and a peer that reads nothing for 5 s is disconnected (counted in its socket's
+//!    stats). What is queued for the peers is bounded in bytes
+//!    ([`KvEventPublisher::PEER_QUEUE_BYTES`] each, [`KvEventPublisher::MAX_QUEUED_BYTES`] per
+//!    socket) and shares the batches' bytes (a replay copies nothing).
+//! 7. A malformed replay request is answered with the end-of-replay marker alone, counted
+//!    ([`KvEventPublisher::malformed_replay_requests`]) and logged at `warn` the 1st, 2nd,
+//!    4th... time only.
 //! 5. Replays are tasks of their own: answering one never delays a live batch, and each reads
 //!    the replay buffer under a lock held for one batch's lookup.
 //! 6. Dropping the publisher returns within a bounded time whatever the peers do: the queued
@@ -39,10 +45,10 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 
 use super::wire::{WireEvent, encode_batch};
-use super::zmtp::{self, PubSocket, Request, RouterSocket, SocketStats, StatsHandle};
 use crate::error::{HiCacheError, Result};
 pub use crate::kv_events_config::KvEventsConfig;
 use crate::kv_events_config::bind_address;
+use hicache_zmtp::{self as zmtp, PubSocket, Request, RouterSocket, SocketStats, StatsHandle};
 
 /// SGLang's end-of-replay sequence number (-1 as 8 bytes big-endian).
 const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
@@ -65,6 +71,7 @@ pub struct KvEventPublisher {
     replay_endpoint: Option<String>,
     dropped: Arc<AtomicU64>,
     published: Arc<AtomicU64>,
+    malformed_replays: Arc<AtomicU64>,
     pub_stats: StatsHandle,
     replay_stats: Option<StatsHandle>,
 }
@@ -104,6 +111,7 @@ impl KvEventPublisher {
         let (tx, rx) = tokio::sync::mpsc::channel(cfg.max_queue_size);
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let published = Arc::new(AtomicU64::new(0));
+        let malformed_replays = Arc::new(AtomicU64::new(0));
         let worker = Worker {
             topic: Bytes::from(cfg.topic.clone().into_bytes()),
             buffer: Arc::new(Mutex::new(ReplayBuffer {
@@ -112,6 +120,7 @@ impl KvEventPublisher {
                 next_seq: 0,
             })),
             published: published.clone(),
+            malformed_replays: malformed_replays.clone(),
         };
         let thread = std::thread::Builder::new()
             .name("hicache-kv-events".into())
@@ -144,6 +153,7 @@ impl KvEventPublisher {
             replay_endpoint,
             dropped: Arc::new(AtomicU64::new(0)),
             published,
+            malformed_replays,
             pub_stats,
             replay_stats,
         }))
@@ -172,6 +182,16 @@ impl KvEventPublisher {
     /// Batches queued for one subscriber (or replies for one replay client) before it misses
     /// them (or is disconnected).
     pub const PEER_QUEUE: usize = zmtp::PEER_QUEUE;
+    /// Bytes queued for one peer (a batch bigger than this only into an empty queue).
+    pub const PEER_QUEUE_BYTES: usize = zmtp::PEER_QUEUE_BYTES;
+    /// Bytes queued for all the peers of one socket together.
+    pub const MAX_QUEUED_BYTES: usize = zmtp::MAX_QUEUED_BYTES;
+
+    /// Replay requests that were not `[b"", 8-byte sequence number]` (each answered with the
+    /// end-of-replay marker alone).
+    pub fn malformed_replay_requests(&self) -> u64 {
+        self.malformed_replays.load(Ordering::Relaxed)
+    }
 
     /// The PUB socket's counters: peers served, refused, closed for errors, and messages a
     /// full subscriber missed.
@@ -261,6 +281,7 @@ struct Worker {
     topic: Bytes,
     buffer: Arc<Mutex<ReplayBuffer>>,
     published: Arc<AtomicU64>,
+    malformed_replays: Arc<AtomicU64>,
 }
 
 impl Worker {
@@ -301,6 +322,7 @@ impl Worker {
                 let shared = Arc::new(ReplayShared {
                     topic: self.topic.clone(),
                     buffer: self.buffer.clone(),
+                    malformed: self.malformed_replays.clone(),
                 });
                 replay_stats = Some(router.stats_handle());
                 tokio::spawn(serve_replays(router, shared));
@@ -346,6 +368,7 @@ impl Worker {
 struct ReplayShared {
     topic: Bytes,
     buffer: Arc<Mutex<ReplayBuffer>>,
+    malformed: Arc<AtomicU64>,
 }
 
 /// Answers each replay request in a task of its own, so a slow client never delays the
@@ -358,8 +381,15 @@ async fn serve_replays(mut router: RouterSocket, shared: Arc<ReplayShared>) {
 }
 
 /// Answers `[b"", start_seq]` with every batch buffered when it arrived, from `start_seq` on,
-/// then the end marker.
+/// then the end marker; anything else with the end marker alone (invariant 7). The batches'
+/// bytes are queued as they are in the buffer (shared, never copied).
 async fn replay(shared: &ReplayShared, req: &Request) {
+    let end_marker = [
+        Bytes::new(),
+        Bytes::new(),
+        Bytes::from_static(&END_SEQ),
+        Bytes::new(),
+    ];
     let start = match req.frames.as_slice() {
         [empty, seq] if empty.is_empty() && seq.len() == 8 => {
             let mut b = [0u8; 8];
@@ -367,7 +397,22 @@ async fn replay(shared: &ReplayShared, req: &Request) {
             u64::from_be_bytes(b)
         }
         _ => {
-            tracing::warn!(frames = req.frames.len(), "invalid KV event replay request");
+            let n = shared.malformed.fetch_add(1, Ordering::Relaxed) + 1;
+            // Every one at debug, the 1st, 2nd, 4th... at warn: a peer must not flood the log.
+            if n.is_power_of_two() {
+                tracing::warn!(
+                    frames = req.frames.len(),
+                    malformed = n,
+                    "invalid KV event replay request (answered with the end marker)"
+                );
+            } else {
+                tracing::debug!(
+                    frames = req.frames.len(),
+                    malformed = n,
+                    "invalid KV event replay request (answered with the end marker)"
+                );
+            }
+            let _ = req.reply(&end_marker).await;
             return;
         }
     };
@@ -377,19 +422,17 @@ async fn replay(shared: &ReplayShared, req: &Request) {
         let found = shared.buffer.lock().at_or_after(next, end);
         let Some((seq, payload)) = found else { break };
         let frames = [
-            &b""[..],
-            &shared.topic[..],
-            &seq.to_be_bytes()[..],
-            &payload[..],
+            Bytes::new(),
+            shared.topic.clone(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            payload,
         ];
         if req.reply(&frames).await.is_err() {
             return;
         }
         next = seq + 1;
     }
-    let _ = req
-        .reply(&[&b""[..], &b""[..], &END_SEQ[..], &b""[..]])
-        .await;
+    let _ = req.reply(&end_marker).await;
 }
 
 #[cfg(test)]

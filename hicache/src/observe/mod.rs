@@ -6,9 +6,9 @@ mod collectors;
 mod kv_events;
 mod metrics_http;
 pub mod wire;
-mod zmtp;
 
 pub use collectors::{StorageCollector, StorageSlot};
+pub use hicache_zmtp::SocketStats;
 pub use kv_events::{KvEventPublisher, KvEventsConfig};
 pub use metrics_http::{
     ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, AcceptBackoff, AcceptRetry,
@@ -16,7 +16,6 @@ pub use metrics_http::{
     MAX_HEADER_BUF_BYTES, MAX_HEADERS, MAX_REQUEST_BODY_BYTES, MetricsLimits, MetricsServer,
     RenderFn,
 };
-pub use zmtp::SocketStats;
 
 use hicache_core::KvEvent;
 

@@ -7,14 +7,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
 use tokio::net::tcp::OwnedReadHalf;
 
-use super::codec::{self, Command};
-use super::peer::{self, FrameReader, Input, NotQueued, Outbox, PeerSlot};
-use super::{Counters, MAX_SUBSCRIPTIONS, PEER_QUEUE, StatsHandle, ZmtpError};
+use crate::ZmtpError;
+use crate::codec::Command;
+use crate::conn::{self, FrameReader, Input, Role};
+use crate::limits::ServerLimits;
+use crate::peer::{self, NotQueued, Outbox, SocketBudget, Wire};
+use crate::registry::{Admitted, Liveness, Registry};
+use crate::stats::{Counters, StatsHandle, throttled};
 
 const SOCKET: &str = "PUB";
 
@@ -26,11 +30,12 @@ struct Subscriber {
 }
 
 /// What the accept loop, the connections and the sender share.
-#[derive(Default)]
 struct Shared {
     subscribers: Mutex<HashMap<u64, Subscriber>>,
     next_id: AtomicU64,
     counters: Arc<Counters>,
+    limits: ServerLimits,
+    budget: SocketBudget,
 }
 
 /// A ZMQ PUB socket bound to one TCP listener.
@@ -39,46 +44,63 @@ pub struct PubSocket {
 }
 
 impl PubSocket {
-    /// Starts accepting on `listener` in the current tokio runtime (call it from inside one).
+    /// Starts accepting on `listener` in the current tokio runtime (call it from inside one),
+    /// with the default [`ServerLimits`].
     pub fn bind(listener: std::net::TcpListener) -> std::io::Result<Self> {
+        Self::bind_with(listener, ServerLimits::default())
+    }
+
+    /// [`PubSocket::bind`] with other limits.
+    pub fn bind_with(
+        listener: std::net::TcpListener,
+        limits: ServerLimits,
+    ) -> std::io::Result<Self> {
         listener.set_nonblocking(true)?;
         let listener = tokio::net::TcpListener::from_std(listener)?;
-        let shared = Arc::new(Shared::default());
+        let limits = limits.sane();
+        let counters = Arc::new(Counters::default());
+        let registry = Registry::new(&limits, counters.clone(), SOCKET);
+        let shared = Arc::new(Shared {
+            subscribers: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(0),
+            counters,
+            budget: SocketBudget::new(&limits),
+            limits,
+        });
         let s = shared.clone();
         tokio::spawn(peer::accept_loop(
             listener,
-            shared.counters.clone(),
+            registry,
             SOCKET,
-            move |stream, addr, slot| {
-                tokio::spawn(serve(stream, addr, slot, s.clone()));
+            move |stream, addr, admitted| {
+                tokio::spawn(serve(stream, addr, admitted, s.clone()));
             },
         ));
         Ok(Self { shared })
     }
 
     /// Queues `frames` as one message for every subscriber whose topic prefix matches the first
-    /// frame; a subscriber whose queue is full misses it (counted). Never waits.
+    /// frame; a subscriber without room misses it (counted). Never waits. The frames' bytes are
+    /// shared by every queue, never copied.
     pub fn send(&self, frames: &[Bytes]) {
         let topic = frames.first().map_or(&[][..], |f| &f[..]);
-        let mut wire = BytesMut::new();
-        codec::encode_message(frames, &mut wire);
-        let wire = wire.freeze();
+        let wire = Wire::message(frames);
         let subscribers = self.shared.subscribers.lock();
         for sub in subscribers.values() {
             if !sub.topics.lock().iter().any(|t| topic.starts_with(t)) {
                 continue;
             }
-            if sub.outbox.try_send(wire.clone()) == Err(NotQueued::Full) {
+            if let Err(NotQueued::Full | NotQueued::Budget) = sub.outbox.try_send(wire.clone()) {
                 let n = self
                     .shared
                     .counters
                     .dropped_messages
                     .fetch_add(1, Ordering::Relaxed)
                     + 1;
-                if n.is_power_of_two() {
+                if throttled(n) {
                     tracing::warn!(
                         dropped = n,
-                        "KV events: a subscriber's queue is full, messages dropped for it"
+                        "ZMTP PUB: a subscriber's queue is full, messages dropped for it"
                     );
                 }
             }
@@ -117,29 +139,64 @@ impl Drop for Registered {
     }
 }
 
-async fn serve(stream: TcpStream, addr: SocketAddr, slot: PeerSlot, shared: Arc<Shared>) {
-    let r = connection(stream, shared.clone()).await;
-    peer::ended(&shared.counters, SOCKET, addr, r);
-    drop(slot);
+async fn serve(stream: TcpStream, addr: SocketAddr, admitted: Admitted, shared: Arc<Shared>) {
+    let live = admitted.live.clone();
+    let counters = shared.counters.clone();
+    peer::run(
+        &counters,
+        SOCKET,
+        addr,
+        admitted,
+        connection(stream, shared, live),
+    )
+    .await;
 }
 
-async fn connection(stream: TcpStream, shared: Arc<Shared>) -> Result<(), ZmtpError> {
-    let c = peer::handshake(stream, SOCKET, &["SUB", "XSUB"], None).await?;
-    let (outbox, rx, pending) = Outbox::new(PEER_QUEUE);
-    let topics = Arc::new(Mutex::new(Vec::new()));
-    let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
-    shared.subscribers.lock().insert(
-        id,
-        Subscriber {
-            outbox: outbox.clone(),
-            topics: topics.clone(),
-        },
-    );
-    let _registered = Registered(id, shared);
+async fn connection(
+    stream: TcpStream,
+    shared: Arc<Shared>,
+    live: Arc<Liveness>,
+) -> Result<(), ZmtpError> {
+    let limits = &shared.limits;
+    let idle = peer::idle_deadline(&live, limits.idle_timeout);
+    let work = async {
+        let role = Role {
+            our_type: SOCKET,
+            accepts: &["SUB", "XSUB"],
+            identity: None,
+        };
+        let c = conn::handshake(
+            stream,
+            role,
+            peer::frame_limits(limits),
+            limits.handshake_timeout,
+        )
+        .await?;
+        live.touch();
+        let (outbox, inbox) = Outbox::new(
+            limits,
+            shared.budget.clone(),
+            shared.counters.clone(),
+            live.clone(),
+        );
+        let topics = Arc::new(Mutex::new(Vec::new()));
+        let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+        shared.subscribers.lock().insert(
+            id,
+            Subscriber {
+                outbox: outbox.clone(),
+                topics: topics.clone(),
+            },
+        );
+        let _registered = Registered(id, shared.clone());
+        tokio::select! {
+            r = read_subscriptions(c.reader, &topics, &outbox, &live, limits.max_subscriptions) => r,
+            r = peer::write_queue(c.writer, inbox, live.clone(), limits.stall_timeout) => r,
+        }
+    };
     tokio::select! {
-        r = read_subscriptions(c.reader, &topics, &outbox) => r,
-        r = peer::write_queue(c.writer, rx, pending) => r,
-        () = outbox.closed() => Ok(()),
+        r = work => r,
+        e = idle => Err(e),
     }
 }
 
@@ -148,9 +205,13 @@ async fn read_subscriptions(
     mut reader: FrameReader<OwnedReadHalf>,
     topics: &Mutex<Vec<Bytes>>,
     outbox: &Outbox,
+    live: &Liveness,
+    max_subscriptions: usize,
 ) -> Result<(), ZmtpError> {
     loop {
-        let cmd = match reader.input().await? {
+        let input = reader.input().await?;
+        live.touch();
+        let cmd = match input {
             Input::Command(cmd) => peer::common_command(cmd, outbox)?,
             // ZMTP 3.0 subscriptions: a one-frame message starting with 1 (subscribe) or
             // 0 (cancel). Other messages to a PUB are ignored, as libzmq does.
@@ -163,10 +224,11 @@ async fn read_subscriptions(
         match cmd {
             Some(Command::Subscribe(t)) => {
                 let mut topics = topics.lock();
-                if topics.len() == MAX_SUBSCRIPTIONS {
-                    return Err(ZmtpError::TooManySubscriptions(MAX_SUBSCRIPTIONS));
+                if topics.len() >= max_subscriptions {
+                    return Err(ZmtpError::TooManySubscriptions(max_subscriptions));
                 }
                 topics.push(t);
+                live.mark_useful();
             }
             Some(Command::Cancel(t)) => {
                 let mut topics = topics.lock();

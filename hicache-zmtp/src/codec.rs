@@ -8,7 +8,7 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use super::ZmtpError;
+use crate::ZmtpError;
 
 /// The length of a ZMTP 3 greeting.
 pub const GREETING_LEN: usize = 64;
@@ -128,17 +128,40 @@ pub fn decode_frame(buf: &mut BytesMut, max_len: usize) -> Result<Option<Frame>,
     }))
 }
 
+/// Whether a frame whose first byte is `flags` is a command.
+pub fn is_command(flags: u8) -> bool {
+    flags & FLAG_COMMAND != 0
+}
+
+/// Writes the header of a frame of `len` bytes (the short form up to 255 bytes).
+fn put_header(out: &mut BytesMut, flags: u8, len: usize) {
+    if len <= usize::from(u8::MAX) {
+        out.reserve(2 + len);
+        out.put_u8(flags);
+        out.put_u8(len as u8);
+    } else {
+        out.reserve(9 + len);
+        out.put_u8(flags | FLAG_LONG);
+        out.put_u64(len as u64);
+    }
+}
+
+/// Writes the header of a message frame of `len` bytes (MORE when `more`); its body follows
+/// separately (so that a shared body is never copied).
+pub fn encode_frame_header(more: bool, len: usize, out: &mut BytesMut) {
+    let flags = if more { FLAG_MORE } else { 0 };
+    if len <= usize::from(u8::MAX) {
+        out.put_u8(flags);
+        out.put_u8(len as u8);
+    } else {
+        out.put_u8(flags | FLAG_LONG);
+        out.put_u64(len as u64);
+    }
+}
+
 /// Writes one frame's header and body.
 fn put_frame(out: &mut BytesMut, flags: u8, body: &[u8]) {
-    if body.len() <= usize::from(u8::MAX) {
-        out.reserve(2 + body.len());
-        out.put_u8(flags);
-        out.put_u8(body.len() as u8);
-    } else {
-        out.reserve(9 + body.len());
-        out.put_u8(flags | FLAG_LONG);
-        out.put_u64(body.len() as u64);
-    }
+    put_header(out, flags, body.len());
     out.put_slice(body);
 }
 
@@ -270,6 +293,15 @@ fn parse_metadata(mut data: &[u8]) -> Result<Metadata, ZmtpError> {
     Ok(m)
 }
 
+/// A PING (ZMTP 3.1) asking the peer to consider us dead after `ttl` (in tenths of a second,
+/// at most 6553.5 s) without traffic, with `context` (at most 16 bytes) to echo.
+pub fn encode_ping(ttl: std::time::Duration, context: &[u8], out: &mut BytesMut) {
+    let tenths = u16::try_from(ttl.as_millis() / 100).unwrap_or(u16::MAX);
+    let mut data = tenths.to_be_bytes().to_vec();
+    data.extend_from_slice(&context[..context.len().min(16)]);
+    encode_command("PING", &data, out);
+}
+
 /// A PONG answering a PING's `context`.
 pub fn encode_pong(context: &[u8], out: &mut BytesMut) {
     encode_command("PONG", context, out);
@@ -386,6 +418,31 @@ mod tests {
                 socket_type: Some("SUB".into()),
                 identity: None
             })
+        );
+    }
+
+    #[test]
+    fn split_headers_encode_like_whole_frames_and_pings_parse() {
+        for len in [0usize, 1, 255, 256, 70_000] {
+            let body = vec![7u8; len];
+            let mut whole = BytesMut::new();
+            encode_message(&[&body[..], &body[..]], &mut whole);
+            let mut split = BytesMut::new();
+            encode_frame_header(true, len, &mut split);
+            split.put_slice(&body);
+            encode_frame_header(false, len, &mut split);
+            split.put_slice(&body);
+            assert_eq!(whole, split, "{len}");
+        }
+        let mut buf = BytesMut::new();
+        encode_ping(std::time::Duration::from_secs(15), b"ctx", &mut buf);
+        let Some(Frame::Command(b)) = decode_frame(&mut buf, 64).unwrap() else {
+            panic!()
+        };
+        assert!(is_command(0x04) && !is_command(0x01));
+        assert_eq!(
+            parse_command(&b).unwrap(),
+            Command::Ping(Bytes::from_static(b"ctx"))
         );
     }
 
