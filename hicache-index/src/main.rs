@@ -6,7 +6,7 @@ use hicache_index::driver::Hub;
 use hicache_index::http::{HttpLimits, serve};
 use hicache_index::service::{Service, ServiceConfig};
 use hicache_index::snapshot;
-use hicache_index::transport::ZeromqTransport;
+use hicache_index::transport::ZmtpTransport;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -115,7 +115,7 @@ async fn run(args: Args) -> Result<(), String> {
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
-    let hub = Hub::new(svc, ZeromqTransport);
+    let hub = Hub::new(svc, ZmtpTransport::default());
     hub.start_all();
     tracing::info!(listen = %args.listen, "serving");
     let limits = HttpLimits {
@@ -147,7 +147,7 @@ async fn run(args: Args) -> Result<(), String> {
     Ok(())
 }
 
-async fn save(hub: &std::sync::Arc<Hub<ZeromqTransport>>, dir: &std::path::Path) {
+async fn save(hub: &std::sync::Arc<Hub<ZmtpTransport>>, dir: &std::path::Path) {
     let t = Instant::now();
     let bytes = snapshot::encode(&hub.service().lock());
     let dir = dir.to_path_buf();

@@ -7,8 +7,10 @@
 //!   `[b"", topic, seq, payload]` per batch and ends with `[b"", b"", -1 (8 bytes), b""]`
 //!   (a reply without the topic frame, `[b"", seq, payload]`, is accepted as well).
 //!
-//! [`ZeromqTransport`] implements it over the `zeromq` crate until hicache-zmtp's SUB and
-//! DEALER clients replace it; frames it hands on are checked here (count, sizes).
+//! [`ZmtpTransport`] implements it with hicache-zmtp's SUB and DEALER clients (every frame,
+//! message and wait bounded; heartbeats detect a silent peer) and is what the service runs;
+//! [`ZeromqTransport`] (the `zeromq` crate) stays as an independent implementation for tests.
+//! Frames either hands on are checked here (count, sequence frame).
 
 use bytes::Bytes;
 use futures_util::StreamExt;
@@ -172,6 +174,100 @@ impl Transport for ZeromqTransport {
                         .await
                         .is_err()
                     {
+                        return Ok(());
+                    }
+                }
+                _ => return Err(io_err("replay reply with a bad sequence frame")),
+            }
+        }
+    }
+}
+
+/// hicache-zmtp's SUB and DEALER clients (the service's transport).
+#[derive(Clone, Debug, Default)]
+pub struct ZmtpTransport {
+    /// The clients' bounds (frames, messages, handshake, heartbeats).
+    pub options: hicache_zmtp::ClientOptions,
+}
+
+impl Transport for ZmtpTransport {
+    async fn subscribe(&self, endpoint: String, topic: String, events: mpsc::Sender<SubEvent>) {
+        loop {
+            if events.is_closed() {
+                return;
+            }
+            let connected = hicache_zmtp::SubClient::connect(
+                &endpoint,
+                &[topic.as_bytes()],
+                self.options.clone(),
+            )
+            .await;
+            let Ok(mut sub) = connected else {
+                tokio::time::sleep(RECONNECT_PAUSE).await;
+                continue;
+            };
+            if events.send(SubEvent::Connected).await.is_err() {
+                return;
+            }
+            loop {
+                tokio::select! {
+                    msg = sub.recv() => match msg {
+                        Ok(frames) => {
+                            let ev = match (frames.len(), frames.get(1).and_then(|f| seq_of(f))) {
+                                (3, Some(seq)) if seq >= 0 => SubEvent::Batch {
+                                    seq: seq as u64,
+                                    payload: frames[2].clone(),
+                                },
+                                _ => SubEvent::Garbage,
+                            };
+                            if events.send(ev).await.is_err() { return; }
+                        }
+                        Err(_) => break,
+                    },
+                    () = events.closed() => return,
+                }
+            }
+            if events.send(SubEvent::Disconnected).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(RECONNECT_PAUSE).await;
+        }
+    }
+
+    async fn replay(
+        &self,
+        endpoint: String,
+        start: u64,
+        items: mpsc::Sender<ReplayItem>,
+    ) -> std::io::Result<()> {
+        let mut dealer = hicache_zmtp::DealerClient::connect(&endpoint, self.options.clone())
+            .await
+            .map_err(io_err)?;
+        dealer
+            .send(&[Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())])
+            .await
+            .map_err(io_err)?;
+        loop {
+            let frames = dealer.recv().await.map_err(io_err)?;
+            let (seq, payload) = match frames.len() {
+                4 => (seq_of(&frames[2]), frames[3].clone()),
+                3 => (seq_of(&frames[1]), frames[2].clone()),
+                n => return Err(io_err(format!("replay reply of {n} frames"))),
+            };
+            if !frames[0].is_empty() {
+                return Err(io_err("replay reply without the empty delimiter frame"));
+            }
+            match seq {
+                Some(-1) => {
+                    let _ = items.send(ReplayItem::End).await;
+                    return Ok(());
+                }
+                Some(s) if s >= 0 => {
+                    let item = ReplayItem::Batch {
+                        seq: s as u64,
+                        payload,
+                    };
+                    if items.send(item).await.is_err() {
                         return Ok(());
                     }
                 }

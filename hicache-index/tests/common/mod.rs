@@ -4,7 +4,7 @@
 use hicache_index::driver::Hub;
 use hicache_index::http::{HttpLimits, serve};
 use hicache_index::service::{Service, ServiceConfig};
-use hicache_index::transport::{Transport, ZeromqTransport};
+use hicache_index::transport::{Transport, ZmtpTransport};
 use serde_json::Value;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A running index: its hub and the address of its HTTP API.
-pub struct Running<T: Transport = ZeromqTransport> {
+pub struct Running<T: Transport = ZmtpTransport> {
     pub hub: Arc<Hub<T>>,
     pub addr: SocketAddr,
     server: tokio::task::JoinHandle<()>,
@@ -26,7 +26,7 @@ impl<T: Transport> Drop for Running<T> {
 
 /// Starts an index over `svc` (restored or empty) on 127.0.0.1:0.
 pub async fn start(svc: Service) -> Running {
-    start_with(svc, ZeromqTransport).await
+    start_with(svc, ZmtpTransport::default()).await
 }
 
 /// [`start`] over another transport.
