@@ -257,8 +257,12 @@ class HiCacheRsTier(SecondaryTierManager):
             ptrs = [self._base + int(c) * size for c in job.chunk_ids]
             self._store.submit_job(job.job_id, load, namespaces, hashes, ptrs, [size] * len(keys))
         except Exception as e:  # point 5: a refused job is a failed job
-            logger.warning("hicache-rs %s job %s refused: %s", "load" if load else "store",
-                           job.job_id, e)
+            # Logged at the 1st, 2nd, 4th, 8th, ... refusal: a stalled backend that refuses
+            # every job (its queue full) writes log2(jobs) lines, not one per job.
+            self._refusals += 1
+            if self._refusals & (self._refusals - 1) == 0:
+                logger.warning("hicache-rs %s job %s refused (%d refusals so far): %s",
+                               "load" if load else "store", job.job_id, self._refusals, e)
             if load:
                 self._unreadable.update(keys)
             self._refused.append(JobResult(job_id=job.job_id, success=False))
