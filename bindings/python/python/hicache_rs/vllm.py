@@ -167,6 +167,7 @@ class HiCacheRsTier(SecondaryTierManager):
         # promote-fail loop on a block the backend lists but cannot read).
         self._unreadable: Set[OffloadKey] = set()
         self._refused: List[JobResult] = []
+        self._refusals = 0
         self._closed = False
         self._lookups = _Lookups(self, tier_type)
 
