@@ -183,6 +183,55 @@ pub enum BindingError {
         /// The backends this build has.
         compiled: String,
     },
+    /// A bytes read that asks for more than one call may read.
+    #[error(
+        "{op}: {keys} pages of {length} bytes ask for more than the {max} bytes one call may \
+         read: split the keys into calls of at most {max} bytes"
+    )]
+    CallTooLarge {
+        /// The operation.
+        op: &'static str,
+        /// Keys asked for.
+        keys: usize,
+        /// Bytes per page asked for.
+        length: usize,
+        /// The bound of one call.
+        max: usize,
+    },
+    /// A region to register is not memory this process has mapped readable and writable.
+    #[error(
+        "allowed regions (set_allowed_regions / add_allowed_regions): region {index} \
+         ({ptr:#x}, {len} bytes) is not readable and writable memory of this process: {why}"
+    )]
+    NotMapped {
+        /// Position of the region.
+        index: usize,
+        /// Its address.
+        ptr: usize,
+        /// Its length.
+        len: usize,
+        /// What is wrong: the first address not mapped, or not readable and writable.
+        why: String,
+    },
+    /// The process's memory map could not be read to check regions.
+    #[error("allowed regions: cannot read this process's memory map (/proc/self/maps): {0}")]
+    Maps(#[source] std::io::Error),
+    /// The job queue is full: the job was refused and will have no completion.
+    #[error(
+        "{op}: refused: {capacity} jobs already wait for the store's {workers} job workers \
+         (the backend is slower than the jobs come, or stalled)"
+    )]
+    JobQueueFull {
+        /// The operation.
+        op: &'static str,
+        /// Jobs the queue holds.
+        capacity: usize,
+        /// Worker threads.
+        workers: usize,
+    },
+    /// `close` cancelled the call: its grace ran out while the call waited on the backend.
+    #[error("{0}: cancelled: the store was closed while the call waited on its backend")]
+    Cancelled(&'static str),
     /// The store was closed.
     #[error("{0}: the store is closed")]
     Closed(&'static str),
@@ -205,6 +254,9 @@ impl BindingError {
     pub fn is_bad_input(&self) -> bool {
         match self {
             BindingError::Closed(_)
+            | BindingError::Cancelled(_)
+            | BindingError::JobQueueFull { .. }
+            | BindingError::Maps(_)
             | BindingError::Runtime(_)
             | BindingError::Registry(_)
             | BindingError::OutOfMemory { .. } => false,

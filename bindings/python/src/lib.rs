@@ -22,6 +22,7 @@ pub mod backends;
 pub mod error;
 pub mod identity;
 pub mod jobs;
+pub mod maps;
 pub mod pages;
 pub mod regions;
 pub mod store;
@@ -121,5 +122,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sglang_page_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(check_extra_config, m)?)?;
     m.add("COMPILED_BACKENDS", backends::registry()?.names())?;
+    m.add("MAX_CALL_BYTES", store::MAX_CALL_BYTES)?;
+    m.add("JOB_WORKERS", jobs::JOB_WORKERS)?;
+    m.add("JOB_QUEUE_CAPACITY", jobs::JOB_QUEUE_CAPACITY)?;
     Ok(())
 }

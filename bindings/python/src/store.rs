@@ -21,9 +21,26 @@
 //!    and are not restricted. A read length is bounded by [`MAX_PAGE_BYTES`] and the
 //!    backend's largest page before anything is allocated, and allocated fallibly: a length
 //!    no page can have is a `ValueError`, memory that is not available a `MemoryError`; never
-//!    an abort or a panic.
+//!    an abort or a panic. A bytes read allocates only for the pages the backend has (asked
+//!    first, [`Store::read_owned`]) and a call asks for at most [`MAX_CALL_BYTES`]
+//!    (`keys × length`, refused before anything is asked or allocated).
+//! 6. Regions are memory of this process: every registered region must lie wholly inside
+//!    readable and writable mappings of this process when it is registered
+//!    ([`crate::maps`]); a region that is not (one covering the whole address space, an
+//!    unmapped address) is a `ValueError`. The fence then promises that no piece lies outside
+//!    memory that was this process's when registered; it cannot see memory the caller
+//!    unmaps later (the caller keeps registered buffers alive, as it promises).
+//! 7. Threads and time: a store runs on [`IO_THREADS`] runtime threads, at most
+//!    [`MAX_BLOCKING_THREADS`] blocking-pool threads, and [`JOB_WORKERS`] job workers (the
+//!    jobs' bounded queue: [`crate::jobs`]). `close(grace_s)` waits at most `grace_s` for
+//!    the jobs queued and the calls in flight, then fails the jobs still queued and cancels
+//!    the backend calls still waiting (their futures are dropped: a network backend's
+//!    requests stop at once; a backend call blocked in a system call ends with that call),
+//!    so a stalled backend cannot hold `close` beyond that.
 
+use std::future::Future;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use hicache_core::{LayoutKind, NamespaceId, PageHash, PageKey};
 use hicache_storage::{
@@ -37,13 +54,29 @@ use pyo3::types::{PyBytes, PyDict};
 use crate::backends;
 use crate::error::{BindingError, Result};
 use crate::identity;
-use crate::jobs::{Completion, Jobs};
+use crate::jobs::{Completion, JOB_WORKERS, JobQueue, Jobs, Submit};
 use crate::pages::Pieces;
 use crate::regions::Regions;
 
 /// The largest page the bytes calls read (1 GiB): far above any KV page (a DeepSeek-V3 MLA page
 /// of 64 tokens is 4.5 MiB), far below what would exhaust a host by one wrong length.
 pub const MAX_PAGE_BYTES: usize = 1 << 30;
+
+/// The most one bytes read (`batch_get_bytes`, `get_bytes`) may ask for, `keys × length`
+/// (1 GiB): a longer read is refused before anything is allocated (invariant 5); callers split
+/// larger reads.
+pub const MAX_CALL_BYTES: usize = 1 << 30;
+
+/// Worker threads of a store's tokio runtime (invariant 7).
+pub const IO_THREADS: usize = 2;
+
+/// The most blocking-pool threads a store's runtime starts (invariant 7): backends that block
+/// (`block_in_place`, file opens) share them; more waiting work queues.
+pub const MAX_BLOCKING_THREADS: usize = 16;
+
+/// How long `close` waits by default for the jobs and calls in flight before it cancels them
+/// (invariant 7).
+pub const DEFAULT_CLOSE_GRACE: Duration = Duration::from_secs(5);
 
 /// An opened hicache-rs L3 backend.
 #[pyclass(frozen, module = "hicache_rs._native")]
@@ -60,6 +93,10 @@ pub struct Store {
     regions_set_once: parking_lot::Mutex<bool>,
     /// The asynchronous jobs (`submit_job`) in flight and their completions.
     jobs: Arc<Jobs>,
+    /// The bounded queue and fixed workers that run the jobs (invariant 7).
+    queue: JobQueue,
+    /// Set by `close` once its grace ran out: every backend call still waiting is cancelled.
+    cancel: tokio::sync::watch::Sender<bool>,
 }
 
 /// Parses the keys of a batch under one namespace.
@@ -187,9 +224,23 @@ impl Store {
         self.info.max_batch.max(1)
     }
 
+    /// Runs `fut` (a backend call of `op`) on the store's runtime until it ends or `close`
+    /// cancels it (invariant 7): a cancelled call is [`BindingError::Cancelled`].
+    fn run<T>(&self, op: &'static str, fut: impl Future<Output = Result<T>>) -> Result<T> {
+        let mut cancelled = self.cancel.subscribe();
+        self.runtime.block_on(async move {
+            tokio::select! {
+                r = fut => r,
+                // `wait_for` also ends when the sender is gone, which cannot happen while
+                // `self` lives; either way the call is over.
+                _ = cancelled.wait_for(|c| *c) => Err(BindingError::Cancelled(op)),
+            }
+        })
+    }
+
     fn exists(&self, call: &Call) -> Result<usize> {
         let backend = self.backend("batch_exists")?;
-        self.runtime.block_on(async {
+        self.run("batch_exists", async {
             let mut total = 0;
             for (i, chunk) in call.keys().chunks(self.max_batch()).enumerate() {
                 let ctx = call.context(i * self.max_batch());
@@ -208,7 +259,7 @@ impl Store {
     fn exists_each(&self, call: &Call) -> Result<Vec<bool>> {
         let backend = self.backend("batch_exists")?;
         let keys = call.keys();
-        self.runtime.block_on(async {
+        self.run("batch_exists", async {
             let mut present = Vec::with_capacity(keys.len());
             let step = self.max_batch();
             for (w, window) in keys.chunks(step).enumerate() {
@@ -237,7 +288,9 @@ impl Store {
         // regions when there are some) or a buffer of `read_owned` that outlives the call; the
         // views die before we return.
         let mut dst = unsafe { pieces.destinations("batch_get", layout)? };
-        self.runtime.block_on(async {
+        // A cancelled call drops the backend's future before `dst` dies: no write into the
+        // pieces can follow the return.
+        self.run("batch_get", async {
             let mut hits = Vec::with_capacity(keys.len());
             let step = self.max_batch();
             for (i, (k, d)) in keys.chunks(step).zip(dst.chunks_mut(step)).enumerate() {
@@ -257,31 +310,64 @@ impl Store {
         }
     }
 
-    /// Reads `n` pages of `length` bytes each into one new buffer (invariant 5: the length is
-    /// bounded first and the buffer allocated fallibly); one bool per page.
+    /// Reads the pages of `call` that the backend has, `length` bytes each, into one new
+    /// buffer holding only them (invariant 5: the length and the call's total are bounded
+    /// before anything is asked or allocated, the presence of every page is asked first, and
+    /// the buffer is allocated fallibly). Returns the buffer and, per key, the page's offset
+    /// in it when it was read.
     fn read_owned(
         &self,
         op: &'static str,
         call: &Call,
         layout: LayoutKind,
         length: usize,
-    ) -> Result<(Vec<u8>, Vec<bool>)> {
+    ) -> Result<(Vec<u8>, Vec<Option<usize>>)> {
         let max = self.max_read_len();
         if length == 0 || length > max {
             return Err(BindingError::BadLength { op, length, max });
         }
         let n = call.keys().len();
-        let total = n.checked_mul(length).ok_or(BindingError::OutOfMemory {
-            op,
-            bytes: usize::MAX,
-        })?;
-        let mut buf = alloc_zeroed(op, total)?;
+        match n.checked_mul(length) {
+            Some(total) if total <= MAX_CALL_BYTES => {}
+            _ => {
+                return Err(BindingError::CallTooLarge {
+                    op,
+                    keys: n,
+                    length,
+                    max: MAX_CALL_BYTES,
+                });
+            }
+        }
+        let present = self.exists_each(call)?;
+        let wanted: Vec<PageKey> = call
+            .keys()
+            .iter()
+            .zip(&present)
+            .filter(|(_, p)| **p)
+            .map(|(k, _)| *k)
+            .collect();
+        let mut at = vec![None; n];
+        if wanted.is_empty() {
+            return Ok((Vec::new(), at));
+        }
+        let m = wanted.len();
+        // At most `n × length`, bounded above.
+        let mut buf = alloc_zeroed(op, m * length)?;
         let base = buf.as_mut_ptr() as usize;
-        let ptrs = (0..n).map(|i| base + i * length).collect();
+        let ptrs = (0..m).map(|i| base + i * length).collect();
         // Our own buffer: not subject to the registered regions.
-        let pieces = Pieces::new(op, n, ptrs, vec![length; n], false, None)?;
-        let hits = self.get_into(call, layout, &pieces)?;
-        Ok((buf, hits))
+        let pieces = Pieces::new(op, m, ptrs, vec![length; m], false, None)?;
+        let hits = self.get_into(&Call::from_keys(wanted), layout, &pieces)?;
+        let mut slot = 0;
+        for (i, p) in present.iter().enumerate() {
+            if *p {
+                if hits[slot] {
+                    at[i] = Some(slot * length);
+                }
+                slot += 1;
+            }
+        }
+        Ok((buf, at))
     }
 
     /// Writes one page from each of `pages`, memory Python owns and keeps alive and unchanged
@@ -305,7 +391,7 @@ impl Store {
         let backend = self.backend("batch_set")?;
         // SAFETY: as in `get_into`: live, readable caller memory not written during the call.
         let src = unsafe { pieces.sources(layout) };
-        self.runtime.block_on(async {
+        self.run("batch_set", async {
             let mut ok = Vec::with_capacity(keys.len());
             let step = self.max_batch();
             for (i, (k, s)) in keys.chunks(step).zip(src.chunks(step)).enumerate() {
@@ -353,7 +439,8 @@ impl Store {
             ..BackendContext::default()
         };
         let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+            .worker_threads(IO_THREADS)
+            .max_blocking_threads(MAX_BLOCKING_THREADS)
             .thread_name("hicache-py-io")
             .enable_all()
             .build()
@@ -379,6 +466,8 @@ impl Store {
             regions: RwLock::new(None),
             regions_set_once: parking_lot::Mutex::new(false),
             jobs: Arc::new(Jobs::default()),
+            queue: JobQueue::default(),
+            cancel: tokio::sync::watch::Sender::new(false),
         })
     }
 
@@ -386,9 +475,11 @@ impl Store {
     /// e.g. the host pool's KV buffer(s). From then on a piece of `batch_get_into` or
     /// `batch_set_from` not wholly inside one of them is a `ValueError` and nothing is read
     /// or written. Once per store: a second call is a `ValueError` (pools registered later
-    /// use `add_allowed_regions`).
+    /// use `add_allowed_regions`). Every region must be readable and writable memory mapped
+    /// by this process now (`/proc/self/maps`); anything else is a `ValueError`.
     fn set_allowed_regions(&self, regions: Vec<(usize, usize)>) -> PyResult<()> {
         let r = Regions::new(&regions)?;
+        crate::maps::check_mapped(&regions)?;
         let mut once = self.regions_set_once.lock();
         let mut current = self.regions.write();
         if *once || current.is_some() {
@@ -403,9 +494,11 @@ impl Store {
     /// Adds `(address, length)` pairs to the memory the zero-copy calls may read and write
     /// (the buffers of a host pool registered after the first, e.g. a hybrid model's Mamba
     /// or indexer pool). Registers the first regions when none are yet. Regions are never
-    /// removed: the caller keeps every registered buffer alive as long as the store.
+    /// removed: the caller keeps every registered buffer alive as long as the store. Every
+    /// region must be memory of this process, as in `set_allowed_regions`.
     fn add_allowed_regions(&self, regions: Vec<(usize, usize)>) -> PyResult<()> {
         let added = Regions::new(&regions)?;
+        crate::maps::check_mapped(&regions)?;
         let mut current = self.regions.write();
         let merged = match current.as_ref() {
             Some(r) => r.union(&added),
@@ -564,7 +657,10 @@ impl Store {
     /// memory alive and leaves it alone (a load's destination unread, a store's source
     /// unwritten) until the job's completion is taken. Bad input (counts, keys, a piece
     /// outside the registered regions) is a `ValueError` here and no job starts; a closed
-    /// store is a `RuntimeError`; a backend failure is a failed completion.
+    /// store is a `RuntimeError`; a backend failure is a failed completion. Jobs run on a
+    /// fixed set of worker threads from a bounded queue: when the queue is full the job is
+    /// refused at once with a `RuntimeError` saying so (no completion will come for it),
+    /// never waited for.
     #[pyo3(signature = (job_id, load, namespaces, hashes, ptrs, sizes))]
     #[allow(clippy::too_many_arguments)]
     fn submit_job(
@@ -594,19 +690,32 @@ impl Store {
         )?;
         let store: Py<Store> = slf.clone().unbind();
         let ticket = this.jobs.start(job_id, hashes.len());
-        this.runtime.spawn_blocking(move || {
+        let work = Box::new(move || {
             let s = store.get();
             let outcome = if load {
                 s.get_into(&call, LayoutKind::PageFirst, &pieces)
             } else {
                 s.set_from(&call, LayoutKind::PageFirst, &pieces)
             };
-            ticket.finish(outcome.map_err(|e| e.to_string()));
             // Without the GIL: pyo3 defers this reference's release to the next holder of
             // the GIL, so the store is never dropped on one of its own threads.
             drop(store);
+            outcome.map_err(|e| e.to_string())
         });
-        Ok(())
+        match this
+            .queue
+            .submit(ticket, work)
+            .map_err(BindingError::Runtime)?
+        {
+            Submit::Queued => Ok(()),
+            Submit::Full => Err(BindingError::JobQueueFull {
+                op,
+                capacity: crate::jobs::JOB_QUEUE_CAPACITY,
+                workers: JOB_WORKERS,
+            }
+            .into()),
+            Submit::Closed => Err(BindingError::Closed(op).into()),
+        }
     }
 
     /// The asynchronous jobs finished since the last call, oldest first: `(job_id, ok,
@@ -632,9 +741,17 @@ impl Store {
         self.jobs.in_flight()
     }
 
+    /// Worker threads running this store's jobs: 0 before the first job, then a fixed
+    /// number, however many jobs are submitted.
+    #[getter]
+    fn job_workers(&self) -> usize {
+        self.queue.workers()
+    }
+
     /// Reads one page of `length` bytes into new `bytes` (for tools), or `None` on a miss.
     /// A length of 0 or above the largest page (1 GiB, or the backend's limit) is a
-    /// `ValueError`; memory that cannot be allocated a `MemoryError`.
+    /// `ValueError`; memory that cannot be allocated a `MemoryError`. Memory is allocated
+    /// only when the backend has the page.
     fn get_bytes<'py>(
         &self,
         py: Python<'py>,
@@ -645,12 +762,14 @@ impl Store {
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let call = Call::new(namespace, std::slice::from_ref(&hash), None, None)?;
         let layout = identity::layout(layout)?;
-        let (buf, hit) = py.detach(|| self.read_owned("get_bytes", &call, layout, length))?;
-        Ok(hit[0].then(|| PyBytes::new(py, &buf)))
+        let (buf, at) = py.detach(|| self.read_owned("get_bytes", &call, layout, length))?;
+        Ok(at[0].map(|o| PyBytes::new(py, &buf[o..o + length])))
     }
 
     /// Reads pages of `length` bytes each into new `bytes`, `None` for a miss (the legacy
-    /// tensor path, tools). Lengths are bounded as in `get_bytes`.
+    /// tensor path, tools). Lengths are bounded as in `get_bytes`; a call of `len(hashes) ×
+    /// length` above 1 GiB is a `ValueError` (split it); memory is allocated only for the
+    /// pages the backend has.
     fn batch_get_bytes<'py>(
         &self,
         py: Python<'py>,
@@ -664,12 +783,10 @@ impl Store {
         if hashes.is_empty() {
             return Ok(Vec::new());
         }
-        let (buf, hits) =
-            py.detach(|| self.read_owned("batch_get_bytes", &call, layout, length))?;
-        Ok(buf
-            .chunks(length)
-            .zip(hits)
-            .map(|(page, hit)| hit.then(|| PyBytes::new(py, page)))
+        let (buf, at) = py.detach(|| self.read_owned("batch_get_bytes", &call, layout, length))?;
+        Ok(at
+            .into_iter()
+            .map(|o| o.map(|o| PyBytes::new(py, &buf[o..o + length])))
             .collect())
     }
 
@@ -718,7 +835,7 @@ impl Store {
         let keys = page_keys(namespace, &hashes)?;
         let n = py.detach(|| {
             let backend = self.backend("delete")?;
-            self.runtime.block_on(async {
+            self.run("delete", async {
                 let mut n = 0;
                 for chunk in keys.chunks(self.max_batch()) {
                     n += backend.delete(chunk).await?;
@@ -737,9 +854,9 @@ impl Store {
             .map_err(|_| BindingError::BadNamespace(namespace.chars().take(80).collect()))?;
         let n = py.detach(|| {
             let backend = self.backend("clear")?;
-            self.runtime
-                .block_on(backend.clear(ns))
-                .map_err(BindingError::from)
+            self.run("clear", async {
+                backend.clear(ns).await.map_err(BindingError::from)
+            })
         })?;
         Ok(n)
     }
@@ -758,17 +875,42 @@ impl Store {
         Ok(d)
     }
 
-    /// Closes the backend; later calls raise `RuntimeError`. Waits for the calls in flight
-    /// (and the asynchronous jobs) to return first, so that when `close` returns the backend is really closed (its
-    /// directory lock released: a new store may open the same directory at once). Idempotent.
-    fn close(&self, py: Python<'_>) {
+    /// Closes the backend; later calls raise `RuntimeError`. Waits up to `grace_s` seconds
+    /// for the calls in flight and the asynchronous jobs (queued ones too) to end; after
+    /// that, the jobs still queued fail without running and the backend calls still waiting
+    /// are cancelled (a failed completion, a `RuntimeError`), so a stalled backend holds
+    /// `close` for about `grace_s`, not for its own timeouts. When `close` returns no job or
+    /// call uses the backend any more and the backend is really closed (its directory lock
+    /// released: a new store may open the same directory at once). Idempotent.
+    #[pyo3(signature = (grace_s=DEFAULT_CLOSE_GRACE.as_secs_f64()))]
+    fn close(&self, py: Python<'_>, grace_s: f64) -> PyResult<()> {
+        if !(grace_s.is_finite() && (0.0..=86_400.0).contains(&grace_s)) {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "close: grace_s = {grace_s} is not a number of seconds from 0 to 86400"
+            )));
+        }
+        let deadline = Instant::now() + Duration::from_secs_f64(grace_s);
         // Without the GIL: waiting for calls in flight, and dropping a backend (which may
         // flush files or close connections), must not stop other Python threads.
         py.detach(|| {
-            self.jobs.wait_idle();
-            let taken = self.backend.write().take();
+            self.queue.stop_accepting();
+            let mut guard = None;
+            if self.jobs.wait_idle_until(deadline) {
+                guard = self.backend.try_write_until(deadline);
+            }
+            let mut guard = guard.unwrap_or_else(|| {
+                // Grace is over: what waits is failed or cancelled (invariant 7).
+                self.queue.fail_waiting();
+                self.cancel.send_replace(true);
+                self.jobs.wait_idle();
+                self.backend.write()
+            });
+            let taken = guard.take();
+            drop(guard);
             drop(taken);
+            self.queue.join();
         });
+        Ok(())
     }
 
     /// Whether `close` was called.

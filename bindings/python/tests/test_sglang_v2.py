@@ -377,7 +377,7 @@ def test_bad_host_indices_in_a_v2_transfer_raise_before_anything_is_written():
         with pytest.raises(ValueError, match=match):
             b.batch_set_v2([good, t])
     with pytest.raises(ValueError, match="outside the host pool"):
-        b.batch_get_v2([transfer("mamba", m, ks, [1, 2]),
+        b.batch_get_v2([transfer("kv", kv, ks, [1, 2]),
                         PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0, 99]),
                                      keys=ks)])
     assert b._store.batch_exists_each(b._pools["mamba"].namespace, ks) == [False, False]

@@ -5,6 +5,7 @@ them again in ours, and loads them back byte for byte; the same sequence against
 fs tier gives the same answers. See vllm_harness.py for the one vLLM piece not constructed
 (the GPU worker) and why."""
 
+import os
 import pathlib
 import signal
 
@@ -181,3 +182,82 @@ def test_jobs_complete_through_the_native_queue_without_the_gil(tmp_path, engine
     assert store.take_completed() == []
     with pytest.raises(ValueError, match="registered"):
         store.submit_job(99, True, [e.tier.namespace_of(0)], ["ab" * 32], [8], [e.block])
+
+
+# ---- issue 38 item 5: a stalled or slow backend costs failed jobs, never threads or a stall --
+
+
+def _threads():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def _store_job(e, i, key):
+    import numpy
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+    from vllm.v1.kv_offload.base import ReqContext
+
+    return TransferJob(job_id=i, keys=[key], chunk_ids=numpy.array([i % 8]), is_promotion=False,
+                       req_context=ReqContext(req_id=f"flood-{i}"))
+
+
+def test_a_stalled_backend_turns_a_job_flood_into_failed_jobs(tmp_path, engines):
+    """Before: 3000 jobs against a stalled Redis took ~512 threads and shutdown waited for the
+    backend's timeout. Now every submit returns at once; the jobs beyond the native queue are
+    failed JobResults in the next get_finished_jobs; threads stay a fixed set; shutdown ends
+    after the store's close grace (the stalled jobs are cancelled: failed results)."""
+    import threading
+
+    from hicache_rs import _native
+
+    proc, addr = start_redis(tmp_path)
+    try:
+        before = _threads()
+        e = engines(ours({"backend": "redis", "nodes": [addr], "cluster": False,
+                          "timeout_ms": 3600000}))
+        os.kill(proc.pid, signal.SIGSTOP)
+        ks = H.keys("flood", 3000)
+        for i, k in enumerate(ks):
+            e.tier.submit_store(_store_job(e, i, k))
+        grown = _threads() - before
+        assert grown <= 2 + 16 + _native.JOB_WORKERS + 8, grown
+        failed = [r for r in e.tier.get_finished_jobs() if not r.success]
+        assert len(failed) >= 3000 - _native.JOB_QUEUE_CAPACITY - _native.JOB_WORKERS
+        closer = threading.Thread(target=e.tier.shutdown)
+        closer.start()
+        closer.join(120)  # bounded: the close grace, not the 1 h timeout
+        assert not closer.is_alive(), "shutdown did not return against a stalled backend"
+        rest = list(e.tier.get_finished_jobs())
+        assert len(failed) + len(rest) == 3000 and not any(r.success for r in rest)
+        assert not e.tier.has_pending_work()
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_twenty_thousand_jobs_on_the_file_backend_keep_a_fixed_thread_count(tmp_path, engines):
+    """Before: 20k jobs through the tier on the file backend reached 518 threads. Now the
+    thread count stays within the store's fixed set; every job is answered (stored, or failed
+    when the queue was full), none lost."""
+    from hicache_rs import _native
+
+    before = _threads()
+    e = engines(ours({"backend": "file", "dir": str(tmp_path / "ours")}))
+    ks = H.keys("twenty-k", 20_000)
+    most, answered, ok = 0, 0, 0
+    for i, k in enumerate(ks):
+        e.tier.submit_store(_store_job(e, i, k))
+        if i % 1000 == 999:
+            most = max(most, _threads() - before)
+            e.tier.drain_jobs()
+            for r in e.tier.get_finished_jobs():
+                answered += 1
+                ok += r.success
+    e.tier.drain_jobs()
+    for r in e.tier.get_finished_jobs():
+        answered += 1
+        ok += r.success
+    assert most <= 2 + 16 + _native.JOB_WORKERS + 8, most
+    assert answered == 20_000 and ok >= 20 * (_native.JOB_QUEUE_CAPACITY // 2)
+    assert not e.tier.has_pending_work()

@@ -152,14 +152,16 @@ impl ServerOptions {
                 ),
             );
         }
-        if let Some(total) = hicache_storage::machine::memory_total_bytes()
-            && self.pool_bytes > total
+        let limits = hicache_storage::machine::MemoryLimits::of_this_process();
+        if let Some((limit, which)) = limits.smallest()
+            && self.pool_bytes > limit
         {
             return bad(
                 "pool_bytes",
                 format!(
-                    "{} bytes is more than this machine's physical memory ({total} bytes): the \
-                     pool is held in memory",
+                    "{} bytes is more than this process may hold in memory: {which} is \
+                     {limit} bytes (the smallest of the machine's physical memory, the cgroup \
+                     memory limit, RLIMIT_AS and RLIMIT_DATA); the pool is held in memory",
                     self.pool_bytes
                 ),
             );

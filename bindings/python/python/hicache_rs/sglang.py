@@ -47,8 +47,8 @@ Model of the class (each point is kept by the code named in it):
    passes none, and none is passed on.
 7. Thread safety: registrations are serialised by one lock and only ever add pools (a
    dynamic sidecar may arrive while I/O runs; a call sees a pool once its adapter is in the
-   table); otherwise the instance changes only its metrics lists and the set of stored keys,
-   both behind one lock; the native store is safe under SGLang's concurrent prefetch, query
+   table); otherwise the instance changes only its metrics lists and the remembered stored
+   keys (point 14), both behind one lock; the native store is safe under SGLang's concurrent prefetch, query
    and backup threads.
 8. No memory outside the pool, ever. SGLang's ``get_page_buffer_meta`` turns host indices
    into addresses without checking them, so the v1 calls check them first
@@ -106,6 +106,13 @@ Model of the class (each point is kept by the code named in it):
     (or, for ``page_head``, ``tp_lcm_size``) and tenant, and so are hits for a later prefill
     on any instance sharing the storage. The decode side reads the extra-config with
     ``json.loads`` itself, so SGLang's prefetch fields arrive here and are dropped (point 1).
+14. Bounded state: the keys this instance wrote are remembered only for ``clear`` on a
+    backend without a namespace-wide clear (``info()["clear"]`` false: rdma, plugins before
+    ABI 1.2), and only the newest ``STORED_KEYS_MAX`` of them (``_remember``); ``clear``
+    there deletes those and logs how many older ones it could not. A backend that clears
+    whole namespaces costs no memory per write. Bytes reads go to the native store in calls
+    of at most ``MAX_CALL_BYTES`` (``_get_bytes``), and a v2 call naming one pool in two
+    transfers is a ``ValueError`` before anything is read or written (``_check_distinct``).
 """
 
 from __future__ import annotations
@@ -114,7 +121,8 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy
 import torch
@@ -126,7 +134,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from hicache_rs import hit_policy, kv_layouts
-from hicache_rs._native import Store, check_extra_config, namespace_id
+from hicache_rs._native import MAX_CALL_BYTES, Store, check_extra_config, namespace_id
 from hicache_rs.pools import PoolAdapter, has_memory, pool_name
 
 logger = logging.getLogger(__name__)
@@ -150,6 +158,10 @@ SUPPORTED_LAYOUTS = kv_layouts.LAYOUTS
 #: Backends whose state is one local directory with a single owner process.
 LOCAL_DIR_BACKENDS = ("file", "uring")
 
+#: The most written keys remembered for ``clear`` on a backend without a namespace-wide
+#: clear (point 14): about 200 bytes each, so at most about 13 MiB per instance.
+STORED_KEYS_MAX = 65536
+
 
 def _our_extra_config(storage_config: HiCacheStorageConfig) -> dict:
     """The extra-config without SGLang's own fields (point 1). ``file_storage_path`` (what
@@ -168,6 +180,25 @@ def _our_extra_config(storage_config: HiCacheStorageConfig) -> dict:
                 f"hicache-rs, not to backend {extra.get('backend')!r}"
             )
     return extra
+
+
+def _bytes_call_keys(page_bytes: int) -> int:
+    """How many pages of ``page_bytes`` one native bytes read may ask for (point 14)."""
+    return max(1, MAX_CALL_BYTES // max(1, page_bytes))
+
+
+def _check_distinct(op: str, transfers: List[Any]) -> None:
+    """Point 14: one transfer per pool in a v2 call; a pool named twice is a ``ValueError``
+    naming it and both positions (its answers would overwrite each other)."""
+    seen: Dict[str, int] = {}
+    for i, t in enumerate(transfers):
+        name = pool_name(t.name)
+        if name in seen:
+            raise ValueError(
+                f"{op}: transfers {seen[name]} and {i} both name pool {name!r}; a call "
+                "carries at most one transfer per pool"
+            )
+        seen[name] = i
 
 
 def _context(extra_info: Optional[HiCacheStorageExtraInfo]) -> dict:
@@ -369,7 +400,11 @@ class HiCacheRsStorage(HiCacheStorage):
         self._anchor = None
         self._logical_kv = False
         self._registered_once = False
-        self._stored: Set[Tuple[str, str]] = set()
+        # Point 14: (namespace, key) of pages written, newest last, only where the backend
+        # cannot clear a namespace; how many were forgotten to keep the bound.
+        self._stored: "OrderedDict[Tuple[str, str], None]" = OrderedDict()
+        self._stored_forgotten = 0
+        self._backend_clears = True
         self._prefetch_pgs: List[int] = []
         self._backup_pgs: List[int] = []
         self._prefetch_bw: List[float] = []
@@ -504,6 +539,7 @@ class HiCacheRsStorage(HiCacheStorage):
             pp_rank=cfg.pp_rank,
             pp_size=cfg.pp_size,
         )
+        self._backend_clears = bool(self._store.info().get("clear"))
         return self._store
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
@@ -790,6 +826,7 @@ class HiCacheRsStorage(HiCacheStorage):
         SGLang's HiCacheFile semantics; a failing backend counts as absent pages."""
         store = self._ready("batch_exists_v2")
         transfers = list(pool_transfers or [])
+        _check_distinct("batch_exists_v2", transfers)
         adapters = [(t, self._adapter("batch_exists_v2", t.name)) for t in transfers]
         for t, _ in adapters:
             hit_policy.check_transfer(t)
@@ -845,7 +882,9 @@ class HiCacheRsStorage(HiCacheStorage):
 
     def _v2_plan(self, op: str, transfers: List[Any], results: Dict[str, List[bool]]):
         """Checks every transfer before any I/O (point 8): a count mismatch answers that pool
-        all ``False`` (logged, as SGLang's HiCacheFile does); bad host indices raise."""
+        all ``False`` (logged, as SGLang's HiCacheFile does); bad host indices, and two transfers
+        of one pool (point 14), raise."""
+        _check_distinct(op, transfers)
         plan = []
         for t in transfers:
             name = pool_name(t.name)
@@ -910,17 +949,21 @@ class HiCacheRsStorage(HiCacheStorage):
                  starts: List[int]) -> Optional[List[bool]]:
         """``pools`` point 7: pages read as bytes, each written into the pool through SGLang's
         ``set_from_flat_data_page`` (no pool address reaches the native store)."""
-        datas = self._call(store, "batch_get_v2", lambda: store.batch_get_bytes(
-            adapter.namespace, keys, adapter.store_layout, adapter.page_bytes))
-        if datas is None:
-            return None
         hits = []
-        for start, data in zip(starts, datas):
-            if data is not None:
-                page = adapter.pool.get_dummy_flat_data_page()
-                numpy.copyto(_bytes_view(page), numpy.frombuffer(data, dtype=numpy.uint8))
-                adapter.pool.set_from_flat_data_page(start, page)
-            hits.append(data is not None)
+        step = _bytes_call_keys(adapter.page_bytes)
+        for at in range(0, len(keys), step):
+            # Point 14: one native call of at most MAX_CALL_BYTES at a time.
+            part = keys[at:at + step]
+            datas = self._call(store, "batch_get_v2", lambda: store.batch_get_bytes(
+                adapter.namespace, part, adapter.store_layout, adapter.page_bytes))
+            if datas is None:
+                return None
+            for start, data in zip(starts[at:at + step], datas):
+                if data is not None:
+                    page = adapter.pool.get_dummy_flat_data_page()
+                    numpy.copyto(_bytes_view(page), numpy.frombuffer(data, dtype=numpy.uint8))
+                    adapter.pool.set_from_flat_data_page(start, page)
+                hits.append(data is not None)
         return hits
 
     def batch_set_v2(
@@ -1011,11 +1054,16 @@ class HiCacheRsStorage(HiCacheStorage):
                 raise ValueError("batch_get: target tensors must be contiguous")
         # Point 8: the native store hands back bytes; no address of a caller tensor crosses.
         parts: List[List[Optional[bytes]]] = []
+        step = _bytes_call_keys(self.part_bytes)
         for ns in self.namespaces:
-            got = self._call(store, "batch_get", lambda: store.batch_get_bytes(
-                ns, keys, self.native_layout, self.part_bytes))
-            if got is None:
-                return [None] * len(keys)
+            got: List[Optional[bytes]] = []
+            for at in range(0, len(keys), step):
+                # Point 14: one native call of at most MAX_CALL_BYTES at a time.
+                chunk = self._call(store, "batch_get", lambda: store.batch_get_bytes(
+                    ns, keys[at:at + step], self.native_layout, self.part_bytes))
+                if chunk is None:
+                    return [None] * len(keys)
+                got.extend(chunk)
             parts.append(got)
         # Point 11: a page is whole only when every part of it was read.
         pages: List[Optional[bytes]] = [
@@ -1087,8 +1135,17 @@ class HiCacheRsStorage(HiCacheStorage):
     # ---- lifecycle and metrics ------------------------------------------------------------
 
     def _remember(self, namespace: str, keys: List[str]) -> None:
+        """Point 14: remembers written keys for ``clear`` only where the backend cannot clear
+        a namespace, the newest ``STORED_KEYS_MAX`` of them."""
+        if self._backend_clears or not keys:
+            return
         with self._lock:
-            self._stored.update((namespace, k) for k in keys)
+            for k in keys:
+                self._stored[(namespace, k)] = None
+                self._stored.move_to_end((namespace, k))
+            while len(self._stored) > STORED_KEYS_MAX:
+                self._stored.popitem(last=False)
+                self._stored_forgotten += 1
 
     def _remember_kv(self, keys: List[str]) -> None:
         """The KV pages stored, in every part's namespace (point 11)."""
@@ -1108,11 +1165,12 @@ class HiCacheRsStorage(HiCacheStorage):
         registered sidecar pool's) from the backend: pages written by this process, by other
         processes sharing the storage, and before a restart (file, uring, redis and memory
         backends, and plugins that clear (ABI 1.2), whose ``info()["clear"]`` is true). A
-        backend without a namespace-wide clear gets the pages this instance stored deleted
-        instead."""
+        backend without a namespace-wide clear gets the newest pages this instance stored (at
+        most ``STORED_KEYS_MAX``, point 14) deleted instead."""
         store = self._ready("clear")
         with self._lock:
-            stored, self._stored = list(self._stored), set()
+            stored, self._stored = list(self._stored), OrderedDict()
+            forgotten, self._stored_forgotten = self._stored_forgotten, 0
         with self._attach_lock:
             namespaces = sorted(
                 {ns for a in self._pools.values() for ns in self._namespaces_of(a)}
@@ -1126,6 +1184,12 @@ class HiCacheRsStorage(HiCacheStorage):
             by_ns.setdefault(ns, []).append(key)
         for ns, keys in by_ns.items():
             store.delete(ns, keys)
+        if forgotten:
+            logger.warning(
+                "hicache-rs clear: backend %r cannot clear a namespace, so only the %d newest "
+                "pages this instance wrote were remembered and deleted; %d older ones stay "
+                "until the backend evicts them", self.backend_name, STORED_KEYS_MAX, forgotten,
+            )
 
     def get_stats(self):
         """SGLang's ``StorageMetrics`` (pages and GB/s per call since the last call), or

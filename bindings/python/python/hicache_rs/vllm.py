@@ -167,6 +167,7 @@ class HiCacheRsTier(SecondaryTierManager):
         # promote-fail loop on a block the backend lists but cannot read).
         self._unreadable: Set[OffloadKey] = set()
         self._refused: List[JobResult] = []
+        self._refusals = 0
         self._closed = False
         self._lookups = _Lookups(self, tier_type)
 
@@ -257,8 +258,12 @@ class HiCacheRsTier(SecondaryTierManager):
             ptrs = [self._base + int(c) * size for c in job.chunk_ids]
             self._store.submit_job(job.job_id, load, namespaces, hashes, ptrs, [size] * len(keys))
         except Exception as e:  # point 5: a refused job is a failed job
-            logger.warning("hicache-rs %s job %s refused: %s", "load" if load else "store",
-                           job.job_id, e)
+            # Logged at the 1st, 2nd, 4th, 8th, ... refusal: a stalled backend that refuses
+            # every job (its queue full) writes log2(jobs) lines, not one per job.
+            self._refusals += 1
+            if self._refusals & (self._refusals - 1) == 0:
+                logger.warning("hicache-rs %s job %s refused (%d refusals so far): %s",
+                               "load" if load else "store", job.job_id, self._refusals, e)
             if load:
                 self._unreadable.update(keys)
             self._refused.append(JobResult(job_id=job.job_id, success=False))
