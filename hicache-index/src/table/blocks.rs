@@ -69,7 +69,7 @@ struct Arena {
 
 /// Chunk capacities grow by about 1.5: 2, 3, 4, 6, 8, 12, 16, 24, …
 fn cap_of(class: usize) -> usize {
-    if class % 2 == 0 {
+    if class.is_multiple_of(2) {
         2 << (class / 2)
     } else {
         3 << (class / 2)
