@@ -500,18 +500,32 @@ impl Index {
             });
         }
         let mut depth = 0u32;
+        let mut held_by = entries;
         loop {
-            // Every candidate holds block `depth` (mask set): extend its runs.
+            // Blocks `depth..depth + run` have the same holders as block `depth` (so every
+            // candidate holds each of them with the same bits): extend the runs at once.
+            let mut run = 1;
+            let mut next = None;
+            while let Some(slot) = hashes
+                .get((depth + run) as usize)
+                .and_then(|b| self.blocks.lookup(*b))
+            {
+                let entries = self.blocks.entries(slot);
+                let same = entries.len() == held_by.len()
+                    && entries.iter().zip(held_by).all(|(a, b)| a.ht == b.ht);
+                if !same {
+                    next = Some(slot);
+                    break;
+                }
+                run += 1;
+            }
             for c in &mut cands {
                 c.in1 &= c.mask & 1 != 0;
                 c.in2 &= c.mask & 3 != 0;
-                c.l1 += u32::from(c.in1);
-                c.l2 += u32::from(c.in2);
+                c.l1 += if c.in1 { run } else { 0 };
+                c.l2 += if c.in2 { run } else { 0 };
             }
-            depth += 1;
-            let next = hashes
-                .get(depth as usize)
-                .and_then(|b| self.blocks.lookup(*b));
+            depth += run;
             let Some(slot) = next else { break };
             let entries = self.blocks.entries(slot);
             // Few candidates against a block held widely: look each candidate up; otherwise
@@ -549,6 +563,7 @@ impl Index {
             if cands.is_empty() {
                 break;
             }
+            held_by = entries;
         }
         out.extend(cands.iter().map(|c| QueryMatch {
             holder: HolderId(c.holder),
