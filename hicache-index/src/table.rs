@@ -106,6 +106,9 @@ pub struct IndexStats {
 /// Holder ids are below this (an entry packs `id << 2 | tier` below bit 31).
 const MAX_HOLDERS: usize = 1 << 29;
 
+const KIND_INSTANCE: u8 = 1;
+const KIND_STORE: u8 = 2;
+
 #[derive(Debug)]
 struct Holder {
     kind: HolderKind,
@@ -127,6 +130,8 @@ fn ht_of(h: u32, tier: usize) -> u32 {
 pub struct Index {
     capacity: Option<u64>,
     holders: Vec<Option<Holder>>,
+    /// Per holder id: 0 removed, 1 instance, 2 store (the query's view of `holders`).
+    kinds: Vec<u8>,
     blocks: BlockTable,
     /// (front batch clock, ht) of every non-empty age log: the eviction order of the logs.
     fronts: BTreeSet<(u64, u32)>,
@@ -172,6 +177,7 @@ impl Index {
         Self {
             capacity,
             holders: Vec::new(),
+            kinds: Vec::new(),
             blocks: BlockTable::new(),
             fronts: BTreeSet::new(),
             clock: 0,
@@ -191,6 +197,10 @@ impl Index {
             readers: Vec::new(),
             logs: Default::default(),
         }));
+        self.kinds.push(match kind {
+            HolderKind::Instance => KIND_INSTANCE,
+            HolderKind::Store => KIND_STORE,
+        });
         Ok(HolderId(self.holders.len() as u32 - 1))
     }
 
@@ -231,6 +241,7 @@ impl Index {
         let Some(gone) = self.holders[h.0 as usize].take() else {
             return Ok(());
         };
+        self.kinds[h.0 as usize] = 0;
         for s in gone.stores {
             if let Some(Some(store)) = self.holders.get_mut(s as usize) {
                 store.readers.retain(|r| *r != h.0);
@@ -464,88 +475,95 @@ impl Index {
         };
         // The first block: every instance holding it, itself or through a store it reads.
         let mut cands: Vec<Candidate> = Vec::new();
+        // Per holder id: (depth + 1) << 4 | tier bits of the block at `depth` (bit 3: through
+        // a store), for blocks with many holders; allocated on first use.
+        let mut marks: Vec<u32> = Vec::new();
         let entries = self.blocks.entries(slot);
         if entries.len() > 32 {
-            // Many holders: mark them in a dense array, read it back in holder order.
-            let mut marks = vec![0u8; self.holders.len()];
-            self.holders_of(entries, |h, bits| marks[h as usize] |= bits);
+            self.mark(entries, 0, &mut marks);
             cands.extend(
                 marks
                     .iter()
                     .enumerate()
                     .filter(|(_, m)| **m != 0)
-                    .map(|(h, &m)| Candidate::new(h as u32, m)),
+                    .map(|(h, &m)| Candidate::new(h as u32, (m & 15) as u8)),
             );
         } else {
             self.holders_of(entries, |h, bits| cands.push(Candidate::new(h, bits)));
-            Self::sort_merge(&mut cands);
+            cands.sort_unstable_by_key(|c| c.holder);
+            cands.dedup_by(|later, kept| {
+                let same = later.holder == kept.holder;
+                if same {
+                    kept.mask |= later.mask;
+                }
+                same
+            });
         }
-        let mut survivors: Vec<Candidate> = Vec::new();
         let mut depth = 0u32;
+        let mut held_by = entries;
         loop {
-            // Every candidate holds block `depth` (mask set): extend its runs.
+            // Blocks `depth..depth + run` have the same holders as block `depth` (so every
+            // candidate holds each of them with the same bits): extend the runs at once.
+            let mut run = 1;
+            let mut next = None;
+            while let Some(slot) = hashes
+                .get((depth + run) as usize)
+                .and_then(|b| self.blocks.lookup(*b))
+            {
+                let entries = self.blocks.entries(slot);
+                let same = entries.len() == held_by.len()
+                    && entries.iter().zip(held_by).all(|(a, b)| a.ht == b.ht);
+                if !same {
+                    next = Some(slot);
+                    break;
+                }
+                run += 1;
+            }
             for c in &mut cands {
                 c.in1 &= c.mask & 1 != 0;
                 c.in2 &= c.mask & 3 != 0;
-                c.l1 += u32::from(c.in1);
-                c.l2 += u32::from(c.in2);
+                c.l1 += if c.in1 { run } else { 0 };
+                c.l2 += if c.in2 { run } else { 0 };
             }
-            depth += 1;
-            let next = hashes
-                .get(depth as usize)
-                .and_then(|b| self.blocks.lookup(*b));
+            depth += run;
             let Some(slot) = next else { break };
             let entries = self.blocks.entries(slot);
-            let finish = |c: &Candidate, out: &mut Vec<QueryMatch>| {
-                out.push(QueryMatch {
-                    holder: HolderId(c.holder),
-                    l1: c.l1,
-                    l2: c.l2,
-                    l3: depth,
-                })
-            };
+            // Few candidates against a block held widely: look each candidate up; otherwise
+            // mark the block's holders once and read the candidates' marks.
+            let by_lookup = cands.len() * 8 < entries.len() || entries.len() <= 2;
+            if !by_lookup {
+                self.mark(entries, depth, &mut marks);
+            }
             let mut kept = 0;
-            if entries.len() * 4 < cands.len() {
-                // Few holders of this block, many candidates: walk the block's holders and
-                // merge them with the (sorted) candidates.
-                survivors.clear();
-                self.holders_of(entries, |h, bits| survivors.push(Candidate::new(h, bits)));
-                Self::sort_merge(&mut survivors);
-                let mut s = survivors.iter().peekable();
-                for i in 0..cands.len() {
-                    let mut c = cands[i];
-                    while s.next_if(|x| x.holder < c.holder).is_some() {}
-                    match s.next_if(|x| x.holder == c.holder) {
-                        Some(x) => {
-                            c.mask = x.mask;
-                            cands[kept] = c;
-                            kept += 1;
-                        }
-                        None => finish(&c, out),
-                    }
-                }
-            } else {
-                for i in 0..cands.len() {
-                    let mut c = cands[i];
-                    c.mask = Self::own_mask(entries, c.holder);
-                    if c.mask == 0
-                        && let Some(Some(holder)) = self.holders.get(c.holder as usize)
-                        && holder.stores.iter().any(|&s| Self::has_store(entries, s))
-                    {
-                        c.mask = 8;
-                    }
-                    if c.mask == 0 {
-                        finish(&c, out);
+            for i in 0..cands.len() {
+                let mut c = cands[i];
+                c.mask = if by_lookup {
+                    self.lookup_mask(entries, c.holder)
+                } else {
+                    let m = marks[c.holder as usize];
+                    if m >> 4 == depth + 1 {
+                        (m & 15) as u8
                     } else {
-                        cands[kept] = c;
-                        kept += 1;
+                        0
                     }
+                };
+                if c.mask == 0 {
+                    out.push(QueryMatch {
+                        holder: HolderId(c.holder),
+                        l1: c.l1,
+                        l2: c.l2,
+                        l3: depth,
+                    });
+                } else {
+                    cands[kept] = c;
+                    kept += 1;
                 }
             }
             cands.truncate(kept);
             if cands.is_empty() {
                 break;
             }
+            held_by = entries;
         }
         out.extend(cands.iter().map(|c| QueryMatch {
             holder: HolderId(c.holder),
@@ -563,26 +581,42 @@ impl Index {
     fn holders_of(&self, entries: &[Entry], mut f: impl FnMut(u32, u8)) {
         for e in entries {
             let h = e.ht >> 2;
-            let Some(Some(holder)) = self.holders.get(h as usize) else {
-                continue;
-            };
-            match holder.kind {
-                HolderKind::Instance => f(h, 1 << (e.ht & 3)),
-                HolderKind::Store => holder.readers.iter().for_each(|&r| f(r, 8)),
+            match self.kinds[h as usize] {
+                KIND_INSTANCE => f(h, 1 << (e.ht & 3)),
+                KIND_STORE => {
+                    if let Some(Some(store)) = self.holders.get(h as usize) {
+                        store.readers.iter().for_each(|&r| f(r, 8));
+                    }
+                }
+                _ => {}
             }
         }
     }
 
-    /// Sorts candidates by holder, merging each holder's bits into one.
-    fn sort_merge(cands: &mut Vec<Candidate>) {
-        cands.sort_unstable_by_key(|c| c.holder);
-        cands.dedup_by(|later, kept| {
-            let same = later.holder == kept.holder;
-            if same {
-                kept.mask |= later.mask;
-            }
-            same
+    /// Marks the holders of the block at `depth` (see `query`).
+    fn mark(&self, entries: &[Entry], depth: u32, marks: &mut Vec<u32>) {
+        if marks.is_empty() {
+            marks.resize(self.holders.len(), 0);
+        }
+        let tag = (depth + 1) << 4;
+        self.holders_of(entries, |h, bits| {
+            let m = &mut marks[h as usize];
+            *m = if *m >> 4 == depth + 1 { *m } else { tag } | u32::from(bits);
         });
+    }
+
+    /// An instance's bits in a block's entries: its own tiers, else bit 3 when a store it
+    /// reads holds the block.
+    #[inline]
+    fn lookup_mask(&self, entries: &[Entry], h: u32) -> u8 {
+        let own = Self::own_mask(entries, h);
+        if own != 0 {
+            return own;
+        }
+        match self.holders.get(h as usize) {
+            Some(Some(holder)) if holder.stores.iter().any(|&s| Self::has_store(entries, s)) => 8,
+            _ => 0,
+        }
     }
 
     /// The index's accounting.

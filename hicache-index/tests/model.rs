@@ -153,21 +153,20 @@ impl Chains {
 /// replaced, shared stores attached and detached, queries), every answer and count compared.
 #[test]
 fn a_million_random_events_match_the_naive_model() {
-    // (capacity, instances, stores): the larger fleets give blocks held by more than 32
-    // holders and queries with many candidates (the query's dense and merge paths).
+    // (capacity, instances, stores, events): the larger fleets give blocks held by more than
+    // 32 holders and queries with many candidates (the query's dense and merge paths).
     let runs = [
-        (None, 6, 3),
-        (Some(5), 6, 3),
-        (Some(60), 6, 3),
-        (Some(400), 6, 3),
-        (None, 40, 6),
-        (Some(2_000), 40, 6),
+        (None, 6, 3, 240_000),
+        (Some(5), 6, 3, 200_000),
+        (Some(60), 6, 3, 200_000),
+        (Some(400), 6, 3, 200_000),
+        (None, 40, 6, 80_000),
+        (Some(2_000), 40, 6, 80_000),
     ];
-    let per_run = 1_000_000 / runs.len() + 1;
     let mut rng = StdRng::seed_from_u64(0x6869_6361_6368_6549);
     let mut events = 0u64;
     let mut out = Vec::new();
-    for (capacity, n_instances, n_stores) in runs {
+    for (capacity, n_instances, n_stores, per_run) in runs {
         let chains = Chains::new(&mut rng);
         let mut idx = Index::new(capacity);
         let mut model = ReferenceIndex::new(capacity);

@@ -399,10 +399,10 @@ fn answer_line(line: &mut String, q: usize, out: &[QueryMatch], file: &EventFile
 /// holder lacks the parent, as its contract prescribes), queries answered per holder-tier
 /// (it has no notion of an instance reading a store, so `attach` is not applied).
 pub fn replay_reference(file: &EventFile) -> Replay {
-    use smg_radix_tree::{OverlapScratch, RadixTree, StoreError};
+    use radix_tree::{OverlapScratch, RadixTree, StoreError};
     let rss0 = rss_bytes();
     let mut tree = RadixTree::new(Default::default());
-    let mut ids: HashMap<(u32, u8), smg_radix_tree::HolderId> = HashMap::new();
+    let mut ids: HashMap<(u32, u8), radix_tree::HolderId> = HashMap::new();
     let mut id_of = |tree: &mut RadixTree, h: u32, t: Tier| {
         *ids.entry((h, t.bit()))
             .or_insert_with(|| tree.create_holder(&format!("{h}/{t:?}")))

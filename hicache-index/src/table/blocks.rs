@@ -28,6 +28,8 @@ const FREE: u32 = u32::MAX;
 /// its length; `stamp` is the chunk's offset.
 const ARENA: u32 = 1 << 31;
 const CLASS_SHIFT: u32 = 25;
+/// Size classes (the largest holds over 2^25 entries, more than a set can).
+const CLASSES: usize = 49;
 const LEN_MASK: u32 = (1 << CLASS_SHIFT) - 1;
 
 fn arena_set(off: usize, class: usize, len: usize) -> Entry {
@@ -54,30 +56,52 @@ struct Block {
     set: Entry,
 }
 
-/// Power-of-two chunks of entries with one free list per size class.
+/// Chunks of entries in size classes, one free list per class.
 #[derive(Debug)]
 struct Arena {
     words: Vec<Entry>,
-    /// Head of the free list of class `c` (chunks of `2 << c` entries); a free chunk's first
-    /// entry's `stamp` chains the next.
-    free: [u32; 25],
+    /// Head of the free list of class `c` (chunks of `cap_of(c)` entries); a free chunk's
+    /// first entry's `stamp` chains the next.
+    free: [u32; CLASSES],
     /// Entries in chunks handed out (for accounting).
     in_use: u64,
 }
 
-fn class_of(len: usize) -> usize {
-    (len.max(2).next_power_of_two().trailing_zeros() - 1) as usize
+/// Chunk capacities grow by about 1.5: 2, 3, 4, 6, 8, 12, 16, 24, …
+fn cap_of(class: usize) -> usize {
+    if class.is_multiple_of(2) {
+        2 << (class / 2)
+    } else {
+        3 << (class / 2)
+    }
 }
 
-fn cap_of(class: usize) -> usize {
-    2 << class
+/// The smallest class whose chunks hold `len` entries.
+fn class_of(len: usize) -> usize {
+    let len = len.max(2);
+    let p = (usize::BITS - 1 - len.leading_zeros()) as usize; // 2^p <= len < 2^(p+1)
+    if len == 1 << p {
+        2 * (p - 1)
+    } else if len <= 3 << (p - 1) {
+        2 * (p - 1) + 1
+    } else {
+        2 * p
+    }
+}
+
+/// Grows `v` to hold `extra` more items by a quarter of its size at least (not doubling),
+/// keeping the slack of a large table small; amortised O(1) all the same.
+pub(crate) fn reserve_gently<T>(v: &mut Vec<T>, extra: usize) {
+    if v.len() + extra > v.capacity() {
+        v.reserve_exact(extra.max(v.capacity() / 4).max(16));
+    }
 }
 
 impl Arena {
     fn new() -> Self {
         Self {
             words: Vec::new(),
-            free: [NIL; 25],
+            free: [NIL; CLASSES],
             in_use: 0,
         }
     }
@@ -92,6 +116,7 @@ impl Arena {
         }
         let off = self.words.len();
         assert!(off + cap < u32::MAX as usize, "arena beyond 2^32 entries");
+        reserve_gently(&mut self.words, cap);
         self.words.resize(off + cap, Entry { ht: 0, stamp: 0 });
         off as u32
     }
@@ -163,6 +188,7 @@ impl BlockTable {
             s
         } else {
             assert!(self.slots.len() < NIL as usize, "more than 2^32 blocks");
+            reserve_gently(&mut self.slots, 1);
             self.slots.push(block);
             self.slots.len() as u32 - 1
         };
@@ -299,6 +325,16 @@ impl BlockTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn size_classes_are_the_smallest_that_fit() {
+        for len in 1..5000 {
+            let c = class_of(len);
+            assert!(cap_of(c) >= len.max(2), "{len}");
+            assert!(c == 0 || cap_of(c - 1) < len, "{len}");
+        }
+        assert!(cap_of(CLASSES - 1) > LEN_MASK as usize);
+    }
 
     #[test]
     fn sets_grow_shrink_and_stay_sorted() {
