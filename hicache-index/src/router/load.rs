@@ -119,6 +119,24 @@ impl LoadTracker {
         }
     }
 
+    /// A tracker for `len` instances that carries this one's reports and routed requests
+    /// over: `map` gives each old position's new one (`None`: the instance is gone and its
+    /// requests are forgotten). Invariant: a kept instance keeps its figures exactly.
+    pub fn remap(&self, len: usize, map: impl Fn(usize) -> Option<usize>) -> LoadTracker {
+        let mut out = LoadTracker::new(len);
+        for (i, s) in self.slots.iter().enumerate() {
+            if let Some(j) = map(i).filter(|&j| j < len) {
+                out.slots[j] = s.clone();
+            }
+        }
+        for (&request, r) in &self.routed {
+            if let Some(j) = map(r.instance).filter(|&j| j < len) {
+                out.routed.insert(request, Routed { instance: j, ..*r });
+            }
+        }
+        out
+    }
+
     /// The load of `instance`.
     pub fn load(&self, instance: usize) -> InstanceLoad {
         let s = &self.slots[instance];
