@@ -197,4 +197,21 @@ mod tests {
         assert_eq!(t.load(0).requests, 2.0);
         assert_eq!(t.load(0).queued_prefill_tokens, 0.0);
     }
+
+    #[test]
+    fn a_remapped_tracker_keeps_the_instances_that_stay_and_forgets_the_others() {
+        let mut t = LoadTracker::new(3);
+        t.routed(1, 0, 10, 10);
+        t.routed(2, 1, 20, 5);
+        t.routed(3, 2, 30, 30);
+        // 0 leaves, 1 moves to 0, 2 moves to 2, a new instance takes 1.
+        let mut u = t.remap(3, |i| [None, Some(0), Some(2)][i]);
+        assert_eq!(u.outstanding(), 2);
+        assert_eq!(u.load(0).queued_prefill_tokens, 5.0);
+        assert_eq!(u.load(1), InstanceLoad::default());
+        assert_eq!(u.load(2).running_tokens, 30.0);
+        assert_eq!(u.finished(1), None);
+        assert_eq!(u.finished(3), Some(2));
+        assert_eq!(u.load(2), InstanceLoad::default());
+    }
 }
