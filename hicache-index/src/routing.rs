@@ -154,7 +154,7 @@ impl RouteAnswer {
                 l2: d.overlap.l2 as u64,
                 l3: d.overlap.l3 as u64,
             },
-            expected_ttft_ms: (policy == Policy::Hicache && !d.fallback).then(|| d.score * 1e3),
+            expected_ttft_ms: (policy == Policy::Hicache && !d.fallback).then_some(d.score * 1e3),
         }
     }
 }
