@@ -88,6 +88,10 @@ pub enum ServiceError {
     /// Every instance of the model was dropped as dead: none to route to.
     #[error("every instance of model {0:?} was dropped as dead: none to route to")]
     NoLiveInstance(String),
+    /// A load report for an instance dropped as dead (not a routing candidate until it
+    /// comes back).
+    #[error("instance {0:?} was dropped as dead: it is not routed to until it comes back")]
+    DeadInstance(String),
     /// A request the service cannot serve as asked.
     #[error("{0}")]
     BadRequest(String),
@@ -669,7 +673,7 @@ impl Service {
             .clone();
         let r = self.router_of(&model)?;
         let Some(i) = r.position(id) else {
-            return Err(ServiceError::NoLiveInstance(model));
+            return Err(ServiceError::DeadInstance(id.to_string()));
         };
         r.router.report_load(i, report);
         self.metrics.load_reports.inc();
