@@ -9,7 +9,18 @@
 //! | `GET /metrics` | | Prometheus text |
 //! | `GET /health` | | `{"status": "ok", "streams", "models"}` |
 //! | `GET /dump` | | the state as a snapshot file (see [`crate::snapshot`]) |
-//! | `POST /route` | | 501 until the routing policies land |
+//! | `POST /route` | `{"model", "token_ids", "request"?: u64, "session"?: u64}` | `{"instance": ID, "request", "policy", "fallback", "overlap": {"l1", "l2", "l3"}, "expected_ttft_ms"?}` (see [`crate::routing::RouteAnswer`]) |
+//! | `POST /finished` | `{"request": u64}` | `{"released": bool, "instance"?: ID}`: always 200; an unknown request is `released: false` and counted |
+//! | `POST /load` | `{"instance": ID, "queued_prefill_tokens", "requests", "running_tokens"}` | `{}`; 404 for an unknown instance, 503 for one dropped as dead |
+//!
+//! `/route` chooses among the model's registered instances with the `--router` policy (one
+//! router per model, [`crate::routing`]): 404 when no instance of the model is registered, 503
+//! when every one was dropped as dead, 400 for an empty `token_ids`. The request counts as load
+//! on the chosen instance until `/finished` names it; without a `request` id the service gives
+//! one (returned as `request`). `overlap` is what the router credited on the chosen instance
+//! (tokens; zero for `round-robin`, `least-load`, `sglang-cache-aware` and fallbacks);
+//! `expected_ttft_ms` is the `hicache` policy's estimate. `fallback: true`: the index answered
+//! past the deadline and `least-load` decided.
 //!
 //! Limits (invariants): at most [`HttpLimits::max_connections`] connections open at once (one
 //! beyond is closed unread); request headers within `header_timeout`; a whole connection within
@@ -19,6 +30,7 @@
 
 use crate::driver::Hub;
 use crate::registry::Registration;
+use crate::router::LoadReport;
 use crate::service::ServiceError;
 use crate::transport::Transport;
 use bytes::Bytes;
@@ -65,6 +77,32 @@ struct Unregister {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+struct Route {
+    model: String,
+    token_ids: Vec<u32>,
+    #[serde(default)]
+    request: Option<u64>,
+    #[serde(default)]
+    session: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Finished {
+    request: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Load {
+    instance: String,
+    queued_prefill_tokens: u64,
+    requests: u64,
+    running_tokens: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Query {
     model: String,
     token_ids: Vec<u32>,
@@ -95,7 +133,10 @@ fn json_raw(status: StatusCode, v: &serde_json::Value) -> Response<Full<Bytes>> 
 
 fn service_error(e: &ServiceError) -> Response<Full<Bytes>> {
     let status = match e {
-        ServiceError::Registration(_) => StatusCode::BAD_REQUEST,
+        ServiceError::Registration(_) | ServiceError::BadRequest(_) => StatusCode::BAD_REQUEST,
+        ServiceError::NoLiveInstance(_) | ServiceError::DeadInstance(_) => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
         ServiceError::PageSize { .. } => StatusCode::CONFLICT,
         ServiceError::UnknownInstance(_) | ServiceError::UnknownModel(_) => StatusCode::NOT_FOUND,
         ServiceError::Index(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -194,11 +235,42 @@ async fn handle<T: Transport>(
             let bytes = crate::snapshot::encode(&hub.service().lock());
             reply(StatusCode::OK, "application/octet-stream", bytes)
         }
-        ("/route", Method::POST) => error(
-            StatusCode::NOT_IMPLEMENTED,
-            "routing policies are not part of this build",
-        ),
-        ("/register" | "/unregister" | "/query" | "/route", _)
+        ("/route", Method::POST) => match body_json::<Route>(req, limits.max_body).await {
+            Err(r) => r,
+            Ok(r) => match hub
+                .service()
+                .lock()
+                .route(&r.model, &r.token_ids, r.request, r.session)
+            {
+                Ok(a) => json(StatusCode::OK, &a),
+                Err(e) => service_error(&e),
+            },
+        },
+        ("/finished", Method::POST) => match body_json::<Finished>(req, limits.max_body).await {
+            Err(r) => r,
+            Ok(f) => {
+                let v = match hub.service().lock().finished(f.request) {
+                    Some(id) => serde_json::json!({ "released": true, "instance": id }),
+                    None => serde_json::json!({ "released": false }),
+                };
+                json_raw(StatusCode::OK, &v)
+            }
+        },
+        ("/load", Method::POST) => match body_json::<Load>(req, limits.max_body).await {
+            Err(r) => r,
+            Ok(l) => {
+                let report = LoadReport {
+                    queued_prefill_tokens: l.queued_prefill_tokens,
+                    requests: l.requests,
+                    running_tokens: l.running_tokens,
+                };
+                match hub.service().lock().report_load(&l.instance, report) {
+                    Ok(()) => json_raw(StatusCode::OK, &serde_json::json!({})),
+                    Err(e) => service_error(&e),
+                }
+            }
+        },
+        ("/register" | "/unregister" | "/query" | "/route" | "/finished" | "/load", _)
         | ("/instances" | "/metrics" | "/health" | "/dump", _) => {
             error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
         }

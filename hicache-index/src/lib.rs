@@ -18,6 +18,8 @@
 //! - [`transport`], [`driver`], [`http`], [`snapshot`]: the service around them: subscriptions
 //!   and replays, the HTTP API, the checksummed snapshot of a `--data-dir`.
 //! - [`router`]: the routing policies a gateway links (ours and the peers' documented rules).
+//! - [`routing`]: the service's one router per model, over its registered instances, behind
+//!   `POST /route`, `/finished` and `/load`.
 //! - [`reference`]: a naive model of the same semantics, the oracle of the model tests.
 //!
 //! Terms: a *block* is one page of tokens, named by its chained [`BlockHash`]; a *holder* is an
@@ -36,6 +38,7 @@ pub mod metrics;
 pub mod reference;
 pub mod registry;
 pub mod router;
+pub mod routing;
 pub mod service;
 pub mod snapshot;
 pub mod stream;

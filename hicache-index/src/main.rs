@@ -4,6 +4,8 @@
 use clap::Parser;
 use hicache_index::driver::Hub;
 use hicache_index::http::{HttpLimits, serve};
+use hicache_index::router::Policy;
+use hicache_index::routing::RoutingConfig;
 use hicache_index::service::{Service, ServiceConfig};
 use hicache_index::snapshot;
 use hicache_index::transport::ZmtpTransport;
@@ -47,6 +49,81 @@ struct Args {
     /// Largest HTTP request body in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     max_body: usize,
+    /// Routing policy of `POST /route`: hicache, dynamo-linear, sglang-cache-aware,
+    /// least-load or round-robin.
+    #[arg(long, default_value = "hicache", value_parser = parse_policy)]
+    router: Policy,
+    /// Milliseconds a routing decision waits for the index before it falls back to least-load.
+    #[arg(long, default_value_t = 5.0)]
+    router_deadline_ms: f64,
+    /// hicache policy: prefill time per computed token (µs; default: Llama-3-8B on an H100).
+    #[arg(long)]
+    prefill_us_per_token: Option<f64>,
+    /// hicache policy: attention time per (query, key) pair (ns).
+    #[arg(long)]
+    attention_ns_per_pair: Option<f64>,
+    /// hicache policy: decode step time, weights only (ms).
+    #[arg(long)]
+    decode_ms_per_step: Option<f64>,
+    /// hicache policy: KV bytes per token of the model.
+    #[arg(long)]
+    kv_bytes_per_token: Option<f64>,
+    /// hicache policy: L2 → L1 (host to device) rate in GB/s.
+    #[arg(long)]
+    h2d_gbps: Option<f64>,
+    /// hicache policy: latency of an L3 read before its first byte (ms).
+    #[arg(long)]
+    l3_latency_ms: Option<f64>,
+    /// Rate at which an instance reads its L3 (its shared store or its own), GB/s.
+    #[arg(long, default_value_t = 10.0)]
+    l3_read_gbps: f64,
+}
+
+fn parse_policy(s: &str) -> Result<Policy, String> {
+    s.parse()
+}
+
+fn positive(name: &str, v: f64) -> Result<f64, String> {
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        Err(format!("--{name} must be a positive number, got {v}"))
+    }
+}
+
+fn routing(args: &Args) -> Result<RoutingConfig, String> {
+    let mut r = RoutingConfig {
+        policy: args.router,
+        ..RoutingConfig::default()
+    };
+    if !(args.router_deadline_ms.is_finite() && args.router_deadline_ms >= 0.0) {
+        return Err(format!(
+            "--router-deadline-ms must be a non-negative number, got {}",
+            args.router_deadline_ms
+        ));
+    }
+    r.deadline = Duration::from_secs_f64(args.router_deadline_ms / 1e3);
+    r.l3_read_bytes_per_s = positive("l3-read-gbps", args.l3_read_gbps)? * 1e9;
+    let c = &mut r.cost;
+    if let Some(v) = args.prefill_us_per_token {
+        c.prefill_s_per_token = positive("prefill-us-per-token", v)? * 1e-6;
+    }
+    if let Some(v) = args.attention_ns_per_pair {
+        c.attention_s_per_pair = positive("attention-ns-per-pair", v)? * 1e-9;
+    }
+    if let Some(v) = args.decode_ms_per_step {
+        c.decode_s_per_step = positive("decode-ms-per-step", v)? * 1e-3;
+    }
+    if let Some(v) = args.kv_bytes_per_token {
+        c.kv_bytes_per_token = positive("kv-bytes-per-token", v)?;
+    }
+    if let Some(v) = args.h2d_gbps {
+        c.h2d_bytes_per_s = positive("h2d-gbps", v)? * 1e9;
+    }
+    if let Some(v) = args.l3_latency_ms {
+        c.l3_latency_s = positive("l3-latency-ms", v)? * 1e-3;
+    }
+    Ok(r)
 }
 
 fn main() -> std::process::ExitCode {
@@ -83,6 +160,7 @@ async fn run(args: Args) -> Result<(), String> {
         replay_timeout: Duration::from_millis(args.replay_timeout_ms.max(1)),
         dead_after: Duration::from_secs(args.dead_after_secs),
         store_ttl: Duration::from_secs(args.store_ttl_secs.max(1)),
+        routing: routing(&args)?,
     };
     let mut svc = Service::new(cfg);
     if let Some(dir) = &args.data_dir {

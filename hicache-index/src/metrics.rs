@@ -9,7 +9,9 @@ use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use std::time::Duration;
 
 type Labels = Vec<(String, String)>;
 
@@ -43,6 +45,16 @@ pub struct Metrics {
     pub store_expired: Counter,
     /// Queries answered.
     pub queries: Counter,
+    /// Requests routed (`model`, `instance`, `policy`).
+    pub routed: Family<Labels, Counter>,
+    /// Decisions that fell back to `least-load` (`reason`: `down`, `slow`).
+    pub route_fallbacks: Family<Labels, Counter>,
+    /// Time of a routing decision, index query included (s).
+    pub route_seconds: Histogram,
+    /// `POST /finished` calls (`known`: whether a router knew the request).
+    pub finished: Family<Labels, Counter>,
+    /// Load reports accepted.
+    pub load_reports: Counter,
     holders: Family<Labels, Gauge>,
     holder_blocks: Family<Labels, Gauge>,
     blocks: Family<Labels, Gauge>,
@@ -69,6 +81,11 @@ impl Metrics {
             dead_drops: Counter::default(),
             store_expired: Counter::default(),
             queries: Counter::default(),
+            routed: Family::default(),
+            route_fallbacks: Family::default(),
+            route_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 20)),
+            finished: Family::default(),
+            load_reports: Counter::default(),
             holders: Family::default(),
             holder_blocks: Family::default(),
             blocks: Family::default(),
@@ -127,6 +144,31 @@ impl Metrics {
         );
         registry.register("queries", "Queries answered", m.queries.clone());
         registry.register(
+            "routed_requests",
+            "Requests routed (model, instance, policy)",
+            m.routed.clone(),
+        );
+        registry.register(
+            "route_fallbacks",
+            "Routing decisions that fell back to least-load (reason: down, slow)",
+            m.route_fallbacks.clone(),
+        );
+        registry.register(
+            "route_decision_seconds",
+            "Time of a routing decision, index query included",
+            m.route_seconds.clone(),
+        );
+        registry.register(
+            "route_finished",
+            "POST /finished calls (known: whether a router knew the request)",
+            m.finished.clone(),
+        );
+        registry.register(
+            "load_reports",
+            "Load reports accepted",
+            m.load_reports.clone(),
+        );
+        registry.register(
             "holders",
             "Holders (instances, stores, store probes) per model",
             m.holders.clone(),
@@ -174,6 +216,36 @@ impl Metrics {
         self.dropped
             .get_or_create(&l("reason", "malformed"))
             .inc_by(c.malformed);
+    }
+
+    /// Counts one routing decision.
+    pub fn record_route(
+        &self,
+        model: &str,
+        instance: &str,
+        policy: &str,
+        fallback: Option<&str>,
+        took: Duration,
+    ) {
+        let labels = vec![
+            ("model".to_string(), model.to_string()),
+            ("instance".to_string(), instance.to_string()),
+            ("policy".to_string(), policy.to_string()),
+        ];
+        self.routed.get_or_create(&labels).inc();
+        if let Some(reason) = fallback {
+            self.route_fallbacks
+                .get_or_create(&vec![("reason".to_string(), reason.to_string())])
+                .inc();
+        }
+        self.route_seconds.observe(took.as_secs_f64());
+    }
+
+    /// Counts one `POST /finished`.
+    pub fn record_finished(&self, known: bool) {
+        self.finished
+            .get_or_create(&vec![("known".to_string(), known.to_string())])
+            .inc();
     }
 
     /// The text exposition, with the gauges read from `svc` now.

@@ -22,6 +22,10 @@ use crate::decode::{WireFormat, decode_batch};
 use crate::ingest::{Applied, IngestCounts, InstanceFeed};
 use crate::metrics::Metrics;
 use crate::registry::{Registration, RegistrationError};
+use crate::router::LoadReport;
+use crate::routing::{
+    AUTO_REQUEST_BASE, Candidate, ModelRouter, RouteAnswer, RoutingConfig, fallback_reason,
+};
 use crate::stream::{
     Action, FenceReason, Input, StreamConfig, StreamCounters, StreamPosition, StreamState,
 };
@@ -43,6 +47,8 @@ pub struct ServiceConfig {
     pub dead_after: Duration,
     /// A shared store's page is forgotten this long after it was last stored (invariant 3).
     pub store_ttl: Duration,
+    /// How `POST /route` chooses (see [`crate::routing`]).
+    pub routing: RoutingConfig,
 }
 
 impl Default for ServiceConfig {
@@ -52,6 +58,7 @@ impl Default for ServiceConfig {
             replay_timeout: Duration::from_secs(2),
             dead_after: Duration::from_secs(60),
             store_ttl: Duration::from_secs(600),
+            routing: RoutingConfig::default(),
         }
     }
 }
@@ -78,6 +85,16 @@ pub enum ServiceError {
     /// An unknown model.
     #[error("no instance of model {0:?} is registered")]
     UnknownModel(String),
+    /// Every instance of the model was dropped as dead: none to route to.
+    #[error("every instance of model {0:?} was dropped as dead: none to route to")]
+    NoLiveInstance(String),
+    /// A load report for an instance dropped as dead (not a routing candidate until it
+    /// comes back).
+    #[error("instance {0:?} was dropped as dead: it is not routed to until it comes back")]
+    DeadInstance(String),
+    /// A request the service cannot serve as asked.
+    #[error("{0}")]
+    BadRequest(String),
     /// The index refused an operation (a bug or a limit).
     #[error("index: {0}")]
     Index(String),
@@ -135,6 +152,9 @@ pub struct Service {
     pub(crate) streams: BTreeMap<String, Stream>,
     pub(crate) metrics: Metrics,
     scratch: Vec<crate::QueryMatch>,
+    /// One router per model, built at its first decision or load report.
+    routers: BTreeMap<String, ModelRouter>,
+    next_auto_request: u64,
 }
 
 /// One instance's answer to `/query`, in tokens of whole pages.
@@ -205,6 +225,8 @@ impl Service {
             streams: BTreeMap::new(),
             metrics: Metrics::new(),
             scratch: Vec::new(),
+            routers: BTreeMap::new(),
+            next_auto_request: AUTO_REQUEST_BASE,
         }
     }
 
@@ -546,6 +568,116 @@ impl Service {
         }
         self.metrics.queries.inc();
         Ok(answer)
+    }
+
+    /// The live streams of `model_name`, in id order (invariant 1 of [`crate::routing`]).
+    fn candidates(&self, model_name: &str) -> Vec<Candidate> {
+        self.streams
+            .iter()
+            .filter(|(_, s)| s.reg.model == model_name && !s.state.dead())
+            .map(|(id, s)| Candidate {
+                id: id.clone(),
+                holder: s.feed.instance(),
+                shared_l3: s.reg.l3_store.is_some(),
+            })
+            .collect()
+    }
+
+    /// The router of `model_name`, brought up to the registry.
+    fn router_of(&mut self, model_name: &str) -> Result<&mut ModelRouter, ServiceError> {
+        let Some(model) = self.models.get(model_name) else {
+            self.routers.remove(model_name);
+            return Err(ServiceError::UnknownModel(model_name.to_string()));
+        };
+        let page_size = model.page_size;
+        let now = self.candidates(model_name);
+        if now.is_empty() {
+            return Err(ServiceError::NoLiveInstance(model_name.to_string()));
+        }
+        let cfg = &self.cfg.routing;
+        let r = self
+            .routers
+            .entry(model_name.to_string())
+            .or_insert_with(|| ModelRouter::new(cfg, page_size, now.clone()));
+        r.update(cfg, now);
+        Ok(r)
+    }
+
+    /// Chooses the instance of `model_name` for a request of `token_ids` (`POST /route`); the
+    /// request counts as load on it until [`Service::finished`] names it.
+    pub fn route(
+        &mut self,
+        model_name: &str,
+        token_ids: &[u32],
+        request: Option<u64>,
+        session: Option<u64>,
+    ) -> Result<RouteAnswer, ServiceError> {
+        if token_ids.is_empty() {
+            return Err(ServiceError::BadRequest("token_ids is empty".into()));
+        }
+        // Drop the routers of models no longer registered.
+        let models = &self.models;
+        self.routers.retain(|m, _| models.contains_key(m));
+        let request = request.unwrap_or_else(|| {
+            let id = self.next_auto_request;
+            self.next_auto_request = self
+                .next_auto_request
+                .wrapping_add(1)
+                .max(AUTO_REQUEST_BASE);
+            id
+        });
+        let policy = self.cfg.routing.policy;
+        let t0 = std::time::Instant::now();
+        self.router_of(model_name)?;
+        let r = self.routers.get_mut(model_name).expect("built above");
+        let model = self.models.get(model_name).expect("checked above");
+        let before = r.router.stats();
+        let d = r.router.route(
+            &model.index,
+            &crate::router::RouteRequest {
+                request,
+                tokens: token_ids,
+                session,
+                lora: None,
+            },
+        );
+        let took = t0.elapsed();
+        let id = r.candidates[d.instance].id.clone();
+        let reason = fallback_reason(before, r.router.stats());
+        self.metrics
+            .record_route(model_name, &id, policy.name(), reason, took);
+        Ok(RouteAnswer::new(policy, request, id, &d))
+    }
+
+    /// `request` finished (`POST /finished`): its load is released. Returns the stream id of
+    /// the instance it had gone to; `None`: no router knows it (counted).
+    pub fn finished(&mut self, request: u64) -> Option<String> {
+        let found = self.routers.values_mut().find_map(|r| {
+            r.router
+                .finished(request)
+                .map(|i| r.candidates[i].id.clone())
+        });
+        self.metrics.record_finished(found.is_some());
+        found
+    }
+
+    /// Stream `id` reported its load (`POST /load`): the router's estimate of it restarts
+    /// from the report.
+    pub fn report_load(&mut self, id: &str, report: LoadReport) -> Result<(), ServiceError> {
+        let model = self
+            .streams
+            .get(id)
+            .ok_or_else(|| ServiceError::UnknownInstance(id.to_string()))?
+            .reg
+            .model
+            .clone();
+        let r = self.router_of(&model)?;
+        let Some(i) = r.position(id) else {
+            return Err(ServiceError::DeadInstance(id.to_string()));
+        };
+        r.router.report_load(i, report);
+        self.metrics.load_reports.inc();
+        Ok(())
     }
 
     /// Every stream's state.

@@ -367,7 +367,8 @@ async fn garbage_on_the_http_port_gets_4xx_and_the_service_stays_up() {
         ("/query", r#"{"model": "none", "token_ids": [1]}"#, 404),
         ("/unregister", r#"{"instance": "nobody"}"#, 404),
         ("/nowhere", "", 404),
-        ("/route", "{}", 501),
+        ("/route", "{}", 400),
+        ("/route", r#"{"model": "none", "token_ids": [1]}"#, 404),
     ] {
         let (status, body) = http(addr, "POST", path, body).await;
         assert_eq!(status, want, "{path}: {body}");

@@ -119,6 +119,24 @@ impl LoadTracker {
         }
     }
 
+    /// A tracker for `len` instances that carries this one's reports and routed requests
+    /// over: `map` gives each old position's new one (`None`: the instance is gone and its
+    /// requests are forgotten). Invariant: a kept instance keeps its figures exactly.
+    pub fn remap(&self, len: usize, map: impl Fn(usize) -> Option<usize>) -> LoadTracker {
+        let mut out = LoadTracker::new(len);
+        for (i, s) in self.slots.iter().enumerate() {
+            if let Some(j) = map(i).filter(|&j| j < len) {
+                out.slots[j] = s.clone();
+            }
+        }
+        for (&request, r) in &self.routed {
+            if let Some(j) = map(r.instance).filter(|&j| j < len) {
+                out.routed.insert(request, Routed { instance: j, ..*r });
+            }
+        }
+        out
+    }
+
     /// The load of `instance`.
     pub fn load(&self, instance: usize) -> InstanceLoad {
         let s = &self.slots[instance];
@@ -178,5 +196,22 @@ mod tests {
         t.finished(2);
         assert_eq!(t.load(0).requests, 2.0);
         assert_eq!(t.load(0).queued_prefill_tokens, 0.0);
+    }
+
+    #[test]
+    fn a_remapped_tracker_keeps_the_instances_that_stay_and_forgets_the_others() {
+        let mut t = LoadTracker::new(3);
+        t.routed(1, 0, 10, 10);
+        t.routed(2, 1, 20, 5);
+        t.routed(3, 2, 30, 30);
+        // 0 leaves, 1 moves to 0, 2 moves to 2, a new instance takes 1.
+        let mut u = t.remap(3, |i| [None, Some(0), Some(2)][i]);
+        assert_eq!(u.outstanding(), 2);
+        assert_eq!(u.load(0).queued_prefill_tokens, 5.0);
+        assert_eq!(u.load(1), InstanceLoad::default());
+        assert_eq!(u.load(2).running_tokens, 30.0);
+        assert_eq!(u.finished(1), None);
+        assert_eq!(u.finished(3), Some(2));
+        assert_eq!(u.load(2), InstanceLoad::default());
     }
 }

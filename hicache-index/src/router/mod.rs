@@ -313,9 +313,37 @@ impl Router {
         &mut self.ends
     }
 
-    /// `request` finished: its load is released. Unknown requests are ignored.
-    pub fn finished(&mut self, request: u64) {
-        self.load.finished(request);
+    /// `request` finished: its load is released. Returns the position of the instance it had
+    /// gone to; unknown requests are ignored (`None`).
+    pub fn finished(&mut self, request: u64) -> Option<usize> {
+        self.load.finished(request)
+    }
+
+    /// The same router over a new list of instances (a fleet that changed): `map` gives each
+    /// current instance's position in `instances` (`None`: it left). What the router knows of
+    /// the instances that stay — their load, outstanding requests, sessions — and its counters
+    /// carry over; the turn of `round-robin` continues; `sglang-cache-aware`'s approximate
+    /// tree and the hybrid reusable ends restart empty.
+    pub fn with_instances(
+        &self,
+        instances: Vec<InstanceInfo>,
+        map: impl Fn(usize) -> Option<usize>,
+    ) -> Router {
+        let mut r = Router::new(self.policy, instances, self.config.clone());
+        let n = r.instances.len();
+        let moved: Vec<Option<usize>> = (0..self.instances.len())
+            .map(|i| map(i).filter(|&j| j < n))
+            .collect();
+        r.load = self.load.remap(n, |i| moved.get(i).copied().flatten());
+        r.sessions = self
+            .sessions
+            .iter()
+            .filter_map(|(&s, &(i, t))| moved.get(i).copied().flatten().map(|j| (s, (j, t))))
+            .collect();
+        r.session_clock = self.session_clock;
+        r.stats = self.stats;
+        r.rr = self.rr.clone();
+        r
     }
 
     /// Instance `instance` (its position) reported its load.

@@ -213,3 +213,30 @@ fn policies_parse_by_name() {
     }
     assert!("random".parse::<Policy>().unwrap_err().contains("hicache"));
 }
+
+#[test]
+fn a_router_over_a_changed_fleet_keeps_what_it_knew_of_the_instances_that_stay() {
+    let (mut idx, _feeds, infos) = fleet(3);
+    let mut r = Router::new(Policy::LeastLoad, infos.clone(), RouterConfig::new(PS));
+    let prompt: Vec<u32> = (0..16).collect();
+    assert_eq!(r.route(&idx, &req(1, &prompt, Some(9))).instance, 0);
+    assert_eq!(r.route(&idx, &req(2, &prompt, None)).instance, 1);
+    assert_eq!(r.route(&idx, &req(3, &prompt, None)).instance, 2);
+    // Instance 0 leaves; 1 and 2 become 0 and 1; a newcomer is 2.
+    let newcomer = InstanceInfo {
+        holder: idx.add_holder(HolderKind::Instance).unwrap(),
+        l3: L3Access::None,
+    };
+    let mut r = r.with_instances(vec![infos[1], infos[2], newcomer], |i| {
+        [None, Some(0), Some(1)][i]
+    });
+    assert_eq!(r.load().outstanding(), 2);
+    assert_eq!(r.load().load(0).requests, 1.0);
+    assert_eq!(r.load().load(2).requests, 0.0);
+    assert_eq!(r.stats().decisions, 3);
+    // The newcomer is idle: least-load sends the next request there.
+    assert_eq!(r.route(&idx, &req(4, &prompt, None)).instance, 2);
+    // Request 1 went to the instance that left: unknown now.
+    assert_eq!(r.finished(1), None);
+    assert_eq!(r.finished(3), Some(1));
+}
