@@ -8,16 +8,13 @@
 //!   (a reply without the topic frame, `[b"", seq, payload]`, is accepted as well).
 //!
 //! [`ZmtpTransport`] implements it with hicache-zmtp's SUB and DEALER clients (every frame,
-//! message and wait bounded; heartbeats detect a silent peer) and is what the service runs;
-//! [`ZeromqTransport`] (the `zeromq` crate) stays as an independent implementation for tests.
-//! Frames either hands on are checked here (count, sequence frame).
+//! message and wait bounded; heartbeats detect a silent peer): the only ZMTP code the index
+//! runs. The frames it hands on are checked here (count, sequence frame).
 
 use bytes::Bytes;
-use futures_util::StreamExt;
 use std::future::Future;
 use std::time::Duration;
 use tokio::sync::mpsc;
-use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend};
 
 /// What a subscription reports.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -76,111 +73,12 @@ pub trait Transport: Send + Sync + 'static {
 /// publisher must be seen within the fencing bound).
 pub const RECONNECT_PAUSE: Duration = Duration::from_millis(200);
 
-/// The `zeromq` crate's SUB and DEALER sockets.
-#[derive(Clone, Debug, Default)]
-pub struct ZeromqTransport;
-
 fn seq_of(frame: &[u8]) -> Option<i64> {
     <[u8; 8]>::try_from(frame).ok().map(i64::from_be_bytes)
 }
 
 fn io_err(e: impl std::fmt::Display) -> std::io::Error {
     std::io::Error::other(e.to_string())
-}
-
-impl Transport for ZeromqTransport {
-    async fn subscribe(&self, endpoint: String, topic: String, events: mpsc::Sender<SubEvent>) {
-        loop {
-            if events.is_closed() {
-                return;
-            }
-            let mut sock = zeromq::SubSocket::new();
-            let mut monitor = sock.monitor();
-            if sock.subscribe(&topic).await.is_err() || sock.connect(&endpoint).await.is_err() {
-                drop(sock);
-                tokio::time::sleep(RECONNECT_PAUSE).await;
-                continue;
-            }
-            let mut connected = false;
-            loop {
-                tokio::select! {
-                    ev = monitor.next() => match ev {
-                        Some(SocketEvent::Connected(..)) => {
-                            connected = true;
-                            if events.send(SubEvent::Connected).await.is_err() { return; }
-                        }
-                        Some(SocketEvent::Disconnected(..)) | None => break,
-                        Some(_) => {}
-                    },
-                    msg = sock.recv() => match msg {
-                        Ok(m) => {
-                            let frames = m.into_vec();
-                            let ev = match (frames.len(), frames.get(1).and_then(|f| seq_of(f))) {
-                                (3, Some(seq)) if seq >= 0 => SubEvent::Batch {
-                                    seq: seq as u64,
-                                    payload: frames[2].clone(),
-                                },
-                                _ => SubEvent::Garbage,
-                            };
-                            if events.send(ev).await.is_err() { return; }
-                        }
-                        Err(_) => break,
-                    },
-                    () = events.closed() => return,
-                }
-            }
-            // Our own reconnection (a fresh socket): the crate's backoff grows to 30 s.
-            drop(sock);
-            if connected && events.send(SubEvent::Disconnected).await.is_err() {
-                return;
-            }
-            tokio::time::sleep(RECONNECT_PAUSE).await;
-        }
-    }
-
-    async fn replay(
-        &self,
-        endpoint: String,
-        start: u64,
-        items: mpsc::Sender<ReplayItem>,
-    ) -> std::io::Result<()> {
-        let mut sock = zeromq::DealerSocket::new();
-        sock.connect(&endpoint).await.map_err(io_err)?;
-        let req: Vec<Bytes> = vec![Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())];
-        sock.send(zeromq::ZmqMessage::try_from(req).map_err(io_err)?)
-            .await
-            .map_err(io_err)?;
-        loop {
-            let frames = sock.recv().await.map_err(io_err)?.into_vec();
-            let (seq, payload) = match frames.len() {
-                4 => (seq_of(&frames[2]), frames[3].clone()),
-                3 => (seq_of(&frames[1]), frames[2].clone()),
-                n => return Err(io_err(format!("replay reply of {n} frames"))),
-            };
-            if !frames[0].is_empty() {
-                return Err(io_err("replay reply without the empty delimiter frame"));
-            }
-            match seq {
-                Some(-1) => {
-                    let _ = items.send(ReplayItem::End).await;
-                    return Ok(());
-                }
-                Some(s) if s >= 0 => {
-                    if items
-                        .send(ReplayItem::Batch {
-                            seq: s as u64,
-                            payload,
-                        })
-                        .await
-                        .is_err()
-                    {
-                        return Ok(());
-                    }
-                }
-                _ => return Err(io_err("replay reply with a bad sequence frame")),
-            }
-        }
-    }
 }
 
 /// hicache-zmtp's SUB and DEALER clients (the service's transport).

@@ -12,7 +12,7 @@ use hicache::observe::wire::WireEvent;
 use hicache::observe::{KvEventPublisher, KvEventsConfig};
 use hicache_index::service::{Service, ServiceConfig};
 use hicache_index::snapshot;
-use hicache_index::transport::{ReplayItem, SubEvent, Transport, ZeromqTransport};
+use hicache_index::transport::{ReplayItem, SubEvent, Transport, ZmtpTransport};
 use serde_json::json;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -144,8 +144,11 @@ struct Lossy {
 impl Transport for Lossy {
     async fn subscribe(&self, endpoint: String, topic: String, events: mpsc::Sender<SubEvent>) {
         let (tx, mut rx) = mpsc::channel(64);
-        let inner =
-            tokio::spawn(async move { ZeromqTransport.subscribe(endpoint, topic, tx).await });
+        let inner = tokio::spawn(async move {
+            ZmtpTransport::default()
+                .subscribe(endpoint, topic, tx)
+                .await
+        });
         while let Some(ev) = rx.recv().await {
             if matches!(&ev, SubEvent::Batch { seq, .. } if self.lose.contains(seq)) {
                 continue;
@@ -163,7 +166,9 @@ impl Transport for Lossy {
         start: u64,
         items: mpsc::Sender<ReplayItem>,
     ) -> std::io::Result<()> {
-        ZeromqTransport.replay(endpoint, start, items).await
+        ZmtpTransport::default()
+            .replay(endpoint, start, items)
+            .await
     }
 }
 
