@@ -246,6 +246,47 @@ pub struct Replay {
     pub rss_growth: u64,
 }
 
+/// The timing both replays share, so ours and the reference are measured alike: ingest time
+/// is the wall time of the runs of non-query operations (queries are timed one by one), and
+/// RSS is sampled at ten checkpoints through the file.
+struct PhaseClock {
+    checkpoint: usize,
+    since: Instant,
+    ingesting: bool,
+}
+
+impl PhaseClock {
+    fn new(ops: usize) -> Self {
+        Self {
+            checkpoint: ops.div_ceil(10).max(1),
+            since: Instant::now(),
+            ingesting: true,
+        }
+    }
+
+    /// Called before operation `n` is applied.
+    fn step(&mut self, r: &mut Replay, n: usize, op: &Op) {
+        if n % self.checkpoint == self.checkpoint - 1 {
+            r.rss.push(rss_bytes());
+        }
+        let is_query = matches!(op, Op::Query { .. });
+        if is_query && self.ingesting {
+            r.ingest_s += self.since.elapsed().as_secs_f64();
+            self.ingesting = false;
+        } else if !is_query && !self.ingesting {
+            self.since = Instant::now();
+            self.ingesting = true;
+        }
+    }
+
+    /// Called after the last operation.
+    fn finish(&self, r: &mut Replay) {
+        if self.ingesting {
+            r.ingest_s += self.since.elapsed().as_secs_f64();
+        }
+    }
+}
+
 impl Replay {
     fn ingest_rate(&self) -> f64 {
         self.block_ops as f64 / self.ingest_s.max(1e-9)
@@ -311,21 +352,9 @@ pub fn replay_ours(
     let mut r = Replay::default();
     let mut out: Vec<QueryMatch> = Vec::new();
     let mut line = String::new();
-    let checkpoint = file.ops.len().div_ceil(10).max(1);
-    let mut since = Instant::now();
-    let mut ingesting = true;
+    let mut clock = PhaseClock::new(file.ops.len());
     for (n, op) in file.ops.iter().enumerate() {
-        if n % checkpoint == checkpoint - 1 {
-            r.rss.push(rss_bytes());
-        }
-        let is_query = matches!(op, Op::Query { .. });
-        if is_query && ingesting {
-            r.ingest_s += since.elapsed().as_secs_f64();
-            ingesting = false;
-        } else if !is_query && !ingesting {
-            since = Instant::now();
-            ingesting = true;
-        }
+        clock.step(&mut r, n, op);
         match *op {
             Op::Store {
                 holder,
@@ -367,9 +396,7 @@ pub fn replay_ours(
             }
         }
     }
-    if ingesting {
-        r.ingest_s += since.elapsed().as_secs_f64();
-    }
+    clock.finish(&mut r);
     let stats = idx.stats();
     r.holder_blocks = stats.holder_blocks;
     r.bytes = stats.bytes;
@@ -411,21 +438,9 @@ pub fn replay_reference(file: &EventFile) -> Replay {
     let mut scratch = OverlapScratch::default();
     let mut out = Vec::new();
     let mut blocks: Vec<(u64, u64)> = Vec::new();
-    let checkpoint = file.ops.len().div_ceil(10).max(1);
-    let mut since = Instant::now();
-    let mut ingesting = true;
+    let mut clock = PhaseClock::new(file.ops.len());
     for (n, op) in file.ops.iter().enumerate() {
-        if n % checkpoint == checkpoint - 1 {
-            r.rss.push(rss_bytes());
-        }
-        let is_query = matches!(op, Op::Query { .. });
-        if is_query && ingesting {
-            r.ingest_s += since.elapsed().as_secs_f64();
-            ingesting = false;
-        } else if !is_query && !ingesting {
-            since = Instant::now();
-            ingesting = true;
-        }
+        clock.step(&mut r, n, op);
         match *op {
             Op::Store {
                 holder,
@@ -466,9 +481,7 @@ pub fn replay_reference(file: &EventFile) -> Replay {
             }
         }
     }
-    if ingesting {
-        r.ingest_s += since.elapsed().as_secs_f64();
-    }
+    clock.finish(&mut r);
     let stats = tree.stats();
     r.holder_blocks = stats.holder_blocks;
     r.bytes = stats.bytes_estimate;
