@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the vLLM side of the Python test environment under target/: the wheels
-# of requirements-vllm.txt are downloaded once into target/python-wheels (kept between runs)
+# of requirements-vllm.txt are downloaded once into the wheel cache of setup-test-env.sh
 # and installed WITHOUT dependencies into target/python-vllm, a plain directory the vLLM tests
 # put on PYTHONPATH next to the test venv (target/python-venv, from setup-test-env.sh, which
 # supplies torch 2.9.1 and numpy). Nothing is installed into the venv itself. Idempotent.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
-wheels="$root/target/python-wheels"
+wheels="${HICACHE_PYTHON_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/hicache-rs/python-wheels}"
 venv="$root/target/python-venv"
 site="$root/target/python-vllm"
 bash "$here/setup-test-env.sh"
@@ -19,7 +19,7 @@ fi
 installed="$site/.installed-$(basename "$stamp")"
 if [ ! -e "$installed" ]; then
     rm -rf "$site"
-    "$venv/bin/python" -m pip install --quiet --no-index --no-deps --find-links "$wheels" \
+    "$venv/bin/python" -m pip install --quiet --no-compile --no-index --no-deps --find-links "$wheels" \
         --target "$site" -r "$here/requirements-vllm.txt"
     touch "$installed"
 fi
