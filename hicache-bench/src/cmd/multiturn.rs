@@ -10,6 +10,7 @@
 //! report's consistency checks do not hold.
 
 use std::io::{IsTerminal, Write};
+use std::time::Instant;
 
 use hicache_sim::engine::{EngineConfig, RunResult};
 use hicache_sim::links::CopyTime;
@@ -21,7 +22,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::Value;
 
 use crate::error::{BenchError, Result};
-use crate::report::{self, Hits, HybridColumn, Percentiles, Report, Summary};
+use crate::report::{self, Hits, HybridColumn, Percentiles, Report, Span, Summary, TableSeconds};
 
 pub use hicache_sim::plan::{MultiturnArgs, TiersArg};
 
@@ -117,7 +118,10 @@ fn run_through(
 /// Hits and TTFT of a configuration with copies free.
 type FreeCopy = (Hits, Percentiles);
 
-/// The copies-free counterfactual of `tiers` on a fresh cache (and scratch L3).
+/// The copies-free counterfactual of `tiers` on a fresh cache (and scratch L3). With copies
+/// free the simulation never waits on this machine (every copy counts as complete at once) and
+/// the run reports no bytes per second, so its hits and TTFT are the same whatever runs beside
+/// it.
 fn run_free(
     plan: &Plan,
     tiers: Tiers,
@@ -137,53 +141,6 @@ fn run_free(
     Ok((s.hits, s.ttft))
 }
 
-/// The copies-free counterfactuals of every configuration that has one (with `counterfactual`),
-/// in the order of the configurations. With copies free the simulation never waits on this
-/// machine (every copy counts as complete at once) and these runs report no bytes per second,
-/// so their hits and TTFT are the same whatever runs beside them: they run on threads side by
-/// side, before the measured runs, which then run alone. Not when the cache publishes metrics
-/// or KV events (two caches would bind the same endpoint).
-fn run_counterfactuals(
-    plan: &Plan,
-    factory: &dyn CacheFactory,
-    bar: &ProgressBar,
-    counterfactual: bool,
-) -> Result<Vec<Option<FreeCopy>>> {
-    let wanted: Vec<bool> = plan
-        .configurations
-        .iter()
-        .map(|t| counterfactual && counterfactual_for(t))
-        .collect();
-    let observe = &plan.setup.observe;
-    if observe.metrics_addr.is_some() || observe.kv_events.is_some() {
-        return plan
-            .configurations
-            .iter()
-            .zip(&wanted)
-            .map(|(&t, &w)| w.then(|| run_free(plan, t, factory, bar)).transpose())
-            .collect();
-    }
-    bar.set_message("copies free");
-    std::thread::scope(|scope| {
-        let runs: Vec<_> = plan
-            .configurations
-            .iter()
-            .zip(&wanted)
-            .map(|(&t, &w)| w.then(|| scope.spawn(move || run_free(plan, t, factory, bar))))
-            .collect();
-        runs.into_iter()
-            .map(|h| {
-                h.map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(BenchError::check_failed("a copies-free run panicked"))
-                    })
-                })
-                .transpose()
-            })
-            .collect()
-    })
-}
-
 /// The baseline: the same engine without prefix caching.
 fn run_baseline(plan: &Plan, bar: &ProgressBar) -> Result<Summary> {
     bar.set_message("no cache");
@@ -196,14 +153,12 @@ fn run_baseline(plan: &Plan, bar: &ProgressBar) -> Result<Summary> {
     Ok(Summary::new("no cache", &result))
 }
 
-/// One configuration on a fresh cache from `factory` (and a fresh scratch L3), alone; the
-/// summary carries the hits and TTFT of its copies-free counterfactual, if it has one.
+/// One configuration on a fresh cache from `factory` (and a fresh scratch L3).
 fn run_configuration(
     plan: &Plan,
     tiers: Tiers,
     factory: &dyn CacheFactory,
     bar: &ProgressBar,
-    free_hits: Option<FreeCopy>,
 ) -> Result<Summary> {
     bar.set_message(tiers.label());
     let mut setup = plan.setup.clone();
@@ -214,10 +169,7 @@ fn run_configuration(
         run_through(plan, cache.as_mut(), bar, &plan.engine)?
     };
     drop(scratch);
-    let mut summary = Summary::new(tiers.label(), &result);
-    summary.free_copy_hits = free_hits.map(|f| f.0);
-    summary.free_copy_ttft = free_hits.map(|f| f.1);
-    Ok(summary)
+    Ok(Summary::new(tiers.label(), &result))
 }
 
 /// The report of the plan's runs: the setup and workload as recorded, the baseline, every
@@ -247,6 +199,7 @@ fn report_of(
         baseline,
         runs,
         hybrid,
+        timing: report::Timing::default(),
     })
 }
 
@@ -278,15 +231,223 @@ fn print_report(
     Ok(())
 }
 
+/// One run of the main job and the slot its result goes to.
+enum Outcome {
+    /// The dense model's no-cache baseline.
+    Baseline(Summary),
+    /// A configuration (its index in the plan).
+    Configuration(usize, Summary),
+    /// The copies-free counterfactual of a configuration (its index in the plan).
+    Free(usize, FreeCopy),
+    /// A hybrid model's columns (its index in the hybrid factories; boxed, being twice the
+    /// size of the others).
+    Hybrid(usize, Box<HybridColumn>),
+}
+
+/// A run not started yet: the table its columns go to (`dense`, `hybrid`) and the work.
+struct Job<'a> {
+    table: &'static str,
+    work: Box<dyn FnOnce() -> Result<Outcome> + Send + 'a>,
+}
+
+impl<'a> Job<'a> {
+    fn new(table: &'static str, work: impl FnOnce() -> Result<Outcome> + Send + 'a) -> Self {
+        Self {
+            table,
+            work: Box::new(work),
+        }
+    }
+}
+
+/// A finished run: its table, result and when it ran (seconds since the job started).
+type Done = (&'static str, Result<Outcome>, Span);
+
+/// Runs `jobs` on `workers` threads, each taking the next job as it finishes one (so at most
+/// `workers` caches exist at a time), and returns every result with when it ran. With one
+/// worker the jobs run on this thread, in order.
+fn run_jobs(workers: usize, jobs: Vec<Job<'_>>, clock: Instant) -> Vec<Done> {
+    let timed = |job: Job<'_>| {
+        let start = clock.elapsed().as_secs_f64();
+        let result = (job.work)();
+        (
+            job.table,
+            result,
+            Span::new(start, clock.elapsed().as_secs_f64()),
+        )
+    };
+    if workers <= 1 || jobs.len() <= 1 {
+        return jobs.into_iter().map(timed).collect();
+    }
+    let queue = std::sync::Mutex::new(jobs.into_iter());
+    let next = || queue.lock().ok().and_then(|mut q| q.next());
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    while let Some(job) = next() {
+                        done.push(timed(job));
+                    }
+                    done
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .flat_map(|t| {
+                t.join().unwrap_or_else(|_| {
+                    let panicked = Err(BenchError::check_failed("a main-job run panicked"));
+                    vec![("dense", panicked, Span::default())]
+                })
+            })
+            .collect()
+    })
+}
+
+/// Threads the runs whose figures do not depend on this machine's speed run on: one per core,
+/// or one (everything in order) when the cache publishes metrics or KV events (two caches
+/// would bind the same endpoint).
+fn side_by_side_workers(plan: &Plan) -> usize {
+    let observe = &plan.setup.observe;
+    if observe.metrics_addr.is_some() || observe.kv_events.is_some() {
+        return 1;
+    }
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Whether a configuration's figures depend on how fast this machine runs: only the GB/s of
+/// the copies it makes do (hits, TTFT and bytes moved come from the simulated clock, which
+/// moves only while no copy runs). A configuration without L2 or L3 copies nothing.
+fn measures_speed(tiers: &Tiers) -> bool {
+    tiers.host || tiers.storage
+}
+
+/// The runs of a table: those whose figures do not depend on this machine's speed (run side
+/// by side) and those that measure it (run alone).
+#[derive(Default)]
+struct TableJobs<'a> {
+    side_by_side: Vec<Job<'a>>,
+    alone: Vec<Job<'a>>,
+}
+
+/// The dense table's runs: the no-cache baseline, the copies-free counterfactuals (with
+/// `counterfactual`) and the configurations that copy nothing side by side; the
+/// configurations that copy alone.
+fn dense_jobs<'a>(
+    plan: &'a Plan,
+    factory: &'a dyn CacheFactory,
+    bar: &'a ProgressBar,
+    counterfactual: bool,
+) -> TableJobs<'a> {
+    let mut jobs = TableJobs::default();
+    for (i, &tiers) in plan.configurations.iter().enumerate() {
+        if counterfactual && counterfactual_for(&tiers) {
+            jobs.side_by_side.push(Job::new("dense", move || {
+                Ok(Outcome::Free(i, run_free(plan, tiers, factory, bar)?))
+            }));
+        }
+    }
+    jobs.side_by_side.push(Job::new("dense", move || {
+        Ok(Outcome::Baseline(run_baseline(plan, bar)?))
+    }));
+    for (i, &tiers) in plan.configurations.iter().enumerate() {
+        let job = Job::new("dense", move || {
+            let s = run_configuration(plan, tiers, factory, bar)?;
+            Ok(Outcome::Configuration(i, s))
+        });
+        if measures_speed(&tiers) {
+            jobs.alone.push(job);
+        } else {
+            jobs.side_by_side.push(job);
+        }
+    }
+    jobs
+}
+
+/// The hybrid table's runs: each model's no-cache baseline and cache run, side by side with
+/// other runs (the table shows bytes moved, not GB/s).
+fn hybrid_jobs<'a>(
+    plan: &'a Plan,
+    factories: &'a [HybridFactory],
+    bar: &'a ProgressBar,
+) -> TableJobs<'a> {
+    let side_by_side = factories
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            Job::new("hybrid", move || {
+                Ok(Outcome::Hybrid(i, Box::new(run_hybrid(plan, f, bar)?)))
+            })
+        })
+        .collect();
+    TableJobs {
+        side_by_side,
+        alone: Vec::new(),
+    }
+}
+
+/// The results of the runs, in their slots.
+#[derive(Default)]
+struct Results {
+    baseline: Option<Summary>,
+    runs: Vec<Option<Summary>>,
+    free: Vec<Option<FreeCopy>>,
+    hybrid: Vec<Option<HybridColumn>>,
+    spans: Vec<(&'static str, Span)>,
+}
+
+impl Results {
+    fn new(configurations: usize, hybrids: usize) -> Self {
+        Self {
+            runs: vec![None; configurations],
+            free: vec![None; configurations],
+            hybrid: vec![None; hybrids],
+            ..Self::default()
+        }
+    }
+
+    /// Puts finished runs in their slots; the first error is returned.
+    fn take(&mut self, done: Vec<Done>) -> Result<()> {
+        for (table, result, span) in done {
+            self.spans.push((table, span));
+            match result? {
+                Outcome::Baseline(s) => self.baseline = Some(s),
+                Outcome::Configuration(i, s) => self.runs[i] = Some(s),
+                Outcome::Free(i, f) => self.free[i] = Some(f),
+                Outcome::Hybrid(i, h) => self.hybrid[i] = Some(*h),
+            }
+        }
+        Ok(())
+    }
+
+    /// The wall time of `table`'s runs (the time at least one of them ran), if it had any.
+    fn seconds(&self, table: &'static str) -> Option<TableSeconds> {
+        let spans: Vec<Span> = self
+            .spans
+            .iter()
+            .filter(|(t, _)| *t == table)
+            .map(|(_, s)| *s)
+            .collect();
+        (!spans.is_empty()).then(|| TableSeconds::new(table, Span::union_seconds(spans)))
+    }
+}
+
 /// Runs the main job: validates, runs the no-cache baseline and every configuration through
 /// caches built by `factory`, writes the report directory, prints the table (or JSON records
 /// with `--json`) to `out`, and returns the report. Exit code 1 when the report is
 /// inconsistent.
+///
+/// Each table's runs come from one call (`dense_jobs`, `hybrid_jobs`) and run in two phases:
+/// first, side by side on one thread per core, every run whose figures do not depend on this
+/// machine's speed (the no-cache baselines, the configurations that copy nothing, the
+/// copies-free counterfactuals, the hybrid models' columns); then, alone and one at a time,
+/// the runs that measure GB/s. A table's wall time is the time at least one of its runs ran.
 pub fn run(
     args: &MultiturnArgs,
     mut out: impl Write,
     factory: &dyn CacheFactory,
 ) -> Result<Report> {
+    let clock = Instant::now();
     let plan = plan(args)?;
     report::prepare_dir(&plan.report_dir)?;
     let hidden = args.json || args.quiet || !std::io::stdout().is_terminal();
@@ -300,20 +461,51 @@ pub fn run(
     };
     let runs_total = run_count(&plan, counterfactual) + 2 * hybrids.len() as u64;
     let bar = progress_bar(plan.workload.requests as u64 * runs_total, hidden);
-    let baseline = run_baseline(&plan, &bar)?;
-    let free = run_counterfactuals(&plan, factory, &bar, counterfactual)?;
-    let runs = plan
-        .configurations
-        .iter()
-        .zip(free)
-        .map(|(&tiers, free)| run_configuration(&plan, tiers, factory, &bar, free))
-        .collect::<Result<Vec<_>>>()?;
-    let hybrid = hybrids
-        .iter()
-        .map(|f| run_hybrid(&plan, f, &bar))
-        .collect::<Result<Vec<_>>>()?;
+    let mut results = Results::new(plan.configurations.len(), hybrids.len());
+
+    // The longest runs (the hybrid models') first, so that the threads finish together.
+    let tables = [
+        hybrid_jobs(&plan, &hybrids, &bar),
+        dense_jobs(&plan, factory, &bar, counterfactual),
+    ];
+    let (mut side_by_side, mut alone) = (Vec::new(), Vec::new());
+    for t in tables {
+        side_by_side.extend(t.side_by_side);
+        alone.extend(t.alone);
+    }
+    let workers = side_by_side_workers(&plan);
+    results.take(run_jobs(workers, side_by_side, clock))?;
+    results.take(run_jobs(1, alone, clock))?;
     bar.finish_and_clear();
-    let report = report_of(&plan, baseline, runs, hybrid)?;
+
+    let table_seconds = ["dense", "hybrid"]
+        .into_iter()
+        .filter_map(|t| results.seconds(t))
+        .collect();
+    let missing = || BenchError::check_failed("a main-job run left no result");
+    let baseline = results.baseline.take().ok_or_else(missing)?;
+    let runs = results
+        .runs
+        .into_iter()
+        .zip(results.free)
+        .map(|(run, free)| {
+            let mut summary = run.ok_or_else(missing)?;
+            summary.free_copy_hits = free.map(|f| f.0);
+            summary.free_copy_ttft = free.map(|f| f.1);
+            Ok(summary)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let hybrid = results
+        .hybrid
+        .into_iter()
+        .map(|h| h.ok_or_else(missing))
+        .collect::<Result<Vec<_>>>()?;
+    let mut report = report_of(&plan, baseline, runs, hybrid)?;
+    report.timing = report::Timing {
+        tables: table_seconds,
+        total_seconds: clock.elapsed().as_secs_f64(),
+        threads: workers,
+    };
     let paths = report.write_to(&plan.report_dir)?;
     print_report(&report, &paths, args.json, &mut out)?;
     let bad = report.check();

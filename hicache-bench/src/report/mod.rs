@@ -7,6 +7,7 @@
 
 pub mod plot;
 pub mod summary;
+pub mod timing;
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -19,6 +20,7 @@ use hicache_sim::engine::EngineConfig;
 use hicache_sim::links::CopyTime;
 use hicache_sim::model::{ComputeModel, HybridModel, ModelShape};
 pub use summary::{Hits, Percentiles, RoundSummary, Summary, percentile};
+pub use timing::{Span, TableSeconds, Timing};
 
 /// Everything one invocation measured, as written to `report.json`.
 #[derive(Clone, Debug, Serialize)]
@@ -43,6 +45,8 @@ pub struct Report {
     pub runs: Vec<Summary>,
     /// The hybrid models run beside the dense one on the same workload (empty without them).
     pub hybrid: Vec<HybridColumn>,
+    /// How long the job took on this machine, per table.
+    pub timing: Timing,
 }
 
 /// A hybrid model's columns: the same workload without prefix caching and through
@@ -340,8 +344,17 @@ impl Report {
              on this machine.",
             self.model.name
         );
+        if let Some(line) = self.timing.table_line("dense") {
+            let _ = writeln!(out, "{line}");
+        }
         if !self.hybrid.is_empty() {
             out.push_str(&self.hybrid_table());
+            if let Some(line) = self.timing.table_line("hybrid") {
+                let _ = writeln!(out, "{line}");
+            }
+        }
+        if self.timing.total_seconds > 0.0 {
+            let _ = writeln!(out, "\n{}", self.timing.total_line());
         }
         out
     }
@@ -547,6 +560,7 @@ mod tests {
             baseline: Summary::new("no cache", &run(0, 0.2, 0)),
             runs: vec![Summary::new("L1+L2", &run(64, 0.1, 4))],
             hybrid: Vec::new(),
+            timing: Timing::default(),
         }
     }
 
