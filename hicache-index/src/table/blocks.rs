@@ -435,7 +435,7 @@ impl BlockTable {
             let words = &mut self.arena.words[off + 1..off + 1 + len];
             words.copy_within(at + 1..len, at);
             let len = len - 1;
-            if len + 1 <= cap_of(class) / 4 {
+            if len < cap_of(class) / 4 {
                 let smaller = class_of(len + 1);
                 let new = self.arena.alloc(smaller);
                 self.arena.words.copy_within(off..off + 1 + len, new);
