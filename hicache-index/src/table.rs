@@ -19,18 +19,20 @@
 
 //!
 //! Layout and cost (see [`blocks`] and [`ages`]): one hash table from block hash to a compact
-//! set of `(holder, tier)` entries (inline when a block has one, sorted chunks in an arena
-//! otherwise), 8 bytes per holder-block plus 16 bytes and a table bucket per block; one age
-//! log per (holder, tier), 4 bytes per holder-block plus one batch record per `store` call,
-//! which gives the eviction order, `clear` in the holder's own size, and exact refreshes
-//! through tombstones. A query walks the chain once, narrowing the set of instances still
-//! matching, and stops when it is empty.
+//! sorted set of `(holder, tier)` words (inline when a block has one or two, sorted chunks in
+//! an arena otherwise), 4 bytes per holder-block beyond the second plus 16 bytes and a table
+//! bucket per block; one age log per (holder, tier), 4 bytes per holder-block plus one 8-byte
+//! batch record per `store` call, which gives the eviction order, `clear` in the holder's own
+//! size, and exact refreshes (a small per-log map names the live entry of a refreshed
+//! holder-block until the log is compacted). A query walks the chain once, a run of blocks
+//! with the same holder set at a time, narrowing the set of instances still matching, and
+//! stops when it is empty.
 
 mod ages;
 mod blocks;
 
-use self::ages::{AgeLog, TOMBSTONE};
-use self::blocks::{BlockTable, Entry};
+use self::ages::{AgeLog, CallSeen};
+use self::blocks::{BlockTable, Memo};
 use crate::chain::BlockHash;
 use crate::error::{IndexError, Result};
 use std::collections::BTreeSet;
@@ -138,6 +140,8 @@ pub struct Index {
     clock: u64,
     holder_blocks: u64,
     evicted: u64,
+    /// Scratch of `store` and `remove`: the slots of a call's blocks, looked up first.
+    found: Vec<Option<u32>>,
 }
 
 impl Default for Index {
@@ -146,27 +150,24 @@ impl Default for Index {
     }
 }
 
-/// One instance still matching a query, with its runs so far.
+/// One instance still matching a query: where its answer is in the output, and which of its
+/// runs still go on.
 #[derive(Clone, Copy, Debug)]
 struct Candidate {
     holder: u32,
-    /// Own tier bits in the current block (bit 3: through a store).
-    mask: u8,
-    l1: u32,
-    l2: u32,
-    in1: bool,
-    in2: bool,
+    /// Index of its answer in the output.
+    at: u32,
+    /// Bit 0: its L1 run goes on; bit 1: its L1-or-L2 run goes on.
+    runs: u8,
 }
 
 impl Candidate {
-    fn new(holder: u32, mask: u8) -> Self {
+    /// A candidate whose tier bits in the first block are `mask` (bit 3: through a store).
+    fn new(holder: u32, at: usize, mask: u8) -> Self {
         Self {
             holder,
-            mask,
-            l1: 0,
-            l2: 0,
-            in1: true,
-            in2: true,
+            at: at as u32,
+            runs: u8::from(mask & 1 != 0) | u8::from(mask & 3 != 0) << 1,
         }
     }
 }
@@ -183,6 +184,7 @@ impl Index {
             clock: 0,
             holder_blocks: 0,
             evicted: 0,
+            found: Vec::new(),
         }
     }
 
@@ -294,10 +296,10 @@ impl Index {
         }
     }
 
-    /// Compacts `log` when its tombstones are due.
-    fn maybe_compact(blocks: &mut BlockTable, log: &mut AgeLog, ht: u32) {
+    /// Compacts `log` when its dead entries are due.
+    fn maybe_compact(log: &mut AgeLog) {
         if log.wants_compaction() {
-            log.compact(|slot, stamp| blocks.set_stamp(slot, ht, stamp));
+            log.compact();
         }
     }
 
@@ -314,37 +316,37 @@ impl Index {
             blocks,
             fronts,
             clock,
+            found,
             ..
         } = self;
         let log = &mut holders[h.0 as usize].as_mut().expect("checked above").logs[tier.index()];
-        let before = log.entries.len();
+        let before = log.len();
+        let mut seen = CallSeen::default();
+        let mut memo = Memo::default();
         let mut new = 0;
+        // The lookups first: independent probes, which the processor overlaps.
+        found.clear();
+        found.extend(hashes.iter().map(|&b| blocks.lookup(b)));
         // Deepest block first: the log's order is the eviction order.
-        for &b in hashes.iter().rev() {
-            let Some(slot) = blocks.lookup(b) else {
-                let stamp = log.next_stamp();
-                let slot = blocks.insert_new(b, Entry { ht, stamp });
-                log.push(slot);
-                new += 1;
-                continue;
-            };
-            match blocks.find(slot, ht) {
+        for (&b, &slot) in hashes.iter().zip(found.iter()).rev() {
+            // A block new to the index may have been added deeper in this call.
+            match slot.or_else(|| blocks.lookup(b)) {
                 None => {
-                    let stamp = log.push(slot);
-                    blocks.insert(slot, Entry { ht, stamp });
+                    let slot = blocks.insert_new(b, ht);
+                    log.push_new(slot, &mut seen);
                     new += 1;
                 }
-                // Already stored deeper in this same call: the deepest position's age stands.
-                Some(old) if log.index_of(old) >= before => {}
-                Some(old) => {
-                    log.kill(old);
-                    let stamp = log.push(slot);
-                    blocks.set_stamp(slot, ht, stamp);
+                Some(slot) if !blocks.contains(slot, ht) => {
+                    blocks.insert(slot, ht, &mut memo);
+                    log.push_new(slot, &mut seen);
+                    new += 1;
                 }
+                // Held: moves to the back, unless stored deeper in this same call already.
+                Some(slot) => log.refresh(slot, before, &seen),
             }
         }
         log.close_batch(before, *clock);
-        Self::maybe_compact(blocks, log, ht);
+        Self::maybe_compact(log);
         Self::sync_front(fronts, log, ht);
         self.holder_blocks += new as u64;
         self.enforce_capacity();
@@ -361,6 +363,7 @@ impl Index {
             evicted,
             ..
         } = self;
+        let mut memo = Memo::default();
         while *holder_blocks > cap {
             let Some(&(_, ht)) = fronts.first() else {
                 break;
@@ -369,10 +372,8 @@ impl Index {
                 .as_mut()
                 .expect("a registered log belongs to a live holder")
                 .logs[(ht & 3) as usize];
-            if let Some(slot) = log.pop_front()
-                && slot != TOMBSTONE
-            {
-                blocks.remove(slot, ht);
+            if let Some((slot, true)) = log.pop_front() {
+                blocks.remove(slot, ht, &mut memo);
                 *holder_blocks -= 1;
                 *evicted += 1;
             }
@@ -388,20 +389,25 @@ impl Index {
             holders,
             blocks,
             fronts,
+            found,
             ..
         } = self;
         let log = &mut holders[h.0 as usize].as_mut().expect("checked above").logs[tier.index()];
+        let mut memo = Memo::default();
         let mut removed = 0;
-        for &b in hashes {
-            if let Some(slot) = blocks.lookup(b)
-                && let Some(stamp) = blocks.find(slot, ht)
+        found.clear();
+        found.extend(hashes.iter().map(|&b| blocks.lookup(b)));
+        for &slot in found.iter() {
+            // A block this call freed (a hash listed twice) stays free: a removal adds none.
+            if let Some(slot) = slot
+                && blocks.contains(slot, ht)
             {
-                log.kill(stamp);
-                blocks.remove(slot, ht);
+                log.remove(slot);
+                blocks.remove(slot, ht, &mut memo);
                 removed += 1;
             }
         }
-        Self::maybe_compact(blocks, log, ht);
+        Self::maybe_compact(log);
         Self::sync_front(fronts, log, ht);
         self.holder_blocks -= removed as u64;
         Ok(removed)
@@ -420,10 +426,9 @@ impl Index {
         let mut removed = 0;
         for (t, log) in holder.logs.iter_mut().enumerate() {
             let ht = ht_of(h.0, t);
-            for &slot in &log.entries {
-                if slot != TOMBSTONE {
-                    blocks.remove(slot, ht);
-                }
+            let mut memo = Memo::default();
+            for slot in log.live_slots() {
+                blocks.remove(slot, ht, &mut memo);
             }
             removed += log.live;
             log.reset();
@@ -435,125 +440,130 @@ impl Index {
 
     /// The tier bits of `holder` among a block's entries (sorted by `ht`).
     #[inline]
-    fn own_mask(entries: &[Entry], holder: u32) -> u8 {
+    fn own_mask(entries: &[u32], holder: u32) -> u8 {
         let lo = holder << 2;
         let start = if entries.len() <= 8 {
             entries
                 .iter()
-                .position(|e| e.ht >= lo)
+                .position(|&e| e >= lo)
                 .unwrap_or(entries.len())
         } else {
-            entries.partition_point(|e| e.ht < lo)
+            entries.partition_point(|&e| e < lo)
         };
         let mut mask = 0;
-        for e in &entries[start..] {
-            if e.ht >> 2 != holder {
+        for &e in &entries[start..] {
+            if e >> 2 != holder {
                 break;
             }
-            mask |= 1 << (e.ht & 3);
+            mask |= 1 << (e & 3);
         }
         mask
     }
 
     /// Whether a block's entries hold store `s`'s L3.
     #[inline]
-    fn has_store(entries: &[Entry], s: u32) -> bool {
+    fn has_store(entries: &[u32], s: u32) -> bool {
         let ht = ht_of(s, 2);
         if entries.len() <= 8 {
-            entries.iter().any(|e| e.ht == ht)
+            entries.contains(&ht)
         } else {
-            entries.binary_search_by_key(&ht, |e| e.ht).is_ok()
+            entries.binary_search(&ht).is_ok()
         }
     }
 
     /// The instances holding a prefix of `hashes`, in holder order, written to `out` (cleared
     /// first).
+    ///
+    /// The chain's blocks are looked up first, as far as anyone holds them (independent
+    /// probes, which the processor overlaps). The first block's holders are the candidates,
+    /// each given its answer in `out` in holder order; the walk then goes a run of blocks with
+    /// the same holders at a time (same set, so nothing changes for anyone), and at each block
+    /// with other holders updates each candidate: a run that ends is written at this depth,
+    /// a candidate holding nothing more leaves.
     pub fn query(&self, hashes: &[BlockHash], out: &mut Vec<QueryMatch>) {
         out.clear();
-        let Some(slot) = hashes.first().and_then(|b| self.blocks.lookup(*b)) else {
+        let slots: Vec<u32> = hashes
+            .iter()
+            .map_while(|b| self.blocks.lookup(*b))
+            .collect();
+        let Some(&first) = slots.first() else {
             return;
         };
-        // The first block: every instance holding it, itself or through a store it reads.
         let mut cands: Vec<Candidate> = Vec::new();
         // Per holder id: (depth + 1) << 4 | tier bits of the block at `depth` (bit 3: through
         // a store), for blocks with many holders; allocated on first use.
         let mut marks: Vec<u32> = Vec::new();
-        let entries = self.blocks.entries(slot);
+        let answer = |holder: u32| QueryMatch {
+            holder: HolderId(holder),
+            l1: 0,
+            l2: 0,
+            l3: 0,
+        };
+        let entries = self.blocks.entries(first);
         if entries.len() > 32 {
             self.mark(entries, 0, &mut marks);
-            cands.extend(
-                marks
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, m)| **m != 0)
-                    .map(|(h, &m)| Candidate::new(h as u32, (m & 15) as u8)),
-            );
+            for (h, &m) in marks.iter().enumerate() {
+                if m != 0 {
+                    cands.push(Candidate::new(h as u32, out.len(), (m & 15) as u8));
+                    out.push(answer(h as u32));
+                }
+            }
         } else {
-            self.holders_of(entries, |h, bits| cands.push(Candidate::new(h, bits)));
-            cands.sort_unstable_by_key(|c| c.holder);
-            cands.dedup_by(|later, kept| {
-                let same = later.holder == kept.holder;
-                if same {
-                    kept.mask |= later.mask;
+            let mut held: Vec<(u32, u8)> = Vec::new();
+            self.holders_of(entries, |h, bits| held.push((h, bits)));
+            held.sort_unstable_by_key(|&(h, _)| h);
+            for (i, &(h, bits)) in held.iter().enumerate() {
+                if i > 0 && held[i - 1].0 == h {
+                    let last = cands.last_mut().expect("a holder before");
+                    let runs = Candidate::new(h, 0, bits).runs;
+                    last.runs |= runs;
+                    continue;
                 }
-                same
-            });
+                cands.push(Candidate::new(h, out.len(), bits));
+                out.push(answer(h));
+            }
         }
-        let mut depth = 0u32;
-        let mut held_by = entries;
+        let total = slots.len() as u32;
+        let mut held_slot = first;
+        let mut depth = 0usize;
         loop {
-            // Blocks `depth..depth + run` have the same holders as block `depth` (so every
-            // candidate holds each of them with the same bits): extend the runs at once.
-            let mut run = 1;
-            let mut next = None;
-            while let Some(slot) = hashes
-                .get((depth + run) as usize)
-                .and_then(|b| self.blocks.lookup(*b))
-            {
-                let entries = self.blocks.entries(slot);
-                let same = entries.len() == held_by.len()
-                    && entries.iter().zip(held_by).all(|(a, b)| a.ht == b.ht);
-                if !same {
-                    next = Some(slot);
-                    break;
-                }
-                run += 1;
+            // Blocks with the same holders as block `depth`: nothing changes for anyone.
+            depth += 1;
+            while depth < slots.len() && self.blocks.same_holders(slots[depth], held_slot) {
+                depth += 1;
             }
-            for c in &mut cands {
-                c.in1 &= c.mask & 1 != 0;
-                c.in2 &= c.mask & 3 != 0;
-                c.l1 += if c.in1 { run } else { 0 };
-                c.l2 += if c.in2 { run } else { 0 };
+            if depth == slots.len() {
+                break;
             }
-            depth += run;
-            let Some(slot) = next else { break };
+            let slot = slots[depth];
+            let d = depth as u32;
             let entries = self.blocks.entries(slot);
             // Few candidates against a block held widely: look each candidate up; otherwise
             // mark the block's holders once and read the candidates' marks.
             let by_lookup = cands.len() * 8 < entries.len() || entries.len() <= 2;
             if !by_lookup {
-                self.mark(entries, depth, &mut marks);
+                self.mark(entries, d, &mut marks);
             }
             let mut kept = 0;
             for i in 0..cands.len() {
                 let mut c = cands[i];
-                c.mask = if by_lookup {
+                let mask = if by_lookup {
                     self.lookup_mask(entries, c.holder)
                 } else {
                     let m = marks[c.holder as usize];
-                    if m >> 4 == depth + 1 {
-                        (m & 15) as u8
-                    } else {
-                        0
-                    }
+                    if m >> 4 == d + 1 { (m & 15) as u8 } else { 0 }
                 };
-                if c.mask == 0 {
-                    out.push(QueryMatch {
-                        holder: HolderId(c.holder),
-                        l1: c.l1,
-                        l2: c.l2,
-                        l3: depth,
-                    });
+                let o = &mut out[c.at as usize];
+                if c.runs & 1 != 0 && mask & 1 == 0 {
+                    o.l1 = d;
+                    c.runs &= !1;
+                }
+                if c.runs & 2 != 0 && mask & 3 == 0 {
+                    o.l2 = d;
+                    c.runs &= !2;
+                }
+                if mask == 0 {
+                    o.l3 = d;
                 } else {
                     cands[kept] = c;
                     kept += 1;
@@ -561,28 +571,30 @@ impl Index {
             }
             cands.truncate(kept);
             if cands.is_empty() {
-                break;
+                return;
             }
-            held_by = entries;
+            held_slot = slot;
         }
-        out.extend(cands.iter().map(|c| QueryMatch {
-            holder: HolderId(c.holder),
-            l1: c.l1,
-            l2: c.l2,
-            l3: depth,
-        }));
-        // Runs finished at each depth are each in holder order: a stable sort merges them.
-        out.sort_by_key(|m| m.holder);
+        for c in &cands {
+            let o = &mut out[c.at as usize];
+            o.l3 = total;
+            if c.runs & 1 != 0 {
+                o.l1 = total;
+            }
+            if c.runs & 2 != 0 {
+                o.l2 = total;
+            }
+        }
     }
 
     /// Calls `f(instance, bits)` for every instance holding a block with these entries: its
     /// own tier bits, or bit 3 for each store it reads that holds the block.
     #[inline]
-    fn holders_of(&self, entries: &[Entry], mut f: impl FnMut(u32, u8)) {
-        for e in entries {
-            let h = e.ht >> 2;
+    fn holders_of(&self, entries: &[u32], mut f: impl FnMut(u32, u8)) {
+        for &e in entries {
+            let h = e >> 2;
             match self.kinds[h as usize] {
-                KIND_INSTANCE => f(h, 1 << (e.ht & 3)),
+                KIND_INSTANCE => f(h, 1 << (e & 3)),
                 KIND_STORE => {
                     if let Some(Some(store)) = self.holders.get(h as usize) {
                         store.readers.iter().for_each(|&r| f(r, 8));
@@ -594,7 +606,7 @@ impl Index {
     }
 
     /// Marks the holders of the block at `depth` (see `query`).
-    fn mark(&self, entries: &[Entry], depth: u32, marks: &mut Vec<u32>) {
+    fn mark(&self, entries: &[u32], depth: u32, marks: &mut Vec<u32>) {
         if marks.is_empty() {
             marks.resize(self.holders.len(), 0);
         }
@@ -608,7 +620,7 @@ impl Index {
     /// An instance's bits in a block's entries: its own tiers, else bit 3 when a store it
     /// reads holds the block.
     #[inline]
-    fn lookup_mask(&self, entries: &[Entry], h: u32) -> u8 {
+    fn lookup_mask(&self, entries: &[u32], h: u32) -> u8 {
         let own = Self::own_mask(entries, h);
         if own != 0 {
             return own;

@@ -3,67 +3,114 @@
 //! Layout (sized for tens of millions of holder-blocks):
 //! - `slots`: one 16-byte record per live block (its hash and its set), addressed by a `u32`
 //!   slot id that stays put while the block lives (the age logs name blocks by it); free slots
-//!   are chained through their set field and reused first.
+//!   are chained through their set and reused first.
 //! - `map`: a hashbrown table of slot ids (4 bytes and a control byte per bucket), hashed by
 //!   the block hash mixed with a per-index random seed (engine hashes may be small integers).
-//! - a block held once keeps its one [`Entry`] inline in its record; a block held more often
-//!   keeps its entries in the [`Arena`], sorted by `ht`, in a chunk of a power-of-two capacity.
+//! - a set is a sorted list of `ht` words (holder id << 2 | tier index, 4 bytes each): a block
+//!   held once or twice keeps them inline in its record; a block held more often refers to a
+//!   chunk of the [`Arena`] (one of the size classes 2, 3, 4, 6, 8, 12, … words): a reference
+//!   count, then the set.
+//! - chunks are *shared*: the blocks of a chain that one call moves from the same set to the
+//!   same set (a holder storing or dropping a run of blocks held alike) end up referring to one
+//!   chunk, through the call's [`Memo`] of its last transition; a shared chunk is copied on
+//!   write. So a run of blocks with the same holders stores them once, and a query compares
+//!   two blocks' holders by their references.
 //!
-//! Invariants: every slot in `map` has a non-empty set; an arena set holds ≥ 2 entries, at
-//! least a quarter of its chunk (shrunk when it falls below), sorted by `ht` without duplicates.
+//! A set carries no age: the age logs keep the order (see [`super::ages`]).
+//!
+//! Invariants: every slot in `map` has a non-empty set; an inline set is `[a, NONE]` or
+//! `[a, b]` with `a < b`; an arena set holds ≥ 3 words sorted without duplicates, in a chunk
+//! whose count is the number of blocks referring to it; a chunk with one reference holds at
+//! least a quarter of its capacity (shrunk when it falls below); a memo's chunks are live and
+//! hold what the memo says (it forgets a chunk written in place or freed).
 
 use hashbrown::HashTable;
 
-/// One residency: `ht` = holder id << 2 | tier index, `stamp` = the position of its entry in
-/// the (holder, tier)'s age log.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Entry {
-    pub(crate) ht: u32,
-    pub(crate) stamp: u32,
-}
-
-/// `ht` of a free slot (its `stamp` chains the next free slot).
+/// The second word of an inline set of one.
+const NONE: u32 = u32::MAX;
+/// First word of a free slot (its second word chains the next free slot).
 const FREE: u32 = u32::MAX;
-/// Flag in `ht` of an arena set: bits 25..31 of `ht` are its chunk's size class, bits 0..25
-/// its length; `stamp` is the chunk's offset.
+/// Flag in the first word of an arena set: bits 25..31 are its chunk's size class, bits 0..25
+/// the set's length; the second word is the chunk's offset (its count word; the set follows).
 const ARENA: u32 = 1 << 31;
 const CLASS_SHIFT: u32 = 25;
-/// Size classes (the largest holds over 2^25 entries, more than a set can).
+/// Size classes (the largest holds over 2^25 words, more than a set can).
 const CLASSES: usize = 49;
 const LEN_MASK: u32 = (1 << CLASS_SHIFT) - 1;
+/// No slot / no chunk.
+const NIL: u32 = u32::MAX;
 
-fn arena_set(off: usize, class: usize, len: usize) -> Entry {
-    Entry {
-        ht: ARENA | (class as u32) << CLASS_SHIFT | len as u32,
-        stamp: off as u32,
+fn arena_set(off: usize, class: usize, len: usize) -> [u32; 2] {
+    [
+        ARENA | (class as u32) << CLASS_SHIFT | len as u32,
+        off as u32,
+    ]
+}
+
+fn is_arena(set: [u32; 2]) -> bool {
+    set[0] & ARENA != 0
+}
+
+/// A call's last set transition: blocks whose set is `from` get `to` when `ht` is added
+/// (`insert`) or dropped, sharing its chunk.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Memo {
+    on: bool,
+    insert: bool,
+    ht: u32,
+    from: [u32; 2],
+    to: [u32; 2],
+}
+
+impl Memo {
+    #[inline]
+    fn get(&self, from: [u32; 2], ht: u32, insert: bool) -> Option<[u32; 2]> {
+        (self.on && self.from == from && self.ht == ht && self.insert == insert).then_some(self.to)
+    }
+
+    fn remember(&mut self, from: [u32; 2], ht: u32, insert: bool, to: [u32; 2]) {
+        *self = Self {
+            on: true,
+            insert,
+            ht,
+            from,
+            to,
+        };
+    }
+
+    /// The chunk at `off` changes or goes: a memo naming it no longer holds.
+    #[inline]
+    fn forget(&mut self, off: usize) {
+        let names = |set: [u32; 2]| is_arena(set) && set[1] as usize == off;
+        if self.on && (names(self.from) || names(self.to)) {
+            self.on = false;
+        }
     }
 }
 
 /// (offset, class, length) of an arena set.
-fn arena_parts(set: Entry) -> (usize, usize, usize) {
+fn arena_parts(set: [u32; 2]) -> (usize, usize, usize) {
     (
-        set.stamp as usize,
-        ((set.ht & !ARENA) >> CLASS_SHIFT) as usize,
-        (set.ht & LEN_MASK) as usize,
+        set[1] as usize,
+        ((set[0] & !ARENA) >> CLASS_SHIFT) as usize,
+        (set[0] & LEN_MASK) as usize,
     )
 }
-/// No slot / no chunk.
-const NIL: u32 = u32::MAX;
 
 #[derive(Clone, Copy, Debug)]
 struct Block {
     hash: u64,
-    set: Entry,
+    set: [u32; 2],
 }
 
-/// Chunks of entries in size classes, one free list per class.
+/// Chunks of `ht` words in size classes, one free list per class.
 #[derive(Debug)]
 struct Arena {
-    words: Vec<Entry>,
-    /// Head of the free list of class `c` (chunks of `cap_of(c)` entries); a free chunk's
-    /// first entry's `stamp` chains the next.
+    words: Vec<u32>,
+    /// Head of the free list of class `c` (chunks of `cap_of(c)` words); a free chunk's first
+    /// word chains the next.
     free: [u32; CLASSES],
-    /// Entries in chunks handed out (for accounting).
+    /// Words in chunks handed out (for accounting).
     in_use: u64,
 }
 
@@ -76,7 +123,7 @@ fn cap_of(class: usize) -> usize {
     }
 }
 
-/// The smallest class whose chunks hold `len` entries.
+/// The smallest class whose chunks hold `len` words.
 fn class_of(len: usize) -> usize {
     let len = len.max(2);
     let p = (usize::BITS - 1 - len.leading_zeros()) as usize; // 2^p <= len < 2^(p+1)
@@ -89,11 +136,11 @@ fn class_of(len: usize) -> usize {
     }
 }
 
-/// Grows `v` to hold `extra` more items by a quarter of its size at least (not doubling),
+/// Grows `v` to hold `extra` more items by an eighth of its size at least (not doubling),
 /// keeping the slack of a large table small; amortised O(1) all the same.
 pub(crate) fn reserve_gently<T>(v: &mut Vec<T>, extra: usize) {
     if v.len() + extra > v.capacity() {
-        v.reserve_exact(extra.max(v.capacity() / 4).max(16));
+        v.reserve_exact(extra.max(v.capacity() / 8).max(16));
     }
 }
 
@@ -106,25 +153,25 @@ impl Arena {
         }
     }
 
-    fn alloc(&mut self, class: usize) -> u32 {
+    fn alloc(&mut self, class: usize) -> usize {
         let cap = cap_of(class);
         self.in_use += cap as u64;
         let head = self.free[class];
         if head != NIL {
-            self.free[class] = self.words[head as usize].stamp;
-            return head;
+            self.free[class] = self.words[head as usize];
+            return head as usize;
         }
         let off = self.words.len();
-        assert!(off + cap < u32::MAX as usize, "arena beyond 2^32 entries");
+        assert!(off + cap < u32::MAX as usize, "arena beyond 2^32 words");
         reserve_gently(&mut self.words, cap);
-        self.words.resize(off + cap, Entry { ht: 0, stamp: 0 });
-        off as u32
+        self.words.resize(off + cap, 0);
+        off
     }
 
-    fn release(&mut self, off: u32, class: usize) {
+    fn release(&mut self, off: usize, class: usize) {
         self.in_use -= cap_of(class) as u64;
-        self.words[off as usize].stamp = self.free[class];
-        self.free[class] = off;
+        self.words[off] = self.free[class];
+        self.free[class] = off as u32;
     }
 }
 
@@ -143,6 +190,21 @@ pub(crate) struct BlockTable {
 fn mix(seed: u64, h: u64) -> u64 {
     let m = u128::from(h ^ seed) * 0x9E37_79B9_7F4A_7C15_u128;
     (m as u64) ^ ((m >> 64) as u64)
+}
+
+/// Position of `ht` in a sorted set.
+#[inline]
+fn position(set: &[u32], ht: u32) -> Result<usize, usize> {
+    if set.len() <= 16 {
+        for (i, &e) in set.iter().enumerate() {
+            if e >= ht {
+                return if e == ht { Ok(i) } else { Err(i) };
+            }
+        }
+        Err(set.len())
+    } else {
+        set.binary_search(&ht)
+    }
 }
 
 impl BlockTable {
@@ -166,7 +228,7 @@ impl BlockTable {
     pub(crate) fn bytes(&self) -> u64 {
         (self.slots.capacity() * size_of::<Block>()
             + self.map.allocation_size()
-            + self.arena.words.capacity() * size_of::<Entry>()) as u64
+            + self.arena.words.capacity() * size_of::<u32>()) as u64
     }
 
     /// The slot of `hash`, if held by anyone.
@@ -178,12 +240,15 @@ impl BlockTable {
             .copied()
     }
 
-    /// Adds block `hash` (not held by anyone) with its first entry; returns its slot.
-    pub(crate) fn insert_new(&mut self, hash: u64, first: Entry) -> u32 {
-        let block = Block { hash, set: first };
+    /// Adds block `hash` (not held by anyone) with its first holder `ht`; returns its slot.
+    pub(crate) fn insert_new(&mut self, hash: u64, ht: u32) -> u32 {
+        let block = Block {
+            hash,
+            set: [ht, NONE],
+        };
         let slot = if self.free_slot != NIL {
             let s = self.free_slot;
-            self.free_slot = self.slots[s as usize].set.stamp;
+            self.free_slot = self.slots[s as usize].set[1];
             self.slots[s as usize] = block;
             s
         } else {
@@ -199,113 +264,196 @@ impl BlockTable {
         slot
     }
 
-    /// The entries of the block in `slot`, sorted by `ht`.
+    /// The holders (`ht` words) of the block in `slot`, sorted.
     #[inline]
-    pub(crate) fn entries(&self, slot: u32) -> &[Entry] {
+    pub(crate) fn entries(&self, slot: u32) -> &[u32] {
         let set = &self.slots[slot as usize].set;
-        if set.ht & ARENA == 0 {
-            std::slice::from_ref(set)
+        if set[0] & ARENA == 0 {
+            &set[..1 + usize::from(set[1] != NONE)]
         } else {
             let (off, _, len) = arena_parts(*set);
-            &self.arena.words[off..off + len]
+            &self.arena.words[off + 1..off + 1 + len]
         }
     }
 
-    fn entries_mut(&mut self, slot: u32) -> &mut [Entry] {
-        let set = &mut self.slots[slot as usize].set;
-        if set.ht & ARENA == 0 {
-            std::slice::from_mut(set)
-        } else {
-            let (off, _, len) = arena_parts(*set);
-            &mut self.arena.words[off..off + len]
-        }
-    }
-
-    /// Position of `ht` in a sorted entry slice.
+    /// Whether the blocks in slots `a` and `b` have the same holders.
     #[inline]
-    fn position(entries: &[Entry], ht: u32) -> Result<usize, usize> {
-        if entries.len() <= 8 {
-            for (i, e) in entries.iter().enumerate() {
-                if e.ht >= ht {
-                    return if e.ht == ht { Ok(i) } else { Err(i) };
-                }
+    pub(crate) fn same_holders(&self, a: u32, b: u32) -> bool {
+        self.slots[a as usize].set == self.slots[b as usize].set
+            || self.entries(a) == self.entries(b)
+    }
+
+    /// One more block refers to `set`.
+    #[inline]
+    fn retain(&mut self, set: [u32; 2]) {
+        if is_arena(set) {
+            self.arena.words[set[1] as usize] += 1;
+        }
+    }
+
+    /// One block fewer refers to `set`: its chunk is freed with the last.
+    #[inline]
+    fn release(&mut self, set: [u32; 2], memo: &mut Memo) {
+        if is_arena(set) {
+            let (off, class, _) = arena_parts(set);
+            self.arena.words[off] -= 1;
+            if self.arena.words[off] == 0 {
+                self.arena.release(off, class);
+                memo.forget(off);
             }
-            Err(entries.len())
-        } else {
-            entries.binary_search_by_key(&ht, |e| e.ht)
         }
     }
 
-    /// The stamp of `ht`'s entry in `slot`, if any.
+    /// A new chunk with count 1 holding `set`; returns its set reference.
+    fn new_chunk(&mut self, set: impl ExactSizeIterator<Item = u32>) -> [u32; 2] {
+        let len = set.len();
+        let class = class_of(len + 1);
+        let off = self.arena.alloc(class);
+        self.arena.words[off] = 1;
+        for (w, e) in self.arena.words[off + 1..off + 1 + len].iter_mut().zip(set) {
+            *w = e;
+        }
+        arena_set(off, class, len)
+    }
+
+    /// Whether `ht` holds the block in `slot` (false for a free slot).
     #[inline]
-    pub(crate) fn find(&self, slot: u32, ht: u32) -> Option<u32> {
-        let entries = self.entries(slot);
-        Self::position(entries, ht).ok().map(|i| entries[i].stamp)
+    pub(crate) fn contains(&self, slot: u32, ht: u32) -> bool {
+        self.slots[slot as usize].set[0] != FREE && position(self.entries(slot), ht).is_ok()
     }
 
-    /// Overwrites the stamp of `ht`'s entry in `slot` (which exists).
-    pub(crate) fn set_stamp(&mut self, slot: u32, ht: u32, stamp: u32) {
-        let entries = self.entries_mut(slot);
-        if let Ok(i) = Self::position(entries, ht) {
-            entries[i].stamp = stamp;
-        }
-    }
-
-    /// Adds `e` to the set of `slot` (which has no entry for `e.ht`).
-    pub(crate) fn insert(&mut self, slot: u32, e: Entry) {
+    /// Adds `ht` to the set of `slot` (which lacks it).
+    pub(crate) fn insert(&mut self, slot: u32, ht: u32, memo: &mut Memo) {
         let set = self.slots[slot as usize].set;
-        if set.ht & ARENA == 0 {
-            let off = self.arena.alloc(0);
-            let (a, b) = if set.ht < e.ht { (set, e) } else { (e, set) };
-            self.arena.words[off as usize] = a;
-            self.arena.words[off as usize + 1] = b;
-            self.slots[slot as usize].set = arena_set(off as usize, 0, 2);
+        if let Some(to) = memo.get(set, ht, true) {
+            self.retain(to);
+            self.release(set, memo);
+            self.slots[slot as usize].set = to;
+            return;
+        }
+        if !is_arena(set) {
+            if set[1] == NONE {
+                self.slots[slot as usize].set = if set[0] < ht {
+                    [set[0], ht]
+                } else {
+                    [ht, set[0]]
+                };
+                return;
+            }
+            let mut three = [set[0], set[1], ht];
+            three.sort_unstable();
+            let to = self.new_chunk(three.into_iter());
+            memo.remember(set, ht, true, to);
+            self.slots[slot as usize].set = to;
             return;
         }
         let (mut off, mut class, len) = arena_parts(set);
         assert!(len < LEN_MASK as usize, "a block held more than 2^25 times");
-        if len == cap_of(class) {
-            let new = self.arena.alloc(class + 1) as usize;
-            self.arena.words.copy_within(off..off + len, new);
-            self.arena.release(off as u32, class);
+        let words = &self.arena.words[off + 1..off + 1 + len];
+        let at = position(words, ht).unwrap_or_else(|i| i);
+        if self.arena.words[off] > 1 {
+            // Shared: copy on write (the shared chunk keeps its other references).
+            self.arena.words[off] -= 1;
+            let class = class_of(len + 2);
+            let new = self.arena.alloc(class);
+            let w = &mut self.arena.words;
+            w[new] = 1;
+            w.copy_within(off + 1..off + 1 + at, new + 1);
+            w[new + 1 + at] = ht;
+            w.copy_within(off + 1 + at..off + 1 + len, new + 2 + at);
+            let to = arena_set(new, class, len + 1);
+            memo.remember(set, ht, true, to);
+            self.slots[slot as usize].set = to;
+            return;
+        }
+        memo.forget(off);
+        if len + 1 == cap_of(class) {
+            let new = self.arena.alloc(class + 1);
+            self.arena.words.copy_within(off..off + 1 + len, new);
+            self.arena.release(off, class);
             (off, class) = (new, class + 1);
         }
-        let words = &mut self.arena.words[off..off + len + 1];
-        let at = Self::position(&words[..len], e.ht).unwrap_or_else(|i| i);
+        let words = &mut self.arena.words[off + 1..off + 2 + len];
         words.copy_within(at..len, at + 1);
-        words[at] = e;
+        words[at] = ht;
         self.slots[slot as usize].set = arena_set(off, class, len + 1);
     }
 
-    /// Removes `ht`'s entry from `slot` (which has it); frees the block when its set empties.
-    /// Returns whether the block was freed.
-    pub(crate) fn remove(&mut self, slot: u32, ht: u32) -> bool {
+    /// Removes `ht` from the set of `slot`; frees the block when its set empties. Returns
+    /// whether the block was freed (false too when `ht` did not hold it, or the slot is free).
+    pub(crate) fn remove(&mut self, slot: u32, ht: u32, memo: &mut Memo) -> bool {
         let set = self.slots[slot as usize].set;
-        if set.ht & ARENA == 0 {
-            debug_assert_eq!(set.ht, ht);
-            self.free_block(slot);
-            return true;
+        if set[0] == FREE {
+            return false;
+        }
+        if !is_arena(set) {
+            if set[1] == NONE {
+                if set[0] != ht {
+                    return false;
+                }
+                self.free_block(slot);
+                return true;
+            }
+            let kept = if set[0] == ht {
+                set[1]
+            } else if set[1] == ht {
+                set[0]
+            } else {
+                return false;
+            };
+            self.slots[slot as usize].set = [kept, NONE];
+            return false;
+        }
+        if let Some(to) = memo.get(set, ht, false) {
+            self.retain(to);
+            self.release(set, memo);
+            self.slots[slot as usize].set = to;
+            return false;
         }
         let (off, class, len) = arena_parts(set);
-        let words = &mut self.arena.words[off..off + len];
-        let Ok(at) = Self::position(words, ht) else {
+        let words = &self.arena.words[off + 1..off + 1 + len];
+        let Ok(at) = position(words, ht) else {
             return false;
         };
-        words.copy_within(at + 1..len, at);
-        let len = len - 1;
-        if len == 1 {
-            let only = self.arena.words[off];
-            self.arena.release(off as u32, class);
-            self.slots[slot as usize].set = only;
-        } else if class > 0 && len <= cap_of(class) / 4 {
-            let smaller = class_of(len);
-            let new = self.arena.alloc(smaller) as usize;
-            self.arena.words.copy_within(off..off + len, new);
-            self.arena.release(off as u32, class);
-            self.slots[slot as usize].set = arena_set(new, smaller, len);
+        let to = if len == 3 {
+            let mut pair = [0; 2];
+            for (p, e) in pair.iter_mut().zip(words.iter().filter(|&&e| e != ht)) {
+                *p = *e;
+            }
+            pair
+        } else if self.arena.words[off] > 1 {
+            let class = class_of(len);
+            let new = self.arena.alloc(class);
+            let w = &mut self.arena.words;
+            w[new] = 1;
+            w.copy_within(off + 1..off + 1 + at, new + 1);
+            w.copy_within(off + 2 + at..off + 1 + len, new + 1 + at);
+            arena_set(new, class, len - 1)
         } else {
-            self.slots[slot as usize].set = arena_set(off, class, len);
+            // Ours alone: in place (or into a smaller chunk).
+            memo.forget(off);
+            let words = &mut self.arena.words[off + 1..off + 1 + len];
+            words.copy_within(at + 1..len, at);
+            let len = len - 1;
+            if len < cap_of(class) / 4 {
+                let smaller = class_of(len + 1);
+                let new = self.arena.alloc(smaller);
+                self.arena.words.copy_within(off..off + 1 + len, new);
+                self.arena.release(off, class);
+                self.slots[slot as usize].set = arena_set(new, smaller, len);
+            } else {
+                self.slots[slot as usize].set = arena_set(off, class, len);
+            }
+            return false;
+        };
+        // The chunk survives its release when shared: then the next block moving alike
+        // shares `to`.
+        let shared = self.arena.words[off] > 1;
+        self.release(set, memo);
+        if shared {
+            memo.remember(set, ht, false, to);
         }
+        self.slots[slot as usize].set = to;
         false
     }
 
@@ -314,10 +462,7 @@ impl BlockTable {
         if let Ok(entry) = self.map.find_entry(mix(self.seed, hash), |&s| s == slot) {
             entry.remove();
         }
-        self.slots[slot as usize].set = Entry {
-            ht: FREE,
-            stamp: self.free_slot,
-        };
+        self.slots[slot as usize].set = [FREE, self.free_slot];
         self.free_slot = slot;
     }
 }
@@ -339,32 +484,84 @@ mod tests {
     #[test]
     fn sets_grow_shrink_and_stay_sorted() {
         let mut t = BlockTable::new();
-        let s = t.insert_new(7, Entry { ht: 40, stamp: 0 });
+        let mut memo = Memo::default();
+        let s = t.insert_new(7, 40);
         for ht in (0..40).rev() {
-            t.insert(
-                s,
-                Entry {
-                    ht,
-                    stamp: ht + 100,
-                },
-            );
+            t.insert(s, ht, &mut memo);
         }
-        let hts: Vec<u32> = t.entries(s).iter().map(|e| e.ht).collect();
-        assert_eq!(hts, (0..=40).collect::<Vec<_>>());
-        assert_eq!(t.find(s, 5), Some(105));
-        t.set_stamp(s, 5, 9);
-        assert_eq!(t.find(s, 5), Some(9));
+        assert_eq!(t.entries(s), (0..=40).collect::<Vec<_>>());
+        assert!(t.contains(s, 5));
+        assert!(!t.contains(s, 41));
         for ht in 0..40 {
-            assert!(!t.remove(s, ht));
+            assert!(!t.remove(s, ht, &mut memo));
             assert_eq!(t.entries(s).len(), 40 - ht as usize);
+            assert!(!t.contains(s, ht));
         }
-        assert_eq!(t.entries(s), &[Entry { ht: 40, stamp: 0 }]);
+        assert_eq!(t.entries(s), &[40]);
+        assert!(
+            !t.remove(s, 3, &mut memo),
+            "an absent holder leaves the set alone"
+        );
         assert_eq!(t.lookup(7), Some(s));
-        assert!(t.remove(s, 40));
+        assert!(t.remove(s, 40, &mut memo));
         assert_eq!(t.lookup(7), None);
         assert_eq!(t.len(), 0);
         assert_eq!(t.arena.in_use, 0);
         // The freed slot is reused.
-        assert_eq!(t.insert_new(8, Entry { ht: 1, stamp: 1 }), s);
+        assert_eq!(t.insert_new(8, 1), s);
+    }
+
+    #[test]
+    fn two_holders_stay_inline_in_either_order() {
+        let mut t = BlockTable::new();
+        let mut memo = Memo::default();
+        let s = t.insert_new(1, 9);
+        t.insert(s, 4, &mut memo);
+        assert_eq!(t.entries(s), &[4, 9]);
+        assert_eq!(t.arena.in_use, 0);
+        t.insert(s, 6, &mut memo);
+        assert_eq!(t.entries(s), &[4, 6, 9]);
+        assert!(!t.remove(s, 9, &mut memo));
+        assert_eq!(t.entries(s), &[4, 6]);
+        assert_eq!(t.arena.in_use, 0);
+        assert!(!t.remove(s, 4, &mut memo));
+        assert_eq!(t.entries(s), &[6]);
+    }
+
+    #[test]
+    fn a_run_moved_alike_shares_one_chunk_copied_on_write() {
+        let mut t = BlockTable::new();
+        let slots: Vec<u32> = (0..10).map(|b| t.insert_new(b, 1)).collect();
+        for ht in [2, 3, 4] {
+            let mut memo = Memo::default();
+            for &s in &slots {
+                t.insert(s, ht, &mut memo);
+            }
+        }
+        // Ten blocks, one chunk of {1, 2, 3, 4}.
+        assert_eq!(t.arena.in_use, cap_of(class_of(5)) as u64);
+        assert!(t.same_holders(slots[0], slots[9]));
+        // One block diverges: copied, the others keep the shared chunk.
+        let mut memo = Memo::default();
+        t.insert(slots[3], 9, &mut memo);
+        assert_eq!(t.entries(slots[3]), &[1, 2, 3, 4, 9]);
+        assert_eq!(t.entries(slots[4]), &[1, 2, 3, 4]);
+        assert!(!t.same_holders(slots[3], slots[4]));
+        // Dropping holders from the shared run, block by block.
+        let mut memo = Memo::default();
+        for &s in &slots {
+            t.remove(s, 2, &mut memo);
+        }
+        assert_eq!(t.entries(slots[3]), &[1, 3, 4, 9]);
+        assert_eq!(t.entries(slots[0]), &[1, 3, 4]);
+        assert_eq!(t.entries(slots[9]), &[1, 3, 4]);
+        for ht in [1, 3, 4, 9] {
+            let mut memo = Memo::default();
+            for &s in &slots {
+                t.remove(s, ht, &mut memo);
+            }
+        }
+        assert_eq!(t.len(), 0);
+        assert_eq!(t.arena.in_use, 0);
     }
 }
