@@ -30,6 +30,7 @@ pub mod least_load;
 pub mod load;
 pub mod round_robin;
 pub mod sglang;
+pub mod state;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -40,10 +41,11 @@ use crate::chain::{BlockHash, ChainHasher};
 use crate::table::{HolderId, Index, QueryMatch, Tier};
 
 pub use dynamo::{DynamoConfig, TierBlocks};
-pub use hicache::{Busy, CostModel, Overlap};
+pub use hicache::{Busy, CostModel, Expected, Overlap};
 pub use hybrid::{ReusableEnds, ReuseRule};
 pub use load::{InstanceLoad, LoadReport, LoadTracker};
 pub use sglang::{SglangConfig, SglangRule};
+pub use state::{RoutedState, RouterState, SessionState, SlotState};
 
 /// A routing policy.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -220,7 +222,8 @@ pub struct Decision {
     pub holder: HolderId,
     /// The overlap the router credited there (tokens; zero for blind policies).
     pub overlap: Overlap,
-    /// The policy's score of the chosen instance (cost, TTFT in s; 0 for blind ones).
+    /// The policy's figure for the chosen instance (`dynamo-linear`: its cost; `hicache`: the
+    /// expected TTFT in s, without the delay imposed on others; 0 for blind ones).
     pub score: f64,
     /// Whether the index was lost and `least-load` decided.
     pub fallback: bool,
@@ -505,9 +508,14 @@ impl Router {
 
     fn pick_hicache(&mut self, prompt: usize, session: Option<u64>) -> (usize, f64) {
         let cost = self.config.cost;
-        let scores: Vec<f64> = (0..self.instances.len())
+        let n = self.instances.len();
+        let backlog: f64 = (0..n)
+            .map(|i| self.load.load(i).queued_prefill_tokens)
+            .sum();
+        let behind = backlog / (n.max(1) as f64 * prompt.max(1) as f64);
+        let expected: Vec<Expected> = (0..n)
             .map(|i| {
-                cost.ttft(
+                cost.expect(
                     prompt,
                     &self.overlaps[i],
                     self.instances[i].l3.read_rate(),
@@ -515,6 +523,7 @@ impl Router {
                 )
             })
             .collect();
+        let scores: Vec<f64> = expected.iter().map(|e| cost.score(e, behind)).collect();
         let best = self.argmin(&scores);
         if let Some(&(home, _)) = session.and_then(|s| self.sessions.get(&s))
             && home != best
@@ -522,9 +531,9 @@ impl Router {
             && scores[home] <= scores[best] * (1.0 + cost.tie_tolerance) + 1e-9
         {
             self.stats.session_kept += 1;
-            return (home, scores[home]);
+            return (home, expected[home].ttft);
         }
-        (best, scores[best])
+        (best, expected[best].ttft)
     }
 
     fn remember_session(&mut self, session: u64, instance: usize) {

@@ -49,7 +49,7 @@ use crate::plan::Plan;
 use crate::setup::CacheSetup;
 use crate::trace::Conversation;
 use crate::workload::{Sent, Workload};
-use instance::{Instance, Step};
+use instance::Instance;
 
 /// Where the fleet's L3 lives.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -328,7 +328,7 @@ pub fn run(
             l3: fleet.l3_access(),
         });
         let cache = HiCacheUnderTest::build(&setup, true)?;
-        instances.push(Instance::new(cache, &fleet.compute, &fleet.engine));
+        instances.push(Instance::new(cache, &fleet.compute, &fleet.engine)?);
     }
     let mut cfg = RouterConfig::new(ps as usize);
     cfg.cost = fleet.cost;
@@ -376,25 +376,13 @@ pub fn run(
                 records.push(RequestRecord::default());
                 instance_of.push(i);
                 instances[i].arrive(sent, convs, &mut records[sent.id as usize])?;
-                ready[i] = Some(instances[i].now());
+                ready[i] = Some(instances[i].sched.now());
                 feed_events(&mut instances[i], &mut feeds[i], &mut index, &mut ingest)?;
             }
             (_, Some((t, i))) => {
-                let outcome = instances[i].step(
-                    t,
-                    convs,
-                    &fleet.compute,
-                    &fleet.engine,
-                    &mut records,
-                    &mut finished,
-                )?;
-                ready[i] = match outcome {
-                    Step::Ran => Some(instances[i].now()),
-                    Step::WaitUntil(t) => Some(t),
-                    Step::Idle => None,
-                };
+                ready[i] = instances[i].step(t, convs, &mut records, &mut finished)?;
                 feed_events(&mut instances[i], &mut feeds[i], &mut index, &mut ingest)?;
-                let inst = &instances[i];
+                let inst = &instances[i].sched;
                 router.report_load(
                     i,
                     LoadReport {
@@ -430,7 +418,7 @@ pub fn run(
         policy: policy.name().to_string(),
         requests: records,
         instance_of,
-        busy_s: instances.iter().map(|i| i.busy_s).collect(),
+        busy_s: instances.iter().map(|i| i.sched.busy_s()).collect(),
         decision_ns,
         router: router.stats(),
         ingest,
