@@ -190,7 +190,7 @@ fn workload_of(args: &FleetArgs) -> Result<(Plan, Option<Vec<f64>>, String)> {
 /// Runs `fleet`: every policy, the table (or JSON lines) on `out`, the report and plots in
 /// the report directory.
 pub fn run(args: &FleetArgs, mut out: impl Write) -> Result<FleetReport> {
-    let (report, dir) = measure(args, &mut out)?;
+    let (report, dir) = measure(args, false, &mut out)?;
     if args.workload.json {
         print_json(&report, &mut out)?;
     } else {
@@ -203,11 +203,14 @@ pub fn run(args: &FleetArgs, mut out: impl Write) -> Result<FleetReport> {
 /// Instances of the main job's fleet table.
 pub const MAIN_JOB_INSTANCES: usize = 4;
 
-/// The main job's compact fleet table: its workload (`args`, the main job's flags) on
-/// [`MAIN_JOB_INSTANCES`] instances sharing one L3, every policy run (same run, same
-/// workload); printed: `round-robin`, the best anchor by mean TTFT and `hicache` (JSON lines
+/// The main job's compact fleet table: its workload (`args`, the main job's flags, its L1 per
+/// instance) on [`MAIN_JOB_INSTANCES`] instances sharing one L3, every policy run (same run,
+/// same workload, side by side on threads); printed: `round-robin`, the best anchor by mean TTFT and `hicache` (JSON lines
 /// of the three with `--json`), `fleet.json` and the TTFT plot in the report directory.
 pub fn main_job_table(args: &MultiturnArgs, mut out: impl Write) -> Result<FleetReport> {
+    let wall = std::time::Instant::now();
+    // The main job's L1 per instance (the fleet's own default is sized for traces).
+    let l1 = plan(args)?.setup.device_pages;
     let fa = FleetArgs {
         instances: MAIN_JOB_INSTANCES,
         router: Vec::new(),
@@ -219,10 +222,12 @@ pub fn main_job_table(args: &MultiturnArgs, mut out: impl Write) -> Result<Fleet
         queue_externality: CostModel::default().queue_externality,
         workload: MultiturnArgs {
             quiet: true,
+            device_pages: Some(l1),
+            device_gb: None,
             ..args.clone()
         },
     };
-    let (mut report, dir) = measure(&fa, &mut std::io::sink())?;
+    let (mut report, dir) = measure(&fa, true, &mut std::io::sink())?;
     let anchors = ["least-load", "sglang-cache-aware", "dynamo-linear"];
     let best = report
         .policies
@@ -242,9 +247,10 @@ pub fn main_job_table(args: &MultiturnArgs, mut out: impl Write) -> Result<Fleet
             &mut out,
             format!(
                 "fleet: {MAIN_JOB_INSTANCES} instances, shared L3, the workload above (best \
-                 anchor of {}: {})",
+                 anchor of {}: {}; {:.2} s wall)",
                 anchors.join(", "),
-                best.as_deref().unwrap_or("none")
+                best.as_deref().unwrap_or("none"),
+                wall.elapsed().as_secs_f64()
             ),
         )?;
         w(
@@ -276,9 +282,14 @@ pub fn main_job_table(args: &MultiturnArgs, mut out: impl Write) -> Result<Fleet
     Ok(report)
 }
 
-/// Runs every policy of `args` on a fresh fleet each; the heading (unless `--json`) on
-/// `out`. Returns the report and the report directory.
-fn measure(args: &FleetArgs, out: &mut impl Write) -> Result<(FleetReport, PathBuf)> {
+/// Runs every policy of `args` on a fresh fleet each (with `parallel`, each on its own
+/// thread: the fleets share nothing, and simulated figures do not depend on wall time); the
+/// heading (unless `--json`) on `out`. Returns the report and the report directory.
+fn measure(
+    args: &FleetArgs,
+    parallel: bool,
+    out: &mut impl Write,
+) -> Result<(FleetReport, PathBuf)> {
     let policies = policies_of(args)?;
     let (plan, times, title) = workload_of(args)?;
     let mut setup = FleetSetup::from_plan(&plan, args.instances, args.l3, !args.full_payload)?;
@@ -308,30 +319,26 @@ fn measure(args: &FleetArgs, out: &mut impl Write) -> Result<(FleetReport, PathB
             .map_err(BenchError::io("stdout"))?;
         }
     }
-    let mut summaries = Vec::new();
-    for &policy in &policies {
-        let source = match &times {
-            Some(t) => Source::timed(t),
-            None => Source::closed(&plan)?,
-        };
-        let mut fleet_setup = setup.clone();
-        fleet_setup.sessions = times.is_none();
-        let mut last = std::time::Instant::now();
-        let run = fleet::run(
-            &fleet_setup,
-            &plan.conversations,
-            source,
-            policy,
-            &mut |done, total| {
-                if !quiet && (done == total || last.elapsed().as_secs() >= 5) {
-                    eprintln!("{policy}: {done}/{total} requests");
-                    last = std::time::Instant::now();
-                }
-            },
-        )?;
-        check_accounting(&run, args.instances)?;
-        summaries.push(run.summary(args.instances));
-    }
+    let run = |policy| run_policy(args, &plan, times.as_deref(), &setup, policy, quiet);
+    let summaries = if parallel {
+        std::thread::scope(|scope| {
+            let runs: Vec<_> = policies
+                .iter()
+                .map(|&p| scope.spawn(move || run(p)))
+                .collect();
+            runs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(BenchError::check_failed("a fleet run panicked")))
+                })
+                .collect::<Result<Vec<_>>>()
+        })?
+    } else {
+        policies
+            .iter()
+            .map(|&p| run(p))
+            .collect::<Result<Vec<_>>>()?
+    };
     let decision = decision_times(&plan.conversations, &plan, args.decision_instances, &setup)?;
     let report = FleetReport {
         title,
@@ -340,6 +347,38 @@ fn measure(args: &FleetArgs, out: &mut impl Write) -> Result<(FleetReport, PathB
         decision,
     };
     Ok((report, plan.report_dir))
+}
+
+/// One policy on a fresh fleet: its summary, accounting checked.
+fn run_policy(
+    args: &FleetArgs,
+    plan: &Plan,
+    times: Option<&[f64]>,
+    setup: &FleetSetup,
+    policy: Policy,
+    quiet: bool,
+) -> Result<Summary> {
+    let source = match times {
+        Some(t) => Source::timed(t),
+        None => Source::closed(plan)?,
+    };
+    let mut fleet_setup = setup.clone();
+    fleet_setup.sessions = times.is_none();
+    let mut last = std::time::Instant::now();
+    let run = fleet::run(
+        &fleet_setup,
+        &plan.conversations,
+        source,
+        policy,
+        &mut |done, total| {
+            if !quiet && (done == total || last.elapsed().as_secs() >= 5) {
+                eprintln!("{policy}: {done}/{total} requests");
+                last = std::time::Instant::now();
+            }
+        },
+    )?;
+    check_accounting(&run, args.instances)?;
+    Ok(run.summary(args.instances))
 }
 
 /// `hit + computed = prompt` per request; every request served exactly once.

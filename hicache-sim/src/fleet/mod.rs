@@ -26,6 +26,13 @@
 //! timed as the model's real bytes: all link rates are scaled by the same ratio as the bytes,
 //! so a page takes exactly the simulated time its real size would. Hits, tokens and times do
 //! not depend on the bytes; byte counts do (they are the scaled ones), and the output says so.
+//!
+//! # The file L3's settings
+//!
+//! The caches' file L3 runs with `fsync: none` and `io_threads: 1` unless the extra-config
+//! says otherwise: simulated time is charged on the modelled links, never from the wall time
+//! of a sync or of parallel I/O, so these change no figure (hits and TTFT are the same), and a
+//! fleet of N caches would otherwise sync the file system and spawn threads N times over.
 
 pub mod events;
 pub mod instance;
@@ -182,6 +189,8 @@ impl FleetSetup {
             return Err(SimError::Usage("--instances must be at least 1".into()));
         }
         let mut setup = plan.setup.clone();
+        // Every instance has L1 and L2 (whatever configuration the plan starts with), L3 as asked.
+        setup.tiers.host = true;
         setup.tiers.storage = l3 != L3Mode::None;
         let mut compute = plan.compute.clone();
         let mut engine = plan.engine.clone();
@@ -259,6 +268,14 @@ impl FleetSetup {
                         s.storage
                             .extra_config
                             .insert("shared".into(), Value::Bool(true));
+                    }
+                    // Simulated time does not depend on durability or I/O parallelism (see the
+                    // module docs): unless asked otherwise, no syncs and no I/O threads.
+                    for (k, v) in [
+                        ("fsync", Value::from("none")),
+                        ("io_threads", Value::from(1)),
+                    ] {
+                        s.storage.extra_config.entry(k).or_insert(v);
                     }
                     s.scratch_dir = Some(d);
                 }
