@@ -22,12 +22,16 @@
 //!    minus the overlap credited on the chosen instance) until the request finishes.
 //! 3. Hybrid models ([`hybrid`]): with [`ReuseRule::Hybrid`], an instance's overlap counts
 //!    only up to a reusable end recorded for it; none recorded, no credit.
+//! 4. `hicache` also credits prefixes in flight ([`pending`]): the leading blocks of a prompt
+//!    routed to an instance and not finished count as L1 overlap there (dense models only:
+//!    a hybrid prefix is reusable only at ends the engine reports).
 
 pub mod dynamo;
 pub mod hicache;
 pub mod hybrid;
 pub mod least_load;
 pub mod load;
+pub mod pending;
 pub mod round_robin;
 pub mod sglang;
 pub mod state;
@@ -254,6 +258,7 @@ pub struct Router {
     instances: Vec<InstanceInfo>,
     slot_of: HashMap<u32, usize>,
     load: LoadTracker,
+    pending: pending::Pending,
     rr: round_robin::RoundRobin,
     sglang: sglang::SglangCacheAware,
     ends: ReusableEnds,
@@ -276,6 +281,7 @@ impl Router {
                 .map(|(i, s)| (s.holder.0, i))
                 .collect(),
             load: LoadTracker::new(n),
+            pending: pending::Pending::new(n),
             rr: round_robin::RoundRobin::default(),
             sglang: sglang::SglangCacheAware::new(n, config.sglang),
             ends: ReusableEnds::new(),
@@ -319,6 +325,7 @@ impl Router {
     /// `request` finished: its load is released. Returns the position of the instance it had
     /// gone to; unknown requests are ignored (`None`).
     pub fn finished(&mut self, request: u64) -> Option<usize> {
+        self.pending.finished(request);
         self.load.finished(request)
     }
 
@@ -391,6 +398,9 @@ impl Router {
                 Ok(()) => self.fill_overlaps(),
             }
         }
+        if self.policy == Policy::Hicache && !fallback && self.config.reuse == ReuseRule::Dense {
+            self.credit_pending();
+        }
         let (instance, score) = if fallback {
             (self.load.least_loaded(), 0.0)
         } else {
@@ -415,6 +425,9 @@ impl Router {
             .routed(req.request, instance, prompt as u64, new_tokens as u64);
         if let Some(s) = req.session {
             self.remember_session(s, instance);
+        }
+        if self.policy == Policy::Hicache {
+            self.pending.routed(req.request, instance, &self.hashes);
         }
         Decision {
             instance,
@@ -447,6 +460,21 @@ impl Router {
                 l2: b2 * ps,
                 l3: b3 * ps,
             };
+        }
+    }
+
+    /// Rule 4: the prompts routed to an instance and not finished will be in its L1 when a
+    /// request queued behind them runs; their leading blocks count as L1 overlap there.
+    fn credit_pending(&mut self) {
+        let ps = self.config.page_size;
+        for i in 0..self.instances.len() {
+            let p = self.pending.matched(i, &self.hashes) * ps;
+            let o = &mut self.overlaps[i];
+            if p > o.l1 {
+                o.l1 = p;
+                o.l2 = o.l2.max(p);
+                o.l3 = o.l3.max(p);
+            }
         }
     }
 

@@ -68,6 +68,9 @@ pub struct RouterState {
     pub session_clock: u64,
     /// The position `round-robin` gives next.
     pub round_robin_next: usize,
+    /// `hicache`'s prompts in flight: request, instance position, the prompt's block hashes.
+    #[serde(default)]
+    pub in_flight: Vec<(u64, usize, Vec<u64>)>,
 }
 
 impl LoadTracker {
@@ -121,6 +124,7 @@ impl Router {
             sessions,
             session_clock: self.session_clock,
             round_robin_next: self.rr.next(),
+            in_flight: self.pending.state(),
         }
     }
 
@@ -139,5 +143,11 @@ impl Router {
             .session_clock
             .max(state.sessions.iter().map(|s| s.stamp).max().unwrap_or(0));
         self.rr = super::round_robin::RoundRobin::starting_at(state.round_robin_next);
+        self.pending = super::pending::Pending::new(n);
+        for (request, i, hashes) in &state.in_flight {
+            if let Some(j) = map(*i) {
+                self.pending.routed(*request, j, hashes);
+            }
+        }
     }
 }

@@ -303,3 +303,31 @@ fn a_restored_router_decides_as_the_one_that_saved_its_state() {
         [(1, 0), (2, 1)]
     );
 }
+
+/// Rule 4: a prompt routed to an instance and not finished (not in the index yet) draws the
+/// next prompt sharing its prefix to that instance under `hicache`; finished, it no longer
+/// does; a hybrid fleet never gets the credit.
+#[test]
+fn hicache_credits_prefixes_in_flight_on_dense_models_only() {
+    let (idx, _feeds, infos) = fleet(3);
+    let long: Vec<u32> = (0..64).collect();
+    let mut next = long.clone();
+    next.extend(64..80);
+    let mut r = Router::new(Policy::Hicache, infos.clone(), RouterConfig::new(PS));
+    let first = r.route(&idx, &req(1, &long, None)).instance;
+    let d = r.route(&idx, &req(2, &next, None));
+    assert_eq!(d.instance, first);
+    assert_eq!(d.overlap.l1, 64);
+    r.finished(1);
+    r.finished(2);
+    let d = r.route(&idx, &req(3, &next, None));
+    assert_eq!(d.overlap, Overlap::default());
+    let mut cfg = RouterConfig::new(PS);
+    cfg.reuse = ReuseRule::Hybrid;
+    let mut h = Router::new(Policy::Hicache, infos, cfg);
+    h.route(&idx, &req(1, &long, None));
+    assert_eq!(
+        h.route(&idx, &req(2, &next, None)).overlap,
+        Overlap::default()
+    );
+}
