@@ -86,13 +86,17 @@ fn main() -> ExitCode {
         Some(Command::IndexGen(args)) => cmd::index_gen::run(&args, std::io::stdout().lock()),
         Some(Command::Tool(tool)) => tool.run().map_err(Into::into),
         // The main job: the multi-turn workload on the embedded default (sim device, host
-        // pool, file L3 in a temp dir), every tier side by side.
-        None => cmd::multiturn::run(
-            &Cli::main_job_args(cli.main_job),
-            std::io::stdout().lock(),
-            &hicache_sim::adapter::HiCacheFactory,
-        )
-        .map(drop),
+        // pool, file L3 in a temp dir), every tier side by side; then its compact fleet table.
+        None => {
+            let args = Cli::main_job_args(cli.main_job);
+            cmd::multiturn::run(
+                &args,
+                std::io::stdout().lock(),
+                &hicache_sim::adapter::HiCacheFactory,
+            )
+            .map(drop)
+            .and_then(|()| cmd::fleet::main_job_table(&args, std::io::stdout().lock()).map(drop))
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -157,3 +157,46 @@ fn copy_time_is_charged_on_the_simulated_links() {
     assert!(held.runs[0].cache.refused_during_copies > 0);
     assert!(held.runs[0].ttft.mean > c.ttft.mean);
 }
+
+/// The main job's compact fleet table: every policy ran on the same workload (accounting
+/// holds), three rows are shown — round-robin, the best anchor by mean TTFT, `hicache` —
+/// and the report directory holds `fleet.json` and the TTFT plot.
+#[test]
+fn main_job_fleet_table_shows_round_robin_the_best_anchor_and_hicache() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = tiny(&[], dir.path());
+    let mut out = Vec::new();
+    let report = hicache_bench::cmd::fleet::main_job_table(&args, &mut out).unwrap();
+    assert_eq!(report.policies.len(), 5);
+    let requests: usize = 6 * 4;
+    for s in &report.policies {
+        assert_eq!(s.instances, hicache_bench::cmd::fleet::MAIN_JOB_INSTANCES);
+        assert_eq!(s.requests, requests, "{}", s.policy);
+        assert_eq!(s.requests_per_instance.iter().sum::<usize>(), requests);
+        assert_eq!(
+            s.hit_tokens_l1 + s.hit_tokens_l2 + s.hit_tokens_l3 + s.recomputed_tokens,
+            s.prompt_tokens,
+            "{}",
+            s.policy
+        );
+    }
+    let best = report
+        .policies
+        .iter()
+        .filter(|s| !["round-robin", "hicache"].contains(&s.policy.as_str()))
+        .min_by(|a, b| a.ttft_mean_ms.total_cmp(&b.ttft_mean_ms))
+        .unwrap();
+    let text = String::from_utf8(out).unwrap();
+    let rows: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|w| report.policies.iter().any(|s| s.policy == *w))
+        .collect();
+    assert_eq!(
+        rows,
+        ["round-robin", best.policy.as_str(), "hicache"],
+        "{text}"
+    );
+    assert!(dir.path().join("fleet.json").is_file());
+    assert!(dir.path().join("fleet_ttft.svg").is_file());
+}

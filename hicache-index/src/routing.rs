@@ -9,12 +9,18 @@
 //!    knew of the instances that stayed (load, outstanding requests, sessions) carries over.
 //! 2. **Request ids are the gateway's.** A route without one gets the next id of the service's
 //!    own range, from [`AUTO_REQUEST_BASE`] up, returned in the answer for `/finished`.
+//! 3. **Restarts keep the routing.** The snapshot holds each model's [`RouterState`] with the
+//!    stream id of every position ([`SavedRouting`]); restored, the state is mapped onto the
+//!    restored streams by id (a stream no longer registered loses its part), the auto ids go
+//!    on past the saved one, and the routers decide as before the restart.
 
 use crate::router::{
-    CostModel, Decision, InstanceInfo, L3Access, Policy, Router, RouterConfig, RouterStats,
+    CostModel, Decision, InstanceInfo, L3Access, Policy, Router, RouterConfig, RouterState,
+    RouterStats,
 };
+use crate::service::Service;
 use crate::table::HolderId;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
 /// First id given to a routed request that came without one.
@@ -167,5 +173,152 @@ pub(crate) fn fallback_reason(before: RouterStats, after: RouterStats) -> Option
         Some("slow")
     } else {
         None
+    }
+}
+
+/// One model's router as a snapshot keeps it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedRouter {
+    /// The model.
+    pub model: String,
+    /// The stream id of each of the router's positions.
+    pub candidates: Vec<String>,
+    /// The router's state, by position.
+    pub state: RouterState,
+}
+
+/// The service's routing state in a snapshot (invariant 3).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedRouting {
+    /// Every model's router.
+    pub routers: Vec<SavedRouter>,
+    /// The next id the service gives a request that came without one (0: none given yet).
+    pub next_auto_request: u64,
+}
+
+impl Service {
+    /// The routing state to keep across a restart.
+    pub(crate) fn routing_state(&self) -> SavedRouting {
+        SavedRouting {
+            routers: self
+                .routers
+                .iter()
+                .map(|(model, r)| SavedRouter {
+                    model: model.clone(),
+                    candidates: r.candidates.iter().map(|c| c.id.clone()).collect(),
+                    state: r.router.state(),
+                })
+                .collect(),
+            next_auto_request: self.next_auto_request,
+        }
+    }
+
+    /// Takes over `saved` once the streams are restored (invariant 3): each saved router is
+    /// rebuilt over its model's live streams and given the state of the streams that are
+    /// still there; a model with no live stream gets none.
+    pub(crate) fn restore_routing(&mut self, saved: SavedRouting) {
+        self.next_auto_request = self
+            .next_auto_request
+            .max(saved.next_auto_request)
+            .max(AUTO_REQUEST_BASE);
+        for s in saved.routers {
+            let Some(page_size) = self.models.get(&s.model).map(|m| m.page_size) else {
+                continue;
+            };
+            let now = self.candidates(&s.model);
+            if now.is_empty() {
+                continue;
+            }
+            let mut r = ModelRouter::new(&self.cfg.routing, page_size, now);
+            let map: Vec<Option<usize>> = s.candidates.iter().map(|id| r.position(id)).collect();
+            r.router
+                .restore_state(&s.state, |i| map.get(i).copied().flatten());
+            self.routers.insert(s.model, r);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::WireFormat;
+    use crate::registry::Registration;
+    use crate::service::ServiceConfig;
+    use crate::snapshot;
+
+    fn service(policy: Policy) -> Service {
+        let mut svc = Service::new(ServiceConfig {
+            routing: RoutingConfig {
+                policy,
+                // A loaded test machine must not turn a decision into a fallback.
+                deadline: Duration::from_secs(60),
+                ..RoutingConfig::default()
+            },
+            ..ServiceConfig::default()
+        });
+        for i in 0..3 {
+            svc.register(
+                Registration {
+                    instance: format!("i{i}"),
+                    endpoint: "tcp://127.0.0.1:1".into(),
+                    replay_endpoint: None,
+                    topic: None,
+                    format: WireFormat::Sglang,
+                    model: "m".into(),
+                    page_size: 4,
+                    dp_rank: None,
+                    l3_store: None,
+                },
+                0,
+            )
+            .unwrap();
+        }
+        svc
+    }
+
+    fn prompt(k: u32) -> Vec<u32> {
+        (0..8 + 4 * (k % 5)).map(|t| t + 1000 * k).collect()
+    }
+
+    /// Invariant 3: a service restored from a snapshot routes the next requests as the one
+    /// that wrote it (its load, outstanding requests, sessions and auto ids), where a fresh
+    /// service would not.
+    #[test]
+    fn routing_state_survives_a_snapshot_restart() {
+        for policy in [Policy::LeastLoad, Policy::Hicache, Policy::RoundRobin] {
+            let mut a = service(policy);
+            for k in 0..10u32 {
+                let id = (k != 4).then_some(u64::from(k));
+                a.route("m", &prompt(k), id, Some(u64::from(k % 3)))
+                    .unwrap();
+            }
+            a.finished(2);
+            let bytes = snapshot::encode(&a);
+            let mut b = Service::new(a.config().clone());
+            snapshot::restore(&mut b, std::path::Path::new("mem"), &bytes, 0).unwrap();
+            let mut fresh = service(policy);
+            let mut differs = false;
+            for k in 10..30u32 {
+                let (p, id, s) = (prompt(k), Some(u64::from(k)), Some(u64::from(k % 4)));
+                let x = a.route("m", &p, id, s).unwrap();
+                let y = b.route("m", &p, id, s).unwrap();
+                assert_eq!(
+                    (&x.instance, x.request),
+                    (&y.instance, y.request),
+                    "{policy}"
+                );
+                differs |= fresh.route("m", &p, id, s).unwrap().instance != x.instance;
+                let done = u64::from(k - 10);
+                assert_eq!(a.finished(done), b.finished(done), "{policy}: {done}");
+            }
+            assert!(
+                differs,
+                "{policy}: the test must tell a restored router from a fresh one"
+            );
+            let auto = a.route("m", &prompt(1), None, None).unwrap();
+            let auto_b = b.route("m", &prompt(1), None, None).unwrap();
+            assert_eq!(auto.request, auto_b.request);
+            assert_eq!(auto.request, AUTO_REQUEST_BASE + 1);
+        }
     }
 }

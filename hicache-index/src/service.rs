@@ -153,8 +153,8 @@ pub struct Service {
     pub(crate) metrics: Metrics,
     scratch: Vec<crate::QueryMatch>,
     /// One router per model, built at its first decision or load report.
-    routers: BTreeMap<String, ModelRouter>,
-    next_auto_request: u64,
+    pub(crate) routers: BTreeMap<String, ModelRouter>,
+    pub(crate) next_auto_request: u64,
 }
 
 /// One instance's answer to `/query`, in tokens of whole pages.
@@ -571,7 +571,7 @@ impl Service {
     }
 
     /// The live streams of `model_name`, in id order (invariant 1 of [`crate::routing`]).
-    fn candidates(&self, model_name: &str) -> Vec<Candidate> {
+    pub(crate) fn candidates(&self, model_name: &str) -> Vec<Candidate> {
         self.streams
             .iter()
             .filter(|(_, s)| s.reg.model == model_name && !s.state.dead())

@@ -1,6 +1,6 @@
 //! Snapshots: the service's whole state (registrations, stream positions, every instance's
-//! engine-hash map with its tiers, every shared store's pages) in one checksummed file, so a
-//! restarted index serves at once and catches up through replay.
+//! engine-hash map with its tiers, every shared store's pages, the routers' state) in one
+//! checksummed file, so a restarted index serves at once and catches up through replay.
 //!
 //! Format (little-endian): `b"HCIXSNAP"`, version `u32`, the JSON metadata's length `u64` and
 //! the JSON (registrations with positions, stores), then per registration its map entries
@@ -73,6 +73,9 @@ struct Meta {
     streams: Vec<(Registration, StreamPosition)>,
     /// (model, store) of each store section, in order.
     stores: Vec<(String, String)>,
+    /// The routers' state (absent in snapshots written before routing was kept).
+    #[serde(default)]
+    routing: crate::routing::SavedRouting,
 }
 
 /// Serializes the service's state (under its lock: a copy of the maps, no I/O).
@@ -88,6 +91,7 @@ pub fn encode(svc: &Service) -> Vec<u8> {
             .iter()
             .flat_map(|(m, model)| model.stores.keys().map(move |s| (m.clone(), s.clone())))
             .collect(),
+        routing: svc.routing_state(),
     };
     let json = serde_json::to_vec(&meta).expect("plain data serializes");
     let entries: usize = svc.streams.values().map(|s| s.feed.mapped_blocks()).sum();
@@ -269,6 +273,7 @@ pub fn restore(
         restored += pages.len() as u64;
         st.pages.extend(pages.into_iter().map(|h| (h, now_ms)));
     }
+    svc.restore_routing(meta.routing);
     Ok(restored)
 }
 

@@ -57,6 +57,7 @@ use crate::cache::{Admission, CacheError, CacheStats, CacheUnderTest, PrefetchSt
 use crate::error::{Result, SimError};
 use crate::links::{CopyTime, Links};
 use crate::model::ComputeModel;
+use crate::trace::Conversation;
 use crate::workload::{Sent, Workload};
 
 /// Scheduler settings.
@@ -193,6 +194,9 @@ fn cache_err(e: CacheError) -> SimError {
 
 /// Runs `workload` through `cache` to the end. `progress` is called with (finished, total)
 /// after every finished request.
+///
+/// The loop of the module docs, on one [`Scheduler`]: the workload is the only source of
+/// requests, and the clock jumps to its next arrival when the scheduler has nothing to do.
 pub fn run(
     workload: &mut Workload,
     cache: &mut dyn CacheUnderTest,
@@ -200,30 +204,110 @@ pub fn run(
     config: &EngineConfig,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<RunResult> {
-    Engine::new(workload, cache, compute, config)?.run(progress)
+    let mut sched = Scheduler::new(&*cache, compute, config, true)?;
+    check_fits(workload, sched.page_size, cache.device_pages())?;
+    let wall = Instant::now();
+    let mut requests: Vec<RequestRecord> = Vec::new();
+    let mut finished = Vec::new();
+    let mut at = 0.0;
+    while !workload.is_done() {
+        sched.advance_to(at, cache)?;
+        while let Some(sent) = workload.pop_due(sched.now()) {
+            requests.push(RequestRecord::default());
+            debug_assert_eq!(requests.len() as u64, sent.id + 1);
+            let rec = &mut requests[sent.id as usize];
+            sched.arrive(sent, workload.conversations(), cache, rec)?;
+        }
+        at = match sched.step(
+            cache,
+            workload.conversations(),
+            &mut requests,
+            &mut finished,
+        )? {
+            Step::Ran => sched.now(),
+            Step::WaitUntil(t) => t,
+            Step::Idle => {
+                let next = workload
+                    .next_send_time()
+                    .unwrap_or(f64::INFINITY)
+                    .min(sched.next_event(&*cache).unwrap_or(f64::INFINITY));
+                if !next.is_finite() {
+                    return Err(SimError::Cache(format!(
+                        "the simulation stalled at {:.3} s with {} requests waiting and none \
+                         running",
+                        sched.now(),
+                        sched.waiting()
+                    )));
+                }
+                sched.now().max(next)
+            }
+        };
+        for (sent, t) in finished.drain(..) {
+            workload.complete(&sent, t);
+            progress(workload.completed(), workload.total());
+        }
+    }
+    cache.shutdown().map_err(cache_err)?;
+    let first = requests
+        .iter()
+        .map(|r| r.arrival)
+        .fold(f64::INFINITY, f64::min);
+    let last = requests.iter().map(|r| r.finished).fold(0.0, f64::max);
+    let (links, steps) = sched.into_parts();
+    Ok(RunResult {
+        cache: cache.stats(),
+        sim_seconds: if first.is_finite() { last - first } else { 0.0 },
+        wall_seconds: wall.elapsed().as_secs_f64(),
+        links,
+        requests,
+        steps,
+    })
 }
 
-struct Engine<'a> {
-    workload: &'a mut Workload,
-    cache: &'a mut dyn CacheUnderTest,
-    compute: &'a ComputeModel,
-    config: &'a EngineConfig,
+/// What one [`Scheduler::step`] did.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub enum Step {
+    /// A forward step ran; the scheduler's clock moved to its end.
+    Ran,
+    /// Nothing can run before this time: the cache refused a due request while none runs,
+    /// and copies in flight that hold its memory complete then (or, when it holds none, the
+    /// scheduler polled in wall time and the time is its clock).
+    WaitUntil(f64),
+    /// Nothing runs: no request is due, or every waiting one waits for its prefetch
+    /// ([`Scheduler::next_event`] says until when).
+    Idle,
+}
+
+/// One engine's scheduler (the loop of the module docs), steppable: the driver delivers
+/// requests ([`Scheduler::arrive`]), moves the clock ([`Scheduler::advance_to`]) and runs one
+/// iteration at a time ([`Scheduler::step`]). [`run`] drives one with a [`Workload`]; the
+/// fleet ([`crate::fleet`]) drives many on one clock, with requests a router places.
+///
+/// The cache is passed to every call rather than held, so the driver keeps its concrete
+/// type (the fleet drains its KV events between steps). Requests' records live with the
+/// driver, indexed by request id (`records[id]`).
+pub struct Scheduler {
+    compute: ComputeModel,
+    config: EngineConfig,
     page_size: usize,
     now: f64,
     links: Links,
     waiting: VecDeque<Waiting>,
     prefilling: Vec<Active>,
     decoding: Vec<Active>,
-    requests: Vec<RequestRecord>,
-    steps: Vec<StepRecord>,
+    stalled_since: Option<Instant>,
+    steps: Option<Vec<StepRecord>>,
+    busy_s: f64,
 }
 
-impl<'a> Engine<'a> {
-    fn new(
-        workload: &'a mut Workload,
-        cache: &'a mut dyn CacheUnderTest,
-        compute: &'a ComputeModel,
-        config: &'a EngineConfig,
+impl Scheduler {
+    /// An idle scheduler at time 0 for `cache`; with `record_steps`, every forward step is
+    /// kept ([`Scheduler::into_parts`]).
+    pub fn new(
+        cache: &dyn CacheUnderTest,
+        compute: &ComputeModel,
+        config: &EngineConfig,
+        record_steps: bool,
     ) -> Result<Self> {
         compute.validate().map_err(SimError::Usage)?;
         if config.max_prefill_tokens == 0 {
@@ -235,138 +319,197 @@ impl<'a> Engine<'a> {
         if page_size == 0 {
             return Err(SimError::Cache("the cache reports page size 0".into()));
         }
-        check_fits(workload, page_size, cache.device_pages())?;
         Ok(Self {
-            workload,
-            cache,
-            compute,
-            config,
+            compute: compute.clone(),
+            config: config.clone(),
             page_size,
             now: 0.0,
             links: Links::new(compute, config.copy_time),
             waiting: VecDeque::new(),
             prefilling: Vec::new(),
             decoding: Vec::new(),
-            requests: Vec::new(),
-            steps: Vec::new(),
+            stalled_since: None,
+            steps: record_steps.then(Vec::new),
+            busy_s: 0.0,
         })
     }
 
-    fn prompt(&self, s: &Sent) -> &[u32] {
-        self.workload.conversations()[s.conversation].prompt(s.round)
+    /// The scheduler's clock (s).
+    pub fn now(&self) -> f64 {
+        self.now
     }
 
-    fn answer_len(&self, s: &Sent) -> usize {
-        self.workload.conversations()[s.conversation].answer_len(s.round)
+    /// Busy time: the sum of its forward steps (s).
+    pub fn busy_s(&self) -> f64 {
+        self.busy_s
     }
 
-    fn run(mut self, progress: &mut dyn FnMut(usize, usize)) -> Result<RunResult> {
-        let wall = Instant::now();
-        let mut stalled_since: Option<Instant> = None;
-        while !self.workload.is_done() {
-            self.cache
-                .advance(self.now, &mut self.links)
-                .map_err(cache_err)?;
-            self.accept_arrivals()?;
-            let (admitted, refused) = self.schedule()?;
-            if !self.prefilling.is_empty() {
-                stalled_since = None;
-                self.prefill_step(admitted, progress)?;
-            } else if !self.decoding.is_empty() {
-                stalled_since = None;
-                self.decode_step(progress)?;
-            } else if let Some(t) = refused
-                .and(self.cache.next_completion())
-                .filter(|&t| t > self.now)
-            {
-                // Nothing runs, yet the cache refused a request that is due: its memory is
-                // held by copies in flight. They complete at `t` on the simulated links.
-                stalled_since = None;
-                self.now = t;
-            } else if let Some(req) = refused {
-                // Nothing runs, yet the cache refused a request that is due: its memory is
-                // held by work in flight (copies awaiting acknowledgement). Wait in wall time,
-                // polling, without advancing the simulated clock.
-                let since = *stalled_since.get_or_insert_with(Instant::now);
-                if since.elapsed() > self.config.wall_wait_limit {
-                    let r = &self.requests[req as usize];
-                    return Err(SimError::Cache(format!(
-                        "request {req} ({}, {} prompt tokens): the cache refused admission for \
-                         {:?} with no request running ({} device pages)",
-                        r.conversation,
-                        r.prompt_tokens,
-                        self.config.wall_wait_limit,
-                        self.cache.device_pages()
-                    )));
-                }
-                std::thread::sleep(Duration::from_micros(50));
-            } else {
-                stalled_since = None;
-                self.idle()?;
-            }
-        }
-        self.cache.shutdown().map_err(cache_err)?;
-        let first = self
-            .requests
+    /// Requests waiting (not admitted).
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Requests waiting or running.
+    pub fn requests(&self) -> usize {
+        self.waiting.len() + self.prefilling.len() + self.decoding.len()
+    }
+
+    /// Prompt tokens still to compute: every waiting prompt (its hits are not known before
+    /// admission) and what admitted ones have left.
+    pub fn queued_prefill_tokens(&self, convs: &[Conversation]) -> usize {
+        let waiting: usize = self
+            .waiting
             .iter()
-            .map(|r| r.arrival)
-            .fold(f64::INFINITY, f64::min);
-        let last = self.requests.iter().map(|r| r.finished).fold(0.0, f64::max);
-        Ok(RunResult {
-            cache: self.cache.stats(),
-            sim_seconds: if first.is_finite() { last - first } else { 0.0 },
-            wall_seconds: wall.elapsed().as_secs_f64(),
-            links: self.links,
-            requests: self.requests,
-            steps: self.steps,
-        })
+            .map(|w| convs[w.sent.conversation].prompt(w.sent.round).len())
+            .sum();
+        waiting + self.prefilling.iter().map(|a| a.to_compute).sum::<usize>()
     }
 
-    fn accept_arrivals(&mut self) -> Result<()> {
-        while let Some(sent) = self.workload.pop_due(self.now) {
-            let conv = &self.workload.conversations()[sent.conversation];
-            self.requests.push(RequestRecord {
-                id: sent.id,
-                conversation: conv.id.clone(),
-                round: sent.round,
-                prompt_tokens: conv.prompt(sent.round).len(),
-                answer_tokens: conv.answer_len(sent.round),
-                arrival: sent.time,
-                ..RequestRecord::default()
-            });
-            debug_assert_eq!(self.requests.len() as u64, sent.id + 1);
-            let prompt = self.workload.conversations()[sent.conversation].prompt(sent.round);
-            self.cache.arrive(sent.id, prompt).map_err(cache_err)?;
-            self.waiting.push_back(Waiting {
-                sent,
-                prefetch: None,
-            });
-        }
+    /// KV tokens of decoding requests.
+    pub fn running_tokens(&self) -> usize {
+        self.decoding.iter().map(|a| a.cached + a.produced).sum()
+    }
+
+    /// The links and (when recorded) the forward steps, at the end of a run.
+    pub fn into_parts(self) -> (Links, Vec<StepRecord>) {
+        (self.links, self.steps.unwrap_or_default())
+    }
+
+    /// Moves the clock to `max(now, at)` and lets the cache finish what is due by then
+    /// (step 1 of the loop, before arrivals).
+    pub fn advance_to(&mut self, at: f64, cache: &mut dyn CacheUnderTest) -> Result<()> {
+        self.now = self.now.max(at);
+        cache.advance(self.now, &mut self.links).map_err(cache_err)
+    }
+
+    /// `sent` joins the waiting queue at `sent.time` (the clock moves there if behind); its
+    /// record `rec` is filled in.
+    pub fn arrive(
+        &mut self,
+        sent: Sent,
+        convs: &[Conversation],
+        cache: &mut dyn CacheUnderTest,
+        rec: &mut RequestRecord,
+    ) -> Result<()> {
+        self.now = self.now.max(sent.time);
+        let conv = &convs[sent.conversation];
+        *rec = RequestRecord {
+            id: sent.id,
+            conversation: conv.id.clone(),
+            round: sent.round,
+            prompt_tokens: conv.prompt(sent.round).len(),
+            answer_tokens: conv.answer_len(sent.round),
+            arrival: sent.time,
+            ..RequestRecord::default()
+        };
+        cache
+            .arrive(sent.id, conv.prompt(sent.round))
+            .map_err(cache_err)?;
+        self.waiting.push_back(Waiting {
+            sent,
+            prefetch: None,
+        });
         Ok(())
+    }
+
+    /// Steps 2–5 of the loop at the current time: build the prefill batch, then run a
+    /// prefill or a decode step, or say what the scheduler waits for. Requests that
+    /// finished are appended to `finished` with their finish time, in finishing order.
+    pub fn step(
+        &mut self,
+        cache: &mut dyn CacheUnderTest,
+        convs: &[Conversation],
+        records: &mut [RequestRecord],
+        finished: &mut Vec<(Sent, f64)>,
+    ) -> Result<Step> {
+        let (load_bytes, refused) = self.schedule(cache, convs, records)?;
+        if !self.prefilling.is_empty() {
+            self.stalled_since = None;
+            self.prefill_step(load_bytes, cache, convs, records, finished)?;
+            return Ok(Step::Ran);
+        }
+        if !self.decoding.is_empty() {
+            self.stalled_since = None;
+            self.decode_step(cache, convs, records, finished)?;
+            return Ok(Step::Ran);
+        }
+        if let Some(t) = refused
+            .and(cache.next_completion())
+            .filter(|&t| t > self.now)
+        {
+            // Nothing runs, yet the cache refused a request that is due: its memory is
+            // held by copies in flight. They complete at `t` on the simulated links.
+            self.stalled_since = None;
+            return Ok(Step::WaitUntil(t));
+        }
+        if let Some(req) = refused {
+            // Nothing runs, yet the cache refused a request that is due: its memory is
+            // held by work in flight (copies awaiting acknowledgement). Wait in wall time,
+            // polling, without advancing the simulated clock.
+            let since = *self.stalled_since.get_or_insert_with(Instant::now);
+            if since.elapsed() > self.config.wall_wait_limit {
+                let r = &records[req as usize];
+                return Err(SimError::Cache(format!(
+                    "request {req} ({}, {} prompt tokens): the cache refused admission for \
+                     {:?} with no request running ({} device pages)",
+                    r.conversation,
+                    r.prompt_tokens,
+                    self.config.wall_wait_limit,
+                    cache.device_pages()
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(50));
+            return Ok(Step::WaitUntil(self.now));
+        }
+        self.stalled_since = None;
+        Ok(Step::Idle)
+    }
+
+    /// The next time something the scheduler waits for completes on its own: a waiting
+    /// request's modelled prefetch or a copy of the cache, after the clock; `None` when
+    /// nothing is in flight.
+    pub fn next_event(&self, cache: &dyn CacheUnderTest) -> Option<f64> {
+        let next_prefetch = self
+            .waiting
+            .iter()
+            .filter_map(|w| w.prefetch.map(|p| p.1))
+            .filter(|&d| d > self.now)
+            .fold(f64::INFINITY, f64::min);
+        let next_copy = cache
+            .next_completion()
+            .filter(|&t| t > self.now)
+            .unwrap_or(f64::INFINITY);
+        let next = next_prefetch.min(next_copy);
+        next.is_finite().then_some(next)
     }
 
     /// Waits (wall time) until the cache says the request's prefetch is done, then models its
     /// duration (rule 4).
-    fn resolve_prefetch(&mut self, i: usize) -> Result<(usize, f64)> {
+    fn resolve_prefetch(
+        &mut self,
+        i: usize,
+        cache: &mut dyn CacheUnderTest,
+        records: &mut [RequestRecord],
+    ) -> Result<(usize, f64)> {
         if let Some(p) = self.waiting[i].prefetch {
             return Ok(p);
         }
         let sent = self.waiting[i].sent;
         let started = Instant::now();
         let l3_pages = loop {
-            match self.cache.prefetch_status(sent.id).map_err(cache_err)? {
+            match cache.prefetch_status(sent.id).map_err(cache_err)? {
                 PrefetchStatus::Ready { l3_pages } => break l3_pages,
                 PrefetchStatus::Pending => {
                     if started.elapsed() > self.config.wall_wait_limit {
                         return Err(SimError::Cache(format!(
                             "request {} ({}): prefetch still pending after {:?}",
                             sent.id,
-                            self.requests[sent.id as usize].conversation,
+                            records[sent.id as usize].conversation,
                             self.config.wall_wait_limit
                         )));
                     }
                     std::thread::sleep(Duration::from_micros(50));
-                    self.cache
+                    cache
                         .advance(self.now, &mut self.links)
                         .map_err(cache_err)?;
                 }
@@ -381,7 +524,7 @@ impl<'a> Engine<'a> {
                 l3_pages as u64 * self.config.page_bytes,
             )
         };
-        let rec = &mut self.requests[sent.id as usize];
+        let rec = &mut records[sent.id as usize];
         rec.prefetched_pages = l3_pages;
         rec.prefetch_done = done;
         self.waiting[i].prefetch = Some((l3_pages, done));
@@ -392,7 +535,12 @@ impl<'a> Engine<'a> {
     /// admissions load from host memory and the request the cache refused, if the scan ended
     /// on a refusal. The batch is `self.prefilling` with per-request token counts decided in
     /// `prefill_step`.
-    fn schedule(&mut self) -> Result<(u64, Option<u64>)> {
+    fn schedule(
+        &mut self,
+        cache: &mut dyn CacheUnderTest,
+        convs: &[Conversation],
+        records: &mut [RequestRecord],
+    ) -> Result<(u64, Option<u64>)> {
         let mut budget = self.config.max_prefill_tokens;
         for a in &self.prefilling {
             budget = budget.saturating_sub(a.to_compute);
@@ -401,43 +549,46 @@ impl<'a> Engine<'a> {
         let mut refused = None;
         let mut i = 0;
         while i < self.waiting.len() && budget > 0 {
-            let (_, done) = self.resolve_prefetch(i)?;
+            let (_, done) = self.resolve_prefetch(i, cache, records)?;
             if done > self.now {
                 i += 1;
                 continue;
             }
             let sent = self.waiting[i].sent;
-            let answer = self.answer_len(&sent);
-            let prompt_len = self.prompt(&sent).len();
-            let prompt = self.workload.conversations()[sent.conversation].prompt(sent.round);
-            let Some(adm) = self
-                .cache
-                .admit(sent.id, prompt, answer)
-                .map_err(cache_err)?
-            else {
+            let conv = &convs[sent.conversation];
+            let prompt = conv.prompt(sent.round);
+            let answer = conv.answer_len(sent.round);
+            let Some(adm) = cache.admit(sent.id, prompt, answer).map_err(cache_err)? else {
                 refused = Some(sent.id);
                 break;
             };
-            self.check_admission(&sent, prompt_len, answer, &adm)?;
+            check_admission(
+                &sent,
+                &records[sent.id as usize],
+                prompt.len(),
+                answer,
+                &adm,
+                self.page_size,
+            )?;
             self.waiting.remove(i);
             let ps = self.page_size;
-            let rec = &mut self.requests[sent.id as usize];
+            let rec = &mut records[sent.id as usize];
             rec.admitted = self.now;
             rec.hit_l1 = adm.l1_pages * ps;
             rec.hit_l2 = adm.l2_pages * ps;
             rec.hit_l3 = adm.l3_pages * ps;
             let cached = adm.prefix_pages() * ps;
-            rec.computed = prompt_len - cached;
+            rec.computed = prompt.len() - cached;
             load_bytes += adm
                 .load_bytes
                 .unwrap_or(adm.load_pages() as u64 * self.config.page_bytes);
-            budget = budget.saturating_sub(prompt_len - cached);
+            budget = budget.saturating_sub(prompt.len() - cached);
             let mut slots = adm.prefix_slots;
             slots.extend_from_slice(&adm.new_slots);
             self.prefilling.push(Active {
                 sent,
                 cached,
-                to_compute: prompt_len - cached,
+                to_compute: prompt.len() - cached,
                 produced: 0,
                 slots,
             });
@@ -445,47 +596,13 @@ impl<'a> Engine<'a> {
         Ok((load_bytes, refused))
     }
 
-    fn check_admission(
-        &self,
-        sent: &Sent,
-        prompt_len: usize,
-        answer: usize,
-        adm: &Admission,
-    ) -> Result<()> {
-        let ps = self.page_size;
-        let prefix = adm.prefix_pages();
-        let total = (prompt_len + answer).div_ceil(ps);
-        let fail = |what: String| {
-            Err(SimError::Cache(format!(
-                "request {} ({}): admission breaks the cache contract: {what}",
-                sent.id, self.requests[sent.id as usize].conversation
-            )))
-        };
-        if adm.prefix_slots.len() != prefix {
-            return fail(format!(
-                "{} prefix slots for {prefix} prefix pages",
-                adm.prefix_slots.len()
-            ));
-        }
-        if prefix * ps >= prompt_len {
-            return fail(format!(
-                "a prefix of {prefix} pages covers the whole {prompt_len}-token prompt"
-            ));
-        }
-        if adm.new_slots.len() != total - prefix {
-            return fail(format!(
-                "{} new slots, expected {} ({total} pages for prompt and answer − {prefix})",
-                adm.new_slots.len(),
-                total - prefix
-            ));
-        }
-        Ok(())
-    }
-
     fn prefill_step(
         &mut self,
         load_bytes: u64,
-        progress: &mut dyn FnMut(usize, usize),
+        cache: &mut dyn CacheUnderTest,
+        convs: &[Conversation],
+        records: &mut [RequestRecord],
+        finished: &mut Vec<(Sent, f64)>,
     ) -> Result<()> {
         let mut budget = self.config.max_prefill_tokens;
         let mut compute = 0.0;
@@ -498,26 +615,28 @@ impl<'a> Engine<'a> {
             tokens += take;
             takes.push(take);
         }
-        let producer = self.cache.start_loading().map_err(cache_err)?;
-        if let Some(idx) = producer {
+        if let Some(idx) = cache.start_loading().map_err(cache_err)? {
             for layer in 0..self.config.layers as usize {
-                self.cache.wait_layer(idx, layer).map_err(cache_err)?;
+                cache.wait_layer(idx, layer).map_err(cache_err)?;
             }
         }
         let duration = self
             .compute
             .prefill_step(compute, self.config.layers, load_bytes);
         let plain = self.compute.step_overhead_s + compute;
-        self.steps.push(StepRecord {
-            kind: StepKind::Prefill,
-            start: self.now,
-            duration,
-            tokens,
-            requests: self.prefilling.len(),
-            load_bytes,
-            load_stall: (duration - plain).max(0.0),
-        });
+        if let Some(steps) = &mut self.steps {
+            steps.push(StepRecord {
+                kind: StepKind::Prefill,
+                start: self.now,
+                duration,
+                tokens,
+                requests: self.prefilling.len(),
+                load_bytes,
+                load_stall: (duration - plain).max(0.0),
+            });
+        }
         self.now += duration;
+        self.busy_s += duration;
         let mut still = Vec::new();
         for (mut a, take) in std::mem::take(&mut self.prefilling).into_iter().zip(takes) {
             a.to_compute -= take;
@@ -526,10 +645,10 @@ impl<'a> Engine<'a> {
                 still.push(a);
                 continue;
             }
-            self.requests[a.sent.id as usize].first_token = self.now;
+            records[a.sent.id as usize].first_token = self.now;
             a.produced = 1;
-            if a.produced >= self.answer_len(&a.sent) {
-                self.finish(a, progress)?;
+            if a.produced >= convs[a.sent.conversation].answer_len(a.sent.round) {
+                self.finish(a, cache, convs, records, finished)?;
             } else {
                 self.decoding.push(a);
             }
@@ -538,24 +657,33 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
-    fn decode_step(&mut self, progress: &mut dyn FnMut(usize, usize)) -> Result<()> {
+    fn decode_step(
+        &mut self,
+        cache: &mut dyn CacheUnderTest,
+        convs: &[Conversation],
+        records: &mut [RequestRecord],
+        finished: &mut Vec<(Sent, f64)>,
+    ) -> Result<()> {
         let context: usize = self.decoding.iter().map(|a| a.cached + a.produced).sum();
         let duration = self.compute.decode_step(context, self.decoding.len());
-        self.steps.push(StepRecord {
-            kind: StepKind::Decode,
-            start: self.now,
-            duration,
-            tokens: self.decoding.len(),
-            requests: self.decoding.len(),
-            load_bytes: 0,
-            load_stall: 0.0,
-        });
+        if let Some(steps) = &mut self.steps {
+            steps.push(StepRecord {
+                kind: StepKind::Decode,
+                start: self.now,
+                duration,
+                tokens: self.decoding.len(),
+                requests: self.decoding.len(),
+                load_bytes: 0,
+                load_stall: 0.0,
+            });
+        }
         self.now += duration;
+        self.busy_s += duration;
         let mut still = Vec::with_capacity(self.decoding.len());
         for mut a in std::mem::take(&mut self.decoding) {
             a.produced += 1;
-            if a.produced >= self.answer_len(&a.sent) {
-                self.finish(a, progress)?;
+            if a.produced >= convs[a.sent.conversation].answer_len(a.sent.round) {
+                self.finish(a, cache, convs, records, finished)?;
             } else {
                 still.push(a);
             }
@@ -564,46 +692,60 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
-    fn finish(&mut self, a: Active, progress: &mut dyn FnMut(usize, usize)) -> Result<()> {
-        let conv = &self.workload.conversations()[a.sent.conversation];
-        let tokens = conv.with_answer(a.sent.round);
-        self.cache
+    fn finish(
+        &mut self,
+        a: Active,
+        cache: &mut dyn CacheUnderTest,
+        convs: &[Conversation],
+        records: &mut [RequestRecord],
+        finished: &mut Vec<(Sent, f64)>,
+    ) -> Result<()> {
+        let tokens = convs[a.sent.conversation].with_answer(a.sent.round);
+        cache
             .cache_finished(a.sent.id, tokens, &a.slots)
             .map_err(cache_err)?;
-        self.requests[a.sent.id as usize].finished = self.now;
-        self.workload.complete(&a.sent, self.now);
-        progress(self.workload.completed(), self.workload.total());
+        records[a.sent.id as usize].finished = self.now;
+        finished.push((a.sent, self.now));
         Ok(())
     }
+}
 
-    fn idle(&mut self) -> Result<()> {
-        let next_prefetch = self
-            .waiting
-            .iter()
-            .filter_map(|w| w.prefetch.map(|p| p.1))
-            .filter(|&d| d > self.now)
-            .fold(f64::INFINITY, f64::min);
-        let next_copy = self
-            .cache
-            .next_completion()
-            .filter(|&t| t > self.now)
-            .unwrap_or(f64::INFINITY);
-        let next = self
-            .workload
-            .next_send_time()
-            .unwrap_or(f64::INFINITY)
-            .min(next_prefetch)
-            .min(next_copy);
-        if !next.is_finite() {
-            return Err(SimError::Cache(format!(
-                "the simulation stalled at {:.3} s with {} requests waiting and none running",
-                self.now,
-                self.waiting.len()
-            )));
-        }
-        self.now = self.now.max(next);
-        Ok(())
+/// Checks an admission against the cache contract (rule 5).
+fn check_admission(
+    sent: &Sent,
+    rec: &RequestRecord,
+    prompt_len: usize,
+    answer: usize,
+    adm: &Admission,
+    ps: usize,
+) -> Result<()> {
+    let prefix = adm.prefix_pages();
+    let total = (prompt_len + answer).div_ceil(ps);
+    let fail = |what: String| {
+        Err(SimError::Cache(format!(
+            "request {} ({}): admission breaks the cache contract: {what}",
+            sent.id, rec.conversation
+        )))
+    };
+    if adm.prefix_slots.len() != prefix {
+        return fail(format!(
+            "{} prefix slots for {prefix} prefix pages",
+            adm.prefix_slots.len()
+        ));
     }
+    if prefix * ps >= prompt_len {
+        return fail(format!(
+            "a prefix of {prefix} pages covers the whole {prompt_len}-token prompt"
+        ));
+    }
+    if adm.new_slots.len() != total - prefix {
+        return fail(format!(
+            "{} new slots, expected {} ({total} pages for prompt and answer − {prefix})",
+            adm.new_slots.len(),
+            total - prefix
+        ));
+    }
+    Ok(())
 }
 
 /// Checks that every request's prompt and answer fit in device memory (else no schedule can

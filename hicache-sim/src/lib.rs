@@ -40,7 +40,7 @@ pub use cache::{
     Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, ComponentMoves, DeviceSlot,
     HybridMoves, PrefetchStatus, RequestId, TransferStats,
 };
-pub use engine::{EngineConfig, RequestRecord, RunResult, StepKind, StepRecord};
+pub use engine::{EngineConfig, RequestRecord, RunResult, Scheduler, Step, StepKind, StepRecord};
 pub use error::{Result, SimError};
 pub use hybrid_adapter::{HybridAdapter, HybridFactory};
 pub use links::{CopyTime, Link, Links};

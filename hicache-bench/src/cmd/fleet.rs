@@ -17,7 +17,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use hicache_index::router::{InstanceInfo, L3Access, Policy, RouteRequest, Router, RouterConfig};
+use hicache_index::router::{
+    CostModel, InstanceInfo, L3Access, Policy, RouteRequest, Router, RouterConfig,
+};
 use hicache_index::{ChainHasher, HolderKind, Index, Tier};
 use hicache_sim::fleet::{self, FleetSetup, L3Mode, Source, Summary, mooncake};
 use hicache_sim::plan::{MultiturnArgs, Plan, plan};
@@ -57,6 +59,10 @@ pub struct FleetArgs {
     /// Instances of the router decision-time measurement.
     #[arg(long, default_value_t = 64, help_heading = "Fleet")]
     pub decision_instances: usize,
+    /// Weight of the delay a request imposes on those queued behind it in the `hicache`
+    /// policy's score (0: each request's own expected TTFT only).
+    #[arg(long, default_value_t = CostModel::default().queue_externality, help_heading = "Fleet")]
+    pub queue_externality: f64,
     /// The workload, cache, engine and output flags of `multiturn`.
     #[command(flatten)]
     pub workload: MultiturnArgs,
@@ -184,9 +190,116 @@ fn workload_of(args: &FleetArgs) -> Result<(Plan, Option<Vec<f64>>, String)> {
 /// Runs `fleet`: every policy, the table (or JSON lines) on `out`, the report and plots in
 /// the report directory.
 pub fn run(args: &FleetArgs, mut out: impl Write) -> Result<FleetReport> {
+    let (report, dir) = measure(args, false, &mut out)?;
+    if args.workload.json {
+        print_json(&report, &mut out)?;
+    } else {
+        print_table(&report, &mut out)?;
+    }
+    write_report(&report, &dir, !args.workload.json, &mut out)?;
+    Ok(report)
+}
+
+/// Instances of the main job's fleet table.
+pub const MAIN_JOB_INSTANCES: usize = 4;
+
+/// The main job's compact fleet table: its workload (`args`, the main job's flags, its L1 per
+/// instance) on [`MAIN_JOB_INSTANCES`] instances sharing one L3, every policy run (same run,
+/// same workload, side by side on threads); printed: `round-robin`, the best anchor by mean TTFT and `hicache` (JSON lines
+/// of the three with `--json`), `fleet.json` and the TTFT plot in the report directory.
+pub fn main_job_table(args: &MultiturnArgs, mut out: impl Write) -> Result<FleetReport> {
+    let wall = std::time::Instant::now();
+    // The main job's L1 per instance (the fleet's own default is sized for traces).
+    let l1 = plan(args)?.setup.device_pages;
+    let fa = FleetArgs {
+        instances: MAIN_JOB_INSTANCES,
+        router: Vec::new(),
+        l3: L3Mode::Shared,
+        requests: None,
+        time_scale: 1.0,
+        full_payload: false,
+        decision_instances: 0,
+        queue_externality: CostModel::default().queue_externality,
+        workload: MultiturnArgs {
+            quiet: true,
+            device_pages: Some(l1),
+            device_gb: None,
+            ..args.clone()
+        },
+    };
+    let (mut report, dir) = measure(&fa, true, &mut std::io::sink())?;
+    let anchors = ["least-load", "sglang-cache-aware", "dynamo-linear"];
+    let best = report
+        .policies
+        .iter()
+        .filter(|s| anchors.contains(&s.policy.as_str()))
+        .min_by(|a, b| a.ttft_mean_ms.total_cmp(&b.ttft_mean_ms))
+        .map(|s| s.policy.clone());
+    let shown = |p: &str| p == "round-robin" || p == "hicache" || best.as_deref() == Some(p);
+    let all = report.policies.clone();
+    report.policies.retain(|s| shown(&s.policy));
+    if args.json {
+        print_json(&report, &mut out)?;
+    } else {
+        let w =
+            |out: &mut dyn Write, s: String| writeln!(out, "{s}").map_err(BenchError::io("stdout"));
+        w(
+            &mut out,
+            format!(
+                "fleet: {MAIN_JOB_INSTANCES} instances, shared L3, the workload above (best \
+                 anchor of {}: {}; {:.2} s wall)",
+                anchors.join(", "),
+                best.as_deref().unwrap_or("none"),
+                wall.elapsed().as_secs_f64()
+            ),
+        )?;
+        w(
+            &mut out,
+            format!(
+                "{:<19} {:>10} {:>6} {:>9} {:>9} {:>9} {:>9} {:>6}",
+                "policy", "recomputed", "hit%", "p50 ms", "p90 ms", "p99 ms", "mean ms", "CoV"
+            ),
+        )?;
+        for s in &report.policies {
+            w(
+                &mut out,
+                format!(
+                    "{:<19} {:>10} {:>6.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>6.3}",
+                    s.policy,
+                    s.recomputed_tokens,
+                    100.0 * s.hit_ratio,
+                    s.ttft_p50_ms,
+                    s.ttft_p90_ms,
+                    s.ttft_p99_ms,
+                    s.ttft_mean_ms,
+                    s.load_cov
+                ),
+            )?;
+        }
+    }
+    report.policies = all;
+    write_report(&report, &dir, false, &mut out)?;
+    Ok(report)
+}
+
+/// Runs every policy of `args` on a fresh fleet each (with `parallel`, each on its own
+/// thread: the fleets share nothing, and simulated figures do not depend on wall time); the
+/// heading (unless `--json`) on `out`. Returns the report and the report directory.
+fn measure(
+    args: &FleetArgs,
+    parallel: bool,
+    out: &mut impl Write,
+) -> Result<(FleetReport, PathBuf)> {
     let policies = policies_of(args)?;
     let (plan, times, title) = workload_of(args)?;
-    let setup = FleetSetup::from_plan(&plan, args.instances, args.l3, !args.full_payload)?;
+    let mut setup = FleetSetup::from_plan(&plan, args.instances, args.l3, !args.full_payload)?;
+    if !(args.queue_externality.is_finite() && args.queue_externality >= 0.0) {
+        return Err(BenchError::usage(format!(
+            "--queue-externality must be a finite number ≥ 0, got {}",
+            args.queue_externality
+        )));
+    }
+    setup.cost.queue_externality = args.queue_externality;
     let json = args.workload.json;
     let quiet = json || args.workload.quiet;
     if !json {
@@ -206,30 +319,26 @@ pub fn run(args: &FleetArgs, mut out: impl Write) -> Result<FleetReport> {
             .map_err(BenchError::io("stdout"))?;
         }
     }
-    let mut summaries = Vec::new();
-    for &policy in &policies {
-        let source = match &times {
-            Some(t) => Source::timed(t),
-            None => Source::closed(&plan)?,
-        };
-        let mut fleet_setup = setup.clone();
-        fleet_setup.sessions = times.is_none();
-        let mut last = std::time::Instant::now();
-        let run = fleet::run(
-            &fleet_setup,
-            &plan.conversations,
-            source,
-            policy,
-            &mut |done, total| {
-                if !quiet && (done == total || last.elapsed().as_secs() >= 5) {
-                    eprintln!("{policy}: {done}/{total} requests");
-                    last = std::time::Instant::now();
-                }
-            },
-        )?;
-        check_accounting(&run, args.instances)?;
-        summaries.push(run.summary(args.instances));
-    }
+    let run = |policy| run_policy(args, &plan, times.as_deref(), &setup, policy, quiet);
+    let summaries = if parallel {
+        std::thread::scope(|scope| {
+            let runs: Vec<_> = policies
+                .iter()
+                .map(|&p| scope.spawn(move || run(p)))
+                .collect();
+            runs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(BenchError::check_failed("a fleet run panicked")))
+                })
+                .collect::<Result<Vec<_>>>()
+        })?
+    } else {
+        policies
+            .iter()
+            .map(|&p| run(p))
+            .collect::<Result<Vec<_>>>()?
+    };
     let decision = decision_times(&plan.conversations, &plan, args.decision_instances, &setup)?;
     let report = FleetReport {
         title,
@@ -237,13 +346,39 @@ pub fn run(args: &FleetArgs, mut out: impl Write) -> Result<FleetReport> {
         policies: summaries,
         decision,
     };
-    if json {
-        print_json(&report, &mut out)?;
-    } else {
-        print_table(&report, &mut out)?;
-    }
-    write_report(&report, &plan.report_dir, !json, &mut out)?;
-    Ok(report)
+    Ok((report, plan.report_dir))
+}
+
+/// One policy on a fresh fleet: its summary, accounting checked.
+fn run_policy(
+    args: &FleetArgs,
+    plan: &Plan,
+    times: Option<&[f64]>,
+    setup: &FleetSetup,
+    policy: Policy,
+    quiet: bool,
+) -> Result<Summary> {
+    let source = match times {
+        Some(t) => Source::timed(t),
+        None => Source::closed(plan)?,
+    };
+    let mut fleet_setup = setup.clone();
+    fleet_setup.sessions = times.is_none();
+    let mut last = std::time::Instant::now();
+    let run = fleet::run(
+        &fleet_setup,
+        &plan.conversations,
+        source,
+        policy,
+        &mut |done, total| {
+            if !quiet && (done == total || last.elapsed().as_secs() >= 5) {
+                eprintln!("{policy}: {done}/{total} requests");
+                last = std::time::Instant::now();
+            }
+        },
+    )?;
+    check_accounting(&run, args.instances)?;
+    Ok(run.summary(args.instances))
 }
 
 /// `hit + computed = prompt` per request; every request served exactly once.

@@ -15,8 +15,24 @@
 //! ```
 //!
 //! (`decode_step = decode_per_step + running_tokens·decode_per_context_token`: a prefill waits
-//! on average half of the decode step in progress, as engines run prefill first.) The lowest
-//! `ttft` wins. **Session tie-break**: among instances within `tie_tolerance` of the best
+//! on average half of the decode step in progress, as engines run prefill first.)
+//!
+//! **The delay imposed on others.** `ttft` is the request's own; the time its step occupies
+//! the instance, `work = max(compute, load)`, also delays every request that will queue
+//! behind it there. Under load a router that minimises each request's own `ttft` spreads
+//! requests by queue length and pays for it in recomputed work that lengthens every later
+//! queue; the score adds that delay:
+//!
+//! ```text
+//! behind = Σ_instances queued_prefill_tokens / (instances · n)   (the fleet's backlog per
+//!                                                                  instance, in requests of
+//!                                                                  this size)
+//! score  = ttft + queue_externality · behind · work
+//! ```
+//!
+//! An idle fleet has `behind = 0`: the score is the request's own `ttft`; an overloaded one
+//! weighs saved work (cache affinity) by how many requests it will serve sooner. The lowest
+//! `score` wins. **Session tie-break**: among instances within `tie_tolerance` of the best
 //! (relative) the one that served the request's session last wins, so a conversation stays
 //! where its next turn will hit; else fewest requests, then the lowest index.
 
@@ -40,12 +56,16 @@ pub struct CostModel {
     pub l3_latency_s: f64,
     /// Relative margin within which the session's instance wins the tie.
     pub tie_tolerance: f64,
+    /// Weight of the delay a request's work imposes on the requests queued behind it
+    /// (0: each request's own `ttft` only).
+    pub queue_externality: f64,
 }
 
 impl Default for CostModel {
     /// Llama-3-8B on an H100 (the simulator's model): 32.5 µs per prefill token, 1.06 ns per
     /// attention pair, 5.99 ms per decode step plus 48.9 ns per context token, 128 KiB of KV
-    /// per token, 50 GB/s H2D, 0.5 ms L3 latency; 2 % tie tolerance.
+    /// per token, 50 GB/s H2D, 0.5 ms L3 latency; 2 % tie tolerance; the delay imposed on
+    /// others weighed 1:1 with the request's own time.
     fn default() -> Self {
         Self {
             prefill_s_per_token: 32.5e-6,
@@ -56,6 +76,7 @@ impl Default for CostModel {
             h2d_bytes_per_s: 50e9,
             l3_latency_s: 0.5e-3,
             tie_tolerance: 0.02,
+            queue_externality: 1.0,
         }
     }
 }
@@ -82,10 +103,37 @@ pub struct Busy {
     pub running_tokens: f64,
 }
 
+/// What the model expects of one request on one instance.
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct Expected {
+    /// Its time to first token (s).
+    pub ttft: f64,
+    /// The time its prefill occupies the instance, `max(compute, load)` (s).
+    pub work: f64,
+}
+
 impl CostModel {
     /// Expected TTFT (s) of a prompt of `prompt` tokens with `overlap` on an instance that
     /// reads its L3 at `l3_read_bytes_per_s` and is `busy`.
     pub fn ttft(&self, prompt: usize, o: &Overlap, l3_read_bytes_per_s: f64, busy: &Busy) -> f64 {
+        self.expect(prompt, o, l3_read_bytes_per_s, busy).ttft
+    }
+
+    /// The score of the module docs: `ttft + queue_externality · behind · work`, `behind`
+    /// being the fleet's backlog per instance in requests of this size.
+    pub fn score(&self, e: &Expected, behind: f64) -> f64 {
+        e.ttft + self.queue_externality * behind * e.work
+    }
+
+    /// Expected TTFT and work of a prompt of `prompt` tokens with `overlap` on an instance
+    /// that reads its L3 at `l3_read_bytes_per_s` and is `busy`.
+    pub fn expect(
+        &self,
+        prompt: usize,
+        o: &Overlap,
+        l3_read_bytes_per_s: f64,
+        busy: &Busy,
+    ) -> Expected {
         let b = self.kv_bytes_per_token;
         let (h2, h3) = (o.l2 - o.l1, o.l3 - o.l2);
         let cached = o.l3.min(prompt) as f64;
@@ -104,7 +152,11 @@ impl CostModel {
             0.0
         };
         let wait = busy.queued_prefill_tokens * self.prefill_s_per_token + decode;
-        wait.max(fetch) + compute.max(load)
+        let work = compute.max(load);
+        Expected {
+            ttft: wait.max(fetch) + work,
+            work,
+        }
     }
 }
 
@@ -122,6 +174,7 @@ mod tests {
             h2d_bytes_per_s: 1e6,
             l3_latency_s: 0.01,
             tie_tolerance: 0.02,
+            queue_externality: 1.0,
         }
     }
 
@@ -160,5 +213,34 @@ mod tests {
             running_tokens: 0.0,
         };
         assert!((t(none, &queued) - 1.5).abs() < 1e-9);
+    }
+
+    /// The delay imposed on others: an instance holding 600 tokens in L2 but 500 tokens
+    /// behind (1.1 s to first token, 0.6 s of work) against an idle one without them (1 s,
+    /// 1 s of work). Idle fleet (`behind` 0): the idle instance wins, 1.0 < 1.1. With two
+    /// requests of this size queued per instance: 1.1 + 2·0.6 = 2.3 < 1 + 2·1 = 3: the one
+    /// that saves work wins; without the term (weight 0) the scores are the TTFTs again.
+    #[test]
+    fn the_work_a_request_saves_weighs_with_the_fleets_backlog() {
+        let mut m = model();
+        let host = Overlap {
+            l1: 0,
+            l2: 600,
+            l3: 600,
+        };
+        let queued = Busy {
+            queued_prefill_tokens: 500.0,
+            requests: 1.0,
+            running_tokens: 0.0,
+        };
+        let a = m.expect(1000, &host, 2e6, &queued);
+        let b = m.expect(1000, &Overlap::default(), 2e6, &Busy::default());
+        assert!((a.ttft - 1.1).abs() < 1e-9 && (a.work - 0.6).abs() < 1e-9);
+        assert!((b.ttft - 1.0).abs() < 1e-9 && (b.work - 1.0).abs() < 1e-9);
+        assert!(m.score(&b, 0.0) < m.score(&a, 0.0));
+        assert!((m.score(&a, 2.0) - 2.3).abs() < 1e-9);
+        assert!((m.score(&b, 2.0) - 3.0).abs() < 1e-9);
+        m.queue_externality = 0.0;
+        assert_eq!(m.score(&a, 2.0), a.ttft);
     }
 }

@@ -137,6 +137,55 @@ impl LoadTracker {
         out
     }
 
+    /// Each slot's report and deltas, by position.
+    pub(crate) fn slot_states(&self) -> impl Iterator<Item = super::state::SlotState> + '_ {
+        self.slots.iter().map(|s| super::state::SlotState {
+            queued_prefill_tokens: s.report.queued_prefill_tokens,
+            requests: s.report.requests,
+            running_tokens: s.report.running_tokens,
+            deltas: [s.d_prefill, s.d_requests, s.d_running],
+        })
+    }
+
+    /// The routed requests not finished, in no order.
+    pub(crate) fn routed_requests(&self) -> impl Iterator<Item = super::state::RoutedState> + '_ {
+        self.routed
+            .iter()
+            .map(|(&request, r)| super::state::RoutedState {
+                request,
+                instance: r.instance,
+                prompt_tokens: r.prompt_tokens,
+                new_tokens: r.new_tokens,
+            })
+    }
+
+    /// Sets slot `i` (in range) from a saved state.
+    pub(crate) fn set_slot(&mut self, i: usize, s: &super::state::SlotState) {
+        self.slots[i] = Slot {
+            report: LoadReport {
+                queued_prefill_tokens: s.queued_prefill_tokens,
+                requests: s.requests,
+                running_tokens: s.running_tokens,
+            },
+            d_prefill: s.deltas[0],
+            d_requests: s.deltas[1],
+            d_running: s.deltas[2],
+        };
+    }
+
+    /// Records a routed request from a saved state without moving the load (the saved
+    /// deltas already count it).
+    pub(crate) fn set_routed(&mut self, r: super::state::RoutedState) {
+        self.routed.insert(
+            r.request,
+            Routed {
+                instance: r.instance,
+                new_tokens: r.new_tokens,
+                prompt_tokens: r.prompt_tokens,
+            },
+        );
+    }
+
     /// The load of `instance`.
     pub fn load(&self, instance: usize) -> InstanceLoad {
         let s = &self.slots[instance];

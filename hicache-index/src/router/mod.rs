@@ -22,14 +22,19 @@
 //!    minus the overlap credited on the chosen instance) until the request finishes.
 //! 3. Hybrid models ([`hybrid`]): with [`ReuseRule::Hybrid`], an instance's overlap counts
 //!    only up to a reusable end recorded for it; none recorded, no credit.
+//! 4. `hicache` also credits prefixes in flight ([`pending`]): the leading blocks of a prompt
+//!    routed to an instance and not finished count as L1 overlap there (dense models only:
+//!    a hybrid prefix is reusable only at ends the engine reports).
 
 pub mod dynamo;
 pub mod hicache;
 pub mod hybrid;
 pub mod least_load;
 pub mod load;
+pub mod pending;
 pub mod round_robin;
 pub mod sglang;
+pub mod state;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -40,10 +45,11 @@ use crate::chain::{BlockHash, ChainHasher};
 use crate::table::{HolderId, Index, QueryMatch, Tier};
 
 pub use dynamo::{DynamoConfig, TierBlocks};
-pub use hicache::{Busy, CostModel, Overlap};
+pub use hicache::{Busy, CostModel, Expected, Overlap};
 pub use hybrid::{ReusableEnds, ReuseRule};
 pub use load::{InstanceLoad, LoadReport, LoadTracker};
 pub use sglang::{SglangConfig, SglangRule};
+pub use state::{RoutedState, RouterState, SessionState, SlotState};
 
 /// A routing policy.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -220,7 +226,8 @@ pub struct Decision {
     pub holder: HolderId,
     /// The overlap the router credited there (tokens; zero for blind policies).
     pub overlap: Overlap,
-    /// The policy's score of the chosen instance (cost, TTFT in s; 0 for blind ones).
+    /// The policy's figure for the chosen instance (`dynamo-linear`: its cost; `hicache`: the
+    /// expected TTFT in s, without the delay imposed on others; 0 for blind ones).
     pub score: f64,
     /// Whether the index was lost and `least-load` decided.
     pub fallback: bool,
@@ -251,6 +258,7 @@ pub struct Router {
     instances: Vec<InstanceInfo>,
     slot_of: HashMap<u32, usize>,
     load: LoadTracker,
+    pending: pending::Pending,
     rr: round_robin::RoundRobin,
     sglang: sglang::SglangCacheAware,
     ends: ReusableEnds,
@@ -273,6 +281,7 @@ impl Router {
                 .map(|(i, s)| (s.holder.0, i))
                 .collect(),
             load: LoadTracker::new(n),
+            pending: pending::Pending::new(n),
             rr: round_robin::RoundRobin::default(),
             sglang: sglang::SglangCacheAware::new(n, config.sglang),
             ends: ReusableEnds::new(),
@@ -316,6 +325,7 @@ impl Router {
     /// `request` finished: its load is released. Returns the position of the instance it had
     /// gone to; unknown requests are ignored (`None`).
     pub fn finished(&mut self, request: u64) -> Option<usize> {
+        self.pending.finished(request);
         self.load.finished(request)
     }
 
@@ -388,6 +398,9 @@ impl Router {
                 Ok(()) => self.fill_overlaps(),
             }
         }
+        if self.policy == Policy::Hicache && !fallback && self.config.reuse == ReuseRule::Dense {
+            self.credit_pending();
+        }
         let (instance, score) = if fallback {
             (self.load.least_loaded(), 0.0)
         } else {
@@ -412,6 +425,9 @@ impl Router {
             .routed(req.request, instance, prompt as u64, new_tokens as u64);
         if let Some(s) = req.session {
             self.remember_session(s, instance);
+        }
+        if self.policy == Policy::Hicache {
+            self.pending.routed(req.request, instance, &self.hashes);
         }
         Decision {
             instance,
@@ -444,6 +460,21 @@ impl Router {
                 l2: b2 * ps,
                 l3: b3 * ps,
             };
+        }
+    }
+
+    /// Rule 4: the prompts routed to an instance and not finished will be in its L1 when a
+    /// request queued behind them runs; their leading blocks count as L1 overlap there.
+    fn credit_pending(&mut self) {
+        let ps = self.config.page_size;
+        for i in 0..self.instances.len() {
+            let p = self.pending.matched(i, &self.hashes) * ps;
+            let o = &mut self.overlaps[i];
+            if p > o.l1 {
+                o.l1 = p;
+                o.l2 = o.l2.max(p);
+                o.l3 = o.l3.max(p);
+            }
         }
     }
 
@@ -505,9 +536,14 @@ impl Router {
 
     fn pick_hicache(&mut self, prompt: usize, session: Option<u64>) -> (usize, f64) {
         let cost = self.config.cost;
-        let scores: Vec<f64> = (0..self.instances.len())
+        let n = self.instances.len();
+        let backlog: f64 = (0..n)
+            .map(|i| self.load.load(i).queued_prefill_tokens)
+            .sum();
+        let behind = backlog / (n.max(1) as f64 * prompt.max(1) as f64);
+        let expected: Vec<Expected> = (0..n)
             .map(|i| {
-                cost.ttft(
+                cost.expect(
                     prompt,
                     &self.overlaps[i],
                     self.instances[i].l3.read_rate(),
@@ -515,6 +551,7 @@ impl Router {
                 )
             })
             .collect();
+        let scores: Vec<f64> = expected.iter().map(|e| cost.score(e, behind)).collect();
         let best = self.argmin(&scores);
         if let Some(&(home, _)) = session.and_then(|s| self.sessions.get(&s))
             && home != best
@@ -522,9 +559,9 @@ impl Router {
             && scores[home] <= scores[best] * (1.0 + cost.tie_tolerance) + 1e-9
         {
             self.stats.session_kept += 1;
-            return (home, scores[home]);
+            return (home, expected[home].ttft);
         }
-        (best, scores[best])
+        (best, expected[best].ttft)
     }
 
     fn remember_session(&mut self, session: u64, instance: usize) {

@@ -8,6 +8,16 @@ pub struct RoundRobin {
 }
 
 impl RoundRobin {
+    /// A turn that gives `next` (modulo the instances) first.
+    pub fn starting_at(next: usize) -> Self {
+        Self { next }
+    }
+
+    /// The position given next (before the modulo of the instance count).
+    pub fn next(&self) -> usize {
+        self.next
+    }
+
     /// The instance for the next request out of `n` (≥ 1).
     pub fn pick(&mut self, n: usize) -> usize {
         let i = self.next % n.max(1);

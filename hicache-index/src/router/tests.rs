@@ -240,3 +240,94 @@ fn a_router_over_a_changed_fleet_keeps_what_it_knew_of_the_instances_that_stay()
     assert_eq!(r.finished(1), None);
     assert_eq!(r.finished(3), Some(1));
 }
+
+/// A router restored from another's state decides every later request as that one does
+/// (load, outstanding requests, sessions, turn); remapped, what belonged to an instance that
+/// left is dropped and the rest moves with its instance.
+#[test]
+fn a_restored_router_decides_as_the_one_that_saved_its_state() {
+    let (idx, _feeds, infos) = fleet(3);
+    for policy in [Policy::RoundRobin, Policy::LeastLoad, Policy::Hicache] {
+        let mut a = Router::new(policy, infos.clone(), RouterConfig::new(PS));
+        let prompts: Vec<Vec<u32>> = (0..12u32)
+            .map(|k| (0..(8 + 4 * k)).map(|t| t + 100 * k).collect())
+            .collect();
+        for (k, p) in prompts.iter().enumerate() {
+            a.route(&idx, &req(k as u64, p, Some(k as u64 % 4)));
+        }
+        a.finished(3);
+        a.report_load(
+            1,
+            LoadReport {
+                queued_prefill_tokens: 40,
+                requests: 2,
+                running_tokens: 100,
+            },
+        );
+        let state = a.state();
+        let mut b = Router::new(policy, infos.clone(), RouterConfig::new(PS));
+        b.restore_state(&state, Some);
+        assert_eq!(b.state(), state, "{policy}");
+        for (k, p) in prompts.iter().enumerate() {
+            let id = 100 + k as u64;
+            let s = Some(k as u64 % 5);
+            assert_eq!(
+                a.route(&idx, &req(id, p, s)).instance,
+                b.route(&idx, &req(id, p, s)).instance,
+                "{policy}: request {id}"
+            );
+            assert_eq!(a.finished(k as u64), b.finished(k as u64), "{policy}");
+        }
+    }
+    // Instance 0 leaves; 1 and 2 become 0 and 1.
+    let mut a = Router::new(Policy::LeastLoad, infos.clone(), RouterConfig::new(PS));
+    let p: Vec<u32> = (0..16).collect();
+    for k in 0..3u64 {
+        assert_eq!(a.route(&idx, &req(k, &p, Some(k))).instance, k as usize);
+    }
+    let mut b = Router::new(
+        Policy::LeastLoad,
+        infos[1..].to_vec(),
+        RouterConfig::new(PS),
+    );
+    b.restore_state(&a.state(), |i| i.checked_sub(1));
+    assert_eq!(b.load().outstanding(), 2);
+    assert_eq!(b.finished(0), None);
+    assert_eq!(b.finished(2), Some(1));
+    let st = b.state();
+    assert_eq!(
+        st.sessions
+            .iter()
+            .map(|s| (s.session, s.instance))
+            .collect::<Vec<_>>(),
+        [(1, 0), (2, 1)]
+    );
+}
+
+/// Rule 4: a prompt routed to an instance and not finished (not in the index yet) draws the
+/// next prompt sharing its prefix to that instance under `hicache`; finished, it no longer
+/// does; a hybrid fleet never gets the credit.
+#[test]
+fn hicache_credits_prefixes_in_flight_on_dense_models_only() {
+    let (idx, _feeds, infos) = fleet(3);
+    let long: Vec<u32> = (0..64).collect();
+    let mut next = long.clone();
+    next.extend(64..80);
+    let mut r = Router::new(Policy::Hicache, infos.clone(), RouterConfig::new(PS));
+    let first = r.route(&idx, &req(1, &long, None)).instance;
+    let d = r.route(&idx, &req(2, &next, None));
+    assert_eq!(d.instance, first);
+    assert_eq!(d.overlap.l1, 64);
+    r.finished(1);
+    r.finished(2);
+    let d = r.route(&idx, &req(3, &next, None));
+    assert_eq!(d.overlap, Overlap::default());
+    let mut cfg = RouterConfig::new(PS);
+    cfg.reuse = ReuseRule::Hybrid;
+    let mut h = Router::new(Policy::Hicache, infos, cfg);
+    h.route(&idx, &req(1, &long, None));
+    assert_eq!(
+        h.route(&idx, &req(2, &next, None)).overlap,
+        Overlap::default()
+    );
+}

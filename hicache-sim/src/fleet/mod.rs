@@ -26,6 +26,13 @@
 //! timed as the model's real bytes: all link rates are scaled by the same ratio as the bytes,
 //! so a page takes exactly the simulated time its real size would. Hits, tokens and times do
 //! not depend on the bytes; byte counts do (they are the scaled ones), and the output says so.
+//!
+//! # The file L3's settings
+//!
+//! The caches' file L3 runs with `fsync: none` and `io_threads: 1` unless the extra-config
+//! says otherwise: simulated time is charged on the modelled links, never from the wall time
+//! of a sync or of parallel I/O, so these change no figure (hits and TTFT are the same), and a
+//! fleet of N caches would otherwise sync the file system and spawn threads N times over.
 
 pub mod events;
 pub mod instance;
@@ -49,7 +56,7 @@ use crate::plan::Plan;
 use crate::setup::CacheSetup;
 use crate::trace::Conversation;
 use crate::workload::{Sent, Workload};
-use instance::{Instance, Step};
+use instance::Instance;
 
 /// Where the fleet's L3 lives.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -182,6 +189,8 @@ impl FleetSetup {
             return Err(SimError::Usage("--instances must be at least 1".into()));
         }
         let mut setup = plan.setup.clone();
+        // Every instance has L1 and L2 (whatever configuration the plan starts with), L3 as asked.
+        setup.tiers.host = true;
         setup.tiers.storage = l3 != L3Mode::None;
         let mut compute = plan.compute.clone();
         let mut engine = plan.engine.clone();
@@ -260,6 +269,14 @@ impl FleetSetup {
                             .extra_config
                             .insert("shared".into(), Value::Bool(true));
                     }
+                    // Simulated time does not depend on durability or I/O parallelism (see the
+                    // module docs): unless asked otherwise, no syncs and no I/O threads.
+                    for (k, v) in [
+                        ("fsync", Value::from("none")),
+                        ("io_threads", Value::from(1)),
+                    ] {
+                        s.storage.extra_config.entry(k).or_insert(v);
+                    }
                     s.scratch_dir = Some(d);
                 }
                 s
@@ -328,7 +345,7 @@ pub fn run(
             l3: fleet.l3_access(),
         });
         let cache = HiCacheUnderTest::build(&setup, true)?;
-        instances.push(Instance::new(cache, &fleet.compute, &fleet.engine));
+        instances.push(Instance::new(cache, &fleet.compute, &fleet.engine)?);
     }
     let mut cfg = RouterConfig::new(ps as usize);
     cfg.cost = fleet.cost;
@@ -376,25 +393,13 @@ pub fn run(
                 records.push(RequestRecord::default());
                 instance_of.push(i);
                 instances[i].arrive(sent, convs, &mut records[sent.id as usize])?;
-                ready[i] = Some(instances[i].now());
+                ready[i] = Some(instances[i].sched.now());
                 feed_events(&mut instances[i], &mut feeds[i], &mut index, &mut ingest)?;
             }
             (_, Some((t, i))) => {
-                let outcome = instances[i].step(
-                    t,
-                    convs,
-                    &fleet.compute,
-                    &fleet.engine,
-                    &mut records,
-                    &mut finished,
-                )?;
-                ready[i] = match outcome {
-                    Step::Ran => Some(instances[i].now()),
-                    Step::WaitUntil(t) => Some(t),
-                    Step::Idle => None,
-                };
+                ready[i] = instances[i].step(t, convs, &mut records, &mut finished)?;
                 feed_events(&mut instances[i], &mut feeds[i], &mut index, &mut ingest)?;
-                let inst = &instances[i];
+                let inst = &instances[i].sched;
                 router.report_load(
                     i,
                     LoadReport {
@@ -430,7 +435,7 @@ pub fn run(
         policy: policy.name().to_string(),
         requests: records,
         instance_of,
-        busy_s: instances.iter().map(|i| i.busy_s).collect(),
+        busy_s: instances.iter().map(|i| i.sched.busy_s()).collect(),
         decision_ns,
         router: router.stats(),
         ingest,
