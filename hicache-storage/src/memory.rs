@@ -507,10 +507,12 @@ mod tests {
 
     async fn read(m: &MemoryBackend, key: PageKey, len: usize) -> (PageOutcome, Vec<u8>) {
         let mut out = vec![0u8; len];
-        // Uneven parts: the copy's chunks and the destination's parts do not line up.
-        let (a, b) = out.split_at_mut(len / 3 + 1);
-        let mut dst = [PageBufMut::from_parts(LayoutKind::PageFirst, [a, b])];
-        let o = m.batch_get(&[key], &mut dst).await.unwrap()[0];
+        let o = {
+            // Uneven parts: the copy's chunks and the destination's parts do not line up.
+            let (a, b) = out.split_at_mut(len / 3 + 1);
+            let mut dst = [PageBufMut::from_parts(LayoutKind::PageFirst, [a, b])];
+            m.batch_get(&[key], &mut dst).await.unwrap().remove(0)
+        };
         (o, out)
     }
 

@@ -6,26 +6,15 @@
 //!   -> write every byte at offset 0 -> fdatasync (if `sync`) -> rename temp -> final name
 //! ```
 //!
-//! With `in_place`, the final name itself is created (O_CREAT|O_EXCL) and written, and no
-//! rename follows: one directory operation instead of two (create, then rename's unlink and
-//! link), under the directory's lock that every page file of a directory shares. Where the
-//! final name exists already the file takes the temp-and-rename steps above. Only for a
-//! caller that publishes the file by other means, after a durability barrier, and whose
-//! readers verify what they read (header, length, checksum): until that barrier, and after a
-//! crash before it, the final name may show a partial file.
-//!
 //! [`write_blocking`] runs them with blocking calls on the calling thread; a layout runs
 //! several files in parallel on a few threads (whichever driver carries its reads).
 //!
 //! # Invariants
-//! 1. **Visible only when complete** (without `in_place`). The rename runs only after every
-//!    earlier step succeeded in full (a short write is a failure of the write step), so the
-//!    final name never shows a partial file; under `sync`, never one whose data is not
-//!    durable either.
+//! 1. **Visible only when complete.** The rename runs only after every earlier step
+//!    succeeded in full (a short write is a failure of the write step), so the final name
+//!    never shows a partial file; under `sync`, never one whose data is not durable either.
 //! 2. **A failure leaves nothing behind.** When a step fails, the file's outcome is that
-//!    step's error and the file it created (temp file, or with `in_place` the final name it
-//!    created exclusively) is removed before the outcome is reported; a final name that
-//!    existed before is never removed.
+//!    step's error and its temp file is removed before the outcome is reported.
 //! 3. **Recorded.** With the journal on, every operation (create, size change, write, sync,
 //!    rename, unlink) is recorded in the order the file system saw it, so the power-loss
 //!    suite covers it.
@@ -54,10 +43,6 @@ pub struct NewFile {
     pub prealloc: u64,
     /// `fdatasync` the file before the rename.
     pub sync: bool,
-    /// Create the final name itself when it does not exist yet (no temp file, no rename; see
-    /// the [module docs](self)). Never together with `sync`: a synced file that must not be
-    /// visible before it is durable needs the rename.
-    pub in_place: bool,
     /// The caller's tag, reported with the outcome.
     pub tag: usize,
 }
@@ -133,26 +118,7 @@ fn at(step: Step) -> impl FnOnce(io::Error) -> NewFileError {
 /// The steps of `f` with blocking calls on the calling thread. Each call records itself in
 /// the journal.
 pub fn write_blocking(f: &NewFile) -> NewFileResult {
-    if f.in_place && !f.sync {
-        match sys::create_new(&f.dest, f.direct) {
-            Ok(file) => return fill(f, file, &f.dest, None),
-            // Someone's file is there: replace it the safe way.
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(at(Step::Create)(e)),
-        }
-    }
     let file = sys::create_new(&f.tmp, f.direct).map_err(at(Step::Create))?;
-    fill(f, file, &f.tmp, Some(&f.dest))
-}
-
-/// Preallocates, writes, syncs (per `f`) the file `file` just created at `path`, then renames
-/// it to `rename_to` if given; on failure removes `path`.
-fn fill(
-    f: &NewFile,
-    file: std::fs::File,
-    path: &std::path::Path,
-    rename_to: Option<&std::path::Path>,
-) -> NewFileResult {
     let r = (|| {
         if f.prealloc > 0 {
             sys::preallocate(&file, f.prealloc).map_err(at(Step::Preallocate))?;
@@ -166,13 +132,10 @@ fn fill(
             sys::sync_data(&file).map_err(at(Step::Sync))?;
         }
         drop(file);
-        match rename_to {
-            Some(dest) => sys::rename(path, dest).map_err(at(Step::Rename)),
-            None => Ok(()),
-        }
+        sys::rename(&f.tmp, &f.dest).map_err(at(Step::Rename))
     })();
     if r.is_err() {
-        let _ = sys::remove_file(path);
+        let _ = sys::remove_file(&f.tmp);
     }
     r
 }
@@ -192,7 +155,6 @@ mod tests {
             direct: false,
             prealloc,
             sync: true,
-            in_place: false,
             tag,
         }
     }
@@ -243,44 +205,5 @@ mod tests {
             assert!(!p.join("a.tmp").exists() && !p.join("b.tmp").exists());
             assert!(!p.join("dirname.tmp").exists(), "{name}: temp left behind");
         }
-    }
-
-    /// `in_place`: a new name is created and written without a temp file; an existing one is
-    /// replaced through a temp file and a rename (never truncated in place); a failure after
-    /// the create removes the file it created and leaves an existing one alone.
-    #[test]
-    fn in_place_files_skip_the_rename_only_when_new() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path();
-        let a = vec![1u8; 5000];
-        let b = vec![2u8; 3000];
-        let mut f = file(p, "x", &a, 0, 0);
-        f.sync = false;
-        f.in_place = true;
-        write_blocking(&f).unwrap();
-        assert_eq!(std::fs::read(p.join("x")).unwrap(), a);
-        // Existing: replaced whole through the temp name, which is gone after.
-        let mut g = file(p, "x", &b, 0, 1);
-        g.sync = false;
-        g.in_place = true;
-        write_blocking(&g).unwrap();
-        assert_eq!(std::fs::read(p.join("x")).unwrap(), b);
-        assert!(!p.join("x.tmp").exists());
-        // `sync` wins: the synced file goes through the rename (the temp name is taken here,
-        // so the create step fails and the existing file stays).
-        std::fs::write(p.join("y.tmp"), b"busy").unwrap();
-        let mut h = file(p, "y", &a, 0, 2);
-        h.in_place = true;
-        let e = write_blocking(&h).unwrap_err();
-        assert_eq!(e.step, Step::Create);
-        assert!(!p.join("y").exists());
-        // A failure after an in-place create (a preallocation no file system grants) removes
-        // the file it created.
-        let mut big = file(p, "z", &a, u64::MAX / 2, 3);
-        big.sync = false;
-        big.in_place = true;
-        let e = write_blocking(&big).unwrap_err();
-        assert_eq!(e.step, Step::Preallocate, "{e}");
-        assert!(!p.join("z").exists() && !p.join("z.tmp").exists());
     }
 }

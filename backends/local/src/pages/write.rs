@@ -1,7 +1,7 @@
 //! The write stage. A batch is classified, capacity reserved, then its pages are written,
-//! each as a [`NewFile`]: a fresh temp file beside its final name, created, written whole in
-//! one vectored write (no preallocation), synced (`fdatasync`, where the policy syncs per page)
-//! and renamed to its final name (or created under it, see below), as blocking calls on at most [`CREATE_THREADS`] threads per
+//! each as a [`NewFile`]: a fresh temp file beside its final name, created, preallocated,
+//! written whole in one vectored write, synced (`fdatasync`, where the policy syncs per page)
+//! and renamed to its final name, as blocking calls on at most [`CREATE_THREADS`] threads per
 //! batch, whichever engine carries the reads. Then, before any page is acknowledged:
 //! - `fsync: batch`, `batch_sync: syncfs` (default): the pages were not synced one by one;
 //!   one `syncfs` of the file system makes the batch's data, block maps and renames durable
@@ -14,14 +14,6 @@
 //! - `fsync: always`: each page's data synced before its rename, its directory after it.
 //!
 //! Then the pages are published to the index.
-//!
-//! A page file is made under a temp name and renamed into place, except where no other
-//! process shares the directory and the page is not synced on its own (`fsync: batch` with
-//! `batch_sync: syncfs`, or `fsync: none`): then it is created under its final name (when that
-//! does not exist yet), one directory operation instead of two under the directory's lock
-//! (see [`NewFile`]'s `in_place`). Crash safety is the same: before the group's `syncfs` a
-//! final name could already show torn bytes after a crash (the renames are not ordered
-//! after the data without it), and recovery and reads refuse them.
 //!
 //! [`GroupCommit`]: crate::io::GroupCommit
 
@@ -41,8 +33,7 @@ use crate::pages::pageio::WriteIo;
 /// Threads writing one batch's pages, each preparing a page (header, checksum) and then
 /// making its file, so checksums overlap other pages' I/O. A create and a rename each take
 /// the directory's lock, so page files of one directory are made one at a time there; more
-/// makers only spin on that lock (an `in_place` page takes it once, for its create). Measured
-/// here, before `in_place` and with preallocation (2 cores, ext4, 256 KiB pages, 4 batches in
+/// makers only spin on that lock. Measured here (2 cores, ext4, 256 KiB pages, 4 batches in
 /// flight, same-run raw O_DIRECT reference): 8 threads a batch 0.79-0.91 when every checksum
 /// came first, 0.74-0.87 (1.77-1.90 GB/s vs 1.51-1.57) with each thread checksumming its own
 /// page; 4 threads 0.72-0.82, 32 threads 0.39; io_uring chains of linked requests (create →
@@ -254,12 +245,6 @@ impl Pages {
     ) -> Vec<(usize, Result<(), PageError>)> {
         let threads = self.opts.io_threads.min(CREATE_THREADS);
         let sync = self.sync_each_page();
-        // A page no other process can see before it is published (not shared) and not synced
-        // on its own (the group's `syncfs`, or no durability asked) is written under its final
-        // name: no temp file, no rename. Nothing reads a final name before the index says so
-        // but recovery, and recovery refuses a torn file (header, size, checksum on read), as
-        // it must already after a crash before the group's `syncfs` made the renames durable.
-        let in_place = !self.opts.shared && !sync;
         // Each thread prepares a page (header, checksum: CPU work) and then makes its file,
         // so one page's checksum overlaps other pages' I/O.
         par::par_map(threads, todo.to_vec(), |i| {
@@ -272,14 +257,8 @@ impl Pages {
                 dest: self.paths.page_path(&keys[i]),
                 iov: io.iovecs().to_vec(),
                 direct: io.direct,
-                // No preallocation: the one write covers every byte of the file, and an
-                // O_DIRECT write past the end allocates written extents at once, where a
-                // preallocated file's unwritten extents are converted after the write (one
-                // more metadata update a page; measured 10-30 % of 256 KiB durable writes
-                // here, a C replay of the four syscall sequences interleaved in one run).
-                prealloc: 0,
+                prealloc: io.file_len,
                 sync,
-                in_place,
                 tag: i,
             };
             let made = newfile::write_blocking(&file).map_err(|e| page_error(&e));
