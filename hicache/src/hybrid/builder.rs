@@ -245,7 +245,7 @@ impl HybridCacheBuilder {
     pub fn build(self) -> Result<HybridCache> {
         let full = self.validate()?;
         let device = self.device.clone().unwrap_or_else(Device::sim);
-        let group = self.host_group(full)?;
+        let group = Arc::new(self.host_group(full)?);
         let kv_part = |shape, pages, host: &Arc<HostPool>| {
             let dev = Arc::new(DevicePool::new(&device, shape, pages)?);
             KvPart::new(dev, host.clone(), self.transfer)
@@ -280,7 +280,13 @@ impl HybridCacheBuilder {
                     swa_window: self.cfg.swa_window,
                 };
                 let layout = HybridL3Layout::new(spec, &group)?;
-                Some(L3Part::new(storage.clone(), layout)?)
+                let prefetch = self.cfg.prefetch();
+                Some(L3Part::new(
+                    storage.clone(),
+                    layout,
+                    group.clone(),
+                    prefetch,
+                )?)
             }
             None => None,
         };

@@ -43,8 +43,12 @@ pub(crate) struct Units {
 
 /// A request between `arrive` and `cache_finished` / `abort`.
 enum Req {
-    /// Arrived, not admitted: the tokens its L3 prefetch brought to host.
-    Arrived { storage: usize },
+    /// Arrived, not admitted: the tokens its L3 prefetch brought to host, and the prefetch
+    /// while it runs.
+    Arrived {
+        storage: usize,
+        prefetch: Option<u64>,
+    },
     /// Admitted: holds a lock on its prefix.
     Admitted(Admitted),
 }
@@ -72,6 +76,7 @@ pub struct HybridCache {
     pub(crate) totals: HybridTotals,
     pub(crate) events: super::events::Events,
     pub(crate) l3: Option<super::l3::L3Part>,
+    pub(crate) l3_ops: super::l3_flow::L3Ops,
     requests: HashMap<u64, Req>,
     closed: bool,
 }
@@ -108,6 +113,7 @@ impl HybridCache {
             totals: HybridTotals::default(),
             events,
             l3,
+            l3_ops: Default::default(),
             requests: HashMap::new(),
             closed: false,
         }
@@ -203,20 +209,23 @@ impl HybridCache {
         }
         let key = Self::match_key(tokens);
         let m = self.tree.match_prefix(key)?;
-        let storage = self.prefetch(key, &m)?;
-        self.requests.insert(req, Req::Arrived { storage });
+        let (looked_up, prefetch) = self.prefetch(req, key, &m)?;
+        let storage = 0;
+        self.requests
+            .insert(req, Req::Arrived { storage, prefetch });
         Ok(HybridArrival {
             device_tokens: m.device_prefix_len,
             host_tokens: m.host_hit_len,
-            storage_tokens: storage,
+            storage_tokens: looked_up,
         })
     }
 
-    /// Whether the request's L3 prefetch (if any) is done, so it can be admitted.
+    /// Whether the request's L3 prefetch (if any) has ended (at a poll, by its policy), so
+    /// it can be admitted with what it brought.
     pub fn prefetch_ready(&mut self, req: u64) -> Result<bool> {
         self.check_open()?;
         match self.requests.get(&req) {
-            Some(Req::Arrived { .. }) => Ok(true),
+            Some(Req::Arrived { prefetch, .. }) => Ok(prefetch.is_none()),
             Some(Req::Admitted(_)) => Err(HiCacheError::request(req, "already admitted")),
             None => Err(HiCacheError::request(req, "unknown request")),
         }
@@ -227,7 +236,7 @@ impl HybridCache {
     pub fn admit(&mut self, req: u64, tokens: &[u32]) -> Result<HybridAdmission> {
         self.check_open()?;
         let storage = match self.requests.get(&req) {
-            Some(Req::Arrived { storage }) => *storage,
+            Some(Req::Arrived { storage, .. }) => *storage,
             Some(Req::Admitted(_)) => return Err(HiCacheError::request(req, "already admitted")),
             None => return Err(HiCacheError::request(req, "unknown request (call arrive)")),
         };
@@ -272,6 +281,16 @@ impl HybridCache {
             storage_tokens,
             slots,
         })
+    }
+
+    /// A request's prefetch ended, bringing `tokens` to host (the request may be gone).
+    pub(crate) fn prefetch_ended(&mut self, req: u64, seq: u64, tokens: usize) {
+        if let Some(Req::Arrived { storage, prefetch }) = self.requests.get_mut(&req)
+            && *prefetch == Some(seq)
+        {
+            *storage = tokens;
+            *prefetch = None;
+        }
     }
 
     fn count_hits(&mut self, device: usize, host: usize, storage: usize) {
@@ -672,7 +691,8 @@ impl HybridCache {
             return Ok(());
         }
         self.pools.synchronize()?;
-        self.finish_copies(true)?;
+        self.settle_all()?;
+        self.close_l3()?;
         self.closed = true;
         Ok(())
     }
