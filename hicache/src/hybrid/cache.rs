@@ -65,6 +65,14 @@ struct Admitted {
     cow: Option<u32>,
 }
 
+/// The cache's observability endpoints and the counters its metrics endpoint serves.
+#[derive(Debug, Default)]
+pub(crate) struct Observe {
+    pub endpoints: crate::observe::Endpoints,
+    /// The counters as of the last poll (what the metrics endpoint renders).
+    pub published: Arc<parking_lot::Mutex<HybridTotals>>,
+}
+
 /// The hierarchical cache of a hybrid model on one rank (see the module docs for who owns
 /// which slot, and the crate docs for the call sequence of a tick).
 pub struct HybridCache {
@@ -77,6 +85,7 @@ pub struct HybridCache {
     pub(crate) events: super::events::Events,
     pub(crate) l3: Option<super::l3::L3Part>,
     pub(crate) l3_ops: super::l3_flow::L3Ops,
+    pub(crate) observe: Observe,
     requests: HashMap<u64, Req>,
     closed: bool,
 }
@@ -114,6 +123,7 @@ impl HybridCache {
             events,
             l3,
             l3_ops: Default::default(),
+            observe: Observe::default(),
             requests: HashMap::new(),
             closed: false,
         }
@@ -171,9 +181,49 @@ impl HybridCache {
         super::metrics::render(&self.totals)
     }
 
-    /// The KV events since the last call.
+    /// The KV events since the last call. With a publisher
+    /// ([`kv_events_publisher`](super::HybridCacheBuilder::kv_events_publisher)) every poll
+    /// hands its events to it, so this returns only the events since the last poll.
     pub fn drain_events(&mut self) -> Vec<hicache_core::KvEvent> {
         self.events.drain()
+    }
+
+    /// Publishes what a poll changed: the counters for the metrics endpoint, the events to
+    /// the KV-event publisher (L3 stores under the backend's medium).
+    pub(crate) fn publish(&mut self) {
+        *self.observe.published.lock() = self.totals;
+        if !self.observe.endpoints.publishes() {
+            return;
+        }
+        let events = self.events.drain();
+        if events.is_empty() {
+            return;
+        }
+        let l3 = self
+            .l3
+            .as_ref()
+            .map_or(crate::observe::wire::L3Medium::External, |l| {
+                crate::observe::wire::L3Medium::of_backend(&l.storage.info().name)
+            });
+        self.observe.endpoints.publish(&events, l3);
+    }
+
+    /// The bound KV-event PUB endpoint (`tcp://IP:PORT`), when a publisher runs.
+    pub fn kv_events_endpoint(&self) -> Option<&str> {
+        self.observe.endpoints.kv_events().map(|p| p.endpoint())
+    }
+
+    /// The bound KV-event replay endpoint, when configured.
+    pub fn kv_events_replay_endpoint(&self) -> Option<&str> {
+        self.observe
+            .endpoints
+            .kv_events()
+            .and_then(|p| p.replay_endpoint())
+    }
+
+    /// The bound metrics endpoint address, when one was asked for.
+    pub fn metrics_endpoint(&self) -> Option<std::net::SocketAddr> {
+        self.observe.endpoints.metrics().map(|m| m.addr())
     }
 
     fn ps(&self) -> usize {

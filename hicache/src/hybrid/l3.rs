@@ -85,6 +85,8 @@ impl PageSource for ComponentSource {
 pub(crate) struct L3BackupOp {
     /// The nodes host-pinned until the backup's agreed end.
     pub nodes: Vec<NodeId>,
+    /// The Full pages' host slots (for the L3 stored event).
+    pub full_slots: Vec<u32>,
     /// Per component with pages: its index in [`PARTS`], its pages, the job's state.
     parts: Vec<(usize, usize, Arc<BackupShared>)>,
 }
@@ -125,8 +127,11 @@ impl L3BackupOp {
 
 /// The attached storage, its layout and the L3 engine's runtime.
 pub(crate) struct L3Part {
+    /// The L3 backend.
     pub storage: Arc<dyn Storage>,
+    /// Where each component's pages live.
     pub layout: Arc<HybridL3Layout>,
+    /// The host slots pages move from and to.
     pub group: Arc<HostPoolGroup>,
     /// When a prefetch may end, its threshold and timeouts.
     pub prefetch: PrefetchConfig,
@@ -167,6 +172,7 @@ impl L3Part {
     /// The caller keeps the job's nodes host-pinned until the op is done and agreed.
     pub fn spawn_backup(&self, job: L3Job) -> Result<L3BackupOp> {
         let batch = super::l3_io::batch_len(&*self.storage);
+        let full_slots = job.parts[0].slots.clone();
         let mut parts = Vec::new();
         for (k, part) in job.parts.into_iter().enumerate() {
             if part.keys.is_empty() {
@@ -193,6 +199,7 @@ impl L3Part {
         }
         Ok(L3BackupOp {
             nodes: job.nodes,
+            full_slots,
             parts,
         })
     }

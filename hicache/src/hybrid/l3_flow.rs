@@ -118,6 +118,16 @@ impl HybridCache {
             self.tree.unlock_host(n)?;
         }
         let written = op.counts();
+        if written.failed[0] == 0 {
+            // Every Full page is in L3: the router may count it there.
+            let slots = &op.full_slots;
+            self.events.copied(
+                hicache_core::Medium::CpuPinned,
+                slots,
+                hicache_core::Medium::Storage,
+                slots,
+            );
+        }
         for (k, part) in PARTS.iter().enumerate() {
             let (n, failed) = (written.stored[k], written.failed[k]);
             if n == 0 && failed == 0 {

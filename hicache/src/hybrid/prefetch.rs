@@ -74,8 +74,11 @@ impl FetchShared {
 
 /// A prefetch's background task.
 pub(crate) struct FetchTask {
+    /// The L3 backend.
     pub storage: Arc<dyn Storage>,
+    /// Where each component's pages live.
     pub layout: Arc<HybridL3Layout>,
+    /// The host slots the read fills.
     pub group: Arc<HostPoolGroup>,
     /// Page hashes of the span looked up.
     pub hashes: Vec<PageHash>,
@@ -83,6 +86,7 @@ pub(crate) struct FetchTask {
     pub at_root: bool,
     /// Which of SWA and Mamba the model has (the hit must restore each).
     pub sidecars: [bool; 2],
+    /// State shared with the engine thread.
     pub shared: Arc<FetchShared>,
 }
 
@@ -201,16 +205,22 @@ pub(crate) struct PrefetchOp {
     pub start: usize,
     /// Page hashes of the span.
     pub hashes: Vec<PageHash>,
+    /// When `arrive` started it (the timeout counts from here).
     pub started: Instant,
+    /// State shared with its task.
     pub shared: Arc<FetchShared>,
+    /// Where it stands.
     pub phase: Phase,
 }
 
 /// One prefetch's values in the exchange (reduced with `min` over ranks).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct FetchCounts {
+    /// The lookup finished.
     pub looked_up: bool,
+    /// Pages the lookup found restorable.
     pub hit: u64,
+    /// The read of the agreed hit finished.
     pub read_done: bool,
     /// Every page of the read arrived.
     pub read_ok: bool,
@@ -222,6 +232,7 @@ impl FetchCounts {
     /// Values per prefetch in the exchange.
     pub const LEN: usize = 5;
 
+    /// The exchanged values.
     pub fn encode(&self) -> [u64; Self::LEN] {
         [
             u64::from(self.looked_up),
@@ -232,6 +243,7 @@ impl FetchCounts {
         ]
     }
 
+    /// From the exchanged values.
     pub fn decode(v: &[u64]) -> Self {
         Self {
             looked_up: v[0] == 1,

@@ -32,7 +32,9 @@ impl HybridCache {
         }
         self.finish_copies(false)?;
         self.tick_l3()?;
-        self.launch_writes()
+        self.launch_writes()?;
+        self.publish();
+        Ok(())
     }
 
     /// Blocks until every copy launched so far has landed, and every L3 backup and
