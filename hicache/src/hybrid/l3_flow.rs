@@ -3,10 +3,12 @@
 //! by `arrive`, and the per-tick agreement that ends both.
 //!
 //! The L3 exchange of a tick (reduced with `min`; only with L3 attached, after the copies'
-//! exchange of `tick`): `[L3 backups finished, counted from the oldest]`, then
-//! [`FetchCounts::LEN`] values per tracked prefetch in creation order. Every rank tracks the
-//! same backups and prefetches in the same order (created by calls every rank makes alike,
-//! ended at agreed values), so the shape is the same everywhere.
+//! exchange of `tick`): `[L3 backups finished, ended prefetches whose task exited]` (each
+//! counted from the oldest), then [`FetchCounts::LEN`] values per tracked prefetch in
+//! creation order. Every rank tracks the same backups and prefetches in the same order
+//! (created by calls every rank makes alike, ended at agreed values), so the shape is the
+//! same everywhere; and host slots come back only at agreed counts, so every rank's host
+//! pools hold the same free slots when the next allocation evicts.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -24,7 +26,9 @@ use crate::rank::MAX_EXCHANGE_LEN;
 
 /// Most prefetches tracked at once (so the exchange fits one round); arrivals beyond that
 /// start none.
-const MAX_TRACKED_PREFETCHES: usize = (MAX_EXCHANGE_LEN - 1) / FetchCounts::LEN;
+const MAX_TRACKED_PREFETCHES: usize = (MAX_EXCHANGE_LEN - FIXED_VALUES) / FetchCounts::LEN;
+/// Values of the L3 exchange before the prefetches'.
+const FIXED_VALUES: usize = 2;
 
 /// L3 work in flight.
 #[derive(Debug, Default)]
@@ -170,7 +174,10 @@ impl HybridCache {
             .iter()
             .take_while(|b| b.is_done())
             .count();
-        let mut min = vec![done as u64];
+        let drained = (self.l3_ops.draining.iter())
+            .take_while(|(s, _)| s.exited.is_set())
+            .count();
+        let mut min = vec![done as u64, drained as u64];
         let seqs: Vec<u64> = self.l3_ops.prefetches.keys().copied().collect();
         for p in self.l3_ops.prefetches.values() {
             min.extend(p.counts(&l3.prefetch, ps).encode());
@@ -181,12 +188,16 @@ impl HybridCache {
             let op = self.l3_ops.backups.pop_front().expect("counted above");
             self.end_backup(op)?;
         }
+        let freed: Vec<_> = self.l3_ops.draining.drain(..min[1] as usize).collect();
+        for (_, host) in freed {
+            self.free_host_units(&host)?;
+        }
         for (i, seq) in seqs.into_iter().enumerate() {
-            let at = 1 + i * FetchCounts::LEN;
+            let at = FIXED_VALUES + i * FetchCounts::LEN;
             let agreed = FetchCounts::decode(&min[at..at + FetchCounts::LEN]);
             self.advance_prefetch(seq, agreed)?;
         }
-        self.collect_drained(false)
+        Ok(())
     }
 
     /// The prefetch of an arriving request: starts the background lookup of the part of
@@ -360,20 +371,13 @@ impl HybridCache {
         Ok(end - op.start)
     }
 
-    /// Frees the slots of ended prefetches whose task exited (`wait`: waits for each).
-    pub(crate) fn collect_drained(&mut self, wait: bool) -> Result<()> {
-        let mut keep = Vec::new();
+    /// Waits for every ended prefetch's task to exit and frees its slots (every rank calls
+    /// it at the same point: `flush`, shutdown).
+    pub(crate) fn collect_drained(&mut self) -> Result<()> {
         for (shared, host) in std::mem::take(&mut self.l3_ops.draining) {
-            if wait {
-                shared.exited.wait();
-            }
-            if shared.exited.is_set() {
-                self.free_host_units(&host)?;
-            } else {
-                keep.push((shared, host));
-            }
+            shared.exited.wait();
+            self.free_host_units(&host)?;
         }
-        self.l3_ops.draining = keep;
         Ok(())
     }
 
@@ -388,7 +392,7 @@ impl HybridCache {
             op.wait();
             self.end_backup(op)?;
         }
-        self.collect_drained(true)?;
+        self.collect_drained()?;
         if let Some(l3) = self.l3.take() {
             l3.close();
         }

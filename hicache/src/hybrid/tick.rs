@@ -60,7 +60,7 @@ impl HybridCache {
                 break;
             }
         }
-        self.collect_drained(true)
+        self.collect_drained()
     }
 
     /// Closes the batch of load-backs and copy-on-write copies launched by the admissions
