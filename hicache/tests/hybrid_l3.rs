@@ -199,3 +199,177 @@ fn a_down_backend_is_counted_never_an_error() {
     e.assert_no_leaks();
     e.cache.shutdown().unwrap();
 }
+
+/// A backend over another whose reads (or lookups) wait at a gate the test opens.
+struct Gated {
+    inner: Arc<dyn Storage>,
+    /// Gate the reads (`batch_get`); otherwise the lookups (`batch_exists`).
+    reads: bool,
+    /// Closed by the test to let the reads through (`acquire` fails once closed).
+    gate: tokio::sync::Semaphore,
+    /// Set when a gated call has reached the gate.
+    read_started: std::sync::Mutex<bool>,
+    started: std::sync::Condvar,
+}
+
+impl Gated {
+    fn new(inner: Arc<dyn Storage>, reads: bool) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            reads,
+            gate: tokio::sync::Semaphore::new(0),
+            read_started: std::sync::Mutex::new(false),
+            started: std::sync::Condvar::new(),
+        })
+    }
+
+    /// Whether a gated call reached the gate, waiting up to 10 ms for one (not an assertion on
+    /// time: callers poll the cache in between, a bounded number of times).
+    fn read_started(&self) -> bool {
+        let g = self.read_started.lock().unwrap();
+        let (g, _) = self
+            .started
+            .wait_timeout_while(g, std::time::Duration::from_millis(10), |s| !*s)
+            .unwrap();
+        *g
+    }
+
+    fn open(&self) {
+        self.gate.close();
+    }
+
+    /// Signals the call's arrival at the gate, then waits there until it opens.
+    async fn pass(&self) {
+        *self.read_started.lock().unwrap() = true;
+        self.started.notify_all();
+        let _ = self.gate.acquire().await;
+    }
+}
+
+#[hicache_storage::async_trait]
+impl Storage for Gated {
+    fn info(&self) -> hicache_storage::BackendInfo {
+        self.inner.info()
+    }
+    async fn batch_exists(&self, keys: &[hicache_core::PageKey]) -> hicache_storage::Result<usize> {
+        if !self.reads {
+            self.pass().await;
+        }
+        self.inner.batch_exists(keys).await
+    }
+    async fn batch_get(
+        &self,
+        keys: &[hicache_core::PageKey],
+        dst: &mut [hicache_storage::PageBufMut<'_>],
+    ) -> hicache_storage::Result<Vec<hicache_storage::PageOutcome>> {
+        if self.reads {
+            self.pass().await;
+        }
+        self.inner.batch_get(keys, dst).await
+    }
+    async fn batch_set(
+        &self,
+        keys: &[hicache_core::PageKey],
+        src: &[hicache_storage::PageBuf<'_>],
+    ) -> hicache_storage::Result<Vec<hicache_storage::PageOutcome>> {
+        self.inner.batch_set(keys, src).await
+    }
+    async fn delete(&self, keys: &[hicache_core::PageKey]) -> hicache_storage::Result<usize> {
+        self.inner.delete(keys).await
+    }
+    fn stats(&self) -> hicache_storage::StorageStats {
+        self.inner.stats()
+    }
+}
+
+/// A cache whose prefetches follow `policy`, over a copy of what `a` wrote to L3 whose
+/// reads (`reads`) or lookups are gated.
+fn gated_cache(a: &[u32], policy: hicache::PrefetchPolicy, reads: bool) -> (Engine, Arc<Gated>) {
+    let memory: Arc<dyn Storage> =
+        Arc::new(hicache_storage::MemoryBackend::with_capacity(64 << 20));
+    {
+        let mut e = Engine::new(cache(true, true, memory.clone()));
+        e.turn(a);
+        e.cache.shutdown().unwrap();
+    }
+    let gated = Gated::new(memory, reads);
+    let cfg = HybridConfig {
+        page_size: PS,
+        swa_window: Some(8),
+        mamba_chunk: Some(8),
+        prefetch_threshold_tokens: 8,
+        prefetch_policy: policy,
+        ..Default::default()
+    };
+    let c = hybrid_common::builder(cfg, 32)
+        .storage(gated.clone())
+        .build()
+        .unwrap();
+    (Engine::new(c), gated)
+}
+
+/// Polls `e` until a gated call has reached the gate (bounded).
+fn poll_until_read_started(e: &mut Engine, gated: &Gated) {
+    for _ in 0..1000 {
+        e.cache.poll().unwrap();
+        if gated.read_started() {
+            return;
+        }
+    }
+    panic!("the prefetch never started its read");
+}
+
+/// `arrive` returns while the backend's read is still in flight (blocked at a gate); the
+/// request is not ready, polls go on, and once the read passes the pages come from L3 whole.
+#[test]
+fn arrive_returns_while_a_slow_read_is_in_flight() {
+    let a = prompt(1, 40);
+    let (mut e, gated) = gated_cache(&a, hicache::PrefetchPolicy::WaitComplete, true);
+    let b = extended(&a, 3, 24);
+    let req = e.arrive(&b);
+    poll_until_read_started(&mut e, &gated);
+    assert!(!e.cache.prefetch_ready(req).unwrap());
+    e.cache.poll().unwrap();
+    assert!(
+        !e.cache.prefetch_ready(req).unwrap(),
+        "the read is still blocked"
+    );
+    gated.open();
+    e.cache.flush().unwrap();
+    assert!(e.cache.prefetch_ready(req).unwrap());
+    let run = e.finish(req, &b);
+    assert_eq!(run.admission.storage_tokens, 40, "{run:?}");
+    assert_eq!(run.checked[0], 10, "every Full page checked");
+    assert_eq!(run.checked[2], 1, "the state checked");
+    e.settle();
+    e.cache.shutdown().unwrap();
+}
+
+/// `best_effort`: the request is ready at the next poll while its lookup is still blocked;
+/// nothing comes from L3, no host slot was taken, and the task ends once let through.
+#[test]
+fn best_effort_does_not_wait_for_a_slow_lookup() {
+    let a = prompt(1, 40);
+    let (mut e, gated) = gated_cache(&a, hicache::PrefetchPolicy::BestEffort, false);
+    let b = extended(&a, 3, 24);
+    let kv_free = |e: &Engine| {
+        e.cache
+            .host_pools()
+            .available(hicache_host::HostComponent::Kv)
+            .unwrap()
+    };
+    let total = kv_free(&e);
+    let req = e.arrive(&b);
+    poll_until_read_started(&mut e, &gated);
+    assert!(
+        e.cache.prefetch_ready(req).unwrap(),
+        "best_effort never waits"
+    );
+    assert_eq!(kv_free(&e), total, "no slot taken for a lookup");
+    gated.open();
+    e.cache.flush().unwrap();
+    let run = e.finish(req, &b);
+    assert_eq!(run.admission.cached_tokens(), 0, "{run:?}");
+    e.settle();
+    e.cache.shutdown().unwrap();
+}

@@ -4,6 +4,7 @@
 #![cfg(feature = "file")]
 
 mod common;
+mod hybrid_common;
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -384,5 +385,59 @@ fn sglangs_own_event_classes_decode_every_batch() {
         }
     }
     assert!(lines.iter().any(|l| l["type"] == "AllBlocksCleared"));
+    e.cache.shutdown().unwrap();
+}
+
+/// A hybrid cache serves its counters on the metrics endpoint and publishes its KV events
+/// (device, host and L3 stores) in SGLang's wire format, as the dense one.
+#[test]
+fn a_hybrid_cache_publishes_metrics_and_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = format!(r#"{{"dir": "{}"}}"#, dir.path().display());
+    let sc = hicache::StorageConfig::parse(Some("file"), Some(&extra)).unwrap();
+    let registry = hicache::backends::builtin_registry().unwrap();
+    let storage = rt()
+        .block_on(registry.open(&sc, &hicache_storage::BackendContext::default()))
+        .unwrap();
+    let cfg = hicache::HybridConfig {
+        page_size: 4,
+        swa_window: Some(8),
+        mamba_chunk: Some(8),
+        prefetch_threshold_tokens: 8,
+        ..Default::default()
+    };
+    let kv = hicache::observe::KvEventsConfig::from_json(
+        r#"{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0",
+            "replay_endpoint": "tcp://127.0.0.1:0", "topic": "hybrid"}"#,
+    )
+    .unwrap();
+    let cache = hybrid_common::builder(cfg, 32)
+        .storage(storage)
+        .kv_events_publisher(kv)
+        .metrics_addr("127.0.0.1:0")
+        .build()
+        .unwrap();
+    let mut e = hybrid_common::Engine::new(cache);
+    e.turn(&hybrid_common::prompt(1, 40));
+    // The poll after the flush publishes what the flush finished (the L3 backups).
+    e.cache.poll().unwrap();
+    let (status, body) = http_get(e.cache.metrics_endpoint().unwrap(), "/metrics");
+    assert!(status.contains("200"), "{status}");
+    let m = parse(&body);
+    let key = |c: &str| {
+        format!(r#"hicache_hybrid_moved_pages_total{{component="{c}",direction="l2_to_l3"}}"#)
+    };
+    assert_eq!(m.get(&key("full")), Some(&10.0), "{body}");
+    assert_eq!(m.get(&key("mamba")), Some(&1.0), "{body}");
+    let replay_at = e.cache.kv_events_replay_endpoint().unwrap().to_string();
+    let media: Vec<String> = replay(&replay_at, 0, "hybrid")
+        .into_iter()
+        .flat_map(|(_, evs)| evs)
+        .filter(|ev| ev.0 == "BlockStored")
+        .filter_map(|ev| ev.1)
+        .collect();
+    for want in ["GPU", "CPU_PINNED", "DISK"] {
+        assert!(media.iter().any(|m| m == want), "{want} in {media:?}");
+    }
     e.cache.shutdown().unwrap();
 }

@@ -39,6 +39,8 @@ pub struct HybridCacheBuilder {
     storage: Option<Arc<dyn Storage>>,
     transfer: TransferConfig,
     kv_events: bool,
+    publisher: Option<crate::observe::KvEventsConfig>,
+    metrics_addr: Option<String>,
 }
 
 impl std::fmt::Debug for HybridCacheBuilder {
@@ -71,6 +73,8 @@ impl HybridCacheBuilder {
             storage: None,
             transfer: TransferConfig::default(),
             kv_events: false,
+            publisher: None,
+            metrics_addr: None,
         }
     }
 
@@ -150,6 +154,23 @@ impl HybridCacheBuilder {
     /// An L3 backend.
     pub fn storage(mut self, storage: Arc<dyn Storage>) -> Self {
         self.storage = Some(storage);
+        self
+    }
+
+    /// Publishes the KV events on ZMQ in SGLang's wire format, as the dense
+    /// `kv_events_config` (every poll hands its events to the publisher; L3 stores under the
+    /// backend's medium).
+    pub fn kv_events_publisher(mut self, cfg: crate::observe::KvEventsConfig) -> Self {
+        self.kv_events = true;
+        self.publisher = Some(cfg);
+        self
+    }
+
+    /// Serves the counters ([`HybridCache::render_metrics`]) for Prometheus at `addr`
+    /// (`IP:PORT`; port 0 picks one, see [`HybridCache::metrics_endpoint`]), as the dense
+    /// `metrics_addr`.
+    pub fn metrics_addr(mut self, addr: impl Into<String>) -> Self {
+        self.metrics_addr = Some(addr.into());
         self
     }
 
@@ -245,7 +266,7 @@ impl HybridCacheBuilder {
     pub fn build(self) -> Result<HybridCache> {
         let full = self.validate()?;
         let device = self.device.clone().unwrap_or_else(Device::sim);
-        let group = self.host_group(full)?;
+        let group = Arc::new(self.host_group(full)?);
         let kv_part = |shape, pages, host: &Arc<HostPool>| {
             let dev = Arc::new(DevicePool::new(&device, shape, pages)?);
             KvPart::new(dev, host.clone(), self.transfer)
@@ -280,7 +301,13 @@ impl HybridCacheBuilder {
                     swa_window: self.cfg.swa_window,
                 };
                 let layout = HybridL3Layout::new(spec, &group)?;
-                Some(L3Part::new(storage.clone(), layout)?)
+                let prefetch = self.cfg.prefetch();
+                Some(L3Part::new(
+                    storage.clone(),
+                    layout,
+                    group.clone(),
+                    prefetch,
+                )?)
             }
             None => None,
         };
@@ -294,8 +321,21 @@ impl HybridCacheBuilder {
             swa: swa_part,
             mamba: mamba_part,
         };
-        Ok(HybridCache::assemble(
-            self.cfg, tree, pools, self.rank, l3, events,
-        ))
+        let published = Arc::new(parking_lot::Mutex::new(Default::default()));
+        let render: crate::observe::RenderFn = {
+            let p = Arc::clone(&published);
+            Arc::new(move || super::metrics::render(&p.lock()))
+        };
+        let endpoints = crate::observe::Endpoints::start_with(
+            self.publisher,
+            self.metrics_addr.as_deref(),
+            render,
+        )?;
+        let mut cache = HybridCache::assemble(self.cfg, tree, pools, self.rank, l3, events);
+        cache.observe = super::cache::Observe {
+            endpoints,
+            published,
+        };
+        Ok(cache)
     }
 }

@@ -43,8 +43,12 @@ pub(crate) struct Units {
 
 /// A request between `arrive` and `cache_finished` / `abort`.
 enum Req {
-    /// Arrived, not admitted: the tokens its L3 prefetch brought to host.
-    Arrived { storage: usize },
+    /// Arrived, not admitted: the tokens its L3 prefetch brought to host, and the prefetch
+    /// while it runs.
+    Arrived {
+        storage: usize,
+        prefetch: Option<u64>,
+    },
     /// Admitted: holds a lock on its prefix.
     Admitted(Admitted),
 }
@@ -61,6 +65,14 @@ struct Admitted {
     cow: Option<u32>,
 }
 
+/// The cache's observability endpoints and the counters its metrics endpoint serves.
+#[derive(Debug, Default)]
+pub(crate) struct Observe {
+    pub endpoints: crate::observe::Endpoints,
+    /// The counters as of the last poll (what the metrics endpoint renders).
+    pub published: Arc<parking_lot::Mutex<HybridTotals>>,
+}
+
 /// The hierarchical cache of a hybrid model on one rank (see the module docs for who owns
 /// which slot, and the crate docs for the call sequence of a tick).
 pub struct HybridCache {
@@ -72,6 +84,8 @@ pub struct HybridCache {
     pub(crate) totals: HybridTotals,
     pub(crate) events: super::events::Events,
     pub(crate) l3: Option<super::l3::L3Part>,
+    pub(crate) l3_ops: super::l3_flow::L3Ops,
+    pub(crate) observe: Observe,
     requests: HashMap<u64, Req>,
     closed: bool,
 }
@@ -108,6 +122,8 @@ impl HybridCache {
             totals: HybridTotals::default(),
             events,
             l3,
+            l3_ops: Default::default(),
+            observe: Observe::default(),
             requests: HashMap::new(),
             closed: false,
         }
@@ -165,9 +181,49 @@ impl HybridCache {
         super::metrics::render(&self.totals)
     }
 
-    /// The KV events since the last call.
+    /// The KV events since the last call. With a publisher
+    /// ([`kv_events_publisher`](super::HybridCacheBuilder::kv_events_publisher)) every poll
+    /// hands its events to it, so this returns only the events since the last poll.
     pub fn drain_events(&mut self) -> Vec<hicache_core::KvEvent> {
         self.events.drain()
+    }
+
+    /// Publishes what a poll changed: the counters for the metrics endpoint, the events to
+    /// the KV-event publisher (L3 stores under the backend's medium).
+    pub(crate) fn publish(&mut self) {
+        *self.observe.published.lock() = self.totals;
+        if !self.observe.endpoints.publishes() {
+            return;
+        }
+        let events = self.events.drain();
+        if events.is_empty() {
+            return;
+        }
+        let l3 = self
+            .l3
+            .as_ref()
+            .map_or(crate::observe::wire::L3Medium::External, |l| {
+                crate::observe::wire::L3Medium::of_backend(&l.storage.info().name)
+            });
+        self.observe.endpoints.publish(&events, l3);
+    }
+
+    /// The bound KV-event PUB endpoint (`tcp://IP:PORT`), when a publisher runs.
+    pub fn kv_events_endpoint(&self) -> Option<&str> {
+        self.observe.endpoints.kv_events().map(|p| p.endpoint())
+    }
+
+    /// The bound KV-event replay endpoint, when configured.
+    pub fn kv_events_replay_endpoint(&self) -> Option<&str> {
+        self.observe
+            .endpoints
+            .kv_events()
+            .and_then(|p| p.replay_endpoint())
+    }
+
+    /// The bound metrics endpoint address, when one was asked for.
+    pub fn metrics_endpoint(&self) -> Option<std::net::SocketAddr> {
+        self.observe.endpoints.metrics().map(|m| m.addr())
     }
 
     fn ps(&self) -> usize {
@@ -203,20 +259,23 @@ impl HybridCache {
         }
         let key = Self::match_key(tokens);
         let m = self.tree.match_prefix(key)?;
-        let storage = self.prefetch(key, &m)?;
-        self.requests.insert(req, Req::Arrived { storage });
+        let (looked_up, prefetch) = self.prefetch(req, key, &m)?;
+        let storage = 0;
+        self.requests
+            .insert(req, Req::Arrived { storage, prefetch });
         Ok(HybridArrival {
             device_tokens: m.device_prefix_len,
             host_tokens: m.host_hit_len,
-            storage_tokens: storage,
+            storage_tokens: looked_up,
         })
     }
 
-    /// Whether the request's L3 prefetch (if any) is done, so it can be admitted.
+    /// Whether the request's L3 prefetch (if any) has ended (at a poll, by its policy), so
+    /// it can be admitted with what it brought.
     pub fn prefetch_ready(&mut self, req: u64) -> Result<bool> {
         self.check_open()?;
         match self.requests.get(&req) {
-            Some(Req::Arrived { .. }) => Ok(true),
+            Some(Req::Arrived { prefetch, .. }) => Ok(prefetch.is_none()),
             Some(Req::Admitted(_)) => Err(HiCacheError::request(req, "already admitted")),
             None => Err(HiCacheError::request(req, "unknown request")),
         }
@@ -227,7 +286,7 @@ impl HybridCache {
     pub fn admit(&mut self, req: u64, tokens: &[u32]) -> Result<HybridAdmission> {
         self.check_open()?;
         let storage = match self.requests.get(&req) {
-            Some(Req::Arrived { storage }) => *storage,
+            Some(Req::Arrived { storage, .. }) => *storage,
             Some(Req::Admitted(_)) => return Err(HiCacheError::request(req, "already admitted")),
             None => return Err(HiCacheError::request(req, "unknown request (call arrive)")),
         };
@@ -272,6 +331,16 @@ impl HybridCache {
             storage_tokens,
             slots,
         })
+    }
+
+    /// A request's prefetch ended, bringing `tokens` to host (the request may be gone).
+    pub(crate) fn prefetch_ended(&mut self, req: u64, seq: u64, tokens: usize) {
+        if let Some(Req::Arrived { storage, prefetch }) = self.requests.get_mut(&req)
+            && *prefetch == Some(seq)
+        {
+            *storage = tokens;
+            *prefetch = None;
+        }
     }
 
     fn count_hits(&mut self, device: usize, host: usize, storage: usize) {
@@ -672,7 +741,8 @@ impl HybridCache {
             return Ok(());
         }
         self.pools.synchronize()?;
-        self.finish_copies(true)?;
+        self.settle_all()?;
+        self.close_l3()?;
         self.closed = true;
         Ok(())
     }

@@ -1,31 +1,31 @@
-//! [`L3Part`]: L3 for the hybrid facade, over the l3 layout's keys and I/O helpers.
+//! [`L3Part`]: L3 for the hybrid facade, over the l3 layout's keys and I/O helpers, on the
+//! dense controller's L3 engine (its runtime, its backup job, its write permits).
 //!
 //! - **Backup.** When a node's write-through has finished (at an agreed poll), its host
 //!   copies go to L3 per component (KV pages keyed by the page hashes; SWA pages by the
-//!   node's last hashes; the Mamba state by the last page's hash), the node host-pinned
-//!   (`lock_host`) while the write runs.
+//!   node's last hashes; the Mamba state by the last page's hash) as one [`BackupJob`] per
+//!   component in the background; the nodes stay host-pinned (`lock_host`) until the poll
+//!   at which every rank has seen the whole backup finish ([`L3BackupOp`]).
 //! - **Prefetch.** On `arrive`, the part of the prompt cached in neither L1 nor L2 is looked
-//!   up with the hit policy; the hit (the minimum every rank found) is read into host slots
-//!   per component and inserted as host-only nodes under the host-valid prefix; `admit`
-//!   then loads it back like any host hit.
+//!   up in the background with the hit policy (`prefetch`); the hit every rank found is read
+//!   into host slots per component and inserted as host-only nodes under the host-valid
+//!   prefix; `admit` then loads it back like any host hit.
 //!
-//! With tensor parallelism a prefetch exchanges twice with the other ranks inside `arrive`
-//! (the hit pages, then whether every rank read them all), so every rank must call
-//! `arrive` for the same requests in the same order, as it does every other call.
-//!
-//! The I/O runs on a current-thread runtime owned here, to completion inside the call that
-//! starts it (`poll` or `arrive`): no page is read or written after the call returns, so
-//! the host slots involved are never touched by L3 once the engine thread goes on.
+//! Invariant (slot ownership): a host slot read by a prefetch belongs to the prefetch's task
+//! from the moment the engine thread hands it over until the task has set `read_done` (or,
+//! for a prefetch ended before that, `exited`); a slot written by a backup is host-pinned in
+//! the tree until the backup's agreed end. The engine thread never frees or reuses a slot
+//! before then.
 
 use std::sync::Arc;
 
-use hicache_core::{NodeId, PageHash, PageKey};
-use hicache_host::{HostComponent, HostPoolGroup};
+use hicache_core::{HostSlot, NodeId, PageHash, PageKey, PrefetchConfig};
+use hicache_host::{HostComponent, HostPoolGroup, IoVec};
 use hicache_storage::Storage;
 
-use super::l3_io::{ComponentPages, HybridIo};
 use super::l3_keys::{HitPolicy, HybridL3Layout};
 use crate::error::{HiCacheError, Result};
+use crate::l3::{BackupJob, BackupShared, Chain, L3_WRITE_BATCHES_IN_FLIGHT, PageSource};
 
 /// One component's pages of an L3 write: keys and the host slots holding them.
 #[derive(Clone, Debug, Default)]
@@ -54,38 +54,108 @@ pub(crate) struct PrefetchPlan {
     pub keys: [Vec<PageKey>; 3],
 }
 
-/// The attached storage and its layout.
-pub(crate) struct L3Part {
-    pub storage: Arc<dyn Storage>,
-    pub layout: HybridL3Layout,
-    rt: tokio::runtime::Runtime,
-}
-
 /// The components in [`L3Job::parts`] order.
 pub(crate) const PARTS: [HostComponent; 3] =
     [HostComponent::Kv, HostComponent::Swa, HostComponent::Mamba];
 
-impl L3Part {
-    /// L3 over `storage` with `layout`.
-    pub fn new(storage: Arc<dyn Storage>, layout: HybridL3Layout) -> Result<Self> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(HiCacheError::Runtime)?;
-        Ok(Self {
-            storage,
-            layout,
-            rt,
-        })
+/// One component of a pool group as the page source of a backup job: its slots' iovecs,
+/// each checked to be exactly one page of the component's L3 layout.
+struct ComponentSource {
+    group: Arc<HostPoolGroup>,
+    component: HostComponent,
+    page_bytes: usize,
+}
+
+impl PageSource for ComponentSource {
+    fn page_iovecs(&self, slot: HostSlot) -> Result<Vec<IoVec>> {
+        let iovs = self.group.iovecs(self.component, slot.0)?;
+        let len: usize = iovs.iter().map(|v| v.len).sum();
+        if len != self.page_bytes {
+            return Err(HiCacheError::BadArgument(format!(
+                "{} slot {} holds {len} bytes, its pages {}",
+                self.component, slot.0, self.page_bytes
+            )));
+        }
+        Ok(iovs)
+    }
+}
+
+/// An L3 backup in flight: one background job per component with pages.
+#[derive(Debug)]
+pub(crate) struct L3BackupOp {
+    /// The nodes host-pinned until the backup's agreed end.
+    pub nodes: Vec<NodeId>,
+    /// The Full pages' host slots (for the L3 stored event).
+    pub full_slots: Vec<u32>,
+    /// Per component with pages: its index in [`PARTS`], its pages, the job's state.
+    parts: Vec<(usize, usize, Arc<BackupShared>)>,
+}
+
+impl L3BackupOp {
+    /// Whether every component's job has finished (never blocks).
+    pub fn is_done(&self) -> bool {
+        self.parts.iter().all(|(_, _, s)| s.done.is_set())
     }
 
-    /// The I/O helpers over this storage and layout and `group`'s slots.
-    fn io<'a>(&'a self, group: &'a HostPoolGroup) -> HybridIo<'a> {
-        HybridIo {
-            storage: &*self.storage,
-            layout: &self.layout,
-            group,
+    /// Blocks until every component's job has finished.
+    pub fn wait(&self) {
+        for (_, _, s) in &self.parts {
+            s.done.wait();
         }
+    }
+
+    /// What the finished backup did, per component (Full, SWA, Mamba).
+    pub fn counts(&self) -> WriteCounts {
+        let mut out = WriteCounts::default();
+        for (k, pages, s) in &self.parts {
+            let stored =
+                (s.stored_pages.load(std::sync::atomic::Ordering::Relaxed) as usize).min(*pages);
+            if let Some(e) = s.error.lock().as_deref() {
+                tracing::warn!(
+                    component = %PARTS[*k],
+                    pages = pages - stored,
+                    error = e,
+                    "hybrid L3 backup lost pages: they stay in L2"
+                );
+            }
+            out.stored[*k] += stored;
+            out.failed[*k] += pages - stored;
+        }
+        out
+    }
+}
+
+/// The attached storage, its layout and the L3 engine's runtime.
+pub(crate) struct L3Part {
+    /// The L3 backend.
+    pub storage: Arc<dyn Storage>,
+    /// Where each component's pages live.
+    pub layout: Arc<HybridL3Layout>,
+    /// The host slots pages move from and to.
+    pub group: Arc<HostPoolGroup>,
+    /// When a prefetch may end, its threshold and timeouts.
+    pub prefetch: PrefetchConfig,
+    runtime: tokio::runtime::Runtime,
+    /// One permit per write batch in flight, over every backup.
+    write_permits: Arc<tokio::sync::Semaphore>,
+}
+
+impl L3Part {
+    /// L3 over `storage` with `layout`, reading and writing `group`'s slots.
+    pub fn new(
+        storage: Arc<dyn Storage>,
+        layout: HybridL3Layout,
+        group: Arc<HostPoolGroup>,
+        prefetch: PrefetchConfig,
+    ) -> Result<Self> {
+        Ok(Self {
+            storage,
+            layout: Arc::new(layout),
+            group,
+            prefetch,
+            runtime: crate::l3::new_runtime()?,
+            write_permits: Arc::new(tokio::sync::Semaphore::new(L3_WRITE_BATCHES_IN_FLIGHT)),
+        })
     }
 
     /// Page hashes of the whole pages of `tokens`, from the root.
@@ -93,133 +163,69 @@ impl L3Part {
         self.layout.chain(None, tokens)
     }
 
-    /// Writes a job's pages: per component, the pages stored (or already present) and the
-    /// pages that failed. A failed call fails its component's pages (logged, counted by the
-    /// caller), never the tick: the pages stay in L2.
-    pub fn write(&self, group: &HostPoolGroup, job: &L3Job) -> WriteCounts {
-        let mut out = WriteCounts::default();
-        for (k, part) in job.parts.iter().enumerate() {
+    /// Spawns a future on the L3 runtime.
+    pub fn spawn(&self, f: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.runtime.spawn(f);
+    }
+
+    /// Starts a job's writes in the background, one [`BackupJob`] per component with pages.
+    /// The caller keeps the job's nodes host-pinned until the op is done and agreed.
+    pub fn spawn_backup(&self, job: L3Job) -> Result<L3BackupOp> {
+        let batch = super::l3_io::batch_len(&*self.storage);
+        let full_slots = job.parts[0].slots.clone();
+        let mut parts = Vec::new();
+        for (k, part) in job.parts.into_iter().enumerate() {
             if part.keys.is_empty() {
                 continue;
             }
-            let pages = ComponentPages {
-                component: PARTS[k],
-                keys: &part.keys,
-                slots: &part.slots,
+            let space = *self.layout.space(PARTS[k])?;
+            let shared = Arc::new(BackupShared::default());
+            parts.push((k, part.keys.len(), shared.clone()));
+            let job = BackupJob {
+                storage: self.storage.clone(),
+                pool: Arc::new(ComponentSource {
+                    group: self.group.clone(),
+                    component: PARTS[k],
+                    page_bytes: space.page_bytes,
+                }),
+                chain: Arc::new(Chain::new(None, part.keys)),
+                slots: part.slots.into_iter().map(HostSlot).collect(),
+                batch,
+                layout: space.layout,
+                shared,
+                in_flight: self.write_permits.clone(),
             };
-            // SAFETY: the slots are the tree's host copies of host-pinned nodes and this call
-            // runs the write to completion before returning, so nothing writes them meanwhile.
-            let write = unsafe { self.io(group).write_pages(pages) };
-            match self.rt.block_on(write) {
-                Ok(r) => out.stored[k] = r.ok(),
-                Err(e) => tracing::warn!(
-                    component = %PARTS[k],
-                    pages = part.keys.len(),
-                    error = %e,
-                    "hybrid L3 backup failed: the pages stay in L2"
-                ),
-            }
-            out.failed[k] = part.keys.len() - out.stored[k];
+            self.runtime.spawn(job.run());
         }
-        out
+        Ok(L3BackupOp {
+            nodes: job.nodes,
+            full_slots,
+            parts,
+        })
     }
 
-    /// Looks up the span `hashes` (starting at the root when `at_root`); `None` without a
-    /// hit every configured component can restore.
-    pub fn plan(
-        &self,
-        group: &HostPoolGroup,
-        hashes: &[PageHash],
-        at_root: bool,
-        components: [bool; 3],
-    ) -> Result<Option<PrefetchPlan>> {
+    /// The keys to read for a hit of `hit` pages of the span `hashes`.
+    pub fn plan_for(&self, hashes: &[PageHash], hit: usize, at_root: bool) -> Result<PrefetchPlan> {
         let policies = self.layout.prefetch_policies(hashes.len(), at_root);
-        let listed = |c| policies.iter().any(|(x, _)| *x == c);
-        if (components[1] && !listed(HostComponent::Swa))
-            || (components[2] && !listed(HostComponent::Mamba))
-        {
-            // A component the span cannot restore: the pages would not make a valid match.
-            return Ok(None);
-        }
-        let verdict = match self.rt.block_on(self.io(group).lookup(hashes, &policies)) {
-            Ok(v) => v,
-            Err(e) => {
-                // A lookup that fails is a miss (the pages are recomputed), never an error of
-                // the request.
-                tracing::warn!(error = %e, "hybrid L3 lookup failed: treated as a miss");
-                return Ok(None);
-            }
-        };
-        if verdict.hit_pages == 0 {
-            return Ok(None);
-        }
-        Ok(Some(self.plan_for(hashes, verdict.hit_pages, &policies)?))
-    }
-
-    /// The keys to read for a hit of `hit` pages.
-    pub fn plan_for(
-        &self,
-        hashes: &[PageHash],
-        hit: usize,
-        policies: &[(HostComponent, HitPolicy)],
-    ) -> Result<PrefetchPlan> {
         let mut keys: [Vec<PageKey>; 3] = Default::default();
         keys[0] = self
             .layout
             .read_keys(HostComponent::Kv, HitPolicy::AllPages, hashes, hit)?;
-        for &(c, policy) in policies {
+        for &(c, policy) in &policies {
             let k = PARTS.iter().position(|&x| x == c).unwrap_or(0);
             keys[k] = self.layout.read_keys(c, policy, hashes, hit)?;
         }
         Ok(PrefetchPlan { hit, keys })
     }
 
-    /// The policies of a span (for [`plan_for`](Self::plan_for) after agreement).
-    pub fn policies(&self, span: usize, at_root: bool) -> Vec<(HostComponent, HitPolicy)> {
-        self.layout.prefetch_policies(span, at_root)
-    }
-
-    /// Reads a plan's pages into `slots` (per component, paired with the keys): per
-    /// component the pages that did not arrive (a failed call fails all of its component's;
-    /// logged). The prefetch is whole only when every count is 0.
-    pub fn read(
-        &self,
-        group: &HostPoolGroup,
-        plan: &PrefetchPlan,
-        slots: &[&[u32]; 3],
-    ) -> [usize; 3] {
-        let mut missing = [0; 3];
-        for k in 0..3 {
-            if plan.keys[k].is_empty() {
-                continue;
-            }
-            let pages = ComponentPages {
-                component: PARTS[k],
-                keys: &plan.keys[k],
-                slots: slots[k],
-            };
-            // SAFETY: the slots were just allocated for this read (distinct, owned by it, in
-            // no node yet) and the read runs to completion before returning.
-            let read = unsafe { self.io(group).read_pages(pages) };
-            let arrived = match self.rt.block_on(read) {
-                Ok(r) => r.ok(),
-                Err(e) => {
-                    tracing::warn!(
-                        component = %PARTS[k],
-                        pages = plan.keys[k].len(),
-                        error = %e,
-                        "hybrid L3 read failed: the prefetch is dropped"
-                    );
-                    0
-                }
-            };
-            missing[k] = plan.keys[k].len() - arrived;
-        }
-        missing
+    /// Stops the runtime (every task is awaited by the caller first).
+    pub fn close(self) {
+        self.runtime
+            .shutdown_timeout(std::time::Duration::from_secs(10));
     }
 }
 
-/// What [`L3Part::write`] did, per component (Full, SWA, Mamba).
+/// What a backup wrote, per component (Full, SWA, Mamba).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct WriteCounts {
     /// Pages stored or already present.

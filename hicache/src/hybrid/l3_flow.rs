@@ -1,26 +1,48 @@
-//! The hybrid cache's L3 steps (see `l3` for the rules): the L3 job of a write-through
-//! backup, the L3 backup once it finished, and the prefetch of `arrive`. Every decision that
-//! changes the tree uses numbers every rank agreed on.
+//! The hybrid cache's L3 steps (see `l3` and `prefetch` for the rules): the L3 job of a
+//! write-through backup, its background write once the copy finished, the prefetch started
+//! by `arrive`, and the per-tick agreement that ends both.
+//!
+//! The L3 exchange of a tick (reduced with `min`; only with L3 attached, after the copies'
+//! exchange of `tick`): `[L3 backups finished, ended prefetches whose task exited]` (each
+//! counted from the oldest), then [`FetchCounts::LEN`] values per tracked prefetch in
+//! creation order. Every rank tracks the same backups and prefetches in the same order
+//! (created by calls every rank makes alike, ended at agreed values), so the shape is the
+//! same everywhere; and host slots come back only at agreed counts, so every rank's host
+//! pools hold the same free slots when the next allocation evicts.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
 
 use hicache_core::unified::HostInsert;
-use hicache_core::{PageHash, UnifiedBackupPlan, UnifiedMatch};
+use hicache_core::{Component, PageHash, UnifiedBackupPlan, UnifiedMatch};
 use hicache_host::HostComponent;
 
 use super::cache::{HybridCache, Units};
-use super::l3::{L3Job, L3Part, PARTS, PagesOut};
+use super::l3::{L3BackupOp, L3Job, PARTS, PagesOut};
+use super::prefetch::{FetchCounts, FetchShared, FetchTask, Phase, PrefetchOp};
 use crate::error::Result;
+use crate::rank::MAX_EXCHANGE_LEN;
+
+/// Most prefetches tracked at once (so the exchange fits one round); arrivals beyond that
+/// start none.
+const MAX_TRACKED_PREFETCHES: usize = (MAX_EXCHANGE_LEN - FIXED_VALUES) / FetchCounts::LEN;
+/// Values of the L3 exchange before the prefetches'.
+const FIXED_VALUES: usize = 2;
+
+/// L3 work in flight.
+#[derive(Debug, Default)]
+pub(crate) struct L3Ops {
+    /// Background backups, oldest first.
+    pub backups: VecDeque<L3BackupOp>,
+    /// Prefetches by sequence number (creation order).
+    pub prefetches: BTreeMap<u64, PrefetchOp>,
+    next: u64,
+    /// Ended prefetches whose task may still write their slots: freed once it exited.
+    draining: Vec<(Arc<FetchShared>, Units)>,
+}
 
 impl HybridCache {
-    /// Runs `f` with the L3 part taken out of the cache (so `f` may use the cache mutably).
-    fn with_l3<T>(&mut self, f: impl FnOnce(&mut Self, &L3Part) -> Result<T>) -> Result<Option<T>> {
-        let Some(l3) = self.l3.take() else {
-            return Ok(None);
-        };
-        let r = f(self, &l3);
-        self.l3 = Some(l3);
-        r.map(Some)
-    }
-
     /// The page hashes of `tokens` when L3 is attached (empty otherwise).
     pub(crate) fn l3_hashes(&self, tokens: &[u32]) -> Vec<PageHash> {
         self.l3
@@ -80,131 +102,251 @@ impl HybridCache {
         Ok(Some(job))
     }
 
-    /// Writes a finished backup's host copies to L3, its nodes host-pinned meanwhile.
-    pub(crate) fn l3_backup(&mut self, job: &L3Job) -> Result<()> {
-        self.with_l3(|c, l3| {
-            for &n in &job.nodes {
-                c.tree.lock_host(n)?;
-            }
-            let written = l3.write(&c.pools.group, job);
-            for &n in &job.nodes {
-                c.tree.unlock_host(n)?;
-            }
-            for (k, part) in PARTS.iter().enumerate() {
-                let (n, failed) = (written.stored[k], written.failed[k]);
-                if n == 0 && failed == 0 {
-                    // Nothing of this component (perhaps not configured: no slot size).
-                    continue;
-                }
-                let bytes = c.pools.group.slot_bytes(*part)?;
-                let t = c.totals.get_mut(super::component_of(*part));
-                t.pages_l2_to_l3 += n as u64;
-                t.bytes_l2_to_l3 += (n * bytes) as u64;
-                t.l3_failed_write_pages += failed as u64;
-            }
-            Ok(())
-        })
-        .map(|_| ())
+    /// Starts the background write of a finished backup's host copies, its nodes
+    /// host-pinned until its agreed end.
+    pub(crate) fn l3_backup(&mut self, job: L3Job) -> Result<()> {
+        let Some(l3) = &self.l3 else {
+            return Ok(());
+        };
+        for &n in &job.nodes {
+            self.tree.lock_host(n)?;
+        }
+        let op = l3.spawn_backup(job)?;
+        self.l3_ops.backups.push_back(op);
+        Ok(())
     }
 
-    /// The minimum of `value` over every rank.
-    fn agree_min(&self, value: u64) -> Result<u64> {
-        let mut min = [value];
-        let mut max = [value];
+    /// Ends a background backup every rank has seen finish: unpins its nodes, counts it.
+    fn end_backup(&mut self, op: L3BackupOp) -> Result<()> {
+        for &n in &op.nodes {
+            self.tree.unlock_host(n)?;
+        }
+        let written = op.counts();
+        if written.failed[0] == 0 {
+            // Every Full page is in L3: the router may count it there.
+            let slots = &op.full_slots;
+            self.events.copied(
+                hicache_core::Medium::CpuPinned,
+                slots,
+                hicache_core::Medium::Storage,
+                slots,
+            );
+        }
+        for (k, part) in PARTS.iter().enumerate() {
+            let (n, failed) = (written.stored[k], written.failed[k]);
+            if n == 0 && failed == 0 {
+                continue;
+            }
+            let bytes = self.pools.group.slot_bytes(*part)?;
+            let t = self.totals.get_mut(super::component_of(*part));
+            t.pages_l2_to_l3 += n as u64;
+            t.bytes_l2_to_l3 += (n * bytes) as u64;
+            t.l3_failed_write_pages += failed as u64;
+        }
+        Ok(())
+    }
+
+    /// L3 work in flight (background backups and prefetches).
+    pub(crate) fn l3_busy(&self) -> bool {
+        !self.l3_ops.backups.is_empty() || !self.l3_ops.prefetches.is_empty()
+    }
+
+    /// Blocks until every background backup and every prefetch's current step finished.
+    pub(crate) fn wait_l3(&self) {
+        for b in &self.l3_ops.backups {
+            b.wait();
+        }
+        for p in self.l3_ops.prefetches.values() {
+            p.wait_step();
+        }
+    }
+
+    /// The L3 part of a tick: one exchange, then the agreed backups and prefetches end or
+    /// advance (see the module docs).
+    pub(crate) fn tick_l3(&mut self) -> Result<()> {
+        let Some(l3) = &self.l3 else {
+            return Ok(());
+        };
+        let ps = self.cfg.page_size as usize;
+        let done = self
+            .l3_ops
+            .backups
+            .iter()
+            .take_while(|b| b.is_done())
+            .count();
+        let drained = (self.l3_ops.draining.iter())
+            .take_while(|(s, _)| s.exited.is_set())
+            .count();
+        let mut min = vec![done as u64, drained as u64];
+        let seqs: Vec<u64> = self.l3_ops.prefetches.keys().copied().collect();
+        for p in self.l3_ops.prefetches.values() {
+            min.extend(p.counts(&l3.prefetch, ps).encode());
+        }
+        let mut max = min.clone();
         self.rank.exchange(&mut min, &mut max)?;
-        Ok(min[0])
+        for _ in 0..min[0] {
+            let op = self.l3_ops.backups.pop_front().expect("counted above");
+            self.end_backup(op)?;
+        }
+        let freed: Vec<_> = self.l3_ops.draining.drain(..min[1] as usize).collect();
+        for (_, host) in freed {
+            self.free_host_units(&host)?;
+        }
+        for (i, seq) in seqs.into_iter().enumerate() {
+            let at = FIXED_VALUES + i * FetchCounts::LEN;
+            let agreed = FetchCounts::decode(&min[at..at + FetchCounts::LEN]);
+            self.advance_prefetch(seq, agreed)?;
+        }
+        Ok(())
     }
 
-    /// The prefetch of an arriving request: fetches from L3 the part of `key` past the
-    /// host-valid prefix of `m` and inserts it as host-only nodes; the tokens fetched.
-    pub(crate) fn prefetch(&mut self, key: &[u32], m: &UnifiedMatch) -> Result<usize> {
+    /// The prefetch of an arriving request: starts the background lookup of the part of
+    /// `key` past the host-valid prefix of `m`; the tokens looked up (0: none started).
+    pub(crate) fn prefetch(
+        &mut self,
+        req: u64,
+        key: &[u32],
+        m: &UnifiedMatch,
+    ) -> Result<(usize, Option<u64>)> {
+        let Some(l3) = &self.l3 else {
+            return Ok((0, None));
+        };
         let ps = self.cfg.page_size as usize;
         let aligned = key.len() / ps * ps;
         let start = m.device_prefix_len + m.host_hit_len;
-        let parent_on_host = m.host_node == self.tree.root()
-            || self
-                .tree
-                .backed_up(m.host_node, hicache_core::Component::Full)?;
+        let parent_on_host =
+            m.host_node == self.tree.root() || self.tree.backed_up(m.host_node, Component::Full)?;
         // Only a span the tree knows nothing of (every rank's tree is the same, so every rank
-        // decides alike and takes part in the same exchanges).
-        let eligible = self.l3.is_some()
-            && parent_on_host
+        // decides alike).
+        let threshold = self.cfg.prefetch_threshold_tokens.max(ps);
+        let eligible = parent_on_host
             && m.full_hit_len <= start
             && aligned > start
-            && aligned - start >= self.cfg.prefetch_threshold_tokens.max(1);
+            && aligned - start >= threshold
+            && self.l3_ops.prefetches.len() < MAX_TRACKED_PREFETCHES;
         if !eligible {
-            return Ok(0);
+            return Ok((0, None));
         }
-        let fetched = self.with_l3(|c, l3| c.prefetch_span(l3, &key[..aligned], start, m))?;
-        Ok(fetched.unwrap_or(0))
-    }
-
-    fn prefetch_span(
-        &mut self,
-        l3: &L3Part,
-        key: &[u32],
-        start: usize,
-        m: &UnifiedMatch,
-    ) -> Result<usize> {
-        let ps = self.cfg.page_size as usize;
-        let hashes = l3.hashes(key);
-        let span = &hashes[start / ps..];
-        let at_root = start == 0;
-        let comps = [
-            true,
-            self.tree.has(hicache_core::Component::Swa),
-            self.tree.has(hicache_core::Component::Mamba),
-        ];
-        let local = l3
-            .plan(&self.pools.group, span, at_root, comps)?
-            .map_or(0, |p| p.hit);
-        let hit = self.agree_min(local as u64)? as usize;
-        if hit == 0 {
-            return Ok(0);
-        }
-        let plan = l3.plan_for(span, hit, &l3.policies(span.len(), at_root))?;
-        let pin = m.host_node != self.tree.root();
-        if pin {
+        let hashes = l3.hashes(&key[..aligned]).split_off(start / ps);
+        let shared = Arc::new(FetchShared::default());
+        let task = FetchTask {
+            storage: l3.storage.clone(),
+            layout: l3.layout.clone(),
+            group: l3.group.clone(),
+            hashes: hashes.clone(),
+            at_root: start == 0,
+            sidecars: [
+                self.tree.has(Component::Swa),
+                self.tree.has(Component::Mamba),
+            ],
+            shared: shared.clone(),
+        };
+        l3.spawn(task.run());
+        if m.host_node != self.tree.root() {
             self.tree.lock_host(m.host_node)?;
         }
-        // Page identities for the events (empty when events are off).
-        let mut infos = self.events.pages(&key[..start + hit * ps]);
-        let infos = infos.split_off((start / ps).min(infos.len()));
-        let r = self.fetch_and_insert(l3, &plan, &key[start..start + hit * ps], m, infos);
-        if pin {
-            self.tree.unlock_host(m.host_node)?;
-        }
-        r
+        let seq = self.l3_ops.next;
+        self.l3_ops.next += 1;
+        self.l3_ops.prefetches.insert(
+            seq,
+            PrefetchOp {
+                req,
+                anchor: m.host_node,
+                key: key[..aligned].to_vec(),
+                start,
+                hashes,
+                started: Instant::now(),
+                shared,
+                phase: Phase::Lookup,
+            },
+        );
+        Ok((aligned - start, Some(seq)))
     }
 
-    fn fetch_and_insert(
-        &mut self,
-        l3: &L3Part,
-        plan: &super::l3::PrefetchPlan,
-        span: &[u32],
-        m: &UnifiedMatch,
-        infos: Vec<super::events::PageInfo>,
-    ) -> Result<usize> {
+    /// Applies the agreed view of one prefetch (steps 2–4 of `prefetch`).
+    fn advance_prefetch(&mut self, seq: u64, agreed: FetchCounts) -> Result<()> {
+        let reading = matches!(self.l3_ops.prefetches[&seq].phase, Phase::Reading { .. });
+        if !reading && agreed.looked_up {
+            self.start_read(seq, agreed.hit as usize)
+        } else if reading && agreed.read_done {
+            self.end_prefetch(seq, agreed.read_ok)
+        } else if agreed.may_end {
+            self.end_prefetch(seq, false)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Allocates host slots for the agreed hit and hands them to the task, or ends the
+    /// prefetch (no hit worth it, no host room).
+    fn start_read(&mut self, seq: u64, hit: usize) -> Result<()> {
+        let ps = self.cfg.page_size as usize;
+        if hit == 0 || hit * ps < self.cfg.prefetch_threshold_tokens.max(ps) {
+            return self.end_prefetch(seq, false);
+        }
+        let op = &self.l3_ops.prefetches[&seq];
+        let l3 = self.l3.as_ref().expect("prefetches exist only with L3");
+        let plan = l3.plan_for(&op.hashes, hit, op.start == 0)?;
         let [kv, swa, mamba] = [0, 1, 2].map(|k| plan.keys[k].len());
-        let host = self.alloc_host(kv, swa, mamba)?;
-        let read = match &host {
-            Some(h) => {
-                let missing = l3.read(&self.pools.group, plan, &[&h.full, &h.swa, &h.mamba]);
+        let Some(host) = self.alloc_host(kv, swa, mamba)? else {
+            return self.end_prefetch(seq, false);
+        };
+        let op = self.l3_ops.prefetches.get_mut(&seq).expect("tracked");
+        op.shared.order_read(
+            plan.clone(),
+            [host.full.clone(), host.swa.clone(), host.mamba.clone()],
+        );
+        op.phase = Phase::Reading { plan, host };
+        Ok(())
+    }
+
+    /// Ends a prefetch: inserts what it read when `insert` (every rank read it all),
+    /// otherwise frees its slots (once its task can no longer write them); unpins the anchor
+    /// and tells the request what came from L3.
+    fn end_prefetch(&mut self, seq: u64, insert: bool) -> Result<()> {
+        let op = self.l3_ops.prefetches.remove(&seq).expect("tracked");
+        op.shared.terminate();
+        let mut tokens = 0;
+        if let Phase::Reading { plan, host } = &op.phase {
+            if op.shared.read_done.is_set() {
+                let missing = *op.shared.missing.lock();
                 for (k, part) in PARTS.iter().enumerate() {
                     self.totals
                         .get_mut(super::component_of(*part))
                         .l3_failed_read_pages += missing[k] as u64;
                 }
-                missing == [0; 3]
             }
-            None => false,
-        };
-        let ok = self.agree_min(u64::from(read))? == 1;
-        let Some(h) = host else {
-            return Ok(0);
-        };
-        if !ok {
-            self.free_host_units(&h)?;
+            tokens = if insert {
+                self.insert_prefetched(&op, plan, host)?
+            } else {
+                0
+            };
+        }
+        if let (0, Phase::Reading { host, .. }) = (tokens, op.phase) {
+            self.l3_ops.draining.push((op.shared.clone(), host));
+        }
+        if op.anchor != self.tree.root() {
+            self.tree.unlock_host(op.anchor)?;
+        }
+        self.prefetch_ended(op.req, seq, tokens);
+        Ok(())
+    }
+
+    /// Inserts a whole read as host-only nodes under the anchor, unless the tree has since
+    /// cached part of the span (then nothing: 0). The tokens inserted.
+    fn insert_prefetched(
+        &mut self,
+        op: &PrefetchOp,
+        plan: &super::l3::PrefetchPlan,
+        h: &Units,
+    ) -> Result<usize> {
+        let ps = self.cfg.page_size as usize;
+        let end = op.start + plan.hit * ps;
+        let m = self.tree.match_prefix(&op.key[..end])?;
+        let unchanged = m.host_node == op.anchor
+            && m.device_prefix_len + m.host_hit_len == op.start
+            && m.full_hit_len <= op.start;
+        if !unchanged {
             return Ok(0);
         }
         let insert = HostInsert {
@@ -212,19 +354,48 @@ impl HybridCache {
             swa: &h.swa,
             mamba: h.mamba.first().copied(),
         };
-        self.tree.insert_host_only(m.host_node, span, insert)?;
+        self.tree
+            .insert_host_only(op.anchor, &op.key[op.start..end], insert)?;
+        // Page identities for the events (empty when events are off).
+        let mut infos = self.events.pages(&op.key[..end]);
+        let infos = infos.split_off((op.start / ps).min(infos.len()));
         self.events
             .stored(hicache_core::Medium::CpuPinned, &h.full, infos);
-        for (k, n) in [kv, swa, mamba]
-            .into_iter()
-            .enumerate()
-            .filter(|&(_, n)| n > 0)
-        {
+        let moved = [h.full.len(), h.swa.len(), h.mamba.len()];
+        for (k, n) in moved.into_iter().enumerate().filter(|&(_, n)| n > 0) {
             let bytes = self.pools.group.slot_bytes(PARTS[k])?;
             let t = self.totals.get_mut(super::component_of(PARTS[k]));
             t.pages_l3_to_l2 += n as u64;
             t.bytes_l3_to_l2 += (n * bytes) as u64;
         }
-        Ok(span.len())
+        Ok(end - op.start)
+    }
+
+    /// Waits for every ended prefetch's task to exit and frees its slots (every rank calls
+    /// it at the same point: `flush`, shutdown).
+    pub(crate) fn collect_drained(&mut self) -> Result<()> {
+        for (shared, host) in std::mem::take(&mut self.l3_ops.draining) {
+            shared.exited.wait();
+            self.free_host_units(&host)?;
+        }
+        Ok(())
+    }
+
+    /// Closes L3: every prefetch ended (nothing inserted), every task awaited, every backup
+    /// finished, the runtime stopped.
+    pub(crate) fn close_l3(&mut self) -> Result<()> {
+        let seqs: Vec<u64> = self.l3_ops.prefetches.keys().copied().collect();
+        for seq in seqs {
+            self.end_prefetch(seq, false)?;
+        }
+        while let Some(op) = self.l3_ops.backups.pop_front() {
+            op.wait();
+            self.end_backup(op)?;
+        }
+        self.collect_drained()?;
+        if let Some(l3) = self.l3.take() {
+            l3.close();
+        }
+        Ok(())
     }
 }

@@ -89,7 +89,7 @@ impl PageResults {
 }
 
 /// Keys per backend call: the backend's limit, at most SGLang's batch.
-fn batch_len(storage: &dyn Storage) -> usize {
+pub(crate) fn batch_len(storage: &dyn Storage) -> usize {
     storage.info().max_batch.clamp(1, STORAGE_BATCH_SIZE)
 }
 

@@ -33,6 +33,7 @@ mod l3_io;
 mod l3_keys;
 mod metrics;
 mod pools;
+mod prefetch;
 mod state;
 mod tick;
 mod types;

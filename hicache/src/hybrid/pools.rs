@@ -89,7 +89,7 @@ fn host_slots(s: &[u32]) -> Vec<HostSlot> {
 /// Every component's pools.
 pub(crate) struct Pools {
     /// The host pools (the KV parts hold shared handles of the group's pools).
-    pub group: HostPoolGroup,
+    pub group: Arc<HostPoolGroup>,
     /// Full-attention KV.
     pub full: KvPart,
     /// Sliding-window KV, when configured.

@@ -1,9 +1,11 @@
 //! The per-tick pump of [`HybridCache`]: finishing copies at counts every rank agreed on,
-//! launching write-through per component, and the load batches the engine waits on.
+//! launching write-through per component, and the load batches the engine waits on; with L3
+//! attached, then the L3 agreement of `l3_flow`.
 //!
-//! The exchanged vector (reduced with `min`): `[backups finished, load-backs finished]`,
-//! each counted from the oldest. Every rank commits the same copies in the same order (the
-//! same calls, the same tree), so finishing the agreed number keeps every tree identical.
+//! The copies' exchanged vector (reduced with `min`): `[backups finished, load-backs
+//! finished]`, each counted from the oldest. Every rank commits the same copies in the same
+//! order (the same calls, the same tree), so finishing the agreed number keeps every tree
+//! identical.
 
 use hicache_core::{Component, HostBackup, NodeId, UnifiedLoadPlan};
 
@@ -17,6 +19,10 @@ pub const HYBRID_EXCHANGE_BACKUPS: usize = 0;
 /// Index of "load-backs finished" in the exchanged vector.
 pub const HYBRID_EXCHANGE_LOADS: usize = 1;
 
+/// Most rounds of [`HybridCache::flush`]: a copy, then its L3 backup; a prefetch's lookup,
+/// read and insert.
+const SETTLE_ROUNDS: usize = 4;
+
 impl HybridCache {
     /// One scheduler tick: finishes the copies every rank has seen land, then launches the
     /// write-through of the nodes inserted since the last poll.
@@ -25,16 +31,36 @@ impl HybridCache {
             return Err(crate::HiCacheError::Closed);
         }
         self.finish_copies(false)?;
-        self.launch_writes()
+        self.tick_l3()?;
+        self.launch_writes()?;
+        self.publish();
+        Ok(())
     }
 
-    /// Blocks until every copy launched so far has landed, then finishes them all (every
-    /// rank must call it at the same point, as `poll`).
+    /// Blocks until every copy launched so far has landed, and every L3 backup and
+    /// prefetch has run its course, then finishes them all (every rank must call it at the
+    /// same point, as `poll`).
     pub fn flush(&mut self) -> Result<()> {
         if self.is_closed() {
             return Err(crate::HiCacheError::Closed);
         }
-        self.finish_copies(true)
+        self.settle_all()
+    }
+
+    /// Waits for and finishes every copy, L3 backup and prefetch step, round by round
+    /// (copy → its L3 backup; lookup → read → insert) while any is in flight. Whether
+    /// another round runs depends on agreed state only, so every rank makes the same
+    /// exchanges.
+    pub(crate) fn settle_all(&mut self) -> Result<()> {
+        for _ in 0..SETTLE_ROUNDS {
+            self.finish_copies(true)?;
+            self.wait_l3();
+            self.tick_l3()?;
+            if self.copies_in_flight() == 0 && !self.l3_busy() {
+                break;
+            }
+        }
+        self.collect_drained()
     }
 
     /// Closes the batch of load-backs and copy-on-write copies launched by the admissions
@@ -73,7 +99,7 @@ impl HybridCache {
         for _ in 0..min[HYBRID_EXCHANGE_BACKUPS] {
             let b = self.copies.backups.pop_front().expect("counted above");
             self.tree.finish_backup(b.id)?;
-            if let Some(job) = &b.l3 {
+            if let Some(job) = b.l3 {
                 self.l3_backup(job)?;
             }
         }

@@ -1,7 +1,9 @@
 //! The plain data of the hybrid facade: its configuration, what a request is handed, what it
 //! hands back, and the per-component totals.
 
-use hicache_core::{Component, DeviceSlot, HashMode};
+use std::time::Duration;
+
+use hicache_core::{Component, DeviceSlot, HashMode, PrefetchConfig, PrefetchPolicy};
 
 use super::StateSlot;
 
@@ -20,6 +22,16 @@ pub struct HybridConfig {
     pub prefetch_threshold_tokens: usize,
     /// Back up every inserted node to host at the next `poll` (SGLang's write-through).
     pub write_through: bool,
+    /// When an L3 prefetch may end (SGLang's `hicache_storage_prefetch_policy`): at any
+    /// poll (`best_effort`), once read whole (`wait_complete`), or once read whole or
+    /// timed out (`timeout`, the default, as the dense `HiCacheConfig`'s).
+    pub prefetch_policy: PrefetchPolicy,
+    /// `prefetch_timeout_base` (SGLang: 2 s).
+    pub prefetch_timeout_base: Duration,
+    /// `prefetch_timeout_per_ki_token`: more time per 1024 tokens of the hit (SGLang: 0.1 s).
+    pub prefetch_timeout_per_ki_token: Duration,
+    /// `prefetch_timeout_max` (SGLang: 30 s).
+    pub prefetch_timeout_max: Duration,
 }
 
 impl Default for HybridConfig {
@@ -31,11 +43,26 @@ impl Default for HybridConfig {
             hash_mode: HashMode::default(),
             prefetch_threshold_tokens: 256,
             write_through: true,
+            prefetch_policy: PrefetchPolicy::Timeout,
+            prefetch_timeout_base: Duration::from_secs(2),
+            prefetch_timeout_per_ki_token: Duration::from_millis(100),
+            prefetch_timeout_max: Duration::from_secs(30),
         }
     }
 }
 
 impl HybridConfig {
+    /// The prefetch policy, threshold and timeouts as the dense controller's.
+    pub(crate) fn prefetch(&self) -> PrefetchConfig {
+        PrefetchConfig {
+            policy: self.prefetch_policy,
+            prefetch_threshold: self.prefetch_threshold_tokens.min(u32::MAX as usize) as u32,
+            prefetch_timeout_base: self.prefetch_timeout_base.as_secs_f64(),
+            prefetch_timeout_per_ki_token: self.prefetch_timeout_per_ki_token.as_secs_f64(),
+            prefetch_timeout_max: self.prefetch_timeout_max.as_secs_f64(),
+        }
+    }
+
     /// The tree's configuration.
     pub(crate) fn tree(&self) -> hicache_core::UnifiedConfig {
         hicache_core::UnifiedConfig {

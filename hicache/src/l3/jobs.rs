@@ -124,13 +124,29 @@ impl FetchState {
     }
 }
 
+/// Host pages a backup reads: a dense model's host pool, or one component's pool of a hybrid
+/// model's pool group. The one backup engine ([`BackupJob`]) serves both.
+pub(crate) trait PageSource: Send + Sync + 'static {
+    /// The iovecs of `slot`'s page, checked to lie inside the source's mapping (which lives
+    /// as long as the source).
+    fn page_iovecs(&self, slot: HostSlot) -> Result<Vec<IoVec>>;
+}
+
+impl PageSource for HostPool {
+    fn page_iovecs(&self, slot: HostSlot) -> Result<Vec<IoVec>> {
+        Ok(HostPool::page_iovecs(self, slot)?)
+    }
+}
+
 /// Slices of a host page for reading.
 ///
 /// # Safety
 /// Nothing may write the page while the slices live (backup page ownership).
-unsafe fn read_parts(pool: &HostPool, slot: HostSlot) -> Result<Vec<&[u8]>> {
-    // SAFETY: forwarded contract.
-    Ok(unsafe { pool.page_parts_shared(slot) }?)
+unsafe fn read_parts(pool: &dyn PageSource, slot: HostSlot) -> Result<Vec<&[u8]>> {
+    let iovs = pool.page_iovecs(slot)?;
+    // SAFETY: the iovecs lie inside the source's mapping, which outlives the borrow of
+    // `pool`; nobody writes the page meanwhile (forwarded contract).
+    Ok(unsafe { iovec_parts(&iovs) })
 }
 
 /// Slices of a host page for writing.
@@ -383,7 +399,7 @@ impl QueryJob {
 /// is done only when every batch is.
 pub(crate) struct BackupJob {
     pub storage: Arc<dyn Storage>,
-    pub pool: Arc<HostPool>,
+    pub pool: Arc<dyn PageSource>,
     /// The keys of the pages to store, after their prefix keys when those are passed.
     pub chain: Arc<Chain>,
     pub slots: Vec<HostSlot>,
@@ -447,7 +463,7 @@ impl BackupJob {
 /// One batch of a backup.
 struct BackupBatch {
     storage: Arc<dyn Storage>,
-    pool: Arc<HostPool>,
+    pool: Arc<dyn PageSource>,
     chain: Arc<Chain>,
     /// The batch's first page in the chain (its keys are `chain.keys(at..at + slots.len())`).
     at: usize,
@@ -475,7 +491,7 @@ impl BackupBatch {
             for &slot in &self.slots[present..] {
                 // SAFETY: the node holding this page is host-protected until the backup's
                 // ack is processed, which waits for this batch; nobody writes it meanwhile.
-                match unsafe { read_parts(&self.pool, slot) } {
+                match unsafe { read_parts(&*self.pool, slot) } {
                     Ok(parts) => bufs.push(PageBuf::from_parts(self.layout, parts)),
                     Err(e) => {
                         tracing::error!(error = %e, "bad host page in a backup");

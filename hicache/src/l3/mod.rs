@@ -19,7 +19,9 @@ use hicache_core::{KvKind, KvShape, PrefetchConfig};
 use hicache_storage::{LayoutKind, Storage, StorageConfig};
 
 pub use backup::L3_WRITE_BATCHES_IN_FLIGHT;
-pub(crate) use jobs::{iovec_parts, iovec_parts_mut};
+pub(crate) use jobs::{
+    BackupJob, BackupShared, Chain, Latch, PageSource, iovec_parts, iovec_parts_mut,
+};
 pub use prefetch::RequestId;
 pub(crate) use prefetch::{MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd};
 

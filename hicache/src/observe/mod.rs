@@ -33,11 +33,21 @@ impl Endpoints {
     /// Binds what `cfg` asks for (`kv_events_config`, `metrics_addr`); errors name the field.
     /// `render` produces the metrics endpoint's text exposition.
     pub fn start(cfg: &HiCacheConfig, render: RenderFn) -> Result<Self> {
-        let kv_events = match cfg.kv_events()? {
+        Self::start_with(cfg.kv_events()?, cfg.metrics_addr.as_deref(), render)
+    }
+
+    /// Binds a KV-event publisher per `kv_events` and a metrics endpoint at `metrics_addr`
+    /// (each only when given; the hybrid facade's builder passes its own settings here).
+    pub fn start_with(
+        kv_events: Option<KvEventsConfig>,
+        metrics_addr: Option<&str>,
+        render: RenderFn,
+    ) -> Result<Self> {
+        let kv_events = match kv_events {
             Some(k) => KvEventPublisher::start(&k)?,
             None => None,
         };
-        let metrics = match &cfg.metrics_addr {
+        let metrics = match metrics_addr {
             Some(addr) => Some(MetricsServer::start(addr, render)?),
             None => None,
         };

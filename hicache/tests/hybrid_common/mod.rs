@@ -154,12 +154,29 @@ impl Engine {
     /// Runs `tokens` as one request: arrive, admit (prefix bytes checked), compute the rest
     /// (patterns written), finish, poll.
     pub fn run(&mut self, tokens: &[u32]) -> Run {
+        let req = self.arrive(tokens);
+        let c = &mut self.cache;
+        c.poll().unwrap();
+        if !c.prefetch_ready(req).unwrap() {
+            // An L3 prefetch runs in the background: wait for it to end.
+            c.flush().unwrap();
+        }
+        assert!(c.prefetch_ready(req).unwrap());
+        self.finish(req, tokens)
+    }
+
+    /// A new request arrives (its L3 prefetch, if any, starts); its id.
+    pub fn arrive(&mut self, tokens: &[u32]) -> u64 {
         let req = self.next;
         self.next += 1;
+        self.cache.arrive(req, tokens).unwrap();
+        req
+    }
+
+    /// The rest of [`run`](Self::run) for an arrived request whose prefetch has ended:
+    /// admit, compute, finish, poll.
+    pub fn finish(&mut self, req: u64, tokens: &[u32]) -> Run {
         let c = &mut self.cache;
-        c.arrive(req, tokens).unwrap();
-        c.poll().unwrap();
-        assert!(c.prefetch_ready(req).unwrap());
         let admission = c.admit(req, tokens).unwrap();
         if let Some(b) = c.start_loading().unwrap() {
             c.wait_loaded(b).unwrap();

@@ -1,0 +1,293 @@
+//! A hybrid model's L3 prefetch in the background: [`FetchTask`] (lookup under the hit
+//! policy, then the read of the agreed hit into host slots the engine thread allocated) and
+//! [`PrefetchOp`], the engine thread's record of it.
+//!
+//! Steps, each taken on the engine thread at a poll from values every rank agreed on (the
+//! exchange of `l3_flow`), so every rank's tree changes alike:
+//! 1. `arrive` spawns the task (lookup) and host-pins the anchor (the deepest host-valid
+//!    node of the match); the request is not `prefetch_ready` until the prefetch ends.
+//! 2. Once every rank's lookup finished, the minimum hit is planned; below the threshold it
+//!    ends; otherwise host slots are allocated for it and handed to the task, which reads.
+//! 3. Once every rank's read finished, the pages are inserted as host-only nodes when every
+//!    rank read them all (and the tree still has nothing below the anchor for them).
+//! 4. The policy may end it earlier (`best_effort`: at any poll; `timeout`: once
+//!    `prefetch_timeout_*` for the hit has passed; `wait_complete`: never): nothing is
+//!    inserted (a hybrid page set is whole or useless), and slots handed to the task are
+//!    freed only once the task has exited (slot ownership, see `l3`).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use hicache_core::{NodeId, PageHash, PrefetchPolicy};
+use hicache_storage::Storage;
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+
+use super::cache::Units;
+use super::l3::{PARTS, PrefetchPlan};
+use super::l3_io::{ComponentPages, HybridIo};
+use super::l3_keys::HybridL3Layout;
+use crate::l3::Latch;
+use hicache_host::{HostComponent, HostPoolGroup};
+
+/// What the engine thread orders the task after the lookup.
+#[derive(Debug, Default)]
+pub(crate) struct Order {
+    /// The plan and the slots (per component, paired with the plan's keys) to read into.
+    pub read: Option<(PrefetchPlan, [Vec<u32>; 3])>,
+    /// Stop: read nothing more.
+    pub terminated: bool,
+}
+
+/// State shared by a prefetch's task and the engine thread.
+#[derive(Debug, Default)]
+pub(crate) struct FetchShared {
+    /// This rank's hit (pages every configured component can restore), once looked up.
+    pub hit: Mutex<usize>,
+    /// Set when `hit` is final.
+    pub looked_up: Latch,
+    /// The engine thread's order.
+    pub order: Mutex<Order>,
+    /// Wakes the task when an order is given.
+    pub notify: Notify,
+    /// Per component, the pages that did not arrive (final once `read_done` is set).
+    pub missing: Mutex<[usize; 3]>,
+    /// Set when the read finished: the task touches no slot after it.
+    pub read_done: Latch,
+    /// Set when the task exited.
+    pub exited: Latch,
+}
+
+impl FetchShared {
+    /// Hands the task what to read.
+    pub fn order_read(&self, plan: PrefetchPlan, slots: [Vec<u32>; 3]) {
+        self.order.lock().read = Some((plan, slots));
+        self.notify.notify_one();
+    }
+
+    /// Tells the task to stop.
+    pub fn terminate(&self) {
+        self.order.lock().terminated = true;
+        self.notify.notify_one();
+    }
+}
+
+/// A prefetch's background task.
+pub(crate) struct FetchTask {
+    /// The L3 backend.
+    pub storage: Arc<dyn Storage>,
+    /// Where each component's pages live.
+    pub layout: Arc<HybridL3Layout>,
+    /// The host slots the read fills.
+    pub group: Arc<HostPoolGroup>,
+    /// Page hashes of the span looked up.
+    pub hashes: Vec<PageHash>,
+    /// Whether the span starts at the root.
+    pub at_root: bool,
+    /// Which of SWA and Mamba the model has (the hit must restore each).
+    pub sidecars: [bool; 2],
+    /// State shared with the engine thread.
+    pub shared: Arc<FetchShared>,
+}
+
+impl FetchTask {
+    /// Runs the task to its end (spawn it on the L3 runtime).
+    pub async fn run(self) {
+        let hit = self.lookup().await;
+        *self.shared.hit.lock() = hit;
+        self.shared.looked_up.set();
+        let read = loop {
+            {
+                let mut o = self.shared.order.lock();
+                if o.terminated {
+                    break None;
+                }
+                if let Some(r) = o.read.take() {
+                    break Some(r);
+                }
+            }
+            self.shared.notify.notified().await;
+        };
+        if let Some((plan, slots)) = read {
+            let missing = self.read(&plan, &slots).await;
+            *self.shared.missing.lock() = missing;
+            self.shared.read_done.set();
+        }
+        self.shared.exited.set();
+    }
+
+    fn io(&self) -> HybridIo<'_> {
+        HybridIo {
+            storage: &*self.storage,
+            layout: &self.layout,
+            group: &self.group,
+        }
+    }
+
+    /// This rank's hit: 0 when a configured component cannot be restored from the span, or
+    /// when the lookup fails (a miss, never an error of the request).
+    async fn lookup(&self) -> usize {
+        let policies = self
+            .layout
+            .prefetch_policies(self.hashes.len(), self.at_root);
+        let listed = |c| policies.iter().any(|(x, _)| *x == c);
+        if (self.sidecars[0] && !listed(HostComponent::Swa))
+            || (self.sidecars[1] && !listed(HostComponent::Mamba))
+        {
+            return 0;
+        }
+        match self.io().lookup(&self.hashes, &policies).await {
+            Ok(v) => v.hit_pages,
+            Err(e) => {
+                tracing::warn!(error = %e, "hybrid L3 lookup failed: treated as a miss");
+                0
+            }
+        }
+    }
+
+    /// Reads the plan's pages into the slots: per component, the pages that did not arrive
+    /// (a failed call fails all of its component's; logged).
+    async fn read(&self, plan: &PrefetchPlan, slots: &[Vec<u32>; 3]) -> [usize; 3] {
+        let mut missing = [0; 3];
+        for k in 0..3 {
+            if plan.keys[k].is_empty() {
+                continue;
+            }
+            if self.shared.order.lock().terminated {
+                missing[k] = plan.keys[k].len();
+                continue;
+            }
+            let pages = ComponentPages {
+                component: PARTS[k],
+                keys: &plan.keys[k],
+                slots: &slots[k],
+            };
+            // SAFETY: the slots were allocated for this read (distinct, in no node) and the
+            // engine thread neither frees nor reuses them before `read_done` / `exited`.
+            let read = unsafe { self.io().read_pages(pages) };
+            let arrived = match read.await {
+                Ok(r) => r.ok(),
+                Err(e) => {
+                    tracing::warn!(
+                        component = %PARTS[k],
+                        pages = plan.keys[k].len(),
+                        error = %e,
+                        "hybrid L3 read failed: the prefetch is dropped"
+                    );
+                    0
+                }
+            };
+            missing[k] = plan.keys[k].len() - arrived;
+        }
+        missing
+    }
+}
+
+/// Where a prefetch stands on the engine thread.
+#[derive(Debug)]
+pub(crate) enum Phase {
+    /// The lookup runs.
+    Lookup,
+    /// The task reads the agreed hit into these host slots.
+    Reading { plan: PrefetchPlan, host: Units },
+}
+
+/// A prefetch tracked by the engine thread.
+#[derive(Debug)]
+pub(crate) struct PrefetchOp {
+    /// The request that started it.
+    pub req: u64,
+    /// The host-valid node the span hangs under (host-pinned unless the root).
+    pub anchor: NodeId,
+    /// The request's key up to the span's end (whole pages).
+    pub key: Vec<u32>,
+    /// Tokens of `key` before the span.
+    pub start: usize,
+    /// Page hashes of the span.
+    pub hashes: Vec<PageHash>,
+    /// When `arrive` started it (the timeout counts from here).
+    pub started: Instant,
+    /// State shared with its task.
+    pub shared: Arc<FetchShared>,
+    /// Where it stands.
+    pub phase: Phase,
+}
+
+/// One prefetch's values in the exchange (reduced with `min` over ranks).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct FetchCounts {
+    /// The lookup finished.
+    pub looked_up: bool,
+    /// Pages the lookup found restorable.
+    pub hit: u64,
+    /// The read of the agreed hit finished.
+    pub read_done: bool,
+    /// Every page of the read arrived.
+    pub read_ok: bool,
+    /// The policy allows ending the prefetch now.
+    pub may_end: bool,
+}
+
+impl FetchCounts {
+    /// Values per prefetch in the exchange.
+    pub const LEN: usize = 5;
+
+    /// The exchanged values.
+    pub fn encode(&self) -> [u64; Self::LEN] {
+        [
+            u64::from(self.looked_up),
+            self.hit,
+            u64::from(self.read_done),
+            u64::from(self.read_ok),
+            u64::from(self.may_end),
+        ]
+    }
+
+    /// From the exchanged values.
+    pub fn decode(v: &[u64]) -> Self {
+        Self {
+            looked_up: v[0] == 1,
+            hit: v[1],
+            read_done: v[2] == 1,
+            read_ok: v[3] == 1,
+            may_end: v[4] == 1,
+        }
+    }
+}
+
+impl PrefetchOp {
+    /// This rank's view for the exchange, under `policy` (timeouts per hit token).
+    pub fn counts(&self, policy: &hicache_core::PrefetchConfig, page_size: usize) -> FetchCounts {
+        let looked_up = self.shared.looked_up.is_set();
+        let hit = if looked_up {
+            *self.shared.hit.lock()
+        } else {
+            0
+        };
+        let reading = matches!(self.phase, Phase::Reading { .. });
+        let read_done = reading && self.shared.read_done.is_set();
+        let read_ok = read_done && *self.shared.missing.lock() == [0; 3];
+        let may_end = match policy.policy {
+            PrefetchPolicy::BestEffort => true,
+            PrefetchPolicy::WaitComplete => read_done,
+            PrefetchPolicy::Timeout => {
+                read_done || self.started.elapsed() > policy.timeout((hit * page_size) as u64)
+            }
+        };
+        FetchCounts {
+            looked_up,
+            hit: hit as u64,
+            read_done,
+            read_ok,
+            may_end,
+        }
+    }
+
+    /// Blocks until the task's current step (lookup, or read) has finished.
+    pub fn wait_step(&self) {
+        match self.phase {
+            Phase::Lookup => self.shared.looked_up.wait(),
+            Phase::Reading { .. } => self.shared.read_done.wait(),
+        }
+    }
+}
