@@ -316,10 +316,19 @@ fn hicache_credits_prefixes_in_flight_on_dense_models_only() {
     let mut cfg = RouterConfig::new(PS);
     cfg.credit_in_flight = true;
     let mut r = Router::new(Policy::Hicache, infos.clone(), cfg.clone());
+    // Instances 1 and 2 are backed up: both requests go to 0.
+    let busy = LoadReport {
+        queued_prefill_tokens: 100_000,
+        requests: 50,
+        running_tokens: 0,
+    };
+    r.report_load(1, busy);
+    r.report_load(2, busy);
     let first = r.route(&idx, &req(1, &long, None)).instance;
     let d = r.route(&idx, &req(2, &next, None));
     assert_eq!(d.instance, first);
-    assert_eq!(d.overlap.l1, 64);
+    // The first prompt's whole pages before its last token: 15 of 4 tokens.
+    assert_eq!(d.overlap.l1, 60);
     r.finished(1);
     r.finished(2);
     let d = r.route(&idx, &req(3, &next, None));
