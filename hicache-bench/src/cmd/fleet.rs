@@ -63,6 +63,10 @@ pub struct FleetArgs {
     /// policy's score (0: each request's own expected TTFT only).
     #[arg(long, default_value_t = CostModel::default().queue_externality, help_heading = "Fleet")]
     pub queue_externality: f64,
+    /// The `hicache` policy credits the prefixes of prompts routed and not finished as L1
+    /// overlap on their instance.
+    #[arg(long, help_heading = "Fleet")]
+    pub credit_in_flight: bool,
     /// The workload, cache, engine and output flags of `multiturn`.
     #[command(flatten)]
     pub workload: MultiturnArgs,
@@ -220,6 +224,7 @@ pub fn main_job_table(args: &MultiturnArgs, mut out: impl Write) -> Result<Fleet
         full_payload: false,
         decision_instances: 0,
         queue_externality: CostModel::default().queue_externality,
+        credit_in_flight: false,
         workload: MultiturnArgs {
             quiet: true,
             device_pages: Some(l1),
@@ -300,6 +305,7 @@ fn measure(
         )));
     }
     setup.cost.queue_externality = args.queue_externality;
+    setup.credit_in_flight = args.credit_in_flight;
     let json = args.workload.json;
     let quiet = json || args.workload.quiet;
     if !json {

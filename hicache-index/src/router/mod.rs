@@ -22,9 +22,10 @@
 //!    minus the overlap credited on the chosen instance) until the request finishes.
 //! 3. Hybrid models ([`hybrid`]): with [`ReuseRule::Hybrid`], an instance's overlap counts
 //!    only up to a reusable end recorded for it; none recorded, no credit.
-//! 4. `hicache` also credits prefixes in flight ([`pending`]): the leading blocks of a prompt
-//!    routed to an instance and not finished count as L1 overlap there (dense models only:
-//!    a hybrid prefix is reusable only at ends the engine reports).
+//! 4. With [`RouterConfig::credit_in_flight`], `hicache` also credits prefixes in flight
+//!    ([`pending`]): the leading blocks of a prompt routed to an instance and not finished
+//!    count as L1 overlap there (dense models only: a hybrid prefix is reusable only at ends
+//!    the engine reports).
 
 pub mod dynamo;
 pub mod hicache;
@@ -187,6 +188,9 @@ pub struct RouterConfig {
     pub sglang: SglangConfig,
     /// Sessions remembered for the tie-break (oldest forgotten first).
     pub max_sessions: usize,
+    /// `hicache` credits prefixes in flight (rule 4; off by default: it helps an overloaded
+    /// fleet and herds a lightly loaded one onto the first instance that saw a shared prefix).
+    pub credit_in_flight: bool,
 }
 
 impl RouterConfig {
@@ -200,6 +204,7 @@ impl RouterConfig {
             dynamo: DynamoConfig::default(),
             sglang: SglangConfig::default(),
             max_sessions: 1 << 16,
+            credit_in_flight: false,
         }
     }
 }
@@ -398,7 +403,10 @@ impl Router {
                 Ok(()) => self.fill_overlaps(),
             }
         }
-        if self.policy == Policy::Hicache && !fallback && self.config.reuse == ReuseRule::Dense {
+        let in_flight = self.policy == Policy::Hicache
+            && self.config.credit_in_flight
+            && self.config.reuse == ReuseRule::Dense;
+        if in_flight && !fallback {
             self.credit_pending();
         }
         let (instance, score) = if fallback {
@@ -426,7 +434,7 @@ impl Router {
         if let Some(s) = req.session {
             self.remember_session(s, instance);
         }
-        if self.policy == Policy::Hicache {
+        if in_flight {
             self.pending.routed(req.request, instance, &self.hashes);
         }
         Decision {

@@ -304,7 +304,7 @@ fn a_restored_router_decides_as_the_one_that_saved_its_state() {
     );
 }
 
-/// Rule 4: a prompt routed to an instance and not finished (not in the index yet) draws the
+/// Rule 4 (switched on): a prompt routed to an instance and not finished (not in the index yet) draws the
 /// next prompt sharing its prefix to that instance under `hicache`; finished, it no longer
 /// does; a hybrid fleet never gets the credit.
 #[test]
@@ -313,16 +313,26 @@ fn hicache_credits_prefixes_in_flight_on_dense_models_only() {
     let long: Vec<u32> = (0..64).collect();
     let mut next = long.clone();
     next.extend(64..80);
-    let mut r = Router::new(Policy::Hicache, infos.clone(), RouterConfig::new(PS));
+    let mut cfg = RouterConfig::new(PS);
+    cfg.credit_in_flight = true;
+    let mut r = Router::new(Policy::Hicache, infos.clone(), cfg.clone());
+    // Instances 1 and 2 are backed up: both requests go to 0.
+    let busy = LoadReport {
+        queued_prefill_tokens: 100_000,
+        requests: 50,
+        running_tokens: 0,
+    };
+    r.report_load(1, busy);
+    r.report_load(2, busy);
     let first = r.route(&idx, &req(1, &long, None)).instance;
     let d = r.route(&idx, &req(2, &next, None));
     assert_eq!(d.instance, first);
-    assert_eq!(d.overlap.l1, 64);
+    // The first prompt's whole pages before its last token: 15 of 4 tokens.
+    assert_eq!(d.overlap.l1, 60);
     r.finished(1);
     r.finished(2);
     let d = r.route(&idx, &req(3, &next, None));
     assert_eq!(d.overlap, Overlap::default());
-    let mut cfg = RouterConfig::new(PS);
     cfg.reuse = ReuseRule::Hybrid;
     let mut h = Router::new(Policy::Hicache, infos, cfg);
     h.route(&idx, &req(1, &long, None));

@@ -175,6 +175,8 @@ pub struct FleetSetup {
     pub real_page_bytes: u64,
     /// Whether requests carry their conversation as the router's session.
     pub sessions: bool,
+    /// Whether `hicache` credits prefixes in flight ([`RouterConfig::credit_in_flight`]).
+    pub credit_in_flight: bool,
 }
 
 impl FleetSetup {
@@ -228,6 +230,7 @@ impl FleetSetup {
             small_payload,
             real_page_bytes,
             sessions: true,
+            credit_in_flight: false,
         })
     }
 
@@ -349,6 +352,7 @@ pub fn run(
     }
     let mut cfg = RouterConfig::new(ps as usize);
     cfg.cost = fleet.cost;
+    cfg.credit_in_flight = fleet.credit_in_flight;
     let mut router = Router::new(policy, infos, cfg);
     let total = source.total();
     let mut records: Vec<RequestRecord> = Vec::with_capacity(total);
