@@ -21,7 +21,8 @@
 //!    (`copy_in`), a read copies and verifies in one pass (`copy_out`), each chunk hashed
 //!    while it is still in the CPU cache. A write reuses the buffer of a page it replaced or
 //!    evicted when one of its length is free (`Recycler`), so a full store writes into memory
-//!    that is already faulted in.
+//!    that is already faulted in. The free buffers kept are bounded (1/8 of the capacity, at
+//!    most 256 MiB) and are memory beyond the capacity's page bytes.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -149,9 +150,9 @@ fn copy_out(src: &[u8], dst: &mut PageBufMut<'_>) -> u64 {
     h.finish()
 }
 
-/// Buffers of pages that left the store (replaced, evicted, deleted, cleared, dropped as
-/// corrupt) and no reader holds, kept by length for the next write of that length. Bounded:
-/// at most [`Recycler::limit`] bytes are kept; the rest are freed.
+/// Buffers of pages that left the store (replaced, evicted, deleted, cleared) and no reader
+/// holds, kept by length for the next write of that length. Bounded: at most `limit` bytes
+/// are kept; the rest are freed.
 struct Recycler {
     free: HashMap<usize, Vec<Box<[u8]>>>,
     bytes: u64,
