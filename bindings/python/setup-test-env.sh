@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the Python test environment of the `hicache-rs` package under target/:
-# wheels are downloaded once into a cache outside the clone ($HICACHE_PYTHON_WHEELS, default
-# ~/.cache/hicache-rs/python-wheels: 3.5 GB of torch and CUDA libraries that a fresh clone, a
-# worktree or `cargo clean` need not fetch again) and installed from there into the virtual
+# wheels are downloaded once into target/python-wheels (the project keeps what it downloads
+# under target/; $HICACHE_PYTHON_WHEELS names another directory, e.g. one shared by worktrees,
+# so that 3.5 GB of torch and CUDA libraries are fetched once per machine) and installed from there into the virtual
 # environment target/python-venv, without byte-compiling every module (Python compiles what it
 # imports). Idempotent.
 #   requirements-test.txt:   pytest, maturin, torch's and SGLang's light import-time deps
@@ -11,7 +11,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
-wheels="${HICACHE_PYTHON_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/hicache-rs/python-wheels}"
+wheels="${HICACHE_PYTHON_WHEELS:-$root/target/python-wheels}"
 venv="$root/target/python-venv"
 mkdir -p "$wheels"
 stamp="$wheels/.complete-$(cat "$here/requirements-test.txt" "$here/requirements-sglang.txt" | sha256sum | cut -c1-16)"

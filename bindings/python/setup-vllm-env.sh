@@ -7,7 +7,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
-wheels="${HICACHE_PYTHON_WHEELS:-${XDG_CACHE_HOME:-$HOME/.cache}/hicache-rs/python-wheels}"
+wheels="${HICACHE_PYTHON_WHEELS:-$root/target/python-wheels}"
 venv="$root/target/python-venv"
 site="$root/target/python-vllm"
 bash "$here/setup-test-env.sh"

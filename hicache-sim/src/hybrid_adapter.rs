@@ -313,6 +313,8 @@ impl HybridAdapter {
         let before = total(&self.cache.metrics(), |c| c.bytes_h2d);
         let adm = self.cache.admit(req, tokens).map_err(err)?;
         let after = total(&self.cache.metrics(), |c| c.bytes_h2d);
+        self.storage_pages
+            .insert(req, adm.storage_tokens / self.page_size);
         Ok(Pending {
             prefix: adm.slots,
             device_tokens: adm.device_tokens,
@@ -418,9 +420,9 @@ impl CacheUnderTest for HybridAdapter {
     }
 
     fn arrive(&mut self, req: RequestId, tokens: &[u32]) -> CacheResult<()> {
-        let a = self.cache.arrive(req, tokens).map_err(err)?;
-        self.storage_pages
-            .insert(req, a.storage_tokens / self.page_size);
+        // The arrival's storage tokens are those a prefetch looks up; the pages that came
+        // from L3 are counted at admission (`HybridAdmission::storage_tokens`).
+        self.cache.arrive(req, tokens).map_err(err)?;
         Ok(())
     }
 

@@ -304,15 +304,21 @@ fn run_jobs(workers: usize, jobs: Vec<Job<'_>>, clock: Instant) -> Vec<Done> {
     })
 }
 
-/// Threads the runs whose figures do not depend on this machine's speed run on: one per core,
-/// or one (everything in order) when the cache publishes metrics or KV events (two caches
-/// would bind the same endpoint).
+/// Threads the runs whose figures do not depend on this machine's speed run on. One: side by
+/// side on a 2-core machine the caches' pool set-up and tear-down (a 1 GiB device pool and a
+/// 2 GiB host pool each) contend for memory bandwidth and page faults, and the job ran 14 %
+/// longer (118.6 s vs 103.9 s at load 4.5, same session); with metrics or KV events two
+/// caches would also bind the same endpoint. `HICACHE_MAIN_JOB_WORKERS` asks for more.
 fn side_by_side_workers(plan: &Plan) -> usize {
     let observe = &plan.setup.observe;
     if observe.metrics_addr.is_some() || observe.kv_events.is_some() {
         return 1;
     }
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    std::env::var("HICACHE_MAIN_JOB_WORKERS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n >= 1)
+        .unwrap_or(1)
 }
 
 /// Whether a configuration's figures depend on how fast this machine runs: only the GB/s of
