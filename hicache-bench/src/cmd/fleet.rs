@@ -229,6 +229,11 @@ pub fn main_job_table(args: &MultiturnArgs, mut out: impl Write) -> Result<Fleet
             quiet: true,
             device_pages: Some(l1),
             device_gb: None,
+            // The job's own endpoints belong to its single-engine tables: the fleet's engines
+            // feed their index in process, and a second cache binding the job's metrics or
+            // ZMQ address would fail with "address already in use".
+            metrics_addr: None,
+            kv_events: None,
             ..args.clone()
         },
     };
