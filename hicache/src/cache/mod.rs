@@ -171,12 +171,8 @@ impl HiCache {
         if events.is_empty() {
             return;
         }
-        let l3 = self
-            .l3
-            .as_ref()
-            .map_or(crate::observe::wire::L3Medium::External, |l| {
-                crate::observe::wire::L3Medium::of_backend(&l.backend_name())
-            });
+        let backend = self.l3.as_ref().map(|l| l.backend_name());
+        let l3 = crate::observe::wire::L3Medium::of_attached(backend.as_deref());
         self.endpoints.publish(&events, l3);
     }
 

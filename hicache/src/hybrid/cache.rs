@@ -199,12 +199,8 @@ impl HybridCache {
         if events.is_empty() {
             return;
         }
-        let l3 = self
-            .l3
-            .as_ref()
-            .map_or(crate::observe::wire::L3Medium::External, |l| {
-                crate::observe::wire::L3Medium::of_backend(&l.storage.info().name)
-            });
+        let backend = self.l3.as_ref().map(|l| l.storage.info().name);
+        let l3 = crate::observe::wire::L3Medium::of_attached(backend.as_deref());
         self.observe.endpoints.publish(&events, l3);
     }
 

@@ -38,6 +38,12 @@ impl L3Medium {
             _ => L3Medium::External,
         }
     }
+
+    /// The medium of a cache's L3 stores: that of its attached backend, named by `name`;
+    /// `External` when none is attached (no L3 event is published then).
+    pub fn of_attached(name: Option<&str>) -> Self {
+        name.map_or(L3Medium::External, Self::of_backend)
+    }
 }
 
 /// The wire's int64 for a page hash: its first 8 bytes, big-endian, two's complement.
