@@ -29,6 +29,7 @@ pub mod layout;
 pub mod mamba;
 pub mod memory;
 pub mod pool;
+mod reuse;
 
 pub use alloc::{HostSlot, PageAllocator, Slot};
 pub use component::HostComponent;
@@ -36,7 +37,7 @@ pub use error::{AllocError, HostError, Result};
 pub use group::{HostPoolGroup, HostPoolGroupConfig};
 pub use layout::{HostLayout, PagePart, Strides};
 pub use mamba::{MambaPool, MambaPoolConfig, MambaShape, MambaSlot};
-pub use memory::{Backing, HostMemory, HugePagePolicy};
+pub use memory::{Backing, HostMemory, HugePagePolicy, reuse_dropped_mappings};
 pub use pool::{DEFAULT_RESERVE_BYTES, HostPool, HostPoolConfig, IoVec, PoolSize};
 
 /// The README's example, run as a doctest.

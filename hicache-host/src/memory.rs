@@ -12,13 +12,14 @@
 //!    errors instead.
 //!
 //! Invariant: `ptr..ptr+len` is mapped read-write from `new` until `Drop`, and nothing else in
-//! the process maps or unmaps it. CUDA registration (`cuMemHostRegister`, done by
+//! the process maps or unmaps it (a drop hands it whole to a `Mapping`, kept for reuse or unmapped). CUDA registration (`cuMemHostRegister`, done by
 //! `hicache-gpu`) must be undone before the drop: the registration owns an `Arc` of the pool,
 //! so the pool (and this mapping) outlive it by construction.
 
 use std::ptr::NonNull;
 
 use crate::error::{HostError, Result};
+use crate::reuse::{Shelf, ShelfKey};
 
 const HUGE: usize = 2 << 20;
 const SMALL: usize = 4096;
@@ -56,6 +57,8 @@ pub struct HostMemory {
     ptr: NonNull<u8>,
     len: usize,
     backing: Backing,
+    /// What `new` was asked for: where the mapping may be reused when this one is dropped.
+    key: ShelfKey,
 }
 
 // SAFETY: HostMemory is a plain owner of a mapping; the mapping has no thread affinity, and all
@@ -64,31 +67,99 @@ unsafe impl Send for HostMemory {}
 // SAFETY: as above; `&HostMemory` exposes only the address, length and backing.
 unsafe impl Sync for HostMemory {}
 
+/// A mapping no [`HostMemory`] owns (on the shelf, or between a drop and its unmapping):
+/// unmapped when dropped.
+#[derive(Debug)]
+struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+    backing: Backing,
+}
+
+// SAFETY: as for HostMemory: the owner of a mapping with no thread affinity.
+unsafe impl Send for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len is exactly one mapping made by `HostMemory::new` (invariant of
+        // HostMemory, handed over whole by its drop); this is its only unmapping.
+        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        if rc != 0 {
+            tracing::error!(
+                len = self.len,
+                error = %std::io::Error::last_os_error(),
+                "munmap of the host pool failed"
+            );
+        }
+    }
+}
+
+/// Dropped mappings kept for reuse (off until [`reuse_dropped_mappings`]).
+static SHELF: Shelf<Mapping> = Shelf::new();
+
+/// Keeps up to `budget_bytes` of dropped [`HostMemory`] mappings mapped and populated in this
+/// process, each handed to the next [`HostMemory::new`] of the same policy that it fits (the
+/// request at most its length and at least half of it; [`HostMemory::len`] is then the kept
+/// mapping's) (to keep a newly dropped one, those dropped longest ago are unmapped). For programs that build
+/// and drop pools of the same size one after another (a bench's runs): a fresh multi-GiB
+/// mapping costs the kernel's reclaim and compaction, a kept one nothing. A reused mapping is
+/// **not** zero-filled: it holds what its previous owner in this process wrote, as memory from
+/// `cudaMalloc` or a pinned `torch.empty` does. 0 (the default) turns it off and unmaps what is
+/// kept. Libraries never call this; [`mem_available`] counts the kept bytes as available.
+pub fn reuse_dropped_mappings(budget_bytes: usize) {
+    drop(SHELF.set_budget(budget_bytes));
+}
+
+/// The shelf key of a request: its page policy (a kept mapping fits a request of the same
+/// policy for at most its length and at least half of it).
+fn shelf_key(policy: HugePagePolicy) -> ShelfKey {
+    match policy {
+        HugePagePolicy::Auto => 0,
+        HugePagePolicy::Off => 1,
+        HugePagePolicy::Require => 2,
+    }
+}
+
 impl HostMemory {
-    /// Maps `len` bytes (rounded up to the page size used), zero-filled and populated.
+    /// Maps `len` bytes (rounded up to the page size used), zero-filled and populated (or, with
+    /// [`reuse_dropped_mappings`] on, a kept mapping of the same request, not zero-filled).
     pub fn new(len: usize, policy: HugePagePolicy) -> Result<Self> {
         if len == 0 {
             return Err(HostError::BadSize("cannot map 0 bytes".into()));
         }
+        let key = shelf_key(policy);
+        if let Some(kept) = SHELF.take(key, len) {
+            // Ownership of the mapping passes back to a HostMemory: no unmapping here.
+            let kept = std::mem::ManuallyDrop::new(kept);
+            return Ok(Self {
+                ptr: kept.ptr,
+                len: kept.len,
+                backing: kept.backing,
+                key,
+            });
+        }
+        let (ptr, len, backing) = Self::map(len, policy)?;
+        Ok(Self {
+            ptr,
+            len,
+            backing,
+            key,
+        })
+    }
+
+    /// A fresh mapping for `new`: its start, length and backing.
+    fn map(len: usize, policy: HugePagePolicy) -> Result<(NonNull<u8>, usize, Backing)> {
         if policy != HugePagePolicy::Off {
             let huge_len = len.checked_next_multiple_of(HUGE).ok_or_else(|| {
                 HostError::BadSize(format!("{len} bytes overflow when rounded to 2 MiB"))
             })?;
             if let Some(ptr) = map_hugetlb(huge_len) {
-                return Ok(Self {
-                    ptr,
-                    len: huge_len,
-                    backing: Backing::Hugetlb,
-                });
+                return Ok((ptr, huge_len, Backing::Hugetlb));
             }
             if thp_enabled() {
                 let ptr = map_thp(huge_len)?;
                 let huge_bytes = smaps_huge_bytes(ptr.as_ptr() as usize).unwrap_or(0);
-                return Ok(Self {
-                    ptr,
-                    len: huge_len,
-                    backing: Backing::Transparent { huge_bytes },
-                });
+                return Ok((ptr, huge_len, Backing::Transparent { huge_bytes }));
             }
             if policy == HugePagePolicy::Require {
                 return Err(HostError::HugePagesUnavailable(
@@ -104,11 +175,7 @@ impl HostMemory {
             len,
             source,
         })?;
-        Ok(Self {
-            ptr,
-            len,
-            backing: Backing::Small,
-        })
+        Ok((ptr, len, Backing::Small))
     }
 
     /// Start of the mapping.
@@ -143,15 +210,13 @@ impl HostMemory {
 
 impl Drop for HostMemory {
     fn drop(&mut self) {
-        // SAFETY: ptr/len is exactly the mapping made in `new` (invariant), unmapped only here.
-        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
-        if rc != 0 {
-            tracing::error!(
-                len = self.len,
-                error = %std::io::Error::last_os_error(),
-                "munmap of the host pool failed"
-            );
-        }
+        // The mapping passes whole to a `Mapping`, kept on the shelf or unmapped by its drop.
+        let mapping = Mapping {
+            ptr: self.ptr,
+            len: self.len,
+            backing: self.backing,
+        };
+        drop(SHELF.offer(self.key, self.len, mapping));
     }
 }
 
@@ -261,9 +326,10 @@ fn smaps_huge_bytes(addr: usize) -> Option<usize> {
     None
 }
 
-/// `MemAvailable` from `/proc/meminfo`, in bytes.
+/// `MemAvailable` from `/proc/meminfo`, in bytes, plus the bytes of dropped mappings this
+/// process keeps for reuse ([`reuse_dropped_mappings`]).
 pub fn mem_available() -> Option<u64> {
-    meminfo_field("MemAvailable:")
+    meminfo_field("MemAvailable:").map(|a| a + SHELF.held_bytes() as u64)
 }
 
 /// `MemTotal` from `/proc/meminfo`, in bytes.
