@@ -27,8 +27,8 @@ use hicache::{
 use hicache_gpu::IoBackend;
 
 use crate::cache::{
-    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, PrefetchStatus,
-    RequestId,
+    Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, DeviceSlot, KvEventsState,
+    PrefetchStatus, RequestId,
 };
 use crate::copy_gate::{CopyTimer, Gated, advance_gated};
 use crate::error::{Result, SimError};
@@ -146,6 +146,11 @@ impl HiCacheUnderTest {
             timer,
             refused_during_copies: 0,
         })
+    }
+
+    /// The cache under test (its tree, its publisher), for checks beside a run.
+    pub fn cache(&self) -> &HiCache {
+        &self.cache
     }
 
     /// The KV events the cache collected since the last call (empty unless built with
@@ -301,6 +306,14 @@ impl CacheUnderTest for HiCacheUnderTest {
         // Whatever is still in flight completes after the last request: nothing waits for it.
         self.timer.close_run();
         self.cache.shutdown().map_err(err)
+    }
+
+    fn kv_events(&self) -> Option<KvEventsState> {
+        Some(KvEventsState {
+            endpoint: self.cache.kv_events_endpoint()?.to_string(),
+            replay_endpoint: self.cache.kv_events_replay_endpoint().map(str::to_string),
+            progress: self.cache.kv_events_progress()?,
+        })
     }
 
     fn stats(&self) -> CacheStats {

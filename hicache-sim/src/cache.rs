@@ -251,4 +251,21 @@ pub trait CacheUnderTest {
 
     /// Totals of the run so far.
     fn stats(&self) -> CacheStats;
+
+    /// The cache's KV-event publisher and where it stands, when one runs (`--kv-events`);
+    /// `None` by default.
+    fn kv_events(&self) -> Option<KvEventsState> {
+        None
+    }
+}
+
+/// A cache's KV-event publisher, as `--kv-events-hold` watches it after the run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvEventsState {
+    /// The bound PUB endpoint (`tcp://IP:PORT`).
+    pub endpoint: String,
+    /// The bound replay endpoint, when configured.
+    pub replay_endpoint: Option<String>,
+    /// Batches queued, published and replayed.
+    pub progress: hicache::observe::PublisherProgress,
 }

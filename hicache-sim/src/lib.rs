@@ -38,7 +38,7 @@ pub mod workload;
 
 pub use cache::{
     Admission, CacheError, CacheResult, CacheStats, CacheUnderTest, ComponentMoves, DeviceSlot,
-    HybridMoves, PrefetchStatus, RequestId, TransferStats,
+    HybridMoves, KvEventsState, PrefetchStatus, RequestId, TransferStats,
 };
 pub use engine::{EngineConfig, RequestRecord, RunResult, Scheduler, Step, StepKind, StepRecord};
 pub use error::{Result, SimError};

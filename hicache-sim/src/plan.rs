@@ -258,6 +258,12 @@ pub struct MultiturnArgs {
     /// '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "topic": "kv"}'.
     #[arg(long, value_name = "JSON", help_heading = "Output")]
     pub kv_events: Option<String>,
+    /// After the last run, keep its cache (its KV-event publisher and replay endpoint) open
+    /// for up to SECONDS, so that an index registered after the run replays the run's whole
+    /// stream; the wait ends as soon as a replay has sent a subscriber every batch. Needs
+    /// --kv-events with a "replay_endpoint".
+    #[arg(long, value_name = "SECONDS", help_heading = "Output")]
+    pub kv_events_hold: Option<f64>,
 }
 
 #[derive(Parser)]
@@ -365,6 +371,41 @@ fn read_extra_config(arg: Option<&str>) -> Result<Map<String, Value>> {
         ))),
         Err(e) => Err(usage(format!("{name}: not JSON: {e}"))),
     }
+}
+
+/// The longest `--kv-events-hold` (a day): the hold is for an operator watching one run.
+pub const MAX_KV_EVENTS_HOLD: Duration = Duration::from_secs(24 * 3600);
+
+/// `--kv-events-hold`, checked: a number of seconds in `0..=MAX_KV_EVENTS_HOLD`, with a ZMQ
+/// publisher that serves replays (a subscriber arriving after the run gets the run's batches
+/// through replay only).
+fn kv_events_hold_of(args: &MultiturnArgs) -> Result<Option<Duration>> {
+    let Some(secs) = args.kv_events_hold else {
+        return Ok(None);
+    };
+    let hold = Duration::try_from_secs_f64(secs)
+        .ok()
+        .filter(|d| *d <= MAX_KV_EVENTS_HOLD)
+        .ok_or_else(|| {
+            usage(format!(
+                "--kv-events-hold must be a number of seconds from 0 to {}, got {secs}",
+                MAX_KV_EVENTS_HOLD.as_secs()
+            ))
+        })?;
+    let Some(json) = &args.kv_events else {
+        return Err(usage(
+            "--kv-events-hold needs --kv-events (a publisher to keep open)",
+        ));
+    };
+    let cfg = hicache::observe::KvEventsConfig::from_json(json)
+        .map_err(|e| usage(format!("--kv-events: {e}")))?;
+    if cfg.publisher != "zmq" || cfg.replay_endpoint.is_none() {
+        return Err(usage(
+            "--kv-events-hold needs a ZMQ publisher with a \"replay_endpoint\" in --kv-events \
+             (a subscriber that arrives after the run gets its batches through replay only)",
+        ));
+    }
+    Ok(Some(hold))
 }
 
 fn default_report_dir() -> PathBuf {
@@ -690,6 +731,7 @@ pub fn plan(args: &MultiturnArgs) -> Result<Plan> {
             observe: ObserveSetup {
                 metrics_addr: args.metrics_addr.clone(),
                 kv_events: args.kv_events.clone(),
+                kv_events_hold: kv_events_hold_of(args)?,
             },
         },
         configurations,

@@ -3,6 +3,7 @@
 //! adapter turns it into a `HiCacheConfig`).
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use hicache_core::{KvShape, LayoutKind, PrefetchPolicy, StrategyKind, WritePolicy};
 use hicache_gpu::IoBackend;
@@ -155,6 +156,10 @@ pub struct ObserveSetup {
     pub metrics_addr: Option<String>,
     /// SGLang's `--kv-events-config` JSON.
     pub kv_events: Option<String>,
+    /// `--kv-events-hold`: how long the last run's cache stays open after the run, at most,
+    /// for a subscriber to replay its stream (not recorded: it changes no figure).
+    #[serde(skip)]
+    pub kv_events_hold: Option<Duration>,
 }
 
 /// Builds the cache under test for one run (`Sync`: runs that do not measure the machine, such

@@ -160,6 +160,7 @@ fn events_of_every_tier_reach_subscribers_in_sglang_format() {
     assert_eq!(again.admission.storage_pages, 12);
     e.settle();
 
+    assert_eq!(e.cache.kv_events_progress().unwrap().replayed_through, 0);
     let batches = replay(&replay_ep, 0, topic);
     let seqs: Vec<u64> = batches.iter().map(|b| b.0).collect();
     assert_eq!(
@@ -167,6 +168,19 @@ fn events_of_every_tier_reach_subscribers_in_sglang_format() {
         (0..seqs.len() as u64).collect::<Vec<_>>(),
         "consecutive from 0"
     );
+    // The publisher knows a replay reached its last batch (bounded wait: the replay task
+    // records it just after queuing the end marker).
+    let mut progress = e.cache.kv_events_progress().unwrap();
+    for _ in 0..500 {
+        if progress.replayed_through == seqs.len() as u64 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+        progress = e.cache.kv_events_progress().unwrap();
+    }
+    assert_eq!(progress.replayed_through, seqs.len() as u64, "{progress:?}");
+    assert!(progress.queued >= progress.published, "{progress:?}");
+    assert!(progress.published >= seqs.len() as u64, "{progress:?}");
     assert!(seqs.contains(&live_seq));
     let live_again = batches.iter().find(|b| b.0 == live_seq).unwrap();
     assert_eq!(&live_again.1, &live_events, "replay sends the live payload");

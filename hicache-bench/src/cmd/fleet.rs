@@ -234,6 +234,7 @@ pub fn main_job_table(args: &MultiturnArgs, mut out: impl Write) -> Result<Fleet
             // ZMQ address would fail with "address already in use".
             metrics_addr: None,
             kv_events: None,
+            kv_events_hold: None,
             ..args.clone()
         },
     };

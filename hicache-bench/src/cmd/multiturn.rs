@@ -10,14 +10,14 @@
 //! report's consistency checks do not hold.
 
 use std::io::{IsTerminal, Write};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use hicache_sim::engine::{EngineConfig, RunResult};
 use hicache_sim::links::CopyTime;
 use hicache_sim::nocache::NoCache;
 use hicache_sim::plan::{Plan, counterfactual_for, plan, scratch_l3};
 use hicache_sim::setup::{CacheFactory, Tiers};
-use hicache_sim::{HybridFactory, HybridModel};
+use hicache_sim::{CacheUnderTest, HybridFactory, HybridModel};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::Value;
 
@@ -153,12 +153,15 @@ fn run_baseline(plan: &Plan, bar: &ProgressBar) -> Result<Summary> {
     Ok(Summary::new("no cache", &result))
 }
 
-/// One configuration on a fresh cache from `factory` (and a fresh scratch L3).
+/// One configuration on a fresh cache from `factory` (and a fresh scratch L3); with `hold`
+/// (`--kv-events-hold`, on the job's last run) the cache stays open after the run until a
+/// subscriber has replayed its KV events or `hold` has passed.
 fn run_configuration(
     plan: &Plan,
     tiers: Tiers,
     factory: &dyn CacheFactory,
     bar: &ProgressBar,
+    hold: Option<Duration>,
 ) -> Result<Summary> {
     bar.set_message(tiers.label());
     let mut setup = plan.setup.clone();
@@ -166,10 +169,60 @@ fn run_configuration(
     let (scratch, setup) = scratch_l3(&setup)?;
     let result = {
         let mut cache = factory.build(&setup)?;
-        run_through(plan, cache.as_mut(), bar, &plan.engine)?
+        let result = run_through(plan, cache.as_mut(), bar, &plan.engine)?;
+        if let Some(limit) = hold {
+            hold_kv_events(cache.as_ref(), limit);
+        }
+        result
     };
     drop(scratch);
     Ok(Summary::new(tiers.label(), &result))
+}
+
+/// How often [`hold_kv_events`] looks at the publisher.
+const HOLD_POLL: Duration = Duration::from_millis(20);
+
+/// `--kv-events-hold`: keeps `cache` (shut down, its publisher and replay endpoint still
+/// open) until a replay has sent a subscriber every batch the run published, or `limit` has
+/// passed; says so on stderr. Returns at once for a cache without a publisher. Bounded: at
+/// most `limit` plus one [`HOLD_POLL`].
+fn hold_kv_events(cache: &dyn CacheUnderTest, limit: Duration) {
+    let Some(state) = cache.kv_events() else {
+        return;
+    };
+    eprintln!(
+        "kv events: {} batches published at {} (replay: {}); open for up to {:.0} s, until a \
+         subscriber has replayed them all",
+        state.progress.published,
+        state.endpoint,
+        state.replay_endpoint.as_deref().unwrap_or("none"),
+        limit.as_secs_f64(),
+    );
+    let start = Instant::now();
+    loop {
+        let Some(now) = cache.kv_events().map(|s| s.progress) else {
+            return;
+        };
+        if now.replayed_everything() {
+            eprintln!(
+                "kv events: a subscriber replayed all {} batches after {:.1} s; closing",
+                now.published,
+                start.elapsed().as_secs_f64()
+            );
+            return;
+        }
+        if start.elapsed() >= limit {
+            eprintln!(
+                "kv events: no subscriber replayed all {} batches within {:.0} s (a replay \
+                 reached {}); closing",
+                now.published,
+                limit.as_secs_f64(),
+                now.replayed_through
+            );
+            return;
+        }
+        std::thread::sleep(HOLD_POLL.min(limit.saturating_sub(start.elapsed())));
+    }
 }
 
 /// The report of the plan's runs: the setup and workload as recorded, the baseline, every
@@ -348,6 +401,17 @@ struct TableJobs<'a> {
     alone: Vec<Job<'a>>,
 }
 
+/// The configuration whose run comes last (of those in `configurations`): the last that
+/// measures speed (those run alone, after every other run), else the last of all (the
+/// dense table's side-by-side runs end with the configurations, in order). The order is
+/// this one when runs go one at a time, as they do with KV events (`side_by_side_workers`).
+fn last_run(configurations: &[Tiers]) -> Option<usize> {
+    configurations
+        .iter()
+        .rposition(measures_speed)
+        .or(configurations.len().checked_sub(1))
+}
+
 /// The dense table's runs: the no-cache baseline, the copies-free counterfactuals (with
 /// `counterfactual`) and the configurations that copy nothing side by side; the
 /// configurations that copy alone.
@@ -358,6 +422,8 @@ fn dense_jobs<'a>(
     counterfactual: bool,
 ) -> TableJobs<'a> {
     let mut jobs = TableJobs::default();
+    let hold = plan.setup.observe.kv_events_hold;
+    let last = last_run(&plan.configurations);
     for (i, &tiers) in plan.configurations.iter().enumerate() {
         if counterfactual && counterfactual_for(&tiers) {
             jobs.side_by_side.push(Job::new("dense", move || {
@@ -369,8 +435,9 @@ fn dense_jobs<'a>(
         Ok(Outcome::Baseline(run_baseline(plan, bar)?))
     }));
     for (i, &tiers) in plan.configurations.iter().enumerate() {
+        let hold = hold.filter(|_| Some(i) == last);
         let job = Job::new("dense", move || {
-            let s = run_configuration(plan, tiers, factory, bar)?;
+            let s = run_configuration(plan, tiers, factory, bar, hold)?;
             Ok(Outcome::Configuration(i, s))
         });
         if measures_speed(&tiers) {

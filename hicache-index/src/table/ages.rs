@@ -18,7 +18,10 @@
 //! Invariants: a slot not in `moved` appears at most once in `entries`, live; a slot in
 //! `moved` with a stamp appears there live at that stamp (its other entries dead), with
 //! [`DEAD`] only dead; `live + dead == entries.len()`; the batch lengths sum to
-//! `entries.len()`; a stamp is `head_seq + index` (wrapping), unique within the log.
+//! `entries.len()`; a stamp is `head_seq + index` (wrapping), unique within the log;
+//! `front == batches.front().map(Batch::clock)` (kept in the log's own record, which every
+//! call touches anyway: the eviction order is checked after every `store` and `remove`, and
+//! reading the front batch itself cost a cache miss per call).
 
 use hashbrown::HashTable;
 use std::collections::VecDeque;
@@ -89,6 +92,8 @@ pub(crate) struct AgeLog {
     dead: u64,
     /// The front clock this log is registered under in the index's eviction order.
     pub(crate) key: Option<u64>,
+    /// The clock of the front batch (see the invariants).
+    front: Option<u64>,
 }
 
 /// Grows a deque by an eighth at least (not doubling): a log's slack stays small.
@@ -216,12 +221,26 @@ impl AgeLog {
             let add = n.min(MAX_BATCH - last.len());
             *last = Batch::new(clock, last.len() + add);
             n -= add;
+            if self.batches.len() == 1 {
+                // The merged batch is the front one: its clock moved.
+                self.front = Some(clock);
+            }
         }
         while n > 0 {
             let add = n.min(MAX_BATCH);
             self.batches.push_back(Batch::new(clock, add));
             n -= add;
+            if self.batches.len() == 1 {
+                self.front = Some(clock);
+            }
         }
+        self.check_front();
+    }
+
+    /// The front-clock invariant (debug builds).
+    #[inline]
+    fn check_front(&self) {
+        debug_assert_eq!(self.front, self.batches.front().map(|b| b.clock()));
     }
 
     /// Whether compaction is due.
@@ -233,7 +252,8 @@ impl AgeLog {
     /// The clock of the front batch.
     #[inline]
     pub(crate) fn front_clock(&self) -> Option<u64> {
-        self.batches.front().map(|b| b.clock())
+        self.check_front();
+        self.front
     }
 
     /// Pops the front entry: its slot, and whether it was live. `None` when empty.
@@ -254,6 +274,7 @@ impl AgeLog {
         *front = Batch::new(front.clock(), front.len() - 1);
         if front.len() == 0 {
             self.batches.pop_front();
+            self.front = self.batches.front().map(|b| b.clock());
         }
         if live {
             self.live -= 1;
@@ -284,6 +305,7 @@ impl AgeLog {
         }
         self.entries = kept;
         self.batches = batches;
+        self.front = self.batches.front().map(|b| b.clock());
         self.moved = HashTable::new();
         self.dead = 0;
     }

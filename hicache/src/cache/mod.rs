@@ -186,6 +186,12 @@ impl HiCache {
         self.endpoints.kv_events().and_then(|p| p.replay_endpoint())
     }
 
+    /// Where the KV-event publisher stands (batches queued, published, replayed), when one
+    /// runs.
+    pub fn kv_events_progress(&self) -> Option<crate::observe::PublisherProgress> {
+        self.endpoints.kv_events().map(|p| p.progress())
+    }
+
     /// The bound metrics endpoint address, when `metrics_addr` is set.
     pub fn metrics_endpoint(&self) -> Option<std::net::SocketAddr> {
         self.endpoints.metrics().map(|m| m.addr())

@@ -35,6 +35,11 @@
 //! 6. Dropping the publisher returns within a bounded time whatever the peers do: the queued
 //!    batches are published, subscribers get at most [`SHUTDOWN_FLUSH`] to take them, then
 //!    every connection is closed.
+//! 8. [`KvEventPublisher::progress`] says how far a subscriber could have got: batches queued
+//!    by `publish`, batches numbered and sent, and how far a finished replay reached (one past
+//!    the last batch a replay answered before its end marker), so that a caller can keep the
+//!    publisher open until a late subscriber has replayed everything
+//!    ([`PublisherProgress::replayed_everything`]).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -70,10 +75,36 @@ pub struct KvEventPublisher {
     endpoint: String,
     replay_endpoint: Option<String>,
     dropped: Arc<AtomicU64>,
+    queued: AtomicU64,
     published: Arc<AtomicU64>,
+    replayed_through: Arc<AtomicU64>,
     malformed_replays: Arc<AtomicU64>,
     pub_stats: StatsHandle,
     replay_stats: Option<StatsHandle>,
+}
+
+/// Where a publisher stands (invariant 8), as [`KvEventPublisher::progress`] reads it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PublisherProgress {
+    /// Batches `publish` queued (dropped and empty ones not counted).
+    pub queued: u64,
+    /// Batches numbered and sent on the PUB socket: sequence numbers `0..published`.
+    pub published: u64,
+    /// One past the last sequence number a finished replay answered (0: none yet).
+    pub replayed_through: u64,
+    /// Bytes still queued for the replay socket's peers.
+    pub replay_queued_bytes: u64,
+}
+
+impl PublisherProgress {
+    /// Whether every batch queued so far was published and a replay has sent some subscriber
+    /// every one of them up to the last, with nothing left in the replay socket's queues
+    /// (true at once when nothing was published).
+    pub fn replayed_everything(&self) -> bool {
+        self.queued == self.published
+            && self.replayed_through >= self.published
+            && self.replay_queued_bytes == 0
+    }
 }
 
 /// What the publisher thread hands back once its sockets listen: their counters.
@@ -111,6 +142,7 @@ impl KvEventPublisher {
         let (tx, rx) = tokio::sync::mpsc::channel(cfg.max_queue_size);
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let published = Arc::new(AtomicU64::new(0));
+        let replayed_through = Arc::new(AtomicU64::new(0));
         let malformed_replays = Arc::new(AtomicU64::new(0));
         let worker = Worker {
             topic: Bytes::from(cfg.topic.clone().into_bytes()),
@@ -120,6 +152,7 @@ impl KvEventPublisher {
                 next_seq: 0,
             })),
             published: published.clone(),
+            replayed_through: replayed_through.clone(),
             malformed_replays: malformed_replays.clone(),
         };
         let thread = std::thread::Builder::new()
@@ -152,7 +185,9 @@ impl KvEventPublisher {
             endpoint,
             replay_endpoint,
             dropped: Arc::new(AtomicU64::new(0)),
+            queued: AtomicU64::new(0),
             published,
+            replayed_through,
             malformed_replays,
             pub_stats,
             replay_stats,
@@ -213,6 +248,18 @@ impl KvEventPublisher {
         self.published.load(Ordering::Relaxed)
     }
 
+    /// Where the publisher stands: batches queued, published, and replayed (invariant 8).
+    pub fn progress(&self) -> PublisherProgress {
+        // `queued` first: a batch counted as published was counted as queued before.
+        let queued = self.queued.load(Ordering::Acquire);
+        PublisherProgress {
+            queued,
+            published: self.published.load(Ordering::Acquire),
+            replayed_through: self.replayed_through.load(Ordering::Acquire),
+            replay_queued_bytes: self.replay_stats().queued_bytes,
+        }
+    }
+
     /// Queues one batch (stamped now); never blocks (invariant 2). Empty batches are skipped.
     pub fn publish(&self, events: Vec<WireEvent>) {
         if events.is_empty() {
@@ -222,7 +269,10 @@ impl KvEventPublisher {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
         let Some(tx) = &self.tx else { return };
+        // Counted before the send: the worker may publish it at once (invariant 8).
+        self.queued.fetch_add(1, Ordering::AcqRel);
         if tx.try_send(Batch { ts, events }).is_err() {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
             let n = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
             if n.is_power_of_two() {
                 tracing::warn!(dropped = n, "KV event queue full: batches dropped");
@@ -281,6 +331,7 @@ struct Worker {
     topic: Bytes,
     buffer: Arc<Mutex<ReplayBuffer>>,
     published: Arc<AtomicU64>,
+    replayed_through: Arc<AtomicU64>,
     malformed_replays: Arc<AtomicU64>,
 }
 
@@ -323,6 +374,7 @@ impl Worker {
                     topic: self.topic.clone(),
                     buffer: self.buffer.clone(),
                     malformed: self.malformed_replays.clone(),
+                    replayed_through: self.replayed_through.clone(),
                 });
                 replay_stats = Some(router.stats_handle());
                 tokio::spawn(serve_replays(router, shared));
@@ -360,7 +412,7 @@ impl Worker {
             Bytes::copy_from_slice(&seq.to_be_bytes()),
             payload,
         ]);
-        self.published.fetch_add(1, Ordering::Relaxed);
+        self.published.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -369,6 +421,8 @@ struct ReplayShared {
     topic: Bytes,
     buffer: Arc<Mutex<ReplayBuffer>>,
     malformed: Arc<AtomicU64>,
+    /// One past the last batch a finished replay answered (invariant 8).
+    replayed_through: Arc<AtomicU64>,
 }
 
 /// Answers each replay request in a task of its own, so a slow client never delays the
@@ -432,7 +486,9 @@ async fn replay(shared: &ReplayShared, req: &Request) {
         }
         next = seq + 1;
     }
-    let _ = req.reply(&end_marker).await;
+    if req.reply(&end_marker).await.is_ok() && next > start {
+        shared.replayed_through.fetch_max(next, Ordering::AcqRel);
+    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ pub mod wire;
 
 pub use collectors::{StorageCollector, StorageSlot};
 pub use hicache_zmtp::SocketStats;
-pub use kv_events::{KvEventPublisher, KvEventsConfig};
+pub use kv_events::{KvEventPublisher, KvEventsConfig, PublisherProgress};
 pub use metrics_http::{
     ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, AcceptBackoff, AcceptRetry,
     DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
