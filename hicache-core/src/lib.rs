@@ -52,7 +52,8 @@ pub use tree::{
     WriteId, page_aligned,
 };
 pub use unified::{
-    BackupId, Component, DeviceLoad, EvictRequest, Evicted, HostBackup, InsertParams, InsertSlots,
+    BackupId, Component, DeviceLoad, EvictRequest, Evicted, HostBackup, HostLockReceipt,
+    InsertParams, InsertSlots,
     LockReceipt, UnifiedBackupPlan, UnifiedConfig, UnifiedInsert, UnifiedLoadId, UnifiedLoadPlan,
     UnifiedMatch, UnifiedTree,
 };

@@ -1,0 +1,215 @@
+//! Host eviction per component, as SGLang 0.5.23's `drive_host_eviction` (one order per
+//! component, the host twin of the device tier's):
+//!
+//! - **Full**: whole *host leaves* (host-only, childless, unlocked on device and host), least
+//!   recently used first. They sit in an indexed heap keyed by the node's time (the dense
+//!   tree's [`LruStrategy`]), kept up to date on every change, so each step is O(log n)
+//!   (SGLang heapifies every host leaf on each call; the scan it replaced visited every node).
+//! - **SWA**, **Mamba**: their *host LRU* (an intrusive list, oldest at the tail) of nodes
+//!   whose component is on host only and not host-locked, joined when the device copy goes
+//!   (a tombstone or a demotion, most recent first) or the last host lock is released. From
+//!   the tail: a host leaf goes whole; any other node loses that component's host copy (SWA
+//!   takes the node's host Mamba with it, by cascade priority; Mamba takes nothing).
+//!
+//! Invariants kept here (checked by `check_host_order`): a node is in the host-leaf heap iff
+//! it is a host leaf; a node is in component `c`'s host LRU iff `c` is on host, not on
+//! device and not host-locked there. Host-locked components are never freed: they are off
+//! the LRU, and a node with any host lock is no host leaf.
+
+use super::node::ROOT;
+use super::{Component, Evicted, UnifiedTree};
+use super::{FULL, MAMBA, SWA};
+use crate::eviction::{EvictionStrategy, NodeStats};
+
+/// The host-leaf heap's key for a node last used at `time`.
+fn stats(time: u64) -> NodeStats {
+    NodeStats {
+        last_access: time,
+        ..NodeStats::default()
+    }
+}
+
+impl UnifiedTree {
+    /// Frees at least `full_tokens` of host Full: whole host leaves, least recently used
+    /// first (a parent that becomes a host leaf joins), with their host SWA and Mamba.
+    /// The freed host slots are in the `host_*` lists of the result; device counts stay 0.
+    pub fn evict_host(&mut self, full_tokens: u64) -> Evicted {
+        self.evict_host_of(Component::Full, full_tokens)
+    }
+
+    /// Frees at least `n` of component `c`'s host copies (tokens for Full and SWA, states
+    /// for Mamba) where the tree can, in `c`'s host order (module documentation).
+    pub fn evict_host_of(&mut self, c: Component, n: u64) -> Evicted {
+        let mut out = Evicted::default();
+        if self.has[c as usize] {
+            match c {
+                Component::Full => self.evict_host_full(n, &mut out),
+                _ => self.evict_host_aux(c, n, &mut out),
+            }
+        }
+        out
+    }
+
+    /// Host copies of `c` freed so far in `out` (tokens, or states for Mamba).
+    fn host_freed(&self, c: Component, out: &Evicted) -> u64 {
+        let ps = self.ps() as u64;
+        match c {
+            Component::Full => out.host_full_pages.len() as u64 * ps,
+            Component::Swa => out.host_swa_pages.len() as u64 * ps,
+            Component::Mamba => out.host_mamba_slots.len() as u64,
+        }
+    }
+
+    fn evict_host_full(&mut self, want: u64, out: &mut Evicted) {
+        while self.host_freed(Component::Full, out) < want {
+            let Some(i) = self.host_leaves.peek() else {
+                break;
+            };
+            debug_assert!(self.is_host_leaf(i));
+            self.delete_leaf(i, out);
+        }
+    }
+
+    fn evict_host_aux(&mut self, c: Component, want: u64, out: &mut Evicted) {
+        let l = c.lru();
+        let unlocked = |t: &Self, x: u32| t.arena.nodes[x as usize].comp[c as usize].host_lock == 0;
+        let mut x = self.host_lrus[l].prev_unlocked(None, |x| unlocked(self, x));
+        while let Some(i) = x {
+            if self.host_freed(c, out) >= want {
+                break;
+            }
+            let next = self.host_lrus[l].prev_unlocked(Some(i), |x| unlocked(self, x));
+            if self.is_host_leaf(i) {
+                self.delete_leaf(i, out);
+            } else {
+                self.drop_host_comp(i, c, out);
+                let lower = Component::Mamba;
+                let d = self.arena.nodes[i as usize].comp[MAMBA];
+                if c == Component::Swa && self.has[MAMBA] && d.host_lock == 0 {
+                    self.drop_host_comp(i, lower, out);
+                }
+                self.update_leaf(i);
+            }
+            x = next.filter(|&n| self.host_lrus[l].contains(n));
+            if x.is_none() && next.is_some() {
+                x = self.host_lrus[l].prev_unlocked(None, |x| unlocked(self, x));
+            }
+        }
+    }
+
+    /// Frees `c`'s host copy on `i` (SWA or Mamba; Full goes only with the node).
+    fn drop_host_comp(&mut self, i: u32, c: Component, out: &mut Evicted) {
+        let n = &mut self.arena.nodes[i as usize];
+        match c {
+            Component::Swa => out.host_swa_pages.append(&mut n.host_swa),
+            Component::Mamba => out.host_mamba_slots.extend(n.host_mamba.take()),
+            Component::Full => unreachable!("Full's host copy goes with its node"),
+        }
+        self.sync_host_lru(i, c);
+    }
+
+    /// A host leaf (SGLang's `_is_host_leaf`): live, not the root, Full on host only, no
+    /// children, no lock on device or host.
+    pub(crate) fn is_host_leaf(&self, i: u32) -> bool {
+        let n = &self.arena.nodes[i as usize];
+        i != ROOT
+            && n.live
+            && !n.comp[FULL].present
+            && !n.host_full.is_empty()
+            && n.children.is_empty()
+            && n.comp.iter().all(|c| c.lock == 0 && c.host_lock == 0)
+    }
+
+    /// Re-derives `i`'s membership of the host-leaf heap.
+    pub(crate) fn update_host_leaf(&mut self, i: u32) {
+        let want = self.is_host_leaf(i);
+        if want != self.host_leaves.contains(i) {
+            let s = stats(self.arena.nodes[i as usize].time);
+            if want {
+                self.host_leaves.insert(i, &s);
+            } else {
+                self.host_leaves.remove(i, &s);
+            }
+        }
+    }
+
+    /// Whether `c` on `i` belongs in its host LRU: on host, not on device, not host-locked.
+    fn wants_host_lru(&self, i: u32, c: Component) -> bool {
+        let n = &self.arena.nodes[i as usize];
+        let d = n.comp[c as usize];
+        n.live && n.on_host(c) && !d.present && d.host_lock == 0
+    }
+
+    /// Puts `c` of `i` on or off its host LRU as [`wants_host_lru`] says (joining at the
+    /// most recent end).
+    pub(crate) fn sync_host_lru(&mut self, i: u32, c: Component) {
+        if c == Component::Full || !self.has[c as usize] {
+            return;
+        }
+        let want = self.wants_host_lru(i, c);
+        let lru = &mut self.host_lrus[c.lru()];
+        if want && !lru.contains(i) {
+            lru.insert_mru(i);
+        } else if !want {
+            lru.remove(i);
+        }
+    }
+
+    /// Takes `i` (about to be deleted) off every host order.
+    pub(crate) fn forget_host(&mut self, i: u32) {
+        self.host_leaves.remove(i, &stats(0));
+        for lru in &mut self.host_lrus {
+            lru.remove(i);
+        }
+    }
+
+    /// Sets `i`'s time (SGLang's `last_access_time`), re-keying it in the host-leaf heap.
+    pub(crate) fn stamp(&mut self, i: u32, time: u64) {
+        self.arena.nodes[i as usize].time = time;
+        if self.host_leaves.contains(i) {
+            self.host_leaves.update(i, &stats(time));
+        }
+    }
+
+    /// After a split of `child` into `new` (prefix) and `child`: the prefix's host SWA joins
+    /// the host LRU just older than the child (SGLang's `redistribute_on_node_split`).
+    pub(crate) fn split_host_lru(&mut self, new: u32, child: u32) {
+        if !self.has[SWA] || !self.wants_host_lru(new, Component::Swa) {
+            return;
+        }
+        let lru = &mut self.host_lrus[Component::Swa.lru()];
+        if lru.contains(child) {
+            lru.insert_after(child, new);
+        } else {
+            lru.insert_mru(new);
+        }
+    }
+
+    /// The host-order invariants of the module documentation.
+    pub(crate) fn check_host_order(&self) -> Result<(), String> {
+        let mut members = [0usize; 3];
+        for i in 0..self.arena.nodes.len() as u32 {
+            let live = self.arena.nodes[i as usize].live;
+            if self.host_leaves.contains(i) != (live && self.is_host_leaf(i)) {
+                return Err(format!("node {i}: host-leaf heap out of date"));
+            }
+            members[0] += usize::from(live && self.is_host_leaf(i));
+            for c in [Component::Swa, Component::Mamba] {
+                let want = self.has[c as usize] && live && self.wants_host_lru(i, c);
+                if self.host_lrus[c.lru()].contains(i) != want {
+                    return Err(format!("node {i}: {c:?} host LRU membership out of date"));
+                }
+                members[c as usize] += usize::from(want);
+            }
+        }
+        let lens = [
+            self.host_leaves.len(),
+            self.host_lrus[0].len(),
+            self.host_lrus[1].len(),
+        ];
+        if lens != members {
+            return Err(format!("host orders hold {lens:?}, {members:?} belong"));
+        }
+        Ok(())
+    }
+}
