@@ -53,7 +53,6 @@ pub use tree::{
 };
 pub use unified::{
     BackupId, Component, DeviceLoad, EvictRequest, Evicted, HostBackup, HostLockReceipt,
-    InsertParams, InsertSlots,
-    LockReceipt, UnifiedBackupPlan, UnifiedConfig, UnifiedInsert, UnifiedLoadId, UnifiedLoadPlan,
-    UnifiedMatch, UnifiedTree,
+    InsertParams, InsertSlots, LockReceipt, UnifiedBackupPlan, UnifiedConfig, UnifiedInsert,
+    UnifiedLoadId, UnifiedLoadPlan, UnifiedMatch, UnifiedTree,
 };

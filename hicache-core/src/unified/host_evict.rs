@@ -213,3 +213,118 @@ impl UnifiedTree {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::tree::NodeId;
+    use crate::unified::{Component, HostInsert, UnifiedConfig, UnifiedTree};
+
+    /// Host-only nodes: A (tokens 0..4) with child B (4..8), and C (100..104), inserted in
+    /// the order A, C, B (so the host leaves are C older than B, and the SWA / Mamba host
+    /// LRUs hold, least recent first, A, C, B).
+    fn tree(window: u32) -> (UnifiedTree, [NodeId; 3]) {
+        let mut t = UnifiedTree::with_device_slots(UnifiedConfig {
+            page_size: 2,
+            swa_window: Some(window),
+            mamba_chunk: Some(2),
+        })
+        .unwrap();
+        let root = t.root();
+        let host = |f: [u32; 2], s: [u32; 2], m: u32| (f, s, m);
+        let mut put = |parent, key: Vec<u32>, (f, s, m): ([u32; 2], [u32; 2], u32)| {
+            let h = HostInsert {
+                full: &f,
+                swa: &s,
+                mamba: Some(m),
+            };
+            t.insert_host_only(parent, &key, h).unwrap()
+        };
+        let a = put(root, (0..4).collect(), host([1, 2], [11, 12], 21));
+        let c = put(root, (100..104).collect(), host([5, 6], [15, 16], 23));
+        let b = put(a, (4..8).collect(), host([3, 4], [13, 14], 22));
+        t.check_invariants().unwrap();
+        (t, [a, b, c])
+    }
+
+    #[test]
+    fn full_evicts_the_oldest_host_leaf_then_parents_that_become_leaves() {
+        let (mut t, [a, b, c]) = tree(4);
+        let e = t.evict_host(2);
+        assert_eq!(
+            (e.host_full_pages, e.host_swa_pages),
+            (vec![5, 6], vec![15, 16])
+        );
+        assert_eq!(e.host_mamba_slots, [23]);
+        assert!(t.backed_up(c, Component::Full).is_err(), "C is deleted");
+        assert_eq!(t.evict_host(2).host_full_pages, [3, 4]);
+        assert!(t.backed_up(b, Component::Full).is_err());
+        assert_eq!(
+            t.evict_host(2).host_full_pages,
+            [1, 2],
+            "A became a host leaf"
+        );
+        assert!(t.backed_up(a, Component::Full).is_err());
+        assert_eq!(t.node_count(), 1);
+        t.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_match_refreshes_a_host_leaf() {
+        let (mut t, [_, b, _]) = tree(4);
+        // Matching C's tokens stamps C (the match's host node): B is now the oldest leaf.
+        let m = t.match_prefix(&(100..104).collect::<Vec<_>>()).unwrap();
+        assert_ne!(m.host_node, t.root());
+        let e = t.evict_host(2);
+        assert_eq!(e.host_full_pages, [3, 4]);
+        assert!(t.backed_up(b, Component::Full).is_err());
+        t.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn host_locks_keep_what_they_cover() {
+        let (mut t, [a, b, _]) = tree(6);
+        // The SWA window of B (6 tokens) covers B and A; Full and Mamba lock B alone.
+        let r = t.lock_host(b).unwrap();
+        assert_eq!(t.host_lock_count(a, Component::Swa).unwrap(), 1);
+        assert_eq!(t.host_lock_count(a, Component::Full).unwrap(), 0);
+        assert_eq!(t.host_lock_count(b, Component::Mamba).unwrap(), 1);
+        let e = t.evict_host_of(Component::Swa, 100);
+        assert_eq!(e.host_swa_pages, [15, 16], "only C's window is free");
+        let e = t.evict_host(100);
+        assert!(e.host_full_pages.is_empty(), "B is locked, A has a child");
+        let e = t.evict_host_of(Component::Mamba, 100);
+        assert_eq!(e.host_mamba_slots, [21], "A's state is not locked");
+        t.check_invariants().unwrap();
+        t.unlock_host(&r).unwrap();
+        assert!(t.unlock_host(&r).is_err(), "released twice");
+        assert_eq!(t.evict_host(100).host_full_pages.len(), 4);
+        assert_eq!(t.node_count(), 1);
+        t.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn swa_drops_an_internal_host_copy_and_deletes_a_host_leaf() {
+        let (mut t, [a, b, c]) = tree(4);
+        // Tail of the SWA host LRU: A, internal: its host SWA goes with its host Mamba.
+        let e = t.evict_host_of(Component::Swa, 2);
+        assert_eq!(
+            (e.host_swa_pages, e.host_mamba_slots),
+            (vec![11, 12], vec![21])
+        );
+        assert!(e.host_full_pages.is_empty());
+        assert!(t.backed_up(a, Component::Full).unwrap());
+        assert!(!t.backed_up(a, Component::Swa).unwrap());
+        // Then C, a host leaf: deleted whole.
+        let e = t.evict_host_of(Component::Swa, 2);
+        assert_eq!(e.host_full_pages, [5, 6]);
+        assert!(t.backed_up(c, Component::Full).is_err());
+        // Mamba: B is a leaf, deleted whole; A then has no state left to free.
+        let e = t.evict_host_of(Component::Mamba, 5);
+        assert_eq!(
+            (e.host_full_pages, e.host_mamba_slots),
+            (vec![3, 4], vec![22])
+        );
+        assert!(t.backed_up(b, Component::Full).is_err());
+        t.check_invariants().unwrap();
+    }
+}

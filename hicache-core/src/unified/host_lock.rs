@@ -136,7 +136,11 @@ impl UnifiedTree {
     fn bump_host(&mut self, i: u32, c: Component, up: bool) {
         let d = &mut self.arena.nodes[i as usize].comp[c as usize];
         d.host_lock = if up { d.host_lock + 1 } else { d.host_lock - 1 };
-        let edge = if up { d.host_lock == 1 } else { d.host_lock == 0 };
+        let edge = if up {
+            d.host_lock == 1
+        } else {
+            d.host_lock == 0
+        };
         if edge && c != Component::Full {
             self.sync_host_lru(i, c);
         }

@@ -257,7 +257,11 @@ fn naive_evict_host(t: &mut UnifiedTree, want: u64) -> Evicted {
 fn host_locked(t: &UnifiedTree) -> Vec<(u32, usize, Vec<u32>)> {
     let mut out = Vec::new();
     for (i, n) in t.arena.nodes.iter().enumerate().filter(|(_, n)| n.live) {
-        let lists = [n.host_full.clone(), n.host_swa.clone(), n.host_mamba.into_iter().collect()];
+        let lists = [
+            n.host_full.clone(),
+            n.host_swa.clone(),
+            n.host_mamba.into_iter().collect(),
+        ];
         for (c, list) in lists.into_iter().enumerate() {
             if n.comp[c].host_lock > 0 {
                 out.push((i as u32, c, list));
