@@ -238,7 +238,85 @@ fn snapshot(t: &UnifiedTree, r: &LockReceipt) -> Vec<bool> {
         .collect()
 }
 
-/// Every slot the tree holds: device Full, device SWA, host Full, host SWA, host Mamba.
+/// `Op::EvictHost`: per-component host eviction; Full against the scanning model, and no
+/// host-locked copy freed, no device slot moved, every freed host slot accounted for.
+fn evict_host_step(
+    t: &mut UnifiedTree,
+    c: usize,
+    n: u64,
+    pins: &[HostLockReceipt],
+) -> std::result::Result<(), TestCaseError> {
+    let c = [Component::Full, Component::Swa, Component::Mamba][c];
+    let before = held_slots(t);
+    let locked = host_locked(t);
+    let mut naive = t.clone();
+    let e = t.evict_host_of(c, n);
+    if c == Component::Full {
+        prop_assert_eq!(&naive_evict_host(&mut naive, n), &e, "heap vs scan");
+    }
+    prop_assert_eq!(locked, host_locked(t), "a host-locked copy was freed");
+    let after = held_slots(t);
+    prop_assert_eq!(
+        &before[..2],
+        &after[..2],
+        "host eviction moves no device slot"
+    );
+    prop_assert_eq!((e.full, e.swa, e.mamba), (0, 0, 0));
+    let freed = [&e.host_full_pages, &e.host_swa_pages, &e.host_mamba_slots];
+    for (c, f) in freed.into_iter().enumerate() {
+        let mut rhs = after[c + 2].clone();
+        rhs.extend(f);
+        rhs.sort_unstable();
+        prop_assert_eq!(
+            &before[c + 2],
+            &rhs,
+            "host slot ledger of {} on evict_host",
+            c
+        );
+    }
+    for r in pins {
+        prop_assert!(
+            t.backed_up(r.node, Component::Full).unwrap(),
+            "a pinned host copy was freed"
+        );
+    }
+    Ok(())
+}
+
+/// `Op::Evict`: device eviction checked against the tree before, the slot ledger and the
+/// held locks.
+fn evict_step(
+    t: &mut UnifiedTree,
+    [f, s, m]: [u64; 3],
+    held: &[(LockReceipt, Vec<bool>)],
+) -> std::result::Result<(), TestCaseError> {
+    let before = t.clone();
+    let e = t.evict(EvictRequest {
+        full: f,
+        swa: s,
+        mamba: m,
+    });
+    check_eviction(&before, t, &e)?;
+    let (mut lhs, mut rhs) = (held_slots(&before), held_slots(t));
+    let freed_lists = [
+        &e.full_pages,
+        &e.swa_pages,
+        &e.host_full_pages,
+        &e.host_swa_pages,
+        &e.host_mamba_slots,
+    ];
+    for (c, freed) in freed_lists.into_iter().enumerate() {
+        rhs[c].extend(freed);
+        rhs[c].sort_unstable();
+        lhs[c].sort_unstable();
+        prop_assert_eq!(&lhs[c], &rhs[c], "slot ledger of component {} on evict", c);
+    }
+    for (r, snap) in held {
+        prop_assert_eq!(&snapshot(t, r), snap, "a locked component was evicted");
+    }
+    Ok(())
+}
+
 /// Host Full host-leaf eviction by scanning every node for the oldest host leaf each step
 /// (the model of the heap `evict_host` keeps).
 fn naive_evict_host(t: &mut UnifiedTree, want: u64) -> Evicted {
@@ -271,6 +349,7 @@ fn host_locked(t: &UnifiedTree) -> Vec<(u32, usize, Vec<u32>)> {
     out
 }
 
+/// Every slot the tree holds: device Full, device SWA, host Full, host SWA, host Mamba.
 fn held_slots(t: &UnifiedTree) -> [Vec<u32>; 5] {
     let mut out: [Vec<u32>; 5] = Default::default();
     for n in t.arena.nodes.iter().filter(|n| n.live) {
@@ -586,42 +665,7 @@ fn run_model(
                     }
                 }
             }
-            Op::EvictHost(c, n) => {
-                let c = [Component::Full, Component::Swa, Component::Mamba][c];
-                let before = held_slots(&t);
-                let locked = host_locked(&t);
-                let mut naive = t.clone();
-                let e = t.evict_host_of(c, n);
-                if c == Component::Full {
-                    prop_assert_eq!(&naive_evict_host(&mut naive, n), &e, "heap vs scan");
-                }
-                prop_assert_eq!(locked, host_locked(&t), "a host-locked copy was freed");
-                let after = held_slots(&t);
-                prop_assert_eq!(
-                    &before[..2],
-                    &after[..2],
-                    "host eviction moves no device slot"
-                );
-                prop_assert_eq!((e.full, e.swa, e.mamba), (0, 0, 0));
-                let freed = [&e.host_full_pages, &e.host_swa_pages, &e.host_mamba_slots];
-                for (c, f) in freed.into_iter().enumerate() {
-                    let mut rhs = after[c + 2].clone();
-                    rhs.extend(f);
-                    rhs.sort_unstable();
-                    prop_assert_eq!(
-                        &before[c + 2],
-                        &rhs,
-                        "host slot ledger of {} on evict_host",
-                        c
-                    );
-                }
-                for r in &pins {
-                    prop_assert!(
-                        t.backed_up(r.node, Component::Full).unwrap(),
-                        "a pinned host copy was freed"
-                    );
-                }
-            }
+            Op::EvictHost(c, n) => evict_host_step(&mut t, c, n, &pins)?,
             Op::Backup(n, finish) => {
                 if slots {
                     backup_nth(&mut t, n, &mut next, &mut pending, &mut ids)?;
@@ -632,32 +676,7 @@ fn run_model(
                     }
                 }
             }
-            Op::Evict(f, s, m) => {
-                let before = t.clone();
-                let e = t.evict(EvictRequest {
-                    full: f,
-                    swa: s,
-                    mamba: m,
-                });
-                check_eviction(&before, &t, &e)?;
-                let (mut lhs, mut rhs) = (held_slots(&before), held_slots(&t));
-                let freed_lists = [
-                    &e.full_pages,
-                    &e.swa_pages,
-                    &e.host_full_pages,
-                    &e.host_swa_pages,
-                    &e.host_mamba_slots,
-                ];
-                for (c, freed) in freed_lists.into_iter().enumerate() {
-                    rhs[c].extend(freed);
-                    rhs[c].sort_unstable();
-                    lhs[c].sort_unstable();
-                    prop_assert_eq!(&lhs[c], &rhs[c], "slot ledger of component {} on evict", c);
-                }
-                for (r, snap) in &held {
-                    prop_assert_eq!(&snapshot(&t, r), snap, "a locked component was evicted");
-                }
-            }
+            Op::Evict(f, s, m) => evict_step(&mut t, [f, s, m], &held)?,
         }
         t.check_invariants().map_err(TestCaseError::fail)?;
     }
