@@ -17,7 +17,7 @@
 
 use super::node::ROOT;
 use super::{Component, UnifiedTree};
-use super::{FULL, MAMBA, SWA};
+use super::{FULL, MAMBA};
 use crate::error::{CoreError, Result};
 use crate::tree::NodeId;
 
@@ -70,21 +70,8 @@ impl UnifiedTree {
 
     /// SWA's host window lock from `i`; returns the boundary stamp (`None`: reached the root).
     fn lock_host_window(&mut self, i: u32, w: usize) -> Option<u64> {
-        let (mut cur, mut covered) = (i, 0usize);
-        while cur != ROOT && covered < w {
-            self.bump_host(cur, Component::Swa, true);
-            covered += self.arena.nodes[cur as usize].key.len();
-            if covered >= w {
-                let d = &mut self.arena.nodes[cur as usize].comp[SWA];
-                if d.host_uuid == 0 {
-                    self.uuid += 1;
-                    d.host_uuid = self.uuid;
-                }
-                return Some(d.host_uuid);
-            }
-            cur = self.arena.nodes[cur as usize].parent;
-        }
-        None
+        let last = self.window_walk(i, w, |t, cur| t.bump_host(cur, Component::Swa, true))?;
+        Some(self.boundary(last, |d| &mut d.host_uuid))
     }
 
     /// Releases what `receipt` host-locked. Errors: a count it would release is 0.
