@@ -217,7 +217,9 @@ impl UnifiedTree {
             }
         }
         self.remove_from_leaves(i);
-        self.forget_host(i);
+        if self.host_seen {
+            self.forget_host(i);
+        }
         let n = &mut self.arena.nodes[i as usize];
         out.host_full_pages.append(&mut n.host_full);
         out.host_swa_pages.append(&mut n.host_swa);

@@ -268,7 +268,7 @@ impl UnifiedTree {
             if full && parent != ROOT as usize && self.arena.nodes[parent].host_full.is_empty() {
                 return Err(format!("node {i}: on host, its parent is not"));
             }
-            if !full && n.comp[FULL].host_lock > 0 {
+            if !full && n.host_lock[FULL] > 0 {
                 return Err(format!("node {i}: Full host-locked without a host copy"));
             }
             if !full && (!n.host_swa.is_empty() || n.host_mamba.is_some()) {

@@ -72,7 +72,7 @@ impl UnifiedTree {
 
     fn evict_host_aux(&mut self, c: Component, want: u64, out: &mut Evicted) {
         let l = c.lru();
-        let unlocked = |t: &Self, x: u32| t.arena.nodes[x as usize].comp[c as usize].host_lock == 0;
+        let unlocked = |t: &Self, x: u32| t.arena.nodes[x as usize].host_lock[c as usize] == 0;
         let mut x = self.host_lrus[l].prev_unlocked(None, |x| unlocked(self, x));
         while let Some(i) = x {
             if self.host_freed(c, out) >= want {
@@ -84,8 +84,8 @@ impl UnifiedTree {
             } else {
                 self.drop_host_comp(i, c, out);
                 let lower = Component::Mamba;
-                let d = self.arena.nodes[i as usize].comp[MAMBA];
-                if c == Component::Swa && self.has[MAMBA] && d.host_lock == 0 {
+                let unlocked = self.arena.nodes[i as usize].host_lock[MAMBA] == 0;
+                if c == Component::Swa && self.has[MAMBA] && unlocked {
                     self.drop_host_comp(i, lower, out);
                 }
                 self.update_leaf(i);
@@ -117,7 +117,8 @@ impl UnifiedTree {
             && !n.comp[FULL].present
             && !n.host_full.is_empty()
             && n.children.is_empty()
-            && n.comp.iter().all(|c| c.lock == 0 && c.host_lock == 0)
+            && n.comp.iter().all(|c| c.lock == 0)
+            && n.host_lock == [0; 3]
     }
 
     /// Re-derives `i`'s membership of the host-leaf heap.
@@ -137,7 +138,7 @@ impl UnifiedTree {
     fn wants_host_lru(&self, i: u32, c: Component) -> bool {
         let n = &self.arena.nodes[i as usize];
         let d = n.comp[c as usize];
-        n.live && n.on_host(c) && !d.present && d.host_lock == 0
+        n.live && n.on_host(c) && !d.present && n.host_lock[c as usize] == 0
     }
 
     /// Puts `c` of `i` on or off its host LRU as [`wants_host_lru`] says (joining at the

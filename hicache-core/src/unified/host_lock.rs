@@ -49,13 +49,13 @@ impl UnifiedTree {
             return Ok(r);
         }
         if !self.arena.nodes[i as usize].host_full.is_empty() {
-            let d = &mut self.arena.nodes[i as usize].comp[FULL];
-            if d.host_uuid == 0 {
+            let n = &mut self.arena.nodes[i as usize];
+            if n.host_uuid[FULL] == 0 {
                 self.uuid += 1;
-                d.host_uuid = self.uuid;
+                n.host_uuid[FULL] = self.uuid;
             }
-            d.host_lock += 1;
-            r.full = Some(d.host_uuid);
+            n.host_lock[FULL] += 1;
+            r.full = Some(n.host_uuid[FULL]);
         }
         if let Some(w) = self.cfg.swa_window {
             r.swa = Some(self.lock_host_window(i, w as usize));
@@ -71,7 +71,7 @@ impl UnifiedTree {
     /// SWA's host window lock from `i`; returns the boundary stamp (`None`: reached the root).
     fn lock_host_window(&mut self, i: u32, w: usize) -> Option<u64> {
         let last = self.window_walk(i, w, |t, cur| t.bump_host(cur, Component::Swa, true))?;
-        Some(self.boundary(last, |d| &mut d.host_uuid))
+        Some(self.boundary(last, true))
     }
 
     /// Releases what `receipt` host-locked. Errors: a count it would release is 0.
@@ -91,15 +91,15 @@ impl UnifiedTree {
         let mut walk = |c: Component, boundary: Option<u64>, whole: bool| -> Result<()> {
             let mut cur = i;
             while cur != ROOT {
-                let d = self.arena.nodes[cur as usize].comp[c as usize];
-                if d.host_lock == 0 {
+                let n = &self.arena.nodes[cur as usize];
+                if n.host_lock[c as usize] == 0 {
                     return Err(CoreError::InvalidState {
                         node: format!("{:?}", self.id(cur)),
                         reason: format!("{c:?} host lock is 0: unlock_host without lock_host"),
                     });
                 }
                 out.push((cur, c));
-                if !whole || boundary == Some(d.host_uuid) {
+                if !whole || boundary == n.host_uuid.get(c as usize).copied() {
                     break;
                 }
                 cur = self.arena.nodes[cur as usize].parent;
@@ -121,13 +121,9 @@ impl UnifiedTree {
     /// One host lock up or down on `c` of `i`; at the 0 ↔ 1 edge the component leaves or
     /// rejoins its host LRU (SWA and Mamba).
     fn bump_host(&mut self, i: u32, c: Component, up: bool) {
-        let d = &mut self.arena.nodes[i as usize].comp[c as usize];
-        d.host_lock = if up { d.host_lock + 1 } else { d.host_lock - 1 };
-        let edge = if up {
-            d.host_lock == 1
-        } else {
-            d.host_lock == 0
-        };
+        let l = &mut self.arena.nodes[i as usize].host_lock[c as usize];
+        *l = if up { *l + 1 } else { *l - 1 };
+        let edge = if up { *l == 1 } else { *l == 0 };
         if edge && c != Component::Full {
             self.sync_host_lru(i, c);
         }
@@ -135,6 +131,6 @@ impl UnifiedTree {
 
     /// Component `c`'s host locks on `node`.
     pub fn host_lock_count(&self, node: NodeId, c: Component) -> Result<u32> {
-        Ok(self.arena.nodes[self.index(node)? as usize].comp[c as usize].host_lock)
+        Ok(self.arena.nodes[self.index(node)? as usize].host_lock[c as usize])
     }
 }

@@ -120,7 +120,7 @@ impl UnifiedTree {
     /// Locks every node from `i` up until `w` tokens of key are covered; stamps the last.
     fn lock_swa(&mut self, i: u32, w: usize) -> Option<u64> {
         let last = self.window_walk(i, w, |t, cur| t.bump(cur, Component::Swa, true))?;
-        Some(self.boundary(last, |d| &mut d.uuid))
+        Some(self.boundary(last, false))
     }
 
     /// Calls `f` on every node from `i` up until `w` tokens of key are covered (SGLang's
@@ -144,13 +144,14 @@ impl UnifiedTree {
         None
     }
 
-    /// The SWA boundary stamp `field` of node `i` (a device or host one), stamped first if 0.
-    pub(crate) fn boundary(
-        &mut self,
-        i: u32,
-        field: impl Fn(&mut super::node::Comp) -> &mut u64,
-    ) -> u64 {
-        let stamp = field(&mut self.arena.nodes[i as usize].comp[SWA]);
+    /// The SWA boundary stamp of node `i` (the host lock's with `host`), stamped first if 0.
+    pub(crate) fn boundary(&mut self, i: u32, host: bool) -> u64 {
+        let n = &mut self.arena.nodes[i as usize];
+        let stamp = if host {
+            &mut n.host_uuid[SWA]
+        } else {
+            &mut n.comp[SWA].uuid
+        };
         if *stamp == 0 {
             self.uuid += 1;
             *stamp = self.uuid;

@@ -500,10 +500,12 @@ impl UnifiedTree {
             n.comp[FULL] = node::Comp { uuid: 0, ..c[FULL] };
             n.comp[SWA] = c[SWA];
         }
-        let ch = &mut self.arena.nodes[child as usize].comp;
-        ch[SWA].uuid = 0;
-        ch[SWA].host_uuid = 0;
-        ch[FULL].host_uuid = 0;
+        let ch = &mut self.arena.nodes[child as usize];
+        let (host_lock, host_uuid) = (ch.host_lock, std::mem::take(&mut ch.host_uuid));
+        ch.comp[SWA].uuid = 0;
+        let n = &mut self.arena.nodes[new as usize];
+        n.host_lock = [host_lock[FULL], host_lock[SWA], 0];
+        n.host_uuid = host_uuid;
         self.arena.nodes[child as usize].parent = new;
         let siblings = &mut self.arena.nodes[parent as usize].children;
         let pos = siblings

@@ -341,7 +341,7 @@ fn host_locked(t: &UnifiedTree) -> Vec<(u32, usize, Vec<u32>)> {
             n.host_mamba.into_iter().collect(),
         ];
         for (c, list) in lists.into_iter().enumerate() {
-            if n.comp[c].host_lock > 0 {
+            if n.host_lock[c] > 0 {
                 out.push((i as u32, c, list));
             }
         }
