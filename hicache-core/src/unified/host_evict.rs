@@ -167,7 +167,7 @@ impl UnifiedTree {
     /// Sets `i`'s time (SGLang's `last_access_time`), re-keying it in the host-leaf heap.
     pub(crate) fn stamp(&mut self, i: u32, time: u64) {
         self.arena.nodes[i as usize].time = time;
-        if self.host_leaves.contains(i) {
+        if self.host_seen && self.host_leaves.contains(i) {
             self.host_leaves.update(i, &stats(time));
         }
     }

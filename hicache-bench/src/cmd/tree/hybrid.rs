@@ -216,7 +216,10 @@ impl HybridReplay {
         let mamba = self.tree.has(Component::Mamba);
         let (mut ev, mut ev_host) = ([0u64; 2], [0u64; 2]);
         let m = self.tree.match_prefix(&tokens[..l.saturating_sub(1)])?;
-        let (m, host_hit) = self.load_back(&tokens[..l.saturating_sub(1)], m, &mut ev)?;
+        let (m, host_hit) = match self.host {
+            Some(_) => self.load_back(&tokens[..l.saturating_sub(1)], m, &mut ev)?,
+            None => (m, 0),
+        };
         let mut held: Vec<u32> = Vec::new();
         if mamba && m.mamba_slot.is_some() {
             if self.free_mamba.len() == 0 {
