@@ -285,3 +285,46 @@ fn abort_releases_the_prefix_lock_and_the_copy_on_write_state() {
     e.settle();
     e.cache.shutdown().unwrap();
 }
+
+#[test]
+fn host_pools_are_sized_from_the_device_pools_by_ratio_or_size() {
+    let mut cfg = config(Some(8), Some(8));
+    cfg.hicache_ratio = 2.0;
+    let sized = |cfg: HybridConfig| {
+        hybrid_common::builder(cfg, 16)
+            .host_pages(0, 0)
+            .host_mamba_slots(0)
+            .build()
+            .unwrap()
+    };
+    let mut cache = sized(cfg.clone());
+    let g = cache.host_pools();
+    // SGLang: ⌊16 pages · 4 tokens · 2⌋ = 128 tokens, 32 pages, plus one; ⌊8 states · 2⌋ + 1.
+    assert_eq!(g.kv().num_pages(), 33);
+    assert_eq!(g.swa().unwrap().num_pages(), 33);
+    assert_eq!(g.mamba().unwrap().num_slots(), 17);
+    cache.shutdown().unwrap();
+    // 1 MB split by device bytes: as many pages for each KV pool as its device share buys,
+    // half as many states as pages (8 device states against 16 device pages).
+    cfg.hicache_size = 1e-3;
+    let mut cache = sized(cfg.clone());
+    let g = cache.host_pools();
+    let (kv, swa, states) = (
+        g.kv().num_pages(),
+        g.swa().unwrap().num_pages(),
+        g.mamba().unwrap().num_slots(),
+    );
+    assert_eq!(kv, swa);
+    assert!(((kv - 1) / 2).abs_diff(states - 1) <= 1, "{kv} {states}");
+    let bytes = (kv * g.slot_bytes(hicache_host::HostComponent::Kv).unwrap()
+        + swa * g.slot_bytes(hicache_host::HostComponent::Swa).unwrap()
+        + states * g.slot_bytes(hicache_host::HostComponent::Mamba).unwrap())
+        as f64;
+    assert!((0.99e6..=1.02e6).contains(&bytes), "{bytes}");
+    cache.shutdown().unwrap();
+    cfg.hicache_size = -1.0;
+    assert!(matches!(
+        hybrid_common::builder(cfg, 16).build(),
+        Err(HiCacheError::Config { .. })
+    ));
+}

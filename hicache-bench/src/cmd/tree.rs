@@ -42,6 +42,7 @@ use crate::record::Record;
 use hicache_sim::trace::{self, MultiTurn, Request};
 
 pub mod hybrid;
+pub mod hybrid_host;
 
 /// A capacity on the command line: `unlimited`, a number of pages, or a percentage of the
 /// unique pages of the trace (`25%`).
@@ -166,6 +167,17 @@ pub struct TreeArgs {
     /// Mamba state slots (default: `--capacity-pages`).
     #[arg(long)]
     pub mamba_slots: Option<u32>,
+    /// With `--components`: a host tier of this many Full pages (write-through backups,
+    /// load-backs of host hits; see `tree/hybrid_host.rs`). The log gains the columns
+    /// `host_hit`, `ev_host_full` and `ev_host_aux`.
+    #[arg(long)]
+    pub host_capacity_pages: Option<u64>,
+    /// Host SWA pages (default: `--host-capacity-pages`).
+    #[arg(long)]
+    pub swa_host_capacity_pages: Option<u64>,
+    /// Host Mamba states (default: `--host-capacity-pages`).
+    #[arg(long)]
+    pub host_mamba_slots: Option<u64>,
 }
 
 /// Per-request outcome (the `--log` line).
@@ -931,12 +943,23 @@ fn hybrid_setup(args: &TreeArgs) -> Result<hybrid::HybridSetup> {
     }
     let full_pages = match args.capacity.as_slice() {
         [Capacity::Pages(n)] => *n as u64,
+        [Capacity::Unlimited] => hybrid::UNLIMITED_PAGES,
         _ => {
             return Err(BenchError::usage(
-                "--components needs exactly one --capacity-pages value in pages",
+                "--components needs exactly one --capacity-pages value: pages or unlimited",
             ));
         }
     };
+    let host = args.host_capacity_pages.map(|n| hybrid_host::HostSetup {
+        full_pages: n,
+        swa_pages: args.swa_host_capacity_pages.unwrap_or(n),
+        mamba_slots: args.host_mamba_slots.unwrap_or(n),
+    });
+    if host.is_none() && (args.swa_host_capacity_pages.or(args.host_mamba_slots)).is_some() {
+        return Err(BenchError::usage(
+            "--swa-host-capacity-pages and --host-mamba-slots go with --host-capacity-pages",
+        ));
+    }
     Ok(hybrid::HybridSetup {
         tree: UnifiedConfig {
             page_size: args.page_size,
@@ -945,7 +968,10 @@ fn hybrid_setup(args: &TreeArgs) -> Result<hybrid::HybridSetup> {
         },
         full_pages,
         swa_pages: args.swa_capacity_pages.unwrap_or(full_pages),
-        mamba_slots: args.mamba_slots.unwrap_or(full_pages as u32),
+        mamba_slots: args
+            .mamba_slots
+            .unwrap_or(full_pages.min(u64::from(u32::MAX)) as u32),
+        host,
     })
 }
 
@@ -955,16 +981,24 @@ fn run_hybrid(args: &TreeArgs, mut out: impl Write) -> Result<()> {
     let trace = trace_of(args)?;
     let (rows, fin) = hybrid::replay(&setup, &trace)?;
     if let Some(path) = &args.log {
-        hybrid::write_log(path, &trace, &rows, fin)?;
+        hybrid::write_log(path, &trace, &rows, fin, setup.host.is_some())?;
     }
     let (median, best) = hybrid::rate(&setup, &trace, Duration::from_millis(args.min_time_ms))?;
     let comps = args.components.as_deref().unwrap_or("full");
+    let mut pages = match setup.full_pages {
+        hybrid::UNLIMITED_PAGES => "unlimited pages".to_string(),
+        n => format!("{n} pages"),
+    };
+    if let Some(h) = setup.host {
+        pages.push_str(&format!(", {} host pages", h.full_pages));
+    }
     let line = if args.json {
         Record::new(
             "tree",
             format!(
-                "unified/{comps}/page{}/{}pages",
-                args.page_size, setup.full_pages
+                "unified/{comps}/page{}/{}",
+                args.page_size,
+                pages.replace(' ', "").replace(',', "+")
             ),
             median,
             "req/s",
@@ -975,10 +1009,9 @@ fn run_hybrid(args: &TreeArgs, mut out: impl Write) -> Result<()> {
         .to_json_line()
     } else {
         format!(
-            "unified tree replay [{comps}]: {} requests, page {}, {} pages: {median:.0} req/s (best {best:.0})",
+            "unified tree replay [{comps}]: {} requests, page {}, {pages}: {median:.0} req/s (best {best:.0})",
             trace.len(),
             args.page_size,
-            setup.full_pages
         )
     };
     writeln!(out, "{line}").map_err(BenchError::io("<stdout>"))
@@ -1102,6 +1135,9 @@ mod tests {
             swa_capacity_pages: None,
             mamba_chunk: 64,
             mamba_slots: None,
+            host_capacity_pages: None,
+            swa_host_capacity_pages: None,
+            host_mamba_slots: None,
         };
         let mut out = Vec::new();
         run(&args, &mut out).unwrap();

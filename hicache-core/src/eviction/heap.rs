@@ -33,6 +33,16 @@ pub struct KeyedHeap<K: KeyFn> {
     _key: PhantomData<K>,
 }
 
+impl<K: KeyFn> Clone for KeyedHeap<K> {
+    fn clone(&self) -> Self {
+        Self {
+            heap: self.heap.clone(),
+            pos: self.pos.clone(),
+            _key: PhantomData,
+        }
+    }
+}
+
 impl<K: KeyFn> Default for KeyedHeap<K> {
     fn default() -> Self {
         Self {

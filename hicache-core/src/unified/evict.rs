@@ -11,12 +11,11 @@
 //!   later insert of its tokens rematerialises it with the request's device slots. A device
 //!   leaf is one with device Full whose children have none (host-only children allowed).
 //!
-//! - Host: [`UnifiedTree::evict_host`] deletes host-only leaves, oldest first.
+//! - Host: per component, see `host_evict` ([`UnifiedTree::evict_host_of`]).
 //!
 //! Invariant kept here: nothing with a positive lock count is evicted — the Full heap holds
 //! only evictable leaves (unlocked in every component) and the LRU scans skip locked nodes.
 
-use super::FULL;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
@@ -183,48 +182,10 @@ impl UnifiedTree {
             Component::Mamba => out.mamba_slots.push(node.mamba_slot),
         }
         out.add(c, n);
-    }
-
-    /// Frees at least `full_tokens` of host Full (whole host-only leaves, oldest time first;
-    /// a parent that becomes a host-only leaf joins), with the host SWA and Mamba on them.
-    /// The freed host slots are in the `host_*` lists of the result; device counts stay 0.
-    /// A node with a backup or load-back in flight is never host-only, so never freed here.
-    pub fn evict_host(&mut self, full_tokens: u64) -> Evicted {
-        let mut out = Evicted::default();
-        let entry = |t: &Self, i: u32| {
-            let n = &t.arena.nodes[i as usize];
-            Reverse((n.time, i, n.generation))
-        };
-        let mut heap: BinaryHeap<_> = (1..self.arena.nodes.len() as u32)
-            .filter(|&i| self.is_host_leaf(i))
-            .map(|i| entry(self, i))
-            .collect();
-        while ((out.host_full_pages.len() * self.ps()) as u64) < full_tokens {
-            let Some(Reverse((_, i, g))) = heap.pop() else {
-                break;
-            };
-            if self.arena.nodes[i as usize].generation != g || !self.is_host_leaf(i) {
-                continue;
-            }
-            let parent = self.delete_leaf(i, &mut out);
-            if self.is_host_leaf(parent) {
-                heap.push(entry(self, parent));
-            }
+        if self.host_seen {
+            // A host copy left behind joins its host LRU (SGLang's `evict_component`).
+            self.sync_host_lru(i, c);
         }
-        out
-    }
-
-    /// A host-only leaf (SGLang's `_is_host_leaf`): live, not the root, Full on host only,
-    /// no children, unlocked on device and host.
-    fn is_host_leaf(&self, i: u32) -> bool {
-        let n = &self.arena.nodes[i as usize];
-        i != ROOT
-            && n.live
-            && !n.comp[FULL].present
-            && !n.host_full.is_empty()
-            && n.children.is_empty()
-            && n.comp.iter().all(|c| c.lock == 0)
-            && n.host_lock == 0
     }
 
     /// Evicts the device leaf `i` with every component on it: a node whose Full is backed
@@ -247,14 +208,18 @@ impl UnifiedTree {
         parent
     }
 
-    /// Deletes the evictable leaf `i` with every component on it; returns its parent.
-    fn delete_leaf(&mut self, i: u32, out: &mut Evicted) -> u32 {
+    /// Deletes the evictable leaf `i` (device or host) with every component on it; returns
+    /// its parent.
+    pub(crate) fn delete_leaf(&mut self, i: u32, out: &mut Evicted) -> u32 {
         for c in [Component::Full, Component::Swa, Component::Mamba] {
             if self.has[c as usize] {
                 self.drop_comp(i, c, out);
             }
         }
         self.remove_from_leaves(i);
+        if self.host_seen {
+            self.forget_host(i);
+        }
         let n = &mut self.arena.nodes[i as usize];
         out.host_full_pages.append(&mut n.host_full);
         out.host_swa_pages.append(&mut n.host_swa);

@@ -15,7 +15,7 @@
 //! Invariant kept here (checked by `check_invariants`): host Full and SWA slots are one per
 //! page or none; a node with host Full has a parent that is the root or has host Full; host
 //! SWA or Mamba only where host Full is; no host slot of a component appears twice; a host
-//! pin ([`UnifiedTree::lock_host`]) only where host Full is.
+//! Full host lock ([`UnifiedTree::lock_host`]) only where host Full is.
 
 use super::{FULL, MAMBA, SWA};
 use std::collections::HashSet;
@@ -240,41 +240,6 @@ impl UnifiedTree {
         self.unlock(&receipt)
     }
 
-    /// Pins `node`'s host copy (SGLang's `inc_host_lock_ref`): until
-    /// [`unlock_host`](Self::unlock_host), [`evict_host`](Self::evict_host) frees neither
-    /// it nor, so, its ancestors. Errors: a node whose Full is not on host.
-    pub fn lock_host(&mut self, node: NodeId) -> Result<()> {
-        let i = self.index(node)?;
-        if self.arena.nodes[i as usize].host_full.is_empty() {
-            return Err(CoreError::InvalidPolicy {
-                field: "lock_host",
-                value: format!("{node:?}"),
-                reason: "the node is not on host",
-            });
-        }
-        self.arena.nodes[i as usize].host_lock += 1;
-        Ok(())
-    }
-
-    /// Releases one [`lock_host`](Self::lock_host) pin. Errors: no pin held.
-    pub fn unlock_host(&mut self, node: NodeId) -> Result<()> {
-        let i = self.index(node)?;
-        let n = &mut self.arena.nodes[i as usize];
-        if n.host_lock == 0 {
-            return Err(CoreError::InvalidState {
-                node: format!("{node:?}"),
-                reason: "host lock is 0: unlock_host without lock_host".into(),
-            });
-        }
-        n.host_lock -= 1;
-        Ok(())
-    }
-
-    /// `node`'s host pins.
-    pub fn host_lock_count(&self, node: NodeId) -> Result<u32> {
-        Ok(self.arena.nodes[self.index(node)? as usize].host_lock)
-    }
-
     /// Backups committed and not finished.
     pub fn pending_backups(&self) -> usize {
         self.backups.len()
@@ -303,8 +268,8 @@ impl UnifiedTree {
             if full && parent != ROOT as usize && self.arena.nodes[parent].host_full.is_empty() {
                 return Err(format!("node {i}: on host, its parent is not"));
             }
-            if !full && n.host_lock > 0 {
-                return Err(format!("node {i}: host-pinned without a host copy"));
+            if !full && n.host_lock[FULL] > 0 {
+                return Err(format!("node {i}: Full host-locked without a host copy"));
             }
             if !full && (!n.host_swa.is_empty() || n.host_mamba.is_some()) {
                 return Err(format!("node {i}: host SWA or Mamba without host Full"));

@@ -9,7 +9,7 @@
 //! host SWA the key is split so that each node holds one host SWA slot per page or none.
 
 use super::node::ROOT;
-use super::{SWA, UnifiedTree};
+use super::{Component, SWA, UnifiedTree};
 use crate::error::{CoreError, Result};
 use crate::tree::NodeId;
 
@@ -78,6 +78,10 @@ impl UnifiedTree {
             self.arena.nodes[at as usize].host_swa = host.swa.to_vec();
         }
         self.arena.nodes[at as usize].host_mamba = host.mamba;
+        for c in [Component::Swa, Component::Mamba] {
+            self.sync_host_lru(at, c);
+        }
+        self.update_leaf(at);
         Ok(self.id(at))
     }
 
@@ -87,6 +91,8 @@ impl UnifiedTree {
         let i = self.arena.alloc(parent, key.to_vec(), time);
         self.arena.nodes[parent as usize].children.push(i);
         self.arena.nodes[i as usize].host_full = full.to_vec();
+        self.update_leaf(parent);
+        self.update_leaf(i);
         i
     }
 }

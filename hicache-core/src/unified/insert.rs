@@ -80,7 +80,8 @@ impl UnifiedTree {
                 reason: "the Mamba component needs a state slot on insert",
             });
         }
-        self.arena.nodes[ROOT as usize].time = self.tick();
+        let time = self.tick();
+        self.stamp(ROOT, time);
         if key.is_empty() {
             return Ok(UnifiedInsert {
                 prefix_len: 0,
@@ -97,7 +98,8 @@ impl UnifiedTree {
             let Some(child) = self.child(node, &key[total..]) else {
                 break;
             };
-            self.arena.nodes[child as usize].time = self.tick();
+            let time = self.tick();
+            self.stamp(child, time);
             let plen = self.match_len(child, &key[total..]);
             let next = if plen < self.arena.nodes[child as usize].key.len() {
                 self.split(child, plen)
@@ -191,12 +193,14 @@ impl UnifiedTree {
             self.arena.nodes[target as usize].mamba_slot = slot;
             self.set_present(target, Component::Mamba);
             if !new_leaf {
-                self.arena.nodes[target as usize].time = self.tick();
+                let time = self.tick();
+                self.stamp(target, time);
             }
             return false;
         }
         self.lrus[MAMBA_LRU].touch(target);
-        self.arena.nodes[target as usize].time = self.tick();
+        let time = self.tick();
+        self.stamp(target, time);
         true
     }
 }

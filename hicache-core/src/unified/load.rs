@@ -5,8 +5,8 @@
 //! on host only; Mamba: its state when on host only. The tree stays metadata only: the
 //! caller allocates device slots for a [`UnifiedLoadPlan`], launches the host→device copy of
 //! exactly the plan's host slots, and commits; from the commit the components are on device
-//! and the node is locked (Full path, SWA window, Mamba) until
-//! [`UnifiedTree::finish_load_back`].
+//! and the node is locked (Full path, SWA window, Mamba) and host-locked (SGLang's host
+//! anchor lock, see `host_lock`) until [`UnifiedTree::finish_load_back`].
 //!
 //! Invariant kept here: a plan's host slots are the node's own host slots (those its
 //! write-through backup committed, see `host`), so a load-back restores the backed-up
@@ -153,12 +153,19 @@ impl UnifiedTree {
             self.arena.nodes[i as usize].mamba_slot = slot;
             self.set_present(i, Component::Mamba);
         }
-        self.start_transfer(plan.node, true).map(UnifiedLoadId)
+        let host = self.lock_host(plan.node)?;
+        let id = self.start_transfer(plan.node, true)?;
+        self.load_host_locks.insert(id, host);
+        Ok(UnifiedLoadId(id))
     }
 
-    /// The copy of a committed load-back has landed: releases the node's lock.
+    /// The copy of a committed load-back has landed: releases the node's lock and host lock.
     pub fn finish_load_back(&mut self, id: UnifiedLoadId) -> Result<()> {
-        self.end_transfer(true, id.0)
+        self.end_transfer(true, id.0)?;
+        match self.load_host_locks.remove(&id.0) {
+            Some(host) => self.unlock_host(&host),
+            None => Ok(()),
+        }
     }
 
     /// Load-backs committed and not finished.

@@ -119,20 +119,44 @@ impl UnifiedTree {
 
     /// Locks every node from `i` up until `w` tokens of key are covered; stamps the last.
     fn lock_swa(&mut self, i: u32, w: usize) -> Option<u64> {
+        let last = self.window_walk(i, w, |t, cur| t.bump(cur, Component::Swa, true))?;
+        Some(self.boundary(last, false))
+    }
+
+    /// Calls `f` on every node from `i` up until `w` tokens of key are covered (SGLang's
+    /// window walk, tombstones counted); the node that completed the window, `None` when the
+    /// walk reached the root first.
+    pub(crate) fn window_walk(
+        &mut self,
+        i: u32,
+        w: usize,
+        mut f: impl FnMut(&mut Self, u32),
+    ) -> Option<u32> {
         let (mut cur, mut covered) = (i, 0usize);
         while cur != ROOT && covered < w {
-            self.bump(cur, Component::Swa, true);
+            f(self, cur);
             covered += self.arena.nodes[cur as usize].key.len();
             if covered >= w {
-                if self.arena.nodes[cur as usize].comp[SWA].uuid == 0 {
-                    self.uuid += 1;
-                    self.arena.nodes[cur as usize].comp[SWA].uuid = self.uuid;
-                }
-                return Some(self.arena.nodes[cur as usize].comp[SWA].uuid);
+                return Some(cur);
             }
             cur = self.arena.nodes[cur as usize].parent;
         }
         None
+    }
+
+    /// The SWA boundary stamp of node `i` (the host lock's with `host`), stamped first if 0.
+    pub(crate) fn boundary(&mut self, i: u32, host: bool) -> u64 {
+        let n = &mut self.arena.nodes[i as usize];
+        let stamp = if host {
+            &mut n.host_uuid[SWA]
+        } else {
+            &mut n.comp[SWA].uuid
+        };
+        if *stamp == 0 {
+            self.uuid += 1;
+            *stamp = self.uuid;
+        }
+        *stamp
     }
 
     /// One lock up (`up`) or down on component `c` of node `i`, moving the ledger on the

@@ -123,7 +123,7 @@ impl UnifiedTree {
         let mut time = self.tick();
         let mut i = host_best;
         loop {
-            self.arena.nodes[i as usize].time = time;
+            self.stamp(i, time);
             time -= 1;
             if i == ROOT {
                 break;

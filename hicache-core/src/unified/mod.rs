@@ -61,7 +61,9 @@ use crate::tree::NodeId;
 mod components;
 mod evict;
 mod host;
+mod host_evict;
 mod host_insert;
+mod host_lock;
 mod insert;
 mod lengths;
 mod load;
@@ -77,6 +79,7 @@ mod tests;
 pub use evict::{EvictRequest, Evicted};
 pub use host::{BackupId, HostBackup, UnifiedBackupPlan};
 pub use host_insert::HostInsert;
+pub use host_lock::HostLockReceipt;
 pub use insert::{InsertParams, UnifiedInsert};
 pub use load::{DeviceLoad, UnifiedLoadId, UnifiedLoadPlan};
 pub use lock::LockReceipt;
@@ -194,6 +197,11 @@ pub struct UnifiedTree {
     arena: Arena,
     /// LRU lists of SWA (0) and Mamba (1).
     lrus: [Lru; 2],
+    /// Host LRU lists of SWA (0) and Mamba (1): nodes whose component is on host only and
+    /// not host-locked (see `host_evict`).
+    host_lrus: [Lru; 2],
+    /// The host leaves, least recently used first (see `host_evict`).
+    host_leaves: crate::eviction::lru::LruStrategy,
     /// The evictable device leaves, and each node's position in it (`NIL`: absent).
     leaves: Vec<u32>,
     leaf_pos: Vec<u32>,
@@ -207,6 +215,8 @@ pub struct UnifiedTree {
     backups: std::collections::HashMap<u64, LockReceipt>,
     /// Load-backs committed and not finished: the lock each holds.
     loads: std::collections::HashMap<u64, LockReceipt>,
+    /// Load-backs committed and not finished: the host lock each holds on its node.
+    load_host_locks: std::collections::HashMap<u64, HostLockReceipt>,
     /// The last backup or load-back id handed out.
     next_transfer: u64,
     /// Whether a backup was ever committed since the last reset: until then no node has
@@ -226,6 +236,8 @@ impl UnifiedTree {
             has,
             arena: Arena::with_root(0),
             lrus: [Lru::default(), Lru::default()],
+            host_lrus: [Lru::default(), Lru::default()],
+            host_leaves: Default::default(),
             leaves: Vec::new(),
             leaf_pos: Vec::new(),
             evictable: [0; 3],
@@ -235,6 +247,7 @@ impl UnifiedTree {
             slots: false,
             backups: std::collections::HashMap::new(),
             loads: std::collections::HashMap::new(),
+            load_host_locks: std::collections::HashMap::new(),
             next_transfer: 0,
             host_seen: false,
         };
@@ -251,12 +264,15 @@ impl UnifiedTree {
         }
         self.arena.nodes[ROOT as usize].comp[FULL].present = true;
         self.lrus = [Lru::default(), Lru::default()];
+        self.host_lrus = [Lru::default(), Lru::default()];
+        crate::eviction::EvictionStrategy::clear(&mut self.host_leaves);
         self.leaves.clear();
         self.leaf_pos.clear();
         self.evictable = [0; 3];
         self.protected = [0; 3];
         self.backups.clear();
         self.loads.clear();
+        self.load_host_locks.clear();
         self.host_seen = false;
     }
 
@@ -353,6 +369,9 @@ impl UnifiedTree {
         self.arena.nodes[i as usize].comp[c as usize].present = true;
         if c != Component::Full {
             self.lrus[c.lru()].insert_mru(i);
+            if self.host_seen {
+                self.sync_host_lru(i, c);
+            }
         }
         self.credit(i, c);
     }
@@ -394,9 +413,16 @@ impl UnifiedTree {
         self.leaf_pos.get(i as usize).is_some_and(|&p| p != NIL)
     }
 
-    /// Re-derives `i`'s membership of the evictable-leaf set (SGLang's
-    /// `_update_evictable_leaf_sets`).
+    /// Re-derives `i`'s membership of the evictable-leaf set and, once the tree has host
+    /// copies, of the host-leaf heap (SGLang's `_update_evictable_leaf_sets`).
     fn update_leaf(&mut self, i: u32) {
+        if self.host_seen {
+            self.update_host_leaf(i);
+        }
+        self.update_device_leaf(i);
+    }
+
+    fn update_device_leaf(&mut self, i: u32) {
         let want = self.is_leaf_candidate(i);
         if want == self.in_leaves(i) {
             return;
@@ -469,10 +495,17 @@ impl UnifiedTree {
             n.host_full = host_full;
             n.host_swa = host_swa;
             n.children.push(child);
+            // Lock counts are copied; the boundary stamps (device and host) move to the
+            // prefix, the older edge of both segments.
             n.comp[FULL] = node::Comp { uuid: 0, ..c[FULL] };
             n.comp[SWA] = c[SWA];
         }
-        self.arena.nodes[child as usize].comp[SWA].uuid = 0;
+        let ch = &mut self.arena.nodes[child as usize];
+        let (host_lock, host_uuid) = (ch.host_lock, std::mem::take(&mut ch.host_uuid));
+        ch.comp[SWA].uuid = 0;
+        let n = &mut self.arena.nodes[new as usize];
+        n.host_lock = [host_lock[FULL], host_lock[SWA], 0];
+        n.host_uuid = host_uuid;
         self.arena.nodes[child as usize].parent = new;
         let siblings = &mut self.arena.nodes[parent as usize].children;
         let pos = siblings
@@ -483,7 +516,11 @@ impl UnifiedTree {
         if self.has[SWA] && c[SWA].present {
             self.lrus[SWA_LRU].insert_after(child, new);
         }
-        self.arena.nodes[child as usize].time = self.tick();
+        if self.host_seen {
+            self.split_host_lru(new, child);
+        }
+        let time = self.tick();
+        self.stamp(child, time);
         self.update_leaf(new);
         self.update_leaf(child);
         new
@@ -491,6 +528,7 @@ impl UnifiedTree {
 
     /// Checks the invariants listed in the module documentation.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        components::check(self)
+        components::check(self)?;
+        self.check_host_order()
     }
 }

@@ -49,10 +49,13 @@ pub(crate) struct Node {
     pub host_swa: Vec<u32>,
     /// Host Mamba state slot once the state is backed up.
     pub host_mamba: Option<u32>,
-    /// Host pins (readers of the host copy, e.g. a write to storage); a pinned node is never
-    /// freed from host. Not inherited by the prefix of a split: the pinned suffix keeps its
-    /// ancestors alive (only childless nodes are freed from host).
-    pub host_lock: u32,
+    /// Host locks per component (SGLang's `host_lock_ref`): a load-back, an L3 backup or a
+    /// prefetch reading or writing the host copy. Counted on tombstones too (SWA's window
+    /// lock walks every node it covers), so a release mirrors its acquire. Kept beside
+    /// `comp`, not in it, so the device tier's per-component data stays 16 bytes.
+    pub host_lock: [u32; 3],
+    /// Host-lock boundary stamps of Full and SWA (0 = none), as `Comp::uuid` for devices.
+    pub host_uuid: [u64; 2],
     /// Bumped when the index is reused, so stale handles are detected.
     pub generation: u32,
     /// False once deleted (the index is on the free list).
@@ -82,7 +85,8 @@ impl Node {
             host_full: Vec::new(),
             host_swa: Vec::new(),
             host_mamba: None,
-            host_lock: 0,
+            host_lock: [0; 3],
+            host_uuid: [0; 2],
             generation,
             live: true,
         }

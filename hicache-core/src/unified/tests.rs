@@ -191,8 +191,8 @@ enum Op {
         len: usize,
         finish: bool,
     },
-    /// Free host Full tokens.
-    EvictHost(u64),
+    /// Free host copies of a component (0 Full, 1 SWA, 2 Mamba): tokens, or states.
+    EvictHost(usize, u64),
     /// Pin the host copy of the n-th node on host.
     PinHost(usize),
 }
@@ -212,7 +212,7 @@ fn op_weighted(host: u32) -> impl Strategy<Value = Op> {
         2 * host => (0usize..64, any::<bool>()).prop_map(|(n, f)| Op::Backup(n, f)),
         2 * host => (0usize..4, 1usize..12, any::<bool>())
             .prop_map(|(seq, len, finish)| Op::LoadBack { seq, len, finish }),
-        host => (0u64..40).prop_map(Op::EvictHost),
+        host => (0usize..3, 0u64..40).prop_map(|(c, n)| Op::EvictHost(c, n)),
         host => (0usize..64).prop_map(Op::PinHost),
     ]
 }
@@ -236,6 +236,117 @@ fn snapshot(t: &UnifiedTree, r: &LockReceipt) -> Vec<bool> {
         .iter()
         .map(|&c| t.has(c) && t.present(r.node, c).unwrap())
         .collect()
+}
+
+/// `Op::EvictHost`: per-component host eviction; Full against the scanning model, and no
+/// host-locked copy freed, no device slot moved, every freed host slot accounted for.
+fn evict_host_step(
+    t: &mut UnifiedTree,
+    c: usize,
+    n: u64,
+    pins: &[HostLockReceipt],
+) -> std::result::Result<(), TestCaseError> {
+    let c = [Component::Full, Component::Swa, Component::Mamba][c];
+    let before = held_slots(t);
+    let locked = host_locked(t);
+    let mut naive = t.clone();
+    let e = t.evict_host_of(c, n);
+    if c == Component::Full {
+        prop_assert_eq!(&naive_evict_host(&mut naive, n), &e, "heap vs scan");
+    }
+    prop_assert_eq!(locked, host_locked(t), "a host-locked copy was freed");
+    let after = held_slots(t);
+    prop_assert_eq!(
+        &before[..2],
+        &after[..2],
+        "host eviction moves no device slot"
+    );
+    prop_assert_eq!((e.full, e.swa, e.mamba), (0, 0, 0));
+    let freed = [&e.host_full_pages, &e.host_swa_pages, &e.host_mamba_slots];
+    for (c, f) in freed.into_iter().enumerate() {
+        let mut rhs = after[c + 2].clone();
+        rhs.extend(f);
+        rhs.sort_unstable();
+        prop_assert_eq!(
+            &before[c + 2],
+            &rhs,
+            "host slot ledger of {} on evict_host",
+            c
+        );
+    }
+    for r in pins {
+        prop_assert!(
+            t.backed_up(r.node, Component::Full).unwrap(),
+            "a pinned host copy was freed"
+        );
+    }
+    Ok(())
+}
+
+/// `Op::Evict`: device eviction checked against the tree before, the slot ledger and the
+/// held locks.
+fn evict_step(
+    t: &mut UnifiedTree,
+    [f, s, m]: [u64; 3],
+    held: &[(LockReceipt, Vec<bool>)],
+) -> std::result::Result<(), TestCaseError> {
+    let before = t.clone();
+    let e = t.evict(EvictRequest {
+        full: f,
+        swa: s,
+        mamba: m,
+    });
+    check_eviction(&before, t, &e)?;
+    let (mut lhs, mut rhs) = (held_slots(&before), held_slots(t));
+    let freed_lists = [
+        &e.full_pages,
+        &e.swa_pages,
+        &e.host_full_pages,
+        &e.host_swa_pages,
+        &e.host_mamba_slots,
+    ];
+    for (c, freed) in freed_lists.into_iter().enumerate() {
+        rhs[c].extend(freed);
+        rhs[c].sort_unstable();
+        lhs[c].sort_unstable();
+        prop_assert_eq!(&lhs[c], &rhs[c], "slot ledger of component {} on evict", c);
+    }
+    for (r, snap) in held {
+        prop_assert_eq!(&snapshot(t, r), snap, "a locked component was evicted");
+    }
+    Ok(())
+}
+
+/// Host Full host-leaf eviction by scanning every node for the oldest host leaf each step
+/// (the model of the heap `evict_host` keeps).
+fn naive_evict_host(t: &mut UnifiedTree, want: u64) -> Evicted {
+    let mut out = Evicted::default();
+    while ((out.host_full_pages.len() * t.ps()) as u64) < want {
+        let oldest = (0..t.arena.nodes.len() as u32)
+            .filter(|&i| t.is_host_leaf(i))
+            .min_by_key(|&i| (t.arena.nodes[i as usize].time, i));
+        let Some(i) = oldest else { break };
+        t.delete_leaf(i, &mut out);
+    }
+    out
+}
+
+/// The host slots of every component with a host lock, per node.
+fn host_locked(t: &UnifiedTree) -> Vec<(u32, usize, Vec<u32>)> {
+    let mut out = Vec::new();
+    for (i, n) in t.arena.nodes.iter().enumerate().filter(|(_, n)| n.live) {
+        let lists = [
+            n.host_full.clone(),
+            n.host_swa.clone(),
+            n.host_mamba.into_iter().collect(),
+        ];
+        for (c, list) in lists.into_iter().enumerate() {
+            if n.host_lock[c] > 0 {
+                out.push((i as u32, c, list));
+            }
+        }
+    }
+    out
 }
 
 /// Every slot the tree holds: device Full, device SWA, host Full, host SWA, host Mamba.
@@ -488,7 +599,7 @@ fn run_model(
     let mut next = 1_000_000u32;
     let mut pending = Vec::new();
     let mut loads = Vec::new();
-    let mut pins: Vec<NodeId> = Vec::new();
+    let mut pins: Vec<HostLockReceipt> = Vec::new();
     let mut ids = HostIds::new();
     let mut held: Vec<(LockReceipt, Vec<bool>)> = Vec::new();
     let mut slot = 0u32;
@@ -530,7 +641,7 @@ fn run_model(
                     t.finish_load_back(loads.remove(0)).unwrap();
                 }
                 if !pins.is_empty() {
-                    t.unlock_host(pins.remove(0)).unwrap();
+                    t.unlock_host(&pins.remove(0)).unwrap();
                 }
             }
             Op::PinHost(n) => {
@@ -540,8 +651,7 @@ fn run_model(
                     .filter(|&id| t.backed_up(id, Component::Full).unwrap())
                     .collect();
                 if let Some(&id) = on_host.get(n % on_host.len().max(1)) {
-                    t.lock_host(id).unwrap();
-                    pins.push(id);
+                    pins.push(t.lock_host(id).unwrap());
                 }
             }
             Op::LoadBack { seq, len, finish } => {
@@ -555,35 +665,7 @@ fn run_model(
                     }
                 }
             }
-            Op::EvictHost(n) => {
-                let before = held_slots(&t);
-                let e = t.evict_host(n);
-                let after = held_slots(&t);
-                prop_assert_eq!(
-                    &before[..2],
-                    &after[..2],
-                    "host eviction moves no device slot"
-                );
-                prop_assert_eq!((e.full, e.swa, e.mamba), (0, 0, 0));
-                let freed = [&e.host_full_pages, &e.host_swa_pages, &e.host_mamba_slots];
-                for (c, f) in freed.into_iter().enumerate() {
-                    let mut rhs = after[c + 2].clone();
-                    rhs.extend(f);
-                    rhs.sort_unstable();
-                    prop_assert_eq!(
-                        &before[c + 2],
-                        &rhs,
-                        "host slot ledger of {} on evict_host",
-                        c
-                    );
-                }
-                for &id in &pins {
-                    prop_assert!(
-                        t.backed_up(id, Component::Full).unwrap(),
-                        "a pinned host copy was freed"
-                    );
-                }
-            }
+            Op::EvictHost(c, n) => evict_host_step(&mut t, c, n, &pins)?,
             Op::Backup(n, finish) => {
                 if slots {
                     backup_nth(&mut t, n, &mut next, &mut pending, &mut ids)?;
@@ -594,32 +676,7 @@ fn run_model(
                     }
                 }
             }
-            Op::Evict(f, s, m) => {
-                let before = t.clone();
-                let e = t.evict(EvictRequest {
-                    full: f,
-                    swa: s,
-                    mamba: m,
-                });
-                check_eviction(&before, &t, &e)?;
-                let (mut lhs, mut rhs) = (held_slots(&before), held_slots(&t));
-                let freed_lists = [
-                    &e.full_pages,
-                    &e.swa_pages,
-                    &e.host_full_pages,
-                    &e.host_swa_pages,
-                    &e.host_mamba_slots,
-                ];
-                for (c, freed) in freed_lists.into_iter().enumerate() {
-                    rhs[c].extend(freed);
-                    rhs[c].sort_unstable();
-                    lhs[c].sort_unstable();
-                    prop_assert_eq!(&lhs[c], &rhs[c], "slot ledger of component {} on evict", c);
-                }
-                for (r, snap) in &held {
-                    prop_assert_eq!(&snapshot(&t, r), snap, "a locked component was evicted");
-                }
-            }
+            Op::Evict(f, s, m) => evict_step(&mut t, [f, s, m], &held)?,
         }
         t.check_invariants().map_err(TestCaseError::fail)?;
     }
@@ -632,11 +689,12 @@ fn run_model(
     for id in loads.drain(..) {
         t.finish_load_back(id).unwrap();
     }
-    for id in pins.drain(..) {
-        t.unlock_host(id).unwrap();
+    let last = pins.last().cloned();
+    for r in pins.drain(..) {
+        t.unlock_host(&r).unwrap();
     }
     prop_assert!(
-        t.unlock_host(t.root()).is_err(),
+        last.is_none_or(|r| t.unlock_host(&r).is_err()),
         "an unbalanced host unlock is an error"
     );
     prop_assert_eq!(t.pending_backups() + t.pending_load_backs(), 0);
@@ -983,12 +1041,12 @@ fn write_through_backs_up_each_component_ancestors_first() {
         full: 100,
         ..EvictRequest::default()
     });
-    t.lock_host(leaf).unwrap();
+    let pin = t.lock_host(leaf).unwrap();
     assert!(
         t.evict_host(100).host_full_pages.is_empty(),
         "a pin keeps the path"
     );
-    t.unlock_host(leaf).unwrap();
+    t.unlock_host(&pin).unwrap();
     let e = t.evict_host(100);
     let mut host_full = e.host_full_pages.clone();
     host_full.sort_unstable();

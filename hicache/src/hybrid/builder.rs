@@ -114,13 +114,15 @@ impl HybridCacheBuilder {
         self
     }
 
-    /// Host pages of the Full and SWA pools (default: as many as on device).
+    /// Host pages of the Full and SWA pools (0, the default: sized by the config's
+    /// `hicache_size` or `hicache_ratio`).
     pub fn host_pages(mut self, full: usize, swa: usize) -> Self {
         self.host_pages = (full, swa);
         self
     }
 
-    /// Host Mamba state slots (default: as many as on device).
+    /// Host Mamba state slots (0, the default: sized by the config's `hicache_size` or
+    /// `hicache_ratio`).
     pub fn host_mamba_slots(mut self, n: usize) -> Self {
         self.host_mamba_slots = n;
         self
@@ -217,6 +219,20 @@ impl HybridCacheBuilder {
                 "give a Mamba shape exactly when mamba_chunk is set",
             ));
         }
+        if !cfg.hicache_size.is_finite() || cfg.hicache_size < 0.0 {
+            return Err(HiCacheError::config(
+                "hicache_size",
+                cfg.hicache_size,
+                "must be a finite number of GB >= 0",
+            ));
+        }
+        if cfg.hicache_size == 0.0 && !(cfg.hicache_ratio.is_finite() && cfg.hicache_ratio > 0.0) {
+            return Err(HiCacheError::config(
+                "hicache_ratio",
+                cfg.hicache_ratio,
+                "must be a finite number > 0",
+            ));
+        }
         let (full_pages, swa_pages) = self.device_pages;
         if full_pages == 0 || (cfg.swa_window.is_some() && swa_pages == 0) {
             return Err(HiCacheError::config(
@@ -235,14 +251,43 @@ impl HybridCacheBuilder {
         Ok(full)
     }
 
-    /// The host pool group: Full KV, SWA KV, Mamba states (host sizes default to the
-    /// device's).
+    /// The host pool sizes of Full, SWA and Mamba: the builder's page counts where given,
+    /// else SGLang's sizing from the device pools — `hicache_size` split over the components
+    /// by device bytes, or `hicache_ratio` times each device pool.
+    fn host_sizes(&self, full: KvShape) -> [PoolSize; 3] {
+        let cfg = &self.cfg;
+        let dev = [self.device_pages.0, self.device_pages.1, self.mamba_slots];
+        let dev_bytes = [
+            dev[0] * full.page_bytes(),
+            self.swa_shape.map_or(0, |s| dev[1] * s.page_bytes()),
+            self.mamba_shape
+                .as_ref()
+                .map_or(0, |m| dev[2] * m.slot_bytes()),
+        ];
+        let total: usize = dev_bytes.iter().sum();
+        let given = [self.host_pages.0, self.host_pages.1, self.host_mamba_slots];
+        std::array::from_fn(|c| {
+            if given[c] > 0 {
+                PoolSize::Pages(given[c])
+            } else if cfg.hicache_size > 0.0 && total > 0 {
+                let share = cfg.hicache_size * 1e9 * dev_bytes[c] as f64 / total as f64;
+                PoolSize::Bytes((share as u64).max(1))
+            } else {
+                PoolSize::Ratio {
+                    ratio: cfg.hicache_ratio,
+                    device_pages: dev[c],
+                }
+            }
+        })
+    }
+
+    /// The host pool group: Full KV, SWA KV, Mamba states, sized by [`Self::host_sizes`].
     fn host_group(&self, full: KvShape) -> Result<HostPoolGroup> {
-        let or_dev = |host: usize, dev: usize| PoolSize::Pages(if host == 0 { dev } else { host });
-        let kv = |shape, host, dev| HostPoolConfig::new(shape, self.host_layout, or_dev(host, dev));
-        let mut cfg = HostPoolGroupConfig::new(kv(full, self.host_pages.0, self.device_pages.0));
+        let [full_size, swa_size, mamba_size] = self.host_sizes(full);
+        let kv = |shape, size| HostPoolConfig::new(shape, self.host_layout, size);
+        let mut cfg = HostPoolGroupConfig::new(kv(full, full_size));
         if let Some(swa) = self.swa_shape {
-            cfg = cfg.swa(kv(swa, self.host_pages.1, self.device_pages.1));
+            cfg = cfg.swa(kv(swa, swa_size));
         }
         if let Some(m) = &self.mamba_shape {
             // SGLang refuses `layer_first` for states; both page-first layouts lay a slot out
@@ -251,8 +296,7 @@ impl HybridCacheBuilder {
                 LayoutKind::LayerFirst => LayoutKind::PageFirst,
                 other => other,
             };
-            let mut mc =
-                MambaPoolConfig::new(m.clone(), or_dev(self.host_mamba_slots, self.mamba_slots));
+            let mut mc = MambaPoolConfig::new(m.clone(), mamba_size);
             mc.layout = layout;
             cfg = cfg.mamba(mc);
         }

@@ -12,7 +12,7 @@
 //!    the host-only insert of the L3 prefetch that read it; until then by that prefetch
 //!    alone) until a host eviction reports it; a node being copied (either way) is locked in
 //!    the tree until the poll that finishes its copy, at a count every rank agreed on, and a
-//!    node whose host copy is written to L3 is host-pinned meanwhile.
+//!    node whose host copy is written to L3 is host-locked meanwhile.
 //! 4. The Mamba state of a match is never handed to a request: the request gets a copy in a
 //!    slot of its own (copy-on-write), so the cached state never changes under it.
 

@@ -4,7 +4,7 @@
 //! - **Backup.** When a node's write-through has finished (at an agreed poll), its host
 //!   copies go to L3 per component (KV pages keyed by the page hashes; SWA pages by the
 //!   node's last hashes; the Mamba state by the last page's hash) as one [`BackupJob`] per
-//!   component in the background; the nodes stay host-pinned (`lock_host`) until the poll
+//!   component in the background; the node stays host-locked (`lock_host`) until the poll
 //!   at which every rank has seen the whole backup finish ([`L3BackupOp`]).
 //! - **Prefetch.** On `arrive`, the part of the prompt cached in neither L1 nor L2 is looked
 //!   up in the background with the hit policy (`prefetch`); the hit every rank found is read
@@ -13,13 +13,13 @@
 //!
 //! Invariant (slot ownership): a host slot read by a prefetch belongs to the prefetch's task
 //! from the moment the engine thread hands it over until the task has set `read_done` (or,
-//! for a prefetch ended before that, `exited`); a slot written by a backup is host-pinned in
+//! for a prefetch ended before that, `exited`); a slot written by a backup is host-locked in
 //! the tree until the backup's agreed end. The engine thread never frees or reuses a slot
 //! before then.
 
 use std::sync::Arc;
 
-use hicache_core::{HostSlot, NodeId, PageHash, PageKey, PrefetchConfig};
+use hicache_core::{HostLockReceipt, HostSlot, NodeId, PageHash, PageKey, PrefetchConfig};
 use hicache_host::{HostComponent, HostPoolGroup, IoVec};
 use hicache_storage::Storage;
 
@@ -39,7 +39,9 @@ pub(crate) struct PagesOut {
 /// The L3 backup of one backed-up node (and the SWA window nodes of its backup).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct L3Job {
-    /// The nodes to host-pin while the write runs.
+    /// The backed-up node, host-locked while the write runs (SGLang's
+    /// `write_backup_storage`: its host lock covers the SWA window nodes too). Empty only
+    /// in a job under construction.
     pub nodes: Vec<NodeId>,
     /// KV, SWA, Mamba pages.
     pub parts: [PagesOut; 3],
@@ -83,8 +85,8 @@ impl PageSource for ComponentSource {
 /// An L3 backup in flight: one background job per component with pages.
 #[derive(Debug)]
 pub(crate) struct L3BackupOp {
-    /// The nodes host-pinned until the backup's agreed end.
-    pub nodes: Vec<NodeId>,
+    /// The node's host lock, held until the backup's agreed end.
+    pub host_lock: HostLockReceipt,
     /// The Full pages' host slots (for the L3 stored event).
     pub full_slots: Vec<u32>,
     /// Per component with pages: its index in [`PARTS`], its pages, the job's state.
@@ -169,8 +171,8 @@ impl L3Part {
     }
 
     /// Starts a job's writes in the background, one [`BackupJob`] per component with pages.
-    /// The caller keeps the job's nodes host-pinned until the op is done and agreed.
-    pub fn spawn_backup(&self, job: L3Job) -> Result<L3BackupOp> {
+    /// The caller releases `host_lock` (the job's node) once the op is done and agreed.
+    pub fn spawn_backup(&self, job: L3Job, host_lock: HostLockReceipt) -> Result<L3BackupOp> {
         let batch = super::l3_io::batch_len(&*self.storage);
         let full_slots = job.parts[0].slots.clone();
         let mut parts = Vec::new();
@@ -198,7 +200,7 @@ impl L3Part {
             self.runtime.spawn(job.run());
         }
         Ok(L3BackupOp {
-            nodes: job.nodes,
+            host_lock,
             full_slots,
             parts,
         })

@@ -87,9 +87,6 @@ impl HybridCache {
             job.parts[1].keys.extend(keys);
             job.parts[1].slots.extend(&host.swa[at..at + pages.len()]);
             at += pages.len();
-            if *swa_node != plan.node {
-                job.nodes.push(*swa_node);
-            }
         }
         if let Some(&state) = host.mamba.first() {
             job.parts[2] = PagesOut {
@@ -103,24 +100,20 @@ impl HybridCache {
     }
 
     /// Starts the background write of a finished backup's host copies, its nodes
-    /// host-pinned until its agreed end.
+    /// host-locked until its agreed end.
     pub(crate) fn l3_backup(&mut self, job: L3Job) -> Result<()> {
         let Some(l3) = &self.l3 else {
             return Ok(());
         };
-        for &n in &job.nodes {
-            self.tree.lock_host(n)?;
-        }
-        let op = l3.spawn_backup(job)?;
+        let host_lock = self.tree.lock_host(job.nodes[0])?;
+        let op = l3.spawn_backup(job, host_lock)?;
         self.l3_ops.backups.push_back(op);
         Ok(())
     }
 
     /// Ends a background backup every rank has seen finish: unpins its nodes, counts it.
     fn end_backup(&mut self, op: L3BackupOp) -> Result<()> {
-        for &n in &op.nodes {
-            self.tree.unlock_host(n)?;
-        }
+        self.tree.unlock_host(&op.host_lock)?;
         let written = op.counts();
         if written.failed[0] == 0 {
             // Every Full page is in L3: the router may count it there.
@@ -242,9 +235,7 @@ impl HybridCache {
             shared: shared.clone(),
         };
         l3.spawn(task.run());
-        if m.host_node != self.tree.root() {
-            self.tree.lock_host(m.host_node)?;
-        }
+        let host_lock = self.tree.lock_host(m.host_node)?;
         let seq = self.l3_ops.next;
         self.l3_ops.next += 1;
         self.l3_ops.prefetches.insert(
@@ -252,6 +243,7 @@ impl HybridCache {
             PrefetchOp {
                 req,
                 anchor: m.host_node,
+                host_lock,
                 key: key[..aligned].to_vec(),
                 start,
                 hashes,
@@ -325,9 +317,7 @@ impl HybridCache {
         if let (0, Phase::Reading { host, .. }) = (tokens, op.phase) {
             self.l3_ops.draining.push((op.shared.clone(), host));
         }
-        if op.anchor != self.tree.root() {
-            self.tree.unlock_host(op.anchor)?;
-        }
+        self.tree.unlock_host(&op.host_lock)?;
         self.prefetch_ended(op.req, seq, tokens);
         Ok(())
     }

@@ -4,7 +4,7 @@
 //!
 //! Steps, each taken on the engine thread at a poll from values every rank agreed on (the
 //! exchange of `l3_flow`), so every rank's tree changes alike:
-//! 1. `arrive` spawns the task (lookup) and host-pins the anchor (the deepest host-valid
+//! 1. `arrive` spawns the task (lookup) and host-locks the anchor (the deepest host-valid
 //!    node of the match); the request is not `prefetch_ready` until the prefetch ends.
 //! 2. Once every rank's lookup finished, the minimum hit is planned; below the threshold it
 //!    ends; otherwise host slots are allocated for it and handed to the task, which reads.
@@ -197,8 +197,10 @@ pub(crate) enum Phase {
 pub(crate) struct PrefetchOp {
     /// The request that started it.
     pub req: u64,
-    /// The host-valid node the span hangs under (host-pinned unless the root).
+    /// The host-valid node the span hangs under.
     pub anchor: NodeId,
+    /// The anchor's host lock (SGLang's prefetch anchor lock), held until the prefetch ends.
+    pub host_lock: hicache_core::HostLockReceipt,
     /// The request's key up to the span's end (whole pages).
     pub key: Vec<u32>,
     /// Tokens of `key` before the span.

@@ -211,40 +211,39 @@ impl HybridCache {
         Ok(())
     }
 
-    /// Host slots of every component, evicting host-only nodes while any pool is short; all
-    /// or nothing.
+    /// Host slots of every component, evicting from each short pool's own host order (Full:
+    /// host leaves; SWA, Mamba: their host LRU, as SGLang's per-pool `evict_host`) until
+    /// every pool has room; all or nothing.
     pub(crate) fn alloc_host(
         &mut self,
         full: usize,
         swa: usize,
         mamba: usize,
     ) -> Result<Option<Units>> {
+        let ps = self.cfg.page_size as u64;
         let need = [
-            (Component::Full, full),
-            (Component::Swa, swa),
-            (Component::Mamba, mamba),
+            (Component::Full, full, ps),
+            (Component::Swa, swa, ps),
+            (Component::Mamba, mamba, 1),
         ];
-        loop {
-            let short = need
-                .iter()
-                .map(|&(c, n)| n.saturating_sub(self.pools.host_available(c)))
-                .collect::<Vec<_>>();
-            if short.iter().all(|&s| s == 0) {
-                break;
+        for (c, n, unit) in need {
+            let short = n.saturating_sub(self.pools.host_available(c)) as u64;
+            if short > 0 {
+                let e = self.tree.evict_host_of(c, short * unit);
+                self.free_host_evicted(&e)?;
             }
-            // At least one page of Full per round: host nodes go whole, with their SWA and
-            // Mamba copies.
-            let tokens = (short[0].max(1) * self.cfg.page_size as usize) as u64;
-            let e = self.tree.evict_host(tokens);
+        }
+        // An SWA or Mamba copy still on device is on no host LRU: whole host leaves (which
+        // take every component with them) are the last resort.
+        while need
+            .iter()
+            .any(|&(c, n, _)| self.pools.host_available(c) < n)
+        {
+            let e = self.tree.evict_host(ps);
             if e.host_full_pages.is_empty() {
                 return Ok(None);
             }
-            self.pools.free_host_evicted(&e)?;
-            self.events
-                .removed(hicache_core::Medium::CpuPinned, &e.host_full_pages);
-            self.totals.full.evicted_host += e.host_full_pages.len() as u64;
-            self.totals.swa.evicted_host += e.host_swa_pages.len() as u64;
-            self.totals.mamba.evicted_host += e.host_mamba_slots.len() as u64;
+            self.free_host_evicted(&e)?;
         }
         let mut u = Units::default();
         if full > 0 {
@@ -261,6 +260,17 @@ impl HybridCache {
             u.mamba = self.pools.state()?.alloc_host(mamba).unwrap_or_default();
         }
         Ok(Some(u))
+    }
+
+    /// Frees the host slots a host eviction handed back, with its events and counts.
+    fn free_host_evicted(&mut self, e: &hicache_core::Evicted) -> Result<()> {
+        self.pools.free_host_evicted(e)?;
+        self.events
+            .removed(hicache_core::Medium::CpuPinned, &e.host_full_pages);
+        self.totals.full.evicted_host += e.host_full_pages.len() as u64;
+        self.totals.swa.evicted_host += e.host_swa_pages.len() as u64;
+        self.totals.mamba.evicted_host += e.host_mamba_slots.len() as u64;
+        Ok(())
     }
 
     /// Frees host slots of a step that did not happen.

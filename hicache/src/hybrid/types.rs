@@ -8,7 +8,7 @@ use hicache_core::{Component, DeviceSlot, HashMode, PrefetchConfig, PrefetchPoli
 use super::StateSlot;
 
 /// Configuration of a [`HybridCache`](super::HybridCache).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct HybridConfig {
     /// Tokens per page, the same for every component (1..=65536).
     pub page_size: u32,
@@ -32,6 +32,15 @@ pub struct HybridConfig {
     pub prefetch_timeout_per_ki_token: Duration,
     /// `prefetch_timeout_max` (SGLang: 30 s).
     pub prefetch_timeout_max: Duration,
+    /// Host pool size over device pool size, per component (SGLang's `hicache_ratio`): a
+    /// host pool holds `⌊device pages · page_size · ratio⌋` tokens in whole pages plus one
+    /// page (Mamba: `⌊device slots · ratio⌋` states plus one). Ignored when `hicache_size`
+    /// is set. Default 1.0: host pools the device's size (SGLang's default is 2.0).
+    pub hicache_ratio: f64,
+    /// Host memory for all host pools together, in GB (1e9 bytes; SGLang's `hicache_size`),
+    /// split over the components in proportion to their device pools' bytes; 0 uses
+    /// `hicache_ratio`.
+    pub hicache_size: f64,
 }
 
 impl Default for HybridConfig {
@@ -47,6 +56,8 @@ impl Default for HybridConfig {
             prefetch_timeout_base: Duration::from_secs(2),
             prefetch_timeout_per_ki_token: Duration::from_millis(100),
             prefetch_timeout_max: Duration::from_secs(30),
+            hicache_ratio: 1.0,
+            hicache_size: 0.0,
         }
     }
 }

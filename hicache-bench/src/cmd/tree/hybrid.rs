@@ -38,6 +38,9 @@ use crate::error::{BenchError, Result};
 /// The issue-26 log header.
 pub const HEADER: &str = "idx\tid\tprompt\tmatched\tfull_hit\tbranch\tinserted\tev_full\tev_aux\ttree_full\ttree_aux\tskipped";
 
+/// The columns a replay with a host tier adds (see `hybrid_host`).
+pub const HOST_COLUMNS: &str = "\thost_hit\tev_host_full\tev_host_aux";
+
 /// Ping-pong tracking slots of SGLang's `extra_buffer` strategy (overlap schedule on).
 const TRACKING_SLOTS: usize = 2;
 
@@ -52,6 +55,50 @@ pub struct HybridSetup {
     pub swa_pages: u64,
     /// Mamba state slots.
     pub mamba_slots: u32,
+    /// The host tier (`None`: device only, the protocol above).
+    pub host: Option<super::hybrid_host::HostSetup>,
+}
+
+/// A pool "as large as needed" (`--capacity-pages unlimited`): pages whose token count
+/// cannot overflow at any page size.
+pub const UNLIMITED_PAGES: u64 = u64::MAX >> 20;
+
+/// Free Mamba state slots: ids never handed out (only counted, so an unlimited pool costs
+/// nothing) and ids handed back.
+#[derive(Debug)]
+pub(super) struct StatePool {
+    fresh: u32,
+    next: u32,
+    back: Vec<u32>,
+}
+
+impl StatePool {
+    fn new(slots: u32) -> Self {
+        Self {
+            fresh: slots,
+            next: 0,
+            back: Vec::new(),
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.fresh as usize + self.back.len()
+    }
+
+    pub(super) fn pop(&mut self) -> Option<u32> {
+        if let Some(x) = self.back.pop() {
+            return Some(x);
+        }
+        (self.fresh > 0).then(|| {
+            self.fresh -= 1;
+            self.next += 1;
+            self.next - 1
+        })
+    }
+
+    pub(super) fn give(&mut self, ids: &[u32]) {
+        self.back.extend_from_slice(ids);
+    }
 }
 
 /// One log line.
@@ -77,20 +124,29 @@ pub struct HybridOutcome {
     pub tree_aux: u64,
     /// Whether the KV allocation failed.
     pub skipped: bool,
+    /// Tokens loaded back from host before the match was reused (host tier only).
+    pub host_hit: usize,
+    /// Host Full tokens and host SWA tokens or Mamba states evicted (host tier only).
+    pub ev_host: [u64; 2],
 }
 
 /// A replay in progress: the tree and the free Mamba slots.
 pub struct HybridReplay {
-    setup: HybridSetup,
-    tree: UnifiedTree,
-    free_mamba: Vec<u32>,
-    aux: Option<Component>,
+    pub(super) setup: HybridSetup,
+    pub(super) tree: UnifiedTree,
+    pub(super) free_mamba: StatePool,
+    pub(super) aux: Option<Component>,
+    /// The host tier's state (with `setup.host`).
+    pub(super) host: Option<super::hybrid_host::HostTier>,
 }
 
 impl HybridReplay {
     /// A replay over an empty tree.
     pub fn new(setup: HybridSetup) -> Result<Self> {
-        let tree = UnifiedTree::new(setup.tree.clone())?;
+        let tree = match setup.host {
+            Some(_) => UnifiedTree::with_device_slots(setup.tree.clone())?,
+            None => UnifiedTree::new(setup.tree.clone())?,
+        };
         let aux = if tree.has(Component::Swa) {
             Some(Component::Swa)
         } else if tree.has(Component::Mamba) {
@@ -98,12 +154,14 @@ impl HybridReplay {
         } else {
             None
         };
-        let free_mamba = (0..setup.mamba_slots).rev().collect();
+        let free_mamba = StatePool::new(setup.mamba_slots);
+        let host = setup.host.map(super::hybrid_host::HostTier::new);
         Ok(Self {
             setup,
             tree,
             free_mamba,
             aux,
+            host,
         })
     }
 
@@ -112,11 +170,11 @@ impl HybridReplay {
         &self.tree
     }
 
-    fn ps(&self) -> usize {
+    pub(super) fn ps(&self) -> usize {
         self.setup.tree.page_size as usize
     }
 
-    fn evict(&mut self, req: EvictRequest, ev: &mut [u64; 2]) {
+    pub(super) fn evict(&mut self, req: EvictRequest, ev: &mut [u64; 2]) {
         let e: Evicted = self.tree.evict(req);
         ev[0] += e.full;
         ev[1] += match self.aux {
@@ -124,10 +182,10 @@ impl HybridReplay {
             Some(Component::Mamba) => e.mamba,
             _ => 0,
         };
-        self.free_mamba.extend_from_slice(&e.mamba_slots);
+        self.free_mamba.give(&e.mamba_slots);
     }
 
-    fn available(&self, c: Component) -> u64 {
+    pub(super) fn available(&self, c: Component) -> u64 {
         let cap = match c {
             Component::Swa => self.setup.swa_pages,
             _ => self.setup.full_pages,
@@ -137,7 +195,7 @@ impl HybridReplay {
 
     /// Takes `n` Mamba slots, evicting states first when fewer are free; `None` when the
     /// tree cannot free enough.
-    fn take_mamba(&mut self, n: usize, ev: &mut [u64; 2]) -> Option<Vec<u32>> {
+    pub(super) fn take_mamba(&mut self, n: usize, ev: &mut [u64; 2]) -> Option<Vec<u32>> {
         if self.free_mamba.len() < n {
             let short = (n - self.free_mamba.len()) as u64;
             self.evict(
@@ -148,7 +206,7 @@ impl HybridReplay {
                 ev,
             );
         }
-        (self.free_mamba.len() >= n).then(|| self.free_mamba.split_off(self.free_mamba.len() - n))
+        (self.free_mamba.len() >= n).then(|| (0..n).filter_map(|_| self.free_mamba.pop()).collect())
     }
 
     /// Runs one request (see the module documentation).
@@ -156,11 +214,15 @@ impl HybridReplay {
         let ps = self.ps();
         let l = tokens.len();
         let mamba = self.tree.has(Component::Mamba);
-        let mut ev = [0u64; 2];
+        let (mut ev, mut ev_host) = ([0u64; 2], [0u64; 2]);
         let m = self.tree.match_prefix(&tokens[..l.saturating_sub(1)])?;
+        let (m, host_hit) = match self.host {
+            Some(_) => self.load_back(&tokens[..l.saturating_sub(1)], m, &mut ev)?,
+            None => (m, 0),
+        };
         let mut held: Vec<u32> = Vec::new();
         if mamba && m.mamba_slot.is_some() {
-            if self.free_mamba.is_empty() {
+            if self.free_mamba.len() == 0 {
                 let r = self.tree.lock(m.node, false)?;
                 self.evict(
                     EvictRequest {
@@ -213,18 +275,21 @@ impl HybridReplay {
                     swa_evicted_len: 0,
                     mamba_slot: state.filter(|_| mamba),
                 };
-                let r = self.tree.insert(key, &p)?;
+                let r = self.insert(key, &p, &m)?;
                 out.inserted = key.len();
                 if mamba && !r.mamba_exist {
                     held.pop();
                 }
+                self.backup(r.node, &mut ev_host)?;
             }
         }
         out.skipped = !ok;
         self.tree.unlock(&receipt)?;
-        self.free_mamba.extend(held);
+        self.free_mamba.give(&held);
         out.ev_full = ev[0];
         out.ev_aux = ev[1];
+        out.host_hit = host_hit;
+        out.ev_host = ev_host;
         out.tree_full = self.tree.size(Component::Full);
         out.tree_aux = self.aux.map_or(0, |c| self.tree.size(c));
         Ok(out)
@@ -288,15 +353,19 @@ pub fn rate(setup: &HybridSetup, trace: &[Request], min_time: Duration) -> Resul
     Ok((rates[rates.len() / 2], rates[rates.len() - 1]))
 }
 
-/// The log text: header, one line per request, the totals line.
-pub fn log_text(trace: &[Request], rows: &[HybridOutcome], fin: [u64; 2]) -> String {
+/// The log text: header, one line per request, the totals line; with `host`, the host
+/// tier's columns and totals after the others.
+pub fn log_text(trace: &[Request], rows: &[HybridOutcome], fin: [u64; 2], host: bool) -> String {
     let mut s = String::new();
     s.push_str(HEADER);
+    if host {
+        s.push_str(HOST_COLUMNS);
+    }
     s.push('\n');
-    let mut tot = [0u64; 7];
+    let mut tot = [0u64; 10];
     for (i, (req, o)) in trace.iter().zip(rows).enumerate() {
         let branch = o.branch.map_or_else(|| "-".to_string(), |b| b.to_string());
-        let _ = writeln!(
+        let _ = write!(
             s,
             "{i}\t{}\t{}\t{}\t{}\t{branch}\t{}\t{}\t{}\t{}\t{}\t{}",
             req.id,
@@ -310,6 +379,10 @@ pub fn log_text(trace: &[Request], rows: &[HybridOutcome], fin: [u64; 2]) -> Str
             o.tree_aux,
             u8::from(o.skipped)
         );
+        if host {
+            let _ = write!(s, "\t{}\t{}\t{}", o.host_hit, o.ev_host[0], o.ev_host[1]);
+        }
+        s.push('\n');
         let row = [
             o.prompt as u64,
             o.matched as u64,
@@ -318,12 +391,15 @@ pub fn log_text(trace: &[Request], rows: &[HybridOutcome], fin: [u64; 2]) -> Str
             o.ev_full,
             o.ev_aux,
             u64::from(o.skipped),
+            o.host_hit as u64,
+            o.ev_host[0],
+            o.ev_host[1],
         ];
         for (t, v) in tot.iter_mut().zip(row) {
             *t += v;
         }
     }
-    let _ = writeln!(
+    let _ = write!(
         s,
         "# totals requests={} prompt={} matched={} full_hit={} inserted={} ev_full={} ev_aux={} skipped={} final_tree_full={} final_tree_aux={}",
         rows.len(),
@@ -337,6 +413,14 @@ pub fn log_text(trace: &[Request], rows: &[HybridOutcome], fin: [u64; 2]) -> Str
         fin[0],
         fin[1]
     );
+    if host {
+        let _ = write!(
+            s,
+            " host_hit={} ev_host_full={} ev_host_aux={}",
+            tot[7], tot[8], tot[9]
+        );
+    }
+    s.push('\n');
     s
 }
 
@@ -346,8 +430,9 @@ pub fn write_log(
     trace: &[Request],
     rows: &[HybridOutcome],
     fin: [u64; 2],
+    host: bool,
 ) -> Result<()> {
-    std::fs::write(path, log_text(trace, rows, fin)).map_err(BenchError::io(path))
+    std::fs::write(path, log_text(trace, rows, fin, host)).map_err(BenchError::io(path))
 }
 
 #[cfg(test)]
@@ -379,6 +464,7 @@ mod tests {
             full_pages: pages,
             swa_pages: aux,
             mamba_slots: aux as u32,
+            host: None,
         }
     }
 
@@ -393,7 +479,7 @@ mod tests {
         );
         assert_eq!(rows[2].matched, 0);
         assert_eq!(fin, [192 + 128, 192 + 128]);
-        let log = log_text(&t, &rows, fin);
+        let log = log_text(&t, &rows, fin, false);
         assert!(log.starts_with(HEADER));
         assert!(log.ends_with(
             "# totals requests=3 prompt=430 matched=96 full_hit=96 inserted=416 ev_full=0 ev_aux=0 skipped=0 final_tree_full=320 final_tree_aux=320\n"
@@ -425,5 +511,102 @@ mod tests {
         let (rows, fin) = replay(&setup(None, Some(64), 4, 16), &t).unwrap();
         assert!(rows.iter().all(|r| r.skipped));
         assert_eq!(fin, [0, 0]);
+    }
+
+    fn host(setup: HybridSetup, full: u64, swa: u64, mamba: u64) -> HybridSetup {
+        HybridSetup {
+            host: Some(super::super::hybrid_host::HostSetup {
+                full_pages: full,
+                swa_pages: swa,
+                mamba_slots: mamba,
+            }),
+            ..setup
+        }
+    }
+
+    /// Turn one, an unrelated request that pushes it out of a small device pool, turn two.
+    fn pushed_out() -> Vec<Request> {
+        vec![
+            req("a", (0..100).collect()),
+            req("x", (1000..1200).collect()),
+            req("b", (0..200).collect()),
+        ]
+    }
+
+    #[test]
+    fn a_host_tier_turns_device_evictions_into_host_hits() {
+        for (swa, mamba) in [(Some(32), None), (None, Some(64))] {
+            let t = pushed_out();
+            let small = setup(swa, mamba, 16, 16);
+            let (rows, _) = replay(&small, &t).unwrap();
+            assert_eq!(
+                rows[2].matched, 0,
+                "without host, turn one is gone: {rows:?}"
+            );
+            let (rows, _) = replay(&host(small, 100, 100, 100), &t).unwrap();
+            assert!(rows[2].host_hit > 0, "{rows:?}");
+            assert_eq!(rows[2].matched, rows[2].host_hit, "{rows:?}");
+            assert_eq!(
+                rows.iter()
+                    .map(|r| r.ev_host[0] + r.ev_host[1])
+                    .sum::<u64>(),
+                0
+            );
+            let log = log_text(&t, &rows, [0, 0], true);
+            assert!(log.starts_with(&format!("{HEADER}{HOST_COLUMNS}\n")));
+            assert!(log.contains(" host_hit="), "{log}");
+        }
+    }
+
+    #[test]
+    fn small_host_pools_evict_per_component() {
+        let t = pushed_out();
+        // Full host pool of 8 pages: turn one's backup makes room for the next one's.
+        let (rows, _) = replay(&host(setup(Some(32), None, 16, 16), 8, 100, 100), &t).unwrap();
+        assert!(rows.iter().any(|r| r.ev_host[0] > 0), "{rows:?}");
+        // SWA host pool of 4 pages: SWA host copies go, from the SWA host LRU or whole.
+        let (rows, _) = replay(&host(setup(Some(32), None, 16, 16), 100, 4, 100), &t).unwrap();
+        assert!(rows.iter().any(|r| r.ev_host[1] > 0), "{rows:?}");
+        // One host state: Mamba host copies go.
+        let (rows, _) = replay(&host(setup(None, Some(64), 16, 16), 100, 100, 1), &t).unwrap();
+        assert!(rows.iter().any(|r| r.ev_host[1] > 0), "{rows:?}");
+    }
+
+    #[test]
+    fn host_replays_keep_the_tree_consistent_under_pressure() {
+        // 8 conversations of 6 turns, interleaved: every pool small enough to evict.
+        let trace: Vec<Request> = (0..48u32)
+            .map(|i| {
+                let (conv, turn) = (i % 8, i / 8);
+                let len = 40 + 37 * turn as usize;
+                req(
+                    &format!("{i}"),
+                    (0..len as u32).map(|t| conv * 10_000 + t).collect(),
+                )
+            })
+            .collect();
+        let configs = [
+            setup(Some(24), None, 40, 20),
+            setup(None, Some(32), 40, 6),
+            setup(Some(24), Some(32), 40, 20),
+        ];
+        for base in configs {
+            for (f, a, m) in [(12, 12, 2), (30, 6, 8), (64, 64, 64)] {
+                let mut r = HybridReplay::new(host(base.clone(), f, a, m)).unwrap();
+                let (mut hits, mut ev_host) = (0, [0; 2]);
+                for q in &trace {
+                    let o = r.run_one(&q.tokens).unwrap();
+                    hits += o.host_hit;
+                    ev_host = [ev_host[0] + o.ev_host[0], ev_host[1] + o.ev_host[1]];
+                    r.tree().check_invariants().unwrap();
+                }
+                let case = format!("{base:?} {f} {a} {m}: {hits} {ev_host:?}");
+                if f == 64 {
+                    assert!(hits > 0, "{case}");
+                } else {
+                    assert!(ev_host[0] + ev_host[1] > 0, "{case}");
+                }
+            }
+        }
     }
 }

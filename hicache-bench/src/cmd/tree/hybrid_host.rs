@@ -1,0 +1,251 @@
+//! The host tier of `hicache-bench tree --components ... --host-capacity-pages N`: the
+//! replay of `hybrid` with host pools and SGLang's write-through, each copy completed before
+//! the next step (as the device-only protocol completes each request before the next).
+//!
+//! Rules added to the device-only protocol (`hybrid`'s module documentation):
+//!
+//! - **Load-back** after the match (SGLang's `init_load_back`): a host hit past the device
+//!   prefix is loaded back whole (Full path, SWA window, Mamba state), the host node locked
+//!   while the device evicts the shortfall of each pool; without room it is not loaded. The
+//!   match is then taken again, and `host_hit` is the Full tokens loaded.
+//! - **Write-through** after the insert: the inserted node and its ancestors not on host,
+//!   ancestors first, are backed up (Full pages, SWA window, Mamba state); a host pool short
+//!   of room evicts from its own order (`UnifiedTree::evict_host_of`: Full host leaves, the
+//!   SWA or Mamba host LRU), then whole host leaves; when that cannot make room the backup
+//!   stops there.
+//! - A device leaf whose Full is on host is demoted by device eviction (it stays host-only).
+//!
+//! The tree tracks slots (fresh ids from one counter per tier: the replay counts pool room
+//! from the tree's sizes, as the device-only protocol does). Host pools: Full and SWA pages,
+//! Mamba states. Extra log columns: `host_hit`, `ev_host_full` (host Full tokens evicted),
+//! `ev_host_aux` (host SWA tokens or Mamba states evicted).
+
+use hicache_core::{
+    Component, DeviceLoad, EvictRequest, Evicted, HostBackup, InsertParams, InsertSlots, NodeId,
+    UnifiedInsert, UnifiedMatch,
+};
+
+use super::hybrid::HybridReplay;
+use crate::error::Result;
+
+/// Host pool sizes of a replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostSetup {
+    /// Host Full pages.
+    pub full_pages: u64,
+    /// Host SWA pages.
+    pub swa_pages: u64,
+    /// Host Mamba states.
+    pub mamba_slots: u64,
+}
+
+/// The host tier's running state: slots in use per component and the id counters.
+#[derive(Debug)]
+pub(super) struct HostTier {
+    cap: [u64; 3],
+    used: [u64; 3],
+    next_host: u32,
+    next_device: u32,
+}
+
+impl HostTier {
+    pub(super) fn new(s: HostSetup) -> Self {
+        Self {
+            cap: [s.full_pages, s.swa_pages, s.mamba_slots],
+            used: [0; 3],
+            next_host: 0,
+            next_device: 0,
+        }
+    }
+
+    fn short(&self, need: [u64; 3]) -> [u64; 3] {
+        std::array::from_fn(|c| need[c].saturating_sub(self.cap[c] - self.used[c]))
+    }
+
+    fn fresh(next: &mut u32, n: usize) -> Vec<u32> {
+        let v = (*next..*next + n as u32).collect();
+        *next += n as u32;
+        v
+    }
+}
+
+impl HybridReplay {
+    /// Inserts `key` with the request's slots when the tree tracks them (the host tier).
+    pub(super) fn insert(
+        &mut self,
+        key: &[u32],
+        p: &InsertParams,
+        m: &UnifiedMatch,
+    ) -> Result<UnifiedInsert> {
+        let Some(host) = self.host.as_mut() else {
+            return Ok(self.tree.insert(key, p)?);
+        };
+        let pages = key.len() / self.setup.tree.page_size as usize;
+        let mut slots = [Vec::new(), Vec::new()];
+        for (k, c) in [Component::Full, Component::Swa].into_iter().enumerate() {
+            if !self.tree.has(c) {
+                continue;
+            }
+            let prefix = self.tree.prefix_pages(m.node, c)?;
+            slots[k] = (0..pages)
+                .map(|i| match prefix.get(i).copied().flatten() {
+                    Some(x) => x,
+                    None => HostTier::fresh(&mut host.next_device, 1)[0],
+                })
+                .collect();
+        }
+        let s = InsertSlots {
+            full: &slots[0],
+            swa: &slots[1],
+        };
+        Ok(self.tree.insert_with_slots(key, p, s)?)
+    }
+
+    /// Loads `m`'s host hit back (module documentation); the match to use and the Full
+    /// tokens loaded.
+    pub(super) fn load_back(
+        &mut self,
+        key: &[u32],
+        m: UnifiedMatch,
+        ev: &mut [u64; 2],
+    ) -> Result<(UnifiedMatch, usize)> {
+        if self.host.is_none() || m.host_hit_len == 0 {
+            return Ok((m, 0));
+        }
+        let Some(plan) = self.tree.plan_load_back(m.host_node)? else {
+            return Ok((m, 0));
+        };
+        let ps = self.ps() as u64;
+        let need = [plan.full_pages() as u64 * ps, plan.swa_pages() as u64 * ps];
+        let lock = self.tree.lock(m.host_node, false)?;
+        let short = |t: &Self| {
+            let a = [t.available(Component::Full), t.available(Component::Swa)];
+            [need[0].saturating_sub(a[0]), need[1].saturating_sub(a[1])]
+        };
+        let s = short(self);
+        if s != [0, 0] {
+            let req = EvictRequest {
+                full: s[0],
+                swa: s[1],
+                mamba: 0,
+            };
+            self.evict(req, ev);
+        }
+        let state = match plan.mamba {
+            Some(_) => self.take_mamba(1, ev),
+            None => Some(Vec::new()),
+        };
+        self.tree.unlock(&lock)?;
+        let fresh = self.tree.plan_load_back(m.host_node)?.as_ref() == Some(&plan);
+        let (Some(state), [0, 0], true) = (state.clone(), short(self), fresh) else {
+            self.free_mamba.give(&state.unwrap_or_default());
+            return Ok((m, 0));
+        };
+        let host = self.host.as_mut().expect("host tier");
+        let full = HostTier::fresh(&mut host.next_device, plan.full_pages());
+        let swa = HostTier::fresh(&mut host.next_device, plan.swa_pages());
+        let dev = DeviceLoad {
+            full: &full,
+            swa: &swa,
+            mamba: state.first().copied(),
+        };
+        let id = self.tree.commit_load_back(&plan, dev)?;
+        self.tree.finish_load_back(id)?;
+        let m = self.tree.match_prefix(key)?;
+        Ok((m, plan.full_pages() * ps as usize))
+    }
+
+    /// Backs up `node` and its ancestors not on host (module documentation); counts the
+    /// host evictions in `ev_host`.
+    pub(super) fn backup(&mut self, node: NodeId, ev_host: &mut [u64; 2]) -> Result<()> {
+        if self.host.is_none() || node == self.tree.root() {
+            return Ok(());
+        }
+        let mut chain = self.tree.unbacked_chain(node)?;
+        if chain.last() != Some(&node) {
+            chain.push(node);
+        }
+        for n in chain {
+            let Some(plan) = self.tree.plan_backup(n)? else {
+                continue;
+            };
+            let need = [
+                plan.full.len() as u64,
+                plan.swa_pages() as u64,
+                u64::from(plan.mamba.is_some()),
+            ];
+            if !self.host_room(need, ev_host) {
+                break;
+            }
+            let host = self.host.as_mut().expect("host tier");
+            let full = HostTier::fresh(&mut host.next_host, plan.full.len());
+            let swa = HostTier::fresh(&mut host.next_host, plan.swa_pages());
+            let mamba = plan
+                .mamba
+                .map(|_| HostTier::fresh(&mut host.next_host, 1)[0]);
+            for (u, n) in host.used.iter_mut().zip(need) {
+                *u += n;
+            }
+            let h = HostBackup {
+                full: &full,
+                swa: &swa,
+                mamba,
+            };
+            let id = self.tree.commit_backup(&plan, h)?;
+            self.tree.finish_backup(id)?;
+        }
+        Ok(())
+    }
+
+    /// Makes room for `need` (host Full pages, SWA pages, Mamba states): each short pool
+    /// evicts from its own host order, then whole host leaves go; whether it fits.
+    fn host_room(&mut self, need: [u64; 3], ev_host: &mut [u64; 2]) -> bool {
+        let ps = self.ps() as u64;
+        let comps = [Component::Full, Component::Swa, Component::Mamba];
+        let units = [ps, ps, 1];
+        let short = self.host.as_ref().expect("host tier").short(need);
+        for c in 0..3 {
+            if short[c] > 0 {
+                let e = self.tree.evict_host_of(comps[c], short[c] * units[c]);
+                self.count_host_eviction(&e, ev_host);
+            }
+        }
+        loop {
+            let short = self.host.as_ref().expect("host tier").short(need);
+            if short == [0; 3] {
+                return true;
+            }
+            let e = self.tree.evict_host(ps);
+            if e.host_full_pages.is_empty() {
+                return false;
+            }
+            self.count_host_eviction(&e, ev_host);
+        }
+    }
+
+    fn count_host_eviction(&mut self, e: &Evicted, ev_host: &mut [u64; 2]) {
+        let ps = self.ps() as u64;
+        let freed = [
+            e.host_full_pages.len() as u64,
+            e.host_swa_pages.len() as u64,
+            e.host_mamba_slots.len() as u64,
+        ];
+        let host = self.host.as_mut().expect("host tier");
+        for (u, f) in host.used.iter_mut().zip(freed) {
+            *u -= f;
+        }
+        ev_host[0] += freed[0] * ps;
+        ev_host[1] += match self.aux {
+            Some(Component::Swa) => freed[1] * ps,
+            Some(Component::Mamba) => freed[2],
+            _ => 0,
+        };
+    }
+
+    /// Full tokens on host (host tier only; 0 without).
+    pub fn host_full_tokens(&self) -> u64 {
+        self.host
+            .as_ref()
+            .map_or(0, |h| h.used[0] * self.setup.tree.page_size as u64)
+    }
+}
