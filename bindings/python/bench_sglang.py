@@ -29,6 +29,13 @@ Every set uses fresh keys (a set of present keys is a no-op on both sides). Each
 fastest of ``--repeats`` rounds (after one warm-up round); the three variants run in a
 different order every round.
 
+The small-call rows (``--only calls``; also under ``all``) give the class / native ratio
+and the microseconds the class adds per call, per method, for dense (v1 methods) and hybrid
+(v2 methods, KV + Mamba) pools on the memory and file backends, one 4-token page per call.
+``--before-site DIR`` runs the whole bench alternately against the package installed in DIR
+(e.g. main's wheel: ``pip install --no-deps --target DIR hicache_rs-*.whl``) and the one in
+the environment, in one run, and prints both sides' ratios with the machine's load.
+
     python bindings/python/bench_sglang.py [--json] [--dir DIR] [--batch 128] [--repeats 3]
 
 Needs the test environment (bindings/python/setup-test-env.sh) and a release build of the
