@@ -117,10 +117,11 @@ Model of the class (each point is kept by the code named in it):
     (``hicache_rs.pools`` point 8) and whose page has one stored part is registered with
     the native store (``Store.add_pool``, ``_add_native``), and so is, for presence only,
     every other pool with one namespace. ``batch_get_v1``/``batch_set_v1``,
-    ``batch_get_v2``/``batch_set_v2`` and ``batch_exists_v2`` then hand the whole call to
-    the store (``Store.pool_io``, ``Store.pool_exists``), which checks the host indices
-    (point 8's rules), makes the pieces, evaluates the hit policies (point 10) and runs every
-    backend call with the GIL released once; no Python object per page is made. A call that
+    ``batch_get_v2``/``batch_set_v2``, ``batch_exists`` and ``batch_exists_v2`` then hand the
+    whole call to the store (``Store.pool_io``, ``Store.pool_exists``), which checks the host
+    indices (point 8's rules), makes the pieces, evaluates the hit policies (point 10) and
+    runs every backend call with the GIL released once; no Python object per page is made.
+    A call that
     path does not take (a pool without rules, two parts per page, a logical KV anchor, a
     non-writer's set, bad indices, a count mismatch, an unknown policy) is answered ``None``
     by the store before any I/O and runs through the per-pool path below, which answers or
@@ -792,6 +793,14 @@ class HiCacheRsStorage(HiCacheStorage):
             # nothing is known to be restorable.
             return 0
         store = self._ready("batch_exists")
+        if "kv" in self._native_exists:
+            # Point 15: the leading KV run in one native call (no pool to judge).
+            prefix, info = _native_context(extra_info)
+            out = store.pool_exists("kv", keys, (), prefix, info)
+            if out is not None:
+                if out[3]:
+                    self._answered(store, "batch_exists", out[3])
+                return out[0]
         return self._kv_run(store, "batch_exists", keys, _context(extra_info))
 
     def batch_get_v1(
@@ -805,10 +814,11 @@ class HiCacheRsStorage(HiCacheStorage):
         store = self._ready("batch_get_v1")
         if "kv" in self._native_io:
             prefix, info = _native_context(extra_info)
-            start = time.perf_counter()
+            start = time.perf_counter() if self.storage_config.enable_storage_metrics else 0.0
             out = store.pool_io(False, (("kv", keys, host_indices),), prefix, info)
             if out is not None:
-                self._answered(store, "batch_get_v1", out[1])
+                if out[1]:
+                    self._answered(store, "batch_get_v1", out[1])
                 hits = out[0]["kv"]
                 if self.storage_config.enable_storage_metrics:
                     self._record(self._prefetch_pgs, self._prefetch_bw, sum(hits), start,
@@ -847,10 +857,11 @@ class HiCacheRsStorage(HiCacheStorage):
         store = self._ready("batch_set_v1")
         if "kv" in self._native_io and self.storage_config.is_storage_writer:
             prefix, info = _native_context(extra_info)
-            start = time.perf_counter()
+            start = time.perf_counter() if self.storage_config.enable_storage_metrics else 0.0
             out = store.pool_io(True, (("kv", keys, host_indices),), prefix, info)
             if out is not None:
-                self._answered(store, "batch_set_v1", out[1])
+                if out[1]:
+                    self._answered(store, "batch_set_v1", out[1])
                 ok = out[0]["kv"]
                 if not self._backend_clears:
                     self._remember_kv([k for k, s in zip(keys, ok) if s])
@@ -904,7 +915,8 @@ class HiCacheRsStorage(HiCacheStorage):
             out = store.pool_exists("kv", keys, () if pool_transfers is None else pool_transfers,
                                     prefix, info)
             if out is not None:
-                self._answered(store, "batch_exists_v2", out[3])
+                if out[3]:
+                    self._answered(store, "batch_exists_v2", out[3])
                 return PoolTransferResult(out[0], out[1], out[2])
         transfers = list(pool_transfers or [])
         _check_distinct("batch_exists_v2", transfers)
@@ -1005,10 +1017,11 @@ class HiCacheRsStorage(HiCacheStorage):
         store = self._ready("batch_get_v2")
         if self._native_io:
             prefix, info = _native_context(extra_info)
-            start = time.perf_counter()
+            start = time.perf_counter() if self.storage_config.enable_storage_metrics else 0.0
             out = store.pool_io(False, transfers, prefix, info)
             if out is not None:
-                self._answered(store, "batch_get_v2", out[1])
+                if out[1]:
+                    self._answered(store, "batch_get_v2", out[1])
                 if self.storage_config.enable_storage_metrics:
                     self._record_v2(self._prefetch_pgs, self._prefetch_bw, out[0], start)
                 return out[0]
@@ -1067,10 +1080,11 @@ class HiCacheRsStorage(HiCacheStorage):
         store = self._ready("batch_set_v2")
         if self._native_io and self.storage_config.is_storage_writer:
             prefix, info = _native_context(extra_info)
-            start = time.perf_counter()
+            start = time.perf_counter() if self.storage_config.enable_storage_metrics else 0.0
             out = store.pool_io(True, transfers, prefix, info)
             if out is not None:
-                self._answered(store, "batch_set_v2", out[1])
+                if out[1]:
+                    self._answered(store, "batch_set_v2", out[1])
                 results = out[0]
                 if not self._backend_clears:
                     for t in transfers:
