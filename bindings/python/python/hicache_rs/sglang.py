@@ -539,8 +539,13 @@ class HiCacheRsStorage(HiCacheStorage):
         if not one_part:
             return
         rules = adapter.affine if not adapter.copy else None
-        store.add_pool(adapter.name, adapter.namespace, adapter.store_layout, adapter.page_size,
-                       adapter.size, rules or [], adapter.kv_interleaved)
+        try:
+            store.add_pool(adapter.name, adapter.namespace, adapter.store_layout,
+                           adapter.page_size, adapter.size, rules or [], adapter.kv_interleaved)
+        except ValueError as e:
+            # Only the one-call path is lost: the pool's calls take the per-pool path.
+            logger.info("hicache-rs: pool %r keeps the per-pool path: %s", adapter.name, e)
+            return
         self._native_exists.add(adapter.name)
         if rules:
             self._native_io.add(adapter.name)
