@@ -29,6 +29,13 @@ Every set uses fresh keys (a set of present keys is a no-op on both sides). Each
 fastest of ``--repeats`` rounds (after one warm-up round); the three variants run in a
 different order every round.
 
+The small-call rows (``--only calls``; also under ``all``) give the class / native ratio
+and the microseconds the class adds per call, per method, for dense (v1 methods) and hybrid
+(v2 methods, KV + Mamba) pools on the memory and file backends, one 4-token page per call.
+``--before-site DIR`` runs the whole bench alternately against the package installed in DIR
+(e.g. main's wheel: ``pip install --no-deps --target DIR hicache_rs-*.whl``) and the one in
+the environment, in one run, and prints both sides' ratios with the machine's load.
+
     python bindings/python/bench_sglang.py [--json] [--dir DIR] [--batch 128] [--repeats 3]
 
 Needs the test environment (bindings/python/setup-test-env.sh) and a release build of the
@@ -317,7 +324,9 @@ def bench_hybrid(requests, pages, repeats, root):
         ok = True
         for r in range(requests):
             ok &= store.batch_exists(ad_kv.namespace, ks[r], prefix_keys=[]) == pages
-            ok &= all(store.batch_exists_each(ad_m.namespace, ks[r][-1:], prefix_keys=[]))
+            # The Mamba presence of every page of the KV run: what batch_exists_v2 must ask
+            # for SGLang's restorable set (TRAILING_PAGES judges every prefix length).
+            ok &= store.batch_exists_each(ad_m.namespace, ks[r], prefix_keys=[])[-1]
         return ok
 
     def nat_get(ks):
@@ -407,89 +416,190 @@ def bench_hybrid(requests, pages, repeats, root):
     return rows
 
 
-def bench_v2_call_overhead(calls=300, rounds=5):
-    """The class's own cost per v2 call, with I/O out of the way: the memory backend, one
-    small KV page + one small Mamba state per call, ours (``batch_set_v2`` /
-    ``batch_exists_v2`` / ``batch_get_v2``) against the same Store driven natively with the
-    pieces computed once. Fastest of ``rounds`` rounds of ``calls`` calls each."""
+def bench_call_overhead(backend, kind, root, calls=300, rounds=5):
+    """The class's own cost per call, per method, with I/O small: one KV page of 4 tokens
+    (plus, ``hybrid``, one small Mamba state) per call, on ``backend`` (``memory``, or ``file``
+    with buffered I/O and ``"fsync": "none"``, so that no sync hides the class's cost).
+    ``dense``: ``batch_set_v1`` / ``batch_exists`` / ``batch_get_v1`` against the native
+    ``batch_set_from`` / ``batch_exists`` / ``batch_get_into``; ``hybrid``: ``batch_set_v2``
+    / ``batch_exists_v2`` / ``batch_get_v2`` (KV + Mamba, TRAILING_PAGES) against the same
+    native calls per pool (plus ``batch_exists_each`` for the Mamba presence). The native
+    variant uses pieces computed once. Fastest of ``rounds`` rounds of ``calls`` calls each;
+    the two variants alternate within every round."""
     from sglang_pools import mamba_pool
 
     kv = mha_pool("page_first", layers=2, heads=1, head_dim=8, page_size=4, device_tokens=64)
-    mamba = mamba_pool("page_first", layers=2, slots=8)
-    pools = {"kv": kv, "mamba": mamba}
+    pools = {"kv": kv}
+    if kind == "hybrid":
+        pools["mamba"] = mamba_pool("page_first", layers=2, slots=8)
+    config = {"backend": "memory"} if backend == "memory" else {
+        "backend": "file", "dir": os.path.join(root, f"calls-{kind}"), "direct_io": "off",
+        "fsync": "none"}
     extra, *_ = HybridCacheController.parse_storage_backend_extra_config(json.dumps({
         "backend_name": "hicache_rs", "module_path": "hicache_rs.sglang",
-        "class_name": "HiCacheRsStorage", "interface_v1": 1, "backend": "memory"}))
-    ours = _v2_register(StorageBackendFactory.create_backend(
-        "dynamic", storage_config(extra), kv), pools)
-    store, ad_kv, ad_m = ours._store, ours._pools["kv"], ours._pools["mamba"]
-    src, dst, msrc, mdst = kv.alloc(4), kv.alloc(4), mamba.alloc(1), mamba.alloc(1)
+        "class_name": "HiCacheRsStorage", "interface_v1": 1, **config}))
+    ours = StorageBackendFactory.create_backend("dynamic", storage_config(extra), kv)
+    if kind == "hybrid":
+        _v2_register(ours, pools)
+    else:
+        ours.register_mem_pool_host(kv)
+    store, ad_kv = ours._store, ours._pools["kv"]
+    src, dst = kv.alloc(4), kv.alloc(4)
     fill_pool_pages(kv, src, seed=1)
-    fill_pool_pages(mamba, msrc, seed=2)
     (ps_, zs_), (pd_, zd_) = kv.get_page_buffer_meta(src), kv.get_page_buffer_meta(dst)
-    (pms, zms), (pmd, zmd) = mamba.get_page_buffer_meta(msrc), mamba.get_page_buffer_meta(mdst)
     info = HiCacheStorageExtraInfo(prefix_keys=[])
-    keys = [hicache_rs.sglang_page_hashes([7_000_000 + 10 * i + j for j in range(4)], 4)
+    tag = 7_000_000 + (1_000_000 if kind == "hybrid" else 0)
+    keys = [hicache_rs.sglang_page_hashes([tag + 10 * i + j for j in range(4)], 4)
             for i in range(calls * (2 * rounds + 2))]
     it = iter(keys)
+    ns, lay, inter = ad_kv.namespace, ad_kv.store_layout, ad_kv.kv_interleaved
 
-    def ours_set(k):
-        return ours.batch_set_v2([
-            PoolTransfer(name=PoolName.KV, keys=k, host_indices=src),
-            PoolTransfer(name=PoolName.MAMBA, keys=k, host_indices=msrc,
-                         hit_policy=PoolHitPolicy.TRAILING_PAGES)], info)
+    if kind == "hybrid":
+        mamba, ad_m = pools["mamba"], ours._pools["mamba"]
+        msrc, mdst = mamba.alloc(1), mamba.alloc(1)
+        fill_pool_pages(mamba, msrc, seed=2)
+        (pms, zms) = mamba.get_page_buffer_meta(msrc)
+        (pmd, zmd) = mamba.get_page_buffer_meta(mdst)
 
-    def nat_set(k):
-        store.batch_set_from(ad_kv.namespace, k, ad_kv.store_layout, ps_, zs_,
-                             ad_kv.kv_interleaved, prefix_keys=[])
-        store.batch_set_from(ad_m.namespace, k, ad_m.store_layout, pms, zms,
-                             ad_m.kv_interleaved, prefix_keys=[])
+        def ours_set(k):
+            return ours.batch_set_v2([
+                PoolTransfer(name=PoolName.KV, keys=k, host_indices=src),
+                PoolTransfer(name=PoolName.MAMBA, keys=k, host_indices=msrc,
+                             hit_policy=PoolHitPolicy.TRAILING_PAGES)], info)
 
-    def ours_exists(k):
-        return ours.batch_exists_v2(k, [PoolTransfer(
-            name=PoolName.MAMBA, keys=k, hit_policy=PoolHitPolicy.TRAILING_PAGES)], info)
+        def nat_set(k):
+            store.batch_set_from(ns, k, lay, ps_, zs_, inter, prefix_keys=[])
+            store.batch_set_from(ad_m.namespace, k, ad_m.store_layout, pms, zms,
+                                 ad_m.kv_interleaved, prefix_keys=[])
 
-    def nat_exists(k):
-        store.batch_exists(ad_kv.namespace, k, prefix_keys=[])
-        store.batch_exists_each(ad_m.namespace, k, prefix_keys=[])
+        def ours_exists(k):
+            return ours.batch_exists_v2(k, [PoolTransfer(
+                name=PoolName.MAMBA, keys=k, hit_policy=PoolHitPolicy.TRAILING_PAGES)], info)
 
-    def ours_get(k):
-        return ours.batch_get_v2([
-            PoolTransfer(name=PoolName.KV, keys=k, host_indices=dst),
-            PoolTransfer(name=PoolName.MAMBA, keys=k, host_indices=mdst,
-                         hit_policy=PoolHitPolicy.TRAILING_PAGES)], info)
+        def nat_exists(k):
+            store.batch_exists(ns, k, prefix_keys=[])
+            store.batch_exists_each(ad_m.namespace, k, prefix_keys=[])
 
-    def nat_get(k):
-        store.batch_get_into(ad_kv.namespace, k, ad_kv.store_layout, pd_, zd_,
-                             ad_kv.kv_interleaved, prefix_keys=[])
-        store.batch_get_into(ad_m.namespace, k, ad_m.store_layout, pmd, zmd,
-                             ad_m.kv_interleaved, prefix_keys=[])
+        def ours_get(k):
+            return ours.batch_get_v2([
+                PoolTransfer(name=PoolName.KV, keys=k, host_indices=dst),
+                PoolTransfer(name=PoolName.MAMBA, keys=k, host_indices=mdst,
+                             hit_policy=PoolHitPolicy.TRAILING_PAGES)], info)
+
+        def nat_get(k):
+            store.batch_get_into(ns, k, lay, pd_, zd_, inter, prefix_keys=[])
+            store.batch_get_into(ad_m.namespace, k, ad_m.store_layout, pmd, zmd,
+                                 ad_m.kv_interleaved, prefix_keys=[])
+
+        def check(k):
+            return ours_exists(k).kv_hit_pages == 1
+        methods = ("batch_set_v2", "batch_exists_v2", "batch_get_v2")
+    else:
+        def ours_set(k):
+            return ours.batch_set_v1(k, src, info)
+
+        def nat_set(k):
+            store.batch_set_from(ns, k, lay, ps_, zs_, inter, prefix_keys=[])
+
+        def ours_exists(k):
+            return ours.batch_exists(k, info)
+
+        def nat_exists(k):
+            store.batch_exists(ns, k, prefix_keys=[])
+
+        def ours_get(k):
+            return ours.batch_get_v1(k, dst, info)
+
+        def nat_get(k):
+            store.batch_get_into(ns, k, lay, pd_, zd_, inter, prefix_keys=[])
+
+        def check(k):
+            return ours_exists(k) == 1
+        methods = ("batch_set_v1", "batch_exists", "batch_get_v1")
 
     best = {}
-    stored = {"ours": [], "native": []}
+    stored = []
     for rnd in range(rounds):
-        for name, fn in (("ours", ours_set), ("native", nat_set)):
+        # Who goes first alternates, so neither always follows the other's writes.
+        first = (lambda pair: pair) if rnd % 2 == 0 else (lambda pair: pair[::-1])
+        for name, fn in first((("ours", ours_set), ("native", nat_set))):
             ks = [next(it) for _ in range(calls)]
             t = time.perf_counter()
             for k in ks:
                 fn(k)
             best[("set", name)] = min(best.get(("set", name), 1e9),
                                       (time.perf_counter() - t) / calls)
-            stored[name] = ks
+            if name == "native":
+                stored = ks
         for op, fo, fn in (("exists", ours_exists, nat_exists), ("get", ours_get, nat_get)):
-            for name, fn_, ks in (("ours", fo, stored["native"]), ("native", fn, stored["native"])):
+            for name, fn_ in first((("ours", fo), ("native", fn))):
                 t = time.perf_counter()
-                for k in ks:
+                for k in stored:
                     fn_(k)
                 best[(op, name)] = min(best.get((op, name), 1e9),
                                        (time.perf_counter() - t) / calls)
-    assert ours_exists(stored["native"][0]).kv_hit_pages == 1
+    assert check(stored[0])
     ours.close()
-    return [{"bench": "sglang-l3-v2", "case": f"memory/v2-{op}/1kv+1mamba-small/class-overhead",
-             "value": round((best[(op, "ours")] - best[(op, "native")]) * 1e6, 1),
-             "unit": "us/call", "reference": round(best[(op, "native")] * 1e6, 1),
-             "ratio": round(best[(op, "native")] / best[(op, "ours")], 3)}
-            for op in ("set", "exists", "get")]
+    return [{"bench": "sglang-l3-calls",
+             "case": f"{backend}/{kind}/{method}/small/class-vs-native",
+             "value": round(best[(op, "ours")] * 1e6, 2), "unit": "us/call",
+             "reference": round(best[(op, "native")] * 1e6, 2),
+             "ratio": round(best[(op, "native")] / best[(op, "ours")], 3),
+             "added_us": round((best[(op, "ours")] - best[(op, "native")]) * 1e6, 2)}
+            for op, method in zip(("set", "exists", "get"), methods)]
+
+
+def compare(args):
+    """``--before-site``: this bench run alternately against the package installed in that
+    directory (e.g. main's wheel, ``pip install --target DIR``) and against the one in the
+    environment, ``--compare-rounds`` times each, in one run; per case the best ratio of
+    each side (a loaded machine only ever lowers it), with ``uptime`` before and after."""
+    import subprocess
+
+    def load():
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+
+    print(f"load average (1, 5, 15 min) at start: {load()}")
+    best = {}
+    order = []
+    for rnd in range(args.compare_rounds):
+        for side in ("before", "after"):
+            env = dict(os.environ)
+            if side == "before":
+                env["PYTHONPATH"] = args.before_site + os.pathsep + env.get("PYTHONPATH", "")
+            cmd = [sys.executable, os.path.abspath(__file__), "--json", "--only", args.only,
+                   "--repeats", str(args.repeats), "--batch", str(args.batch),
+                   "--big-batch", str(args.big_batch),
+                   "--hybrid-requests", str(args.hybrid_requests),
+                   "--hybrid-pages", str(args.hybrid_pages)]
+            if args.dir:
+                cmd += ["--dir", args.dir]
+            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+            for line in out.stdout.splitlines():
+                if not line.startswith("{"):
+                    continue
+                r = json.loads(line)
+                if "ratio" not in r:
+                    continue
+                key = (r["case"], side)
+                if r["case"] not in order:
+                    order.append(r["case"])
+                if key not in best or r["ratio"] > best[key]["ratio"]:
+                    best[key] = r
+        print(f"round {rnd + 1}/{args.compare_rounds} done, load average: {load()}",
+              flush=True)
+    print(f"{'case':<72} {'before':>8} {'after':>8}  before/after: ours, reference, unit")
+    for case in order:
+        b, a = best.get((case, "before")), best.get((case, "after"))
+        if not (a and b):
+            continue
+        print(f"{case:<72} {b['ratio']:>8} {a['ratio']:>8}  "
+              f"{b['value']}, {b['reference']} / {a['value']}, {a['reference']} {a['unit']}"
+              + (f"  added us: {b['added_us']} -> {a['added_us']}" if "added_us" in a else ""))
+    print(f"load average at end: {load()}")
+    print("ratio: class / native (reference / ours for us/call); higher is better, 1.0 = the "
+          "class adds nothing.")
 
 
 def label(page_bytes):
@@ -508,14 +618,24 @@ def main():
                     help="hybrid case: nodes per op (one v2 call each)")
     ap.add_argument("--hybrid-pages", type=int, default=8,
                     help="hybrid case: KV pages per node (plus one Mamba state)")
-    ap.add_argument("--only", choices=("all", "v1", "hybrid"), default="all")
+    ap.add_argument("--only", choices=("all", "v1", "hybrid", "calls"), default="all",
+                    help="calls: only the small-call class/native rows")
+    ap.add_argument("--before-site",
+                    help="compare with the package installed in this directory (same run)")
+    ap.add_argument("--compare-rounds", type=int, default=2)
     args = ap.parse_args()
+    if args.before_site:
+        compare(args)
+        return
     root = tempfile.mkdtemp(prefix="hicache-bench-sglang-", dir=args.dir)
     rows = []
     try:
         if args.only in ("all", "hybrid"):
             rows += bench_hybrid(args.hybrid_requests, args.hybrid_pages, args.repeats, root)
-            rows += bench_v2_call_overhead()
+        if args.only in ("all", "calls"):
+            for backend in ("memory", "file"):
+                for kind in ("dense", "hybrid"):
+                    rows += bench_call_overhead(backend, kind, root)
         for tokens, batch in (((8, args.batch), (256, args.big_batch))
                               if args.only in ("all", "v1") else ()):
             page_bytes, gbps, exists = bench_page_size(tokens, batch, args.repeats, root)

@@ -229,6 +229,17 @@ pub enum BindingError {
         /// Worker threads.
         workers: usize,
     },
+    /// A host pool's geometry (`Store.add_pool`) cannot describe its pages.
+    #[error("host pool {pool}: {why}")]
+    BadPoolGeometry {
+        /// The pool's name.
+        pool: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// `Store.add_pool` of a name already registered.
+    #[error("host pool {0:?} is already registered with this store")]
+    PoolRegistered(String),
     /// `close` cancelled the call: its grace ran out while the call waited on the backend.
     #[error("{0}: cancelled: the store was closed while the call waited on its backend")]
     Cancelled(&'static str),

@@ -20,12 +20,15 @@
 
 pub mod backends;
 pub mod error;
+pub mod hit_policy;
+pub mod host_pools;
 pub mod identity;
 pub mod jobs;
 pub mod maps;
 pub mod pages;
 pub mod regions;
 pub mod store;
+pub mod tensor_indices;
 
 use hicache_core::{PageHash, PageHasher, tokens_from_i64};
 use hicache_storage::{StorageConfig, StorageError};

@@ -38,6 +38,9 @@
 //!    requests stop at once; a backend call blocked in a system call ends with that call),
 //!    so a stalled backend cannot hold `close` beyond that.
 
+mod pool_io;
+
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,6 +56,7 @@ use pyo3::types::{PyBytes, PyDict};
 
 use crate::backends;
 use crate::error::{BindingError, Result};
+use crate::host_pools::{HostPool, PieceRule};
 use crate::identity;
 use crate::jobs::{Completion, JOB_WORKERS, JobQueue, Jobs, Submit};
 use crate::pages::Pieces;
@@ -97,6 +101,9 @@ pub struct Store {
     queue: JobQueue,
     /// Set by `close` once its grace ran out: every backend call still waiting is cancelled.
     cancel: tokio::sync::watch::Sender<bool>,
+    /// The host pools whose pieces this store makes itself (`add_pool`), by name; they are
+    /// only ever added.
+    pools: RwLock<HashMap<String, Arc<HostPool>>>,
 }
 
 /// Parses the keys of a batch under one namespace.
@@ -194,6 +201,16 @@ impl Call {
 
     fn keys(&self) -> &[PageKey] {
         &self.chain[self.base..]
+    }
+
+    /// The same call with only its first `n` keys (`n <= keys().len()`).
+    fn truncated(&self, n: usize) -> Self {
+        Self {
+            chain: self.chain[..(self.base + n).min(self.chain.len())].to_vec(),
+            base: self.base,
+            pass: self.pass,
+            extra_info: self.extra_info.clone(),
+        }
     }
 
     /// The context of the batch starting at the call's key `at`.
@@ -468,6 +485,7 @@ impl Store {
             jobs: Arc::new(Jobs::default()),
             queue: JobQueue::default(),
             cancel: tokio::sync::watch::Sender::new(false),
+            pools: RwLock::new(HashMap::new()),
         })
     }
 
@@ -648,6 +666,91 @@ impl Store {
             self.regions.read().as_ref(),
         )?;
         Ok(py.detach(|| self.set_from(&call, layout, &pieces))?)
+    }
+
+    /// Registers host pool `name` for the one-call batch methods (`pool_io`, `pool_exists`):
+    /// its pages are stored under `namespace` (32 hex) in `layout`; a page is `page_size`
+    /// token slots of the pool's `tokens`; `pieces` are `(base, stride, size)` triples, page
+    /// `p`'s piece being `size` bytes at `base + p × stride`, in SGLang's order (empty for a
+    /// pool only asked for presence). A name registers once (`ValueError` after); a geometry
+    /// that cannot hold a page or overflows the address space is a `ValueError`. Pieces are
+    /// still checked against the allowed regions at every call.
+    #[pyo3(signature = (name, namespace, layout, page_size, tokens, pieces, kv_interleaved=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_pool(
+        &self,
+        name: String,
+        namespace: String,
+        layout: &str,
+        page_size: usize,
+        tokens: usize,
+        pieces: Vec<(usize, usize, usize)>,
+        kv_interleaved: bool,
+    ) -> PyResult<()> {
+        let layout = identity::layout(layout)?;
+        let rules = pieces
+            .into_iter()
+            .map(|(base, stride, size)| PieceRule { base, stride, size })
+            .collect();
+        let pool = HostPool::new(
+            name,
+            namespace,
+            layout,
+            page_size,
+            tokens,
+            rules,
+            kv_interleaved,
+        )?;
+        let mut pools = self.pools.write();
+        if pools.contains_key(&pool.name) {
+            return Err(BindingError::PoolRegistered(pool.name).into());
+        }
+        pools.insert(pool.name.clone(), Arc::new(pool));
+        Ok(())
+    }
+
+    /// Reads (`write=False`) or writes the pages of every transfer in place, in one call
+    /// with the GIL released once. `transfers`: SGLang's `PoolTransfer`s (`name`, `keys`,
+    /// `host_indices`) or `(name, keys, host_indices)` tuples, each of a pool registered
+    /// with `add_pool`. Returns `({pool: [bool per key]}, [(pool, error)])`: the second list
+    /// names the transfers whose backend failed (answered all `False`). Returns `None`,
+    /// before any I/O, for a call this path does not take (an unregistered pool, a pool named
+    /// twice, host indices that are not whole pages of the pool, a count mismatch): the
+    /// caller's own path decides then. Malformed keys and pieces outside the allowed regions
+    /// are a `ValueError`, a closed store a `RuntimeError`.
+    #[pyo3(signature = (write, transfers, prefix_keys=None, extra_info=None))]
+    fn pool_io<'py>(
+        &self,
+        py: Python<'py>,
+        write: bool,
+        transfers: &Bound<'py, PyAny>,
+        prefix_keys: Option<&Bound<'py, PyAny>>,
+        extra_info: Option<String>,
+    ) -> PyResult<Option<(Bound<'py, PyDict>, Vec<pool_io::Failure>)>> {
+        drop(self.backend(if write { "batch_set" } else { "batch_get" })?);
+        let prefix = pool_io::prefix_keys(prefix_keys)?;
+        self.pool_io_call(py, write, transfers, prefix, extra_info)
+    }
+
+    /// SGLang's `batch_exists_v2` in one call: the leading run of `keys` in pool `kv`, then
+    /// each transfer's hit policy (`all_pages`, `trailing_pages`, `block_groups`), each pool
+    /// asked only when the walk reaches it. Returns `(kv_hit_pages, extra_pool_hit_pages,
+    /// restorable_prefix_pages, [(pool, error)])`, a failing backend counting as absent
+    /// pages; `None` for a call this path does not take (as `pool_io`).
+    #[pyo3(signature = (kv, keys, transfers, prefix_keys=None, extra_info=None))]
+    #[allow(clippy::type_complexity)]
+    fn pool_exists<'py>(
+        &self,
+        py: Python<'py>,
+        kv: &str,
+        keys: &Bound<'py, PyAny>,
+        transfers: &Bound<'py, PyAny>,
+        prefix_keys: Option<&Bound<'py, PyAny>>,
+        extra_info: Option<String>,
+    ) -> PyResult<Option<(usize, Bound<'py, PyDict>, Vec<usize>, Vec<pool_io::Failure>)>> {
+        drop(self.backend("batch_exists")?);
+        let prefix = pool_io::prefix_keys(prefix_keys)?;
+        self.pool_exists_call(py, kv, keys, transfers, prefix, extra_info)
     }
 
     /// Starts an asynchronous job and returns at once: a load (`load=True`: reads page `i`

@@ -364,10 +364,10 @@ def test_asymmetric_kv_round_trip(layout, backend_name, tmp_path, request):
                 "cluster": False, "key_prefix": f"a{id(tmp_path)}:"}
     pool = asym_pool(layout)
     backend = open_backend(sglang_config(pool, ours, 0, 1), pool)
-    # Both buffers are the memory the native store may touch.
-    assert backend._store.allowed_regions == [
+    # Both buffers are the memory the native store may touch (listed by address).
+    assert backend._store.allowed_regions == sorted(
         (b.data_ptr(), b.numel() * b.element_size()) for b in (pool.k_buffer, pool.v_buffer)
-    ]
+    )
     assert backend.page_bytes == PS * LAYERS * 2 * (12 + 4) * 2
     g = torch.Generator().manual_seed(21)
     src = pool.alloc(4 * PS)

@@ -31,10 +31,20 @@ auxiliary_swa, indexer, the deepseek_v4_* pools, draft, draft_indexer, draft_swa
    Mamba pools with slot side states, NVFP4 page rows in ``layer_first``) moves its pages as
    copies of those flat pages; only a pool whose flat pages SGLang refuses too (MXFP8 KV) is
    refused, with SGLang's reasons.
+8. Native pieces: for the SGLang pool classes whose ``get_page_buffer_meta`` is plain
+   arithmetic on a page's first index (``AFFINE_META``: MHA, K-only MHA, asymmetric MHA, MLA,
+   Mamba, DSA indexer), every piece of page ``p`` is ``base + p * stride`` bytes.
+   ``PoolAdapter.affine`` holds those ``(base, stride, size)`` rules once they are checked
+   against SGLang's own pieces of the first, second and last page and of up to
+   ``AFFINE_SAMPLE`` pages spread over the pool; the native store then makes a batch's
+   pieces itself (``Store.add_pool``), still inside the registered regions. Any other pool,
+   or a pool whose pieces do not follow the rules, has ``affine = None`` and its pieces come
+   from SGLang at every call.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -51,6 +61,35 @@ GEOMETRY_ATTRS = (
     "head_dim", "v_head_dim", "kv_cache_dim", "item_bytes", "state_page_bytes", "row_bytes",
     "storage_format_tag",
 )
+
+#: Pages (besides the first, second and last) whose pieces are compared with the affine rules
+#: at registration (point 8).
+AFFINE_SAMPLE = 64
+
+
+def _affine_meta() -> tuple:
+    """SGLang's ``get_page_buffer_meta`` implementations that compute every piece as
+    ``base + index * stride`` (point 8), those this SGLang has."""
+    found = []
+    for module, names in (
+        ("sglang.srt.mem_cache.pool_host.mha",
+         ("MHATokenToKVPoolHost", "MHATokenToKOnlyPoolHost", "AsymmetricMHATokenToKVPoolHost")),
+        ("sglang.srt.mem_cache.pool_host.mla", ("MLATokenToKVPoolHost",)),
+        ("sglang.srt.mem_cache.pool_host.mamba", ("MambaPoolHost",)),
+        ("sglang.srt.mem_cache.pool_host.dsa", ("DSAIndexerPoolHost",)),
+    ):
+        try:
+            m = importlib.import_module(module)
+        except ImportError:
+            continue
+        for name in names:
+            fn = getattr(getattr(m, name, None), "get_page_buffer_meta", None)
+            if fn is not None:
+                found.append(fn)
+    return tuple(found)
+
+
+AFFINE_META = _affine_meta()
 
 #: Layouts a namespace can name; other layout strings are kept in the fingerprint.
 NAMESPACE_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -174,6 +213,37 @@ class PoolAdapter:
         self.piece_sizes = sizes
         self.page_bytes = sum(sizes)
         self._finish(is_mla_model)
+        self.affine = self._affine_rules()
+
+    def _affine_rules(self) -> Optional[List[Tuple[int, int, int]]]:
+        """Point 8: the pool's ``(base, stride, size)`` piece rules, or ``None``."""
+        if (getattr(type(self.pool), "get_page_buffer_meta", None) not in AFFINE_META
+                or "get_page_buffer_meta" in getattr(self.pool, "__dict__", {})):
+            return None
+        pages = self.size // self.page_size
+        sample = sorted({0, 1, pages - 1} | {pages * k // AFFINE_SAMPLE
+                                             for k in range(AFFINE_SAMPLE)})
+        sample = [p for p in sample if 0 <= p < pages]
+        starts = torch.tensor(sample, dtype=torch.int64) * self.page_size
+        idx = (starts[:, None] + torch.arange(self.page_size, dtype=torch.int64)).reshape(-1)
+        try:
+            ptrs, sizes = self.pool.get_page_buffer_meta(idx)
+        except Exception:  # SGLang refuses a batch it accepted page by page: no rules
+            return None
+        n = len(self.piece_sizes)
+        if len(ptrs) != n * len(sample) or len(sizes) != len(ptrs):
+            return None
+        base = [int(p) for p in ptrs[:n]]
+        stride = ([int(ptrs[n + j]) - base[j] for j in range(n)] if len(sample) > 1
+                  else [0] * n)
+        if any(s < 0 for s in stride):
+            return None
+        for k, page in enumerate(sample):
+            for j in range(n):
+                if (int(ptrs[k * n + j]) != base[j] + page * stride[j]
+                        or int(sizes[k * n + j]) != self.piece_sizes[j]):
+                    return None
+        return [(base[j], stride[j], self.piece_sizes[j]) for j in range(n)]
 
     def _init_copy(self, refusal: ValueError) -> None:
         """Point 7: no pieces, but SGLang's flat data pages work: pages move as copies (no
@@ -187,6 +257,7 @@ class PoolAdapter:
         if nbytes == 0 or nbytes != int(dummy.numel() * dummy.element_size()):
             raise refusal
         self.copy = True
+        self.affine = None
         self.regions = []
         self.piece_sizes = [nbytes]
         self.page_bytes = nbytes

@@ -113,6 +113,19 @@ Model of the class (each point is kept by the code named in it):
     whole namespaces costs no memory per write. Bytes reads go to the native store in calls
     of at most ``MAX_CALL_BYTES`` (``_get_bytes``), and a v2 call naming one pool in two
     transfers is a ``ValueError`` before anything is read or written (``_check_distinct``).
+15. One native call per batch: every pool whose page pieces follow fixed rules
+    (``hicache_rs.pools`` point 8) and whose page has one stored part is registered with
+    the native store (``Store.add_pool``, ``_add_native``), and so is, for presence only,
+    every other pool with one namespace. ``batch_get_v1``/``batch_set_v1``,
+    ``batch_get_v2``/``batch_set_v2``, ``batch_exists`` and ``batch_exists_v2`` then hand the
+    whole call to the store (``Store.pool_io``, ``Store.pool_exists``), which checks the host
+    indices (point 8's rules), makes the pieces, evaluates the hit policies (point 10) and
+    runs every backend call with the GIL released once; no Python object per page is made.
+    A call that
+    path does not take (a pool without rules, two parts per page, a logical KV anchor, a
+    non-writer's set, bad indices, a count mismatch, an unknown policy) is answered ``None``
+    by the store before any I/O and runs through the per-pool path below, which answers or
+    raises exactly as before.
 """
 
 from __future__ import annotations
@@ -199,6 +212,17 @@ def _check_distinct(op: str, transfers: List[Any]) -> None:
                 "carries at most one transfer per pool"
             )
         seen[name] = i
+
+
+def _native_context(extra_info: Optional[HiCacheStorageExtraInfo]) -> tuple:
+    """``(prefix_keys, extra_info JSON)`` for the native one-call methods (point 15): the
+    prefix as SGLang gives it (the store keeps it only when it is a list of key strings, as
+    ``_context`` does), the extra info as JSON text."""
+    if extra_info is None:
+        return None, None
+    info = getattr(extra_info, "extra_info", None)
+    return (getattr(extra_info, "prefix_keys", None),
+            None if info is None else json.dumps(info, sort_keys=True, default=str))
 
 
 def _context(extra_info: Optional[HiCacheStorageExtraInfo]) -> dict:
@@ -405,6 +429,10 @@ class HiCacheRsStorage(HiCacheStorage):
         self._stored: "OrderedDict[Tuple[str, str], None]" = OrderedDict()
         self._stored_forgotten = 0
         self._backend_clears = True
+        # Point 15: pools the native store moves pages of itself, and pools it can ask for
+        # presence (only ever added to).
+        self._native_io: set = set()
+        self._native_exists: set = set()
         self._prefetch_pgs: List[int] = []
         self._backup_pgs: List[int] = []
         self._prefetch_bw: List[float] = []
@@ -501,8 +529,35 @@ class HiCacheRsStorage(HiCacheStorage):
             self._registered_once = True
         else:
             store.add_allowed_regions(regions)
+        self._add_native(store, adapter, len(self.namespaces) == 1)
         self._pools["kv"] = adapter
         self.mem_pool_host = pool
+
+    def _add_native(self, store: Store, adapter: PoolAdapter, one_part: bool) -> None:
+        """Point 15: registers a pool of one stored part with the native store, with its piece
+        rules when it has some (its regions are registered first)."""
+        if not one_part:
+            return
+        rules = adapter.affine if not adapter.copy else None
+        try:
+            store.add_pool(adapter.name, adapter.namespace, adapter.store_layout,
+                           adapter.page_size, adapter.size, rules or [], adapter.kv_interleaved)
+        except ValueError as e:
+            # Only the one-call path is lost: the pool's calls take the per-pool path.
+            logger.info("hicache-rs: pool %r keeps the per-pool path: %s", adapter.name, e)
+            return
+        self._native_exists.add(adapter.name)
+        if rules:
+            self._native_io.add(adapter.name)
+
+    def _answered(self, store: Store, op: str, failures: list) -> None:
+        """Point 4 for the native one-call methods: the backend failures they answered as
+        misses or failed writes are logged (raised once the store is closed)."""
+        for name, err in failures:
+            if store.closed:
+                raise RuntimeError(f"{op}: the store is closed")
+            logger.warning("hicache-rs %s failed (answered as misses/failures): pool %r: %s",
+                           op, name, err)
 
     def _check_shared_slices(self) -> None:
         """Point 11: head slices shared between instances need storage the instances share."""
@@ -585,6 +640,7 @@ class HiCacheRsStorage(HiCacheStorage):
                 if adapter.regions:
                     store.add_allowed_regions(adapter.regions)
                     self._registered_once = True
+                self._add_native(store, adapter, True)
                 self._pools[name] = adapter
             super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
@@ -742,6 +798,14 @@ class HiCacheRsStorage(HiCacheStorage):
             # nothing is known to be restorable.
             return 0
         store = self._ready("batch_exists")
+        if "kv" in self._native_exists:
+            # Point 15: the leading KV run in one native call (no pool to judge).
+            prefix, info = _native_context(extra_info)
+            out = store.pool_exists("kv", keys, (), prefix, info)
+            if out is not None:
+                if out[3]:
+                    self._answered(store, "batch_exists", out[3])
+                return out[0]
         return self._kv_run(store, "batch_exists", keys, _context(extra_info))
 
     def batch_get_v1(
@@ -753,6 +817,18 @@ class HiCacheRsStorage(HiCacheStorage):
         if self._logical_kv and not self._closed:
             return self._logical_v1("batch_get_v1", keys, host_indices)
         store = self._ready("batch_get_v1")
+        if "kv" in self._native_io:
+            prefix, info = _native_context(extra_info)
+            start = time.perf_counter() if self.storage_config.enable_storage_metrics else 0.0
+            out = store.pool_io(False, (("kv", keys, host_indices),), prefix, info)
+            if out is not None:
+                if out[1]:
+                    self._answered(store, "batch_get_v1", out[1])
+                hits = out[0]["kv"]
+                if self.storage_config.enable_storage_metrics:
+                    self._record(self._prefetch_pgs, self._prefetch_bw, sum(hits), start,
+                                 sum(hits) * self.page_bytes)
+                return hits
         parts = self._kv_parts("batch_get_v1", keys, host_indices)
         if not keys:
             return []
@@ -784,6 +860,20 @@ class HiCacheRsStorage(HiCacheStorage):
         if self._logical_kv and not self._closed:
             return self._logical_v1("batch_set_v1", keys, host_indices)
         store = self._ready("batch_set_v1")
+        if "kv" in self._native_io and self.storage_config.is_storage_writer:
+            prefix, info = _native_context(extra_info)
+            start = time.perf_counter() if self.storage_config.enable_storage_metrics else 0.0
+            out = store.pool_io(True, (("kv", keys, host_indices),), prefix, info)
+            if out is not None:
+                if out[1]:
+                    self._answered(store, "batch_set_v1", out[1])
+                ok = out[0]["kv"]
+                if not self._backend_clears:
+                    self._remember_kv([k for k, s in zip(keys, ok) if s])
+                if self.storage_config.enable_storage_metrics:
+                    self._record(self._backup_pgs, self._backup_bw, sum(ok), start,
+                                 sum(ok) * self.page_bytes)
+                return ok
         parts = self._kv_parts("batch_set_v1", keys, host_indices)
         if not keys:
             return []
@@ -825,6 +915,14 @@ class HiCacheRsStorage(HiCacheStorage):
         """Point 10: the leading KV run, then each pool's hit policy (``hit_policy``), with
         SGLang's HiCacheFile semantics; a failing backend counts as absent pages."""
         store = self._ready("batch_exists_v2")
+        if "kv" in self._native_exists:
+            prefix, info = _native_context(extra_info)
+            out = store.pool_exists("kv", keys, () if pool_transfers is None else pool_transfers,
+                                    prefix, info)
+            if out is not None:
+                if out[3]:
+                    self._answered(store, "batch_exists_v2", out[3])
+                return PoolTransferResult(out[0], out[1], out[2])
         transfers = list(pool_transfers or [])
         _check_distinct("batch_exists_v2", transfers)
         adapters = [(t, self._adapter("batch_exists_v2", t.name)) for t in transfers]
@@ -922,6 +1020,16 @@ class HiCacheRsStorage(HiCacheStorage):
     ) -> Dict[str, List[bool]]:
         """Point 10: reads each transfer's pages in place into its pool; one bool per key."""
         store = self._ready("batch_get_v2")
+        if self._native_io:
+            prefix, info = _native_context(extra_info)
+            start = time.perf_counter() if self.storage_config.enable_storage_metrics else 0.0
+            out = store.pool_io(False, transfers, prefix, info)
+            if out is not None:
+                if out[1]:
+                    self._answered(store, "batch_get_v2", out[1])
+                if self.storage_config.enable_storage_metrics:
+                    self._record_v2(self._prefetch_pgs, self._prefetch_bw, out[0], start)
+                return out[0]
         results: Dict[str, List[bool]] = {}
         plan = self._v2_plan("batch_get_v2", list(transfers or []), results)
         ctx = _context(extra_info)
@@ -975,6 +1083,23 @@ class HiCacheRsStorage(HiCacheStorage):
         On an MLA rank that is not the storage writer, pools shared by the TP ranks are not
         written (reported done) while TP-sharded ones (Mamba state) are (point 5)."""
         store = self._ready("batch_set_v2")
+        if self._native_io and self.storage_config.is_storage_writer:
+            prefix, info = _native_context(extra_info)
+            start = time.perf_counter() if self.storage_config.enable_storage_metrics else 0.0
+            out = store.pool_io(True, transfers, prefix, info)
+            if out is not None:
+                if out[1]:
+                    self._answered(store, "batch_set_v2", out[1])
+                results = out[0]
+                if not self._backend_clears:
+                    for t in transfers:
+                        name = pool_name(t.name)
+                        done = [k for k, s in zip(t.keys or [], results[name]) if s]
+                        for ns in self._namespaces_of(self._pools[name]):
+                            self._remember(ns, done)
+                if self.storage_config.enable_storage_metrics:
+                    self._record_v2(self._backup_pgs, self._backup_bw, results, start)
+                return results
         results: Dict[str, List[bool]] = {}
         plan = self._v2_plan("batch_set_v2", list(transfers or []), results)
         ctx = _context(extra_info)
@@ -1151,6 +1276,17 @@ class HiCacheRsStorage(HiCacheStorage):
         """The KV pages stored, in every part's namespace (point 11)."""
         for ns in self.namespaces:
             self._remember(ns, keys)
+
+    def _record_v2(self, pgs: list, bw: list, results: Dict[str, List[bool]],
+                   start: float) -> None:
+        """Metrics of a v2 call's pages, counted with the v1 ones (point 10)."""
+        pages = nbytes = 0
+        for name, flags in results.items():
+            n = sum(flags)
+            pages += n
+            nbytes += n * self._pools[name].page_bytes
+        if pages:
+            self._record(pgs, bw, pages, start, nbytes)
 
     def _record(self, pgs: list, bw: list, pages: int, start: float, nbytes: int) -> None:
         if not self.storage_config.enable_storage_metrics:
