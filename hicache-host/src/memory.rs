@@ -99,7 +99,7 @@ static SHELF: Shelf<Mapping> = Shelf::new();
 
 /// Keeps up to `budget_bytes` of dropped [`HostMemory`] mappings mapped and populated in this
 /// process, each handed to the next [`HostMemory::new`] of the same policy that it fits (the
-/// request at most its length and at least half of it; [`HostMemory::len`] is then the kept
+/// request at most its length, the smallest such; [`HostMemory::len`] is then the kept
 /// mapping's) (to keep a newly dropped one, those dropped longest ago are unmapped). For programs that build
 /// and drop pools of the same size one after another (a bench's runs): a fresh multi-GiB
 /// mapping costs the kernel's reclaim and compaction, a kept one nothing. A reused mapping is
@@ -111,7 +111,7 @@ pub fn reuse_dropped_mappings(budget_bytes: usize) {
 }
 
 /// The shelf key of a request: its page policy (a kept mapping fits a request of the same
-/// policy for at most its length and at least half of it).
+/// policy for at most its length).
 fn shelf_key(policy: HugePagePolicy) -> ShelfKey {
     match policy {
         HugePagePolicy::Auto => 0,

@@ -456,9 +456,12 @@ fn hybrid_jobs<'a>(
     factories: &'a [HybridFactory],
     bar: &'a ProgressBar,
 ) -> TableJobs<'a> {
+    // The model with the largest pools (the last) first: the other runs' pools then fit in
+    // the mappings its cache leaves (see `keep_pools_between_runs`).
     let side_by_side = factories
         .iter()
         .enumerate()
+        .rev()
         .map(|(i, f)| {
             Job::new("hybrid", move || {
                 Ok(Outcome::Hybrid(i, Box::new(run_hybrid(plan, f, bar)?)))
