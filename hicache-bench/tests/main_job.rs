@@ -2,35 +2,11 @@
 //! the report is consistent (hits + recomputed = prompt tokens, bytes = pages × page bytes,
 //! the cache's counts equal the engine's) and every tier adds hits.
 
-use hicache_bench::cmd::multiturn::{self, MultiturnArgs};
-use hicache_sim::adapter::HiCacheFactory;
+mod common;
 
-fn tiny(extra: &[&str], dir: &std::path::Path) -> MultiturnArgs {
-    let d = dir.display().to_string();
-    let mut args = vec![
-        "--quiet",
-        "--clients",
-        "6",
-        "--rounds",
-        "4",
-        "--system-tokens",
-        "128",
-        "--user-tokens",
-        "96",
-        "--answer-tokens",
-        "48",
-        "--page-size",
-        "16",
-        "--device-pages",
-        "60",
-        "--max-parallel",
-        "2",
-        "--report-dir",
-        &d,
-    ];
-    args.extend_from_slice(extra);
-    MultiturnArgs::try_parse(&args).unwrap()
-}
+use common::tiny;
+use hicache_bench::cmd::multiturn;
+use hicache_sim::adapter::HiCacheFactory;
 
 #[test]
 fn main_job_through_hicache_is_consistent_and_every_tier_helps() {

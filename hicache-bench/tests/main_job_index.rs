@@ -13,6 +13,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
+mod common;
+
 use hicache_bench::cmd::multiturn::{self, MultiturnArgs};
 use hicache_core::{HiRadixTree, NodeId, PageHasher, PageKey, TenantId};
 use hicache_index::driver::Hub;
@@ -254,33 +256,11 @@ async fn http(addr: SocketAddr, method: &str, path: &str, body: &Value) -> (u16,
     (status, json)
 }
 
+/// The tiny workload with the dense table's every column (no hybrid models).
 fn tiny(extra: &[&str], dir: &std::path::Path) -> MultiturnArgs {
-    let d = dir.display().to_string();
-    let mut args = vec![
-        "--quiet",
-        "--compare",
-        "--no-hybrid",
-        "--clients",
-        "6",
-        "--rounds",
-        "4",
-        "--system-tokens",
-        "128",
-        "--user-tokens",
-        "96",
-        "--answer-tokens",
-        "48",
-        "--page-size",
-        "16",
-        "--device-pages",
-        "60",
-        "--max-parallel",
-        "2",
-        "--report-dir",
-        &d,
-    ];
-    args.extend_from_slice(extra);
-    MultiturnArgs::try_parse(&args).unwrap()
+    let mut all = vec!["--compare", "--no-hybrid"];
+    all.extend_from_slice(extra);
+    common::tiny(&all, dir)
 }
 
 #[test]

@@ -1,0 +1,32 @@
+//! What the main-job tests share: the tiny workload they run.
+
+use hicache_bench::cmd::multiturn::MultiturnArgs;
+
+/// The main job's flags for a tiny workload (6 clients × 4 rounds, 60 device pages of 16
+/// tokens), quiet, its report in `dir`, then `extra`.
+pub fn tiny(extra: &[&str], dir: &std::path::Path) -> MultiturnArgs {
+    let d = dir.display().to_string();
+    let mut args = vec![
+        "--quiet",
+        "--clients",
+        "6",
+        "--rounds",
+        "4",
+        "--system-tokens",
+        "128",
+        "--user-tokens",
+        "96",
+        "--answer-tokens",
+        "48",
+        "--page-size",
+        "16",
+        "--device-pages",
+        "60",
+        "--max-parallel",
+        "2",
+        "--report-dir",
+        &d,
+    ];
+    args.extend_from_slice(extra);
+    MultiturnArgs::try_parse(&args).unwrap()
+}
