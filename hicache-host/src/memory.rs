@@ -12,8 +12,9 @@
 //!    errors instead.
 //!
 //! Invariant: `ptr..ptr+len` is mapped read-write from `new` until `Drop`, and nothing else in
-//! the process maps or unmaps it (a drop hands it whole to a `Mapping`, kept for reuse or unmapped). CUDA registration (`cuMemHostRegister`, done by
-//! `hicache-gpu`) must be undone before the drop: the registration owns an `Arc` of the pool,
+//! the process maps or unmaps it (a drop hands it whole to a `Mapping`, kept for reuse or
+//! unmapped). CUDA registration (`cuMemHostRegister`, done by `hicache-gpu`) must be undone
+//! before the drop: the registration owns an `Arc` of the pool,
 //! so the pool (and this mapping) outlive it by construction.
 
 use std::ptr::NonNull;
@@ -98,11 +99,12 @@ impl Drop for Mapping {
 static SHELF: Shelf<Mapping> = Shelf::new();
 
 /// Keeps up to `budget_bytes` of dropped [`HostMemory`] mappings mapped and populated in this
-/// process, each handed to the next [`HostMemory::new`] of the same policy that it fits (the
-/// request at most its length, the smallest such; [`HostMemory::len`] is then the kept
-/// mapping's) (to keep a newly dropped one, those dropped longest ago are unmapped). For programs that build
-/// and drop pools of the same size one after another (a bench's runs): a fresh multi-GiB
-/// mapping costs the kernel's reclaim and compaction, a kept one nothing. A reused mapping is
+/// process, each handed to the next [`HostMemory::new`] of the same policy that it fits: the
+/// smallest kept mapping at least as long as the request ([`HostMemory::len`] is then the kept
+/// mapping's). To keep a newly dropped mapping within the budget, those dropped longest ago
+/// are unmapped. For programs that build and drop pools one after another (a bench's runs):
+/// populating a fresh multi-GiB mapping costs the kernel's zeroing (and, under memory
+/// pressure, reclaim and compaction), a kept one nothing. A reused mapping is
 /// **not** zero-filled: it holds what its previous owner in this process wrote, as memory from
 /// `cudaMalloc` or a pinned `torch.empty` does. 0 (the default) turns it off and unmaps what is
 /// kept. Libraries never call this; [`mem_available`] counts the kept bytes as available.
@@ -128,38 +130,41 @@ impl HostMemory {
             return Err(HostError::BadSize("cannot map 0 bytes".into()));
         }
         let key = shelf_key(policy);
-        if let Some(kept) = SHELF.take(key, len) {
-            // Ownership of the mapping passes back to a HostMemory: no unmapping here.
-            let kept = std::mem::ManuallyDrop::new(kept);
-            return Ok(Self {
-                ptr: kept.ptr,
-                len: kept.len,
-                backing: kept.backing,
-                key,
-            });
-        }
-        let (ptr, len, backing) = Self::map(len, policy)?;
+        let mapping = match SHELF.take(key, len) {
+            Some(kept) => kept,
+            None => Self::map(len, policy)?,
+        };
+        // Ownership of the mapping passes to this HostMemory, whose drop hands it back whole.
+        let mapping = std::mem::ManuallyDrop::new(mapping);
         Ok(Self {
-            ptr,
-            len,
-            backing,
+            ptr: mapping.ptr,
+            len: mapping.len,
+            backing: mapping.backing,
             key,
         })
     }
 
-    /// A fresh mapping for `new`: its start, length and backing.
-    fn map(len: usize, policy: HugePagePolicy) -> Result<(NonNull<u8>, usize, Backing)> {
+    /// A fresh mapping for `new`.
+    fn map(len: usize, policy: HugePagePolicy) -> Result<Mapping> {
         if policy != HugePagePolicy::Off {
             let huge_len = len.checked_next_multiple_of(HUGE).ok_or_else(|| {
                 HostError::BadSize(format!("{len} bytes overflow when rounded to 2 MiB"))
             })?;
             if let Some(ptr) = map_hugetlb(huge_len) {
-                return Ok((ptr, huge_len, Backing::Hugetlb));
+                return Ok(Mapping {
+                    ptr,
+                    len: huge_len,
+                    backing: Backing::Hugetlb,
+                });
             }
             if thp_enabled() {
                 let ptr = map_thp(huge_len)?;
                 let huge_bytes = smaps_huge_bytes(ptr.as_ptr() as usize).unwrap_or(0);
-                return Ok((ptr, huge_len, Backing::Transparent { huge_bytes }));
+                return Ok(Mapping {
+                    ptr,
+                    len: huge_len,
+                    backing: Backing::Transparent { huge_bytes },
+                });
             }
             if policy == HugePagePolicy::Require {
                 return Err(HostError::HugePagesUnavailable(
@@ -175,7 +180,11 @@ impl HostMemory {
             len,
             source,
         })?;
-        Ok((ptr, len, Backing::Small))
+        Ok(Mapping {
+            ptr,
+            len,
+            backing: Backing::Small,
+        })
     }
 
     /// Start of the mapping.

@@ -374,11 +374,10 @@ fn side_by_side_workers(plan: &Plan) -> usize {
         .unwrap_or(1)
 }
 
-/// Lets each run's cache take the pool mappings (device and host, GiBs each) the previous run
-/// dropped instead of mapping fresh ones: on a machine whose free memory sits in the page cache
-/// (the file L3 of the run before fills it) populating a fresh mapping costs the kernel's
-/// reclaim and compaction, measured at 0.13–0.4 GB/s on the 2-core VMs: most of the job's wall
-/// time. Budget: a quarter of the machine's memory, at most 16 GiB (a dense run's pools are
+/// Lets each run's cache take the pool mappings (device and host, GiBs each) an earlier run
+/// dropped instead of mapping fresh ones: populating fresh memory was measured at 0.13–0.4
+/// GB/s on the 2-core VMs (the kernel zeroing it, and under memory pressure reclaiming and
+/// compacting), 57 % of a loaded run's CPU. Budget: a quarter of the machine's memory, at most 16 GiB (a dense run's pools are
 /// 3 GiB); no figure depends on it (the pools are populated before a run either way).
 fn keep_pools_between_runs() {
     let quarter = hicache_host::memory::mem_total().unwrap_or(0) / 4;
