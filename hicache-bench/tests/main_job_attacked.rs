@@ -13,6 +13,8 @@
 //! Every loop and connection count is bounded; everything is on loopback; nothing asserts a
 //! duration.
 
+mod common;
+
 use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
@@ -76,36 +78,21 @@ fn job_args(dir: &Path, ports: Ports) -> Vec<String> {
         r#"{{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:{}", "replay_endpoint": "tcp://127.0.0.1:{}", "topic": "kv"}}"#,
         ports.kv_pub, ports.kv_replay
     );
-    [
+    let own = [
         "--quiet",
         "--seed",
         "7",
-        "--clients",
-        "6",
-        "--rounds",
-        "4",
-        "--system-tokens",
-        "128",
-        "--user-tokens",
-        "96",
-        "--answer-tokens",
-        "48",
-        "--page-size",
-        "16",
-        "--device-pages",
-        "60",
-        "--max-parallel",
-        "2",
         "--metrics-addr",
         &format!("127.0.0.1:{}", ports.metrics),
         "--kv-events",
         &kv,
         "--report-dir",
         &dir.display().to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    ];
+    own.iter()
+        .chain(common::TINY_WORKLOAD.iter())
+        .map(|s| s.to_string())
+        .collect()
 }
 
 /// Runs the job binary (under `ulimit -n nofile` when given) and waits for it.
