@@ -74,6 +74,10 @@ struct Args {
     /// hicache policy: latency of an L3 read before its first byte (ms).
     #[arg(long)]
     l3_latency_ms: Option<f64>,
+    /// hicache policy: mean answer length in tokens (the memory term, for instances
+    /// registered with `kv_capacity_tokens`).
+    #[arg(long)]
+    answer_tokens: Option<f64>,
     /// Rate at which an instance reads its L3 (its shared store or its own), GB/s.
     #[arg(long, default_value_t = 10.0)]
     l3_read_gbps: f64,
@@ -122,6 +126,9 @@ fn routing(args: &Args) -> Result<RoutingConfig, String> {
     }
     if let Some(v) = args.l3_latency_ms {
         c.l3_latency_s = positive("l3-latency-ms", v)? * 1e-3;
+    }
+    if let Some(v) = args.answer_tokens {
+        c.answer_tokens = positive("answer-tokens", v)?;
     }
     Ok(r)
 }

@@ -39,6 +39,11 @@ pub struct Registration {
     /// its L3 is its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub l3_store: Option<String>,
+    /// KV tokens its device memory holds (SGLang's `max_total_num_tokens`, vLLM's GPU blocks
+    /// × block size): lets the `hicache` routing policy see a request that would wait for
+    /// memory there. None: unknown, no memory term.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_capacity_tokens: Option<u64>,
 }
 
 /// A registration that cannot be served, and why.
@@ -96,6 +101,12 @@ impl Registration {
         if let Some(s) = &self.l3_store {
             name_ok("l3_store", s)?;
         }
+        if self.kv_capacity_tokens == Some(0) {
+            return Err(RegistrationError {
+                field: "kv_capacity_tokens",
+                problem: "must be at least 1 when given".into(),
+            });
+        }
         if let Some(t) = &self.topic
             && t.len() > MAX_NAME_LEN
         {
@@ -149,6 +160,11 @@ mod tests {
         let mut r = reg();
         r.instance = "a/b".into();
         assert_eq!(r.validate().unwrap_err().field, "instance");
+        let mut r = reg();
+        r.kv_capacity_tokens = Some(0);
+        assert_eq!(r.validate().unwrap_err().field, "kv_capacity_tokens");
+        r.kv_capacity_tokens = Some(8192);
+        assert!(r.validate().is_ok());
         let err = serde_json::from_str::<Registration>(
             r#"{"instance": "a", "endpoint": "tcp://h:1", "format": "trt", "model": "m", "page_size": 1}"#,
         )

@@ -59,6 +59,7 @@ pub(crate) struct Candidate {
     pub(crate) id: String,
     pub(crate) holder: HolderId,
     pub(crate) shared_l3: bool,
+    pub(crate) kv_capacity_tokens: Option<u64>,
 }
 
 /// A model's router and the stream id of each of its positions.
@@ -79,6 +80,7 @@ impl ModelRouter {
                 } else {
                     L3Access::Private(cfg.l3_read_bytes_per_s)
                 },
+                kv_capacity_tokens: c.kv_capacity_tokens,
             })
             .collect()
     }
@@ -268,6 +270,7 @@ mod tests {
                     page_size: 4,
                     dp_rank: None,
                     l3_store: None,
+                    kv_capacity_tokens: None,
                 },
                 0,
             )

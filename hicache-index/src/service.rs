@@ -579,6 +579,7 @@ impl Service {
                 id: id.clone(),
                 holder: s.feed.instance(),
                 shared_l3: s.reg.l3_store.is_some(),
+                kv_capacity_tokens: s.reg.kv_capacity_tokens,
             })
             .collect()
     }
@@ -733,6 +734,7 @@ mod tests {
             page_size: 2,
             dp_rank: None,
             l3_store: store.map(str::to_string),
+            kv_capacity_tokens: None,
         }
     }
 

@@ -305,6 +305,7 @@ mod tests {
             page_size: 16,
             dp_rank: None,
             l3_store: store.map(str::to_string),
+            kv_capacity_tokens: None,
         }
     }
 

@@ -11,11 +11,21 @@
 //! load    = (h2 + h3)·b / h2d_rate                                  (L2 → L1, layer-wise)
 //! compute = r·prefill_per_token + (r·c + r(r+1)/2)·attention_per_pair
 //! wait    = queued_prefill_tokens·prefill_per_token + (running ? decode_step/2 : 0)
+//!           + (need > free ? decode_step·answer_tokens/2 : 0)
 //! ttft    = max(wait, fetch) + max(compute, load)
 //! ```
 //!
 //! (`decode_step = decode_per_step + running_tokens·decode_per_context_token`: a prefill waits
 //! on average half of the decode step in progress, as engines run prefill first.)
+//!
+//! **Device memory.** Where the instance's KV capacity is known (`kv_capacity_tokens` at
+//! registration, e.g. SGLang's `max_total_num_tokens`), `free = capacity − running_tokens −
+//! queued_prefill_tokens` and the request needs `need = n − h1 + answer_tokens` new KV tokens
+//! (its L1 prefix is shared, its answer grows in place). An engine admits a request only with
+//! room for it, so one that does not fit waits for running requests to finish: on average
+//! half an answer's decode (`answer_tokens` is the mean answer length, an operator's figure).
+//! Without a capacity the term is 0. Cache affinity alone would pile conversations onto the
+//! instance that holds them until its memory is full; this term is what stops it.
 //!
 //! **The delay imposed on others.** `ttft` is the request's own; the time its step occupies
 //! the instance, `work = max(compute, load)`, also delays every request that will queue
@@ -59,13 +69,17 @@ pub struct CostModel {
     /// Weight of the delay a request's work imposes on the requests queued behind it
     /// (0: each request's own `ttft` only).
     pub queue_externality: f64,
+    /// Mean answer length in tokens: the KV a request adds while it decodes, and twice the
+    /// decode steps a request that does not fit waits for on average.
+    pub answer_tokens: f64,
 }
 
 impl Default for CostModel {
     /// Llama-3-8B on an H100 (the simulator's model): 32.5 µs per prefill token, 1.06 ns per
     /// attention pair, 5.99 ms per decode step plus 48.9 ns per context token, 128 KiB of KV
     /// per token, 50 GB/s H2D, 0.5 ms L3 latency; 2 % tie tolerance; the delay imposed on
-    /// others weighed 1:1 with the request's own time.
+    /// others weighed 1:1 with the request's own time; answers of 128 tokens (the multi-turn
+    /// bench's default output length).
     fn default() -> Self {
         Self {
             prefill_s_per_token: 32.5e-6,
@@ -77,6 +91,7 @@ impl Default for CostModel {
             l3_latency_s: 0.5e-3,
             tie_tolerance: 0.02,
             queue_externality: 1.0,
+            answer_tokens: 128.0,
         }
     }
 }
@@ -101,6 +116,8 @@ pub struct Busy {
     pub requests: f64,
     /// KV tokens of running requests.
     pub running_tokens: f64,
+    /// KV tokens its device memory holds, when known (`None`: no memory term).
+    pub kv_capacity_tokens: Option<f64>,
 }
 
 /// What the model expects of one request on one instance.
@@ -146,12 +163,26 @@ impl CostModel {
         let load = (h2 + h3) as f64 * b / self.h2d_bytes_per_s.max(1.0);
         let compute = r * self.prefill_s_per_token
             + (r * cached + r * (r + 1.0) / 2.0) * self.attention_s_per_pair;
+        let decode_step =
+            self.decode_s_per_step + busy.running_tokens * self.decode_s_per_context_token;
         let decode = if busy.requests > 0.0 {
-            (self.decode_s_per_step + busy.running_tokens * self.decode_s_per_context_token) / 2.0
+            decode_step / 2.0
         } else {
             0.0
         };
-        let wait = busy.queued_prefill_tokens * self.prefill_s_per_token + decode;
+        let memory = match busy.kv_capacity_tokens {
+            Some(capacity) => {
+                let free = capacity - busy.running_tokens - busy.queued_prefill_tokens;
+                let need = (prompt - o.l1.min(prompt)) as f64 + self.answer_tokens;
+                if need > free {
+                    decode_step * self.answer_tokens / 2.0
+                } else {
+                    0.0
+                }
+            }
+            None => 0.0,
+        };
+        let wait = busy.queued_prefill_tokens * self.prefill_s_per_token + decode + memory;
         let work = compute.max(load);
         Expected {
             ttft: wait.max(fetch) + work,
@@ -175,6 +206,7 @@ mod tests {
             l3_latency_s: 0.01,
             tie_tolerance: 0.02,
             queue_externality: 1.0,
+            answer_tokens: 0.0,
         }
     }
 
@@ -211,6 +243,7 @@ mod tests {
             queued_prefill_tokens: 500.0,
             requests: 1.0,
             running_tokens: 0.0,
+            kv_capacity_tokens: None,
         };
         assert!((t(none, &queued) - 1.5).abs() < 1e-9);
     }
@@ -232,6 +265,7 @@ mod tests {
             queued_prefill_tokens: 500.0,
             requests: 1.0,
             running_tokens: 0.0,
+            kv_capacity_tokens: None,
         };
         let a = m.expect(1000, &host, 2e6, &queued);
         let b = m.expect(1000, &Overlap::default(), 2e6, &Busy::default());
@@ -242,5 +276,39 @@ mod tests {
         assert!((m.score(&b, 2.0) - 3.0).abs() < 1e-9);
         m.queue_externality = 0.0;
         assert_eq!(m.score(&a, 2.0), a.ttft);
+    }
+
+    /// The memory term: capacity 3000 tokens, 1000 running, 500 queued (free 1500); decode
+    /// step 10 ms + 1 µs per running token = 11 ms; answers of 200 tokens. A 1000-token prompt
+    /// with 400 in L1 needs 600 + 200 = 800 ≤ 1500: no wait for memory. With nothing in L1
+    /// it needs 1200 ≤ 1500: none either. With 1000 running more (free 500) both wait
+    /// half an answer's decode: 100 steps of 12 ms = 1.2 s. Unknown capacity: no term.
+    #[test]
+    fn a_request_that_does_not_fit_waits_half_an_answers_decode() {
+        let mut m = model();
+        m.decode_s_per_step = 0.010;
+        m.decode_s_per_context_token = 1e-6;
+        m.answer_tokens = 200.0;
+        let l1 = Overlap {
+            l1: 400,
+            l2: 400,
+            l3: 400,
+        };
+        let busy = |running: f64, capacity: Option<f64>| Busy {
+            queued_prefill_tokens: 500.0,
+            requests: 2.0,
+            running_tokens: running,
+            kv_capacity_tokens: capacity,
+        };
+        let base = |running: f64| 0.5 + (0.010 + running * 1e-6) / 2.0;
+        let t = |o: &Overlap, b: &Busy| m.ttft(1000, o, 2e6, b);
+        let fits = busy(1000.0, Some(3000.0));
+        assert!((t(&l1, &fits) - (base(1000.0) + 0.6)).abs() < 1e-9);
+        assert!((t(&Overlap::default(), &fits) - (base(1000.0) + 1.0)).abs() < 1e-9);
+        let full = busy(2000.0, Some(3000.0));
+        assert!((t(&l1, &full) - (base(2000.0) + 1.2 + 0.6)).abs() < 1e-9);
+        assert!((t(&Overlap::default(), &full) - (base(2000.0) + 1.2 + 1.0)).abs() < 1e-9);
+        let unknown = busy(2000.0, None);
+        assert!((t(&l1, &unknown) - (base(2000.0) + 0.6)).abs() < 1e-9);
     }
 }

@@ -168,6 +168,9 @@ pub struct InstanceInfo {
     pub holder: HolderId,
     /// How it reads L3.
     pub l3: L3Access,
+    /// KV tokens its device memory holds (SGLang's `max_total_num_tokens`), when known: the
+    /// `hicache` policy's memory term ([`CostModel`]).
+    pub kv_capacity_tokens: Option<u64>,
 }
 
 /// The router's settings.
@@ -492,6 +495,7 @@ impl Router {
             queued_prefill_tokens: l.queued_prefill_tokens,
             requests: l.requests,
             running_tokens: l.running_tokens,
+            kv_capacity_tokens: self.instances[i].kv_capacity_tokens.map(|c| c as f64),
         }
     }
 

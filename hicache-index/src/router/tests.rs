@@ -17,6 +17,7 @@ fn fleet(n: usize) -> (Index, Vec<InstanceFeed>, Vec<InstanceInfo>) {
         infos.push(InstanceInfo {
             holder: h,
             l3: L3Access::None,
+            kv_capacity_tokens: None,
         });
     }
     (idx, feeds, infos)
@@ -226,6 +227,7 @@ fn a_router_over_a_changed_fleet_keeps_what_it_knew_of_the_instances_that_stay()
     let newcomer = InstanceInfo {
         holder: idx.add_holder(HolderKind::Instance).unwrap(),
         l3: L3Access::None,
+        kv_capacity_tokens: None,
     };
     let mut r = r.with_instances(vec![infos[1], infos[2], newcomer], |i| {
         [None, Some(0), Some(1)][i]

@@ -218,6 +218,8 @@ impl FleetSetup {
             kv_bytes_per_token: plan.model.token_bytes() as f64,
             h2d_bytes_per_s: plan.compute.h2d_bytes_per_s,
             l3_latency_s: plan.compute.l3_latency_s,
+            answer_tokens: mean_answer_tokens(&plan.conversations)
+                .unwrap_or(CostModel::default().answer_tokens),
             ..CostModel::default()
         };
         Ok(Self {
@@ -315,6 +317,18 @@ pub struct FleetRun {
     pub wall_seconds: f64,
 }
 
+/// The workload's mean answer length in tokens (what an operator would measure and give
+/// the `hicache` policy's memory term); `None` without turns.
+fn mean_answer_tokens(convs: &[Conversation]) -> Option<f64> {
+    let (sum, n) = convs
+        .iter()
+        .flat_map(|c| c.turns.iter())
+        .fold((0usize, 0usize), |(s, n), t| {
+            (s + (t.answer_end - t.prompt_end), n + 1)
+        });
+    (n > 0).then(|| sum as f64 / n as f64)
+}
+
 /// Runs `convs` released by `source` through a fleet routed by `policy`.
 pub fn run(
     fleet: &FleetSetup,
@@ -346,6 +360,9 @@ pub fn run(
         infos.push(InstanceInfo {
             holder: h,
             l3: fleet.l3_access(),
+            kv_capacity_tokens: Some(
+                fleet.setup.device_pages as u64 * u64::from(fleet.setup.kv_shape.page_size),
+            ),
         });
         let cache = HiCacheUnderTest::build(&setup, true)?;
         instances.push(Instance::new(cache, &fleet.compute, &fleet.engine)?);
