@@ -84,6 +84,36 @@ fn hicache_sends_a_prompt_where_its_prefix_is_in_l1() {
     assert_eq!(r.load().load(2).queued_prefill_tokens, 1.0);
 }
 
+/// Instance 0 holds the prompt's 400-token prefix in L1 but its device memory is nearly full
+/// (capacity 640 tokens, 560 held by a running request): the request's 1 new token and 128
+/// answer tokens do not fit, so it would wait about half an answer's decode (~0.4 s), and the
+/// idle instance 1 wins despite recomputing 401 tokens (~13 ms). Without a known capacity the
+/// cache wins (~3 ms behind half a decode step), as before.
+#[test]
+fn hicache_avoids_an_instance_whose_memory_cannot_hold_the_request() {
+    let (mut idx, mut feeds, infos) = fleet(2);
+    let prompt: Vec<u32> = (0..401).collect();
+    store(&mut idx, &mut feeds[0], &prompt[..400], "GPU", 100);
+    let busy = LoadReport {
+        queued_prefill_tokens: 0,
+        requests: 1,
+        running_tokens: 560,
+    };
+    let sized: Vec<InstanceInfo> = infos
+        .iter()
+        .map(|i| InstanceInfo {
+            kv_capacity_tokens: Some(640),
+            ..*i
+        })
+        .collect();
+    let mut r = Router::new(Policy::Hicache, sized, RouterConfig::new(PS));
+    r.report_load(0, busy);
+    assert_eq!(r.route(&idx, &req(1, &prompt, None)).instance, 1);
+    let mut r = Router::new(Policy::Hicache, infos, RouterConfig::new(PS));
+    r.report_load(0, busy);
+    assert_eq!(r.route(&idx, &req(1, &prompt, None)).instance, 0);
+}
+
 #[test]
 fn a_lost_index_falls_back_to_least_load_and_is_counted() {
     let (mut idx, mut feeds, infos) = fleet(2);
