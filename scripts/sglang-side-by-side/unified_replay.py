@@ -68,6 +68,10 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: 
 from sglang.srt.runtime_context import get_context, get_schedule  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
+import unified_hicache  # noqa: E402
+
+unified_hicache.install_cpu_seams()
+
 HEADER = (
     "idx\tid\tprompt\tmatched\tfull_hit\tbranch\tinserted\t"
     "ev_full\tev_aux\ttree_full\ttree_aux\tskipped"
@@ -90,6 +94,10 @@ def parse_args(argv=None):
     ap.add_argument("--swa-capacity-pages", type=int)
     ap.add_argument("--mamba-chunk", type=int, default=64)
     ap.add_argument("--mamba-slots", type=int)
+    ap.add_argument("--host-capacity-pages", type=int,
+                    help="SGLang's hierarchical cache with this many host Full pages")
+    ap.add_argument("--swa-host-capacity-pages", type=int)
+    ap.add_argument("--host-mamba-slots", type=int)
     ap.add_argument("--log")
     ap.add_argument(
         "--configs",
@@ -116,6 +124,15 @@ def parse_args(argv=None):
         a.mamba_slots = a.capacity_pages
     if a.swa_capacity_pages is None:
         a.swa_capacity_pages = a.capacity_pages
+    if a.host_capacity_pages is None:
+        if a.swa_host_capacity_pages is not None or a.host_mamba_slots is not None:
+            ap.error("--swa-host-capacity-pages and --host-mamba-slots go with "
+                     "--host-capacity-pages")
+    else:
+        if a.swa_host_capacity_pages is None:
+            a.swa_host_capacity_pages = a.host_capacity_pages
+        if a.host_mamba_slots is None:
+            a.host_mamba_slots = a.host_capacity_pages
     return a
 
 
@@ -137,6 +154,8 @@ def install_server_args(a):
     fields = {"page_size": a.page_size, "mamba_radix_cache_strategy": "extra_buffer"}
     if a.components == "full,mamba":
         fields["_mamba_cache_chunk_size"] = max(a.mamba_chunk, a.page_size)
+    if a.host_capacity_pages is not None:
+        fields.update(unified_hicache.server_fields(a))
     return get_context().override_server_args(**fields).install()
 
 
@@ -222,7 +241,10 @@ def build_cache(a, max_len):
         tree_components=components,
         tree_core_backend=a.tree_core,
     )
-    return UnifiedRadixCache(params)
+    cache = UnifiedRadixCache(params)
+    if a.host_capacity_pages is not None:
+        unified_hicache.attach(cache, params, a)
+    return cache
 
 
 # The cache's entry points the scheduler path calls; their time is the "cache" time.
@@ -284,6 +306,9 @@ class Replay:
         self.a = a
         self.cache = build_cache(a, max_len)
         self.rec = Recorder(self.cache)
+        self.host = None
+        if a.host_capacity_pages is not None:
+            self.host = unified_hicache.HostRecorder(self.cache)
         self.mamba = a.components == "full,mamba"
         self.batch = types.SimpleNamespace(
             model_config=types.SimpleNamespace(
@@ -310,10 +335,15 @@ class Replay:
         sampling = SamplingParams(max_new_tokens=1)
         sampling.normalize(None)
         req = Req(rid, "", tokens, sampling)
+        if self.host is not None:
+            self.host.start()
         req.init_next_round_input(cache)
         m = rec.match
-        matched = req.prefix_len
         branch = m.mamba_branching_seqlen if self.mamba else m.swa_branching_seqlen
+        host_hit = 0
+        if self.host is not None:
+            host_hit = unified_hicache.load_back(cache, req)
+        matched = req.prefix_len
         # admission: the whole prompt is one extend (no chunking, max_new_tokens = 1)
         req.extend_end = len(tokens)
         req.lock = cache.lock(req.last_node)
@@ -336,10 +366,17 @@ class Replay:
             req.update_finish_state(1)
             assert req.finished(), "max_new_tokens = 1 finishes after the prefill"
             release_kv_cache(req, cache, checkpoint=True)
+        if self.host is not None:
+            unified_hicache.complete_writes(cache)
         inserted = cache_inserted(req, skipped)
         full, aux = self.tree_sizes()
-        return [matched, m.full_kv_hit_length, branch, inserted, rec.ev[0],
-                rec.ev[2] if self.mamba else rec.ev[1], full, aux, skipped]
+        row = [matched, m.full_kv_hit_length, branch, inserted, rec.ev[0],
+               rec.ev[2] if self.mamba else rec.ev[1], full, aux, skipped]
+        if self.host is not None:
+            ev = self.host.ev
+            aux_type = ComponentType.MAMBA if self.mamba else ComponentType.SWA
+            row += [host_hit, ev[ComponentType.FULL], ev[aux_type]]
+        return row
 
     def allocate(self, req, prefix, matched, length):
         """Steps 3 and 4 of the protocol: request slots, then the extend's KV, each through
@@ -404,22 +441,28 @@ def replay(a, trace, max_len):
     return dt, rows, r.tree_sizes(), r.rec.cache_seconds
 
 
-def write_log(path, rows, final):
-    """The header, one line per request and the totals line (UNIFIED_PROTOCOL.md §5)."""
+def write_log(path, rows, final, host=False):
+    """The header, one line per request and the totals line (UNIFIED_PROTOCOL.md §5); with
+    a host tier, its three columns and totals after the others (§10)."""
     cols = ["prompt", "matched", "full_hit", "inserted", "ev_full", "ev_aux", "skipped"]
-    tot = dict.fromkeys(cols, 0)
-    lines = [HEADER]
+    host_cols = ["host_hit", "ev_host_full", "ev_host_aux"]
+    tot = dict.fromkeys(cols + host_cols, 0)
+    lines = [HEADER + (unified_hicache.HOST_COLUMNS if host else "")]
     for i, row in enumerate(rows):
-        rid, prompt, matched, full_hit, _, ins, evf, eva, _, _, sk = row
+        rid, prompt, matched, full_hit, _, ins, evf, eva, _, _, sk = row[:11]
         lines.append("\t".join([str(i), rid] + [fmt(v) for v in row[1:]]))
-        for k, v in zip(cols, [prompt, matched, full_hit, ins, evf, eva, sk]):
+        for k, v in zip(cols + host_cols, [prompt, matched, full_hit, ins, evf, eva, sk]
+                        + row[11:]):
             tot[k] += v
-    lines.append(
+    totals = (
         f"# totals requests={len(rows)} prompt={tot['prompt']} matched={tot['matched']} "
         f"full_hit={tot['full_hit']} inserted={tot['inserted']} ev_full={tot['ev_full']} "
         f"ev_aux={tot['ev_aux']} skipped={tot['skipped']} final_tree_full={final[0]} "
         f"final_tree_aux={final[1]}"
     )
+    if host:
+        totals += "".join(f" {k}={tot[k]}" for k in host_cols)
+    lines.append(totals)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -442,7 +485,7 @@ def run_config(a):
     max_len = max((len(t) for _, t in trace), default=1) + 2 * a.page_size + 8
     install_server_args(a)
     dt, rows, final, cache_dt = replay(a, trace, max_len)
-    write_log(a.log, rows, final)
+    write_log(a.log, rows, final, host=a.host_capacity_pages is not None)
     times, cache_times = [dt], [cache_dt]
     for _ in range(a.time_repeats):
         dt, _, _, cache_dt = replay(a, trace, max_len)
