@@ -58,6 +58,7 @@ from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # noqa
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import (  # noqa: E402
+    HybridLinearKVPool,
     HybridReqToTokenPool,
     MHATokenToKVPool,
     ReqToTokenPool,
@@ -215,16 +216,30 @@ def build_cache(a, max_len):
             mamba_layer_ids=[0],
             enable_mamba_extra_buffer=True,
         )
-        kv = MHATokenToKVPool(
-            size,
-            page_size=a.page_size,
-            dtype=DTYPE,
-            head_num=1,
-            head_dim=1,
-            layer_num=1,
-            device="cpu",
-            enable_memory_saver=False,
-        )
+        if a.host_capacity_pages is None:
+            kv = MHATokenToKVPool(
+                size,
+                page_size=a.page_size,
+                dtype=DTYPE,
+                head_num=1,
+                head_dim=1,
+                layer_num=1,
+                device="cpu",
+                enable_memory_saver=False,
+            )
+        else:
+            # SGLang's hierarchical cache takes a Mamba model's KV as the hybrid pool
+            # its model runner builds (full attention beside the Mamba layer).
+            kv = HybridLinearKVPool(
+                size,
+                dtype=DTYPE,
+                page_size=a.page_size,
+                head_num=1,
+                head_dim=1,
+                full_attention_layer_ids=[1],
+                device="cpu",
+                mamba_pool=req_pool.mamba_pool,
+            )
         allocator = PagedTokenToKVPoolAllocator(
             size, a.page_size, DTYPE, "cpu", kv, need_sort=False
         )
