@@ -81,24 +81,29 @@ def first_difference(a, b):
 
 
 def test_configs_force_host_eviction_for_each_component(sglang_logs):
-    """Every configuration has a host tier, both aux components are covered at both page
-    sizes, and the logs show host hits and host evictions of Full, SWA and Mamba."""
+    """Every configuration has a host tier; [Full, SWA], [Full, Mamba] and
+    [Full, SWA, Mamba] are covered, the first two at both page sizes; the logs show host
+    hits and host evictions of Full, SWA and Mamba in every kind."""
     names = [c[0] for c in CASES]
     assert all("--host-capacity-pages" in o for _, _, o in CASES)
     for kind in ("swa", "mamba"):
         for page in ("p16", "p64"):
             assert any(n.startswith(f"{kind}-{page}-") for n in names), (kind, page)
-    seen = {"host_hit": set(), "ev_host_full": set(), "ev_host_aux": set()}
+    assert any(n.startswith("swamamba-") for n in names)
+    seen = {}
     for name in names:
+        kind = name.split("-")[0]
         lines = (sglang_logs / f"{name}.log").read_text().rstrip("\n").split("\n")
         header = lines[0].split("\t")
         for row in lines[1:-1]:
             cols = dict(zip(header, row.split("\t")))
-            for k in seen:
-                if int(cols[k]) > 0:
-                    seen[k].add(name.split("-")[0])
-    for k, kinds in seen.items():
-        assert kinds == {"swa", "mamba"}, (k, kinds)
+            for k in ("host_hit", "ev_host_full", "ev_host_aux", "ev_host_mamba"):
+                if int(cols.get(k, 0)) > 0:
+                    seen.setdefault(kind, set()).add(k)
+    want = {"host_hit", "ev_host_full", "ev_host_aux"}
+    assert seen.get("swa", set()) >= want, seen
+    assert seen.get("mamba", set()) >= want, seen
+    assert seen.get("swamamba", set()) >= want | {"ev_host_mamba"}, seen
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
@@ -110,7 +115,8 @@ def test_sglang_reproduces_committed_log(name, sglang_logs):
 
 
 def test_totals_line_sums_the_rows(sglang_logs):
-    """The totals line of every SGLang log is the sum of its rows (and its last tree sizes)."""
+    """The totals line of every SGLang log is the sum of its rows (and its last tree sizes),
+    the three-component columns and the host columns in their places."""
     for name, _, _ in CASES:
         lines = (sglang_logs / f"{name}.log").read_text().rstrip("\n").split("\n")
         header, rows, totals = lines[0].split("\t"), lines[1:-1], lines[-1]
@@ -120,8 +126,12 @@ def test_totals_line_sums_the_rows(sglang_logs):
             want[k] = sum(int(c[k]) for c in cols)
         want["final_tree_full"] = int(cols[-1]["tree_full"]) if cols else 0
         want["final_tree_aux"] = int(cols[-1]["tree_aux"]) if cols else 0
-        for k in ("host_hit", "ev_host_full", "ev_host_aux"):
-            want[k] = sum(int(c[k]) for c in cols)
+        if "ev_mamba" in header:
+            want["ev_mamba"] = sum(int(c["ev_mamba"]) for c in cols)
+            want["final_tree_mamba"] = int(cols[-1]["tree_mamba"]) if cols else 0
+        for k in ("host_hit", "ev_host_full", "ev_host_aux", "ev_host_mamba"):
+            if k in header:
+                want[k] = sum(int(c[k]) for c in cols)
         expected = "# totals " + " ".join(f"{k}={v}" for k, v in want.items())
         assert totals == expected, name
 
@@ -130,7 +140,7 @@ def test_totals_line_sums_the_rows(sglang_logs):
 def test_log_identical_to_sglang(name, trace, opts, sglang_logs, tmp_path):
     expected = (sglang_logs / f"{name}.log").read_text()
     assert expected.startswith("idx\tid\tprompt\tmatched\tfull_hit\tbranch\t")
-    assert "\thost_hit\tev_host_full\tev_host_aux\n" in expected
+    assert "\thost_hit\tev_host_full\tev_host_aux" in expected.split("\n")[0]
     rust_log = tmp_path / f"{name}.log"
     run = subprocess.run(
         [hicache_bench(), "tree", "--trace", os.path.join(FIXTURES, trace), *opts,

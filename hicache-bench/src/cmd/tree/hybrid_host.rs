@@ -108,7 +108,7 @@ impl HybridReplay {
         &mut self,
         key: &[u32],
         m: UnifiedMatch,
-        ev: &mut [u64; 2],
+        ev: &mut [u64; 3],
     ) -> Result<(UnifiedMatch, usize)> {
         if self.host.is_none() || m.host_hit_len == 0 {
             return Ok((m, 0));
@@ -162,7 +162,7 @@ impl HybridReplay {
 
     /// Backs up `node` and its ancestors not on host (module documentation); counts the
     /// host evictions in `ev_host`.
-    pub(super) fn backup(&mut self, node: NodeId, ev_host: &mut [u64; 2]) -> Result<()> {
+    pub(super) fn backup(&mut self, node: NodeId, ev_host: &mut [u64; 3]) -> Result<()> {
         if self.host.is_none() || node == self.tree.root() {
             return Ok(());
         }
@@ -208,7 +208,7 @@ impl HybridReplay {
     /// each auxiliary pool in pool-name order (`mamba`, `swa`) that cannot take its share
     /// evicts its whole share from its own host order and fails if it still cannot.
     /// Evictions done before a failure stay done. Whether the node's copies fit.
-    fn host_room(&mut self, need: [u64; 3], ev_host: &mut [u64; 2]) -> bool {
+    fn host_room(&mut self, need: [u64; 3], ev_host: &mut [u64; 3]) -> bool {
         let ps = self.ps() as u64;
         let full_short = self.host.as_ref().expect("host tier").short(need)[0];
         if full_short > 0 {
@@ -232,7 +232,7 @@ impl HybridReplay {
         true
     }
 
-    fn count_host_eviction(&mut self, e: &Evicted, ev_host: &mut [u64; 2]) {
+    fn count_host_eviction(&mut self, e: &Evicted, ev_host: &mut [u64; 3]) {
         let ps = self.ps() as u64;
         let freed = [
             e.host_full_pages.len() as u64,
@@ -244,11 +244,8 @@ impl HybridReplay {
             *u -= f;
         }
         ev_host[0] += freed[0] * ps;
-        ev_host[1] += match self.aux {
-            Some(Component::Swa) => freed[1] * ps,
-            Some(Component::Mamba) => freed[2],
-            _ => 0,
-        };
+        ev_host[1] += freed[1] * ps;
+        ev_host[2] += freed[2];
     }
 
     /// Full tokens on host (host tier only; 0 without).
