@@ -157,25 +157,34 @@ class HostRecorder:
 
 
 def load_back(cache, req):
-    """The scheduler's load-back of a host hit (``PrefillAdder.add_one_req``: the matched
-    device node locked, the best match host-locked, ``init_load_back``), then the copy
-    started and completed (``ready_to_load_host_cache``, ``loading_check``). Returns the
-    Full tokens loaded (``req.host_loaded_length``)."""
+    """The scheduler's load-back of a host hit (``PrefillAdder.add_one_req``: its
+    ``_lock_node(req.last_node)`` around admission, and inside it
+    ``_lock_node(req.best_match_node, lock_host=True)``, which host-locks and locks the best
+    match, around ``init_load_back``), then the copy started and completed
+    (``ready_to_load_host_cache``, ``loading_check``). Returns the tokens the reused prefix
+    grew by (``req.host_loaded_length``)."""
     if not req.needs_host_load_back():
         return 0
-    host_lock = cache.inc_host_lock_ref(req.best_match_node).to_dec_params()
-    lock = cache.lock(req.last_node)
+    best = req.best_match_node
+    admission = cache.lock(req.last_node)
     try:
-        loaded = cache.init_load_back(
-            InitLoadBackParams(
-                best_match_node=req.best_match_node,
-                host_hit_length=req.host_hit_length,
-                req=req,
-            )
-        )
+        host_lock = cache.inc_host_lock_ref(best).to_dec_params()
+        try:
+            lock = cache.lock(best)
+            try:
+                loaded = cache.init_load_back(
+                    InitLoadBackParams(
+                        best_match_node=best,
+                        host_hit_length=req.host_hit_length,
+                        req=req,
+                    )
+                )
+            finally:
+                cache.unlock(lock)
+        finally:
+            cache.dec_host_lock_ref(best, host_lock)
     finally:
-        cache.unlock(lock)
-        cache.dec_host_lock_ref(req.best_match_node, host_lock)
+        cache.unlock(admission)
     loaded_len, req.last_node = loaded
     req.host_loaded_length = loaded_len
     req.prefix_len += loaded_len
