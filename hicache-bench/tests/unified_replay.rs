@@ -1,8 +1,9 @@
 //! `hicache-bench tree --components ...` writes, byte for byte, the log SGLang 0.5.23's own
-//! `UnifiedRadixCache` wrote on every configuration of `tests/fixtures/unified/configs.txt`
-//! (SGLang's logs are committed under `expected/`; bindings/python's
-//! `test_unified_replay.py` re-derives them from SGLang in CI's Python step, so they cannot go
-//! stale unnoticed).
+//! `UnifiedRadixCache` wrote on every configuration of `tests/fixtures/unified/configs.txt`,
+//! and with `--host-capacity-pages` the log of its hierarchical cache on every configuration
+//! of `host_configs.txt` (SGLang's logs are committed under `expected/`; bindings/python's
+//! `test_unified_replay.py` and `test_unified_host_replay.py` re-derive them from SGLang in
+//! CI's Python step, so they cannot go stale unnoticed).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -13,15 +14,15 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/unified")
 }
 
-/// One line of `configs.txt`: name, trace file, options.
+/// One line of a configurations file: name, trace file, options.
 struct Case {
     name: String,
     trace: PathBuf,
     opts: Vec<String>,
 }
 
-fn cases() -> Vec<Case> {
-    let text = std::fs::read_to_string(fixtures().join("configs.txt")).unwrap();
+fn cases(file: &str) -> Vec<Case> {
+    let text = std::fs::read_to_string(fixtures().join(file)).unwrap();
     text.lines()
         .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
         .map(|l| {
@@ -29,7 +30,7 @@ fn cases() -> Vec<Case> {
             assert_eq!(
                 f.len(),
                 3,
-                "configs.txt line is not name<TAB>trace<TAB>options: {l}"
+                "{file} line is not name<TAB>trace<TAB>options: {l}"
             );
             Case {
                 name: f[0].to_string(),
@@ -54,15 +55,31 @@ fn first_difference(a: &str, b: &str) -> Option<String> {
 
 #[test]
 fn every_configuration_writes_sglangs_log() {
-    let cases = cases();
+    let cases = cases("configs.txt");
     assert!(
         cases.len() >= 20,
         "configs.txt lost configurations: {}",
         cases.len()
     );
+    compare(&cases);
+}
+
+#[test]
+fn every_host_configuration_writes_sglangs_hierarchical_log() {
+    let cases = cases("host_configs.txt");
+    assert!(
+        cases.len() >= 5,
+        "host_configs.txt lost configurations: {}",
+        cases.len()
+    );
+    compare(&cases);
+}
+
+/// Runs every case and fails with each first difference from SGLang's committed log.
+fn compare(cases: &[Case]) {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let mut failures = Vec::new();
-    for case in &cases {
+    for case in cases {
         let log = dir.path().join(format!("{}.log", case.name));
         let out = Command::new(EXE)
             .arg("tree")

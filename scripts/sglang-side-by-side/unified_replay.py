@@ -5,6 +5,8 @@ Usage:
   unified_replay.py --trace T.jsonl --page-size P --capacity-pages C --log OUT.tsv
       --components full,swa --swa-window W [--swa-capacity-pages N]
     | --components full,mamba [--mamba-chunk 64] [--mamba-slots N]
+    | --components full,swa,mamba (the options of both)
+  [--host-capacity-pages N [--swa-host-capacity-pages NS] [--host-mamba-slots NM]]
   [--tree-core rust|python] [--time-repeats K] [--json]
 
 The protocol, every column's definition and every rounding rule are in UNIFIED_PROTOCOL.md
@@ -58,6 +60,7 @@ from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # noqa
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import (  # noqa: E402
+    HybridLinearKVPool,
     HybridReqToTokenPool,
     MHATokenToKVPool,
     ReqToTokenPool,
@@ -67,6 +70,10 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType  # n
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.srt.runtime_context import get_context, get_schedule  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+import unified_hicache  # noqa: E402
+
+unified_hicache.install_cpu_seams()
 
 HEADER = (
     "idx\tid\tprompt\tmatched\tfull_hit\tbranch\tinserted\t"
@@ -85,11 +92,15 @@ def parse_args(argv=None):
     ap.add_argument("--trace")
     ap.add_argument("--page-size", type=int)
     ap.add_argument("--capacity-pages", type=int)
-    ap.add_argument("--components", choices=["full,swa", "full,mamba"])
+    ap.add_argument("--components", choices=["full,swa", "full,mamba", "full,swa,mamba"])
     ap.add_argument("--swa-window", type=int)
     ap.add_argument("--swa-capacity-pages", type=int)
     ap.add_argument("--mamba-chunk", type=int, default=64)
     ap.add_argument("--mamba-slots", type=int)
+    ap.add_argument("--host-capacity-pages", type=int,
+                    help="SGLang's hierarchical cache with this many host Full pages")
+    ap.add_argument("--swa-host-capacity-pages", type=int)
+    ap.add_argument("--host-mamba-slots", type=int)
     ap.add_argument("--log")
     ap.add_argument(
         "--configs",
@@ -108,14 +119,23 @@ def parse_args(argv=None):
     for need in ("trace", "page_size", "capacity_pages", "components", "log"):
         if getattr(a, need) is None:
             ap.error(f"--{need.replace('_', '-')} is required")
-    if a.components == "full,swa" and a.swa_window is None:
-        ap.error("--components full,swa needs --swa-window")
-    if a.components == "full,mamba" and a.swa_window is not None:
-        ap.error("--swa-window is for --components full,swa")
+    if has(a, "swa") and a.swa_window is None:
+        ap.error(f"--components {a.components} needs --swa-window")
+    if not has(a, "swa") and a.swa_window is not None:
+        ap.error("--swa-window is for --components with swa")
     if a.mamba_slots is None:
         a.mamba_slots = a.capacity_pages
     if a.swa_capacity_pages is None:
         a.swa_capacity_pages = a.capacity_pages
+    if a.host_capacity_pages is None:
+        if a.swa_host_capacity_pages is not None or a.host_mamba_slots is not None:
+            ap.error("--swa-host-capacity-pages and --host-mamba-slots go with "
+                     "--host-capacity-pages")
+    else:
+        if a.swa_host_capacity_pages is None:
+            a.swa_host_capacity_pages = a.host_capacity_pages
+        if a.host_mamba_slots is None:
+            a.host_mamba_slots = a.host_capacity_pages
     return a
 
 
@@ -135,8 +155,10 @@ def install_server_args(a):
     the default Mamba strategy (extra_buffer, not lazy, overlap schedule on) and the Mamba
     cache chunk (max(model chunk, page size), as SGLang derives it)."""
     fields = {"page_size": a.page_size, "mamba_radix_cache_strategy": "extra_buffer"}
-    if a.components == "full,mamba":
+    if has(a, "mamba"):
         fields["_mamba_cache_chunk_size"] = max(a.mamba_chunk, a.page_size)
+    if a.host_capacity_pages is not None:
+        fields.update(unified_hicache.server_fields(a))
     return get_context().override_server_args(**fields).install()
 
 
@@ -154,13 +176,32 @@ def mamba_cache_params():
     return Mamba2CacheParams(shape=shape, layers=[0])
 
 
+def has(a, component):
+    """Whether ``--components`` names ``component`` (``swa`` or ``mamba``)."""
+    return component in a.components.split(",")
+
+
 def build_cache(a, max_len):
     """A new UnifiedRadixCache over new pools of the configured capacities."""
     size = a.capacity_pages * a.page_size
-    if a.components == "full,swa":
+    swa, mamba = has(a, "swa"), has(a, "mamba")
+    if mamba:
+        req_pool = HybridReqToTokenPool(
+            size=REQ_SLOTS,
+            mamba_size=a.mamba_slots,
+            mamba_spec_state_size=REQ_SLOTS,
+            max_context_len=max_len,
+            device="cpu",
+            enable_memory_saver=False,
+            cache_params=mamba_cache_params(),
+            mamba_layer_ids=[0],
+            enable_mamba_extra_buffer=True,
+        )
+    else:
         req_pool = ReqToTokenPool(
             size=REQ_SLOTS, max_context_len=max_len, device="cpu", enable_memory_saver=False
         )
+    if swa:
         kv = SWAKVPool(
             size=size,
             size_swa=a.swa_capacity_pages * a.page_size,
@@ -182,47 +223,53 @@ def build_cache(a, max_len):
             need_sort=False,
             req_to_token_pool=req_pool,
         )
-        components = (ComponentType.FULL, ComponentType.SWA)
-        window = a.swa_window
     else:
-        req_pool = HybridReqToTokenPool(
-            size=REQ_SLOTS,
-            mamba_size=a.mamba_slots,
-            mamba_spec_state_size=REQ_SLOTS,
-            max_context_len=max_len,
-            device="cpu",
-            enable_memory_saver=False,
-            cache_params=mamba_cache_params(),
-            mamba_layer_ids=[0],
-            enable_mamba_extra_buffer=True,
-        )
-        kv = MHATokenToKVPool(
-            size,
-            page_size=a.page_size,
-            dtype=DTYPE,
-            head_num=1,
-            head_dim=1,
-            layer_num=1,
-            device="cpu",
-            enable_memory_saver=False,
-        )
+        if a.host_capacity_pages is None:
+            kv = MHATokenToKVPool(
+                size,
+                page_size=a.page_size,
+                dtype=DTYPE,
+                head_num=1,
+                head_dim=1,
+                layer_num=1,
+                device="cpu",
+                enable_memory_saver=False,
+            )
+        else:
+            # SGLang's hierarchical cache takes a Mamba model's KV as the hybrid pool
+            # its model runner builds (full attention beside the Mamba layer).
+            kv = HybridLinearKVPool(
+                size,
+                dtype=DTYPE,
+                page_size=a.page_size,
+                head_num=1,
+                head_dim=1,
+                full_attention_layer_ids=[1],
+                device="cpu",
+                mamba_pool=req_pool.mamba_pool,
+            )
         allocator = PagedTokenToKVPoolAllocator(
             size, a.page_size, DTYPE, "cpu", kv, need_sort=False
         )
-        components = (ComponentType.FULL, ComponentType.MAMBA)
-        window = None
+    components = (ComponentType.FULL,)
+    components += (ComponentType.SWA,) if swa else ()
+    components += (ComponentType.MAMBA,) if mamba else ()
+    window = a.swa_window if swa else None
     params = CacheInitParams(
         disable=False,
         req_to_token_pool=req_pool,
         token_to_kv_pool_allocator=allocator,
         page_size=a.page_size,
-        enable_mamba_extra_buffer=window is None,
+        enable_mamba_extra_buffer=mamba,
         chunked_prefill_size=get_schedule().chunked_prefill_size,
         sliding_window_size=window,
         tree_components=components,
         tree_core_backend=a.tree_core,
     )
-    return UnifiedRadixCache(params)
+    cache = UnifiedRadixCache(params)
+    if a.host_capacity_pages is not None:
+        unified_hicache.attach(cache, params, a)
+    return cache
 
 
 # The cache's entry points the scheduler path calls; their time is the "cache" time.
@@ -284,7 +331,12 @@ class Replay:
         self.a = a
         self.cache = build_cache(a, max_len)
         self.rec = Recorder(self.cache)
-        self.mamba = a.components == "full,mamba"
+        self.host = None
+        if a.host_capacity_pages is not None:
+            self.host = unified_hicache.HostRecorder(self.cache)
+        self.mamba = has(a, "mamba")
+        # Both auxiliary components: SWA fills the aux columns, Mamba the three last ones.
+        self.both = self.mamba and has(a, "swa")
         self.batch = types.SimpleNamespace(
             model_config=types.SimpleNamespace(
                 hf_text_config=types.SimpleNamespace(mamba_chunk_size=a.mamba_chunk)
@@ -294,14 +346,15 @@ class Replay:
         )
 
     def tree_sizes(self):
-        """(Full tokens, SWA tokens or Mamba states) held by the tree now."""
+        """(Full tokens, SWA tokens or Mamba states[, Mamba states with both]) held by the
+        tree now."""
         c = self.cache
         full = c.full_evictable_size() + c.full_protected_size()
-        if self.mamba:
-            aux = c.mamba_evictable_size() + c.mamba_protected_size()
-        else:
-            aux = c.swa_evictable_size() + c.swa_protected_size()
-        return full, aux
+        states = c.mamba_evictable_size() + c.mamba_protected_size() if self.mamba else 0
+        if self.mamba and not self.both:
+            return full, states
+        swa = c.swa_evictable_size() + c.swa_protected_size()
+        return (full, swa, states) if self.both else (full, swa)
 
     def run_one(self, rid, tokens):
         """One request start to finish; returns its log fields after `prompt`."""
@@ -310,10 +363,17 @@ class Replay:
         sampling = SamplingParams(max_new_tokens=1)
         sampling.normalize(None)
         req = Req(rid, "", tokens, sampling)
+        if self.host is not None:
+            self.host.start()
         req.init_next_round_input(cache)
         m = rec.match
+        branch = m.swa_branching_seqlen
+        if self.mamba and not self.both:
+            branch = m.mamba_branching_seqlen
+        host_hit = 0
+        if self.host is not None:
+            host_hit = unified_hicache.load_back(cache, req)
         matched = req.prefix_len
-        branch = m.mamba_branching_seqlen if self.mamba else m.swa_branching_seqlen
         # admission: the whole prompt is one extend (no chunking, max_new_tokens = 1)
         req.extend_end = len(tokens)
         req.lock = cache.lock(req.last_node)
@@ -336,10 +396,24 @@ class Replay:
             req.update_finish_state(1)
             assert req.finished(), "max_new_tokens = 1 finishes after the prefill"
             release_kv_cache(req, cache, checkpoint=True)
+        if self.host is not None:
+            unified_hicache.complete_writes(cache)
         inserted = cache_inserted(req, skipped)
-        full, aux = self.tree_sizes()
-        return [matched, m.full_kv_hit_length, branch, inserted, rec.ev[0],
-                rec.ev[2] if self.mamba else rec.ev[1], full, aux, skipped]
+        sizes = self.tree_sizes()
+        ev_aux = rec.ev[2] if self.mamba and not self.both else rec.ev[1]
+        row = [matched, m.full_kv_hit_length, branch, inserted, rec.ev[0], ev_aux,
+               sizes[0], sizes[1], skipped]
+        if self.both:
+            row += [m.mamba_branching_seqlen, rec.ev[2], sizes[2]]
+        if self.host is not None:
+            ev = self.host.ev
+            aux_type = ComponentType.MAMBA if self.mamba else ComponentType.SWA
+            if self.both:
+                aux_type = ComponentType.SWA
+            row += [host_hit, ev[ComponentType.FULL], ev[aux_type]]
+            if self.both:
+                row.append(ev[ComponentType.MAMBA])
+        return row
 
     def allocate(self, req, prefix, matched, length):
         """Steps 3 and 4 of the protocol: request slots, then the extend's KV, each through
@@ -404,22 +478,50 @@ def replay(a, trace, max_len):
     return dt, rows, r.tree_sizes(), r.rec.cache_seconds
 
 
-def write_log(path, rows, final):
-    """The header, one line per request and the totals line (UNIFIED_PROTOCOL.md §5)."""
+# The columns [Full, SWA, Mamba] adds after `skipped` (the aux columns are SWA's), and
+# after the host ones.
+MAMBA_COLUMNS = "\tbranch_mamba\tev_mamba\ttree_mamba"
+HOST_MAMBA_COLUMN = "\tev_host_mamba"
+
+
+def write_log(path, rows, final, host=False, both=False):
+    """The header, one line per request and the totals line (UNIFIED_PROTOCOL.md §5); with
+    both auxiliary components, the Mamba columns (§11); with a host tier, its columns and
+    totals after the others (§10)."""
+    header = HEADER
     cols = ["prompt", "matched", "full_hit", "inserted", "ev_full", "ev_aux", "skipped"]
-    tot = dict.fromkeys(cols, 0)
-    lines = [HEADER]
+    extra = []  # (total name, row index) of the columns after `skipped`
+    if both:
+        header += MAMBA_COLUMNS
+        extra.append(("ev_mamba", 12))
+    if host:
+        header += unified_hicache.HOST_COLUMNS
+        base = 14 if both else 11
+        extra += [("host_hit", base), ("ev_host_full", base + 1), ("ev_host_aux", base + 2)]
+        if both:
+            header += HOST_MAMBA_COLUMN
+            extra.append(("ev_host_mamba", base + 3))
+    tot = dict.fromkeys(cols + [k for k, _ in extra], 0)
+    lines = [header]
     for i, row in enumerate(rows):
-        rid, prompt, matched, full_hit, _, ins, evf, eva, _, _, sk = row
+        rid, prompt, matched, full_hit, _, ins, evf, eva, _, _, sk = row[:11]
         lines.append("\t".join([str(i), rid] + [fmt(v) for v in row[1:]]))
         for k, v in zip(cols, [prompt, matched, full_hit, ins, evf, eva, sk]):
             tot[k] += v
-    lines.append(
+        for k, j in extra:
+            tot[k] += row[j]
+    totals = (
         f"# totals requests={len(rows)} prompt={tot['prompt']} matched={tot['matched']} "
         f"full_hit={tot['full_hit']} inserted={tot['inserted']} ev_full={tot['ev_full']} "
         f"ev_aux={tot['ev_aux']} skipped={tot['skipped']} final_tree_full={final[0]} "
         f"final_tree_aux={final[1]}"
     )
+    if both:
+        totals += f" ev_mamba={tot['ev_mamba']} final_tree_mamba={final[2]}"
+    for k, _ in extra:
+        if k != "ev_mamba":
+            totals += f" {k}={tot[k]}"
+    lines.append(totals)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -442,7 +544,8 @@ def run_config(a):
     max_len = max((len(t) for _, t in trace), default=1) + 2 * a.page_size + 8
     install_server_args(a)
     dt, rows, final, cache_dt = replay(a, trace, max_len)
-    write_log(a.log, rows, final)
+    write_log(a.log, rows, final, host=a.host_capacity_pages is not None,
+              both=has(a, "swa") and has(a, "mamba"))
     times, cache_times = [dt], [cache_dt]
     for _ in range(a.time_repeats):
         dt, _, _, cache_dt = replay(a, trace, max_len)

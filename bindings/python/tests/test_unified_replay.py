@@ -79,11 +79,13 @@ def first_difference(a, b):
 
 
 def test_configs_cover_every_component_and_page_size():
-    """The configuration list forces what the issue asks for, at both page sizes."""
+    """The configuration list forces what the issue asks for, at both page sizes, and has
+    [Full, SWA, Mamba] lines (issue 36)."""
     names = [c[0] for c in CASES]
     for kind in ("swa", "mamba"):
         for page in ("p16", "p64"):
             assert any(n.startswith(f"{kind}-{page}-") for n in names), (kind, page)
+    assert any(n.startswith("swamamba-") for n in names)
     assert any(n.endswith("swaevict") for n in names)
     assert any(n.endswith("mambaevict") for n in names)
     assert any(n.startswith("swa-") and n.endswith("fullevict") for n in names)
@@ -113,6 +115,9 @@ def test_totals_line_sums_the_rows(sglang_logs):
             want[k] = sum(int(c[k]) for c in cols)
         want["final_tree_full"] = int(cols[-1]["tree_full"]) if cols else 0
         want["final_tree_aux"] = int(cols[-1]["tree_aux"]) if cols else 0
+        if "ev_mamba" in header:
+            want["ev_mamba"] = sum(int(c["ev_mamba"]) for c in cols)
+            want["final_tree_mamba"] = int(cols[-1]["tree_mamba"]) if cols else 0
         expected = "# totals " + " ".join(f"{k}={v}" for k, v in want.items())
         assert totals == expected, name
 

@@ -150,11 +150,11 @@ pub struct TreeArgs {
     #[arg(long)]
     pub hashing: bool,
     /// Replay through the unified tree with these components (`full`, `full,swa`,
-    /// `full,mamba`) under SGLang's scheduler protocol (see `tree/hybrid.rs`); needs one
-    /// `--capacity-pages` value in pages.
+    /// `full,mamba`, `full,swa,mamba`) under SGLang's scheduler protocol (see
+    /// `tree/hybrid.rs`); needs one `--capacity-pages` value (pages or `unlimited`).
     #[arg(long)]
     pub components: Option<String>,
-    /// SWA window in tokens (with `--components full,swa`).
+    /// SWA window in tokens (with `--components full,swa` or `full,swa,mamba`).
     #[arg(long)]
     pub swa_window: Option<u32>,
     /// SWA pool in pages (default: `--capacity-pages`).
@@ -930,15 +930,16 @@ fn hybrid_setup(args: &TreeArgs) -> Result<hybrid::HybridSetup> {
         "full" => (false, false),
         "full,swa" => (true, false),
         "full,mamba" => (false, true),
+        "full,swa,mamba" => (true, true),
         other => {
             return Err(BenchError::usage(format!(
-                "--components {other:?}: expected full, full,swa or full,mamba"
+                "--components {other:?}: expected full, full,swa, full,mamba or full,swa,mamba"
             )));
         }
     };
     if swa != args.swa_window.is_some() {
         return Err(BenchError::usage(
-            "--swa-window goes with --components full,swa (and only with it)",
+            "--swa-window goes with --components full,swa or full,swa,mamba (and only with them)",
         ));
     }
     let full_pages = match args.capacity.as_slice() {
@@ -981,7 +982,11 @@ fn run_hybrid(args: &TreeArgs, mut out: impl Write) -> Result<()> {
     let trace = trace_of(args)?;
     let (rows, fin) = hybrid::replay(&setup, &trace)?;
     if let Some(path) = &args.log {
-        hybrid::write_log(path, &trace, &rows, fin, setup.host.is_some())?;
+        let cols = hybrid::LogColumns {
+            host: setup.host.is_some(),
+            mamba: setup.tree.swa_window.is_some() && setup.tree.mamba_chunk.is_some(),
+        };
+        hybrid::write_log(path, &trace, &rows, fin, cols)?;
     }
     let (median, best) = hybrid::rate(&setup, &trace, Duration::from_millis(args.min_time_ms))?;
     let comps = args.components.as_deref().unwrap_or("full");

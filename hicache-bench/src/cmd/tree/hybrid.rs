@@ -25,6 +25,8 @@
 //!
 //! Columns: `ev_full` / `ev_aux` sum every eviction of the request (Full tokens; SWA tokens
 //! or Mamba states, cascades included); `tree_full` / `tree_aux` are the tree's sizes after it.
+//! With `full,swa,mamba` the aux columns are SWA's and Mamba's follow (`MAMBA_COLUMNS`:
+//! `branch_mamba`, `ev_mamba`, `tree_mamba`); SGLang's insert length is then Mamba's.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -126,8 +128,15 @@ pub struct HybridOutcome {
     pub skipped: bool,
     /// Tokens loaded back from host before the match was reused (host tier only).
     pub host_hit: usize,
-    /// Host Full tokens and host SWA tokens or Mamba states evicted (host tier only).
-    pub ev_host: [u64; 2],
+    /// Host Full tokens, host SWA tokens or Mamba states (SWA's with both), and host Mamba
+    /// states with both auxiliary components, evicted (host tier only).
+    pub ev_host: [u64; 3],
+    /// With both SWA and Mamba: Mamba's branching length.
+    pub branch_mamba: Option<usize>,
+    /// With both SWA and Mamba: Mamba states evicted.
+    pub ev_mamba: u64,
+    /// With both SWA and Mamba: Mamba states in the tree after.
+    pub tree_mamba: u64,
 }
 
 /// A replay in progress: the tree and the free Mamba slots.
@@ -174,14 +183,12 @@ impl HybridReplay {
         self.setup.tree.page_size as usize
     }
 
-    pub(super) fn evict(&mut self, req: EvictRequest, ev: &mut [u64; 2]) {
+    /// Evicts for `req`; adds Full tokens, SWA tokens and Mamba states evicted to `ev`.
+    pub(super) fn evict(&mut self, req: EvictRequest, ev: &mut [u64; 3]) {
         let e: Evicted = self.tree.evict(req);
         ev[0] += e.full;
-        ev[1] += match self.aux {
-            Some(Component::Swa) => e.swa,
-            Some(Component::Mamba) => e.mamba,
-            _ => 0,
-        };
+        ev[1] += e.swa;
+        ev[2] += e.mamba;
         self.free_mamba.give(&e.mamba_slots);
     }
 
@@ -195,7 +202,7 @@ impl HybridReplay {
 
     /// Takes `n` Mamba slots, evicting states first when fewer are free; `None` when the
     /// tree cannot free enough.
-    pub(super) fn take_mamba(&mut self, n: usize, ev: &mut [u64; 2]) -> Option<Vec<u32>> {
+    pub(super) fn take_mamba(&mut self, n: usize, ev: &mut [u64; 3]) -> Option<Vec<u32>> {
         if self.free_mamba.len() < n {
             let short = (n - self.free_mamba.len()) as u64;
             self.evict(
@@ -214,7 +221,7 @@ impl HybridReplay {
         let ps = self.ps();
         let l = tokens.len();
         let mamba = self.tree.has(Component::Mamba);
-        let (mut ev, mut ev_host) = ([0u64; 2], [0u64; 2]);
+        let (mut ev, mut ev_host) = ([0u64; 3], [0u64; 3]);
         let m = self.tree.match_prefix(&tokens[..l.saturating_sub(1)])?;
         let (m, host_hit) = match self.host {
             Some(_) => self.load_back(&tokens[..l.saturating_sub(1)], m, &mut ev)?,
@@ -240,7 +247,7 @@ impl HybridReplay {
             prompt: l,
             matched,
             full_hit: m.full_hit_len,
-            branch: if mamba {
+            branch: if mamba && !self.tree.has(Component::Swa) {
                 m.mamba_branching
             } else {
                 m.swa_branching
@@ -286,8 +293,24 @@ impl HybridReplay {
         out.skipped = !ok;
         self.tree.unlock(&receipt)?;
         self.free_mamba.give(&held);
+        // Per component ([Full, SWA, Mamba]) to the log's columns: aux is SWA's when the
+        // tree has SWA, else Mamba's; the Mamba columns are filled with both.
+        let both = self.tree.has(Component::Swa) && mamba;
+        let aux = |v: [u64; 3]| {
+            if self.tree.has(Component::Swa) {
+                v[1]
+            } else {
+                v[2]
+            }
+        };
         out.ev_full = ev[0];
-        out.ev_aux = ev[1];
+        out.ev_aux = aux(ev);
+        if both {
+            out.branch_mamba = m.mamba_branching;
+            out.ev_mamba = ev[2];
+            out.tree_mamba = self.tree.size(Component::Mamba);
+        }
+        let ev_host = [ev_host[0], aux(ev_host), if both { ev_host[2] } else { 0 }];
         out.host_hit = host_hit;
         out.ev_host = ev_host;
         out.tree_full = self.tree.size(Component::Full);
@@ -297,7 +320,7 @@ impl HybridReplay {
 
     /// Evicts for the extend plus one spare page in each pool; whether the extend's pages
     /// are then free.
-    fn alloc_kv(&mut self, extend: usize, ev: &mut [u64; 2]) -> bool {
+    fn alloc_kv(&mut self, extend: usize, ev: &mut [u64; 3]) -> bool {
         let ps = self.ps() as u64;
         let demand = extend as u64 + ps;
         let full_short = demand.saturating_sub(self.available(Component::Full));
@@ -324,7 +347,7 @@ impl HybridReplay {
 }
 
 /// Replays the whole trace; the outcomes and the final tree sizes.
-pub fn replay(setup: &HybridSetup, trace: &[Request]) -> Result<(Vec<HybridOutcome>, [u64; 2])> {
+pub fn replay(setup: &HybridSetup, trace: &[Request]) -> Result<(Vec<HybridOutcome>, [u64; 3])> {
     let mut r = HybridReplay::new(setup.clone())?;
     let mut out = Vec::with_capacity(trace.len());
     for req in trace {
@@ -333,6 +356,7 @@ pub fn replay(setup: &HybridSetup, trace: &[Request]) -> Result<(Vec<HybridOutco
     let fin = [
         r.tree.size(Component::Full),
         r.aux.map_or(0, |c| r.tree.size(c)),
+        r.tree.size(Component::Mamba),
     ];
     Ok((out, fin))
 }
@@ -353,18 +377,46 @@ pub fn rate(setup: &HybridSetup, trace: &[Request], min_time: Duration) -> Resul
     Ok((rates[rates.len() / 2], rates[rates.len() - 1]))
 }
 
-/// The log text: header, one line per request, the totals line; with `host`, the host
-/// tier's columns and totals after the others.
-pub fn log_text(trace: &[Request], rows: &[HybridOutcome], fin: [u64; 2], host: bool) -> String {
+/// Which columns a log has beyond the issue-26 ones.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LogColumns {
+    /// The host tier's (`HOST_COLUMNS`, and `ev_host_mamba` with `mamba`).
+    pub host: bool,
+    /// Mamba's beside SWA's, for `[Full, SWA, Mamba]` (`MAMBA_COLUMNS`).
+    pub mamba: bool,
+}
+
+/// The columns `[Full, SWA, Mamba]` adds after `skipped` (the aux columns are SWA's).
+pub const MAMBA_COLUMNS: &str = "\tbranch_mamba\tev_mamba\ttree_mamba";
+
+/// The host column `[Full, SWA, Mamba]` adds after the host tier's.
+pub const HOST_MAMBA_COLUMN: &str = "\tev_host_mamba";
+
+/// The log text: header, one line per request, the totals line; `cols` adds the Mamba
+/// columns of `[Full, SWA, Mamba]` and the host tier's, with their totals, after the others.
+/// `fin`: the final tree's Full tokens, aux size and Mamba states.
+pub fn log_text(
+    trace: &[Request],
+    rows: &[HybridOutcome],
+    fin: [u64; 3],
+    cols: LogColumns,
+) -> String {
     let mut s = String::new();
     s.push_str(HEADER);
-    if host {
+    if cols.mamba {
+        s.push_str(MAMBA_COLUMNS);
+    }
+    if cols.host {
         s.push_str(HOST_COLUMNS);
+        if cols.mamba {
+            s.push_str(HOST_MAMBA_COLUMN);
+        }
     }
     s.push('\n');
-    let mut tot = [0u64; 10];
+    let mut tot = [0u64; 12];
     for (i, (req, o)) in trace.iter().zip(rows).enumerate() {
-        let branch = o.branch.map_or_else(|| "-".to_string(), |b| b.to_string());
+        let dash = |b: Option<usize>| b.map_or_else(|| "-".to_string(), |b| b.to_string());
+        let branch = dash(o.branch);
         let _ = write!(
             s,
             "{i}\t{}\t{}\t{}\t{}\t{branch}\t{}\t{}\t{}\t{}\t{}\t{}",
@@ -379,8 +431,15 @@ pub fn log_text(trace: &[Request], rows: &[HybridOutcome], fin: [u64; 2], host: 
             o.tree_aux,
             u8::from(o.skipped)
         );
-        if host {
+        if cols.mamba {
+            let b = dash(o.branch_mamba);
+            let _ = write!(s, "\t{b}\t{}\t{}", o.ev_mamba, o.tree_mamba);
+        }
+        if cols.host {
             let _ = write!(s, "\t{}\t{}\t{}", o.host_hit, o.ev_host[0], o.ev_host[1]);
+            if cols.mamba {
+                let _ = write!(s, "\t{}", o.ev_host[2]);
+            }
         }
         s.push('\n');
         let row = [
@@ -394,6 +453,8 @@ pub fn log_text(trace: &[Request], rows: &[HybridOutcome], fin: [u64; 2], host: 
             o.host_hit as u64,
             o.ev_host[0],
             o.ev_host[1],
+            o.ev_host[2],
+            o.ev_mamba,
         ];
         for (t, v) in tot.iter_mut().zip(row) {
             *t += v;
@@ -413,12 +474,18 @@ pub fn log_text(trace: &[Request], rows: &[HybridOutcome], fin: [u64; 2], host: 
         fin[0],
         fin[1]
     );
-    if host {
+    if cols.mamba {
+        let _ = write!(s, " ev_mamba={} final_tree_mamba={}", tot[11], fin[2]);
+    }
+    if cols.host {
         let _ = write!(
             s,
             " host_hit={} ev_host_full={} ev_host_aux={}",
             tot[7], tot[8], tot[9]
         );
+        if cols.mamba {
+            let _ = write!(s, " ev_host_mamba={}", tot[10]);
+        }
     }
     s.push('\n');
     s
@@ -429,10 +496,10 @@ pub fn write_log(
     path: &Path,
     trace: &[Request],
     rows: &[HybridOutcome],
-    fin: [u64; 2],
-    host: bool,
+    fin: [u64; 3],
+    cols: LogColumns,
 ) -> Result<()> {
-    std::fs::write(path, log_text(trace, rows, fin, host)).map_err(BenchError::io(path))
+    std::fs::write(path, log_text(trace, rows, fin, cols)).map_err(BenchError::io(path))
 }
 
 #[cfg(test)]
@@ -478,8 +545,8 @@ mod tests {
             (96, 96, 192)
         );
         assert_eq!(rows[2].matched, 0);
-        assert_eq!(fin, [192 + 128, 192 + 128]);
-        let log = log_text(&t, &rows, fin, false);
+        assert_eq!(fin, [192 + 128, 192 + 128, 0]);
+        let log = log_text(&t, &rows, fin, LogColumns::default());
         assert!(log.starts_with(HEADER));
         assert!(log.ends_with(
             "# totals requests=3 prompt=430 matched=96 full_hit=96 inserted=416 ev_full=0 ev_aux=0 skipped=0 final_tree_full=320 final_tree_aux=320\n"
@@ -510,7 +577,34 @@ mod tests {
         // 4 pages cannot hold a 100-token extend plus a spare page: skipped, nothing held.
         let (rows, fin) = replay(&setup(None, Some(64), 4, 16), &t).unwrap();
         assert!(rows.iter().all(|r| r.skipped));
-        assert_eq!(fin, [0, 0]);
+        assert_eq!(fin, [0, 0, 0]);
+    }
+
+    #[test]
+    fn swa_and_mamba_together_log_both_components() {
+        let t = trace();
+        let (rows, fin) = replay(&setup(Some(32), Some(64), 1000, 16), &t).unwrap();
+        // Mamba decides the insert (a checkpoint at 64 of 100), SWA fills the aux columns.
+        assert_eq!(rows[0].inserted, 64);
+        assert_eq!(rows[0].tree_aux, 64);
+        assert_eq!(rows[0].tree_mamba, 1);
+        assert_eq!(fin[2], rows[2].tree_mamba);
+        let cols = LogColumns {
+            host: false,
+            mamba: true,
+        };
+        let log = log_text(&t, &rows, fin, cols);
+        assert!(
+            log.starts_with(&format!("{HEADER}{MAMBA_COLUMNS}\n")),
+            "{log}"
+        );
+        let last = log.lines().last().unwrap();
+        assert!(
+            last.contains(&format!(" final_tree_mamba={}", fin[2])),
+            "{last}"
+        );
+        let first = log.lines().nth(1).unwrap();
+        assert_eq!(first.split('\t').count(), 15, "{first}");
     }
 
     fn host(setup: HybridSetup, full: u64, swa: u64, mamba: u64) -> HybridSetup {
@@ -552,7 +646,11 @@ mod tests {
                     .sum::<u64>(),
                 0
             );
-            let log = log_text(&t, &rows, [0, 0], true);
+            let cols = LogColumns {
+                host: true,
+                mamba: false,
+            };
+            let log = log_text(&t, &rows, [0, 0, 0], cols);
             assert!(log.starts_with(&format!("{HEADER}{HOST_COLUMNS}\n")));
             assert!(log.contains(" host_hit="), "{log}");
         }

@@ -7,12 +7,13 @@
 //! - **Load-back** after the match (SGLang's `init_load_back`): a host hit past the device
 //!   prefix is loaded back whole (Full path, SWA window, Mamba state), the host node locked
 //!   while the device evicts the shortfall of each pool; without room it is not loaded. The
-//!   match is then taken again, and `host_hit` is the Full tokens loaded.
+//!   match is then taken again, and `host_hit` is what the reused prefix grew by (SGLang's
+//!   `host_loaded_length`: the Full loaded and the Full already resident behind it).
 //! - **Write-through** after the insert: the inserted node and its ancestors not on host,
 //!   ancestors first, are backed up (Full pages, SWA window, Mamba state); a host pool short
 //!   of room evicts from its own order (`UnifiedTree::evict_host_of`: Full host leaves, the
-//!   SWA or Mamba host LRU), then whole host leaves; when that cannot make room the backup
-//!   stops there.
+//!   SWA or Mamba host LRU) as SGLang's backup allocation does (`host_room`); when that
+//!   cannot make room the backup stops there.
 //! - A device leaf whose Full is on host is demoted by device eviction (it stays host-only).
 //!
 //! The tree tracks slots (fresh ids from one counter per tier: the replay counts pool room
@@ -107,7 +108,7 @@ impl HybridReplay {
         &mut self,
         key: &[u32],
         m: UnifiedMatch,
-        ev: &mut [u64; 2],
+        ev: &mut [u64; 3],
     ) -> Result<(UnifiedMatch, usize)> {
         if self.host.is_none() || m.host_hit_len == 0 {
             return Ok((m, 0));
@@ -151,13 +152,17 @@ impl HybridReplay {
         };
         let id = self.tree.commit_load_back(&plan, dev)?;
         self.tree.finish_load_back(id)?;
+        let before = m.device_prefix_len;
         let m = self.tree.match_prefix(key)?;
-        Ok((m, plan.full_pages() * ps as usize))
+        // SGLang's `host_loaded_length`: what the request's reused prefix grew by (Full
+        // loaded, and Full already resident behind host-only SWA or Mamba).
+        let grown = m.device_prefix_len.saturating_sub(before);
+        Ok((m, grown))
     }
 
     /// Backs up `node` and its ancestors not on host (module documentation); counts the
     /// host evictions in `ev_host`.
-    pub(super) fn backup(&mut self, node: NodeId, ev_host: &mut [u64; 2]) -> Result<()> {
+    pub(super) fn backup(&mut self, node: NodeId, ev_host: &mut [u64; 3]) -> Result<()> {
         if self.host.is_none() || node == self.tree.root() {
             return Ok(());
         }
@@ -197,33 +202,37 @@ impl HybridReplay {
         Ok(())
     }
 
-    /// Makes room for `need` (host Full pages, SWA pages, Mamba states): each short pool
-    /// evicts from its own host order, then whole host leaves go; whether it fits.
-    fn host_room(&mut self, need: [u64; 3], ev_host: &mut [u64; 2]) -> bool {
+    /// Makes room for `need` (host Full pages, SWA pages, Mamba states) as SGLang's
+    /// backup allocates (`_execute_kv_backup`, `HostPoolGroup.resolve_host_transfers`):
+    /// Full evicts its shortfall from the host leaves and fails if it frees less; then
+    /// each auxiliary pool in pool-name order (`mamba`, `swa`) that cannot take its share
+    /// evicts its whole share from its own host order and fails if it still cannot.
+    /// Evictions done before a failure stay done. Whether the node's copies fit.
+    fn host_room(&mut self, need: [u64; 3], ev_host: &mut [u64; 3]) -> bool {
         let ps = self.ps() as u64;
-        let comps = [Component::Full, Component::Swa, Component::Mamba];
-        let units = [ps, ps, 1];
-        let short = self.host.as_ref().expect("host tier").short(need);
-        for c in 0..3 {
-            if short[c] > 0 {
-                let e = self.tree.evict_host_of(comps[c], short[c] * units[c]);
-                self.count_host_eviction(&e, ev_host);
-            }
-        }
-        loop {
-            let short = self.host.as_ref().expect("host tier").short(need);
-            if short == [0; 3] {
-                return true;
-            }
-            let e = self.tree.evict_host(ps);
-            if e.host_full_pages.is_empty() {
+        let full_short = self.host.as_ref().expect("host tier").short(need)[0];
+        if full_short > 0 {
+            let e = self.tree.evict_host_of(Component::Full, full_short * ps);
+            let freed = e.host_full_pages.len() as u64;
+            self.count_host_eviction(&e, ev_host);
+            if freed < full_short {
                 return false;
             }
-            self.count_host_eviction(&e, ev_host);
         }
+        for (c, k, unit) in [(Component::Mamba, 2, 1), (Component::Swa, 1, ps)] {
+            if self.host.as_ref().expect("host tier").short(need)[k] == 0 {
+                continue;
+            }
+            let e = self.tree.evict_host_of(c, need[k] * unit);
+            self.count_host_eviction(&e, ev_host);
+            if self.host.as_ref().expect("host tier").short(need)[k] > 0 {
+                return false;
+            }
+        }
+        true
     }
 
-    fn count_host_eviction(&mut self, e: &Evicted, ev_host: &mut [u64; 2]) {
+    fn count_host_eviction(&mut self, e: &Evicted, ev_host: &mut [u64; 3]) {
         let ps = self.ps() as u64;
         let freed = [
             e.host_full_pages.len() as u64,
@@ -235,11 +244,8 @@ impl HybridReplay {
             *u -= f;
         }
         ev_host[0] += freed[0] * ps;
-        ev_host[1] += match self.aux {
-            Some(Component::Swa) => freed[1] * ps,
-            Some(Component::Mamba) => freed[2],
-            _ => 0,
-        };
+        ev_host[1] += freed[1] * ps;
+        ev_host[2] += freed[2];
     }
 
     /// Full tokens on host (host tier only; 0 without).
