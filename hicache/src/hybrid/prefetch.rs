@@ -230,23 +230,20 @@ pub(crate) struct FetchCounts {
     pub may_end: bool,
 }
 
-impl FetchCounts {
-    /// Values per prefetch in the exchange.
-    pub const LEN: usize = 5;
+impl crate::agree::Counts for FetchCounts {
+    const LEN: usize = 5;
 
-    /// The exchanged values.
-    pub fn encode(&self) -> [u64; Self::LEN] {
-        [
+    fn encode_into(&self, out: &mut Vec<u64>) {
+        out.extend([
             u64::from(self.looked_up),
             self.hit,
             u64::from(self.read_done),
             u64::from(self.read_ok),
             u64::from(self.may_end),
-        ]
+        ]);
     }
 
-    /// From the exchanged values.
-    pub fn decode(v: &[u64]) -> Self {
+    fn decode(v: &[u64]) -> Self {
         Self {
             looked_up: v[0] == 1,
             hit: v[1],

@@ -90,22 +90,19 @@ pub(crate) struct PrefetchCounts {
     pub may_end: bool,
 }
 
-impl PrefetchCounts {
-    /// Values per prefetch in the exchange.
-    pub const LEN: usize = 4;
+impl crate::agree::Counts for PrefetchCounts {
+    const LEN: usize = 4;
 
-    /// The exchanged values.
-    pub fn encode(&self) -> [u64; Self::LEN] {
-        [
-            self.query_done as u64,
+    fn encode_into(&self, out: &mut Vec<u64>) {
+        out.extend([
+            u64::from(self.query_done),
             self.hit_pages,
             self.completed_pages,
-            self.may_end as u64,
-        ]
+            u64::from(self.may_end),
+        ]);
     }
 
-    /// From the exchanged values.
-    pub fn decode(v: &[u64]) -> Self {
+    fn decode(v: &[u64]) -> Self {
         Self {
             query_done: v[0] == 1,
             hit_pages: v[1],
