@@ -226,7 +226,7 @@ impl HybridCache {
         let hashes = l3.hashes(&key[..aligned]).split_off(start / ps);
         let shared = Arc::new(FetchShared::default());
         let task = FetchTask {
-            storage: l3.storage.clone(),
+            storage: l3.engine.storage.clone(),
             layout: l3.layout.clone(),
             group: l3.group.clone(),
             hashes: hashes.clone(),
@@ -237,7 +237,7 @@ impl HybridCache {
             ],
             shared: shared.clone(),
         };
-        l3.spawn(task.run());
+        l3.engine.spawn(task.run());
         let host_lock = self.tree.lock_host(m.host_node)?;
         let seq = self.l3_ops.next;
         self.l3_ops.next += 1;

@@ -190,7 +190,7 @@ impl L3 {
         let pages = tokens.len() / ps;
         let shared = Arc::new(FetchShared::default());
         let job = QueryJob {
-            storage: self.storage.clone(),
+            storage: self.engine.storage.clone(),
             pool: tiers.host_pool.clone(),
             hasher,
             namespace: start.namespace_id,
@@ -198,11 +198,11 @@ impl L3 {
             prefix,
             tokens: tokens.clone(),
             page_size: ps,
-            batch: self.batch,
+            batch: self.engine.batch,
             layout: self.layout,
             shared: shared.clone(),
         };
-        self.runtime.spawn(job.run());
+        self.engine.spawn(job.run());
         let seq = self.next_seq;
         self.next_seq += 1;
         self.prefetches.insert(
