@@ -60,25 +60,37 @@ pub(crate) struct PrefetchPlan {
 pub(crate) const PARTS: [HostComponent; 3] =
     [HostComponent::Kv, HostComponent::Swa, HostComponent::Mamba];
 
-/// One component of a pool group as the page source of a backup job: its slots' iovecs,
-/// each checked to be exactly one page of the component's L3 layout.
-struct ComponentSource {
-    group: Arc<HostPoolGroup>,
+/// The iovecs of `component`'s host `slot` in `group`, checked to be exactly one page of
+/// `page_bytes` (the component's L3 layout): what backups and prefetch reads move.
+pub(crate) fn component_iovecs(
+    group: &HostPoolGroup,
     component: HostComponent,
     page_bytes: usize,
+    slot: u32,
+) -> Result<Vec<IoVec>> {
+    let iovs = group.iovecs(component, slot)?;
+    let len: usize = iovs.iter().map(|v| v.len).sum();
+    if len != page_bytes {
+        return Err(HiCacheError::BadArgument(format!(
+            "{component} slot {slot} holds {len} bytes, its pages {page_bytes}"
+        )));
+    }
+    Ok(iovs)
+}
+
+/// One component of a pool group as the page source of a backup job ([`component_iovecs`]).
+pub(crate) struct ComponentSource {
+    /// The pool group.
+    pub group: Arc<HostPoolGroup>,
+    /// The component whose slots are read.
+    pub component: HostComponent,
+    /// Bytes of one of its pages in L3.
+    pub page_bytes: usize,
 }
 
 impl PageSource for ComponentSource {
     fn page_iovecs(&self, slot: HostSlot) -> Result<Vec<IoVec>> {
-        let iovs = self.group.iovecs(self.component, slot.0)?;
-        let len: usize = iovs.iter().map(|v| v.len).sum();
-        if len != self.page_bytes {
-            return Err(HiCacheError::BadArgument(format!(
-                "{} slot {} holds {len} bytes, its pages {}",
-                self.component, slot.0, self.page_bytes
-            )));
-        }
-        Ok(iovs)
+        component_iovecs(&self.group, self.component, self.page_bytes, slot.0)
     }
 }
 

@@ -21,7 +21,7 @@ use hicache_storage::{LayoutKind, Storage, StorageConfig};
 
 pub use backup::L3_WRITE_BATCHES_IN_FLIGHT;
 pub(crate) use engine::L3Engine;
-pub(crate) use jobs::{BackupShared, Chain, Latch, PageSource, iovec_parts, iovec_parts_mut};
+pub(crate) use jobs::{BackupShared, Chain, Latch, PageSource, get_batch, present_run};
 pub use prefetch::RequestId;
 pub(crate) use prefetch::{MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd};
 
