@@ -26,6 +26,59 @@ pub(crate) trait Counts: Sized {
     fn decode(v: &[u64]) -> Self;
 }
 
+/// A value of a [`Counts`] field: a count, or a flag (1 when set).
+pub(crate) trait Value: Copy {
+    /// The exchanged value.
+    fn to_u64(self) -> u64;
+    /// From the exchanged value.
+    fn from_u64(v: u64) -> Self;
+}
+
+impl Value for u64 {
+    fn to_u64(self) -> u64 {
+        self
+    }
+    fn from_u64(v: u64) -> Self {
+        v
+    }
+}
+
+impl Value for bool {
+    fn to_u64(self) -> u64 {
+        u64::from(self)
+    }
+    fn from_u64(v: u64) -> Self {
+        v == 1
+    }
+}
+
+/// Declares a struct of exchanged values (fields of `u64` or `bool`, each one value of the
+/// exchange, in declaration order) and its [`Counts`] impl.
+macro_rules! exchanged_counts {
+    (
+        $(#[$meta:meta])*
+        $vis:vis struct $name:ident { $($(#[$fmeta:meta])* pub $field:ident: $ty:ty,)* }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+        $vis struct $name { $($(#[$fmeta])* pub $field: $ty,)* }
+
+        impl $crate::agree::Counts for $name {
+            const LEN: usize = [$(stringify!($field)),*].len();
+
+            fn encode_into(&self, out: &mut Vec<u64>) {
+                $(out.push($crate::agree::Value::to_u64(self.$field));)*
+            }
+
+            fn decode(v: &[u64]) -> Self {
+                let mut v = v.iter().copied();
+                Self { $($field: $crate::agree::Value::from_u64(v.next().unwrap_or(0)),)* }
+            }
+        }
+    };
+}
+pub(crate) use exchanged_counts;
+
 /// Replaces `fixed` and every one of `items` with every rank's minimum, through one
 /// exchange of `fixed.len() + C::LEN * items.len()` values (rules 1 and 2).
 pub(crate) fn agree<C: Counts>(
@@ -68,17 +121,11 @@ mod tests {
     use super::*;
     use crate::rank::RankError;
 
-    /// Two values per item.
-    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-    struct Pair(u64, u64);
-
-    impl Counts for Pair {
-        const LEN: usize = 2;
-        fn encode_into(&self, out: &mut Vec<u64>) {
-            out.extend([self.0, self.1]);
-        }
-        fn decode(v: &[u64]) -> Self {
-            Pair(v[0], v[1])
+    exchanged_counts! {
+        /// Two values per item.
+        struct Pair {
+            pub n: u64,
+            pub flag: bool,
         }
     }
 
@@ -108,15 +155,17 @@ mod tests {
     #[test]
     fn one_exchange_gives_every_value_its_minimum() {
         let group = Peer {
-            peer: vec![1, 9, 4, 0, 3, 3],
+            peer: vec![1, 9, 4, 0, 3, 1],
         };
+        let pair = |n, flag| Pair { n, flag };
         let mut fixed = [5, 2];
-        let mut items = [Pair(7, 1), Pair(2, 8)];
+        let mut items = [pair(7, true), pair(2, true)];
+        assert_eq!(Pair::LEN, 2);
         agree(&group, &mut fixed, &mut items).unwrap();
         assert_eq!(fixed, [1, 2]);
-        assert_eq!(items, [Pair(4, 0), Pair(2, 3)]);
+        assert_eq!(items, [pair(4, false), pair(2, true)]);
         // A different shape on the peer is the group's error, passed on.
-        let err = agree(&group, &mut [1], &mut [Pair(0, 0)]).unwrap_err();
+        let err = agree(&group, &mut [1], &mut [pair(0, false)]).unwrap_err();
         assert!(err.to_string().contains("shape 3"), "{err}");
     }
 

@@ -215,42 +215,19 @@ pub(crate) struct PrefetchOp {
     pub phase: Phase,
 }
 
-/// One prefetch's values in the exchange (reduced with `min` over ranks).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct FetchCounts {
-    /// The lookup finished.
-    pub looked_up: bool,
-    /// Pages the lookup found restorable.
-    pub hit: u64,
-    /// The read of the agreed hit finished.
-    pub read_done: bool,
-    /// Every page of the read arrived.
-    pub read_ok: bool,
-    /// The policy allows ending the prefetch now.
-    pub may_end: bool,
-}
-
-impl crate::agree::Counts for FetchCounts {
-    const LEN: usize = 5;
-
-    fn encode_into(&self, out: &mut Vec<u64>) {
-        out.extend([
-            u64::from(self.looked_up),
-            self.hit,
-            u64::from(self.read_done),
-            u64::from(self.read_ok),
-            u64::from(self.may_end),
-        ]);
-    }
-
-    fn decode(v: &[u64]) -> Self {
-        Self {
-            looked_up: v[0] == 1,
-            hit: v[1],
-            read_done: v[2] == 1,
-            read_ok: v[3] == 1,
-            may_end: v[4] == 1,
-        }
+crate::agree::exchanged_counts! {
+    /// One prefetch's values in the exchange (reduced with `min` over ranks).
+    pub(crate) struct FetchCounts {
+        /// The lookup finished.
+        pub looked_up: bool,
+        /// Pages the lookup found restorable.
+        pub hit: u64,
+        /// The read of the agreed hit finished.
+        pub read_done: bool,
+        /// Every page of the read arrived.
+        pub read_ok: bool,
+        /// The policy allows ending the prefetch now.
+        pub may_end: bool,
     }
 }
 

@@ -77,38 +77,17 @@ pub(crate) struct PrefetchOp {
     room_waits: u32,
 }
 
-/// One prefetch's values in the per-tick exchange (reduced with `min` over ranks).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct PrefetchCounts {
-    /// The lookup finished.
-    pub query_done: bool,
-    /// Leading pages present in L3.
-    pub hit_pages: u64,
-    /// Pages fetched, from the first.
-    pub completed_pages: u64,
-    /// The policy allows ending the prefetch now.
-    pub may_end: bool,
-}
-
-impl crate::agree::Counts for PrefetchCounts {
-    const LEN: usize = 4;
-
-    fn encode_into(&self, out: &mut Vec<u64>) {
-        out.extend([
-            u64::from(self.query_done),
-            self.hit_pages,
-            self.completed_pages,
-            u64::from(self.may_end),
-        ]);
-    }
-
-    fn decode(v: &[u64]) -> Self {
-        Self {
-            query_done: v[0] == 1,
-            hit_pages: v[1],
-            completed_pages: v[2],
-            may_end: v[3] == 1,
-        }
+crate::agree::exchanged_counts! {
+    /// One prefetch's values in the per-tick exchange (reduced with `min` over ranks).
+    pub(crate) struct PrefetchCounts {
+        /// The lookup finished.
+        pub query_done: bool,
+        /// Leading pages present in L3.
+        pub hit_pages: u64,
+        /// Pages fetched, from the first.
+        pub completed_pages: u64,
+        /// The policy allows ending the prefetch now.
+        pub may_end: bool,
     }
 }
 
