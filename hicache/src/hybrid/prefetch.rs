@@ -18,7 +18,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use hicache_core::{NodeId, PageHash, PrefetchPolicy};
+use hicache_core::{NodeId, PageHash};
 use hicache_storage::Storage;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
@@ -27,7 +27,7 @@ use super::cache::Units;
 use super::l3::{PARTS, PrefetchPlan};
 use super::l3_io::{ComponentPages, HybridIo};
 use super::l3_keys::HybridL3Layout;
-use crate::l3::Latch;
+use crate::l3::{Latch, may_end};
 use hicache_host::{HostComponent, HostPoolGroup};
 
 /// What the engine thread orders the task after the lookup.
@@ -243,13 +243,7 @@ impl PrefetchOp {
         let reading = matches!(self.phase, Phase::Reading { .. });
         let read_done = reading && self.shared.read_done.is_set();
         let read_ok = read_done && *self.shared.missing.lock() == [0; 3];
-        let may_end = match policy.policy {
-            PrefetchPolicy::BestEffort => true,
-            PrefetchPolicy::WaitComplete => read_done,
-            PrefetchPolicy::Timeout => {
-                read_done || self.started.elapsed() > policy.timeout((hit * page_size) as u64)
-            }
-        };
+        let may_end = may_end(policy, read_done, self.started, (hit * page_size) as u64);
         FetchCounts {
             looked_up,
             hit: hit as u64,

@@ -23,7 +23,7 @@ pub use backup::L3_WRITE_BATCHES_IN_FLIGHT;
 pub(crate) use engine::L3Engine;
 pub(crate) use jobs::{BackupShared, Chain, Latch, PageSource, get_batch, present_run};
 pub use prefetch::RequestId;
-pub(crate) use prefetch::{MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd};
+pub(crate) use prefetch::{MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd, may_end};
 
 use crate::config::HiCacheConfig;
 use crate::error::{HiCacheError, Result};

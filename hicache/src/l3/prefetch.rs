@@ -32,7 +32,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hicache_core::{HiRadixTree, HostSlot, MatchResult, NodeId, PageKey, PrefetchPolicy, TenantId};
+use hicache_core::{
+    HiRadixTree, HostSlot, MatchResult, NodeId, PageKey, PrefetchConfig, PrefetchPolicy, TenantId,
+};
 
 use super::L3;
 use super::jobs::{FetchShared, QueryJob};
@@ -88,6 +90,23 @@ crate::agree::exchanged_counts! {
         pub completed_pages: u64,
         /// The policy allows ending the prefetch now.
         pub may_end: bool,
+    }
+}
+
+/// Whether `policy` lets a prefetch started at `started` end now (SGLang's
+/// `can_terminate_prefetch`): `best_effort` at any time, `wait_complete` once its read is
+/// `done`, `timeout` then or once the budget for its `hit_tokens` has passed. Both
+/// controllers decide with it.
+pub(crate) fn may_end(
+    policy: &PrefetchConfig,
+    done: bool,
+    started: Instant,
+    hit_tokens: u64,
+) -> bool {
+    match policy.policy {
+        PrefetchPolicy::BestEffort => true,
+        PrefetchPolicy::WaitComplete => done,
+        PrefetchPolicy::Timeout => done || started.elapsed() > policy.timeout(hit_tokens),
     }
 }
 
@@ -215,13 +234,12 @@ impl L3 {
         // As SGLang: the budget grows with the pages the query found (`len(hash)` after the
         // query; none while it runs), not with the candidate suffix, and counts from the op's
         // creation, query time included.
-        let may_end = match self.prefetch.policy {
-            PrefetchPolicy::BestEffort => true,
-            PrefetchPolicy::WaitComplete => fetch_done,
-            PrefetchPolicy::Timeout => {
-                fetch_done || op.started.elapsed() > self.prefetch.timeout(hit * page_size as u64)
-            }
-        };
+        let may_end = may_end(
+            &self.prefetch,
+            fetch_done,
+            op.started,
+            hit * page_size as u64,
+        );
         PrefetchCounts {
             query_done,
             hit_pages: hit,
