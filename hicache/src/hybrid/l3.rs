@@ -118,24 +118,21 @@ impl L3BackupOp {
         }
     }
 
-    /// What the finished backup did, per component (Full, SWA, Mamba).
-    pub fn counts(&self) -> WriteCounts {
+    /// What the finished backup did, per component (Full, SWA, Mamba), and the first error
+    /// met (for the log).
+    pub fn counts(&self) -> (WriteCounts, Option<String>) {
         let mut out = WriteCounts::default();
+        let mut error = None;
         for (k, pages, s) in &self.parts {
             let stored =
                 (s.stored_pages.load(std::sync::atomic::Ordering::Relaxed) as usize).min(*pages);
-            if let Some(e) = s.error.lock().as_deref() {
-                tracing::warn!(
-                    component = %PARTS[*k],
-                    pages = pages - stored,
-                    error = e,
-                    "hybrid L3 backup lost pages: they stay in L2"
-                );
+            if error.is_none() {
+                error = s.error.lock().clone();
             }
             out.stored[*k] += stored;
             out.failed[*k] += pages - stored;
         }
-        out
+        (out, error)
     }
 }
 

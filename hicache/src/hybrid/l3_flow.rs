@@ -24,6 +24,7 @@ use super::prefetch::{FetchCounts, FetchShared, FetchTask, Phase, PrefetchOp};
 use super::tick::{EXCHANGE_DRAINED, EXCHANGE_L3_BACKUPS, FIXED_VALUES};
 use crate::agree::Counts;
 use crate::error::Result;
+use crate::l3::WarnLimit;
 use crate::rank::MAX_EXCHANGE_LEN;
 
 /// Most prefetches tracked at once (so the tick's exchange fits one round); arrivals beyond
@@ -40,6 +41,8 @@ pub(crate) struct L3Ops {
     next: u64,
     /// Ended prefetches whose task may still write their slots: freed once it exited.
     draining: Vec<(Arc<FetchShared>, Units)>,
+    /// Warnings of backups that lost pages to storage errors (the dense tier's limit).
+    write_warn: WarnLimit,
 }
 
 impl HybridCache {
@@ -114,7 +117,19 @@ impl HybridCache {
     /// Ends a background backup every rank has seen finish: unpins its nodes, counts it.
     fn end_backup(&mut self, op: L3BackupOp) -> Result<()> {
         self.tree.unlock_host(&op.host_lock)?;
-        let written = op.counts();
+        let (written, error) = op.counts();
+        let lost: usize = written.failed.iter().sum();
+        let warn = (lost > 0).then(|| self.l3_ops.write_warn.record(lost as u64, Instant::now()));
+        if let Some(Some((backups, pages))) = warn {
+            // Rate-limited as the dense tier's; every lost page is also in the metric.
+            tracing::warn!(
+                backups,
+                pages,
+                error = error.unwrap_or_default(),
+                "hybrid L3 backups did not store every page (they stay in L2; lost since the \
+                 last warning)"
+            );
+        }
         if written.failed[0] == 0 {
             // Every Full page is in L3: the router may count it there.
             let slots = &op.full_slots;
