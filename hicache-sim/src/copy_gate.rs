@@ -81,11 +81,8 @@ pub struct ClockRank {
     clock: Arc<Mutex<Clock>>,
     /// Index of "write-through copies finished" in the exchanged vector.
     writes_at: usize,
-    /// Index of "L3 backups finished", if the controller exchanges it.
+    /// Index of "L3 backups finished", if the clock bounds it.
     backups_at: Option<usize>,
-    /// The length of the exchanged vectors the gates apply to (others, the controller's
-    /// other agreements, pass unchanged); `None`: every vector long enough.
-    vector_len: Option<usize>,
 }
 
 impl ClockRank {
@@ -96,20 +93,18 @@ impl ClockRank {
             clock,
             writes_at: EXCHANGE_WRITES_FINISHED,
             backups_at: Some(EXCHANGE_BACKUPS_FINISHED),
-            vector_len: None,
         }
     }
 
     /// A rank bounded by `clock` for a controller that exchanges its finished
-    /// write-through (device → host) copies at index `writes_at` of vectors of `vector_len`
-    /// values, and nothing else the clock bounds (the hybrid controller: its
-    /// `HYBRID_EXCHANGE_BACKUPS` of two values; its one-value L3 agreements pass).
-    pub fn writes_only(clock: Arc<Mutex<Clock>>, writes_at: usize, vector_len: usize) -> Self {
+    /// write-through (device → host) copies at index `writes_at` of its per-tick vector, and
+    /// nothing else the clock bounds (the hybrid controller: its `HYBRID_EXCHANGE_BACKUPS`;
+    /// its L3 values pass).
+    pub fn writes_only(clock: Arc<Mutex<Clock>>, writes_at: usize) -> Self {
         Self {
             clock,
             writes_at,
             backups_at: None,
-            vector_len: Some(vector_len),
         }
     }
 }
@@ -125,11 +120,7 @@ impl RankGroup for ClockRank {
 
     fn exchange(&self, min: &mut [u64], _max: &mut [u64]) -> Result<(), RankError> {
         let last = self.writes_at.max(self.backups_at.unwrap_or(0));
-        let applies = match self.vector_len {
-            Some(n) => min.len() == n,
-            None => min.len() > last,
-        };
-        if !applies {
+        if min.len() <= last {
             return Ok(());
         }
         let mut c = lock(&self.clock);
@@ -522,23 +513,24 @@ mod tests {
     }
 
     #[test]
-    fn a_writes_only_rank_gates_only_its_vectors() {
+    fn a_writes_only_rank_gates_only_its_index() {
         let clock = Arc::new(Mutex::new(Clock {
             now: 1.0,
             writes: [0.5, 2.0].into(),
+            backups: [0.5].into(),
             ..Clock::default()
         }));
-        let rank = ClockRank::writes_only(clock.clone(), 0, 2);
-        // A one-value agreement (an L3 hit) passes unchanged and leaves the writes.
-        let mut one = [7];
-        rank.exchange(&mut one, &mut [7]).unwrap();
-        assert_eq!(one, [7]);
+        let rank = ClockRank::writes_only(clock.clone(), 0);
+        // An empty agreement passes and leaves the writes.
+        rank.exchange(&mut [], &mut []).unwrap();
         assert_eq!(lock(&clock).writes.len(), 2);
-        // The copies' vector: writes bounded by the clock, loads unchanged.
-        let mut min = [2, 3];
-        rank.exchange(&mut min, &mut [2, 3]).unwrap();
-        assert_eq!(min, [1, 3]);
+        // The tick's vector: writes bounded by the clock, the other values (loads, L3)
+        // unchanged, and no backup entry consumed.
+        let mut min = [2, 3, 4, 5];
+        rank.exchange(&mut min, &mut []).unwrap();
+        assert_eq!(min, [1, 3, 4, 5]);
         assert_eq!(lock(&clock).writes, VecDeque::from([2.0]));
+        assert_eq!(lock(&clock).backups.len(), 1);
     }
 
     #[tokio::test(flavor = "current_thread")]

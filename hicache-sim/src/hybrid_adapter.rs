@@ -48,9 +48,6 @@ use crate::links::Links;
 use crate::model::HybridModel;
 use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize};
 
-/// Values in the hybrid controller's per-tick exchange (backups and loads finished).
-const HYBRID_EXCHANGE_LEN: usize = 2;
-
 /// Ping-pong checkpoint slots a request of a Mamba hybrid holds beside its working state
 /// (SGLang's `extra_buffer` strategy with the overlap schedule on).
 pub const TRACKING_SLOTS: usize = 2;
@@ -179,7 +176,6 @@ impl HybridFactory {
             .rank_group(Arc::new(ClockRank::writes_only(
                 timer.clock.clone(),
                 HYBRID_EXCHANGE_BACKUPS,
-                HYBRID_EXCHANGE_LEN,
             )));
         if let Some(s) = self.model.swa_kv_shape(ps) {
             b = b.swa_shape(s);

@@ -21,6 +21,7 @@ use hicache_core::{
 };
 use hicache_gpu::{Completion, Event, LayerDoneCounter, LoadHandle, Stream, TransferEngine};
 
+use crate::agree::leading;
 use crate::error::Result;
 use crate::metrics::Direction;
 use crate::tree_pools::Tiers;
@@ -366,26 +367,12 @@ impl Copies {
 
     /// Number of write batches, from the oldest, whose copies completed.
     pub fn ready_writes(&self) -> Result<usize> {
-        let mut n = 0;
-        for w in &self.writes {
-            if !w.done.is_done()? {
-                break;
-            }
-            n += 1;
-        }
-        Ok(n)
+        leading(&self.writes, |w| Ok(w.done.is_done()?))
     }
 
     /// Number of load batches, from the oldest, whose copies completed.
     pub fn ready_loads(&self) -> Result<usize> {
-        let mut n = 0;
-        for l in &self.loads {
-            if !l.handle.is_done()? {
-                break;
-            }
-            n += 1;
-        }
-        Ok(n)
+        leading(&self.loads, |l| Ok(l.handle.is_done()?))
     }
 }
 

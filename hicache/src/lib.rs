@@ -74,6 +74,7 @@
 //!   one-sided RDMA data plane.
 #![warn(missing_docs)]
 
+mod agree;
 pub mod backends;
 mod builder;
 mod cache;

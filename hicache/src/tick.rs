@@ -22,6 +22,7 @@
 
 use hicache_core::KvEvent;
 
+use crate::agree::{Counts, agree};
 use crate::copies::Copies;
 use crate::error::Result;
 use crate::l3::{L3, MAX_TRACKED_PREFETCHES, PrefetchCounts};
@@ -126,24 +127,25 @@ impl TickCounts {
         })
     }
 
-    /// Every rank's minimum, through one exchange.
+    /// Every rank's minimum, through one exchange ([`agree`]).
     pub fn agree(mut self, rank: &dyn RankGroup) -> Result<Self> {
-        let mut v = Vec::with_capacity(FIXED_VALUES + PrefetchCounts::LEN * self.prefetches.len());
         // EXCHANGE_WRITES_FINISHED, 1, EXCHANGE_BACKUPS_FINISHED, 3, 4.
-        v.extend([self.writes, self.loads, self.backups, self.host_free].map(|x| x as u64));
-        v.push(u64::try_from(self.backups_incomplete).unwrap_or(u64::MAX));
-        for (_, p) in &self.prefetches {
-            v.extend(p.encode());
-        }
-        rank.exchange(&mut v, &mut [])?;
-        self.writes = v[0] as usize;
-        self.loads = v[1] as usize;
-        self.backups = v[2] as usize;
-        self.host_free = v[3] as usize;
-        self.backups_incomplete = usize::try_from(v[4]).unwrap_or(usize::MAX);
-        let per = v[FIXED_VALUES..].chunks_exact(PrefetchCounts::LEN);
-        for ((_, p), agreed) in self.prefetches.iter_mut().zip(per) {
-            *p = PrefetchCounts::decode(agreed);
+        let mut fixed: [u64; FIXED_VALUES] = [
+            self.writes as u64,
+            self.loads as u64,
+            self.backups as u64,
+            self.host_free as u64,
+            u64::try_from(self.backups_incomplete).unwrap_or(u64::MAX),
+        ];
+        let mut counts: Vec<PrefetchCounts> = self.prefetches.iter().map(|(_, p)| *p).collect();
+        agree(rank, &mut fixed, &mut counts)?;
+        self.writes = fixed[0] as usize;
+        self.loads = fixed[1] as usize;
+        self.backups = fixed[2] as usize;
+        self.host_free = fixed[3] as usize;
+        self.backups_incomplete = usize::try_from(fixed[4]).unwrap_or(usize::MAX);
+        for ((_, p), agreed) in self.prefetches.iter_mut().zip(counts) {
+            *p = agreed;
         }
         Ok(self)
     }

@@ -199,7 +199,7 @@ impl HybridCache {
         if events.is_empty() {
             return;
         }
-        let backend = self.l3.as_ref().map(|l| l.storage.info().name);
+        let backend = self.l3.as_ref().map(|l| l.engine.storage.info().name);
         let l3 = crate::observe::wire::L3Medium::of_attached(backend.as_deref());
         self.observe.endpoints.publish(&events, l3);
     }

@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use hicache_core::{BackupId, NodeId, UnifiedLoadId};
 use hicache_gpu::{Completion, LoadHandle};
 
+use crate::agree::leading;
 use crate::error::Result;
 
 /// One copy launched on a stream, finished when its event has fired.
@@ -72,25 +73,8 @@ pub(crate) struct Copies {
 }
 
 /// Whether every copy of a list has landed.
-pub(crate) fn all_done(copies: &[Launched]) -> Result<bool> {
-    for c in copies {
-        if !c.is_done()? {
-            return Ok(false);
-        }
-    }
-    Ok(true)
-}
-
-/// How many of the leading entries have every copy landed.
-fn leading_done<'a>(entries: impl Iterator<Item = &'a [Launched]>) -> Result<usize> {
-    let mut n = 0;
-    for copies in entries {
-        if !all_done(copies)? {
-            break;
-        }
-        n += 1;
-    }
-    Ok(n)
+fn all_done(copies: &[Launched]) -> Result<bool> {
+    Ok(leading(copies, Launched::is_done)? == copies.len())
 }
 
 impl Copies {
@@ -145,14 +129,23 @@ impl Copies {
         Ok(())
     }
 
+    /// Blocks until every backup and load-back copy has landed.
+    pub fn wait_all(&self) -> Result<()> {
+        let backups = self.backups.iter().flat_map(|b| &b.copies);
+        for c in backups.chain(self.loads.iter().flat_map(|l| &l.copies)) {
+            c.wait()?;
+        }
+        Ok(())
+    }
+
     /// Leading backups whose copies have landed.
     pub fn backups_done(&self) -> Result<usize> {
-        leading_done(self.backups.iter().map(|b| &b.copies[..]))
+        leading(&self.backups, |b| all_done(&b.copies))
     }
 
     /// Leading load-backs whose copies have landed.
     pub fn loads_done(&self) -> Result<usize> {
-        leading_done(self.loads.iter().map(|l| &l.copies[..]))
+        leading(&self.loads, |l| all_done(&l.copies))
     }
 
     /// Forgets the copy-on-write copies that have landed.

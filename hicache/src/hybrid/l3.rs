@@ -1,5 +1,5 @@
 //! [`L3Part`]: L3 for the hybrid facade, over the l3 layout's keys and I/O helpers, on the
-//! dense controller's L3 engine (its runtime, its backup job, its write permits).
+//! dense controller's [`L3Engine`] (its runtime, its backup job, its write permits).
 //!
 //! - **Backup.** When a node's write-through has finished (at an agreed poll), its host
 //!   copies go to L3 per component (KV pages keyed by the page hashes; SWA pages by the
@@ -25,7 +25,7 @@ use hicache_storage::Storage;
 
 use super::l3_keys::{HitPolicy, HybridL3Layout};
 use crate::error::{HiCacheError, Result};
-use crate::l3::{BackupJob, BackupShared, Chain, L3_WRITE_BATCHES_IN_FLIGHT, PageSource};
+use crate::l3::{BackupShared, Chain, L3Engine, PageSource};
 
 /// One component's pages of an L3 write: keys and the host slots holding them.
 #[derive(Clone, Debug, Default)]
@@ -60,25 +60,37 @@ pub(crate) struct PrefetchPlan {
 pub(crate) const PARTS: [HostComponent; 3] =
     [HostComponent::Kv, HostComponent::Swa, HostComponent::Mamba];
 
-/// One component of a pool group as the page source of a backup job: its slots' iovecs,
-/// each checked to be exactly one page of the component's L3 layout.
-struct ComponentSource {
-    group: Arc<HostPoolGroup>,
+/// The iovecs of `component`'s host `slot` in `group`, checked to be exactly one page of
+/// `page_bytes` (the component's L3 layout): what backups and prefetch reads move.
+pub(crate) fn component_iovecs(
+    group: &HostPoolGroup,
     component: HostComponent,
     page_bytes: usize,
+    slot: u32,
+) -> Result<Vec<IoVec>> {
+    let iovs = group.iovecs(component, slot)?;
+    let len: usize = iovs.iter().map(|v| v.len).sum();
+    if len != page_bytes {
+        return Err(HiCacheError::BadArgument(format!(
+            "{component} slot {slot} holds {len} bytes, its pages {page_bytes}"
+        )));
+    }
+    Ok(iovs)
+}
+
+/// One component of a pool group as the page source of a backup job ([`component_iovecs`]).
+pub(crate) struct ComponentSource {
+    /// The pool group.
+    pub group: Arc<HostPoolGroup>,
+    /// The component whose slots are read.
+    pub component: HostComponent,
+    /// Bytes of one of its pages in L3.
+    pub page_bytes: usize,
 }
 
 impl PageSource for ComponentSource {
     fn page_iovecs(&self, slot: HostSlot) -> Result<Vec<IoVec>> {
-        let iovs = self.group.iovecs(self.component, slot.0)?;
-        let len: usize = iovs.iter().map(|v| v.len).sum();
-        if len != self.page_bytes {
-            return Err(HiCacheError::BadArgument(format!(
-                "{} slot {} holds {len} bytes, its pages {}",
-                self.component, slot.0, self.page_bytes
-            )));
-        }
-        Ok(iovs)
+        component_iovecs(&self.group, self.component, self.page_bytes, slot.0)
     }
 }
 
@@ -106,40 +118,34 @@ impl L3BackupOp {
         }
     }
 
-    /// What the finished backup did, per component (Full, SWA, Mamba).
-    pub fn counts(&self) -> WriteCounts {
+    /// What the finished backup did, per component (Full, SWA, Mamba), and the first error
+    /// met (for the log).
+    pub fn counts(&self) -> (WriteCounts, Option<String>) {
         let mut out = WriteCounts::default();
+        let mut error = None;
         for (k, pages, s) in &self.parts {
             let stored =
                 (s.stored_pages.load(std::sync::atomic::Ordering::Relaxed) as usize).min(*pages);
-            if let Some(e) = s.error.lock().as_deref() {
-                tracing::warn!(
-                    component = %PARTS[*k],
-                    pages = pages - stored,
-                    error = e,
-                    "hybrid L3 backup lost pages: they stay in L2"
-                );
+            if error.is_none() {
+                error = s.error.lock().clone();
             }
             out.stored[*k] += stored;
             out.failed[*k] += pages - stored;
         }
-        out
+        (out, error)
     }
 }
 
-/// The attached storage, its layout and the L3 engine's runtime.
+/// The attached storage's engine and layout.
 pub(crate) struct L3Part {
-    /// The L3 backend.
-    pub storage: Arc<dyn Storage>,
+    /// The backend, the tasks' runtime and the write permits (the dense controller's).
+    pub engine: L3Engine,
     /// Where each component's pages live.
     pub layout: Arc<HybridL3Layout>,
     /// The host slots pages move from and to.
     pub group: Arc<HostPoolGroup>,
     /// When a prefetch may end, its threshold and timeouts.
     pub prefetch: PrefetchConfig,
-    runtime: tokio::runtime::Runtime,
-    /// One permit per write batch in flight, over every backup.
-    write_permits: Arc<tokio::sync::Semaphore>,
 }
 
 impl L3Part {
@@ -151,12 +157,10 @@ impl L3Part {
         prefetch: PrefetchConfig,
     ) -> Result<Self> {
         Ok(Self {
-            storage,
+            engine: L3Engine::new(storage, crate::l3::new_runtime()?, None),
             layout: Arc::new(layout),
             group,
             prefetch,
-            runtime: crate::l3::new_runtime()?,
-            write_permits: Arc::new(tokio::sync::Semaphore::new(L3_WRITE_BATCHES_IN_FLIGHT)),
         })
     }
 
@@ -165,15 +169,9 @@ impl L3Part {
         self.layout.chain(None, tokens)
     }
 
-    /// Spawns a future on the L3 runtime.
-    pub fn spawn(&self, f: impl std::future::Future<Output = ()> + Send + 'static) {
-        self.runtime.spawn(f);
-    }
-
-    /// Starts a job's writes in the background, one [`BackupJob`] per component with pages.
+    /// Starts a job's writes in the background, one backup job per component with pages.
     /// The caller releases `host_lock` (the job's node) once the op is done and agreed.
     pub fn spawn_backup(&self, job: L3Job, host_lock: HostLockReceipt) -> Result<L3BackupOp> {
-        let batch = super::l3_io::batch_len(&*self.storage);
         let full_slots = job.parts[0].slots.clone();
         let mut parts = Vec::new();
         for (k, part) in job.parts.into_iter().enumerate() {
@@ -181,23 +179,16 @@ impl L3Part {
                 continue;
             }
             let space = *self.layout.space(PARTS[k])?;
-            let shared = Arc::new(BackupShared::default());
-            parts.push((k, part.keys.len(), shared.clone()));
-            let job = BackupJob {
-                storage: self.storage.clone(),
-                pool: Arc::new(ComponentSource {
-                    group: self.group.clone(),
-                    component: PARTS[k],
-                    page_bytes: space.page_bytes,
-                }),
-                chain: Arc::new(Chain::new(None, part.keys)),
-                slots: part.slots.into_iter().map(HostSlot).collect(),
-                batch,
-                layout: space.layout,
-                shared,
-                in_flight: self.write_permits.clone(),
+            let source = ComponentSource {
+                group: self.group.clone(),
+                component: PARTS[k],
+                page_bytes: space.page_bytes,
             };
-            self.runtime.spawn(job.run());
+            let slots = part.slots.into_iter().map(HostSlot).collect();
+            let chain = Chain::new(None, part.keys);
+            let n = chain.len();
+            let shared = (self.engine).backup(Arc::new(source), chain, slots, space.layout);
+            parts.push((k, n, shared));
         }
         Ok(L3BackupOp {
             host_lock,
@@ -222,8 +213,7 @@ impl L3Part {
 
     /// Stops the runtime (every task is awaited by the caller first).
     pub fn close(self) {
-        self.runtime
-            .shutdown_timeout(std::time::Duration::from_secs(10));
+        self.engine.close();
     }
 }
 

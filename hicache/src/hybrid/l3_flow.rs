@@ -1,14 +1,14 @@
 //! The hybrid cache's L3 steps (see `l3` and `prefetch` for the rules): the L3 job of a
 //! write-through backup, its background write once the copy finished, the prefetch started
-//! by `arrive`, and the per-tick agreement that ends both.
+//! by `arrive`, and what the tick's agreement (`tick`) ends or advances.
 //!
-//! The L3 exchange of a tick (reduced with `min`; only with L3 attached, after the copies'
-//! exchange of `tick`): `[L3 backups finished, ended prefetches whose task exited]` (each
-//! counted from the oldest), then [`FetchCounts::LEN`] values per tracked prefetch in
-//! creation order. Every rank tracks the same backups and prefetches in the same order
-//! (created by calls every rank makes alike, ended at agreed values), so the shape is the
-//! same everywhere; and host slots come back only at agreed counts, so every rank's host
-//! pools hold the same free slots when the next allocation evicts.
+//! The L3 values of the tick's exchange (reduced with `min`): L3 backups finished and ended
+//! prefetches whose task exited (each counted from the oldest), then `FetchCounts::LEN`
+//! values per tracked prefetch in creation order. Every rank tracks the same backups and
+//! prefetches in the same order (created by calls every rank makes alike, ended at agreed
+//! values), so the shape is the same everywhere; and host slots come back only at agreed
+//! counts, so every rank's host pools hold the same free slots when the next allocation
+//! evicts.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -21,14 +21,15 @@ use hicache_host::HostComponent;
 use super::cache::{HybridCache, Units};
 use super::l3::{L3BackupOp, L3Job, PARTS, PagesOut};
 use super::prefetch::{FetchCounts, FetchShared, FetchTask, Phase, PrefetchOp};
+use super::tick::{EXCHANGE_DRAINED, EXCHANGE_L3_BACKUPS, FIXED_VALUES};
+use crate::agree::Counts;
 use crate::error::Result;
+use crate::l3::WarnLimit;
 use crate::rank::MAX_EXCHANGE_LEN;
 
-/// Most prefetches tracked at once (so the exchange fits one round); arrivals beyond that
-/// start none.
+/// Most prefetches tracked at once (so the tick's exchange fits one round); arrivals beyond
+/// that start none.
 const MAX_TRACKED_PREFETCHES: usize = (MAX_EXCHANGE_LEN - FIXED_VALUES) / FetchCounts::LEN;
-/// Values of the L3 exchange before the prefetches'.
-const FIXED_VALUES: usize = 2;
 
 /// L3 work in flight.
 #[derive(Debug, Default)]
@@ -40,6 +41,8 @@ pub(crate) struct L3Ops {
     next: u64,
     /// Ended prefetches whose task may still write their slots: freed once it exited.
     draining: Vec<(Arc<FetchShared>, Units)>,
+    /// Warnings of backups that lost pages to storage errors (the dense tier's limit).
+    write_warn: WarnLimit,
 }
 
 impl HybridCache {
@@ -114,7 +117,19 @@ impl HybridCache {
     /// Ends a background backup every rank has seen finish: unpins its nodes, counts it.
     fn end_backup(&mut self, op: L3BackupOp) -> Result<()> {
         self.tree.unlock_host(&op.host_lock)?;
-        let written = op.counts();
+        let (written, error) = op.counts();
+        let lost: usize = written.failed.iter().sum();
+        let warn = (lost > 0).then(|| self.l3_ops.write_warn.record(lost as u64, Instant::now()));
+        if let Some(Some((backups, pages))) = warn {
+            // Rate-limited as the dense tier's; every lost page is also in the metric.
+            tracing::warn!(
+                backups,
+                pages,
+                error = error.unwrap_or_default(),
+                "hybrid L3 backups did not store every page (they stay in L2; lost since the \
+                 last warning)"
+            );
+        }
         if written.failed[0] == 0 {
             // Every Full page is in L3: the router may count it there.
             let slots = &op.full_slots;
@@ -154,40 +169,43 @@ impl HybridCache {
         }
     }
 
-    /// The L3 part of a tick: one exchange, then the agreed backups and prefetches end or
-    /// advance (see the module docs).
-    pub(crate) fn tick_l3(&mut self) -> Result<()> {
+    /// This rank's L3 values for the tick's exchange: backups finished and drained
+    /// prefetches into `fixed` (see `tick`), and each tracked prefetch's counts with its
+    /// sequence number (none without L3).
+    pub(crate) fn gather_l3(
+        &self,
+        fixed: &mut [u64; FIXED_VALUES],
+    ) -> (Vec<u64>, Vec<FetchCounts>) {
         let Some(l3) = &self.l3 else {
-            return Ok(());
+            return Default::default();
         };
-        let ps = self.cfg.page_size as usize;
-        let done = self
-            .l3_ops
-            .backups
-            .iter()
-            .take_while(|b| b.is_done())
-            .count();
-        let drained = (self.l3_ops.draining.iter())
+        let ops = &self.l3_ops;
+        fixed[EXCHANGE_L3_BACKUPS] = ops.backups.iter().take_while(|b| b.is_done()).count() as u64;
+        fixed[EXCHANGE_DRAINED] = (ops.draining.iter())
             .take_while(|(s, _)| s.exited.is_set())
-            .count();
-        let mut min = vec![done as u64, drained as u64];
-        let seqs: Vec<u64> = self.l3_ops.prefetches.keys().copied().collect();
-        for p in self.l3_ops.prefetches.values() {
-            min.extend(p.counts(&l3.prefetch, ps).encode());
-        }
-        let mut max = min.clone();
-        self.rank.exchange(&mut min, &mut max)?;
-        for _ in 0..min[0] {
+            .count() as u64;
+        let ps = self.cfg.page_size as usize;
+        let counts = ops.prefetches.values().map(|p| p.counts(&l3.prefetch, ps));
+        (ops.prefetches.keys().copied().collect(), counts.collect())
+    }
+
+    /// The L3 part of a tick, from the agreed values: the `backups` oldest background
+    /// backups end, the `drained` oldest ended prefetches' slots are freed, and each tracked
+    /// prefetch advances or ends (see the module docs).
+    pub(crate) fn apply_l3(
+        &mut self,
+        (backups, drained): (u64, u64),
+        prefetches: impl Iterator<Item = (u64, FetchCounts)>,
+    ) -> Result<()> {
+        for _ in 0..backups {
             let op = self.l3_ops.backups.pop_front().expect("counted above");
             self.end_backup(op)?;
         }
-        let freed: Vec<_> = self.l3_ops.draining.drain(..min[1] as usize).collect();
+        let freed: Vec<_> = self.l3_ops.draining.drain(..drained as usize).collect();
         for (_, host) in freed {
             self.free_host_units(&host)?;
         }
-        for (i, seq) in seqs.into_iter().enumerate() {
-            let at = FIXED_VALUES + i * FetchCounts::LEN;
-            let agreed = FetchCounts::decode(&min[at..at + FetchCounts::LEN]);
+        for (seq, agreed) in prefetches {
             self.advance_prefetch(seq, agreed)?;
         }
         Ok(())
@@ -223,7 +241,7 @@ impl HybridCache {
         let hashes = l3.hashes(&key[..aligned]).split_off(start / ps);
         let shared = Arc::new(FetchShared::default());
         let task = FetchTask {
-            storage: l3.storage.clone(),
+            storage: l3.engine.storage.clone(),
             layout: l3.layout.clone(),
             group: l3.group.clone(),
             hashes: hashes.clone(),
@@ -234,7 +252,7 @@ impl HybridCache {
             ],
             shared: shared.clone(),
         };
-        l3.spawn(task.run());
+        l3.engine.spawn(task.run());
         let host_lock = self.tree.lock_host(m.host_node)?;
         let seq = self.l3_ops.next;
         self.l3_ops.next += 1;

@@ -1,10 +1,12 @@
-//! Async L3 I/O of a hybrid model's pages over any [`Storage`]: presence (leading run and
-//! per-key), a prefetch's lookup under the hit policy, and writes / reads of one component's
-//! pages between L3 and the host pool group's slots, zero copy over the slots' iovecs.
+//! Async L3 reads of a hybrid model's pages over any [`Storage`]: presence (leading run and
+//! per-key), a prefetch's lookup under the hit policy, and reads of one component's pages
+//! into the host pool group's slots, zero copy over the slots' iovecs — on the dense
+//! controller's helpers ([`present_run`], [`get_batch`]). Writes go through the one backup
+//! job (`l3::L3Part::spawn_backup`).
 //!
 //! Rules:
 //! 1. **Presence.** [`leading_run`] asks `batch_exists` batch by batch and stops at the
-//!    first absent key. [`exists_each`] gives every key's presence with one call per absent
+//!    first absent key ([`present_run`]). [`exists_each`] gives every key's presence with one call per absent
 //!    key plus one per batch (each call's leading run, then past the absent key).
 //! 2. **Lookup.** [`HybridIo::lookup`] takes KV's leading run over the span, then each
 //!    sidecar pool's presence over the pages of that run, only while some length is still
@@ -14,7 +16,7 @@
 //!    stored with the component's layout ([`ComponentSpace`]). Bad input (as many keys as
 //!    slots, slots inside the pool, a slot of exactly the component's page size) is an error
 //!    before any I/O.
-//! 4. **Outcomes.** Every page has its own [`PageOutcome`], in key order. A read is a hit
+//! 4. **Outcomes.** Every page read has its own [`PageOutcome`], in key order. A read is a hit
 //!    only when the backend verified the page at the slot's exact length and layout: an
 //!    absent, short, over-long, wrong-layout or damaged page is a `Miss` / `Corrupt`
 //!    ([`PageResults::misses`]), never a wrong page. A batch call that fails whole fails each
@@ -26,13 +28,12 @@
 
 use hicache_core::{PageHash, PageKey};
 use hicache_host::{HostComponent, HostPoolGroup, IoVec};
-use hicache_storage::{
-    PageBuf, PageBufMut, PageError, PageOutcome, STORAGE_BATCH_SIZE, Storage, StorageError,
-};
+use hicache_storage::{PageError, PageOutcome, STORAGE_BATCH_SIZE, Storage, StorageError};
 
+use super::l3::component_iovecs;
 use super::l3_keys::{ComponentSpace, HitPolicy, HitVerdict, HitWalk, HybridL3Layout};
 use crate::error::{HiCacheError, Result};
-use crate::l3::{iovec_parts, iovec_parts_mut};
+use crate::l3::{Chain, get_batch, present_run};
 
 /// Per-page outcomes of one component's write or read, in key order (rule 4).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -45,11 +46,6 @@ impl PageResults {
     /// Pages that achieved their purpose (read: `Hit`; write: `Stored` or `Present`).
     pub fn ok(&self) -> usize {
         self.outcomes.iter().filter(|o| o.is_ok()).count()
-    }
-
-    /// The leading run of such pages.
-    pub fn leading_ok(&self) -> usize {
-        hicache_storage::leading_ok(&self.outcomes)
     }
 
     /// Reads that missed: absent, wrong size or layout, or damaged (`Miss`, `Corrupt`).
@@ -93,17 +89,13 @@ pub(crate) fn batch_len(storage: &dyn Storage) -> usize {
     storage.info().max_batch.clamp(1, STORAGE_BATCH_SIZE)
 }
 
-/// The number of leading `keys` present in L3 (rule 1).
+/// The number of leading `keys` present in L3 (rule 1); a failed call is an error.
 pub(crate) async fn leading_run(storage: &dyn Storage, keys: &[PageKey]) -> Result<usize> {
-    let mut hit = 0;
-    for chunk in keys.chunks(batch_len(storage)) {
-        let n = storage.batch_exists(chunk).await?.min(chunk.len());
-        hit += n;
-        if n < chunk.len() {
-            break;
-        }
+    let chain = Chain::new(None, keys.iter().copied());
+    match present_run(storage, &chain, batch_len(storage)).await {
+        (hit, None) => Ok(hit),
+        (_, Some((_, e))) => Err(e.into()),
     }
-    Ok(hit)
 }
 
 /// Whether each of `keys` is present in L3 (rule 1).
@@ -156,29 +148,6 @@ impl HybridIo<'_> {
         Ok(walk.finish())
     }
 
-    /// Writes `component`'s host `slots` to L3 under `keys` (paired in order; rule 3), batch
-    /// by batch; one outcome per page (rule 4).
-    ///
-    /// # Safety
-    /// Nothing may write the slots until the returned future completes or is dropped (the
-    /// slots stay host-protected while their backup runs).
-    pub async unsafe fn write_pages(self, pages: ComponentPages<'_>) -> Result<PageResults> {
-        let (space, iovs) = slot_iovecs(self.layout, self.group, pages)?;
-        let keys = pages.keys;
-        let batch = batch_len(self.storage);
-        let mut results = PageResults::default();
-        for (k, pages) in keys.chunks(batch).zip(iovs.chunks(batch)) {
-            let bufs: Vec<PageBuf<'_>> = pages
-                .iter()
-                // SAFETY: the iovecs are checked slots inside the group's mappings, which the
-                // borrow of the group keeps alive; nobody writes them meanwhile (the contract).
-                .map(|v| PageBuf::from_parts(space.layout, unsafe { iovec_parts(v) }))
-                .collect();
-            results.push_batch(k.len(), self.storage.batch_set(k, &bufs).await);
-        }
-        Ok(results)
-    }
-
     /// Reads the pages `keys` of `component` from L3 into host `slots` (paired in order;
     /// rule 3), batch by batch; one outcome per page (rule 4). A slot whose page missed or
     /// failed holds no usable bytes.
@@ -196,17 +165,15 @@ impl HybridIo<'_> {
                 pages.component, pages.slots
             )));
         }
-        let keys = pages.keys;
+        let chain = Chain::new(None, pages.keys.iter().copied());
         let batch = batch_len(self.storage);
         let mut results = PageResults::default();
-        for (k, pages) in keys.chunks(batch).zip(iovs.chunks(batch)) {
-            let mut bufs: Vec<PageBufMut<'_>> = pages
-                .iter()
-                // SAFETY: distinct checked slots inside the group's mappings, alive for the
-                // borrow of the group; the caller is their only user (the contract).
-                .map(|v| PageBufMut::from_parts(space.layout, unsafe { iovec_parts_mut(v) }))
-                .collect();
-            results.push_batch(k.len(), self.storage.batch_get(k, &mut bufs).await);
+        for at in (0..iovs.len()).step_by(batch) {
+            let end = (at + batch).min(iovs.len());
+            // SAFETY: distinct checked slots inside the group's mappings, alive for the
+            // borrow of the group; the caller is their only user (the contract).
+            let got = unsafe { get_batch(self.storage, space.layout, &chain, at, &iovs[at..end]) };
+            results.push_batch(end - at, got.await);
         }
         Ok(results)
     }
@@ -240,17 +207,7 @@ fn slot_iovecs(
     }
     let iovs = slots
         .iter()
-        .map(|&slot| {
-            let iovs = group.iovecs(component, slot)?;
-            let len: usize = iovs.iter().map(|v| v.len).sum();
-            if len != space.page_bytes {
-                return Err(HiCacheError::BadArgument(format!(
-                    "{component} slot {slot} holds {len} bytes, its pages {}",
-                    space.page_bytes
-                )));
-            }
-            Ok(iovs)
-        })
+        .map(|&slot| component_iovecs(group, component, space.page_bytes, slot))
         .collect::<Result<_>>()?;
     Ok((space, iovs))
 }
@@ -258,13 +215,18 @@ fn slot_iovecs(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hybrid::l3::ComponentSource;
     use crate::hybrid::l3_keys::restorable;
     use crate::hybrid::l3_keys::tests::{group, mamba_shape, sglang_layout};
+    use crate::l3::L3Engine;
+    use hicache_core::HostSlot;
     use hicache_core::{DType, LayoutKind};
     use hicache_storage::{
-        BackendInfo, MemoryBackend, MemoryOptions, StorageExt, StorageStats, async_trait,
+        BackendInfo, MemoryBackend, MemoryOptions, PageBuf, PageBufMut, StorageExt, StorageStats,
+        async_trait,
     };
     use std::sync::Arc;
+    use std::sync::atomic::Ordering;
 
     fn io<'a>(
         storage: &'a dyn Storage,
@@ -317,10 +279,34 @@ mod tests {
     }
 
     /// The layout of a group with every component (SWA `layer_first`), window 2 pages.
-    fn setup() -> (HostPoolGroup, HybridL3Layout) {
-        let g = group(LayoutKind::LayerFirst, true, true);
+    fn setup() -> (Arc<HostPoolGroup>, HybridL3Layout) {
+        let g = Arc::new(group(LayoutKind::LayerFirst, true, true));
         let l = sglang_layout(&g, Some(8));
         (g, l)
+    }
+
+    /// Writes `p` to L3 through the backup engine (the controllers' one write path): the
+    /// pages stored (or present) and the first error.
+    fn store(
+        storage: &Arc<dyn Storage>,
+        g: &Arc<HostPoolGroup>,
+        l: &HybridL3Layout,
+        p: ComponentPages<'_>,
+    ) -> (usize, Option<String>) {
+        let space = *l.space(p.component).unwrap();
+        let engine = L3Engine::new(storage.clone(), crate::l3::new_runtime().unwrap(), None);
+        let source = ComponentSource {
+            group: g.clone(),
+            component: p.component,
+            page_bytes: space.page_bytes,
+        };
+        let slots = p.slots.iter().map(|&s| HostSlot(s)).collect();
+        let chain = Chain::new(None, p.keys.iter().copied());
+        let shared = engine.backup(Arc::new(source), chain, slots, space.layout);
+        shared.done.wait();
+        engine.close();
+        let stored = shared.stored_pages.load(Ordering::Relaxed) as usize;
+        (stored, shared.error.lock().clone())
     }
 
     /// Fills `slot` of `c` with bytes derived from `seed`; returns them.
@@ -361,15 +347,8 @@ mod tests {
                 .collect();
             let keys = l.backup_keys(*c, &hashes, src.len()).unwrap();
             let rt = runtime();
-            // SAFETY: the test is the slots' only user.
-            let w = rt
-                .block_on(unsafe { io(&*storage, &l, &g).write_pages(pages(*c, &keys, src)) })
-                .unwrap();
-            assert_eq!(
-                (w.ok(), w.leading_ok()),
-                (src.len(), src.len()),
-                "{c}: {w:?}"
-            );
+            let w = store(&storage, &g, &l, pages(*c, &keys, src));
+            assert_eq!(w, (src.len(), None), "{c}");
             let space = l.space(*c).unwrap();
             for (k, bytes) in keys.iter().zip(&want) {
                 let raw = rt
@@ -411,11 +390,8 @@ mod tests {
         let rt = runtime();
         fill(&g, MAMBA, 0, 1);
         let slots = vec![0; written.len()];
-        // SAFETY: the test is the slot's only user.
-        let w = rt
-            .block_on(unsafe { io(&*storage, &l, &g).write_pages(pages(MAMBA, &written, &slots)) })
-            .unwrap();
-        assert_eq!(w.ok(), written.len());
+        let w = store(&storage, &g, &l, pages(MAMBA, &written, &slots));
+        assert_eq!(w, (written.len(), None));
         let keys = l.keys(MAMBA, &hashes).unwrap();
         assert_eq!(rt.block_on(exists_each(&*storage, &keys)).unwrap(), present);
         assert_eq!(rt.block_on(leading_run(&*storage, &keys)).unwrap(), 2);
@@ -444,7 +420,7 @@ mod tests {
             let (g, l) = setup();
             let hashes = l.chain(None, &(0..4 * present.len() as u32).collect::<Vec<u32>>());
             let rt = runtime();
-            write_pattern(&rt, &*storage, &g, &l, KV, &hashes, &present);
+            write_pattern(&storage, &g, &l, KV, &hashes, &present);
             let keys = l.keys(KV, &hashes).unwrap();
             let lead = present.iter().take_while(|&&p| p).count();
             proptest::prop_assert_eq!(rt.block_on(exists_each(&*storage, &keys)).unwrap(), present);
@@ -454,9 +430,8 @@ mod tests {
 
     /// Writes `present` pages of `c` over `hashes` from one slot.
     fn write_pattern(
-        rt: &tokio::runtime::Runtime,
-        storage: &dyn Storage,
-        g: &HostPoolGroup,
+        storage: &Arc<dyn Storage>,
+        g: &Arc<HostPoolGroup>,
         l: &HybridL3Layout,
         c: HostComponent,
         hashes: &[PageHash],
@@ -471,11 +446,10 @@ mod tests {
             .collect();
         fill(g, c, 7.min(g.capacity(c).unwrap() as u32 - 1), 3);
         let slots = vec![7.min(g.capacity(c).unwrap() as u32 - 1); keys.len()];
-        // SAFETY: the test is the slot's only user.
-        let w = rt
-            .block_on(unsafe { io(storage, l, g).write_pages(pages(c, &keys, &slots)) })
-            .unwrap();
-        assert_eq!(w.ok(), keys.len());
+        assert_eq!(
+            store(storage, g, l, pages(c, &keys, &slots)),
+            (keys.len(), None)
+        );
     }
 
     /// A lookup over storage gives the hit policy's verdict over the same presence, and
@@ -490,9 +464,9 @@ mod tests {
         let mamba = [f, t, f, t, f, t, f, t];
         let rt = runtime();
         let storage = memory(2);
-        write_pattern(&rt, &*storage, &g, &l, KV, &hashes, &kv);
-        write_pattern(&rt, &*storage, &g, &l, SWA, &hashes, &swa);
-        write_pattern(&rt, &*storage, &g, &l, MAMBA, &hashes, &mamba);
+        write_pattern(&storage, &g, &l, KV, &hashes, &kv);
+        write_pattern(&storage, &g, &l, SWA, &hashes, &swa);
+        write_pattern(&storage, &g, &l, MAMBA, &hashes, &mamba);
         let policies = l.prefetch_policies(8, false);
         assert_eq!(
             policies,
@@ -602,14 +576,14 @@ mod tests {
         let keys = l.keys(SWA, &hashes).unwrap();
         let rt = runtime();
         let err = |r: Result<PageResults>| r.unwrap_err().to_string();
-        // SAFETY: every call is refused before touching a slot.
+        // SAFETY: every read is refused before touching a slot.
         unsafe {
             assert!(
-                err(rt.block_on(io(&*storage, &l, &g).write_pages(pages(SWA, &keys, &[0]))))
+                err(rt.block_on(io(&*storage, &l, &g).read_pages(pages(SWA, &keys, &[0]))))
                     .contains("2 swa keys for 1 slots")
             );
             assert!(
-                err(rt.block_on(io(&*storage, &l, &g).write_pages(pages(SWA, &keys, &[0, 8]))))
+                err(rt.block_on(io(&*storage, &l, &g).read_pages(pages(SWA, &keys, &[0, 8]))))
                     .contains("swa host pool")
             );
             assert!(
@@ -624,15 +598,17 @@ mod tests {
                 )
                 .contains("no mamba")
             );
-            // A layout of another group: its Mamba pages are not this group's slots.
-            let other = other_mamba_group();
-            let ol = sglang_layout(&other, None);
-            let mk = ol.keys(MAMBA, &hashes[..1]).unwrap();
-            assert!(
-                err(rt.block_on(io(&*storage, &ol, &g).write_pages(pages(MAMBA, &mk, &[0]))))
-                    .contains("holds 348 bytes, its pages 352")
-            );
         }
+        // A backup of a slot outside the pool, or of a layout of another group (its Mamba
+        // pages are not this group's slots), stores nothing and says why.
+        let (stored, e) = store(&storage, &g, &l, pages(SWA, &keys, &[0, 8]));
+        assert_eq!(stored, 0);
+        assert!(e.unwrap().contains("swa host pool"));
+        let ol = sglang_layout(&other_mamba_group(), None);
+        let mk = ol.keys(MAMBA, &hashes[..1]).unwrap();
+        let (stored, e) = store(&storage, &g, &ol, pages(MAMBA, &mk, &[0]));
+        assert_eq!(stored, 0);
+        assert!(e.unwrap().contains("holds 348 bytes, its pages 352"));
         assert_eq!(storage.stats().set_pages, 0);
     }
 
@@ -676,17 +652,17 @@ mod tests {
         let hashes = l.chain(None, &(0..12).collect::<Vec<u32>>());
         let keys = l.keys(KV, &hashes).unwrap();
         let rt = runtime();
+        let down: Arc<dyn Storage> = Arc::new(Down);
+        let (stored, e) = store(&down, &g, &l, pages(KV, &keys, &[0, 1, 2]));
+        assert_eq!(stored, 0);
+        assert!(e.unwrap().contains("unreachable"));
         // SAFETY: the test is the slots' only user.
-        let w = rt
-            .block_on(unsafe { io(&Down, &l, &g).write_pages(pages(KV, &keys, &[0, 1, 2])) })
-            .unwrap();
-        assert_eq!((w.failures(), w.ok(), w.outcomes.len()), (3, 0, 3));
-        // SAFETY: as above.
         let r = rt
             .block_on(unsafe { io(&Down, &l, &g).read_pages(pages(KV, &keys, &[3, 4, 5])) })
             .unwrap();
         assert_eq!((r.failures(), r.misses()), (3, 0));
         assert!(rt.block_on(exists_each(&Down, &keys)).is_err());
+        assert!(rt.block_on(leading_run(&Down, &keys)).is_err());
         assert!(rt.block_on(io(&Down, &l, &g).lookup(&hashes, &[])).is_err());
     }
 
@@ -695,8 +671,11 @@ mod tests {
     #[test]
     fn operations_run_as_spawned_tasks() {
         let (g, l) = setup();
-        let (g, l, storage) = (Arc::new(g), Arc::new(l), memory(4));
+        let (l, storage) = (Arc::new(l), memory(4));
         let want = fill(&g, SWA, 1, 5);
+        let hashes = l.chain(None, &(0..8).collect::<Vec<u32>>());
+        let keys = l.backup_keys(SWA, &hashes, 1).unwrap();
+        assert_eq!(store(&storage, &g, &l, pages(SWA, &keys, &[1])), (1, None));
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .build()
@@ -704,19 +683,15 @@ mod tests {
         let task = {
             let (g, l, storage) = (g.clone(), l.clone(), storage.clone());
             rt.spawn(async move {
-                let hashes = l.chain(None, &(0..8).collect::<Vec<u32>>());
-                let keys = l.backup_keys(SWA, &hashes, 1)?;
                 let io = io(&*storage, &l, &g);
-                // SAFETY: this task is the only user of SWA slots 1 and 2.
-                let w = unsafe { io.write_pages(pages(SWA, &keys, &[1])) }.await?;
-                // SAFETY: as above.
+                // SAFETY: this task is the only user of SWA slot 2.
                 let r = unsafe { io.read_pages(pages(SWA, &keys, &[2])) }.await?;
                 let policies = l.prefetch_policies(2, true);
-                Ok::<_, HiCacheError>((w.ok(), r.ok(), io.lookup(&hashes, &policies).await?))
+                Ok::<_, HiCacheError>((r.ok(), io.lookup(&hashes, &policies).await?))
             })
         };
-        let (written, read, verdict) = rt.block_on(task).unwrap().unwrap();
-        assert_eq!((written, read), (1, 1));
+        let (read, verdict) = rt.block_on(task).unwrap().unwrap();
+        assert_eq!(read, 1);
         assert_eq!(get(&g, SWA, 2), want);
         // No KV page was written: nothing is restorable.
         assert_eq!(verdict.hit_pages, 0);

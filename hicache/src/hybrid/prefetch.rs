@@ -18,7 +18,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use hicache_core::{NodeId, PageHash, PrefetchPolicy};
+use hicache_core::{NodeId, PageHash};
 use hicache_storage::Storage;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
@@ -27,7 +27,7 @@ use super::cache::Units;
 use super::l3::{PARTS, PrefetchPlan};
 use super::l3_io::{ComponentPages, HybridIo};
 use super::l3_keys::HybridL3Layout;
-use crate::l3::Latch;
+use crate::l3::{Latch, may_end};
 use hicache_host::{HostComponent, HostPoolGroup};
 
 /// What the engine thread orders the task after the lookup.
@@ -215,45 +215,19 @@ pub(crate) struct PrefetchOp {
     pub phase: Phase,
 }
 
-/// One prefetch's values in the exchange (reduced with `min` over ranks).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct FetchCounts {
-    /// The lookup finished.
-    pub looked_up: bool,
-    /// Pages the lookup found restorable.
-    pub hit: u64,
-    /// The read of the agreed hit finished.
-    pub read_done: bool,
-    /// Every page of the read arrived.
-    pub read_ok: bool,
-    /// The policy allows ending the prefetch now.
-    pub may_end: bool,
-}
-
-impl FetchCounts {
-    /// Values per prefetch in the exchange.
-    pub const LEN: usize = 5;
-
-    /// The exchanged values.
-    pub fn encode(&self) -> [u64; Self::LEN] {
-        [
-            u64::from(self.looked_up),
-            self.hit,
-            u64::from(self.read_done),
-            u64::from(self.read_ok),
-            u64::from(self.may_end),
-        ]
-    }
-
-    /// From the exchanged values.
-    pub fn decode(v: &[u64]) -> Self {
-        Self {
-            looked_up: v[0] == 1,
-            hit: v[1],
-            read_done: v[2] == 1,
-            read_ok: v[3] == 1,
-            may_end: v[4] == 1,
-        }
+crate::agree::exchanged_counts! {
+    /// One prefetch's values in the exchange (reduced with `min` over ranks).
+    pub(crate) struct FetchCounts {
+        /// The lookup finished.
+        pub looked_up: bool,
+        /// Pages the lookup found restorable.
+        pub hit: u64,
+        /// The read of the agreed hit finished.
+        pub read_done: bool,
+        /// Every page of the read arrived.
+        pub read_ok: bool,
+        /// The policy allows ending the prefetch now.
+        pub may_end: bool,
     }
 }
 
@@ -269,13 +243,7 @@ impl PrefetchOp {
         let reading = matches!(self.phase, Phase::Reading { .. });
         let read_done = reading && self.shared.read_done.is_set();
         let read_ok = read_done && *self.shared.missing.lock() == [0; 3];
-        let may_end = match policy.policy {
-            PrefetchPolicy::BestEffort => true,
-            PrefetchPolicy::WaitComplete => read_done,
-            PrefetchPolicy::Timeout => {
-                read_done || self.started.elapsed() > policy.timeout((hit * page_size) as u64)
-            }
-        };
+        let may_end = may_end(policy, read_done, self.started, (hit * page_size) as u64);
         FetchCounts {
             looked_up,
             hit: hit as u64,

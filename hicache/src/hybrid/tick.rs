@@ -1,26 +1,43 @@
-//! The per-tick pump of [`HybridCache`]: finishing copies at counts every rank agreed on,
-//! launching write-through per component, and the load batches the engine waits on; with L3
-//! attached, then the L3 agreement of `l3_flow`.
+//! The per-tick pump of [`HybridCache`]: one rank agreement a tick (the dense controller's
+//! [`agree`]), then finishing copies and L3 work at the agreed counts, launching write-through
+//! per component, and the load batches the engine waits on.
 //!
-//! The copies' exchanged vector (reduced with `min`): `[backups finished, load-backs
-//! finished]`, each counted from the oldest. Every rank commits the same copies in the same
-//! order (the same calls, the same tree), so finishing the agreed number keeps every tree
-//! identical.
+//! The exchanged vector (reduced with `min`), the dense controller's layout where the two
+//! share a meaning:
+//!
+//! | index | value |
+//! |---|---|
+//! | 0 | write-through backups finished (device → host), counted from the oldest |
+//! | 1 | load-backs finished, counted from the oldest |
+//! | 2 | L3 backups finished, counted from the oldest (0 without L3) |
+//! | 3 | ended prefetches whose task exited, counted from the oldest (0 without L3) |
+//! | 4 + 5·i … | prefetch `i` (creation order): `FetchCounts` |
+//!
+//! Every rank commits the same copies and L3 work in the same order (the same calls, the same
+//! tree; prefetches created and ended alike), so the shape is the same everywhere and
+//! finishing the agreed numbers keeps every tree identical.
 
 use hicache_core::{Component, HostBackup, NodeId, UnifiedLoadPlan};
 
 use super::cache::{HybridCache, Units};
 use super::copies::Backup;
 use super::copies::Launched;
+use crate::agree::agree;
 use crate::error::Result;
 
 /// Index of "backups finished" in the exchanged vector.
 pub const HYBRID_EXCHANGE_BACKUPS: usize = 0;
 /// Index of "load-backs finished" in the exchanged vector.
 pub const HYBRID_EXCHANGE_LOADS: usize = 1;
+/// Index of "L3 backups finished".
+pub(crate) const EXCHANGE_L3_BACKUPS: usize = 2;
+/// Index of "ended prefetches whose task exited".
+pub(crate) const EXCHANGE_DRAINED: usize = 3;
+/// Values of the exchange before the prefetches'.
+pub(crate) const FIXED_VALUES: usize = 4;
 
 /// Most rounds of [`HybridCache::flush`]: a copy, then its L3 backup; a prefetch's lookup,
-/// read and insert.
+/// then its read and insert.
 const SETTLE_ROUNDS: usize = 4;
 
 impl HybridCache {
@@ -30,8 +47,7 @@ impl HybridCache {
         if self.is_closed() {
             return Err(crate::HiCacheError::Closed);
         }
-        self.finish_copies(false)?;
-        self.tick_l3()?;
+        self.tick(false)?;
         self.launch_writes()?;
         self.publish();
         Ok(())
@@ -53,9 +69,7 @@ impl HybridCache {
     /// exchanges.
     pub(crate) fn settle_all(&mut self) -> Result<()> {
         for _ in 0..SETTLE_ROUNDS {
-            self.finish_copies(true)?;
-            self.wait_l3();
-            self.tick_l3()?;
+            self.tick(true)?;
             if self.copies_in_flight() == 0 && !self.l3_busy() {
                 break;
             }
@@ -79,31 +93,35 @@ impl HybridCache {
         self.copies.wait_batch(producer)
     }
 
-    /// Finishes the leading copies that landed on every rank (`all`: waits for every copy
-    /// first, as shutdown does).
-    pub(crate) fn finish_copies(&mut self, all: bool) -> Result<()> {
+    /// One agreement (see the module docs), then the agreed copies, L3 backups and
+    /// prefetch steps finish or advance (`all`: waits for every copy and L3 step first, as
+    /// `flush` and shutdown do).
+    pub(crate) fn tick(&mut self, all: bool) -> Result<()> {
         if all {
-            for c in self.copies.backups.iter().flat_map(|b| &b.copies) {
-                c.wait()?;
-            }
-            for c in self.copies.loads.iter().flat_map(|l| &l.copies) {
-                c.wait()?;
-            }
+            self.copies.wait_all()?;
+            self.wait_l3();
         }
-        let mut min = [
-            self.copies.backups_done()? as u64,
-            self.copies.loads_done()? as u64,
-        ];
-        let mut max = min;
-        self.rank.exchange(&mut min, &mut max)?;
-        for _ in 0..min[HYBRID_EXCHANGE_BACKUPS] {
+        let mut fixed = [0; FIXED_VALUES];
+        fixed[HYBRID_EXCHANGE_BACKUPS] = self.copies.backups_done()? as u64;
+        fixed[HYBRID_EXCHANGE_LOADS] = self.copies.loads_done()? as u64;
+        let (seqs, mut prefetches) = self.gather_l3(&mut fixed);
+        agree(&*self.rank, &mut fixed, &mut prefetches)?;
+        self.finish_copies(&fixed)?;
+        let ended = (fixed[EXCHANGE_L3_BACKUPS], fixed[EXCHANGE_DRAINED]);
+        self.apply_l3(ended, seqs.into_iter().zip(prefetches))
+    }
+
+    /// Finishes the copies every rank has seen land (the agreed `fixed`), starting the L3
+    /// backup of each finished write-through.
+    fn finish_copies(&mut self, fixed: &[u64; FIXED_VALUES]) -> Result<()> {
+        for _ in 0..fixed[HYBRID_EXCHANGE_BACKUPS] {
             let b = self.copies.backups.pop_front().expect("counted above");
             self.tree.finish_backup(b.id)?;
             if let Some(job) = b.l3 {
                 self.l3_backup(job)?;
             }
         }
-        for _ in 0..min[HYBRID_EXCHANGE_LOADS] {
+        for _ in 0..fixed[HYBRID_EXCHANGE_LOADS] {
             let l = self.copies.loads.pop_front().expect("counted above");
             self.tree.finish_load_back(l.id)?;
         }

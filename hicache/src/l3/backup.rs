@@ -39,7 +39,7 @@ use hicache_core::{
 };
 
 use super::L3;
-use super::jobs::{BackupJob, BackupShared, Chain};
+use super::jobs::{BackupShared, Chain};
 use crate::error::Result;
 use crate::metrics::{Direction, L3Op};
 use crate::tree_pools::Tiers;
@@ -238,24 +238,16 @@ impl L3 {
             events.extend(tiers.tree.stored_event(n, Medium::Storage)?);
         }
         let sent = p.chain.len();
-        let shared = Arc::new(BackupShared::default());
-        if self.backup_skip || sent == 0 {
+        let shared = if self.backup_skip || sent == 0 {
             // Rank 0 writes these pages for every rank (invariant 2), or every page is known
             // to be in L3: done at once, but tracked, pinned and finished like the others.
+            let shared = Arc::new(BackupShared::default());
             shared.done.set();
+            shared
         } else {
-            let job = BackupJob {
-                storage: self.storage.clone(),
-                pool: tiers.host_pool.clone(),
-                chain: Arc::new(p.chain),
-                slots: p.slots,
-                batch: self.batch,
-                layout: self.layout,
-                shared: shared.clone(),
-                in_flight: self.write_permits.clone(),
-            };
-            self.runtime.spawn(job.run());
-        }
+            let pool = tiers.host_pool.clone();
+            self.engine.backup(pool, p.chain, p.slots, self.layout)
+        };
         self.backups.push_back(BackupOp {
             kind: p.kind,
             nodes: p.nodes,

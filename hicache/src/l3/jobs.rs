@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use hicache_core::{HostSlot, NamespaceId, PageHash, PageHasher, PageKey};
 use hicache_host::{HostPool, IoVec};
-use hicache_storage::{BatchContext, LayoutKind, PageBuf, PageBufMut, PageOutcome, Storage};
+use hicache_storage::{
+    BatchContext, LayoutKind, PageBuf, PageBufMut, PageOutcome, Storage, StorageError,
+};
 use parking_lot::{Condvar, Mutex};
 use tokio::sync::{Notify, Semaphore};
 use tracing::Instrument;
@@ -149,21 +151,6 @@ unsafe fn read_parts(pool: &dyn PageSource, slot: HostSlot) -> Result<Vec<&[u8]>
     Ok(unsafe { iovec_parts(&iovs) })
 }
 
-/// Slices of a host page for writing.
-///
-/// # Safety
-/// The caller must be the only user of the page while the slices live (fetch page
-/// ownership).
-// Mutable slices from a shared pool: exclusivity comes from page ownership, not from the
-// borrow of the pool, as for every page-granular allocator.
-#[allow(clippy::mut_from_ref)]
-unsafe fn write_parts(pool: &HostPool, slot: HostSlot) -> Result<Vec<&mut [u8]>> {
-    let iovs = pool.page_iovecs(slot)?;
-    // SAFETY: the parts are disjoint runs inside the pool's mapping, which outlives the
-    // borrow of `pool`; the caller is the page's only user.
-    Ok(unsafe { iovec_parts_mut(&iovs) })
-}
-
 /// Slices over a host slot's iovecs (of a pool or a pool group), for reading.
 ///
 /// # Safety
@@ -235,6 +222,51 @@ impl Chain {
     }
 }
 
+/// The leading run of `chain`'s keys present in L3, asked `batch` keys a call. A failed call
+/// ends the run: the pages found before its batch, and its error with its batch's keys.
+pub(crate) async fn present_run(
+    storage: &dyn Storage,
+    chain: &Chain,
+    batch: usize,
+) -> (usize, Option<(usize, StorageError)>) {
+    let mut hit = 0;
+    for at in (0..chain.len()).step_by(batch.max(1)) {
+        let keys = chain.keys(at..(at + batch).min(chain.len()));
+        match storage.batch_exists_with(keys, chain.context(at)).await {
+            Ok(n) if n >= keys.len() => hit += keys.len(),
+            Ok(n) => return (hit + n, None),
+            Err(e) => return (hit, Some((keys.len(), e))),
+        }
+    }
+    (hit, None)
+}
+
+/// Reads the pages `chain.keys(at..at + pages.len())` from L3 into host pages (each given by
+/// its iovecs, stored with `layout`): the backend's outcome per page, or its error for the
+/// whole call.
+///
+/// # Safety
+/// The iovecs must be disjoint and lie inside mappings that outlive the future, and the
+/// caller must be their only user until the future completes or is dropped.
+pub(crate) async unsafe fn get_batch(
+    storage: &dyn Storage,
+    layout: LayoutKind,
+    chain: &Chain,
+    at: usize,
+    pages: &[Vec<IoVec>],
+) -> std::result::Result<Vec<PageOutcome>, StorageError> {
+    let mut bufs: Vec<PageBufMut<'_>> = pages
+        .iter()
+        // SAFETY: forwarded contract.
+        .map(|iovs| PageBufMut::from_parts(layout, unsafe { iovec_parts_mut(iovs) }))
+        .collect();
+    let keys = chain.keys(at..at + pages.len());
+    storage
+        .batch_get_with(keys, &mut bufs, chain.context(at))
+        .instrument(tracing::debug_span!("l3_batch_get", pages = pages.len()))
+        .await
+}
+
 /// A prefetch's task: looks the pages up, waits for host pages, fetches.
 pub(crate) struct QueryJob {
     pub storage: Arc<dyn Storage>,
@@ -294,34 +326,16 @@ impl QueryJob {
         self.shared.exited.notify_all();
     }
 
-    /// The leading run of `keys` present in L3, batch by batch.
+    /// The leading run of `keys` present in L3, batch by batch ([`present_run`]); a failed
+    /// call counts its batch's pages as failed and keeps the hits found so far.
     #[tracing::instrument(skip_all, fields(pages = chain.len(), hit))]
     async fn query(&self, chain: &Chain) -> usize {
-        let mut hit = 0;
-        for at in (0..chain.len()).step_by(self.batch) {
-            let end = (at + self.batch).min(chain.len());
-            let chunk = chain.keys(at..end);
-            match self
-                .storage
-                .batch_exists_with(chunk, chain.context(at))
-                .await
-            {
-                Ok(n) => {
-                    hit += n.min(chunk.len());
-                    if n < chunk.len() {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    // Counted and logged (rate-limited) by the engine thread at the end.
-                    tracing::debug!(error = %e, "L3 lookup failed; using the hits found so far");
-                    self.shared
-                        .state
-                        .lock()
-                        .note_failure(chunk.len(), format!("lookup: {e}"));
-                    break;
-                }
-            }
+        let (hit, failed) = present_run(&*self.storage, chain, self.batch).await;
+        if let Some((pages, e)) = failed {
+            // Counted and logged (rate-limited) by the engine thread at the end.
+            tracing::debug!(error = %e, "L3 lookup failed; using the hits found so far");
+            let mut st = self.shared.state.lock();
+            st.note_failure(pages, format!("lookup: {e}"));
         }
         tracing::Span::current().record("hit", hit);
         hit
@@ -335,28 +349,21 @@ impl QueryJob {
                 return;
             }
             let end = (at + self.batch).min(slots.len());
-            let outcome = {
-                let mut bufs = Vec::with_capacity(end - at);
-                for &slot in &slots[at..end] {
-                    // SAFETY: pages [at, end) are ≥ completed and this task owns them until it
-                    // advances `completed` past them.
-                    match unsafe { write_parts(&self.pool, slot) } {
-                        Ok(parts) => bufs.push(PageBufMut::from_parts(self.layout, parts)),
-                        Err(e) => {
-                            tracing::error!(error = %e, "bad host page in a prefetch");
-                            let mut st = self.shared.state.lock();
-                            st.failed = true;
-                            let lost = slots.len() - st.completed;
-                            st.note_failure(lost, format!("host page: {e}"));
-                            return;
-                        }
-                    }
+            let iovs = slots[at..end].iter().map(|&s| self.pool.page_iovecs(s));
+            let iovs = match iovs.collect::<std::result::Result<Vec<_>, _>>() {
+                Ok(iovs) => iovs,
+                Err(e) => {
+                    tracing::error!(error = %e, "bad host page in a prefetch");
+                    let mut st = self.shared.state.lock();
+                    st.failed = true;
+                    let lost = slots.len() - st.completed;
+                    st.note_failure(lost, format!("host page: {e}"));
+                    return;
                 }
-                self.storage
-                    .batch_get_with(chain.keys(at..end), &mut bufs, chain.context(at))
-                    .instrument(tracing::debug_span!("l3_batch_get", pages = end - at))
-                    .await
             };
+            // SAFETY: pages [at, end) are ≥ completed and this task owns them until it
+            // advances `completed` past them; the pool's mapping outlives the task.
+            let outcome = unsafe { get_batch(&*self.storage, self.layout, chain, at, &iovs) }.await;
             let (lead, error) = match outcome {
                 Ok(outcomes) => {
                     let lead = outcomes.iter().take_while(|o| o.is_hit()).count();
@@ -497,7 +504,9 @@ impl BackupBatch {
                         tracing::error!(error = %e, "bad host page in a backup");
                         self.shared.failed.store(true, Ordering::Relaxed);
                         self.shared.note_error(format!("host page: {e}"));
-                        break;
+                        // Nothing is sent: the batch's keys and buffers would not pair.
+                        (self.shared.stored_pages).fetch_add(present as u64, Ordering::Relaxed);
+                        return;
                     }
                 }
             }

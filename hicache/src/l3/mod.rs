@@ -8,6 +8,7 @@
 //! its module.
 
 mod backup;
+mod engine;
 mod jobs;
 mod prefetch;
 
@@ -19,11 +20,10 @@ use hicache_core::{KvKind, KvShape, PrefetchConfig};
 use hicache_storage::{LayoutKind, Storage, StorageConfig};
 
 pub use backup::L3_WRITE_BATCHES_IN_FLIGHT;
-pub(crate) use jobs::{
-    BackupJob, BackupShared, Chain, Latch, PageSource, iovec_parts, iovec_parts_mut,
-};
+pub(crate) use engine::L3Engine;
+pub(crate) use jobs::{BackupShared, Chain, Latch, PageSource, get_batch, present_run};
 pub use prefetch::RequestId;
-pub(crate) use prefetch::{MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd};
+pub(crate) use prefetch::{MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd, may_end};
 
 use crate::config::HiCacheConfig;
 use crate::error::{HiCacheError, Result};
@@ -74,19 +74,15 @@ impl WarnLimit {
 
 /// The attached L3 tier.
 pub(crate) struct L3 {
-    runtime: tokio::runtime::Runtime,
-    storage: Arc<dyn Storage>,
+    /// The backend, the tasks' runtime, the write permits, pages per call.
+    engine: L3Engine,
     config: StorageConfig,
     prefetch: PrefetchConfig,
-    /// Pages per backend call.
-    batch: usize,
     page_size: usize,
     page_bytes: usize,
     layout: LayoutKind,
     prefetches: BTreeMap<u64, PrefetchOp>,
     backups: VecDeque<BackupOp>,
-    /// One permit per write batch in flight, over every backup.
-    write_permits: Arc<tokio::sync::Semaphore>,
     /// Finished or revoked prefetches whose task may still hand pages back.
     draining: Vec<Arc<FetchShared>>,
     /// Host pages held by in-flight prefetches, and the most they may hold.
@@ -140,7 +136,8 @@ impl L3 {
             ));
         }
         storage.register_memory(tiers.host_pool.region())?;
-        let batch = cfg.storage_batch_pages.min(info.max_batch.max(1));
+        let engine = L3Engine::new(storage, runtime, Some(cfg.storage_batch_pages));
+        let batch = engine.batch;
         let capacity_pages =
             ((tiers.host_pool.num_pages() as f64) * cfg.prefetch_capacity_ratio) as usize;
         let backup_skip = matches!(shape.kind, KvKind::Mla { .. }) && rank != 0;
@@ -151,19 +148,16 @@ impl L3 {
                 "hicache_storage_pass_prefix_keys is on, but the backend does not use prefix keys"
             );
         }
-        tiers.metrics.set_storage(Some(storage.clone()));
+        tiers.metrics.set_storage(Some(engine.storage.clone()));
         Ok(Self {
-            runtime,
-            storage,
+            engine,
             prefetch: prefetch_config(cfg, &config),
             config,
-            batch,
             page_size: cfg.page_size as usize,
             page_bytes: shape.page_bytes(),
             layout: cfg.mem_layout,
             prefetches: BTreeMap::new(),
             backups: VecDeque::new(),
-            write_permits: Arc::new(tokio::sync::Semaphore::new(L3_WRITE_BATCHES_IN_FLIGHT)),
             draining: Vec::new(),
             occupied_pages: 0,
             capacity_pages: capacity_pages.max(1),
@@ -178,7 +172,7 @@ impl L3 {
 
     /// The backend's name.
     pub fn backend_name(&self) -> String {
-        self.storage.info().name
+        self.engine.storage.info().name
     }
 
     /// The name the tier was attached under (`StorageConfig::backend`).
@@ -189,9 +183,9 @@ impl L3 {
     /// Clears every namespace of `ids` in the backend (on the tier's runtime); returns the
     /// pages removed.
     pub fn clear(&self, ids: &[hicache_core::NamespaceId]) -> Result<u64> {
-        let storage = self.storage.clone();
+        let storage = self.engine.storage.clone();
         let ids = ids.to_vec();
-        self.runtime.block_on(async move {
+        self.engine.block_on(async move {
             let mut n = 0;
             for id in ids {
                 n += storage.clear(id).await?;
@@ -224,7 +218,7 @@ impl L3 {
         self.finish_backups(n, complete, tiers, events)?;
         self.collect_leftovers(true, tiers)?;
         tiers.metrics.set_storage(None);
-        self.runtime.shutdown_timeout(SHUTDOWN_WAIT);
+        self.engine.close();
         tracing::info!("L3 detached");
         Ok(ends)
     }

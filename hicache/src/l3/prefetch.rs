@@ -32,7 +32,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hicache_core::{HiRadixTree, HostSlot, MatchResult, NodeId, PageKey, PrefetchPolicy, TenantId};
+use hicache_core::{
+    HiRadixTree, HostSlot, MatchResult, NodeId, PageKey, PrefetchConfig, PrefetchPolicy, TenantId,
+};
 
 use super::L3;
 use super::jobs::{FetchShared, QueryJob};
@@ -77,41 +79,34 @@ pub(crate) struct PrefetchOp {
     room_waits: u32,
 }
 
-/// One prefetch's values in the per-tick exchange (reduced with `min` over ranks).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct PrefetchCounts {
-    /// The lookup finished.
-    pub query_done: bool,
-    /// Leading pages present in L3.
-    pub hit_pages: u64,
-    /// Pages fetched, from the first.
-    pub completed_pages: u64,
-    /// The policy allows ending the prefetch now.
-    pub may_end: bool,
+crate::agree::exchanged_counts! {
+    /// One prefetch's values in the per-tick exchange (reduced with `min` over ranks).
+    pub(crate) struct PrefetchCounts {
+        /// The lookup finished.
+        pub query_done: bool,
+        /// Leading pages present in L3.
+        pub hit_pages: u64,
+        /// Pages fetched, from the first.
+        pub completed_pages: u64,
+        /// The policy allows ending the prefetch now.
+        pub may_end: bool,
+    }
 }
 
-impl PrefetchCounts {
-    /// Values per prefetch in the exchange.
-    pub const LEN: usize = 4;
-
-    /// The exchanged values.
-    pub fn encode(&self) -> [u64; Self::LEN] {
-        [
-            self.query_done as u64,
-            self.hit_pages,
-            self.completed_pages,
-            self.may_end as u64,
-        ]
-    }
-
-    /// From the exchanged values.
-    pub fn decode(v: &[u64]) -> Self {
-        Self {
-            query_done: v[0] == 1,
-            hit_pages: v[1],
-            completed_pages: v[2],
-            may_end: v[3] == 1,
-        }
+/// Whether `policy` lets a prefetch started at `started` end now (SGLang's
+/// `can_terminate_prefetch`): `best_effort` at any time, `wait_complete` once its read is
+/// `done`, `timeout` then or once the budget for its `hit_tokens` has passed. Both
+/// controllers decide with it.
+pub(crate) fn may_end(
+    policy: &PrefetchConfig,
+    done: bool,
+    started: Instant,
+    hit_tokens: u64,
+) -> bool {
+    match policy.policy {
+        PrefetchPolicy::BestEffort => true,
+        PrefetchPolicy::WaitComplete => done,
+        PrefetchPolicy::Timeout => done || started.elapsed() > policy.timeout(hit_tokens),
     }
 }
 
@@ -193,7 +188,7 @@ impl L3 {
         let pages = tokens.len() / ps;
         let shared = Arc::new(FetchShared::default());
         let job = QueryJob {
-            storage: self.storage.clone(),
+            storage: self.engine.storage.clone(),
             pool: tiers.host_pool.clone(),
             hasher,
             namespace: start.namespace_id,
@@ -201,11 +196,11 @@ impl L3 {
             prefix,
             tokens: tokens.clone(),
             page_size: ps,
-            batch: self.batch,
+            batch: self.engine.batch,
             layout: self.layout,
             shared: shared.clone(),
         };
-        self.runtime.spawn(job.run());
+        self.engine.spawn(job.run());
         let seq = self.next_seq;
         self.next_seq += 1;
         self.prefetches.insert(
@@ -239,13 +234,12 @@ impl L3 {
         // As SGLang: the budget grows with the pages the query found (`len(hash)` after the
         // query; none while it runs), not with the candidate suffix, and counts from the op's
         // creation, query time included.
-        let may_end = match self.prefetch.policy {
-            PrefetchPolicy::BestEffort => true,
-            PrefetchPolicy::WaitComplete => fetch_done,
-            PrefetchPolicy::Timeout => {
-                fetch_done || op.started.elapsed() > self.prefetch.timeout(hit * page_size as u64)
-            }
-        };
+        let may_end = may_end(
+            &self.prefetch,
+            fetch_done,
+            op.started,
+            hit * page_size as u64,
+        );
         PrefetchCounts {
             query_done,
             hit_pages: hit,
