@@ -186,8 +186,8 @@ pub struct MultiturnArgs {
     /// model.
     #[arg(long, help_heading = "Cache")]
     pub no_hybrid: bool,
-    /// With --compare, every run moves real bytes, also those whose figures do not depend on
-    /// them (L1 only, the copies-free reruns, the hybrid models), which otherwise run without
+    /// Every run moves real bytes, also those whose figures do not depend on them (L1 only,
+    /// the copies-free reruns of --compare, the hybrid models), which otherwise run without
     /// payload on the sim device (pages counted, never populated or copied). Slower; for
     /// checking that both give the same figures.
     #[arg(long, help_heading = "Cache")]
