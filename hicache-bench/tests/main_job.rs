@@ -49,6 +49,74 @@ fn main_job_through_hicache_is_consistent_and_every_tier_helps() {
     assert!(dir.path().join("report.json").is_file());
 }
 
+/// The report as JSON without what depends on this machine (wall times, and with them GB/s)
+/// or says what carried bytes.
+fn figures(report: &hicache_bench::report::Report) -> serde_json::Value {
+    fn strip(v: &mut serde_json::Value) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for k in [
+                    "wall_seconds",
+                    "seconds",
+                    "payload",
+                    "free_copy_payload",
+                    "timing",
+                ] {
+                    m.remove(k);
+                }
+                m.values_mut().for_each(strip);
+            }
+            serde_json::Value::Array(a) => a.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    let mut v = serde_json::to_value(report).unwrap();
+    strip(&mut v);
+    v
+}
+
+/// The runs whose figures do not depend on bytes (L1 only, the copies-free reruns, the hybrid
+/// models) run without payload, say so, and give exactly the figures of the same job with
+/// bytes everywhere (`--all-bytes`): hits, TTFT, bytes and pages moved, evictions.
+#[test]
+fn runs_without_payload_give_the_figures_of_runs_with_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        let mut out = Vec::new();
+        let args = tiny(&[&["--compare"], extra].concat(), dir.path());
+        let report = multiturn::run(&args, &mut out, &HiCacheFactory).unwrap();
+        (report, String::from_utf8(out).unwrap())
+    };
+    let (spare, text) = run(&[]);
+    let (bytes, bytes_text) = run(&["--all-bytes"]);
+    let [l1, l2, l3] = [&spare.runs[0], &spare.runs[1], &spare.runs[2]];
+    assert!(l1.cache.payload.counted_only, "L1 prints no bytes");
+    for s in &spare.runs[1..] {
+        assert!(!s.cache.payload.counted_only, "{} prints GB/s", s.label);
+    }
+    assert!(l2.free_copy_payload.unwrap().counted_only);
+    let l3_free = l3.free_copy_payload.unwrap();
+    assert!(l3_free.counted_only && l3_free.l3_presence_only);
+    for h in &spare.hybrid {
+        let p = h.run.cache.payload;
+        assert!(p.counted_only && p.l3_presence_only, "{}", h.model.name);
+    }
+    for r in bytes.all().chain(bytes.hybrid.iter().map(|h| &h.run)) {
+        assert!(!r.cache.payload.counted_only, "{}", r.label);
+    }
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("without payload"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        line.contains("L1,") && line.contains("L1+L2+L3 copies free"),
+        "{line}"
+    );
+    assert_eq!(text.matches("without payload").count(), 2, "{text}");
+    assert!(!bytes_text.contains("without payload"), "{bytes_text}");
+    assert_eq!(figures(&spare), figures(&bytes));
+}
+
 #[test]
 fn main_job_through_hicache_with_the_memory_backend() {
     let dir = tempfile::tempdir().unwrap();

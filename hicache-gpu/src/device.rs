@@ -24,7 +24,10 @@ pub enum DeviceKind {
 
 pub(crate) enum Backend {
     Cuda(CudaDevice),
-    Sim,
+    /// The sim device; `payload: false` is [`Device::sim_without_payload`].
+    Sim {
+        payload: bool,
+    },
 }
 
 /// One device. Cheap to clone (an `Arc`).
@@ -37,7 +40,8 @@ impl std::fmt::Debug for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &*self.backend {
             Backend::Cuda(c) => c.fmt(f),
-            Backend::Sim => f.write_str("SimDevice"),
+            Backend::Sim { payload: true } => f.write_str("SimDevice"),
+            Backend::Sim { payload: false } => f.write_str("SimDevice(without payload)"),
         }
     }
 }
@@ -55,8 +59,27 @@ impl Device {
     /// The sim device.
     pub fn sim() -> Self {
         Self {
-            backend: Arc::new(Backend::Sim),
+            backend: Arc::new(Backend::Sim { payload: true }),
         }
+    }
+
+    /// The sim device without payload, for simulations whose figures count pages and bytes
+    /// but never depend on the bytes themselves: its memory is mapped but populated only
+    /// where touched ([`alloc_zeroed`](Self::alloc_zeroed)), and its page copies (copy
+    /// kernels, memcpy plans, device-to-device copies) move no bytes, though they queue,
+    /// order and complete on their streams as on [`sim`](Self::sim). Synchronous reads and
+    /// writes ([`DeviceBuffer::read`], [`DeviceBuffer::write`]) still move bytes. Host pools
+    /// of such a device need no payload either ([`moves_payload`](Self::moves_payload)).
+    pub fn sim_without_payload() -> Self {
+        Self {
+            backend: Arc::new(Backend::Sim { payload: false }),
+        }
+    }
+
+    /// Whether the device's copies move bytes (false only for
+    /// [`sim_without_payload`](Self::sim_without_payload)).
+    pub fn moves_payload(&self) -> bool {
+        !matches!(&*self.backend, Backend::Sim { payload: false })
     }
 
     /// Whether libcuda can be loaded on this machine.
@@ -68,7 +91,7 @@ impl Device {
     pub fn kind(&self) -> DeviceKind {
         match &*self.backend {
             Backend::Cuda(_) => DeviceKind::Cuda,
-            Backend::Sim => DeviceKind::Sim,
+            Backend::Sim { .. } => DeviceKind::Sim,
         }
     }
 
@@ -76,7 +99,7 @@ impl Device {
     pub fn name(&self) -> String {
         match &*self.backend {
             Backend::Cuda(c) => c.name().to_string(),
-            Backend::Sim => "sim".into(),
+            Backend::Sim { .. } => "sim".into(),
         }
     }
 
@@ -84,7 +107,9 @@ impl Device {
     pub fn sm_count(&self) -> u32 {
         match &*self.backend {
             Backend::Cuda(c) => c.sm_count(),
-            Backend::Sim => std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+            Backend::Sim { .. } => {
+                std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
+            }
         }
     }
 
@@ -92,7 +117,7 @@ impl Device {
     pub fn compute_capability(&self) -> Option<(u32, u32)> {
         match &*self.backend {
             Backend::Cuda(c) => Some(c.compute_capability()),
-            Backend::Sim => None,
+            Backend::Sim { .. } => None,
         }
     }
 
@@ -101,7 +126,7 @@ impl Device {
     pub fn prepare_kernels(&self) -> Result<()> {
         match &*self.backend {
             Backend::Cuda(c) => c.kernels().map(|_| ()),
-            Backend::Sim => Ok(()),
+            Backend::Sim { .. } => Ok(()),
         }
     }
 
@@ -114,7 +139,7 @@ impl Device {
     pub fn alloc_zeroed(&self, len: usize) -> Result<DeviceBuffer> {
         let mem = match &*self.backend {
             Backend::Cuda(c) => Mem::Cuda(c.alloc_zeroed(len)?),
-            Backend::Sim => Mem::Sim(SimMemory::new(len)?),
+            Backend::Sim { payload } => Mem::Sim(SimMemory::new(len, *payload)?),
         };
         Ok(DeviceBuffer {
             device: self.clone(),
@@ -126,7 +151,7 @@ impl Device {
     pub fn new_stream(&self, name: &str) -> Result<Stream> {
         let inner = match &*self.backend {
             Backend::Cuda(c) => StreamInner::Cuda(c.new_stream()?),
-            Backend::Sim => StreamInner::Sim(SimStream::new(name)?),
+            Backend::Sim { .. } => StreamInner::Sim(SimStream::new(name)?),
         };
         Ok(Stream {
             device: self.clone(),
@@ -146,7 +171,7 @@ impl Device {
         match &*self.backend {
             // SAFETY: per the contract.
             Backend::Cuda(c) => unsafe { c.read(src, dst) },
-            Backend::Sim => {
+            Backend::Sim { .. } => {
                 // SAFETY: sim device memory is host memory; valid per the contract.
                 unsafe {
                     std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len())
@@ -164,7 +189,7 @@ impl Device {
         match &*self.backend {
             // SAFETY: per the contract.
             Backend::Cuda(c) => unsafe { c.write(dst, src) },
-            Backend::Sim => {
+            Backend::Sim { .. } => {
                 // SAFETY: sim device memory is host memory; valid per the contract.
                 unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
                 Ok(())
@@ -351,7 +376,7 @@ impl Stream {
                 // SAFETY: per the contract.
                 inner: StreamInner::Cuda(unsafe { c.borrow_stream(raw.cast()) }),
             }),
-            Backend::Sim => Err(GpuError::InvalidConfig(
+            Backend::Sim { .. } => Err(GpuError::InvalidConfig(
                 "borrow_cuda needs a CUDA device".into(),
             )),
         }
@@ -418,9 +443,12 @@ impl Stream {
                         Scratch::Cuda(_) => None,
                     })
                     .collect();
+                let payload = self.device.moves_payload();
                 s.run(move || {
-                    // SAFETY: per the function's contract; `keep` holds the index lists.
-                    unsafe { copy::copy_reference(&params) };
+                    if payload {
+                        // SAFETY: per the function's contract; `keep` holds the index lists.
+                        unsafe { copy::copy_reference(&params) };
+                    }
                     drop(keep);
                 })
             }
@@ -437,6 +465,7 @@ impl Stream {
         match (&self.inner, self.device.backend()) {
             // SAFETY: per the function's contract.
             (StreamInner::Cuda(s), Backend::Cuda(c)) => unsafe { c.run_plan(s, dir, &ops) },
+            (StreamInner::Sim(s), _) if !self.device.moves_payload() => s.run(move || drop(ops)),
             (StreamInner::Sim(s), _) => s.run(move || {
                 // SAFETY: per the function's contract.
                 unsafe { plan::run_plan_on_cpu(dir, &ops) }
@@ -455,6 +484,7 @@ impl Stream {
         match (&self.inner, self.device.backend()) {
             // SAFETY: per the function's contract.
             (StreamInner::Cuda(s), Backend::Cuda(c)) => unsafe { c.run_d2d(s, &copies) },
+            (StreamInner::Sim(s), _) if !self.device.moves_payload() => s.run(move || drop(copies)),
             (StreamInner::Sim(s), _) => s.run(move || {
                 for c in copies {
                     // SAFETY: sim device memory is host memory; valid and disjoint per the

@@ -84,7 +84,7 @@ impl<M: RegistrableMemory> Registration<M> {
                 pool.set_cuda_registered(true);
                 a
             }
-            Backend::Sim => region.addr as u64,
+            Backend::Sim { .. } => region.addr as u64,
         };
         Ok(Arc::new(Self {
             device: device.clone(),

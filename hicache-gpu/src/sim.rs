@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 
 use parking_lot::{Condvar, Mutex};
 
-use hicache_host::{HostMemory, HugePagePolicy};
+use hicache_host::{HostMemory, HugePagePolicy, Populate};
 
 use crate::error::{GpuError, Result};
 
@@ -25,7 +25,9 @@ pub const SIM_ALIGN: usize = 4096;
 
 /// An owned, zeroed sim allocation: an anonymous, populated mapping (huge pages when
 /// available), like the host pool, so sim "device" memory behaves like RAM that was touched
-/// before (no first-touch faults inside a timed transfer).
+/// before (no first-touch faults inside a timed transfer). Without payload
+/// ([`Device::sim_without_payload`](crate::Device::sim_without_payload)), populated only
+/// where touched: its page copies never touch it.
 #[derive(Debug)]
 pub struct SimMemory {
     map: HostMemory,
@@ -33,15 +35,20 @@ pub struct SimMemory {
 }
 
 impl SimMemory {
-    /// `len` zeroed bytes aligned to [`SIM_ALIGN`].
-    pub fn new(len: usize) -> Result<Self> {
+    /// `len` zeroed bytes aligned to [`SIM_ALIGN`], populated now (`payload`) or on touch.
+    pub fn new(len: usize, payload: bool) -> Result<Self> {
         // Huge pages only where they can pay off (a 2 MiB mapping per small buffer would not).
         let policy = if len >= 2 << 20 {
             HugePagePolicy::Auto
         } else {
             HugePagePolicy::Off
         };
-        let map = HostMemory::new(len.max(1), policy)?;
+        let populate = if payload {
+            Populate::Now
+        } else {
+            Populate::OnTouch
+        };
+        let map = HostMemory::with_population(len.max(1), policy, populate)?;
         Ok(Self { map, len })
     }
 
@@ -240,7 +247,7 @@ mod tests {
 
     #[test]
     fn memory_is_zeroed_and_aligned() {
-        let m = SimMemory::new(1000).unwrap();
+        let m = SimMemory::new(1000, true).unwrap();
         assert_eq!(m.addr() % SIM_ALIGN as u64, 0);
         // SAFETY: inside the allocation.
         let s = unsafe { std::slice::from_raw_parts(m.addr() as *const u8, m.len()) };

@@ -429,3 +429,41 @@ fn cuda_interop_is_refused_on_sim() {
     assert!(s.record().unwrap().as_raw_cuda().is_none());
     assert!(s.as_raw_cuda().is_none());
 }
+
+/// A sim device without payload queues, orders and completes every copy (per-layer events
+/// included) and moves no byte; its synchronous reads and writes still move bytes.
+#[test]
+fn a_device_without_payload_completes_copies_without_moving_bytes() {
+    let device = Device::sim_without_payload();
+    assert!(!device.moves_payload() && Device::sim().moves_payload());
+    for io in [IoBackend::Kernel, IoBackend::Direct] {
+        let fx = Fixture::new(&device, small_case(LayoutKind::PageFirst, io));
+        fx.randomize(3);
+        let before = fx.snapshot();
+        fx.engine
+            .backup(&dslots(&[0, 1, 2]), &hslots(&[3, 4, 5]), &[])
+            .unwrap()
+            .wait()
+            .unwrap();
+        let h = fx
+            .engine
+            .load(&hslots(&[6, 7]), &dslots(&[4, 5]), &[])
+            .unwrap();
+        for l in 0..h.num_layers() {
+            h.wait_layer(l).unwrap();
+            assert!(h.is_layer_done(l).unwrap());
+        }
+        h.wait().unwrap();
+        assert!(fx.snapshot() == before, "{io:?}: a copy moved bytes");
+        // The same copy on the sim device with payload does move them.
+        let real = Fixture::new(&Device::sim(), small_case(LayoutKind::PageFirst, io));
+        real.randomize(3);
+        let before = real.snapshot();
+        real.engine
+            .backup(&dslots(&[0]), &hslots(&[3]), &[])
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(real.snapshot() != before, "{io:?}");
+    }
+}

@@ -38,6 +38,8 @@ pub struct HostPoolGroupConfig {
     /// Bytes of RAM that must stay available once the whole group is mapped; `None` for
     /// `min(DEFAULT_RESERVE_BYTES, MemTotal / 4)`.
     pub reserve_bytes: Option<u64>,
+    /// When every pool of the group is populated; `None`: as each component's config says.
+    pub populate: Option<crate::Populate>,
 }
 
 impl HostPoolGroupConfig {
@@ -48,6 +50,7 @@ impl HostPoolGroupConfig {
             swa: None,
             mamba: None,
             reserve_bytes: None,
+            populate: None,
         }
     }
 
@@ -60,6 +63,13 @@ impl HostPoolGroupConfig {
     /// Adds the Mamba state pool.
     pub fn mamba(mut self, mamba: MambaPoolConfig) -> Self {
         self.mamba = Some(mamba);
+        self
+    }
+
+    /// Sets when every pool of the group is populated (overriding the components' own
+    /// setting, whenever they are added).
+    pub fn populate(mut self, populate: crate::Populate) -> Self {
+        self.populate = Some(populate);
         self
     }
 
@@ -115,8 +125,10 @@ impl HostPoolGroup {
     pub fn new(config: HostPoolGroupConfig) -> Result<Self> {
         pool::check_ram(config.total_bytes()?, config.reserve_bytes)?;
         // The group's check covers the pools: each one's own check only needs to pass.
+        let populate = config.populate;
         let kv_like = |c: HostComponent, cfg: HostPoolConfig| {
-            HostPool::new(cfg.reserve_bytes(0))
+            let populate = populate.unwrap_or(cfg.populate);
+            HostPool::new(cfg.reserve_bytes(0).populate(populate))
                 .map(Arc::new)
                 .map_err(|e| wrap(c, e))
         };
@@ -128,7 +140,8 @@ impl HostPoolGroup {
         let mamba = config
             .mamba
             .map(|cfg| {
-                MambaPool::new(cfg)
+                let populate = populate.unwrap_or(cfg.populate);
+                MambaPool::new(cfg.populate(populate))
                     .map(Arc::new)
                     .map_err(|e| wrap(HostComponent::Mamba, e))
             })
@@ -403,6 +416,19 @@ mod tests {
                 PoolSize::Pages(5),
             ))
             .reserve_bytes(0)
+    }
+
+    #[test]
+    fn the_group_populate_setting_reaches_every_pool() {
+        use crate::memory::{Backing, Populate};
+        let g =
+            HostPoolGroup::new(config(LayoutKind::PageFirst).populate(Populate::OnTouch)).unwrap();
+        assert_eq!(g.kv().memory().backing(), Backing::OnTouch);
+        assert_eq!(g.swa().unwrap().memory().backing(), Backing::OnTouch);
+        assert_eq!(g.mamba().unwrap().memory().backing(), Backing::OnTouch);
+        let g = HostPoolGroup::new(config(LayoutKind::PageFirst)).unwrap();
+        assert_ne!(g.kv().memory().backing(), Backing::OnTouch);
+        assert_ne!(g.mamba().unwrap().memory().backing(), Backing::OnTouch);
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! L2 of hicache-rs: the pinned host KV pool.
 //!
 //! - [`memory`]: one anonymous, populated mapping ([`HostMemory`]), 2 MiB huge pages when the
-//!   machine has them (hugetlb, else transparent huge pages), exposed as a
+//!   machine has them (hugetlb, else transparent huge pages), or populated on touch for pools
+//!   a payload-free simulation never copies ([`Populate`]), exposed as a
 //!   [`MemoryRegion`](hicache_core::MemoryRegion) that io_uring, RDMA and CUDA register once.
 //! - [`layout`]: [`HostLayout`], the byte offset of every `(half, page, layer, token)` row for
 //!   `layer_first`, `page_first` and `page_first_direct`, and the contiguous parts of a page.
@@ -37,7 +38,7 @@ pub use error::{AllocError, HostError, Result};
 pub use group::{HostPoolGroup, HostPoolGroupConfig};
 pub use layout::{HostLayout, PagePart, Strides};
 pub use mamba::{MambaPool, MambaPoolConfig, MambaShape, MambaSlot};
-pub use memory::{Backing, HostMemory, HugePagePolicy, reuse_dropped_mappings};
+pub use memory::{Backing, HostMemory, HugePagePolicy, Populate, reuse_dropped_mappings};
 pub use pool::{DEFAULT_RESERVE_BYTES, HostPool, HostPoolConfig, IoVec, PoolSize};
 
 /// The README's example, run as a doctest.

@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 
 use crate::alloc::{PageAllocator, Slot};
 use crate::error::{HostError, Result};
-use crate::memory::{HostMemory, HugePagePolicy};
+use crate::memory::{HostMemory, HugePagePolicy, Populate};
 use crate::pool::{self, IoVec, PoolSize};
 
 /// Alignment of each piece array inside the mapping.
@@ -137,6 +137,10 @@ pub struct MambaPoolConfig {
     pub size: PoolSize,
     /// Huge page policy.
     pub huge_pages: HugePagePolicy,
+    /// When the pool's memory is populated (see [`HostPoolConfig::populate`]).
+    ///
+    /// [`HostPoolConfig::populate`]: crate::HostPoolConfig::populate
+    pub populate: Populate,
 }
 
 impl MambaPoolConfig {
@@ -147,7 +151,14 @@ impl MambaPoolConfig {
             layout: LayoutKind::PageFirst,
             size,
             huge_pages: HugePagePolicy::Auto,
+            populate: Populate::Now,
         }
+    }
+
+    /// Sets when the pool's memory is populated.
+    pub fn populate(mut self, populate: Populate) -> Self {
+        self.populate = populate;
+        self
     }
 
     /// Slots of the pool, checked (valid shape and layout, a slot count that fits).
@@ -225,7 +236,7 @@ impl MambaPool {
                 (bytes, start)
             })
             .collect();
-        let memory = HostMemory::new(total, config.huge_pages)?;
+        let memory = HostMemory::with_population(total, config.huge_pages, config.populate)?;
         tracing::info!(slots, bytes = total, "mamba host pool mapped");
         Ok(Self {
             shape: config.shape,
@@ -256,6 +267,11 @@ impl MambaPool {
     /// Bytes of one slot (its flat data page).
     pub fn slot_bytes(&self) -> usize {
         self.pieces.iter().map(|p| p.0).sum()
+    }
+
+    /// The backing mapping.
+    pub fn memory(&self) -> &HostMemory {
+        &self.memory
     }
 
     /// The whole mapping as a [`MemoryRegion`], for io_uring / RDMA / CUDA registration.

@@ -11,6 +11,11 @@
 //! 3. Otherwise (and always for `Off`): `mmap(MAP_POPULATE)` with 4 KiB pages. `Require`
 //!    errors instead.
 //!
+//! [`Populate::OnTouch`] instead maps without populating (4 KiB pages, `MAP_NORESERVE`): a
+//! page gets its memory, zeroed, when it is first touched. For pools whose bytes nothing
+//! reads or writes (a payload-free simulation: pages counted, never copied); such a mapping is
+//! never kept for reuse nor served from kept ones.
+//!
 //! Invariant: `ptr..ptr+len` is mapped read-write from `new` until `Drop`, and nothing else in
 //! the process maps or unmaps it (a drop hands it whole to a `Mapping`, kept for reuse or
 //! unmapped). CUDA registration (`cuMemHostRegister`, done by `hicache-gpu`) must be undone
@@ -37,6 +42,18 @@ pub enum HugePagePolicy {
     Require,
 }
 
+/// When a [`HostMemory`]'s pages get their memory.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub enum Populate {
+    /// All of them before [`HostMemory::new`] returns (default): no first-touch fault ever
+    /// lands in a timed copy.
+    #[default]
+    Now,
+    /// Each 4 KiB page when first touched (`MAP_NORESERVE`, no huge pages): memory nothing
+    /// touches costs nothing. The huge page policy must not be `Require`.
+    OnTouch,
+}
+
 /// What backs a [`HostMemory`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Backing {
@@ -50,6 +67,8 @@ pub enum Backing {
         /// Bytes backed by huge pages right after population.
         huge_bytes: usize,
     },
+    /// Not populated: 4 KiB pages given on first touch ([`Populate::OnTouch`]).
+    OnTouch,
 }
 
 /// An anonymous, populated, read-write mapping (see the module docs).
@@ -58,8 +77,9 @@ pub struct HostMemory {
     ptr: NonNull<u8>,
     len: usize,
     backing: Backing,
-    /// What `new` was asked for: where the mapping may be reused when this one is dropped.
-    key: ShelfKey,
+    /// What `new` was asked for: where the mapping may be reused when this one is dropped
+    /// (`None`: never kept, an on-touch mapping).
+    key: Option<ShelfKey>,
 }
 
 // SAFETY: HostMemory is a plain owner of a mapping; the mapping has no thread affinity, and all
@@ -126,13 +146,32 @@ impl HostMemory {
     /// Maps `len` bytes (rounded up to the page size used), zero-filled and populated (or, with
     /// [`reuse_dropped_mappings`] on, a kept mapping of the same request, not zero-filled).
     pub fn new(len: usize, policy: HugePagePolicy) -> Result<Self> {
+        Self::with_population(len, policy, Populate::Now)
+    }
+
+    /// Maps `len` bytes as [`new`](Self::new) with [`Populate::Now`]; with
+    /// [`Populate::OnTouch`], an unpopulated mapping of 4 KiB pages (rounded up to them),
+    /// zero-filled as it is touched, never taken from or given to the kept mappings of
+    /// [`reuse_dropped_mappings`]. `OnTouch` with [`HugePagePolicy::Require`] is an error.
+    pub fn with_population(len: usize, policy: HugePagePolicy, populate: Populate) -> Result<Self> {
         if len == 0 {
             return Err(HostError::BadSize("cannot map 0 bytes".into()));
         }
-        let key = shelf_key(policy);
-        let mapping = match SHELF.take(key, len) {
-            Some(kept) => kept,
-            None => Self::map(len, policy)?,
+        let (key, mapping) = match populate {
+            Populate::Now => {
+                let key = shelf_key(policy);
+                let mapping = match SHELF.take(key, len) {
+                    Some(kept) => kept,
+                    None => Self::map(len, policy)?,
+                };
+                (Some(key), mapping)
+            }
+            Populate::OnTouch if policy == HugePagePolicy::Require => {
+                return Err(HostError::HugePagesUnavailable(
+                    "a mapping populated on touch uses 4 KiB pages".into(),
+                ));
+            }
+            Populate::OnTouch => (None, Self::map_on_touch(len)?),
         };
         // Ownership of the mapping passes to this HostMemory, whose drop hands it back whole.
         let mapping = std::mem::ManuallyDrop::new(mapping);
@@ -187,6 +226,29 @@ impl HostMemory {
         })
     }
 
+    /// An unpopulated mapping of `len` bytes (rounded up to 4 KiB) for [`Populate::OnTouch`].
+    fn map_on_touch(len: usize) -> Result<Mapping> {
+        let len = len.checked_next_multiple_of(SMALL).ok_or_else(|| {
+            HostError::BadSize(format!("{len} bytes overflow when rounded to 4 KiB"))
+        })?;
+        let ptr = mmap(len, libc::MAP_NORESERVE).map_err(|source| HostError::Map {
+            call: "mmap",
+            len,
+            source,
+        })?;
+        // SAFETY: advice on our own mapping; it changes performance, not semantics (a touch
+        // then zeroes 4 KiB, not a 2 MiB huge page).
+        let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_NOHUGEPAGE) };
+        if rc != 0 {
+            tracing::debug!(error = %std::io::Error::last_os_error(), "MADV_NOHUGEPAGE refused");
+        }
+        Ok(Mapping {
+            ptr,
+            len,
+            backing: Backing::OnTouch,
+        })
+    }
+
     /// Start of the mapping.
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
@@ -210,7 +272,7 @@ impl HostMemory {
     /// Whether the mapping is (at least 90%) backed by 2 MiB pages.
     pub fn huge_pages(&self) -> bool {
         match self.backing {
-            Backing::Small => false,
+            Backing::Small | Backing::OnTouch => false,
             Backing::Hugetlb => true,
             Backing::Transparent { huge_bytes } => huge_bytes >= self.len / 10 * 9,
         }
@@ -225,7 +287,10 @@ impl Drop for HostMemory {
             len: self.len,
             backing: self.backing,
         };
-        drop(SHELF.offer(self.key, self.len, mapping));
+        match self.key {
+            Some(key) => drop(SHELF.offer(key, self.len, mapping)),
+            None => drop(mapping),
+        }
     }
 }
 
@@ -386,6 +451,25 @@ mod tests {
         }
         // SAFETY: inside the mapping, exclusively ours.
         unsafe { std::ptr::write_volatile(m.as_ptr().add(m.len() - 1), 1) };
+    }
+
+    #[test]
+    fn on_touch_maps_unpopulated_zeroed_pages_never_kept() {
+        let m =
+            HostMemory::with_population(10_000, HugePagePolicy::Auto, Populate::OnTouch).unwrap();
+        assert_eq!(
+            (m.len(), m.backing(), m.huge_pages()),
+            (12_288, Backing::OnTouch, false)
+        );
+        // SAFETY: inside the mapping, exclusively ours.
+        let s = unsafe { std::slice::from_raw_parts_mut(m.as_ptr(), m.len()) };
+        assert!(s.iter().all(|&b| b == 0));
+        s.fill(7);
+        assert!(m.key.is_none(), "never offered to the kept mappings");
+        let e = HostMemory::with_population(4096, HugePagePolicy::Require, Populate::OnTouch)
+            .unwrap_err();
+        assert!(e.to_string().contains("4 KiB"), "{e}");
+        assert!(HostMemory::with_population(0, HugePagePolicy::Off, Populate::OnTouch).is_err());
     }
 
     #[test]

@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 use crate::alloc::{HostSlot, PageAllocator, Slot};
 use crate::error::{HostError, Result};
 use crate::layout::HostLayout;
-use crate::memory::{self, HostMemory, HugePagePolicy};
+use crate::memory::{self, HostMemory, HugePagePolicy, Populate};
 
 /// Default bytes of host RAM kept free by the RAM check: 10 GiB, like SGLang's
 /// `HICACHE_HOST_MEMORY_RESERVE_BYTES`, but at most a quarter of the machine's RAM so small
@@ -120,6 +120,9 @@ pub struct HostPoolConfig {
     pub size: PoolSize,
     /// Huge page policy.
     pub huge_pages: HugePagePolicy,
+    /// When the pool's memory is populated (at once by default; on touch for a pool that a
+    /// payload-free device never copies to or from).
+    pub populate: Populate,
     /// Bytes of RAM that must stay available after the pool is mapped; `None` for
     /// `min(DEFAULT_RESERVE_BYTES, MemTotal / 4)`.
     pub reserve_bytes: Option<u64>,
@@ -133,6 +136,7 @@ impl HostPoolConfig {
             layout,
             size,
             huge_pages: HugePagePolicy::Auto,
+            populate: Populate::Now,
             reserve_bytes: None,
         }
     }
@@ -140,6 +144,12 @@ impl HostPoolConfig {
     /// Sets the huge page policy.
     pub fn huge_pages(mut self, policy: HugePagePolicy) -> Self {
         self.huge_pages = policy;
+        self
+    }
+
+    /// Sets when the pool's memory is populated.
+    pub fn populate(mut self, populate: Populate) -> Self {
+        self.populate = populate;
         self
     }
 
@@ -269,7 +279,8 @@ impl HostPool {
         let layout = HostLayout::new(config.shape, config.layout, pages)?;
         let requested = layout.total_bytes() as u64;
         check_ram(requested, config.reserve_bytes)?;
-        let memory = HostMemory::new(layout.total_bytes(), config.huge_pages)?;
+        let memory =
+            HostMemory::with_population(layout.total_bytes(), config.huge_pages, config.populate)?;
         tracing::info!(
             pages,
             bytes = requested,

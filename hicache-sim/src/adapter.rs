@@ -33,7 +33,7 @@ use crate::cache::{
 use crate::copy_gate::{CopyTimer, Gated, advance_gated};
 use crate::error::{Result, SimError};
 use crate::links::Links;
-use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize, TieringMode};
+use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize, PayloadUsed, TieringMode};
 
 /// Longest wall time `advance` waits for launched work to finish before it gives up.
 const QUIET_LIMIT: Duration = Duration::from_secs(300);
@@ -50,6 +50,7 @@ pub struct HiCacheUnderTest {
     timer: CopyTimer,
     page_bytes: u64,
     refused_during_copies: u64,
+    payload: PayloadUsed,
 }
 
 fn err(e: hicache::HiCacheError) -> CacheError {
@@ -113,13 +114,17 @@ impl HiCacheUnderTest {
         let mut cfg = config_for(setup)?;
         cfg.enable_kv_events |= kv_events;
         let device = match setup.device {
-            DeviceKind::Sim => Device::sim(),
+            DeviceKind::Sim => setup.sim_device(),
             DeviceKind::Cuda => {
                 Device::cuda(0).map_err(|e| SimError::Usage(format!("--device cuda: {e}")))?
             }
         };
         let timer = CopyTimer::default();
         let registry = hicache::backends::builtin_registry()
+            .and_then(|base| match setup.l3_presence_only() {
+                true => Ok(crate::presence::presence_registry(&base)?),
+                false => Ok(base),
+            })
             .and_then(|base| Ok(timer.gated_registry(&base)?))
             .map_err(|e| SimError::Usage(format!("cannot list the backends: {e}")))?;
         let cache = HiCache::builder(cfg)
@@ -139,6 +144,7 @@ impl HiCacheUnderTest {
         }
         let counter = cache.layer_done_counter().clone();
         Ok(HiCacheUnderTest {
+            payload: setup.payload_used(),
             page_bytes: cache.shape().page_bytes() as u64,
             cache,
             counter,
@@ -323,6 +329,7 @@ impl CacheUnderTest for HiCacheUnderTest {
             l3_pages_in_flight: self.timer.l3_pages_in_flight(),
             refused_during_copies: self.refused_during_copies,
             components: None,
+            payload: self.payload,
         }
     }
 }

@@ -138,6 +138,9 @@ pub struct CacheStats {
     /// pages, and `page_bytes` is a Full page); `None` for a dense model.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub components: Option<HybridMoves>,
+    /// What the run did with page bytes (none when `counted_only`: pages counted at
+    /// `page_bytes`, never populated or copied).
+    pub payload: crate::setup::PayloadUsed,
 }
 
 /// Pages (states for Mamba) and bytes one component of a hybrid model moved, per direction.

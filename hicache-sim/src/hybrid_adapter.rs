@@ -46,7 +46,7 @@ use crate::copy_gate::{ClockRank, CopyTimer, Gated, advance_gated};
 use crate::error::{Result, SimError};
 use crate::links::Links;
 use crate::model::HybridModel;
-use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize};
+use crate::setup::{CacheFactory, CacheSetup, DeviceKind, HostSize, PayloadUsed};
 
 /// Ping-pong checkpoint slots a request of a Mamba hybrid holds beside its working state
 /// (SGLang's `extra_buffer` strategy with the overlap schedule on).
@@ -118,7 +118,12 @@ impl HybridFactory {
             Value::Object(s.extra_config.clone()),
             "--extra-config",
         )?;
-        let registry = hicache::backends::builtin_registry().map_err(|e| usage(e.to_string()))?;
+        let registry = hicache::backends::builtin_registry()
+            .and_then(|base| match setup.l3_presence_only() {
+                true => Ok(crate::presence::presence_registry(&base)?),
+                false => Ok(base),
+            })
+            .map_err(|e| usage(e.to_string()))?;
         let ctx = BackendContext {
             layout: setup.mem_layout,
             ..BackendContext::default()
@@ -149,7 +154,7 @@ impl HybridFactory {
     pub fn build_adapter(&self, setup: &CacheSetup) -> Result<HybridAdapter> {
         let ps = setup.kv_shape.page_size;
         let device = match setup.device {
-            DeviceKind::Sim => Device::sim(),
+            DeviceKind::Sim => setup.sim_device(),
             DeviceKind::Cuda => {
                 Device::cuda(0).map_err(|e| SimError::Usage(format!("--device cuda: {e}")))?
             }
@@ -192,7 +197,8 @@ impl HybridFactory {
         let cache = b.build().map_err(|e| {
             SimError::Usage(format!("cannot build the {} cache: {e}", self.model.name))
         })?;
-        Ok(HybridAdapter::new(cache, &self.model, ps, full, timer))
+        Ok(HybridAdapter::new(cache, &self.model, ps, full, timer)
+            .with_payload(setup.payload_used()))
     }
 }
 
@@ -241,6 +247,7 @@ pub struct HybridAdapter {
     hits: Hits,
     d2h_timed: u64,
     refused_during_copies: u64,
+    payload: PayloadUsed,
 }
 
 fn err(e: hicache::HiCacheError) -> CacheError {
@@ -267,6 +274,13 @@ fn moves(c: &ComponentTotals) -> ComponentMoves {
 }
 
 impl HybridAdapter {
+    /// Records what the cache does with page bytes (reported in [`CacheStats::payload`];
+    /// default: bytes moved).
+    pub fn with_payload(mut self, payload: PayloadUsed) -> Self {
+        self.payload = payload;
+        self
+    }
+
     /// The adapter over `cache` (built for `model` with `page_size` and `device_pages` Full
     /// device pages), timing copies on `timer` (whose clock bounds the cache's rank group).
     pub fn new(
@@ -292,6 +306,7 @@ impl HybridAdapter {
             storage_pages: HashMap::new(),
             hits: Hits::default(),
             d2h_timed: 0,
+            payload: PayloadUsed::default(),
             refused_during_copies: 0,
         }
     }
@@ -531,6 +546,7 @@ impl CacheUnderTest for HybridAdapter {
                 swa: moves(&t.swa),
                 mamba: moves(&t.mamba),
             }),
+            payload: self.payload,
             ..CacheStats::default()
         };
         let m = &mut stats.metrics;

@@ -19,6 +19,8 @@
 //! - [`fleet`]: a fleet of engines (each its own `hicache::HiCache`) publishing KV events
 //!   into a real `hicache_index::Index`, behind a router, on one simulated clock.
 //! - [`plan`]: the main job's parameters validated into a runnable [`Plan`].
+//! - [`presence`]: the L3 of a run without payload ([`setup::Payload::Counted`]), which
+//!   records which pages it holds and no bytes.
 #![warn(missing_docs)]
 
 pub mod adapter;
@@ -32,6 +34,7 @@ pub mod links;
 pub mod model;
 pub mod nocache;
 pub mod plan;
+pub mod presence;
 pub mod setup;
 pub mod trace;
 pub mod workload;

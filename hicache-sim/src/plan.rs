@@ -23,7 +23,7 @@ use crate::error::{Result, SimError};
 use crate::links::CopyTime;
 use crate::model::{ComputeModel, HybridModel, ModelShape};
 use crate::setup::{
-    CacheSetup, DeviceKind, HostSize, ObserveSetup, StorageSetup, TieringMode, Tiers,
+    CacheSetup, DeviceKind, HostSize, ObserveSetup, Payload, StorageSetup, TieringMode, Tiers,
 };
 use crate::trace::{self, Conversation, LongContext, MultiTurn};
 use crate::workload::{Arrivals, Distribution, ReadyPolicy, Workload};
@@ -186,6 +186,12 @@ pub struct MultiturnArgs {
     /// model.
     #[arg(long, help_heading = "Cache")]
     pub no_hybrid: bool,
+    /// Every run moves real bytes, also those whose figures do not depend on them (L1 only,
+    /// the copies-free reruns of --compare, the hybrid models), which otherwise run without
+    /// payload on the sim device (pages counted, never populated or copied). Slower; for
+    /// checking that both give the same figures.
+    #[arg(long, help_heading = "Cache")]
+    pub all_bytes: bool,
 
     // --- Model --------------------------------------------------------------------------------
     /// Layers of the simulated model [default: 32, Llama-3-8B].
@@ -733,6 +739,7 @@ pub fn plan(args: &MultiturnArgs) -> Result<Plan> {
                 kv_events: args.kv_events.clone(),
                 kv_events_hold: kv_events_hold_of(args)?,
             },
+            payload: Payload::Bytes,
         },
         configurations,
         report_dir: args.report_dir.clone().unwrap_or_else(default_report_dir),

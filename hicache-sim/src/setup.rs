@@ -101,6 +101,32 @@ impl Tiers {
     }
 }
 
+/// What a run's pages carry.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Payload {
+    /// The KV bytes (default): pools populated, pages copied, L3 pages written and read.
+    #[default]
+    Bytes,
+    /// No bytes, for runs whose figures do not depend on them (hits, TTFT, bytes moved as
+    /// counted; not GB/s). On the sim device only ([`hicache::Device::sim_without_payload`]):
+    /// pages are counted at the model's page bytes, the pools are mapped but never populated,
+    /// and page copies queue and complete without moving bytes. Its L3, where that answers
+    /// the same ([`crate::presence::stands_in_for`]), records which pages it holds and no
+    /// bytes ([`crate::presence::PresenceStorage`]); any other L3 stores and returns the
+    /// (never written, zero) pool bytes. On a CUDA device a run keeps its bytes.
+    Counted,
+}
+
+/// What a run's cache did with page bytes ([`Payload`]), as its adapter reports it.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PayloadUsed {
+    /// No bytes populated or copied (a sim device without payload).
+    pub counted_only: bool,
+    /// The L3 recorded presence only ([`crate::presence::PresenceStorage`]).
+    pub l3_presence_only: bool,
+}
+
 /// The L3 backend and its extra-config.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct StorageSetup {
@@ -146,6 +172,42 @@ pub struct CacheSetup {
     pub scratch_dir: Option<PathBuf>,
     /// Endpoints an operator watches the run through.
     pub observe: ObserveSetup,
+    /// What this run's pages carry (set per run; not recorded: each run's cache reports what
+    /// it did in [`CacheStats::payload`](crate::CacheStats::payload)).
+    #[serde(skip)]
+    pub payload: Payload,
+}
+
+impl CacheSetup {
+    /// Whether this run's cache moves no bytes: [`Payload::Counted`] on the sim device.
+    pub fn counted_only(&self) -> bool {
+        self.payload == Payload::Counted && self.device == DeviceKind::Sim
+    }
+
+    /// Whether this run's L3 is a [`crate::presence::PresenceStorage`]: a run without bytes
+    /// whose L3 backend it stands in for (in the command's fresh scratch directory).
+    pub fn l3_presence_only(&self) -> bool {
+        self.counted_only()
+            && self.tiers.storage
+            && crate::presence::stands_in_for(&self.storage, self.scratch_dir.is_some())
+    }
+
+    /// The sim device of this run: without payload when [`counted_only`](Self::counted_only).
+    pub fn sim_device(&self) -> hicache::Device {
+        if self.counted_only() {
+            hicache::Device::sim_without_payload()
+        } else {
+            hicache::Device::sim()
+        }
+    }
+
+    /// What this run's cache does with bytes, for its [`CacheStats`](crate::CacheStats).
+    pub fn payload_used(&self) -> PayloadUsed {
+        PayloadUsed {
+            counted_only: self.counted_only(),
+            l3_presence_only: self.l3_presence_only(),
+        }
+    }
 }
 
 /// `--metrics-addr` and `--kv-events`: the cache's Prometheus endpoint and KV-event publisher
@@ -216,6 +278,7 @@ mod tests {
             tiers: Tiers::L1_L2,
             scratch_dir: None,
             observe: ObserveSetup::default(),
+            payload: Payload::Bytes,
         };
         let v = serde_json::to_value(&s).unwrap();
         assert_eq!(v["io_backend"], "direct");

@@ -6,7 +6,7 @@ use hicache_core::{KvShape, Namespace, PageHasher, TreeConfig};
 use hicache_gpu::{
     Device, DevicePool, HostRegistration, LayerDoneCounter, TransferConfig, TransferEngine,
 };
-use hicache_host::{HostPool, HostPoolConfig, PoolSize};
+use hicache_host::{HostPool, HostPoolConfig, PoolSize, Populate};
 use hicache_storage::{Registry, Storage};
 
 use crate::cache::HiCache;
@@ -272,7 +272,8 @@ impl HiCacheBuilder {
     }
 
     /// The host pool's configuration: `hicache_size` bytes, or `hicache_ratio` times the
-    /// device pool; one page when the host tier is off.
+    /// device pool; one page when the host tier is off. Populated on touch when the device
+    /// moves no payload (nothing copies to or from it).
     fn host_pool_config(&self, shape: KvShape, device_pool: &DevicePool) -> HostPoolConfig {
         let cfg = &self.cfg;
         let size = if !cfg.enable_hierarchical_cache {
@@ -286,7 +287,10 @@ impl HiCacheBuilder {
                 device_pages: device_pool.num_pages(),
             }
         };
-        let host_cfg = HostPoolConfig::new(shape, cfg.mem_layout, size);
+        let mut host_cfg = HostPoolConfig::new(shape, cfg.mem_layout, size);
+        if !device_pool.device().moves_payload() {
+            host_cfg = host_cfg.populate(Populate::OnTouch);
+        }
         match self.reserve {
             Some(r) => host_cfg.reserve_bytes(r),
             None => host_cfg,

@@ -16,7 +16,7 @@ use hicache_sim::engine::{EngineConfig, RunResult};
 use hicache_sim::links::CopyTime;
 use hicache_sim::nocache::NoCache;
 use hicache_sim::plan::{Plan, counterfactual_for, plan, scratch_l3};
-use hicache_sim::setup::{CacheFactory, Tiers};
+use hicache_sim::setup::{CacheFactory, Payload, PayloadUsed, Tiers};
 use hicache_sim::{CacheUnderTest, HybridFactory, HybridModel};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::Value;
@@ -59,8 +59,14 @@ pub fn hybrid_factories() -> Result<Vec<HybridFactory>> {
 }
 
 /// One hybrid model on the plan's workload: its no-cache baseline and its run with
-/// [`HYBRID_TIERS`] on a fresh cache (and scratch L3).
-fn run_hybrid(plan: &Plan, factory: &HybridFactory, bar: &ProgressBar) -> Result<HybridColumn> {
+/// [`HYBRID_TIERS`] on a fresh cache (and scratch L3), with `payload` (the table shows bytes
+/// moved as counted, no GB/s).
+fn run_hybrid(
+    plan: &Plan,
+    factory: &HybridFactory,
+    bar: &ProgressBar,
+    payload: Payload,
+) -> Result<HybridColumn> {
     let hp = plan.for_hybrid(&factory.model);
     bar.set_message(factory.model.name.clone());
     let mut none = NoCache::new(
@@ -71,6 +77,7 @@ fn run_hybrid(plan: &Plan, factory: &HybridFactory, bar: &ProgressBar) -> Result
     let baseline = run_through(&hp, &mut none, bar, &hp.engine)?;
     let mut setup = hp.setup.clone();
     setup.tiers = HYBRID_TIERS;
+    setup.payload = payload;
     let (scratch, setup) = scratch_l3(&setup)?;
     let result = {
         let mut cache = factory.build(&setup)?;
@@ -115,21 +122,23 @@ fn run_through(
     Ok(plan.run_with(cache, &mut progress, engine_cfg)?)
 }
 
-/// Hits and TTFT of a configuration with copies free.
-type FreeCopy = (Hits, Percentiles);
+/// Hits and TTFT of a configuration with copies free, and what its cache did with bytes.
+type FreeCopy = (Hits, Percentiles, PayloadUsed);
 
-/// The copies-free counterfactual of `tiers` on a fresh cache (and scratch L3). With copies
-/// free the simulation never waits on this machine (every copy counts as complete at once) and
-/// the run reports no bytes per second, so its hits and TTFT are the same whatever runs beside
-/// it.
+/// The copies-free counterfactual of `tiers` on a fresh cache (and scratch L3), with
+/// `payload`. With copies free the simulation never waits on this machine (every copy counts
+/// as complete at once) and the run reports no bytes per second, so its hits and TTFT are the
+/// same whatever runs beside it, and with or without bytes.
 fn run_free(
     plan: &Plan,
     tiers: Tiers,
     factory: &dyn CacheFactory,
     bar: &ProgressBar,
+    payload: Payload,
 ) -> Result<FreeCopy> {
     let mut setup = plan.setup.clone();
     setup.tiers = tiers;
+    setup.payload = payload;
     let free_cfg = EngineConfig {
         copy_time: CopyTime::Free,
         ..plan.engine.clone()
@@ -138,7 +147,7 @@ fn run_free(
     let mut cache = factory.build(&setup)?;
     let r = run_through(plan, cache.as_mut(), bar, &free_cfg)?;
     let s = Summary::new(tiers.label(), &r);
-    Ok((s.hits, s.ttft))
+    Ok((s.hits, s.ttft, s.cache.payload))
 }
 
 /// The baseline: the same engine without prefix caching.
@@ -153,19 +162,21 @@ fn run_baseline(plan: &Plan, bar: &ProgressBar) -> Result<Summary> {
     Ok(Summary::new("no cache", &result))
 }
 
-/// One configuration on a fresh cache from `factory` (and a fresh scratch L3); with `hold`
-/// (`--kv-events-hold`, on the job's last run) the cache stays open after the run until a
-/// subscriber has replayed its KV events or `hold` has passed.
+/// One configuration on a fresh cache from `factory` (and a fresh scratch L3), with
+/// `payload`; with `hold` (`--kv-events-hold`, on the job's last run) the cache stays open
+/// after the run until a subscriber has replayed its KV events or `hold` has passed.
 fn run_configuration(
     plan: &Plan,
     tiers: Tiers,
     factory: &dyn CacheFactory,
     bar: &ProgressBar,
     hold: Option<Duration>,
+    payload: Payload,
 ) -> Result<Summary> {
     bar.set_message(tiers.label());
     let mut setup = plan.setup.clone();
     setup.tiers = tiers;
+    setup.payload = payload;
     let (scratch, setup) = scratch_l3(&setup)?;
     let result = {
         let mut cache = factory.build(&setup)?;
@@ -411,14 +422,26 @@ fn last_run(configurations: &[Tiers]) -> Option<usize> {
         .or(configurations.len().checked_sub(1))
 }
 
+/// What the runs whose figures do not depend on bytes carry: none (pages counted, never
+/// populated or copied), unless `--all-bytes`.
+fn payload_where_bytes_do_not_count(args: &MultiturnArgs) -> Payload {
+    if args.all_bytes {
+        Payload::Bytes
+    } else {
+        Payload::Counted
+    }
+}
+
 /// The dense table's runs: the no-cache baseline, the copies-free counterfactuals (with
-/// `counterfactual`) and the configurations that copy nothing side by side; the
-/// configurations that copy alone.
+/// `counterfactual`) and the configurations that copy nothing side by side, with `spare`
+/// (their figures do not depend on bytes); the configurations that copy alone, with bytes
+/// (their GB/s do).
 fn dense_jobs<'a>(
     plan: &'a Plan,
     factory: &'a dyn CacheFactory,
     bar: &'a ProgressBar,
     counterfactual: bool,
+    spare: Payload,
 ) -> TableJobs<'a> {
     let mut jobs = TableJobs::default();
     let hold = plan.setup.observe.kv_events_hold;
@@ -426,7 +449,10 @@ fn dense_jobs<'a>(
     for (i, &tiers) in plan.configurations.iter().enumerate() {
         if counterfactual && counterfactual_for(&tiers) {
             jobs.side_by_side.push(Job::new("dense", move || {
-                Ok(Outcome::Free(i, run_free(plan, tiers, factory, bar)?))
+                Ok(Outcome::Free(
+                    i,
+                    run_free(plan, tiers, factory, bar, spare)?,
+                ))
             }));
         }
     }
@@ -435,8 +461,13 @@ fn dense_jobs<'a>(
     }));
     for (i, &tiers) in plan.configurations.iter().enumerate() {
         let hold = hold.filter(|_| Some(i) == last);
+        let payload = if measures_speed(&tiers) {
+            Payload::Bytes
+        } else {
+            spare
+        };
         let job = Job::new("dense", move || {
-            let s = run_configuration(plan, tiers, factory, bar, hold)?;
+            let s = run_configuration(plan, tiers, factory, bar, hold, payload)?;
             Ok(Outcome::Configuration(i, s))
         });
         if measures_speed(&tiers) {
@@ -449,11 +480,12 @@ fn dense_jobs<'a>(
 }
 
 /// The hybrid table's runs: each model's no-cache baseline and cache run, side by side with
-/// other runs (the table shows bytes moved, not GB/s).
+/// other runs, with `payload` (the table shows bytes moved as counted, not GB/s).
 fn hybrid_jobs<'a>(
     plan: &'a Plan,
     factories: &'a [HybridFactory],
     bar: &'a ProgressBar,
+    payload: Payload,
 ) -> TableJobs<'a> {
     // The model with the largest pools (the last) first: the other runs' pools then fit in
     // the mappings its cache leaves (see `keep_pools_between_runs`).
@@ -463,7 +495,10 @@ fn hybrid_jobs<'a>(
         .rev()
         .map(|(i, f)| {
             Job::new("hybrid", move || {
-                Ok(Outcome::Hybrid(i, Box::new(run_hybrid(plan, f, bar)?)))
+                Ok(Outcome::Hybrid(
+                    i,
+                    Box::new(run_hybrid(plan, f, bar, payload)?),
+                ))
             })
         })
         .collect();
@@ -552,9 +587,10 @@ pub fn run(
     let mut results = Results::new(plan.configurations.len(), hybrids.len());
 
     // The longest runs (the hybrid models') first, so that the threads finish together.
+    let spare = payload_where_bytes_do_not_count(args);
     let tables = [
-        hybrid_jobs(&plan, &hybrids, &bar),
-        dense_jobs(&plan, factory, &bar, counterfactual),
+        hybrid_jobs(&plan, &hybrids, &bar, spare),
+        dense_jobs(&plan, factory, &bar, counterfactual, spare),
     ];
     let (mut side_by_side, mut alone) = (Vec::new(), Vec::new());
     for t in tables {
@@ -580,6 +616,7 @@ pub fn run(
             let mut summary = run.ok_or_else(missing)?;
             summary.free_copy_hits = free.map(|f| f.0);
             summary.free_copy_ttft = free.map(|f| f.1);
+            summary.free_copy_payload = free.map(|f| f.2);
             Ok(summary)
         })
         .collect::<Result<Vec<_>>>()?;

@@ -19,6 +19,7 @@ use crate::record::Record;
 use hicache_sim::engine::EngineConfig;
 use hicache_sim::links::CopyTime;
 use hicache_sim::model::{ComputeModel, HybridModel, ModelShape};
+use hicache_sim::setup::PayloadUsed;
 pub use summary::{Hits, Percentiles, RoundSummary, Summary, percentile};
 pub use timing::{Span, TableSeconds, Timing};
 
@@ -77,6 +78,35 @@ fn slug(label: &str) -> String {
 
 fn gb(bytes: u64) -> f64 {
     bytes as f64 / 1e9
+}
+
+/// The line saying which of `runs` (a name and what its cache did with bytes) ran without
+/// payload, and whether their L3 recorded presence only; `None` when every run moved bytes.
+fn payload_line(runs: &[(String, PayloadUsed)]) -> Option<String> {
+    let counted: Vec<&(String, PayloadUsed)> =
+        runs.iter().filter(|(_, p)| p.counted_only).collect();
+    if counted.is_empty() {
+        return None;
+    }
+    let names: Vec<&str> = counted.iter().map(|(n, _)| n.as_str()).collect();
+    let presence: Vec<&str> = counted
+        .iter()
+        .filter(|(_, p)| p.l3_presence_only)
+        .map(|(n, _)| n.as_str())
+        .collect();
+    let l3 = match presence.len() {
+        0 => String::new(),
+        n if n == counted.len() => "; their L3 recorded which pages it held, no bytes".into(),
+        _ => format!(
+            "; the L3 of {} recorded which pages it held, no bytes",
+            presence.join(", ")
+        ),
+    };
+    Some(format!(
+        "without payload (pages counted at the model's page bytes, never populated or copied; \
+         hits, TTFT and bytes moved as with bytes{l3}): {}.",
+        names.join(", ")
+    ))
 }
 
 /// A row of the table: its name and how a configuration's cell reads.
@@ -344,11 +374,17 @@ impl Report {
              on this machine.",
             self.model.name
         );
+        if let Some(line) = self.dense_payload_line() {
+            let _ = writeln!(out, "{line}");
+        }
         if let Some(line) = self.timing.table_line("dense") {
             let _ = writeln!(out, "{line}");
         }
         if !self.hybrid.is_empty() {
             out.push_str(&self.hybrid_table());
+            if let Some(line) = self.hybrid_payload_line() {
+                let _ = writeln!(out, "{line}");
+            }
             if let Some(line) = self.timing.table_line("hybrid") {
                 let _ = writeln!(out, "{line}");
             }
@@ -357,6 +393,37 @@ impl Report {
             let _ = writeln!(out, "\n{}", self.timing.total_line());
         }
         out
+    }
+
+    /// The line naming the dense table's runs that moved no bytes (columns, and copies-free
+    /// reruns), if any.
+    fn dense_payload_line(&self) -> Option<String> {
+        let mut runs: Vec<(String, PayloadUsed)> = self
+            .runs
+            .iter()
+            .map(|s| (s.label.clone(), s.cache.payload))
+            .collect();
+        let free = self.runs.iter().filter_map(|s| {
+            let p = s.free_copy_payload?;
+            Some((format!("{} copies free", s.label), p))
+        });
+        runs.extend(free);
+        payload_line(&runs)
+    }
+
+    /// The line naming the hybrid table's columns that moved no bytes, if any.
+    fn hybrid_payload_line(&self) -> Option<String> {
+        let runs: Vec<(String, PayloadUsed)> = self
+            .hybrid
+            .iter()
+            .map(|h| {
+                (
+                    format!("{} {}", h.model.name, h.run.label),
+                    h.run.cache.payload,
+                )
+            })
+            .collect();
+        payload_line(&runs)
     }
 
     /// The hybrid models' columns: each model without prefix caching and through the hybrid

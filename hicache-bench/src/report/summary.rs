@@ -7,6 +7,7 @@ use serde::Serialize;
 use hicache_sim::cache::{CacheStats, TransferStats};
 use hicache_sim::engine::{RunResult, StepKind};
 use hicache_sim::links::Links;
+use hicache_sim::setup::PayloadUsed;
 
 /// Nearest-rank percentiles of a sample, in the sample's unit.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Serialize)]
@@ -139,6 +140,8 @@ pub struct Summary {
     pub free_copy_hits: Option<Hits>,
     /// TTFT of that counterfactual run (s).
     pub free_copy_ttft: Option<Percentiles>,
+    /// What that counterfactual run did with page bytes.
+    pub free_copy_payload: Option<PayloadUsed>,
 }
 
 impl Summary {
@@ -212,6 +215,7 @@ impl Summary {
             links: run.links.clone(),
             free_copy_hits: None,
             free_copy_ttft: None,
+            free_copy_payload: None,
         }
     }
 

@@ -7,7 +7,7 @@ use hicache_core::{KvShape, LayoutKind, Namespace, PageHasher, UnifiedTree};
 use hicache_gpu::{Device, DevicePool, TransferConfig};
 use hicache_host::{
     HostPool, HostPoolConfig, HostPoolGroup, HostPoolGroupConfig, MambaPoolConfig, MambaShape,
-    PoolSize,
+    PoolSize, Populate,
 };
 use hicache_storage::Storage;
 
@@ -281,8 +281,9 @@ impl HybridCacheBuilder {
         })
     }
 
-    /// The host pool group: Full KV, SWA KV, Mamba states, sized by [`Self::host_sizes`].
-    fn host_group(&self, full: KvShape) -> Result<HostPoolGroup> {
+    /// The host pool group: Full KV, SWA KV, Mamba states, sized by [`Self::host_sizes`];
+    /// populated on touch for a device without payload (nothing copies to or from them).
+    fn host_group(&self, full: KvShape, device: &Device) -> Result<HostPoolGroup> {
         let [full_size, swa_size, mamba_size] = self.host_sizes(full);
         let kv = |shape, size| HostPoolConfig::new(shape, self.host_layout, size);
         let mut cfg = HostPoolGroupConfig::new(kv(full, full_size));
@@ -303,6 +304,9 @@ impl HybridCacheBuilder {
         if let Some(r) = self.reserve {
             cfg = cfg.reserve_bytes(r);
         }
+        if !device.moves_payload() {
+            cfg = cfg.populate(Populate::OnTouch);
+        }
         Ok(HostPoolGroup::new(cfg)?)
     }
 
@@ -310,7 +314,7 @@ impl HybridCacheBuilder {
     pub fn build(self) -> Result<HybridCache> {
         let full = self.validate()?;
         let device = self.device.clone().unwrap_or_else(Device::sim);
-        let group = Arc::new(self.host_group(full)?);
+        let group = Arc::new(self.host_group(full, &device)?);
         let kv_part = |shape, pages, host: &Arc<HostPool>| {
             let dev = Arc::new(DevicePool::new(&device, shape, pages)?);
             KvPart::new(dev, host.clone(), self.transfer)
