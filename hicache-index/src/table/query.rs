@@ -1,57 +1,47 @@
 //! Prefix queries: the walk down a chain, and the [`Answer`] it writes.
 //!
-//! The answer is a dense row per holder id (reused across queries: only the rows of the last
-//! answer's instances are reset), so a consumer reads an instance's overlap in O(1)
-//! ([`Answer::get`]) and a router's per-instance cost loop needs no map from holder to answer.
+//! The walk works on bitsets over holder ids, one word per 64 holders (a fleet of 1,152
+//! holders is 18 words a set):
+//! - the *current set*, per tier the instances holding the current block themselves (`B1`,
+//!   `B2`, `B3`), the stores holding it (`SP`), and the instances reading one of them (`ST`);
+//! - the *runs*: `R1` the instances holding every block so far in L1, `R2` in L1 or L2, `R3`
+//!   in any tier or through a store they read; and the same at the first block (`F1`, `F2`,
+//!   `F3`, where `F3` are the answer's instances).
 //!
-//! The walk (see [`Index::query`]): the chain's blocks are looked up first, as far as anyone
-//! holds them (independent probes, which the processor overlaps). The first block's holders
-//! are the candidates: each gets its row, its tier bits and its count of attached stores
-//! holding the block, and an answer as if its runs went on to the end of the chain. The walk
-//! then compares each block's holder set with the previous distinct one (a run of blocks
-//! sharing one set costs one comparison of two references) and applies only the *difference*
-//! of the two sorted sets: the candidates it touches are re-evaluated (a run that ends is
-//! written at this depth, a candidate holding nothing more leaves); everyone else is not
-//! visited. Equal stretches of the two sets are skipped eight words at a time. So a query
-//! costs its lookups, one pass over the first block's holders, and the differences between
-//! consecutive sets, never a pass over every candidate per set change.
+//! The chain's blocks are looked up first, as far as anyone holds them (independent probes,
+//! which the processor overlaps). The first block's set fills the current set and the runs.
+//! The walk then compares each block's holder set with the previous distinct one (a run of
+//! blocks sharing one set costs one comparison of two references) and applies only the
+//! *difference* of the two sorted sets to the current set (or rebuilds it, when the new set is
+//! much smaller), then narrows the runs word by word where the current set changed (`R1 &=
+//! B1`, …): the instances whose run ended are written at this depth in `ends`, and only they.
+//! So a query costs its lookups, one pass over the first block's holders, the differences
+//! between consecutive sets, and one write per run that ends: never a pass over every
+//! instance per set change, and nothing for the runs that go on to the chain's end.
 //!
-//! Invariants (kept by [`Answer::reset`] and the walk):
-//! 1. Outside a query, every row is zero except the rows named in `cands`, which hold the
-//!    last answer (`l3 > 0`); a row with `l3 == 0` is no answer.
-//! 2. During the walk, for a live candidate `h` at depth `d`: `own` is its tier bits in the
-//!    set of the last distinct block, `stores` the number of its attached stores holding that
-//!    block; `RUN1` / `RUN2` say whether its L1 / L1-or-L2 runs still go on (then its `l1` /
-//!    `l2` are the chain's matched length, else where they ended), and its `l3` is the chain's
-//!    matched length until it leaves.
+//! [`Answer::get`] reads an instance's answer from the bits and `ends` in O(1), so a router's
+//! per-instance cost loop needs no map from holder to answer; [`Answer::iter`] lists the
+//! answers in holder order (the set bits of `F3`).
+//!
+//! Invariants (after a query or a push): for holder `h` and tier `t` (0: L1, 1: L2 cumulative,
+//! 2: L3 cumulative), `R_t ⊆ F_t`, `F1 ⊆ F2 ⊆ F3`; its answer's `l_t` is `total` where `R_t`
+//! holds `h`, `ends[h][t]` where only `F_t` does (written when the run ended, or by a push),
+//! 0 where neither does.
 
 use super::{HolderId, Index, KIND_INSTANCE, KIND_STORE, QueryMatch};
 use crate::chain::BlockHash;
 
-/// The row's candidate still matches.
-const LIVE: u8 = 1 << 2;
-/// Its L1 run goes on.
-const RUN1: u8 = 1;
-/// Its L1-or-L2 run goes on.
-const RUN2: u8 = 1 << 1;
-/// It is in the list of rows to re-evaluate at this depth.
-const TOUCHED: u8 = 1 << 3;
-/// The row is named in the answer's list (`cands`).
-const LISTED: u8 = 1 << 4;
-
-/// One holder's row: its answer, and the walk's state for it.
-#[derive(Clone, Copy, Debug, Default)]
-struct Row {
-    /// Tier bits of the holder itself in the current set (bit 0 L1, 1 L2, 2 L3).
-    own: u8,
-    /// `LIVE`, `RUN1`, `RUN2`, `TOUCHED`, `LISTED`.
-    state: u8,
-    /// Its attached stores holding the current block.
-    stores: u32,
-    l1: u32,
-    l2: u32,
-    l3: u32,
-}
+/// Planes of [`Answer::bits`], `words` words each (see the module docs).
+const B1: usize = 0;
+const B2: usize = 1;
+const B3: usize = 2;
+const SP: usize = 3;
+const ST: usize = 4;
+const R1: usize = 5;
+const R3: usize = 7;
+const F1: usize = 8;
+const F3: usize = 10;
+const PLANES: usize = 11;
 
 /// A query's answer: for each instance holding a prefix of the chain, its leading blocks per
 /// tier, each cumulative through the faster ones (see [`QueryMatch`]). Reuse one across
@@ -62,15 +52,31 @@ struct Row {
 /// [`push`](Self::push).
 #[derive(Clone, Debug, Default)]
 pub struct Answer {
-    /// Per holder id (see the module's invariants).
-    rows: Vec<Row>,
-    /// The holders with a row in this answer.
-    cands: Vec<u32>,
-    /// Whether `cands` is in ascending order.
-    sorted: bool,
-    /// Scratch of the walk: the chain's slots, the rows to re-evaluate.
+    /// Words per plane (64 holder ids a word).
+    words: usize,
+    /// `PLANES` bitsets of `words` words (see the module docs).
+    bits: Vec<u64>,
+    /// Per holder: where its runs ended (L1, L2, L3 cumulative), valid per the invariants.
+    ends: Vec<[u32; 3]>,
+    /// The chain's matched length (blocks anyone holds from the first).
+    total: u32,
+    /// Scratch of the walk: the chain's slots, the words whose current set changed.
     slots: Vec<u32>,
-    touched: Vec<u32>,
+    dirty: Vec<u32>,
+}
+
+#[inline]
+fn bit(h: u32) -> (usize, u64) {
+    ((h / 64) as usize, 1 << (h % 64))
+}
+
+/// Calls `f(h)` for each bit set in `word`, `base` the holder id of its bit 0.
+#[inline]
+fn each_bit(mut word: u64, base: u32, mut f: impl FnMut(u32)) {
+    while word != 0 {
+        f(base + word.trailing_zeros());
+        word &= word - 1;
+    }
 }
 
 impl Answer {
@@ -79,85 +85,113 @@ impl Answer {
         Self::default()
     }
 
-    /// Empties the answer (its rows reset, its buffers kept).
+    /// Empties the answer (its buffers kept).
     pub fn clear(&mut self) {
-        for &h in &self.cands {
-            self.rows[h as usize] = Row::default();
-        }
-        self.cands.clear();
-        self.sorted = true;
+        self.bits.fill(0);
+        self.total = 0;
     }
 
-    /// Empties the answer and makes room for holder ids below `holders`.
+    /// Empties the answer and sizes it for holder ids below `holders`.
     fn reset(&mut self, holders: usize) {
-        self.clear();
-        if self.rows.len() < holders {
-            self.rows.resize(holders, Row::default());
+        self.words = holders.div_ceil(64).max(self.words);
+        self.bits.clear();
+        self.bits.resize(PLANES * self.words, 0);
+        if self.ends.len() < self.words * 64 {
+            self.ends.resize(self.words * 64, [0; 3]);
         }
+        self.total = 0;
+    }
+
+    /// Makes room for holder id `h`, keeping what the answer holds.
+    fn grow(&mut self, h: u32) {
+        let words = (h as usize / 64 + 1).max(self.words);
+        if words == self.words {
+            return;
+        }
+        let mut bits = vec![0; PLANES * words];
+        for p in 0..PLANES {
+            bits[p * words..p * words + self.words]
+                .copy_from_slice(&self.bits[p * self.words..(p + 1) * self.words]);
+        }
+        self.bits = bits;
+        self.words = words;
+        self.ends.resize(words * 64, [0; 3]);
     }
 
     /// Adds (or replaces) an instance's answer; one with `l3 == 0` is left out, as
     /// [`Index::query`] leaves out instances that match nothing.
     pub fn push(&mut self, m: QueryMatch) {
-        let h = m.holder.0 as usize;
-        if self.rows.len() <= h {
-            self.rows.resize(h + 1, Row::default());
-        }
-        let row = &mut self.rows[h];
-        if row.state & LISTED == 0 {
-            if m.l3 == 0 {
-                return;
+        let h = m.holder.0;
+        self.grow(h);
+        let (w, b) = bit(h);
+        let words = self.words;
+        for (t, l) in [m.l1, m.l2, m.l3].into_iter().enumerate() {
+            self.bits[(R1 + t) * words + w] &= !b;
+            let f = &mut self.bits[(F1 + t) * words + w];
+            if l > 0 && m.l3 > 0 {
+                *f |= b;
+            } else {
+                *f &= !b;
             }
-            self.sorted &= self.cands.last().is_none_or(|&last| last < m.holder.0);
-            self.cands.push(m.holder.0);
         }
-        // A replaced answer with l3 == 0 stays listed but reads as none.
-        *row = Row {
-            own: 0,
-            state: LISTED,
-            stores: 0,
-            l1: m.l1,
-            l2: m.l2,
-            l3: m.l3,
-        };
+        self.ends[h as usize] = [m.l1, m.l2, m.l3];
     }
 
     /// Instance `holder`'s answer, if it holds a prefix of the chain.
     #[inline]
     pub fn get(&self, holder: HolderId) -> Option<QueryMatch> {
-        let row = self.rows.get(holder.0 as usize)?;
-        (row.l3 != 0).then_some(QueryMatch {
+        let (w, b) = bit(holder.0);
+        if w >= self.words || self.bits[F3 * self.words + w] & b == 0 {
+            return None;
+        }
+        let ends = self.ends[holder.0 as usize];
+        let l = |t: usize| {
+            if self.bits[(R1 + t) * self.words + w] & b != 0 {
+                self.total
+            } else if self.bits[(F1 + t) * self.words + w] & b != 0 {
+                ends[t]
+            } else {
+                0
+            }
+        };
+        Some(QueryMatch {
             holder,
-            l1: row.l1,
-            l2: row.l2,
-            l3: row.l3,
+            l1: l(0),
+            l2: l(1),
+            l3: l(2),
         })
     }
 
     /// Instances in the answer.
     pub fn len(&self) -> usize {
-        self.iter().count()
+        self.plane(F3).iter().map(|w| w.count_ones() as usize).sum()
     }
 
     /// Whether no instance holds a prefix of the chain.
     pub fn is_empty(&self) -> bool {
-        self.iter().next().is_none()
+        self.plane(F3).iter().all(|&w| w == 0)
+    }
+
+    fn plane(&self, p: usize) -> &[u64] {
+        &self.bits[p * self.words..(p + 1) * self.words]
     }
 
     /// The answers, in holder order.
     pub fn iter(&self) -> impl Iterator<Item = QueryMatch> + '_ {
-        // Few answers among many rows, listed in order: walk the list; otherwise the rows.
-        let listed = self.sorted && self.cands.len() * 8 < self.rows.len();
-        let (by_list, by_rows) = if listed {
-            (&self.cands[..], 0..0)
-        } else {
-            (&[][..], 0..self.rows.len() as u32)
-        };
-        by_list
+        self.plane(F3)
             .iter()
-            .copied()
-            .chain(by_rows)
-            .filter_map(|h| self.get(HolderId(h)))
+            .enumerate()
+            .flat_map(move |(i, &word)| {
+                let mut word = word;
+                std::iter::from_fn(move || {
+                    (word != 0).then(|| {
+                        let h = i as u32 * 64 + word.trailing_zeros();
+                        word &= word - 1;
+                        h
+                    })
+                })
+                .filter_map(|h| self.get(HolderId(h)))
+            })
     }
 
     /// The answers in holder order, collected.
@@ -202,90 +236,89 @@ impl Index {
     pub fn query(&self, hashes: &[BlockHash], answer: &mut Answer) {
         answer.reset(self.holders.len());
         let Answer {
-            rows,
-            cands,
-            sorted,
+            words,
+            bits,
+            ends,
+            total,
             slots,
-            touched,
+            dirty,
         } = answer;
+        let w = *words;
         slots.clear();
         slots.extend(hashes.iter().map_while(|b| self.blocks.lookup(*b)));
         let Some(&first) = slots.first() else {
             return;
         };
-        let total = slots.len() as u32;
-        // The first block's holders are the candidates.
-        self.for_holders(self.blocks.entries(first), |h, bit| {
-            let row = &mut rows[h as usize];
-            if row.state & LISTED == 0 {
-                row.state = LISTED | LIVE;
-                cands.push(h);
+        *total = slots.len() as u32;
+        let (cur, runs) = bits.split_at_mut(R1 * w);
+        self.fill_set(self.blocks.entries(first), cur, w);
+        self.readers_of_present(cur, w);
+        let mut live = 0usize;
+        for i in 0..w {
+            let b1 = cur[B1 * w + i];
+            let b12 = b1 | cur[B2 * w + i];
+            let all = b12 | cur[B3 * w + i] | cur[ST * w + i];
+            for (p, v) in [b1, b12, all].into_iter().enumerate() {
+                runs[p * w + i] = v;
+                runs[(F1 - R1 + p) * w + i] = v;
             }
-            if bit == 0 {
-                row.stores += 1;
-            } else {
-                row.own |= bit;
-            }
-        });
-        for &h in cands.iter() {
-            let row = &mut rows[h as usize];
-            let l1 = row.own & 1 != 0;
-            let l2 = row.own & 3 != 0;
-            row.state |= u8::from(l1) * RUN1 | u8::from(l2) * RUN2;
-            row.l1 = if l1 { total } else { 0 };
-            row.l2 = if l2 { total } else { 0 };
-            row.l3 = total;
+            live += all.count_ones() as usize;
         }
-        *sorted = cands.is_sorted();
-        if !*sorted && cands.len() * 8 < rows.len() {
-            cands.sort_unstable();
-            *sorted = true;
-        }
-        let mut live = cands.len();
         let mut prev = first;
         for (d, &slot) in slots.iter().enumerate().skip(1) {
             if self.blocks.same_set(slot, prev) {
                 continue;
             }
+            let (a, b) = (self.blocks.entries(prev), self.blocks.entries(slot));
+            dirty.clear();
+            // Rebuilding the current set costs its `4w` words and the new set; applying the
+            // difference, both sets.
+            let everywhere = if a.len() > 4 * w + b.len() {
+                cur[..ST * w].fill(0);
+                self.fill_set(b, cur, w);
+                true
+            } else {
+                let mut stores = false;
+                diff(a, b, |e, _| {
+                    let h = e >> 2;
+                    let (i, m) = bit(h);
+                    match self.kinds[h as usize] {
+                        KIND_INSTANCE => {
+                            cur[(e & 3) as usize * w + i] ^= m;
+                            if dirty.last() != Some(&(i as u32)) {
+                                dirty.push(i as u32);
+                            }
+                        }
+                        KIND_STORE => {
+                            cur[SP * w + i] ^= m;
+                            stores = true;
+                        }
+                        _ => {}
+                    }
+                });
+                stores
+            };
+            if everywhere {
+                self.readers_of_present(cur, w);
+                dirty.clear();
+                dirty.extend(0..w as u32);
+            }
             let d = d as u32;
-            touched.clear();
-            diff(
-                self.blocks.entries(prev),
-                self.blocks.entries(slot),
-                |e, added| {
-                    self.for_holders(&[e], |h, bit| {
-                        let row = &mut rows[h as usize];
-                        if row.state & LIVE == 0 {
-                            return;
+            for &i in dirty.iter() {
+                let i = i as usize;
+                let b1 = cur[B1 * w + i];
+                let b12 = b1 | cur[B2 * w + i];
+                let all = b12 | cur[B3 * w + i] | cur[ST * w + i];
+                for (t, held) in [b1, b12, all].into_iter().enumerate() {
+                    let run = &mut runs[t * w + i];
+                    let ended = *run & !held;
+                    if ended != 0 {
+                        *run &= held;
+                        each_bit(ended, i as u32 * 64, |h| ends[h as usize][t] = d);
+                        if t == R3 - R1 {
+                            live -= ended.count_ones() as usize;
                         }
-                        match (bit, added) {
-                            (0, true) => row.stores += 1,
-                            (0, false) => row.stores -= 1,
-                            (_, true) => row.own |= bit,
-                            (_, false) => row.own &= !bit,
-                        }
-                        if row.state & TOUCHED == 0 {
-                            row.state |= TOUCHED;
-                            touched.push(h);
-                        }
-                    });
-                },
-            );
-            for &h in touched.iter() {
-                let row = &mut rows[h as usize];
-                row.state &= !TOUCHED;
-                if row.state & RUN1 != 0 && row.own & 1 == 0 {
-                    row.l1 = d;
-                    row.state &= !RUN1;
-                }
-                if row.state & RUN2 != 0 && row.own & 3 == 0 {
-                    row.l2 = d;
-                    row.state &= !RUN2;
-                }
-                if row.own == 0 && row.stores == 0 {
-                    row.l3 = d;
-                    row.state = LISTED;
-                    live -= 1;
+                    }
                 }
             }
             if live == 0 {
@@ -295,21 +328,34 @@ impl Index {
         }
     }
 
-    /// Calls `f(instance, bit)` for every instance holding a block through these entries:
-    /// `bit` is its own tier's bit, or 0 for a store it reads.
+    /// Sets the bits of a set's entries in the current set's planes (`B1`, `B2`, `B3` for
+    /// instances, `SP` for stores); `ST` is left to [`Self::readers_of_present`].
     #[inline]
-    fn for_holders(&self, entries: &[u32], mut f: impl FnMut(u32, u8)) {
+    fn fill_set(&self, entries: &[u32], cur: &mut [u64], w: usize) {
         for &e in entries {
             let h = e >> 2;
+            let (i, m) = bit(h);
             match self.kinds[h as usize] {
-                KIND_INSTANCE => f(h, 1 << (e & 3)),
-                KIND_STORE => {
-                    if let Some(Some(store)) = self.holders.get(h as usize) {
-                        store.readers.iter().for_each(|&r| f(r, 0));
-                    }
-                }
+                KIND_INSTANCE => cur[(e & 3) as usize * w + i] |= m,
+                KIND_STORE => cur[SP * w + i] |= m,
                 _ => {}
             }
+        }
+    }
+
+    /// `ST` from `SP`: the instances reading a store that holds the current block.
+    fn readers_of_present(&self, cur: &mut [u64], w: usize) {
+        let (sp, st) = cur[SP * w..(ST + 1) * w].split_at_mut(w);
+        st.fill(0);
+        for (i, &word) in sp.iter().enumerate() {
+            each_bit(word, i as u32 * 64, |s| {
+                if let Some(Some(store)) = self.holders.get(s as usize) {
+                    for &r in &store.readers {
+                        let (j, m) = bit(r);
+                        st[j] |= m;
+                    }
+                }
+            });
         }
     }
 }
