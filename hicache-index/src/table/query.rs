@@ -28,7 +28,7 @@
 //! holds `h`, `ends[h][t]` where only `F_t` does (written when the run ended, or by a push),
 //! 0 where neither does.
 
-use super::{HolderId, Index, KIND_INSTANCE, KIND_STORE, QueryMatch};
+use super::{HolderId, Index, KIND_STORE, QueryMatch};
 use crate::chain::BlockHash;
 
 /// Planes of [`Answer::bits`], `words` words each (see the module docs).
@@ -60,9 +60,11 @@ pub struct Answer {
     ends: Vec<[u32; 3]>,
     /// The chain's matched length (blocks anyone holds from the first).
     total: u32,
-    /// Scratch of the walk: the chain's slots, the words whose current set changed.
+    /// Scratch of the walk: the chain's slots, the words whose current set changed, the
+    /// stores that came or went at this block.
     slots: Vec<u32>,
     dirty: Vec<u32>,
+    stores: Vec<u32>,
 }
 
 #[inline]
@@ -242,6 +244,7 @@ impl Index {
             total,
             slots,
             dirty,
+            stores,
         } = answer;
         let w = *words;
         slots.clear();
@@ -273,35 +276,29 @@ impl Index {
             dirty.clear();
             // Rebuilding the current set costs its `4w` words and the new set; applying the
             // difference, both sets.
-            let everywhere = if a.len() > 4 * w + b.len() {
+            if a.len() > 4 * w + b.len() {
                 cur[..ST * w].fill(0);
                 self.fill_set(b, cur, w);
-                true
+                self.readers_of_present(cur, w);
+                dirty.extend(0..w as u32);
             } else {
-                let mut stores = false;
+                stores.clear();
                 diff(a, b, |e, _| {
                     let h = e >> 2;
                     let (i, m) = bit(h);
-                    match self.kinds[h as usize] {
-                        KIND_INSTANCE => {
-                            cur[(e & 3) as usize * w + i] ^= m;
-                            if dirty.last() != Some(&(i as u32)) {
-                                dirty.push(i as u32);
-                            }
+                    if self.kinds[h as usize] == KIND_STORE {
+                        cur[SP * w + i] ^= m;
+                        stores.push(h);
+                    } else {
+                        cur[(e & 3) as usize * w + i] ^= m;
+                        if dirty.last() != Some(&(i as u32)) {
+                            dirty.push(i as u32);
                         }
-                        KIND_STORE => {
-                            cur[SP * w + i] ^= m;
-                            stores = true;
-                        }
-                        _ => {}
                     }
                 });
-                stores
-            };
-            if everywhere {
-                self.readers_of_present(cur, w);
-                dirty.clear();
-                dirty.extend(0..w as u32);
+                for &s in stores.iter() {
+                    self.store_changed(s, cur, w, dirty);
+                }
             }
             let d = d as u32;
             for &i in dirty.iter() {
@@ -330,15 +327,44 @@ impl Index {
 
     /// Sets the bits of a set's entries in the current set's planes (`B1`, `B2`, `B3` for
     /// instances, `SP` for stores); `ST` is left to [`Self::readers_of_present`].
+    ///
+    /// A set's entries are live holders' (a removed holder was cleared first), so an entry
+    /// that is not a store's is an instance's; a store's is L3 (tier 2), whose plane plus one
+    /// is `SP`.
     #[inline]
     fn fill_set(&self, entries: &[u32], cur: &mut [u64], w: usize) {
         for &e in entries {
             let h = e >> 2;
             let (i, m) = bit(h);
-            match self.kinds[h as usize] {
-                KIND_INSTANCE => cur[(e & 3) as usize * w + i] |= m,
-                KIND_STORE => cur[SP * w + i] |= m,
-                _ => {}
+            let plane = (e & 3) as usize + usize::from(self.kinds[h as usize] == KIND_STORE);
+            cur[plane * w + i] |= m;
+        }
+    }
+
+    /// Store `s` came into `SP` or left it: its readers' `ST` bits follow (a reader keeps its
+    /// bit while another store it reads is in `SP`); their words are marked `dirty`.
+    fn store_changed(&self, s: u32, cur: &mut [u64], w: usize, dirty: &mut Vec<u32>) {
+        let Some(Some(store)) = self.holders.get(s as usize) else {
+            return;
+        };
+        let (i, m) = bit(s);
+        let came = cur[SP * w + i] & m != 0;
+        for &r in &store.readers {
+            let (j, mr) = bit(r);
+            let held = came
+                || self.holders[r as usize].as_ref().is_some_and(|reader| {
+                    reader.stores.iter().any(|&o| {
+                        let (k, mo) = bit(o);
+                        cur[SP * w + k] & mo != 0
+                    })
+                });
+            if held {
+                cur[ST * w + j] |= mr;
+            } else {
+                cur[ST * w + j] &= !mr;
+            }
+            if dirty.last() != Some(&(j as u32)) {
+                dirty.push(j as u32);
             }
         }
     }
