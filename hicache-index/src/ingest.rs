@@ -317,7 +317,7 @@ impl InstanceFeed {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::table::HolderKind;
+    use crate::table::{Answer, HolderKind};
 
     fn stored(hashes: &[i64], parent: Option<i64>, tokens: &[u32], medium: &str) -> EngineEvent {
         EngineEvent::BlockStored {
@@ -357,9 +357,10 @@ mod tests {
         )
         .unwrap();
         let q = ChainHasher::new(2).hashes(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 9]);
-        let mut out = Vec::new();
+        let mut out = Answer::new();
         idx.query(&q, &mut out);
-        assert_eq!((out[0].l1, out[0].l2, out[0].l3), (2, 3, 4));
+        let m = out.to_vec()[0];
+        assert_eq!((m.l1, m.l2, m.l3), (2, 3, 4));
         assert_eq!(c.stored_blocks, 4);
 
         // Removal by engine hash; a removal of an unknown block is counted.
@@ -373,7 +374,8 @@ mod tests {
         )
         .unwrap();
         idx.query(&q, &mut out);
-        assert_eq!((out[0].l1, out[0].l2, out[0].l3), (1, 1, 1));
+        let m = out.to_vec()[0];
+        assert_eq!((m.l1, m.l2, m.l3), (1, 1, 1));
         assert_eq!(c.unknown_block, 1);
     }
 

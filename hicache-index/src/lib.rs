@@ -48,4 +48,4 @@ pub mod transport;
 pub use chain::{BlockHash, ChainHasher};
 pub use error::{IndexError, Result};
 pub use ingest::{EngineEvent, IngestCounts, InstanceFeed, tier_of_medium};
-pub use table::{HolderId, HolderKind, Index, IndexStats, QueryMatch, Tier};
+pub use table::{Answer, HolderId, HolderKind, Index, IndexStats, QueryMatch, Tier};

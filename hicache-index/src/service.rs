@@ -151,7 +151,7 @@ pub struct Service {
     pub(crate) models: BTreeMap<String, Model>,
     pub(crate) streams: BTreeMap<String, Stream>,
     pub(crate) metrics: Metrics,
-    scratch: Vec<crate::QueryMatch>,
+    scratch: crate::Answer,
     /// One router per model, built at its first decision or load report.
     pub(crate) routers: BTreeMap<String, ModelRouter>,
     pub(crate) next_auto_request: u64,
@@ -224,7 +224,7 @@ impl Service {
             models: BTreeMap::new(),
             streams: BTreeMap::new(),
             metrics: Metrics::new(),
-            scratch: Vec::new(),
+            scratch: crate::Answer::new(),
             routers: BTreeMap::new(),
             next_auto_request: AUTO_REQUEST_BASE,
         }
@@ -547,7 +547,7 @@ impl Service {
         model.index.query(&hashes, &mut self.scratch);
         let ps = u64::from(model.page_size);
         let mut answer = QueryAnswer::default();
-        for m in &self.scratch {
+        for m in self.scratch.iter() {
             match model.names.get(&m.holder) {
                 Some(Named::Stream(id)) => {
                     answer.instances.insert(

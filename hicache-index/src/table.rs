@@ -30,12 +30,15 @@
 
 mod ages;
 mod blocks;
+mod query;
 
 use self::ages::{AgeLog, CallSeen};
 use self::blocks::{BlockTable, Memo};
 use crate::chain::BlockHash;
 use crate::error::{IndexError, Result};
 use std::collections::BTreeSet;
+
+pub use self::query::Answer;
 
 /// A tier of the cache hierarchy.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -147,28 +150,6 @@ pub struct Index {
 impl Default for Index {
     fn default() -> Self {
         Self::new(None)
-    }
-}
-
-/// One instance still matching a query: where its answer is in the output, and which of its
-/// runs still go on.
-#[derive(Clone, Copy, Debug)]
-struct Candidate {
-    holder: u32,
-    /// Index of its answer in the output.
-    at: u32,
-    /// Bit 0: its L1 run goes on; bit 1: its L1-or-L2 run goes on.
-    runs: u8,
-}
-
-impl Candidate {
-    /// A candidate whose tier bits in the first block are `mask` (bit 3: through a store).
-    fn new(holder: u32, at: usize, mask: u8) -> Self {
-        Self {
-            holder,
-            at: at as u32,
-            runs: u8::from(mask & 1 != 0) | u8::from(mask & 3 != 0) << 1,
-        }
     }
 }
 
@@ -436,199 +417,6 @@ impl Index {
         }
         self.holder_blocks -= removed;
         Ok(removed as usize)
-    }
-
-    /// The tier bits of `holder` among a block's entries (sorted by `ht`).
-    #[inline]
-    fn own_mask(entries: &[u32], holder: u32) -> u8 {
-        let lo = holder << 2;
-        let start = if entries.len() <= 8 {
-            entries
-                .iter()
-                .position(|&e| e >= lo)
-                .unwrap_or(entries.len())
-        } else {
-            entries.partition_point(|&e| e < lo)
-        };
-        let mut mask = 0;
-        for &e in &entries[start..] {
-            if e >> 2 != holder {
-                break;
-            }
-            mask |= 1 << (e & 3);
-        }
-        mask
-    }
-
-    /// Whether a block's entries hold store `s`'s L3.
-    #[inline]
-    fn has_store(entries: &[u32], s: u32) -> bool {
-        let ht = ht_of(s, 2);
-        if entries.len() <= 8 {
-            entries.contains(&ht)
-        } else {
-            entries.binary_search(&ht).is_ok()
-        }
-    }
-
-    /// The instances holding a prefix of `hashes`, in holder order, written to `out` (cleared
-    /// first).
-    ///
-    /// The chain's blocks are looked up first, as far as anyone holds them (independent
-    /// probes, which the processor overlaps). The first block's holders are the candidates,
-    /// each given its answer in `out` in holder order; the walk then goes a run of blocks with
-    /// the same holders at a time (same set, so nothing changes for anyone), and at each block
-    /// with other holders updates each candidate: a run that ends is written at this depth,
-    /// a candidate holding nothing more leaves.
-    pub fn query(&self, hashes: &[BlockHash], out: &mut Vec<QueryMatch>) {
-        out.clear();
-        let slots: Vec<u32> = hashes
-            .iter()
-            .map_while(|b| self.blocks.lookup(*b))
-            .collect();
-        let Some(&first) = slots.first() else {
-            return;
-        };
-        let mut cands: Vec<Candidate> = Vec::new();
-        // Per holder id: (depth + 1) << 4 | tier bits of the block at `depth` (bit 3: through
-        // a store), for blocks with many holders; allocated on first use.
-        let mut marks: Vec<u32> = Vec::new();
-        let answer = |holder: u32| QueryMatch {
-            holder: HolderId(holder),
-            l1: 0,
-            l2: 0,
-            l3: 0,
-        };
-        let entries = self.blocks.entries(first);
-        if entries.len() > 32 {
-            self.mark(entries, 0, &mut marks);
-            for (h, &m) in marks.iter().enumerate() {
-                if m != 0 {
-                    cands.push(Candidate::new(h as u32, out.len(), (m & 15) as u8));
-                    out.push(answer(h as u32));
-                }
-            }
-        } else {
-            let mut held: Vec<(u32, u8)> = Vec::new();
-            self.holders_of(entries, |h, bits| held.push((h, bits)));
-            held.sort_unstable_by_key(|&(h, _)| h);
-            for (i, &(h, bits)) in held.iter().enumerate() {
-                if i > 0 && held[i - 1].0 == h {
-                    let last = cands.last_mut().expect("a holder before");
-                    let runs = Candidate::new(h, 0, bits).runs;
-                    last.runs |= runs;
-                    continue;
-                }
-                cands.push(Candidate::new(h, out.len(), bits));
-                out.push(answer(h));
-            }
-        }
-        let total = slots.len() as u32;
-        let mut held_slot = first;
-        let mut depth = 0usize;
-        loop {
-            // Blocks with the same holders as block `depth`: nothing changes for anyone.
-            depth += 1;
-            while depth < slots.len() && self.blocks.same_holders(slots[depth], held_slot) {
-                depth += 1;
-            }
-            if depth == slots.len() {
-                break;
-            }
-            let slot = slots[depth];
-            let d = depth as u32;
-            let entries = self.blocks.entries(slot);
-            // Few candidates against a block held widely: look each candidate up; otherwise
-            // mark the block's holders once and read the candidates' marks.
-            let by_lookup = cands.len() * 8 < entries.len() || entries.len() <= 2;
-            if !by_lookup {
-                self.mark(entries, d, &mut marks);
-            }
-            let mut kept = 0;
-            for i in 0..cands.len() {
-                let mut c = cands[i];
-                let mask = if by_lookup {
-                    self.lookup_mask(entries, c.holder)
-                } else {
-                    let m = marks[c.holder as usize];
-                    if m >> 4 == d + 1 { (m & 15) as u8 } else { 0 }
-                };
-                let o = &mut out[c.at as usize];
-                if c.runs & 1 != 0 && mask & 1 == 0 {
-                    o.l1 = d;
-                    c.runs &= !1;
-                }
-                if c.runs & 2 != 0 && mask & 3 == 0 {
-                    o.l2 = d;
-                    c.runs &= !2;
-                }
-                if mask == 0 {
-                    o.l3 = d;
-                } else {
-                    cands[kept] = c;
-                    kept += 1;
-                }
-            }
-            cands.truncate(kept);
-            if cands.is_empty() {
-                return;
-            }
-            held_slot = slot;
-        }
-        for c in &cands {
-            let o = &mut out[c.at as usize];
-            o.l3 = total;
-            if c.runs & 1 != 0 {
-                o.l1 = total;
-            }
-            if c.runs & 2 != 0 {
-                o.l2 = total;
-            }
-        }
-    }
-
-    /// Calls `f(instance, bits)` for every instance holding a block with these entries: its
-    /// own tier bits, or bit 3 for each store it reads that holds the block.
-    #[inline]
-    fn holders_of(&self, entries: &[u32], mut f: impl FnMut(u32, u8)) {
-        for &e in entries {
-            let h = e >> 2;
-            match self.kinds[h as usize] {
-                KIND_INSTANCE => f(h, 1 << (e & 3)),
-                KIND_STORE => {
-                    if let Some(Some(store)) = self.holders.get(h as usize) {
-                        store.readers.iter().for_each(|&r| f(r, 8));
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-
-    /// Marks the holders of the block at `depth` (see `query`).
-    fn mark(&self, entries: &[u32], depth: u32, marks: &mut Vec<u32>) {
-        if marks.is_empty() {
-            marks.resize(self.holders.len(), 0);
-        }
-        let tag = (depth + 1) << 4;
-        self.holders_of(entries, |h, bits| {
-            let m = &mut marks[h as usize];
-            *m = if *m >> 4 == depth + 1 { *m } else { tag } | u32::from(bits);
-        });
-    }
-
-    /// An instance's bits in a block's entries: its own tiers, else bit 3 when a store it
-    /// reads holds the block.
-    #[inline]
-    fn lookup_mask(&self, entries: &[u32], h: u32) -> u8 {
-        let own = Self::own_mask(entries, h);
-        if own != 0 {
-            return own;
-        }
-        match self.holders.get(h as usize) {
-            Some(Some(holder)) if holder.stores.iter().any(|&s| Self::has_store(entries, s)) => 8,
-            _ => 0,
-        }
     }
 
     /// The index's accounting.

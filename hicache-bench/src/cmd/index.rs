@@ -16,7 +16,7 @@ use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use hicache_index::{HolderId, HolderKind, Index, QueryMatch, Tier};
+use hicache_index::{Answer, HolderId, HolderKind, Index, Tier};
 use serde::Deserialize;
 
 use crate::error::{BenchError, Result};
@@ -350,7 +350,7 @@ pub fn replay_ours(
         .map_err(|e| BenchError::usage(e.to_string()))?;
     let fail = |e: hicache_index::IndexError| BenchError::check_failed(e.to_string());
     let mut r = Replay::default();
-    let mut out: Vec<QueryMatch> = Vec::new();
+    let mut out = Answer::new();
     let mut line = String::new();
     let mut clock = PhaseClock::new(file.ops.len());
     for (n, op) in file.ops.iter().enumerate() {
@@ -405,7 +405,7 @@ pub fn replay_ours(
     Ok(r)
 }
 
-fn answer_line(line: &mut String, q: usize, out: &[QueryMatch], file: &EventFile) {
+fn answer_line(line: &mut String, q: usize, out: &Answer, file: &EventFile) {
     use std::fmt::Write as _;
     line.clear();
     let _ = write!(line, "{{\"q\":{q},\"holders\":{{");

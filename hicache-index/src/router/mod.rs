@@ -43,7 +43,7 @@ use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use crate::chain::{BlockHash, ChainHasher};
-use crate::table::{HolderId, Index, QueryMatch, Tier};
+use crate::table::{Answer, HolderId, Index, Tier};
 
 pub use dynamo::{DynamoConfig, TierBlocks};
 pub use hicache::{Busy, CostModel, Expected, Overlap};
@@ -122,20 +122,13 @@ pub struct IndexUnavailable(pub String);
 /// Where the router reads overlaps: the in-process [`Index`], or a remote one (a client of
 /// the service's `POST /query`), which may be down.
 pub trait OverlapSource {
-    /// The instances holding a prefix of `hashes`, as [`Index::query`] answers.
-    fn overlaps(
-        &self,
-        hashes: &[BlockHash],
-        out: &mut Vec<QueryMatch>,
-    ) -> Result<(), IndexUnavailable>;
+    /// The instances holding a prefix of `hashes`, as [`Index::query`] answers (a remote
+    /// source fills `out` with [`Answer::clear`] and [`Answer::push`]).
+    fn overlaps(&self, hashes: &[BlockHash], out: &mut Answer) -> Result<(), IndexUnavailable>;
 }
 
 impl OverlapSource for Index {
-    fn overlaps(
-        &self,
-        hashes: &[BlockHash],
-        out: &mut Vec<QueryMatch>,
-    ) -> Result<(), IndexUnavailable> {
+    fn overlaps(&self, hashes: &[BlockHash], out: &mut Answer) -> Result<(), IndexUnavailable> {
         self.query(hashes, out);
         Ok(())
     }
@@ -264,7 +257,6 @@ pub struct Router {
     policy: Policy,
     config: RouterConfig,
     instances: Vec<InstanceInfo>,
-    slot_of: HashMap<u32, usize>,
     load: LoadTracker,
     pending: pending::Pending,
     rr: round_robin::RoundRobin,
@@ -274,7 +266,7 @@ pub struct Router {
     session_clock: u64,
     stats: RouterStats,
     hashes: Vec<BlockHash>,
-    matches: Vec<QueryMatch>,
+    matches: Answer,
     overlaps: Vec<Overlap>,
 }
 
@@ -283,11 +275,6 @@ impl Router {
     pub fn new(policy: Policy, instances: Vec<InstanceInfo>, config: RouterConfig) -> Self {
         let n = instances.len();
         Self {
-            slot_of: instances
-                .iter()
-                .enumerate()
-                .map(|(i, s)| (s.holder.0, i))
-                .collect(),
             load: LoadTracker::new(n),
             pending: pending::Pending::new(n),
             rr: round_robin::RoundRobin::default(),
@@ -297,7 +284,7 @@ impl Router {
             session_clock: 0,
             stats: RouterStats::default(),
             hashes: Vec::new(),
-            matches: Vec::new(),
+            matches: Answer::new(),
             overlaps: vec![Overlap::default(); n],
             policy,
             config,
@@ -449,12 +436,13 @@ impl Router {
         }
     }
 
-    /// Per-instance overlaps in tokens from the last query, capped by the reuse rule.
+    /// Per-instance overlaps in tokens from the last query, capped by the reuse rule: each
+    /// instance reads its own answer (O(1) each, no map from holder to answer).
     fn fill_overlaps(&mut self) {
         let ps = self.config.page_size;
-        self.overlaps.fill(Overlap::default());
-        for m in &self.matches {
-            let Some(&i) = self.slot_of.get(&m.holder.0) else {
+        for i in 0..self.instances.len() {
+            let Some(m) = self.matches.get(self.instances[i].holder) else {
+                self.overlaps[i] = Overlap::default();
                 continue;
             };
             let (mut b1, mut b2, mut b3) = (m.l1 as usize, m.l2 as usize, m.l3 as usize);

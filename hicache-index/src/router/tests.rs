@@ -50,14 +50,14 @@ fn req(id: u64, tokens: &[u32], session: Option<u64>) -> RouteRequest<'_> {
 
 struct Down;
 impl OverlapSource for Down {
-    fn overlaps(&self, _: &[BlockHash], _: &mut Vec<QueryMatch>) -> Result<(), IndexUnavailable> {
+    fn overlaps(&self, _: &[BlockHash], _: &mut Answer) -> Result<(), IndexUnavailable> {
         Err(IndexUnavailable("connection refused".into()))
     }
 }
 
 struct Slow<'a>(&'a Index);
 impl OverlapSource for Slow<'_> {
-    fn overlaps(&self, h: &[BlockHash], out: &mut Vec<QueryMatch>) -> Result<(), IndexUnavailable> {
+    fn overlaps(&self, h: &[BlockHash], out: &mut Answer) -> Result<(), IndexUnavailable> {
         std::thread::sleep(Duration::from_millis(20));
         self.0.overlaps(h, out)
     }

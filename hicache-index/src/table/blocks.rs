@@ -276,11 +276,12 @@ impl BlockTable {
         }
     }
 
-    /// Whether the blocks in slots `a` and `b` have the same holders.
+    /// Whether the blocks in slots `a` and `b` refer to the same set: an inline set equal to
+    /// the other, or one shared chunk (so they have the same holders; blocks with the same
+    /// holders in two chunks are not the same set).
     #[inline]
-    pub(crate) fn same_holders(&self, a: u32, b: u32) -> bool {
+    pub(crate) fn same_set(&self, a: u32, b: u32) -> bool {
         self.slots[a as usize].set == self.slots[b as usize].set
-            || self.entries(a) == self.entries(b)
     }
 
     /// One more block refers to `set`.
@@ -540,13 +541,13 @@ mod tests {
         }
         // Ten blocks, one chunk of {1, 2, 3, 4}.
         assert_eq!(t.arena.in_use, cap_of(class_of(5)) as u64);
-        assert!(t.same_holders(slots[0], slots[9]));
+        assert!(t.same_set(slots[0], slots[9]));
         // One block diverges: copied, the others keep the shared chunk.
         let mut memo = Memo::default();
         t.insert(slots[3], 9, &mut memo);
         assert_eq!(t.entries(slots[3]), &[1, 2, 3, 4, 9]);
         assert_eq!(t.entries(slots[4]), &[1, 2, 3, 4]);
-        assert!(!t.same_holders(slots[3], slots[4]));
+        assert!(!t.same_set(slots[3], slots[4]));
         // Dropping holders from the shared run, block by block.
         let mut memo = Memo::default();
         for &s in &slots {
