@@ -463,13 +463,18 @@ impl Router {
     }
 
     /// Rule 4: the prompts routed to an instance and not finished will be in its L1 when a
-    /// request queued behind them runs; their leading blocks count as L1 overlap there.
+    /// request queued behind them runs; their leading blocks count as L1 overlap there, but
+    /// only where they reach past what the index shows on any instance or store. A prefix the
+    /// index already shows somewhere (a shared system prompt once computed) earns no credit:
+    /// crediting it would send every request that shares it to the instance it was first
+    /// routed to.
     fn credit_pending(&mut self) {
         let ps = self.config.page_size;
+        let known = self.overlaps.iter().map(|o| o.l3).max().unwrap_or(0);
         for i in 0..self.instances.len() {
             let p = self.pending.matched(i, &self.hashes) * ps;
             let o = &mut self.overlaps[i];
-            if p > o.l1 {
+            if p > known && p > o.l1 {
                 o.l1 = p;
                 o.l2 = o.l2.max(p);
                 o.l3 = o.l3.max(p);

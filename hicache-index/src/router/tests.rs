@@ -373,3 +373,34 @@ fn hicache_credits_prefixes_in_flight_on_dense_models_only() {
         Overlap::default()
     );
 }
+
+/// In-flight credit only reaches past what the index shows: instance 2 holds the shared
+/// 32-token head in L1. A prompt in flight on instance 0 extends it; the next turn (sharing 60
+/// tokens with it) is credited 60 tokens on 0, but a new conversation sharing only the head
+/// earns no credit on 0 (the index shows the head on 2), so it is not sent to 0 for it.
+#[test]
+fn in_flight_credit_covers_only_what_the_index_shows_nowhere() {
+    let (mut idx, mut feeds, infos) = fleet(3);
+    let long: Vec<u32> = (0..64).collect();
+    store(&mut idx, &mut feeds[2], &long[..32], "GPU", 500);
+    let mut next = long.clone();
+    next.extend(64..80);
+    let mut other: Vec<u32> = long[..32].to_vec();
+    other.extend(1000..1032);
+    let mut cfg = RouterConfig::new(PS);
+    cfg.credit_in_flight = true;
+    let mut r = Router::new(Policy::Hicache, infos, cfg);
+    let busy = LoadReport {
+        queued_prefill_tokens: 100_000,
+        requests: 50,
+        running_tokens: 0,
+    };
+    r.report_load(1, busy);
+    r.report_load(2, busy);
+    assert_eq!(r.route(&idx, &req(1, &long, None)).instance, 0);
+    let d = r.route(&idx, &req(2, &next, None));
+    assert_eq!((d.instance, d.overlap.l1), (0, 60));
+    let d = r.route(&idx, &req(3, &other, None));
+    assert_eq!(d.instance, 0, "instances 1 and 2 are backed up");
+    assert_eq!(d.overlap, Overlap::default());
+}
