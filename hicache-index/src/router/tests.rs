@@ -39,6 +39,13 @@ fn store(idx: &mut Index, feed: &mut InstanceFeed, tokens: &[u32], medium: &str,
     assert_eq!(c.stored_blocks, pages as u64);
 }
 
+/// The load of an instance far behind: 100,000 prompt tokens queued over 50 requests.
+const BACKED_UP: LoadReport = LoadReport {
+    queued_prefill_tokens: 100_000,
+    requests: 50,
+    running_tokens: 0,
+};
+
 fn req(id: u64, tokens: &[u32], session: Option<u64>) -> RouteRequest<'_> {
     RouteRequest {
         request: id,
@@ -349,13 +356,8 @@ fn hicache_credits_prefixes_in_flight_on_dense_models_only() {
     cfg.credit_in_flight = true;
     let mut r = Router::new(Policy::Hicache, infos.clone(), cfg.clone());
     // Instances 1 and 2 are backed up: both requests go to 0.
-    let busy = LoadReport {
-        queued_prefill_tokens: 100_000,
-        requests: 50,
-        running_tokens: 0,
-    };
-    r.report_load(1, busy);
-    r.report_load(2, busy);
+    r.report_load(1, BACKED_UP);
+    r.report_load(2, BACKED_UP);
     let first = r.route(&idx, &req(1, &long, None)).instance;
     let d = r.route(&idx, &req(2, &next, None));
     assert_eq!(d.instance, first);
@@ -390,13 +392,8 @@ fn in_flight_credit_covers_only_what_the_index_shows_nowhere() {
     let mut cfg = RouterConfig::new(PS);
     cfg.credit_in_flight = true;
     let mut r = Router::new(Policy::Hicache, infos, cfg);
-    let busy = LoadReport {
-        queued_prefill_tokens: 100_000,
-        requests: 50,
-        running_tokens: 0,
-    };
-    r.report_load(1, busy);
-    r.report_load(2, busy);
+    r.report_load(1, BACKED_UP);
+    r.report_load(2, BACKED_UP);
     assert_eq!(r.route(&idx, &req(1, &long, None)).instance, 0);
     let d = r.route(&idx, &req(2, &next, None));
     assert_eq!((d.instance, d.overlap.l1), (0, 60));
