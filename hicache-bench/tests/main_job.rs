@@ -98,10 +98,21 @@ fn runs_without_payload_give_the_figures_of_runs_with_bytes() {
     let l3_free = l3.free_copy_payload.unwrap();
     assert!(l3_free.counted_only && l3_free.l3_presence_only);
     for h in &spare.hybrid {
-        let p = h.run.cache.payload;
-        assert!(p.counted_only && p.l3_presence_only, "{}", h.model.name);
+        assert_eq!(h.runs.len(), 3, "the hybrid ladder");
+        let l3 = h.runs[2].cache.payload;
+        assert!(l3.counted_only && l3.l3_presence_only, "{}", h.model.name);
+        for s in &h.runs {
+            assert!(s.cache.payload.counted_only, "{} {}", h.model.name, s.label);
+        }
+        for s in &h.runs[1..] {
+            let free = s.free_copy_payload.unwrap_or_else(|| panic!("{}", s.label));
+            assert!(free.counted_only, "{} {}", h.model.name, s.label);
+        }
     }
-    for r in bytes.all().chain(bytes.hybrid.iter().map(|h| &h.run)) {
+    for r in bytes
+        .all()
+        .chain(bytes.hybrid.iter().flat_map(|h| h.runs.iter()))
+    {
         assert!(!r.cache.payload.counted_only, "{}", r.label);
     }
     let line = text

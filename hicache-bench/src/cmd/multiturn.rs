@@ -39,8 +39,8 @@ fn progress_bar(total: u64, hidden: bool) -> ProgressBar {
     bar
 }
 
-/// Tiers of the hybrid models' columns.
-pub const HYBRID_TIERS: Tiers = Tiers::L1_L2_L3;
+/// The hybrid models' ladder of configurations: the dense table's inclusive ones.
+pub const HYBRID_LADDER: [Tiers; 3] = [Tiers::L1, Tiers::L1_L2, Tiers::L1_L2_L3];
 
 /// Device Mamba state slots of the Mamba hybrid (its host pool holds twice as many).
 pub const MAMBA_SLOTS: usize = 16;
@@ -58,14 +58,16 @@ pub fn hybrid_factories() -> Result<Vec<HybridFactory>> {
     ])
 }
 
-/// One hybrid model on the plan's workload: its no-cache baseline and its run with
-/// [`HYBRID_TIERS`] on a fresh cache (and scratch L3), with `payload` (the table shows bytes
-/// moved as counted, no GB/s).
+/// One hybrid model on the plan's workload: its no-cache baseline and its run of each
+/// configuration of [`HYBRID_LADDER`] on a fresh cache (and scratch L3), with `payload` (the
+/// table shows bytes moved as counted, no GB/s); with `counterfactual`, each configuration
+/// that copies also runs with copies free.
 fn run_hybrid(
     plan: &Plan,
     factory: &HybridFactory,
     bar: &ProgressBar,
     payload: Payload,
+    counterfactual: bool,
 ) -> Result<HybridColumn> {
     let hp = plan.for_hybrid(&factory.model);
     bar.set_message(factory.model.name.clone());
@@ -75,22 +77,47 @@ fn run_hybrid(
         hp.engine.page_bytes,
     );
     let baseline = run_through(&hp, &mut none, bar, &hp.engine)?;
-    let mut setup = hp.setup.clone();
-    setup.tiers = HYBRID_TIERS;
-    setup.payload = payload;
-    let (scratch, setup) = scratch_l3(&setup)?;
-    let result = {
-        let mut cache = factory.build(&setup)?;
-        run_through(&hp, cache.as_mut(), bar, &hp.engine)?
-    };
-    drop(scratch);
+    let runs = HYBRID_LADDER
+        .into_iter()
+        .map(|tiers| {
+            let run = run_configuration(&hp, tiers, factory, bar, None, payload)?;
+            let free = if counterfactual && counterfactual_for(&tiers) {
+                Some(run_free(&hp, tiers, factory, bar, payload)?)
+            } else {
+                None
+            };
+            Ok(with_free_copy(run, free))
+        })
+        .collect::<Result<Vec<_>>>()?;
     Ok(HybridColumn {
         model: factory.model.clone(),
         compute: hp.compute.clone(),
         page_bytes: hp.engine.page_bytes,
         baseline: Summary::new("no cache", &baseline),
-        run: Summary::new(HYBRID_TIERS.label(), &result),
+        runs,
     })
+}
+
+/// Runs of one hybrid model: the baseline, the ladder, and with `counterfactual` the
+/// copies-free reruns.
+fn hybrid_run_count(counterfactual: bool) -> u64 {
+    let free = if counterfactual {
+        HYBRID_LADDER
+            .iter()
+            .filter(|t| counterfactual_for(t))
+            .count()
+    } else {
+        0
+    };
+    (1 + HYBRID_LADDER.len() + free) as u64
+}
+
+/// `run` with the figures of its copies-free counterfactual, if it ran one.
+fn with_free_copy(mut run: Summary, free: Option<FreeCopy>) -> Summary {
+    run.free_copy_hits = free.map(|f| f.0);
+    run.free_copy_ttft = free.map(|f| f.1);
+    run.free_copy_payload = free.map(|f| f.2);
+    run
 }
 
 /// How many runs `plan` makes: the no-cache baseline, every configuration, and with
@@ -479,13 +506,15 @@ fn dense_jobs<'a>(
     jobs
 }
 
-/// The hybrid table's runs: each model's no-cache baseline and cache run, side by side with
-/// other runs, with `payload` (the table shows bytes moved as counted, not GB/s).
+/// The hybrid table's runs: each model's no-cache baseline and ladder (and with
+/// `counterfactual` its copies-free reruns), side by side with other runs, with `payload`
+/// (the table shows bytes moved as counted, not GB/s).
 fn hybrid_jobs<'a>(
     plan: &'a Plan,
     factories: &'a [HybridFactory],
     bar: &'a ProgressBar,
     payload: Payload,
+    counterfactual: bool,
 ) -> TableJobs<'a> {
     // The model with the largest pools (the last) first: the other runs' pools then fit in
     // the mappings its cache leaves (see `keep_pools_between_runs`).
@@ -497,7 +526,7 @@ fn hybrid_jobs<'a>(
             Job::new("hybrid", move || {
                 Ok(Outcome::Hybrid(
                     i,
-                    Box::new(run_hybrid(plan, f, bar, payload)?),
+                    Box::new(run_hybrid(plan, f, bar, payload, counterfactual)?),
                 ))
             })
         })
@@ -582,14 +611,15 @@ pub fn run(
     } else {
         Vec::new()
     };
-    let runs_total = run_count(&plan, counterfactual) + 2 * hybrids.len() as u64;
+    let runs_total =
+        run_count(&plan, counterfactual) + hybrid_run_count(counterfactual) * hybrids.len() as u64;
     let bar = progress_bar(plan.workload.requests as u64 * runs_total, hidden);
     let mut results = Results::new(plan.configurations.len(), hybrids.len());
 
     // The longest runs (the hybrid models') first, so that the threads finish together.
     let spare = payload_where_bytes_do_not_count(args);
     let tables = [
-        hybrid_jobs(&plan, &hybrids, &bar, spare),
+        hybrid_jobs(&plan, &hybrids, &bar, spare, counterfactual),
         dense_jobs(&plan, factory, &bar, counterfactual, spare),
     ];
     let (mut side_by_side, mut alone) = (Vec::new(), Vec::new());
@@ -612,13 +642,7 @@ pub fn run(
         .runs
         .into_iter()
         .zip(results.free)
-        .map(|(run, free)| {
-            let mut summary = run.ok_or_else(missing)?;
-            summary.free_copy_hits = free.map(|f| f.0);
-            summary.free_copy_ttft = free.map(|f| f.1);
-            summary.free_copy_payload = free.map(|f| f.2);
-            Ok(summary)
-        })
+        .map(|(run, free)| Ok(with_free_copy(run.ok_or_else(missing)?, free)))
         .collect::<Result<Vec<_>>>()?;
     let hybrid = results
         .hybrid

@@ -62,8 +62,17 @@ pub struct HybridColumn {
     pub page_bytes: u64,
     /// Without prefix caching.
     pub baseline: Summary,
-    /// Through the hybrid cache (Full KV, SWA KV, Mamba states moved per component).
-    pub run: Summary,
+    /// Through the hybrid cache, one per configuration of the ladder (L1, L1+L2, L1+L2+L3;
+    /// Full KV, SWA KV, Mamba states moved per component), with their copies-free figures
+    /// where they copy and the job ran the counterfactual.
+    pub runs: Vec<Summary>,
+}
+
+impl HybridColumn {
+    /// The baseline followed by every configuration.
+    pub fn all(&self) -> impl Iterator<Item = &Summary> {
+        std::iter::once(&self.baseline).chain(&self.runs)
+    }
 }
 
 fn slug(label: &str) -> String {
@@ -223,6 +232,7 @@ fn copy_cost_rows() -> Vec<Row> {
         row("hits lost to copies L1", move |s| lost(s, 0)),
         row("hits lost to copies L2", move |s| lost(s, 1)),
         row("hits lost to copies L3", move |s| lost(s, 2)),
+        row("TTFT p50, copies free", move |s| free_ttft(s, |t| t.p50)),
         row("TTFT p90, copies free", move |s| free_ttft(s, |t| t.p90)),
         row("TTFT mean, copies free", move |s| free_ttft(s, |t| t.mean)),
     ]
@@ -345,7 +355,7 @@ impl Report {
     /// Every consistency violation of every configuration, the hybrid models' included
     /// (empty when consistent).
     pub fn check(&self) -> Vec<String> {
-        let hybrid = self.hybrid.iter().flat_map(|h| [&h.baseline, &h.run]);
+        let hybrid = self.hybrid.iter().flat_map(|h| h.all());
         self.all()
             .chain(hybrid)
             .flat_map(|s| s.check(self.page_size))
@@ -411,55 +421,47 @@ impl Report {
         payload_line(&runs)
     }
 
-    /// The line naming the hybrid table's columns that moved no bytes, if any.
+    /// The line naming the hybrid table's columns (and copies-free reruns) that moved no
+    /// bytes, if any.
     fn hybrid_payload_line(&self) -> Option<String> {
-        let runs: Vec<(String, PayloadUsed)> = self
-            .hybrid
-            .iter()
-            .map(|h| {
-                (
-                    format!("{} {}", h.model.name, h.run.label),
-                    h.run.cache.payload,
-                )
-            })
-            .collect();
+        let mut runs: Vec<(String, PayloadUsed)> = Vec::new();
+        for h in &self.hybrid {
+            for s in &h.runs {
+                let name = format!("{} {}", h.model.name, s.label);
+                if let Some(p) = s.free_copy_payload {
+                    runs.push((format!("{name} copies free"), p));
+                }
+                runs.push((name, s.cache.payload));
+            }
+        }
         payload_line(&runs)
     }
 
-    /// The hybrid models' columns: each model without prefix caching and through the hybrid
-    /// cache, on the same workload.
+    /// One table per hybrid model: without prefix caching and through the hybrid cache at
+    /// each configuration of the ladder, on the same workload.
     fn hybrid_table(&self) -> String {
         let mut out = String::new();
-        let _ = writeln!(
-            out,
-            "\nhybrid models, same workload (each on its own compute model; F/S/M: Full KV / \
-             sliding-window KV / Mamba states):"
-        );
-        let cols: Vec<&Summary> = self
-            .hybrid
-            .iter()
-            .flat_map(|h| [&h.baseline, &h.run])
-            .collect();
-        let header: Vec<String> = self
-            .hybrid
-            .iter()
-            .flat_map(|h| {
-                [
-                    format!("{} none", h.model.name),
-                    format!("{} {}", h.model.name, h.run.label),
-                ]
-            })
-            .collect();
-        let mut timing = timing_rows();
-        timing.truncate(7);
-        let wall = health_rows().pop();
-        let rows = [
-            hit_rows(),
-            component_rows(),
-            timing,
-            wall.into_iter().collect(),
-        ];
-        write_columns(&mut out, &header, &cols, rows.into_iter().flatten());
+        for h in &self.hybrid {
+            let _ = writeln!(
+                out,
+                "\nhybrid model {}, same workload (its own compute model; F/S/M: Full KV / \
+                 sliding-window KV / Mamba states):",
+                h.model.name
+            );
+            let cols: Vec<&Summary> = h.all().collect();
+            let header: Vec<String> = cols.iter().map(|s| s.label.clone()).collect();
+            let mut timing = timing_rows();
+            timing.truncate(7);
+            let wall = health_rows().pop();
+            let rows = [
+                hit_rows(),
+                component_rows(),
+                timing,
+                copy_cost_rows(),
+                wall.into_iter().collect(),
+            ];
+            write_columns(&mut out, &header, &cols, rows.into_iter().flatten());
+        }
         out
     }
 
@@ -519,8 +521,10 @@ impl Report {
         for h in &self.hybrid {
             let model = slug(&h.model.name);
             summary_records(&mut out, &format!("{model}/no_cache"), &h.baseline, None);
-            let label = format!("{model}/{}", slug(&h.run.label));
-            summary_records(&mut out, &label, &h.run, Some(&h.baseline));
+            for run in &h.runs {
+                let label = format!("{model}/{}", slug(&run.label));
+                summary_records(&mut out, &label, run, Some(&h.baseline));
+            }
         }
         out
     }
@@ -746,7 +750,7 @@ mod tests {
             model,
             page_bytes: 100,
             baseline: Summary::new("no cache", &run(0, 0.4, 0)),
-            run: run_h,
+            runs: vec![run_h],
         });
         r
     }
@@ -756,10 +760,10 @@ mod tests {
         let r = with_hybrid();
         assert!(r.check().is_empty(), "{:?}", r.check());
         let t = r.table();
-        let (_, hybrid) = t.split_once("hybrid models").unwrap();
+        let (_, hybrid) = t.split_once("hybrid model qwen3.5-9b").unwrap();
         let header = hybrid.lines().nth(1).unwrap();
         assert!(
-            header.contains("qwen3.5-9b none") && header.contains("qwen3.5-9b L1+L2+L3"),
+            header.contains("no cache") && header.contains("L1+L2+L3"),
             "{hybrid}"
         );
         let d2h = hybrid
@@ -795,12 +799,12 @@ mod tests {
         let v = serde_json::to_value(&r).unwrap();
         assert_eq!(v["hybrid"][0]["model"]["linear_layers"], 24);
         assert_eq!(
-            v["hybrid"][0]["run"]["cache"]["components"]["mamba"]["d2h"]["pages"],
+            v["hybrid"][0]["runs"][0]["cache"]["components"]["mamba"]["d2h"]["pages"],
             2
         );
         // A hybrid column that breaks the report's rules is reported.
         let mut bad = with_hybrid();
-        bad.hybrid[0].run.hits.l1 += 1;
+        bad.hybrid[0].runs[0].hits.l1 += 1;
         assert!(
             bad.check().iter().any(|e| e.contains("L1+L2+L3")),
             "{:?}",

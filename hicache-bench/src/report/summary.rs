@@ -5,7 +5,7 @@
 use serde::Serialize;
 
 use hicache_sim::cache::{CacheStats, TransferStats};
-use hicache_sim::engine::{RunResult, StepKind};
+use hicache_sim::engine::{RequestRecord, RunResult, StepKind};
 use hicache_sim::links::Links;
 use hicache_sim::setup::PayloadUsed;
 
@@ -113,6 +113,9 @@ pub struct Summary {
     pub ttft: Percentiles,
     /// Every TTFT, ascending (s).
     pub ttft_sorted: Vec<f64>,
+    /// What happened to each request, in send order (hits per tier, arrival, admission and
+    /// first-token times): the data behind every figure of the column.
+    pub per_request: Vec<RequestRecord>,
     /// Simulated time from first arrival to last finish (s).
     pub sim_seconds: f64,
     /// Requests per simulated second.
@@ -194,6 +197,7 @@ impl Summary {
             computed_tokens: computed,
             ttft: Percentiles::of_sorted(&ttft),
             ttft_sorted: ttft,
+            per_request: run.requests.clone(),
             sim_seconds: run.sim_seconds,
             request_throughput: per_s(run.requests.len() as f64),
             input_throughput: per_s(prompt as f64),
