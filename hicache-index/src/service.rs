@@ -864,6 +864,93 @@ mod tests {
         assert!(q.l3_stores.is_empty());
     }
 
+    /// Invariant 5: a hybrid instance's components come from its events and leave with its
+    /// table entries — `AllBlocksCleared`, a fenced restart, a dead drop — and the router
+    /// credits it only where its state is.
+    #[test]
+    fn hybrid_components_follow_the_instance_and_leave_with_its_entries() {
+        let mut svc = Service::new(ServiceConfig {
+            dead_after: Duration::from_millis(1000),
+            routing: RoutingConfig {
+                deadline: Duration::from_secs(60),
+                ..RoutingConfig::default()
+            },
+            ..ServiceConfig::default()
+        });
+        svc.register(reg("a", None), 0).unwrap();
+        svc.step("a", Input::Connected, 0);
+        let state = |ty: &str| {
+            let mut m = vec![
+                ("type".into(), ty.into()),
+                ("block_hashes".into(), Value::Array(vec![Value::from(2)])),
+                ("medium".into(), "GPU".into()),
+                ("group_idx".into(), Value::from(1)),
+                ("kv_cache_spec_kind".into(), "mamba".into()),
+            ];
+            if ty == "BlockStored" {
+                m.push(("parent_block_hash".into(), Value::from(1)));
+                m.push(("token_ids".into(), Value::Array(vec![3.into(), 4.into()])));
+                m.push(("block_size".into(), Value::from(2)));
+            }
+            Value::Map(m)
+        };
+        let full_and_state = || {
+            batch(vec![
+                stored(&[1, 2], None, &[1, 2, 3, 4], "GPU"),
+                state("BlockStored"),
+            ])
+        };
+        let recorded = |svc: &Service| {
+            let holder = svc.streams["a"].feed.instance();
+            svc.models["m"].components.recorded(holder, Tier::L1)
+        };
+        let prompt = [1, 2, 3, 4, 5, 6];
+        let credit = |svc: &mut Service| svc.route("m", &prompt, None, None).unwrap().overlap.l1;
+        // Full pages alone: a dense model, credited page by page.
+        svc.live(
+            "a",
+            0,
+            batch(vec![stored(&[1, 2], None, &[1, 2, 3, 4], "GPU")]),
+            0,
+        );
+        assert_eq!(credit(&mut svc), 4);
+        svc.live("a", 1, batch(vec![state("BlockStored")]), 0);
+        assert_eq!((recorded(&svc), credit(&mut svc)), ((0, 1), 4));
+        // The state leaves: the Full pages stay, no credit (the model is hybrid now).
+        svc.live("a", 2, batch(vec![state("BlockRemoved")]), 0);
+        assert_eq!((recorded(&svc), credit(&mut svc)), ((0, 0), 0));
+        svc.live("a", 3, full_and_state(), 0);
+        assert_eq!(credit(&mut svc), 4);
+        svc.live(
+            "a",
+            4,
+            batch(vec![Value::Map(vec![(
+                "type".into(),
+                "AllBlocksCleared".into(),
+            )])]),
+            0,
+        );
+        assert_eq!((recorded(&svc), credit(&mut svc)), ((0, 0), 0));
+        // A gap the instance cannot replay fences it: its entries go, components included.
+        svc.live("a", 5, full_and_state(), 0);
+        assert_eq!(recorded(&svc), (0, 1));
+        svc.live("a", 7, batch(vec![stored(&[9], None, &[9, 9], "GPU")]), 0);
+        assert_eq!((recorded(&svc), credit(&mut svc)), ((0, 0), 0));
+        // Dropped as dead: cleared as well.
+        svc.live("a", 8, full_and_state(), 0);
+        assert_eq!((recorded(&svc), credit(&mut svc)), ((0, 1), 4));
+        // A restart from a snapshot keeps the model hybrid, not its states: no credit until
+        // the engine reports them again (a miss, never a false hit).
+        let bytes = crate::snapshot::encode(&svc);
+        let mut b = Service::new(svc.config().clone());
+        crate::snapshot::restore(&mut b, std::path::Path::new("mem"), &bytes, 0).unwrap();
+        assert!(b.models["m"].components.is_hybrid());
+        assert_eq!((recorded(&b), credit(&mut b)), ((0, 0), 0));
+        svc.step("a", Input::Disconnected, 10);
+        svc.step("a", Input::Tick, 2000);
+        assert_eq!(recorded(&svc), (0, 0));
+    }
+
     #[test]
     fn bad_payloads_are_counted_for_their_stream_only() {
         let mut svc = Service::new(ServiceConfig::default());
