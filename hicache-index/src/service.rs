@@ -365,6 +365,7 @@ impl Service {
             if store.members.is_empty() {
                 let (holder, probe) = (store.holder, store.probe);
                 model.stores.remove(name);
+                model.components.forget(holder);
                 model.index.remove_holder(probe)?;
                 model.index.remove_holder(holder)?;
                 model.names.remove(&probe);

@@ -399,6 +399,27 @@ mod tests {
     }
 
     #[test]
+    fn a_shared_store_holds_components_for_every_instance_on_it() {
+        let mut idx = Index::new(None);
+        let a = idx.add_holder(HolderKind::Instance).unwrap();
+        let b = idx.add_holder(HolderKind::Instance).unwrap();
+        let s = idx.add_holder(HolderKind::Store).unwrap();
+        let mut c = Components::new();
+        c.attach(a, s);
+        c.attach(b, s);
+        c.store(s, Tier::L3, ComponentKind::Mamba, 7, 12);
+        let h = [10, 11, 12];
+        assert_eq!(c.cap(b, Tier::L3, &h, 3, 4), 3, "written by a, read by b");
+        assert_eq!(c.cap(b, Tier::L2, &h, 3, 4), 0);
+        // Clearing an instance keeps the store's; the store's TTL drops them.
+        c.clear(a);
+        assert_eq!(c.cap(b, Tier::L3, &h, 3, 4), 3);
+        c.drop_blocks(s, Tier::L3, &[12]);
+        assert_eq!(c.cap(b, Tier::L3, &h, 3, 4), 0);
+        assert_eq!(c.recorded(s, Tier::L3), (0, 0));
+    }
+
+    #[test]
     fn a_window_needs_its_last_pages_or_a_run_from_the_root() {
         let mut idx = Index::new(None);
         let a = idx.add_holder(HolderKind::Instance).unwrap();
