@@ -69,6 +69,63 @@ impl KvEvent {
     }
 }
 
+/// The part of a hybrid model's cache an event is about, besides its Full-attention pages
+/// (vLLM's `kv_cache_spec_kind`): a hybrid cache with component events on publishes these
+/// for its sliding-window pages and Mamba states, under the page hashes of the same chain as
+/// the Full pages. SGLang's format has no field for it: on the wire it is an opt-in extension
+/// (`kv_events_config`'s `component_events`) carrying vLLM's field names.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum EventComponent {
+    /// Sliding-window attention KV pages (`kv_cache_spec_kind: "sliding_window"`).
+    SlidingWindow {
+        /// The window in tokens (`kv_cache_spec_sliding_window`).
+        window: u32,
+        /// The KV-cache group (`group_idx`; Full attention is group 0).
+        group: u32,
+    },
+    /// A Mamba state, stored under the hash of the last page it covers
+    /// (`kv_cache_spec_kind: "mamba"`).
+    Mamba {
+        /// The KV-cache group (`group_idx`).
+        group: u32,
+    },
+}
+
+impl EventComponent {
+    /// vLLM's `kv_cache_spec_kind` of the component.
+    pub fn spec_kind(self) -> &'static str {
+        match self {
+            EventComponent::SlidingWindow { .. } => "sliding_window",
+            EventComponent::Mamba { .. } => "mamba",
+        }
+    }
+
+    /// vLLM's `group_idx` of the component.
+    pub fn group(self) -> u32 {
+        match self {
+            EventComponent::SlidingWindow { group, .. } | EventComponent::Mamba { group } => group,
+        }
+    }
+
+    /// The window in tokens of a sliding-window component.
+    pub fn window(self) -> Option<u32> {
+        match self {
+            EventComponent::SlidingWindow { window, .. } => Some(window),
+            EventComponent::Mamba { .. } => None,
+        }
+    }
+}
+
+/// A KV event of a hybrid cache: `component` is `None` for a Full-attention event (exactly
+/// the dense event) and names the SWA or Mamba part otherwise.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ComponentKvEvent {
+    /// The part of the cache the event is about; `None`: Full attention.
+    pub component: Option<EventComponent>,
+    /// The event.
+    pub event: KvEvent,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -34,7 +34,7 @@ pub mod tree;
 pub mod unified;
 
 pub use error::{CoreError, Result};
-pub use event::{KvEvent, Medium};
+pub use event::{ComponentKvEvent, EventComponent, KvEvent, Medium};
 pub use eviction::{EvictionStrategy, NodeStats, StrategyKind};
 pub use hash::{ChainStart, FORMAT_VERSION, HashMode, Namespace, PageHasher};
 pub use key::{NamespaceId, PageHash, PageKey, tokens_from_i64, tokens_from_u64};

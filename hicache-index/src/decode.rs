@@ -20,7 +20,18 @@
 //!    string where an int is due, a hash out of range, a token beyond `u32`) rejects the whole
 //!    batch with a [`DecodeError`] that names the event and field; nothing of it is applied.
 //! 3. A vLLM event of a KV-cache group other than 0 (hybrid models publish one stream of
-//!    events per group) is skipped and counted: the index follows the first group only.
+//!    events per group) is skipped and counted: the index follows the first group only for
+//!    its Full-attention table.
+//! 6. **Components of hybrid models** ([`ComponentEvent`]): an event whose
+//!    `kv_cache_spec_kind` is `sliding_window` / `sliding_window_mla` (window from
+//!    `kv_cache_spec_sliding_window`) or `mamba` — vLLM's fields, which hicache-rs's publisher
+//!    writes too when its `component_events` option is on — goes to
+//!    [`DecodedBatch::components`], never to the Full table, in either format and whatever
+//!    its group. A `BlockRemoved` without a kind (vLLM's) takes the kind its group's stores
+//!    declared ([`GroupKinds`], kept per stream). Other kinds (`chunked_local_attention`,
+//!    `unknown` …) are skipped and counted; `full_attention` / `mla_attention` (or no kind)
+//!    is a Full event. `AllBlocksCleared` is mirrored into the components as
+//!    [`ComponentEvent::Cleared`].
 //! 5. What else a block's KV depends on keeps it apart from plain token queries: SGLang's
 //!    `cache_salt` and vLLM's `extra_keys` of a sequence's first block (its cache salt, LoRA
 //!    name) root the chain elsewhere, like a LoRA adapter; a vLLM event with extra keys on a
@@ -55,6 +66,73 @@ pub struct DecodedBatch {
     pub dp_rank: Option<i64>,
     /// Events skipped: unknown types, vLLM groups other than 0.
     pub skipped: u32,
+    /// The hybrid components' events (rule 6), in order.
+    pub components: Vec<ComponentEvent>,
+}
+
+/// A hybrid model's part an event is about, besides its Full-attention pages.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum ComponentKind {
+    /// Sliding-window attention pages; the window in tokens.
+    SlidingWindow {
+        /// The window in tokens (0 when a removal did not say and no store declared it).
+        window: u32,
+    },
+    /// A Mamba state, named by the hash of the last page it covers.
+    Mamba,
+}
+
+/// One event about a hybrid model's SWA pages or Mamba states (rule 6).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ComponentEvent {
+    /// The component became resident at these blocks in `medium`.
+    Stored {
+        /// The component.
+        kind: ComponentKind,
+        /// The engine's hash of each block.
+        block_hashes: Vec<i64>,
+        /// Tokens per block.
+        block_size: u32,
+        /// Where (as [`EngineEvent::BlockStored`]'s medium).
+        medium: Option<String>,
+    },
+    /// The component left these blocks in `medium`.
+    Removed {
+        /// The component.
+        kind: ComponentKind,
+        /// The engine's hash of each block.
+        block_hashes: Vec<i64>,
+        /// Where from.
+        medium: Option<String>,
+    },
+    /// The engine dropped everything.
+    Cleared,
+}
+
+/// What one stream's stores said each KV-cache group is (vLLM's removals name the group
+/// only): group → kind, `None` for a Full-attention group.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GroupKinds {
+    kinds: std::collections::BTreeMap<i64, Option<ComponentKind>>,
+}
+
+impl GroupKinds {
+    /// None learned yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// What group `g` was declared as, if any store declared it.
+    pub fn get(&self, g: i64) -> Option<Option<ComponentKind>> {
+        self.kinds.get(&g).copied()
+    }
+}
+
+/// How one event is classified by its component fields.
+enum Part {
+    Full,
+    Component(ComponentKind),
+    Skip,
 }
 
 /// Why a payload was rejected, and where.
@@ -83,8 +161,19 @@ pub enum DecodeError {
 /// Largest payload decoded; larger ones are rejected without being parsed.
 pub const MAX_PAYLOAD_BYTES: usize = 64 << 20;
 
-/// Decodes one `KVEventBatch` payload of `format`.
+/// Decodes one `KVEventBatch` payload of `format` on its own (no group learned from earlier
+/// batches; see [`decode_batch_with`]).
 pub fn decode_batch(format: WireFormat, payload: &[u8]) -> Result<DecodedBatch, DecodeError> {
+    decode_batch_with(format, payload, &mut GroupKinds::new())
+}
+
+/// Decodes one `KVEventBatch` payload of `format`, with the group kinds its stream declared so
+/// far (updated with this batch's stores).
+pub fn decode_batch_with(
+    format: WireFormat,
+    payload: &[u8],
+    groups: &mut GroupKinds,
+) -> Result<DecodedBatch, DecodeError> {
     if payload.len() > MAX_PAYLOAD_BYTES {
         return Err(DecodeError::Batch(format!(
             "{} bytes, more than the {MAX_PAYLOAD_BYTES} accepted",
@@ -147,13 +236,23 @@ pub fn decode_batch(format: WireFormat, payload: &[u8]) -> Result<DecodedBatch, 
         events: Vec::with_capacity(raw_events.len()),
         dp_rank,
         skipped: 0,
+        components: Vec::new(),
     };
+    // Group kinds take effect once the whole batch decoded (a rejected batch teaches nothing).
+    let mut learned = groups.clone();
     for (index, raw) in raw_events.iter().enumerate() {
-        match decode_event(format, index, raw)? {
-            Some(e) => out.events.push(e),
+        match decode_event(format, index, raw, &mut learned)? {
+            Some(Decoded::Full(e)) => {
+                if matches!(e, EngineEvent::AllBlocksCleared) {
+                    out.components.push(ComponentEvent::Cleared);
+                }
+                out.events.push(e);
+            }
+            Some(Decoded::Component(c)) => out.components.push(c),
             None => out.skipped += 1,
         }
     }
+    *groups = learned;
     Ok(out)
 }
 
@@ -266,11 +365,69 @@ impl<'a> Fields<'a> {
     }
 }
 
+/// One decoded event: for the Full table, or about a hybrid component.
+enum Decoded {
+    Full(EngineEvent),
+    Component(ComponentEvent),
+}
+
+/// Rule 6: what the event's `group_idx` / `kv_cache_spec_kind` make of it (a store declares
+/// its group's kind in `groups`).
+fn classify(
+    f: &Fields<'_>,
+    format: WireFormat,
+    groups: &mut GroupKinds,
+) -> Result<Part, DecodeError> {
+    let group = f.opt_int("group_idx")?;
+    let declared = match f.opt_str("kv_cache_spec_kind")? {
+        None => None,
+        Some("full_attention" | "mla_attention") => Some(None),
+        Some("sliding_window" | "sliding_window_mla") => {
+            let window = f.opt_int("kv_cache_spec_sliding_window")?;
+            let window = match window.map(u32::try_from) {
+                Some(Ok(w)) if w > 0 => w,
+                // A removal may leave the window to the group's stores.
+                None if f.kind == "BlockRemoved" => 0,
+                // A store that does not say its window cannot be checked: skipped.
+                None => return Ok(Part::Skip),
+                _ => {
+                    return Err(f.err(
+                        "kv_cache_spec_sliding_window",
+                        format!("{window:?} is not a window in tokens"),
+                    ));
+                }
+            };
+            Some(Some(ComponentKind::SlidingWindow { window }))
+        }
+        Some("mamba") => Some(Some(ComponentKind::Mamba)),
+        Some(_) => return Ok(Part::Skip),
+    };
+    let kind = match (declared, group) {
+        (Some(k), Some(g)) if f.kind == "BlockStored" => {
+            groups.kinds.insert(g, k);
+            k
+        }
+        (Some(Some(ComponentKind::SlidingWindow { window: 0 })), Some(g)) => match groups.get(g) {
+            Some(Some(k @ ComponentKind::SlidingWindow { .. })) => Some(k),
+            _ => Some(ComponentKind::SlidingWindow { window: 0 }),
+        },
+        (Some(k), _) => k,
+        (None, Some(g)) => groups.get(g).flatten(),
+        (None, None) => None,
+    };
+    Ok(match kind {
+        Some(k) => Part::Component(k),
+        None if format == WireFormat::Vllm && group.unwrap_or(0) != 0 => Part::Skip,
+        None => Part::Full,
+    })
+}
+
 fn decode_event(
     format: WireFormat,
     index: usize,
     raw: &Value,
-) -> Result<Option<EngineEvent>, DecodeError> {
+    groups: &mut GroupKinds,
+) -> Result<Option<Decoded>, DecodeError> {
     let bad = |problem: String| DecodeError::Event {
         index,
         kind: "?".into(),
@@ -293,13 +450,48 @@ fn decode_event(
         None => return Err(bad("missing".into())),
     };
     let f = Fields { index, kind, map };
-    if format == WireFormat::Vllm
-        && matches!(kind, "BlockStored" | "BlockRemoved")
-        && f.opt_int("group_idx")?.unwrap_or(0) != 0
-    {
-        return Ok(None);
+    if matches!(kind, "BlockStored" | "BlockRemoved") {
+        match classify(&f, format, groups)? {
+            Part::Full => {}
+            Part::Skip => return Ok(None),
+            Part::Component(c) => return decode_component(format, &f, c).map(Some),
+        }
     }
-    match kind {
+    Ok(decode_full(format, &f)?.map(Decoded::Full))
+}
+
+/// A component's `BlockStored` / `BlockRemoved` (rule 6): the fields the index reads of it.
+fn decode_component(
+    format: WireFormat,
+    f: &Fields<'_>,
+    kind: ComponentKind,
+) -> Result<Decoded, DecodeError> {
+    let block_hashes = f.hashes(format, "block_hashes")?;
+    let medium = f.opt_str("medium")?.map(str::to_string);
+    Ok(Decoded::Component(if f.kind == "BlockStored" {
+        let block_size = f.int("block_size", f.required("block_size")?)?;
+        let block_size = u32::try_from(block_size)
+            .ok()
+            .filter(|b| *b > 0)
+            .ok_or_else(|| f.err("block_size", format!("{block_size} is not a page size")))?;
+        ComponentEvent::Stored {
+            kind,
+            block_hashes,
+            block_size,
+            medium,
+        }
+    } else {
+        ComponentEvent::Removed {
+            kind,
+            block_hashes,
+            medium,
+        }
+    }))
+}
+
+/// A Full-attention event (or `AllBlocksCleared`); `None` for an unknown type.
+fn decode_full(format: WireFormat, f: &Fields<'_>) -> Result<Option<EngineEvent>, DecodeError> {
+    match f.kind {
         "BlockStored" => {
             let block_hashes = f.hashes(format, "block_hashes")?;
             let parent_block_hash = f
@@ -543,6 +735,102 @@ mod tests {
         assert_eq!(lora(&vllm(later, Value::Nil), WireFormat::Vllm), None);
         let none = Value::Array(vec![Value::Nil, Value::Nil]);
         assert_eq!(lora(&vllm(none, Value::Nil), WireFormat::Vllm), Some(None));
+    }
+
+    #[test]
+    fn component_events_go_to_the_components_and_vllm_removals_take_their_groups_kind() {
+        let stored = |group: i64, kind: &str, window: Option<i64>| {
+            let mut pairs = vec![
+                ("type", s("BlockStored")),
+                ("block_hashes", Value::Array(vec![Value::from(7)])),
+                ("parent_block_hash", Value::Nil),
+                (
+                    "token_ids",
+                    Value::Array(vec![Value::from(1), Value::from(2)]),
+                ),
+                ("block_size", Value::from(2)),
+                ("medium", s("GPU")),
+                ("group_idx", Value::from(group)),
+                ("kv_cache_spec_kind", s(kind)),
+            ];
+            if let Some(w) = window {
+                pairs.push(("kv_cache_spec_sliding_window", Value::from(w)));
+            }
+            map(pairs)
+        };
+        let removed = |group: i64, kind: Option<&str>| {
+            let mut pairs = vec![
+                ("type", s("BlockRemoved")),
+                ("block_hashes", Value::Array(vec![Value::from(7)])),
+                ("medium", s("GPU")),
+                ("group_idx", Value::from(group)),
+            ];
+            if let Some(k) = kind {
+                pairs.push(("kv_cache_spec_kind", s(k)));
+            }
+            map(pairs)
+        };
+        let swa = ComponentKind::SlidingWindow { window: 8 };
+        // Ours (SGLang's format with the extension): each event says its kind.
+        let b = decode_batch(
+            WireFormat::Sglang,
+            &batch(vec![
+                stored(1, "sliding_window", Some(8)),
+                stored(2, "mamba", None),
+                removed(2, Some("mamba")),
+                map(vec![("type", s("AllBlocksCleared"))]),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(b.events, vec![EngineEvent::AllBlocksCleared]);
+        assert_eq!(b.components.len(), 4);
+        assert!(
+            matches!(&b.components[0], ComponentEvent::Stored { kind, block_size: 2, .. } if *kind == swa)
+        );
+        assert!(matches!(
+            &b.components[2],
+            ComponentEvent::Removed {
+                kind: ComponentKind::Mamba,
+                ..
+            }
+        ));
+        assert_eq!(b.components[3], ComponentEvent::Cleared);
+        // vLLM: removals name the group only; its stores declared the kind, in an earlier
+        // batch too. The Full group 0 feeds the table; an unknown kind is skipped.
+        let mut groups = GroupKinds::new();
+        let b = decode_batch_with(
+            WireFormat::Vllm,
+            &batch(vec![
+                stored(0, "full_attention", None),
+                stored(1, "sliding_window", Some(8)),
+                stored(3, "chunked_local_attention", None),
+            ]),
+            &mut groups,
+        )
+        .unwrap();
+        assert_eq!((b.events.len(), b.components.len(), b.skipped), (1, 1, 1));
+        let b = decode_batch_with(
+            WireFormat::Vllm,
+            &batch(vec![removed(1, None), removed(0, None), removed(5, None)]),
+            &mut groups,
+        )
+        .unwrap();
+        assert_eq!(
+            b.components,
+            vec![ComponentEvent::Removed {
+                kind: swa,
+                block_hashes: vec![7],
+                medium: Some("GPU".into())
+            }]
+        );
+        assert_eq!((b.events.len(), b.skipped), (1, 1));
+        // An SWA store without its window cannot be checked: skipped, the batch kept.
+        let b = decode_batch(
+            WireFormat::Vllm,
+            &batch(vec![stored(1, "sliding_window", None)]),
+        )
+        .unwrap();
+        assert_eq!((b.components.len(), b.skipped), (0, 1));
     }
 
     #[test]

@@ -137,6 +137,11 @@ impl InstanceFeed {
         self.l3
     }
 
+    /// Tokens per page of the instance's model.
+    pub fn page_size(&self) -> u32 {
+        self.page_size
+    }
+
     /// Blocks in the engine-hash map.
     pub fn mapped_blocks(&self) -> usize {
         self.map.len()

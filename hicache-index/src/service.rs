@@ -16,13 +16,19 @@
 //!    instance stores it again: the bound errs on the side of a miss, never a wrong hit.
 //! 4. **Failures stay with their stream.** A bad payload, an event for an unknown parent, a
 //!    malformed event is counted for its stream and changes nothing of the others.
+//! 5. **Hybrid components.** Each model keeps the SWA pages and Mamba states its instances
+//!    report ([`Components`], fed by the component events of every batch after its Full
+//!    events, cleared with the instance's table entries on `AllBlocksCleared`, a fenced
+//!    restart or its death, forgotten when it unregisters). Once an engine declared a
+//!    component, the model's router applies [`ReuseRule::Hybrid`] and caps every instance's
+//!    match where every component is.
 
 use crate::chain::{BlockHash, ChainHasher};
-use crate::decode::{WireFormat, decode_batch};
+use crate::decode::{GroupKinds, WireFormat, decode_batch_with};
 use crate::ingest::{Applied, IngestCounts, InstanceFeed};
 use crate::metrics::Metrics;
 use crate::registry::{Registration, RegistrationError};
-use crate::router::LoadReport;
+use crate::router::{ComponentCounts, Components, LoadReport, ReuseRule, WithComponents};
 use crate::routing::{
     AUTO_REQUEST_BASE, Candidate, ModelRouter, RouteAnswer, RoutingConfig, fallback_reason,
 };
@@ -125,6 +131,8 @@ pub(crate) struct Model {
     pub(crate) stores: BTreeMap<String, Store>,
     /// Instance and probe holders → the stream id or store name they answer for.
     pub(crate) names: HashMap<HolderId, Named>,
+    /// The hybrid components its instances hold (invariant 5).
+    pub(crate) components: Components,
 }
 
 #[derive(Clone, Debug)]
@@ -142,6 +150,10 @@ pub(crate) struct Stream {
     pub(crate) counts: IngestCounts,
     pub(crate) bad_payloads: u64,
     pub(crate) skipped_events: u64,
+    /// The KV-cache group kinds its stores declared (vLLM's removals name the group only).
+    pub(crate) groups: GroupKinds,
+    /// What its component events did.
+    pub(crate) component_counts: ComponentCounts,
 }
 
 /// The service: every model's index and every stream.
@@ -286,6 +298,7 @@ impl Service {
                 index: Index::new(capacity),
                 stores: BTreeMap::new(),
                 names: HashMap::new(),
+                components: Components::new(),
             });
         let instance = model.index.add_holder(HolderKind::Instance)?;
         model.names.insert(instance, Named::Stream(id.clone()));
@@ -313,6 +326,7 @@ impl Service {
                 store.holder
             }
         };
+        model.components.attach(instance, l3);
         let cfg = self.stream_config(&reg);
         let feed = InstanceFeed::new(instance, l3, reg.page_size);
         tracing::info!(id, endpoint = reg.endpoint, model = reg.model, "registered");
@@ -325,6 +339,8 @@ impl Service {
                 counts: IngestCounts::default(),
                 bad_payloads: 0,
                 skipped_events: 0,
+                groups: GroupKinds::new(),
+                component_counts: ComponentCounts::default(),
             },
         );
         Ok((id, true))
@@ -339,6 +355,7 @@ impl Service {
             return Ok(());
         };
         let instance = s.feed.instance();
+        model.components.forget(instance);
         model.index.remove_holder(instance)?;
         model.names.remove(&instance);
         if let Some(name) = &s.reg.l3_store
@@ -348,6 +365,7 @@ impl Service {
             if store.members.is_empty() {
                 let (holder, probe) = (store.holder, store.probe);
                 model.stores.remove(name);
+                model.components.forget(holder);
                 model.index.remove_holder(probe)?;
                 model.index.remove_holder(holder)?;
                 model.names.remove(&probe);
@@ -447,6 +465,7 @@ impl Service {
         if let Err(e) = stream.feed.clear(&mut model.index) {
             tracing::error!(id, "clearing the instance failed: {e}");
         }
+        model.components.clear(stream.feed.instance());
     }
 
     /// Decodes and applies one batch of stream `id`.
@@ -455,7 +474,7 @@ impl Service {
             return;
         };
         let format: WireFormat = stream.reg.format;
-        let batch = match decode_batch(format, payload) {
+        let batch = match decode_batch_with(format, payload, &mut stream.groups) {
             Ok(b) => b,
             Err(e) => {
                 stream.bad_payloads += 1;
@@ -502,6 +521,17 @@ impl Service {
         }
         stream.counts.add(&counts);
         self.metrics.add_ingest(&counts);
+        // Invariant 5: after the batch's Full events, so that every block a component store
+        // names resolves through the instance's engine-hash map.
+        let before = stream.component_counts;
+        for ev in &batch.components {
+            model
+                .components
+                .apply(&stream.feed, ev, &mut stream.component_counts);
+        }
+        let after = stream.component_counts;
+        let dropped = (after.unresolved - before.unresolved) + (after.malformed - before.malformed);
+        stream.skipped_events += dropped;
     }
 
     /// Forgets shared-store pages not stored again within the TTL (invariant 3); returns how
@@ -526,6 +556,7 @@ impl Service {
                 if let Err(e) = model.index.remove(store.holder, Tier::L3, &old) {
                     tracing::error!("store sweep failed: {e}");
                 }
+                model.components.drop_blocks(store.holder, Tier::L3, &old);
                 dropped += old.len() as u64;
             }
         }
@@ -633,8 +664,18 @@ impl Service {
         let r = self.routers.get_mut(model_name).expect("built above");
         let model = self.models.get(model_name).expect("checked above");
         let before = r.router.stats();
+        // Invariant 5: a model whose engines declared a component is routed as a hybrid.
+        r.router.set_reuse(if model.components.is_hybrid() {
+            ReuseRule::Hybrid
+        } else {
+            ReuseRule::Dense
+        });
+        let source = WithComponents {
+            index: &model.index,
+            components: &model.components,
+        };
         let d = r.router.route(
-            &model.index,
+            &source,
             &crate::router::RouteRequest {
                 request,
                 tokens: token_ids,
@@ -822,6 +863,93 @@ mod tests {
         let q = svc.query("m", &[1, 2, 3, 4]).unwrap();
         assert!(!q.instances.contains_key("b"));
         assert!(q.l3_stores.is_empty());
+    }
+
+    /// Invariant 5: a hybrid instance's components come from its events and leave with its
+    /// table entries — `AllBlocksCleared`, a fenced restart, a dead drop — and the router
+    /// credits it only where its state is.
+    #[test]
+    fn hybrid_components_follow_the_instance_and_leave_with_its_entries() {
+        let mut svc = Service::new(ServiceConfig {
+            dead_after: Duration::from_millis(1000),
+            routing: RoutingConfig {
+                deadline: Duration::from_secs(60),
+                ..RoutingConfig::default()
+            },
+            ..ServiceConfig::default()
+        });
+        svc.register(reg("a", None), 0).unwrap();
+        svc.step("a", Input::Connected, 0);
+        let state = |ty: &str| {
+            let mut m = vec![
+                ("type".into(), ty.into()),
+                ("block_hashes".into(), Value::Array(vec![Value::from(2)])),
+                ("medium".into(), "GPU".into()),
+                ("group_idx".into(), Value::from(1)),
+                ("kv_cache_spec_kind".into(), "mamba".into()),
+            ];
+            if ty == "BlockStored" {
+                m.push(("parent_block_hash".into(), Value::from(1)));
+                m.push(("token_ids".into(), Value::Array(vec![3.into(), 4.into()])));
+                m.push(("block_size".into(), Value::from(2)));
+            }
+            Value::Map(m)
+        };
+        let full_and_state = || {
+            batch(vec![
+                stored(&[1, 2], None, &[1, 2, 3, 4], "GPU"),
+                state("BlockStored"),
+            ])
+        };
+        let recorded = |svc: &Service| {
+            let holder = svc.streams["a"].feed.instance();
+            svc.models["m"].components.recorded(holder, Tier::L1)
+        };
+        let prompt = [1, 2, 3, 4, 5, 6];
+        let credit = |svc: &mut Service| svc.route("m", &prompt, None, None).unwrap().overlap.l1;
+        // Full pages alone: a dense model, credited page by page.
+        svc.live(
+            "a",
+            0,
+            batch(vec![stored(&[1, 2], None, &[1, 2, 3, 4], "GPU")]),
+            0,
+        );
+        assert_eq!(credit(&mut svc), 4);
+        svc.live("a", 1, batch(vec![state("BlockStored")]), 0);
+        assert_eq!((recorded(&svc), credit(&mut svc)), ((0, 1), 4));
+        // The state leaves: the Full pages stay, no credit (the model is hybrid now).
+        svc.live("a", 2, batch(vec![state("BlockRemoved")]), 0);
+        assert_eq!((recorded(&svc), credit(&mut svc)), ((0, 0), 0));
+        svc.live("a", 3, full_and_state(), 0);
+        assert_eq!(credit(&mut svc), 4);
+        svc.live(
+            "a",
+            4,
+            batch(vec![Value::Map(vec![(
+                "type".into(),
+                "AllBlocksCleared".into(),
+            )])]),
+            0,
+        );
+        assert_eq!((recorded(&svc), credit(&mut svc)), ((0, 0), 0));
+        // A gap the instance cannot replay fences it: its entries go, components included.
+        svc.live("a", 5, full_and_state(), 0);
+        assert_eq!(recorded(&svc), (0, 1));
+        svc.live("a", 7, batch(vec![stored(&[9], None, &[9, 9], "GPU")]), 0);
+        assert_eq!((recorded(&svc), credit(&mut svc)), ((0, 0), 0));
+        // Dropped as dead: cleared as well.
+        svc.live("a", 8, full_and_state(), 0);
+        assert_eq!((recorded(&svc), credit(&mut svc)), ((0, 1), 4));
+        // A restart from a snapshot keeps the model hybrid, not its states: no credit until
+        // the engine reports them again (a miss, never a false hit).
+        let bytes = crate::snapshot::encode(&svc);
+        let mut b = Service::new(svc.config().clone());
+        crate::snapshot::restore(&mut b, std::path::Path::new("mem"), &bytes, 0).unwrap();
+        assert!(b.models["m"].components.is_hybrid());
+        assert_eq!((recorded(&b), credit(&mut b)), ((0, 0), 0));
+        svc.step("a", Input::Disconnected, 10);
+        svc.step("a", Input::Tick, 2000);
+        assert_eq!(recorded(&svc), (0, 0));
     }
 
     #[test]

@@ -16,6 +16,10 @@
 //! 3. Restored from a snapshot, the service answers every query as the one that wrote it did
 //!    (holder-blocks' ages for capacity eviction excepted; store pages are stamped with the
 //!    restore time, so the store TTL runs again from there).
+//! 4. A hybrid model stays hybrid: what its engines declared (Mamba, the window) is kept, its
+//!    component residency is not (it is rebuilt from the events that follow). A restored
+//!    hybrid model's instances are credited nothing until their engines report their
+//!    components again: a miss, never a wrong hit.
 
 use crate::chain::BlockHash;
 use crate::registry::Registration;
@@ -76,6 +80,9 @@ struct Meta {
     /// The routers' state (absent in snapshots written before routing was kept).
     #[serde(default)]
     routing: crate::routing::SavedRouting,
+    /// What each hybrid model declared (invariant 4; absent in older snapshots).
+    #[serde(default)]
+    hybrid: Vec<(String, crate::router::HybridModel)>,
 }
 
 /// Serializes the service's state (under its lock: a copy of the maps, no I/O).
@@ -92,6 +99,12 @@ pub fn encode(svc: &Service) -> Vec<u8> {
             .flat_map(|(m, model)| model.stores.keys().map(move |s| (m.clone(), s.clone())))
             .collect(),
         routing: svc.routing_state(),
+        hybrid: svc
+            .models
+            .iter()
+            .filter(|(_, m)| m.components.is_hybrid())
+            .map(|(name, m)| (name.clone(), m.components.model()))
+            .collect(),
     };
     let json = serde_json::to_vec(&meta).expect("plain data serializes");
     let entries: usize = svc.streams.values().map(|s| s.feed.mapped_blocks()).sum();
@@ -272,6 +285,11 @@ pub fn restore(
             .map_err(ServiceError::from)?;
         restored += pages.len() as u64;
         st.pages.extend(pages.into_iter().map(|h| (h, now_ms)));
+    }
+    for (m, declared) in meta.hybrid {
+        if let Some(model) = svc.models.get_mut(&m) {
+            model.components.declare(declared);
+        }
     }
     svc.restore_routing(meta.routing);
     Ok(restored)

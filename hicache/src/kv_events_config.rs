@@ -25,6 +25,14 @@ pub struct KvEventsConfig {
     pub topic: String,
     /// `default` (SGLang's format; the only one implemented).
     pub format: String,
+    /// Our extension, hybrid models only (default off): also publish the sliding-window
+    /// pages and Mamba states, as `BlockStored` / `BlockRemoved` carrying vLLM's fields
+    /// `group_idx`, `kv_cache_spec_kind` (`sliding_window`, `mamba`) and
+    /// `kv_cache_spec_sliding_window`. Only for subscribers that read those fields (the
+    /// fleet index does): SGLang's decoder ignores unknown fields and would take them for
+    /// Full-attention pages. Full events are the same with it on or off; a dense cache
+    /// publishes no component event.
+    pub component_events: bool,
 }
 
 impl Default for KvEventsConfig {
@@ -39,6 +47,7 @@ impl Default for KvEventsConfig {
             max_queue_size: 100_000,
             topic: String::new(),
             format: "default".into(),
+            component_events: false,
         }
     }
 }

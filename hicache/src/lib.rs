@@ -107,8 +107,9 @@ pub use request_state::{Admission, Arrival};
 pub use tick::{EXCHANGE_BACKUPS_FINISHED, EXCHANGE_WRITES_FINISHED, InFlight, PollReport};
 
 pub use hicache_core::{
-    Component, CoreError, DType, DeviceSlot, HashMode, HiRadixTree, HostSlot, KvEvent, KvKind,
-    KvShape, LayoutKind, Medium, Namespace, PrefetchPolicy, StrategyKind, TenantId, WritePolicy,
+    Component, ComponentKvEvent, CoreError, DType, DeviceSlot, EventComponent, HashMode,
+    HiRadixTree, HostSlot, KvEvent, KvKind, KvShape, LayoutKind, Medium, Namespace, PrefetchPolicy,
+    StrategyKind, TenantId, WritePolicy,
 };
 pub use hicache_gpu::{Device, DevicePool, GpuError, LayerDoneCounter, StatePool, TransferConfig};
 pub use hicache_host::{HostError, MambaShape};

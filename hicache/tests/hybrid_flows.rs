@@ -328,3 +328,93 @@ fn host_pools_are_sized_from_the_device_pools_by_ratio_or_size() {
         Err(HiCacheError::Config { .. })
     ));
 }
+
+/// The page hashes of the events of component `kind` (`None`: Full; else vLLM's
+/// `kv_cache_spec_kind`) with `medium`, stored or removed.
+fn component_hashes(
+    events: &[hicache::ComponentKvEvent],
+    kind: Option<&str>,
+    medium: Medium,
+    stored: bool,
+) -> Vec<hicache_core::PageHash> {
+    let of_kind: Vec<KvEvent> = events
+        .iter()
+        .filter(|e| e.component.map(|c| c.spec_kind()) == kind)
+        .map(|e| e.event.clone())
+        .collect();
+    let mut h = hashes(&of_kind, medium, stored);
+    h.sort();
+    h
+}
+
+/// With component events on, the SWA pages and the Mamba state follow the tree through
+/// insert, backup, device eviction and load-back, under the hashes of the Full pages they sit
+/// on; the Full events are the same as with the option off.
+#[test]
+fn component_events_follow_swa_pages_and_mamba_states_and_leave_full_events_alone() {
+    for (swa, mamba) in [(Some(8), None), (None, Some(8)), (Some(8), Some(8))] {
+        let phases = |on: bool| {
+            let cache = hybrid_common::builder(config(swa, mamba), 16)
+                .kv_events(true)
+                .component_events(on)
+                .build()
+                .unwrap();
+            let mut e = Engine::new(cache);
+            let a = prompt(1, 40);
+            let mut out = Vec::new();
+            e.turn(&a);
+            out.push(e.cache.drain_component_events());
+            // Another request pushes turn one out of L1; turn two loads it back.
+            e.turn(&prompt(2, 40));
+            out.push(e.cache.drain_component_events());
+            e.turn(&extended(&a, 3, 24));
+            out.push(e.cache.drain_component_events());
+            e.cache.shutdown().unwrap();
+            out
+        };
+        let (on, off) = (phases(true), phases(false));
+        for (p, (on, off)) in on.iter().zip(&off).enumerate() {
+            let full_on: Vec<_> = on.iter().filter(|e| e.component.is_none()).collect();
+            let full_off: Vec<_> = off.iter().collect();
+            assert_eq!(full_on, full_off, "phase {p}: Full events differ");
+            assert!(off.iter().all(|e| e.component.is_none()));
+        }
+        let full_gpu = component_hashes(&on[0], None, Medium::Gpu, true);
+        assert_eq!(full_gpu.len(), 10);
+        for kind in ["sliding_window", "mamba"] {
+            let has = if kind == "mamba" {
+                mamba.is_some()
+            } else {
+                swa.is_some()
+            };
+            let stored = component_hashes(&on[0], Some(kind), Medium::Gpu, true);
+            let on_host = component_hashes(&on[0], Some(kind), Medium::CpuPinned, true);
+            if !has {
+                assert!(stored.is_empty() && on_host.is_empty(), "{kind}");
+                continue;
+            }
+            assert!(!stored.is_empty(), "{swa:?} {mamba:?}: {kind} stored");
+            assert!(
+                stored.iter().all(|h| full_gpu.contains(h)),
+                "{kind}: same chain"
+            );
+            assert_eq!(
+                on_host, stored,
+                "{kind}: the backup copies what the device holds"
+            );
+            if kind == "mamba" {
+                assert_eq!(stored.len(), 1, "one state, at the node's last page");
+            }
+            // Turn one leaves L1 whole: every component page it stored is removed there.
+            let removed = component_hashes(&on[1], Some(kind), Medium::Gpu, false);
+            assert_eq!(removed, stored, "{kind}: evicted from device");
+            assert!(component_hashes(&on[1], Some(kind), Medium::CpuPinned, false).is_empty());
+            // The load-back brings the component back to device from host.
+            let back = component_hashes(&on[2], Some(kind), Medium::Gpu, true);
+            assert!(
+                stored.iter().any(|h| back.contains(h)),
+                "{kind}: loaded back: {back:?}"
+            );
+        }
+    }
+}

@@ -455,3 +455,73 @@ fn a_hybrid_cache_publishes_metrics_and_events() {
     }
     e.cache.shutdown().unwrap();
 }
+
+/// With `component_events`, a hybrid cache also publishes its SWA pages and Mamba states on
+/// every tier (device, host, and the L3 medium once a backup is whole): SGLang's own classes
+/// still decode every batch (its decoder ignores the extra fields), event for event.
+#[test]
+fn hybrid_component_events_still_decode_with_sglangs_classes() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = format!(r#"{{"dir": "{}"}}"#, dir.path().display());
+    let sc = hicache::StorageConfig::parse(Some("file"), Some(&extra)).unwrap();
+    let registry = hicache::backends::builtin_registry().unwrap();
+    let storage = rt()
+        .block_on(registry.open(&sc, &hicache_storage::BackendContext::default()))
+        .unwrap();
+    let cfg = hicache::HybridConfig {
+        page_size: 4,
+        swa_window: Some(8),
+        mamba_chunk: Some(8),
+        prefetch_threshold_tokens: 8,
+        ..Default::default()
+    };
+    let kv = hicache::observe::KvEventsConfig::from_json(
+        r#"{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0",
+            "replay_endpoint": "tcp://127.0.0.1:0", "topic": "hybrid",
+            "component_events": true}"#,
+    )
+    .unwrap();
+    let cache = hybrid_common::builder(cfg, 32)
+        .storage(storage)
+        .kv_events_publisher(kv)
+        .build()
+        .unwrap();
+    let mut e = hybrid_common::Engine::new(cache);
+    e.turn(&hybrid_common::prompt(1, 40));
+    e.cache.poll().unwrap();
+    let replay_at = e.cache.kv_events_replay_endpoint().unwrap().to_string();
+    let events: Vec<_> = replay(&replay_at, 0, "hybrid")
+        .into_iter()
+        .flat_map(|(_, evs)| evs)
+        .collect();
+    // Full, SWA and Mamba each reach L3: three DISK stores at least (one with the option off).
+    let disk = events
+        .iter()
+        .filter(|ev| ev.0 == "BlockStored" && ev.1.as_deref() == Some("DISK"))
+        .count();
+    assert!(disk >= 3, "{events:?}");
+    let Some(python) = sglang_python() else {
+        e.cache.shutdown().unwrap();
+        return;
+    };
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/python/sglang_kv_subscriber.py"
+    );
+    let out = std::process::Command::new(&python)
+        .args([script, &replay_at, "hybrid"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let decoded = String::from_utf8(out.stdout).unwrap().lines().count();
+    assert_eq!(
+        decoded,
+        events.len(),
+        "every event decoded by SGLang's classes"
+    );
+    e.cache.shutdown().unwrap();
+}

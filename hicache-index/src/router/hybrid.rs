@@ -1,24 +1,43 @@
 //! Hybrid models (Mamba, sliding window): where a cached prefix is reusable.
 //!
-//! A hybrid model's prefix of `p` tokens is reusable only where every component is: the Full
-//! attention pages up to `p`, *and* a Mamba state at exactly `p` (a state exists only at some
-//! nodes: a match ends at the deepest one), or the sliding-window pages of the window before
-//! `p` (outside the window they are tombstones). This is the rule of the hybrid tree
-//! (`hicache_core::unified`) and of SGLang's `UnifiedRadixCache`.
+//! A hybrid model's prefix of `p` pages is reusable from a tier only where every component
+//! is, counting that tier and the faster ones: the Full-attention pages up to `p` (the index's
+//! table), *and*, when the model has Mamba, a Mamba state at exactly `p` (a state exists only
+//! at some nodes: a match ends at the deepest one), *and*, when it has a sliding window of `w`
+//! tokens, the SWA pages of the last `ceil(w / page)` pages before `p` (a run of SWA pages
+//! reaching the first page counts, however short). This is the rule of the hybrid tree's
+//! validators (`hicache_core::unified`, `Validators::all`) and of SGLang's
+//! `UnifiedRadixCache`, read page by page: a node holds a component on all its pages or on
+//! none, so a run of SWA pages is a run of SWA nodes and a state's page is a node's end.
 //!
-//! Engines publish KV events for Full-attention pages only (SGLang's `BlockStored` names no
-//! component, and our hybrid facade follows it), so the index alone would credit a hybrid
-//! instance with every Full page it holds: a false hit wherever the state or the window is
-//! gone. The design here: the index side also records **reusable ends**, per instance and
-//! tier: the chained hash of the block at which the instance can resume (a Mamba checkpoint,
-//! or the end of a run whose window is resident). The router caps each instance's match, per
-//! tier, at the deepest reusable end inside it, and with no end recorded credits nothing: a
-//! hybrid fleet is never routed to a false hit, at worst routed by load.
+//! The residency of the two components comes from the engines' KV events
+//! ([`ComponentEvent`], decoded from vLLM's `kv_cache_spec_kind` fields, which hicache-rs's
+//! publisher writes with its `component_events` option): [`Components`] keeps, per holder and
+//! tier, the blocks holding an SWA page and the blocks holding a Mamba state, and what the
+//! model has (Mamba, the window) as the stores declared it. The router caps each instance's
+//! match with [`Components::cap`]; with nothing declared it credits nothing: a hybrid fleet is
+//! never routed to a false hit, at worst routed by load.
+//!
+//! Invariants:
+//! 1. A block is in a (holder, tier, component) set exactly between the store and the removal
+//!    the holder's engine reported for it (by its engine hash); an `AllBlocksCleared`, a fenced
+//!    restart or the death of an instance empties its L1 and L2 sets (and its L3 ones when its
+//!    L3 is its own), as [`InstanceFeed::clear`] does for the table.
+//! 2. A store is resolved to the index's block hash through the instance's engine-hash map
+//!    (the Full pages of the same blocks, stored before in the same stream); a block the map
+//!    does not know is counted ([`ComponentCounts::unresolved`]) and not recorded: a miss,
+//!    never a wrong hit.
+//! 3. L3 components go to the instance's L3 holder (its shared store, or itself), like the
+//!    table's L3 pages; a shared store's pages the service forgets by TTL leave its component
+//!    sets too ([`Components::drop_blocks`]).
 
-use std::collections::{HashMap, HashSet};
+use hashbrown::HashMap;
+use serde::{Deserialize, Serialize};
 
 use crate::chain::BlockHash;
-use crate::table::Tier;
+use crate::decode::{ComponentEvent, ComponentKind};
+use crate::ingest::{InstanceFeed, tier_of_medium};
+use crate::table::{HolderId, Tier};
 
 /// How a model's cached prefixes may be reused.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -26,79 +45,405 @@ pub enum ReuseRule {
     /// Dense attention: every cached page of a prefix is reusable.
     #[default]
     Dense,
-    /// A hybrid model: a prefix is reusable only up to a recorded reusable end.
+    /// A hybrid model: a prefix is reusable only where every component is
+    /// ([`Components::cap`]).
     Hybrid,
 }
 
-/// Reusable ends per (instance, tier): the blocks where a hybrid instance can resume.
-///
-/// Invariant: an end is recorded exactly between the `mark` and the `unmark` the instance's
-/// engine reported for it (a state or window evicted is unmarked at once).
-#[derive(Clone, Debug, Default)]
-pub struct ReusableEnds {
-    ends: HashMap<(usize, Tier), HashSet<BlockHash>>,
+/// The components a hybrid model has besides Full attention.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HybridModel {
+    /// Mamba states (a prefix ends where a state is).
+    pub mamba: bool,
+    /// The sliding window in tokens.
+    pub swa_window: Option<u32>,
 }
 
-impl ReusableEnds {
-    /// No end recorded.
+impl HybridModel {
+    /// Whether the model has a component besides Full attention.
+    pub fn is_hybrid(&self) -> bool {
+        self.mamba || self.swa_window.is_some()
+    }
+}
+
+/// What applying component events did, counted.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct ComponentCounts {
+    /// Block residencies stored.
+    pub stored: u64,
+    /// Block residencies removed.
+    pub removed: u64,
+    /// Blocks the instance's engine-hash map did not know (stores), or never stored
+    /// (removals): not recorded (invariant 2).
+    pub unresolved: u64,
+    /// Events dropped as malformed (a block size other than the model's, an unknown medium).
+    pub malformed: u64,
+}
+
+/// One component's blocks in one (holder, tier): by engine hash, and counted by index hash.
+#[derive(Clone, Debug, Default)]
+struct Blocks {
+    by_engine: HashMap<i64, BlockHash>,
+    count: HashMap<BlockHash, u32>,
+}
+
+impl Blocks {
+    fn insert(&mut self, engine: i64, block: BlockHash) -> bool {
+        if self.by_engine.contains_key(&engine) {
+            return false;
+        }
+        self.by_engine.insert(engine, block);
+        *self.count.entry(block).or_insert(0) += 1;
+        true
+    }
+
+    fn remove_engine(&mut self, engine: i64) -> bool {
+        let Some(block) = self.by_engine.remove(&engine) else {
+            return false;
+        };
+        self.release(block);
+        true
+    }
+
+    fn release(&mut self, block: BlockHash) {
+        if let Some(n) = self.count.get_mut(&block) {
+            *n -= 1;
+            if *n == 0 {
+                self.count.remove(&block);
+            }
+        }
+    }
+
+    fn contains(&self, block: &BlockHash) -> bool {
+        self.count.contains_key(block)
+    }
+
+    fn len(&self) -> usize {
+        self.by_engine.len()
+    }
+}
+
+/// The SWA pages and Mamba states one holder holds in one tier.
+#[derive(Clone, Debug, Default)]
+struct Resident {
+    swa: Blocks,
+    mamba: Blocks,
+}
+
+impl Resident {
+    fn of(&mut self, kind: ComponentKind) -> &mut Blocks {
+        match kind {
+            ComponentKind::SlidingWindow { .. } => &mut self.swa,
+            ComponentKind::Mamba => &mut self.mamba,
+        }
+    }
+}
+
+/// Per (holder, tier) component residency of one model's fleet (see the module docs).
+#[derive(Clone, Debug, Default)]
+pub struct Components {
+    model: HybridModel,
+    resident: HashMap<(HolderId, Tier), Resident>,
+    /// Instance → the holder of its L3 pages.
+    l3_of: HashMap<HolderId, HolderId>,
+}
+
+impl Components {
+    /// Nothing recorded, nothing declared.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// `instance` can resume after block `end` from `tier`.
-    pub fn mark(&mut self, instance: usize, tier: Tier, end: BlockHash) {
-        self.ends.entry((instance, tier)).or_default().insert(end);
+    /// What the model has, as declared (by [`declare`](Self::declare) or the stores).
+    pub fn model(&self) -> HybridModel {
+        self.model
     }
 
-    /// `instance` can no longer resume after `end` from `tier`.
-    pub fn unmark(&mut self, instance: usize, tier: Tier, end: BlockHash) {
-        if let Some(s) = self.ends.get_mut(&(instance, tier)) {
-            s.remove(&end);
+    /// Whether the model is known to be hybrid (its router then applies
+    /// [`ReuseRule::Hybrid`]).
+    pub fn is_hybrid(&self) -> bool {
+        self.model.is_hybrid()
+    }
+
+    /// Declares what the model has (a configuration, or a restored snapshot); stores declare
+    /// it too (a Mamba store: Mamba; an SWA store: its window).
+    pub fn declare(&mut self, model: HybridModel) {
+        self.model.mamba |= model.mamba;
+        if model.swa_window.is_some() {
+            self.model.swa_window = model.swa_window;
         }
     }
 
-    /// Drops every end of `instance` (its engine cleared or restarted).
-    pub fn clear(&mut self, instance: usize) {
-        self.ends.retain(|(i, _), _| *i != instance);
+    /// `instance`'s L3 pages are held by `l3` (a shared store, or itself).
+    pub fn attach(&mut self, instance: HolderId, l3: HolderId) {
+        self.l3_of.insert(instance, l3);
     }
 
-    /// The deepest block count `≤ blocks` at which `instance` can resume from `tier` or a
-    /// faster one along `hashes`; 0 when none.
-    pub fn cap(&self, instance: usize, tier: Tier, hashes: &[BlockHash], blocks: usize) -> usize {
+    fn l3_holder(&self, instance: HolderId) -> HolderId {
+        self.l3_of.get(&instance).copied().unwrap_or(instance)
+    }
+
+    /// Records that `holder` holds `kind` at `block` (engine hash `engine`) in `tier`.
+    pub fn store(
+        &mut self,
+        holder: HolderId,
+        tier: Tier,
+        kind: ComponentKind,
+        engine: i64,
+        block: BlockHash,
+    ) -> bool {
+        self.declare_kind(kind);
+        self.resident
+            .entry((holder, tier))
+            .or_default()
+            .of(kind)
+            .insert(engine, block)
+    }
+
+    /// Records that `holder` no longer holds `kind` at engine hash `engine` in `tier`; whether
+    /// it was recorded.
+    pub fn remove(
+        &mut self,
+        holder: HolderId,
+        tier: Tier,
+        kind: ComponentKind,
+        engine: i64,
+    ) -> bool {
+        self.resident
+            .get_mut(&(holder, tier))
+            .is_some_and(|r| r.of(kind).remove_engine(engine))
+    }
+
+    fn declare_kind(&mut self, kind: ComponentKind) {
+        match kind {
+            ComponentKind::Mamba => self.model.mamba = true,
+            ComponentKind::SlidingWindow { window } if window > 0 => {
+                self.model.swa_window = Some(window);
+            }
+            ComponentKind::SlidingWindow { .. } => {}
+        }
+    }
+
+    /// Applies one event of the instance fed by `feed` (invariants 1–3).
+    pub fn apply(
+        &mut self,
+        feed: &InstanceFeed,
+        ev: &ComponentEvent,
+        counts: &mut ComponentCounts,
+    ) {
+        let (kind, hashes, medium, size) = match ev {
+            ComponentEvent::Cleared => {
+                self.clear(feed.instance());
+                return;
+            }
+            ComponentEvent::Stored {
+                kind,
+                block_hashes,
+                block_size,
+                medium,
+            } => (*kind, block_hashes, medium, Some(*block_size)),
+            ComponentEvent::Removed {
+                kind,
+                block_hashes,
+                medium,
+            } => (*kind, block_hashes, medium, None),
+        };
+        let Some(tier) = tier_of_medium(medium.as_deref()) else {
+            counts.malformed += 1;
+            return;
+        };
+        let holder = if tier == Tier::L3 {
+            feed.l3_holder()
+        } else {
+            feed.instance()
+        };
+        self.attach(feed.instance(), feed.l3_holder());
+        match size {
+            Some(size) if size != feed.page_size() => counts.malformed += 1,
+            Some(_) => {
+                for &e in hashes {
+                    match feed.resolve(e) {
+                        Some(block) => {
+                            self.store(holder, tier, kind, e, block);
+                            counts.stored += 1;
+                        }
+                        None => counts.unresolved += 1,
+                    }
+                }
+            }
+            None => {
+                for &e in hashes {
+                    if self.remove(holder, tier, kind, e) {
+                        counts.removed += 1;
+                    } else {
+                        counts.unresolved += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Empties `instance`'s L1 and L2 sets, and its L3 ones when its L3 is its own
+    /// (invariant 1); a shared store keeps what it holds.
+    pub fn clear(&mut self, instance: HolderId) {
+        let own_l3 = self.l3_holder(instance) == instance;
+        self.resident
+            .retain(|(h, t), _| *h != instance || (*t == Tier::L3 && !own_l3));
+    }
+
+    /// [`clear`](Self::clear), and forgets where `instance`'s L3 is (it left the fleet).
+    pub fn forget(&mut self, instance: HolderId) {
+        self.clear(instance);
+        self.l3_of.remove(&instance);
+    }
+
+    /// Drops `blocks` from every component set of (`holder`, `tier`) (a shared store's pages
+    /// forgotten by TTL, invariant 3).
+    pub fn drop_blocks(&mut self, holder: HolderId, tier: Tier, blocks: &[BlockHash]) {
+        let Some(r) = self.resident.get_mut(&(holder, tier)) else {
+            return;
+        };
+        let gone: hashbrown::HashSet<BlockHash> = blocks.iter().copied().collect();
+        for set in [&mut r.swa, &mut r.mamba] {
+            set.by_engine.retain(|_, b| !gone.contains(b));
+            set.count.retain(|b, _| !gone.contains(b));
+        }
+    }
+
+    /// Component blocks recorded for (`holder`, `tier`): (SWA pages, Mamba states).
+    pub fn recorded(&self, holder: HolderId, tier: Tier) -> (usize, usize) {
+        self.resident
+            .get(&(holder, tier))
+            .map_or((0, 0), |r| (r.swa.len(), r.mamba.len()))
+    }
+
+    /// The deepest block count `p ≤ blocks` (and `≤ hashes.len()`) at which `instance` can
+    /// reuse the prefix `hashes` from `tier` or a faster one (the module's rule, pages of
+    /// `page_size` tokens); 0 when none, or when the model declared no component.
+    pub fn cap(
+        &self,
+        instance: HolderId,
+        tier: Tier,
+        hashes: &[BlockHash],
+        blocks: usize,
+        page_size: usize,
+    ) -> usize {
+        if !self.model.is_hybrid() {
+            return 0;
+        }
         let tiers: &[Tier] = match tier {
             Tier::L1 => &[Tier::L1],
             Tier::L2 => &[Tier::L1, Tier::L2],
             Tier::L3 => &[Tier::L1, Tier::L2, Tier::L3],
         };
-        let sets: Vec<&HashSet<BlockHash>> = tiers
+        let sets: Vec<&Resident> = tiers
             .iter()
-            .filter_map(|t| self.ends.get(&(instance, *t)))
+            .filter_map(|&t| {
+                let h = if t == Tier::L3 {
+                    self.l3_holder(instance)
+                } else {
+                    instance
+                };
+                self.resident.get(&(h, t))
+            })
             .collect();
-        (1..=blocks.min(hashes.len()))
-            .rev()
-            .find(|&n| sets.iter().any(|s| s.contains(&hashes[n - 1])))
-            .unwrap_or(0)
+        let window = self
+            .model
+            .swa_window
+            .map(|w| (w as usize).div_ceil(page_size.max(1)));
+        let (mut run, mut best) = (0usize, 0usize);
+        for (k, h) in hashes.iter().take(blocks).enumerate() {
+            let p = k + 1;
+            if let Some(need) = window {
+                if sets.iter().any(|r| r.swa.contains(h)) {
+                    run += 1;
+                } else {
+                    run = 0;
+                }
+                if run < need.min(p) {
+                    continue;
+                }
+            }
+            if self.model.mamba && !sets.iter().any(|r| r.mamba.contains(h)) {
+                continue;
+            }
+            best = p;
+        }
+        best
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::table::{HolderKind, Index};
 
     #[test]
-    fn a_match_is_capped_at_the_deepest_end_of_a_tier_as_fast() {
+    fn a_match_ends_at_a_state_of_a_tier_as_fast() {
+        let mut idx = Index::new(None);
+        let a = idx.add_holder(HolderKind::Instance).unwrap();
+        let b = idx.add_holder(HolderKind::Instance).unwrap();
         let h = [10, 11, 12, 13];
-        let mut e = ReusableEnds::new();
-        assert_eq!(e.cap(0, Tier::L3, &h, 4), 0);
-        e.mark(0, Tier::L2, 11);
-        e.mark(0, Tier::L1, 13);
-        assert_eq!(e.cap(0, Tier::L1, &h, 4), 4);
-        assert_eq!(e.cap(0, Tier::L1, &h, 3), 0);
-        assert_eq!(e.cap(0, Tier::L2, &h, 3), 2);
-        assert_eq!(e.cap(1, Tier::L2, &h, 3), 0);
-        e.unmark(0, Tier::L2, 11);
-        assert_eq!(e.cap(0, Tier::L3, &h, 3), 0);
-        e.clear(0);
-        assert_eq!(e.cap(0, Tier::L1, &h, 4), 0);
+        let mut c = Components::new();
+        assert_eq!(c.cap(a, Tier::L3, &h, 4, 4), 0);
+        c.store(a, Tier::L2, ComponentKind::Mamba, 1, 11);
+        c.store(a, Tier::L1, ComponentKind::Mamba, 3, 13);
+        assert_eq!(c.cap(a, Tier::L1, &h, 4, 4), 4);
+        assert_eq!(c.cap(a, Tier::L1, &h, 3, 4), 0);
+        assert_eq!(c.cap(a, Tier::L2, &h, 3, 4), 2);
+        assert_eq!(c.cap(b, Tier::L2, &h, 3, 4), 0);
+        assert!(c.remove(a, Tier::L2, ComponentKind::Mamba, 1));
+        assert_eq!(c.cap(a, Tier::L3, &h, 3, 4), 0);
+        c.clear(a);
+        assert_eq!(c.cap(a, Tier::L1, &h, 4, 4), 0);
+    }
+
+    #[test]
+    fn a_shared_store_holds_components_for_every_instance_on_it() {
+        let mut idx = Index::new(None);
+        let a = idx.add_holder(HolderKind::Instance).unwrap();
+        let b = idx.add_holder(HolderKind::Instance).unwrap();
+        let s = idx.add_holder(HolderKind::Store).unwrap();
+        let mut c = Components::new();
+        c.attach(a, s);
+        c.attach(b, s);
+        c.store(s, Tier::L3, ComponentKind::Mamba, 7, 12);
+        let h = [10, 11, 12];
+        assert_eq!(c.cap(b, Tier::L3, &h, 3, 4), 3, "written by a, read by b");
+        assert_eq!(c.cap(b, Tier::L2, &h, 3, 4), 0);
+        // Clearing an instance keeps the store's; the store's TTL drops them.
+        c.clear(a);
+        assert_eq!(c.cap(b, Tier::L3, &h, 3, 4), 3);
+        c.drop_blocks(s, Tier::L3, &[12]);
+        assert_eq!(c.cap(b, Tier::L3, &h, 3, 4), 0);
+        assert_eq!(c.recorded(s, Tier::L3), (0, 0));
+    }
+
+    #[test]
+    fn a_window_needs_its_last_pages_or_a_run_from_the_root() {
+        let mut idx = Index::new(None);
+        let a = idx.add_holder(HolderKind::Instance).unwrap();
+        let h = [10, 11, 12, 13, 14, 15];
+        let mut c = Components::new();
+        // Window 6 tokens over pages of 4: the last 2 pages before the end.
+        let swa = ComponentKind::SlidingWindow { window: 6 };
+        c.store(a, Tier::L1, swa, 0, 10);
+        assert_eq!(c.cap(a, Tier::L1, &h, 6, 4), 1, "a run from the root");
+        for (e, b) in [(2, 12), (3, 13)] {
+            c.store(a, Tier::L1, swa, e, b);
+        }
+        assert_eq!(c.cap(a, Tier::L1, &h, 6, 4), 4);
+        assert_eq!(c.cap(a, Tier::L1, &h, 3, 4), 1);
+        c.store(a, Tier::L2, swa, 5, 15);
+        c.store(a, Tier::L2, swa, 4, 14);
+        assert_eq!(c.cap(a, Tier::L1, &h, 6, 4), 4);
+        assert_eq!(
+            c.cap(a, Tier::L2, &h, 6, 4),
+            6,
+            "host pages count through L2"
+        );
+        // With Mamba as well, a state is needed where the window holds.
+        c.store(a, Tier::L1, ComponentKind::Mamba, 9, 13);
+        assert_eq!(c.cap(a, Tier::L2, &h, 6, 4), 4);
     }
 }

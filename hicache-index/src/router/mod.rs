@@ -21,7 +21,8 @@
 //! 2. Every decision is recorded as load ([`load`]): the prompt tokens to compute (the prompt
 //!    minus the overlap credited on the chosen instance) until the request finishes.
 //! 3. Hybrid models ([`hybrid`]): with [`ReuseRule::Hybrid`], an instance's overlap counts
-//!    only up to a reusable end recorded for it; none recorded, no credit.
+//!    only up to where every component is resident ([`Components::cap`], from the components
+//!    the overlap source tracks: [`OverlapSource::components`]); none tracked, no credit.
 //! 4. With [`RouterConfig::credit_in_flight`], `hicache` also credits prefixes in flight
 //!    ([`pending`]): the leading blocks of a prompt routed to an instance and not finished
 //!    count as L1 overlap there (dense models only: a hybrid prefix is reusable only at ends
@@ -47,7 +48,7 @@ use crate::table::{Answer, HolderId, Index, Tier};
 
 pub use dynamo::{DynamoConfig, TierBlocks};
 pub use hicache::{Busy, CostModel, Expected, Overlap};
-pub use hybrid::{ReusableEnds, ReuseRule};
+pub use hybrid::{ComponentCounts, Components, HybridModel, ReuseRule};
 pub use load::{InstanceLoad, LoadReport, LoadTracker};
 pub use sglang::{SglangConfig, SglangRule};
 pub use state::{RoutedState, RouterState, SessionState, SlotState};
@@ -125,6 +126,34 @@ pub trait OverlapSource {
     /// The instances holding a prefix of `hashes`, as [`Index::query`] answers (a remote
     /// source fills `out` with [`Answer::clear`] and [`Answer::push`]).
     fn overlaps(&self, hashes: &[BlockHash], out: &mut Answer) -> Result<(), IndexUnavailable>;
+
+    /// The hybrid components' residency the source keeps beside the index, if any: with
+    /// [`ReuseRule::Hybrid`] the router caps every instance's overlap with it, and credits
+    /// nothing without it.
+    fn components(&self) -> Option<&Components> {
+        None
+    }
+}
+
+/// An in-process index and the component residency of its hybrid model (what the service
+/// passes its router).
+#[derive(Copy, Clone, Debug)]
+pub struct WithComponents<'a> {
+    /// The index.
+    pub index: &'a Index,
+    /// The components.
+    pub components: &'a Components,
+}
+
+impl OverlapSource for WithComponents<'_> {
+    fn overlaps(&self, hashes: &[BlockHash], out: &mut Answer) -> Result<(), IndexUnavailable> {
+        self.index.query(hashes, out);
+        Ok(())
+    }
+
+    fn components(&self) -> Option<&Components> {
+        Some(self.components)
+    }
 }
 
 impl OverlapSource for Index {
@@ -174,7 +203,8 @@ pub struct RouterConfig {
     /// Longest the router waits for the index before it falls back to `least-load` (a few
     /// ms; 5 ms by default).
     pub deadline: Duration,
-    /// Whether prefixes are reusable page by page (dense) or only at recorded ends (hybrid).
+    /// Whether prefixes are reusable page by page (dense) or only where every component is
+    /// (hybrid).
     pub reuse: ReuseRule,
     /// The `hicache` policy's cost inputs.
     pub cost: CostModel,
@@ -261,7 +291,6 @@ pub struct Router {
     pending: pending::Pending,
     rr: round_robin::RoundRobin,
     sglang: sglang::SglangCacheAware,
-    ends: ReusableEnds,
     sessions: HashMap<u64, (usize, u64)>,
     session_clock: u64,
     stats: RouterStats,
@@ -279,7 +308,6 @@ impl Router {
             pending: pending::Pending::new(n),
             rr: round_robin::RoundRobin::default(),
             sglang: sglang::SglangCacheAware::new(n, config.sglang),
-            ends: ReusableEnds::new(),
             sessions: HashMap::new(),
             session_clock: 0,
             stats: RouterStats::default(),
@@ -312,9 +340,10 @@ impl Router {
         &self.load
     }
 
-    /// The reusable ends of a hybrid fleet (record them as the engines report them).
-    pub fn reusable_ends_mut(&mut self) -> &mut ReusableEnds {
-        &mut self.ends
+    /// Sets the reuse rule (the service switches a model to [`ReuseRule::Hybrid`] once its
+    /// engines declare a component).
+    pub fn set_reuse(&mut self, reuse: ReuseRule) {
+        self.config.reuse = reuse;
     }
 
     /// `request` finished: its load is released. Returns the position of the instance it had
@@ -328,7 +357,7 @@ impl Router {
     /// current instance's position in `instances` (`None`: it left). What the router knows of
     /// the instances that stay — their load, outstanding requests, sessions — and its counters
     /// carry over; the turn of `round-robin` continues; `sglang-cache-aware`'s approximate
-    /// tree and the hybrid reusable ends restart empty.
+    /// tree restarts empty (hybrid components live with the overlap source, not here).
     pub fn with_instances(
         &self,
         instances: Vec<InstanceInfo>,
@@ -390,7 +419,7 @@ impl Router {
                     self.stats.fallback_slow += 1;
                     fallback = true;
                 }
-                Ok(()) => self.fill_overlaps(),
+                Ok(()) => self.fill_overlaps(index.components()),
             }
         }
         let in_flight = self.policy == Policy::Hicache
@@ -438,7 +467,7 @@ impl Router {
 
     /// Per-instance overlaps in tokens from the last query, capped by the reuse rule: each
     /// instance reads its own answer (O(1) each, no map from holder to answer).
-    fn fill_overlaps(&mut self) {
+    fn fill_overlaps(&mut self, components: Option<&Components>) {
         let ps = self.config.page_size;
         for i in 0..self.instances.len() {
             let Some(m) = self.matches.get(self.instances[i].holder) else {
@@ -450,9 +479,17 @@ impl Router {
                 b3 = b2;
             }
             if self.config.reuse == ReuseRule::Hybrid {
-                b1 = self.ends.cap(i, Tier::L1, &self.hashes, b1);
-                b2 = self.ends.cap(i, Tier::L2, &self.hashes, b2).max(b1);
-                b3 = self.ends.cap(i, Tier::L3, &self.hashes, b3).max(b2);
+                let holder = self.instances[i].holder;
+                let cap = |tier, blocks| {
+                    components.map_or(0, |c| c.cap(holder, tier, &self.hashes, blocks, ps))
+                };
+                b1 = cap(Tier::L1, b1);
+                b2 = cap(Tier::L2, b2).max(b1);
+                b3 = if self.instances[i].l3 == L3Access::None {
+                    b2
+                } else {
+                    cap(Tier::L3, b3).max(b2)
+                };
             }
             self.overlaps[i] = Overlap {
                 l1: b1 * ps,

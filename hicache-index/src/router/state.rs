@@ -6,9 +6,9 @@
 //! Invariants:
 //! 1. **Exact.** A router restored from [`Router::state`] over the same instances decides
 //!    every later request as the one that wrote it would (same load, same outstanding
-//!    requests, same sessions, same turn); `sglang-cache-aware`'s approximate tree and the
-//!    hybrid reusable ends are not kept (the first is a guess rebuilt by routing, the second
-//!    is re-reported by the engines), and neither are the counters.
+//!    requests, same sessions, same turn); `sglang-cache-aware`'s approximate tree is not
+//!    kept (a guess rebuilt by routing), and neither are the counters. Hybrid components are
+//!    not the router's (they live with the overlap source: [`super::Components`]).
 //! 2. **Positions are remapped.** [`Router::restore_state`] takes a map from the saved
 //!    positions to the new ones, as [`Router::with_instances`] does; what belonged to an
 //!    instance that is gone is dropped, never credited to another.

@@ -204,12 +204,29 @@ fn a_hybrid_fleet_is_never_routed_to_a_false_hit() {
     let prompt: Vec<u32> = (100..117).collect();
     store(&mut idx, &mut feeds[0], &prompt[..16], "GPU", 1);
     store(&mut idx, &mut feeds[1], &prompt[..16], "GPU", 50);
-    let hashes = ChainHasher::new(PS).hashes(&prompt[..16]);
     let mut cfg = RouterConfig::new(PS);
     cfg.reuse = ReuseRule::Hybrid;
     let mut r = Router::new(Policy::Hicache, infos.clone(), cfg.clone());
-    r.reusable_ends_mut().mark(0, Tier::L1, hashes[1]);
-    let d = r.route(&idx, &req(1, &prompt, None));
+    let mut comps = Components::new();
+    let mut counts = ComponentCounts::default();
+    // Instance 0's engine reports a Mamba state at its block 2 (engine hash 2), as its
+    // component events do; the block resolves through the Full pages it stored.
+    comps.apply(
+        &feeds[0],
+        &crate::decode::ComponentEvent::Stored {
+            kind: crate::decode::ComponentKind::Mamba,
+            block_hashes: vec![2],
+            block_size: PS as u32,
+            medium: Some("GPU".into()),
+        },
+        &mut counts,
+    );
+    assert_eq!((counts.stored, counts.unresolved), (1, 0));
+    let with = WithComponents {
+        index: &idx,
+        components: &comps,
+    };
+    let d = r.route(&with, &req(1, &prompt, None));
     assert_eq!(d.instance, 0);
     assert_eq!(
         d.overlap,
@@ -219,10 +236,26 @@ fn a_hybrid_fleet_is_never_routed_to_a_false_hit() {
             l3: 8
         }
     );
-    // No instance can resume: no credit at all, whatever the Full pages say.
+    // Instance 0's state leaves its device: no credit at all, whatever the Full pages say
+    // (and none either from a source that tracks no component).
+    comps.apply(
+        &feeds[0],
+        &crate::decode::ComponentEvent::Removed {
+            kind: crate::decode::ComponentKind::Mamba,
+            block_hashes: vec![2],
+            medium: Some("GPU".into()),
+        },
+        &mut counts,
+    );
     for policy in [Policy::Hicache, Policy::DynamoLinear] {
         let mut r = Router::new(policy, infos.clone(), cfg.clone());
-        let d = r.route(&idx, &req(2, &prompt, None));
+        let with = WithComponents {
+            index: &idx,
+            components: &comps,
+        };
+        let d = r.route(&with, &req(2, &prompt, None));
+        assert_eq!(d.overlap, Overlap::default(), "{policy}");
+        let d = r.route(&idx, &req(3, &prompt, None));
         assert_eq!(d.overlap, Overlap::default(), "{policy}");
     }
     // The dense rule would have credited all four pages: the false hit the rule prevents.

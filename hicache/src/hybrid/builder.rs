@@ -12,7 +12,7 @@ use hicache_host::{
 use hicache_storage::Storage;
 
 use super::cache::HybridCache;
-use super::events::Events;
+use super::events::{Events, Tags};
 use super::l3::L3Part;
 use super::l3_keys::{HybridL3Layout, HybridL3Spec};
 use super::pools::{KvPart, Pools};
@@ -39,6 +39,7 @@ pub struct HybridCacheBuilder {
     storage: Option<Arc<dyn Storage>>,
     transfer: TransferConfig,
     kv_events: bool,
+    component_events: bool,
     publisher: Option<crate::observe::KvEventsConfig>,
     metrics_addr: Option<String>,
 }
@@ -73,6 +74,7 @@ impl HybridCacheBuilder {
             storage: None,
             transfer: TransferConfig::default(),
             kv_events: false,
+            component_events: false,
             publisher: None,
             metrics_addr: None,
         }
@@ -162,8 +164,11 @@ impl HybridCacheBuilder {
     /// Publishes the KV events on ZMQ in SGLang's wire format, as the dense
     /// `kv_events_config` (every poll hands its events to the publisher; L3 stores under the
     /// backend's medium).
+    /// With `component_events` in `cfg`, the SWA pages and Mamba states are published too
+    /// (see [`component_events`](Self::component_events)).
     pub fn kv_events_publisher(mut self, cfg: crate::observe::KvEventsConfig) -> Self {
         self.kv_events = true;
+        self.component_events |= cfg.component_events;
         self.publisher = Some(cfg);
         self
     }
@@ -179,6 +184,15 @@ impl HybridCacheBuilder {
     /// Collects KV events for [`HybridCache::drain_events`] (default off: nothing is kept).
     pub fn kv_events(mut self, on: bool) -> Self {
         self.kv_events = on;
+        self
+    }
+
+    /// With KV events on, also emits events for the SWA pages and the Mamba states (each
+    /// tagged with its [`EventComponent`](hicache_core::EventComponent); read them with
+    /// [`HybridCache::drain_component_events`]), so a fleet index can tell where a prefix is
+    /// reusable by every component. Default off; Full events are the same either way.
+    pub fn component_events(mut self, on: bool) -> Self {
+        self.component_events = on;
         self
     }
 
@@ -361,7 +375,12 @@ impl HybridCacheBuilder {
         };
         let hasher = PageHasher::new(self.cfg.hash_mode, &ns)?;
         let prior = hasher.chain_start(None, None).prior;
-        let events = Events::new(hasher, prior, self.kv_events);
+        let tags = if self.component_events {
+            Tags::of_model(self.cfg.swa_window, self.cfg.mamba_chunk.is_some())
+        } else {
+            Tags::default()
+        };
+        let events = Events::new(hasher, prior, self.kv_events, tags);
         let tree = UnifiedTree::with_device_slots(self.cfg.tree())?;
         let pools = Pools {
             group,

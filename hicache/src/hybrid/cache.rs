@@ -188,6 +188,14 @@ impl HybridCache {
         self.events.drain()
     }
 
+    /// Every KV event since the last call, Full-attention ones and, with component events
+    /// on ([`component_events`](super::HybridCacheBuilder::component_events)), the SWA and
+    /// Mamba ones, in the order they happened (a Full event has no component). With a
+    /// publisher every poll hands them to it, as [`drain_events`](Self::drain_events).
+    pub fn drain_component_events(&mut self) -> Vec<hicache_core::ComponentKvEvent> {
+        self.events.drain_tagged()
+    }
+
     /// Publishes what a poll changed: the counters for the metrics endpoint, the events to
     /// the KV-event publisher (L3 stores under the backend's medium).
     pub(crate) fn publish(&mut self) {
@@ -195,12 +203,19 @@ impl HybridCache {
         if !self.observe.endpoints.publishes() {
             return;
         }
+        let backend = self.l3.as_ref().map(|l| l.engine.storage.info().name);
+        let l3 = crate::observe::wire::L3Medium::of_attached(backend.as_deref());
+        if self.events.tagged() {
+            let events = self.events.drain_tagged();
+            if !events.is_empty() {
+                self.observe.endpoints.publish_tagged(&events, l3);
+            }
+            return;
+        }
         let events = self.events.drain();
         if events.is_empty() {
             return;
         }
-        let backend = self.l3.as_ref().map(|l| l.engine.storage.info().name);
-        let l3 = crate::observe::wire::L3Medium::of_attached(backend.as_deref());
         self.observe.endpoints.publish(&events, l3);
     }
 
@@ -264,6 +279,17 @@ impl HybridCache {
             host_tokens: m.host_hit_len,
             storage_tokens: looked_up,
         })
+    }
+
+    /// What a request of `tokens` would reuse now, without arriving: the tokens valid on
+    /// device, and those valid on device or host (every component's validator, as `arrive`
+    /// and `admit` match: the match refreshes the LRUs as theirs does). What a fleet router
+    /// should credit this cache in L1 and L2.
+    pub fn reusable_tokens(&mut self, tokens: &[u32]) -> Result<(usize, usize)> {
+        self.check_open()?;
+        let m = self.tree.match_prefix(Self::match_key(tokens))?;
+        let host = self.tree.depth_tokens(m.host_node)?;
+        Ok((m.device_prefix_len, host.max(m.device_prefix_len)))
     }
 
     /// Whether the request's L3 prefetch (if any) has ended (at a poll, by its policy), so
@@ -419,6 +445,27 @@ impl HybridCache {
             .collect();
         self.events
             .copied(Medium::CpuPinned, &host_full, Medium::Gpu, &units.full);
+        let host_swa: Vec<u32> = plan
+            .swa
+            .iter()
+            .flat_map(|(_, p)| p.iter().copied())
+            .collect();
+        self.events.copied_of(
+            Component::Swa,
+            Medium::CpuPinned,
+            &host_swa,
+            Medium::Gpu,
+            &units.swa,
+        );
+        if let (Some(host), Some(&dev)) = (plan.mamba, units.mamba.first()) {
+            self.events.copied_of(
+                Component::Mamba,
+                Medium::CpuPinned,
+                &[host],
+                Medium::Gpu,
+                &[dev],
+            );
+        }
         let id = self.tree.commit_load_back(
             &plan,
             DeviceLoad {
@@ -489,6 +536,10 @@ impl HybridCache {
     pub(crate) fn after_evict(&mut self, e: &Evicted) -> Result<()> {
         self.pools.free_evicted(e)?;
         self.events.removed(Medium::Gpu, &e.full_pages);
+        self.events
+            .removed_of(Component::Swa, Medium::Gpu, &e.swa_pages);
+        self.events
+            .removed_of(Component::Mamba, Medium::Gpu, &e.mamba_slots);
         self.totals.full.evicted_device += e.full_pages.len() as u64;
         self.totals.swa.evicted_device += e.swa_pages.len() as u64;
         self.totals.mamba.evicted_device += e.mamba_slots.len() as u64;
@@ -678,7 +729,14 @@ impl HybridCache {
                     swa: if swa.is_empty() { &[] } else { &swa[..pages] },
                 },
             )?;
-            self.record_stored(&tokens[..pages * ps], &full[..pages], &r.release_full);
+            let adopted_state = state.filter(|_| mamba && !r.mamba_exist);
+            self.record_stored(
+                &tokens[..pages * ps],
+                &full[..pages],
+                &r.release_full,
+                r.node,
+                adopted_state,
+            )?;
             free.full = r.release_full;
             free.swa = r.release_swa;
             node = Some(r.node);
@@ -716,18 +774,44 @@ impl HybridCache {
         Ok(node)
     }
 
-    /// Emits the events of an insert: the tree's pages it replaced are removed, the
-    /// request's pages it adopted (`full` but `released`) are stored on the device.
-    fn record_stored(&mut self, tokens: &[u32], full: &[u32], released: &[u32]) {
+    /// Emits the events of an insert that ended on `node`: the tree's pages it replaced are
+    /// removed, the request's pages it adopted (`full` but `released`) are stored on the
+    /// device; with component events, so are the SWA pages the path holds that had no
+    /// identity yet (the ones the insert adopted) and the Mamba state it took.
+    fn record_stored(
+        &mut self,
+        tokens: &[u32],
+        full: &[u32],
+        released: &[u32],
+        node: hicache_core::NodeId,
+        state: Option<u32>,
+    ) -> Result<()> {
         self.events.removed(Medium::Gpu, released);
         let infos = self.events.pages(tokens);
-        let (slots, infos): (Vec<u32>, Vec<_>) = full
+        let (slots, full_infos): (Vec<u32>, Vec<_>) = full
             .iter()
-            .zip(infos)
-            .filter(|(s, _)| !released.contains(s) && !self.events.on_device(**s))
-            .map(|(s, i)| (*s, i))
+            .zip(&infos)
+            .filter(|(s, _)| !released.contains(s) && !self.events.on_device(Component::Full, **s))
+            .map(|(s, i)| (*s, i.clone()))
             .unzip();
-        self.events.stored(Medium::Gpu, &slots, infos);
+        self.events.stored(Medium::Gpu, &slots, full_infos);
+        if self.events.follows(Component::Swa) {
+            let path = self.tree.prefix_pages(node, Component::Swa)?;
+            let (slots, swa_infos): (Vec<u32>, Vec<_>) = path
+                .iter()
+                .zip(&infos)
+                .filter_map(|(s, i)| s.map(|s| (s, i)))
+                .filter(|(s, _)| !self.events.on_device(Component::Swa, *s))
+                .map(|(s, i)| (s, i.clone()))
+                .unzip();
+            self.events
+                .stored_of(Component::Swa, Medium::Gpu, &slots, swa_infos);
+        }
+        if let (Some(slot), Some(last)) = (state, infos.last()) {
+            self.events
+                .stored_of(Component::Mamba, Medium::Gpu, &[slot], vec![last.clone()]);
+        }
+        Ok(())
     }
 
     /// Blocks until every copy the cache launched has landed, finishes them, and refuses

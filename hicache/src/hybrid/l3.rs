@@ -99,8 +99,9 @@ impl PageSource for ComponentSource {
 pub(crate) struct L3BackupOp {
     /// The node's host lock, held until the backup's agreed end.
     pub host_lock: HostLockReceipt,
-    /// The Full pages' host slots (for the L3 stored event).
-    pub full_slots: Vec<u32>,
+    /// The host slots written per component (KV, SWA, Mamba as [`PARTS`]), for the L3
+    /// stored events.
+    pub part_slots: [Vec<u32>; 3],
     /// Per component with pages: its index in [`PARTS`], its pages, the job's state.
     parts: Vec<(usize, usize, Arc<BackupShared>)>,
 }
@@ -172,7 +173,11 @@ impl L3Part {
     /// Starts a job's writes in the background, one backup job per component with pages.
     /// The caller releases `host_lock` (the job's node) once the op is done and agreed.
     pub fn spawn_backup(&self, job: L3Job, host_lock: HostLockReceipt) -> Result<L3BackupOp> {
-        let full_slots = job.parts[0].slots.clone();
+        let part_slots = [
+            job.parts[0].slots.clone(),
+            job.parts[1].slots.clone(),
+            job.parts[2].slots.clone(),
+        ];
         let mut parts = Vec::new();
         for (k, part) in job.parts.into_iter().enumerate() {
             if part.keys.is_empty() {
@@ -192,7 +197,7 @@ impl L3Part {
         }
         Ok(L3BackupOp {
             host_lock,
-            full_slots,
+            part_slots,
             parts,
         })
     }

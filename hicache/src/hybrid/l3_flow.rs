@@ -130,15 +130,17 @@ impl HybridCache {
                  last warning)"
             );
         }
-        if written.failed[0] == 0 {
-            // Every Full page is in L3: the router may count it there.
-            let slots = &op.full_slots;
-            self.events.copied(
-                hicache_core::Medium::CpuPinned,
-                slots,
-                hicache_core::Medium::Storage,
-                slots,
-            );
+        for (k, slots) in op.part_slots.iter().enumerate() {
+            if written.failed[k] == 0 {
+                // Every page of the component is in L3: the router may count it there.
+                self.events.copied_of(
+                    super::component_of(PARTS[k]),
+                    hicache_core::Medium::CpuPinned,
+                    slots,
+                    hicache_core::Medium::Storage,
+                    slots,
+                );
+            }
         }
         for (k, part) in PARTS.iter().enumerate() {
             let (n, failed) = (written.stored[k], written.failed[k]);
@@ -367,8 +369,25 @@ impl HybridCache {
         // Page identities for the events (empty when events are off).
         let mut infos = self.events.pages(&op.key[..end]);
         let infos = infos.split_off((op.start / ps).min(infos.len()));
+        // SWA slots hold the span's last pages, the state its end.
+        let swa_infos = infos[infos.len().saturating_sub(h.swa.len())..].to_vec();
+        let last = infos.last().cloned();
         self.events
             .stored(hicache_core::Medium::CpuPinned, &h.full, infos);
+        self.events.stored_of(
+            Component::Swa,
+            hicache_core::Medium::CpuPinned,
+            &h.swa,
+            swa_infos,
+        );
+        if let (Some(state), Some(last)) = (h.mamba.first(), last) {
+            self.events.stored_of(
+                Component::Mamba,
+                hicache_core::Medium::CpuPinned,
+                &[*state],
+                vec![last],
+            );
+        }
         let moved = [h.full.len(), h.swa.len(), h.mamba.len()];
         for (k, n) in moved.into_iter().enumerate().filter(|&(_, n)| n > 0) {
             let bytes = self.pools.group.slot_bytes(PARTS[k])?;

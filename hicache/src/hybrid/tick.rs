@@ -195,6 +195,22 @@ impl HybridCache {
             hicache_core::Medium::CpuPinned,
             &host.full,
         );
+        self.events.copied_of(
+            Component::Swa,
+            hicache_core::Medium::Gpu,
+            &swa_dev,
+            hicache_core::Medium::CpuPinned,
+            &host.swa,
+        );
+        if let (Some(dev), Some(&h)) = (plan.mamba, host.mamba.first()) {
+            self.events.copied_of(
+                Component::Mamba,
+                hicache_core::Medium::Gpu,
+                &[dev],
+                hicache_core::Medium::CpuPinned,
+                &[h],
+            );
+        }
         let l3 = self.l3_job(&plan, &host, hashes)?;
         self.copies.backups.push_back(Backup { id, l3, copies });
         Ok(true)
@@ -285,6 +301,16 @@ impl HybridCache {
         self.pools.free_host_evicted(e)?;
         self.events
             .removed(hicache_core::Medium::CpuPinned, &e.host_full_pages);
+        self.events.removed_of(
+            Component::Swa,
+            hicache_core::Medium::CpuPinned,
+            &e.host_swa_pages,
+        );
+        self.events.removed_of(
+            Component::Mamba,
+            hicache_core::Medium::CpuPinned,
+            &e.host_mamba_slots,
+        );
         self.totals.full.evicted_host += e.host_full_pages.len() as u64;
         self.totals.swa.evicted_host += e.host_swa_pages.len() as u64;
         self.totals.mamba.evicted_host += e.host_mamba_slots.len() as u64;

@@ -69,6 +69,20 @@ impl Endpoints {
         self.kv_events.is_some()
     }
 
+    /// Publishes one poll's events of a hybrid cache with component events on as one batch
+    /// (Full events as [`publish`](Self::publish) writes them, SWA and Mamba ones with their
+    /// component's fields); `l3` names the medium of L3 events.
+    pub fn publish_tagged(&self, events: &[hicache_core::ComponentKvEvent], l3: wire::L3Medium) {
+        if let Some(p) = &self.kv_events {
+            p.publish(
+                events
+                    .iter()
+                    .map(|e| wire::WireEvent::from_component_event(e, l3))
+                    .collect(),
+            );
+        }
+    }
+
     /// Publishes one poll's events as one batch; `l3` names the medium of L3 events.
     pub fn publish(&self, events: &[KvEvent], l3: wire::L3Medium) {
         if let Some(p) = &self.kv_events {

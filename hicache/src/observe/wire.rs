@@ -12,11 +12,18 @@
 //! - `BlockRemoved`: `block_hashes`, `medium`;
 //! - `AllBlocksCleared`: no field.
 //!
+//! With `kv_events_config`'s `component_events` (our extension, hybrid models only), a
+//! hybrid cache also publishes its sliding-window pages and Mamba states as `BlockStored` /
+//! `BlockRemoved` followed by vLLM 0.33's fields `group_idx` (Full attention is group 0, then
+//! SWA, then Mamba), `kv_cache_spec_kind` (`sliding_window`, `mamba`) and, for SWA stores,
+//! `kv_cache_spec_sliding_window` (tokens); removals carry the kind too. Full-attention events
+//! never carry those fields: with the option off or on, they are byte for byte the same.
+//!
 //! A block hash on the wire is the first 8 bytes of the page hash read as a big-endian two's
 //! complement integer (SGLang: "the first 16 hex digits, as int64"). The medium is `GPU`
 //! (L1), `CPU_PINNED` (L2), `DISK` (L3 on a local disk) or `EXTERNAL` (L3 elsewhere).
 
-use hicache_core::{KvEvent, Medium, PageHash};
+use hicache_core::{ComponentKvEvent, KvEvent, Medium, PageHash};
 use serde::Serialize;
 
 /// Where an L3 backend keeps pages, as the wire names it.
@@ -89,6 +96,45 @@ pub enum WireEvent {
     },
     /// Everything was dropped.
     AllBlocksCleared,
+    /// A hybrid model's SWA pages or Mamba state became resident in `medium` (our opt-in
+    /// extension, `component_events`): SGLang's `BlockStored` fields, then vLLM's
+    /// `group_idx`, `kv_cache_spec_kind` and (SWA only) `kv_cache_spec_sliding_window`.
+    #[serde(rename = "BlockStored")]
+    ComponentStored {
+        /// One int64 per page (a Mamba state: the hash of the last page it covers).
+        block_hashes: Vec<i64>,
+        /// The page before the first one, or nil.
+        parent_block_hash: Option<i64>,
+        /// The tokens of the pages.
+        token_ids: Vec<u32>,
+        /// Tokens per page.
+        block_size: u32,
+        /// Always nil.
+        lora_id: Option<i64>,
+        /// `GPU`, `CPU_PINNED`, `DISK` or `EXTERNAL`.
+        medium: &'static str,
+        /// The KV-cache group (Full attention is group 0).
+        group_idx: u32,
+        /// `sliding_window` or `mamba`.
+        kv_cache_spec_kind: &'static str,
+        /// The window in tokens (SWA only; omitted for Mamba).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        kv_cache_spec_sliding_window: Option<u32>,
+    },
+    /// A hybrid model's SWA pages or Mamba state left `medium` (the extension): SGLang's
+    /// `BlockRemoved` fields, then `group_idx` (as vLLM's) and `kv_cache_spec_kind` (ours:
+    /// vLLM leaves it to the group's stores), so each event says what it removes.
+    #[serde(rename = "BlockRemoved")]
+    ComponentRemoved {
+        /// One int64 per page.
+        block_hashes: Vec<i64>,
+        /// `GPU`, `CPU_PINNED`, `DISK` or `EXTERNAL`.
+        medium: &'static str,
+        /// The KV-cache group.
+        group_idx: u32,
+        /// `sliding_window` or `mamba`.
+        kv_cache_spec_kind: &'static str,
+    },
 }
 
 impl WireEvent {
@@ -119,6 +165,47 @@ impl WireEvent {
                 medium: medium_name(*medium, l3),
             },
             KvEvent::AllBlocksCleared => WireEvent::AllBlocksCleared,
+        }
+    }
+}
+
+impl WireEvent {
+    /// The wire form of a hybrid cache's event: a Full event exactly as
+    /// [`from_event`](Self::from_event) writes it, an SWA or Mamba one with its component's
+    /// fields.
+    pub fn from_component_event(e: &ComponentKvEvent, l3: L3Medium) -> Self {
+        let Some(c) = e.component else {
+            return Self::from_event(&e.event, l3);
+        };
+        match Self::from_event(&e.event, l3) {
+            WireEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id,
+                medium,
+            } => WireEvent::ComponentStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id,
+                medium,
+                group_idx: c.group(),
+                kv_cache_spec_kind: c.spec_kind(),
+                kv_cache_spec_sliding_window: c.window(),
+            },
+            WireEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } => WireEvent::ComponentRemoved {
+                block_hashes,
+                medium,
+                group_idx: c.group(),
+                kv_cache_spec_kind: c.spec_kind(),
+            },
+            other => other,
         }
     }
 }
@@ -190,6 +277,93 @@ mod tests {
         let cleared = evs[1].as_map().unwrap();
         assert_eq!(cleared.len(), 1);
         assert_eq!(cleared[0].1.as_str(), Some("AllBlocksCleared"));
+    }
+
+    #[test]
+    fn component_events_carry_vllms_fields_and_full_ones_stay_as_they_were() {
+        use hicache_core::{EventComponent, TenantId};
+        let stored = KvEvent::BlockStored {
+            tenant: TenantId::DEFAULT,
+            block_hashes: vec![PageHash([1; 32])],
+            parent_block_hash: None,
+            token_ids: vec![5, 6],
+            block_size: 2,
+            medium: Medium::Gpu,
+        };
+        let removed = KvEvent::BlockRemoved {
+            tenant: TenantId::DEFAULT,
+            block_hashes: vec![PageHash([1; 32])],
+            medium: Medium::Storage,
+        };
+        let tag = |component, event: &KvEvent| ComponentKvEvent {
+            component,
+            event: event.clone(),
+        };
+        let keys = |w: &WireEvent| -> Vec<String> {
+            let bytes = encode_batch(0.0, std::slice::from_ref(w), None).unwrap();
+            let v: rmpv::Value = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
+            v[1][0]
+                .as_map()
+                .unwrap()
+                .iter()
+                .map(|(k, _)| k.as_str().unwrap().to_string())
+                .collect()
+        };
+        // Full: the dense wire form, byte for byte.
+        for e in [&stored, &removed] {
+            let l3 = L3Medium::Disk;
+            let a = encode_batch(1.0, &[WireEvent::from_event(e, l3)], None).unwrap();
+            let b = encode_batch(
+                1.0,
+                &[WireEvent::from_component_event(&tag(None, e), l3)],
+                None,
+            )
+            .unwrap();
+            assert_eq!(a, b);
+        }
+        let swa = Some(EventComponent::SlidingWindow {
+            window: 8,
+            group: 1,
+        });
+        let w = WireEvent::from_component_event(&tag(swa, &stored), L3Medium::Disk);
+        assert_eq!(
+            keys(&w),
+            [
+                "type",
+                "block_hashes",
+                "parent_block_hash",
+                "token_ids",
+                "block_size",
+                "lora_id",
+                "medium",
+                "group_idx",
+                "kv_cache_spec_kind",
+                "kv_cache_spec_sliding_window"
+            ]
+        );
+        let mamba = Some(EventComponent::Mamba { group: 2 });
+        let w = WireEvent::from_component_event(&tag(mamba, &stored), L3Medium::Disk);
+        assert_eq!(keys(&w).len(), 9, "no window for Mamba");
+        let w = WireEvent::from_component_event(&tag(mamba, &removed), L3Medium::Disk);
+        assert_eq!(
+            w,
+            WireEvent::ComponentRemoved {
+                block_hashes: vec![wire_hash(&PageHash([1; 32]))],
+                medium: "DISK",
+                group_idx: 2,
+                kv_cache_spec_kind: "mamba",
+            }
+        );
+        assert_eq!(
+            keys(&w),
+            [
+                "type",
+                "block_hashes",
+                "medium",
+                "group_idx",
+                "kv_cache_spec_kind"
+            ]
+        );
     }
 
     #[test]
