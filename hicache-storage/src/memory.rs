@@ -16,8 +16,9 @@
 //! 1. `bytes` equals the sum of the stored pages' lengths; the evictor tracks exactly the keys
 //!    of `pages`. The memory the store holds — stored pages, the buffers of writes in flight
 //!    (`reserved`) and the free buffers kept for reuse (`Recycler`) — never exceeds
-//!    `capacity` when the lock is released: room for a write is made (free buffers dropped,
-//!    then pages evicted) before its bytes are copied. All of it changes under one lock.
+//!    `capacity` when the lock is released, unless the writes in flight alone hold more:
+//!    room for a write is made (free buffers dropped, then pages evicted) before its bytes
+//!    are copied. All of it changes under one lock.
 //! 2. A stored page is immutable (`Arc`): readers copy outside the lock, and a replaced or
 //!    evicted page stays valid for readers that already hold it.
 //! 3. A page whose checksum fails is removed (if still the same copy) and reported `Corrupt`;
