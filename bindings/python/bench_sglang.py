@@ -609,7 +609,8 @@ def _l3_pair(pool, src, dst, ours, ref, batch, repeats, tag, sample_dst, want):
             _, cc = sides[side]
             secs, ok = _timed(lambda: HiCacheController._page_set_zero_copy(cc, keys[side], src))
             if not ok:
-                raise SystemExit(f"bench_sglang: {side} set failed ({tag})")
+                raise SystemExit(f"bench_sglang: {side} set failed ({tag}; the services' logs "
+                                 "are kept in hicache-bench-mooncake-logs-*)")
             if r:
                 note(("set", side), secs)
         for side in order:
@@ -674,7 +675,8 @@ def bench_l3_references(batch, repeats, root, segment_bytes=None):
     picks = sorted({0, batch // 2, batch - 1})
     sample_src = torch.cat([src[i * ps:(i + 1) * ps] for i in picks])
     sample_dst = torch.cat([dst[i * ps:(i + 1) * ps] for i in picks])
-    logs = tempfile.mkdtemp(prefix="mooncake-logs-", dir=root)
+    # Kept after a failure (the services' logs say why), removed after a clean run.
+    logs = tempfile.mkdtemp(prefix="hicache-bench-mooncake-logs-", dir=os.path.dirname(root))
     rows = []
     size = f"{label(page_bytes)}x{batch}"
 
@@ -741,6 +743,7 @@ def bench_l3_references(batch, repeats, root, segment_bytes=None):
         ours.close()
         ref.store.close()
         del ref
+    shutil.rmtree(logs, ignore_errors=True)
     return rows
 
 
@@ -771,7 +774,10 @@ def compare(args):
                    "--hybrid-pages", str(args.hybrid_pages)]
             if args.dir:
                 cmd += ["--dir", args.dir]
-            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if out.returncode != 0:
+                tail = "\n".join(out.stderr.splitlines()[-15:])
+                raise SystemExit(f"bench_sglang: the {side} run failed ({out.returncode}):\n{tail}")
             for line in out.stdout.splitlines():
                 if not line.startswith("{"):
                     continue

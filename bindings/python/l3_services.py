@@ -93,7 +93,10 @@ def mooncake_master(logdir):
         [exe, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
          "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
          f"--http_metadata_server_port={meta}", "--metrics_host=127.0.0.1",
-         f"--metrics_port={metrics}", "--eviction_high_watermark_ratio=0.95"],
+         f"--metrics_port={metrics}", "--eviction_high_watermark_ratio=0.95",
+         # A client is dropped (its segment unmounted) after client_ttl s without a
+         # heartbeat: 10 by default, too short on a machine loaded by builds.
+         "--client_ttl=120"],
         stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_port(rpc, proc, "mooncake_master")
