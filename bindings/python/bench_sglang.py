@@ -635,8 +635,23 @@ def _l3_pair(pool, src, dst, ours, ref, batch, repeats, tag, sample_dst, want):
             if r:
                 note(("exists", side), (time.perf_counter() - t) / 20)
         ours._store.delete(ours.namespace, keys["ours"])
-        ref.clear()
+        _mooncake_clear(ref, keys["ref"])
     return best
+
+
+def _mooncake_clear(ref, keys, within=60.0):
+    """Removes every object of ``ref`` (SGLang's ``clear``: Mooncake's ``remove_all``) and
+    waits until ``keys`` are gone: Mooncake keeps an object that a get or exists leased
+    (``default_kv_lease_ttl``) and its removal skips it until the lease ends."""
+    deadline = time.monotonic() + within
+    while True:
+        ref.clear()
+        if not any(ref.batch_exists([k]) for k in (keys[0], keys[-1])):
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench_sglang: Mooncake still holds the round's pages after "
+                             f"{within:.0f} s")
+        time.sleep(0.2)
 
 
 def bench_l3_references(batch, repeats, root, segment_bytes=None):
