@@ -96,10 +96,7 @@ def mooncake_master(logdir):
          f"--metrics_port={metrics}", "--eviction_high_watermark_ratio=0.95",
          # A client is dropped (its segment unmounted) after client_ttl s without a
          # heartbeat: 10 by default, too short on a machine loaded by builds.
-         "--client_ttl=120",
-         # An object read is leased (not removable) this long: 10 s by default; 2 s still
-         # outlasts a 1 GiB get on a loaded machine, and clears between rounds wait less.
-         "--default_kv_lease_ttl=2000"],
+         "--client_ttl=120"],
         stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_port(rpc, proc, "mooncake_master")
