@@ -32,6 +32,16 @@ different order every round.
 The small-call rows (``--only calls``; also under ``all``) give the class / native ratio
 and the microseconds the class adds per call, per method, for dense (v1 methods) and hybrid
 (v2 methods, KV + Mamba) pools on the memory and file backends, one 4-token page per call.
+The L3 reference rows (``--only mooncake``; also under ``all``) put ours beside SGLang's own
+Mooncake Store backend (``MooncakeStore``; PyPI ``mooncake-transfer-engine-non-cuda``, TCP
+transport, ``mooncake_master`` and its metadata server started on loopback for the run) with
+the same SGLang calls (the controller's ``_page_set_zero_copy`` / ``_page_get_zero_copy`` and
+``batch_exists``) on one host pool of 8 MiB pages, ``--mooncake-batch`` (128) pages a call:
+our ``memory`` backend against Mooncake with its segment in this process, and our ``redis``
+backend (a 3-node Redis Cluster on loopback) against Mooncake with its segment in a separate
+store process over TCP. Fresh keys every round; both sides' pages are deleted after each
+round. Without an importable ``mooncake`` these rows are skipped with a message saying how
+to install it (bindings/python/README.md).
 ``--before-site DIR`` runs the whole bench alternately against the package installed in DIR
 (e.g. main's wheel: ``pip install --no-deps --target DIR hicache_rs-*.whl``) and the one in
 the environment, in one run, and prints both sides' ratios with the machine's load.
@@ -549,6 +559,212 @@ def bench_call_overhead(backend, kind, root, calls=300, rounds=5):
             for op, method in zip(("set", "exists", "get"), methods)]
 
 
+# ---- L3 references: SGLang's own Mooncake Store backend -------------------------------------
+
+
+def _ours_backend(pool, config):
+    extra, *_ = HybridCacheController.parse_storage_backend_extra_config(json.dumps({
+        "backend_name": "hicache_rs", "module_path": "hicache_rs.sglang",
+        "class_name": "HiCacheRsStorage", "interface_v1": 1, **config}))
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
+    b.register_mem_pool_host(pool)
+    return b
+
+
+def _mooncake_backend(pool, master, metadata, segment_bytes):
+    """SGLang's ``MooncakeStore`` as SGLang builds it for ``--hicache-storage-backend
+    mooncake``: TCP transport, no local buffer (its zero-copy calls need none), the host pool
+    registered with Mooncake; ``segment_bytes`` of segment in this process (0: none)."""
+    cfg = storage_config({"master_server_address": master, "metadata_server": metadata,
+                          "global_segment_size": segment_bytes, "protocol": "tcp",
+                          "device_name": "", "local_hostname": "127.0.0.1",
+                          "check_server": False})
+    b = StorageBackendFactory.create_backend("mooncake", cfg, pool)
+    b.register_mem_pool_host(pool)
+    return b
+
+
+def _l3_pair(pool, src, dst, ours, ref, batch, repeats, tag, sample_dst, want):
+    """Set, get and exists of ``batch`` pages through SGLang's controller page functions,
+    ours against the reference, alternating who goes first; fresh keys every round, both
+    sides' pages deleted at the end of each round (so memory stays bounded). After every get
+    the pages ``sample_dst`` (token slots of ``dst``) must hold ``want``. Returns the fastest
+    seconds per (op, side)."""
+    ps = pool.page_size
+    ours_cc, ref_cc = _controller_view(ours, pool), _controller_view(ref, pool)
+    zero = pool.get_dummy_flat_data_page()
+    best = {}
+
+    def note(key, secs):
+        best[key] = min(best.get(key, float("inf")), secs)
+
+    for r in range(repeats + 1):  # round 0 warms up (segments, first faults) and is not kept
+        base = 50_000_000 * tag + 1_000_000 * r
+        keys = {"ours": hicache_rs.sglang_page_hashes(list(range(base, base + batch * ps)), ps),
+                "ref": hicache_rs.sglang_page_hashes(
+                    list(range(base + 500_000, base + 500_000 + batch * ps)), ps)}
+        sides = {"ours": (ours, ours_cc), "ref": (ref, ref_cc)}
+        order = ["ours", "ref"] if r % 2 == 0 else ["ref", "ours"]
+        for side in order:
+            _, cc = sides[side]
+            secs, ok = _timed(lambda: HiCacheController._page_set_zero_copy(cc, keys[side], src))
+            if not ok:
+                raise SystemExit(f"bench_sglang: {side} set failed ({tag}; the services' logs "
+                                 "are kept in hicache-bench-mooncake-logs-*)")
+            if r:
+                note(("set", side), secs)
+        for side in order:
+            _, cc = sides[side]
+            for start in dst[::ps].tolist():
+                pool.set_from_flat_data_page(start, zero)
+            secs, n = _timed(lambda: HiCacheController._page_get_zero_copy(cc, _Op, keys[side],
+                                                                           dst))
+            if n != batch:
+                raise SystemExit(f"bench_sglang: {side} get read {n} of {batch} pages ({tag})")
+            if not all(same(a, b_) for a, b_ in zip(read_pages(pool, sample_dst), want)):
+                raise SystemExit(f"bench_sglang: {side} get read wrong bytes ({tag})")
+            if r:
+                note(("get", side), secs)
+        for side in order:
+            b, _ = sides[side]
+            t = time.perf_counter()
+            for _ in range(20):
+                hits = b.batch_exists(keys[side])
+            if hits != batch:
+                raise SystemExit(f"bench_sglang: {side} exists found {hits} of {batch} ({tag})")
+            if r:
+                note(("exists", side), (time.perf_counter() - t) / 20)
+        ours._store.delete(ours.namespace, keys["ours"])
+        _mooncake_clear(ref, keys["ref"])
+    return best
+
+
+def _mooncake_clear(ref, keys, within=60.0):
+    """Removes the round's objects from ``ref`` (Mooncake's ``remove_all``, what SGLang's
+    ``clear`` calls) and waits until all of them went: Mooncake keeps an object that a get or
+    exists leased (``default_kv_lease_ttl``; an exists renews the lease, so presence is not
+    polled) and its removal skips it until the lease ends. ``remove_all`` returns the number
+    removed; two objects (K and V) per page."""
+    deadline = time.monotonic() + within
+    removed = 0
+    while True:
+        removed += max(0, ref.store.remove_all())
+        if removed >= 2 * len(keys):
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench_sglang: Mooncake removed {removed} of {2 * len(keys)} "
+                             f"objects within {within:.0f} s")
+        time.sleep(0.25)
+
+
+def bench_l3_references(batch, repeats, root, segment_bytes=None):
+    """Ours against SGLang's own Mooncake Store backend (``MooncakeStore``, TCP transport,
+    ``mooncake_master`` and its metadata server on loopback), same SGLang calls on one host
+    pool of 8 MiB pages, ``batch`` pages a call:
+
+    - ``memory`` (in-process) vs Mooncake with its segment in this process;
+    - ``redis`` (a 3-node loopback Redis Cluster) vs Mooncake with its segment in a separate
+      store process, reached over TCP.
+
+    Returns rows, or none with a message on stderr when mooncake is not importable."""
+    import l3_services
+
+    why = l3_services.mooncake_missing()
+    if why:
+        print(f"bench_sglang: skipping the Mooncake reference rows: {why}", file=sys.stderr)
+        return []
+    page_tokens = 256  # 8 MiB pages
+    pool = mha_pool("page_first", layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM,
+                    page_size=page_tokens, device_tokens=batch * page_tokens // 2, ratio=4.0)
+    ps = pool.page_size
+    page_bytes = TOKEN_BYTES * ps
+    nbytes = batch * page_bytes
+    # Room for two batches (Mooncake refuses puts well before its segment is full); both
+    # stores hold at most this much.
+    segment_bytes = segment_bytes or 2 * nbytes + (256 << 20)
+    src, dst = pool.alloc(batch * ps), pool.alloc(batch * ps)
+    g = torch.Generator().manual_seed(11)
+    for start in src[::ps].tolist():
+        flat = pool.get_dummy_flat_data_page()
+        flat.view(torch.uint8).copy_(torch.randint(0, 256, (flat.numel() * flat.element_size(),),
+                                                   generator=g, dtype=torch.uint8))
+        pool.set_from_flat_data_page(start, flat)
+    # The bytes checked after every get: the first, a middle and the last page.
+    picks = sorted({0, batch // 2, batch - 1})
+    sample_src = torch.cat([src[i * ps:(i + 1) * ps] for i in picks])
+    sample_dst = torch.cat([dst[i * ps:(i + 1) * ps] for i in picks])
+    # Kept after a failure (the services' logs say why), removed after a clean run.
+    logs = tempfile.mkdtemp(prefix="hicache-bench-mooncake-logs-", dir=os.path.dirname(root))
+    rows = []
+    size = f"{label(page_bytes)}x{batch}"
+
+    def add(backend, ref_name, best):
+        for op in ("set", "get", "exists"):
+            o, rf = best[(op, "ours")], best[(op, "ref")]
+            row = {"bench": "sglang-l3-ref", "case": f"{backend}/{op}/{size}/vs-{ref_name}"}
+            if op == "exists":
+                row.update(value=round(o * 1e6, 1), unit="us/call",
+                           reference=round(rf * 1e6, 1), ratio=round(rf / o, 3))
+            else:
+                row.update(value=round(nbytes / o / 1e9, 3), unit="GB/s",
+                           reference=round(nbytes / rf / 1e9, 3), ratio=round(rf / o, 3))
+            rows.append(row)
+
+    def run_pair(ours, ref, tag):
+        return _l3_pair(pool, src, dst, ours, ref, batch, repeats, tag, sample_dst,
+                        read_pages(pool, sample_src))
+
+    # memcpy of the same pieces (glibc's, one thread) into / out of one buffer touched
+    # beforehand: the physical limit of an in-process store, measured beside the rest.
+    import ctypes
+
+    stage = torch.ones(nbytes, dtype=torch.uint8)
+    base = stage.data_ptr()
+    ptrs_src, sizes = pool.get_page_buffer_meta(src)
+    ptrs_dst, _ = pool.get_page_buffer_meta(dst)
+
+    def memcpy(out):
+        off = 0
+        for p, z in zip(ptrs_src if out else ptrs_dst, sizes):
+            if out:
+                ctypes.memmove(base + off, p, z)
+            else:
+                ctypes.memmove(p, base + off, z)
+            off += z
+    memcpy_best = {}
+    for r in range(repeats + 1):
+        for op, out in (("set", True), ("get", False)):
+            secs, _ = _timed(lambda: memcpy(out))
+            if r:
+                memcpy_best[op] = min(memcpy_best.get(op, float("inf")), secs)
+
+    with l3_services.mooncake_master(logs) as (master, meta):
+        ref = _mooncake_backend(pool, master, meta, segment_bytes)
+        ours = _ours_backend(pool, {"backend": "memory", "capacity": segment_bytes})
+        best = run_pair(ours, ref, 1)
+        add("memory", "mooncake-in-process", best)
+        for op in ("set", "get"):
+            o, m = best[(op, "ours")], memcpy_best[op]
+            rows.append({"bench": "sglang-l3-ref", "case": f"memory/{op}/{size}/vs-memcpy",
+                         "value": round(nbytes / o / 1e9, 3), "unit": "GB/s",
+                         "reference": round(nbytes / m / 1e9, 3), "ratio": round(m / o, 3)})
+        del stage
+        ours.close()
+        ref.store.close()
+        del ref
+    with l3_services.mooncake_master(logs) as (master, meta), \
+            l3_services.mooncake_store_process(master, meta, segment_bytes, logs), \
+            l3_services.redis_cluster() as nodes:
+        ref = _mooncake_backend(pool, master, meta, 0)
+        ours = _ours_backend(pool, {"backend": "redis", "nodes": nodes})
+        add("redis", "mooncake-tcp-store", run_pair(ours, ref, 2))
+        ours.close()
+        ref.store.close()
+        del ref
+    shutil.rmtree(logs, ignore_errors=True)
+    return rows
+
+
 def compare(args):
     """``--before-site``: this bench run alternately against the package installed in that
     directory (e.g. main's wheel, ``pip install --target DIR``) and against the one in the
@@ -571,11 +787,15 @@ def compare(args):
             cmd = [sys.executable, os.path.abspath(__file__), "--json", "--only", args.only,
                    "--repeats", str(args.repeats), "--batch", str(args.batch),
                    "--big-batch", str(args.big_batch),
+                   "--mooncake-batch", str(args.mooncake_batch),
                    "--hybrid-requests", str(args.hybrid_requests),
                    "--hybrid-pages", str(args.hybrid_pages)]
             if args.dir:
                 cmd += ["--dir", args.dir]
-            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if out.returncode != 0:
+                tail = "\n".join(out.stderr.splitlines()[-15:])
+                raise SystemExit(f"bench_sglang: the {side} run failed ({out.returncode}):\n{tail}")
             for line in out.stdout.splitlines():
                 if not line.startswith("{"):
                     continue
@@ -618,8 +838,12 @@ def main():
                     help="hybrid case: nodes per op (one v2 call each)")
     ap.add_argument("--hybrid-pages", type=int, default=8,
                     help="hybrid case: KV pages per node (plus one Mamba state)")
-    ap.add_argument("--only", choices=("all", "v1", "hybrid", "calls"), default="all",
-                    help="calls: only the small-call class/native rows")
+    ap.add_argument("--only", choices=("all", "v1", "hybrid", "calls", "mooncake"),
+                    default="all",
+                    help="calls: only the small-call class/native rows; mooncake: only the "
+                    "rows against SGLang's Mooncake Store backend")
+    ap.add_argument("--mooncake-batch", type=int, default=128,
+                    help="pages of 8 MiB per call in the Mooncake rows (128: 1 GiB a call)")
     ap.add_argument("--before-site",
                     help="compare with the package installed in this directory (same run)")
     ap.add_argument("--compare-rounds", type=int, default=2)
@@ -632,6 +856,8 @@ def main():
     try:
         if args.only in ("all", "hybrid"):
             rows += bench_hybrid(args.hybrid_requests, args.hybrid_pages, args.repeats, root)
+        if args.only in ("all", "mooncake"):
+            rows += bench_l3_references(args.mooncake_batch, args.repeats, root)
         if args.only in ("all", "calls"):
             for backend in ("memory", "file"):
                 for kind in ("dense", "hybrid"):
@@ -675,6 +901,7 @@ def main():
         print(f"{r['case']:<64} {r['value']:>10} {r['unit']:<8} "
               f"{r.get('reference', ''):>10} {r.get('ratio', ''):>7}  "
               f"{' '.join(f'{k}={v}' for k, v in extra.items())}")
+    print("load average (1, 5, 15 min): %.2f %.2f %.2f" % os.getloadavg())
     print("ratio: ours / reference for GB/s and pages/s; reference / ours for us/call "
           "(higher is better for us), except page-meta: the share "
           "of a native get call the class adds. Reads are from a warm page cache on both "

@@ -7,22 +7,40 @@
 //!
 //! Extra-config (`backend memory`): `capacity` (common field; default 1 GiB), `eviction`
 //! (`lru` | `fifo`, default `lru`), `max_batch` (pages per call, default 256),
-//! `record_contexts` (default false: keep and log at debug level every [`BatchContext`] that
-//! arrives, for tests and debugging; see [`MemoryBackend::contexts`]).
+//! `copy_threads` (threads that copy the pages of one large batch, default the machine's
+//! cores up to 4; 1 copies on the caller's thread), `record_contexts` (default false: keep
+//! and log at debug level every [`BatchContext`] that arrives, for tests and debugging; see
+//! [`MemoryBackend::contexts`]).
 //!
 //! Invariants:
-//! 1. `bytes` equals the sum of the stored pages' lengths and never exceeds `capacity` after a
-//!    call returns; the evictor tracks exactly the keys of `pages`. Both change under one lock.
+//! 1. `bytes` equals the sum of the stored pages' lengths; the evictor tracks exactly the keys
+//!    of `pages`. The memory the store holds — stored pages, the buffers of writes in flight
+//!    (`reserved`) and the free buffers kept for reuse (`Recycler`) — never exceeds
+//!    `capacity` when the lock is released, unless the writes in flight alone hold more:
+//!    room for a write is made (free buffers dropped, then pages evicted) before its bytes
+//!    are copied. All of it changes under one lock.
 //! 2. A stored page is immutable (`Arc`): readers copy outside the lock, and a replaced or
 //!    evicted page stays valid for readers that already hold it.
 //! 3. A page whose checksum fails is removed (if still the same copy) and reported `Corrupt`;
 //!    the destination's contents are then unspecified (the contract's rule 2).
 //! 4. Every page's bytes cross memory once per call: a write copies and checksums in one pass
 //!    (`copy_in`), a read copies and verifies in one pass (`copy_out`), each chunk hashed
-//!    while it is still in the CPU cache. A write reuses the buffer of a page it replaced or
-//!    evicted when one of its length is free (`Recycler`), so a full store writes into memory
-//!    that is already faulted in. The free buffers kept are bounded (1/8 of the capacity, at
-//!    most 256 MiB) and are memory beyond the capacity's page bytes.
+//!    while it is still in the CPU cache. A write reuses the buffer of a page that left the
+//!    store (replaced, evicted, deleted, cleared) when one of its length is free
+//!    (`Recycler`), so once the store has held its working set, writes go into memory that
+//!    is already faulted in, as a memcpy into a preallocated segment does; free buffers count
+//!    against the capacity, so keeping them costs no memory beyond it.
+//! 5. A batch of at least [`PARALLEL_MIN_BYTES`] and two pages is copied by up to
+//!    `copy_threads` scoped threads, each taking a contiguous run of its pages; outcomes keep
+//!    the batch's order. Each page is still one `set_one` / `get_one`, so rules 1–3 and the
+//!    invariants above hold per page whatever thread copies it.
+//!
+//! What the checksum guards here: the store's copy lives in this process's heap, so no
+//! process, network or disk boundary lies between write and read. It catches a stray write
+//! into the store's buffers by other code of the process (a native extension, an `unsafe`
+//! bug) and a memory error that ECC did not correct, and turns either into a `Corrupt` miss
+//! instead of wrong KV. The contract's rule 2 asks every backend for it; fused with the copy
+//! (each 32 KiB chunk hashed while in cache) it costs CPU, not a second pass over memory.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -54,7 +72,20 @@ pub struct MemoryOptions {
     pub max_batch: usize,
     /// Record every batch context received ([`MemoryBackend::contexts`]).
     pub record_contexts: bool,
+    /// Threads that copy the pages of one batch of at least [`PARALLEL_MIN_BYTES`]
+    /// (invariant 5); 1 copies on the caller's thread.
+    pub copy_threads: usize,
 }
+
+/// The default [`MemoryOptions::copy_threads`]: the machine's cores, at most 4 (memory
+/// bandwidth, not cores, bounds a copy beyond that).
+pub fn default_copy_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+}
+
+/// Bytes a batch must hold before its copies are split among threads: below it a thread's
+/// start costs more than the copy it would take over.
+pub const PARALLEL_MIN_BYTES: usize = 4 << 20;
 
 impl Default for MemoryOptions {
     fn default() -> Self {
@@ -63,6 +94,7 @@ impl Default for MemoryOptions {
             eviction: EvictionPolicy::Lru,
             max_batch: 256,
             record_contexts: false,
+            copy_threads: default_copy_threads(),
         }
     }
 }
@@ -74,6 +106,7 @@ impl MemoryOptions {
         let eviction = fields.choice("eviction", "lru", &EvictionPolicy::NAMES)?;
         let max_batch = fields.u64("max_batch", d.max_batch as u64, 128..=65_536)? as usize;
         let record_contexts = fields.bool("record_contexts", d.record_contexts)?;
+        let copy_threads = fields.u64("copy_threads", d.copy_threads as u64, 1..=64)? as usize;
         let capacity_bytes = common.capacity_bytes.unwrap_or(d.capacity_bytes);
         // Pages are held in memory: a capacity above the machine's memory is a mistake.
         crate::machine::check_memory_size(fields.scope(), "capacity", capacity_bytes)?;
@@ -83,6 +116,7 @@ impl MemoryOptions {
             eviction: EvictionPolicy::parse(eviction).unwrap_or_default(),
             max_batch,
             record_contexts,
+            copy_threads,
         })
     }
 }
@@ -96,8 +130,28 @@ struct Stored {
 struct Inner {
     pages: HashMap<PageKey, Arc<Stored>>,
     evictor: Box<dyn Evictor<PageKey>>,
+    /// Bytes of the stored pages.
     bytes: u64,
+    /// Bytes of the buffers of writes in flight (taken or allocated, not yet stored).
+    reserved: u64,
     recycler: Recycler,
+}
+
+impl Inner {
+    /// Memory held: stored pages, writes in flight and free buffers (invariant 1).
+    fn held(&self) -> u64 {
+        self.bytes + self.reserved + self.recycler.bytes
+    }
+
+    /// Removes `key`'s page, its buffer going to the recycler. Returns its length.
+    fn remove(&mut self, key: &PageKey) -> Option<u64> {
+        let old = self.pages.remove(key)?;
+        let len = old.meta.len as u64;
+        self.bytes -= len;
+        self.evictor.remove(key);
+        self.recycler.keep(old);
+        Some(len)
+    }
 }
 
 /// Bytes copied and then hashed at a time: small enough that the hash reads them from the
@@ -150,38 +204,56 @@ fn copy_out(src: &[u8], dst: &mut PageBufMut<'_>) -> u64 {
     h.finish()
 }
 
+/// The outcomes of the copy threads of one batch, in the batch's order. A copy thread runs
+/// only `set_one` / `get_one`, which return an outcome for every page and do not panic on
+/// any input; should one panic all the same, the panic is carried on to the caller.
+fn join_in_order(
+    runs: Vec<std::thread::ScopedJoinHandle<'_, Vec<PageOutcome>>>,
+) -> Vec<PageOutcome> {
+    let mut out = Vec::new();
+    for run in runs {
+        match run.join() {
+            Ok(part) => out.extend(part),
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
+    out
+}
+
 /// Buffers of pages that left the store (replaced, evicted, deleted, cleared) and no reader
-/// holds, kept by length for the next write of that length. Bounded: at most `limit` bytes
-/// are kept; the rest are freed.
+/// holds, kept by length for the next write of that length. They count against the store's
+/// capacity (invariant 1): [`Recycler::drop_one`] frees one when a write needs the room.
+#[derive(Default)]
 struct Recycler {
     free: HashMap<usize, Vec<Box<[u8]>>>,
     bytes: u64,
-    limit: u64,
 }
 
 impl Recycler {
-    /// A recycler that keeps at most 1/8 of `capacity` bytes, and never more than 256 MiB.
-    fn new(capacity: u64) -> Self {
-        Self {
-            free: HashMap::new(),
-            bytes: 0,
-            limit: (capacity / 8).min(256 << 20),
-        }
-    }
-
-    /// Keeps the buffer of `page` if no reader holds it and there is room.
+    /// Keeps the buffer of `page` if no reader holds it (a reader's copy is freed when the
+    /// reader drops it).
     fn keep(&mut self, page: Arc<Stored>) {
         let Ok(stored) = Arc::try_unwrap(page) else {
             return;
         };
-        let len = stored.data.len() as u64;
-        if self.bytes + len <= self.limit {
-            self.bytes += len;
-            self.free
-                .entry(stored.data.len())
-                .or_default()
-                .push(stored.data);
-        }
+        self.bytes += stored.data.len() as u64;
+        self.free
+            .entry(stored.data.len())
+            .or_default()
+            .push(stored.data);
+    }
+
+    /// Frees one kept buffer, of a length other than `spare` when there is one. Returns
+    /// whether one was freed.
+    fn drop_one(&mut self, spare: usize) -> bool {
+        let len = match self.free.keys().copied().find(|&l| l != spare) {
+            Some(l) => l,
+            None => match self.free.keys().next() {
+                Some(&l) => l,
+                None => return false,
+            },
+        };
+        self.take(len).is_some()
     }
 
     /// A free buffer of exactly `len` bytes, if one is kept.
@@ -222,7 +294,8 @@ impl MemoryBackend {
                 pages: HashMap::new(),
                 evictor: options.eviction.build(),
                 bytes: 0,
-                recycler: Recycler::new(options.capacity_bytes),
+                reserved: 0,
+                recycler: Recycler::default(),
             }),
             options,
             counters: StatsCounters::default(),
@@ -277,11 +350,17 @@ impl MemoryBackend {
         }
         let reuse = {
             let mut inner = self.inner.lock();
-            if inner.pages.get(key).is_some_and(|s| s.meta == page.meta()) {
-                inner.evictor.touch(key);
-                return PageOutcome::Present;
+            if let Some(s) = inner.pages.get(key) {
+                if s.meta == page.meta() {
+                    inner.evictor.touch(key);
+                    return PageOutcome::Present;
+                }
+                // Replaced: its buffer may carry the new page.
+                inner.remove(key);
             }
-            inner.recycler.take(len)
+            let reuse = self.make_room(&mut inner, len);
+            inner.reserved += len as u64;
+            reuse
         };
         // Copy and checksum outside the lock, in one pass.
         let (data, sum) = copy_in(page, reuse);
@@ -291,26 +370,46 @@ impl MemoryBackend {
             data,
         });
         let mut inner = self.inner.lock();
-        if let Some(old) = inner.pages.remove(key) {
-            inner.bytes -= old.meta.len as u64;
-            inner.evictor.remove(key);
-            inner.recycler.keep(old);
-        }
-        while inner.bytes + len as u64 > self.options.capacity_bytes {
-            let Some(victim) = inner.evictor.pop_victim() else {
-                break;
-            };
-            if let Some(v) = inner.pages.remove(&victim) {
-                inner.bytes -= v.meta.len as u64;
-                bump(&self.counters.evicted_pages, 1);
-                bump(&self.counters.evicted_bytes, v.meta.len as u64);
-                inner.recycler.keep(v);
-            }
-        }
+        inner.reserved -= len as u64;
+        // A concurrent write of the same key stored first: this one replaces it.
+        inner.remove(key);
         inner.bytes += len as u64;
         inner.pages.insert(*key, stored);
         inner.evictor.insert(*key);
         PageOutcome::Stored
+    }
+
+    /// Makes room for a write of `len` bytes (invariant 1) and returns a free buffer of that
+    /// length when one is kept or a page evicted for the room leaves one: free buffers of
+    /// other lengths are dropped first, then pages evicted in the policy's order.
+    fn make_room(&self, inner: &mut Inner, len: usize) -> Option<Box<[u8]>> {
+        if let Some(buf) = inner.recycler.take(len) {
+            return Some(buf);
+        }
+        while inner.held() + len as u64 > self.options.capacity_bytes {
+            if inner.recycler.drop_one(len) {
+                continue;
+            }
+            let Some(victim) = inner.evictor.pop_victim() else {
+                break;
+            };
+            if let Some(n) = inner.remove(&victim) {
+                bump(&self.counters.evicted_pages, 1);
+                bump(&self.counters.evicted_bytes, n);
+                if let Some(buf) = inner.recycler.take(len) {
+                    return Some(buf);
+                }
+            }
+        }
+        None
+    }
+
+    /// Threads to copy a batch of `pages` pages and `bytes` bytes with (invariant 5).
+    fn copy_threads(&self, pages: usize, bytes: usize) -> usize {
+        if bytes < PARALLEL_MIN_BYTES {
+            return 1;
+        }
+        self.options.copy_threads.min(pages).max(1)
     }
 
     fn get_one(&self, key: &PageKey, dst: &mut PageBufMut<'_>) -> PageOutcome {
@@ -379,22 +478,62 @@ impl Storage for MemoryBackend {
         dst: &mut [PageBufMut<'_>],
     ) -> Result<Vec<PageOutcome>> {
         check_batch("batch_get", self.options.max_batch, keys.len(), dst.len())?;
-        let out: Vec<PageOutcome> = keys
-            .iter()
-            .zip(dst.iter_mut())
-            .map(|(k, d)| self.get_one(k, d))
-            .collect();
+        let bytes = dst.iter().map(|d| d.len()).sum();
+        let threads = self.copy_threads(keys.len(), bytes);
+        let out = if threads > 1 {
+            let per = keys.len().div_ceil(threads);
+            std::thread::scope(|scope| {
+                let runs: Vec<_> = keys
+                    .chunks(per)
+                    .zip(dst.chunks_mut(per))
+                    .map(|(ks, ds)| {
+                        scope.spawn(move || {
+                            ks.iter()
+                                .zip(ds.iter_mut())
+                                .map(|(k, d)| self.get_one(k, d))
+                                .collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                join_in_order(runs)
+            })
+        } else {
+            keys.iter()
+                .zip(dst.iter_mut())
+                .map(|(k, d)| self.get_one(k, d))
+                .collect()
+        };
         self.counters.record_get(&out, dst.iter().map(|d| d.len()));
         Ok(out)
     }
 
     async fn batch_set(&self, keys: &[PageKey], src: &[PageBuf<'_>]) -> Result<Vec<PageOutcome>> {
         check_batch("batch_set", self.options.max_batch, keys.len(), src.len())?;
-        let out: Vec<PageOutcome> = keys
-            .iter()
-            .zip(src)
-            .map(|(k, p)| self.set_one(k, p))
-            .collect();
+        let bytes = src.iter().map(|p| p.len()).sum();
+        let threads = self.copy_threads(keys.len(), bytes);
+        let out = if threads > 1 {
+            let per = keys.len().div_ceil(threads);
+            std::thread::scope(|scope| {
+                let runs: Vec<_> = keys
+                    .chunks(per)
+                    .zip(src.chunks(per))
+                    .map(|(ks, ps)| {
+                        scope.spawn(move || {
+                            ks.iter()
+                                .zip(ps)
+                                .map(|(k, p)| self.set_one(k, p))
+                                .collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                join_in_order(runs)
+            })
+        } else {
+            keys.iter()
+                .zip(src)
+                .map(|(k, p)| self.set_one(k, p))
+                .collect()
+        };
         self.counters.record_set(&out, src.iter().map(|p| p.len()));
         Ok(out)
     }
@@ -522,8 +661,9 @@ mod tests {
     #[tokio::test]
     async fn recycled_buffers_carry_the_new_page() {
         let len = 100_000;
-        // Room for 16 pages; the recycler keeps up to 2 buffers (1/8 of that).
-        let m = MemoryBackend::with_capacity(16 * len as u64);
+        // Room for 16 pages, free buffers included.
+        let cap = 16 * len as u64;
+        let m = MemoryBackend::with_capacity(cap);
         for round in 0u8..4 {
             // 20 new pages a round: each round evicts the previous round's pages.
             let ids: Vec<u8> = (0..20).map(|i| round * 20 + i).collect();
@@ -541,13 +681,100 @@ mod tests {
                 assert_eq!(o, PageOutcome::Hit, "page {id}");
                 assert!(got == bytes(id, len), "page {id}");
             }
-            let inner = m.inner.lock();
-            assert!(inner.recycler.bytes > 0, "round {round}: nothing recycled");
-            assert!(inner.recycler.bytes <= inner.recycler.limit);
+            {
+                let inner = m.inner.lock();
+                assert!(inner.held() <= cap, "round {round}: over capacity");
+                assert_eq!(inner.reserved, 0);
+            }
+            // Deleted pages' buffers are kept, within the capacity, and carry the next writes.
+            assert_eq!(m.delete(&[k(ids[4]), k(ids[5])]).await.unwrap(), 2);
+            assert_eq!(m.inner.lock().recycler.bytes, 2 * len as u64);
+            for &id in &ids[4..6] {
+                let data = bytes(id ^ 0x80, len);
+                let page = PageBuf::from_parts(LayoutKind::PageFirst, [&data[..]]);
+                assert_eq!(
+                    m.batch_set(&[k(id)], &[page]).await.unwrap()[0],
+                    PageOutcome::Stored
+                );
+                let (o, got) = read(&m, k(id), len).await;
+                assert!(
+                    o == PageOutcome::Hit && got == bytes(id ^ 0x80, len),
+                    "page {id}"
+                );
+            }
+            assert_eq!(
+                m.inner.lock().recycler.bytes,
+                0,
+                "round {round}: buffers not reused"
+            );
         }
         // A damaged copy is still found on the one-pass read.
         assert!(m.corrupt_page(&k(70)));
         assert_eq!(read(&m, k(70), len).await.0, PageOutcome::Corrupt);
+    }
+
+    /// Free buffers of another length are dropped, before any page is evicted, to make room:
+    /// the memory held stays within the capacity.
+    #[tokio::test]
+    async fn free_buffers_of_other_lengths_make_room_first() {
+        let m = MemoryBackend::with_capacity(10_000);
+        let set = |id: u8, len: usize| {
+            let data = bytes(id, len);
+            let m = &m;
+            async move {
+                let page = PageBuf::from_parts(LayoutKind::PageFirst, [&data[..]]);
+                m.batch_set(&[k(id)], &[page]).await.unwrap().remove(0)
+            }
+        };
+        for id in 0..4 {
+            assert_eq!(set(id, 2_000).await, PageOutcome::Stored);
+        }
+        assert_eq!(m.delete(&[k(0), k(1)]).await.unwrap(), 2);
+        // 4 000 bytes of pages and 4 000 free: a 3 000-byte page needs one free buffer gone.
+        assert_eq!(set(9, 3_000).await, PageOutcome::Stored);
+        let inner = m.inner.lock();
+        assert_eq!((inner.bytes, inner.recycler.bytes), (7_000, 2_000));
+        assert_eq!(inner.pages.len(), 3, "no page was evicted");
+    }
+
+    /// Batches large enough to be split among copy threads come back in order, misses and
+    /// hits where they were, every byte exact.
+    #[tokio::test]
+    async fn batches_copied_by_several_threads_keep_their_order() {
+        let m = MemoryBackend::new(MemoryOptions {
+            capacity_bytes: 64 << 20,
+            copy_threads: 3,
+            ..MemoryOptions::default()
+        });
+        let len = 1 << 20;
+        let data: Vec<Vec<u8>> = (0..8).map(|i| bytes(i, len)).collect();
+        let pages: Vec<PageBuf<'_>> = data
+            .iter()
+            .map(|d| PageBuf::from_parts(LayoutKind::PageFirst, d.chunks(300_000)))
+            .collect();
+        let keys: Vec<PageKey> = (0..8).map(k).collect();
+        assert_eq!(m.copy_threads(8, 8 * len), 3);
+        let out = m.batch_set(&keys, &pages).await.unwrap();
+        assert!(out.iter().all(|o| *o == PageOutcome::Stored), "{out:?}");
+        assert_eq!(m.delete(&[k(2), k(5)]).await.unwrap(), 2);
+        let mut back = vec![vec![0u8; len]; 8];
+        let out = {
+            let mut dst: Vec<PageBufMut<'_>> = back
+                .iter_mut()
+                .map(|b| PageBufMut::from_parts(LayoutKind::PageFirst, [&mut b[..]]))
+                .collect();
+            m.batch_get(&keys, &mut dst).await.unwrap()
+        };
+        for (i, o) in out.iter().enumerate() {
+            if i == 2 || i == 5 {
+                assert_eq!(*o, PageOutcome::Miss, "page {i}");
+            } else {
+                assert_eq!(*o, PageOutcome::Hit, "page {i}");
+                assert!(back[i] == data[i], "page {i}");
+            }
+        }
+        // Small batches stay on the caller's thread.
+        assert_eq!(m.copy_threads(8, PARALLEL_MIN_BYTES - 1), 1);
     }
 
     #[test]
@@ -563,7 +790,7 @@ mod tests {
         let cfg = StorageConfig::parse(
             Some("memory"),
             Some(
-                r#"{"capacity": "2MiB", "eviction": "fifo", "max_batch": 512, "record_contexts": true}"#,
+                r#"{"capacity": "2MiB", "eviction": "fifo", "max_batch": 512, "record_contexts": true, "copy_threads": 2}"#,
             ),
         )
         .unwrap();
@@ -575,6 +802,7 @@ mod tests {
                 eviction: EvictionPolicy::Fifo,
                 max_batch: 512,
                 record_contexts: true,
+                copy_threads: 2,
             }
         );
         let cfg = StorageConfig::parse(Some("memory"), Some(r#"{"max_batch": 3}"#)).unwrap();
