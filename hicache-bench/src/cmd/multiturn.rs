@@ -66,6 +66,7 @@ fn run_hybrid(
     factory: &HybridFactory,
     bar: &ProgressBar,
     payload: Payload,
+    remover: &ScratchRemover,
 ) -> Result<HybridColumn> {
     let hp = plan.for_hybrid(&factory.model);
     bar.set_message(factory.model.name.clone());
@@ -83,7 +84,7 @@ fn run_hybrid(
         let mut cache = factory.build(&setup)?;
         run_through(&hp, cache.as_mut(), bar, &hp.engine)?
     };
-    drop(scratch);
+    remover.remove(scratch);
     Ok(HybridColumn {
         model: factory.model.clone(),
         compute: hp.compute.clone(),
@@ -135,6 +136,7 @@ fn run_free(
     factory: &dyn CacheFactory,
     bar: &ProgressBar,
     payload: Payload,
+    remover: &ScratchRemover,
 ) -> Result<FreeCopy> {
     let mut setup = plan.setup.clone();
     setup.tiers = tiers;
@@ -143,9 +145,12 @@ fn run_free(
         copy_time: CopyTime::Free,
         ..plan.engine.clone()
     };
-    let (_scratch, setup) = scratch_l3(&setup)?;
-    let mut cache = factory.build(&setup)?;
-    let r = run_through(plan, cache.as_mut(), bar, &free_cfg)?;
+    let (scratch, setup) = scratch_l3(&setup)?;
+    let r = {
+        let mut cache = factory.build(&setup)?;
+        run_through(plan, cache.as_mut(), bar, &free_cfg)?
+    };
+    remover.remove(scratch);
     let s = Summary::new(tiers.label(), &r);
     Ok((s.hits, s.ttft, s.cache.payload))
 }
@@ -172,6 +177,7 @@ fn run_configuration(
     bar: &ProgressBar,
     hold: Option<Duration>,
     payload: Payload,
+    remover: &ScratchRemover,
 ) -> Result<Summary> {
     bar.set_message(tiers.label());
     let mut setup = plan.setup.clone();
@@ -186,8 +192,73 @@ fn run_configuration(
         }
         result
     };
-    drop(scratch);
+    remover.remove(scratch);
     Ok(Summary::new(tiers.label(), &result))
+}
+
+/// Removes the runs' scratch L3 directories on a thread of its own, so that the next run need
+/// not wait for it: a dense L3 column leaves ~500 page files of 8 MiB, and deleting them took
+/// 2-3 s of the job's wall time per column on the development machine (ext4 mounted with
+/// `discard`: each unlink discards its blocks). [`finish`](Self::finish) waits for every
+/// removal, so the job leaves no directory behind; a directory whose removal fails is
+/// reported on stderr.
+struct ScratchRemover {
+    tx: std::sync::Mutex<Option<std::sync::mpsc::Sender<tempfile::TempDir>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ScratchRemover {
+    /// Starts the removing thread (none if it cannot start: directories are then removed
+    /// where they are handed over).
+    fn start() -> Self {
+        let (tx, rx) = std::sync::mpsc::channel::<tempfile::TempDir>();
+        let thread = std::thread::Builder::new()
+            .name("scratch-remover".into())
+            .spawn(move || {
+                for dir in rx {
+                    let path = dir.path().to_path_buf();
+                    if let Err(e) = dir.close() {
+                        eprintln!("hicache-bench: cannot remove {}: {e}", path.display());
+                    }
+                }
+            })
+            .ok();
+        let tx = thread.as_ref().map(|_| tx);
+        Self {
+            tx: std::sync::Mutex::new(tx),
+            thread,
+        }
+    }
+
+    /// Hands `dir` (if any) over for removal; removes it here if the thread is gone.
+    fn remove(&self, dir: Option<tempfile::TempDir>) {
+        let Some(dir) = dir else { return };
+        match self.tx.lock().ok().and_then(|t| t.clone()) {
+            Some(tx) => {
+                if let Err(unsent) = tx.send(dir) {
+                    drop(unsent.0);
+                }
+            }
+            None => drop(dir),
+        }
+    }
+
+    /// Waits until every directory handed over is removed.
+    fn finish(self) {
+        drop(self);
+    }
+}
+
+impl Drop for ScratchRemover {
+    /// Waits for the removals (an early return of the job, too, leaves no directory behind).
+    fn drop(&mut self) {
+        if let Ok(mut tx) = self.tx.lock() {
+            tx.take();
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// How often [`hold_kv_events`] looks at the publisher.
@@ -385,14 +456,34 @@ fn side_by_side_workers(plan: &Plan) -> usize {
         .unwrap_or(1)
 }
 
+/// The runs that measure GB/s at a time: `HICACHE_MAIN_JOB_MEASURED_WORKERS` (default
+/// [`MEASURED_WORKERS`]), one with metrics or KV events (two caches would bind the same
+/// endpoint, and the KV events hold waits on the job's last run).
+fn measured_workers(plan: &Plan) -> usize {
+    let observe = &plan.setup.observe;
+    if observe.metrics_addr.is_some() || observe.kv_events.is_some() {
+        return 1;
+    }
+    std::env::var("HICACHE_MAIN_JOB_MEASURED_WORKERS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n >= 1)
+        .unwrap_or(MEASURED_WORKERS)
+}
+
+/// Default of [`measured_workers`].
+const MEASURED_WORKERS: usize = 1;
+
 /// Lets each run's cache take the pool mappings (device and host, GiBs each) an earlier run
 /// dropped instead of mapping fresh ones: populating fresh memory was measured at 0.13–0.4
 /// GB/s on the 2-core VMs (the kernel zeroing it, and under memory pressure reclaiming and
-/// compacting), 57 % of a loaded run's CPU. Budget: a quarter of the machine's memory, at most 16 GiB (a dense run's pools are
-/// 3 GiB); no figure depends on it (the pools are populated before a run either way).
-fn keep_pools_between_runs() {
-    let quarter = hicache_host::memory::mem_total().unwrap_or(0) / 4;
-    let budget = quarter.min(16 << 30);
+/// compacting), 57 % of a loaded run's CPU. Budget: a quarter of the machine's memory (half
+/// with `runs_at_a_time` above one), at most 16 GiB (a dense run's pools are 3 GiB); no
+/// figure depends on it (the pools are populated before a run either way).
+fn keep_pools_between_runs(runs_at_a_time: usize) {
+    let share =
+        hicache_host::memory::mem_total().unwrap_or(0) / if runs_at_a_time > 1 { 2 } else { 4 };
+    let budget = share.min(16 << 30);
     hicache_host::reuse_dropped_mappings(usize::try_from(budget).unwrap_or(usize::MAX));
 }
 
@@ -442,6 +533,7 @@ fn dense_jobs<'a>(
     bar: &'a ProgressBar,
     counterfactual: bool,
     spare: Payload,
+    remover: &'a ScratchRemover,
 ) -> TableJobs<'a> {
     let mut jobs = TableJobs::default();
     let hold = plan.setup.observe.kv_events_hold;
@@ -451,7 +543,7 @@ fn dense_jobs<'a>(
             jobs.side_by_side.push(Job::new("dense", move || {
                 Ok(Outcome::Free(
                     i,
-                    run_free(plan, tiers, factory, bar, spare)?,
+                    run_free(plan, tiers, factory, bar, spare, remover)?,
                 ))
             }));
         }
@@ -467,7 +559,7 @@ fn dense_jobs<'a>(
             spare
         };
         let job = Job::new("dense", move || {
-            let s = run_configuration(plan, tiers, factory, bar, hold, payload)?;
+            let s = run_configuration(plan, tiers, factory, bar, hold, payload, remover)?;
             Ok(Outcome::Configuration(i, s))
         });
         if measures_speed(&tiers) {
@@ -476,7 +568,66 @@ fn dense_jobs<'a>(
             jobs.side_by_side.push(job);
         }
     }
+    let mut alone: Vec<Option<(usize, Job<'a>)>> = std::mem::take(&mut jobs.alone)
+        .into_iter()
+        .zip(
+            plan.configurations
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| measures_speed(t)),
+        )
+        .map(|(job, (i, _))| Some((i, job)))
+        .collect();
+    for i in measured_order(plan) {
+        if let Some(slot) = alone
+            .iter_mut()
+            .find(|s| s.as_ref().is_some_and(|(j, _)| *j == i))
+        {
+            jobs.alone.extend(slot.take().map(|(_, job)| job));
+        }
+    }
     jobs
+}
+
+/// The configurations that measure GB/s (indices into the plan's), in the order they run:
+/// those with an L3 disk first — each one's scratch directory is removed in the background
+/// while the next run goes (`ScratchRemover`), the last one's while the run without L3
+/// copies only memory, and with several at a time the longest runs start first. With a KV
+/// events hold, the plan's order (`last_run`).
+fn measured_order(plan: &Plan) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..plan.configurations.len())
+        .filter(|&i| measures_speed(&plan.configurations[i]))
+        .collect();
+    if plan.setup.observe.kv_events_hold.is_none() {
+        order.sort_by_key(|&i| !plan.configurations[i].storage);
+    }
+    order
+}
+
+/// Builds (then drops) a cache with bytes for each of the first `count` runs that measure GB/s,
+/// while the runs without bytes go: their device and host pools (3 GiB for the default
+/// workload, populated at 0.1-0.4 GB/s the first time on the development VMs) then wait,
+/// populated, in the mappings kept between runs (`keep_pools_between_runs`) for those runs,
+/// instead of being populated inside them. A cache that cannot be built is left to its run to
+/// report. Nothing with metrics or KV events (the runs would bind their endpoints).
+fn populate_ahead(plan: &Plan, factory: &dyn CacheFactory, count: usize) {
+    let observe = &plan.setup.observe;
+    if observe.metrics_addr.is_some() || observe.kv_events.is_some() {
+        return;
+    }
+    let mut built = Vec::new();
+    for i in measured_order(plan).into_iter().take(count) {
+        let mut setup = plan.setup.clone();
+        setup.tiers = plan.configurations[i];
+        setup.payload = Payload::Bytes;
+        let Ok((scratch, setup)) = scratch_l3(&setup) else {
+            continue;
+        };
+        if let Ok(cache) = factory.build(&setup) {
+            built.push((cache, scratch));
+        }
+    }
+    drop(built);
 }
 
 /// The hybrid table's runs: each model's no-cache baseline and cache run, side by side with
@@ -486,6 +637,7 @@ fn hybrid_jobs<'a>(
     factories: &'a [HybridFactory],
     bar: &'a ProgressBar,
     payload: Payload,
+    remover: &'a ScratchRemover,
 ) -> TableJobs<'a> {
     // The model with the largest pools (the last) first: the other runs' pools then fit in
     // the mappings its cache leaves (see `keep_pools_between_runs`).
@@ -497,7 +649,7 @@ fn hybrid_jobs<'a>(
             Job::new("hybrid", move || {
                 Ok(Outcome::Hybrid(
                     i,
-                    Box::new(run_hybrid(plan, f, bar, payload)?),
+                    Box::new(run_hybrid(plan, f, bar, payload, remover)?),
                 ))
             })
         })
@@ -562,8 +714,9 @@ impl Results {
 /// Each table's runs come from one call (`dense_jobs`, `hybrid_jobs`) and run in two phases:
 /// first, side by side on one thread per core, every run whose figures do not depend on this
 /// machine's speed (the no-cache baselines, the configurations that copy nothing, the
-/// copies-free counterfactuals, the hybrid models' columns); then, alone and one at a time,
-/// the runs that measure GB/s. A table's wall time is the time at least one of its runs ran.
+/// copies-free counterfactuals, the hybrid models' columns); then the runs that measure GB/s,
+/// one at a time (`HICACHE_MAIN_JOB_MEASURED_WORKERS` asks for more), those with an L3 disk
+/// first. A table's wall time is the time at least one of its runs ran.
 pub fn run(
     args: &MultiturnArgs,
     mut out: impl Write,
@@ -572,7 +725,8 @@ pub fn run(
     let clock = Instant::now();
     let plan = plan(args)?;
     report::prepare_dir(&plan.report_dir)?;
-    keep_pools_between_runs();
+    let measured = measured_workers(&plan);
+    keep_pools_between_runs(measured);
     let hidden = args.json || args.quiet || !std::io::stdout().is_terminal();
     // With --compare and copy time charged, every configuration with copies runs a second
     // time with copies free: the hits copy time cost, per tier.
@@ -588,9 +742,10 @@ pub fn run(
 
     // The longest runs (the hybrid models') first, so that the threads finish together.
     let spare = payload_where_bytes_do_not_count(args);
+    let remover = ScratchRemover::start();
     let tables = [
-        hybrid_jobs(&plan, &hybrids, &bar, spare),
-        dense_jobs(&plan, factory, &bar, counterfactual, spare),
+        hybrid_jobs(&plan, &hybrids, &bar, spare, &remover),
+        dense_jobs(&plan, factory, &bar, counterfactual, spare, &remover),
     ];
     let (mut side_by_side, mut alone) = (Vec::new(), Vec::new());
     for t in tables {
@@ -598,9 +753,21 @@ pub fn run(
         alone.extend(t.alone);
     }
     let workers = side_by_side_workers(&plan);
-    results.take(run_jobs(workers, side_by_side, clock))?;
-    results.take(run_jobs(1, alone, clock))?;
+    let side = std::thread::scope(|scope| {
+        // With `--all-bytes` the runs side by side populate pools of their own, which the
+        // measured runs then take.
+        let ahead = (spare == Payload::Counted)
+            .then(|| scope.spawn(|| populate_ahead(&plan, factory, measured)));
+        let done = run_jobs(workers, side_by_side, clock);
+        if let Some(ahead) = ahead {
+            let _ = ahead.join();
+        }
+        done
+    });
+    results.take(side)?;
+    results.take(run_jobs(measured, alone, clock))?;
     bar.finish_and_clear();
+    remover.finish();
 
     let table_seconds = ["dense", "hybrid"]
         .into_iter()
@@ -630,6 +797,7 @@ pub fn run(
         tables: table_seconds,
         total_seconds: clock.elapsed().as_secs_f64(),
         threads: workers,
+        measured_threads: measured,
     };
     let paths = report.write_to(&plan.report_dir)?;
     print_report(&report, &paths, args.json, &mut out)?;
