@@ -604,32 +604,6 @@ fn measured_order(plan: &Plan) -> Vec<usize> {
     order
 }
 
-/// Builds (then drops) a cache with bytes for each of the first `count` runs that measure GB/s,
-/// while the runs without bytes go: their device and host pools (3 GiB for the default
-/// workload, populated at 0.1-0.4 GB/s the first time on the development VMs) then wait,
-/// populated, in the mappings kept between runs (`keep_pools_between_runs`) for those runs,
-/// instead of being populated inside them. A cache that cannot be built is left to its run to
-/// report. Nothing with metrics or KV events (the runs would bind their endpoints).
-fn populate_ahead(plan: &Plan, factory: &dyn CacheFactory, count: usize) {
-    let observe = &plan.setup.observe;
-    if observe.metrics_addr.is_some() || observe.kv_events.is_some() {
-        return;
-    }
-    let mut built = Vec::new();
-    for i in measured_order(plan).into_iter().take(count) {
-        let mut setup = plan.setup.clone();
-        setup.tiers = plan.configurations[i];
-        setup.payload = Payload::Bytes;
-        let Ok((scratch, setup)) = scratch_l3(&setup) else {
-            continue;
-        };
-        if let Ok(cache) = factory.build(&setup) {
-            built.push((cache, scratch));
-        }
-    }
-    drop(built);
-}
-
 /// The hybrid table's runs: each model's no-cache baseline and cache run, side by side with
 /// other runs, with `payload` (the table shows bytes moved as counted, not GB/s).
 fn hybrid_jobs<'a>(
@@ -753,18 +727,7 @@ pub fn run(
         alone.extend(t.alone);
     }
     let workers = side_by_side_workers(&plan);
-    let side = std::thread::scope(|scope| {
-        // With `--all-bytes` the runs side by side populate pools of their own, which the
-        // measured runs then take.
-        let ahead = (spare == Payload::Counted)
-            .then(|| scope.spawn(|| populate_ahead(&plan, factory, measured)));
-        let done = run_jobs(workers, side_by_side, clock);
-        if let Some(ahead) = ahead {
-            let _ = ahead.join();
-        }
-        done
-    });
-    results.take(side)?;
+    results.take(run_jobs(workers, side_by_side, clock))?;
     results.take(run_jobs(measured, alone, clock))?;
     bar.finish_and_clear();
     remover.finish();
