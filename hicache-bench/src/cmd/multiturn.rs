@@ -196,66 +196,92 @@ fn run_configuration(
     Ok(Summary::new(tiers.label(), &result))
 }
 
-/// Removes the runs' scratch L3 directories on a thread of its own, so that the next run need
-/// not wait for it: a dense L3 column leaves ~500 page files of 8 MiB, and deleting them took
-/// 2-3 s of the job's wall time per column on the development machine (ext4 mounted with
-/// `discard`: each unlink discards its blocks). [`finish`](Self::finish) waits for every
-/// removal, so the job leaves no directory behind; a directory whose removal fails is
-/// reported on stderr.
+/// Removes the runs' scratch L3 directories off the job's critical path: a dense L3 column
+/// leaves ~500 page files of 8 MiB, and deleting them took 2-3 s of the job's wall time per
+/// column on the development machine (ext4 mounted with `discard`: each unlink discards its
+/// blocks). Directories handed over are held until [`release`](Self::release) (called when
+/// the measured run without an L3 starts: the L3 columns run first, see `measured_order`), then
+/// removed on a thread of their own while that run copies only memory, so that no deletion
+/// shares the disk with a run that measures it. Dropping the remover removes what is still
+/// held and waits for every removal, so the job leaves no directory behind (an early return
+/// too). Held directories take disk space: the default workload's three L3 columns ~12 GB.
+#[derive(Default)]
 struct ScratchRemover {
-    tx: std::sync::Mutex<Option<std::sync::mpsc::Sender<tempfile::TempDir>>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    state: std::sync::Mutex<Removals>,
+}
+
+/// What a [`ScratchRemover`] holds and runs.
+#[derive(Default)]
+struct Removals {
+    held: Vec<tempfile::TempDir>,
+    released: bool,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// Removes `dirs`, saying on stderr which could not be.
+fn remove_dirs(dirs: Vec<tempfile::TempDir>) {
+    for dir in dirs {
+        let path = dir.path().to_path_buf();
+        if let Err(e) = dir.close() {
+            eprintln!("hicache-bench: cannot remove {}: {e}", path.display());
+        }
+    }
 }
 
 impl ScratchRemover {
-    /// Starts the removing thread (none if it cannot start: directories are then removed
-    /// where they are handed over).
-    fn start() -> Self {
-        let (tx, rx) = std::sync::mpsc::channel::<tempfile::TempDir>();
-        let thread = std::thread::Builder::new()
-            .name("scratch-remover".into())
-            .spawn(move || {
-                for dir in rx {
-                    let path = dir.path().to_path_buf();
-                    if let Err(e) = dir.close() {
-                        eprintln!("hicache-bench: cannot remove {}: {e}", path.display());
-                    }
-                }
-            })
-            .ok();
-        let tx = thread.as_ref().map(|_| tx);
-        Self {
-            tx: std::sync::Mutex::new(tx),
-            thread,
-        }
-    }
-
-    /// Hands `dir` (if any) over for removal; removes it here if the thread is gone.
+    /// Hands `dir` (if any) over: held until [`release`](Self::release), removed in the
+    /// background after it.
     fn remove(&self, dir: Option<tempfile::TempDir>) {
         let Some(dir) = dir else { return };
-        match self.tx.lock().ok().and_then(|t| t.clone()) {
-            Some(tx) => {
-                if let Err(unsent) = tx.send(dir) {
-                    drop(unsent.0);
-                }
-            }
-            None => drop(dir),
+        match self.state.lock() {
+            Ok(mut st) if !st.released => st.held.push(dir),
+            Ok(mut st) => st.spawn(vec![dir]),
+            Err(_) => drop(dir),
         }
     }
 
-    /// Waits until every directory handed over is removed.
+    /// Starts removing what is held (and, from now on, what is handed over) in the background.
+    fn release(&self) {
+        if let Ok(mut st) = self.state.lock() {
+            st.released = true;
+            let dirs = std::mem::take(&mut st.held);
+            st.spawn(dirs);
+        }
+    }
+
+    /// Removes what is still held and waits until every directory handed over is removed.
     fn finish(self) {
         drop(self);
     }
 }
 
-impl Drop for ScratchRemover {
-    /// Waits for the removals (an early return of the job, too, leaves no directory behind).
-    fn drop(&mut self) {
-        if let Ok(mut tx) = self.tx.lock() {
-            tx.take();
+impl Removals {
+    /// Removes `dirs` on a thread of its own (if none can start, the failed spawn drops them,
+    /// and dropping a `TempDir` removes it, here).
+    fn spawn(&mut self, dirs: Vec<tempfile::TempDir>) {
+        if dirs.is_empty() {
+            return;
         }
-        if let Some(t) = self.thread.take() {
+        if let Ok(t) = std::thread::Builder::new()
+            .name("scratch-remover".into())
+            .spawn(move || remove_dirs(dirs))
+        {
+            self.threads.push(t);
+        }
+    }
+}
+
+impl Drop for ScratchRemover {
+    fn drop(&mut self) {
+        let (held, threads) = match self.state.get_mut() {
+            Ok(st) => (
+                std::mem::take(&mut st.held),
+                std::mem::take(&mut st.threads),
+            ),
+            Err(_) => return,
+        };
+        remove_dirs(held);
+        for t in threads {
             let _ = t.join();
         }
     }
@@ -558,7 +584,14 @@ fn dense_jobs<'a>(
         } else {
             spare
         };
+        // The measured run without an L3 starts the removal of the columns' directories
+        // (held until then: `ScratchRemover`), unless a KV events hold keeps the plan's order.
+        let release =
+            measures_speed(&tiers) && !tiers.storage && plan.setup.observe.kv_events_hold.is_none();
         let job = Job::new("dense", move || {
+            if release {
+                remover.release();
+            }
             let s = run_configuration(plan, tiers, factory, bar, hold, payload, remover)?;
             Ok(Outcome::Configuration(i, s))
         });
@@ -716,7 +749,7 @@ pub fn run(
 
     // The longest runs (the hybrid models') first, so that the threads finish together.
     let spare = payload_where_bytes_do_not_count(args);
-    let remover = ScratchRemover::start();
+    let remover = ScratchRemover::default();
     let tables = [
         hybrid_jobs(&plan, &hybrids, &bar, spare, &remover),
         dense_jobs(&plan, factory, &bar, counterfactual, spare, &remover),
