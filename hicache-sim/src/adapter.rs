@@ -185,7 +185,7 @@ impl Gated for HiCacheUnderTest {
                     "copies still running after {QUIET_LIMIT:?}: {f:?}"
                 )));
             }
-            std::thread::sleep(Duration::from_micros(50));
+            std::thread::sleep(crate::poll::pause(started.elapsed()));
         }
     }
 

@@ -458,7 +458,7 @@ impl Scheduler {
                     cache.device_pages()
                 )));
             }
-            std::thread::sleep(Duration::from_micros(50));
+            std::thread::sleep(crate::poll::pause(since.elapsed()));
             return Ok(Step::WaitUntil(self.now));
         }
         self.stalled_since = None;
@@ -508,7 +508,7 @@ impl Scheduler {
                             self.config.wall_wait_limit
                         )));
                     }
-                    std::thread::sleep(Duration::from_micros(50));
+                    std::thread::sleep(crate::poll::pause(started.elapsed()));
                     cache
                         .advance(self.now, &mut self.links)
                         .map_err(cache_err)?;

@@ -34,6 +34,7 @@ pub mod links;
 pub mod model;
 pub mod nocache;
 pub mod plan;
+pub mod poll;
 pub mod presence;
 pub mod setup;
 pub mod trace;

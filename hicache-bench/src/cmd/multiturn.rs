@@ -68,6 +68,7 @@ fn run_hybrid(
     bar: &ProgressBar,
     payload: Payload,
     counterfactual: bool,
+    remover: &ScratchRemover,
 ) -> Result<HybridColumn> {
     let hp = plan.for_hybrid(&factory.model);
     bar.set_message(factory.model.name.clone());
@@ -80,9 +81,9 @@ fn run_hybrid(
     let runs = HYBRID_LADDER
         .into_iter()
         .map(|tiers| {
-            let run = run_configuration(&hp, tiers, factory, bar, None, payload)?;
+            let run = run_configuration(&hp, tiers, factory, bar, None, payload, remover)?;
             let free = if counterfactual && counterfactual_for(&tiers) {
-                Some(run_free(&hp, tiers, factory, bar, payload)?)
+                Some(run_free(&hp, tiers, factory, bar, payload, remover)?)
             } else {
                 None
             };
@@ -162,6 +163,7 @@ fn run_free(
     factory: &dyn CacheFactory,
     bar: &ProgressBar,
     payload: Payload,
+    remover: &ScratchRemover,
 ) -> Result<FreeCopy> {
     let mut setup = plan.setup.clone();
     setup.tiers = tiers;
@@ -170,9 +172,12 @@ fn run_free(
         copy_time: CopyTime::Free,
         ..plan.engine.clone()
     };
-    let (_scratch, setup) = scratch_l3(&setup)?;
-    let mut cache = factory.build(&setup)?;
-    let r = run_through(plan, cache.as_mut(), bar, &free_cfg)?;
+    let (scratch, setup) = scratch_l3(&setup)?;
+    let r = {
+        let mut cache = factory.build(&setup)?;
+        run_through(plan, cache.as_mut(), bar, &free_cfg)?
+    };
+    remover.remove(scratch);
     let s = Summary::new(tiers.label(), &r);
     Ok((s.hits, s.ttft, s.cache.payload))
 }
@@ -199,6 +204,7 @@ fn run_configuration(
     bar: &ProgressBar,
     hold: Option<Duration>,
     payload: Payload,
+    remover: &ScratchRemover,
 ) -> Result<Summary> {
     bar.set_message(tiers.label());
     let mut setup = plan.setup.clone();
@@ -213,8 +219,99 @@ fn run_configuration(
         }
         result
     };
-    drop(scratch);
+    remover.remove(scratch);
     Ok(Summary::new(tiers.label(), &result))
+}
+
+/// Removes the runs' scratch L3 directories off the job's critical path: a dense L3 column
+/// leaves ~500 page files of 8 MiB, and deleting them took 2-3 s of the job's wall time per
+/// column on the development machine (ext4 mounted with `discard`: each unlink discards its
+/// blocks). Directories handed over are held until [`release`](Self::release) (called when
+/// the measured run without an L3 starts: the L3 columns run first, see `measured_order`), then
+/// removed on a thread of their own while that run copies only memory, so that no deletion
+/// shares the disk with a run that measures it. Dropping the remover removes what is still
+/// held and waits for every removal, so the job leaves no directory behind (an early return
+/// too). Held directories take disk space: the default workload's three L3 columns ~12 GB.
+#[derive(Default)]
+struct ScratchRemover {
+    state: std::sync::Mutex<Removals>,
+}
+
+/// What a [`ScratchRemover`] holds and runs.
+#[derive(Default)]
+struct Removals {
+    held: Vec<tempfile::TempDir>,
+    released: bool,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// Removes `dirs`, saying on stderr which could not be.
+fn remove_dirs(dirs: Vec<tempfile::TempDir>) {
+    for dir in dirs {
+        let path = dir.path().to_path_buf();
+        if let Err(e) = dir.close() {
+            eprintln!("hicache-bench: cannot remove {}: {e}", path.display());
+        }
+    }
+}
+
+impl ScratchRemover {
+    /// Hands `dir` (if any) over: held until [`release`](Self::release), removed in the
+    /// background after it.
+    fn remove(&self, dir: Option<tempfile::TempDir>) {
+        let Some(dir) = dir else { return };
+        match self.state.lock() {
+            Ok(mut st) if !st.released => st.held.push(dir),
+            Ok(mut st) => st.spawn(vec![dir]),
+            Err(_) => drop(dir),
+        }
+    }
+
+    /// Starts removing what is held (and, from now on, what is handed over) in the background.
+    fn release(&self) {
+        if let Ok(mut st) = self.state.lock() {
+            st.released = true;
+            let dirs = std::mem::take(&mut st.held);
+            st.spawn(dirs);
+        }
+    }
+
+    /// Removes what is still held and waits until every directory handed over is removed.
+    fn finish(self) {
+        drop(self);
+    }
+}
+
+impl Removals {
+    /// Removes `dirs` on a thread of its own (if none can start, the failed spawn drops them,
+    /// and dropping a `TempDir` removes it, here).
+    fn spawn(&mut self, dirs: Vec<tempfile::TempDir>) {
+        if dirs.is_empty() {
+            return;
+        }
+        if let Ok(t) = std::thread::Builder::new()
+            .name("scratch-remover".into())
+            .spawn(move || remove_dirs(dirs))
+        {
+            self.threads.push(t);
+        }
+    }
+}
+
+impl Drop for ScratchRemover {
+    fn drop(&mut self) {
+        let (held, threads) = match self.state.get_mut() {
+            Ok(st) => (
+                std::mem::take(&mut st.held),
+                std::mem::take(&mut st.threads),
+            ),
+            Err(_) => return,
+        };
+        remove_dirs(held);
+        for t in threads {
+            let _ = t.join();
+        }
+    }
 }
 
 /// How often [`hold_kv_events`] looks at the publisher.
@@ -412,14 +509,34 @@ fn side_by_side_workers(plan: &Plan) -> usize {
         .unwrap_or(1)
 }
 
+/// The runs that measure GB/s at a time: `HICACHE_MAIN_JOB_MEASURED_WORKERS` (default
+/// [`MEASURED_WORKERS`]), one with metrics or KV events (two caches would bind the same
+/// endpoint, and the KV events hold waits on the job's last run).
+fn measured_workers(plan: &Plan) -> usize {
+    let observe = &plan.setup.observe;
+    if observe.metrics_addr.is_some() || observe.kv_events.is_some() {
+        return 1;
+    }
+    std::env::var("HICACHE_MAIN_JOB_MEASURED_WORKERS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n >= 1)
+        .unwrap_or(MEASURED_WORKERS)
+}
+
+/// Default of [`measured_workers`].
+const MEASURED_WORKERS: usize = 1;
+
 /// Lets each run's cache take the pool mappings (device and host, GiBs each) an earlier run
 /// dropped instead of mapping fresh ones: populating fresh memory was measured at 0.13–0.4
 /// GB/s on the 2-core VMs (the kernel zeroing it, and under memory pressure reclaiming and
-/// compacting), 57 % of a loaded run's CPU. Budget: a quarter of the machine's memory, at most 16 GiB (a dense run's pools are
-/// 3 GiB); no figure depends on it (the pools are populated before a run either way).
-fn keep_pools_between_runs() {
-    let quarter = hicache_host::memory::mem_total().unwrap_or(0) / 4;
-    let budget = quarter.min(16 << 30);
+/// compacting), 57 % of a loaded run's CPU. Budget: a quarter of the machine's memory (half
+/// with `runs_at_a_time` above one), at most 16 GiB (a dense run's pools are 3 GiB); no
+/// figure depends on it (the pools are populated before a run either way).
+fn keep_pools_between_runs(runs_at_a_time: usize) {
+    let share =
+        hicache_host::memory::mem_total().unwrap_or(0) / if runs_at_a_time > 1 { 2 } else { 4 };
+    let budget = share.min(16 << 30);
     hicache_host::reuse_dropped_mappings(usize::try_from(budget).unwrap_or(usize::MAX));
 }
 
@@ -469,6 +586,7 @@ fn dense_jobs<'a>(
     bar: &'a ProgressBar,
     counterfactual: bool,
     spare: Payload,
+    remover: &'a ScratchRemover,
 ) -> TableJobs<'a> {
     let mut jobs = TableJobs::default();
     let hold = plan.setup.observe.kv_events_hold;
@@ -478,7 +596,7 @@ fn dense_jobs<'a>(
             jobs.side_by_side.push(Job::new("dense", move || {
                 Ok(Outcome::Free(
                     i,
-                    run_free(plan, tiers, factory, bar, spare)?,
+                    run_free(plan, tiers, factory, bar, spare, remover)?,
                 ))
             }));
         }
@@ -493,8 +611,15 @@ fn dense_jobs<'a>(
         } else {
             spare
         };
+        // The measured run without an L3 starts the removal of the columns' directories
+        // (held until then: `ScratchRemover`), unless a KV events hold keeps the plan's order.
+        let release =
+            measures_speed(&tiers) && !tiers.storage && plan.setup.observe.kv_events_hold.is_none();
         let job = Job::new("dense", move || {
-            let s = run_configuration(plan, tiers, factory, bar, hold, payload)?;
+            if release {
+                remover.release();
+            }
+            let s = run_configuration(plan, tiers, factory, bar, hold, payload, remover)?;
             Ok(Outcome::Configuration(i, s))
         });
         if measures_speed(&tiers) {
@@ -503,7 +628,40 @@ fn dense_jobs<'a>(
             jobs.side_by_side.push(job);
         }
     }
+    let mut alone: Vec<Option<(usize, Job<'a>)>> = std::mem::take(&mut jobs.alone)
+        .into_iter()
+        .zip(
+            plan.configurations
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| measures_speed(t)),
+        )
+        .map(|(job, (i, _))| Some((i, job)))
+        .collect();
+    for i in measured_order(plan) {
+        if let Some(slot) = alone
+            .iter_mut()
+            .find(|s| s.as_ref().is_some_and(|(j, _)| *j == i))
+        {
+            jobs.alone.extend(slot.take().map(|(_, job)| job));
+        }
+    }
     jobs
+}
+
+/// The configurations that measure GB/s (indices into the plan's), in the order they run:
+/// those with an L3 disk first — each one's scratch directory is removed in the background
+/// while the next run goes (`ScratchRemover`), the last one's while the run without L3
+/// copies only memory, and with several at a time the longest runs start first. With a KV
+/// events hold, the plan's order (`last_run`).
+fn measured_order(plan: &Plan) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..plan.configurations.len())
+        .filter(|&i| measures_speed(&plan.configurations[i]))
+        .collect();
+    if plan.setup.observe.kv_events_hold.is_none() {
+        order.sort_by_key(|&i| !plan.configurations[i].storage);
+    }
+    order
 }
 
 /// The hybrid table's runs: each model's no-cache baseline and ladder (and with
@@ -515,6 +673,7 @@ fn hybrid_jobs<'a>(
     bar: &'a ProgressBar,
     payload: Payload,
     counterfactual: bool,
+    remover: &'a ScratchRemover,
 ) -> TableJobs<'a> {
     // The model with the largest pools (the last) first: the other runs' pools then fit in
     // the mappings its cache leaves (see `keep_pools_between_runs`).
@@ -526,7 +685,7 @@ fn hybrid_jobs<'a>(
             Job::new("hybrid", move || {
                 Ok(Outcome::Hybrid(
                     i,
-                    Box::new(run_hybrid(plan, f, bar, payload, counterfactual)?),
+                    Box::new(run_hybrid(plan, f, bar, payload, counterfactual, remover)?),
                 ))
             })
         })
@@ -591,8 +750,9 @@ impl Results {
 /// Each table's runs come from one call (`dense_jobs`, `hybrid_jobs`) and run in two phases:
 /// first, side by side on one thread per core, every run whose figures do not depend on this
 /// machine's speed (the no-cache baselines, the configurations that copy nothing, the
-/// copies-free counterfactuals, the hybrid models' columns); then, alone and one at a time,
-/// the runs that measure GB/s. A table's wall time is the time at least one of its runs ran.
+/// copies-free counterfactuals, the hybrid models' columns); then the runs that measure GB/s,
+/// one at a time (`HICACHE_MAIN_JOB_MEASURED_WORKERS` asks for more), those with an L3 disk
+/// first. A table's wall time is the time at least one of its runs ran.
 pub fn run(
     args: &MultiturnArgs,
     mut out: impl Write,
@@ -601,7 +761,8 @@ pub fn run(
     let clock = Instant::now();
     let plan = plan(args)?;
     report::prepare_dir(&plan.report_dir)?;
-    keep_pools_between_runs();
+    let measured = measured_workers(&plan);
+    keep_pools_between_runs(measured);
     let hidden = args.json || args.quiet || !std::io::stdout().is_terminal();
     // With --compare and copy time charged, every configuration with copies runs a second
     // time with copies free: the hits copy time cost, per tier.
@@ -618,9 +779,10 @@ pub fn run(
 
     // The longest runs (the hybrid models') first, so that the threads finish together.
     let spare = payload_where_bytes_do_not_count(args);
+    let remover = ScratchRemover::default();
     let tables = [
-        hybrid_jobs(&plan, &hybrids, &bar, spare, counterfactual),
-        dense_jobs(&plan, factory, &bar, counterfactual, spare),
+        hybrid_jobs(&plan, &hybrids, &bar, spare, counterfactual, &remover),
+        dense_jobs(&plan, factory, &bar, counterfactual, spare, &remover),
     ];
     let (mut side_by_side, mut alone) = (Vec::new(), Vec::new());
     for t in tables {
@@ -629,8 +791,9 @@ pub fn run(
     }
     let workers = side_by_side_workers(&plan);
     results.take(run_jobs(workers, side_by_side, clock))?;
-    results.take(run_jobs(1, alone, clock))?;
+    results.take(run_jobs(measured, alone, clock))?;
     bar.finish_and_clear();
+    remover.finish();
 
     let table_seconds = ["dense", "hybrid"]
         .into_iter()
@@ -654,6 +817,7 @@ pub fn run(
         tables: table_seconds,
         total_seconds: clock.elapsed().as_secs_f64(),
         threads: workers,
+        measured_threads: measured,
     };
     let paths = report.write_to(&plan.report_dir)?;
     print_report(&report, &paths, args.json, &mut out)?;

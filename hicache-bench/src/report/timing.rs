@@ -70,6 +70,8 @@ pub struct Timing {
     pub total_seconds: f64,
     /// Threads the runs whose figures do not depend on this machine's speed shared.
     pub threads: usize,
+    /// Runs that measure GB/s at a time (1: each alone).
+    pub measured_threads: usize,
 }
 
 impl Timing {
@@ -89,9 +91,13 @@ impl Timing {
 
     /// The job's last line: its wall time and how its runs shared the machine.
     pub fn total_line(&self) -> String {
+        let measured = match self.measured_threads {
+            0 | 1 => "alone".to_string(),
+            n => format!("{n} at a time"),
+        };
         format!(
             "main job wall time: {:.1} s (runs whose figures do not depend on this machine's \
-             speed side by side on {} thread(s), the runs that measure GB/s alone)",
+             speed side by side on {} thread(s), the runs that measure GB/s {measured})",
             self.total_seconds, self.threads
         )
     }
@@ -120,6 +126,7 @@ mod tests {
             tables: vec![TableSeconds::new("dense", 12.34)],
             total_seconds: 20.0,
             threads: 2,
+            measured_threads: 2,
         };
         assert_eq!(
             t.table_line("dense").unwrap(),
@@ -127,5 +134,10 @@ mod tests {
         );
         assert!(t.table_line("hybrid").is_none());
         assert!(t.total_line().contains("20.0 s"), "{}", t.total_line());
+        assert!(
+            t.total_line().ends_with("2 at a time)"),
+            "{}",
+            t.total_line()
+        );
     }
 }

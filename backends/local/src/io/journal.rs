@@ -8,7 +8,7 @@
 //!    `RWF_DSYNC` completion covering it was recorded after it; until then, at a crash, each
 //!    4096-byte block it touched holds the old or the new bytes (dropped, kept or torn).
 //! 2. A size change (preallocation, growth) is durable with the file's next sync.
-//! 3. A directory operation (create, rename, unlink) is durable once its directory was
+//! 3. A directory operation (create, link, rename, unlink) is durable once its directory was
 //!    synced after it; until then, at a crash, it may be undone (each independently, applied
 //!    in order).
 //! 4. A file-system sync (`syncfs`) makes every operation recorded before it durable: all
@@ -56,6 +56,13 @@ pub enum Event {
     },
     /// A new file `path` (inode `ino`), empty.
     Create {
+        /// Relative path.
+        path: PathBuf,
+        /// Inode.
+        ino: u64,
+    },
+    /// Inode `ino` (created without a name, empty) linked as `path` (which did not exist).
+    Link {
         /// Relative path.
         path: PathBuf,
         /// Inode.
@@ -174,6 +181,26 @@ pub fn create(path: &Path, file: &File) {
         if let (Some(path), Ok(m)) = (rel(r, path), file.metadata()) {
             r.inodes.insert(m.ino());
             r.events.push(Event::Create { path, ino: m.ino() });
+        }
+    });
+}
+
+/// Records the creation of a file without a name (`O_TMPFILE`), open as `file`: its writes
+/// are recorded from now on; it appears in the tree only once linked ([`link`]).
+pub fn create_unnamed(file: &File) {
+    with(|r| {
+        if let Ok(m) = file.metadata() {
+            r.inodes.insert(m.ino());
+        }
+    });
+}
+
+/// Records that the file open as `file` was linked as `path`.
+pub fn link(file: &File, path: &Path) {
+    with(|r| {
+        if let (Some(path), Ok(m)) = (rel(r, path), file.metadata()) {
+            r.inodes.insert(m.ino());
+            r.events.push(Event::Link { path, ino: m.ino() });
         }
     });
 }
@@ -389,7 +416,7 @@ impl Journal {
                     }
                     f.pending = later;
                 }
-                Event::Create { ino, .. } => {
+                Event::Create { ino, .. } | Event::Link { ino, .. } => {
                     inodes.entry(*ino).or_default();
                     ns_pending.push(e.clone());
                 }
@@ -461,7 +488,9 @@ impl Journal {
 fn in_dir(op: &Event, dir: &Path) -> bool {
     let parent = |p: &PathBuf| p.parent().map(Path::to_path_buf).unwrap_or_default();
     match op {
-        Event::Create { path, .. } | Event::Unlink { path } => parent(path) == dir,
+        Event::Create { path, .. } | Event::Link { path, .. } | Event::Unlink { path } => {
+            parent(path) == dir
+        }
         // A rename is durable with its target's directory (ours stay within one directory).
         Event::Rename { to, .. } => parent(to) == dir,
         _ => false,
@@ -470,7 +499,7 @@ fn in_dir(op: &Event, dir: &Path) -> bool {
 
 fn apply_ns(ns: &mut BTreeMap<PathBuf, u64>, op: &Event) {
     match op {
-        Event::Create { path, ino } => {
+        Event::Create { path, ino } | Event::Link { path, ino } => {
             ns.insert(path.clone(), *ino);
         }
         Event::Rename { from, to } => {
@@ -524,6 +553,38 @@ mod tests {
         let s = j.crash_state(4, &mut |n| n - 1 - u32::from(n == 3));
         assert_eq!(s[Path::new("f")][4096..], [2; 4096]);
         assert!(s.contains_key(Path::new("g")));
+    }
+
+    /// A file created without a name exists in a crash state only once linked, and its link
+    /// is undone at a crash until its directory was synced.
+    #[test]
+    fn a_link_names_an_unnamed_file_durably_after_its_directory_sync() {
+        let j = Journal {
+            dirs: vec![PathBuf::from("d")],
+            files: vec![],
+            events: vec![
+                Event::Write {
+                    ino: 7,
+                    offset: 0,
+                    data: vec![4; 4096],
+                },
+                Event::Sync {
+                    ino: 7,
+                    range: None,
+                },
+                Event::Link {
+                    path: "d/p".into(),
+                    ino: 7,
+                },
+                Event::SyncDir { dir: "d".into() },
+            ],
+        };
+        assert!(j.crash_state(2, &mut |n| n - 1).is_empty(), "no name yet");
+        assert!(j.crash_state(3, &mut |_| 0).is_empty(), "link undone");
+        let s = j.crash_state(3, &mut |n| n - 1);
+        assert_eq!(s.get(Path::new("d/p")), Some(&vec![4; 4096]));
+        let s = j.crash_state(4, &mut |_| 0);
+        assert_eq!(s.get(Path::new("d/p")), Some(&vec![4; 4096]), "durable");
     }
 
     #[test]

@@ -6,6 +6,12 @@
 //!   -> write every byte at offset 0 -> fdatasync (if `sync`) -> rename temp -> final name
 //! ```
 //!
+//! or, with [`NewFile::unnamed`], the file is created without a name (`O_TMPFILE`) in the
+//! final name's directory and, after the same preallocate, write and sync steps, linked to
+//! its final name: one directory operation instead of two (each takes the directory's lock,
+//! which every page file of a layout shares). Where the final name exists already (a page
+//! replaced), the file is linked to its temp name and renamed over it instead.
+//!
 //! [`write_blocking`] runs them with blocking calls on the calling thread; a layout runs
 //! several files in parallel on a few threads (whichever driver carries its reads).
 //!
@@ -14,7 +20,8 @@
 //!    succeeded in full (a short write is a failure of the write step), so the final name
 //!    never shows a partial file; under `sync`, never one whose data is not durable either.
 //! 2. **A failure leaves nothing behind.** When a step fails, the file's outcome is that
-//!    step's error and its temp file is removed before the outcome is reported.
+//!    step's error and its temp file is removed before the outcome is reported (an unnamed
+//!    file that was never linked is freed when it is closed).
 //! 3. **Recorded.** With the journal on, every operation (create, size change, write, sync,
 //!    rename, unlink) is recorded in the order the file system saw it, so the power-loss
 //!    suite covers it.
@@ -23,6 +30,7 @@
 //! durable itself (one directory sync per group of batches, or per page).
 
 use std::fmt;
+use std::fs::File;
 use std::io;
 use std::path::PathBuf;
 
@@ -31,7 +39,8 @@ use crate::io::sys;
 /// One file to create, write whole and rename into place. See the [module docs](self).
 #[derive(Debug)]
 pub struct NewFile {
-    /// The temp name (created exclusively: it must not exist).
+    /// The temp name (created exclusively: it must not exist). With `unnamed`, used only
+    /// where `dest` exists already.
     pub tmp: PathBuf,
     /// The final name (replaced if it exists); in the same file system as `tmp`.
     pub dest: PathBuf,
@@ -43,6 +52,9 @@ pub struct NewFile {
     pub prealloc: u64,
     /// `fdatasync` the file before the rename.
     pub sync: bool,
+    /// Create the file without a name in `dest`'s directory and link it into place (the file
+    /// system must support `O_TMPFILE`: [`sys::probe_unnamed`]).
+    pub unnamed: bool,
     /// The caller's tag, reported with the outcome.
     pub tag: usize,
 }
@@ -72,10 +84,12 @@ pub enum Step {
     Sync,
     /// Renaming it to its final name.
     Rename,
+    /// Linking the unnamed file to its final (or temp) name.
+    Link,
 }
 
 impl Step {
-    /// A short name (`create`, `preallocate`, `write`, `sync`, `rename`).
+    /// A short name (`create`, `preallocate`, `write`, `sync`, `rename`, `link`).
     pub fn name(self) -> &'static str {
         match self {
             Step::Create => "create",
@@ -83,6 +97,7 @@ impl Step {
             Step::Write => "write",
             Step::Sync => "sync",
             Step::Rename => "rename",
+            Step::Link => "link",
         }
     }
 }
@@ -118,26 +133,59 @@ fn at(step: Step) -> impl FnOnce(io::Error) -> NewFileError {
 /// The steps of `f` with blocking calls on the calling thread. Each call records itself in
 /// the journal.
 pub fn write_blocking(f: &NewFile) -> NewFileResult {
+    if f.unnamed {
+        return write_unnamed(f);
+    }
     let file = sys::create_new(&f.tmp, f.direct).map_err(at(Step::Create))?;
-    let r = (|| {
-        if f.prealloc > 0 {
-            sys::preallocate(&file, f.prealloc).map_err(at(Step::Preallocate))?;
-        }
-        // SAFETY: the iovecs describe memory the caller keeps readable for the call.
-        unsafe {
-            crate::io::journal::write_iov(std::os::fd::AsRawFd::as_raw_fd(&file), 0, &f.iov);
-            sys::pwritev_raw(&file, &f.iov, 0).map_err(at(Step::Write))?;
-        }
-        if f.sync {
-            sys::sync_data(&file).map_err(at(Step::Sync))?;
-        }
+    let r = fill(f, &file).and_then(|()| {
         drop(file);
         sys::rename(&f.tmp, &f.dest).map_err(at(Step::Rename))
-    })();
+    });
     if r.is_err() {
         let _ = sys::remove_file(&f.tmp);
     }
     r
+}
+
+/// Preallocates, writes and (with `sync`) syncs the bytes of `f` into `file`.
+fn fill(f: &NewFile, file: &File) -> NewFileResult {
+    if f.prealloc > 0 {
+        sys::preallocate(file, f.prealloc).map_err(at(Step::Preallocate))?;
+    }
+    // SAFETY: the iovecs describe memory the caller keeps readable for the call.
+    unsafe {
+        crate::io::journal::write_iov(std::os::fd::AsRawFd::as_raw_fd(file), 0, &f.iov);
+        sys::pwritev_raw(file, &f.iov, 0).map_err(at(Step::Write))?;
+    }
+    if f.sync {
+        sys::sync_data(file).map_err(at(Step::Sync))?;
+    }
+    Ok(())
+}
+
+/// The steps of `f` for an unnamed file: create it in the final name's directory, fill it,
+/// link it to its final name; where that name exists, link it to the temp name and rename.
+/// Until linked the file has no name, so a failure before then leaves nothing behind.
+fn write_unnamed(f: &NewFile) -> NewFileResult {
+    let dir = f.dest.parent().ok_or_else(|| NewFileError {
+        step: Step::Create,
+        error: io::Error::new(io::ErrorKind::InvalidInput, "final name has no directory"),
+    })?;
+    let file = sys::create_unnamed(dir, f.direct).map_err(at(Step::Create))?;
+    fill(f, &file)?;
+    match sys::link_unnamed(&file, &f.dest) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            sys::link_unnamed(&file, &f.tmp).map_err(at(Step::Link))?;
+            drop(file);
+            let r = sys::rename(&f.tmp, &f.dest).map_err(at(Step::Rename));
+            if r.is_err() {
+                let _ = sys::remove_file(&f.tmp);
+            }
+            r
+        }
+        Err(e) => Err(at(Step::Link)(e)),
+    }
 }
 
 #[cfg(test)]
@@ -155,6 +203,7 @@ mod tests {
             direct: false,
             prealloc,
             sync: true,
+            unnamed: false,
             tag,
         }
     }
@@ -205,5 +254,44 @@ mod tests {
             assert!(!p.join("a.tmp").exists() && !p.join("b.tmp").exists());
             assert!(!p.join("dirname.tmp").exists(), "{name}: temp left behind");
         }
+    }
+
+    /// Unnamed files (`O_TMPFILE`, where the file system has it): a new file is linked whole
+    /// to its final name and an existing final name replaced, leaving no temp name either
+    /// way; a final name that is a non-empty directory fails at `rename` and leaves no temp
+    /// file; a missing directory fails at `create`.
+    #[test]
+    fn unnamed_files_are_linked_whole_and_replace_existing_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path();
+        if !sys::probe_unnamed(p, false) {
+            eprintln!("skipped: no O_TMPFILE here");
+            return;
+        }
+        let a: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let b = vec![5u8; 4096];
+        std::fs::write(p.join("old"), b"the old page").unwrap();
+        std::fs::create_dir(p.join("dirname")).unwrap();
+        std::fs::write(p.join("dirname/x"), b"x").unwrap();
+        let unnamed = |name: &str, data: &[u8], prealloc| NewFile {
+            unnamed: true,
+            ..file(p, name, data, prealloc, 0)
+        };
+        write_blocking(&unnamed("a", &a, 16384)).unwrap();
+        let got = std::fs::read(p.join("a")).unwrap();
+        assert_eq!(&got[..a.len()], &a[..]);
+        assert!(got[a.len()..].iter().all(|x| *x == 0) && got.len() == 16384);
+        write_blocking(&unnamed("old", &b, 0)).unwrap();
+        assert_eq!(std::fs::read(p.join("old")).unwrap(), b);
+        let e = write_blocking(&unnamed("dirname", &b, 0)).unwrap_err();
+        assert_eq!(e.step, Step::Rename, "{e}");
+        let e = write_blocking(&unnamed("nodir/x", &b, 0)).unwrap_err();
+        assert_eq!(e.step, Step::Create, "{e}");
+        let mut names: Vec<String> = std::fs::read_dir(p)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["a", "dirname", "old"], "no temp name left");
     }
 }

@@ -16,13 +16,15 @@
 //! ```
 //!
 //! # Invariants
-//! 1. **Visible only when complete.** A page is written to a temp file beside its final name
-//!    (`pages/<key>.<instance>.<n>.tmp`), synced per the fsync policy, then renamed to it; a
-//!    `.page` file is therefore always a complete write. Its header and data checksums are
+//! 1. **Visible only when complete.** A page is written to a file without a name
+//!    (`O_TMPFILE`) in its final name's directory, synced per the fsync policy, then linked to
+//!    it (where the file system lacks `O_TMPFILE`, or the final name exists, to a temp file
+//!    beside it, `pages/<key>.<instance>.<n>.tmp`, renamed to it); a `.page` file is
+//!    therefore always a complete write. Its header and data checksums are
 //!    verified on every read, so even a file damaged after the fact (or, under `fsync: none`,
 //!    torn by a power loss) reads as `Corrupt`, never as a hit.
-//! 2. **Acknowledged means committed.** `Stored` is returned only after the rename (and, under
-//!    `batch`/`always`, after data and directory syncs).
+//! 2. **Acknowledged means committed.** `Stored` is returned only after the link or rename
+//!    (and, under `batch`/`always`, after data and directory syncs).
 //! 3. **Bounded.** Committed plus in-flight file bytes never exceed the capacity in this
 //!    process's view (see [`index`]); in shared mode the janitor bounds the directory total.
 //! 4. **Recovered.** Opening scans `pages/`, keeps every file whose header and size check out,
@@ -100,6 +102,9 @@ pub struct Pages {
     instance_tmp: PathBuf,
     instance_lock_path: PathBuf,
     direct: bool,
+    /// Page files are created without a name and linked into place (`O_TMPFILE`, probed at
+    /// open), not created under a temp name and renamed.
+    unnamed: bool,
     driver: Box<dyn Driver>,
     uring: bool,
     rescan_bytes: u64,

@@ -228,6 +228,7 @@ impl Pages {
         own_subdir(&paths.tmp(), true)?;
         let inst = Self::register_instance(&paths.tmp(), opts.shared)?;
         let direct = Self::choose_direct(&opts, &inst.tmp)?;
+        let unnamed = sys::probe_unnamed(&inst.tmp, direct);
         let (driver, uring): (Box<dyn Driver>, bool) =
             match opts.io_engine.choose(|| probe(&inst.tmp, &opts, direct)) {
                 Ok(Some(r)) => (Box::new(r), true),
@@ -266,6 +267,7 @@ impl Pages {
             paths,
             instance: inst.name,
             instance_tmp: inst.tmp,
+            unnamed,
             instance_lock_path: inst.lock_path,
             direct,
             core: Core {
@@ -335,6 +337,7 @@ impl Pages {
             paths,
             instance: String::new(),
             instance_tmp: PathBuf::new(),
+            unnamed: false,
             instance_lock_path: PathBuf::new(),
             direct: false,
             core: Core {

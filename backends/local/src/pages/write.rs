@@ -1,8 +1,9 @@
 //! The write stage. A batch is classified, capacity reserved, then its pages are written,
-//! each as a [`NewFile`]: a fresh temp file beside its final name, created, preallocated,
-//! written whole in one vectored write, synced (`fdatasync`, where the policy syncs per page)
-//! and renamed to its final name, as blocking calls on at most [`CREATE_THREADS`] threads per
-//! batch, whichever engine carries the reads. Then, before any page is acknowledged:
+//! each as a [`NewFile`]: a fresh file created without a name in its final name's directory
+//! (`O_TMPFILE`; where the file system lacks it, under a temp name beside the final one),
+//! preallocated, written whole in one vectored write, synced (`fdatasync`, where the policy
+//! syncs per page) and linked (or renamed) to its final name, as blocking calls on at most
+//! [`CREATE_THREADS`] threads per batch, whichever engine carries the reads. Then, before any page is acknowledged:
 //! - `fsync: batch`, `batch_sync: syncfs` (default): the pages were not synced one by one;
 //!   one `syncfs` of the file system makes the batch's data, block maps and renames durable
 //!   at once, merged with concurrent batches' ([`GroupCommit`]). A crash before it may leave
@@ -259,6 +260,7 @@ impl Pages {
                 direct: io.direct,
                 prealloc: io.file_len,
                 sync,
+                unnamed: self.unnamed,
                 tag: i,
             };
             let made = newfile::write_blocking(&file).map_err(|e| page_error(&e));
@@ -284,6 +286,7 @@ impl Pages {
 fn page_error(e: &NewFileError) -> PageError {
     let op = match e.step {
         Step::Rename => "rename",
+        Step::Link => "link",
         _ => "write",
     };
     PageError::io(op, &e.error)
