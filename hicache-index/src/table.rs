@@ -21,7 +21,7 @@
 //! Layout and cost (see [`blocks`], [`slot_map`] and [`ages`]): one hash table from block
 //! hash to a compact sorted set of `(holder, tier)` words (inline when a block has one or two,
 //! sorted chunks in an arena otherwise), 4 bytes per holder-block beyond the second plus 16
-//! bytes and an 8-byte table bucket (at a load of 0.64–0.8) per block; one age log per
+//! bytes and an 8-byte table bucket (at a load of 0.5–0.75) per block; one age log per
 //! (holder, tier), 4 bytes per holder-block plus one 8-byte batch record per `store` call,
 //! which gives the eviction order, `clear` in the holder's own size, and exact refreshes (a small per-log map names the live entry of a refreshed
 //! holder-block until the log is compacted). A query walks the chain once, a run of blocks

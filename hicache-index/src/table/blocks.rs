@@ -278,27 +278,39 @@ impl BlockTable {
     /// until it returns false; the same answers as [`Self::lookup`] one by one.
     ///
     /// In stages of up to [`STAGE`] hashes: first every hash's home bucket (independent reads,
-    /// whose cache misses the processor overlaps), then each one's candidate slot from the
+    /// whose cache misses the processor overlaps; the next cache line too where the home is
+    /// near its line's end, as a probe may go on there), then each one's candidate slot from the
     /// buckets now cached, then the candidates' records (independent again). One by one, each
     /// lookup's two misses would wait for each other and for the previous lookup's.
     pub(crate) fn lookup_batch(&self, hashes: &[u64], mut f: impl FnMut(Option<u32>) -> bool) {
+        if hashes.len() <= 2 {
+            // Nothing to overlap worth the stages' bookkeeping.
+            for &h in hashes {
+                if !f(self.lookup(h)) {
+                    return;
+                }
+            }
+            return;
+        }
         let mut rest = hashes;
         let mut width = FIRST_STAGE;
         while !rest.is_empty() {
             let (stage, next) = rest.split_at(width.min(rest.len()));
             rest = next;
             width = STAGE;
+            let n = stage.len();
             let mut homes = [(0usize, 0u64, 0u32); STAGE];
-            for (home, &h) in homes.iter_mut().zip(stage) {
+            for (home, &h) in homes[..n].iter_mut().zip(stage) {
                 let tag = slot_map::tag(mix(self.seed, h));
                 let (at, bucket) = self.map.home_bucket(tag);
+                self.map.touch_next_line(at);
                 *home = (at, bucket, tag);
             }
             let mut candidates = [NIL; STAGE];
-            for (c, &(at, bucket, tag)) in candidates.iter_mut().zip(&homes) {
+            for (c, &(at, bucket, tag)) in candidates[..n].iter_mut().zip(&homes[..n]) {
                 *c = self.map.find_from(tag, at, bucket, |_| true).unwrap_or(NIL);
             }
-            for (&c, &h) in candidates.iter().zip(stage) {
+            for (&c, &h) in candidates[..n].iter().zip(stage) {
                 let slot = match c {
                     NIL => None,
                     c if self.slots[c as usize].hash == h => Some(c),
