@@ -21,7 +21,7 @@
 //! Layout and cost (see [`blocks`], [`slot_map`] and [`ages`]): one hash table from block
 //! hash to a compact sorted set of `(holder, tier)` words (inline when a block has one or two,
 //! sorted chunks in an arena otherwise), 4 bytes per holder-block beyond the second plus 16
-//! bytes and an 8-byte table bucket (at a load of 0.5–0.75) per block; one age log per
+//! bytes and an 8-byte table bucket (at a load of 0.44–0.67) per block; one age log per
 //! (holder, tier), 4 bytes per holder-block plus one 8-byte batch record per `store` call,
 //! which gives the eviction order, `clear` in the holder's own size, and exact refreshes (a small per-log map names the live entry of a refreshed
 //! holder-block until the log is compacted). A query walks the chain once, a run of blocks
@@ -313,6 +313,12 @@ impl Index {
         let mut seen = CallSeen::default();
         let mut memo = Memo::default();
         let mut new = 0;
+        // Hashes this call added to the index, as a 1,024-bit filter (no false negatives).
+        let mut added = [0u64; 16];
+        let added_bit = |b: BlockHash| {
+            let i = (b.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 54) as usize;
+            (i >> 6, 1u64 << (i & 63))
+        };
         // The lookups first, batched (their cache misses overlap).
         found.clear();
         blocks.lookup_batch(hashes, |s| {
@@ -321,9 +327,20 @@ impl Index {
         });
         // Deepest block first: the log's order is the eviction order.
         for (&b, &slot) in hashes.iter().zip(found.iter()).rev() {
-            // A block new to the index may have been added deeper in this call.
-            match slot.or_else(|| blocks.lookup(b)) {
+            // A block new to the index may have been added deeper in this call (the same hash
+            // twice in one chain): looked up again only where the filter says it may have.
+            let slot = slot.or_else(|| {
+                let (w, m) = added_bit(b);
+                if added[w] & m != 0 {
+                    blocks.lookup(b)
+                } else {
+                    None
+                }
+            });
+            match slot {
                 None => {
+                    let (w, m) = added_bit(b);
+                    added[w] |= m;
                     let slot = blocks.insert_new(b, ht);
                     log.push_new(slot, &mut seen);
                     new += 1;

@@ -194,7 +194,10 @@ fn run(path: &str) -> Result<String, String> {
             }
             Op::Remove { worker, hashes } => {
                 let data = KvCacheEventData::Removed(KvCacheRemoveData {
-                    block_hashes: hashes.iter().map(|&h| ExternalSequenceBlockHash(h)).collect(),
+                    block_hashes: hashes
+                        .iter()
+                        .map(|&h| ExternalSequenceBlockHash(h))
+                        .collect(),
                 });
                 let _ = tree.apply_event(event(&mut id, *worker, data));
                 block_ops += hashes.len() as u64;
