@@ -18,12 +18,12 @@
 //!    [`IndexStats::evicted`].
 
 //!
-//! Layout and cost (see [`blocks`] and [`ages`]): one hash table from block hash to a compact
-//! sorted set of `(holder, tier)` words (inline when a block has one or two, sorted chunks in
-//! an arena otherwise), 4 bytes per holder-block beyond the second plus 16 bytes and a table
-//! bucket per block; one age log per (holder, tier), 4 bytes per holder-block plus one 8-byte
-//! batch record per `store` call, which gives the eviction order, `clear` in the holder's own
-//! size, and exact refreshes (a small per-log map names the live entry of a refreshed
+//! Layout and cost (see [`blocks`], [`slot_map`] and [`ages`]): one hash table from block
+//! hash to a compact sorted set of `(holder, tier)` words (inline when a block has one or two,
+//! sorted chunks in an arena otherwise), 4 bytes per holder-block beyond the second plus 16
+//! bytes and an 8-byte table bucket (at a load of 0.44–0.67) per block; one age log per
+//! (holder, tier), 4 bytes per holder-block plus one 8-byte batch record per `store` call,
+//! which gives the eviction order, `clear` in the holder's own size, and exact refreshes (a small per-log map names the live entry of a refreshed
 //! holder-block until the log is compacted). A query walks the chain once, a run of blocks
 //! with the same holder set at a time, narrowing the set of instances still matching, and
 //! stops when it is empty.
@@ -31,6 +31,7 @@
 mod ages;
 mod blocks;
 mod query;
+mod slot_map;
 
 use self::ages::{AgeLog, CallSeen};
 use self::blocks::{BlockTable, Memo};
@@ -143,6 +144,9 @@ pub struct Index {
     clock: u64,
     holder_blocks: u64,
     evicted: u64,
+    /// Bumped whenever a store's readers change (attach, detach, a holder removed): part of
+    /// the key of a query's cached first set (see [`Answer`]).
+    readers_epoch: u64,
     /// Scratch of `store` and `remove`: the slots of a call's blocks, looked up first.
     found: Vec<Option<u32>>,
 }
@@ -165,6 +169,7 @@ impl Index {
             clock: 0,
             holder_blocks: 0,
             evicted: 0,
+            readers_epoch: 0,
             found: Vec::new(),
         }
     }
@@ -225,6 +230,7 @@ impl Index {
             return Ok(());
         };
         self.kinds[h.0 as usize] = 0;
+        self.readers_epoch += 1;
         for s in gone.stores {
             if let Some(Some(store)) = self.holders.get_mut(s as usize) {
                 store.readers.retain(|r| *r != h.0);
@@ -242,6 +248,7 @@ impl Index {
     pub fn attach(&mut self, instance: HolderId, store: HolderId) -> Result<()> {
         self.expect_kind(instance, HolderKind::Instance)?;
         self.expect_kind(store, HolderKind::Store)?;
+        self.readers_epoch += 1;
         let i = self.holder_mut(instance)?;
         if i.stores.contains(&store.0) {
             return Ok(());
@@ -256,6 +263,7 @@ impl Index {
 
     /// Instance `instance` no longer reads store `store`.
     pub fn detach(&mut self, instance: HolderId, store: HolderId) -> Result<()> {
+        self.readers_epoch += 1;
         self.holder_mut(instance)?.stores.retain(|s| *s != store.0);
         if let Some(Some(s)) = self.holders.get_mut(store.0 as usize) {
             s.readers.retain(|r| *r != instance.0);
@@ -305,14 +313,34 @@ impl Index {
         let mut seen = CallSeen::default();
         let mut memo = Memo::default();
         let mut new = 0;
-        // The lookups first: independent probes, which the processor overlaps.
+        // Hashes this call added to the index, as a 1,024-bit filter (no false negatives).
+        let mut added = [0u64; 16];
+        let added_bit = |b: BlockHash| {
+            let i = (b.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 54) as usize;
+            (i >> 6, 1u64 << (i & 63))
+        };
+        // The lookups first, batched (their cache misses overlap).
         found.clear();
-        found.extend(hashes.iter().map(|&b| blocks.lookup(b)));
+        blocks.lookup_batch(hashes, |s| {
+            found.push(s);
+            true
+        });
         // Deepest block first: the log's order is the eviction order.
         for (&b, &slot) in hashes.iter().zip(found.iter()).rev() {
-            // A block new to the index may have been added deeper in this call.
-            match slot.or_else(|| blocks.lookup(b)) {
+            // A block new to the index may have been added deeper in this call (the same hash
+            // twice in one chain): looked up again only where the filter says it may have.
+            let slot = slot.or_else(|| {
+                let (w, m) = added_bit(b);
+                if added[w] & m != 0 {
+                    blocks.lookup(b)
+                } else {
+                    None
+                }
+            });
+            match slot {
                 None => {
+                    let (w, m) = added_bit(b);
+                    added[w] |= m;
                     let slot = blocks.insert_new(b, ht);
                     log.push_new(slot, &mut seen);
                     new += 1;
@@ -377,7 +405,10 @@ impl Index {
         let mut memo = Memo::default();
         let mut removed = 0;
         found.clear();
-        found.extend(hashes.iter().map(|&b| blocks.lookup(b)));
+        blocks.lookup_batch(hashes, |s| {
+            found.push(s);
+            true
+        });
         for &slot in found.iter() {
             // A block this call freed (a hash listed twice) stays free: a removal adds none.
             if let Some(slot) = slot

@@ -40,6 +40,81 @@ pub struct IndexArgs {
     /// Skip the reference index.
     #[arg(long)]
     pub no_reference: bool,
+    /// Also replays the file through Dynamo's `dynamo-kv-router`, by running this binary
+    /// (`hicache-bench/refs/dynamo-index`, built apart: see its manifest) after our replay,
+    /// and reports its figures as a second reference (`dynamo/…` cases).
+    #[arg(long)]
+    pub dynamo: Option<PathBuf>,
+}
+
+/// What the Dynamo reference binary reports (its summary line).
+#[derive(Debug, Clone, Deserialize)]
+pub struct DynamoReplay {
+    /// Blocks named by store and remove lines.
+    pub block_ops: u64,
+    /// Block-ops per second of ingest.
+    pub ingest_block_ops_per_s: f64,
+    /// Query latency p50, microseconds.
+    pub query_p50_us: f64,
+    /// Query latency p99, microseconds.
+    pub query_p99_us: f64,
+    /// Holder-blocks at the end (its `current_size`).
+    pub holder_blocks: u64,
+    /// Process RSS growth per holder-block over its replay (it keeps no byte count).
+    pub rss_growth_per_holder_block: f64,
+}
+
+/// Runs the Dynamo reference binary on `events` and reads its summary line.
+pub fn replay_dynamo(bin: &Path, events: &Path) -> Result<DynamoReplay> {
+    let out = std::process::Command::new(bin)
+        .arg(events)
+        .output()
+        .map_err(BenchError::io(bin))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        return Err(BenchError::check_failed(format!(
+            "{} failed ({}): {}",
+            bin.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    let line = text.lines().last().unwrap_or_default();
+    serde_json::from_str(line).map_err(|e| {
+        BenchError::check_failed(format!("{}: bad summary {line:?}: {e}", bin.display()))
+    })
+}
+
+/// Our figures against Dynamo's (ratios as in [`records`]: above 1 = ours better).
+pub fn dynamo_records(ours: &Replay, d: &DynamoReplay) -> Vec<Record> {
+    let lower = |rec: Record, v: f64| {
+        let mut rec = rec.with_reference(v);
+        rec.ratio = (rec.value > 0.0).then(|| v / rec.value);
+        rec
+    };
+    vec![
+        Record::new("index", "dynamo/ingest", ours.ingest_rate(), "block-ops/s")
+            .with_reference(d.ingest_block_ops_per_s)
+            .with("reference_block_ops", d.block_ops)
+            .with("reference_holder_blocks", d.holder_blocks),
+        lower(
+            Record::new("index", "dynamo/query/p50", ours.quantile(0.5), "us"),
+            d.query_p50_us,
+        ),
+        lower(
+            Record::new("index", "dynamo/query/p99", ours.quantile(0.99), "us"),
+            d.query_p99_us,
+        ),
+        lower(
+            Record::new(
+                "index",
+                "dynamo/rss_growth_per_holder_block",
+                ours.per_holder_block(ours.rss_growth),
+                "B",
+            ),
+            d.rss_growth_per_holder_block,
+        ),
+    ]
 }
 
 #[derive(Deserialize)]
@@ -573,7 +648,12 @@ pub fn run(args: &IndexArgs, mut out: impl Write) -> Result<()> {
         None => replay_ours(&file, args.capacity, None)?,
     };
     let reference = (!args.no_reference).then(|| replay_reference(&file));
-    let records = records(&ours, reference.as_ref(), queries);
+    let mut records = records(&ours, reference.as_ref(), queries);
+    let summary = records.pop().expect("records end with the summary");
+    if let Some(bin) = &args.dynamo {
+        records.extend(dynamo_records(&ours, &replay_dynamo(bin, &args.events)?));
+    }
+    records.push(summary);
     let io = |e| BenchError::check_failed(format!("writing the report: {e}"));
     if args.json {
         for r in &records {
@@ -653,6 +733,7 @@ mod tests {
             answers: Some(answers.clone()),
             capacity: None,
             no_reference: false,
+            dynamo: None,
         };
         let mut out = Vec::new();
         run(&args, &mut out).unwrap();

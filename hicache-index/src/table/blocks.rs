@@ -4,8 +4,9 @@
 //! - `slots`: one 16-byte record per live block (its hash and its set), addressed by a `u32`
 //!   slot id that stays put while the block lives (the age logs name blocks by it); free slots
 //!   are chained through their set and reused first.
-//! - `map`: a hashbrown table of slot ids (4 bytes and a control byte per bucket), hashed by
-//!   the block hash mixed with a per-index random seed (engine hashes may be small integers).
+//! - `map`: a [`SlotMap`] of slot ids under the top bits of the block hash mixed with a
+//!   per-index random seed (engine hashes may be small integers), 8 bytes a bucket: one read
+//!   finds the slot, a second (the record) confirms the hash.
 //! - a set is a sorted list of `ht` words (holder id << 2 | tier index, 4 bytes each): a block
 //!   held once or twice keeps them inline in its record; a block held more often refers to a
 //!   chunk of the [`Arena`] (one of the size classes 2, 3, 4, 6, 8, 12, … words): a reference
@@ -24,7 +25,7 @@
 //! least a quarter of its capacity (shrunk when it falls below); a memo's chunks are live and
 //! hold what the memo says (it forgets a chunk written in place or freed).
 
-use hashbrown::HashTable;
+use super::slot_map::{self, SlotMap};
 
 /// The second word of an inline set of one.
 const NONE: u32 = u32::MAX;
@@ -38,7 +39,11 @@ const CLASS_SHIFT: u32 = 25;
 const CLASSES: usize = 49;
 const LEN_MASK: u32 = (1 << CLASS_SHIFT) - 1;
 /// No slot / no chunk.
-const NIL: u32 = u32::MAX;
+const NIL: u32 = slot_map::NIL;
+/// Lookups a batched lookup issues together: the first stage small (a chain whose first block
+/// nobody holds costs little), the next ones wider.
+const FIRST_STAGE: usize = 8;
+const STAGE: usize = 32;
 
 fn arena_set(off: usize, class: usize, len: usize) -> [u32; 2] {
     [
@@ -175,14 +180,39 @@ impl Arena {
     }
 }
 
+/// Ids of block tables (see [`BigSetKey`]).
+static NEXT_TABLE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Block hash → holder set.
 #[derive(Debug)]
 pub(crate) struct BlockTable {
     slots: Vec<Block>,
-    map: HashTable<u32>,
+    map: SlotMap,
     free_slot: u32,
     arena: Arena,
     seed: u64,
+    /// This table's id, unique in the process (a cache of a set's holders names its table).
+    id: u64,
+    /// Per arena offset of a chunk that held a [`BIG_SET`] set: the stamp of its last change
+    /// in place or release (see [`BlockTable::big_set_key`]).
+    versions: hashbrown::HashMap<u32, u64>,
+    /// The last stamp given.
+    stamp: u64,
+}
+
+/// Sets at least this long are *big*: a change of one in place is stamped, so that a cache
+/// of what a big set holds (a query's first block, held by most of the fleet) can tell it is
+/// still exact. Big sets are few (the heads of the chains most instances hold), and a change
+/// to one moves at least this many words anyway.
+pub(crate) const BIG_SET: usize = 256;
+
+/// Names a big set's content exactly: the table, the set's reference, and its chunk's stamp.
+/// Two equal keys name sets with the same holders.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BigSetKey {
+    table: u64,
+    set: [u32; 2],
+    version: u64,
 }
 
 /// Mixes a block hash for the table (engine hashes may be sequential small integers).
@@ -212,10 +242,13 @@ impl BlockTable {
         use std::hash::{BuildHasher, RandomState};
         Self {
             slots: Vec::new(),
-            map: HashTable::new(),
+            map: SlotMap::default(),
             free_slot: NIL,
             arena: Arena::new(),
             seed: RandomState::new().hash_one(0x6869_6361_6368_6549_u64) | 1,
+            id: NEXT_TABLE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            versions: hashbrown::HashMap::new(),
+            stamp: 0,
         }
     }
 
@@ -228,6 +261,7 @@ impl BlockTable {
     pub(crate) fn bytes(&self) -> u64 {
         (self.slots.capacity() * size_of::<Block>()
             + self.map.allocation_size()
+            + self.versions.allocation_size()
             + self.arena.words.capacity() * size_of::<u32>()) as u64
     }
 
@@ -235,9 +269,59 @@ impl BlockTable {
     #[inline]
     pub(crate) fn lookup(&self, hash: u64) -> Option<u32> {
         let slots = &self.slots;
-        self.map
-            .find(mix(self.seed, hash), |&s| slots[s as usize].hash == hash)
-            .copied()
+        self.map.find(slot_map::tag(mix(self.seed, hash)), |s| {
+            slots[s as usize].hash == hash
+        })
+    }
+
+    /// Looks `hashes` up in order, calling `f` with each one's slot (`None`: nobody holds it)
+    /// until it returns false; the same answers as [`Self::lookup`] one by one.
+    ///
+    /// In stages of up to [`STAGE`] hashes: first every hash's home bucket (independent reads,
+    /// whose cache misses the processor overlaps; the next cache line too where the home is
+    /// near its line's end, as a probe may go on there), then each one's candidate slot from the
+    /// buckets now cached, then the candidates' records (independent again). One by one, each
+    /// lookup's two misses would wait for each other and for the previous lookup's.
+    pub(crate) fn lookup_batch(&self, hashes: &[u64], mut f: impl FnMut(Option<u32>) -> bool) {
+        if hashes.len() <= 2 {
+            // Nothing to overlap worth the stages' bookkeeping.
+            for &h in hashes {
+                if !f(self.lookup(h)) {
+                    return;
+                }
+            }
+            return;
+        }
+        let mut rest = hashes;
+        let mut width = FIRST_STAGE;
+        while !rest.is_empty() {
+            let (stage, next) = rest.split_at(width.min(rest.len()));
+            rest = next;
+            width = STAGE;
+            let n = stage.len();
+            let mut homes = [(0usize, 0u64, 0u32); STAGE];
+            for (home, &h) in homes[..n].iter_mut().zip(stage) {
+                let tag = slot_map::tag(mix(self.seed, h));
+                let (at, bucket) = self.map.home_bucket(tag);
+                self.map.touch_next_line(at);
+                *home = (at, bucket, tag);
+            }
+            let mut candidates = [NIL; STAGE];
+            for (c, &(at, bucket, tag)) in candidates[..n].iter_mut().zip(&homes[..n]) {
+                *c = self.map.find_from(tag, at, bucket, |_| true).unwrap_or(NIL);
+            }
+            for (&c, &h) in candidates[..n].iter().zip(stage) {
+                let slot = match c {
+                    NIL => None,
+                    c if self.slots[c as usize].hash == h => Some(c),
+                    // Another block's tag (one probe in 2^32): the full lookup goes on.
+                    _ => self.lookup(h),
+                };
+                if !f(slot) {
+                    return;
+                }
+            }
+        }
     }
 
     /// Adds block `hash` (not held by anyone) with its first holder `ht`; returns its slot.
@@ -257,11 +341,35 @@ impl BlockTable {
             self.slots.push(block);
             self.slots.len() as u32 - 1
         };
-        let (seed, slots) = (self.seed, &self.slots);
-        self.map.insert_unique(mix(seed, hash), slot, |&s| {
-            mix(seed, slots[s as usize].hash)
-        });
+        self.map.insert(slot_map::tag(mix(self.seed, hash)), slot);
         slot
+    }
+
+    /// The chunk at `off` changes in place or is released while (or after) holding `len`
+    /// words: a big set's chunk gets a new stamp.
+    #[inline]
+    fn stamp(&mut self, off: usize, len: usize) {
+        if len >= BIG_SET {
+            self.stamp += 1;
+            self.versions.insert(off as u32, self.stamp);
+        }
+    }
+
+    /// A key naming what the block in `slot` holds, for a big set (`None` otherwise): equal
+    /// keys mean equal sets, for as long as this table lives. A chunk's content changes only
+    /// in place (stamped) or after its release (stamped, and a new block refers to it after);
+    /// a copy on write leaves it as it was.
+    #[inline]
+    pub(crate) fn big_set_key(&self, slot: u32) -> Option<BigSetKey> {
+        let set = self.slots[slot as usize].set;
+        if !is_arena(set) || ((set[0] & LEN_MASK) as usize) < BIG_SET {
+            return None;
+        }
+        Some(BigSetKey {
+            table: self.id,
+            set,
+            version: self.versions.get(&set[1]).copied().unwrap_or(0),
+        })
     }
 
     /// The holders (`ht` words) of the block in `slot`, sorted.
@@ -296,9 +404,10 @@ impl BlockTable {
     #[inline]
     fn release(&mut self, set: [u32; 2], memo: &mut Memo) {
         if is_arena(set) {
-            let (off, class, _) = arena_parts(set);
+            let (off, class, len) = arena_parts(set);
             self.arena.words[off] -= 1;
             if self.arena.words[off] == 0 {
+                self.stamp(off, len);
                 self.arena.release(off, class);
                 memo.forget(off);
             }
@@ -368,6 +477,7 @@ impl BlockTable {
             return;
         }
         memo.forget(off);
+        self.stamp(off, len + 1);
         if len + 1 == cap_of(class) {
             let new = self.arena.alloc(class + 1);
             self.arena.words.copy_within(off..off + 1 + len, new);
@@ -433,6 +543,7 @@ impl BlockTable {
         } else {
             // Ours alone: in place (or into a smaller chunk).
             memo.forget(off);
+            self.stamp(off, len);
             let words = &mut self.arena.words[off + 1..off + 1 + len];
             words.copy_within(at + 1..len, at);
             let len = len - 1;
@@ -460,9 +571,7 @@ impl BlockTable {
 
     fn free_block(&mut self, slot: u32) {
         let hash = self.slots[slot as usize].hash;
-        if let Ok(entry) = self.map.find_entry(mix(self.seed, hash), |&s| s == slot) {
-            entry.remove();
-        }
+        self.map.remove(slot_map::tag(mix(self.seed, hash)), slot);
         self.slots[slot as usize].set = [FREE, self.free_slot];
         self.free_slot = slot;
     }
@@ -510,6 +619,36 @@ mod tests {
         assert_eq!(t.arena.in_use, 0);
         // The freed slot is reused.
         assert_eq!(t.insert_new(8, 1), s);
+    }
+
+    #[test]
+    fn batched_lookups_answer_as_single_ones() {
+        let mut t = BlockTable::new();
+        let mut memo = Memo::default();
+        // Held: multiples of 3 below 300, every seventh freed again; asked: multiples of 3
+        // from 3 (some off by one) to 447, in stages.
+        let slots: Vec<u32> = (0..100).map(|b| t.insert_new(b * 3, 1)).collect();
+        for &s in slots.iter().step_by(7) {
+            t.remove(s, 1, &mut memo);
+        }
+        let asked: Vec<u64> = (1..150).map(|x| x * 3 + u64::from(x % 11 == 0)).collect();
+        let mut all = Vec::new();
+        t.lookup_batch(&asked, |s| {
+            all.push(s);
+            true
+        });
+        let single: Vec<Option<u32>> = asked.iter().map(|&h| t.lookup(h)).collect();
+        assert_eq!(all, single);
+        assert!(all.iter().filter(|s| s.is_some()).count() > 50);
+        // Stopping early: only the prefix is visited.
+        let mut seen = 0;
+        t.lookup_batch(&asked, |s| {
+            seen += 1;
+            s.is_some()
+        });
+        let prefix = single.iter().position(Option::is_none).unwrap();
+        assert_eq!(prefix, 6, "3 to 18 held, 21 freed");
+        assert_eq!(seen, prefix + 1);
     }
 
     #[test]

@@ -8,8 +8,13 @@
 //!   in any tier or through a store they read; and the same at the first block (`F1`, `F2`,
 //!   `F3`, where `F3` are the answer's instances).
 //!
-//! The chain's blocks are looked up first, as far as anyone holds them (independent probes,
-//! which the processor overlaps). The first block's set fills the current set and the runs.
+//! The first block's set, when it is big (held by most of the fleet), is kept in the
+//! [`Answer`] with a key that names its content exactly (the chunk's stamp, the readers'
+//! epoch), so the next query starting at the same head copies its planes instead of filling
+//! them from thousands of entries.
+//!
+//! The chain's blocks are looked up first, as far as anyone holds them, in batches whose
+//! table reads overlap (see [`BlockTable::lookup_batch`](super::blocks::BlockTable::lookup_batch)). The first block's set fills the current set and the runs.
 //! The walk then compares each block's holder set with the previous distinct one (a run of
 //! blocks sharing one set costs one comparison of two references) and applies only the
 //! *difference* of the two sorted sets to the current set (or rebuilds it, when the new set is
@@ -28,6 +33,7 @@
 //! holds `h`, `ends[h][t]` where only `F_t` does (written when the run ended, or by a push),
 //! 0 where neither does.
 
+use super::blocks::BigSetKey;
 use super::{HolderId, Index, KIND_STORE, QueryMatch};
 use crate::chain::BlockHash;
 
@@ -65,6 +71,11 @@ pub struct Answer {
     slots: Vec<u32>,
     dirty: Vec<u32>,
     stores: Vec<u32>,
+    /// The current set's planes (`B1` to `ST`) at the first block of the last query whose
+    /// first block had a big set (see [`BigSetKey`]), and what they were computed from: that
+    /// set, the index's readers epoch and the words per plane.
+    first: Option<(BigSetKey, u64, usize)>,
+    first_planes: Vec<u64>,
 }
 
 #[inline]
@@ -245,17 +256,35 @@ impl Index {
             slots,
             dirty,
             stores,
+            first: first_key,
+            first_planes,
         } = answer;
         let w = *words;
         slots.clear();
-        slots.extend(hashes.iter().map_while(|b| self.blocks.lookup(*b)));
+        self.blocks
+            .lookup_batch(hashes, |s| s.map(|s| slots.push(s)).is_some());
         let Some(&first) = slots.first() else {
             return;
         };
         *total = slots.len() as u32;
         let (cur, runs) = bits.split_at_mut(R1 * w);
-        self.fill_set(self.blocks.entries(first), cur, w);
-        self.readers_of_present(cur, w);
+        // The first block's set: from the answer's cache when it is the same big set (the
+        // head of a chain most of the fleet holds, the same for query after query).
+        let key = self
+            .blocks
+            .big_set_key(first)
+            .map(|k| (k, self.readers_epoch, w));
+        if key.is_some() && *first_key == key {
+            cur.copy_from_slice(first_planes);
+        } else {
+            self.fill_set(self.blocks.entries(first), cur, w);
+            self.readers_of_present(cur, w);
+            if key.is_some() {
+                *first_key = key;
+                first_planes.clear();
+                first_planes.extend_from_slice(cur);
+            }
+        }
         let mut live = 0usize;
         for i in 0..w {
             let b1 = cur[B1 * w + i];
