@@ -783,23 +783,21 @@ fn first_duplicate(pages: &[u32], cap: usize) -> Option<u32> {
 }
 
 fn check_pages<S: Slot>(pool: &'static str, slots: &[S], capacity: usize) -> Result<Vec<u32>> {
-    slots
-        .iter()
-        .enumerate()
-        .map(|(position, s)| {
-            let page = s.index();
-            if (page as usize) < capacity {
-                Ok(page)
-            } else {
-                Err(GpuError::PageOutOfRange {
-                    pool,
-                    page,
-                    position,
-                    capacity,
-                })
-            }
-        })
-        .collect()
+    // Sized once: collecting through `Result` loses the length and grows the vector.
+    let mut out = Vec::with_capacity(slots.len());
+    for (position, s) in slots.iter().enumerate() {
+        let page = s.index();
+        if (page as usize) >= capacity {
+            return Err(GpuError::PageOutOfRange {
+                pool,
+                page,
+                position,
+                capacity,
+            });
+        }
+        out.push(page);
+    }
+    Ok(out)
 }
 
 impl Drop for TransferEngine {

@@ -27,7 +27,9 @@
 //!
 //! Every call runs on the engine thread (`&mut self`); copies run on the device's streams and
 //! L3 I/O on a small runtime owned by the cache, and their completions are picked up by
-//! `poll`. With tensor parallelism every rank runs the same calls in the same order and
+//! `poll`. The L3 work a tick starts (arrivals' lookups, `poll`'s backups) is handed to that
+//! runtime in one go by `start_loading` (or the next `poll`): one wake-up of its threads per
+//! tick. With tensor parallelism every rank runs the same calls in the same order and
 //! `poll` agrees on every count through one exchange per tick ([`rank`]), so every rank's tree
 //! keeps the same shape.
 //!
