@@ -37,6 +37,7 @@ impl HiCache {
         }
         let agreed =
             TickCounts::gather(&self.copies, self.l3.as_ref(), &self.tiers)?.agree(&*self.rank)?;
+        self.scheduling = true;
         let report = agreed.apply(TickParts {
             tiers: &mut self.tiers,
             copies: &mut self.copies,
@@ -56,6 +57,7 @@ impl HiCache {
     pub fn start_loading(&mut self) -> Result<Option<usize>> {
         self.check_open()?;
         let producer = self.copies.start_loading()?;
+        self.scheduling = false;
         if let Some(l3) = &self.l3 {
             // The tick's L3 work (this poll's backups, this tick's lookups) in one hand-off.
             l3.flush();

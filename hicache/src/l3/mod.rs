@@ -174,8 +174,8 @@ impl L3 {
 
     /// Hands the lookups and backups queued since the last flush to the runtime, with one
     /// wake-up (see [`L3Engine::flush`]). The controller flushes at the start of `poll`, at
-    /// `start_loading` and before it reports what is in flight; every blocking wait of this
-    /// tier flushes first.
+    /// `start_loading`, at an arrival outside `poll`..`start_loading`, and before it reports
+    /// what is in flight; every blocking wait of this tier flushes first.
     pub fn flush(&self) {
         self.engine.flush();
     }
