@@ -337,6 +337,17 @@ impl Stream {
         }
     }
 
+    /// Runs `f`, handing the work it queues on this stream to the device as one submission
+    /// where the backend has a cost per hand-off: on the sim device one wake-up of the stream's
+    /// worker thread instead of one per kernel and event. On CUDA every launch is its own
+    /// driver call anyway and `f` just runs. `f` must not block on work it queues here.
+    pub(crate) fn batch<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        match &self.inner {
+            StreamInner::Sim(s) => s.batch(f)?,
+            StreamInner::Cuda(_) => f(),
+        }
+    }
+
     /// Holds the stream's later work until `event` completes.
     pub fn wait(&self, event: &Event) -> Result<()> {
         match (&self.inner, &event.inner) {

@@ -259,6 +259,13 @@ impl DevicePool {
         self.allocator.lock().is_allocated(slot)
     }
 
+    /// The position of the first of `slots` that is not allocated now, if any (one lock for
+    /// the whole list).
+    pub fn first_unallocated(&self, slots: &[DeviceSlot]) -> Option<usize> {
+        let a = self.allocator.lock();
+        slots.iter().position(|&s| !a.is_allocated(s))
+    }
+
     /// Copies page `slot` to `dst` in flat order `[half][layer][token][row]` (synchronous; no
     /// transfer may be writing the page).
     pub fn read_page(&self, slot: DeviceSlot, dst: &mut [u8]) -> Result<()> {

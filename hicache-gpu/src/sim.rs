@@ -9,6 +9,10 @@
 //!    recorded again moves to the newer point (`is_done` reflects the latest record).
 //! 3. `wait(event)` on a stream holds the stream's later work until the event's record that
 //!    was latest *at the time of the wait call* completes (a never-recorded event is done).
+//! 4. Work queued inside [`SimStream::batch`] reaches the worker as one hand-off when the batch
+//!    closes, in queue order (a stream's queue order is push order, batched or not): one
+//!    wake-up of the worker per transfer instead of one per kernel and event. Nothing inside a
+//!    batch may block on work queued in it (it has not reached the worker yet).
 
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -124,13 +128,57 @@ enum Task {
     Run(Box<dyn FnOnce() + Send>),
     Signal(SimEvent, u64),
     Wait(SimEvent, u64),
+    /// The tasks of one [`SimStream::batch`], in queue order.
+    Batch(Vec<Task>),
+}
+
+impl Task {
+    fn run(self) {
+        match self {
+            Task::Run(f) => f(),
+            Task::Signal(e, g) => e.complete(g),
+            Task::Wait(e, g) => e.wait_for(g),
+            Task::Batch(tasks) => tasks.into_iter().for_each(Task::run),
+        }
+    }
 }
 
 /// A sim stream: a worker thread running its queue in order.
-#[derive(Debug)]
 pub struct SimStream {
     tx: Option<mpsc::Sender<Task>>,
+    /// The open batch's tasks (semantics 4); `None` outside a batch. Pushes take this lock
+    /// and send under it, so the queue order is the push order across threads.
+    open: Mutex<Option<Vec<Task>>>,
     worker: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for SimStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimStream")
+            .field("batching", &self.open.lock().is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Closes a batch when dropped (also on unwind), so tasks queued in it are never lost.
+struct OpenBatch<'a> {
+    stream: &'a SimStream,
+}
+
+impl OpenBatch<'_> {
+    /// Sends the batch's tasks as one hand-off.
+    fn close(self) -> Result<()> {
+        let r = self.stream.close_batch();
+        std::mem::forget(self);
+        r
+    }
+}
+
+impl Drop for OpenBatch<'_> {
+    fn drop(&mut self) {
+        // Only on unwind; a stopped worker is reported by the next push.
+        let _ = self.stream.close_batch();
+    }
 }
 
 impl SimStream {
@@ -141,26 +189,61 @@ impl SimStream {
             .name(format!("hicache-sim-{name}"))
             .spawn(move || {
                 for task in rx {
-                    match task {
-                        Task::Run(f) => f(),
-                        Task::Signal(e, g) => e.complete(g),
-                        Task::Wait(e, g) => e.wait_for(g),
-                    }
+                    task.run();
                 }
             })
             .map_err(|e| GpuError::StreamStopped(format!("cannot start a worker: {e}")))?;
         Ok(Self {
             tx: Some(tx),
+            open: Mutex::new(None),
             worker: Some(worker),
         })
     }
 
-    fn push(&self, task: Task) -> Result<()> {
+    fn send(&self, task: Task) -> Result<()> {
         self.tx
             .as_ref()
             .expect("sender lives until drop")
             .send(task)
             .map_err(|_| GpuError::StreamStopped("the worker thread exited".into()))
+    }
+
+    fn push(&self, task: Task) -> Result<()> {
+        let mut open = self.open.lock();
+        match open.as_mut() {
+            Some(batch) => {
+                batch.push(task);
+                Ok(())
+            }
+            None => self.send(task),
+        }
+    }
+
+    fn close_batch(&self) -> Result<()> {
+        let mut open = self.open.lock();
+        match open.take() {
+            Some(tasks) if !tasks.is_empty() => self.send(Task::Batch(tasks)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Runs `f`; what it queues on this stream reaches the worker as one hand-off when `f`
+    /// returns (semantics 4), so the worker thread is woken once, not once per kernel and
+    /// event. Inside an open batch (another `batch` call, on any thread) `f` joins it. `f`
+    /// must not block on work it queues here.
+    pub fn batch<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
+        {
+            let mut open = self.open.lock();
+            if open.is_some() {
+                drop(open);
+                return Ok(f());
+            }
+            *open = Some(Vec::new());
+        }
+        let batch = OpenBatch { stream: self };
+        let r = f();
+        batch.close()?;
+        Ok(r)
     }
 
     /// Queues `f` (a "kernel" or "memcpy").
@@ -233,6 +316,39 @@ mod tests {
         done.wait();
         assert!(done.is_done());
         assert_eq!(n.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_batch_reaches_the_worker_when_it_closes_in_queue_order() {
+        let s = SimStream::new("b").unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let done = SimEvent::new();
+        let push = |k: u32| {
+            let log = log.clone();
+            s.run(move || log.lock().push(k)).unwrap();
+        };
+        push(0);
+        s.synchronize().unwrap();
+        let r = s
+            .batch(|| {
+                push(1);
+                // A nested batch joins the open one.
+                s.batch(|| push(2)).unwrap();
+                s.record(&done).unwrap();
+                // Nothing has reached the worker yet (deterministic: not sent).
+                assert!(!done.is_done());
+                assert_eq!(*log.lock(), [0]);
+                7
+            })
+            .unwrap();
+        assert_eq!(r, 7);
+        push(3);
+        s.synchronize().unwrap();
+        assert!(done.is_done());
+        assert_eq!(*log.lock(), [0, 1, 2, 3]);
+        // An empty batch sends nothing; a stream keeps working after it.
+        s.batch(|| ()).unwrap();
+        s.synchronize().unwrap();
     }
 
     #[test]

@@ -500,30 +500,33 @@ impl TransferEngine {
         let layers = self.dev_pool.shape().layers;
         let (dev, hst) = self.validate(Direction::ToDevice, device, host, &(0..layers))?;
         let stream = &self.load_stream;
-        for e in after {
-            stream.wait(e)?;
-        }
-        let mut events = Vec::with_capacity(layers as usize);
-        match self.config.io {
-            IoBackend::Kernel => {
-                let n = dev.len() as u32;
-                let scratch = self.upload(stream, dev, hst)?;
-                for l in 0..layers {
-                    self.launch(stream, Direction::ToDevice, &scratch, n, l..l + 1)?;
-                    events.push(stream.record()?);
+        // One hand-off for the whole load (nothing here waits on it).
+        stream.batch(|| {
+            for e in after {
+                stream.wait(e)?;
+            }
+            let mut events = Vec::with_capacity(layers as usize);
+            match self.config.io {
+                IoBackend::Kernel => {
+                    let n = dev.len() as u32;
+                    let scratch = self.upload(stream, dev, hst)?;
+                    for l in 0..layers {
+                        self.launch(stream, Direction::ToDevice, &scratch, n, l..l + 1)?;
+                        events.push(stream.record()?);
+                    }
+                }
+                IoBackend::Direct => {
+                    for l in 0..layers {
+                        let ops = self.plan(&dev, &hst, l..l + 1);
+                        // SAFETY: validated pages, so every op is inside the pools.
+                        unsafe { stream.run_plan(Direction::ToDevice, ops)? };
+                        events.push(stream.record()?);
+                    }
                 }
             }
-            IoBackend::Direct => {
-                for l in 0..layers {
-                    let ops = self.plan(&dev, &hst, l..l + 1);
-                    // SAFETY: validated pages, so every op is inside the pools.
-                    unsafe { stream.run_plan(Direction::ToDevice, ops)? };
-                    events.push(stream.record()?);
-                }
-            }
-        }
-        Ok(LoadHandle {
-            layers: Arc::new(events),
+            Ok(LoadHandle {
+                layers: Arc::new(events),
+            })
         })
     }
 
@@ -540,25 +543,28 @@ impl TransferEngine {
     ) -> Result<Completion> {
         let (dev, hst) = self.validate(dir, device, host, &layers)?;
         let stream = self.stream(dir);
-        for e in after {
-            stream.wait(e)?;
-        }
-        if !dev.is_empty() && !layers.is_empty() {
-            match self.config.io {
-                IoBackend::Kernel => {
-                    let n = dev.len() as u32;
-                    let scratch = self.upload(stream, dev, hst)?;
-                    self.launch(stream, dir, &scratch, n, layers)?;
-                }
-                IoBackend::Direct => {
-                    let ops = self.plan(&dev, &hst, layers);
-                    // SAFETY: validated pages, so every op is inside the pools.
-                    unsafe { stream.run_plan(dir, ops)? };
+        // One hand-off for the whole copy (nothing here waits on it).
+        stream.batch(|| {
+            for e in after {
+                stream.wait(e)?;
+            }
+            if !dev.is_empty() && !layers.is_empty() {
+                match self.config.io {
+                    IoBackend::Kernel => {
+                        let n = dev.len() as u32;
+                        let scratch = self.upload(stream, dev, hst)?;
+                        self.launch(stream, dir, &scratch, n, layers)?;
+                    }
+                    IoBackend::Direct => {
+                        let ops = self.plan(&dev, &hst, layers);
+                        // SAFETY: validated pages, so every op is inside the pools.
+                        unsafe { stream.run_plan(dir, ops)? };
+                    }
                 }
             }
-        }
-        Ok(Completion {
-            event: stream.record()?,
+            Ok(Completion {
+                event: stream.record()?,
+            })
         })
     }
 
@@ -657,13 +663,8 @@ impl TransferEngine {
             Direction::ToHost => ("host", &hst, self.host.pool().num_pages()),
             Direction::ToDevice => ("device", &dev, self.dev_pool.num_pages()),
         };
-        let mut seen = vec![0u64; cap.div_ceil(64)];
-        for &p in dst.iter() {
-            let (w, b) = (p as usize / 64, 1u64 << (p % 64));
-            if seen[w] & b != 0 {
-                return Err(GpuError::DuplicateDestination { pool, page: p });
-            }
-            seen[w] |= b;
+        if let Some(page) = first_duplicate(dst, cap) {
+            return Err(GpuError::DuplicateDestination { pool, page });
         }
         Ok((dev, hst))
     }
@@ -756,30 +757,69 @@ impl TransferEngine {
     }
 }
 
+/// The first page of `pages` (in order) that repeats an earlier one; pages are below `cap`.
+/// A short list (a tick's pages) is checked with a sorted copy; a long one with a bitmap of
+/// the pool, whose zeroing would otherwise dominate.
+fn first_duplicate(pages: &[u32], cap: usize) -> Option<u32> {
+    if pages.len() * 64 < cap {
+        let mut order: Vec<(u32, usize)> = pages.iter().copied().zip(0..).collect();
+        order.sort_unstable();
+        // In (page, position) order the second position of a repeated page follows its first.
+        return order
+            .windows(2)
+            .filter(|w| w[0].0 == w[1].0)
+            .min_by_key(|w| w[1].1)
+            .map(|w| w[0].0);
+    }
+    let mut seen = vec![0u64; cap.div_ceil(64)];
+    for &p in pages {
+        let (w, b) = (p as usize / 64, 1u64 << (p % 64));
+        if seen[w] & b != 0 {
+            return Some(p);
+        }
+        seen[w] |= b;
+    }
+    None
+}
+
 fn check_pages<S: Slot>(pool: &'static str, slots: &[S], capacity: usize) -> Result<Vec<u32>> {
-    slots
-        .iter()
-        .enumerate()
-        .map(|(position, s)| {
-            let page = s.index();
-            if (page as usize) < capacity {
-                Ok(page)
-            } else {
-                Err(GpuError::PageOutOfRange {
-                    pool,
-                    page,
-                    position,
-                    capacity,
-                })
-            }
-        })
-        .collect()
+    // Sized once: collecting through `Result` loses the length and grows the vector.
+    let mut out = Vec::with_capacity(slots.len());
+    for (position, s) in slots.iter().enumerate() {
+        let page = s.index();
+        if (page as usize) >= capacity {
+            return Err(GpuError::PageOutOfRange {
+                pool,
+                page,
+                position,
+                capacity,
+            });
+        }
+        out.push(page);
+    }
+    Ok(out)
 }
 
 impl Drop for TransferEngine {
     fn drop(&mut self) {
         if let Err(e) = self.synchronize() {
             tracing::error!(error = %e, "synchronising transfer streams on drop failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_duplicate;
+
+    #[test]
+    fn the_first_repeated_page_is_found_both_ways() {
+        // Short lists against a large pool take the sorted path, long ones the bitmap.
+        for cap in [4096, 8] {
+            assert_eq!(first_duplicate(&[3, 1, 2], cap), None);
+            assert_eq!(first_duplicate(&[5, 1, 7, 1, 5], cap), Some(1));
+            assert_eq!(first_duplicate(&[5, 6, 5, 6], cap), Some(5));
+            assert_eq!(first_duplicate(&[], cap), None);
         }
     }
 }

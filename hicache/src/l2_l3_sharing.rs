@@ -21,8 +21,11 @@
 //!    believed stored but gone is a later miss (recomputed), never wrong data. The record is
 //!    bounded ([`KNOWN_PAGES_MAX`]) and forgets everything when full (then pages are written
 //!    again: L3 sets are idempotent).
+//! 3. Only the modes that read the record keep it (`buffer_only`, `exclusive`); in the default
+//!    mode nothing decides by it, so recording every stored page would be work on every
+//!    poll for nothing.
 
-use std::collections::HashSet;
+use hashbrown::HashSet;
 
 use hicache_core::PageHash;
 
@@ -35,15 +38,29 @@ pub(crate) const KNOWN_PAGES_MAX: usize = 1 << 20;
 /// their eviction.
 const EXCLUSIVE_HEADROOM: f64 = 0.125;
 
-/// Page hashes believed to be in L3 (see the module invariants).
+/// Page hashes believed to be in L3 (see the module invariants). The keys are SHA-256
+/// digests, so the set hashes them with hashbrown's fast default hasher rather than SipHash.
 #[derive(Debug, Default)]
 pub(crate) struct KnownInL3 {
     pages: HashSet<PageHash>,
+    /// Whether pages are recorded at all (invariant 3).
+    kept: bool,
 }
 
 impl KnownInL3 {
-    /// Records pages as stored.
+    /// A record that keeps pages (`kept`) or ignores them (invariant 3).
+    pub fn new(kept: bool) -> Self {
+        Self {
+            pages: HashSet::default(),
+            kept,
+        }
+    }
+
+    /// Records pages as stored (nothing when the record is not kept).
     pub fn insert_all(&mut self, hashes: &[PageHash]) {
+        if !self.kept {
+            return;
+        }
         if self.pages.len() + hashes.len() > KNOWN_PAGES_MAX {
             self.pages.clear();
         }
@@ -86,10 +103,11 @@ impl Tiering {
     /// The mode `cfg` asks for, over a host pool of `host_pages`.
     pub fn new(cfg: &HiCacheConfig, host_pages: usize) -> Self {
         let exclusive = cfg.storage_write_mode == StorageWriteMode::Exclusive;
+        let buffer_only = cfg.hicache_host_memory_mode == HostMemoryMode::BufferOnly;
         Self {
-            buffer_only: cfg.hicache_host_memory_mode == HostMemoryMode::BufferOnly,
+            buffer_only,
             exclusive,
-            known: KnownInL3::default(),
+            known: KnownInL3::new(buffer_only || exclusive),
             headroom: if exclusive {
                 ((host_pages as f64 * EXCLUSIVE_HEADROOM) as usize).max(1)
             } else {
@@ -126,7 +144,7 @@ mod tests {
 
     #[test]
     fn known_pages_are_bounded_and_empty_lists_are_not_trusted() {
-        let mut k = KnownInL3::default();
+        let mut k = KnownInL3::new(true);
         assert!(!k.contains_all(&[]));
         k.insert_all(&[h(1), h(2)]);
         assert!(k.contains_all(&[h(1), h(2)]));
@@ -145,8 +163,18 @@ mod tests {
         let t = Tiering::new(&cfg, 80);
         assert!(t.exclusive && !t.buffer_only && !t.writes_at_admission());
         assert_eq!(t.headroom(), 10);
-        let t = Tiering::new(&HiCacheConfig::default(), 80);
+        let mut t = Tiering::new(&HiCacheConfig::default(), 80);
         assert!(t.writes_at_admission() && !t.dedups_admission());
         assert_eq!(t.headroom(), 0);
+        // The default mode reads no record, so it keeps none (invariant 3).
+        t.known.insert_all(&[h(1)]);
+        assert!(!t.known.contains(&h(1)));
+        let cfg = HiCacheConfig {
+            hicache_host_memory_mode: HostMemoryMode::BufferOnly,
+            ..Default::default()
+        };
+        let mut t = Tiering::new(&cfg, 80);
+        t.known.insert_all(&[h(1)]);
+        assert!(t.known.contains(&h(1)));
     }
 }

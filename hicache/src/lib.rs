@@ -27,7 +27,10 @@
 //!
 //! Every call runs on the engine thread (`&mut self`); copies run on the device's streams and
 //! L3 I/O on a small runtime owned by the cache, and their completions are picked up by
-//! `poll`. With tensor parallelism every rank runs the same calls in the same order and
+//! `poll`. The L3 work started between `poll` and `start_loading` (`poll`'s backups, the
+//! lookups of arrivals in between) is handed to that runtime in one go by `start_loading`: one
+//! wake-up of its threads per tick; a lookup started outside that window is handed over at
+//! once. With tensor parallelism every rank runs the same calls in the same order and
 //! `poll` agrees on every count through one exchange per tick ([`rank`]), so every rank's tree
 //! keeps the same shape.
 //!

@@ -216,25 +216,36 @@ pub(crate) fn check_slots(
         ));
     }
     // The tree takes these slots: a slot that is not an allocated device page, or given
-    // twice, would end up freed twice (and its page reused while cached).
-    let mut seen = std::collections::HashSet::with_capacity(slots.len());
-    for (page, &slot) in slots.iter().enumerate() {
-        if !pool.is_allocated(slot) {
-            return Err(HiCacheError::request(
-                req,
-                format!(
-                    "slot {} of page {page} is not an allocated device page (pool of {})",
-                    slot.0,
-                    pool.num_pages()
-                ),
-            ));
-        }
-        if !seen.insert(slot) {
-            return Err(HiCacheError::request(
-                req,
-                format!("slot {} is given twice (again for page {page})", slot.0),
-            ));
-        }
+    // twice, would end up freed twice (and its page reused while cached). The first page
+    // (in order) that is either is reported. One pool lock and one sort per call.
+    let unallocated = pool.first_unallocated(slots);
+    let mut order: Vec<(u32, u32)> = (0u32..)
+        .zip(slots)
+        .map(|(page, slot)| (slot.0, page))
+        .collect();
+    order.sort_unstable();
+    // In (slot, page) order, the second page of each repeated slot follows its first.
+    let again = order
+        .windows(2)
+        .filter(|w| w[0].0 == w[1].0)
+        .map(|w| w[1].1 as usize)
+        .min();
+    match (unallocated, again) {
+        (Some(page), again) if again.is_none_or(|a| page < a) => Err(HiCacheError::request(
+            req,
+            format!(
+                "slot {} of page {page} is not an allocated device page (pool of {})",
+                slots[page].0,
+                pool.num_pages()
+            ),
+        )),
+        (_, Some(page)) => Err(HiCacheError::request(
+            req,
+            format!(
+                "slot {} is given twice (again for page {page})",
+                slots[page].0
+            ),
+        )),
+        _ => Ok(()),
     }
-    Ok(())
 }

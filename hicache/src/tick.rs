@@ -119,10 +119,9 @@ impl TickCounts {
             host_free: tiers.host_pool.available(),
             backups_incomplete: l3.map_or(usize::MAX, L3::first_incomplete_backup),
             prefetches: l3.map_or_else(Vec::new, |l3| {
-                l3.prefetch_seqs()
-                    .into_iter()
-                    .map(|seq| (seq, l3.prefetch_counts(seq, ps)))
-                    .collect()
+                let mut v = Vec::with_capacity(l3.prefetches_tracked());
+                l3.prefetch_counts(ps, &mut v);
+                v
             }),
         })
     }
@@ -187,7 +186,7 @@ impl TickCounts {
             }
         }
         report.writes_launched = copies.launch_writes(tiers)?;
-        report.prefetches_in_flight = l3.map_or(0, |l3| l3.prefetch_seqs().len());
+        report.prefetches_in_flight = l3.map_or(0, |l3| l3.prefetches_tracked());
         Ok(report)
     }
 }

@@ -284,20 +284,25 @@ impl<'a> Phase<'a> {
         t
     }
 
-    /// Admits `id`; `None` when the device cannot hold it now (admission undone).
-    fn admit(&mut self, id: u64, t: Vec<u32>) -> Result<Option<(Running, bool, bool)>> {
+    /// Admits `id`; `Err(t)` (the prompt handed back, not copied) when the device cannot
+    /// hold it now (admission undone).
+    fn admit(
+        &mut self,
+        id: u64,
+        t: Vec<u32>,
+    ) -> Result<std::result::Result<(Running, bool, bool), Vec<u32>>> {
         let ps = self.args.page_size as usize;
         let adm = self.cache.admit(id, &t).map_err(fail)?;
         let need = t.len().div_ceil(ps) - adm.prefix_slots.len();
         let Some(fresh) = self.cache.alloc_device(need).map_err(fail)? else {
             self.cache.unadmit(id).map_err(fail)?;
-            return Ok(None);
+            return Ok(Err(t));
         };
         let all_hit = adm.device_pages == adm.prefix_slots.len() && need <= 1;
         let l3_hit = adm.storage_pages > 0;
         let mut slots = adm.prefix_slots;
         slots.extend(fresh);
-        Ok(Some((
+        Ok(Ok((
             Running {
                 id,
                 tokens: t,
@@ -319,8 +324,8 @@ impl<'a> Phase<'a> {
                 self.cache.poll().map_err(fail)?;
             }
             match self.admit(id, t)? {
-                Some((r, _, _)) => self.running.push_back(r),
-                None => {
+                Ok((r, _, _)) => self.running.push_back(r),
+                Err(_) => {
                     return Err(BenchError::check_failed(
                         "the device pool cannot hold the running requests",
                     ));
@@ -337,6 +342,8 @@ impl<'a> Phase<'a> {
         let id = self.next;
         self.next += 1;
         let prompt = self.prompt(id);
+        // The finished request's buffers are freed after the timed region (bench memory).
+        let mut retired = None;
         let t0 = Instant::now();
         let poll = self.cache.poll().map_err(fail)?;
         let mut admitted = None;
@@ -355,13 +362,16 @@ impl<'a> Phase<'a> {
                     .cache_finished(done.id, &done.tokens, &done.slots)
                     .map_err(fail)?;
                 inserted = self.cache.tree_stats().device_pages.saturating_sub(cached);
+                retired = Some(done);
             }
-            match self.admit(pid, t.clone())? {
-                Some((r, all_hit, l3_hit)) => {
+            // The prompt moves into the running request, or comes back when refused: the
+            // bench copies no tokens inside the timed region.
+            match self.admit(pid, t)? {
+                Ok((r, all_hit, l3_hit)) => {
                     admitted = Some((inserted, all_hit, l3_hit));
                     self.running.push_back(r);
                 }
-                None => {
+                Err(t) => {
                     refused = true;
                     self.pending.push_front((pid, t));
                 }
@@ -371,6 +381,7 @@ impl<'a> Phase<'a> {
         self.pending.push_back((id, prompt));
         let loaded = self.cache.start_loading().map_err(fail)?;
         let us = t0.elapsed().as_secs_f64() * 1e6;
+        drop(retired);
         let after = self.cache.metrics().snapshot();
         let mut kinds = Vec::new();
         let moved = after.evicted_pages_l1 > before.evicted_pages_l1

@@ -19,18 +19,25 @@ impl HiCache {
         self.poll_inner()
     }
 
-    /// What is in flight now (see [`InFlight`]).
+    /// What is in flight now (see [`InFlight`]); L3 work queued for the tick's flush is
+    /// handed to the runtime first, so it is in flight.
     pub fn in_flight(&self) -> Result<InFlight> {
+        if let Some(l3) = &self.l3 {
+            l3.flush();
+        }
         InFlight::of(&self.copies, self.l3.as_ref())
     }
 
     #[tracing::instrument(level = "trace", skip_all)]
     fn poll_inner(&mut self) -> Result<PollReport> {
         if let Some(l3) = &mut self.l3 {
+            // L3 work queued since the last flush (arrivals after `start_loading`).
+            l3.flush();
             l3.collect_leftovers(false, &self.tiers)?;
         }
         let agreed =
             TickCounts::gather(&self.copies, self.l3.as_ref(), &self.tiers)?.agree(&*self.rank)?;
+        self.scheduling = true;
         let report = agreed.apply(TickParts {
             tiers: &mut self.tiers,
             copies: &mut self.copies,
@@ -49,7 +56,13 @@ impl HiCache {
     /// `None` when nothing is to be loaded.
     pub fn start_loading(&mut self) -> Result<Option<usize>> {
         self.check_open()?;
-        self.copies.start_loading()
+        let producer = self.copies.start_loading()?;
+        self.scheduling = false;
+        if let Some(l3) = &self.l3 {
+            // The tick's L3 work (this poll's backups, this tick's lookups) in one hand-off.
+            l3.flush();
+        }
+        Ok(producer)
     }
 
     /// Whether anything is in flight (copies, L3 operations, due writes).

@@ -70,6 +70,11 @@ pub struct HiCache {
     /// KV-event publisher and metrics endpoint (stopped when the cache is dropped).
     endpoints: crate::observe::Endpoints,
     closed: bool,
+    /// Between `poll` and `start_loading` (the scheduling part of a tick): L3 work started
+    /// now is handed over by `start_loading`, moments later; outside it (e.g. an arrival
+    /// during the forward pass) it is handed over at once, so a lookup never waits for the
+    /// next tick.
+    scheduling: bool,
 }
 
 impl std::fmt::Debug for HiCache {
@@ -104,6 +109,7 @@ impl HiCache {
             events: Vec::new(),
             endpoints: p.endpoints,
             closed: false,
+            scheduling: false,
         }
     }
 

@@ -246,7 +246,9 @@ impl L3 {
             shared
         } else {
             let pool = tiers.host_pool.clone();
-            self.engine.backup(pool, p.chain, p.slots, self.layout)
+            // Handed to the runtime at the tick's next flush (one wake-up per tick).
+            self.engine
+                .backup_deferred(pool, p.chain, p.slots, self.layout)
         };
         self.backups.push_back(BackupOp {
             kind: p.kind,
@@ -279,8 +281,10 @@ impl L3 {
         self.backups.iter().take_while(|b| b.is_done()).count()
     }
 
-    /// Waits (blocking, woken by each task's end) until the oldest `n` backups finished.
+    /// Waits (blocking, woken by each task's end) until the oldest `n` backups finished
+    /// (queued ones are handed to the runtime first).
     pub fn wait_backups(&self, n: usize) {
+        self.engine.flush();
         for op in self.backups.iter().take(n) {
             op.shared.done.wait();
         }

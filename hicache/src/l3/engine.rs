@@ -2,12 +2,22 @@
 //! hybrid facade's `L3Part`) run their background I/O on — the backend, the runtime its tasks
 //! run on, the write permits every backup shares, and the pages per backend call — and the
 //! one way a backup starts ([`L3Engine::backup`], a [`BackupJob`] over any [`PageSource`]).
+//!
+//! **Submission.** Handing a task to the runtime wakes a parked worker thread: a futex wake
+//! that costs the engine thread several microseconds on a loaded machine. Work a controller
+//! starts during one tick (lookups at arrival, backups at poll) can instead be queued
+//! ([`L3Engine::defer`], [`L3Engine::backup_deferred`]) and handed over together by
+//! [`L3Engine::flush`]: one wake per flush, whatever the number of tasks. A controller that
+//! defers flushes at its tick's boundaries and before every wait for deferred work (queued
+//! work never runs by itself).
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use hicache_core::HostSlot;
 use hicache_storage::{LayoutKind, STORAGE_BATCH_SIZE, Storage};
+use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 
 use super::jobs::{BackupJob, BackupShared, Chain, PageSource};
@@ -22,7 +32,12 @@ pub(crate) struct L3Engine {
     write_permits: Arc<Semaphore>,
     /// Pages per backend call (at least 1).
     pub batch: usize,
+    /// Tasks queued by `defer`, handed to the runtime by `flush`.
+    deferred: Mutex<Vec<Task>>,
 }
+
+/// A task queued for the runtime.
+type Task = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 
 impl L3Engine {
     /// The engine of `storage` on `runtime`, `batch` pages per call (at most the backend's
@@ -39,12 +54,42 @@ impl L3Engine {
             runtime,
             write_permits: Arc::new(Semaphore::new(L3_WRITE_BATCHES_IN_FLIGHT)),
             batch,
+            deferred: Mutex::new(Vec::new()),
         }
     }
 
     /// Spawns a task on the runtime.
     pub fn spawn(&self, f: impl Future<Output = ()> + Send + 'static) {
         self.runtime.spawn(f);
+    }
+
+    /// Queues a task for the next [`L3Engine::flush`] (see the module's submission rule).
+    pub fn defer(&self, f: impl Future<Output = ()> + Send + 'static) {
+        self.deferred.lock().push(Box::pin(f));
+    }
+
+    /// Hands every queued task to the runtime with one wake-up: a single task is spawned
+    /// as it is; several are spawned by one task on the runtime, each as its own task (they
+    /// run concurrently, as if spawned one by one).
+    pub fn flush(&self) {
+        let mut queued = self.deferred.lock();
+        match queued.len() {
+            0 => {}
+            1 => {
+                let task = queued.pop().expect("one queued");
+                drop(queued);
+                self.runtime.spawn(task);
+            }
+            _ => {
+                let tasks = std::mem::take(&mut *queued);
+                drop(queued);
+                self.runtime.spawn(async move {
+                    for task in tasks {
+                        tokio::spawn(task);
+                    }
+                });
+            }
+        }
     }
 
     /// Runs `f` on the runtime to its end (blocking the caller).
@@ -62,6 +107,31 @@ impl L3Engine {
         slots: Vec<HostSlot>,
         layout: LayoutKind,
     ) -> Arc<BackupShared> {
+        let (job, shared) = self.backup_job(pool, chain, slots, layout);
+        self.runtime.spawn(job.run());
+        shared
+    }
+
+    /// [`L3Engine::backup`], queued for the next [`L3Engine::flush`].
+    pub fn backup_deferred(
+        &self,
+        pool: Arc<dyn PageSource>,
+        chain: Chain,
+        slots: Vec<HostSlot>,
+        layout: LayoutKind,
+    ) -> Arc<BackupShared> {
+        let (job, shared) = self.backup_job(pool, chain, slots, layout);
+        self.defer(job.run());
+        shared
+    }
+
+    fn backup_job(
+        &self,
+        pool: Arc<dyn PageSource>,
+        chain: Chain,
+        slots: Vec<HostSlot>,
+        layout: LayoutKind,
+    ) -> (BackupJob, Arc<BackupShared>) {
         let shared = Arc::new(BackupShared::default());
         let job = BackupJob {
             storage: self.storage.clone(),
@@ -73,13 +143,13 @@ impl L3Engine {
             shared: shared.clone(),
             in_flight: self.write_permits.clone(),
         };
-        self.runtime.spawn(job.run());
-        shared
+        (job, shared)
     }
 
     /// Stops the runtime (its tasks awaited by the caller first; a task still running is
-    /// given a bounded wait).
+    /// given a bounded wait). Queued tasks are handed over first, so none is lost unrun.
     pub fn close(self) {
+        self.flush();
         self.runtime.shutdown_timeout(SHUTDOWN_WAIT);
     }
 }

@@ -277,7 +277,8 @@ pub(crate) struct QueryJob {
     /// The keys of the pages before the first looked up (root first), passed to the backend
     /// as each batch's prefix keys; `None` when prefix keys are not passed.
     pub prefix: Option<Vec<PageKey>>,
-    pub tokens: Vec<u32>,
+    /// The tokens looked up (whole pages), shared with the engine thread's op.
+    pub tokens: Arc<[u32]>,
     pub page_size: usize,
     pub batch: usize,
     pub layout: LayoutKind,

@@ -2,7 +2,9 @@
 //! (L2 → L3, [`backup`]).
 //!
 //! Background work runs on a small tokio runtime owned by the tier ([`jobs`]); the engine
-//! thread never blocks on storage. Every operation has a shared state the engine thread reads
+//! thread never blocks on storage. The lookups and backups a tick starts are handed to the
+//! runtime together at the tick's flush points ([`L3::flush`]): one wake-up of a worker per
+//! tick instead of one per task. Every operation has a shared state the engine thread reads
 //! in `poll`; every decision that changes the tree is taken on the engine thread from counts
 //! all ranks agreed on (see [`crate::tick`]). The invariants of each direction are written in
 //! its module.
@@ -170,6 +172,14 @@ impl L3 {
         })
     }
 
+    /// Hands the lookups and backups queued since the last flush to the runtime, with one
+    /// wake-up (see [`L3Engine::flush`]). The controller flushes at the start of `poll`, at
+    /// `start_loading`, at an arrival outside `poll`..`start_loading`, and before it reports
+    /// what is in flight; every blocking wait of this tier flushes first.
+    pub fn flush(&self) {
+        self.engine.flush();
+    }
+
     /// The backend's name.
     pub fn backend_name(&self) -> String {
         self.engine.storage.info().name
@@ -208,6 +218,7 @@ impl L3 {
         tiers: &mut Tiers,
         events: &mut Vec<hicache_core::KvEvent>,
     ) -> Result<Vec<PrefetchEnd>> {
+        self.engine.flush();
         let mut ends = Vec::new();
         for seq in self.prefetch_seqs() {
             ends.push(self.end_prefetch(seq, 0, PrefetchOutcome::aborted, tiers)?);

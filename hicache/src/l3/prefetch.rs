@@ -70,8 +70,8 @@ pub(crate) struct PrefetchOp {
     req: RequestId,
     tenant: TenantId,
     anchor: NodeId,
-    /// Tokens after the anchor (whole pages).
-    tokens: Vec<u32>,
+    /// Tokens after the anchor (whole pages), shared with the task (one copy per prefetch).
+    tokens: Arc<[u32]>,
     started: Instant,
     shared: Arc<FetchShared>,
     phase: Phase,
@@ -184,7 +184,7 @@ impl L3 {
             None
         };
         tiers.tree.protect_host(anchor)?;
-        let tokens = key[anchor_end * ps..].to_vec();
+        let tokens: Arc<[u32]> = Arc::from(&key[anchor_end * ps..]);
         let pages = tokens.len() / ps;
         let shared = Arc::new(FetchShared::default());
         let job = QueryJob {
@@ -194,13 +194,14 @@ impl L3 {
             namespace: start.namespace_id,
             prior,
             prefix,
-            tokens: tokens.clone(),
+            tokens: Arc::clone(&tokens),
             page_size: ps,
             batch: self.engine.batch,
             layout: self.layout,
             shared: shared.clone(),
         };
-        self.engine.spawn(job.run());
+        // Handed to the runtime at the tick's next flush (one wake-up per tick).
+        self.engine.defer(job.run());
         let seq = self.next_seq;
         self.next_seq += 1;
         self.prefetches.insert(
@@ -219,9 +220,18 @@ impl L3 {
         Ok(Some((seq, pages)))
     }
 
-    /// This rank's view of one prefetch for the per-tick exchange.
-    pub fn prefetch_counts(&self, seq: u64, page_size: usize) -> PrefetchCounts {
-        let op = &self.prefetches[&seq];
+    /// This rank's view of every tracked prefetch for the per-tick exchange, in the agreed
+    /// (creation) order: appended to `out`.
+    pub fn prefetch_counts(&self, page_size: usize, out: &mut Vec<(u64, PrefetchCounts)>) {
+        out.extend(
+            self.prefetches
+                .iter()
+                .map(|(&seq, op)| (seq, self.op_counts(op, page_size))),
+        );
+    }
+
+    /// This rank's view of one prefetch.
+    fn op_counts(&self, op: &PrefetchOp, page_size: usize) -> PrefetchCounts {
         let q = op.shared.query.lock();
         let query_done = q.is_some();
         let hit = q.as_ref().map_or(0, |q| q.hit_pages) as u64;
@@ -420,10 +430,9 @@ impl L3 {
             Some(&hashes),
         )?;
         tiers.free_host(&res.duplicate_slots)?;
-        if !tiers.tiering.writes_at_admission() || tiers.tiering.buffer_only {
-            // Agreed pages read from L3: known to be there (crate::l2_l3_sharing invariant 1).
-            tiers.tiering.known.insert_all(&hashes);
-        }
+        // Agreed pages read from L3: known to be there (crate::l2_l3_sharing invariant 1; kept
+        // only by the modes that read the record, invariant 3).
+        tiers.tiering.known.insert_all(&hashes);
         tiers.metrics.transfer(
             Direction::l3_to_l2,
             agreed as u64,
@@ -438,6 +447,10 @@ impl L3 {
     /// stuck in a backend call after that are left allocated (never reused while it may
     /// write them) and reported.
     pub fn collect_leftovers(&mut self, wait: bool, tiers: &Tiers) -> Result<()> {
+        if wait {
+            // A queued task never exits by itself.
+            self.engine.flush();
+        }
         let deadline = Instant::now() + LEFTOVER_WAIT;
         let mut back = Vec::new();
         self.draining.retain(|s| {
@@ -471,6 +484,11 @@ impl L3 {
     /// Prefetches tracked, in the agreed (creation) order.
     pub fn prefetch_seqs(&self) -> Vec<u64> {
         self.prefetches.keys().copied().collect()
+    }
+
+    /// Number of prefetches tracked.
+    pub fn prefetches_tracked(&self) -> usize {
+        self.prefetches.len()
     }
 
     /// Prefetches whose L3 lookup is still running.
