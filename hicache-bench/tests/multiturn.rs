@@ -62,6 +62,32 @@ fn tiny(extra: &[&str], dir: &Path) -> MultiturnArgs {
 }
 
 #[test]
+fn only_hybrid_runs_the_hybrid_ladders_and_the_dense_baseline_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut out = Vec::new();
+    let args = tiny(&["--compare", "--only-hybrid"], dir.path());
+    let report = multiturn::run(&args, &mut out, &build).unwrap();
+    assert!(report.check().is_empty(), "{:?}", report.check());
+    assert!(report.runs.is_empty());
+    assert_eq!(report.baseline.label, "no cache");
+    assert_eq!(report.hybrid.len(), 2);
+    for h in &report.hybrid {
+        let labels: Vec<&str> = h.runs.iter().map(|s| s.label.as_str()).collect();
+        assert_eq!(labels, ["L1", "L1+L2", "L1+L2+L3"]);
+        for s in &h.runs {
+            assert_eq!(s.requests, 24);
+            assert_eq!(s.hits.total() + s.computed_tokens, s.prompt_tokens);
+        }
+    }
+    // The flag goes with --compare only, and not with --no-hybrid.
+    assert!(MultiturnArgs::try_parse(&["multiturn", "--only-hybrid"]).is_err());
+    assert!(
+        MultiturnArgs::try_parse(&["multiturn", "--compare", "--only-hybrid", "--no-hybrid"])
+            .is_err()
+    );
+}
+
+#[test]
 fn compare_runs_every_configuration_and_the_report_is_consistent() {
     let dir = tempfile::tempdir().unwrap();
     let mut out = Vec::new();

@@ -186,6 +186,15 @@ pub struct MultiturnArgs {
     /// model.
     #[arg(long, help_heading = "Cache")]
     pub no_hybrid: bool,
+    /// With --compare, run only the hybrid models' tables (and the dense no-cache baseline,
+    /// which the report keeps as its first column): the dense configurations are skipped.
+    #[arg(
+        long,
+        help_heading = "Cache",
+        requires = "compare",
+        conflicts_with = "no_hybrid"
+    )]
+    pub only_hybrid: bool,
     /// Every run moves real bytes, also those whose figures do not depend on them (L1 only,
     /// the copies-free reruns of --compare, the hybrid models), which otherwise run without
     /// payload on the sim device (pages counted, never populated or copied). Slower; for

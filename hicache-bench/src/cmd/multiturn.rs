@@ -759,7 +759,11 @@ pub fn run(
     factory: &dyn CacheFactory,
 ) -> Result<Report> {
     let clock = Instant::now();
-    let plan = plan(args)?;
+    let mut plan = plan(args)?;
+    if args.only_hybrid {
+        // The dense table keeps its no-cache baseline (the report's first column) only.
+        plan.configurations.clear();
+    }
     report::prepare_dir(&plan.report_dir)?;
     let measured = measured_workers(&plan);
     keep_pools_between_runs(measured);
