@@ -418,3 +418,91 @@ fn component_events_follow_swa_pages_and_mamba_states_and_leave_full_events_alon
         }
     }
 }
+
+/// The prefix's SWA pages outside the locked window are the tree's, not the request's: with
+/// an SWA pool smaller than the Full pool, another request's allocation evicts (tombstones)
+/// them while the request runs and takes their slots. The request's finish, handed the
+/// admission's slots as they were, must neither fail on them nor free or adopt them: the
+/// tree keeps its own view, nothing leaks, and the sequence is served again byte-equal.
+#[test]
+fn swa_prefix_pages_outside_the_window_taken_while_a_request_runs() {
+    let cfg = config(Some(8), None);
+    let mut e = Engine::new(
+        hybrid_common::builder(cfg, 32)
+            .device_pages(32, 16)
+            .build()
+            .unwrap(),
+    );
+    // Two nodes: `a` (10 pages) and its extension (4 pages), all on device with SWA.
+    let a = prompt(1, 40);
+    e.turn(&a);
+    let a2 = extended(&a, 3, 16);
+    e.turn(&a2);
+    assert_eq!(e.cache.device_pool(Component::Swa).unwrap().available(), 2);
+
+    // R1 extends `a2`: its prefix is 14 pages, the SWA window (2 pages) lies in the extension
+    // node, so `a`'s SWA pages are not locked.
+    let t1 = extended(&a2, 4, 8);
+    let r1 = e.arrive(&t1);
+    e.cache.poll().unwrap();
+    let adm1 = e.cache.admit(r1, &t1).unwrap();
+    assert_eq!(adm1.device_tokens, 56);
+    assert_eq!(adm1.slots.swa.iter().flatten().count(), 14);
+    let own1 = e
+        .cache
+        .alloc(HybridDemand {
+            full_pages: 2,
+            swa_pages: 2,
+            mamba_slots: 0,
+        })
+        .unwrap()
+        .expect("two free pages");
+
+    // R2, unrelated, needs 6 SWA pages with none free: `a`'s SWA pages are evicted for it.
+    let b = prompt(2, 24);
+    let r2 = e.arrive(&b);
+    e.cache.poll().unwrap();
+    let adm2 = e.cache.admit(r2, &b).unwrap();
+    assert_eq!(adm2.cached_tokens(), 0);
+    let own2 = e
+        .cache
+        .alloc(HybridDemand {
+            full_pages: 6,
+            swa_pages: 6,
+            mamba_slots: 0,
+        })
+        .unwrap()
+        .expect("room after evicting the unlocked SWA pages");
+    let taken: Vec<_> = own2.swa.iter().flatten().copied().collect();
+    assert!(
+        adm1.slots.swa.iter().flatten().any(|s| taken.contains(s)),
+        "R2 got slots of R1's prefix outside its window"
+    );
+
+    // Both compute their pages.
+    for (tokens, have, own) in [(&t1, 14, &own1), (&b, 0, &own2)] {
+        for (k, &s) in own.full.iter().enumerate() {
+            e.write_page(Component::Full, s, tokens, have + k);
+        }
+        for (k, s) in own.swa.iter().enumerate() {
+            e.write_page(Component::Swa, s.unwrap(), tokens, have + k);
+        }
+    }
+
+    // R1 finishes first, with its admission's slots as they were handed out.
+    let mut slots1 = adm1.slots.clone();
+    slots1.extend(own1);
+    e.cache.cache_finished(r1, &t1, slots1).unwrap();
+    let mut slots2 = adm2.slots.clone();
+    slots2.extend(own2);
+    e.cache.cache_finished(r2, &b, slots2).unwrap();
+    e.cache.poll().unwrap();
+    e.settle();
+
+    // Served again: the whole of R1's sequence from the tree (its Full pages; SWA in the
+    // window), bytes checked against what was written.
+    let again = e.run(&extended(&t1, 5, 4));
+    assert_eq!(again.admission.cached_tokens(), t1.len());
+    e.settle();
+    e.cache.shutdown().unwrap();
+}

@@ -673,6 +673,10 @@ impl HybridCache {
         if !s.mamba.is_empty() && !self.tree.has(Component::Mamba) {
             return bad("Mamba slots without that component".into());
         }
+        // The prefix's SWA entries are the tree's (read from it at insert), only the
+        // request's own SWA slots are checked: the tree may have evicted the prefix's pages
+        // outside the locked window since the admission and handed their slots on.
+        let own_swa = a.prefix_full.len().min(s.swa.len());
         let lists = [
             (
                 Component::Full,
@@ -680,7 +684,7 @@ impl HybridCache {
             ),
             (
                 Component::Swa,
-                s.swa.iter().flatten().map(|x| x.0).collect(),
+                s.swa[own_swa..].iter().flatten().map(|x| x.0).collect(),
             ),
             (Component::Mamba, s.mamba.iter().map(|x| x.0).collect()),
         ];
@@ -708,12 +712,25 @@ impl HybridCache {
         let insert = pages > 0 && pages * ps > a.matched && (!mamba || state.is_some());
         let prefix_pages = a.prefix_full.len();
         let full: Vec<u32> = s.full.iter().map(|x| x.0).collect();
+        // Invariant: the prefix's SWA entries are the tree's as of now (its pages outside the
+        // locked window may have been evicted while the request ran: a stale slot would
+        // lower the floor and could be adopted or freed twice), the rest the request's.
+        let live = self.swa_prefix(a.receipt.node)?;
+        let swa_slots: Vec<Option<DeviceSlot>> = if s.swa.is_empty() {
+            Vec::new()
+        } else {
+            let own = prefix_pages.min(s.swa.len()).min(live.len());
+            live[..own].iter().chain(&s.swa[own..]).copied().collect()
+        };
         // SWA floor: past the last page without SWA KV; entries below are not read.
-        let floor = s.swa[..pages.min(s.swa.len())]
+        let floor = swa_slots[..pages.min(swa_slots.len())]
             .iter()
             .rposition(Option::is_none)
             .map_or(0, |i| i + 1);
-        let swa: Vec<u32> = s.swa.iter().map(|x| x.map_or(u32::MAX, |d| d.0)).collect();
+        let swa: Vec<u32> = swa_slots
+            .iter()
+            .map(|x| x.map_or(u32::MAX, |d| d.0))
+            .collect();
         let mut free = Units::default();
         let mut node = None;
         if insert {

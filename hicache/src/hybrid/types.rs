@@ -87,7 +87,12 @@ impl HybridConfig {
 /// Device slots of a request, per component.
 ///
 /// As an admission's prefix ([`HybridAdmission::slots`]) the Full and SWA slots are the
-/// tree's (locked for the request until `cache_finished` or `abort`); slots from
+/// tree's: the Full ones and the SWA window locked for the request until `cache_finished` or
+/// `abort`. The prefix's SWA pages outside the window are not locked (SGLang's rule): the tree
+/// may evict them (tombstone) for another allocation while the request runs, and their slots
+/// may then serve other requests, so the engine must not read them (it reads only its
+/// window). `cache_finished` takes the prefix's SWA entries from the tree, not from the slots
+/// handed to it. Slots from
 /// [`HybridCache::alloc`](super::HybridCache::alloc) are the request's until it hands them
 /// to `cache_finished` (or frees them with `release`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -115,7 +115,8 @@ impl Engine {
         self.cache.tree().has(c)
     }
 
-    fn write_page(&self, c: Component, slot: DeviceSlot, tokens: &[u32], page: usize) {
+    /// Writes page `page` of `tokens`' pattern for `c` into `slot`.
+    pub fn write_page(&self, c: Component, slot: DeviceSlot, tokens: &[u32], page: usize) {
         let pool = self.cache.device_pool(c).unwrap();
         let end = ((page + 1) * self.ps()).min(tokens.len());
         let bytes = pattern(c as u64, &tokens[..end], pool.page_bytes());
