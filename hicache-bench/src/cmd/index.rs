@@ -45,6 +45,11 @@ pub struct IndexArgs {
     /// and reports its figures as a second reference (`dynamo/…` cases).
     #[arg(long)]
     pub dynamo: Option<PathBuf>,
+    /// Churn instead of one replay: replays the file's operations again and again through one
+    /// index (bounded with `--capacity`) for this many minutes and reports the process RSS after
+    /// each pass and its drift (see `index_churn`). No reference is run.
+    #[arg(long)]
+    pub churn_minutes: Option<f64>,
 }
 
 /// What the Dynamo reference binary reports (its summary line).
@@ -200,6 +205,11 @@ pub struct EventFile {
 }
 
 impl EventFile {
+    /// Operations in the file.
+    pub fn op_count(&self) -> usize {
+        self.ops.len()
+    }
+
     /// Parses `path` (gzip when its name ends in `.gz`).
     pub fn read(path: &Path) -> Result<Self> {
         let file = std::fs::File::open(path).map_err(BenchError::io(path))?;
@@ -402,35 +412,37 @@ pub fn rss_bytes() -> u64 {
     pages * 4096
 }
 
-/// Replays `file` through hicache-index; writes answers to `answers` when given.
-pub fn replay_ours(
-    file: &EventFile,
-    capacity: Option<u64>,
-    mut answers: Option<&mut dyn Write>,
-) -> Result<Replay> {
-    let rss0 = rss_bytes();
-    let mut idx = Index::new(capacity);
-    let ids: Vec<HolderId> = file
-        .holders
-        .iter()
-        .map(|&(_, store)| {
-            let kind = if store {
-                HolderKind::Store
-            } else {
-                HolderKind::Instance
-            };
-            idx.add_holder(kind)
-        })
-        .collect::<std::result::Result<_, _>>()
-        .map_err(|e| BenchError::usage(e.to_string()))?;
-    let fail = |e: hicache_index::IndexError| BenchError::check_failed(e.to_string());
-    let mut r = Replay::default();
-    let mut out = Answer::new();
-    let mut line = String::new();
-    let mut clock = PhaseClock::new(file.ops.len());
-    for (n, op) in file.ops.iter().enumerate() {
-        clock.step(&mut r, n, op);
-        match *op {
+/// An index fed with an event file's operations: the index and its ids of the file's holders.
+pub struct FileIndex {
+    idx: Index,
+    ids: Vec<HolderId>,
+}
+
+impl FileIndex {
+    /// An index of `capacity` holder-blocks (unbounded: `None`) with `file`'s holders added.
+    pub fn new(file: &EventFile, capacity: Option<u64>) -> Result<Self> {
+        let mut idx = Index::new(capacity);
+        let ids = file
+            .holders
+            .iter()
+            .map(|&(_, store)| {
+                let kind = if store {
+                    HolderKind::Store
+                } else {
+                    HolderKind::Instance
+                };
+                idx.add_holder(kind)
+            })
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| BenchError::usage(e.to_string()))?;
+        Ok(Self { idx, ids })
+    }
+
+    /// Applies `file`'s operation `n` (a query is answered into `out`); the block-ops it named.
+    pub fn apply(&mut self, file: &EventFile, n: usize, out: &mut Answer) -> Result<u64> {
+        let fail = |e: hicache_index::IndexError| BenchError::check_failed(e.to_string());
+        let id = |h: u32| self.ids[h as usize];
+        match file.ops[n] {
             Op::Store {
                 holder,
                 tier,
@@ -438,9 +450,10 @@ pub fn replay_ours(
                 len,
                 ..
             } => {
-                idx.store(ids[holder as usize], tier, file.slice(at, len))
+                self.idx
+                    .store(id(holder), tier, file.slice(at, len))
                     .map_err(fail)?;
-                r.block_ops += u64::from(len);
+                Ok(u64::from(len))
             }
             Op::Remove {
                 holder,
@@ -448,31 +461,61 @@ pub fn replay_ours(
                 at,
                 len,
             } => {
-                idx.remove(ids[holder as usize], tier, file.slice(at, len))
+                self.idx
+                    .remove(id(holder), tier, file.slice(at, len))
                     .map_err(fail)?;
-                r.block_ops += u64::from(len);
+                Ok(u64::from(len))
             }
             Op::Clear { holder } => {
-                idx.clear(ids[holder as usize]).map_err(fail)?;
+                self.idx.clear(id(holder)).map_err(fail)?;
+                Ok(0)
             }
             Op::Attach { instance, store } => {
-                idx.attach(ids[instance as usize], ids[store as usize])
-                    .map_err(fail)?;
+                self.idx.attach(id(instance), id(store)).map_err(fail)?;
+                Ok(0)
             }
             Op::Query { at, len } => {
-                let t = Instant::now();
-                idx.query(file.slice(at, len), &mut out);
-                r.query_us.push(t.elapsed().as_secs_f64() * 1e6);
-                if let Some(w) = answers.as_deref_mut() {
-                    answer_line(&mut line, r.query_us.len() - 1, &out, file);
-                    w.write_all(line.as_bytes())
-                        .map_err(|e| BenchError::check_failed(format!("answers: {e}")))?;
-                }
+                self.idx.query(file.slice(at, len), out);
+                Ok(0)
             }
         }
     }
+
+    /// The index.
+    pub fn index(&self) -> &Index {
+        &self.idx
+    }
+}
+
+/// Replays `file` through hicache-index; writes answers to `answers` when given.
+pub fn replay_ours(
+    file: &EventFile,
+    capacity: Option<u64>,
+    mut answers: Option<&mut dyn Write>,
+) -> Result<Replay> {
+    let rss0 = rss_bytes();
+    let mut fi = FileIndex::new(file, capacity)?;
+    let mut r = Replay::default();
+    let mut out = Answer::new();
+    let mut line = String::new();
+    let mut clock = PhaseClock::new(file.ops.len());
+    for (n, op) in file.ops.iter().enumerate() {
+        clock.step(&mut r, n, op);
+        if !matches!(op, Op::Query { .. }) {
+            r.block_ops += fi.apply(file, n, &mut out)?;
+            continue;
+        }
+        let t = Instant::now();
+        fi.apply(file, n, &mut out)?;
+        r.query_us.push(t.elapsed().as_secs_f64() * 1e6);
+        if let Some(w) = answers.as_deref_mut() {
+            answer_line(&mut line, r.query_us.len() - 1, &out, file);
+            w.write_all(line.as_bytes())
+                .map_err(|e| BenchError::check_failed(format!("answers: {e}")))?;
+        }
+    }
     clock.finish(&mut r);
-    let stats = idx.stats();
+    let stats = fi.index().stats();
     r.holder_blocks = stats.holder_blocks;
     r.bytes = stats.bytes;
     r.rss_growth = rss_bytes().saturating_sub(rss0);
@@ -632,6 +675,10 @@ pub fn records(ours: &Replay, reference: Option<&Replay>, queries: usize) -> Vec
 /// Runs `hicache-bench index`.
 pub fn run(args: &IndexArgs, mut out: impl Write) -> Result<()> {
     let file = EventFile::read(&args.events)?;
+    if let Some(minutes) = args.churn_minutes {
+        let c = super::index_churn::churn(&file, args.capacity, minutes)?;
+        return c.report(args.json, out);
+    }
     let queries = file
         .ops
         .iter()
@@ -734,6 +781,7 @@ mod tests {
             capacity: None,
             no_reference: false,
             dynamo: None,
+            churn_minutes: None,
         };
         let mut out = Vec::new();
         run(&args, &mut out).unwrap();

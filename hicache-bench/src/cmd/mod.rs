@@ -3,6 +3,7 @@
 pub mod controller;
 pub mod fleet;
 pub mod index;
+pub mod index_churn;
 pub mod index_gen;
 pub mod loadback;
 pub mod multiturn;
