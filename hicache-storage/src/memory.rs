@@ -220,6 +220,21 @@ fn join_in_order(
     out
 }
 
+/// Runs `copy` on each part of a batch (its keys and its buffers) on a scoped thread of its
+/// own, the outcomes in the batch's order.
+fn copy_in_parallel<'k, B: Send>(
+    parts: impl Iterator<Item = (&'k [PageKey], B)>,
+    copy: impl Fn(&'k [PageKey], B) -> Vec<PageOutcome> + Sync,
+) -> Vec<PageOutcome> {
+    std::thread::scope(|scope| {
+        let copy = &copy;
+        let runs: Vec<_> = parts
+            .map(|(ks, bufs)| scope.spawn(move || copy(ks, bufs)))
+            .collect();
+        join_in_order(runs)
+    })
+}
+
 /// Buffers of pages that left the store (replaced, evicted, deleted, cleared) and no reader
 /// holds, kept by length for the next write of that length. They count against the store's
 /// capacity (invariant 1): [`Recycler::drop_one`] frees one when a write needs the room.
@@ -480,28 +495,17 @@ impl Storage for MemoryBackend {
         check_batch("batch_get", self.options.max_batch, keys.len(), dst.len())?;
         let bytes = dst.iter().map(|d| d.len()).sum();
         let threads = self.copy_threads(keys.len(), bytes);
-        let out = if threads > 1 {
-            let per = keys.len().div_ceil(threads);
-            std::thread::scope(|scope| {
-                let runs: Vec<_> = keys
-                    .chunks(per)
-                    .zip(dst.chunks_mut(per))
-                    .map(|(ks, ds)| {
-                        scope.spawn(move || {
-                            ks.iter()
-                                .zip(ds.iter_mut())
-                                .map(|(k, d)| self.get_one(k, d))
-                                .collect::<Vec<_>>()
-                        })
-                    })
-                    .collect();
-                join_in_order(runs)
-            })
-        } else {
-            keys.iter()
-                .zip(dst.iter_mut())
+        let get = |ks: &[PageKey], ds: &mut [PageBufMut<'_>]| -> Vec<PageOutcome> {
+            ks.iter()
+                .zip(ds.iter_mut())
                 .map(|(k, d)| self.get_one(k, d))
                 .collect()
+        };
+        let out = if threads > 1 {
+            let per = keys.len().div_ceil(threads);
+            copy_in_parallel(keys.chunks(per).zip(dst.chunks_mut(per)), get)
+        } else {
+            get(keys, dst)
         };
         self.counters.record_get(&out, dst.iter().map(|d| d.len()));
         Ok(out)
@@ -511,28 +515,14 @@ impl Storage for MemoryBackend {
         check_batch("batch_set", self.options.max_batch, keys.len(), src.len())?;
         let bytes = src.iter().map(|p| p.len()).sum();
         let threads = self.copy_threads(keys.len(), bytes);
+        let set = |ks: &[PageKey], ps: &[PageBuf<'_>]| -> Vec<PageOutcome> {
+            ks.iter().zip(ps).map(|(k, p)| self.set_one(k, p)).collect()
+        };
         let out = if threads > 1 {
             let per = keys.len().div_ceil(threads);
-            std::thread::scope(|scope| {
-                let runs: Vec<_> = keys
-                    .chunks(per)
-                    .zip(src.chunks(per))
-                    .map(|(ks, ps)| {
-                        scope.spawn(move || {
-                            ks.iter()
-                                .zip(ps)
-                                .map(|(k, p)| self.set_one(k, p))
-                                .collect::<Vec<_>>()
-                        })
-                    })
-                    .collect();
-                join_in_order(runs)
-            })
+            copy_in_parallel(keys.chunks(per).zip(src.chunks(per)), set)
         } else {
-            keys.iter()
-                .zip(src)
-                .map(|(k, p)| self.set_one(k, p))
-                .collect()
+            set(keys, src)
         };
         self.counters.record_set(&out, src.iter().map(|p| p.len()));
         Ok(out)
