@@ -4,7 +4,9 @@
 //! instances) are read from the indexes when a scrape renders them.
 
 use crate::ingest::IngestCounts;
+use crate::router::ComponentCounts;
 use crate::service::Service;
+use crate::table::Tier;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -55,8 +57,11 @@ pub struct Metrics {
     pub finished: Family<Labels, Counter>,
     /// Load reports accepted.
     pub load_reports: Counter,
+    /// Hybrid component residencies applied (`op`: stored, removed, unresolved, malformed).
+    pub component_ops: Family<Labels, Counter>,
     holders: Family<Labels, Gauge>,
     holder_blocks: Family<Labels, Gauge>,
+    component_blocks: Family<Labels, Gauge>,
     blocks: Family<Labels, Gauge>,
     bytes: Family<Labels, Gauge>,
     evicted: Family<Labels, Gauge>,
@@ -86,8 +91,10 @@ impl Metrics {
             route_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 20)),
             finished: Family::default(),
             load_reports: Counter::default(),
+            component_ops: Family::default(),
             holders: Family::default(),
             holder_blocks: Family::default(),
+            component_blocks: Family::default(),
             blocks: Family::default(),
             bytes: Family::default(),
             evicted: Family::default(),
@@ -180,6 +187,16 @@ impl Metrics {
         );
         registry.register("blocks", "Distinct blocks per model", m.blocks.clone());
         registry.register(
+            "component_blocks",
+            "Hybrid models' SWA pages and Mamba states recorded, per model, component and tier",
+            m.component_blocks.clone(),
+        );
+        registry.register(
+            "component_ops",
+            "Hybrid component residencies applied (op: stored, removed, unresolved, malformed)",
+            m.component_ops.clone(),
+        );
+        registry.register(
             "bytes",
             "Bytes of the index's structures per model",
             m.bytes.clone(),
@@ -218,6 +235,21 @@ impl Metrics {
             .inc_by(c.malformed);
     }
 
+    /// Counts what a batch's component events did (`delta`: the stream's counts after minus
+    /// before).
+    pub fn add_components(&self, delta: &ComponentCounts) {
+        for (op, n) in [
+            ("stored", delta.stored),
+            ("removed", delta.removed),
+            ("unresolved", delta.unresolved),
+            ("malformed", delta.malformed),
+        ] {
+            self.component_ops
+                .get_or_create(&vec![("op".to_string(), op.to_string())])
+                .inc_by(n);
+        }
+    }
+
     /// Counts one routing decision.
     pub fn record_route(
         &self,
@@ -253,6 +285,7 @@ impl Metrics {
         for fam in [
             &self.holders,
             &self.holder_blocks,
+            &self.component_blocks,
             &self.blocks,
             &self.bytes,
             &self.evicted,
@@ -283,6 +316,19 @@ impl Metrics {
                 .get_or_create(&l)
                 .set((st.bytes + map_bytes + store_bytes) as i64);
             self.evicted.get_or_create(&l).set(st.evicted as i64);
+            if model.components.is_hybrid() {
+                for (tier, tier_name) in [(Tier::L1, "l1"), (Tier::L2, "l2"), (Tier::L3, "l3")] {
+                    let (swa, mamba) = model.components.held(tier);
+                    for (component, n) in [("swa", swa), ("mamba", mamba)] {
+                        let labels = vec![
+                            ("model".to_string(), name.clone()),
+                            ("component".to_string(), component.to_string()),
+                            ("tier".to_string(), tier_name.to_string()),
+                        ];
+                        self.component_blocks.get_or_create(&labels).set(n as i64);
+                    }
+                }
+            }
         }
         for s in svc.streams.values() {
             let state = if s.state.dead() {

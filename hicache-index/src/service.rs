@@ -530,6 +530,12 @@ impl Service {
                 .apply(&stream.feed, ev, &mut stream.component_counts);
         }
         let after = stream.component_counts;
+        self.metrics.add_components(&ComponentCounts {
+            stored: after.stored - before.stored,
+            removed: after.removed - before.removed,
+            unresolved: after.unresolved - before.unresolved,
+            malformed: after.malformed - before.malformed,
+        });
         let dropped = (after.unresolved - before.unresolved) + (after.malformed - before.malformed);
         stream.skipped_events += dropped;
     }
@@ -917,6 +923,14 @@ mod tests {
         assert_eq!(credit(&mut svc), 4);
         svc.live("a", 1, batch(vec![state("BlockStored")]), 0);
         assert_eq!((recorded(&svc), credit(&mut svc)), ((0, 1), 4));
+        let text = svc.metrics.render(&svc);
+        for line in [
+            "hicache_index_component_blocks{model=\"m\",component=\"mamba\",tier=\"l1\"} 1",
+            "hicache_index_component_blocks{model=\"m\",component=\"swa\",tier=\"l1\"} 0",
+            "hicache_index_component_ops_total{op=\"stored\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
         // The state leaves: the Full pages stay, no credit (the model is hybrid now).
         svc.live("a", 2, batch(vec![state("BlockRemoved")]), 0);
         assert_eq!((recorded(&svc), credit(&mut svc)), ((0, 0), 0));

@@ -310,6 +310,16 @@ impl Components {
         }
     }
 
+    /// Component blocks recorded in `tier` over every holder: (SWA pages, Mamba states).
+    pub fn held(&self, tier: Tier) -> (usize, usize) {
+        self.resident
+            .iter()
+            .filter(|((_, t), _)| *t == tier)
+            .fold((0, 0), |(s, m), (_, r)| {
+                (s + r.swa.len(), m + r.mamba.len())
+            })
+    }
+
     /// Component blocks recorded for (`holder`, `tier`): (SWA pages, Mamba states).
     pub fn recorded(&self, holder: HolderId, tier: Tier) -> (usize, usize) {
         self.resident
