@@ -144,17 +144,16 @@ impl Events {
     }
 
     /// The tree now holds `c`'s `slots` in `medium` with identities `infos` (paired in
-    /// order). Full: one event; SWA and Mamba: one event per run of consecutive pages.
+    /// order): one event per run of consecutive pages, every component alike. Invariant: an
+    /// event's pages form a chain from its parent (`parent_block_hash`, then each page the
+    /// parent of the next), as SGLang's format and the fleet index read it; a page left out
+    /// (already resident, e.g. beside pages an insert replaced) starts a new event.
     pub fn stored_of(&mut self, c: Component, medium: Medium, slots: &[u32], infos: Vec<PageInfo>) {
         if !self.follows(c) || infos.is_empty() {
             return;
         }
         let tag = self.tags.of(c);
-        let runs: Vec<&[PageInfo]> = match tag {
-            None => vec![&infos[..]],
-            Some(_) => infos.chunk_by(|a, b| b.parent == Some(a.hash)).collect(),
-        };
-        for run in runs {
+        for run in infos.chunk_by(|a, b| b.parent == Some(a.hash)) {
             let event = KvEvent::BlockStored {
                 tenant: TenantId::DEFAULT,
                 block_hashes: run.iter().map(|i| i.hash).collect(),
