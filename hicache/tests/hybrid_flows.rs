@@ -480,14 +480,8 @@ fn swa_prefix_pages_outside_the_window_taken_while_a_request_runs() {
     );
 
     // Both compute their pages.
-    for (tokens, have, own) in [(&t1, 14, &own1), (&b, 0, &own2)] {
-        for (k, &s) in own.full.iter().enumerate() {
-            e.write_page(Component::Full, s, tokens, have + k);
-        }
-        for (k, s) in own.swa.iter().enumerate() {
-            e.write_page(Component::Swa, s.unwrap(), tokens, have + k);
-        }
-    }
+    e.write_new(&t1, 14, &own1);
+    e.write_new(&b, 0, &own2);
 
     // R1 finishes first, with its admission's slots as they were handed out.
     let mut slots1 = adm1.slots.clone();

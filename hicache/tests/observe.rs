@@ -402,10 +402,13 @@ fn sglangs_own_event_classes_decode_every_batch() {
     e.cache.shutdown().unwrap();
 }
 
-/// A hybrid cache serves its counters on the metrics endpoint and publishes its KV events
-/// (device, host and L3 stores) in SGLang's wire format, as the dense one.
-#[test]
-fn a_hybrid_cache_publishes_metrics_and_events() {
+/// A hybrid cache's builder ([Full, SWA, Mamba], page 4, 32 device pages) with a `file` L3 in
+/// a fresh directory (returned: keep it while the cache runs) and a ZMQ KV-event publisher
+/// with its replay endpoint on loopback, topic `hybrid`; `kv_extra` adds fields to the
+/// publisher's config (`, "key": value`).
+fn hybrid_with_file_l3_and_events(
+    kv_extra: &str,
+) -> (tempfile::TempDir, hicache::HybridCacheBuilder) {
     let dir = tempfile::tempdir().unwrap();
     let extra = format!(r#"{{"dir": "{}"}}"#, dir.path().display());
     let sc = hicache::StorageConfig::parse(Some("file"), Some(&extra)).unwrap();
@@ -420,17 +423,23 @@ fn a_hybrid_cache_publishes_metrics_and_events() {
         prefetch_threshold_tokens: 8,
         ..Default::default()
     };
-    let kv = hicache::observe::KvEventsConfig::from_json(
-        r#"{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0",
-            "replay_endpoint": "tcp://127.0.0.1:0", "topic": "hybrid"}"#,
-    )
+    let kv = hicache::observe::KvEventsConfig::from_json(&format!(
+        r#"{{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0",
+            "replay_endpoint": "tcp://127.0.0.1:0", "topic": "hybrid"{kv_extra}}}"#
+    ))
     .unwrap();
-    let cache = hybrid_common::builder(cfg, 32)
+    let builder = hybrid_common::builder(cfg, 32)
         .storage(storage)
-        .kv_events_publisher(kv)
-        .metrics_addr("127.0.0.1:0")
-        .build()
-        .unwrap();
+        .kv_events_publisher(kv);
+    (dir, builder)
+}
+
+/// A hybrid cache serves its counters on the metrics endpoint and publishes its KV events
+/// (device, host and L3 stores) in SGLang's wire format, as the dense one.
+#[test]
+fn a_hybrid_cache_publishes_metrics_and_events() {
+    let (_dir, builder) = hybrid_with_file_l3_and_events("");
+    let cache = builder.metrics_addr("127.0.0.1:0").build().unwrap();
     let mut e = hybrid_common::Engine::new(cache);
     e.turn(&hybrid_common::prompt(1, 40));
     // The poll after the flush publishes what the flush finished (the L3 backups).
@@ -461,31 +470,8 @@ fn a_hybrid_cache_publishes_metrics_and_events() {
 /// still decode every batch (its decoder ignores the extra fields), event for event.
 #[test]
 fn hybrid_component_events_still_decode_with_sglangs_classes() {
-    let dir = tempfile::tempdir().unwrap();
-    let extra = format!(r#"{{"dir": "{}"}}"#, dir.path().display());
-    let sc = hicache::StorageConfig::parse(Some("file"), Some(&extra)).unwrap();
-    let registry = hicache::backends::builtin_registry().unwrap();
-    let storage = rt()
-        .block_on(registry.open(&sc, &hicache_storage::BackendContext::default()))
-        .unwrap();
-    let cfg = hicache::HybridConfig {
-        page_size: 4,
-        swa_window: Some(8),
-        mamba_chunk: Some(8),
-        prefetch_threshold_tokens: 8,
-        ..Default::default()
-    };
-    let kv = hicache::observe::KvEventsConfig::from_json(
-        r#"{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0",
-            "replay_endpoint": "tcp://127.0.0.1:0", "topic": "hybrid",
-            "component_events": true}"#,
-    )
-    .unwrap();
-    let cache = hybrid_common::builder(cfg, 32)
-        .storage(storage)
-        .kv_events_publisher(kv)
-        .build()
-        .unwrap();
+    let (_dir, builder) = hybrid_with_file_l3_and_events(r#", "component_events": true"#);
+    let cache = builder.build().unwrap();
     let mut e = hybrid_common::Engine::new(cache);
     e.turn(&hybrid_common::prompt(1, 40));
     e.cache.poll().unwrap();

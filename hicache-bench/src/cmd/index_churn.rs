@@ -69,12 +69,20 @@ impl Churn {
         &self.rss[(self.rss.len() / 5).max(1)..]
     }
 
+    /// The lowest and highest RSS after the warm-up ((0, 0) without samples).
+    fn steady_range(&self) -> (u64, u64) {
+        let tail = self.steady();
+        let lo = tail.iter().min().copied().unwrap_or(0);
+        (lo, tail.iter().max().copied().unwrap_or(0))
+    }
+
     /// RSS spread after the warm-up, percent of its mean.
     pub fn drift_pct(&self) -> f64 {
         let tail = self.steady();
-        let (Some(lo), Some(hi)) = (tail.iter().min(), tail.iter().max()) else {
+        if tail.is_empty() {
             return 0.0;
-        };
+        }
+        let (lo, hi) = self.steady_range();
         let mean = tail.iter().sum::<u64>() as f64 / tail.len() as f64;
         100.0 * (hi - lo) as f64 / mean.max(1.0)
     }
@@ -84,10 +92,7 @@ impl Churn {
         let io = |e| BenchError::check_failed(format!("writing the report: {e}"));
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
         let tail = self.steady();
-        let (lo, hi) = (
-            tail.iter().min().copied().unwrap_or(0),
-            tail.iter().max().copied().unwrap_or(0),
-        );
+        let (lo, hi) = self.steady_range();
         let last_blocks = self.holder_blocks.last().copied().unwrap_or(0);
         if json {
             let rec = Record::new("index", "churn/rss_drift", self.drift_pct(), "%")

@@ -715,22 +715,23 @@ impl HybridCache {
         // Invariant: the prefix's SWA entries are the tree's as of now (its pages outside the
         // locked window may have been evicted while the request ran: a stale slot would
         // lower the floor and could be adopted or freed twice), the rest the request's.
-        let live = self.swa_prefix(a.receipt.node)?;
-        let swa_slots: Vec<Option<DeviceSlot>> = if s.swa.is_empty() {
+        // `u32::MAX`: no SWA KV there.
+        let swa: Vec<u32> = if s.swa.is_empty() {
             Vec::new()
         } else {
+            let live = self.swa_prefix(a.receipt.node)?;
             let own = prefix_pages.min(s.swa.len()).min(live.len());
-            live[..own].iter().chain(&s.swa[own..]).copied().collect()
+            live[..own]
+                .iter()
+                .chain(&s.swa[own..])
+                .map(|x| x.map_or(u32::MAX, |d| d.0))
+                .collect()
         };
         // SWA floor: past the last page without SWA KV; entries below are not read.
-        let floor = swa_slots[..pages.min(swa_slots.len())]
+        let floor = swa[..pages.min(swa.len())]
             .iter()
-            .rposition(Option::is_none)
+            .rposition(|&x| x == u32::MAX)
             .map_or(0, |i| i + 1);
-        let swa: Vec<u32> = swa_slots
-            .iter()
-            .map(|x| x.map_or(u32::MAX, |d| d.0))
-            .collect();
         let mut free = Units::default();
         let mut node = None;
         if insert {

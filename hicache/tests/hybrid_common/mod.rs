@@ -115,8 +115,7 @@ impl Engine {
         self.cache.tree().has(c)
     }
 
-    /// Writes page `page` of `tokens`' pattern for `c` into `slot`.
-    pub fn write_page(&self, c: Component, slot: DeviceSlot, tokens: &[u32], page: usize) {
+    fn write_page(&self, c: Component, slot: DeviceSlot, tokens: &[u32], page: usize) {
         let pool = self.cache.device_pool(c).unwrap();
         let end = ((page + 1) * self.ps()).min(tokens.len());
         let bytes = pattern(c as u64, &tokens[..end], pool.page_bytes());
@@ -203,12 +202,7 @@ impl Engine {
                 again.expect("room once the copies finished")
             }
         };
-        for (k, &s) in new.full.iter().enumerate() {
-            self.write_page(Component::Full, s, tokens, have + k);
-        }
-        for (k, s) in new.swa.iter().enumerate() {
-            self.write_page(Component::Swa, s.unwrap(), tokens, have + k);
-        }
+        self.write_new(tokens, have, &new);
         let mut slots = admission.slots.clone();
         slots.extend(new);
         if swa {
@@ -223,6 +217,17 @@ impl Engine {
         self.cache.cache_finished(req, tokens, slots).unwrap();
         self.cache.poll().unwrap();
         Run { admission, checked }
+    }
+
+    /// Computes a request's pages past its `have`-page prefix: writes `tokens`' patterns
+    /// into its newly allocated Full and SWA slots `new`.
+    pub fn write_new(&self, tokens: &[u32], have: usize, new: &HybridSlots) {
+        for (k, &s) in new.full.iter().enumerate() {
+            self.write_page(Component::Full, s, tokens, have + k);
+        }
+        for (k, s) in new.swa.iter().enumerate() {
+            self.write_page(Component::Swa, s.unwrap(), tokens, have + k);
+        }
     }
 
     /// [`run`](Self::run), then [`settle`](Self::settle).
