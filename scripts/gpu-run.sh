@@ -59,7 +59,14 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
             --pages 256,1024 --layout page_first,layer_first,page_first_direct \
             --io kernel,direct,staged --iters 8 --json
     done
-    # A 32k-token load-back through the controller, overlapped with a simulated forward.
+    # The kernels' H2D loads stopped at 0.92 of the bulk copy with the default 8 CTAs
+    # (2026-12-04): the same loads with more CTAs.
+    for c in 16 32 64; do
+        step bench 60 "transfer-ctas-$c" .gpu/hicache-bench transfer --device cuda --model llama3-8b \
+            --pages 1024 --layout page_first,layer_first --io kernel --iters 8 --ctas "$c" --json
+    done
+    # A 32k-token load-back through the controller, overlapped with a simulated forward
+    # (`direct` runs on page_first_direct: the builder resolves page_first + direct).
     for io in kernel direct; do
         step bench 60 "loadback-$io" .gpu/hicache-bench loadback --device cuda --model llama3-8b \
             --tokens 32768 --io "$io" --json

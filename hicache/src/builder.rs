@@ -139,7 +139,10 @@ impl HiCacheBuilder {
     }
 
     /// Validates everything, allocates the pools and, with L3 configured, opens the backend.
-    pub fn build(self) -> Result<HiCache> {
+    pub fn build(mut self) -> Result<HiCache> {
+        if let Some(change) = self.cfg.resolve_layout_io() {
+            tracing::warn!("{change}");
+        }
         let cfg = self.cfg.clone();
         cfg.validate()?;
         if let Some((field, value)) = cfg.needs_l3()

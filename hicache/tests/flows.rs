@@ -10,7 +10,8 @@ use common::{
     Engine, Faulty, assert_no_pins, prompt, small_shape, test_config, test_device, with_storage,
 };
 use hicache::{
-    DeviceSlot, HiCache, HiCacheConfig, HiCacheError, PrefetchPolicy, StorageConfig, WritePolicy,
+    DeviceSlot, HiCache, HiCacheConfig, HiCacheError, IoBackendKind, LayoutKind, PrefetchPolicy,
+    StorageConfig, WritePolicy,
 };
 use hicache_storage::{MemoryBackend, Storage};
 
@@ -69,6 +70,29 @@ fn l2_hit_after_l1_eviction_loads_back_with_layer_waits() {
     let snap = e.cache.metrics().snapshot();
     assert!(snap.h2d.pages >= again.admission.host_pages as u64);
     assert!(snap.d2h.pages >= 16);
+    e.settle();
+}
+
+#[test]
+fn page_first_with_direct_io_runs_as_page_first_direct() {
+    // SGLang's pairing: `page_first` rows are strided per token, so the direct io backend
+    // takes the layout whose (page, layer) runs are contiguous. KV stays exact through a
+    // backup and a load-back on the resolved layout (the engine checks every page it reads).
+    let cfg = HiCacheConfig {
+        io_backend: IoBackendKind::Direct,
+        mem_layout: LayoutKind::PageFirst,
+        ..test_config(4)
+    };
+    let mut e = Engine::new(cache(cfg, 12));
+    assert_eq!(e.cache.config().mem_layout, LayoutKind::PageFirstDirect);
+    assert_eq!(e.cache.config().io_backend, IoBackendKind::Direct);
+    let a = prompt(20, 32);
+    e.run(None, &a);
+    e.settle();
+    e.run(None, &prompt(21, 32));
+    e.settle();
+    let again = e.run(None, &a);
+    assert!(again.admission.host_pages > 0, "{:?}", again.admission);
     e.settle();
 }
 

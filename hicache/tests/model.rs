@@ -785,7 +785,9 @@ impl Model {
 
     /// Host bytes of a page in the host layout's flat order, from the device's flat order.
     fn host_flat(&self, dev: &[u8]) -> Vec<u8> {
-        if self.setup.layout != LayoutKind::PageFirst {
+        // The cache's layout, not the asked one: `page_first` with `direct` io runs as
+        // `page_first_direct` (`HiCacheConfig::resolve_layout_io`).
+        if self.cache.config().mem_layout != LayoutKind::PageFirst {
             return dev.to_vec();
         }
         // [h][l][t][row] -> [h][t][l][row]
