@@ -1,7 +1,9 @@
 //! The index fed by SGLang's and vLLM's own publishers (their `ZmqEventPublisher` and event
 //! classes from PyPI, run by `tests/python/engine_publisher.py` over pyzmq): batches published
 //! before the index subscribed arrive through the engine's replay endpoint, live ones follow,
-//! every tier lands where its medium says.
+//! every tier lands where its medium says; vLLM's events of a hybrid model's KV cache groups
+//! (`group_idx`, `kv_cache_spec_kind`) make the router credit only where every group holds
+//! the prefix.
 //!
 //! Skipped unless `HICACHE_SGLANG_PYTHON` / `HICACHE_VLLM_PYTHON` name a Python with the
 //! engine installed (`--no-deps`) plus msgspec, pyzmq, pydantic; `HICACHE_REQUIRE_SGLANG=1` /
@@ -162,4 +164,86 @@ async fn vllms_own_publisher_feeds_the_index() {
         return;
     };
     engine_feeds_the_index(py, "vllm", ["GPU", "CPU", "STORAGE"]).await;
+}
+
+/// `POST /route` of `tokens`: the instance and its credited L1 tokens.
+async fn route_l1(addr: std::net::SocketAddr, model: &str, tokens: &[u32]) -> (String, u64) {
+    let a = post_json(
+        addr,
+        "/route",
+        &json!({"model": model, "token_ids": tokens}),
+    )
+    .await;
+    (
+        a["instance"].as_str().unwrap_or_default().to_string(),
+        a["overlap"]["l1"].as_u64().unwrap_or(0),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllms_own_publisher_feeds_a_hybrid_models_groups() {
+    let Some(py) = python("HICACHE_VLLM_PYTHON", "HICACHE_REQUIRE_VLLM") else {
+        return;
+    };
+    let idx = start(Service::new(config())).await;
+    let mut e = tokio::task::spawn_blocking(move || Engine::start(&py, "vllm"))
+        .await
+        .unwrap();
+    let reg = json!({
+        "instance": "v", "endpoint": e.endpoint, "replay_endpoint": e.replay, "topic": "kv",
+        "format": "vllm", "model": "h", "page_size": PS,
+    });
+    post_json(idx.addr, "/register", &reg).await;
+    let addr = idx.addr;
+    // A Mamba model: four Full blocks (group 0), and the state of the second block only
+    // (group 1), as vLLM publishes a hybrid's groups.
+    e = tokio::task::spawn_blocking(move || {
+        e.send(
+            json!({"stored": [21, 22, 23, 24], "parent": null, "tokens": toks(16, 0),
+            "block_size": PS, "medium": "GPU", "group_idx": 0, "kind": "full_attention"}),
+        );
+        e.send(json!({"stored": [22], "parent": 21, "tokens": toks(4, 4),
+            "block_size": PS, "medium": "GPU", "group_idx": 1, "kind": "mamba"}));
+        e
+    })
+    .await
+    .unwrap();
+    // Every Full block is in the index; the route of a 17-token prompt (an engine computes
+    // at least its last token) credits only the 8 tokens the state restores (the hybrid
+    // tree's rule), never the 16 Full tokens alone would claim.
+    wait_for(LIMIT, "the Full blocks", || async move {
+        tiers(&query(addr, "h", &toks(16, 0)).await, "v").0 == 16
+    })
+    .await;
+    wait_for(LIMIT, "the Mamba state's credit", || async move {
+        route_l1(addr, "h", &toks(17, 0)).await == ("v".to_string(), 8)
+    })
+    .await;
+    // A state of the last block too: the whole prompt is reusable.
+    e = tokio::task::spawn_blocking(move || {
+        e.send(json!({"stored": [24], "parent": 23, "tokens": toks(4, 12),
+            "block_size": PS, "medium": "GPU", "group_idx": 1, "kind": "mamba"}));
+        e
+    })
+    .await
+    .unwrap();
+    wait_for(LIMIT, "the second state's credit", || async move {
+        route_l1(addr, "h", &toks(17, 0)).await.1 == 16
+    })
+    .await;
+    // Both states removed (group 1): no block of this prefix is reusable any more.
+    e = tokio::task::spawn_blocking(move || {
+        e.send(json!({"removed": [22, 24], "medium": "GPU", "group_idx": 1}));
+        e
+    })
+    .await
+    .unwrap();
+    wait_for(LIMIT, "the credit gone with the states", || async move {
+        route_l1(addr, "h", &toks(17, 0)).await.1 == 0
+    })
+    .await;
+    let st = instances(addr).await;
+    assert_eq!(st[0]["bad_payloads"], json!(0), "{st}");
+    assert_eq!(st[0]["malformed"], json!(0), "{st}");
+    tokio::task::spawn_blocking(move || drop(e)).await.unwrap();
 }

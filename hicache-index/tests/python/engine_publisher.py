@@ -147,10 +147,21 @@ def main():
                 medium=cmd["medium"],
             )
             if engine == "vllm":
-                fields.update(lora_name=None, extra_keys=[None] * len(cmd["stored"]), group_idx=0)
+                # A KV cache group of a hybrid model: `group_idx`, `kind` and `window` say which
+                # (vLLM's `kv_cache_spec_kind` / `kv_cache_spec_sliding_window`); Full is group 0.
+                fields.update(
+                    lora_name=None,
+                    extra_keys=[None] * len(cmd["stored"]),
+                    group_idx=cmd.get("group_idx", 0),
+                    kv_cache_spec_kind=cmd.get("kind"),
+                    kv_cache_spec_sliding_window=cmd.get("window"),
+                )
             event = kv.BlockStored(**fields)
         else:
-            event = kv.BlockRemoved(block_hashes=[h(x) for x in cmd["removed"]], medium=cmd["medium"])
+            fields = dict(block_hashes=[h(x) for x in cmd["removed"]], medium=cmd["medium"])
+            if engine == "vllm" and "group_idx" in cmd:
+                fields.update(group_idx=cmd["group_idx"])
+            event = kv.BlockRemoved(**fields)
         pub.publish(kv.KVEventBatch(ts=time.time(), events=[event]))
         published += 1
         deadline = time.time() + 10
