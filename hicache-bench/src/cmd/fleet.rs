@@ -17,10 +17,12 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use clap::Args;
+use hicache_index::decode::ComponentKind;
 use hicache_index::router::{
-    CostModel, InstanceInfo, L3Access, Policy, RouteRequest, Router, RouterConfig,
+    Components, CostModel, InstanceInfo, L3Access, OverlapSource, Policy, ReuseRule, RouteRequest,
+    Router, RouterConfig, WithComponents,
 };
-use hicache_index::{ChainHasher, HolderKind, Index, Tier};
+use hicache_index::{ChainHasher, HolderId, HolderKind, Index, Tier};
 use hicache_sim::fleet::{self, FleetSetup, L3Mode, Source, Summary, mooncake};
 use hicache_sim::plan::{MultiturnArgs, Plan, plan};
 use hicache_sim::trace::Conversation;
@@ -447,7 +449,11 @@ fn check_accounting(run: &fleet::FleetRun, instances: usize) -> Result<()> {
 
 /// Router decision time (index query and cost) at `n` instances: an index holding every
 /// prompt of the workload, each on one instance in L1, the next one in L2 and the shared
-/// store, then one decision per prompt (released at once so load stays bounded).
+/// store, then one decision per prompt (released at once so load stays bounded). Besides
+/// `dynamo-linear` and `hicache`, `hicache (hybrid)` times the same decisions for a Mamba
+/// model: the same blocks, a state at every fourth block and at each prompt's last (as a
+/// hybrid engine checkpoints), and every credit capped where the states are
+/// ([`Components::cap`]), the rule the service applies to a hybrid model.
 fn decision_times(
     convs: &[Conversation],
     plan: &Plan,
@@ -487,11 +493,26 @@ fn decision_times(
             .map_err(idx_err)?;
         index.store(store, Tier::L3, &h).map_err(idx_err)?;
     }
+    let components = mamba_states(&prompts, &hasher, &infos, store);
     let mut out = Vec::new();
-    for policy in [Policy::DynamoLinear, Policy::Hicache] {
+    for (policy, hybrid) in [
+        (Policy::DynamoLinear, false),
+        (Policy::Hicache, false),
+        (Policy::Hicache, true),
+    ] {
         let mut cfg = RouterConfig::new(ps);
         cfg.cost = setup.cost;
         let mut router = Router::new(policy, infos.clone(), cfg);
+        let with = WithComponents {
+            index: &index,
+            components: &components,
+        };
+        let source: &dyn OverlapSource = if hybrid {
+            router.set_reuse(ReuseRule::Hybrid);
+            &with
+        } else {
+            &index
+        };
         // The first round warms caches and allocations; the others are timed, at least
         // 4096 decisions in all.
         let rounds = 1 + 4096usize.div_ceil(prompts.len().max(1));
@@ -501,7 +522,7 @@ fn decision_times(
                 let id = (round * prompts.len() + k) as u64;
                 let t0 = std::time::Instant::now();
                 let d = router.route(
-                    &index,
+                    source,
                     &RouteRequest {
                         request: id,
                         tokens: p,
@@ -519,7 +540,11 @@ fn decision_times(
         }
         ns.sort_by(f64::total_cmp);
         out.push(DecisionTime {
-            policy: policy.name().into(),
+            policy: if hybrid {
+                format!("{} (hybrid)", policy.name())
+            } else {
+                policy.name().into()
+            },
             instances: n,
             decisions: ns.len(),
             p50_us: fleet::quantile(&ns, 0.5),
@@ -527,6 +552,41 @@ fn decision_times(
         });
     }
     Ok(out)
+}
+
+/// The Mamba states of [`decision_times`]' hybrid case: where each prompt's blocks are held
+/// (L1 on one instance, the first half in L2 on the next, all in the shared store), a state
+/// at every fourth block and at the last.
+fn mamba_states(
+    prompts: &[&[u32]],
+    hasher: &ChainHasher,
+    infos: &[InstanceInfo],
+    store: HolderId,
+) -> Components {
+    let n = infos.len();
+    let mut components = Components::new();
+    for info in infos {
+        components.attach(info.holder, store);
+    }
+    for (k, p) in prompts.iter().enumerate() {
+        let h = hasher.hashes(p);
+        for (b, &block) in h.iter().enumerate() {
+            if (b + 1) % 4 != 0 && b + 1 != h.len() {
+                continue;
+            }
+            // The engine's hash of a block is opaque to the index; the block's own does.
+            let engine = block as i64;
+            let mut put = |holder, tier| {
+                components.store(holder, tier, ComponentKind::Mamba, engine, block);
+            };
+            put(infos[k % n].holder, Tier::L1);
+            if b < h.len() / 2 {
+                put(infos[(k + 1) % n].holder, Tier::L2);
+            }
+            put(store, Tier::L3);
+        }
+    }
+    components
 }
 
 fn print_json(report: &FleetReport, out: &mut impl Write) -> Result<()> {

@@ -330,6 +330,11 @@ impl Components {
     /// The deepest block count `p ≤ blocks` (and `≤ hashes.len()`) at which `instance` can
     /// reuse the prefix `hashes` from `tier` or a faster one (the module's rule, pages of
     /// `page_size` tokens); 0 when none, or when the model declared no component.
+    ///
+    /// Scans back from the deepest candidate, so a decision costs the distance to the deepest
+    /// reusable block, not the prompt's length (a router calls this for every instance and
+    /// tier of every decision). A block without its SWA page rules out every `p` whose window
+    /// covers it, so the scan resumes below that block.
     pub fn cap(
         &self,
         instance: HolderId,
@@ -338,48 +343,51 @@ impl Components {
         blocks: usize,
         page_size: usize,
     ) -> usize {
-        if !self.model.is_hybrid() {
+        let mut p = blocks.min(hashes.len());
+        if !self.model.is_hybrid() || p == 0 {
             return 0;
         }
-        let tiers: &[Tier] = match tier {
-            Tier::L1 => &[Tier::L1],
-            Tier::L2 => &[Tier::L1, Tier::L2],
-            Tier::L3 => &[Tier::L1, Tier::L2, Tier::L3],
+        let l3 = self.l3_holder(instance);
+        let set = |t: Tier| {
+            let h = if t == Tier::L3 { l3 } else { instance };
+            self.resident.get(&(h, t))
         };
-        let sets: Vec<&Resident> = tiers
-            .iter()
-            .filter_map(|&t| {
-                let h = if t == Tier::L3 {
-                    self.l3_holder(instance)
-                } else {
-                    instance
-                };
-                self.resident.get(&(h, t))
-            })
-            .collect();
+        let sets: [Option<&Resident>; 3] = match tier {
+            Tier::L1 => [set(Tier::L1), None, None],
+            Tier::L2 => [set(Tier::L1), set(Tier::L2), None],
+            Tier::L3 => [set(Tier::L1), set(Tier::L2), set(Tier::L3)],
+        };
+        if sets.iter().all(Option::is_none) {
+            return 0;
+        }
+        let has = |k: usize, swa: bool| {
+            let h = &hashes[k];
+            sets.iter()
+                .flatten()
+                .any(|r| if swa { &r.swa } else { &r.mamba }.contains(h))
+        };
         let window = self
             .model
             .swa_window
             .map(|w| (w as usize).div_ceil(page_size.max(1)));
-        let (mut run, mut best) = (0usize, 0usize);
-        for (k, h) in hashes.iter().take(blocks).enumerate() {
-            let p = k + 1;
-            if let Some(need) = window {
-                if sets.iter().any(|r| r.swa.contains(h)) {
-                    run += 1;
-                } else {
-                    run = 0;
-                }
-                if run < need.min(p) {
-                    continue;
-                }
-            }
-            if self.model.mamba && !sets.iter().any(|r| r.mamba.contains(h)) {
+        'candidates: while p > 0 {
+            if self.model.mamba && !has(p - 1, false) {
+                p -= 1;
                 continue;
             }
-            best = p;
+            if let Some(need) = window {
+                // Blocks `p - min(need, p) .. p` must hold their SWA pages.
+                let lo = p - need.min(p);
+                for k in (lo..p).rev() {
+                    if !has(k, true) {
+                        p = k;
+                        continue 'candidates;
+                    }
+                }
+            }
+            return p;
         }
-        best
+        0
     }
 }
 
@@ -455,5 +463,99 @@ mod tests {
         // With Mamba as well, a state is needed where the window holds.
         c.store(a, Tier::L1, ComponentKind::Mamba, 9, 13);
         assert_eq!(c.cap(a, Tier::L2, &h, 6, 4), 4);
+    }
+
+    /// The rule read forward, page by page, as the module docs state it: the reference the
+    /// backward scan of [`Components::cap`] must equal.
+    fn cap_forward(
+        c: &Components,
+        instance: HolderId,
+        tier: Tier,
+        hashes: &[BlockHash],
+        blocks: usize,
+        page_size: usize,
+    ) -> usize {
+        if !c.model.is_hybrid() {
+            return 0;
+        }
+        let tiers: &[Tier] = match tier {
+            Tier::L1 => &[Tier::L1],
+            Tier::L2 => &[Tier::L1, Tier::L2],
+            Tier::L3 => &[Tier::L1, Tier::L2, Tier::L3],
+        };
+        let sets: Vec<&Resident> = tiers
+            .iter()
+            .filter_map(|&t| {
+                let h = if t == Tier::L3 {
+                    c.l3_holder(instance)
+                } else {
+                    instance
+                };
+                c.resident.get(&(h, t))
+            })
+            .collect();
+        let window = c.model.swa_window.map(|w| (w as usize).div_ceil(page_size));
+        let (mut run, mut best) = (0, 0);
+        for (k, h) in hashes.iter().take(blocks).enumerate() {
+            let p = k + 1;
+            if let Some(need) = window {
+                run = if sets.iter().any(|r| r.swa.contains(h)) {
+                    run + 1
+                } else {
+                    0
+                };
+                if run < need.min(p) {
+                    continue;
+                }
+            }
+            if c.model.mamba && !sets.iter().any(|r| r.mamba.contains(h)) {
+                continue;
+            }
+            best = p;
+        }
+        best
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+        /// The backward scan equals the rule read forward, for every holder, tier and length,
+        /// with Mamba, a window, or both.
+        #[test]
+        fn the_backward_scan_equals_the_forward_rule(
+            mamba in proptest::bool::ANY,
+            window in proptest::option::of(1u32..24),
+            residency in proptest::collection::vec((0usize..3, 0usize..3, 0u64..20, proptest::bool::ANY), 0..80),
+            blocks in 0usize..24,
+        ) {
+            let mut idx = Index::new(None);
+            let a = idx.add_holder(HolderKind::Instance).unwrap();
+            let b = idx.add_holder(HolderKind::Instance).unwrap();
+            let s = idx.add_holder(HolderKind::Store).unwrap();
+            let holders = [a, b, s];
+            let tiers = [Tier::L1, Tier::L2, Tier::L3];
+            let mut c = Components::new();
+            c.attach(a, s);
+            c.declare(HybridModel { mamba, swa_window: window });
+            for (i, (h, t, block, swa)) in residency.into_iter().enumerate() {
+                let kind = if swa {
+                    ComponentKind::SlidingWindow { window: window.unwrap_or(0) }
+                } else {
+                    ComponentKind::Mamba
+                };
+                c.store(holders[h], tiers[t], kind, i as i64, block);
+            }
+            let hashes: Vec<BlockHash> = (0..20).collect();
+            for inst in [a, b] {
+                for tier in tiers {
+                    for n in 0..=blocks {
+                        proptest::prop_assert_eq!(
+                            c.cap(inst, tier, &hashes, n, 4),
+                            cap_forward(&c, inst, tier, &hashes, n, 4),
+                            "{:?} {:?} {} blocks", inst, tier, n
+                        );
+                    }
+                }
+            }
+        }
     }
 }
