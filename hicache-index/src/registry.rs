@@ -44,6 +44,12 @@ pub struct Registration {
     /// memory there. None: unknown, no memory term.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_capacity_tokens: Option<u64>,
+    /// Its L3 prefetch threshold in tokens (SGLang's `prefetch_threshold` of the storage
+    /// extra-config, 256 by default; ours the same): an L3 hit shorter than this past what
+    /// the instance holds in L1 and L2 is never fetched, so the router credits none of it.
+    /// None: every L3 hit is credited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub l3_prefetch_threshold_tokens: Option<u64>,
 }
 
 /// A registration that cannot be served, and why.

@@ -60,6 +60,7 @@ pub(crate) struct Candidate {
     pub(crate) holder: HolderId,
     pub(crate) shared_l3: bool,
     pub(crate) kv_capacity_tokens: Option<u64>,
+    pub(crate) l3_prefetch_threshold_tokens: Option<u64>,
 }
 
 /// A model's router and the stream id of each of its positions.
@@ -81,6 +82,7 @@ impl ModelRouter {
                     L3Access::Private(cfg.l3_read_bytes_per_s)
                 },
                 kv_capacity_tokens: c.kv_capacity_tokens,
+                l3_prefetch_threshold_tokens: c.l3_prefetch_threshold_tokens,
             })
             .collect()
     }
@@ -271,6 +273,7 @@ mod tests {
                     dp_rank: None,
                     l3_store: None,
                     kv_capacity_tokens: None,
+                    l3_prefetch_threshold_tokens: None,
                 },
                 0,
             )

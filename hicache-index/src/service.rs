@@ -617,6 +617,7 @@ impl Service {
                 holder: s.feed.instance(),
                 shared_l3: s.reg.l3_store.is_some(),
                 kv_capacity_tokens: s.reg.kv_capacity_tokens,
+                l3_prefetch_threshold_tokens: s.reg.l3_prefetch_threshold_tokens,
             })
             .collect()
     }
@@ -782,6 +783,7 @@ mod tests {
             dp_rank: None,
             l3_store: store.map(str::to_string),
             kv_capacity_tokens: None,
+            l3_prefetch_threshold_tokens: None,
         }
     }
 

@@ -324,6 +324,7 @@ mod tests {
             dp_rank: None,
             l3_store: store.map(str::to_string),
             kv_capacity_tokens: None,
+            l3_prefetch_threshold_tokens: None,
         }
     }
 

@@ -4,9 +4,12 @@
 //! component events on; every poll's events go through the wire (our publisher's encoding)
 //! into an in-process service, and for random prompts the router's credited L1 and L2 overlap
 //! of that instance must equal what the cache's own tree would reuse (its validators:
-//! device-valid prefix, device-or-host-valid prefix). Outcomes only, no timing.
+//! device-valid prefix, device-or-host-valid prefix). With an L3 store shared by the
+//! instance, the router's L3 credit must equal what a cache with empty L1 and L2 over that
+//! store brings back through its prefetch. Outcomes only, no timing.
 
 use bytes::Bytes;
+use hicache::PrefetchPolicy;
 use hicache::observe::wire::{L3Medium, WireEvent, encode_batch};
 use hicache::{
     DType, Device, HybridCache, HybridConfig, HybridDemand, KvKind, KvShape, MambaShape,
@@ -16,10 +19,14 @@ use hicache_index::registry::Registration;
 use hicache_index::router::Policy;
 use hicache_index::routing::RoutingConfig;
 use hicache_index::service::{Service, ServiceConfig};
+use hicache_storage::{MemoryBackend, Storage};
 use proptest::prelude::*;
+use std::sync::Arc;
 use std::time::Duration;
 
 const PS: u32 = 4;
+/// The L3 prefetch threshold of the L3 tests' caches (two pages), registered with the index.
+const THRESHOLD: u64 = 2 * PS as u64;
 
 fn kv_shape(layers: u32) -> KvShape {
     KvShape {
@@ -71,6 +78,12 @@ fn cache(swa: Option<u32>, mamba: Option<u32>, host: bool) -> HybridCache {
 }
 
 fn service() -> Service {
+    service_on(None, None)
+}
+
+/// The service with instance `i0` registered, its L3 pages in `l3_store` (a shared store's
+/// name) or its own, with its L3 prefetch threshold.
+fn service_on(l3_store: Option<&str>, l3_threshold: Option<u64>) -> Service {
     let mut svc = Service::new(ServiceConfig {
         routing: RoutingConfig {
             policy: Policy::Hicache,
@@ -90,8 +103,9 @@ fn service() -> Service {
             model: "m".into(),
             page_size: PS,
             dp_rank: None,
-            l3_store: None,
+            l3_store: l3_store.map(str::to_string),
             kv_capacity_tokens: None,
+            l3_prefetch_threshold_tokens: l3_threshold,
         },
         0,
     )
@@ -120,6 +134,10 @@ fn tokens(conv: u32, branch: u32, shared: usize, len: usize) -> Vec<u32> {
 fn run(c: &mut HybridCache, req: u64, t: &[u32]) {
     c.arrive(req, t).unwrap();
     c.poll().unwrap();
+    if !c.prefetch_ready(req).unwrap() {
+        // With L3, an L3 lookup of the prompt's uncached part runs first.
+        c.flush().unwrap();
+    }
     assert!(c.prefetch_ready(req).unwrap());
     let adm = c.admit(req, t).unwrap();
     if let Some(b) = c.start_loading().unwrap() {
@@ -268,4 +286,126 @@ fn without_component_events_the_router_would_credit_false_hits() {
         a.overlap.l1
     );
     c.shutdown().unwrap();
+}
+
+/// `cache` with an L3 store: every backup goes on to L3, and a prefetch of any hit of two
+/// pages or more is waited for (`wait_complete`), so an admission brings back all that L3
+/// restores. Without `write_through` the cache writes nothing (a reader of the store).
+fn cache_l3(
+    swa: Option<u32>,
+    mamba: Option<u32>,
+    storage: Arc<dyn Storage>,
+    write_through: bool,
+) -> HybridCache {
+    let cfg = HybridConfig {
+        page_size: PS,
+        swa_window: swa,
+        mamba_chunk: mamba,
+        write_through,
+        prefetch_threshold_tokens: THRESHOLD as usize,
+        prefetch_policy: PrefetchPolicy::WaitComplete,
+        ..Default::default()
+    };
+    let mut b = HybridCache::builder(cfg)
+        .device(Device::sim())
+        .full_shape(kv_shape(2))
+        .device_pages(16, if swa.is_some() { 12 } else { 0 })
+        .host_pages(24, 24)
+        .host_reserve_bytes(0)
+        .kv_events(true)
+        .component_events(true)
+        .storage(storage);
+    if swa.is_some() {
+        b = b.swa_shape(kv_shape(1));
+    }
+    if mamba.is_some() {
+        b = b
+            .mamba_shape(MambaShape {
+                layers: 1,
+                temporal_elems: 8,
+                temporal_dtype: DType::F32,
+                conv_elems: vec![8],
+                conv_dtype: DType::Bf16,
+            })
+            .mamba_slots(4)
+            .host_mamba_slots(8);
+    }
+    b.build().unwrap()
+}
+
+/// The tokens a cache with empty L1 and L2 over `storage` brings back for `t` from L3 (its
+/// admission's host tokens, all of them prefetched); the request is then aborted.
+fn restored_from_l3(
+    swa: Option<u32>,
+    mamba: Option<u32>,
+    storage: Arc<dyn Storage>,
+    t: &[u32],
+) -> usize {
+    let mut c = cache_l3(swa, mamba, storage, false);
+    c.arrive(1, t).unwrap();
+    // `wait_complete`: the prefetch ends once every read landed; `flush` runs it through.
+    c.flush().unwrap();
+    assert!(c.prefetch_ready(1).unwrap());
+    let adm = c.admit(1, t).unwrap();
+    assert_eq!(
+        adm.device_tokens, 0,
+        "a fresh cache holds nothing on device"
+    );
+    assert_eq!(adm.host_tokens, adm.storage_tokens, "{adm:?}");
+    if let Some(b) = c.start_loading().unwrap() {
+        c.wait_loaded(b).unwrap();
+    }
+    c.abort(1).unwrap();
+    c.shutdown().unwrap();
+    adm.storage_tokens
+}
+
+/// One instance writes `requests` through L1 and L2 to a store it shares, then restarts
+/// (`AllBlocksCleared`: its L1 and L2 are gone, the store's pages and components stay); for
+/// each query the router's L3 credit equals what a fresh cache restores from the store.
+fn check_l3(swa: Option<u32>, mamba: Option<u32>, requests: &[Prompt], queries: &[Prompt]) {
+    let storage: Arc<dyn Storage> = Arc::new(MemoryBackend::with_capacity(64 << 20));
+    let mut c = cache_l3(swa, mamba, storage.clone(), true);
+    let mut svc = service_on(Some("s"), Some(THRESHOLD));
+    let mut seq = 0;
+    for (id, &(conv, branch, shared, len)) in requests.iter().enumerate() {
+        run(&mut c, id as u64 + 1, &tokens(conv, branch, shared, len));
+        publish(&mut c, &mut svc, &mut seq);
+    }
+    c.flush().unwrap();
+    publish(&mut c, &mut svc, &mut seq);
+    c.shutdown().unwrap();
+    let cleared = encode_batch(1.0, &[WireEvent::AllBlocksCleared], None).unwrap();
+    svc.live("i0", seq, Bytes::from(cleared), 0);
+    for (k, &(conv, branch, shared, len)) in queries.iter().enumerate() {
+        let q = tokens(conv, branch, shared, len);
+        let id = 1_000 + k as u64;
+        let a = svc.route("m", &q, Some(id), None).unwrap();
+        svc.finished(id);
+        assert!(!a.fallback);
+        assert_eq!(a.overlap.l2, 0, "L1 and L2 were cleared: {a:?}");
+        let truth = restored_from_l3(swa, mamba, storage.clone(), &q);
+        assert_eq!(
+            a.overlap.l3 as usize, truth,
+            "{swa:?} {mamba:?}: prompt of {len} tokens (conv {conv}, branch {branch}, shared {shared})"
+        );
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+
+    #[test]
+    fn the_router_credits_a_hybrid_instance_s_shared_store_exactly_what_l3_restores(
+        kind in 0..3u8,
+        requests in prop::collection::vec(prompt(), 1..10),
+        queries in prop::collection::vec(prompt(), 1..6),
+    ) {
+        let (swa, mamba) = match kind {
+            0 => (None, Some(8)),
+            1 => (Some(6), None),
+            _ => (Some(8), Some(8)),
+        };
+        check_l3(swa, mamba, &requests, &queries);
+    }
 }

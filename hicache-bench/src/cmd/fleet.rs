@@ -476,6 +476,7 @@ fn decision_times(
             holder: h,
             l3: L3Access::Shared(1e10),
             kv_capacity_tokens: None,
+            l3_prefetch_threshold_tokens: None,
         });
     }
     let prompts: Vec<&[u32]> = convs

@@ -193,6 +193,9 @@ pub struct InstanceInfo {
     /// KV tokens its device memory holds (SGLang's `max_total_num_tokens`), when known: the
     /// `hicache` policy's memory term ([`CostModel`]).
     pub kv_capacity_tokens: Option<u64>,
+    /// Its L3 prefetch threshold in tokens: an L3 run shorter than this past its L1 and L2
+    /// overlap is never fetched by the engine, so it earns no credit. None: every L3 hit.
+    pub l3_prefetch_threshold_tokens: Option<u64>,
 }
 
 /// The router's settings.
@@ -490,6 +493,12 @@ impl Router {
                 } else {
                     cap(Tier::L3, b3).max(b2)
                 };
+            }
+            // An L3 run shorter than the instance's prefetch threshold past its L1 and L2
+            // overlap is never fetched (the engine's prefetch rule): no credit.
+            let threshold = self.instances[i].l3_prefetch_threshold_tokens.unwrap_or(0);
+            if (((b3 - b2) * ps) as u64) < threshold {
+                b3 = b2;
             }
             self.overlaps[i] = Overlap {
                 l1: b1 * ps,

@@ -18,6 +18,7 @@ fn fleet(n: usize) -> (Index, Vec<InstanceFeed>, Vec<InstanceInfo>) {
             holder: h,
             l3: L3Access::None,
             kv_capacity_tokens: None,
+            l3_prefetch_threshold_tokens: None,
         });
     }
     (idx, feeds, infos)
@@ -110,6 +111,7 @@ fn hicache_avoids_an_instance_whose_memory_cannot_hold_the_request() {
         .iter()
         .map(|i| InstanceInfo {
             kv_capacity_tokens: Some(640),
+            l3_prefetch_threshold_tokens: None,
             ..*i
         })
         .collect();
@@ -298,6 +300,7 @@ fn a_router_over_a_changed_fleet_keeps_what_it_knew_of_the_instances_that_stay()
         holder: idx.add_holder(HolderKind::Instance).unwrap(),
         l3: L3Access::None,
         kv_capacity_tokens: None,
+        l3_prefetch_threshold_tokens: None,
     };
     let mut r = r.with_instances(vec![infos[1], infos[2], newcomer], |i| {
         [None, Some(0), Some(1)][i]
@@ -433,4 +436,32 @@ fn in_flight_credit_covers_only_what_the_index_shows_nowhere() {
     let d = r.route(&idx, &req(3, &other, None));
     assert_eq!(d.instance, 0, "instances 1 and 2 are backed up");
     assert_eq!(d.overlap, Overlap::default());
+}
+
+/// An L3 run shorter than an instance's prefetch threshold past its L1 and L2 overlap is
+/// never fetched by its engine: the router credits none of it; at the threshold, all of it.
+#[test]
+fn an_l3_run_below_the_prefetch_threshold_earns_no_credit() {
+    let (mut idx, mut feeds, mut infos) = fleet(1);
+    infos[0].l3 = L3Access::Private(1e10);
+    infos[0].l3_prefetch_threshold_tokens = Some(3 * PS as u64);
+    let tokens: Vec<u32> = (0..6 * PS as u32).collect();
+    // L1 holds the first page, L3 the first three.
+    store(&mut idx, &mut feeds[0], &tokens[..PS], "GPU", 0);
+    store(&mut idx, &mut feeds[0], &tokens[..3 * PS], "DISK", 0);
+    let overlap = |infos: &[InstanceInfo], idx: &Index| {
+        let mut r = Router::new(Policy::Hicache, infos.to_vec(), RouterConfig::new(PS));
+        r.route(idx, &req(1, &tokens, None)).overlap
+    };
+    // Two pages of L3 past L1: below three pages, so only L1 counts.
+    let o = overlap(&infos, &idx);
+    assert_eq!((o.l1, o.l2, o.l3), (PS, PS, PS));
+    // A fourth page in L3: three past L1, at the threshold.
+    store(&mut idx, &mut feeds[0], &tokens[..4 * PS], "DISK", 0);
+    let o = overlap(&infos, &idx);
+    assert_eq!((o.l1, o.l2, o.l3), (PS, PS, 4 * PS));
+    // Without a threshold every L3 page counts.
+    infos[0].l3_prefetch_threshold_tokens = None;
+    store(&mut idx, &mut feeds[0], &tokens[..5 * PS], "DISK", 0);
+    assert_eq!(overlap(&infos, &idx).l3, 5 * PS);
 }

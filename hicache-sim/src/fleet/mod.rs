@@ -317,6 +317,19 @@ pub struct FleetRun {
     pub wall_seconds: f64,
 }
 
+/// The L3 prefetch threshold an instance of `setup` applies, in tokens: the extra-config's
+/// `prefetch_threshold` (256 by default), at least a page, as the dense cache reads it
+/// (`PrefetchConfig::threshold_tokens`).
+fn prefetch_threshold_tokens(setup: &CacheSetup) -> u64 {
+    let asked = setup
+        .storage
+        .extra_config
+        .get("prefetch_threshold")
+        .and_then(Value::as_u64)
+        .unwrap_or(256);
+    asked.max(u64::from(setup.kv_shape.page_size))
+}
+
 /// The workload's mean answer length in tokens (what an operator would measure and give
 /// the `hicache` policy's memory term); `None` without turns.
 fn mean_answer_tokens(convs: &[Conversation]) -> Option<f64> {
@@ -363,6 +376,8 @@ pub fn run(
             kv_capacity_tokens: Some(
                 fleet.setup.device_pages as u64 * u64::from(fleet.setup.kv_shape.page_size),
             ),
+            l3_prefetch_threshold_tokens: (fleet.l3 != L3Mode::None)
+                .then(|| prefetch_threshold_tokens(&setup)),
         });
         let cache = HiCacheUnderTest::build(&setup, true)?;
         instances.push(Instance::new(cache, &fleet.compute, &fleet.engine)?);
