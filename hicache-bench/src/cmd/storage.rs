@@ -25,7 +25,6 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
-use futures_util::StreamExt;
 use hicache_storage::{
     MemoryRegion, PageBuf, PageBufMut, PageKey, PageOutcome, Storage, parse_byte_size, pattern,
 };
@@ -123,6 +122,50 @@ fn memcpy_secs(src: &[u8], page_bytes: usize, pages: usize) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
+/// Runs calls `0..n` in order, `inflight` at once, as the controller drives L3 (each batch its
+/// own task on the L3 runtime, so a backend that blocks inside a call, as the local layouts
+/// do, still has that many calls in flight): `inflight` lane threads each take the next call
+/// and drive it to its end on the current runtime (`f(lane, call)`); results in call order.
+/// Polling every call from one task instead (a `buffer_unordered` stream) ran the calls of a
+/// blocking backend one at a time, whatever `inflight` said.
+fn lanes<R, F, Fut>(inflight: usize, n: usize, f: F) -> Vec<R>
+where
+    R: Send,
+    F: Fn(usize, usize) -> Fut + Sync,
+    Fut: std::future::Future<Output = R>,
+{
+    let handle = tokio::runtime::Handle::current();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<R>>> =
+        (0..n).map(|_| std::sync::Mutex::new(None)).collect();
+    let run = |lane: usize| loop {
+        let c = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if c >= n {
+            break;
+        }
+        let r = handle.block_on(f(lane, c));
+        *results[c].lock().expect("no panic while held") = Some(r);
+    };
+    // The calling thread is inside the runtime (`block_on`): the lanes are threads of their
+    // own, and this one only waits for them.
+    tokio::task::block_in_place(|| {
+        std::thread::scope(|s| {
+            for lane in 0..inflight.clamp(1, n.max(1)) {
+                let run = &run;
+                s.spawn(move || run(lane));
+            }
+        })
+    });
+    results
+        .into_iter()
+        .map(|r| {
+            r.into_inner()
+                .expect("no panic while held")
+                .expect("every call ran")
+        })
+        .collect()
+}
+
 /// Measures one phase of every reference candidate into the given read destinations: the
 /// seconds of each, in the order of the candidates.
 type Reference<'a> = dyn FnMut(Phase, &mut [u8]) -> Result<Vec<f64>> + 'a;
@@ -199,59 +242,60 @@ impl BackendBench<'_> {
     }
 
     /// Seconds to store every key (the source batch's pages, over and over), `inflight`
-    /// batches at once.
+    /// batches at once, each call on its own lane (see [`lanes`]).
     async fn write(&self, keys: &[PageKey], src: &[u8]) -> Result<f64> {
         let (storage, page_bytes) = (self.storage, self.page_bytes);
+        let chunks: Vec<&[PageKey]> = keys.chunks(self.batch()).collect();
+        let chunks = &chunks;
         let t = Instant::now();
-        let mut writes = futures_util::stream::iter(keys.chunks(self.batch()))
-            .map(|chunk| async move {
-                let bufs: Vec<PageBuf<'_>> = src
-                    .chunks(page_bytes)
-                    .take(chunk.len())
-                    .map(|c| PageBuf::contiguous(LAYOUT, c))
-                    .collect();
-                storage.batch_set(chunk, &bufs).await
-            })
-            .buffer_unordered(self.inflight);
-        while let Some(out) = writes.next().await {
+        let outs = lanes(self.inflight, chunks.len(), |_lane, c| async move {
+            let chunk = chunks[c];
+            let bufs: Vec<PageBuf<'_>> = src
+                .chunks(page_bytes)
+                .take(chunk.len())
+                .map(|c| PageBuf::contiguous(LAYOUT, c))
+                .collect();
+            storage.batch_set(chunk, &bufs).await
+        });
+        let secs = t.elapsed().as_secs_f64();
+        for out in outs {
             if let Some(o) = out?.iter().find(|o| **o != PageOutcome::Stored) {
                 return Err(BenchError::check_failed(format!(
                     "bench write not stored: {o:?}"
                 )));
             }
         }
-        Ok(t.elapsed().as_secs_f64())
+        Ok(secs)
     }
 
-    /// Seconds to read every key back, `inflight` batches at once, each into a destination slot
-    /// of `slot_bytes`. Every page must be a hit; misses are counted over the whole read.
+    /// Seconds to read every key back, `inflight` batches at once (each on its own lane, see
+    /// [`lanes`]), each lane into its own destination slot of `slot_bytes`. Every page must be
+    /// a hit; misses are counted over the whole read.
     async fn read(&self, keys: &[PageKey], dst: &mut [u8], slot_bytes: usize) -> Result<f64> {
         let (storage, page_bytes) = (self.storage, self.page_bytes);
-        let t = Instant::now();
-        // Each read in flight takes a destination slot and gives it back: at most `inflight`
-        // run at once, so one is always free.
-        let slots = std::sync::Mutex::new(dst.chunks_mut(slot_bytes).collect::<Vec<_>>());
+        let chunks: Vec<&[PageKey]> = keys.chunks(self.batch()).collect();
+        let chunks = &chunks;
+        // One destination slot per lane: a lane runs one batch at a time.
+        let slots: Vec<std::sync::Mutex<&mut [u8]>> = dst
+            .chunks_mut(slot_bytes)
+            .take(self.inflight)
+            .map(std::sync::Mutex::new)
+            .collect();
         let slots = &slots;
-        let mut reads = futures_util::stream::iter(keys.chunks(self.batch()))
-            .map(|chunk| async move {
-                let slot = slots
-                    .lock()
-                    .expect("no panic while held")
-                    .pop()
-                    .expect("a slot per read in flight");
-                let mut bufs: Vec<PageBufMut<'_>> = slot
-                    .chunks_mut(page_bytes)
-                    .take(chunk.len())
-                    .map(|c| PageBufMut::contiguous(LAYOUT, c))
-                    .collect();
-                let out = storage.batch_get(chunk, &mut bufs).await;
-                drop(bufs);
-                slots.lock().expect("no panic while held").push(slot);
-                out
-            })
-            .buffer_unordered(self.inflight);
+        let t = Instant::now();
+        let outs = lanes(self.inflight, chunks.len(), |lane, c| async move {
+            let chunk = chunks[c];
+            let mut slot = slots[lane].lock().expect("no panic while held");
+            let mut bufs: Vec<PageBufMut<'_>> = slot
+                .chunks_mut(page_bytes)
+                .take(chunk.len())
+                .map(|c| PageBufMut::contiguous(LAYOUT, c))
+                .collect();
+            storage.batch_get(chunk, &mut bufs).await
+        });
+        let secs = t.elapsed().as_secs_f64();
         let mut misses = 0;
-        while let Some(out) = reads.next().await {
+        for out in outs {
             for o in out? {
                 match o {
                     PageOutcome::Hit => {}
@@ -264,7 +308,6 @@ impl BackendBench<'_> {
                 }
             }
         }
-        let secs = t.elapsed().as_secs_f64();
         if misses > 0 {
             return Err(self.misses_error(misses));
         }
