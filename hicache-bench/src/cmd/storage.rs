@@ -934,3 +934,54 @@ fn table_row(r: &Record) -> String {
         r.ratio.map_or("-".into(), |v| format!("{v:.3}")),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use super::*;
+
+    /// Calls that block their thread (as the local layouts' `batch_set` does) still run
+    /// `inflight` at once, and the results come back in call order. Polling them from one
+    /// task (what `write` did before) ran them one at a time: most at once 1.
+    #[test]
+    fn lanes_keep_blocking_calls_in_flight() {
+        let rt = runtime().unwrap();
+        let (active, most) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        let out = rt.block_on(async {
+            lanes(4, 12, |lane, c| {
+                let (active, most) = (&active, &most);
+                async move {
+                    let now = active.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    // Blocks the thread, as a blocking backend does inside its call.
+                    std::thread::sleep(Duration::from_millis(40));
+                    active.fetch_sub(1, Ordering::SeqCst);
+                    (lane, c)
+                }
+            })
+        });
+        assert_eq!(most.load(Ordering::SeqCst), 4, "four calls in flight");
+        assert_eq!(out.iter().map(|o| o.1).collect::<Vec<_>>(), (0..12).collect::<Vec<_>>());
+        assert!(out.iter().all(|o| o.0 < 4), "four lanes");
+        // Fewer calls than lanes, and none at all.
+        assert_eq!(rt.block_on(async { lanes(4, 1, |_, c| async move { c }) }), [0]);
+        assert!(rt.block_on(async { lanes(4, 0, |_, c| async move { c }) }).is_empty());
+    }
+
+    /// The stores' parent is made (with the top-of-hierarchy attribute where the file system
+    /// takes it) and goes once its stores are removed.
+    #[test]
+    fn stores_parent_is_made_and_removed_with_its_stores() {
+        let base = tempfile::tempdir().unwrap();
+        let p = stores_parent(base.path());
+        assert_eq!(p, base.path().join("bench-stores"));
+        assert!(p.is_dir());
+        let store = p.join("bench-store-256KiB-0");
+        std::fs::create_dir_all(store.join("pages")).unwrap();
+        std::fs::write(store.join("pages/x"), b"x").unwrap();
+        drop(Stores(vec![store]));
+        assert!(!p.exists(), "the parent went with its last store");
+    }
+}
