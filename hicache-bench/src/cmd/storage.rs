@@ -285,13 +285,18 @@ impl BackendBench<'_> {
         let t = Instant::now();
         let outs = lanes(self.inflight, chunks.len(), |lane, c| async move {
             let chunk = chunks[c];
-            let mut slot = slots[lane].lock().expect("no panic while held");
+            // The lane's own slot, taken for the call (no lock held across it) and put back.
+            let slot: &mut [u8] =
+                std::mem::take(&mut *slots[lane].lock().expect("no panic while held"));
             let mut bufs: Vec<PageBufMut<'_>> = slot
                 .chunks_mut(page_bytes)
                 .take(chunk.len())
                 .map(|c| PageBufMut::contiguous(LAYOUT, c))
                 .collect();
-            storage.batch_get(chunk, &mut bufs).await
+            let out = storage.batch_get(chunk, &mut bufs).await;
+            drop(bufs);
+            *slots[lane].lock().expect("no panic while held") = slot;
+            out
         });
         let secs = t.elapsed().as_secs_f64();
         let mut misses = 0;
@@ -963,11 +968,20 @@ mod tests {
             })
         });
         assert_eq!(most.load(Ordering::SeqCst), 4, "four calls in flight");
-        assert_eq!(out.iter().map(|o| o.1).collect::<Vec<_>>(), (0..12).collect::<Vec<_>>());
+        assert_eq!(
+            out.iter().map(|o| o.1).collect::<Vec<_>>(),
+            (0..12).collect::<Vec<_>>()
+        );
         assert!(out.iter().all(|o| o.0 < 4), "four lanes");
         // Fewer calls than lanes, and none at all.
-        assert_eq!(rt.block_on(async { lanes(4, 1, |_, c| async move { c }) }), [0]);
-        assert!(rt.block_on(async { lanes(4, 0, |_, c| async move { c }) }).is_empty());
+        assert_eq!(
+            rt.block_on(async { lanes(4, 1, |_, c| async move { c }) }),
+            [0]
+        );
+        assert!(
+            rt.block_on(async { lanes(4, 0, |_, c| async move { c }) })
+                .is_empty()
+        );
     }
 
     /// The stores' parent is made (with the top-of-hierarchy attribute where the file system
