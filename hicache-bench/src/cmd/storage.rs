@@ -429,6 +429,19 @@ impl Drop for Stores {
     }
 }
 
+/// A name part of this run's own (process id and start time, hex): ext4 picks the block
+/// group of a directory made under an `FS_TOPDIR_FL` one from a hash of its name, so every
+/// run's stores need names of their own to land apart.
+fn run_tag() -> &'static str {
+    static TAG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TAG.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        format!("{:x}-{nanos:x}", std::process::id())
+    })
+}
+
 /// `FS_TOPDIR_FL` (`linux/fs.h`): the directory is the top of a hierarchy, so ext4's Orlov
 /// allocator spreads its subdirectories over block groups as it does those of the root.
 const FS_TOPDIR_FL: libc::c_long = 0x0002_0000;
@@ -440,8 +453,9 @@ const FS_TOPDIR_FL: libc::c_long = 0x0002_0000;
 /// one buffer-cache lookup each under the group lock. A store made beside the last run's
 /// (the same block group) therefore paid for that run's cleanup on every page file it
 /// created: measured 0.27-0.36 of the reference instead of 0.7-1.0 for 256 KiB page files
-/// with runs 10 s apart, and still 0.6-0.75 a minute after. With the flag each store's
-/// directory, and so its page files, land in a block group picked at random.
+/// with runs 10 s apart, and still 0.6-0.75 a minute after. With the flag, and a name of the
+/// run's own ([`run_tag`]), each store's directory, and so its page files, land in a block
+/// group of their own.
 fn stores_parent(base: &std::path::Path) -> PathBuf {
     use std::os::fd::AsRawFd;
     let p = base.join("bench-stores");
@@ -707,12 +721,13 @@ impl<'a> SizeRun<'a> {
         // files; perf: `recently_deleted`). That would be the bench's own cleanup, not the
         // backend's write path (the raw reference creates no inodes). Another run's cleanup
         // (up to six minutes old: five more while the inode-table block is dirty) is kept
-        // away by `stores_parent`: each store lands in a block group picked at random.
+        // away by `stores_parent` and `run_tag`: each store lands in a block group of its own.
         let base = self.target.base.as_ref();
         let store_dir = base.map(|b| {
             stores_parent(b).join(format!(
-                "bench-store-{}-{round}",
-                size_label(self.page_bytes)
+                "bench-store-{}-{round}-{}",
+                size_label(self.page_bytes),
+                run_tag()
             ))
         });
         if let Some(d) = &store_dir {
