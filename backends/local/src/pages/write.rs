@@ -39,7 +39,11 @@ use crate::pages::pageio::WriteIo;
 /// came first, 0.74-0.87 (1.77-1.90 GB/s vs 1.51-1.57) with each thread checksumming its own
 /// page; 4 threads 0.72-0.82, 32 threads 0.39; io_uring chains of linked requests (create →
 /// preallocate → write → rename run in the kernel's workers) 0.66-0.88 at 16 in flight,
-/// 0.60-0.71 at 128.
+/// 0.60-0.71 at 128. (Those with one batch in flight: the bench ran its batches one at a
+/// time until 2026-12-04.) With 4 batches really in flight (2026-12-04, load 2-6): 16 threads
+/// 0.65-0.94 against 0.75-0.97 for 8; io_uring for the data writes (one submission of the
+/// batch after its creates, or each page's write as soon as its file is made) 0.42-0.99
+/// against 0.64-1.00 (docs/benchmarks.md, "file").
 pub(crate) const CREATE_THREADS: usize = 8;
 
 /// Directories whose renames a batch needs durable; `None` when all synced, else why not.
