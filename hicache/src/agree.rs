@@ -1,7 +1,10 @@
 //! The pieces of the per-tick rank agreement both controllers (`HiCache` and `HybridCache`)
 //! share: [`agree`] (one fixed-shape exchange of a tick's fixed values and one record of
-//! [`Counts`] per tracked prefetch) and [`leading`] (how many work items, from the oldest,
-//! have finished — what every queue of copies or L3 jobs reports before the exchange).
+//! [`Counts`] per tracked prefetch), [`Tracked`] (the prefetches tracked across ticks, by
+//! sequence number, capped by [`max_tracked`] so the exchange fits one round, gathered into
+//! [`Gathered`]), [`Fifo`] (work in flight, finished oldest first) and [`leading`] (how many
+//! work items, from the oldest, have finished — what every queue of copies or L3 jobs reports
+//! before the exchange).
 //!
 //! Rules (see [`crate::rank`]):
 //! 1. A tick exchanges **once**: every value it needs is gathered before the call, and only
@@ -11,8 +14,10 @@
 //! 3. Work finishes oldest first: a queue reports its leading run of finished items, so the
 //!    agreed minimum names the same items on every rank.
 
+use std::collections::{BTreeMap, VecDeque};
+
 use crate::error::Result;
-use crate::rank::RankGroup;
+use crate::rank::{MAX_EXCHANGE_LEN, RankGroup};
 
 /// One tracked item's values in the exchange (reduced with `min` over ranks).
 pub(crate) trait Counts: Sized {
@@ -100,6 +105,216 @@ pub(crate) fn agree<C: Counts>(
     Ok(())
 }
 
+/// Most tracked items of `per` values each that an exchange with `fixed` values before them
+/// carries in one round ([`MAX_EXCHANGE_LEN`]).
+pub(crate) const fn max_tracked(fixed: usize, per: usize) -> usize {
+    (MAX_EXCHANGE_LEN - fixed) / per
+}
+
+/// Work tracked across ticks and advanced by agreed values (prefetches): each item has a
+/// sequence number, handed out in creation order.
+///
+/// Invariants:
+/// 1. Iteration is in creation (sequence) order, so every rank that created and removed the
+///    same items lists them alike (rule 2).
+/// 2. At most `max` items are tracked: [`is_full`](Self::is_full) is checked before an
+///    insert, and the caller's exchange is sized for `max` (see [`max_tracked`]).
+#[derive(Debug)]
+pub(crate) struct Tracked<T> {
+    items: BTreeMap<u64, T>,
+    next: u64,
+    max: usize,
+}
+
+impl<T> Tracked<T> {
+    /// An empty table of at most `max` items.
+    pub fn new(max: usize) -> Self {
+        Self {
+            items: BTreeMap::new(),
+            next: 0,
+            max,
+        }
+    }
+
+    /// Whether no item can be added (invariant 2): every rank tracks the same items, so every
+    /// rank refuses alike.
+    pub fn is_full(&self) -> bool {
+        self.items.len() >= self.max
+    }
+
+    /// Tracks `item`; its sequence number.
+    pub fn insert(&mut self, item: T) -> u64 {
+        debug_assert!(!self.is_full(), "checked by the caller (invariant 2)");
+        let seq = self.next;
+        self.next += 1;
+        self.items.insert(seq, item);
+        seq
+    }
+
+    /// The item `seq`. Panics when it is not tracked (a caller's bug: sequence numbers come
+    /// from this table).
+    pub fn get(&self, seq: u64) -> &T {
+        &self.items[&seq]
+    }
+
+    /// The item `seq`, mutably. Panics as [`get`](Self::get).
+    pub fn get_mut(&mut self, seq: u64) -> &mut T {
+        self.items.get_mut(&seq).expect("tracked")
+    }
+
+    /// Stops tracking `seq`. Panics as [`get`](Self::get).
+    pub fn remove(&mut self, seq: u64) -> T {
+        self.items.remove(&seq).expect("tracked")
+    }
+
+    /// Number of items tracked.
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// Whether none is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// The items, in creation order.
+    pub fn values(&self) -> impl Iterator<Item = &T> {
+        self.items.values()
+    }
+
+    /// The sequence numbers, in creation order.
+    pub fn seqs(&self) -> Vec<u64> {
+        self.items.keys().copied().collect()
+    }
+
+    /// This rank's [`Counts`] of every item (by `counts`), in creation order, for
+    /// [`agree`].
+    pub fn gather<C>(&self, mut counts: impl FnMut(&T) -> C) -> Gathered<C> {
+        let mut g = Gathered {
+            seqs: Vec::with_capacity(self.items.len()),
+            counts: Vec::with_capacity(self.items.len()),
+        };
+        for (&seq, item) in &self.items {
+            g.seqs.push(seq);
+            g.counts.push(counts(item));
+        }
+        g
+    }
+}
+
+/// The counts of every tracked item, with their sequence numbers: this rank's from
+/// [`Tracked::gather`], every rank's minimum after [`Gathered::agree`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Gathered<C> {
+    seqs: Vec<u64>,
+    counts: Vec<C>,
+}
+
+impl<C> Default for Gathered<C> {
+    fn default() -> Self {
+        Self {
+            seqs: Vec::new(),
+            counts: Vec::new(),
+        }
+    }
+}
+
+impl<C: Counts> Gathered<C> {
+    /// Replaces `fixed` and the counts with every rank's minimum ([`agree`]).
+    pub fn agree(&mut self, rank: &dyn RankGroup, fixed: &mut [u64]) -> Result<()> {
+        agree(rank, fixed, &mut self.counts)
+    }
+}
+
+impl<C> IntoIterator for Gathered<C> {
+    type Item = (u64, C);
+    type IntoIter = std::iter::Zip<std::vec::IntoIter<u64>, std::vec::IntoIter<C>>;
+
+    /// Each item's sequence number and counts, in creation order.
+    fn into_iter(self) -> Self::IntoIter {
+        self.seqs.into_iter().zip(self.counts)
+    }
+}
+
+/// Work in flight, launched in order and finished oldest first (rule 3): copies, L3 backups,
+/// ended prefetches whose task may still run.
+///
+/// Invariant: items leave only from the front, one at a time ([`pop`](Self::pop)), after
+/// the caller agreed how many of the leading ones finished ([`leading`](Self::leading)), so
+/// every rank finishes the same items.
+#[derive(Debug)]
+pub(crate) struct Fifo<T>(VecDeque<T>);
+
+impl<T> Default for Fifo<T> {
+    fn default() -> Self {
+        Self(VecDeque::new())
+    }
+}
+
+impl<T> Fifo<T> {
+    /// Appends a launched item.
+    pub fn push(&mut self, item: T) {
+        self.0.push_back(item);
+    }
+
+    /// Removes the oldest item (one the agreed count says finished).
+    pub fn pop(&mut self) -> Option<T> {
+        self.0.pop_front()
+    }
+
+    /// Number of items in flight.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether nothing is in flight.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The items, oldest first.
+    pub fn iter(&self) -> std::collections::vec_deque::Iter<'_, T> {
+        self.0.iter()
+    }
+
+    /// How many items, from the oldest, `done` says finished ([`leading`]).
+    pub fn leading(&self, done: impl FnMut(&T) -> Result<bool>) -> Result<usize> {
+        leading(&self.0, done)
+    }
+
+    /// As [`leading`](Self::leading), for a `done` that cannot fail.
+    pub fn leading_ok(&self, mut done: impl FnMut(&T) -> bool) -> usize {
+        self.0.iter().take_while(|t| done(t)).count()
+    }
+}
+
+impl<T> std::ops::Index<usize> for Fifo<T> {
+    type Output = T;
+
+    fn index(&self, i: usize) -> &T {
+        &self.0[i]
+    }
+}
+
+impl<T> IntoIterator for Fifo<T> {
+    type Item = T;
+    type IntoIter = std::collections::vec_deque::IntoIter<T>;
+
+    /// The items, oldest first.
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.into_iter()
+    }
+}
+
+impl<'a, T> IntoIterator for &'a Fifo<T> {
+    type Item = &'a T;
+    type IntoIter = std::collections::vec_deque::Iter<'a, T>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
 /// How many of `items`, from the first, are finished by `done` (rule 3); stops at the first
 /// unfinished one and at the first error.
 pub(crate) fn leading<T>(
@@ -167,6 +382,49 @@ mod tests {
         // A different shape on the peer is the group's error, passed on.
         let err = agree(&group, &mut [1], &mut [pair(0, false)]).unwrap_err();
         assert!(err.to_string().contains("shape 3"), "{err}");
+    }
+
+    #[test]
+    fn tracked_items_keep_creation_order_and_their_cap() {
+        let mut t = Tracked::new(2);
+        let a = t.insert("a");
+        let b = t.insert("b");
+        assert!(t.is_full());
+        assert_eq!(t.remove(a), "a");
+        let c = t.insert("c");
+        // Sequence numbers are never reused; iteration is creation order.
+        assert!(a < b && b < c);
+        assert_eq!(t.seqs(), [b, c]);
+        assert_eq!(t.values().copied().collect::<Vec<_>>(), ["b", "c"]);
+        *t.get_mut(c) = "c2";
+        let group = Peer {
+            peer: vec![0, 1, 9, 1, 0],
+        };
+        let mut g = t.gather(|s| Pair {
+            n: s.len() as u64,
+            flag: true,
+        });
+        let mut fixed = [3];
+        g.agree(&group, &mut fixed).unwrap();
+        assert_eq!(fixed, [0]);
+        let pair = |n, flag| Pair { n, flag };
+        let agreed: Vec<_> = g.into_iter().collect();
+        assert_eq!(agreed, [(b, pair(1, true)), (c, pair(1, false))]);
+        assert_eq!(max_tracked(5, 4), 1022);
+    }
+
+    #[test]
+    fn fifo_finishes_from_the_oldest() {
+        let mut q = Fifo::default();
+        for done in [true, true, false, true] {
+            q.push(done);
+        }
+        assert_eq!(q.leading_ok(|d| *d), 2);
+        assert_eq!(q.leading(|d| Ok(*d)).unwrap(), 2);
+        assert_eq!((q.len(), q[2]), (4, false));
+        assert_eq!(q.pop(), Some(true));
+        assert_eq!(q.iter().count(), 3);
+        assert_eq!(q.into_iter().collect::<Vec<_>>(), [true, false, true]);
     }
 
     #[test]

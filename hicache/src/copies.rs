@@ -11,7 +11,7 @@
 //!    [`Copies::start_loading`], published to the `LayerDoneCounter`; their nodes stay locked
 //!    until the agreed ack.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,7 +21,7 @@ use hicache_core::{
 };
 use hicache_gpu::{Completion, Event, LayerDoneCounter, LoadHandle, Stream, TransferEngine};
 
-use crate::agree::leading;
+use crate::agree::Fifo;
 use crate::error::Result;
 use crate::metrics::Direction;
 use crate::tree_pools::Tiers;
@@ -68,11 +68,11 @@ pub(crate) struct Copies {
     /// cold pages move to L3 (dropped once evicted or backed up; not awaited by a drain).
     waiting: Vec<NodeId>,
     /// Launched D2H batches, oldest first.
-    writes: VecDeque<WriteBatch>,
+    writes: Fifo<WriteBatch>,
     /// Load-backs committed by admissions of this tick, launched by `start_loading`.
     queued_loads: Vec<QueuedLoad>,
     /// Launched H2D batches, oldest first.
-    loads: VecDeque<LoadBatch>,
+    loads: Fifo<LoadBatch>,
 }
 
 impl Copies {
@@ -91,9 +91,9 @@ impl Copies {
             page_bytes: page_bytes as u64,
             due: Vec::new(),
             waiting: Vec::new(),
-            writes: VecDeque::new(),
+            writes: Fifo::default(),
             queued_loads: Vec::new(),
-            loads: VecDeque::new(),
+            loads: Fifo::default(),
         }
     }
 
@@ -223,7 +223,7 @@ impl Copies {
         let after = self.after_compute()?;
         let after: Vec<&Event> = after.iter().collect();
         let done = self.engine.backup(&dev, &host, &after)?;
-        self.writes.push_back(WriteBatch {
+        self.writes.push(WriteBatch {
             done,
             ids,
             pages: dev.len(),
@@ -285,7 +285,7 @@ impl Copies {
         }
         let handle = self.engine.load(&host, &dev, &[])?;
         let producer = self.counter.publish(handle.clone())?;
-        self.loads.push_back(LoadBatch {
+        self.loads.push(LoadBatch {
             handle,
             producer,
             ids,
@@ -300,7 +300,7 @@ impl Copies {
     pub fn finish_writes(&mut self, n: usize, tiers: &mut Tiers) -> Result<Vec<FinishedBackup>> {
         let mut out = Vec::new();
         for _ in 0..n {
-            let Some(batch) = self.writes.pop_front() else {
+            let Some(batch) = self.writes.pop() else {
                 break;
             };
             batch.done.wait()?;
@@ -335,7 +335,7 @@ impl Copies {
     /// `buffer_only` releases the host copies of loaded pages known to be in L3.
     pub fn finish_loads(&mut self, n: usize, tiers: &mut Tiers) -> Result<()> {
         for _ in 0..n {
-            let Some(batch) = self.loads.pop_front() else {
+            let Some(batch) = self.loads.pop() else {
                 break;
             };
             batch.handle.wait()?;
@@ -367,12 +367,12 @@ impl Copies {
 
     /// Number of write batches, from the oldest, whose copies completed.
     pub fn ready_writes(&self) -> Result<usize> {
-        leading(&self.writes, |w| Ok(w.done.is_done()?))
+        self.writes.leading(|w| Ok(w.done.is_done()?))
     }
 
     /// Number of load batches, from the oldest, whose copies completed.
     pub fn ready_loads(&self) -> Result<usize> {
-        leading(&self.loads, |l| Ok(l.handle.is_done()?))
+        self.loads.leading(|l| Ok(l.handle.is_done()?))
     }
 }
 

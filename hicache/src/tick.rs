@@ -22,7 +22,7 @@
 
 use hicache_core::KvEvent;
 
-use crate::agree::{Counts, agree};
+use crate::agree::{Counts, Gathered};
 use crate::copies::Copies;
 use crate::error::Result;
 use crate::l3::{L3, MAX_TRACKED_PREFETCHES, PrefetchCounts};
@@ -36,7 +36,7 @@ pub const EXCHANGE_WRITES_FINISHED: usize = 0;
 /// Index of "L3 backups finished" in the exchanged vector.
 pub const EXCHANGE_BACKUPS_FINISHED: usize = 2;
 /// Values of the exchange before the prefetches.
-const FIXED_VALUES: usize = 5;
+pub(crate) const FIXED_VALUES: usize = 5;
 
 // The largest exchange fits one round.
 const _: () =
@@ -94,8 +94,8 @@ pub(crate) struct TickCounts {
     host_free: usize,
     /// The first finished L3 backup that did not store every page (see [`L3`]).
     backups_incomplete: usize,
-    /// Each tracked prefetch (sequence number, counts), in creation order.
-    prefetches: Vec<(u64, PrefetchCounts)>,
+    /// Each tracked prefetch's counts, in creation order.
+    prefetches: Gathered<PrefetchCounts>,
 }
 
 /// The parts a tick changes.
@@ -118,15 +118,11 @@ impl TickCounts {
             backups: l3.map_or(0, L3::ready_backups),
             host_free: tiers.host_pool.available(),
             backups_incomplete: l3.map_or(usize::MAX, L3::first_incomplete_backup),
-            prefetches: l3.map_or_else(Vec::new, |l3| {
-                let mut v = Vec::with_capacity(l3.prefetches_tracked());
-                l3.prefetch_counts(ps, &mut v);
-                v
-            }),
+            prefetches: l3.map_or_else(Gathered::default, |l3| l3.prefetch_counts(ps)),
         })
     }
 
-    /// Every rank's minimum, through one exchange ([`agree`]).
+    /// Every rank's minimum, through one exchange ([`Gathered::agree`]).
     pub fn agree(mut self, rank: &dyn RankGroup) -> Result<Self> {
         // EXCHANGE_WRITES_FINISHED, 1, EXCHANGE_BACKUPS_FINISHED, 3, 4.
         let mut fixed: [u64; FIXED_VALUES] = [
@@ -136,16 +132,12 @@ impl TickCounts {
             self.host_free as u64,
             u64::try_from(self.backups_incomplete).unwrap_or(u64::MAX),
         ];
-        let mut counts: Vec<PrefetchCounts> = self.prefetches.iter().map(|(_, p)| *p).collect();
-        agree(rank, &mut fixed, &mut counts)?;
+        self.prefetches.agree(rank, &mut fixed)?;
         self.writes = fixed[0] as usize;
         self.loads = fixed[1] as usize;
         self.backups = fixed[2] as usize;
         self.host_free = fixed[3] as usize;
         self.backups_incomplete = usize::try_from(fixed[4]).unwrap_or(usize::MAX);
-        for ((_, p), agreed) in self.prefetches.iter_mut().zip(counts) {
-            *p = agreed;
-        }
         Ok(self)
     }
 

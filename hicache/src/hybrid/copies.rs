@@ -2,12 +2,10 @@
 //! write-through. Each entry holds the tree's id of its committed transfer; the tree keeps
 //! the node locked until [`HybridCache::poll`](super::HybridCache::poll) finishes it.
 
-use std::collections::VecDeque;
-
 use hicache_core::{BackupId, NodeId, UnifiedLoadId};
 use hicache_gpu::{Completion, LoadHandle};
 
-use crate::agree::leading;
+use crate::agree::{Fifo, leading};
 use crate::error::Result;
 
 /// One copy launched on a stream, finished when its event has fired.
@@ -59,9 +57,9 @@ pub(crate) struct Load {
 #[derive(Debug, Default)]
 pub(crate) struct Copies {
     /// Backups, oldest first.
-    pub backups: VecDeque<Backup>,
+    pub backups: Fifo<Backup>,
     /// Load-backs, oldest first.
-    pub loads: VecDeque<Load>,
+    pub loads: Fifo<Load>,
     /// Copy-on-write state copies (nothing to finish in the tree; kept until landed).
     pub cows: Vec<(usize, Launched)>,
     /// Inserted nodes to back up at the next poll.
@@ -81,7 +79,7 @@ impl Copies {
     /// Records a committed load-back in the open batch.
     pub fn add_load(&mut self, id: UnifiedLoadId, copies: Vec<Launched>) {
         self.batch_used = true;
-        self.loads.push_back(Load {
+        self.loads.push(Load {
             id,
             batch: self.batch,
             copies,
@@ -140,12 +138,12 @@ impl Copies {
 
     /// Leading backups whose copies have landed.
     pub fn backups_done(&self) -> Result<usize> {
-        leading(&self.backups, |b| all_done(&b.copies))
+        self.backups.leading(|b| all_done(&b.copies))
     }
 
     /// Leading load-backs whose copies have landed.
     pub fn loads_done(&self) -> Result<usize> {
-        leading(&self.loads, |l| all_done(&l.copies))
+        self.loads.leading(|l| all_done(&l.copies))
     }
 
     /// Forgets the copy-on-write copies that have landed.

@@ -10,7 +10,6 @@
 //! counts, so every rank's host pools hold the same free slots when the next allocation
 //! evicts.
 
-use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -22,27 +21,36 @@ use super::cache::{HybridCache, Units};
 use super::l3::{L3BackupOp, L3Job, PARTS, PagesOut};
 use super::prefetch::{FetchCounts, FetchShared, FetchTask, Phase, PrefetchOp};
 use super::tick::{EXCHANGE_DRAINED, EXCHANGE_L3_BACKUPS, FIXED_VALUES};
-use crate::agree::Counts;
+use crate::agree::{Counts, Fifo, Gathered, Tracked, max_tracked};
 use crate::error::Result;
 use crate::l3::WarnLimit;
-use crate::rank::MAX_EXCHANGE_LEN;
 
 /// Most prefetches tracked at once (so the tick's exchange fits one round); arrivals beyond
 /// that start none.
-const MAX_TRACKED_PREFETCHES: usize = (MAX_EXCHANGE_LEN - FIXED_VALUES) / FetchCounts::LEN;
+const MAX_TRACKED_PREFETCHES: usize = max_tracked(FIXED_VALUES, FetchCounts::LEN);
 
 /// L3 work in flight.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct L3Ops {
     /// Background backups, oldest first.
-    pub backups: VecDeque<L3BackupOp>,
+    pub backups: Fifo<L3BackupOp>,
     /// Prefetches by sequence number (creation order).
-    pub prefetches: BTreeMap<u64, PrefetchOp>,
-    next: u64,
+    pub prefetches: Tracked<PrefetchOp>,
     /// Ended prefetches whose task may still write their slots: freed once it exited.
-    draining: Vec<(Arc<FetchShared>, Units)>,
+    draining: Fifo<(Arc<FetchShared>, Units)>,
     /// Warnings of backups that lost pages to storage errors (the dense tier's limit).
     write_warn: WarnLimit,
+}
+
+impl Default for L3Ops {
+    fn default() -> Self {
+        Self {
+            backups: Fifo::default(),
+            prefetches: Tracked::new(MAX_TRACKED_PREFETCHES),
+            draining: Fifo::default(),
+            write_warn: WarnLimit::default(),
+        }
+    }
 }
 
 impl HybridCache {
@@ -110,7 +118,7 @@ impl HybridCache {
         };
         let host_lock = self.tree.lock_host(job.nodes[0])?;
         let op = l3.spawn_backup(job, host_lock)?;
-        self.l3_ops.backups.push_back(op);
+        self.l3_ops.backups.push(op);
         Ok(())
     }
 
@@ -174,21 +182,15 @@ impl HybridCache {
     /// This rank's L3 values for the tick's exchange: backups finished and drained
     /// prefetches into `fixed` (see `tick`), and each tracked prefetch's counts with its
     /// sequence number (none without L3).
-    pub(crate) fn gather_l3(
-        &self,
-        fixed: &mut [u64; FIXED_VALUES],
-    ) -> (Vec<u64>, Vec<FetchCounts>) {
+    pub(crate) fn gather_l3(&self, fixed: &mut [u64; FIXED_VALUES]) -> Gathered<FetchCounts> {
         let Some(l3) = &self.l3 else {
             return Default::default();
         };
         let ops = &self.l3_ops;
-        fixed[EXCHANGE_L3_BACKUPS] = ops.backups.iter().take_while(|b| b.is_done()).count() as u64;
-        fixed[EXCHANGE_DRAINED] = (ops.draining.iter())
-            .take_while(|(s, _)| s.exited.is_set())
-            .count() as u64;
+        fixed[EXCHANGE_L3_BACKUPS] = ops.backups.leading_ok(L3BackupOp::is_done) as u64;
+        fixed[EXCHANGE_DRAINED] = ops.draining.leading_ok(|(s, _)| s.exited.is_set()) as u64;
         let ps = self.cfg.page_size as usize;
-        let counts = ops.prefetches.values().map(|p| p.counts(&l3.prefetch, ps));
-        (ops.prefetches.keys().copied().collect(), counts.collect())
+        ops.prefetches.gather(|p| p.counts(&l3.prefetch, ps))
     }
 
     /// The L3 part of a tick, from the agreed values: the `backups` oldest background
@@ -197,14 +199,14 @@ impl HybridCache {
     pub(crate) fn apply_l3(
         &mut self,
         (backups, drained): (u64, u64),
-        prefetches: impl Iterator<Item = (u64, FetchCounts)>,
+        prefetches: Gathered<FetchCounts>,
     ) -> Result<()> {
         for _ in 0..backups {
-            let op = self.l3_ops.backups.pop_front().expect("counted above");
+            let op = self.l3_ops.backups.pop().expect("counted above");
             self.end_backup(op)?;
         }
-        let freed: Vec<_> = self.l3_ops.draining.drain(..drained as usize).collect();
-        for (_, host) in freed {
+        for _ in 0..drained {
+            let (_, host) = self.l3_ops.draining.pop().expect("counted above");
             self.free_host_units(&host)?;
         }
         for (seq, agreed) in prefetches {
@@ -236,7 +238,7 @@ impl HybridCache {
             && m.full_hit_len <= start
             && aligned > start
             && aligned - start >= threshold
-            && self.l3_ops.prefetches.len() < MAX_TRACKED_PREFETCHES;
+            && !self.l3_ops.prefetches.is_full();
         if !eligible {
             return Ok((0, None));
         }
@@ -256,28 +258,23 @@ impl HybridCache {
         };
         l3.engine.spawn(task.run());
         let host_lock = self.tree.lock_host(m.host_node)?;
-        let seq = self.l3_ops.next;
-        self.l3_ops.next += 1;
-        self.l3_ops.prefetches.insert(
-            seq,
-            PrefetchOp {
-                req,
-                anchor: m.host_node,
-                host_lock,
-                key: key[..aligned].to_vec(),
-                start,
-                hashes,
-                started: Instant::now(),
-                shared,
-                phase: Phase::Lookup,
-            },
-        );
+        let seq = self.l3_ops.prefetches.insert(PrefetchOp {
+            req,
+            anchor: m.host_node,
+            host_lock,
+            key: key[..aligned].to_vec(),
+            start,
+            hashes,
+            started: Instant::now(),
+            shared,
+            phase: Phase::Lookup,
+        });
         Ok((aligned - start, Some(seq)))
     }
 
     /// Applies the agreed view of one prefetch (steps 2–4 of `prefetch`).
     fn advance_prefetch(&mut self, seq: u64, agreed: FetchCounts) -> Result<()> {
-        let reading = matches!(self.l3_ops.prefetches[&seq].phase, Phase::Reading { .. });
+        let reading = matches!(self.l3_ops.prefetches.get(seq).phase, Phase::Reading { .. });
         if !reading && agreed.looked_up {
             self.start_read(seq, agreed.hit as usize)
         } else if reading && agreed.read_done {
@@ -296,14 +293,14 @@ impl HybridCache {
         if hit == 0 || hit * ps < self.cfg.prefetch_threshold_tokens.max(ps) {
             return self.end_prefetch(seq, false);
         }
-        let op = &self.l3_ops.prefetches[&seq];
+        let op = &self.l3_ops.prefetches.get(seq);
         let l3 = self.l3.as_ref().expect("prefetches exist only with L3");
         let plan = l3.plan_for(&op.hashes, hit, op.start == 0)?;
         let [kv, swa, mamba] = [0, 1, 2].map(|k| plan.keys[k].len());
         let Some(host) = self.alloc_host(kv, swa, mamba)? else {
             return self.end_prefetch(seq, false);
         };
-        let op = self.l3_ops.prefetches.get_mut(&seq).expect("tracked");
+        let op = self.l3_ops.prefetches.get_mut(seq);
         op.shared.order_read(
             plan.clone(),
             [host.full.clone(), host.swa.clone(), host.mamba.clone()],
@@ -316,7 +313,7 @@ impl HybridCache {
     /// otherwise frees its slots (once its task can no longer write them); unpins the anchor
     /// and tells the request what came from L3.
     fn end_prefetch(&mut self, seq: u64, insert: bool) -> Result<()> {
-        let op = self.l3_ops.prefetches.remove(&seq).expect("tracked");
+        let op = self.l3_ops.prefetches.remove(seq);
         op.shared.terminate();
         let mut tokens = 0;
         if let Phase::Reading { plan, host } = &op.phase {
@@ -411,11 +408,11 @@ impl HybridCache {
     /// Closes L3: every prefetch ended (nothing inserted), every task awaited, every backup
     /// finished, the runtime stopped.
     pub(crate) fn close_l3(&mut self) -> Result<()> {
-        let seqs: Vec<u64> = self.l3_ops.prefetches.keys().copied().collect();
+        let seqs = self.l3_ops.prefetches.seqs();
         for seq in seqs {
             self.end_prefetch(seq, false)?;
         }
-        while let Some(op) = self.l3_ops.backups.pop_front() {
+        while let Some(op) = self.l3_ops.backups.pop() {
             op.wait();
             self.end_backup(op)?;
         }

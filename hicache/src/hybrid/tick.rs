@@ -1,6 +1,8 @@
 //! The per-tick pump of [`HybridCache`]: one rank agreement a tick (the dense controller's
-//! [`agree`]), then finishing copies and L3 work at the agreed counts, launching write-through
-//! per component, and the load batches the engine waits on.
+//! [`crate::agree`]: copies and L3 backups in [`Fifo`](crate::agree::Fifo)s, prefetches in a
+//! [`Tracked`](crate::agree::Tracked) table, gathered and agreed as the dense ones), then
+//! finishing copies and L3 work at the agreed counts, launching write-through per component,
+//! and the load batches the engine waits on.
 //!
 //! The exchanged vector (reduced with `min`), the dense controller's layout where the two
 //! share a meaning:
@@ -22,7 +24,6 @@ use hicache_core::{Component, HostBackup, NodeId, UnifiedLoadPlan};
 use super::cache::{HybridCache, Units};
 use super::copies::Backup;
 use super::copies::Launched;
-use crate::agree::agree;
 use crate::error::Result;
 
 /// Index of "backups finished" in the exchanged vector.
@@ -104,25 +105,25 @@ impl HybridCache {
         let mut fixed = [0; FIXED_VALUES];
         fixed[HYBRID_EXCHANGE_BACKUPS] = self.copies.backups_done()? as u64;
         fixed[HYBRID_EXCHANGE_LOADS] = self.copies.loads_done()? as u64;
-        let (seqs, mut prefetches) = self.gather_l3(&mut fixed);
-        agree(&*self.rank, &mut fixed, &mut prefetches)?;
+        let mut prefetches = self.gather_l3(&mut fixed);
+        prefetches.agree(&*self.rank, &mut fixed)?;
         self.finish_copies(&fixed)?;
         let ended = (fixed[EXCHANGE_L3_BACKUPS], fixed[EXCHANGE_DRAINED]);
-        self.apply_l3(ended, seqs.into_iter().zip(prefetches))
+        self.apply_l3(ended, prefetches)
     }
 
     /// Finishes the copies every rank has seen land (the agreed `fixed`), starting the L3
     /// backup of each finished write-through.
     fn finish_copies(&mut self, fixed: &[u64; FIXED_VALUES]) -> Result<()> {
         for _ in 0..fixed[HYBRID_EXCHANGE_BACKUPS] {
-            let b = self.copies.backups.pop_front().expect("counted above");
+            let b = self.copies.backups.pop().expect("counted above");
             self.tree.finish_backup(b.id)?;
             if let Some(job) = b.l3 {
                 self.l3_backup(job)?;
             }
         }
         for _ in 0..fixed[HYBRID_EXCHANGE_LOADS] {
-            let l = self.copies.loads.pop_front().expect("counted above");
+            let l = self.copies.loads.pop().expect("counted above");
             self.tree.finish_load_back(l.id)?;
         }
         self.copies.prune_cows()
@@ -212,7 +213,7 @@ impl HybridCache {
             );
         }
         let l3 = self.l3_job(&plan, &host, hashes)?;
-        self.copies.backups.push_back(Backup { id, l3, copies });
+        self.copies.backups.push(Backup { id, l3, copies });
         Ok(true)
     }
 

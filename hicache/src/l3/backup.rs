@@ -250,7 +250,7 @@ impl L3 {
             self.engine
                 .backup_deferred(pool, p.chain, p.slots, self.layout)
         };
-        self.backups.push_back(BackupOp {
+        self.backups.push(BackupOp {
             kind: p.kind,
             nodes: p.nodes,
             hashes: p.hashes,
@@ -278,7 +278,7 @@ impl L3 {
 
     /// Number of backups, from the oldest, that finished.
     pub fn ready_backups(&self) -> usize {
-        self.backups.iter().take_while(|b| b.is_done()).count()
+        self.backups.leading_ok(BackupOp::is_done)
     }
 
     /// Waits (blocking, woken by each task's end) until the oldest `n` backups finished
@@ -313,7 +313,7 @@ impl L3 {
         events: &mut Vec<KvEvent>,
     ) -> Result<()> {
         for k in 0..n {
-            let Some(op) = self.backups.pop_front() else {
+            let Some(op) = self.backups.pop() else {
                 break;
             };
             for node in &op.nodes {

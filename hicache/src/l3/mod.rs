@@ -14,7 +14,6 @@ mod engine;
 mod jobs;
 mod prefetch;
 
-use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,6 +26,7 @@ pub(crate) use jobs::{BackupShared, Chain, Latch, PageSource, get_batch, present
 pub use prefetch::RequestId;
 pub(crate) use prefetch::{MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd, may_end};
 
+use crate::agree::{Fifo, Tracked};
 use crate::config::HiCacheConfig;
 use crate::error::{HiCacheError, Result};
 use crate::metrics::PrefetchOutcome;
@@ -83,8 +83,8 @@ pub(crate) struct L3 {
     page_size: usize,
     page_bytes: usize,
     layout: LayoutKind,
-    prefetches: BTreeMap<u64, PrefetchOp>,
-    backups: VecDeque<BackupOp>,
+    prefetches: Tracked<PrefetchOp>,
+    backups: Fifo<BackupOp>,
     /// Finished or revoked prefetches whose task may still hand pages back.
     draining: Vec<Arc<FetchShared>>,
     /// Host pages held by in-flight prefetches, and the most they may hold.
@@ -96,7 +96,6 @@ pub(crate) struct L3 {
     demoting_pages: usize,
     /// Polls left before demoting again after a demotion that did not store every page.
     demote_pause: u32,
-    next_seq: u64,
     /// Warnings of backups that lost pages to storage errors.
     write_warn: WarnLimit,
     /// Warnings of prefetches that lost pages to storage errors.
@@ -158,15 +157,14 @@ impl L3 {
             page_size: cfg.page_size as usize,
             page_bytes: shape.page_bytes(),
             layout: cfg.mem_layout,
-            prefetches: BTreeMap::new(),
-            backups: VecDeque::new(),
+            prefetches: Tracked::new(MAX_TRACKED_PREFETCHES),
+            backups: Fifo::default(),
             draining: Vec::new(),
             occupied_pages: 0,
             capacity_pages: capacity_pages.max(1),
             backup_skip,
             demoting_pages: 0,
             demote_pause: 0,
-            next_seq: 0,
             write_warn: WarnLimit::default(),
             read_warn: WarnLimit::default(),
         })

@@ -38,6 +38,7 @@ use hicache_core::{
 
 use super::L3;
 use super::jobs::{FetchShared, QueryJob};
+use crate::agree::{Counts, Gathered};
 use crate::error::{HiCacheError, Result};
 use crate::metrics::{Direction, L3Op, PrefetchOutcome};
 use crate::tree_pools::Tiers;
@@ -47,9 +48,10 @@ use crate::tree_pools::Tiers;
 pub type RequestId = u64;
 
 /// Most prefetches tracked at once: the per-tick exchange carries
-/// [`PrefetchCounts::LEN`] values for each (the tick checks that they fit one exchange).
+/// [`PrefetchCounts::LEN`] values for each after the tick's fixed values, in one round.
 /// Arrivals beyond that start no prefetch.
-pub(crate) const MAX_TRACKED_PREFETCHES: usize = 1022;
+pub(crate) const MAX_TRACKED_PREFETCHES: usize =
+    crate::agree::max_tracked(crate::tick::FIXED_VALUES, PrefetchCounts::LEN);
 
 /// Exclusive tiering: most polls a prefetch whose hit found no host room waits for cold
 /// pages to reach L3 (and become droppable) before it gives up (`no_host_memory`).
@@ -151,7 +153,7 @@ impl L3 {
         if (total - matched_pages) * ps < self.threshold_tokens() {
             return Ok(None);
         }
-        if self.prefetches.len() >= MAX_TRACKED_PREFETCHES {
+        if self.prefetches.is_full() {
             // Every rank tracks the same prefetches, so every rank skips this one.
             tiers.metrics.prefetch(PrefetchOutcome::rate_limited);
             return Ok(None);
@@ -202,32 +204,23 @@ impl L3 {
         };
         // Handed to the runtime at the tick's next flush (one wake-up per tick).
         self.engine.defer(job.run());
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        self.prefetches.insert(
-            seq,
-            PrefetchOp {
-                req,
-                tenant,
-                anchor,
-                tokens,
-                started: Instant::now(),
-                shared,
-                phase: Phase::Querying,
-                room_waits: 0,
-            },
-        );
+        let seq = self.prefetches.insert(PrefetchOp {
+            req,
+            tenant,
+            anchor,
+            tokens,
+            started: Instant::now(),
+            shared,
+            phase: Phase::Querying,
+            room_waits: 0,
+        });
         Ok(Some((seq, pages)))
     }
 
     /// This rank's view of every tracked prefetch for the per-tick exchange, in the agreed
-    /// (creation) order: appended to `out`.
-    pub fn prefetch_counts(&self, page_size: usize, out: &mut Vec<(u64, PrefetchCounts)>) {
-        out.extend(
-            self.prefetches
-                .iter()
-                .map(|(&seq, op)| (seq, self.op_counts(op, page_size))),
-        );
+    /// (creation) order.
+    pub fn prefetch_counts(&self, page_size: usize) -> Gathered<PrefetchCounts> {
+        self.prefetches.gather(|op| self.op_counts(op, page_size))
     }
 
     /// This rank's view of one prefetch.
@@ -266,7 +259,7 @@ impl L3 {
         agreed: PrefetchCounts,
         tiers: &mut Tiers,
     ) -> Result<Option<PrefetchEnd>> {
-        let op = &self.prefetches[&seq];
+        let op = self.prefetches.get(seq);
         let querying = matches!(op.phase, Phase::Querying);
         if querying {
             if agreed.query_done && agreed.may_end && op.room_waits > 0 {
@@ -323,7 +316,7 @@ impl L3 {
             }
         };
         self.occupied_pages += host.len();
-        let op = self.prefetches.get_mut(&seq).expect("tracked");
+        let op = self.prefetches.get_mut(seq);
         op.shared.state.lock().slots = Some(host.clone());
         op.shared.notify.notify_one();
         op.phase = Phase::Fetching { host };
@@ -339,7 +332,7 @@ impl L3 {
         want: usize,
         tiers: &mut Tiers,
     ) -> Result<Option<PrefetchEnd>> {
-        let op = self.prefetches.get_mut(&seq).expect("tracked");
+        let op = self.prefetches.get_mut(seq);
         if tiers.tiering.exclusive && op.room_waits < ROOM_WAIT_POLLS {
             op.room_waits += 1;
             tiers.tiering.shortfall += want;
@@ -359,7 +352,7 @@ impl L3 {
         outcome: PrefetchOutcome,
         tiers: &mut Tiers,
     ) -> Result<PrefetchEnd> {
-        let op = self.prefetches.remove(&seq).expect("tracked");
+        let op = self.prefetches.remove(seq);
         let (snap, failed, failed_pages, error) = {
             let mut st = op.shared.state.lock();
             st.terminated = true;
@@ -483,7 +476,7 @@ impl L3 {
 
     /// Prefetches tracked, in the agreed (creation) order.
     pub fn prefetch_seqs(&self) -> Vec<u64> {
-        self.prefetches.keys().copied().collect()
+        self.prefetches.seqs()
     }
 
     /// Number of prefetches tracked.
