@@ -23,6 +23,7 @@
 //! scheduler does). Ownership of each component's slots is stated in `cache`; the copies in
 //! flight in `copies`; the rank agreement in `tick`.
 
+mod admit;
 mod builder;
 mod cache;
 mod copies;
@@ -52,6 +53,6 @@ pub use cache::HybridCache;
 pub use state::StateSlot;
 pub use tick::{HYBRID_EXCHANGE_BACKUPS, HYBRID_EXCHANGE_LOADS};
 pub use types::{
-    ComponentTotals, HybridAdmission, HybridArrival, HybridConfig, HybridDemand, HybridSlots,
-    HybridTotals,
+    ComponentTotals, HybridAdmission, HybridArrival, HybridConfig, HybridDemand, HybridExtent,
+    HybridSlots, HybridTotals,
 };
