@@ -302,61 +302,65 @@ fn finish(
     cache.poll().unwrap();
 }
 
+/// 20 device pages of 16 tokens. Turn one of conversation 1 (11 pages with its answer) is
+/// pushed to host by conversation 2; a third request runs and holds 16 pages; turn two of
+/// conversation 1 (its first pages on host, 15 pages in all) has no room beside it: the
+/// cache refuses it whole (nothing counted, nothing loaded), and admits it with its L2 hit,
+/// counted once, when it is admitted again after the third has ended.
+fn refused_then_matched_again(cache: &mut dyn CacheUnderTest, name: &str) {
+    let a = tokens(1, 160);
+    serve(cache, 1, &a, 16);
+    serve(cache, 2, &tokens(2, 160), 16);
+    let before = cache.stats().metrics;
+    let c = tokens(3, 240);
+    cache.arrive(3, &c).unwrap();
+    let running = cache.admit(3, &c, 16).unwrap().expect("room");
+    let mut a2 = a.clone();
+    a2.extend(tokens(9_001, 16));
+    a2.extend(tokens(4, 48));
+    cache.arrive(4, &a2).unwrap();
+    cache.poll().unwrap();
+    let refused = cache.admit(4, &a2, 16).unwrap();
+    assert!(
+        refused.is_none(),
+        "{name}: no room for the hit and the rest"
+    );
+    let m = cache.stats().metrics;
+    assert_eq!(
+        m.hit_tokens_l2, before.hit_tokens_l2,
+        "{name}: nothing counted"
+    );
+    assert_eq!(m.h2d.pages, before.h2d.pages, "{name}: nothing loaded");
+    finish(cache, 3, &c, 16, running);
+    let adm = cache
+        .admit(4, &a2, 16)
+        .unwrap()
+        .expect("room once request 3 ended");
+    assert_eq!(adm.l1_pages, 0, "{name}: {adm:?}");
+    assert!(adm.l2_pages >= 8, "{name}: the L2 hit kept: {adm:?}");
+    let hit = adm.l2_pages as u64 * 16;
+    finish(cache, 4, &a2, 16, adm);
+    let after = cache.stats().metrics;
+    assert_eq!(
+        after.hit_tokens_l2 - before.hit_tokens_l2,
+        hit,
+        "{name}: counted once"
+    );
+    cache.shutdown().unwrap();
+}
+
 #[test]
 fn a_request_refused_for_its_load_back_waits_and_is_matched_again_with_its_hit() {
-    // 20 device pages of 16 tokens. Turn one of conversation 1 (11 pages with its answer)
-    // is pushed to host by conversation 2; a third request runs and holds 16 pages; turn
-    // two of conversation 1 (its 11 pages on host, 15 pages in all) has no room beside it:
-    // the adapter refuses it whole, and admits it with its L2 hit once the third has ended.
+    let flags = ["--device-pages", "20", "--hicache-ratio", "3"];
     for m in [tiny_swa(), tiny_mamba()] {
-        let p =
-            small_plan("l1+l2", &["--device-pages", "20", "--hicache-ratio", "3"]).for_hybrid(&m);
+        let p = small_plan("l1+l2", &flags).for_hybrid(&m);
         let factory = HybridFactory::new(m.clone(), 16);
         let mut adapter = factory.build_adapter(&p.setup).unwrap();
-        let cache: &mut dyn CacheUnderTest = &mut adapter;
-        let a = tokens(1, 160);
-        serve(cache, 1, &a, 16);
-        serve(cache, 2, &tokens(2, 160), 16);
-        let before = cache.stats().metrics;
-        cache.arrive(3, &tokens(3, 240)).unwrap();
-        let running = cache.admit(3, &tokens(3, 240), 16).unwrap().expect("room");
-        let mut a2 = a.clone();
-        a2.extend(tokens(9_001, 16));
-        a2.extend(tokens(4, 48));
-        cache.arrive(4, &a2).unwrap();
-        cache.poll().unwrap();
-        assert!(
-            cache.admit(4, &a2, 16).unwrap().is_none(),
-            "{}: no room for the hit and the rest",
-            m.name
-        );
-        let refused = cache.stats().metrics;
-        assert_eq!(
-            refused.hit_tokens_l2, before.hit_tokens_l2,
-            "{}: nothing counted",
-            m.name
-        );
-        assert_eq!(
-            refused.h2d.pages, before.h2d.pages,
-            "{}: nothing loaded",
-            m.name
-        );
-        finish(cache, 3, &tokens(3, 240), 16, running);
-        let adm = cache
-            .admit(4, &a2, 16)
-            .unwrap()
-            .expect("room once request 3 ended");
-        assert_eq!(adm.l1_pages, 0, "{}: {adm:?}", m.name);
-        assert!(adm.l2_pages >= 8, "{}: the L2 hit kept: {adm:?}", m.name);
-        let hit = adm.l2_pages as u64 * 16;
-        finish(cache, 4, &a2, 16, adm);
-        let after = cache.stats().metrics;
-        assert_eq!(
-            after.hit_tokens_l2 - before.hit_tokens_l2,
-            hit,
-            "{}: counted once",
-            m.name
-        );
-        cache.shutdown().unwrap();
+        refused_then_matched_again(&mut adapter, &m.name);
     }
+    // The dense controller does the same: its adapter undoes an admission whose rest does
+    // not fit (`unadmit`), and a refused load-back leaves no room for the rest.
+    let p = small_plan("l1+l2", &flags);
+    let mut dense = hicache_sim::adapter::HiCacheUnderTest::build(&p.setup, false).unwrap();
+    refused_then_matched_again(&mut dense, "dense");
 }

@@ -1,7 +1,8 @@
 //! [`HybridCache::try_admit`]: admission all or nothing, with the host hit counted (SGLang's
 //! scheduler: `PrefillAdder.add_one_req` checks the request's whole token budget, its host
 //! hit included, before `init_load_back`; a request that does not fit stays in the waiting
-//! queue and is matched again on the next round).
+//! queue and is matched again on the next round; a load-back that then finds no room for a
+//! state is not done and the host part is recomputed).
 //!
 //! Invariants (beside the ownership rules of `cache`):
 //! 1. **Nothing or everything.** `try_admit` either refuses and changes nothing a request
@@ -22,6 +23,13 @@
 //!    its SWA window evicted on device, say); the plan is checked after the allocation and a
 //!    changed one is given up and planned again from a fresh match, at most
 //!    [`ATTEMPTS`] times.
+//! 5. **Recompute only what costs no more.** Loading a hit back needs at most as many Full
+//!    and SWA pages as recomputing it (the same pages, or only the window's SWA pages) but
+//!    one more Mamba state (the state loaded into the tree beside the request's copy). When
+//!    the load-back and the rest do not fit together, the rest past the device prefix alone
+//!    is tried: it fits only when states were short, never Full or SWA pages, and then the
+//!    host part is recomputed (SGLang's `init_load_back` fallback, whose budget check counts
+//!    tokens, not states). Whenever pages are short the request waits with its hit.
 
 use hicache_core::{Component, CoreError, DeviceSlot, LockReceipt, UnifiedLoadPlan, UnifiedMatch};
 
@@ -40,6 +48,8 @@ struct Reserved {
     m: UnifiedMatch,
     /// Its load-back (none without a host hit).
     plan: Option<UnifiedLoadPlan>,
+    /// Tokens of the prefix once loaded back (what the rest was reserved after).
+    prefix: usize,
     /// The device prefix's lock while the admission is committed.
     guard: LockReceipt,
     /// The load-back's slots first (per component), then the request's.
@@ -62,8 +72,10 @@ impl HybridCache {
     /// prefix, and the Mamba slots but the copy-on-write one), or `None` and the request
     /// stays arrived, holding nothing, to be matched again by a later call (SGLang's
     /// scheduler; see the module docs for the invariants). Unlike `admit` followed by a
-    /// refused `alloc`, a host hit is never dropped for lack of device room: the request
-    /// waits until the hit and the rest fit together.
+    /// refused `alloc`, a host hit is never dropped for lack of device pages: the request
+    /// waits until the hit and the rest fit together. Only when Mamba states are short (a
+    /// load-back takes one more than recomputing) is the hit recomputed instead, if the rest
+    /// past the device prefix fits (SGLang's fallback).
     pub fn try_admit(
         &mut self,
         req: u64,
@@ -104,52 +116,74 @@ impl HybridCache {
     }
 
     /// Matches and reserves the device room of the load-back and of the rest together
-    /// (invariant 2), the device prefix locked.
+    /// (invariant 2), the device prefix locked; failing that, the room of the rest past the
+    /// device prefix alone when that fits (invariant 5).
     fn reserve(&mut self, tokens: &[u32], extent: HybridExtent) -> Result<Reserve> {
         let ps = self.ps();
+        let has_swa = self.tree.has(Component::Swa);
         let m = self.tree.match_prefix(Self::match_key(tokens))?;
         let plan = match m.host_node == m.node {
             true => None,
             false => self.tree.plan_load_back(m.host_node)?,
         };
-        let (load_full, load_swa, load_mamba) = plan.as_ref().map_or((0, 0, 0), |p| {
-            (
+        // What the request needs past a prefix of `prefix` tokens, plus the load-back's
+        // `load` (Full pages, SWA pages, states).
+        let demand = |prefix: usize, load: (usize, usize, usize)| {
+            let rest = extent.pages.saturating_sub(prefix / ps);
+            HybridDemand {
+                full_pages: load.0 + rest,
+                swa_pages: if has_swa { load.1 + rest } else { 0 },
+                mamba_slots: load.2 + extent.mamba_slots,
+            }
+        };
+        let guard = self.tree.lock(m.node, false)?;
+        if let Some(p) = &plan {
+            // The prefix once loaded: the path to the load-back's node (some of whose nodes
+            // may hold their Full pages on device already, and lack only another component).
+            let prefix = self.tree.depth_tokens(m.host_node)?;
+            let load = (
                 p.full_pages(),
                 p.swa_pages(),
                 usize::from(p.mamba.is_some()),
-            )
-        });
-        // Every page past the device prefix is new on device, loaded or computed.
-        let new_full = extent.pages.saturating_sub(m.device_prefix_len / ps);
-        let demand = HybridDemand {
-            full_pages: new_full,
-            swa_pages: match self.tree.has(Component::Swa) {
-                true => load_swa + new_full.saturating_sub(load_full),
-                false => 0,
-            },
-            mamba_slots: load_mamba + extent.mamba_slots,
-        };
-        let guard = self.tree.lock(m.node, false)?;
-        let units = match self.alloc_units(demand) {
-            Ok(Some(u)) => u,
+            );
+            match self.alloc_units(demand(prefix, load)) {
+                Ok(Some(units)) => {
+                    if self.tree.plan_load_back(m.host_node)?.as_ref() != Some(p) {
+                        self.free_units(&units)?;
+                        self.tree.unlock(&guard)?;
+                        return Ok(Reserve::Stale);
+                    }
+                    return Ok(Reserve::Ready(Reserved {
+                        m,
+                        plan,
+                        prefix,
+                        guard,
+                        units,
+                    }));
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    self.tree.unlock(&guard)?;
+                    return Err(e);
+                }
+            }
+        }
+        // No host hit, or no room for it: the rest past the device prefix (which needs as
+        // many Full and SWA pages as with the load-back or more, fewer states only).
+        let prefix = m.device_prefix_len;
+        match self.alloc_units(demand(prefix, (0, 0, 0))) {
+            Ok(Some(units)) => Ok(Reserve::Ready(Reserved {
+                m,
+                plan: None,
+                prefix,
+                guard,
+                units,
+            })),
             other => {
                 self.tree.unlock(&guard)?;
-                return other.map(|_| Reserve::Refused);
+                other.map(|_| Reserve::Refused)
             }
-        };
-        if let Some(p) = &plan
-            && self.tree.plan_load_back(m.host_node)?.as_ref() != Some(p)
-        {
-            self.free_units(&units)?;
-            self.tree.unlock(&guard)?;
-            return Ok(Reserve::Stale);
         }
-        Ok(Reserve::Ready(Reserved {
-            m,
-            plan,
-            guard,
-            units,
-        }))
     }
 
     /// Commits a reserved admission: launches the load-back, matches again (the loaded
@@ -165,10 +199,11 @@ impl HybridCache {
         let Reserved {
             m,
             plan,
+            prefix,
             guard,
             mut units,
         } = r;
-        let mut loaded = 0;
+        let ps = self.ps();
         if let Some(plan) = &plan {
             let load = Units {
                 full: units.full.drain(..plan.full_pages()).collect(),
@@ -179,25 +214,35 @@ impl HybridCache {
                     .collect(),
             };
             self.start_load_back(plan, &load)?;
-            loaded = plan.full_pages() * self.ps();
         }
         let after = match plan {
             Some(_) => self.tree.match_prefix(Self::match_key(tokens))?,
             None => m.clone(),
         };
-        if after.device_prefix_len != m.device_prefix_len + loaded {
+        if after.device_prefix_len < prefix {
             // The tree's contract: a committed load-back is on device, the match reaches it.
             self.free_units(&units)?;
             self.tree.unlock(&guard)?;
             return Err(HiCacheError::Core(CoreError::InvalidState {
                 node: format!("{:?}", m.host_node),
                 reason: format!(
-                    "the match after a load-back of {loaded} tokens covers {} tokens, not {}",
-                    after.device_prefix_len,
-                    m.device_prefix_len + loaded
+                    "the match after a load-back to {prefix} tokens covers {} tokens",
+                    after.device_prefix_len
                 ),
             }));
         }
+        // A match that reaches further than the load-back's node needs fewer pages.
+        let surplus = (after.device_prefix_len - prefix) / ps;
+        let keep = units.full.len().saturating_sub(surplus);
+        let mut spare = Units {
+            full: units.full.split_off(keep),
+            ..Units::default()
+        };
+        if !units.swa.is_empty() {
+            spare.swa = units.swa.split_off(units.swa.len().saturating_sub(surplus));
+        }
+        self.free_units(&spare)?;
+        let loaded = after.device_prefix_len - m.device_prefix_len;
         let receipt = self.tree.lock(after.node, false)?;
         self.tree.unlock(&guard)?;
         let cow = match after.mamba_slot {
