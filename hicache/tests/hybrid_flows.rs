@@ -619,3 +619,42 @@ fn try_admit_refuses_bad_input_with_an_error() {
     e.settle();
     e.cache.shutdown().unwrap();
 }
+
+/// Loading a hit back takes one more Mamba state than recomputing it (the state loaded into
+/// the tree beside the request's copy): when only states are short, `try_admit` admits the
+/// request past its device prefix and the host part is recomputed (SGLang's fallback),
+/// instead of making it wait for a state slot.
+#[test]
+fn try_admit_recomputes_a_host_hit_when_only_states_are_short() {
+    let mut e = Engine::new(cache(config(None, Some(8)), 32));
+    let a = prompt(1, 40);
+    e.turn(&a);
+    e.turn(&prompt(2, 100));
+    // Seven requests run, one state slot each: one of the 8 slots is left.
+    let mut running = Vec::new();
+    for k in 0..7 {
+        let p = prompt(10 + k, 4);
+        let req = e.arrive(&p);
+        let (adm, new) = e.try_admit(req, &p).expect("room for a small request");
+        running.push((req, p, adm, new));
+    }
+    let a2 = extended(&a, 4, 24);
+    let (device, reusable) = e.cache.reusable_tokens(&a2).unwrap();
+    assert_eq!(device, 0);
+    assert!(reusable >= 32, "an L2 hit: {reusable}");
+    let before = e.cache.metrics();
+    let req = e.arrive(&a2);
+    let (adm, new) = e.try_admit(req, &a2).expect("room past the device prefix");
+    assert_eq!(
+        adm.cached_tokens(),
+        0,
+        "the host part is recomputed: {adm:?}"
+    );
+    assert_eq!(e.cache.metrics().full.pages_h2d, before.full.pages_h2d);
+    e.complete(req, &a2, adm, new);
+    for (req, p, adm, new) in running {
+        e.complete(req, &p, adm, new);
+    }
+    e.settle();
+    e.cache.shutdown().unwrap();
+}

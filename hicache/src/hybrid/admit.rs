@@ -61,7 +61,7 @@ enum Reserve {
     Refused,
     /// The eviction changed the load-back: match again.
     Stale,
-    Ready(Reserved),
+    Ready(Box<Reserved>),
 }
 
 impl HybridCache {
@@ -108,7 +108,7 @@ impl HybridCache {
                 Reserve::Refused => return Ok(None),
                 Reserve::Stale => continue,
                 Reserve::Ready(r) => {
-                    return self.commit_admission(req, tokens, storage, r).map(Some);
+                    return self.commit_admission(req, tokens, storage, *r).map(Some);
                 }
             }
         }
@@ -153,13 +153,13 @@ impl HybridCache {
                         self.tree.unlock(&guard)?;
                         return Ok(Reserve::Stale);
                     }
-                    return Ok(Reserve::Ready(Reserved {
+                    return Ok(Reserve::Ready(Box::new(Reserved {
                         m,
                         plan,
                         prefix,
                         guard,
                         units,
-                    }));
+                    })));
                 }
                 Ok(None) => {}
                 Err(e) => {
@@ -172,13 +172,13 @@ impl HybridCache {
         // many Full and SWA pages as with the load-back or more, fewer states only).
         let prefix = m.device_prefix_len;
         match self.alloc_units(demand(prefix, (0, 0, 0))) {
-            Ok(Some(units)) => Ok(Reserve::Ready(Reserved {
+            Ok(Some(units)) => Ok(Reserve::Ready(Box::new(Reserved {
                 m,
                 plan: None,
                 prefix,
                 guard,
                 units,
-            })),
+            }))),
             other => {
                 self.tree.unlock(&guard)?;
                 other.map(|_| Reserve::Refused)

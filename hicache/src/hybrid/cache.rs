@@ -304,7 +304,10 @@ impl HybridCache {
     }
 
     /// Admits an arrived request: matches again, loads back what is on host per component,
-    /// locks the prefix and copies its Mamba state into a fresh slot of the request.
+    /// locks the prefix and copies its Mamba state into a fresh slot of the request. A
+    /// load-back without device room is not done (the admission keeps the device prefix and
+    /// the host part is recomputed): an engine that must not lose the hit for lack of room
+    /// admits with [`try_admit`](Self::try_admit), which reserves the rest with it.
     pub fn admit(&mut self, req: u64, tokens: &[u32]) -> Result<HybridAdmission> {
         self.check_open()?;
         let storage = match self.requests.get(&req) {
