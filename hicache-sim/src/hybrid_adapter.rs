@@ -423,7 +423,12 @@ impl CacheUnderTest for HybridAdapter {
         if !self.cache.prefetch_ready(req).map_err(err)? {
             return Ok(PrefetchStatus::Pending);
         }
-        Ok(PrefetchStatus::Ready { l3_pages: 0 })
+        // The pages the prefetch read: the engine charges them on its L3 link (Full and SWA
+        // pages at the plan's page bytes; the state is not charged).
+        let tokens = self.cache.prefetched_tokens(req).map_err(err)?;
+        Ok(PrefetchStatus::Ready {
+            l3_pages: tokens / self.page_size,
+        })
     }
 
     fn admit(

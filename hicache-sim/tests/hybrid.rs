@@ -270,6 +270,14 @@ fn l3_serves_what_host_memory_evicted_for_both_hybrids() {
             a.cache.l3_pages_in_flight
         );
         assert!(moves.full.l3_to_l2.pages > 0);
+        // The prefetches' reads take time on the L3 link (Full and SWA pages).
+        let read: usize = a.requests.iter().map(|q| q.prefetched_pages).sum();
+        assert!(read > 0, "{}: prefetched pages reported", m.name);
+        assert!(
+            a.links.l3_read_bytes > 0,
+            "{}: charged on the L3 link",
+            m.name
+        );
     }
 }
 

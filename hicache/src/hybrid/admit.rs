@@ -115,6 +115,17 @@ impl HybridCache {
         Ok(None)
     }
 
+    /// Tokens an arrived request's L3 prefetch brought to host (0 without one, or while it
+    /// runs): what a load-back at its admission reads from L3's copy (the engine charges the
+    /// read on its L3 link).
+    pub fn prefetched_tokens(&self, req: u64) -> Result<usize> {
+        match self.requests.get(&req) {
+            Some(Req::Arrived { storage, .. }) => Ok(*storage),
+            Some(Req::Admitted(_)) => Err(HiCacheError::request(req, "already admitted")),
+            None => Err(HiCacheError::request(req, "unknown request")),
+        }
+    }
+
     /// Matches and reserves the device room of the load-back and of the rest together
     /// (invariant 2), the device prefix locked; failing that, the room of the rest past the
     /// device prefix alone when that fits (invariant 5).
