@@ -25,6 +25,8 @@
 //!    finish them only once the clock has reached their completion; L3 pages become visible
 //!    to lookups once their backup window has completed on the L3 link ([`GatedStorage`]).
 //!    Before the clock moves, `flush` waits in wall time for every launched copy.
+//!    The pages a request's L3 prefetch read are reported by `prefetch_status`, and the
+//!    engine charges them on its L3 link (Full and SWA pages at the plan's page bytes).
 //!
 //! [`GatedStorage`]: crate::copy_gate::GatedStorage
 
