@@ -6,12 +6,14 @@
 //! The engine sees Full pages only; the adapter keeps the rest of each request. How the
 //! engine's rules (see [`crate::cache`]) map onto the controller:
 //! 1. `HybridCache::admit` matches the prompt but its last token, whole pages.
-//! 2. All or nothing: `admit` (prefix per component, host hits loaded back, the matched Mamba
-//!    state copied into a slot of the request), then `alloc` of the rest: a Full and an SWA
-//!    page per page of prompt and answer, and Mamba slots (a working state unless the
-//!    admission copied one, plus SGLang's two ping-pong checkpoint slots). When `alloc`
-//!    refuses, the admission is kept (its prefix locked, its hits not yet counted) and only
-//!    the allocation is retried when the engine admits the request again, so hits and loads
+//! 2. All or nothing, with the host hit counted (SGLang's scheduler): one
+//!    `HybridCache::try_admit` reserves the prefix per component (host hits loaded back, the
+//!    matched Mamba state copied into a slot of the request) and the rest together — a Full
+//!    and an SWA page per page of prompt and answer, and Mamba slots (the working state,
+//!    which is the admission's copy when the match has a state, plus SGLang's two ping-pong
+//!    checkpoint slots). When they do not fit together it refuses: the request holds nothing
+//!    (no lock, no load, no hit counted) and is matched again when the engine admits it on a
+//!    later tick, so a host hit is not lost for lack of device room, and hits and loads
 //!    count once.
 //! 3. `cache_finished` hands the engine's Full slots back with the request's SWA slots and
 //!    its Mamba slots (the first checkpoint slot first: the state inserted).
@@ -23,6 +25,8 @@
 //!    finish them only once the clock has reached their completion; L3 pages become visible
 //!    to lookups once their backup window has completed on the L3 link ([`GatedStorage`]).
 //!    Before the clock moves, `flush` waits in wall time for every launched copy.
+//!    The pages a request's L3 prefetch read are reported by `prefetch_status`, and the
+//!    engine charges them on its L3 link (Full and SWA pages at the plan's page bytes).
 //!
 //! [`GatedStorage`]: crate::copy_gate::GatedStorage
 
@@ -32,8 +36,8 @@ use std::sync::Arc;
 use hicache::hybrid::HYBRID_EXCHANGE_BACKUPS;
 use hicache::metrics::TransferTotals;
 use hicache::{
-    ComponentTotals, Device, HybridCache, HybridConfig, HybridDemand, HybridSlots, HybridTotals,
-    StateSlot,
+    ComponentTotals, Device, HybridAdmission, HybridCache, HybridConfig, HybridExtent, HybridSlots,
+    HybridTotals, StateSlot,
 };
 use hicache_storage::{BackendContext, Storage, StorageConfig};
 use serde_json::Value;
@@ -211,16 +215,6 @@ struct Held {
     mamba: Vec<StateSlot>,
 }
 
-/// An admission kept while its allocation is refused (rule 2 of the module docs).
-#[derive(Debug)]
-struct Pending {
-    prefix: HybridSlots,
-    device_tokens: usize,
-    host_tokens: usize,
-    storage_tokens: usize,
-    load_bytes: u64,
-}
-
 /// Tokens served per tier, counted once per final admission.
 #[derive(Debug, Default, Clone, Copy)]
 struct Hits {
@@ -242,8 +236,6 @@ pub struct HybridAdapter {
     window_pages: usize,
     has_mamba: bool,
     held: HashMap<RequestId, Held>,
-    pending: HashMap<RequestId, Pending>,
-    storage_pages: HashMap<RequestId, usize>,
     hits: Hits,
     d2h_timed: u64,
     refused_during_copies: u64,
@@ -302,8 +294,6 @@ impl HybridAdapter {
                 .map_or(0, |w| (w as usize).div_ceil(page_size as usize)),
             has_mamba: model.linear_layers > 0,
             held: HashMap::new(),
-            pending: HashMap::new(),
-            storage_pages: HashMap::new(),
             hits: Hits::default(),
             d2h_timed: 0,
             payload: PayloadUsed::default(),
@@ -316,39 +306,13 @@ impl HybridAdapter {
         &self.cache
     }
 
-    /// The request's admission: kept from a refused allocation, or a fresh one.
-    fn admission(&mut self, req: RequestId, tokens: &[u32]) -> CacheResult<Pending> {
-        if let Some(p) = self.pending.remove(&req) {
-            return Ok(p);
-        }
-        let before = total(&self.cache.metrics(), |c| c.bytes_h2d);
-        let adm = self.cache.admit(req, tokens).map_err(err)?;
-        let after = total(&self.cache.metrics(), |c| c.bytes_h2d);
-        self.storage_pages
-            .insert(req, adm.storage_tokens / self.page_size);
-        Ok(Pending {
-            prefix: adm.slots,
-            device_tokens: adm.device_tokens,
-            host_tokens: adm.host_tokens,
-            storage_tokens: adm.storage_tokens,
-            load_bytes: after - before,
-        })
-    }
-
-    /// What the rest of a request needs: a Full (and SWA) page per page past the prefix,
-    /// and Mamba slots for its working state (unless the admission copied one) and
-    /// checkpoints.
-    fn demand(&self, p: &Pending, total_pages: usize) -> HybridDemand {
-        let new_pages = total_pages - p.prefix.full.len();
-        HybridDemand {
-            full_pages: new_pages,
-            swa_pages: if self.has_swa {
-                total_pages - p.prefix.swa.len()
-            } else {
-                0
-            },
+    /// What a request of `total_pages` pages holds on device in all: a Full (and SWA) page
+    /// per page, and Mamba slots for its working state and checkpoints.
+    fn extent(&self, total_pages: usize) -> HybridExtent {
+        HybridExtent {
+            pages: total_pages,
             mamba_slots: if self.has_mamba {
-                usize::from(p.prefix.mamba.is_empty()) + TRACKING_SLOTS
+                1 + TRACKING_SLOTS
             } else {
                 0
             },
@@ -359,7 +323,8 @@ impl HybridAdapter {
     fn admitted(
         &mut self,
         req: RequestId,
-        p: Pending,
+        p: HybridAdmission,
+        load_bytes: u64,
         rest: HybridSlots,
         prompt: usize,
     ) -> Admission {
@@ -371,22 +336,22 @@ impl HybridAdapter {
         self.hits.requests += prompt as u64;
         // The request's lock protects the prefix's SWA pages within the window only: those
         // below it may be evicted while the request runs, so it does not hold them.
-        let mut swa = p.prefix.swa;
+        let mut swa = p.slots.swa;
         let below = swa.len().saturating_sub(self.window_pages);
         swa[..below].fill(None);
         swa.extend(rest.swa);
         // The checkpoint slots first (the first is the state inserted), then the working
         // state: the admission's copy, or the first slot allocated.
         let mut mamba = rest.mamba;
-        mamba.extend(p.prefix.mamba);
+        mamba.extend(p.slots.mamba);
         self.held.insert(req, Held { swa, mamba });
         Admission {
             l1_pages: p.device_tokens / ps,
             l2_pages: (p.host_tokens - l3) / ps,
             l3_pages: l3 / ps,
-            prefix_slots: p.prefix.full,
+            prefix_slots: p.slots.full,
             new_slots: rest.full,
-            load_bytes: Some(p.load_bytes),
+            load_bytes: Some(load_bytes),
         }
     }
 }
@@ -457,14 +422,14 @@ impl CacheUnderTest for HybridAdapter {
     }
 
     fn prefetch_status(&mut self, req: RequestId) -> CacheResult<PrefetchStatus> {
-        if self.pending.contains_key(&req) {
-            return Ok(PrefetchStatus::Ready { l3_pages: 0 });
-        }
         if !self.cache.prefetch_ready(req).map_err(err)? {
             return Ok(PrefetchStatus::Pending);
         }
+        // The pages the prefetch read: the engine charges them on its L3 link (Full and SWA
+        // pages at the plan's page bytes; the state is not charged).
+        let tokens = self.cache.prefetched_tokens(req).map_err(err)?;
         Ok(PrefetchStatus::Ready {
-            l3_pages: self.storage_pages.get(&req).copied().unwrap_or(0),
+            l3_pages: tokens / self.page_size,
         })
     }
 
@@ -477,19 +442,24 @@ impl CacheUnderTest for HybridAdapter {
         if tokens.is_empty() {
             return Err(CacheError(format!("request {req}: empty prompt")));
         }
-        let p = self.admission(req, tokens)?;
         let total_pages = (tokens.len() + new_tokens).div_ceil(self.page_size);
-        let demand = self.demand(&p, total_pages);
-        match self.cache.alloc(demand).map_err(err)? {
-            Some(rest) => {
-                self.storage_pages.remove(&req);
-                Ok(Some(self.admitted(req, p, rest, tokens.len())))
+        let extent = self.extent(total_pages);
+        let before = total(&self.cache.metrics(), |c| c.bytes_h2d);
+        match self.cache.try_admit(req, tokens, extent).map_err(err)? {
+            Some((adm, rest)) => {
+                let load_bytes = total(&self.cache.metrics(), |c| c.bytes_h2d) - before;
+                Ok(Some(self.admitted(
+                    req,
+                    adm,
+                    load_bytes,
+                    rest,
+                    tokens.len(),
+                )))
             }
             None => {
                 if self.timer.writes_in_flight() > 0 {
                     self.refused_during_copies += 1;
                 }
-                self.pending.insert(req, p);
                 Ok(None)
             }
         }

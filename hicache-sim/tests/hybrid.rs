@@ -270,5 +270,105 @@ fn l3_serves_what_host_memory_evicted_for_both_hybrids() {
             a.cache.l3_pages_in_flight
         );
         assert!(moves.full.l3_to_l2.pages > 0);
+        // The prefetches' reads take time on the L3 link (Full and SWA pages).
+        let read: usize = a.requests.iter().map(|q| q.prefetched_pages).sum();
+        assert!(read > 0, "{}: prefetched pages reported", m.name);
+        assert!(
+            a.links.l3_read_bytes > 0,
+            "{}: charged on the L3 link",
+            m.name
+        );
     }
+}
+
+/// `len` tokens of conversation `seed`.
+fn tokens(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| seed * 100_000 + i).collect()
+}
+
+/// One request through the adapter with copy time free: arrive, admit (which must fit),
+/// finish with its answer, poll.
+fn serve(cache: &mut dyn CacheUnderTest, req: u64, prompt: &[u32], answer: usize) {
+    cache.arrive(req, prompt).unwrap();
+    cache.poll().unwrap();
+    let adm = cache.admit(req, prompt, answer).unwrap().expect("room");
+    finish(cache, req, prompt, answer, adm);
+}
+
+fn finish(
+    cache: &mut dyn CacheUnderTest,
+    req: u64,
+    prompt: &[u32],
+    answer: usize,
+    adm: hicache_sim::Admission,
+) {
+    let mut all = prompt.to_vec();
+    all.extend(tokens(9_000 + req as u32, answer));
+    let mut slots = adm.prefix_slots;
+    slots.extend(adm.new_slots);
+    cache.cache_finished(req, &all, &slots).unwrap();
+    cache.poll().unwrap();
+}
+
+/// 20 device pages of 16 tokens. Turn one of conversation 1 (11 pages with its answer) is
+/// pushed to host by conversation 2; a third request runs and holds 16 pages; turn two of
+/// conversation 1 (its first pages on host, 15 pages in all) has no room beside it: the
+/// cache refuses it whole (nothing counted, nothing loaded), and admits it with its L2 hit,
+/// counted once, when it is admitted again after the third has ended.
+fn refused_then_matched_again(cache: &mut dyn CacheUnderTest, name: &str) {
+    let a = tokens(1, 160);
+    serve(cache, 1, &a, 16);
+    serve(cache, 2, &tokens(2, 160), 16);
+    let before = cache.stats().metrics;
+    let c = tokens(3, 240);
+    cache.arrive(3, &c).unwrap();
+    let running = cache.admit(3, &c, 16).unwrap().expect("room");
+    let mut a2 = a.clone();
+    a2.extend(tokens(9_001, 16));
+    a2.extend(tokens(4, 48));
+    cache.arrive(4, &a2).unwrap();
+    cache.poll().unwrap();
+    let refused = cache.admit(4, &a2, 16).unwrap();
+    assert!(
+        refused.is_none(),
+        "{name}: no room for the hit and the rest"
+    );
+    let m = cache.stats().metrics;
+    assert_eq!(
+        m.hit_tokens_l2, before.hit_tokens_l2,
+        "{name}: nothing counted"
+    );
+    assert_eq!(m.h2d.pages, before.h2d.pages, "{name}: nothing loaded");
+    finish(cache, 3, &c, 16, running);
+    let adm = cache
+        .admit(4, &a2, 16)
+        .unwrap()
+        .expect("room once request 3 ended");
+    assert_eq!(adm.l1_pages, 0, "{name}: {adm:?}");
+    assert!(adm.l2_pages >= 8, "{name}: the L2 hit kept: {adm:?}");
+    let hit = adm.l2_pages as u64 * 16;
+    finish(cache, 4, &a2, 16, adm);
+    let after = cache.stats().metrics;
+    assert_eq!(
+        after.hit_tokens_l2 - before.hit_tokens_l2,
+        hit,
+        "{name}: counted once"
+    );
+    cache.shutdown().unwrap();
+}
+
+#[test]
+fn a_request_refused_for_its_load_back_waits_and_is_matched_again_with_its_hit() {
+    let flags = ["--device-pages", "20", "--hicache-ratio", "3"];
+    for m in [tiny_swa(), tiny_mamba()] {
+        let p = small_plan("l1+l2", &flags).for_hybrid(&m);
+        let factory = HybridFactory::new(m.clone(), 16);
+        let mut adapter = factory.build_adapter(&p.setup).unwrap();
+        refused_then_matched_again(&mut adapter, &m.name);
+    }
+    // The dense controller does the same: its adapter undoes an admission whose rest does
+    // not fit (`unadmit`), and a refused load-back leaves no room for the rest.
+    let p = small_plan("l1+l2", &flags);
+    let mut dense = hicache_sim::adapter::HiCacheUnderTest::build(&p.setup, false).unwrap();
+    refused_then_matched_again(&mut dense, "dense");
 }

@@ -500,3 +500,161 @@ fn swa_prefix_pages_outside_the_window_taken_while_a_request_runs() {
     e.settle();
     e.cache.shutdown().unwrap();
 }
+
+/// A request whose host hit finds no device room (another request runs and holds it) is
+/// refused whole by `try_admit` — it holds nothing and counts nothing, and stays arrived —
+/// instead of admitted with its hit dropped; once the running request ends it is matched
+/// again and admitted with the hit, loaded back byte for byte and counted once.
+fn refused_load_back_waits_and_keeps_its_hit(cfg: HybridConfig) {
+    let mut e = Engine::new(cache(cfg, 16));
+    let a = prompt(1, 40);
+    e.turn(&a);
+    e.turn(&prompt(2, 40));
+    let before = e.cache.metrics();
+    assert!(
+        before.full.evicted_device >= 9,
+        "turn one left L1: {before:?}"
+    );
+    // A request runs and holds 12 of the 16 device pages.
+    let c = prompt(3, 48);
+    let running = e.arrive(&c);
+    e.cache.poll().unwrap();
+    let (c_adm, c_new) = e
+        .try_admit(running, &c)
+        .expect("room for the running request");
+    // Turn two of `a` (16 pages, its first 10 on host) does not fit beside it.
+    let a2 = extended(&a, 4, 24);
+    let (device, reusable) = e.cache.reusable_tokens(&a2).unwrap();
+    assert_eq!(device, 0);
+    assert!(reusable >= 32, "an L2 hit: {reusable}");
+    let req = e.arrive(&a2);
+    e.cache.poll().unwrap();
+    assert!(
+        e.try_admit(req, &a2).is_none(),
+        "no room for the hit and the rest"
+    );
+    let refused = e.cache.metrics();
+    assert_eq!(refused.full.hit_tokens_l2, before.full.hit_tokens_l2);
+    assert_eq!(refused.full.hit_tokens_l1, before.full.hit_tokens_l1);
+    assert_eq!(
+        refused.full.pages_h2d, before.full.pages_h2d,
+        "nothing loaded"
+    );
+    assert!(
+        e.cache.prefetch_ready(req).unwrap(),
+        "still arrived, not admitted"
+    );
+    assert_eq!(
+        e.cache.reusable_tokens(&a2).unwrap(),
+        (0, reusable),
+        "the hit stays"
+    );
+    e.cache.tree().check_invariants().unwrap();
+    // The running request ends; once its write-through landed its pages can be evicted.
+    e.complete(running, &c, c_adm, c_new);
+    e.settle();
+    let (adm, new) = e
+        .try_admit(req, &a2)
+        .expect("room once the running request ended");
+    assert_eq!(adm.device_tokens, 0, "{adm:?}");
+    assert_eq!(
+        adm.host_tokens, reusable,
+        "the whole hit, loaded back: {adm:?}"
+    );
+    let run = e.complete(req, &a2, adm, new);
+    assert_eq!(
+        run.checked[0] * PS as usize,
+        reusable,
+        "prefix bytes checked"
+    );
+    e.settle();
+    let after = e.cache.metrics();
+    assert_eq!(
+        after.full.hit_tokens_l2 - before.full.hit_tokens_l2,
+        reusable as u64,
+        "the hit counted once"
+    );
+    e.cache.shutdown().unwrap();
+}
+
+#[test]
+fn refused_load_back_waits_and_keeps_its_hit_full_swa() {
+    refused_load_back_waits_and_keeps_its_hit(config(Some(8), None));
+}
+
+#[test]
+fn refused_load_back_waits_and_keeps_its_hit_full_mamba() {
+    refused_load_back_waits_and_keeps_its_hit(config(None, Some(8)));
+}
+
+#[test]
+fn refused_load_back_waits_and_keeps_its_hit_full_swa_mamba() {
+    refused_load_back_waits_and_keeps_its_hit(config(Some(8), Some(8)));
+}
+
+/// `try_admit`'s bad input: an extent shorter than the prompt, Mamba slots without Mamba, a
+/// request that did not arrive or is admitted already.
+#[test]
+fn try_admit_refuses_bad_input_with_an_error() {
+    let mut e = Engine::new(cache(config(Some(8), None), 16));
+    let a = prompt(1, 40);
+    let req = e.arrive(&a);
+    let extent = |pages, mamba_slots| hicache::HybridExtent { pages, mamba_slots };
+    let bad = |r: hicache::Result<Option<(hicache::HybridAdmission, HybridSlots)>>| {
+        matches!(
+            r,
+            Err(HiCacheError::BadArgument(_) | HiCacheError::Request { .. })
+        )
+    };
+    assert!(bad(e.cache.try_admit(req, &a, extent(9, 0))));
+    assert!(bad(e.cache.try_admit(req, &a, extent(10, 1))));
+    assert!(bad(e.cache.try_admit(99, &a, extent(10, 0))));
+    assert!(bad(e.cache.try_admit(req, &[], extent(10, 0))));
+    let (adm, new) = e.cache.try_admit(req, &a, extent(10, 0)).unwrap().unwrap();
+    assert!(
+        bad(e.cache.try_admit(req, &a, extent(10, 0))),
+        "admitted already"
+    );
+    e.complete(req, &a, adm, new);
+    e.settle();
+    e.cache.shutdown().unwrap();
+}
+
+/// Loading a hit back takes one more Mamba state than recomputing it (the state loaded into
+/// the tree beside the request's copy): when only states are short, `try_admit` admits the
+/// request past its device prefix and the host part is recomputed (SGLang's fallback),
+/// instead of making it wait for a state slot.
+#[test]
+fn try_admit_recomputes_a_host_hit_when_only_states_are_short() {
+    let mut e = Engine::new(cache(config(None, Some(8)), 32));
+    let a = prompt(1, 40);
+    e.turn(&a);
+    e.turn(&prompt(2, 100));
+    // Seven requests run, one state slot each: one of the 8 slots is left.
+    let mut running = Vec::new();
+    for k in 0..7 {
+        let p = prompt(10 + k, 4);
+        let req = e.arrive(&p);
+        let (adm, new) = e.try_admit(req, &p).expect("room for a small request");
+        running.push((req, p, adm, new));
+    }
+    let a2 = extended(&a, 4, 24);
+    let (device, reusable) = e.cache.reusable_tokens(&a2).unwrap();
+    assert_eq!(device, 0);
+    assert!(reusable >= 32, "an L2 hit: {reusable}");
+    let before = e.cache.metrics();
+    let req = e.arrive(&a2);
+    let (adm, new) = e.try_admit(req, &a2).expect("room past the device prefix");
+    assert_eq!(
+        adm.cached_tokens(),
+        0,
+        "the host part is recomputed: {adm:?}"
+    );
+    assert_eq!(e.cache.metrics().full.pages_h2d, before.full.pages_h2d);
+    e.complete(req, &a2, adm, new);
+    for (req, p, adm, new) in running {
+        e.complete(req, &p, adm, new);
+    }
+    e.settle();
+    e.cache.shutdown().unwrap();
+}

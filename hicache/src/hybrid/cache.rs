@@ -42,7 +42,7 @@ pub(crate) struct Units {
 }
 
 /// A request between `arrive` and `cache_finished` / `abort`.
-enum Req {
+pub(super) enum Req {
     /// Arrived, not admitted: the tokens its L3 prefetch brought to host, and the prefetch
     /// while it runs.
     Arrived {
@@ -53,16 +53,16 @@ enum Req {
     Admitted(Admitted),
 }
 
-struct Admitted {
-    receipt: LockReceipt,
+pub(super) struct Admitted {
+    pub(super) receipt: LockReceipt,
     /// Prefix tokens on device (after any load-back).
-    matched: usize,
-    swa_branching: Option<usize>,
-    mamba_branching: Option<usize>,
+    pub(super) matched: usize,
+    pub(super) swa_branching: Option<usize>,
+    pub(super) mamba_branching: Option<usize>,
     /// The prefix's Full slots (the tree's).
-    prefix_full: Vec<u32>,
+    pub(super) prefix_full: Vec<u32>,
     /// The request's copy-on-write state slot.
-    cow: Option<u32>,
+    pub(super) cow: Option<u32>,
 }
 
 /// The cache's observability endpoints and the counters its metrics endpoint serves.
@@ -86,7 +86,7 @@ pub struct HybridCache {
     pub(crate) l3: Option<super::l3::L3Part>,
     pub(crate) l3_ops: super::l3_flow::L3Ops,
     pub(crate) observe: Observe,
-    requests: HashMap<u64, Req>,
+    pub(super) requests: HashMap<u64, Req>,
     closed: bool,
 }
 
@@ -237,7 +237,7 @@ impl HybridCache {
         self.observe.endpoints.metrics().map(|m| m.addr())
     }
 
-    fn ps(&self) -> usize {
+    pub(super) fn ps(&self) -> usize {
         self.cfg.page_size as usize
     }
 
@@ -246,7 +246,7 @@ impl HybridCache {
         self.closed
     }
 
-    fn check_open(&self) -> Result<()> {
+    pub(super) fn check_open(&self) -> Result<()> {
         if self.closed {
             return Err(HiCacheError::Closed);
         }
@@ -255,7 +255,7 @@ impl HybridCache {
 
     /// The key a request matches: its tokens but the last (at least one token is computed),
     /// whole pages.
-    fn match_key(tokens: &[u32]) -> &[u32] {
+    pub(super) fn match_key(tokens: &[u32]) -> &[u32] {
         &tokens[..tokens.len().saturating_sub(1)]
     }
 
@@ -304,7 +304,10 @@ impl HybridCache {
     }
 
     /// Admits an arrived request: matches again, loads back what is on host per component,
-    /// locks the prefix and copies its Mamba state into a fresh slot of the request.
+    /// locks the prefix and copies its Mamba state into a fresh slot of the request. A
+    /// load-back without device room is not done (the admission keeps the device prefix and
+    /// the host part is recomputed): an engine that must not lose the hit for lack of room
+    /// admits with [`try_admit`](Self::try_admit), which reserves the rest with it.
     pub fn admit(&mut self, req: u64, tokens: &[u32]) -> Result<HybridAdmission> {
         self.check_open()?;
         let storage = match self.requests.get(&req) {
@@ -365,7 +368,7 @@ impl HybridCache {
         }
     }
 
-    fn count_hits(&mut self, device: usize, host: usize, storage: usize) {
+    pub(super) fn count_hits(&mut self, device: usize, host: usize, storage: usize) {
         for c in self.tree.config().components() {
             let t = self.totals.get_mut(c);
             t.hit_tokens_l1 += device as u64;
@@ -375,7 +378,11 @@ impl HybridCache {
     }
 
     /// The Full slots of the path to `node` (all on device).
-    fn prefix_slots(&self, node: hicache_core::NodeId, c: Component) -> Result<Vec<u32>> {
+    pub(super) fn prefix_slots(
+        &self,
+        node: hicache_core::NodeId,
+        c: Component,
+    ) -> Result<Vec<u32>> {
         let pages = self.tree.prefix_pages(node, c)?;
         pages
             .into_iter()
@@ -384,7 +391,7 @@ impl HybridCache {
     }
 
     /// The SWA slots of the path to `node` (`None` at tombstones); empty without SWA.
-    fn swa_prefix(&self, node: hicache_core::NodeId) -> Result<Vec<Option<DeviceSlot>>> {
+    pub(super) fn swa_prefix(&self, node: hicache_core::NodeId) -> Result<Vec<Option<DeviceSlot>>> {
         if !self.tree.has(Component::Swa) {
             return Ok(Vec::new());
         }
@@ -403,9 +410,16 @@ impl HybridCache {
             return Ok(None);
         };
         let dst = units.mamba[0];
+        self.copy_state(src, dst)?;
+        Ok(Some(dst))
+    }
+
+    /// Launches the copy of the matched state `src` into the request's slot `dst` (in the
+    /// open batch, after the batch's load-backs).
+    pub(super) fn copy_state(&mut self, src: u32, dst: u32) -> Result<()> {
         let launched = self.pools.state()?.copy(src, dst)?;
         self.copies.add_cow(launched);
-        Ok(Some(dst))
+        Ok(())
     }
 
     /// Brings `m`'s host hit back to device per component (SGLang's `load_back`): the Full
@@ -437,7 +451,20 @@ impl HybridCache {
                 return other.map(|_| 0);
             }
         };
-        let launched = self.launch_load(&plan, &units)?;
+        self.start_load_back(&plan, &units)?;
+        self.tree.unlock(&guard)?;
+        Ok(plan.full_pages() * self.ps())
+    }
+
+    /// Launches the load-back `plan` into the device slots `units` (exactly the plan's, each
+    /// component's) and commits it in the tree: from now on its pages are on device (matches
+    /// reuse them) and its node is locked until the poll that finishes the copy.
+    pub(super) fn start_load_back(
+        &mut self,
+        plan: &hicache_core::UnifiedLoadPlan,
+        units: &Units,
+    ) -> Result<()> {
+        let launched = self.launch_load(plan, units)?;
         let host_full: Vec<u32> = plan
             .full
             .iter()
@@ -467,16 +494,15 @@ impl HybridCache {
             );
         }
         let id = self.tree.commit_load_back(
-            &plan,
+            plan,
             DeviceLoad {
                 full: &units.full,
                 swa: &units.swa,
                 mamba: units.mamba.first().copied(),
             },
         )?;
-        self.tree.unlock(&guard)?;
         self.copies.add_load(id, launched);
-        Ok(plan.full_pages() * self.ps())
+        Ok(())
     }
 
     /// Allocates every component's demand, evicting each one's shortfall first; all or

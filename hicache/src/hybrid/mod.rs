@@ -9,9 +9,13 @@
 //! every iteration:
 //!   1. cache.poll()                                      finish copies; write-through
 //!   2. per waiting request: cache.prefetch_ready(req)?, then
-//!        cache.admit(req, &prompt)    → prefix slots per component (host hits loaded
+//!        cache.try_admit(req, &prompt, HybridExtent)
+//!                                     → prefix slots per component (host hits loaded
 //!                                       back, the Mamba state copied into the request's slot)
-//!        cache.alloc(HybridDemand)    → slots for the rest (evicts per component)
+//!                                       and slots for the rest, all or nothing (evicts per
+//!                                       component; `None`: it waits, holding nothing)
+//!      (or cache.admit, then cache.alloc(HybridDemand): a load-back without room falls
+//!       back to the device prefix)
 //!   3. cache.start_loading()          → Some(batch): cache.wait_loaded(batch) before use
 //!   4. forward pass
 //!   5. cache.cache_finished(req, &tokens, slots)   insert (SGLang's lengths)
@@ -23,6 +27,7 @@
 //! scheduler does). Ownership of each component's slots is stated in `cache`; the copies in
 //! flight in `copies`; the rank agreement in `tick`.
 
+mod admit;
 mod builder;
 mod cache;
 mod copies;
@@ -52,6 +57,6 @@ pub use cache::HybridCache;
 pub use state::StateSlot;
 pub use tick::{HYBRID_EXCHANGE_BACKUPS, HYBRID_EXCHANGE_LOADS};
 pub use types::{
-    ComponentTotals, HybridAdmission, HybridArrival, HybridConfig, HybridDemand, HybridSlots,
-    HybridTotals,
+    ComponentTotals, HybridAdmission, HybridArrival, HybridConfig, HybridDemand, HybridExtent,
+    HybridSlots, HybridTotals,
 };

@@ -129,6 +129,22 @@ pub struct HybridDemand {
     pub mamba_slots: usize,
 }
 
+/// Everything a request holds on device once admitted, for
+/// [`HybridCache::try_admit`](super::HybridCache::try_admit): its prefix (matched, and
+/// loaded back from host) and the rest it computes, together.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HybridExtent {
+    /// Full pages of the whole request, prompt and the tokens it may generate, a partial
+    /// last page included; with SWA it holds as many SWA pages (one per page, as
+    /// [`HybridCache::alloc`](super::HybridCache::alloc) gives them). At least the prompt's
+    /// pages.
+    pub pages: usize,
+    /// Mamba state slots of the request in all (0 without Mamba), its working state
+    /// included: when the match has a state, the first one is the copy of it
+    /// (copy-on-write, [`HybridAdmission::slots`]), the others come with the rest.
+    pub mamba_slots: usize,
+}
+
 /// What a request's arrival found (before any copy).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HybridArrival {

@@ -5,7 +5,7 @@
 
 use hicache::{
     Component, DType, DeviceSlot, HybridAdmission, HybridCache, HybridCacheBuilder, HybridConfig,
-    HybridDemand, HybridSlots, KvKind, KvShape, MambaShape,
+    HybridDemand, HybridExtent, HybridSlots, KvKind, KvShape, MambaShape,
 };
 use hicache_core::PageHasher;
 
@@ -209,6 +209,49 @@ impl Engine {
             // The prefix's SWA pages outside the window stay `None`: the request has none.
             assert_eq!(slots.swa.len(), pages);
         }
+        if let Some(&state) = slots.mamba.first() {
+            let at = self.cache.insert_len(req, tokens.len()).unwrap();
+            let bytes = pattern(2, &tokens[..at], self.cache.state_bytes());
+            self.cache.write_state(state, &bytes).unwrap();
+        }
+        self.cache.cache_finished(req, tokens, slots).unwrap();
+        self.cache.poll().unwrap();
+        Run { admission, checked }
+    }
+
+    /// Admits an arrived request all or nothing ([`HybridCache::try_admit`]) for its
+    /// prompt's pages and a state slot (with Mamba); `None` when it does not fit (the
+    /// request stays arrived).
+    pub fn try_admit(
+        &mut self,
+        req: u64,
+        tokens: &[u32],
+    ) -> Option<(HybridAdmission, HybridSlots)> {
+        let extent = HybridExtent {
+            pages: tokens.len().div_ceil(self.ps()),
+            mamba_slots: usize::from(self.has(Component::Mamba)),
+        };
+        self.cache.try_admit(req, tokens, extent).unwrap()
+    }
+
+    /// Computes and finishes a request [`try_admit`](Self::try_admit) admitted: waits for
+    /// its loads, checks its prefix bytes, writes its new pages and state, finishes it and
+    /// polls.
+    pub fn complete(
+        &mut self,
+        req: u64,
+        tokens: &[u32],
+        admission: HybridAdmission,
+        new: HybridSlots,
+    ) -> Run {
+        if let Some(b) = self.cache.start_loading().unwrap() {
+            self.cache.wait_loaded(b).unwrap();
+        }
+        let checked = self.check_prefix(tokens, &admission);
+        let have = admission.slots.full.len();
+        self.write_new(tokens, have, &new);
+        let mut slots = admission.slots.clone();
+        slots.extend(new);
         if let Some(&state) = slots.mamba.first() {
             let at = self.cache.insert_len(req, tokens.len()).unwrap();
             let bytes = pattern(2, &tokens[..at], self.cache.state_bytes());

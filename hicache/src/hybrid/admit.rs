@@ -1,0 +1,301 @@
+//! [`HybridCache::try_admit`]: admission all or nothing, with the host hit counted (SGLang's
+//! scheduler: `PrefillAdder.add_one_req` checks the request's whole token budget, its host
+//! hit included, before `init_load_back`; a request that does not fit stays in the waiting
+//! queue and is matched again on the next round; a load-back that then finds no room for a
+//! state is not done and the host part is recomputed).
+//!
+//! Invariants (beside the ownership rules of `cache`):
+//! 1. **Nothing or everything.** `try_admit` either refuses and changes nothing a request
+//!    holds — the request stays arrived: no lock, no load-back, no slot, no hit counted; the
+//!    next call matches again — or loads back the host hit, locks the prefix, copies the
+//!    matched Mamba state and allocates the rest of the request, all in one call. What a
+//!    refusal may change is the tree's cache only: the eviction it ran to make room (as a
+//!    refused [`HybridCache::alloc`]).
+//! 2. **One reservation.** The load-back's slots, the copy-on-write slot and the rest are
+//!    allocated by one [`alloc_units`](HybridCache::alloc_units) (each component's shortfall
+//!    evicted first) while the device prefix is locked, before anything is committed; the
+//!    load-back is committed only with every slot in hand.
+//! 3. **Rank agreement.** The decision reads the tree and the device pools only, whose state
+//!    every rank changes by the same calls in the same order (copies finish at agreed polls),
+//!    so every rank refuses or admits alike; nothing here is local (no timing, no copy
+//!    progress).
+//! 4. **The plan holds.** The eviction that makes room may change the load-back (a page of
+//!    its SWA window evicted on device, say); the plan is checked after the allocation and a
+//!    changed one is given up and planned again from a fresh match, at most
+//!    [`ATTEMPTS`] times.
+//! 5. **Recompute only what costs no more.** Loading a hit back needs at most as many Full
+//!    and SWA pages as recomputing it (the same pages, or only the window's SWA pages) but
+//!    one more Mamba state (the state loaded into the tree beside the request's copy). When
+//!    the load-back and the rest do not fit together, the rest past the device prefix alone
+//!    is tried: it fits only when states were short, never Full or SWA pages, and then the
+//!    host part is recomputed (SGLang's `init_load_back` fallback, whose budget check counts
+//!    tokens, not states). Whenever pages are short the request waits with its hit.
+
+use hicache_core::{Component, CoreError, DeviceSlot, LockReceipt, UnifiedLoadPlan, UnifiedMatch};
+
+use super::StateSlot;
+use super::cache::{Admitted, HybridCache, Req, Units};
+use super::types::{HybridAdmission, HybridDemand, HybridExtent, HybridSlots};
+use crate::error::{HiCacheError, Result};
+
+/// Matches one `try_admit` makes at most before it refuses: the eviction of the first one
+/// frees the room, so a second plan needs no eviction and holds.
+const ATTEMPTS: usize = 3;
+
+/// The device room an admission reserved before committing anything.
+struct Reserved {
+    /// The match the room was reserved for.
+    m: UnifiedMatch,
+    /// Its load-back (none without a host hit).
+    plan: Option<UnifiedLoadPlan>,
+    /// Tokens of the prefix once loaded back (what the rest was reserved after).
+    prefix: usize,
+    /// The device prefix's lock while the admission is committed.
+    guard: LockReceipt,
+    /// The load-back's slots first (per component), then the request's.
+    units: Units,
+}
+
+enum Reserve {
+    /// No device room for the request with its hit.
+    Refused,
+    /// The eviction changed the load-back: match again.
+    Stale,
+    Ready(Box<Reserved>),
+}
+
+impl HybridCache {
+    /// Admits an arrived request only when everything it needs fits on device: its host hit
+    /// loaded back (per component) and the rest, `extent` in all. Either returns the
+    /// admission (as [`admit`](Self::admit)'s) with the slots of the rest (as
+    /// [`alloc`](Self::alloc)'s: a Full page, and with SWA an SWA page, per page past the
+    /// prefix, and the Mamba slots but the copy-on-write one), or `None` and the request
+    /// stays arrived, holding nothing, to be matched again by a later call (SGLang's
+    /// scheduler; see the module docs for the invariants). Unlike `admit` followed by a
+    /// refused `alloc`, a host hit is never dropped for lack of device pages: the request
+    /// waits until the hit and the rest fit together. Only when Mamba states are short (a
+    /// load-back takes one more than recomputing) is the hit recomputed instead, if the rest
+    /// past the device prefix fits (SGLang's fallback).
+    pub fn try_admit(
+        &mut self,
+        req: u64,
+        tokens: &[u32],
+        extent: HybridExtent,
+    ) -> Result<Option<(HybridAdmission, HybridSlots)>> {
+        self.check_open()?;
+        let storage = match self.requests.get(&req) {
+            Some(Req::Arrived { storage, .. }) => *storage,
+            Some(Req::Admitted(_)) => return Err(HiCacheError::request(req, "already admitted")),
+            None => return Err(HiCacheError::request(req, "unknown request (call arrive)")),
+        };
+        if tokens.is_empty() {
+            return Err(HiCacheError::request(req, "an empty prompt"));
+        }
+        if extent.pages.saturating_mul(self.ps()) < tokens.len() {
+            return Err(HiCacheError::BadArgument(format!(
+                "request {req}: {} pages for a {}-token prompt",
+                extent.pages,
+                tokens.len()
+            )));
+        }
+        if extent.mamba_slots > 0 && !self.tree.has(Component::Mamba) {
+            return Err(HiCacheError::BadArgument(
+                "Mamba slots asked without that component".into(),
+            ));
+        }
+        for _ in 0..ATTEMPTS {
+            match self.reserve(tokens, extent)? {
+                Reserve::Refused => return Ok(None),
+                Reserve::Stale => continue,
+                Reserve::Ready(r) => {
+                    return self.commit_admission(req, tokens, storage, *r).map(Some);
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Tokens an arrived request's L3 prefetch brought to host (0 without one, or while it
+    /// runs): what a load-back at its admission reads from L3's copy (the engine charges the
+    /// read on its L3 link).
+    pub fn prefetched_tokens(&self, req: u64) -> Result<usize> {
+        match self.requests.get(&req) {
+            Some(Req::Arrived { storage, .. }) => Ok(*storage),
+            Some(Req::Admitted(_)) => Err(HiCacheError::request(req, "already admitted")),
+            None => Err(HiCacheError::request(req, "unknown request")),
+        }
+    }
+
+    /// Matches and reserves the device room of the load-back and of the rest together
+    /// (invariant 2), the device prefix locked; failing that, the room of the rest past the
+    /// device prefix alone when that fits (invariant 5).
+    fn reserve(&mut self, tokens: &[u32], extent: HybridExtent) -> Result<Reserve> {
+        let ps = self.ps();
+        let has_swa = self.tree.has(Component::Swa);
+        let m = self.tree.match_prefix(Self::match_key(tokens))?;
+        let plan = match m.host_node == m.node {
+            true => None,
+            false => self.tree.plan_load_back(m.host_node)?,
+        };
+        // What the request needs past a prefix of `prefix` tokens, plus the load-back's
+        // `load` (Full pages, SWA pages, states).
+        let demand = |prefix: usize, load: (usize, usize, usize)| {
+            let rest = extent.pages.saturating_sub(prefix / ps);
+            HybridDemand {
+                full_pages: load.0 + rest,
+                swa_pages: if has_swa { load.1 + rest } else { 0 },
+                mamba_slots: load.2 + extent.mamba_slots,
+            }
+        };
+        let guard = self.tree.lock(m.node, false)?;
+        if let Some(p) = &plan {
+            // The prefix once loaded: the path to the load-back's node (some of whose nodes
+            // may hold their Full pages on device already, and lack only another component).
+            let prefix = self.tree.depth_tokens(m.host_node)?;
+            let load = (
+                p.full_pages(),
+                p.swa_pages(),
+                usize::from(p.mamba.is_some()),
+            );
+            match self.alloc_units(demand(prefix, load)) {
+                Ok(Some(units)) => {
+                    if self.tree.plan_load_back(m.host_node)?.as_ref() != Some(p) {
+                        self.free_units(&units)?;
+                        self.tree.unlock(&guard)?;
+                        return Ok(Reserve::Stale);
+                    }
+                    return Ok(Reserve::Ready(Box::new(Reserved {
+                        m,
+                        plan,
+                        prefix,
+                        guard,
+                        units,
+                    })));
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    self.tree.unlock(&guard)?;
+                    return Err(e);
+                }
+            }
+        }
+        // No host hit, or no room for it: the rest past the device prefix (which needs as
+        // many Full and SWA pages as with the load-back or more, fewer states only).
+        let prefix = m.device_prefix_len;
+        match self.alloc_units(demand(prefix, (0, 0, 0))) {
+            Ok(Some(units)) => Ok(Reserve::Ready(Box::new(Reserved {
+                m,
+                plan: None,
+                prefix,
+                guard,
+                units,
+            }))),
+            other => {
+                self.tree.unlock(&guard)?;
+                other.map(|_| Reserve::Refused)
+            }
+        }
+    }
+
+    /// Commits a reserved admission: launches the load-back, matches again (the loaded
+    /// pages are on device now), locks the prefix, copies the matched state and hands out
+    /// the rest.
+    fn commit_admission(
+        &mut self,
+        req: u64,
+        tokens: &[u32],
+        storage: usize,
+        r: Reserved,
+    ) -> Result<(HybridAdmission, HybridSlots)> {
+        let Reserved {
+            m,
+            plan,
+            prefix,
+            guard,
+            mut units,
+        } = r;
+        let ps = self.ps();
+        if let Some(plan) = &plan {
+            let load = Units {
+                full: units.full.drain(..plan.full_pages()).collect(),
+                swa: units.swa.drain(..plan.swa_pages()).collect(),
+                mamba: units
+                    .mamba
+                    .drain(..usize::from(plan.mamba.is_some()))
+                    .collect(),
+            };
+            self.start_load_back(plan, &load)?;
+        }
+        let after = match plan {
+            Some(_) => self.tree.match_prefix(Self::match_key(tokens))?,
+            None => m.clone(),
+        };
+        if after.device_prefix_len < prefix {
+            // The tree's contract: a committed load-back is on device, the match reaches it.
+            self.free_units(&units)?;
+            self.tree.unlock(&guard)?;
+            return Err(HiCacheError::Core(CoreError::InvalidState {
+                node: format!("{:?}", m.host_node),
+                reason: format!(
+                    "the match after a load-back to {prefix} tokens covers {} tokens",
+                    after.device_prefix_len
+                ),
+            }));
+        }
+        // A match that reaches further than the load-back's node needs fewer pages.
+        let surplus = (after.device_prefix_len - prefix) / ps;
+        let keep = units.full.len().saturating_sub(surplus);
+        let mut spare = Units {
+            full: units.full.split_off(keep),
+            ..Units::default()
+        };
+        if !units.swa.is_empty() {
+            spare.swa = units.swa.split_off(units.swa.len().saturating_sub(surplus));
+        }
+        self.free_units(&spare)?;
+        let loaded = after.device_prefix_len - m.device_prefix_len;
+        let receipt = self.tree.lock(after.node, false)?;
+        self.tree.unlock(&guard)?;
+        let cow = match after.mamba_slot {
+            Some(src) if !units.mamba.is_empty() => {
+                let dst = units.mamba.remove(0);
+                self.copy_state(src, dst)?;
+                Some(dst)
+            }
+            _ => None,
+        };
+        let prefix_full = self.prefix_slots(after.node, Component::Full)?;
+        let slots = HybridSlots {
+            full: prefix_full.iter().map(|&s| DeviceSlot(s)).collect(),
+            swa: self.swa_prefix(after.node)?,
+            mamba: cow.map(StateSlot).into_iter().collect(),
+        };
+        let storage_tokens = storage.min(loaded);
+        self.count_hits(m.device_prefix_len, loaded, storage_tokens);
+        self.requests.insert(
+            req,
+            Req::Admitted(Admitted {
+                receipt,
+                matched: after.device_prefix_len,
+                swa_branching: after.swa_branching,
+                mamba_branching: after.mamba_branching,
+                prefix_full,
+                cow,
+            }),
+        );
+        let rest = HybridSlots {
+            full: units.full.into_iter().map(DeviceSlot).collect(),
+            swa: units.swa.into_iter().map(|s| Some(DeviceSlot(s))).collect(),
+            mamba: units.mamba.into_iter().map(StateSlot).collect(),
+        };
+        Ok((
+            HybridAdmission {
+                device_tokens: m.device_prefix_len,
+                host_tokens: loaded,
+                storage_tokens,
+                slots,
+            },
+            rest,
+        ))
+    }
+}
