@@ -51,18 +51,27 @@ fn cache(swa: Option<u32>, mamba: Option<u32>, host: bool) -> HybridCache {
         write_through: host,
         ..Default::default()
     };
+    build(cfg, None)
+}
+
+/// The geometry of [`cache`] for `cfg`'s components, over `storage` when given.
+fn build(cfg: HybridConfig, storage: Option<Arc<dyn Storage>>) -> HybridCache {
+    let (swa, mamba) = (cfg.swa_window.is_some(), cfg.mamba_chunk.is_some());
     let mut b = HybridCache::builder(cfg)
         .device(Device::sim())
         .full_shape(kv_shape(2))
-        .device_pages(16, if swa.is_some() { 12 } else { 0 })
+        .device_pages(16, if swa { 12 } else { 0 })
         .host_pages(24, 24)
         .host_reserve_bytes(0)
         .kv_events(true)
         .component_events(true);
-    if swa.is_some() {
+    if let Some(storage) = storage {
+        b = b.storage(storage);
+    }
+    if swa {
         b = b.swa_shape(kv_shape(1));
     }
-    if mamba.is_some() {
+    if mamba {
         b = b
             .mamba_shape(MambaShape {
                 layers: 1,
@@ -306,31 +315,7 @@ fn cache_l3(
         prefetch_policy: PrefetchPolicy::WaitComplete,
         ..Default::default()
     };
-    let mut b = HybridCache::builder(cfg)
-        .device(Device::sim())
-        .full_shape(kv_shape(2))
-        .device_pages(16, if swa.is_some() { 12 } else { 0 })
-        .host_pages(24, 24)
-        .host_reserve_bytes(0)
-        .kv_events(true)
-        .component_events(true)
-        .storage(storage);
-    if swa.is_some() {
-        b = b.swa_shape(kv_shape(1));
-    }
-    if mamba.is_some() {
-        b = b
-            .mamba_shape(MambaShape {
-                layers: 1,
-                temporal_elems: 8,
-                temporal_dtype: DType::F32,
-                conv_elems: vec![8],
-                conv_dtype: DType::Bf16,
-            })
-            .mamba_slots(4)
-            .host_mamba_slots(8);
-    }
-    b.build().unwrap()
+    build(cfg, Some(storage))
 }
 
 /// The tokens a cache with empty L1 and L2 over `storage` brings back for `t` from L3 (its

@@ -347,16 +347,7 @@ impl Components {
         if !self.model.is_hybrid() || p == 0 {
             return 0;
         }
-        let l3 = self.l3_holder(instance);
-        let set = |t: Tier| {
-            let h = if t == Tier::L3 { l3 } else { instance };
-            self.resident.get(&(h, t))
-        };
-        let sets: [Option<&Resident>; 3] = match tier {
-            Tier::L1 => [set(Tier::L1), None, None],
-            Tier::L2 => [set(Tier::L1), set(Tier::L2), None],
-            Tier::L3 => [set(Tier::L1), set(Tier::L2), set(Tier::L3)],
-        };
+        let sets = self.sets(instance, tier);
         if sets.iter().all(Option::is_none) {
             return 0;
         }
@@ -388,6 +379,20 @@ impl Components {
             return p;
         }
         0
+    }
+
+    /// What `instance` holds in `tier` and the faster tiers (its L3 in its L3 holder's).
+    fn sets(&self, instance: HolderId, tier: Tier) -> [Option<&Resident>; 3] {
+        let l3 = self.l3_holder(instance);
+        let set = |t: Tier| {
+            let h = if t == Tier::L3 { l3 } else { instance };
+            self.resident.get(&(h, t))
+        };
+        match tier {
+            Tier::L1 => [set(Tier::L1), None, None],
+            Tier::L2 => [set(Tier::L1), set(Tier::L2), None],
+            Tier::L3 => [set(Tier::L1), set(Tier::L2), set(Tier::L3)],
+        }
     }
 }
 
@@ -478,22 +483,7 @@ mod tests {
         if !c.model.is_hybrid() {
             return 0;
         }
-        let tiers: &[Tier] = match tier {
-            Tier::L1 => &[Tier::L1],
-            Tier::L2 => &[Tier::L1, Tier::L2],
-            Tier::L3 => &[Tier::L1, Tier::L2, Tier::L3],
-        };
-        let sets: Vec<&Resident> = tiers
-            .iter()
-            .filter_map(|&t| {
-                let h = if t == Tier::L3 {
-                    c.l3_holder(instance)
-                } else {
-                    instance
-                };
-                c.resident.get(&(h, t))
-            })
-            .collect();
+        let sets: Vec<&Resident> = c.sets(instance, tier).into_iter().flatten().collect();
         let window = c.model.swa_window.map(|w| (w as usize).div_ceil(page_size));
         let (mut run, mut best) = (0, 0);
         for (k, h) in hashes.iter().take(blocks).enumerate() {

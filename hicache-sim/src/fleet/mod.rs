@@ -317,17 +317,20 @@ pub struct FleetRun {
     pub wall_seconds: f64,
 }
 
-/// The L3 prefetch threshold an instance of `setup` applies, in tokens: the extra-config's
-/// `prefetch_threshold` (256 by default), at least a page, as the dense cache reads it
+/// The L3 prefetch threshold an instance of `setup` applies, in tokens: its storage
+/// config's `prefetch_threshold`, at least a page, as the dense cache reads it
 /// (`PrefetchConfig::threshold_tokens`).
-fn prefetch_threshold_tokens(setup: &CacheSetup) -> u64 {
-    let asked = setup
-        .storage
-        .extra_config
-        .get("prefetch_threshold")
-        .and_then(Value::as_u64)
-        .unwrap_or(256);
-    asked.max(u64::from(setup.kv_shape.page_size))
+fn prefetch_threshold_tokens(setup: &CacheSetup) -> Result<u64> {
+    let s = &setup.storage;
+    let config = hicache_storage::StorageConfig::from_value(
+        Some(&s.backend),
+        Value::Object(s.extra_config.clone()),
+        "--extra-config",
+    )?;
+    Ok(config
+        .common
+        .prefetch_threshold
+        .max(u64::from(setup.kv_shape.page_size)))
 }
 
 /// The workload's mean answer length in tokens (what an operator would measure and give
@@ -377,7 +380,8 @@ pub fn run(
                 fleet.setup.device_pages as u64 * u64::from(fleet.setup.kv_shape.page_size),
             ),
             l3_prefetch_threshold_tokens: (fleet.l3 != L3Mode::None)
-                .then(|| prefetch_threshold_tokens(&setup)),
+                .then(|| prefetch_threshold_tokens(&setup))
+                .transpose()?,
         });
         let cache = HiCacheUnderTest::build(&setup, true)?;
         instances.push(Instance::new(cache, &fleet.compute, &fleet.engine)?);

@@ -34,7 +34,7 @@
 use hicache_core::{Component, CoreError, DeviceSlot, LockReceipt, UnifiedLoadPlan, UnifiedMatch};
 
 use super::StateSlot;
-use super::cache::{Admitted, HybridCache, Req, Units};
+use super::cache::{HybridCache, Req, Units};
 use super::types::{HybridAdmission, HybridDemand, HybridExtent, HybridSlots};
 use crate::error::{HiCacheError, Result};
 
@@ -82,15 +82,7 @@ impl HybridCache {
         tokens: &[u32],
         extent: HybridExtent,
     ) -> Result<Option<(HybridAdmission, HybridSlots)>> {
-        self.check_open()?;
-        let storage = match self.requests.get(&req) {
-            Some(Req::Arrived { storage, .. }) => *storage,
-            Some(Req::Admitted(_)) => return Err(HiCacheError::request(req, "already admitted")),
-            None => return Err(HiCacheError::request(req, "unknown request (call arrive)")),
-        };
-        if tokens.is_empty() {
-            return Err(HiCacheError::request(req, "an empty prompt"));
-        }
+        let storage = self.arrived_storage(req, tokens)?;
         if extent.pages.saturating_mul(self.ps()) < tokens.len() {
             return Err(HiCacheError::BadArgument(format!(
                 "request {req}: {} pages for a {}-token prompt",
@@ -253,7 +245,6 @@ impl HybridCache {
             spare.swa = units.swa.split_off(units.swa.len().saturating_sub(surplus));
         }
         self.free_units(&spare)?;
-        let loaded = after.device_prefix_len - m.device_prefix_len;
         let receipt = self.tree.lock(after.node, false)?;
         self.tree.unlock(&guard)?;
         let cow = match after.mamba_slot {
@@ -264,38 +255,13 @@ impl HybridCache {
             }
             _ => None,
         };
-        let prefix_full = self.prefix_slots(after.node, Component::Full)?;
-        let slots = HybridSlots {
-            full: prefix_full.iter().map(|&s| DeviceSlot(s)).collect(),
-            swa: self.swa_prefix(after.node)?,
-            mamba: cow.map(StateSlot).into_iter().collect(),
-        };
-        let storage_tokens = storage.min(loaded);
-        self.count_hits(m.device_prefix_len, loaded, storage_tokens);
-        self.requests.insert(
-            req,
-            Req::Admitted(Admitted {
-                receipt,
-                matched: after.device_prefix_len,
-                swa_branching: after.swa_branching,
-                mamba_branching: after.mamba_branching,
-                prefix_full,
-                cow,
-            }),
-        );
+        let admission =
+            self.record_admission(req, &after, m.device_prefix_len, storage, receipt, cow)?;
         let rest = HybridSlots {
             full: units.full.into_iter().map(DeviceSlot).collect(),
             swa: units.swa.into_iter().map(|s| Some(DeviceSlot(s))).collect(),
             mamba: units.mamba.into_iter().map(StateSlot).collect(),
         };
-        Ok((
-            HybridAdmission {
-                device_tokens: m.device_prefix_len,
-                host_tokens: loaded,
-                storage_tokens,
-                slots,
-            },
-            rest,
-        ))
+        Ok((admission, rest))
     }
 }

@@ -309,15 +309,7 @@ impl HybridCache {
     /// the host part is recomputed): an engine that must not lose the hit for lack of room
     /// admits with [`try_admit`](Self::try_admit), which reserves the rest with it.
     pub fn admit(&mut self, req: u64, tokens: &[u32]) -> Result<HybridAdmission> {
-        self.check_open()?;
-        let storage = match self.requests.get(&req) {
-            Some(Req::Arrived { storage, .. }) => *storage,
-            Some(Req::Admitted(_)) => return Err(HiCacheError::request(req, "already admitted")),
-            None => return Err(HiCacheError::request(req, "unknown request (call arrive)")),
-        };
-        if tokens.is_empty() {
-            return Err(HiCacheError::request(req, "an empty prompt"));
-        }
+        let storage = self.arrived_storage(req, tokens)?;
         let first = self.tree.match_prefix(Self::match_key(tokens))?;
         let host_tokens = self.load_back(&first)?;
         let m = if host_tokens > 0 {
@@ -330,15 +322,46 @@ impl HybridCache {
             Some(src) => self.copy_on_write(src)?,
             None => None,
         };
+        self.record_admission(req, &m, first.device_prefix_len, storage, receipt, cow)
+    }
+
+    /// The L3 tokens of `req`'s prefetch, checking that it is an arrived request with a prompt
+    /// (what `admit` and `try_admit` take).
+    pub(super) fn arrived_storage(&self, req: u64, tokens: &[u32]) -> Result<usize> {
+        self.check_open()?;
+        let storage = match self.requests.get(&req) {
+            Some(Req::Arrived { storage, .. }) => *storage,
+            Some(Req::Admitted(_)) => return Err(HiCacheError::request(req, "already admitted")),
+            None => return Err(HiCacheError::request(req, "unknown request (call arrive)")),
+        };
+        if tokens.is_empty() {
+            return Err(HiCacheError::request(req, "an empty prompt"));
+        }
+        Ok(storage)
+    }
+
+    /// Records `req` admitted on the match `m` (its prefix on device and locked by
+    /// `receipt`, `device` tokens of it on device before any load-back, `storage` tokens
+    /// prefetched from L3) with its copy-on-write state slot `cow`; counts its hits and
+    /// returns what the engine is handed.
+    pub(super) fn record_admission(
+        &mut self,
+        req: u64,
+        m: &UnifiedMatch,
+        device: usize,
+        storage: usize,
+        receipt: LockReceipt,
+        cow: Option<u32>,
+    ) -> Result<HybridAdmission> {
         let prefix_full = self.prefix_slots(m.node, Component::Full)?;
         let slots = HybridSlots {
             full: prefix_full.iter().map(|&s| DeviceSlot(s)).collect(),
             swa: self.swa_prefix(m.node)?,
             mamba: cow.map(StateSlot).into_iter().collect(),
         };
-        let host_tokens = m.device_prefix_len - first.device_prefix_len;
+        let host_tokens = m.device_prefix_len - device;
         let storage_tokens = storage.min(host_tokens);
-        self.count_hits(first.device_prefix_len, host_tokens, storage_tokens);
+        self.count_hits(device, host_tokens, storage_tokens);
         self.requests.insert(
             req,
             Req::Admitted(Admitted {
@@ -351,7 +374,7 @@ impl HybridCache {
             }),
         );
         Ok(HybridAdmission {
-            device_tokens: first.device_prefix_len,
+            device_tokens: device,
             host_tokens,
             storage_tokens,
             slots,
