@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the staged GPU tests and benches on a GPU machine (see stage-gpu.sh).
-# Usage: bash scripts/gpu-run.sh [tests|bench|all]   (default all)
+# Usage: bash scripts/gpu-run.sh [tests|bench|sweep|all]   (default all; sweep: the kernels'
+# CTA sweep and the load-backs only, after the Llama verify)
 # Every step runs under its own time limit and the script goes on after a failing step; each
 # phase's output goes to $OUT/<phase>.log (the device tool's result folder; gpu-out/ without
 # it) and one line per step to $OUT/summary.txt. Exit status: the number of failed steps.
@@ -59,9 +60,17 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
             --pages 256,1024 --layout page_first,layer_first,page_first_direct \
             --io kernel,direct,staged --iters 8 --json
     done
+fi
+if [ "$what" = sweep ]; then
+    step bench 60 "transfer-verify-llama3-8b" .gpu/hicache-bench transfer --device cuda \
+        --model llama3-8b --pages 16 --layout page_first,layer_first,page_first_direct \
+        --io kernel,direct,staged --iters 1 --verify --json
+fi
+if [ "$what" = bench ] || [ "$what" = sweep ] || [ "$what" = all ]; then
     # The kernels' H2D loads stopped at 0.92 of the bulk copy with the default 8 CTAs
-    # (2026-12-04): the same loads with more CTAs.
-    for c in 16 32 64; do
+    # (2026-12-04): the same loads with more CTAs (8 again as the same-run baseline; 128 is
+    # about one CTA per SM of an H100 / H200).
+    for c in 8 16 32 64 128; do
         step bench 60 "transfer-ctas-$c" .gpu/hicache-bench transfer --device cuda --model llama3-8b \
             --pages 1024 --layout page_first,layer_first --io kernel --iters 8 --ctas "$c" --json
     done
