@@ -234,6 +234,14 @@ fn main_job_fleet_table_shows_round_robin_the_best_anchor_and_hicache() {
             "{}",
             s.policy
         );
+        // The no-queue floor: every request's compute alone, at most its TTFT.
+        assert!(
+            s.ttft_floor_mean_ms > 0.0 && s.ttft_floor_mean_ms <= s.ttft_mean_ms,
+            "{}: floor {} ms, mean {} ms",
+            s.policy,
+            s.ttft_floor_mean_ms,
+            s.ttft_mean_ms
+        );
     }
     let best = report
         .policies

@@ -35,6 +35,7 @@
 //! fleet of N caches would otherwise sync the file system and spawn threads N times over.
 
 pub mod events;
+pub mod floor;
 pub mod instance;
 pub mod mooncake;
 
@@ -303,6 +304,8 @@ pub struct FleetRun {
     pub busy_s: Vec<f64>,
     /// Router decision times, in decision order (ns).
     pub decision_ns: Vec<u64>,
+    /// Each request's no-queue floor (s), by id ([`floor`]).
+    pub floor_ttft_s: Vec<f64>,
     /// What the router counted.
     #[serde(skip)]
     pub router: RouterStats,
@@ -398,6 +401,7 @@ pub fn run(
     let mut ingest = IngestCounts::default();
     let mut finished = Vec::new();
     let mut done = 0;
+    let mut floor = floor::Floor::new(ps as usize);
     while !source.is_done() {
         let next_step = (0..ready.len())
             .filter_map(|i| ready[i].map(|t| (t, i)))
@@ -418,6 +422,7 @@ pub fn run(
                     )));
                 }
                 let tokens = convs[sent.conversation].prompt(sent.round);
+                floor.arrive(tokens, &fleet.compute);
                 let t0 = Instant::now();
                 let d = router.route(
                     &index,
@@ -439,6 +444,14 @@ pub fn run(
             (_, Some((t, i))) => {
                 ready[i] = instances[i].step(t, convs, &mut records, &mut finished)?;
                 feed_events(&mut instances[i], &mut feeds[i], &mut index, &mut ingest)?;
+                // Finished requests first: the report after the step no longer counts them,
+                // and a `finished` after it would take them off the fresh report again.
+                for (sent, at) in finished.drain(..) {
+                    source.complete(&sent, at);
+                    router.finished(sent.id);
+                    done += 1;
+                    progress(done, total);
+                }
                 let inst = &instances[i].sched;
                 router.report_load(
                     i,
@@ -448,12 +461,6 @@ pub fn run(
                         running_tokens: inst.running_tokens() as u64,
                     },
                 );
-                for (sent, at) in finished.drain(..) {
-                    source.complete(&sent, at);
-                    router.finished(sent.id);
-                    done += 1;
-                    progress(done, total);
-                }
             }
             (_, None) => {
                 return Err(SimError::Cache(format!(
@@ -477,6 +484,7 @@ pub fn run(
         instance_of,
         busy_s: instances.iter().map(|i| i.sched.busy_s()).collect(),
         decision_ns,
+        floor_ttft_s: floor.ttft_s().to_vec(),
         router: router.stats(),
         ingest,
         index_holder_blocks: index.stats().holder_blocks,
@@ -531,6 +539,8 @@ pub struct Summary {
     pub ttft_p99_ms: f64,
     /// Mean.
     pub ttft_mean_ms: f64,
+    /// Mean of the requests' no-queue floors ([`floor`]): no router's mean TTFT is lower.
+    pub ttft_floor_mean_ms: f64,
     /// Requests per simulated second (first arrival to last finish).
     pub throughput_req_s: f64,
     /// Coefficient of variation of the instances' busy time.
@@ -560,6 +570,15 @@ pub fn quantile(v: &[f64], q: f64) -> f64 {
     }
     let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
     v[rank - 1]
+}
+
+/// The mean of `v`; 0 when empty.
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        0.0
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
 }
 
 /// Coefficient of variation (population); 0 for an empty or all-zero set.
@@ -607,11 +626,8 @@ impl FleetRun {
             ttft_p50_ms: quantile(&ttft, 0.5),
             ttft_p90_ms: quantile(&ttft, 0.9),
             ttft_p99_ms: quantile(&ttft, 0.99),
-            ttft_mean_ms: if ttft.is_empty() {
-                0.0
-            } else {
-                ttft.iter().sum::<f64>() / ttft.len() as f64
-            },
+            ttft_mean_ms: mean(&ttft),
+            ttft_floor_mean_ms: 1e3 * mean(&self.floor_ttft_s),
             throughput_req_s: if self.sim_seconds > 0.0 {
                 r.len() as f64 / self.sim_seconds
             } else {
