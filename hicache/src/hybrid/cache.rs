@@ -14,7 +14,9 @@
 //!    the tree until the poll that finishes its copy, at a count every rank agreed on, and a
 //!    node whose host copy is written to L3 is host-locked meanwhile.
 //! 4. The Mamba state of a match is never handed to a request: the request gets a copy in a
-//!    slot of its own (copy-on-write), so the cached state never changes under it.
+//!    slot of its own (copy-on-write from the device state, or, with
+//!    [`HybridCache::try_admit`], loaded from the host state, which stays the tree's on host
+//!    only), so the cached state never changes under it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -474,18 +476,21 @@ impl HybridCache {
                 return other.map(|_| 0);
             }
         };
-        self.start_load_back(&plan, &units)?;
+        self.start_load_back(&plan, &units, false)?;
         self.tree.unlock(&guard)?;
         Ok(plan.full_pages() * self.ps())
     }
 
     /// Launches the load-back `plan` into the device slots `units` (exactly the plan's, each
     /// component's) and commits it in the tree: from now on its pages are on device (matches
-    /// reuse them) and its node is locked until the poll that finishes the copy.
+    /// reuse them) and its node is locked until the poll that finishes the copy. With
+    /// `detached`, the plan's state goes to `units.mamba[0]`, a request's own slot, and stays
+    /// on host only in the tree ([`UnifiedTree::commit_load_back_detached`]).
     pub(super) fn start_load_back(
         &mut self,
         plan: &hicache_core::UnifiedLoadPlan,
         units: &Units,
+        detached: bool,
     ) -> Result<()> {
         let launched = self.launch_load(plan, units)?;
         let host_full: Vec<u32> = plan
@@ -507,7 +512,7 @@ impl HybridCache {
             Medium::Gpu,
             &units.swa,
         );
-        if let (Some(host), Some(&dev)) = (plan.mamba, units.mamba.first()) {
+        if let (Some(host), Some(&dev), false) = (plan.mamba, units.mamba.first(), detached) {
             self.events.copied_of(
                 Component::Mamba,
                 Medium::CpuPinned,
@@ -516,14 +521,15 @@ impl HybridCache {
                 &[dev],
             );
         }
-        let id = self.tree.commit_load_back(
-            plan,
-            DeviceLoad {
-                full: &units.full,
-                swa: &units.swa,
-                mamba: units.mamba.first().copied(),
-            },
-        )?;
+        let dev = DeviceLoad {
+            full: &units.full,
+            swa: &units.swa,
+            mamba: units.mamba.first().copied().filter(|_| !detached),
+        };
+        let id = match detached {
+            true => self.tree.commit_load_back_detached(plan, dev)?,
+            false => self.tree.commit_load_back(plan, dev)?,
+        };
         self.copies.add_load(id, launched);
         Ok(())
     }
