@@ -165,7 +165,7 @@ impl HybridCache {
 
     /// Bytes of one Mamba state (0 without Mamba).
     pub fn state_bytes(&self) -> usize {
-        self.pools.mamba.as_ref().map_or(0, |m| m.slot_bytes())
+        self.pools.unit_bytes(Component::Mamba)
     }
 
     /// Reads a device Mamba state (synchronous; for checks and tests, an engine's kernels

@@ -139,6 +139,14 @@ impl Pools {
         self.mamba.as_ref().ok_or_else(|| missing(Component::Mamba))
     }
 
+    /// Bytes of one device unit of `c` (a page, or a state); 0 when `c` is not configured.
+    pub fn unit_bytes(&self, c: Component) -> usize {
+        match c {
+            Component::Mamba => self.mamba.as_ref().map_or(0, |m| m.slot_bytes()),
+            _ => self.kv(c).map_or(0, |p| p.page_bytes()),
+        }
+    }
+
     /// Free device units of `c` (pages, or state slots).
     pub fn dev_available(&self, c: Component) -> usize {
         match c {

@@ -24,7 +24,7 @@ use hicache_core::{Component, HostBackup, NodeId, UnifiedLoadPlan};
 use super::cache::{HybridCache, Units};
 use super::copies::Backup;
 use super::copies::Launched;
-use super::pools::{Tier, plan_slots};
+use super::pools::{COMPONENTS, Tier, plan_slots};
 use crate::error::Result;
 
 /// Index of "backups finished" in the exchanged vector.
@@ -198,28 +198,15 @@ impl HybridCache {
     /// Counts pages (states) and bytes of a copy per component: device → host (`d2h`) or
     /// host → device.
     pub(crate) fn count_moved(&mut self, d2h: bool, u: &Units) -> Result<()> {
-        let sizes = [
-            (Component::Full, u.full.len(), self.pools.full.page_bytes()),
-            (
-                Component::Swa,
-                u.swa.len(),
-                self.pools.swa.as_ref().map_or(0, |p| p.page_bytes()),
-            ),
-            (
-                Component::Mamba,
-                u.mamba.len(),
-                self.pools.mamba.as_ref().map_or(0, |m| m.slot_bytes()),
-            ),
-        ];
-        for (c, n, bytes) in sizes {
+        for (c, slots) in COMPONENTS.into_iter().zip(u.lists()) {
+            let (n, bytes) = (slots.len() as u64, self.pools.unit_bytes(c) as u64);
             let t = self.totals.get_mut(c);
-            let (pages, total) = if d2h {
-                (&mut t.pages_d2h, &mut t.bytes_d2h)
-            } else {
-                (&mut t.pages_h2d, &mut t.bytes_h2d)
+            let (pages, total) = match d2h {
+                true => (&mut t.pages_d2h, &mut t.bytes_d2h),
+                false => (&mut t.pages_h2d, &mut t.bytes_h2d),
             };
-            *pages += n as u64;
-            *total += (n * bytes) as u64;
+            *pages += n;
+            *total += n * bytes;
         }
         Ok(())
     }
