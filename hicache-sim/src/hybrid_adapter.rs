@@ -8,10 +8,10 @@
 //! 1. `HybridCache::admit` matches the prompt but its last token, whole pages.
 //! 2. All or nothing, with the host hit counted (SGLang's scheduler): one
 //!    `HybridCache::try_admit` reserves the prefix per component (host hits loaded back, the
-//!    matched Mamba state copied into a slot of the request) and the rest together — a Full
-//!    and an SWA page per page of prompt and answer, and Mamba slots (the working state,
-//!    which is the admission's copy when the match has a state, plus SGLang's two ping-pong
-//!    checkpoint slots). When they do not fit together it refuses: the request holds nothing
+//!    matched Mamba state copied, or a host one loaded, into a slot of the request) and the
+//!    rest together — a Full and an SWA page per page of prompt and answer, and Mamba slots
+//!    (the working state, which is the admission's copy when the match has a state, plus
+//!    SGLang's two ping-pong checkpoint slots). When they do not fit together it refuses: the request holds nothing
 //!    (no lock, no load, no hit counted) and is matched again when the engine admits it on a
 //!    later tick, so a host hit is not lost for lack of device room, and hits and loads
 //!    count once.

@@ -7,7 +7,8 @@ mod common;
 mod hybrid_common;
 
 use hicache::{
-    Component, HiCacheError, HybridCache, HybridConfig, HybridDemand, HybridSlots, KvEvent, Medium,
+    Component, HiCacheError, HybridAdmission, HybridCache, HybridConfig, HybridDemand, HybridSlots,
+    KvEvent, Medium,
 };
 use hybrid_common::{Engine, extended, prompt};
 
@@ -620,17 +621,17 @@ fn try_admit_refuses_bad_input_with_an_error() {
     e.cache.shutdown().unwrap();
 }
 
-/// Loading a hit back takes one more Mamba state than recomputing it (the state loaded into
-/// the tree beside the request's copy): when only states are short, `try_admit` admits the
-/// request past its device prefix and the host part is recomputed (SGLang's fallback),
-/// instead of making it wait for a state slot.
-#[test]
-fn try_admit_recomputes_a_host_hit_when_only_states_are_short() {
+/// A running request: its id, tokens, admission and slots of the rest.
+type Running = (u64, Vec<u32>, HybridAdmission, HybridSlots);
+
+/// A cache of `config(None, Some(8))` whose 8 device states are all but one held by seven
+/// running requests, with turn one of `a` on host; the running requests, `a` and the turn
+/// two to admit with its host hit (its reusable tokens).
+fn states_short() -> (Engine, Vec<Running>, Vec<u32>, usize) {
     let mut e = Engine::new(cache(config(None, Some(8)), 32));
     let a = prompt(1, 40);
     e.turn(&a);
     e.turn(&prompt(2, 100));
-    // Seven requests run, one state slot each: one of the 8 slots is left.
     let mut running = Vec::new();
     for k in 0..7 {
         let p = prompt(10 + k, 4);
@@ -642,9 +643,72 @@ fn try_admit_recomputes_a_host_hit_when_only_states_are_short() {
     let (device, reusable) = e.cache.reusable_tokens(&a2).unwrap();
     assert_eq!(device, 0);
     assert!(reusable >= 32, "an L2 hit: {reusable}");
+    (e, running, a2, reusable)
+}
+
+/// A host hit's Mamba state is loaded straight into the request's own state slot (one copy,
+/// no state of the tree's beside it), so a hit takes no more states than recomputing it:
+/// with one state slot left, `try_admit` admits the request with its whole hit, the state's
+/// bytes in its slot, and the tree keeps that state on host only.
+#[test]
+fn try_admit_loads_a_host_state_into_the_request_slot() {
+    let (mut e, running, a2, reusable) = states_short();
     let before = e.cache.metrics();
     let req = e.arrive(&a2);
-    let (adm, new) = e.try_admit(req, &a2).expect("room past the device prefix");
+    let (adm, new) = e
+        .try_admit(req, &a2)
+        .expect("room for the hit in one state");
+    assert_eq!(adm.host_tokens, reusable, "the whole hit: {adm:?}");
+    assert_eq!(adm.slots.mamba.len(), 1, "the request's state: {adm:?}");
+    assert_eq!(
+        e.cache.state_pool().unwrap().available(),
+        0,
+        "one state taken"
+    );
+    let moved = e.cache.metrics().mamba.pages_h2d - before.mamba.pages_h2d;
+    assert_eq!(moved, 1, "one state loaded");
+    let (device, host) = e.cache.reusable_tokens(&a2).unwrap();
+    assert!(
+        device < reusable,
+        "the tree's state stays on host: {device}"
+    );
+    assert_eq!(host, reusable);
+    let run = e.complete(req, &a2, adm, new);
+    assert_eq!(run.checked[2], 1, "the loaded state's bytes checked");
+    for (req, p, adm, new) in running {
+        e.complete(req, &p, adm, new);
+    }
+    e.settle();
+    let after = e.cache.metrics();
+    assert_eq!(
+        after.full.hit_tokens_l2 - before.full.hit_tokens_l2,
+        reusable as u64
+    );
+    e.cache.shutdown().unwrap();
+}
+
+/// An admission that asks no state slot loads a host state into the tree, which takes one
+/// more state than recomputing it: when only states are short, `try_admit` admits the
+/// request past its device prefix and the host part is recomputed (SGLang's fallback),
+/// instead of making it wait for a state slot.
+#[test]
+fn try_admit_without_a_state_slot_recomputes_when_states_are_short() {
+    let (mut e, running, a2, _) = states_short();
+    // The eighth state goes to one more running request: none is left for the tree.
+    let p = prompt(20, 4);
+    let last = e.arrive(&p);
+    let (l_adm, l_new) = e.try_admit(last, &p).expect("the last state slot");
+    let before = e.cache.metrics();
+    let req = e.arrive(&a2);
+    let extent = hicache::HybridExtent {
+        pages: a2.len().div_ceil(PS as usize),
+        mamba_slots: 0,
+    };
+    let (adm, new) = e
+        .cache
+        .try_admit(req, &a2, extent)
+        .unwrap()
+        .expect("room past the device prefix");
     assert_eq!(
         adm.cached_tokens(),
         0,
@@ -652,6 +716,7 @@ fn try_admit_recomputes_a_host_hit_when_only_states_are_short() {
     );
     assert_eq!(e.cache.metrics().full.pages_h2d, before.full.pages_h2d);
     e.complete(req, &a2, adm, new);
+    e.complete(last, &p, l_adm, l_new);
     for (req, p, adm, new) in running {
         e.complete(req, &p, adm, new);
     }

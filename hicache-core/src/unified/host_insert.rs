@@ -100,7 +100,7 @@ impl UnifiedTree {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::unified::{Component, DeviceLoad, UnifiedConfig};
+    use crate::unified::{Component, DeviceLoad, InsertParams, InsertSlots, UnifiedConfig};
 
     fn tree() -> UnifiedTree {
         UnifiedTree::with_device_slots(UnifiedConfig {
@@ -111,8 +111,8 @@ mod tests {
         .unwrap()
     }
 
-    #[test]
-    fn a_host_only_insert_is_a_host_hit_that_loads_back() {
+    /// A tree holding 16 tokens (4 pages) as one host-only node: its key and the node.
+    fn host_only() -> (UnifiedTree, Vec<u32>, NodeId) {
         let mut t = tree();
         let key: Vec<u32> = (0..16).collect();
         let root = t.root();
@@ -122,6 +122,12 @@ mod tests {
             mamba: Some(30),
         };
         let node = t.insert_host_only(root, &key, host).unwrap();
+        (t, key, node)
+    }
+
+    #[test]
+    fn a_host_only_insert_is_a_host_hit_that_loads_back() {
+        let (mut t, key, node) = host_only();
         t.check_invariants().unwrap();
         assert!(t.backed_up(node, Component::Mamba).unwrap());
         let m = t.match_prefix(&key).unwrap();
@@ -169,5 +175,52 @@ mod tests {
         };
         assert!(t.insert_host_only(root, &key, again).is_err());
         t.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_detached_load_back_leaves_the_state_on_host() {
+        let (mut t, key, node) = host_only();
+        let plan = t.plan_load_back(node).unwrap().unwrap();
+        let with_state = DeviceLoad {
+            full: &[0, 1, 2, 3],
+            swa: &[4, 5],
+            mamba: Some(6),
+        };
+        assert!(t.commit_load_back_detached(&plan, with_state).is_err());
+        let dev = DeviceLoad {
+            mamba: None,
+            ..with_state
+        };
+        assert!(t.commit_load_back(&plan, dev).is_err());
+        let id = t.commit_load_back_detached(&plan, dev).unwrap();
+        t.check_invariants().unwrap();
+        // Full and SWA on device, the state on host only: the device match stops above.
+        let m = t.match_prefix(&key).unwrap();
+        assert_eq!((m.device_prefix_len, m.host_node), (0, node));
+        assert!(m.mamba_host_hit);
+        assert_eq!(t.prefix_pages(node, Component::Full).unwrap().len(), 4);
+        let again = t.plan_load_back(node).unwrap().unwrap();
+        assert!(again.full.is_empty() && again.swa.is_empty());
+        assert_eq!(again.mamba, Some(30));
+        // A request on the loaded pages locks the node without its state and inserts on.
+        let lock = t.lock(node, true).unwrap();
+        let long: Vec<u32> = (0..24).collect();
+        t.insert_with_slots(
+            &long,
+            &InsertParams {
+                prev_prefix_len: 16,
+                swa_evicted_len: 8,
+                mamba_slot: Some(7),
+            },
+            InsertSlots {
+                full: &[0, 1, 2, 3, 8, 9],
+                swa: &[u32::MAX, u32::MAX, 4, 5, 14, 15],
+            },
+        )
+        .unwrap();
+        t.unlock(&lock).unwrap();
+        t.finish_load_back(id).unwrap();
+        t.check_invariants().unwrap();
+        assert_eq!(t.match_prefix(&long).unwrap().device_prefix_len, 24);
     }
 }

@@ -133,10 +133,37 @@ impl UnifiedTree {
         plan: &UnifiedLoadPlan,
         dev: DeviceLoad<'_>,
     ) -> Result<UnifiedLoadId> {
+        let state = dev.mamba.is_some() == plan.mamba.is_some();
+        self.commit_load(plan, dev, state)
+    }
+
+    /// As [`commit_load_back`](Self::commit_load_back), for a copy that wrote the plan's
+    /// Mamba state (if any) into a slot the tree does not own — a request's working state,
+    /// loaded straight from host instead of into the tree and copied again — so `dev.mamba`
+    /// is `None`: the Full and SWA pages are on device from now on, the node's state stays on
+    /// host only (a device match ends above the node; the request locks the node itself,
+    /// skipping Mamba). The node is locked and host-locked until
+    /// [`finish_load_back`](Self::finish_load_back), as with the state.
+    pub fn commit_load_back_detached(
+        &mut self,
+        plan: &UnifiedLoadPlan,
+        dev: DeviceLoad<'_>,
+    ) -> Result<UnifiedLoadId> {
+        let state = dev.mamba.is_none();
+        self.commit_load(plan, dev, state)
+    }
+
+    /// Commits `plan` into `dev` (`state`: whether `dev` has the state slot the caller's
+    /// variant requires).
+    fn commit_load(
+        &mut self,
+        plan: &UnifiedLoadPlan,
+        dev: DeviceLoad<'_>,
+        state: bool,
+    ) -> Result<UnifiedLoadId> {
         let fresh = self.plan_load_back(plan.node)?.as_ref() == Some(plan);
-        let fits = dev.full.len() == plan.full_pages()
-            && dev.swa.len() == plan.swa_pages()
-            && dev.mamba.is_some() == plan.mamba.is_some();
+        let fits =
+            dev.full.len() == plan.full_pages() && dev.swa.len() == plan.swa_pages() && state;
         check_commit("load_back", plan.node, fresh, fits)?;
         for (node, mine) in per_node(&plan.full, dev.full) {
             let i = self.index(node)?;

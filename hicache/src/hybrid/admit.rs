@@ -8,10 +8,11 @@
 //! 1. **Nothing or everything.** `try_admit` either refuses and changes nothing a request
 //!    holds — the request stays arrived: no lock, no load-back, no slot, no hit counted; the
 //!    next call matches again — or loads back the host hit, locks the prefix, copies the
-//!    matched Mamba state and allocates the rest of the request, all in one call. What a
+//!    matched Mamba state (or loads the host one, invariant 5) into the request's slot and
+//!    allocates the rest of the request, all in one call. What a
 //!    refusal may change is the tree's cache only: the eviction it ran to make room (as a
 //!    refused [`HybridCache::alloc`]).
-//! 2. **One reservation.** The load-back's slots, the copy-on-write slot and the rest are
+//! 2. **One reservation.** The load-back's slots, the request's state slots and the rest are
 //!    allocated by one [`alloc_units`](HybridCache::alloc_units) (each component's shortfall
 //!    evicted first) while the device prefix is locked, before anything is committed; the
 //!    load-back is committed only with every slot in hand.
@@ -23,15 +24,25 @@
 //!    its SWA window evicted on device, say); the plan is checked after the allocation and a
 //!    changed one is given up and planned again from a fresh match, at most
 //!    [`ATTEMPTS`] times.
-//! 5. **Recompute only what costs no more.** Loading a hit back needs at most as many Full
-//!    and SWA pages as recomputing it (the same pages, or only the window's SWA pages) but
-//!    one more Mamba state (the state loaded into the tree beside the request's copy). When
-//!    the load-back and the rest do not fit together, the rest past the device prefix alone
-//!    is tried: it fits only when states were short, never Full or SWA pages, and then the
-//!    host part is recomputed (SGLang's `init_load_back` fallback, whose budget check counts
-//!    tokens, not states). Whenever pages are short the request waits with its hit.
+//! 5. **A host state goes to the request.** A host hit's Mamba state is loaded straight into
+//!    the request's working slot (one copy, host → that slot) and stays on host only in the
+//!    tree ([`UnifiedTree::commit_load_back_detached`]); the request locks the loaded node
+//!    with its Full path and SWA window, not its state. So loading a hit back needs no more
+//!    of any component than recomputing it (the same Full pages, or only the window's SWA
+//!    pages; the request's own states), where SGLang loads the state into the tree and
+//!    copies it again (one state more: with a Mamba state pool held by running requests and
+//!    by nodes in write-through, the hit was recomputed). Only an admission asking no Mamba
+//!    slot loads the state into the tree; when that load-back and the rest do not fit
+//!    together, the rest past the device prefix alone is tried: it fits only when states
+//!    were short, and then the host part is recomputed (SGLang's `init_load_back` fallback,
+//!    whose budget check counts tokens, not states). Whenever pages are short the request
+//!    waits with its hit.
+//!
+//! [`UnifiedTree::commit_load_back_detached`]: hicache_core::UnifiedTree::commit_load_back_detached
 
-use hicache_core::{Component, CoreError, DeviceSlot, LockReceipt, UnifiedLoadPlan, UnifiedMatch};
+use hicache_core::{
+    Component, CoreError, DeviceSlot, LockReceipt, NodeId, UnifiedLoadPlan, UnifiedMatch,
+};
 
 use super::StateSlot;
 use super::cache::{HybridCache, Req, Units};
@@ -54,6 +65,9 @@ struct Reserved {
     guard: LockReceipt,
     /// The load-back's slots first (per component), then the request's.
     units: Units,
+    /// Whether the load-back's state goes into the request's first Mamba slot (invariant 5)
+    /// instead of into the tree.
+    detached: bool,
 }
 
 enum Reserve {
@@ -69,13 +83,15 @@ impl HybridCache {
     /// loaded back (per component) and the rest, `extent` in all. Either returns the
     /// admission (as [`admit`](Self::admit)'s) with the slots of the rest (as
     /// [`alloc`](Self::alloc)'s: a Full page, and with SWA an SWA page, per page past the
-    /// prefix, and the Mamba slots but the copy-on-write one), or `None` and the request
+    /// prefix, and the Mamba slots but the admission's one), or `None` and the request
     /// stays arrived, holding nothing, to be matched again by a later call (SGLang's
     /// scheduler; see the module docs for the invariants). Unlike `admit` followed by a
-    /// refused `alloc`, a host hit is never dropped for lack of device pages: the request
-    /// waits until the hit and the rest fit together. Only when Mamba states are short (a
-    /// load-back takes one more than recomputing) is the hit recomputed instead, if the rest
-    /// past the device prefix fits (SGLang's fallback).
+    /// refused `alloc`, a host hit is never dropped for lack of device room: the request
+    /// waits until the hit and the rest fit together. A host hit's Mamba state is loaded
+    /// straight into the admission's state slot (the first of `extent.mamba_slots`), so the
+    /// hit takes no state more than recomputing it; with no Mamba slot asked it is loaded
+    /// into the tree, and when states are short for that the hit is recomputed instead, if
+    /// the rest past the device prefix fits (SGLang's fallback).
     pub fn try_admit(
         &mut self,
         req: u64,
@@ -144,11 +160,11 @@ impl HybridCache {
             // The prefix once loaded: the path to the load-back's node (some of whose nodes
             // may hold their Full pages on device already, and lack only another component).
             let prefix = self.tree.depth_tokens(m.host_node)?;
-            let load = (
-                p.full_pages(),
-                p.swa_pages(),
-                usize::from(p.mamba.is_some()),
-            );
+            // A state on host goes straight into the request's working slot (invariant 5),
+            // one of its own: no slot beside it for the tree's copy.
+            let tree_state = p.mamba.is_some() && extent.mamba_slots == 0;
+            let detached = p.mamba.is_some() && !tree_state;
+            let load = (p.full_pages(), p.swa_pages(), usize::from(tree_state));
             match self.alloc_units(demand(prefix, load)) {
                 Ok(Some(units)) => {
                     if self.tree.plan_load_back(m.host_node)?.as_ref() != Some(p) {
@@ -162,6 +178,7 @@ impl HybridCache {
                         prefix,
                         guard,
                         units,
+                        detached,
                     })));
                 }
                 Ok(None) => {}
@@ -181,6 +198,7 @@ impl HybridCache {
                 prefix,
                 guard,
                 units,
+                detached: false,
             }))),
             other => {
                 self.tree.unlock(&guard)?;
@@ -190,8 +208,8 @@ impl HybridCache {
     }
 
     /// Commits a reserved admission: launches the load-back, matches again (the loaded
-    /// pages are on device now), locks the prefix, copies the matched state and hands out
-    /// the rest.
+    /// pages are on device now), locks the prefix, copies the matched state (or has loaded
+    /// the host one into the request's slot) and hands out the rest.
     fn commit_admission(
         &mut self,
         req: u64,
@@ -205,22 +223,28 @@ impl HybridCache {
             prefix,
             guard,
             mut units,
+            detached,
         } = r;
-        let ps = self.ps();
         if let Some(plan) = &plan {
+            let states = usize::from(plan.mamba.is_some());
             let load = Units {
                 full: units.full.drain(..plan.full_pages()).collect(),
                 swa: units.swa.drain(..plan.swa_pages()).collect(),
-                mamba: units
-                    .mamba
-                    .drain(..usize::from(plan.mamba.is_some()))
-                    .collect(),
+                mamba: units.mamba.drain(..states).collect(),
             };
-            self.start_load_back(plan, &load)?;
+            self.start_load_back(plan, &load, detached)?;
+            if detached {
+                // The state's slot is the request's working state.
+                units.mamba.splice(0..0, load.mamba);
+            }
         }
         let after = match plan {
             Some(_) => self.tree.match_prefix(Self::match_key(tokens))?,
             None => m.clone(),
+        };
+        let after = match detached {
+            true => Self::as_loaded(after, m.host_node, prefix),
+            false => after,
         };
         if after.device_prefix_len < prefix {
             // The tree's contract: a committed load-back is on device, the match reaches it.
@@ -234,20 +258,11 @@ impl HybridCache {
                 ),
             }));
         }
-        // A match that reaches further than the load-back's node needs fewer pages.
-        let surplus = (after.device_prefix_len - prefix) / ps;
-        let keep = units.full.len().saturating_sub(surplus);
-        let mut spare = Units {
-            full: units.full.split_off(keep),
-            ..Units::default()
-        };
-        if !units.swa.is_empty() {
-            spare.swa = units.swa.split_off(units.swa.len().saturating_sub(surplus));
-        }
-        self.free_units(&spare)?;
-        let receipt = self.tree.lock(after.node, false)?;
+        self.free_surplus(&mut units, (after.device_prefix_len - prefix) / self.ps())?;
+        let receipt = self.tree.lock(after.node, detached)?;
         self.tree.unlock(&guard)?;
         let cow = match after.mamba_slot {
+            _ if detached => Some(units.mamba.remove(0)),
             Some(src) if !units.mamba.is_empty() => {
                 let dst = units.mamba.remove(0);
                 self.copy_state(src, dst)?;
@@ -263,5 +278,40 @@ impl HybridCache {
             mamba: units.mamba.into_iter().map(StateSlot).collect(),
         };
         Ok((admission, rest))
+    }
+
+    /// The match a request admitted on a detached load-back of `node` (`prefix` tokens deep)
+    /// holds: what the match after a load-back with the state in the tree would say — the
+    /// node, its depth on device, the branching lengths past it — with no state of the
+    /// tree's to copy. `after` is the match once the pages are loaded (its device prefix
+    /// ends above the node, whose state is on host only); the same walk, so its Full hit is
+    /// the one to align.
+    fn as_loaded(after: UnifiedMatch, node: NodeId, prefix: usize) -> UnifiedMatch {
+        UnifiedMatch {
+            device_prefix_len: prefix,
+            node,
+            swa_branching: after.swa_branching.filter(|&b| b > prefix),
+            mamba_branching: after.mamba_branching.filter(|&b| b > prefix),
+            mamba_slot: None,
+            host_node: node,
+            host_hit_len: 0,
+            swa_host_hit_len: 0,
+            mamba_host_hit: false,
+            ..after
+        }
+    }
+
+    /// Frees the last `surplus` Full (and SWA) pages of the rest: a match that reaches
+    /// further than the load-back's node needs fewer pages.
+    fn free_surplus(&self, units: &mut Units, surplus: usize) -> Result<()> {
+        let keep = units.full.len().saturating_sub(surplus);
+        let mut spare = Units {
+            full: units.full.split_off(keep),
+            ..Units::default()
+        };
+        if !units.swa.is_empty() {
+            spare.swa = units.swa.split_off(units.swa.len().saturating_sub(surplus));
+        }
+        self.free_units(&spare)
     }
 }

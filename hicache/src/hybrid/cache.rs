@@ -14,7 +14,9 @@
 //!    the tree until the poll that finishes its copy, at a count every rank agreed on, and a
 //!    node whose host copy is written to L3 is host-locked meanwhile.
 //! 4. The Mamba state of a match is never handed to a request: the request gets a copy in a
-//!    slot of its own (copy-on-write), so the cached state never changes under it.
+//!    slot of its own (copy-on-write from the device state, or, with
+//!    [`HybridCache::try_admit`], loaded from the host state, which stays the tree's on host
+//!    only), so the cached state never changes under it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,7 +28,7 @@ use hicache_core::{
 
 use super::StateSlot;
 use super::copies::Copies;
-use super::pools::Pools;
+use super::pools::{COMPONENTS, Pools, Tier, plan_slots};
 use super::types::{
     HybridAdmission, HybridArrival, HybridConfig, HybridDemand, HybridSlots, HybridTotals,
 };
@@ -39,6 +41,13 @@ pub(crate) struct Units {
     pub full: Vec<u32>,
     pub swa: Vec<u32>,
     pub mamba: Vec<u32>,
+}
+
+impl Units {
+    /// The slots per component (Full, SWA, Mamba).
+    pub fn lists(&self) -> [&[u32]; 3] {
+        [&self.full, &self.swa, &self.mamba]
+    }
 }
 
 /// A request between `arrive` and `cache_finished` / `abort`.
@@ -156,7 +165,7 @@ impl HybridCache {
 
     /// Bytes of one Mamba state (0 without Mamba).
     pub fn state_bytes(&self) -> usize {
-        self.pools.mamba.as_ref().map_or(0, |m| m.slot_bytes())
+        self.pools.unit_bytes(Component::Mamba)
     }
 
     /// Reads a device Mamba state (synchronous; for checks and tests, an engine's kernels
@@ -474,56 +483,37 @@ impl HybridCache {
                 return other.map(|_| 0);
             }
         };
-        self.start_load_back(&plan, &units)?;
+        self.start_load_back(&plan, &units, false)?;
         self.tree.unlock(&guard)?;
         Ok(plan.full_pages() * self.ps())
     }
 
     /// Launches the load-back `plan` into the device slots `units` (exactly the plan's, each
     /// component's) and commits it in the tree: from now on its pages are on device (matches
-    /// reuse them) and its node is locked until the poll that finishes the copy.
+    /// reuse them) and its node is locked until the poll that finishes the copy. With
+    /// `detached`, the plan's state goes to `units.mamba[0]`, a request's own slot, and stays
+    /// on host only in the tree ([`UnifiedTree::commit_load_back_detached`]).
     pub(super) fn start_load_back(
         &mut self,
         plan: &hicache_core::UnifiedLoadPlan,
         units: &Units,
+        detached: bool,
     ) -> Result<()> {
         let launched = self.launch_load(plan, units)?;
-        let host_full: Vec<u32> = plan
-            .full
-            .iter()
-            .flat_map(|(_, p)| p.iter().copied())
-            .collect();
-        self.events
-            .copied(Medium::CpuPinned, &host_full, Medium::Gpu, &units.full);
-        let host_swa: Vec<u32> = plan
-            .swa
-            .iter()
-            .flat_map(|(_, p)| p.iter().copied())
-            .collect();
-        self.events.copied_of(
-            Component::Swa,
-            Medium::CpuPinned,
-            &host_swa,
-            Medium::Gpu,
-            &units.swa,
-        );
-        if let (Some(host), Some(&dev)) = (plan.mamba, units.mamba.first()) {
-            self.events.copied_of(
-                Component::Mamba,
-                Medium::CpuPinned,
-                &[host],
-                Medium::Gpu,
-                &[dev],
-            );
-        }
-        let id = self.tree.commit_load_back(
-            plan,
-            DeviceLoad {
-                full: &units.full,
-                swa: &units.swa,
-                mamba: units.mamba.first().copied(),
-            },
-        )?;
+        let (full, swa) = (plan_slots(&plan.full), plan_slots(&plan.swa));
+        // A detached state goes to the request, not to a cached block.
+        let state = if detached { &[] } else { plan.mamba.as_slice() };
+        let to = units.lists();
+        (self.events).copied_all(Medium::CpuPinned, [&full, &swa, state], Medium::Gpu, to);
+        let dev = DeviceLoad {
+            full: &units.full,
+            swa: &units.swa,
+            mamba: units.mamba.first().copied().filter(|_| !detached),
+        };
+        let id = match detached {
+            true => self.tree.commit_load_back_detached(plan, dev)?,
+            false => self.tree.commit_load_back(plan, dev)?,
+        };
         self.copies.add_load(id, launched);
         Ok(())
     }
@@ -540,7 +530,7 @@ impl HybridCache {
         };
         if req != EvictRequest::default() {
             let e = self.tree.evict(req);
-            self.after_evict(&e)?;
+            self.forget_evicted(Tier::Device, &e)?;
         }
         let fits = self.pools.dev_available(Component::Full) >= d.full_pages
             && self.pools.dev_available(Component::Swa) >= d.swa_pages
@@ -548,50 +538,31 @@ impl HybridCache {
         if !fits {
             return Ok(None);
         }
-        let mut u = Units::default();
-        if d.full_pages > 0 {
-            u.full = self.pools.full.alloc_dev(d.full_pages).unwrap_or_default();
-        }
-        if d.swa_pages > 0 {
-            u.swa = self
-                .pools
-                .kv(Component::Swa)?
-                .alloc_dev(d.swa_pages)
-                .unwrap_or_default();
-        }
-        if d.mamba_slots > 0 {
-            u.mamba = self
-                .pools
-                .state()?
-                .alloc_dev(d.mamba_slots)
-                .unwrap_or_default();
-        }
-        Ok(Some(u))
+        let want = [d.full_pages, d.swa_pages, d.mamba_slots];
+        self.pools.alloc(Tier::Device, want).map(Some)
     }
 
     /// Frees slots a request or a failed step held.
     pub(crate) fn free_units(&self, u: &Units) -> Result<()> {
-        self.pools.full.free_dev(&u.full)?;
-        if !u.swa.is_empty() {
-            self.pools.kv(Component::Swa)?.free_dev(&u.swa)?;
-        }
-        if !u.mamba.is_empty() {
-            self.pools.state()?.free_dev(&u.mamba)?;
-        }
-        Ok(())
+        self.pools.free(Tier::Device, u.lists())
     }
 
-    /// Frees what a device eviction reports and counts it.
-    pub(crate) fn after_evict(&mut self, e: &Evicted) -> Result<()> {
-        self.pools.free_evicted(e)?;
-        self.events.removed(Medium::Gpu, &e.full_pages);
-        self.events
-            .removed_of(Component::Swa, Medium::Gpu, &e.swa_pages);
-        self.events
-            .removed_of(Component::Mamba, Medium::Gpu, &e.mamba_slots);
-        self.totals.full.evicted_device += e.full_pages.len() as u64;
-        self.totals.swa.evicted_device += e.swa_pages.len() as u64;
-        self.totals.mamba.evicted_device += e.mamba_slots.len() as u64;
+    /// Frees the slots of `tier` an eviction reports, with their events and counts.
+    pub(crate) fn forget_evicted(&mut self, tier: Tier, e: &Evicted) -> Result<()> {
+        let slots = super::pools::evicted(e, tier);
+        self.pools.free(tier, slots)?;
+        let medium = match tier {
+            Tier::Device => Medium::Gpu,
+            Tier::Host => Medium::CpuPinned,
+        };
+        for (c, s) in COMPONENTS.into_iter().zip(slots) {
+            self.events.removed_of(c, medium, s);
+            let t = self.totals.get_mut(c);
+            match tier {
+                Tier::Device => t.evicted_device += s.len() as u64,
+                Tier::Host => t.evicted_host += s.len() as u64,
+            }
+        }
         Ok(())
     }
 

@@ -30,6 +30,8 @@ use hicache_core::{
     Component, ComponentKvEvent, EventComponent, KvEvent, Medium, PageHash, PageHasher, TenantId,
 };
 
+use super::pools::COMPONENTS;
+
 /// One page's identity in the events.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct PageInfo {
@@ -174,13 +176,16 @@ impl Events {
         }
     }
 
-    /// Copies the identities of Full `from` slots (in `src`) to `to` slots (in `dst`): a
-    /// backup or load-back; emits the stored event.
-    pub fn copied(&mut self, src: Medium, from: &[u32], dst: Medium, to: &[u32]) {
-        self.copied_of(Component::Full, src, from, dst, to);
+    /// [`copied_of`](Self::copied_of) for every component: `from[k]` of `src` copied into
+    /// `to[k]` of `dst`, per component in [`COMPONENTS`] order.
+    pub fn copied_all(&mut self, src: Medium, from: [&[u32]; 3], dst: Medium, to: [&[u32]; 3]) {
+        for ((c, from), to) in COMPONENTS.into_iter().zip(from).zip(to) {
+            self.copied_of(c, src, from, dst, to);
+        }
     }
 
-    /// [`copied`](Self::copied) for component `c`.
+    /// Copies the identities of `c`'s `from` slots (in `src`) to `to` slots (in `dst`): a
+    /// backup, a load-back or an L3 backup; emits the stored event.
     pub fn copied_of(&mut self, c: Component, src: Medium, from: &[u32], dst: Medium, to: &[u32]) {
         if !self.follows(c) || from.is_empty() {
             return;

@@ -11,7 +11,8 @@
 //!   2. per waiting request: cache.prefetch_ready(req)?, then
 //!        cache.try_admit(req, &prompt, HybridExtent)
 //!                                     → prefix slots per component (host hits loaded
-//!                                       back, the Mamba state copied into the request's slot)
+//!                                       back; the matched Mamba state copied, or the host
+//!                                       one loaded, into the request's slot)
 //!                                       and slots for the rest, all or nothing (evicts per
 //!                                       component; `None`: it waits, holding nothing)
 //!      (or cache.admit, then cache.alloc(HybridDemand): a load-back without room falls

@@ -13,6 +13,7 @@ use hicache_core::{Component, DeviceSlot, Evicted, HostSlot};
 use hicache_gpu::{DevicePool, HostRegistration, TransferConfig, TransferEngine};
 use hicache_host::{HostPool, HostPoolGroup};
 
+use super::cache::Units;
 use super::copies::Launched;
 use crate::error::{HiCacheError, Result};
 
@@ -86,6 +87,31 @@ fn host_slots(s: &[u32]) -> Vec<HostSlot> {
     s.iter().map(|&x| HostSlot(x)).collect()
 }
 
+/// The components in the order of [`Units`]' lists and of [`Pools::alloc`] / [`Pools::free`].
+pub(crate) const COMPONENTS: [Component; 3] = [Component::Full, Component::Swa, Component::Mamba];
+
+/// Which pool of a component: the device's (L1) or the host's (L2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Tier {
+    /// Device pages and state slots.
+    Device,
+    /// Host pages and state slots.
+    Host,
+}
+
+/// The slots of `tier` an eviction reports, per component (Full, SWA, Mamba).
+pub(crate) fn evicted(e: &Evicted, tier: Tier) -> [&[u32]; 3] {
+    match tier {
+        Tier::Device => [&e.full_pages, &e.swa_pages, &e.mamba_slots],
+        Tier::Host => [&e.host_full_pages, &e.host_swa_pages, &e.host_mamba_slots],
+    }
+}
+
+/// The slots of a plan's per-node list (a load-back's or a backup's), its nodes in order.
+pub(crate) fn plan_slots(list: &[(hicache_core::NodeId, Vec<u32>)]) -> Vec<u32> {
+    list.iter().flat_map(|(_, p)| p.iter().copied()).collect()
+}
+
 /// Every component's pools.
 pub(crate) struct Pools {
     /// The host pools (the KV parts hold shared handles of the group's pools).
@@ -111,6 +137,14 @@ impl Pools {
     /// The Mamba part.
     pub fn state(&self) -> Result<&super::state::StatePart> {
         self.mamba.as_ref().ok_or_else(|| missing(Component::Mamba))
+    }
+
+    /// Bytes of one device unit of `c` (a page, or a state); 0 when `c` is not configured.
+    pub fn unit_bytes(&self, c: Component) -> usize {
+        match c {
+            Component::Mamba => self.mamba.as_ref().map_or(0, |m| m.slot_bytes()),
+            _ => self.kv(c).map_or(0, |p| p.page_bytes()),
+        }
     }
 
     /// Free device units of `c` (pages, or state slots).
@@ -145,26 +179,44 @@ impl Pools {
         })
     }
 
-    /// Frees the device slots an eviction reports.
-    pub fn free_evicted(&self, e: &Evicted) -> Result<()> {
-        self.full.free_dev(&e.full_pages)?;
-        if let Some(swa) = &self.swa {
-            swa.free_dev(&e.swa_pages)?;
+    /// `n` free slots of `c` in `tier`; none when `n` is 0 or the pool is short of room.
+    fn alloc_of(&self, tier: Tier, c: Component, n: usize) -> Result<Vec<u32>> {
+        if n == 0 {
+            return Ok(Vec::new());
         }
-        if let Some(m) = &self.mamba {
-            m.free_dev(&e.mamba_slots)?;
-        }
-        Ok(())
+        let got = match (c, tier) {
+            (Component::Mamba, Tier::Device) => self.state()?.alloc_dev(n),
+            (Component::Mamba, Tier::Host) => self.state()?.alloc_host(n),
+            (_, Tier::Device) => self.kv(c)?.alloc_dev(n),
+            (_, Tier::Host) => self.kv(c)?.alloc_host(n),
+        };
+        Ok(got.unwrap_or_default())
     }
 
-    /// Frees the host slots a host eviction reports.
-    pub fn free_host_evicted(&self, e: &Evicted) -> Result<()> {
-        self.full.free_host(&e.host_full_pages)?;
-        if let Some(swa) = &self.swa {
-            swa.free_host(&e.host_swa_pages)?;
+    /// `want` slots of each component (Full, SWA, Mamba) in `tier`; a pool short of room
+    /// gives none (the callers evict first and check the room).
+    pub fn alloc(&self, tier: Tier, want: [usize; 3]) -> Result<Units> {
+        let mut got: [Vec<u32>; 3] = Default::default();
+        for ((slots, c), n) in got.iter_mut().zip(COMPONENTS).zip(want) {
+            *slots = self.alloc_of(tier, c, n)?;
         }
-        if let Some(m) = &self.mamba {
-            m.free_host(&e.host_mamba_slots)?;
+        let [full, swa, mamba] = got;
+        Ok(Units { full, swa, mamba })
+    }
+
+    /// Frees slots of each component (Full, SWA, Mamba) in `tier`; a component with none is
+    /// not touched (so an unconfigured one is no error).
+    pub fn free(&self, tier: Tier, slots: [&[u32]; 3]) -> Result<()> {
+        for (c, s) in COMPONENTS.into_iter().zip(slots) {
+            if s.is_empty() {
+                continue;
+            }
+            match (c, tier) {
+                (Component::Mamba, Tier::Device) => self.state()?.free_dev(s)?,
+                (Component::Mamba, Tier::Host) => self.state()?.free_host(s)?,
+                (_, Tier::Device) => self.kv(c)?.free_dev(s)?,
+                (_, Tier::Host) => self.kv(c)?.free_host(s)?,
+            }
         }
         Ok(())
     }

@@ -24,6 +24,7 @@ use hicache_core::{Component, HostBackup, NodeId, UnifiedLoadPlan};
 use super::cache::{HybridCache, Units};
 use super::copies::Backup;
 use super::copies::Launched;
+use super::pools::{COMPONENTS, Tier, plan_slots};
 use crate::error::Result;
 
 /// Index of "backups finished" in the exchanged vector.
@@ -166,11 +167,7 @@ impl HybridCache {
             self.free_host_units(&host)?;
             return Ok(false);
         }
-        let swa_dev: Vec<u32> = plan
-            .swa
-            .iter()
-            .flat_map(|(_, p)| p.iter().copied())
-            .collect();
+        let swa_dev = plan_slots(&plan.swa);
         let mut copies = Vec::new();
         if !plan.full.is_empty() {
             copies.push(self.pools.full.backup(&plan.full, &host.full)?);
@@ -190,28 +187,9 @@ impl HybridCache {
             },
         )?;
         self.count_moved(true, &host)?;
-        self.events.copied(
-            hicache_core::Medium::Gpu,
-            &plan.full,
-            hicache_core::Medium::CpuPinned,
-            &host.full,
-        );
-        self.events.copied_of(
-            Component::Swa,
-            hicache_core::Medium::Gpu,
-            &swa_dev,
-            hicache_core::Medium::CpuPinned,
-            &host.swa,
-        );
-        if let (Some(dev), Some(&h)) = (plan.mamba, host.mamba.first()) {
-            self.events.copied_of(
-                Component::Mamba,
-                hicache_core::Medium::Gpu,
-                &[dev],
-                hicache_core::Medium::CpuPinned,
-                &[h],
-            );
-        }
+        let dev = [&plan.full[..], &swa_dev, plan.mamba.as_slice()];
+        let (gpu, cpu) = (hicache_core::Medium::Gpu, hicache_core::Medium::CpuPinned);
+        self.events.copied_all(gpu, dev, cpu, host.lists());
         let l3 = self.l3_job(&plan, &host, hashes)?;
         self.copies.backups.push(Backup { id, l3, copies });
         Ok(true)
@@ -220,28 +198,15 @@ impl HybridCache {
     /// Counts pages (states) and bytes of a copy per component: device → host (`d2h`) or
     /// host → device.
     pub(crate) fn count_moved(&mut self, d2h: bool, u: &Units) -> Result<()> {
-        let sizes = [
-            (Component::Full, u.full.len(), self.pools.full.page_bytes()),
-            (
-                Component::Swa,
-                u.swa.len(),
-                self.pools.swa.as_ref().map_or(0, |p| p.page_bytes()),
-            ),
-            (
-                Component::Mamba,
-                u.mamba.len(),
-                self.pools.mamba.as_ref().map_or(0, |m| m.slot_bytes()),
-            ),
-        ];
-        for (c, n, bytes) in sizes {
+        for (c, slots) in COMPONENTS.into_iter().zip(u.lists()) {
+            let (n, bytes) = (slots.len() as u64, self.pools.unit_bytes(c) as u64);
             let t = self.totals.get_mut(c);
-            let (pages, total) = if d2h {
-                (&mut t.pages_d2h, &mut t.bytes_d2h)
-            } else {
-                (&mut t.pages_h2d, &mut t.bytes_h2d)
+            let (pages, total) = match d2h {
+                true => (&mut t.pages_d2h, &mut t.bytes_d2h),
+                false => (&mut t.pages_h2d, &mut t.bytes_h2d),
             };
-            *pages += n as u64;
-            *total += (n * bytes) as u64;
+            *pages += n;
+            *total += n * bytes;
         }
         Ok(())
     }
@@ -265,7 +230,7 @@ impl HybridCache {
             let short = n.saturating_sub(self.pools.host_available(c)) as u64;
             if short > 0 {
                 let e = self.tree.evict_host_of(c, short * unit);
-                self.free_host_evicted(&e)?;
+                self.forget_evicted(Tier::Host, &e)?;
             }
         }
         // An SWA or Mamba copy still on device is on no host LRU: whole host leaves (which
@@ -278,56 +243,14 @@ impl HybridCache {
             if e.host_full_pages.is_empty() {
                 return Ok(None);
             }
-            self.free_host_evicted(&e)?;
+            self.forget_evicted(Tier::Host, &e)?;
         }
-        let mut u = Units::default();
-        if full > 0 {
-            u.full = self.pools.full.alloc_host(full).unwrap_or_default();
-        }
-        if swa > 0 {
-            u.swa = self
-                .pools
-                .kv(Component::Swa)?
-                .alloc_host(swa)
-                .unwrap_or_default();
-        }
-        if mamba > 0 {
-            u.mamba = self.pools.state()?.alloc_host(mamba).unwrap_or_default();
-        }
-        Ok(Some(u))
-    }
-
-    /// Frees the host slots a host eviction handed back, with its events and counts.
-    fn free_host_evicted(&mut self, e: &hicache_core::Evicted) -> Result<()> {
-        self.pools.free_host_evicted(e)?;
-        self.events
-            .removed(hicache_core::Medium::CpuPinned, &e.host_full_pages);
-        self.events.removed_of(
-            Component::Swa,
-            hicache_core::Medium::CpuPinned,
-            &e.host_swa_pages,
-        );
-        self.events.removed_of(
-            Component::Mamba,
-            hicache_core::Medium::CpuPinned,
-            &e.host_mamba_slots,
-        );
-        self.totals.full.evicted_host += e.host_full_pages.len() as u64;
-        self.totals.swa.evicted_host += e.host_swa_pages.len() as u64;
-        self.totals.mamba.evicted_host += e.host_mamba_slots.len() as u64;
-        Ok(())
+        self.pools.alloc(Tier::Host, [full, swa, mamba]).map(Some)
     }
 
     /// Frees host slots of a step that did not happen.
     pub(crate) fn free_host_units(&self, u: &Units) -> Result<()> {
-        self.pools.full.free_host(&u.full)?;
-        if !u.swa.is_empty() {
-            self.pools.kv(Component::Swa)?.free_host(&u.swa)?;
-        }
-        if !u.mamba.is_empty() {
-            self.pools.state()?.free_host(&u.mamba)?;
-        }
-        Ok(())
+        self.pools.free(Tier::Host, u.lists())
     }
 
     /// Backups and load-backs committed and not yet finished by a poll.
@@ -341,16 +264,13 @@ impl HybridCache {
         plan: &UnifiedLoadPlan,
         dev: &Units,
     ) -> Result<Vec<Launched>> {
-        let flat = |l: &[(NodeId, Vec<u32>)]| -> Vec<u32> {
-            l.iter().flat_map(|(_, p)| p.iter().copied()).collect()
-        };
         let mut copies = Vec::new();
         if !dev.full.is_empty() {
-            copies.push(self.pools.full.load(&flat(&plan.full), &dev.full)?);
+            copies.push(self.pools.full.load(&plan_slots(&plan.full), &dev.full)?);
         }
         if !dev.swa.is_empty() {
             let swa = self.pools.kv(Component::Swa)?;
-            copies.push(swa.load(&flat(&plan.swa), &dev.swa)?);
+            copies.push(swa.load(&plan_slots(&plan.swa), &dev.swa)?);
         }
         if let (Some(host), Some(&d)) = (plan.mamba, dev.mamba.first()) {
             copies.push(self.pools.state()?.load(host, d)?);
