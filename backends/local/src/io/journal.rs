@@ -205,6 +205,14 @@ pub fn link(file: &File, path: &Path) {
     });
 }
 
+/// Records that the file open as `file` was linked as `name` in the directory `dir` (the
+/// path is joined only while recording).
+pub fn link_at(file: &File, dir: &Path, name: &std::ffi::OsStr) {
+    if ACTIVE.load(Ordering::Relaxed) {
+        link(file, &dir.join(name));
+    }
+}
+
 /// Records a rename.
 pub fn rename(from: &Path, to: &Path) {
     with(|r| {

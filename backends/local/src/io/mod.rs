@@ -6,7 +6,7 @@
 //!   short transfers continued), and [`driver::Threads`], the thread-pool fallback, behind
 //!   one trait, [`Driver`];
 //! - [`newfile`]: a file created, written, synced and renamed into place as one unit, with
-//!   blocking calls;
+//!   blocking calls; [`dir`]: the directory such files are created and linked in, held open;
 //! - [`FsyncPolicy`], the one durability setting, and [`GroupCommit`], which merges the
 //!   durability barriers of concurrent batches into one;
 //! - [`buf`]: 4096-aligned buffers and their pool (O_DIRECT staging and bounce buffers);
@@ -36,6 +36,7 @@
 //! ```
 
 pub mod buf;
+pub mod dir;
 mod direct;
 pub mod driver;
 pub mod group;
@@ -47,6 +48,7 @@ pub mod ring;
 pub mod sys;
 
 pub use buf::{ALIGN, AlignedBuf, BufPool};
+pub use dir::DirFd;
 pub use direct::probe_direct;
 pub use driver::{Driver, Threads};
 pub use group::GroupCommit;

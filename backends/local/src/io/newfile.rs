@@ -7,10 +7,11 @@
 //! ```
 //!
 //! or, with [`NewFile::unnamed`], the file is created without a name (`O_TMPFILE`) in the
-//! final name's directory and, after the same preallocate, write and sync steps, linked to
-//! its final name: one directory operation instead of two (each takes the directory's lock,
-//! which every page file of a layout shares). Where the final name exists already (a page
-//! replaced), the file is linked to its temp name and renamed over it instead.
+//! final name's directory, held open as a [`DirFd`], and, after the same preallocate, write
+//! and sync steps, linked to its final name: one directory operation instead of two (each
+//! takes the directory's lock, which every page file of a layout shares), neither walking the
+//! directory's path. Where the final name exists already (a page replaced), the file is
+//! linked to its temp name and renamed over it instead.
 //!
 //! [`write_blocking`] runs them with blocking calls on the calling thread; a layout runs
 //! several files in parallel on a few threads (whichever driver carries its reads).
@@ -33,8 +34,9 @@ use std::fmt;
 use std::fs::File;
 use std::io;
 use std::path::PathBuf;
+use std::sync::Arc;
 
-use crate::io::sys;
+use crate::io::{DirFd, sys};
 
 /// One file to create, write whole and rename into place. See the [module docs](self).
 #[derive(Debug)]
@@ -52,9 +54,10 @@ pub struct NewFile {
     pub prealloc: u64,
     /// `fdatasync` the file before the rename.
     pub sync: bool,
-    /// Create the file without a name in `dest`'s directory and link it into place (the file
-    /// system must support `O_TMPFILE`: [`sys::probe_unnamed`]).
-    pub unnamed: bool,
+    /// Create the file without a name in this directory, which must be `dest`'s and `tmp`'s,
+    /// and link it into place (the file system must support `O_TMPFILE`:
+    /// [`DirFd::probe_unnamed`]).
+    pub unnamed: Option<Arc<DirFd>>,
     /// The caller's tag, reported with the outcome.
     pub tag: usize,
 }
@@ -133,8 +136,8 @@ fn at(step: Step) -> impl FnOnce(io::Error) -> NewFileError {
 /// The steps of `f` with blocking calls on the calling thread. Each call records itself in
 /// the journal.
 pub fn write_blocking(f: &NewFile) -> NewFileResult {
-    if f.unnamed {
-        return write_unnamed(f);
+    if let Some(dir) = &f.unnamed {
+        return write_unnamed(f, dir);
     }
     let file = sys::create_new(&f.tmp, f.direct).map_err(at(Step::Create))?;
     let r = fill(f, &file).and_then(|()| {
@@ -163,20 +166,31 @@ fn fill(f: &NewFile, file: &File) -> NewFileResult {
     Ok(())
 }
 
-/// The steps of `f` for an unnamed file: create it in the final name's directory, fill it,
-/// link it to its final name; where that name exists, link it to the temp name and rename.
-/// Until linked the file has no name, so a failure before then leaves nothing behind.
-fn write_unnamed(f: &NewFile) -> NewFileResult {
-    let dir = f.dest.parent().ok_or_else(|| NewFileError {
-        step: Step::Create,
-        error: io::Error::new(io::ErrorKind::InvalidInput, "final name has no directory"),
-    })?;
-    let file = sys::create_unnamed(dir, f.direct).map_err(at(Step::Create))?;
+/// The file name of `p`, which must be in `dir`.
+fn name_in<'p>(dir: &DirFd, p: &'p std::path::Path) -> Result<&'p std::ffi::OsStr, NewFileError> {
+    p.file_name()
+        .filter(|_| p.parent() == Some(dir.path()))
+        .ok_or_else(|| NewFileError {
+            step: Step::Create,
+            error: io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} is not in {}", p.display(), dir.path().display()),
+            ),
+        })
+}
+
+/// The steps of `f` for an unnamed file: create it in `dir` (the final name's directory),
+/// fill it, link it to its final name; where that name exists, link it to the temp name and
+/// rename. Until linked the file has no name, so a failure before then leaves nothing behind.
+fn write_unnamed(f: &NewFile, dir: &DirFd) -> NewFileResult {
+    let name = name_in(dir, &f.dest)?;
+    let file = dir.create_unnamed(f.direct).map_err(at(Step::Create))?;
     fill(f, &file)?;
-    match sys::link_unnamed(&file, &f.dest) {
+    match dir.link(&file, name) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-            sys::link_unnamed(&file, &f.tmp).map_err(at(Step::Link))?;
+            dir.link(&file, name_in(dir, &f.tmp)?)
+                .map_err(at(Step::Link))?;
             drop(file);
             let r = sys::rename(&f.tmp, &f.dest).map_err(at(Step::Rename));
             if r.is_err() {
@@ -203,7 +217,7 @@ mod tests {
             direct: false,
             prealloc,
             sync: true,
-            unnamed: false,
+            unnamed: None,
             tag,
         }
     }
@@ -259,22 +273,24 @@ mod tests {
     /// Unnamed files (`O_TMPFILE`, where the file system has it): a new file is linked whole
     /// to its final name and an existing final name replaced, leaving no temp name either
     /// way; a final name that is a non-empty directory fails at `rename` and leaves no temp
-    /// file; a missing directory fails at `create`.
+    /// file; a final name outside the held directory fails at `create`.
     #[test]
     fn unnamed_files_are_linked_whole_and_replace_existing_names() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path();
-        if !sys::probe_unnamed(p, false) {
+        let mut d = DirFd::open(p).unwrap();
+        if !d.probe_unnamed(false, p) {
             eprintln!("skipped: no O_TMPFILE here");
             return;
         }
+        let d = Arc::new(d);
         let a: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
         let b = vec![5u8; 4096];
         std::fs::write(p.join("old"), b"the old page").unwrap();
         std::fs::create_dir(p.join("dirname")).unwrap();
         std::fs::write(p.join("dirname/x"), b"x").unwrap();
         let unnamed = |name: &str, data: &[u8], prealloc| NewFile {
-            unnamed: true,
+            unnamed: Some(d.clone()),
             ..file(p, name, data, prealloc, 0)
         };
         write_blocking(&unnamed("a", &a, 16384)).unwrap();

@@ -26,59 +26,6 @@ pub fn create_new(path: &Path, direct: bool) -> io::Result<File> {
     Ok(f)
 }
 
-/// Opens a new file without a name in directory `dir` for writing (`O_TMPFILE`), with
-/// O_DIRECT if `direct`. It gets a name only from [`link_unnamed`]; until then no directory
-/// entry exists (nothing for a crash to leave behind, no lock of `dir` taken to create it).
-/// File systems without `O_TMPFILE` fail (`EOPNOTSUPP`, `EISDIR` or `EINVAL`).
-pub fn create_unnamed(dir: &Path, direct: bool) -> io::Result<File> {
-    let mut o = OpenOptions::new();
-    o.write(true);
-    let mut flags = libc::O_TMPFILE;
-    if direct {
-        flags |= libc::O_DIRECT;
-    }
-    o.custom_flags(flags);
-    let f = o.open(dir)?;
-    crate::io::journal::create_unnamed(&f);
-    Ok(f)
-}
-
-/// Gives the unnamed file `file` (from [`create_unnamed`]) the name `dest` (`linkat` through
-/// `/proc/self/fd`). Fails with `AlreadyExists` if `dest` exists: a link never replaces.
-pub fn link_unnamed(file: &File, dest: &Path) -> io::Result<()> {
-    let from = std::ffi::CString::new(format!("/proc/self/fd/{}", file.as_raw_fd()))
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "descriptor path"))?;
-    let to = cpath(dest)?;
-    // SAFETY: linkat with two NUL-terminated paths that live for the call; no other memory.
-    let r = unsafe {
-        libc::linkat(
-            libc::AT_FDCWD,
-            from.as_ptr(),
-            libc::AT_FDCWD,
-            to.as_ptr(),
-            libc::AT_SYMLINK_FOLLOW,
-        )
-    };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    crate::io::journal::link(file, dest);
-    Ok(())
-}
-
-/// Whether files can be created without a name in `dir` ([`create_unnamed`], with O_DIRECT
-/// if `direct`) and linked into it ([`link_unnamed`]): tried once with the name
-/// `unnamed-probe.tmp` in `dir`, removed after.
-pub fn probe_unnamed(dir: &Path, direct: bool) -> bool {
-    let probe = dir.join("unnamed-probe.tmp");
-    let _ = std::fs::remove_file(&probe);
-    let ok = create_unnamed(dir, direct)
-        .and_then(|f| link_unnamed(&f, &probe))
-        .is_ok();
-    let _ = remove_file(&probe);
-    ok
-}
-
 /// Renames `from` to `to` (replacing it).
 pub fn rename(from: &Path, to: &Path) -> io::Result<()> {
     std::fs::rename(from, to)?;

@@ -62,7 +62,7 @@ use parking_lot::Mutex;
 
 use crate::backend::{self, Factory, LocalBackend, Shape};
 use crate::common::{self, Core, ReclaimStage};
-use crate::io::{BufPool, Driver, GroupCommit};
+use crate::io::{BufPool, DirFd, Driver, GroupCommit};
 use crate::pages::format::{HEADER_LEN, Layout};
 use crate::pages::index::Index;
 pub use crate::pages::janitor::ReclaimHook;
@@ -102,9 +102,9 @@ pub struct Pages {
     instance_tmp: PathBuf,
     instance_lock_path: PathBuf,
     direct: bool,
-    /// Page files are created without a name and linked into place (`O_TMPFILE`, probed at
-    /// open), not created under a temp name and renamed.
-    unnamed: bool,
+    /// `pages/`, held open, where page files are created without a name and linked into
+    /// place (`O_TMPFILE`, probed at open); `None`: created under a temp name and renamed.
+    unnamed: Option<Arc<DirFd>>,
     driver: Box<dyn Driver>,
     uring: bool,
     rescan_bytes: u64,

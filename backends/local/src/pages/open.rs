@@ -11,7 +11,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::SystemTime;
 
 use crate::io::ring::{Dir, Req};
-use crate::io::{AlignedBuf, BufPool, Driver, Ring, Threads, sys};
+use crate::io::{AlignedBuf, BufPool, DirFd, Driver, Ring, Threads, sys};
 use hicache_storage::backend::bump;
 use hicache_storage::{Clock, Result, StatsCounters, StorageError};
 use parking_lot::Mutex;
@@ -228,7 +228,7 @@ impl Pages {
         own_subdir(&paths.tmp(), true)?;
         let inst = Self::register_instance(&paths.tmp(), opts.shared)?;
         let direct = Self::choose_direct(&opts, &inst.tmp)?;
-        let unnamed = sys::probe_unnamed(&inst.tmp, direct);
+        let unnamed = Self::open_unnamed_dir(&paths.pages(), &inst.tmp, direct)?;
         let (driver, uring): (Box<dyn Driver>, bool) =
             match opts.io_engine.choose(|| probe(&inst.tmp, &opts, direct)) {
                 Ok(Some(r)) => (Box::new(r), true),
@@ -337,7 +337,7 @@ impl Pages {
             paths,
             instance: String::new(),
             instance_tmp: PathBuf::new(),
-            unnamed: false,
+            unnamed: None,
             instance_lock_path: PathBuf::new(),
             direct: false,
             core: Core {
@@ -449,6 +449,15 @@ impl Pages {
             lock,
             stale_files,
         })
+    }
+
+    /// `pages/` held open for unnamed page files, where the file system has `O_TMPFILE`
+    /// (probed in the instance's scratch directory); `None` where it has not.
+    fn open_unnamed_dir(pages: &Path, scratch: &Path, direct: bool) -> Result<Option<Arc<DirFd>>> {
+        let mut dir = DirFd::open(pages).map_err(StorageError::io("open directory", pages))?;
+        let ok = dir.probe_unnamed(direct, scratch);
+        tracing::debug!(ok, via = ?dir.link_via(), "file backend: unnamed page files");
+        Ok(ok.then(|| Arc::new(dir)))
     }
 
     /// Whether page I/O uses O_DIRECT: as configured, probed in the scratch directory.

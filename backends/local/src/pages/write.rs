@@ -1,8 +1,9 @@
 //! The write stage. A batch is classified, capacity reserved, then its pages are written,
 //! each as a [`NewFile`]: a fresh file created without a name in its final name's directory
-//! (`O_TMPFILE`; where the file system lacks it, under a temp name beside the final one),
-//! preallocated, written whole in one vectored write, synced (`fdatasync`, where the policy
-//! syncs per page) and linked (or renamed) to its final name, as blocking calls on at most
+//! (`O_TMPFILE` relative to `pages/` held open, a [`DirFd`]; where the file system lacks it,
+//! under a temp name beside the final one), preallocated, written whole in one vectored
+//! write, synced (`fdatasync`, where the policy syncs per page) and linked by descriptor (or
+//! renamed) to its final name, as blocking calls on at most
 //! [`CREATE_THREADS`] threads per batch, whichever engine carries the reads. Then, before any page is acknowledged:
 //! - `fsync: batch`, `batch_sync: syncfs` (default): the pages were not synced one by one;
 //!   one `syncfs` of the file system makes the batch's data, block maps and renames durable
@@ -17,6 +18,7 @@
 //! Then the pages are published to the index.
 //!
 //! [`GroupCommit`]: crate::io::GroupCommit
+//! [`DirFd`]: crate::io::DirFd
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -264,7 +266,7 @@ impl Pages {
                 direct: io.direct,
                 prealloc: io.file_len,
                 sync,
-                unnamed: self.unnamed,
+                unnamed: self.unnamed.clone(),
                 tag: i,
             };
             let made = newfile::write_blocking(&file).map_err(|e| page_error(&e));
