@@ -13,6 +13,12 @@
 //!    closes, in queue order (a stream's queue order is push order, batched or not): one
 //!    wake-up of the worker per transfer instead of one per kernel and event. Nothing inside a
 //!    batch may block on work queued in it (it has not reached the worker yet).
+//!
+//! A stream's worker stands in for a GPU's copy engine, which takes no CPU time from the
+//! thread that launches work on it. On Linux the worker runs in the `SCHED_BATCH` class
+//! ([`yield_to_launcher`]): waking it for new work never preempts the launching thread (the
+//! scheduler's wake-up preemption skips batch threads), which on a busy machine otherwise
+//! lost its core to the worker at every hand-off. The worker still gets its fair share of CPU.
 
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -143,6 +149,24 @@ impl Task {
     }
 }
 
+/// Puts the calling thread in the `SCHED_BATCH` class (see the module docs); best effort: a
+/// refusal leaves it as it was, which changes timing only.
+fn yield_to_launcher() {
+    #[cfg(target_os = "linux")]
+    {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: `param` is a valid, initialised `sched_param` that outlives the call; pid 0
+        // names the calling thread, and lowering one's own class needs no privilege.
+        let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
+        if rc != 0 {
+            tracing::debug!(
+                error = %std::io::Error::last_os_error(),
+                "sim stream worker stays in its scheduling class"
+            );
+        }
+    }
+}
+
 /// A sim stream: a worker thread running its queue in order.
 pub struct SimStream {
     tx: Option<mpsc::Sender<Task>>,
@@ -188,6 +212,7 @@ impl SimStream {
         let worker = std::thread::Builder::new()
             .name(format!("hicache-sim-{name}"))
             .spawn(move || {
+                yield_to_launcher();
                 for task in rx {
                     task.run();
                 }
