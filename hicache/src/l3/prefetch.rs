@@ -259,6 +259,13 @@ impl L3 {
         agreed: PrefetchCounts,
         tiers: &mut Tiers,
     ) -> Result<Option<PrefetchEnd>> {
+        if !agreed.query_done && !agreed.may_end {
+            // Nothing to do in either phase (the lookup still runs somewhere and the policy
+            // does not end the prefetch yet): the common case of a prefetch waiting for its
+            // lookup, decided without finding the op (every tracked prefetch is applied at
+            // every poll, and they pile up while the L3 threads lag).
+            return Ok(None);
+        }
         let op = self.prefetches.get(seq);
         let querying = matches!(op.phase, Phase::Querying);
         if querying {
