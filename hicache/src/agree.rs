@@ -14,7 +14,7 @@
 //! 3. Work finishes oldest first: a queue reports its leading run of finished items, so the
 //!    agreed minimum names the same items on every rank.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 
 use crate::error::Result;
 use crate::rank::{MAX_EXCHANGE_LEN, RankGroup};
@@ -119,9 +119,13 @@ pub(crate) const fn max_tracked(fixed: usize, per: usize) -> usize {
 ///    same items lists them alike (rule 2).
 /// 2. At most `max` items are tracked: [`is_full`](Self::is_full) is checked before an
 ///    insert, and the caller's exchange is sized for `max` (see [`max_tracked`]).
+/// 3. `seqs` is strictly increasing and `items[i]` is the item of `seqs[i]`: an item is found
+///    by a binary search over the contiguous sequence numbers (a poll looks up every agreed
+///    item), and items, which mostly end oldest first, leave from the front in O(1).
 #[derive(Debug)]
 pub(crate) struct Tracked<T> {
-    items: BTreeMap<u64, T>,
+    seqs: VecDeque<u64>,
+    items: VecDeque<T>,
     next: u64,
     max: usize,
 }
@@ -130,7 +134,8 @@ impl<T> Tracked<T> {
     /// An empty table of at most `max` items.
     pub fn new(max: usize) -> Self {
         Self {
-            items: BTreeMap::new(),
+            seqs: VecDeque::new(),
+            items: VecDeque::new(),
             next: 0,
             max,
         }
@@ -147,24 +152,35 @@ impl<T> Tracked<T> {
         debug_assert!(!self.is_full(), "checked by the caller (invariant 2)");
         let seq = self.next;
         self.next += 1;
-        self.items.insert(seq, item);
+        // Invariant 3: the new number is the largest.
+        self.seqs.push_back(seq);
+        self.items.push_back(item);
         seq
+    }
+
+    /// Where `seq` is. Panics when it is not tracked (a caller's bug: sequence numbers come
+    /// from this table).
+    fn index(&self, seq: u64) -> usize {
+        self.seqs.binary_search(&seq).expect("tracked")
     }
 
     /// The item `seq`. Panics when it is not tracked (a caller's bug: sequence numbers come
     /// from this table).
     pub fn get(&self, seq: u64) -> &T {
-        &self.items[&seq]
+        &self.items[self.index(seq)]
     }
 
     /// The item `seq`, mutably. Panics as [`get`](Self::get).
     pub fn get_mut(&mut self, seq: u64) -> &mut T {
-        self.items.get_mut(&seq).expect("tracked")
+        let i = self.index(seq);
+        &mut self.items[i]
     }
 
     /// Stops tracking `seq`. Panics as [`get`](Self::get).
     pub fn remove(&mut self, seq: u64) -> T {
-        self.items.remove(&seq).expect("tracked")
+        let i = self.index(seq);
+        self.seqs.remove(i);
+        self.items.remove(i).expect("found")
     }
 
     /// Number of items tracked.
@@ -179,26 +195,21 @@ impl<T> Tracked<T> {
 
     /// The items, in creation order.
     pub fn values(&self) -> impl Iterator<Item = &T> {
-        self.items.values()
+        self.items.iter()
     }
 
     /// The sequence numbers, in creation order.
     pub fn seqs(&self) -> Vec<u64> {
-        self.items.keys().copied().collect()
+        self.seqs.iter().copied().collect()
     }
 
     /// This rank's [`Counts`] of every item (by `counts`), in creation order, for
     /// [`agree`].
-    pub fn gather<C>(&self, mut counts: impl FnMut(&T) -> C) -> Gathered<C> {
-        let mut g = Gathered {
-            seqs: Vec::with_capacity(self.items.len()),
-            counts: Vec::with_capacity(self.items.len()),
-        };
-        for (&seq, item) in &self.items {
-            g.seqs.push(seq);
-            g.counts.push(counts(item));
+    pub fn gather<C>(&self, counts: impl FnMut(&T) -> C) -> Gathered<C> {
+        Gathered {
+            seqs: self.seqs.iter().copied().collect(),
+            counts: self.items.iter().map(counts).collect(),
         }
-        g
     }
 }
 
@@ -411,6 +422,23 @@ mod tests {
         let agreed: Vec<_> = g.into_iter().collect();
         assert_eq!(agreed, [(b, pair(1, true)), (c, pair(1, false))]);
         assert_eq!(max_tracked(5, 4), 1022);
+    }
+
+    #[test]
+    fn tracked_items_leave_in_any_order() {
+        let mut t = Tracked::new(8);
+        let seqs: Vec<u64> = (0..6).map(|i| t.insert(i)).collect();
+        // From the middle, the back and the front; the rest stay found, in order.
+        assert_eq!(t.remove(seqs[2]), 2);
+        assert_eq!(t.remove(seqs[5]), 5);
+        assert_eq!(t.remove(seqs[0]), 0);
+        assert_eq!(t.seqs(), [seqs[1], seqs[3], seqs[4]]);
+        assert_eq!(*t.get(seqs[3]), 3);
+        *t.get_mut(seqs[4]) = 40;
+        let n = t.insert(6);
+        assert!(n > seqs[5]);
+        assert_eq!(t.values().copied().collect::<Vec<_>>(), [1, 3, 40, 6]);
+        assert_eq!(t.len(), 4);
     }
 
     #[test]

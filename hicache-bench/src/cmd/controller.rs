@@ -62,6 +62,13 @@ pub struct ControllerArgs {
     /// One JSON line per figure instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Also time each cache call of the mixed ticks apart (poll, cache_finished, the
+    /// admission, arrive, start_loading) and print their p50/p99: where a tick's time goes;
+    /// and the engine thread's CPU time per mixed tick (the tick's time minus the time the
+    /// thread waited for a core). Adds a clock read between the calls and two around each
+    /// tick.
+    #[arg(long)]
+    pub per_call: bool,
 }
 
 /// Turns per conversation before it starts over.
@@ -145,11 +152,42 @@ impl Kind {
     }
 }
 
+/// The cache calls of a tick, in call order (`--per-call`).
+const CALLS: [&str; 6] = [
+    "poll",
+    "cache_finished",
+    "admit+alloc_device",
+    "arrive",
+    "start_loading",
+    "tick_cpu_time",
+];
+
+/// Index in [`CALLS`] of the tick's CPU time.
+const CPU: usize = 5;
+
+/// The calling thread's CPU time, µs (`--per-call`).
+fn thread_cpu_us() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return f64::NAN;
+    }
+    ts.tv_sec as f64 * 1e6 + ts.tv_nsec as f64 / 1e3
+}
+
 /// Per-tick samples of one phase.
 #[derive(Default)]
 struct Samples {
     all: Vec<f64>,
     by_kind: Vec<(Kind, Vec<f64>)>,
+    /// `--per-call`: each call's time (µs) per tick that made it, by [`CALLS`] index.
+    calls: [Vec<f64>; CALLS.len()],
+    /// Prefetches tracked after each tick's poll (the poll's work grows with them).
+    tracked: Vec<f64>,
 }
 
 impl Samples {
@@ -201,6 +239,10 @@ struct Phase<'a> {
     running: VecDeque<Running>,
     pending: VecDeque<(u64, Vec<u32>)>,
     next: u64,
+    /// `--per-call`: the last tick's time per call (µs; `None`: not made), by [`CALLS`] index.
+    call_us: [Option<f64>; CALLS.len()],
+    /// Prefetches tracked after the last tick's poll.
+    tracked: usize,
 }
 
 /// Bound on [`Phase::settle_in_flight`]'s 1 ms polls (a minute: far beyond any real copy).
@@ -262,6 +304,8 @@ impl<'a> Phase<'a> {
             running: VecDeque::new(),
             pending: VecDeque::new(),
             next: 0,
+            call_us: [None; CALLS.len()],
+            tracked: 0,
         })
     }
 
@@ -336,6 +380,15 @@ impl<'a> Phase<'a> {
         Ok(())
     }
 
+    /// `--per-call`: records the time since `*at` as call `i`'s and restarts `*at`.
+    fn lap(&mut self, i: usize, at: &mut Instant) {
+        if self.args.per_call {
+            let now = Instant::now();
+            self.call_us[i] = Some((now - *at).as_secs_f64() * 1e6);
+            *at = now;
+        }
+    }
+
     /// One tick; returns its time (µs, cache calls only) and what it did.
     fn tick(&mut self) -> Result<(f64, Vec<Kind>)> {
         let before = self.cache.metrics().snapshot();
@@ -344,8 +397,17 @@ impl<'a> Phase<'a> {
         let prompt = self.prompt(id);
         // The finished request's buffers are freed after the timed region (bench memory).
         let mut retired = None;
+        self.call_us = [None; CALLS.len()];
+        let cpu0 = if self.args.per_call {
+            thread_cpu_us()
+        } else {
+            0.0
+        };
         let t0 = Instant::now();
+        let mut at = t0;
         let poll = self.cache.poll().map_err(fail)?;
+        self.lap(0, &mut at);
+        self.tracked = poll.prefetches_in_flight;
         let mut admitted = None;
         let mut refused = false;
         if let Some((pid, _)) = self.pending.front()
@@ -363,10 +425,13 @@ impl<'a> Phase<'a> {
                     .map_err(fail)?;
                 inserted = self.cache.tree_stats().device_pages.saturating_sub(cached);
                 retired = Some(done);
+                self.lap(1, &mut at);
             }
             // The prompt moves into the running request, or comes back when refused: the
             // bench copies no tokens inside the timed region.
-            match self.admit(pid, t)? {
+            let admission = self.admit(pid, t)?;
+            self.lap(2, &mut at);
+            match admission {
                 Ok((r, all_hit, l3_hit)) => {
                     admitted = Some((inserted, all_hit, l3_hit));
                     self.running.push_back(r);
@@ -378,9 +443,14 @@ impl<'a> Phase<'a> {
             }
         }
         let arrival = self.cache.arrive(id, &prompt).map_err(fail)?;
+        self.lap(3, &mut at);
         self.pending.push_back((id, prompt));
         let loaded = self.cache.start_loading().map_err(fail)?;
+        self.lap(4, &mut at);
         let us = t0.elapsed().as_secs_f64() * 1e6;
+        if self.args.per_call {
+            self.call_us[CPU] = Some(thread_cpu_us() - cpu0).filter(|v| v.is_finite());
+        }
         drop(retired);
         let after = self.cache.metrics().snapshot();
         let mut kinds = Vec::new();
@@ -451,6 +521,10 @@ impl<'a> Phase<'a> {
             let (us, kinds) = self.tick()?;
             if tick >= self.warmup {
                 samples.push(us, &kinds);
+                samples.tracked.push(self.tracked as f64);
+                for (v, us) in samples.calls.iter_mut().zip(self.call_us) {
+                    v.extend(us);
+                }
             }
             if self.settle {
                 self.settle_in_flight()?;
@@ -497,6 +571,12 @@ pub fn run(args: &ControllerArgs, mut out: impl Write) -> Result<()> {
     let wr = BenchError::io("<stdout>");
     let l3 = if args.l3 { "memory" } else { "off" };
     let mut rows = Vec::new();
+    let (tracked_p50, tracked_max) = if mixed.tracked.is_empty() {
+        (0.0, 0.0)
+    } else {
+        let (p50, _, _) = stats(&mut mixed.tracked);
+        (p50, mixed.tracked[mixed.tracked.len() - 1])
+    };
     let (p50, p99, mean) = stats(&mut mixed.all);
     rows.push(("all", "every mixed tick", mixed.all.len(), p50, p99, mean));
     for k in Kind::ALL {
@@ -532,7 +612,9 @@ pub fn run(args: &ControllerArgs, mut out: impl Write) -> Result<()> {
             .with("ticks", *n)
             .with("l3", args.l3)
             .with("clients", args.clients)
-            .with("tree_nodes", mixed_nodes);
+            .with("tree_nodes", mixed_nodes)
+            .with("prefetches_tracked_p50", tracked_p50)
+            .with("prefetches_tracked_max", tracked_max);
             writeln!(out, "{}", rec.to_json_line()).map_err(BenchError::io("<stdout>"))?;
         }
     } else {
@@ -542,7 +624,8 @@ pub fn run(args: &ControllerArgs, mut out: impl Write) -> Result<()> {
              per phase\nreference (all-hit phase, same run): p50 {ref_p50:.1} us, p99 \
              {ref_p99:.1} us, mean {ref_mean:.1} us; tree {ref_nodes} nodes\nmixed phase: {} \
              conversations, L1 1.5× the running requests' pages, L2 2× L1; tree {mixed_nodes} \
-             nodes at the end",
+             nodes at the end; prefetches tracked after a poll: median {tracked_p50:.0}, max \
+             {tracked_max:.0}",
             args.requests, args.page_size, args.ticks, args.clients
         )
         .map_err(wr)?;
@@ -560,6 +643,34 @@ pub fn run(args: &ControllerArgs, mut out: impl Write) -> Result<()> {
                 p99 / ref_p99
             )
             .map_err(BenchError::io("<stdout>"))?;
+        }
+    }
+    if args.per_call {
+        for (name, v) in CALLS.iter().zip(&mut mixed.calls) {
+            if v.is_empty() {
+                continue;
+            }
+            let n = v.len();
+            let (p50, p99, mean) = stats(v);
+            if args.json {
+                let rec = Record::new(
+                    "controller",
+                    format!("tick/mixed/call/{name}/{}req", args.requests),
+                    p50,
+                    "us",
+                )
+                .with("p99_us", p99)
+                .with("mean_us", mean)
+                .with("ticks", n);
+                writeln!(out, "{}", rec.to_json_line()).map_err(BenchError::io("<stdout>"))?;
+            } else {
+                writeln!(
+                    out,
+                    "mixed call {name:<18} {n:>6} ticks  p50 {p50:>7.1} us  p99 {p99:>8.1} us  \
+                     mean {mean:>7.1} us"
+                )
+                .map_err(BenchError::io("<stdout>"))?;
+            }
         }
     }
     Ok(())
@@ -581,6 +692,7 @@ mod tests {
             l3: true,
             seed: 1,
             json: true,
+            per_call: false,
         };
         let mut mixed = Phase::new(&args, true).unwrap();
         mixed.settle = true;
@@ -624,6 +736,7 @@ mod tests {
             l3: true,
             seed: 1,
             json: true,
+            per_call: true,
         };
         let mut out = Vec::new();
         run(&args, &mut out).unwrap();
@@ -640,5 +753,13 @@ mod tests {
         assert_eq!(all["reference"], lines[0]["value"]);
         assert!(all["ratio"].as_f64().unwrap() > 0.0);
         assert!(all["reference_p99_us"].as_f64().is_some());
+        // `--per-call`: every call of a tick timed apart.
+        for call in CALLS {
+            let case = format!("tick/mixed/call/{call}/4req");
+            assert!(
+                lines.iter().any(|l| l["case"] == case.as_str()),
+                "{case} missing"
+            );
+        }
     }
 }

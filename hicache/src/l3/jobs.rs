@@ -7,7 +7,7 @@
 //! is set. A backup only reads pages the tree keeps host-protected until its agreed ack.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use hicache_core::{HostSlot, NamespaceId, PageHash, PageHasher, PageKey};
 use hicache_host::{HostPool, IoVec};
@@ -23,10 +23,9 @@ use crate::error::Result;
 /// What a lookup found.
 #[derive(Debug, Default)]
 pub(crate) struct QueryResult {
-    /// The hashes of every page looked up.
+    /// The hashes of every page looked up (the leading pages present are published in
+    /// [`Progress`]).
     pub hashes: Vec<PageHash>,
-    /// The leading pages present.
-    pub hit_pages: usize,
 }
 
 /// Progress of a prefetch's fetch, under one lock.
@@ -54,6 +53,47 @@ pub(crate) struct FetchState {
     pub exited: bool,
 }
 
+/// What the engine thread reads of a prefetch at every poll, published without a lock (one
+/// atomic load per value instead of two lock round trips per tracked prefetch per poll).
+///
+/// Invariants:
+/// 1. Each value is a copy of one the task keeps under a lock: `hit_pages` of `query`'s
+///    result, `completed` and `exited` of [`FetchState`]'s, stored while the task holds that
+///    lock right after changing the original, so a reader never sees a value the original
+///    did not have, and the engine thread's decisions that need the exact values (ending a
+///    prefetch, taking leftovers) still read them under the lock.
+/// 2. Order: `hit_pages` is stored before `query_done`, `completed` before `exited`, all
+///    with release and read with acquire, so a reader that sees `query_done` sees the hit,
+///    and one that sees `exited` then reads the final `completed`.
+#[derive(Debug, Default)]
+pub(crate) struct Progress {
+    query_done: AtomicBool,
+    hit_pages: AtomicUsize,
+    completed: AtomicUsize,
+    exited: AtomicBool,
+}
+
+impl Progress {
+    /// The lookup's hit, once it finished.
+    pub fn query(&self) -> Option<usize> {
+        self.query_done
+            .load(Ordering::Acquire)
+            .then(|| self.hit_pages.load(Ordering::Acquire))
+    }
+
+    /// Pages fetched, from the first, and whether the task exited (reads `exited` first,
+    /// invariant 2: once it is seen, the count is final).
+    pub fn fetched(&self) -> (usize, bool) {
+        let exited = self.exited.load(Ordering::Acquire);
+        (self.completed.load(Ordering::Acquire), exited)
+    }
+
+    /// Whether the task exited.
+    pub fn exited(&self) -> bool {
+        self.exited.load(Ordering::Acquire)
+    }
+}
+
 /// State shared between a prefetch's task and the engine thread.
 #[derive(Debug, Default)]
 pub(crate) struct FetchShared {
@@ -61,6 +101,8 @@ pub(crate) struct FetchShared {
     pub query: Mutex<Option<QueryResult>>,
     /// The fetch's progress.
     pub state: Mutex<FetchState>,
+    /// Lock-free copies of the progress the engine thread polls.
+    pub progress: Progress,
     /// Wakes the task when pages are given or the prefetch is terminated.
     pub notify: Notify,
     /// Signalled (with `state` locked) when the task sets `exited`.
@@ -299,10 +341,14 @@ impl QueryJob {
             hashes.iter().map(|h| PageKey::new(self.namespace, *h)),
         );
         let hit = self.query(&chain).await;
-        *self.shared.query.lock() = Some(QueryResult {
-            hashes,
-            hit_pages: hit,
-        });
+        {
+            let mut q = self.shared.query.lock();
+            *q = Some(QueryResult { hashes });
+            // Progress invariants 1 and 2: the copy, under the lock, the hit before the flag.
+            let p = &self.shared.progress;
+            p.hit_pages.store(hit, Ordering::Release);
+            p.query_done.store(true, Ordering::Release);
+        }
         // Wait for host pages (or a revocation).
         let slots = loop {
             {
@@ -322,6 +368,8 @@ impl QueryJob {
         let mut st = self.shared.state.lock();
         st.done = true;
         st.exited = true;
+        // Progress invariant 1 (`completed` was published when it last changed).
+        self.shared.progress.exited.store(true, Ordering::Release);
         let from = st.completed;
         st.leftover = st.slots.as_ref().map(|s| s[from..].to_vec());
         self.shared.exited.notify_all();
@@ -383,6 +431,11 @@ impl QueryJob {
                 return;
             }
             st.completed += lead;
+            // Progress invariant 1: the copy, under the lock.
+            self.shared
+                .progress
+                .completed
+                .store(st.completed, Ordering::Release);
             if let Some(e) = error {
                 tracing::debug!(error = %e, "L3 fetch failed; keeping the pages fetched so far");
                 st.failed = true;

@@ -223,16 +223,16 @@ impl L3 {
         self.prefetches.gather(|op| self.op_counts(op, page_size))
     }
 
-    /// This rank's view of one prefetch.
+    /// This rank's view of one prefetch, from its lock-free progress (a few atomic loads:
+    /// every tracked prefetch is viewed at every poll).
     fn op_counts(&self, op: &PrefetchOp, page_size: usize) -> PrefetchCounts {
-        let q = op.shared.query.lock();
-        let query_done = q.is_some();
-        let hit = q.as_ref().map_or(0, |q| q.hit_pages) as u64;
-        drop(q);
-        let st = op.shared.state.lock();
+        let progress = &op.shared.progress;
+        let query = progress.query();
+        let query_done = query.is_some();
+        let hit = query.unwrap_or(0) as u64;
         let (completed, fetch_done) = match &op.phase {
             Phase::Querying => (0, false),
-            Phase::Fetching { .. } => (st.completed, st.done),
+            Phase::Fetching { .. } => progress.fetched(),
         };
         // As SGLang: the budget grows with the pages the query found (`len(hash)` after the
         // query; none while it runs), not with the candidate suffix, and counts from the op's
@@ -259,6 +259,13 @@ impl L3 {
         agreed: PrefetchCounts,
         tiers: &mut Tiers,
     ) -> Result<Option<PrefetchEnd>> {
+        if !agreed.query_done && !agreed.may_end {
+            // Nothing to do in either phase (the lookup still runs somewhere and the policy
+            // does not end the prefetch yet): the common case of a prefetch waiting for its
+            // lookup, decided without finding the op (every tracked prefetch is applied at
+            // every poll, and they pile up while the L3 threads lag).
+            return Ok(None);
+        }
         let op = self.prefetches.get(seq);
         let querying = matches!(op.phase, Phase::Querying);
         if querying {
@@ -447,6 +454,10 @@ impl L3 {
         let deadline = Instant::now() + LEFTOVER_WAIT;
         let mut back = Vec::new();
         self.draining.retain(|s| {
+            if !wait && !s.progress.exited() {
+                // Still running (the lock-free copy of `exited`; no lock per poll and task).
+                return true;
+            }
             let mut st = s.state.lock();
             loop {
                 if st.exited {
@@ -488,7 +499,7 @@ impl L3 {
     pub fn lookups_running(&self) -> usize {
         self.prefetches
             .values()
-            .filter(|op| op.shared.query.lock().is_none())
+            .filter(|op| op.shared.progress.query().is_none())
             .count()
     }
 
