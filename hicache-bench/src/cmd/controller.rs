@@ -69,6 +69,14 @@ pub struct ControllerArgs {
     /// tick.
     #[arg(long)]
     pub per_call: bool,
+    /// A tick's arrival is skipped while this many requests wait for admission (clients that
+    /// send when the engine has room: the waiting queue, and the prefetches every poll
+    /// tracks, stay bounded); before such a tick the bench waits, untimed, for the L3 work in
+    /// flight, as an engine's forward pass would. 0: one arrival every tick, whatever waits —
+    /// the method of the earlier tables, where every tick that admits nothing lengthens the
+    /// queue for good (one arrival and at most one admission per tick).
+    #[arg(long, default_value_t = 0)]
+    pub max_waiting: usize,
 }
 
 /// Turns per conversation before it starts over.
@@ -391,10 +399,19 @@ impl<'a> Phase<'a> {
 
     /// One tick; returns its time (µs, cache calls only) and what it did.
     fn tick(&mut self) -> Result<(f64, Vec<Kind>)> {
+        let arrives = self.args.max_waiting == 0 || self.pending.len() < self.args.max_waiting;
+        if !arrives {
+            // A full waiting queue: an engine would spend this iteration in its forward pass
+            // while the L3 reads go on; here the bench waits for them, outside the timed
+            // region, so that the tick is not an idle spin.
+            self.settle_in_flight()?;
+        }
         let before = self.cache.metrics().snapshot();
         let id = self.next;
-        self.next += 1;
-        let prompt = self.prompt(id);
+        if arrives {
+            self.next += 1;
+        }
+        let prompt = if arrives { self.prompt(id) } else { Vec::new() };
         // The finished request's buffers are freed after the timed region (bench memory).
         let mut retired = None;
         self.call_us = [None; CALLS.len()];
@@ -442,9 +459,12 @@ impl<'a> Phase<'a> {
                 }
             }
         }
-        let arrival = self.cache.arrive(id, &prompt).map_err(fail)?;
-        self.lap(3, &mut at);
-        self.pending.push_back((id, prompt));
+        let mut prefetch_pages = 0;
+        if arrives {
+            prefetch_pages = self.cache.arrive(id, &prompt).map_err(fail)?.prefetch_pages;
+            self.lap(3, &mut at);
+            self.pending.push_back((id, prompt));
+        }
         let loaded = self.cache.start_loading().map_err(fail)?;
         self.lap(4, &mut at);
         let us = t0.elapsed().as_secs_f64() * 1e6;
@@ -460,7 +480,7 @@ impl<'a> Phase<'a> {
             || poll.writes_launched > 0
             || poll.writes_finished > 0
             || poll.backups_finished > 0
-            || arrival.prefetch_pages > 0;
+            || prefetch_pages > 0;
         if let Some((inserted, all_hit, l3_hit)) = admitted {
             if all_hit && inserted == 0 && !moved {
                 kinds.push(Kind::AllHit);
@@ -487,7 +507,7 @@ impl<'a> Phase<'a> {
         if poll.writes_launched > 0 {
             kinds.push(Kind::WriteThrough);
         }
-        if arrival.prefetch_pages > 0 {
+        if prefetch_pages > 0 {
             kinds.push(Kind::L3Lookup);
         }
         if self.args.l3 && (poll.writes_finished > 0 || poll.backups_finished > 0) {
@@ -693,6 +713,7 @@ mod tests {
             seed: 1,
             json: true,
             per_call: false,
+            max_waiting: 0,
         };
         let mut mixed = Phase::new(&args, true).unwrap();
         mixed.settle = true;
@@ -724,6 +745,33 @@ mod tests {
         assert!(r.kind(Kind::L3Lookup).is_none() && r.kind(Kind::EvictL1).is_none());
     }
 
+    /// `--max-waiting 2`: whatever the L3 threads' pace (no settling between ticks), no
+    /// tick leaves more than two requests waiting, and arrivals go on as admissions make room.
+    #[test]
+    fn a_bounded_waiting_queue_stays_bounded() {
+        let args = ControllerArgs {
+            requests: 8,
+            ticks: 200,
+            page_size: 16,
+            system_tokens: 64,
+            turn_tokens: 128,
+            clients: 64,
+            l3: true,
+            seed: 1,
+            json: true,
+            per_call: false,
+            max_waiting: 2,
+        };
+        let mut mixed = Phase::new(&args, true).unwrap();
+        mixed.fill().unwrap();
+        let first = mixed.next;
+        for _ in 0..200 {
+            mixed.tick().unwrap();
+            assert!(mixed.pending.len() <= 2, "{} waiting", mixed.pending.len());
+        }
+        assert!(mixed.next > first, "no arrival in 200 ticks");
+    }
+
     #[test]
     fn prints_each_kind_beside_the_reference() {
         let args = ControllerArgs {
@@ -737,6 +785,7 @@ mod tests {
             seed: 1,
             json: true,
             per_call: true,
+            max_waiting: 0,
         };
         let mut out = Vec::new();
         run(&args, &mut out).unwrap();
