@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the staged GPU tests and benches on a GPU machine (see stage-gpu.sh).
-# Usage: bash scripts/gpu-run.sh [tests|bench|sweep|all]   (default all; sweep: the kernels'
-# CTA sweep and the load-backs only, after the Llama verify)
+# Usage: bash scripts/gpu-run.sh [tests|bench|sweep|flows|all]   (default all; sweep: the
+# kernels' CTA sweep and the load-backs only, after the Llama verify; flows: the controller's
+# request flows and the model test on Device::cuda only)
 # Every step runs under its own time limit and the script goes on after a failing step; each
 # phase's output goes to $OUT/<phase>.log (the device tool's result folder; gpu-out/ without
 # it) and one line per step to $OUT/summary.txt. Exit status: the number of failed steps.
@@ -81,7 +82,7 @@ if [ "$what" = bench ] || [ "$what" = sweep ] || [ "$what" = all ]; then
             --tokens 32768 --io "$io" --json
     done
 fi
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if [ "$what" = tests ] || [ "$what" = flows ] || [ "$what" = all ]; then
     # The controller's request flows and the model test with Device::cuda (KV contents checked).
     step tests 120 flows env HICACHE_TEST_CUDA=1 HICACHE_TEST_DEVICE=cuda .gpu/flows --test-threads=2
     step tests 90 model env HICACHE_TEST_CUDA=1 HICACHE_TEST_DEVICE=cuda .gpu/model --test-threads=2
