@@ -19,11 +19,11 @@ use hicache_host::HostComponent;
 
 use super::cache::{HybridCache, Units};
 use super::l3::{L3BackupOp, L3Job, PARTS, PagesOut};
-use super::prefetch::{FetchCounts, FetchShared, FetchTask, Phase, PrefetchOp};
+use super::prefetch::{FetchCounts, FetchShared, FetchTask, Phase, PrefetchOp, ReadMissing};
 use super::tick::{EXCHANGE_DRAINED, EXCHANGE_L3_BACKUPS, FIXED_VALUES};
 use crate::agree::{Counts, Fifo, Gathered, Tracked, max_tracked};
 use crate::error::Result;
-use crate::l3::WarnLimit;
+use crate::l3::{WarnLimit, run_prefetch};
 
 /// Most prefetches tracked at once (so the tick's exchange fits one round); arrivals beyond
 /// that start none.
@@ -188,7 +188,7 @@ impl HybridCache {
         };
         let ops = &self.l3_ops;
         fixed[EXCHANGE_L3_BACKUPS] = ops.backups.leading_ok(L3BackupOp::is_done) as u64;
-        fixed[EXCHANGE_DRAINED] = ops.draining.leading_ok(|(s, _)| s.exited.is_set()) as u64;
+        fixed[EXCHANGE_DRAINED] = ops.draining.leading_ok(|(s, _)| s.progress.exited()) as u64;
         let ps = self.cfg.page_size as usize;
         ops.prefetches.gather(|p| p.counts(&l3.prefetch, ps))
     }
@@ -244,6 +244,7 @@ impl HybridCache {
         }
         let hashes = l3.hashes(&key[..aligned]).split_off(start / ps);
         let shared = Arc::new(FetchShared::default());
+        let missing = Arc::new(ReadMissing::default());
         let task = FetchTask {
             storage: l3.engine.storage.clone(),
             layout: l3.layout.clone(),
@@ -254,9 +255,9 @@ impl HybridCache {
                 self.tree.has(Component::Swa),
                 self.tree.has(Component::Mamba),
             ],
-            shared: shared.clone(),
+            missing: missing.clone(),
         };
-        l3.engine.spawn(task.run());
+        l3.engine.spawn(run_prefetch(task, shared.clone()));
         let host_lock = self.tree.lock_host(m.host_node)?;
         let seq = self.l3_ops.prefetches.insert(PrefetchOp {
             req,
@@ -267,6 +268,7 @@ impl HybridCache {
             hashes,
             started: Instant::now(),
             shared,
+            missing,
             phase: Phase::Lookup,
         });
         Ok((aligned - start, Some(seq)))
@@ -301,10 +303,10 @@ impl HybridCache {
             return self.end_prefetch(seq, false);
         };
         let op = self.l3_ops.prefetches.get_mut(seq);
-        op.shared.order_read(
+        op.shared.give((
             plan.clone(),
             [host.full.clone(), host.swa.clone(), host.mamba.clone()],
-        );
+        ));
         op.phase = Phase::Reading { plan, host };
         Ok(())
     }
@@ -317,8 +319,7 @@ impl HybridCache {
         op.shared.terminate();
         let mut tokens = 0;
         if let Phase::Reading { plan, host } = &op.phase {
-            if op.shared.read_done.is_set() {
-                let missing = *op.shared.missing.lock();
+            if let Some(missing) = *op.missing.lock() {
                 for (k, part) in PARTS.iter().enumerate() {
                     self.totals
                         .get_mut(super::component_of(*part))
@@ -399,7 +400,7 @@ impl HybridCache {
     /// it at the same point: `flush`, shutdown).
     pub(crate) fn collect_drained(&mut self) -> Result<()> {
         for (shared, host) in std::mem::take(&mut self.l3_ops.draining) {
-            shared.exited.wait();
+            shared.wait_exited();
             self.free_host_units(&host)?;
         }
         Ok(())

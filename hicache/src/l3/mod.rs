@@ -22,7 +22,10 @@ use hicache_storage::{LayoutKind, Storage, StorageConfig};
 
 pub use backup::L3_WRITE_BATCHES_IN_FLIGHT;
 pub(crate) use engine::L3Engine;
-pub(crate) use jobs::{BackupShared, Chain, Latch, PageSource, get_batch, present_run};
+pub(crate) use jobs::{
+    BackupShared, Chain, FetchShared, Fetcher, PageSource, QueryResult, get_batch, present_run,
+    run_prefetch,
+};
 pub use prefetch::RequestId;
 pub(crate) use prefetch::{MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd, may_end};
 
@@ -32,7 +35,6 @@ use crate::error::{HiCacheError, Result};
 use crate::metrics::PrefetchOutcome;
 use crate::tree_pools::Tiers;
 use backup::BackupOp;
-use jobs::FetchShared;
 use prefetch::PrefetchOp;
 
 /// L3 worker threads: lookups, fetches and backups are I/O-bound tasks.

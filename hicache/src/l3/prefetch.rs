@@ -324,8 +324,7 @@ impl L3 {
         };
         self.occupied_pages += host.len();
         let op = self.prefetches.get_mut(seq);
-        op.shared.state.lock().slots = Some(host.clone());
-        op.shared.notify.notify_one();
+        op.shared.give(host.clone());
         op.phase = Phase::Fetching { host };
         Ok(None)
     }
