@@ -3,7 +3,7 @@
 //! by `arrive`, and what the tick's agreement (`tick`) ends or advances.
 //!
 //! The L3 values of the tick's exchange (reduced with `min`): L3 backups finished and ended
-//! prefetches whose task exited (each counted from the oldest), then `FetchCounts::LEN`
+//! prefetches whose task exited (each counted from the oldest), then `PrefetchCounts::LEN`
 //! values per tracked prefetch in creation order. Every rank tracks the same backups and
 //! prefetches in the same order (created by calls every rank makes alike, ended at agreed
 //! values), so the shape is the same everywhere; and host slots come back only at agreed
@@ -19,15 +19,15 @@ use hicache_host::HostComponent;
 
 use super::cache::{HybridCache, Units};
 use super::l3::{L3BackupOp, L3Job, PARTS, PagesOut};
-use super::prefetch::{FetchCounts, FetchShared, FetchTask, Phase, PrefetchOp, ReadMissing};
+use super::prefetch::{FetchShared, FetchTask, Phase, PrefetchOp, ReadMissing};
 use super::tick::{EXCHANGE_DRAINED, EXCHANGE_L3_BACKUPS, FIXED_VALUES};
 use crate::agree::{Counts, Fifo, Gathered, Tracked, max_tracked};
 use crate::error::Result;
-use crate::l3::{WarnLimit, run_prefetch};
+use crate::l3::{PrefetchCounts, WarnLimit, run_prefetch};
 
 /// Most prefetches tracked at once (so the tick's exchange fits one round); arrivals beyond
 /// that start none.
-const MAX_TRACKED_PREFETCHES: usize = max_tracked(FIXED_VALUES, FetchCounts::LEN);
+const MAX_TRACKED_PREFETCHES: usize = max_tracked(FIXED_VALUES, PrefetchCounts::LEN);
 
 /// L3 work in flight.
 #[derive(Debug)]
@@ -182,7 +182,7 @@ impl HybridCache {
     /// This rank's L3 values for the tick's exchange: backups finished and drained
     /// prefetches into `fixed` (see `tick`), and each tracked prefetch's counts with its
     /// sequence number (none without L3).
-    pub(crate) fn gather_l3(&self, fixed: &mut [u64; FIXED_VALUES]) -> Gathered<FetchCounts> {
+    pub(crate) fn gather_l3(&self, fixed: &mut [u64; FIXED_VALUES]) -> Gathered<PrefetchCounts> {
         let Some(l3) = &self.l3 else {
             return Default::default();
         };
@@ -199,7 +199,7 @@ impl HybridCache {
     pub(crate) fn apply_l3(
         &mut self,
         (backups, drained): (u64, u64),
-        prefetches: Gathered<FetchCounts>,
+        prefetches: Gathered<PrefetchCounts>,
     ) -> Result<()> {
         for _ in 0..backups {
             let op = self.l3_ops.backups.pop().expect("counted above");
@@ -275,16 +275,17 @@ impl HybridCache {
     }
 
     /// Applies the agreed view of one prefetch (steps 2–4 of `prefetch`).
-    fn advance_prefetch(&mut self, seq: u64, agreed: FetchCounts) -> Result<()> {
-        let reading = matches!(self.l3_ops.prefetches.get(seq).phase, Phase::Reading { .. });
-        if !reading && agreed.looked_up {
-            self.start_read(seq, agreed.hit as usize)
-        } else if reading && agreed.read_done {
-            self.end_prefetch(seq, agreed.read_ok)
-        } else if agreed.may_end {
-            self.end_prefetch(seq, false)
-        } else {
-            Ok(())
+    fn advance_prefetch(&mut self, seq: u64, agreed: PrefetchCounts) -> Result<()> {
+        let read = match &self.l3_ops.prefetches.get(seq).phase {
+            Phase::Reading { plan, .. } => Some(plan.hit),
+            Phase::Lookup => None,
+        };
+        match read {
+            None if agreed.query_done => self.start_read(seq, agreed.hit_pages as usize),
+            // Every rank read the whole hit.
+            Some(hit) if agreed.completed_pages as usize >= hit => self.end_prefetch(seq, true),
+            _ if agreed.may_end => self.end_prefetch(seq, false),
+            _ => Ok(()),
         }
     }
 

@@ -8,8 +8,9 @@
 //!    node of the match); the request is not `prefetch_ready` until the prefetch ends.
 //! 2. Once every rank's lookup finished, the minimum hit is planned; below the threshold it
 //!    ends; otherwise host slots are allocated for it and handed to the task, which reads.
-//! 3. Once every rank's read finished, the pages are inserted as host-only nodes when every
-//!    rank read them all (and the tree still has nothing below the anchor for them).
+//! 3. Once every rank read every component's pages of the hit (the agreed pages fetched, the
+//!    dense prefetch's count, reach the hit), they are inserted as host-only nodes (when the
+//!    tree still has nothing below the anchor for them).
 //! 4. The policy may end it earlier (`best_effort`: at any poll; `timeout`: once
 //!    `prefetch_timeout_*` for the hit has passed; `wait_complete`: never): nothing is
 //!    inserted (a hybrid page set is whole or useless), and slots handed to the task are
@@ -18,7 +19,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use hicache_core::{NodeId, PageHash};
+use hicache_core::{NodeId, PageHash, PrefetchConfig};
 use hicache_storage::Storage;
 use parking_lot::Mutex;
 
@@ -26,7 +27,7 @@ use super::cache::Units;
 use super::l3::{PARTS, PrefetchPlan};
 use super::l3_io::{ComponentPages, HybridIo};
 use super::l3_keys::HybridL3Layout;
-use crate::l3::{Fetcher, QueryResult, may_end};
+use crate::l3::{Fetcher, PrefetchCounts, QueryResult, prefetch_counts};
 use hicache_host::{HostComponent, HostPoolGroup};
 
 /// What the engine thread hands the task after the lookup: the plan and the slots (per
@@ -69,6 +70,11 @@ impl Fetcher for FetchTask {
     async fn fetch(&mut self, (plan, slots): &ReadOrder, shared: &FetchShared) {
         let missing = self.read(plan, slots, shared).await;
         *self.missing.lock() = Some(missing);
+        let mut st = shared.state.lock();
+        if missing == [0; 3] && !st.terminated {
+            // Every component's pages arrived: the whole hit counts as fetched.
+            shared.advance(&mut st, plan.hit);
+        }
     }
 
     fn leftover(_: &ReadOrder, _: usize) -> Option<ReadOrder> {
@@ -184,39 +190,12 @@ pub(crate) struct PrefetchOp {
     pub phase: Phase,
 }
 
-crate::agree::exchanged_counts! {
-    /// One prefetch's values in the exchange (reduced with `min` over ranks).
-    pub(crate) struct FetchCounts {
-        /// The lookup finished.
-        pub looked_up: bool,
-        /// Pages the lookup found restorable.
-        pub hit: u64,
-        /// The read of the agreed hit finished.
-        pub read_done: bool,
-        /// Every page of the read arrived.
-        pub read_ok: bool,
-        /// The policy allows ending the prefetch now.
-        pub may_end: bool,
-    }
-}
-
 impl PrefetchOp {
-    /// This rank's view for the exchange, under `policy` (timeouts per hit token).
-    pub fn counts(&self, policy: &hicache_core::PrefetchConfig, page_size: usize) -> FetchCounts {
-        let query = self.shared.progress.query();
-        let (looked_up, hit) = (query.is_some(), query.unwrap_or(0));
+    /// This rank's view for the exchange: the dense prefetch's counts under `policy`
+    /// (pages fetched: the hit once every component's pages arrived, 0 before).
+    pub fn counts(&self, policy: &PrefetchConfig, page_size: usize) -> PrefetchCounts {
         let reading = matches!(self.phase, Phase::Reading { .. });
-        let missing = if reading { *self.missing.lock() } else { None };
-        let read_done = missing.is_some();
-        let read_ok = missing == Some([0; 3]);
-        let may_end = may_end(policy, read_done, self.started, (hit * page_size) as u64);
-        FetchCounts {
-            looked_up,
-            hit: hit as u64,
-            read_done,
-            read_ok,
-            may_end,
-        }
+        prefetch_counts(&self.shared, reading, policy, self.started, page_size)
     }
 
     /// Blocks until the task's current step (lookup, or read) has finished.
