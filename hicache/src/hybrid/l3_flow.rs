@@ -40,6 +40,8 @@ pub(crate) struct L3Ops {
     draining: Fifo<(Arc<FetchShared>, Units)>,
     /// Warnings of backups that lost pages to storage errors (the dense tier's limit).
     write_warn: WarnLimit,
+    /// Warnings of prefetches that lost pages to storage errors (the dense tier's).
+    read_warn: WarnLimit,
 }
 
 impl Default for L3Ops {
@@ -49,6 +51,7 @@ impl Default for L3Ops {
             prefetches: Tracked::new(MAX_TRACKED_PREFETCHES),
             draining: Fifo::default(),
             write_warn: WarnLimit::default(),
+            read_warn: WarnLimit::default(),
         }
     }
 }
@@ -318,6 +321,16 @@ impl HybridCache {
     fn end_prefetch(&mut self, seq: u64, insert: bool) -> Result<()> {
         let op = self.l3_ops.prefetches.remove(seq);
         op.shared.terminate();
+        let (lost, error) = {
+            let mut st = op.shared.state.lock();
+            (st.failed_pages, st.error.take())
+        };
+        if lost > 0 {
+            // Counted in the totals from `missing`; logged as the dense prefetch's.
+            self.l3_ops
+                .read_warn
+                .prefetch_loss(lost as u64, error.as_deref());
+        }
         let mut tokens = 0;
         if let Phase::Reading { plan, host } = &op.phase {
             if let Some(missing) = *op.missing.lock() {

@@ -63,8 +63,8 @@ pub(crate) struct FetchTask {
 impl Fetcher for FetchTask {
     type Slots = ReadOrder;
 
-    async fn lookup(&mut self, _: &FetchShared) -> (usize, QueryResult) {
-        (self.hit().await, QueryResult::default())
+    async fn lookup(&mut self, shared: &FetchShared) -> (usize, QueryResult) {
+        (self.hit(shared).await, QueryResult::default())
     }
 
     async fn fetch(&mut self, (plan, slots): &ReadOrder, shared: &FetchShared) {
@@ -93,8 +93,9 @@ impl FetchTask {
     }
 
     /// This rank's hit: 0 when a configured component cannot be restored from the span, or
-    /// when the lookup fails (a miss, never an error of the request).
-    async fn hit(&self) -> usize {
+    /// when the lookup fails (a miss, never an error of the request; its pages counted as
+    /// failed in `shared`, logged when the prefetch ends, as the dense prefetch's).
+    async fn hit(&self, shared: &FetchShared) -> usize {
         let policies = self
             .layout
             .prefetch_policies(self.hashes.len(), self.at_root);
@@ -107,14 +108,16 @@ impl FetchTask {
         match self.io().lookup(&self.hashes, &policies).await {
             Ok(v) => v.hit_pages,
             Err(e) => {
-                tracing::warn!(error = %e, "hybrid L3 lookup failed: treated as a miss");
+                tracing::debug!(error = %e, "hybrid L3 lookup failed: treated as a miss");
+                let mut st = shared.state.lock();
+                st.note_failure(self.hashes.len(), format!("lookup: {e}"));
                 0
             }
         }
     }
 
     /// Reads the plan's pages into the slots: per component, the pages that did not arrive
-    /// (a failed call fails all of its component's; logged).
+    /// (a failed call fails all of its component's, counted as failed in `shared`).
     async fn read(
         &self,
         plan: &PrefetchPlan,
@@ -141,12 +144,10 @@ impl FetchTask {
             let arrived = match read.await {
                 Ok(r) => r.ok(),
                 Err(e) => {
-                    tracing::warn!(
-                        component = %PARTS[k],
-                        pages = plan.keys[k].len(),
-                        error = %e,
-                        "hybrid L3 read failed: the prefetch is dropped"
-                    );
+                    tracing::debug!(error = %e, "hybrid L3 read failed: the prefetch is dropped");
+                    let mut st = shared.state.lock();
+                    st.failed = true;
+                    st.note_failure(plan.keys[k].len(), format!("{} read: {e}", PARTS[k]));
                     0
                 }
             };

@@ -76,6 +76,21 @@ impl WarnLimit {
     }
 }
 
+impl WarnLimit {
+    /// Records `lost` pages of a prefetch lost to storage errors (`error`: the first, for the
+    /// log) and warns, rate-limited: both controllers' prefetch failures are logged here.
+    pub fn prefetch_loss(&mut self, lost: u64, error: Option<&str>) {
+        if let Some((prefetches, pages)) = self.record(lost, std::time::Instant::now()) {
+            tracing::warn!(
+                prefetches,
+                pages,
+                error = error.unwrap_or(""),
+                "L3 prefetches lost pages to storage errors (since the last warning)"
+            );
+        }
+    }
+}
+
 /// The attached L3 tier.
 pub(crate) struct L3 {
     /// The backend, the tasks' runtime, the write permits, pages per call.

@@ -376,14 +376,7 @@ impl L3 {
             // Invariant 6: pages lost to storage errors are counted and logged.
             let lost = failed_pages as u64;
             tiers.metrics.l3_failed(L3Op::read, lost);
-            if let Some((prefetches, pages)) = self.read_warn.record(lost, Instant::now()) {
-                tracing::warn!(
-                    prefetches,
-                    pages,
-                    error = error.as_deref().unwrap_or(""),
-                    "L3 prefetches lost pages to storage errors (since the last warning)"
-                );
-            }
+            self.read_warn.prefetch_loss(lost, error.as_deref());
         }
         op.shared.notify.notify_one();
         self.draining.push(op.shared.clone());
