@@ -130,16 +130,11 @@ impl HybridCache {
         self.tree.unlock_host(&op.host_lock)?;
         let (written, error) = op.counts();
         let lost: usize = written.failed.iter().sum();
-        let warn = (lost > 0).then(|| self.l3_ops.write_warn.record(lost as u64, Instant::now()));
-        if let Some(Some((backups, pages))) = warn {
-            // Rate-limited as the dense tier's; every lost page is also in the metric.
-            tracing::warn!(
-                backups,
-                pages,
-                error = error.unwrap_or_default(),
-                "hybrid L3 backups did not store every page (they stay in L2; lost since the \
-                 last warning)"
-            );
+        if lost > 0 {
+            // Every lost page is also in the metric.
+            self.l3_ops
+                .write_warn
+                .backup_loss(lost as u64, error.as_deref());
         }
         for (k, slots) in op.part_slots.iter().enumerate() {
             if written.failed[k] == 0 {

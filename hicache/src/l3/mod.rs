@@ -89,6 +89,21 @@ impl WarnLimit {
             );
         }
     }
+
+    /// Records `lost` pages of a finished backup that were not stored (`error`: the first,
+    /// for the log) and warns, rate-limited: both controllers' backup failures are logged
+    /// here.
+    pub fn backup_loss(&mut self, lost: u64, error: Option<&str>) {
+        if let Some((backups, pages)) = self.record(lost, std::time::Instant::now()) {
+            tracing::warn!(
+                backups,
+                pages,
+                error = error.unwrap_or(""),
+                "L3 backups did not store every page (pages lost to storage errors since the \
+                 last warning; they stay in L2)"
+            );
+        }
+    }
 }
 
 /// The attached L3 tier.
