@@ -134,7 +134,7 @@ impl HybridCache {
             // Every lost page is also in the metric.
             self.l3_ops
                 .write_warn
-                .backup_loss(lost as u64, error.as_deref());
+                .warn_loss("backups", lost as u64, error.as_deref());
         }
         for (k, slots) in op.part_slots.iter().enumerate() {
             if written.failed[k] == 0 {
@@ -324,7 +324,7 @@ impl HybridCache {
             // Counted in the totals from `missing`; logged as the dense prefetch's.
             self.l3_ops
                 .read_warn
-                .prefetch_loss(lost as u64, error.as_deref());
+                .warn_loss("prefetches", lost as u64, error.as_deref());
         }
         let mut tokens = 0;
         if let Phase::Reading { plan, host } = &op.phase {

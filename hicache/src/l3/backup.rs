@@ -346,7 +346,7 @@ impl L3 {
                 let lost = (op.pages - stored) as u64;
                 tiers.metrics.l3_failed(L3Op::write, lost);
                 let error = op.shared.error.lock().clone();
-                self.write_warn.backup_loss(lost, error.as_deref());
+                self.write_warn.warn_loss("backups", lost, error.as_deref());
             }
         }
         Ok(())

@@ -74,33 +74,18 @@ impl WarnLimit {
             std::mem::take(&mut self.held_pages),
         ))
     }
-}
 
-impl WarnLimit {
-    /// Records `lost` pages of a prefetch lost to storage errors (`error`: the first, for the
-    /// log) and warns, rate-limited: both controllers' prefetch failures are logged here.
-    pub fn prefetch_loss(&mut self, lost: u64, error: Option<&str>) {
-        if let Some((prefetches, pages)) = self.record(lost, std::time::Instant::now()) {
+    /// Records `lost` pages that `what` (prefetches, backups) lost to storage errors
+    /// (`error`: the first, for the log) and warns, rate-limited: both controllers' L3
+    /// failures are logged here.
+    pub fn warn_loss(&mut self, what: &'static str, lost: u64, error: Option<&str>) {
+        if let Some((ops, pages)) = self.record(lost, std::time::Instant::now()) {
             tracing::warn!(
-                prefetches,
+                ops,
                 pages,
                 error = error.unwrap_or(""),
-                "L3 prefetches lost pages to storage errors (since the last warning)"
-            );
-        }
-    }
-
-    /// Records `lost` pages of a finished backup that were not stored (`error`: the first,
-    /// for the log) and warns, rate-limited: both controllers' backup failures are logged
-    /// here.
-    pub fn backup_loss(&mut self, lost: u64, error: Option<&str>) {
-        if let Some((backups, pages)) = self.record(lost, std::time::Instant::now()) {
-            tracing::warn!(
-                backups,
-                pages,
-                error = error.unwrap_or(""),
-                "L3 backups did not store every page (pages lost to storage errors since the \
-                 last warning; they stay in L2)"
+                "L3 {what} lost pages to storage errors (since the last warning; a backup's \
+                 pages stay in L2)"
             );
         }
     }

@@ -376,7 +376,8 @@ impl L3 {
             // Invariant 6: pages lost to storage errors are counted and logged.
             let lost = failed_pages as u64;
             tiers.metrics.l3_failed(L3Op::read, lost);
-            self.read_warn.prefetch_loss(lost, error.as_deref());
+            self.read_warn
+                .warn_loss("prefetches", lost, error.as_deref());
         }
         op.shared.notify.notify_one();
         self.draining.push(op.shared.clone());
