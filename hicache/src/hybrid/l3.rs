@@ -12,8 +12,8 @@
 //!   prefix; `admit` then loads it back like any host hit.
 //!
 //! Invariant (slot ownership): a host slot read by a prefetch belongs to the prefetch's task
-//! from the moment the engine thread hands it over until the task has set `read_done` (or,
-//! for a prefetch ended before that, `exited`); a slot written by a backup is host-locked in
+//! from the moment the engine thread hands it over until the task has recorded the read's
+//! result (or, for a prefetch ended before that, exited: `crate::l3::run_prefetch`); a slot written by a backup is host-locked in
 //! the tree until the backup's agreed end. The engine thread never frees or reuses a slot
 //! before then.
 
@@ -48,7 +48,7 @@ pub(crate) struct L3Job {
 }
 
 /// What a prefetch's lookup decided.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct PrefetchPlan {
     /// Pages hit.
     pub hit: usize,

@@ -3,7 +3,7 @@
 //! by `arrive`, and what the tick's agreement (`tick`) ends or advances.
 //!
 //! The L3 values of the tick's exchange (reduced with `min`): L3 backups finished and ended
-//! prefetches whose task exited (each counted from the oldest), then `FetchCounts::LEN`
+//! prefetches whose task exited (each counted from the oldest), then `PrefetchCounts::LEN`
 //! values per tracked prefetch in creation order. Every rank tracks the same backups and
 //! prefetches in the same order (created by calls every rank makes alike, ended at agreed
 //! values), so the shape is the same everywhere; and host slots come back only at agreed
@@ -19,15 +19,15 @@ use hicache_host::HostComponent;
 
 use super::cache::{HybridCache, Units};
 use super::l3::{L3BackupOp, L3Job, PARTS, PagesOut};
-use super::prefetch::{FetchCounts, FetchShared, FetchTask, Phase, PrefetchOp};
+use super::prefetch::{FetchShared, FetchTask, Phase, PrefetchOp, ReadMissing};
 use super::tick::{EXCHANGE_DRAINED, EXCHANGE_L3_BACKUPS, FIXED_VALUES};
 use crate::agree::{Counts, Fifo, Gathered, Tracked, max_tracked};
 use crate::error::Result;
-use crate::l3::WarnLimit;
+use crate::l3::{PrefetchCounts, WarnLimit, run_prefetch};
 
 /// Most prefetches tracked at once (so the tick's exchange fits one round); arrivals beyond
 /// that start none.
-const MAX_TRACKED_PREFETCHES: usize = max_tracked(FIXED_VALUES, FetchCounts::LEN);
+const MAX_TRACKED_PREFETCHES: usize = max_tracked(FIXED_VALUES, PrefetchCounts::LEN);
 
 /// L3 work in flight.
 #[derive(Debug)]
@@ -40,6 +40,8 @@ pub(crate) struct L3Ops {
     draining: Fifo<(Arc<FetchShared>, Units)>,
     /// Warnings of backups that lost pages to storage errors (the dense tier's limit).
     write_warn: WarnLimit,
+    /// Warnings of prefetches that lost pages to storage errors (the dense tier's).
+    read_warn: WarnLimit,
 }
 
 impl Default for L3Ops {
@@ -49,6 +51,7 @@ impl Default for L3Ops {
             prefetches: Tracked::new(MAX_TRACKED_PREFETCHES),
             draining: Fifo::default(),
             write_warn: WarnLimit::default(),
+            read_warn: WarnLimit::default(),
         }
     }
 }
@@ -127,16 +130,11 @@ impl HybridCache {
         self.tree.unlock_host(&op.host_lock)?;
         let (written, error) = op.counts();
         let lost: usize = written.failed.iter().sum();
-        let warn = (lost > 0).then(|| self.l3_ops.write_warn.record(lost as u64, Instant::now()));
-        if let Some(Some((backups, pages))) = warn {
-            // Rate-limited as the dense tier's; every lost page is also in the metric.
-            tracing::warn!(
-                backups,
-                pages,
-                error = error.unwrap_or_default(),
-                "hybrid L3 backups did not store every page (they stay in L2; lost since the \
-                 last warning)"
-            );
+        if lost > 0 {
+            // Every lost page is also in the metric.
+            self.l3_ops
+                .write_warn
+                .warn_loss("backups", lost as u64, error.as_deref());
         }
         for (k, slots) in op.part_slots.iter().enumerate() {
             if written.failed[k] == 0 {
@@ -182,13 +180,13 @@ impl HybridCache {
     /// This rank's L3 values for the tick's exchange: backups finished and drained
     /// prefetches into `fixed` (see `tick`), and each tracked prefetch's counts with its
     /// sequence number (none without L3).
-    pub(crate) fn gather_l3(&self, fixed: &mut [u64; FIXED_VALUES]) -> Gathered<FetchCounts> {
+    pub(crate) fn gather_l3(&self, fixed: &mut [u64; FIXED_VALUES]) -> Gathered<PrefetchCounts> {
         let Some(l3) = &self.l3 else {
             return Default::default();
         };
         let ops = &self.l3_ops;
         fixed[EXCHANGE_L3_BACKUPS] = ops.backups.leading_ok(L3BackupOp::is_done) as u64;
-        fixed[EXCHANGE_DRAINED] = ops.draining.leading_ok(|(s, _)| s.exited.is_set()) as u64;
+        fixed[EXCHANGE_DRAINED] = ops.draining.leading_ok(|(s, _)| s.progress.exited()) as u64;
         let ps = self.cfg.page_size as usize;
         ops.prefetches.gather(|p| p.counts(&l3.prefetch, ps))
     }
@@ -199,7 +197,7 @@ impl HybridCache {
     pub(crate) fn apply_l3(
         &mut self,
         (backups, drained): (u64, u64),
-        prefetches: Gathered<FetchCounts>,
+        prefetches: Gathered<PrefetchCounts>,
     ) -> Result<()> {
         for _ in 0..backups {
             let op = self.l3_ops.backups.pop().expect("counted above");
@@ -244,6 +242,7 @@ impl HybridCache {
         }
         let hashes = l3.hashes(&key[..aligned]).split_off(start / ps);
         let shared = Arc::new(FetchShared::default());
+        let missing = Arc::new(ReadMissing::default());
         let task = FetchTask {
             storage: l3.engine.storage.clone(),
             layout: l3.layout.clone(),
@@ -254,9 +253,9 @@ impl HybridCache {
                 self.tree.has(Component::Swa),
                 self.tree.has(Component::Mamba),
             ],
-            shared: shared.clone(),
+            missing: missing.clone(),
         };
-        l3.engine.spawn(task.run());
+        l3.engine.spawn(run_prefetch(task, shared.clone()));
         let host_lock = self.tree.lock_host(m.host_node)?;
         let seq = self.l3_ops.prefetches.insert(PrefetchOp {
             req,
@@ -267,22 +266,24 @@ impl HybridCache {
             hashes,
             started: Instant::now(),
             shared,
+            missing,
             phase: Phase::Lookup,
         });
         Ok((aligned - start, Some(seq)))
     }
 
     /// Applies the agreed view of one prefetch (steps 2–4 of `prefetch`).
-    fn advance_prefetch(&mut self, seq: u64, agreed: FetchCounts) -> Result<()> {
-        let reading = matches!(self.l3_ops.prefetches.get(seq).phase, Phase::Reading { .. });
-        if !reading && agreed.looked_up {
-            self.start_read(seq, agreed.hit as usize)
-        } else if reading && agreed.read_done {
-            self.end_prefetch(seq, agreed.read_ok)
-        } else if agreed.may_end {
-            self.end_prefetch(seq, false)
-        } else {
-            Ok(())
+    fn advance_prefetch(&mut self, seq: u64, agreed: PrefetchCounts) -> Result<()> {
+        let read = match &self.l3_ops.prefetches.get(seq).phase {
+            Phase::Reading { plan, .. } => Some(plan.hit),
+            Phase::Lookup => None,
+        };
+        match read {
+            None if agreed.query_done => self.start_read(seq, agreed.hit_pages as usize),
+            // Every rank read the whole hit.
+            Some(hit) if agreed.completed_pages as usize >= hit => self.end_prefetch(seq, true),
+            _ if agreed.may_end => self.end_prefetch(seq, false),
+            _ => Ok(()),
         }
     }
 
@@ -301,10 +302,10 @@ impl HybridCache {
             return self.end_prefetch(seq, false);
         };
         let op = self.l3_ops.prefetches.get_mut(seq);
-        op.shared.order_read(
+        op.shared.give((
             plan.clone(),
             [host.full.clone(), host.swa.clone(), host.mamba.clone()],
-        );
+        ));
         op.phase = Phase::Reading { plan, host };
         Ok(())
     }
@@ -315,10 +316,19 @@ impl HybridCache {
     fn end_prefetch(&mut self, seq: u64, insert: bool) -> Result<()> {
         let op = self.l3_ops.prefetches.remove(seq);
         op.shared.terminate();
+        let (lost, error) = {
+            let mut st = op.shared.state.lock();
+            (st.failed_pages, st.error.take())
+        };
+        if lost > 0 {
+            // Counted in the totals from `missing`; logged as the dense prefetch's.
+            self.l3_ops
+                .read_warn
+                .warn_loss("prefetches", lost as u64, error.as_deref());
+        }
         let mut tokens = 0;
         if let Phase::Reading { plan, host } = &op.phase {
-            if op.shared.read_done.is_set() {
-                let missing = *op.shared.missing.lock();
+            if let Some(missing) = *op.missing.lock() {
                 for (k, part) in PARTS.iter().enumerate() {
                     self.totals
                         .get_mut(super::component_of(*part))
@@ -399,7 +409,7 @@ impl HybridCache {
     /// it at the same point: `flush`, shutdown).
     pub(crate) fn collect_drained(&mut self) -> Result<()> {
         for (shared, host) in std::mem::take(&mut self.l3_ops.draining) {
-            shared.exited.wait();
+            shared.wait_exited();
             self.free_host_units(&host)?;
         }
         Ok(())

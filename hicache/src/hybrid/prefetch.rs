@@ -8,8 +8,9 @@
 //!    node of the match); the request is not `prefetch_ready` until the prefetch ends.
 //! 2. Once every rank's lookup finished, the minimum hit is planned; below the threshold it
 //!    ends; otherwise host slots are allocated for it and handed to the task, which reads.
-//! 3. Once every rank's read finished, the pages are inserted as host-only nodes when every
-//!    rank read them all (and the tree still has nothing below the anchor for them).
+//! 3. Once every rank read every component's pages of the hit (the agreed pages fetched, the
+//!    dense prefetch's count, reach the hit), they are inserted as host-only nodes (when the
+//!    tree still has nothing below the anchor for them).
 //! 4. The policy may end it earlier (`best_effort`: at any poll; `timeout`: once
 //!    `prefetch_timeout_*` for the hit has passed; `wait_complete`: never): nothing is
 //!    inserted (a hybrid page set is whole or useless), and slots handed to the task are
@@ -18,61 +19,30 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use hicache_core::{NodeId, PageHash};
+use hicache_core::{NodeId, PageHash, PrefetchConfig};
 use hicache_storage::Storage;
 use parking_lot::Mutex;
-use tokio::sync::Notify;
 
 use super::cache::Units;
 use super::l3::{PARTS, PrefetchPlan};
 use super::l3_io::{ComponentPages, HybridIo};
 use super::l3_keys::HybridL3Layout;
-use crate::l3::{Latch, may_end};
+use crate::l3::{Fetcher, PrefetchCounts, QueryResult, prefetch_counts};
 use hicache_host::{HostComponent, HostPoolGroup};
 
-/// What the engine thread orders the task after the lookup.
-#[derive(Debug, Default)]
-pub(crate) struct Order {
-    /// The plan and the slots (per component, paired with the plan's keys) to read into.
-    pub read: Option<(PrefetchPlan, [Vec<u32>; 3])>,
-    /// Stop: read nothing more.
-    pub terminated: bool,
-}
+/// What the engine thread hands the task after the lookup: the plan and the slots (per
+/// component, paired with the plan's keys) to read into.
+pub(crate) type ReadOrder = (PrefetchPlan, [Vec<u32>; 3]);
 
-/// State shared by a prefetch's task and the engine thread.
-#[derive(Debug, Default)]
-pub(crate) struct FetchShared {
-    /// This rank's hit (pages every configured component can restore), once looked up.
-    pub hit: Mutex<usize>,
-    /// Set when `hit` is final.
-    pub looked_up: Latch,
-    /// The engine thread's order.
-    pub order: Mutex<Order>,
-    /// Wakes the task when an order is given.
-    pub notify: Notify,
-    /// Per component, the pages that did not arrive (final once `read_done` is set).
-    pub missing: Mutex<[usize; 3]>,
-    /// Set when the read finished: the task touches no slot after it.
-    pub read_done: Latch,
-    /// Set when the task exited.
-    pub exited: Latch,
-}
+/// State shared by a prefetch's task and the engine thread: the dense prefetch's
+/// ([`crate::l3::FetchShared`]), its slots a [`ReadOrder`].
+pub(crate) type FetchShared = crate::l3::FetchShared<ReadOrder>;
 
-impl FetchShared {
-    /// Hands the task what to read.
-    pub fn order_read(&self, plan: PrefetchPlan, slots: [Vec<u32>; 3]) {
-        self.order.lock().read = Some((plan, slots));
-        self.notify.notify_one();
-    }
+/// Per component, the pages of a read that did not arrive: set when the read finished (the
+/// task touches no slot after it).
+pub(crate) type ReadMissing = Mutex<Option<[usize; 3]>>;
 
-    /// Tells the task to stop.
-    pub fn terminate(&self) {
-        self.order.lock().terminated = true;
-        self.notify.notify_one();
-    }
-}
-
-/// A prefetch's background task.
+/// A prefetch's background I/O, run by the one prefetch task (`crate::l3::run_prefetch`).
 pub(crate) struct FetchTask {
     /// The L3 backend.
     pub storage: Arc<dyn Storage>,
@@ -86,36 +56,34 @@ pub(crate) struct FetchTask {
     pub at_root: bool,
     /// Which of SWA and Mamba the model has (the hit must restore each).
     pub sidecars: [bool; 2],
-    /// State shared with the engine thread.
-    pub shared: Arc<FetchShared>,
+    /// Where the read's result goes.
+    pub missing: Arc<ReadMissing>,
+}
+
+impl Fetcher for FetchTask {
+    type Slots = ReadOrder;
+
+    async fn lookup(&mut self, shared: &FetchShared) -> (usize, QueryResult) {
+        (self.hit(shared).await, QueryResult::default())
+    }
+
+    async fn fetch(&mut self, (plan, slots): &ReadOrder, shared: &FetchShared) {
+        let missing = self.read(plan, slots, shared).await;
+        *self.missing.lock() = Some(missing);
+        let mut st = shared.state.lock();
+        if missing == [0; 3] && !st.terminated {
+            // Every component's pages arrived: the whole hit counts as fetched.
+            shared.advance(&mut st, plan.hit);
+        }
+    }
+
+    fn leftover(_: &ReadOrder, _: usize) -> Option<ReadOrder> {
+        // The engine thread frees a read's slots itself, at an agreed count.
+        None
+    }
 }
 
 impl FetchTask {
-    /// Runs the task to its end (spawn it on the L3 runtime).
-    pub async fn run(self) {
-        let hit = self.lookup().await;
-        *self.shared.hit.lock() = hit;
-        self.shared.looked_up.set();
-        let read = loop {
-            {
-                let mut o = self.shared.order.lock();
-                if o.terminated {
-                    break None;
-                }
-                if let Some(r) = o.read.take() {
-                    break Some(r);
-                }
-            }
-            self.shared.notify.notified().await;
-        };
-        if let Some((plan, slots)) = read {
-            let missing = self.read(&plan, &slots).await;
-            *self.shared.missing.lock() = missing;
-            self.shared.read_done.set();
-        }
-        self.shared.exited.set();
-    }
-
     fn io(&self) -> HybridIo<'_> {
         HybridIo {
             storage: &*self.storage,
@@ -125,8 +93,9 @@ impl FetchTask {
     }
 
     /// This rank's hit: 0 when a configured component cannot be restored from the span, or
-    /// when the lookup fails (a miss, never an error of the request).
-    async fn lookup(&self) -> usize {
+    /// when the lookup fails (a miss, never an error of the request; its pages counted as
+    /// failed in `shared`, logged when the prefetch ends, as the dense prefetch's).
+    async fn hit(&self, shared: &FetchShared) -> usize {
         let policies = self
             .layout
             .prefetch_policies(self.hashes.len(), self.at_root);
@@ -139,21 +108,28 @@ impl FetchTask {
         match self.io().lookup(&self.hashes, &policies).await {
             Ok(v) => v.hit_pages,
             Err(e) => {
-                tracing::warn!(error = %e, "hybrid L3 lookup failed: treated as a miss");
+                tracing::debug!(error = %e, "hybrid L3 lookup failed: treated as a miss");
+                let mut st = shared.state.lock();
+                st.note_failure(self.hashes.len(), format!("lookup: {e}"));
                 0
             }
         }
     }
 
     /// Reads the plan's pages into the slots: per component, the pages that did not arrive
-    /// (a failed call fails all of its component's; logged).
-    async fn read(&self, plan: &PrefetchPlan, slots: &[Vec<u32>; 3]) -> [usize; 3] {
+    /// (a failed call fails all of its component's, counted as failed in `shared`).
+    async fn read(
+        &self,
+        plan: &PrefetchPlan,
+        slots: &[Vec<u32>; 3],
+        shared: &FetchShared,
+    ) -> [usize; 3] {
         let mut missing = [0; 3];
         for k in 0..3 {
             if plan.keys[k].is_empty() {
                 continue;
             }
-            if self.shared.order.lock().terminated {
+            if shared.terminated() {
                 missing[k] = plan.keys[k].len();
                 continue;
             }
@@ -163,17 +139,15 @@ impl FetchTask {
                 slots: &slots[k],
             };
             // SAFETY: the slots were allocated for this read (distinct, in no node) and the
-            // engine thread neither frees nor reuses them before `read_done` / `exited`.
+            // engine thread neither frees nor reuses them before the task exited.
             let read = unsafe { self.io().read_pages(pages) };
             let arrived = match read.await {
                 Ok(r) => r.ok(),
                 Err(e) => {
-                    tracing::warn!(
-                        component = %PARTS[k],
-                        pages = plan.keys[k].len(),
-                        error = %e,
-                        "hybrid L3 read failed: the prefetch is dropped"
-                    );
+                    tracing::debug!(error = %e, "hybrid L3 read failed: the prefetch is dropped");
+                    let mut st = shared.state.lock();
+                    st.failed = true;
+                    st.note_failure(plan.keys[k].len(), format!("{} read: {e}", PARTS[k]));
                     0
                 }
             };
@@ -211,53 +185,25 @@ pub(crate) struct PrefetchOp {
     pub started: Instant,
     /// State shared with its task.
     pub shared: Arc<FetchShared>,
+    /// The read's result, once it finished.
+    pub missing: Arc<ReadMissing>,
     /// Where it stands.
     pub phase: Phase,
 }
 
-crate::agree::exchanged_counts! {
-    /// One prefetch's values in the exchange (reduced with `min` over ranks).
-    pub(crate) struct FetchCounts {
-        /// The lookup finished.
-        pub looked_up: bool,
-        /// Pages the lookup found restorable.
-        pub hit: u64,
-        /// The read of the agreed hit finished.
-        pub read_done: bool,
-        /// Every page of the read arrived.
-        pub read_ok: bool,
-        /// The policy allows ending the prefetch now.
-        pub may_end: bool,
-    }
-}
-
 impl PrefetchOp {
-    /// This rank's view for the exchange, under `policy` (timeouts per hit token).
-    pub fn counts(&self, policy: &hicache_core::PrefetchConfig, page_size: usize) -> FetchCounts {
-        let looked_up = self.shared.looked_up.is_set();
-        let hit = if looked_up {
-            *self.shared.hit.lock()
-        } else {
-            0
-        };
+    /// This rank's view for the exchange: the dense prefetch's counts under `policy`
+    /// (pages fetched: the hit once every component's pages arrived, 0 before).
+    pub fn counts(&self, policy: &PrefetchConfig, page_size: usize) -> PrefetchCounts {
         let reading = matches!(self.phase, Phase::Reading { .. });
-        let read_done = reading && self.shared.read_done.is_set();
-        let read_ok = read_done && *self.shared.missing.lock() == [0; 3];
-        let may_end = may_end(policy, read_done, self.started, (hit * page_size) as u64);
-        FetchCounts {
-            looked_up,
-            hit: hit as u64,
-            read_done,
-            read_ok,
-            may_end,
-        }
+        prefetch_counts(&self.shared, reading, policy, self.started, page_size)
     }
 
     /// Blocks until the task's current step (lookup, or read) has finished.
     pub fn wait_step(&self) {
         match self.phase {
             Phase::Lookup => self.shared.looked_up.wait(),
-            Phase::Reading { .. } => self.shared.read_done.wait(),
+            Phase::Reading { .. } => self.shared.wait_exited(),
         }
     }
 }

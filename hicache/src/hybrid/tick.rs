@@ -13,7 +13,7 @@
 //! | 1 | load-backs finished, counted from the oldest |
 //! | 2 | L3 backups finished, counted from the oldest (0 without L3) |
 //! | 3 | ended prefetches whose task exited, counted from the oldest (0 without L3) |
-//! | 4 + 5·i … | prefetch `i` (creation order): `FetchCounts` |
+//! | 4 + 4·i … | prefetch `i` (creation order): the dense controller's `PrefetchCounts` (a read's pages count as fetched once every component's arrived) |
 //!
 //! Every rank commits the same copies and L3 work in the same order (the same calls, the same
 //! tree; prefetches created and ended alike), so the shape is the same everywhere and

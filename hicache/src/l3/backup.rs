@@ -345,16 +345,8 @@ impl L3 {
             } else {
                 let lost = (op.pages - stored) as u64;
                 tiers.metrics.l3_failed(L3Op::write, lost);
-                if let Some((backups, pages)) = self.write_warn.record(lost, Instant::now()) {
-                    let error = op.shared.error.lock().clone().unwrap_or_default();
-                    tracing::warn!(
-                        backups,
-                        pages,
-                        %error,
-                        "L3 backups did not store every page (pages lost to storage errors \
-                         since the last warning)"
-                    );
-                }
+                let error = op.shared.error.lock().clone();
+                self.write_warn.warn_loss("backups", lost, error.as_deref());
             }
         }
         Ok(())

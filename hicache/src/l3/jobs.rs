@@ -1,6 +1,8 @@
 //! The background tasks of L3 (on the cache's runtime) and the state each shares with the
-//! engine thread: [`QueryJob`] (lookup, then fetch into the host pages the engine thread
-//! allocated) and [`BackupJob`] (host pages to L3).
+//! engine thread: a prefetch ([`run_prefetch`] over a [`Fetcher`]: lookup, then fetch into the
+//! host pages the engine thread allocated; the dense model's is [`QueryJob`], the hybrid
+//! model's reads every component of a page) and [`BackupJob`] (host pages to L3). Both
+//! controllers run these two engines, each with its own fetcher and page source.
 //!
 //! Page ownership (see the invariants of [`crate::l3`]): a fetch writes page `i` only while
 //! `i ≥ completed`; `completed` advances under the state lock and never after `terminated`
@@ -28,11 +30,12 @@ pub(crate) struct QueryResult {
     pub hashes: Vec<PageHash>,
 }
 
-/// Progress of a prefetch's fetch, under one lock.
+/// Progress of a prefetch's fetch, under one lock. `S`: the host pages it fetches into
+/// (the dense model's slots; a hybrid model's plan and slots per component).
 #[derive(Debug, Default)]
-pub(crate) struct FetchState {
+pub(crate) struct FetchState<S = Vec<HostSlot>> {
     /// Host pages to fetch into, set by the engine thread once the hit is known.
-    pub slots: Option<Vec<HostSlot>>,
+    pub slots: Option<S>,
     /// Pages fetched, from the first.
     pub completed: usize,
     /// The task stopped fetching (all done, a miss, an error, or terminated).
@@ -47,8 +50,8 @@ pub(crate) struct FetchState {
     pub failed_pages: usize,
     /// The first storage error met, for the log.
     pub error: Option<String>,
-    /// Pages the task hands back when it exits (`slots[completed..]`).
-    pub leftover: Option<Vec<HostSlot>>,
+    /// Pages the task hands back when it exits (`slots[completed..]`, [`Fetcher::leftover`]).
+    pub leftover: Option<S>,
     /// The task exited.
     pub exited: bool,
 }
@@ -94,19 +97,133 @@ impl Progress {
     }
 }
 
-/// State shared between a prefetch's task and the engine thread.
+/// State shared between a prefetch's task and the engine thread (`S`: see [`FetchState`]).
 #[derive(Debug, Default)]
-pub(crate) struct FetchShared {
+pub(crate) struct FetchShared<S = Vec<HostSlot>> {
     /// The lookup's result, once known.
     pub query: Mutex<Option<QueryResult>>,
+    /// Set once the lookup's result is published (for an engine thread that waits for it).
+    pub looked_up: Latch,
     /// The fetch's progress.
-    pub state: Mutex<FetchState>,
+    pub state: Mutex<FetchState<S>>,
     /// Lock-free copies of the progress the engine thread polls.
     pub progress: Progress,
     /// Wakes the task when pages are given or the prefetch is terminated.
     pub notify: Notify,
     /// Signalled (with `state` locked) when the task sets `exited`.
     pub exited: Condvar,
+}
+
+impl<S> FetchShared<S> {
+    /// Hands the task the host pages to fetch into (engine thread).
+    pub fn give(&self, slots: S) {
+        self.state.lock().slots = Some(slots);
+        self.notify.notify_one();
+    }
+
+    /// Tells the task to stop: it never advances `completed` again (engine thread).
+    pub fn terminate(&self) {
+        self.state.lock().terminated = true;
+        self.notify.notify_one();
+    }
+
+    /// Whether the task was told to stop.
+    pub fn terminated(&self) -> bool {
+        self.state.lock().terminated
+    }
+
+    /// Blocks until the task has exited.
+    pub fn wait_exited(&self) {
+        let mut st = self.state.lock();
+        while !st.exited {
+            self.exited.wait(&mut st);
+        }
+    }
+
+    /// Publishes the lookup's result (task; progress invariants 1 and 2: the copy under the
+    /// lock, the hit before the flag).
+    fn publish_query(&self, hit: usize, result: QueryResult) {
+        {
+            let mut q = self.query.lock();
+            *q = Some(result);
+            self.progress.hit_pages.store(hit, Ordering::Release);
+            self.progress.query_done.store(true, Ordering::Release);
+        }
+        self.looked_up.set();
+    }
+
+    /// Waits for host pages (`None`: terminated first).
+    async fn slots_given(&self) -> Option<S>
+    where
+        S: Clone,
+    {
+        loop {
+            {
+                let st = self.state.lock();
+                if st.terminated {
+                    return None;
+                }
+                if let Some(s) = &st.slots {
+                    return Some(s.clone());
+                }
+            }
+            self.notify.notified().await;
+        }
+    }
+
+    /// Advances `completed` by `pages` (the caller holds `st`, the state's lock, and has
+    /// checked that the prefetch is not terminated). Progress invariant 1: the copy, under
+    /// the lock.
+    pub fn advance(&self, st: &mut FetchState<S>, pages: usize) {
+        st.completed += pages;
+        self.progress
+            .completed
+            .store(st.completed, Ordering::Release);
+    }
+}
+
+/// One kind of prefetch's I/O, run by [`run_prefetch`]: the lookup, then the fetch into the
+/// host pages the engine thread gave for the agreed hit (page ownership as in the module
+/// docs: a fetch writes a page only while it is at or past `completed` and the prefetch is
+/// not terminated).
+pub(crate) trait Fetcher: Send + 'static {
+    /// The host pages a fetch writes.
+    type Slots: Clone + Send + 'static;
+
+    /// Looks the pages up: the pages hit and the lookup's result.
+    fn lookup(
+        &mut self,
+        shared: &FetchShared<Self::Slots>,
+    ) -> impl Future<Output = (usize, QueryResult)> + Send;
+
+    /// Fetches into `slots`, advancing `completed` as pages arrive ([`FetchShared::advance`]).
+    fn fetch(
+        &mut self,
+        slots: &Self::Slots,
+        shared: &FetchShared<Self::Slots>,
+    ) -> impl Future<Output = ()> + Send;
+
+    /// The pages of `slots` the task hands back on exit, `completed` of them fetched.
+    fn leftover(slots: &Self::Slots, completed: usize) -> Option<Self::Slots>;
+}
+
+/// A prefetch's task: looks up, publishes the hit, waits for host pages (or a revocation),
+/// fetches, then exits handing back the pages it did not fill. Spawn it on the L3 runtime.
+pub(crate) async fn run_prefetch<F: Fetcher>(mut f: F, shared: Arc<FetchShared<F::Slots>>) {
+    let (hit, result) = f.lookup(&shared).await;
+    shared.publish_query(hit, result);
+    let slots = shared.slots_given().await;
+    if let Some(slots) = &slots {
+        f.fetch(slots, &shared).await;
+    }
+    let mut st = shared.state.lock();
+    st.done = true;
+    st.exited = true;
+    // Progress invariant 1 (`completed` was published when it last changed).
+    shared.progress.exited.store(true, Ordering::Release);
+    let from = st.completed;
+    st.leftover = st.slots.as_ref().and_then(|s| F::leftover(s, from));
+    shared.exited.notify_all();
 }
 
 /// A flag set once by a background task and waited for by the engine thread without
@@ -160,9 +277,9 @@ impl BackupShared {
     }
 }
 
-impl FetchState {
+impl<S> FetchState<S> {
     /// Counts `pages` lost to a storage error `e` (the first error is kept for the log).
-    fn note_failure(&mut self, pages: usize, e: impl std::fmt::Display) {
+    pub fn note_failure(&mut self, pages: usize, e: impl std::fmt::Display) {
         self.failed_pages += pages;
         self.error.get_or_insert_with(|| e.to_string());
     }
@@ -309,7 +426,8 @@ pub(crate) async unsafe fn get_batch(
         .await
 }
 
-/// A prefetch's task: looks the pages up, waits for host pages, fetches.
+/// A dense model's prefetch: looks its pages up, then fetches the leading hit into the host
+/// pages given ([`run_prefetch`] over [`DenseFetch`]).
 pub(crate) struct QueryJob {
     pub storage: Arc<dyn Storage>,
     pub pool: Arc<HostPool>,
@@ -331,48 +449,12 @@ impl QueryJob {
     /// Runs the job to its end (spawn it on the L3 runtime).
     pub async fn run(self) {
         let span = tracing::debug_span!("l3_prefetch", pages = self.tokens.len() / self.page_size);
-        self.run_inner().instrument(span).await;
-    }
-
-    async fn run_inner(self) {
-        let hashes = self.hasher.hash_pages(self.prior, &self.tokens);
-        let chain = Chain::new(
-            self.prefix.as_deref(),
-            hashes.iter().map(|h| PageKey::new(self.namespace, *h)),
-        );
-        let hit = self.query(&chain).await;
-        {
-            let mut q = self.shared.query.lock();
-            *q = Some(QueryResult { hashes });
-            // Progress invariants 1 and 2: the copy, under the lock, the hit before the flag.
-            let p = &self.shared.progress;
-            p.hit_pages.store(hit, Ordering::Release);
-            p.query_done.store(true, Ordering::Release);
-        }
-        // Wait for host pages (or a revocation).
-        let slots = loop {
-            {
-                let st = self.shared.state.lock();
-                if st.terminated {
-                    break None;
-                }
-                if let Some(s) = &st.slots {
-                    break Some(s.clone());
-                }
-            }
-            self.shared.notify.notified().await;
+        let shared = self.shared.clone();
+        let job = DenseFetch {
+            job: self,
+            chain: None,
         };
-        if let Some(slots) = slots {
-            self.fetch(&chain, &slots).await;
-        }
-        let mut st = self.shared.state.lock();
-        st.done = true;
-        st.exited = true;
-        // Progress invariant 1 (`completed` was published when it last changed).
-        self.shared.progress.exited.store(true, Ordering::Release);
-        let from = st.completed;
-        st.leftover = st.slots.as_ref().map(|s| s[from..].to_vec());
-        self.shared.exited.notify_all();
+        run_prefetch(job, shared).instrument(span).await;
     }
 
     /// The leading run of `keys` present in L3, batch by batch ([`present_run`]); a failed
@@ -430,12 +512,7 @@ impl QueryJob {
             if st.terminated {
                 return;
             }
-            st.completed += lead;
-            // Progress invariant 1: the copy, under the lock.
-            self.shared
-                .progress
-                .completed
-                .store(st.completed, Ordering::Release);
+            self.shared.advance(&mut st, lead);
             if let Some(e) = error {
                 tracing::debug!(error = %e, "L3 fetch failed; keeping the pages fetched so far");
                 st.failed = true;
@@ -448,6 +525,37 @@ impl QueryJob {
             }
             at = end;
         }
+    }
+}
+
+/// [`QueryJob`] as a [`Fetcher`]: the chain of its keys, hashed by the lookup.
+struct DenseFetch {
+    job: QueryJob,
+    chain: Option<Chain>,
+}
+
+impl Fetcher for DenseFetch {
+    type Slots = Vec<HostSlot>;
+
+    async fn lookup(&mut self, _: &FetchShared) -> (usize, QueryResult) {
+        let job = &self.job;
+        let hashes = job.hasher.hash_pages(job.prior, &job.tokens);
+        let chain = Chain::new(
+            job.prefix.as_deref(),
+            hashes.iter().map(|h| PageKey::new(job.namespace, *h)),
+        );
+        let hit = job.query(&chain).await;
+        self.chain = Some(chain);
+        (hit, QueryResult { hashes })
+    }
+
+    async fn fetch(&mut self, slots: &Vec<HostSlot>, _: &FetchShared) {
+        let chain = self.chain.as_ref().expect("fetched after the lookup");
+        self.job.fetch(chain, slots).await;
+    }
+
+    fn leftover(slots: &Vec<HostSlot>, completed: usize) -> Option<Vec<HostSlot>> {
+        Some(slots[completed..].to_vec())
     }
 }
 

@@ -22,9 +22,12 @@ use hicache_storage::{LayoutKind, Storage, StorageConfig};
 
 pub use backup::L3_WRITE_BATCHES_IN_FLIGHT;
 pub(crate) use engine::L3Engine;
-pub(crate) use jobs::{BackupShared, Chain, Latch, PageSource, get_batch, present_run};
+pub(crate) use jobs::{
+    BackupShared, Chain, FetchShared, Fetcher, PageSource, QueryResult, get_batch, present_run,
+    run_prefetch,
+};
 pub use prefetch::RequestId;
-pub(crate) use prefetch::{MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd, may_end};
+pub(crate) use prefetch::{MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd, prefetch_counts};
 
 use crate::agree::{Fifo, Tracked};
 use crate::config::HiCacheConfig;
@@ -32,7 +35,6 @@ use crate::error::{HiCacheError, Result};
 use crate::metrics::PrefetchOutcome;
 use crate::tree_pools::Tiers;
 use backup::BackupOp;
-use jobs::FetchShared;
 use prefetch::PrefetchOp;
 
 /// L3 worker threads: lookups, fetches and backups are I/O-bound tasks.
@@ -71,6 +73,21 @@ impl WarnLimit {
             std::mem::take(&mut self.held_failures),
             std::mem::take(&mut self.held_pages),
         ))
+    }
+
+    /// Records `lost` pages that `what` (prefetches, backups) lost to storage errors
+    /// (`error`: the first, for the log) and warns, rate-limited: both controllers' L3
+    /// failures are logged here.
+    pub fn warn_loss(&mut self, what: &'static str, lost: u64, error: Option<&str>) {
+        if let Some((ops, pages)) = self.record(lost, std::time::Instant::now()) {
+            tracing::warn!(
+                ops,
+                pages,
+                error = error.unwrap_or(""),
+                "L3 {what} lost pages to storage errors (since the last warning; a backup's \
+                 pages stay in L2)"
+            );
+        }
     }
 }
 

@@ -112,6 +112,36 @@ pub(crate) fn may_end(
     }
 }
 
+/// This rank's view of one prefetch for the per-tick exchange, from its task's lock-free
+/// progress (a few atomic loads: every tracked prefetch is viewed at every poll);
+/// `fetching`: the engine thread has given it host pages. Both controllers exchange it.
+pub(crate) fn prefetch_counts<S>(
+    shared: &FetchShared<S>,
+    fetching: bool,
+    policy: &PrefetchConfig,
+    started: Instant,
+    page_size: usize,
+) -> PrefetchCounts {
+    let progress = &shared.progress;
+    let query = progress.query();
+    let hit = query.unwrap_or(0) as u64;
+    let (completed, fetch_done) = if fetching {
+        progress.fetched()
+    } else {
+        (0, false)
+    };
+    // As SGLang: the budget grows with the pages the query found (`len(hash)` after the
+    // query; none while it runs), not with the candidate suffix, and counts from the op's
+    // creation, query time included.
+    let may_end = may_end(policy, fetch_done, started, hit * page_size as u64);
+    PrefetchCounts {
+        query_done: query.is_some(),
+        hit_pages: hit,
+        completed_pages: completed as u64,
+        may_end,
+    }
+}
+
 /// A prefetch that ended: its request and the pages it inserted into the tree.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PrefetchEnd {
@@ -223,32 +253,10 @@ impl L3 {
         self.prefetches.gather(|op| self.op_counts(op, page_size))
     }
 
-    /// This rank's view of one prefetch, from its lock-free progress (a few atomic loads:
-    /// every tracked prefetch is viewed at every poll).
+    /// This rank's view of one prefetch ([`prefetch_counts`]).
     fn op_counts(&self, op: &PrefetchOp, page_size: usize) -> PrefetchCounts {
-        let progress = &op.shared.progress;
-        let query = progress.query();
-        let query_done = query.is_some();
-        let hit = query.unwrap_or(0) as u64;
-        let (completed, fetch_done) = match &op.phase {
-            Phase::Querying => (0, false),
-            Phase::Fetching { .. } => progress.fetched(),
-        };
-        // As SGLang: the budget grows with the pages the query found (`len(hash)` after the
-        // query; none while it runs), not with the candidate suffix, and counts from the op's
-        // creation, query time included.
-        let may_end = may_end(
-            &self.prefetch,
-            fetch_done,
-            op.started,
-            hit * page_size as u64,
-        );
-        PrefetchCounts {
-            query_done,
-            hit_pages: hit,
-            completed_pages: completed as u64,
-            may_end,
-        }
+        let fetching = matches!(op.phase, Phase::Fetching { .. });
+        prefetch_counts(&op.shared, fetching, &self.prefetch, op.started, page_size)
     }
 
     /// Applies the agreed view of one prefetch: allocates its host pages once the lookup is
@@ -324,8 +332,7 @@ impl L3 {
         };
         self.occupied_pages += host.len();
         let op = self.prefetches.get_mut(seq);
-        op.shared.state.lock().slots = Some(host.clone());
-        op.shared.notify.notify_one();
+        op.shared.give(host.clone());
         op.phase = Phase::Fetching { host };
         Ok(None)
     }
@@ -369,14 +376,8 @@ impl L3 {
             // Invariant 6: pages lost to storage errors are counted and logged.
             let lost = failed_pages as u64;
             tiers.metrics.l3_failed(L3Op::read, lost);
-            if let Some((prefetches, pages)) = self.read_warn.record(lost, Instant::now()) {
-                tracing::warn!(
-                    prefetches,
-                    pages,
-                    error = error.as_deref().unwrap_or(""),
-                    "L3 prefetches lost pages to storage errors (since the last warning)"
-                );
-            }
+            self.read_warn
+                .warn_loss("prefetches", lost, error.as_deref());
         }
         op.shared.notify.notify_one();
         self.draining.push(op.shared.clone());
