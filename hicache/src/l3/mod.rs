@@ -24,7 +24,7 @@ pub use backup::L3_WRITE_BATCHES_IN_FLIGHT;
 pub(crate) use engine::L3Engine;
 pub(crate) use jobs::{BackupShared, Chain, Latch, PageSource, get_batch, present_run};
 pub use prefetch::RequestId;
-pub(crate) use prefetch::{MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd, may_end};
+pub(crate) use prefetch::{LookedUp, MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd, may_end};
 
 use crate::agree::{Fifo, Tracked};
 use crate::config::HiCacheConfig;
