@@ -321,6 +321,10 @@ pub(crate) struct QueryJob {
     pub prefix: Option<Vec<PageKey>>,
     /// The tokens looked up (whole pages), shared with the engine thread's op.
     pub tokens: Arc<[u32]>,
+    /// Where the page hashes go: allocated (empty, with room for every page) by the engine
+    /// thread, which frees it too when the request finishes (a block freed by a thread other
+    /// than its allocator's waits for the other arena's lock, which a busy L3 thread holds).
+    pub hashes: Vec<PageHash>,
     pub page_size: usize,
     pub batch: usize,
     pub layout: LayoutKind,
@@ -334,8 +338,10 @@ impl QueryJob {
         self.run_inner().instrument(span).await;
     }
 
-    async fn run_inner(self) {
-        let hashes = self.hasher.hash_pages(self.prior, &self.tokens);
+    async fn run_inner(mut self) {
+        let mut hashes = std::mem::take(&mut self.hashes);
+        self.hasher
+            .hash_pages_into(self.prior, &self.tokens, &mut hashes);
         let chain = Chain::new(
             self.prefix.as_deref(),
             hashes.iter().map(|h| PageKey::new(self.namespace, *h)),

@@ -227,6 +227,7 @@ impl L3 {
             prior,
             prefix,
             tokens: Arc::clone(&tokens),
+            hashes: Vec::with_capacity(pages),
             page_size: ps,
             batch: self.engine.batch,
             layout: self.layout,
