@@ -355,18 +355,14 @@ impl QueryJob {
             p.hit_pages.store(hit, Ordering::Release);
             p.query_done.store(true, Ordering::Release);
         }
-        // Wait for host pages (or a revocation).
-        let slots = loop {
-            {
-                let st = self.shared.state.lock();
-                if st.terminated {
-                    break None;
-                }
-                if let Some(s) = &st.slots {
-                    break Some(s.clone());
-                }
-            }
-            self.shared.notify.notified().await;
+        // Wait for host pages (or a revocation). A lookup that found nothing is never given
+        // any (the agreed hit is every rank's minimum, so at most this one): the task exits
+        // at once instead of waiting for the end of its prefetch to wake it (a wake-up of the
+        // runtime from the engine thread for every missed lookup).
+        let slots = if hit == 0 {
+            None
+        } else {
+            self.wait_for_slots().await
         };
         if let Some(slots) = slots {
             self.fetch(&chain, &slots).await;
@@ -379,6 +375,22 @@ impl QueryJob {
         let from = st.completed;
         st.leftover = st.slots.as_ref().map(|s| s[from..].to_vec());
         self.shared.exited.notify_all();
+    }
+
+    /// Waits until the engine thread gives the pages to fetch into (`None`: revoked first).
+    async fn wait_for_slots(&self) -> Option<Vec<HostSlot>> {
+        loop {
+            {
+                let st = self.shared.state.lock();
+                if st.terminated {
+                    return None;
+                }
+                if let Some(s) = &st.slots {
+                    return Some(s.clone());
+                }
+            }
+            self.shared.notify.notified().await;
+        }
     }
 
     /// The leading run of `keys` present in L3, batch by batch ([`present_run`]); a failed
