@@ -213,7 +213,7 @@ impl HiRadixTree {
                 rest,
                 Some(rest_slots),
                 None,
-                hashes.as_deref(),
+                hashes.map(Vec::into_boxed_slice),
                 now,
                 opts.priority,
             );
@@ -305,14 +305,14 @@ impl HiRadixTree {
         tokens: &[u32],
         device: Option<&[DeviceSlot]>,
         host: Option<&[HostSlot]>,
-        hashes: Option<&[crate::key::PageHash]>,
+        hashes: Option<Box<[PageHash]>>,
         now: u64,
         priority: i32,
     ) -> u32 {
         let pages = (tokens.len() / self.ps) as u32;
-        let hashes: Box<[crate::key::PageHash]> = match (&self.cfg.hasher, hashes) {
+        let hashes: Box<[PageHash]> = match (&self.cfg.hasher, hashes) {
             (None, _) => Box::default(),
-            (Some(_), Some(h)) => h.into(),
+            (Some(_), Some(h)) => h,
             (Some(h), None) => h.hash_pages(self.prior_of(parent), tokens).into(),
         };
         let i = self.arena.alloc();
