@@ -47,9 +47,9 @@ pub use region::MemoryRegion;
 pub use slot::{DeviceSlot, HostSlot};
 pub use tree::{
     BackupFragment, BackupPlan, EvictHostOutcome, EvictOutcome, FinishedBackup, HiRadixTree,
-    HostAllocator, HostInsertResult, InsertOptions, InsertResult, LoadBackPlan, LoadId,
-    MatchResult, NoHost, NodeId, NodeInfo, StagedWriteBack, TenantId, TreeConfig, TreeStats,
-    WriteId, page_aligned,
+    HostAllocator, HostInsertResult, InsertOptions, InsertResult, KnownHashes, LoadBackPlan,
+    LoadId, MatchResult, NoHost, NodeId, NodeInfo, StagedWriteBack, TenantId, TreeConfig,
+    TreeStats, WriteId, page_aligned,
 };
 pub use unified::{
     BackupId, Component, DeviceLoad, EvictRequest, Evicted, HostBackup, HostLockReceipt,

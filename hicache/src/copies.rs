@@ -384,9 +384,13 @@ impl Copies {
 /// write-through complete.
 fn with_unbacked_ancestors(tree: &HiRadixTree, due: Vec<NodeId>) -> Result<Vec<NodeId>> {
     let mut out = Vec::with_capacity(due.len());
-    let mut seen = HashSet::new();
+    // Nodes already in `out`: a linear search while it is short (a tick's due nodes are a
+    // few), a set past that; no allocation per poll in the common case.
+    let mut seen: Option<HashSet<NodeId>> = None;
+    let mut chain = Vec::new();
     for node in due {
-        let mut chain = vec![node];
+        chain.clear();
+        chain.push(node);
         let mut at = match tree.node_info(node) {
             Ok(info) => info.parent,
             Err(CoreError::StaleNode(_)) => None,
@@ -400,11 +404,21 @@ fn with_unbacked_ancestors(tree: &HiRadixTree, due: Vec<NodeId>) -> Result<Vec<N
             chain.push(p);
             at = info.parent;
         }
-        for n in chain.into_iter().rev() {
-            if seen.insert(n) {
+        for &n in chain.iter().rev() {
+            let new = match &mut seen {
+                Some(set) => set.insert(n),
+                None => !out.contains(&n),
+            };
+            if new {
                 out.push(n);
+                if seen.is_none() && out.len() > SEEN_LINEAR_MAX {
+                    seen = Some(out.iter().copied().collect());
+                }
             }
         }
     }
     Ok(out)
 }
+
+/// Most nodes [`with_unbacked_ancestors`] checks for repeats by a linear search.
+const SEEN_LINEAR_MAX: usize = 32;

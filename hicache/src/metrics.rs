@@ -13,8 +13,8 @@
 //! `sglang:prefetched_tokens_total`, `sglang:backuped_tokens_total`), so dashboards built for
 //! SGLang's HiCache read ours.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -139,6 +139,39 @@ fn seconds_histogram() -> Histogram {
     Histogram::new(exponential_buckets(1e-5, 4.0, 12))
 }
 
+/// A family's series for each value of a one-field label, looked up in the family on first
+/// use and kept: the hot path (several records per tick) then reaches a series with one
+/// atomic load instead of the family's lock and a hash of the label. A series is created at
+/// the same moment as without it (first record), so what is rendered does not change.
+struct Series<M, const N: usize>([OnceLock<M>; N]);
+
+impl<M, const N: usize> Default for Series<M, N> {
+    fn default() -> Self {
+        Self(std::array::from_fn(|_| OnceLock::new()))
+    }
+}
+
+impl<M: Clone, const N: usize> Series<M, N> {
+    /// The series of label value `i` (its index in the label enum) of `family`.
+    fn get<L, C>(&self, i: usize, family: &Family<L, M, C>, label: L) -> &M
+    where
+        L: Clone + std::hash::Hash + Eq,
+        C: prometheus_client::metrics::family::MetricConstructor<M>,
+    {
+        self.0[i].get_or_init(|| family.get_or_create(&label).clone())
+    }
+}
+
+/// The series [`Metrics::transfer`] records, per direction.
+#[derive(Default)]
+struct TransferSeries {
+    pages: Series<Counter, 4>,
+    bytes: Series<Counter, 4>,
+    seconds: Series<Histogram, 4>,
+    busy_seconds: Series<Counter<f64, AtomicU64>, 4>,
+    batches: Series<Counter, 4>,
+}
+
 /// Every metric of one cache instance.
 pub struct Metrics {
     pages: Family<DirectionLabel, Counter>,
@@ -157,6 +190,11 @@ pub struct Metrics {
     page_size: Arc<AtomicU64>,
     storage: crate::observe::StorageSlot,
     registry: Registry,
+    /// Series of the families recorded per tick (see [`Series`]).
+    transfer_series: TransferSeries,
+    hit_series: Series<Counter, 3>,
+    evicted_series: Series<Counter, 3>,
+    resident_series: Series<Gauge, 3>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -193,6 +231,10 @@ impl Metrics {
             page_size: Arc::new(AtomicU64::new(0)),
             storage: crate::observe::StorageSlot::default(),
             registry: Registry::default(),
+            transfer_series: TransferSeries::default(),
+            hit_series: Series::default(),
+            evicted_series: Series::default(),
+            resident_series: Series::default(),
         };
         metrics.register();
         metrics
@@ -304,17 +346,20 @@ impl Metrics {
     /// Records one finished batched transfer.
     pub fn transfer(&self, direction: Direction, pages: u64, bytes: u64, seconds: f64) {
         let l = DirectionLabel { direction };
-        self.pages.get_or_create(&l).inc_by(pages);
-        self.bytes.get_or_create(&l).inc_by(bytes);
-        self.seconds.get_or_create(&l).observe(seconds);
-        self.busy_seconds.get_or_create(&l).inc_by(seconds);
-        self.batches.get_or_create(&l).inc();
+        let (s, i) = (&self.transfer_series, direction as usize);
+        s.pages.get(i, &self.pages, l.clone()).inc_by(pages);
+        s.bytes.get(i, &self.bytes, l.clone()).inc_by(bytes);
+        s.seconds.get(i, &self.seconds, l.clone()).observe(seconds);
+        s.busy_seconds
+            .get(i, &self.busy_seconds, l.clone())
+            .inc_by(seconds);
+        s.batches.get(i, &self.batches, l).inc();
     }
 
     /// Records tokens of an admitted request served from `tier`.
     pub fn hit(&self, tier: Tier, tokens: u64) {
-        self.hit_tokens
-            .get_or_create(&TierLabel { tier })
+        self.hit_series
+            .get(tier as usize, &self.hit_tokens, TierLabel { tier })
             .inc_by(tokens);
     }
 
@@ -337,8 +382,8 @@ impl Metrics {
 
     /// Records evicted pages.
     pub fn evicted(&self, tier: Tier, pages: u64) {
-        self.evicted_pages
-            .get_or_create(&TierLabel { tier })
+        self.evicted_series
+            .get(tier as usize, &self.evicted_pages, TierLabel { tier })
             .inc_by(pages);
     }
 
@@ -351,8 +396,8 @@ impl Metrics {
 
     /// Sets the number of pages the tree holds in `tier`.
     pub fn set_resident(&self, tier: Tier, pages: u64) {
-        self.resident_pages
-            .get_or_create(&TierLabel { tier })
+        self.resident_series
+            .get(tier as usize, &self.resident_pages, TierLabel { tier })
             .set(pages as i64);
     }
 

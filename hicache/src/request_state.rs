@@ -14,7 +14,7 @@ use hicache_core::{DeviceSlot, NodeId, TenantId};
 use hicache_gpu::DevicePool;
 
 use crate::error::{HiCacheError, Result};
-use crate::l3::{PrefetchEnd, RequestId};
+use crate::l3::{LookedUp, PrefetchEnd, RequestId};
 use crate::metrics::{Metrics, Tier};
 
 /// What [`crate::HiCache::arrive`] found for a new request.
@@ -77,6 +77,8 @@ pub(crate) struct Request {
     /// Request priority (SGLang's `req.priority`): nodes this request inserts or walks keep the
     /// highest priority of their requests, which the `priority` eviction policy orders by.
     pub priority: i32,
+    /// The page hashes its L3 lookup computed, reused when its pages are inserted.
+    pub looked_up: Option<LookedUp>,
 }
 
 impl Request {
@@ -90,6 +92,7 @@ impl Request {
             carried_loaded: 0,
             prompt_tokens,
             priority: 0,
+            looked_up: None,
         }
     }
 }
@@ -169,6 +172,7 @@ impl Requests {
         if let Some(r) = self.map.get_mut(&end.req) {
             r.prefetch = None;
             r.storage_pages = end.storage_pages;
+            r.looked_up = end.looked_up;
         }
     }
 }

@@ -121,7 +121,7 @@ mod transfer;
 mod tests;
 
 pub use evict::{EvictHostOutcome, EvictOutcome, HostAllocator, NoHost, StagedWriteBack};
-pub use ops::{InsertOptions, InsertResult, MatchResult};
+pub use ops::{InsertOptions, InsertResult, KnownHashes, MatchResult};
 pub use transfer::{BackupFragment, BackupPlan, FinishedBackup, HostInsertResult, LoadBackPlan};
 
 use node::{Arena, DEVICE, HOST, LIVE, NIL, Node, ROOT, SKIPPED, WRITE_PENDING};

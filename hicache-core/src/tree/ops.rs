@@ -2,6 +2,7 @@
 //! `HiRadixCache` methods of the same names.
 
 use crate::error::Result;
+use crate::key::PageHash;
 
 use super::node::{DEVICE, LIVE, NIL, make_buf, make_buf_raw};
 use super::{DeviceSlot, HiRadixTree, HostSlot, NodeId, TenantId};
@@ -35,6 +36,32 @@ pub struct InsertOptions {
     pub chunked: bool,
     /// Request priority; nodes keep the maximum over the requests that walked them.
     pub priority: i32,
+}
+
+/// Page hashes a caller computed earlier for part of an insert's key (the controller's L3
+/// lookup at a request's arrival hashes the pages it looks up): given to
+/// [`HiRadixTree::insert_with_hashes`], a new leaf takes its pages' hashes from here instead
+/// of hashing them again, where the tree can check that they are the ones it would compute.
+///
+/// The caller guarantees that `hashes` is the chain the tree's own hasher computes from
+/// `prior` over `tokens`: `hashes[i]` = chain step of (`hashes[i-1]`, or `prior` for `i = 0`)
+/// and the tokens of page `i`. The tree checks the rest: a leaf starting at key page `p` uses
+/// `hashes[p - first_page..]` only when the hash its chain continues from (its parent's last
+/// page hash, or the tenant's chain start under the root) equals the known chain's hash
+/// before page `p`, and only for the leading pages whose tokens equal `tokens`' pages; it
+/// hashes every other page. Equal prior and equal tokens give equal digests, so the leaf's
+/// hashes are byte-identical to those [`HiRadixTree::insert`] computes.
+#[derive(Clone, Copy, Debug)]
+pub struct KnownHashes<'a> {
+    /// Index, in pages from the start of the insert's key, of the first page hashed.
+    pub first_page: usize,
+    /// The hash the chain continued from: the page before `first_page`'s hash, or the
+    /// tenant's chain start prior (`None` in SGLang mode under the root).
+    pub prior: Option<PageHash>,
+    /// The tokens hashed, from page `first_page` on (at least `hashes.len()` whole pages).
+    pub tokens: &'a [u32],
+    /// One hash per page, from page `first_page` on.
+    pub hashes: &'a [PageHash],
 }
 
 /// What [`HiRadixTree::insert`] did.
@@ -125,6 +152,20 @@ impl HiRadixTree {
         device_slots: &[DeviceSlot],
         opts: InsertOptions,
     ) -> Result<InsertResult> {
+        self.insert_with_hashes(tenant, tokens, device_slots, opts, None)
+    }
+
+    /// [`HiRadixTree::insert`], taking the new leaf's page hashes from `known` where they
+    /// provably continue the tree's chain (see [`KnownHashes`]) instead of hashing those
+    /// pages again. The result, and the tree, are the same as with `insert`.
+    pub fn insert_with_hashes(
+        &mut self,
+        tenant: TenantId,
+        tokens: &[u32],
+        device_slots: &[DeviceSlot],
+        opts: InsertOptions,
+        known: Option<KnownHashes<'_>>,
+    ) -> Result<InsertResult> {
         let root = self.tenant_ref(tenant)?.root;
         let pages = self.check_aligned("insert key", tokens.len())?;
         Self::check_len(
@@ -165,7 +206,17 @@ impl HiRadixTree {
             rest_slots = &rest_slots[common..];
         }
         if !rest.is_empty() {
-            let leaf = self.new_leaf(node, rest, Some(rest_slots), None, None, now, opts.priority);
+            let first_page = (tokens.len() - rest.len()) / ps;
+            let hashes = known.and_then(|k| self.known_leaf_hashes(node, first_page, rest, &k));
+            let leaf = self.new_leaf(
+                node,
+                rest,
+                Some(rest_slots),
+                None,
+                hashes.map(Vec::into_boxed_slice),
+                now,
+                opts.priority,
+            );
             if self.cfg.write_policy.write_through_threshold().is_some() {
                 self.inc_hit(leaf, opts.chunked, &mut due);
             }
@@ -176,6 +227,47 @@ impl HiRadixTree {
             last_node: self.id(node),
             write_through: due,
         })
+    }
+
+    /// The hashes of a new leaf under `parent` holding `tokens` (whole pages), key pages from
+    /// `first_page` on: `known`'s for the leading pages it provably covers (see
+    /// [`KnownHashes`]), the rest hashed here. `None` (the leaf hashes every page) without a
+    /// hasher or when `known` covers none of its pages.
+    fn known_leaf_hashes(
+        &self,
+        parent: u32,
+        first_page: usize,
+        tokens: &[u32],
+        known: &KnownHashes<'_>,
+    ) -> Option<Vec<PageHash>> {
+        let hasher = self.cfg.hasher.as_ref()?;
+        let ps = self.ps;
+        let off = first_page.checked_sub(known.first_page)?;
+        let covered = known.hashes.len().min(known.tokens.len() / ps);
+        if off >= covered {
+            return None;
+        }
+        let before = match off {
+            0 => known.prior,
+            _ => Some(known.hashes[off - 1]),
+        };
+        if before != self.prior_of(parent) {
+            return None;
+        }
+        let pages = tokens.len() / ps;
+        let same = tokens
+            .chunks_exact(ps)
+            .zip(known.tokens[off * ps..covered * ps].chunks_exact(ps))
+            .take_while(|(a, b)| a == b)
+            .count();
+        if same == 0 {
+            return None;
+        }
+        let mut out = Vec::with_capacity(pages);
+        out.extend_from_slice(&known.hashes[off..off + same]);
+        let prior = out.last().copied();
+        hasher.hash_pages_into(prior, &tokens[same * ps..], &mut out);
+        Some(out)
     }
 
     fn raise_priority(&mut self, i: u32, priority: i32) {
@@ -213,14 +305,14 @@ impl HiRadixTree {
         tokens: &[u32],
         device: Option<&[DeviceSlot]>,
         host: Option<&[HostSlot]>,
-        hashes: Option<&[crate::key::PageHash]>,
+        hashes: Option<Box<[PageHash]>>,
         now: u64,
         priority: i32,
     ) -> u32 {
         let pages = (tokens.len() / self.ps) as u32;
-        let hashes: Box<[crate::key::PageHash]> = match (&self.cfg.hasher, hashes) {
+        let hashes: Box<[PageHash]> = match (&self.cfg.hasher, hashes) {
             (None, _) => Box::default(),
-            (Some(_), Some(h)) => h.into(),
+            (Some(_), Some(h)) => h,
             (Some(h), None) => h.hash_pages(self.prior_of(parent), tokens).into(),
         };
         let i = self.arena.alloc();

@@ -635,6 +635,117 @@ fn namespaced_tenants_seed_their_chains() {
 }
 
 #[test]
+fn insert_with_hashes_reuses_known_hashes_only_where_the_chain_continues() {
+    use crate::hash::{HashMode, Namespace};
+    use crate::key::PageHash;
+    use crate::layout::{DType, KvKind, LayoutKind};
+    let ns = Namespace::single_rank(
+        "m",
+        DType::Bf16,
+        LayoutKind::PageFirst,
+        KvKind::Mha {
+            heads: 1,
+            head_dim: 8,
+        },
+        2,
+        PS,
+    );
+    let hasher = PageHasher::new(HashMode::Namespaced, &ns).unwrap();
+    let mut c = cfg(WritePolicy::WriteThrough);
+    c.hasher = Some(hasher.clone());
+    let mut t = HiRadixTree::new(c).unwrap();
+    let seed = t.chain_start(T).unwrap().unwrap().prior;
+    let a = toks(1, 2);
+    ins(&mut t, &a, 0);
+    let key = cat(&a, &toks(2, 3));
+    let real = hasher.hash_pages(seed, &key);
+    // Marked hashes show which pages were taken from `known`: the tree cannot tell them from
+    // real ones once the prior and tokens check out (the caller's guarantee).
+    let fake: Vec<PageHash> = (0..5u8).map(|k| PageHash([k + 1; 32])).collect();
+    let insert = |t: &mut HiRadixTree, known: KnownHashes<'_>, from: u32| {
+        let r = t
+            .insert_with_hashes(
+                T,
+                &key,
+                &slots(from, 5),
+                InsertOptions::default(),
+                Some(known),
+            )
+            .unwrap();
+        let hashes = t.page_hashes(r.last_node).unwrap().to_vec();
+        t.reset();
+        ins(t, &a, 0);
+        hashes
+    };
+    // Known from page 0 (prior: the seed): the leaf (pages 2..5) continues from page 1's
+    // hash, which is real[1] in the tree but fake[1] in `known`: nothing reused.
+    let k = KnownHashes {
+        first_page: 0,
+        prior: seed,
+        tokens: &key,
+        hashes: &fake,
+    };
+    assert_eq!(insert(&mut t, k, 10), real[2..]);
+    // Known from page 2, prior the tree's page-1 hash: every leaf page reused.
+    let k = KnownHashes {
+        first_page: 2,
+        prior: Some(real[1]),
+        tokens: &key[2 * PS as usize..],
+        hashes: &fake[..3],
+    };
+    assert_eq!(insert(&mut t, k, 10), fake[..3]);
+    // A wrong prior: hashed.
+    let k = KnownHashes {
+        prior: Some(real[0]),
+        ..k
+    };
+    assert_eq!(insert(&mut t, k, 10), real[2..]);
+    // Known tokens differ from page 3 on: page 2 reused, the rest hashed from it.
+    let mut other = key[2 * PS as usize..].to_vec();
+    other[PS as usize] += 1;
+    let k = KnownHashes {
+        first_page: 2,
+        prior: Some(real[1]),
+        tokens: &other,
+        hashes: &fake[..3],
+    };
+    let want = [
+        vec![fake[0]],
+        hasher.hash_pages(Some(fake[0]), &key[3 * PS as usize..]),
+    ]
+    .concat();
+    assert_eq!(insert(&mut t, k, 10), want);
+    // Known covers only page 2: reused, pages 3..5 hashed from it.
+    let k = KnownHashes {
+        first_page: 2,
+        prior: Some(real[1]),
+        tokens: &key[2 * PS as usize..3 * PS as usize],
+        hashes: &real[2..3],
+    };
+    assert_eq!(insert(&mut t, k, 10), real[2..]);
+    // Known starts after the leaf's first page: hashed.
+    let k = KnownHashes {
+        first_page: 3,
+        prior: Some(real[2]),
+        tokens: &key[3 * PS as usize..],
+        hashes: &fake[..2],
+    };
+    assert_eq!(insert(&mut t, k, 10), real[2..]);
+    // Real known hashes keep every invariant (the check rehashes every page).
+    let k = KnownHashes {
+        first_page: 0,
+        prior: seed,
+        tokens: &key,
+        hashes: &real,
+    };
+    t.insert_with_hashes(T, &key, &slots(10, 5), InsertOptions::default(), Some(k))
+        .unwrap();
+    ok(&t);
+    let last = t.match_prefix(T, &key).unwrap().last_node;
+    assert_eq!(t.prefix_hashes(last).unwrap(), real);
+}
+
+#[test]
 fn reset_returns_every_slot_and_stales_old_ids() {
     let mut t = tree(WritePolicy::WriteThrough);
     let a = toks(1, 2);

@@ -487,7 +487,7 @@ impl HiRadixTree {
                 &tokens[off * ps..],
                 None,
                 Some(&host_slots[off..]),
-                hashes.map(|h| &h[off..]),
+                hashes.map(|h| h[off..].into()),
                 now,
                 priority,
             );

@@ -6,7 +6,7 @@ use hicache_core::{DeviceSlot, InsertOptions, MatchResult, NodeId, TenantId};
 use super::HiCache;
 use crate::copies::QueuedLoad;
 use crate::error::{HiCacheError, Result};
-use crate::l3::RequestId;
+use crate::l3::{LookedUp, RequestId};
 use crate::request_state::{Admission, Admitted, Arrival, Hits, Request, check_slots, record_hits};
 
 impl HiCache {
@@ -299,10 +299,12 @@ impl HiCache {
         let key = self.aligned(tokens);
         let pages = key.len() / ps;
         let options = InsertOptions { chunked, priority };
-        let res = self
-            .tiers
-            .tree
-            .insert(tenant, key, &slots[..pages], options)?;
+        // The pages its L3 lookup hashed are not hashed again (the tree checks they match).
+        let known = r.looked_up.as_ref().map(LookedUp::known);
+        let res =
+            self.tiers
+                .tree
+                .insert_with_hashes(tenant, key, &slots[..pages], options, known)?;
         Ok(RequestInsert {
             admitted,
             tenant,

@@ -212,7 +212,15 @@ pub(crate) trait Fetcher: Send + 'static {
 pub(crate) async fn run_prefetch<F: Fetcher>(mut f: F, shared: Arc<FetchShared<F::Slots>>) {
     let (hit, result) = f.lookup(&shared).await;
     shared.publish_query(hit, result);
-    let slots = shared.slots_given().await;
+    // A lookup that found nothing is never given pages (the agreed hit is every rank's
+    // minimum, so at most this one, in both controllers): the task exits at once instead of
+    // waiting for the end of its prefetch to wake it (a wake-up of the runtime from the
+    // engine thread for every missed lookup).
+    let slots = if hit == 0 {
+        None
+    } else {
+        shared.slots_given().await
+    };
     if let Some(slots) = &slots {
         f.fetch(slots, &shared).await;
     }
@@ -439,6 +447,10 @@ pub(crate) struct QueryJob {
     pub prefix: Option<Vec<PageKey>>,
     /// The tokens looked up (whole pages), shared with the engine thread's op.
     pub tokens: Arc<[u32]>,
+    /// Where the page hashes go: allocated (empty, with room for every page) by the engine
+    /// thread, which frees it too when the request finishes (a block freed by a thread other
+    /// than its allocator's waits for the other arena's lock, which a busy L3 thread holds).
+    pub hashes: Vec<PageHash>,
     pub page_size: usize,
     pub batch: usize,
     pub layout: LayoutKind,
@@ -538,8 +550,10 @@ impl Fetcher for DenseFetch {
     type Slots = Vec<HostSlot>;
 
     async fn lookup(&mut self, _: &FetchShared) -> (usize, QueryResult) {
+        let mut hashes = std::mem::take(&mut self.job.hashes);
         let job = &self.job;
-        let hashes = job.hasher.hash_pages(job.prior, &job.tokens);
+        job.hasher
+            .hash_pages_into(job.prior, &job.tokens, &mut hashes);
         let chain = Chain::new(
             job.prefix.as_deref(),
             hashes.iter().map(|h| PageKey::new(job.namespace, *h)),

@@ -27,7 +27,9 @@ pub(crate) use jobs::{
     run_prefetch,
 };
 pub use prefetch::RequestId;
-pub(crate) use prefetch::{MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd, prefetch_counts};
+pub(crate) use prefetch::{
+    LookedUp, MAX_TRACKED_PREFETCHES, PrefetchCounts, PrefetchEnd, prefetch_counts,
+};
 
 use crate::agree::{Fifo, Tracked};
 use crate::config::HiCacheConfig;

@@ -33,7 +33,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hicache_core::{
-    HiRadixTree, HostSlot, MatchResult, NodeId, PageKey, PrefetchConfig, PrefetchPolicy, TenantId,
+    HiRadixTree, HostSlot, KnownHashes, MatchResult, NodeId, PageHash, PageKey, PrefetchConfig,
+    PrefetchPolicy, TenantId,
 };
 
 use super::L3;
@@ -74,6 +75,10 @@ pub(crate) struct PrefetchOp {
     anchor: NodeId,
     /// Tokens after the anchor (whole pages), shared with the task (one copy per prefetch).
     tokens: Arc<[u32]>,
+    /// Key page of the first token of `tokens` (the anchor's end).
+    first_page: usize,
+    /// The hash the task's chain starts from (the anchor's last page hash or the chain start).
+    prior: Option<PageHash>,
     started: Instant,
     shared: Arc<FetchShared>,
     phase: Phase,
@@ -143,12 +148,37 @@ pub(crate) fn prefetch_counts<S>(
 }
 
 /// A prefetch that ended: its request and the pages it inserted into the tree.
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 pub(crate) struct PrefetchEnd {
     /// The request that started it.
     pub req: RequestId,
     /// Pages it inserted (new host-only pages).
     pub storage_pages: usize,
+    /// The page hashes its lookup computed (`None` if it ended before the lookup finished).
+    pub looked_up: Option<LookedUp>,
+}
+
+/// The pages an L3 lookup hashed at a request's arrival, kept with the request so that
+/// inserting the finished request does not hash them again ([`KnownHashes`]: the tree uses
+/// them only where their prior and tokens match its own chain).
+#[derive(Debug)]
+pub(crate) struct LookedUp {
+    first_page: usize,
+    prior: Option<PageHash>,
+    tokens: Arc<[u32]>,
+    hashes: Vec<PageHash>,
+}
+
+impl LookedUp {
+    /// The hashes as the tree takes them.
+    pub fn known(&self) -> KnownHashes<'_> {
+        KnownHashes {
+            first_page: self.first_page,
+            prior: self.prior,
+            tokens: &self.tokens,
+            hashes: &self.hashes,
+        }
+    }
 }
 
 /// Pages between the end of `anchor` and the end of `last` (its descendant on the match
@@ -227,6 +257,7 @@ impl L3 {
             prior,
             prefix,
             tokens: Arc::clone(&tokens),
+            hashes: Vec::with_capacity(pages),
             page_size: ps,
             batch: self.engine.batch,
             layout: self.layout,
@@ -239,6 +270,8 @@ impl L3 {
             tenant,
             anchor,
             tokens,
+            first_page: anchor_end,
+            prior,
             started: Instant::now(),
             shared,
             phase: Phase::Querying,
@@ -401,9 +434,17 @@ impl L3 {
         }
         tiers.tree.release_host(op.anchor)?;
         tiers.metrics.prefetch(outcome);
+        // The task no longer reads the lookup's result (it was published before the hit).
+        let looked_up = op.shared.query.lock().take().map(|q| LookedUp {
+            first_page: op.first_page,
+            prior: op.prior,
+            tokens: op.tokens,
+            hashes: q.hashes,
+        });
         Ok(PrefetchEnd {
             req: op.req,
             storage_pages: new_pages,
+            looked_up,
         })
     }
 
