@@ -40,9 +40,14 @@ use crate::error::page_error;
 use crate::nodes::{BIG_VALUE, Nodes};
 use crate::resp::{self, Frame, Limits};
 use crate::topology::{Topology, slot};
+use crate::value;
 
-/// `ASKING`, sent in front of a request redirected by `ASK`.
+/// `ASKING`, sent in front of a request redirected by `ASK` (in front of its `MULTI` for a
+/// ranged page read: the flag lasts through the transaction).
 const ASKING: &[u8] = b"*1\r\n$6\r\nASKING\r\n";
+/// `MULTI` and `EXEC` around the commands of a ranged page read.
+const MULTI: &[u8] = b"*1\r\n$5\r\nMULTI\r\n";
+const EXEC: &[u8] = b"*1\r\n$4\r\nEXEC\r\n";
 
 /// `MOVED`/`ASK` redirections one request follows at most; more is a redirection loop.
 pub const MAX_REDIRECTIONS: usize = 16;
@@ -65,6 +70,9 @@ pub struct Request<'a> {
     tail: Vec<u8>,
     /// Read the reply as this page into destination slot `.1` (see [`execute`]).
     read_into: Option<(PageKey, usize)>,
+    /// A page read made in ranges of at most this many bytes (`MULTI`, `STRLEN`,
+    /// `GETRANGE`s, `EXEC`); `0`: one `GET`.
+    chunk: usize,
 }
 
 impl<'a> Request<'a> {
@@ -80,6 +88,7 @@ impl<'a> Request<'a> {
             page: &[],
             tail: Vec::new(),
             read_into: None,
+            chunk: 0,
         }
     }
 
@@ -121,15 +130,31 @@ impl<'a> Request<'a> {
             page,
             tail,
             read_into: None,
+            chunk: 0,
         }
     }
 
     /// `GET key`, whose reply is read as `page`'s value straight into destination `slot`
-    /// (of `bytes` bytes with the value's header).
-    pub fn get_page(key: &[u8], page: PageKey, slot: usize, bytes: usize) -> Self {
+    /// (of `bytes` bytes with the value's header). A value longer than `chunk` (`≠ 0`) is
+    /// read in ranges of at most `chunk` bytes ([`value::read_ranges`]) in one transaction
+    /// instead: `MULTI`, `STRLEN key`, `GETRANGE key start end` per range, `EXEC` (see
+    /// [`RedisOptions::read_chunk_bytes`](crate::RedisOptions::read_chunk_bytes)).
+    pub fn get_page(key: &[u8], page: PageKey, slot: usize, bytes: usize, chunk: usize) -> Self {
         let mut r = Self::simple("GET", key);
         r.bytes = bytes;
         r.read_into = Some((page, slot));
+        if chunk > 0 && bytes > chunk {
+            let mut head = Vec::with_capacity(64 + bytes.div_ceil(chunk) * (key.len() + 48));
+            head.extend_from_slice(MULTI);
+            resp::put_command(&mut head, &[b"STRLEN", key]);
+            for (start, len) in value::read_ranges(bytes, chunk) {
+                let (a, b) = (start.to_string(), (start + len - 1).to_string());
+                resp::put_command(&mut head, &[b"GETRANGE", key, a.as_bytes(), b.as_bytes()]);
+            }
+            head.extend_from_slice(EXEC);
+            r.head = head;
+            r.chunk = chunk;
+        }
         r
     }
 }
@@ -582,16 +607,15 @@ async fn read_reply(
         )));
     };
     let mut d = cell.lock().await;
-    Ok(
-        match conn
-            .read_page(&key, &mut d, max_value)
-            .await
-            .map_err(ReplyError::Conn)?
-        {
-            PageRead::Frame(Frame::Error(e)) => Err(e),
-            p => Ok(Reply::Page(p)),
-        },
-    )
+    let read = if req.chunk > 0 {
+        conn.read_page_chunked(&key, &mut d, req.chunk).await
+    } else {
+        conn.read_page(&key, &mut d, max_value).await
+    };
+    Ok(match read.map_err(ReplyError::Conn)? {
+        PageRead::Frame(Frame::Error(e)) => Err(e),
+        p => Ok(Reply::Page(p)),
+    })
 }
 
 /// Reads `WAIT`'s answer: whether at least `n` replicas acknowledged the pipeline's writes.

@@ -326,13 +326,14 @@ impl Storage for RedisStorage {
     ) -> Result<Vec<PageOutcome>> {
         check_batch("batch_get", MAX_BATCH, keys.len(), dst.len())?;
         let budget = self.budget("batch_get");
+        let chunk = usize::try_from(self.opts.read_chunk_bytes).unwrap_or(usize::MAX);
         let rkeys: Vec<Vec<u8>> = keys.iter().map(|k| self.redis_key(k)).collect();
         let reqs: Vec<Request<'_>> = rkeys
             .iter()
             .zip(keys)
             .zip(dst.iter())
             .enumerate()
-            .map(|(i, ((rk, k), d))| Request::get_page(rk, *k, i, HEADER_LEN + d.len()))
+            .map(|(i, ((rk, k), d))| Request::get_page(rk, *k, i, HEADER_LEN + d.len(), chunk))
             .collect();
         let replies = {
             let cells: Vec<Mutex<&mut PageBufMut<'_>>> = dst.iter_mut().map(Mutex::new).collect();
