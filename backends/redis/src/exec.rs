@@ -97,6 +97,22 @@ impl<'a> Request<'a> {
         Self::command(name, key, &[name.as_bytes(), key])
     }
 
+    /// [`simple`](Self::simple), keeping `key` (no copy of it).
+    pub fn simple_owned(name: &'static str, key: Vec<u8>) -> Self {
+        let mut head = Vec::with_capacity(32 + name.len() + key.len());
+        resp::put_command(&mut head, &[name.as_bytes(), &key]);
+        Self {
+            name,
+            key,
+            bytes: 0,
+            head,
+            page: &[],
+            tail: Vec::new(),
+            read_into: None,
+            chunk: 0,
+        }
+    }
+
     /// `SET key <header><page> [NX] [EX ttl]`.
     pub fn set(
         key: &[u8],
@@ -325,23 +341,30 @@ impl<'r, 'a> Run<'r, 'a> {
     /// pipelines of at most `chunk_bytes` (one request more where it is larger). A request
     /// whose slot no node serves stays pending, and the slot map is to be read again.
     fn route(&mut self, topology: &Topology, chunk_bytes: usize) -> Vec<Pipeline> {
-        let mut groups: HashMap<String, Vec<(usize, bool)>> = HashMap::new();
+        // Grouped by the owner's index in the slot map (no address copied per request);
+        // `ASK` targets, rare, by address.
+        let mut by_owner: Vec<Vec<(usize, bool)>> = vec![Vec::new(); topology.nodes.len()];
+        let mut asked: HashMap<String, Vec<(usize, bool)>> = HashMap::new();
         for (i, p) in std::mem::take(&mut self.pending) {
-            let (addr, asking) = match p {
-                Pending::Ask(a) => (a, true),
-                Pending::Route => match topology.owner(slot(&self.reqs[i].key)) {
-                    Some(a) => (a.to_string(), false),
+            match p {
+                Pending::Ask(a) => asked.entry(a).or_default().push((i, true)),
+                Pending::Route => match topology.owner_index(slot(&self.reqs[i].key)) {
+                    Some(o) => by_owner[o].push((i, false)),
                     None => {
                         self.last_err
                             .insert(i, "no node serves the key's slot".into());
                         self.pending.push((i, Pending::Route));
                         self.refresh = true;
-                        continue;
                     }
                 },
-            };
-            groups.entry(addr).or_default().push((i, asking));
+            }
         }
+        let groups = by_owner
+            .into_iter()
+            .enumerate()
+            .filter(|(_, items)| !items.is_empty())
+            .map(|(o, items)| (topology.nodes[o].clone(), items))
+            .chain(asked);
         let mut pipelines = Vec::new();
         for (addr, items) in groups {
             let mut cur = Vec::new();
