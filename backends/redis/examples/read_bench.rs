@@ -97,10 +97,11 @@ fn main() {
         }
         v.sort_by(f64::total_cmp);
         println!(
-            "exists128 us median {:.1} p10 {:.1} p90 {:.1}",
+            "exists128 us median {:.1} p10 {:.1} p90 {:.1} mean {:.1}",
             v[v.len() / 2],
             v[v.len() / 10],
-            v[v.len() * 9 / 10]
+            v[v.len() * 9 / 10],
+            v.iter().sum::<f64>() / v.len() as f64
         );
     }
     if mode == "all" || mode == "exists" || mode == "raw" {
@@ -160,9 +161,10 @@ fn raw_exists(s: &RedisStorage, keys: &[hicache_core::PageKey], iters: usize) {
     }
     v.sort_by(f64::total_cmp);
     println!(
-        "raw exists128 us median {:.1} p10 {:.1} p90 {:.1}",
+        "raw exists128 us median {:.1} p10 {:.1} p90 {:.1} mean {:.1}",
         v[v.len() / 2],
         v[v.len() / 10],
-        v[v.len() * 9 / 10]
+        v[v.len() * 9 / 10],
+        v.iter().sum::<f64>() / v.len() as f64
     );
 }
