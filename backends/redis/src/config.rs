@@ -44,8 +44,11 @@ pub struct RedisOptions {
     /// ([`exec`](crate::exec)); `0`: always `GET`. Redis copies a `GET` reply into one
     /// buffer of the value's size, which from 8 MiB on (jemalloc's `oversize_threshold`) is
     /// fresh memory every time: page faults, zeroing and a purge per read took two thirds
-    /// of the server's time for 8 MiB pages. Needs `MULTI`, `EXEC`, `STRLEN`, `GETRANGE` in
-    /// the ACL user's commands.
+    /// of the server's time for 8 MiB pages. Uses `MULTI`, `EXEC`, `STRLEN`, `GETRANGE`:
+    /// where the ACL user may not run one of them (`NOPERM`, e.g. `+@read +@write` without
+    /// `+@transaction`), the first refusal turns ranged reads off for the rest of the
+    /// backend's life (one warning) and the page is read again with one `GET`, so the
+    /// caller sees a normal hit; `0` reads with `GET` from the start, without the warning.
     pub read_chunk_bytes: u64,
 }
 

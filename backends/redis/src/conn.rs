@@ -64,6 +64,11 @@ pub enum ConnError {
     /// The address is not `host:port`.
     #[error("not a host:port address")]
     Address,
+    /// `EXEC` of a ranged page read was refused for permissions (`NOPERM`) without the
+    /// transaction being discarded (servers before 6.2 keep it open): the replies that follow
+    /// on the connection are not those of the commands sent.
+    #[error("EXEC refused ({0}); the connection may still be inside MULTI")]
+    ExecRefused(String),
 }
 
 /// What a `GET` reply held, read by [`Conn::read_page`].
@@ -334,7 +339,10 @@ impl Conn {
     /// for one `GET`; the ranges are read straight into `dst`. An error queued or answered
     /// instead (`MOVED`, `ASK`, `WRONGTYPE`, `NOPERM` …) is returned as
     /// [`PageRead::Frame`]`(`[`Frame::Error`]`)` once every reply of the transaction was
-    /// read; a range of another length than `STRLEN` implies is a protocol error.
+    /// read (`MULTI` refused: the commands ran alone, and `EXEC` answered without `MULTI`);
+    /// a bare `NOPERM` to `EXEC`, which may leave the transaction open, is
+    /// [`ConnError::ExecRefused`]; a range of another length than `STRLEN` implies is a
+    /// protocol error.
     pub async fn read_page_chunked(
         &mut self,
         key: &PageKey,
@@ -385,9 +393,14 @@ impl Conn {
             (ArrayHead::Other, queued) => {
                 return match (self.read_frame(&Limits::reply()).await?, queued) {
                     // EXECABORT: the error of the command that was refused says why.
-                    (Frame::Error(_), Some(e)) | (Frame::Error(e), None) => {
-                        Ok(PageRead::Frame(Frame::Error(e)))
+                    (Frame::Error(_), Some(e)) => Ok(PageRead::Frame(Frame::Error(e))),
+                    // EXEC itself refused for permissions: since Redis 6.2 as `EXECABORT …
+                    // because of: NOPERM …` (the transaction discarded), before as a bare
+                    // `NOPERM` that leaves it open.
+                    (Frame::Error(e), None) if e.starts_with("NOPERM") => {
+                        Err(ConnError::ExecRefused(e))
                     }
+                    (Frame::Error(e), None) => Ok(PageRead::Frame(Frame::Error(e))),
                     (other, _) => Err(chunk_error(format!("EXEC answered {other:?}"))),
                 };
             }
@@ -874,6 +887,95 @@ mod tests {
                 c.read_frame(&Limits::default()).await.unwrap(),
                 Frame::Simple("OK".into())
             );
+        }
+    }
+
+    /// The shapes a ranged read refused for permissions takes on a real server (what the
+    /// backend then reads again with one `GET`): each is the refusal's `NOPERM`, read whole
+    /// (the stream stays in step); a bare `NOPERM` to `EXEC` (servers before 6.2, whose
+    /// transaction stays open) is [`ConnError::ExecRefused`].
+    #[tokio::test]
+    async fn ranged_reads_refused_for_permissions_say_so_and_stay_in_step() {
+        const CHUNK: usize = 4096;
+        let k = page_key(namespace(8), 1, 0);
+        let d = page_bytes(&k, 50_000);
+        let total = HEADER_LEN + d.len();
+        let good = stored(&k, L, &d);
+        let ranges: Vec<(usize, usize)> = value::read_ranges(total, CHUNK).collect();
+        let n = ranges.len();
+        let noperm =
+            |cmd: &str| format!("NOPERM this user has no permissions to run the '{cmd}' command");
+        // `-@transaction` (Redis 7): MULTI refused, the commands ran alone (whole ranges of
+        // the value), EXEC refused outside a transaction.
+        let mut no_tx = format!("-{}\r\n:{}\r\n", noperm("multi"), good.len()).into_bytes();
+        for &(s, l) in &ranges {
+            resp::put_bulk(&mut no_tx, &good[s..s + l]);
+        }
+        no_tx.extend_from_slice(
+            format!(
+                "-EXECABORT Transaction discarded because of: {}\r\n",
+                noperm("exec")
+            )
+            .as_bytes(),
+        );
+        // `-exec` (Redis 6.2 on): every command queued, EXEC refused and the transaction
+        // discarded.
+        let mut no_exec = b"+OK\r\n".to_vec();
+        for _ in 0..=n {
+            no_exec.extend_from_slice(b"+QUEUED\r\n");
+        }
+        let execabort = format!(
+            "EXECABORT Transaction discarded because of: {}",
+            noperm("exec")
+        );
+        no_exec.extend_from_slice(format!("-{execabort}\r\n").as_bytes());
+        // `-getrange`: each GETRANGE refused as it is queued, EXECABORT.
+        let mut no_getrange = b"+OK\r\n+QUEUED\r\n".to_vec();
+        for _ in 0..n {
+            no_getrange.extend_from_slice(format!("-{}\r\n", noperm("getrange")).as_bytes());
+        }
+        no_getrange
+            .extend_from_slice(b"-EXECABORT Transaction discarded because of previous errors.\r\n");
+        let cases = [
+            (no_tx, noperm("multi")),
+            (no_exec, execabort),
+            (no_getrange, noperm("getrange")),
+        ];
+        for piece in [7, 4096, 1 << 20] {
+            let mut wire = Vec::new();
+            for (w, _) in &cases {
+                wire.extend_from_slice(w);
+            }
+            wire.extend(ranged(Some(&good), total, CHUNK));
+            let mut c = serve(wire, piece).await;
+            let mut buf = vec![0xAAu8; d.len()];
+            for (i, (_, want)) in cases.iter().enumerate() {
+                let mut dst = PageBufMut::contiguous(L, &mut buf);
+                let got = c.read_page_chunked(&k, &mut dst, CHUNK).await.unwrap();
+                assert_eq!(got, PageRead::Frame(Frame::Error(want.clone())), "case {i}");
+                drop(dst);
+                assert!(buf.iter().all(|b| *b == 0xAA), "case {i}: buffer untouched");
+            }
+            let mut dst = PageBufMut::contiguous(L, &mut buf);
+            assert_eq!(
+                c.read_page_chunked(&k, &mut dst, CHUNK).await.unwrap(),
+                PageRead::Hit
+            );
+            drop(dst);
+            assert_eq!(buf, d);
+        }
+        // `-exec` before Redis 6.2: a bare NOPERM, the transaction still open.
+        let mut open_tx = b"+OK\r\n".to_vec();
+        for _ in 0..=n {
+            open_tx.extend_from_slice(b"+QUEUED\r\n");
+        }
+        open_tx.extend_from_slice(format!("-{}\r\n", noperm("exec")).as_bytes());
+        let mut c = serve(open_tx, 512).await;
+        let mut buf = vec![0u8; d.len()];
+        let mut dst = PageBufMut::contiguous(L, &mut buf);
+        match c.read_page_chunked(&k, &mut dst, CHUNK).await {
+            Err(ConnError::ExecRefused(e)) => assert_eq!(e, noperm("exec")),
+            other => panic!("{other:?}"),
         }
     }
 

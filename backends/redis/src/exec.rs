@@ -9,6 +9,10 @@
 //!   request fails with an error naming its slot and the nodes it was sent to;
 //! - `TRYAGAIN`, `CLUSTERDOWN`, `LOADING`, `MASTERDOWN`, an unreachable or timed-out node:
 //!   the request is retried after a pause (the slot map re-read), until the budget is spent;
+//! - a ranged page read refused for permissions (`NOPERM` to `MULTI`, `STRLEN`, `GETRANGE` or
+//!   `EXEC`): ranged reads are turned off for the backend's life
+//!   ([`Nodes::refuse_ranged_reads`]) and the request is sent again at once as one `GET`
+//!   (where the refusal left the transaction open, as its pipeline's failure);
 //! - any other error reply is that request's final outcome.
 //!
 //! Invariant: everything [`execute`] awaits — the in-flight bound, a connection, its writes
@@ -71,8 +75,11 @@ pub struct Request<'a> {
     /// Read the reply as this page into destination slot `.1` (see [`execute`]).
     read_into: Option<(PageKey, usize)>,
     /// A page read made in ranges of at most this many bytes (`MULTI`, `STRLEN`,
-    /// `GETRANGE`s, `EXEC`); `0`: one `GET`.
+    /// `GETRANGE`s, `EXEC`, sent as `ranged` instead of `head`); `0`: one `GET`.
     chunk: usize,
+    /// The ranged form of a page read (empty where `chunk` is `0`); `head` is its one `GET`,
+    /// sent instead once ranged reads were refused ([`Nodes::ranged_reads`]).
+    ranged: Vec<u8>,
 }
 
 impl<'a> Request<'a> {
@@ -89,6 +96,7 @@ impl<'a> Request<'a> {
             tail: Vec::new(),
             read_into: None,
             chunk: 0,
+            ranged: Vec::new(),
         }
     }
 
@@ -110,6 +118,7 @@ impl<'a> Request<'a> {
             tail: Vec::new(),
             read_into: None,
             chunk: 0,
+            ranged: Vec::new(),
         }
     }
 
@@ -147,6 +156,7 @@ impl<'a> Request<'a> {
             tail,
             read_into: None,
             chunk: 0,
+            ranged: Vec::new(),
         }
     }
 
@@ -154,7 +164,8 @@ impl<'a> Request<'a> {
     /// (of `bytes` bytes with the value's header). A value longer than `chunk` (`≠ 0`) is
     /// read in ranges of at most `chunk` bytes ([`value::read_ranges`]) in one transaction
     /// instead: `MULTI`, `STRLEN key`, `GETRANGE key start end` per range, `EXEC` (see
-    /// [`RedisOptions::read_chunk_bytes`](crate::RedisOptions::read_chunk_bytes)).
+    /// [`RedisOptions::read_chunk_bytes`](crate::RedisOptions::read_chunk_bytes)), or one
+    /// `GET` after all once a node refused ranged reads for permissions.
     pub fn get_page(key: &[u8], page: PageKey, slot: usize, bytes: usize, chunk: usize) -> Self {
         let mut r = Self::simple("GET", key);
         r.bytes = bytes;
@@ -168,7 +179,7 @@ impl<'a> Request<'a> {
                 resp::put_command(&mut head, &[b"GETRANGE", key, a.as_bytes(), b.as_bytes()]);
             }
             head.extend_from_slice(EXEC);
-            r.head = head;
+            r.ranged = head;
             r.chunk = chunk;
         }
         r
@@ -404,9 +415,20 @@ impl<'r, 'a> Run<'r, 'a> {
                 return;
             }
         };
-        for ((i, _), r) in items.into_iter().zip(replies) {
+        for ((i, asking), r) in items.into_iter().zip(replies) {
             match r {
-                Ok(reply) => {
+                Answer::RangedRefused(msg) => {
+                    // Sent again at once, as one GET, to the same node where ASK sent it.
+                    self.last_err
+                        .insert(i, format!("node {addr} refused a ranged read: {msg}"));
+                    let to = if asking {
+                        Pending::Ask(addr.to_string())
+                    } else {
+                        Pending::Route
+                    };
+                    self.pending.push((i, to));
+                }
+                Answer::Reply(reply) => {
                     self.out[i] = Some(match &acked {
                         Some(Err(why)) => Reply::Failed(PageError::Backend(format!(
                             "redis {}: {why}",
@@ -415,7 +437,7 @@ impl<'r, 'a> Run<'r, 'a> {
                         _ => reply,
                     });
                 }
-                Err(msg) => self.error_reply(i, addr, msg),
+                Answer::Error(msg) => self.error_reply(i, addr, msg),
             }
         }
     }
@@ -484,9 +506,26 @@ impl<'r, 'a> Run<'r, 'a> {
     }
 }
 
-/// Per request: its reply, or the error reply's text. With `wait`: whether `WAIT` confirmed
-/// enough replicas.
-type PipelineResult = (Vec<Result<Reply, String>>, Option<Result<(), String>>);
+/// What one request of a pipeline came to.
+enum Answer {
+    /// Its reply.
+    Reply(Reply),
+    /// An error reply's text.
+    Error(String),
+    /// A ranged page read refused for permissions (`NOPERM`; ranged reads are now off): the
+    /// request is sent again, as one `GET`.
+    RangedRefused(String),
+}
+
+/// Per request: what it came to. With `wait`: whether `WAIT` confirmed enough replicas.
+type PipelineResult = (Vec<Answer>, Option<Result<(), String>>);
+
+/// Whether `msg`, a ranged page read's error, says the ACL user may not run one of its
+/// commands: `NOPERM` (`MULTI`, `STRLEN` or `GETRANGE` refused), or `EXECABORT … because of:
+/// NOPERM …` (`EXEC` refused, Redis 6.2 on).
+fn refused_for_permissions(msg: &str) -> bool {
+    msg.starts_with("NOPERM") || (msg.starts_with("EXECABORT") && msg.contains("NOPERM"))
+}
 
 /// The redirections of a loop, shortened: the first three and the last.
 fn loop_summary(seen: &[String]) -> String {
@@ -525,9 +564,11 @@ async fn send(
         .await
         .map_err(|e| nodes.failed(addr, "connect", e).to_string())?;
     let wait_cmd = wait.map(|n| wait_command(n, deadline));
+    // One answer for the whole pipeline: its replies are read as what was written.
+    let ranged = nodes.ranged_reads();
     let conn = &mut lease.conn;
     nodes.count_round_trip(addr);
-    write_pipeline(conn, reqs, items, wait_cmd.as_deref())
+    write_pipeline(conn, reqs, items, wait_cmd.as_deref(), ranged)
         .await
         .map_err(|e| nodes.failed(addr, reqs[items[0].0].name, e).to_string())?;
     let mut replies = Vec::with_capacity(items.len());
@@ -537,14 +578,26 @@ async fn send(
             // +OK; an error here shows in the redirected command's own reply.
             conn.read_frame(&Limits::reply()).await.map_err(failed)?;
         }
-        replies.push(
-            read_reply(conn, &reqs[i], dst, max_value)
-                .await
-                .map_err(|e| match e {
-                    ReplyError::Conn(e) => failed(e),
-                    ReplyError::NoSlot(why) => why,
-                })?,
-        );
+        let answer = read_reply(conn, &reqs[i], dst, max_value, ranged)
+            .await
+            .map_err(|e| match e {
+                ReplyError::Conn(e) => {
+                    if let ConnError::ExecRefused(why) = &e {
+                        // The pipeline fails (the connection is closed) and is sent again.
+                        nodes.refuse_ranged_reads(addr, why);
+                    }
+                    failed(e)
+                }
+                ReplyError::NoSlot(why) => why,
+            })?;
+        replies.push(match answer {
+            Err(msg) if ranged && reqs[i].chunk > 0 && refused_for_permissions(&msg) => {
+                nodes.refuse_ranged_reads(addr, &msg);
+                Answer::RangedRefused(msg)
+            }
+            Err(msg) => Answer::Error(msg),
+            Ok(reply) => Answer::Reply(reply),
+        });
     }
     let acked = match wait {
         None => None,
@@ -572,13 +625,14 @@ fn wait_command(n: u32, deadline: Instant) -> Vec<u8> {
     cmd
 }
 
-/// Writes every command of a pipeline (each behind `ASKING` where asked), then `wait_cmd`,
-/// in one vectored write.
+/// Writes every command of a pipeline (each behind `ASKING` where asked; page reads in their
+/// ranged form where `ranged`), then `wait_cmd`, in one vectored write.
 async fn write_pipeline(
     conn: &mut Conn,
     reqs: &[Request<'_>],
     items: &[(usize, bool)],
     wait_cmd: Option<&[u8]>,
+    ranged: bool,
 ) -> Result<(), ConnError> {
     let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(items.len() * 4 + 1);
     for &(i, asking) in items {
@@ -586,7 +640,11 @@ async fn write_pipeline(
         if asking {
             slices.push(IoSlice::new(ASKING));
         }
-        slices.push(IoSlice::new(&r.head));
+        slices.push(IoSlice::new(if ranged && r.chunk > 0 {
+            &r.ranged
+        } else {
+            &r.head
+        }));
         slices.extend(r.page.iter().map(|p| IoSlice::new(p)));
         if !r.tail.is_empty() {
             slices.push(IoSlice::new(&r.tail));
@@ -605,12 +663,14 @@ enum ReplyError {
     NoSlot(String),
 }
 
-/// Reads `req`'s reply: an error reply's text, a page read into its destination, or a value.
+/// Reads `req`'s reply (a page read as ranged where `ranged`, as [`write_pipeline`] sent
+/// it): an error reply's text, a page read into its destination, or a value.
 async fn read_reply(
     conn: &mut Conn,
     req: &Request<'_>,
     dst: &Dst<'_, '_>,
     max_value: usize,
+    ranged: bool,
 ) -> Result<Result<Reply, String>, ReplyError> {
     let Some((key, slot)) = req.read_into else {
         return Ok(
@@ -630,7 +690,7 @@ async fn read_reply(
         )));
     };
     let mut d = cell.lock().await;
-    let read = if req.chunk > 0 {
+    let read = if ranged && req.chunk > 0 {
         conn.read_page_chunked(&key, &mut d, req.chunk).await
     } else {
         conn.read_page(&key, &mut d, max_value).await
@@ -669,6 +729,37 @@ mod tests {
         );
         assert_eq!(redirect_target("ASK 3999"), None);
         assert_eq!(redirect_target("ASK 1 host:notaport"), None);
+    }
+
+    #[test]
+    fn permission_refusals_of_ranged_reads_are_told_from_other_errors() {
+        for yes in [
+            "NOPERM this user has no permissions to run the 'multi' command",
+            "NOPERM User u has no permissions to run the 'getrange' command",
+            "EXECABORT Transaction discarded because of: NOPERM this user has no permissions to run the 'exec' command",
+        ] {
+            assert!(refused_for_permissions(yes), "{yes}");
+        }
+        for no in [
+            "MOVED 1 127.0.0.1:7000",
+            "ASK 1 127.0.0.1:7000",
+            "EXECABORT Transaction discarded because of previous errors.",
+            "WRONGTYPE Operation against a key holding the wrong kind of value",
+            "ERR EXEC without MULTI",
+        ] {
+            assert!(!refused_for_permissions(no), "{no}");
+        }
+    }
+
+    #[test]
+    fn a_page_read_keeps_its_get_for_when_ranges_are_refused() {
+        let k = hicache_core::PageKey::default();
+        let plain = Request::get_page(b"key", k, 0, 100, 4096);
+        assert!(plain.ranged.is_empty() && plain.chunk == 0);
+        let r = Request::get_page(b"key", k, 0, 10_000, 4096);
+        assert_eq!(r.chunk, 4096);
+        assert_eq!(r.head, plain.head, "one GET");
+        assert!(r.ranged.starts_with(MULTI) && r.ranged.ends_with(EXEC));
     }
 
     #[test]

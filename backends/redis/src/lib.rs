@@ -17,7 +17,7 @@
 //!   a small tail; a `GET` reply's header is verified before its bytes are read straight into
 //!   the caller's page buffer. A value longer than `read_chunk_bytes` (1 MiB) is read as
 //!   `GETRANGE`s in one `MULTI`/`EXEC` instead, each range straight into the buffer: Redis
-//!   gives a `GET` reply of 8 MiB or more fresh memory every time (page faults on the server). The slot map and the checks at open use the same connections
+//!   gives a `GET` reply of 8 MiB or more fresh memory every time (page faults on the server); an ACL user that may not run those commands gets one `GET` per page after the first refusal. The slot map and the checks at open use the same connections
 //!   ([`nodes`]); every reply is read within the bound of what its command can return.
 //! - **One budget per call** ([`deadline`]): `timeout_ms` covers everything a call does —
 //!   connecting, redirections, slot-map refreshes, retries, each `SCAN` round of `clear` —
