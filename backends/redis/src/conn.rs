@@ -32,7 +32,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::config::{RedisOptions, split_addr};
-use crate::resp::{self, BulkHead, Frame, Limits, RespError};
+use crate::resp::{self, ArrayHead, BulkHead, Frame, Limits, RespError};
 use crate::value::{self, Damage, HEADER_LEN};
 
 /// Bytes of the read buffer kept per connection.
@@ -64,6 +64,11 @@ pub enum ConnError {
     /// The address is not `host:port`.
     #[error("not a host:port address")]
     Address,
+    /// `EXEC` of a ranged page read was refused for permissions (`NOPERM`) without the
+    /// transaction being discarded (servers before 6.2 keep it open): the replies that follow
+    /// on the connection are not those of the commands sent.
+    #[error("EXEC refused ({0}); the connection may still be inside MULTI")]
+    ExecRefused(String),
 }
 
 /// What a `GET` reply held, read by [`Conn::read_page`].
@@ -327,6 +332,213 @@ impl Conn {
         Ok(refused)
     }
 
+    /// Reads the replies to a page read of `key` made in ranges ([`value::read_ranges`] of
+    /// `HEADER_LEN + dst.len()` bytes by `chunk`): `MULTI`, `STRLEN key`, one `GETRANGE key`
+    /// per range, `EXEC`. The value's length (`STRLEN`) and header are checked before a byte
+    /// goes into `dst`, the checksum after, exactly as [`read_page`](Self::read_page) does
+    /// for one `GET`; the ranges are read straight into `dst`. An error queued or answered
+    /// instead (`MOVED`, `ASK`, `WRONGTYPE`, `NOPERM` …) is returned as
+    /// [`PageRead::Frame`]`(`[`Frame::Error`]`)` once every reply of the transaction was
+    /// read (`MULTI` refused: the commands ran alone, and `EXEC` answered without `MULTI`);
+    /// a bare `NOPERM` to `EXEC`, which may leave the transaction open, is
+    /// [`ConnError::ExecRefused`]; a range of another length than `STRLEN` implies is a
+    /// protocol error.
+    pub async fn read_page_chunked(
+        &mut self,
+        key: &PageKey,
+        dst: &mut PageBufMut<'_>,
+        chunk: usize,
+    ) -> Result<PageRead, ConnError> {
+        let ranges: Vec<(usize, usize)> =
+            value::read_ranges(HEADER_LEN + dst.len(), chunk).collect();
+        let n = ranges.len();
+        let widest = ranges.first().map_or(0, |r| r.1);
+        // Replies of commands that ran outside a transaction (MULTI refused): ranges whole.
+        let loose = Limits {
+            max_bulk: widest,
+            max_reply: widest + (64 << 10),
+            ..Limits::reply()
+        };
+        if let Frame::Error(e) = self.read_frame(&Limits::reply()).await? {
+            for _ in 0..n + 2 {
+                self.read_frame(&loose).await?;
+            }
+            return Ok(PageRead::Frame(Frame::Error(e)));
+        }
+        let mut queued: Option<String> = None;
+        for _ in 0..=n {
+            match self.read_frame(&Limits::reply()).await? {
+                Frame::Simple(s) if s == "QUEUED" => {}
+                Frame::Error(e) => {
+                    queued.get_or_insert(e);
+                }
+                other => return Err(chunk_error(format!("a queued command answered {other:?}"))),
+            }
+        }
+        let limits = Limits {
+            max_elements: n + 1,
+            ..Limits::reply()
+        };
+        let head = loop {
+            match resp::parse_array_head(&self.buf[self.start..self.end], &limits)? {
+                Some((h, used)) => {
+                    self.start += used;
+                    break h;
+                }
+                None => self.fill(READ_BUF).await?,
+            }
+        };
+        match (head, queued) {
+            (ArrayHead::Len(k), None) if k == n + 1 => {}
+            (ArrayHead::Other, queued) => {
+                return match (self.read_frame(&Limits::reply()).await?, queued) {
+                    // EXECABORT: the error of the command that was refused says why.
+                    (Frame::Error(_), Some(e)) => Ok(PageRead::Frame(Frame::Error(e))),
+                    // EXEC itself refused for permissions: since Redis 6.2 as `EXECABORT …
+                    // because of: NOPERM …` (the transaction discarded), before as a bare
+                    // `NOPERM` that leaves it open.
+                    (Frame::Error(e), None) if e.starts_with("NOPERM") => {
+                        Err(ConnError::ExecRefused(e))
+                    }
+                    (Frame::Error(e), None) => Ok(PageRead::Frame(Frame::Error(e))),
+                    (other, _) => Err(chunk_error(format!("EXEC answered {other:?}"))),
+                };
+            }
+            (h, q) => {
+                return Err(chunk_error(format!(
+                    "EXEC answered {h:?} for {} commands (queued error: {q:?})",
+                    n + 1
+                )));
+            }
+        }
+        let stored = match self.read_frame(&Limits::reply()).await? {
+            Frame::Int(v) => {
+                usize::try_from(v).map_err(|_| chunk_error(format!("STRLEN answered {v}")))?
+            }
+            Frame::Error(e) => {
+                for _ in 0..n {
+                    self.read_frame(&loose).await?;
+                }
+                return Ok(PageRead::Frame(Frame::Error(e)));
+            }
+            other => return Err(chunk_error(format!("STRLEN answered {other:?}"))),
+        };
+        // What GETRANGE returns of each range of a value of `stored` bytes.
+        let expect = |(start, len): (usize, usize)| (start + len).min(stored).saturating_sub(start);
+        let refused = if stored == 0 {
+            Some(PageRead::Nil)
+        } else if stored < HEADER_LEN {
+            Some(PageRead::Damaged(Damage::Truncated))
+        } else {
+            None
+        };
+        if let Some(r) = refused {
+            self.skip_ranges(&ranges, expect).await?;
+            return Ok(r);
+        }
+        let first = self.range_head(expect(ranges[0])).await?;
+        let mut header = [0u8; HEADER_LEN];
+        self.read_exact(&mut header).await?;
+        let body = stored - HEADER_LEN;
+        let refused = match value::parse_header(key, &header) {
+            Err(d) => PageRead::Damaged(d),
+            Ok(h) if h.meta.len != body => PageRead::Damaged(Damage::BadLength),
+            Ok(h) if h.meta != dst.meta() => PageRead::OtherMeta,
+            Ok(h) => {
+                // `stored` is the caller's value length: every range is whole.
+                let mut sum = Checksummer::default();
+                let mut at = (0, 0);
+                self.read_span(dst, &mut at, first - HEADER_LEN, &mut sum)
+                    .await?;
+                self.expect_crlf().await?;
+                for &(_, len) in &ranges[1..] {
+                    let got = self.range_head(len).await?;
+                    self.read_span(dst, &mut at, got, &mut sum).await?;
+                    self.expect_crlf().await?;
+                }
+                if sum.finish() != h.checksum {
+                    dst.zero();
+                    return Ok(PageRead::Damaged(Damage::BadChecksum));
+                }
+                return Ok(PageRead::Hit);
+            }
+        };
+        self.skip(first - HEADER_LEN).await?;
+        self.expect_crlf().await?;
+        self.skip_ranges(&ranges[1..], expect).await?;
+        Ok(refused)
+    }
+
+    /// Reads the `$len` line of a `GETRANGE` reply that must be `want` bytes long.
+    async fn range_head(&mut self, want: usize) -> Result<usize, ConnError> {
+        let limits = Limits {
+            max_bulk: want,
+            ..Limits::reply()
+        };
+        let head = loop {
+            match resp::parse_bulk_head(&self.buf[self.start..self.end], &limits)? {
+                Some((h, used)) => {
+                    self.start += used;
+                    break h;
+                }
+                None => self.fill(READ_BUF).await?,
+            }
+        };
+        match head {
+            BulkHead::Len(len) if len == want => Ok(len),
+            BulkHead::Len(len) => Err(chunk_error(format!(
+                "GETRANGE answered {len} bytes where STRLEN implies {want}"
+            ))),
+            BulkHead::Nil => Err(chunk_error("GETRANGE answered nil".into())),
+            BulkHead::Other => {
+                let f = self.read_frame(&Limits::reply()).await?;
+                Err(chunk_error(format!("GETRANGE answered {f:?}")))
+            }
+        }
+    }
+
+    /// Consumes the `GETRANGE` replies of `ranges`, each of the length `expect` says.
+    async fn skip_ranges(
+        &mut self,
+        ranges: &[(usize, usize)],
+        expect: impl Fn((usize, usize)) -> usize,
+    ) -> Result<(), ConnError> {
+        for &r in ranges {
+            let len = self.range_head(expect(r)).await?;
+            self.skip(len).await?;
+            self.expect_crlf().await?;
+        }
+        Ok(())
+    }
+
+    /// Reads the next `n` bytes of the stream into `dst` from position `at` (part, offset),
+    /// adding them to `sum`, and moves `at` past them.
+    async fn read_span(
+        &mut self,
+        dst: &mut PageBufMut<'_>,
+        at: &mut (usize, usize),
+        mut n: usize,
+        sum: &mut Checksummer,
+    ) -> Result<(), ConnError> {
+        let parts = dst.parts_mut();
+        while n > 0 {
+            let (p, off) = *at;
+            let Some(part) = parts.get_mut(p) else {
+                return Err(chunk_error("more bytes than the page holds".into()));
+            };
+            let take = (part.len() - off).min(n);
+            self.read_into(&mut part[off..off + take], Some(&mut *sum))
+                .await?;
+            n -= take;
+            *at = if off + take == part.len() {
+                (p + 1, 0)
+            } else {
+                (p, off + take)
+            };
+        }
+        Ok(())
+    }
+
     /// Reads a page body whose header was accepted into `dst`, checksumming each piece as it
     /// lands, then checks the checksum.
     async fn read_body(
@@ -381,6 +593,15 @@ impl Conn {
         }
         Ok(())
     }
+}
+
+/// A reply of a ranged page read that is not what its commands return.
+fn chunk_error(detail: String) -> ConnError {
+    RespError::Malformed {
+        what: "ranged page read",
+        detail,
+    }
+    .into()
 }
 
 #[cfg(test)]
@@ -526,6 +747,281 @@ mod tests {
         assert_eq!(c.read_page(&k, &mut dst, BIG).await.unwrap(), PageRead::Hit);
         drop(dst);
         assert_eq!(buf, d);
+    }
+
+    /// What a server answers to a ranged read ([`Conn::read_page_chunked`]) of a `total`-byte
+    /// page value read by `chunk` when it holds `stored` under the key (`None`: no key).
+    fn ranged(stored: Option<&[u8]>, total: usize, chunk: usize) -> Vec<u8> {
+        let ranges: Vec<(usize, usize)> = value::read_ranges(total, chunk).collect();
+        let v = stored.unwrap_or_default();
+        let mut out = b"+OK\r\n".to_vec();
+        for _ in 0..=ranges.len() {
+            out.extend_from_slice(b"+QUEUED\r\n");
+        }
+        out.extend_from_slice(format!("*{}\r\n:{}\r\n", ranges.len() + 1, v.len()).as_bytes());
+        for (s, l) in ranges {
+            let (a, b) = (s.min(v.len()), (s + l).min(v.len()));
+            resp::put_bulk(&mut out, &v[a..b]);
+        }
+        out
+    }
+
+    /// A stored value: header + bytes.
+    fn stored(key: &PageKey, layout: LayoutKind, data: &[u8]) -> Vec<u8> {
+        let mut v = value::header(key, &PageBuf::contiguous(layout, data)).to_vec();
+        v.extend_from_slice(data);
+        v
+    }
+
+    #[tokio::test]
+    async fn ranged_reads_land_in_the_buffer_refuse_what_is_not_the_page_and_stay_in_step() {
+        const CHUNK: usize = 4096;
+        let k = page_key(namespace(5), 1, 0);
+        let other = page_key(namespace(6), 1, 0);
+        let d = page_bytes(&k, 50_000);
+        let total = HEADER_LEN + d.len();
+        let good = stored(&k, L, &d);
+        let mut flipped = good.clone();
+        flipped[30_000] ^= 1;
+        let mut long = value::header(&k, &PageBuf::contiguous(L, &d[..1000])).to_vec();
+        long.extend_from_slice(&d[..1010]);
+        let n = value::read_ranges(total, CHUNK).count();
+        // A queued command refused (a redirection): EXECABORT follows.
+        let mut moved = b"+OK\r\n-MOVED 1 127.0.0.1:7000\r\n".to_vec();
+        for _ in 0..n {
+            moved.extend_from_slice(b"+QUEUED\r\n");
+        }
+        moved
+            .extend_from_slice(b"-EXECABORT Transaction discarded because of previous errors.\r\n");
+        // Another type under the key: every command of the transaction fails.
+        let mut wrongtype = b"+OK\r\n".to_vec();
+        for _ in 0..=n {
+            wrongtype.extend_from_slice(b"+QUEUED\r\n");
+        }
+        wrongtype.extend_from_slice(format!("*{}\r\n", n + 1).as_bytes());
+        for _ in 0..=n {
+            wrongtype.extend_from_slice(b"-WRONGTYPE Operation against a key\r\n");
+        }
+        // MULTI refused (ACL): the commands ran alone, EXEC without MULTI.
+        let mut nomulti =
+            b"-NOPERM this user has no permissions to run the 'multi' command\r\n:0\r\n".to_vec();
+        for _ in 0..n {
+            nomulti.extend_from_slice(b"$0\r\n\r\n");
+        }
+        nomulti.extend_from_slice(b"-ERR EXEC without MULTI\r\n");
+        let cases: Vec<(Vec<u8>, PageRead)> = vec![
+            (
+                ranged(Some(&flipped), total, CHUNK),
+                PageRead::Damaged(Damage::BadChecksum),
+            ),
+            (ranged(None, total, CHUNK), PageRead::Nil),
+            (
+                ranged(Some(&stored(&other, L, &d)), total, CHUNK),
+                PageRead::Damaged(Damage::WrongKey),
+            ),
+            (
+                ranged(Some(&stored(&k, LayoutKind::LayerFirst, &d)), total, CHUNK),
+                PageRead::OtherMeta,
+            ),
+            (
+                ranged(Some(&stored(&k, L, &d[..1000])), total, CHUNK),
+                PageRead::OtherMeta,
+            ),
+            (
+                ranged(Some(&stored(&k, L, &page_bytes(&k, 90_000))), total, CHUNK),
+                PageRead::OtherMeta,
+            ),
+            (
+                ranged(Some(&long), total, CHUNK),
+                PageRead::Damaged(Damage::BadLength),
+            ),
+            (
+                ranged(Some(b"not a page"), total, CHUNK),
+                PageRead::Damaged(Damage::Truncated),
+            ),
+            (
+                moved,
+                PageRead::Frame(Frame::Error("MOVED 1 127.0.0.1:7000".into())),
+            ),
+            (
+                wrongtype,
+                PageRead::Frame(Frame::Error("WRONGTYPE Operation against a key".into())),
+            ),
+            (
+                nomulti,
+                PageRead::Frame(Frame::Error(
+                    "NOPERM this user has no permissions to run the 'multi' command".into(),
+                )),
+            ),
+        ];
+        for piece in [7, 4096, 1 << 20] {
+            let mut wire = ranged(Some(&good), total, CHUNK);
+            for (w, _) in &cases {
+                wire.extend_from_slice(w);
+            }
+            wire.extend_from_slice(b"+OK\r\n");
+            let mut c = serve(wire, piece).await;
+            // A page in two parts whose boundary is not a range's.
+            let mut buf = vec![0xAAu8; d.len()];
+            let (x, y) = buf.split_at_mut(12_345);
+            let mut dst = PageBufMut::from_parts(L, [x, y]);
+            assert_eq!(
+                c.read_page_chunked(&k, &mut dst, CHUNK).await.unwrap(),
+                PageRead::Hit
+            );
+            drop(dst);
+            assert_eq!(buf, d);
+            for (i, (_, want)) in cases.iter().enumerate() {
+                buf.fill(0xAA);
+                let mut dst = PageBufMut::contiguous(L, &mut buf);
+                let got = c.read_page_chunked(&k, &mut dst, CHUNK).await.unwrap();
+                assert_eq!(&got, want, "case {i}, pieces of {piece}");
+                drop(dst);
+                let fill = if i == 0 { 0 } else { 0xAA };
+                assert!(
+                    buf.iter().all(|b| *b == fill),
+                    "case {i}: the buffer holds no byte of the value"
+                );
+            }
+            assert_eq!(
+                c.read_frame(&Limits::default()).await.unwrap(),
+                Frame::Simple("OK".into())
+            );
+        }
+    }
+
+    /// The shapes a ranged read refused for permissions takes on a real server (what the
+    /// backend then reads again with one `GET`): each is the refusal's `NOPERM`, read whole
+    /// (the stream stays in step); a bare `NOPERM` to `EXEC` (servers before 6.2, whose
+    /// transaction stays open) is [`ConnError::ExecRefused`].
+    #[tokio::test]
+    async fn ranged_reads_refused_for_permissions_say_so_and_stay_in_step() {
+        const CHUNK: usize = 4096;
+        let k = page_key(namespace(8), 1, 0);
+        let d = page_bytes(&k, 50_000);
+        let total = HEADER_LEN + d.len();
+        let good = stored(&k, L, &d);
+        let ranges: Vec<(usize, usize)> = value::read_ranges(total, CHUNK).collect();
+        let n = ranges.len();
+        let noperm =
+            |cmd: &str| format!("NOPERM this user has no permissions to run the '{cmd}' command");
+        // `-@transaction` (Redis 7): MULTI refused, the commands ran alone (whole ranges of
+        // the value), EXEC refused outside a transaction.
+        let mut no_tx = format!("-{}\r\n:{}\r\n", noperm("multi"), good.len()).into_bytes();
+        for &(s, l) in &ranges {
+            resp::put_bulk(&mut no_tx, &good[s..s + l]);
+        }
+        no_tx.extend_from_slice(
+            format!(
+                "-EXECABORT Transaction discarded because of: {}\r\n",
+                noperm("exec")
+            )
+            .as_bytes(),
+        );
+        // `-exec` (Redis 6.2 on): every command queued, EXEC refused and the transaction
+        // discarded.
+        let mut no_exec = b"+OK\r\n".to_vec();
+        for _ in 0..=n {
+            no_exec.extend_from_slice(b"+QUEUED\r\n");
+        }
+        let execabort = format!(
+            "EXECABORT Transaction discarded because of: {}",
+            noperm("exec")
+        );
+        no_exec.extend_from_slice(format!("-{execabort}\r\n").as_bytes());
+        // `-getrange`: each GETRANGE refused as it is queued, EXECABORT.
+        let mut no_getrange = b"+OK\r\n+QUEUED\r\n".to_vec();
+        for _ in 0..n {
+            no_getrange.extend_from_slice(format!("-{}\r\n", noperm("getrange")).as_bytes());
+        }
+        no_getrange
+            .extend_from_slice(b"-EXECABORT Transaction discarded because of previous errors.\r\n");
+        let cases = [
+            (no_tx, noperm("multi")),
+            (no_exec, execabort),
+            (no_getrange, noperm("getrange")),
+        ];
+        for piece in [7, 4096, 1 << 20] {
+            let mut wire = Vec::new();
+            for (w, _) in &cases {
+                wire.extend_from_slice(w);
+            }
+            wire.extend(ranged(Some(&good), total, CHUNK));
+            let mut c = serve(wire, piece).await;
+            let mut buf = vec![0xAAu8; d.len()];
+            for (i, (_, want)) in cases.iter().enumerate() {
+                let mut dst = PageBufMut::contiguous(L, &mut buf);
+                let got = c.read_page_chunked(&k, &mut dst, CHUNK).await.unwrap();
+                assert_eq!(got, PageRead::Frame(Frame::Error(want.clone())), "case {i}");
+                drop(dst);
+                assert!(buf.iter().all(|b| *b == 0xAA), "case {i}: buffer untouched");
+            }
+            let mut dst = PageBufMut::contiguous(L, &mut buf);
+            assert_eq!(
+                c.read_page_chunked(&k, &mut dst, CHUNK).await.unwrap(),
+                PageRead::Hit
+            );
+            drop(dst);
+            assert_eq!(buf, d);
+        }
+        // `-exec` before Redis 6.2: a bare NOPERM, the transaction still open.
+        let mut open_tx = b"+OK\r\n".to_vec();
+        for _ in 0..=n {
+            open_tx.extend_from_slice(b"+QUEUED\r\n");
+        }
+        open_tx.extend_from_slice(format!("-{}\r\n", noperm("exec")).as_bytes());
+        let mut c = serve(open_tx, 512).await;
+        let mut buf = vec![0u8; d.len()];
+        let mut dst = PageBufMut::contiguous(L, &mut buf);
+        match c.read_page_chunked(&k, &mut dst, CHUNK).await {
+            Err(ConnError::ExecRefused(e)) => assert_eq!(e, noperm("exec")),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn ranged_replies_of_the_wrong_shape_are_protocol_errors() {
+        const CHUNK: usize = 4096;
+        let k = page_key(namespace(7), 1, 0);
+        let d = page_bytes(&k, 20_000);
+        let total = HEADER_LEN + d.len();
+        let good = ranged(Some(&stored(&k, L, &d)), total, CHUNK);
+        let n = value::read_ranges(total, CHUNK).count();
+        let head = format!("*{}\r\n", n + 1);
+        let at = good
+            .windows(head.len())
+            .position(|w| w == head.as_bytes())
+            .unwrap();
+        let mut cases: Vec<(Vec<u8>, &str)> = Vec::new();
+        // A range one byte short of what STRLEN says.
+        let mut short = good[..at].to_vec();
+        short.extend_from_slice(head.as_bytes());
+        short.extend_from_slice(format!(":{}\r\n", total).as_bytes());
+        let first = value::read_ranges(total, CHUNK).next().unwrap().1;
+        resp::put_bulk(&mut short, &stored(&k, L, &d)[..first - 1]);
+        cases.push((short, "where STRLEN implies"));
+        // EXEC with another number of replies than commands.
+        let mut count = good[..at].to_vec();
+        count.extend_from_slice(b"*2\r\n:1\r\n$1\r\nx\r\n");
+        cases.push((count, "EXEC answered"));
+        // A queued command that answered neither QUEUED nor an error.
+        cases.push((b"+OK\r\n:1\r\n".to_vec(), "a queued command answered"));
+        // A range longer than asked: refused at its `$len` line.
+        let mut long = good[..at].to_vec();
+        long.extend_from_slice(head.as_bytes());
+        long.extend_from_slice(format!(":{}\r\n", total).as_bytes());
+        long.extend_from_slice(b"$1000000\r\n");
+        cases.push((long, "exceeds the limit"));
+        for (wire, want) in cases {
+            let mut c = serve(wire, 512).await;
+            let mut buf = vec![0u8; d.len()];
+            let mut dst = PageBufMut::contiguous(L, &mut buf);
+            let e = c.read_page_chunked(&k, &mut dst, CHUNK).await.unwrap_err();
+            assert!(
+                e.is_protocol() && e.to_string().contains(want),
+                "{want}: {e}"
+            );
+        }
     }
 
     #[tokio::test]

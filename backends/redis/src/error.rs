@@ -135,6 +135,11 @@ impl RedisError {
             },
             ConnError::Tls(d) => RedisError::Tls(format!("{node}: {d}")),
             ConnError::Auth(detail) => RedisError::Auth { node, detail },
+            ConnError::ExecRefused(msg) => RedisError::Server {
+                node,
+                command,
+                msg: format!("{msg} (EXEC of a ranged read; connection closed)"),
+            },
             ConnError::Address => RedisError::Protocol {
                 node,
                 command: "connect",

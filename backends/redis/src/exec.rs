@@ -9,6 +9,10 @@
 //!   request fails with an error naming its slot and the nodes it was sent to;
 //! - `TRYAGAIN`, `CLUSTERDOWN`, `LOADING`, `MASTERDOWN`, an unreachable or timed-out node:
 //!   the request is retried after a pause (the slot map re-read), until the budget is spent;
+//! - a ranged page read refused for permissions (`NOPERM` to `MULTI`, `STRLEN`, `GETRANGE` or
+//!   `EXEC`): ranged reads are turned off for the backend's life
+//!   ([`Nodes::refuse_ranged_reads`]) and the request is sent again at once as one `GET`
+//!   (where the refusal left the transaction open, as its pipeline's failure);
 //! - any other error reply is that request's final outcome.
 //!
 //! Invariant: everything [`execute`] awaits — the in-flight bound, a connection, its writes
@@ -40,9 +44,14 @@ use crate::error::page_error;
 use crate::nodes::{BIG_VALUE, Nodes};
 use crate::resp::{self, Frame, Limits};
 use crate::topology::{Topology, slot};
+use crate::value;
 
-/// `ASKING`, sent in front of a request redirected by `ASK`.
+/// `ASKING`, sent in front of a request redirected by `ASK` (in front of its `MULTI` for a
+/// ranged page read: the flag lasts through the transaction).
 const ASKING: &[u8] = b"*1\r\n$6\r\nASKING\r\n";
+/// `MULTI` and `EXEC` around the commands of a ranged page read.
+const MULTI: &[u8] = b"*1\r\n$5\r\nMULTI\r\n";
+const EXEC: &[u8] = b"*1\r\n$4\r\nEXEC\r\n";
 
 /// `MOVED`/`ASK` redirections one request follows at most; more is a redirection loop.
 pub const MAX_REDIRECTIONS: usize = 16;
@@ -65,6 +74,12 @@ pub struct Request<'a> {
     tail: Vec<u8>,
     /// Read the reply as this page into destination slot `.1` (see [`execute`]).
     read_into: Option<(PageKey, usize)>,
+    /// A page read made in ranges of at most this many bytes (`MULTI`, `STRLEN`,
+    /// `GETRANGE`s, `EXEC`, sent as `ranged` instead of `head`); `0`: one `GET`.
+    chunk: usize,
+    /// The ranged form of a page read (empty where `chunk` is `0`); `head` is its one `GET`,
+    /// sent instead once ranged reads were refused ([`Nodes::ranged_reads`]).
+    ranged: Vec<u8>,
 }
 
 impl<'a> Request<'a> {
@@ -80,12 +95,31 @@ impl<'a> Request<'a> {
             page: &[],
             tail: Vec::new(),
             read_into: None,
+            chunk: 0,
+            ranged: Vec::new(),
         }
     }
 
     /// A request whose command is `name key`.
     pub fn simple(name: &'static str, key: &[u8]) -> Self {
         Self::command(name, key, &[name.as_bytes(), key])
+    }
+
+    /// [`simple`](Self::simple), keeping `key` (no copy of it).
+    pub fn simple_owned(name: &'static str, key: Vec<u8>) -> Self {
+        let mut head = Vec::with_capacity(32 + name.len() + key.len());
+        resp::put_command(&mut head, &[name.as_bytes(), &key]);
+        Self {
+            name,
+            key,
+            bytes: 0,
+            head,
+            page: &[],
+            tail: Vec::new(),
+            read_into: None,
+            chunk: 0,
+            ranged: Vec::new(),
+        }
     }
 
     /// `SET key <header><page> [NX] [EX ttl]`.
@@ -121,15 +155,33 @@ impl<'a> Request<'a> {
             page,
             tail,
             read_into: None,
+            chunk: 0,
+            ranged: Vec::new(),
         }
     }
 
     /// `GET key`, whose reply is read as `page`'s value straight into destination `slot`
-    /// (of `bytes` bytes with the value's header).
-    pub fn get_page(key: &[u8], page: PageKey, slot: usize, bytes: usize) -> Self {
+    /// (of `bytes` bytes with the value's header). A value longer than `chunk` (`≠ 0`) is
+    /// read in ranges of at most `chunk` bytes ([`value::read_ranges`]) in one transaction
+    /// instead: `MULTI`, `STRLEN key`, `GETRANGE key start end` per range, `EXEC` (see
+    /// [`RedisOptions::read_chunk_bytes`](crate::RedisOptions::read_chunk_bytes)), or one
+    /// `GET` after all once a node refused ranged reads for permissions.
+    pub fn get_page(key: &[u8], page: PageKey, slot: usize, bytes: usize, chunk: usize) -> Self {
         let mut r = Self::simple("GET", key);
         r.bytes = bytes;
         r.read_into = Some((page, slot));
+        if chunk > 0 && bytes > chunk {
+            let mut head = Vec::with_capacity(64 + bytes.div_ceil(chunk) * (key.len() + 48));
+            head.extend_from_slice(MULTI);
+            resp::put_command(&mut head, &[b"STRLEN", key]);
+            for (start, len) in value::read_ranges(bytes, chunk) {
+                let (a, b) = (start.to_string(), (start + len - 1).to_string());
+                resp::put_command(&mut head, &[b"GETRANGE", key, a.as_bytes(), b.as_bytes()]);
+            }
+            head.extend_from_slice(EXEC);
+            r.ranged = head;
+            r.chunk = chunk;
+        }
         r
     }
 }
@@ -300,23 +352,30 @@ impl<'r, 'a> Run<'r, 'a> {
     /// pipelines of at most `chunk_bytes` (one request more where it is larger). A request
     /// whose slot no node serves stays pending, and the slot map is to be read again.
     fn route(&mut self, topology: &Topology, chunk_bytes: usize) -> Vec<Pipeline> {
-        let mut groups: HashMap<String, Vec<(usize, bool)>> = HashMap::new();
+        // Grouped by the owner's index in the slot map (no address copied per request);
+        // `ASK` targets, rare, by address.
+        let mut by_owner: Vec<Vec<(usize, bool)>> = vec![Vec::new(); topology.nodes.len()];
+        let mut asked: HashMap<String, Vec<(usize, bool)>> = HashMap::new();
         for (i, p) in std::mem::take(&mut self.pending) {
-            let (addr, asking) = match p {
-                Pending::Ask(a) => (a, true),
-                Pending::Route => match topology.owner(slot(&self.reqs[i].key)) {
-                    Some(a) => (a.to_string(), false),
+            match p {
+                Pending::Ask(a) => asked.entry(a).or_default().push((i, true)),
+                Pending::Route => match topology.owner_index(slot(&self.reqs[i].key)) {
+                    Some(o) => by_owner[o].push((i, false)),
                     None => {
                         self.last_err
                             .insert(i, "no node serves the key's slot".into());
                         self.pending.push((i, Pending::Route));
                         self.refresh = true;
-                        continue;
                     }
                 },
-            };
-            groups.entry(addr).or_default().push((i, asking));
+            }
         }
+        let groups = by_owner
+            .into_iter()
+            .enumerate()
+            .filter(|(_, items)| !items.is_empty())
+            .map(|(o, items)| (topology.nodes[o].clone(), items))
+            .chain(asked);
         let mut pipelines = Vec::new();
         for (addr, items) in groups {
             let mut cur = Vec::new();
@@ -356,9 +415,20 @@ impl<'r, 'a> Run<'r, 'a> {
                 return;
             }
         };
-        for ((i, _), r) in items.into_iter().zip(replies) {
+        for ((i, asking), r) in items.into_iter().zip(replies) {
             match r {
-                Ok(reply) => {
+                Answer::RangedRefused(msg) => {
+                    // Sent again at once, as one GET, to the same node where ASK sent it.
+                    self.last_err
+                        .insert(i, format!("node {addr} refused a ranged read: {msg}"));
+                    let to = if asking {
+                        Pending::Ask(addr.to_string())
+                    } else {
+                        Pending::Route
+                    };
+                    self.pending.push((i, to));
+                }
+                Answer::Reply(reply) => {
                     self.out[i] = Some(match &acked {
                         Some(Err(why)) => Reply::Failed(PageError::Backend(format!(
                             "redis {}: {why}",
@@ -367,7 +437,7 @@ impl<'r, 'a> Run<'r, 'a> {
                         _ => reply,
                     });
                 }
-                Err(msg) => self.error_reply(i, addr, msg),
+                Answer::Error(msg) => self.error_reply(i, addr, msg),
             }
         }
     }
@@ -436,9 +506,26 @@ impl<'r, 'a> Run<'r, 'a> {
     }
 }
 
-/// Per request: its reply, or the error reply's text. With `wait`: whether `WAIT` confirmed
-/// enough replicas.
-type PipelineResult = (Vec<Result<Reply, String>>, Option<Result<(), String>>);
+/// What one request of a pipeline came to.
+enum Answer {
+    /// Its reply.
+    Reply(Reply),
+    /// An error reply's text.
+    Error(String),
+    /// A ranged page read refused for permissions (`NOPERM`; ranged reads are now off): the
+    /// request is sent again, as one `GET`.
+    RangedRefused(String),
+}
+
+/// Per request: what it came to. With `wait`: whether `WAIT` confirmed enough replicas.
+type PipelineResult = (Vec<Answer>, Option<Result<(), String>>);
+
+/// Whether `msg`, a ranged page read's error, says the ACL user may not run one of its
+/// commands: `NOPERM` (`MULTI`, `STRLEN` or `GETRANGE` refused), or `EXECABORT … because of:
+/// NOPERM …` (`EXEC` refused, Redis 6.2 on).
+fn refused_for_permissions(msg: &str) -> bool {
+    msg.starts_with("NOPERM") || (msg.starts_with("EXECABORT") && msg.contains("NOPERM"))
+}
 
 /// The redirections of a loop, shortened: the first three and the last.
 fn loop_summary(seen: &[String]) -> String {
@@ -477,9 +564,11 @@ async fn send(
         .await
         .map_err(|e| nodes.failed(addr, "connect", e).to_string())?;
     let wait_cmd = wait.map(|n| wait_command(n, deadline));
+    // One answer for the whole pipeline: its replies are read as what was written.
+    let ranged = nodes.ranged_reads();
     let conn = &mut lease.conn;
     nodes.count_round_trip(addr);
-    write_pipeline(conn, reqs, items, wait_cmd.as_deref())
+    write_pipeline(conn, reqs, items, wait_cmd.as_deref(), ranged)
         .await
         .map_err(|e| nodes.failed(addr, reqs[items[0].0].name, e).to_string())?;
     let mut replies = Vec::with_capacity(items.len());
@@ -489,14 +578,26 @@ async fn send(
             // +OK; an error here shows in the redirected command's own reply.
             conn.read_frame(&Limits::reply()).await.map_err(failed)?;
         }
-        replies.push(
-            read_reply(conn, &reqs[i], dst, max_value)
-                .await
-                .map_err(|e| match e {
-                    ReplyError::Conn(e) => failed(e),
-                    ReplyError::NoSlot(why) => why,
-                })?,
-        );
+        let answer = read_reply(conn, &reqs[i], dst, max_value, ranged)
+            .await
+            .map_err(|e| match e {
+                ReplyError::Conn(e) => {
+                    if let ConnError::ExecRefused(why) = &e {
+                        // The pipeline fails (the connection is closed) and is sent again.
+                        nodes.refuse_ranged_reads(addr, why);
+                    }
+                    failed(e)
+                }
+                ReplyError::NoSlot(why) => why,
+            })?;
+        replies.push(match answer {
+            Err(msg) if ranged && reqs[i].chunk > 0 && refused_for_permissions(&msg) => {
+                nodes.refuse_ranged_reads(addr, &msg);
+                Answer::RangedRefused(msg)
+            }
+            Err(msg) => Answer::Error(msg),
+            Ok(reply) => Answer::Reply(reply),
+        });
     }
     let acked = match wait {
         None => None,
@@ -524,13 +625,14 @@ fn wait_command(n: u32, deadline: Instant) -> Vec<u8> {
     cmd
 }
 
-/// Writes every command of a pipeline (each behind `ASKING` where asked), then `wait_cmd`,
-/// in one vectored write.
+/// Writes every command of a pipeline (each behind `ASKING` where asked; page reads in their
+/// ranged form where `ranged`), then `wait_cmd`, in one vectored write.
 async fn write_pipeline(
     conn: &mut Conn,
     reqs: &[Request<'_>],
     items: &[(usize, bool)],
     wait_cmd: Option<&[u8]>,
+    ranged: bool,
 ) -> Result<(), ConnError> {
     let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(items.len() * 4 + 1);
     for &(i, asking) in items {
@@ -538,7 +640,11 @@ async fn write_pipeline(
         if asking {
             slices.push(IoSlice::new(ASKING));
         }
-        slices.push(IoSlice::new(&r.head));
+        slices.push(IoSlice::new(if ranged && r.chunk > 0 {
+            &r.ranged
+        } else {
+            &r.head
+        }));
         slices.extend(r.page.iter().map(|p| IoSlice::new(p)));
         if !r.tail.is_empty() {
             slices.push(IoSlice::new(&r.tail));
@@ -557,12 +663,14 @@ enum ReplyError {
     NoSlot(String),
 }
 
-/// Reads `req`'s reply: an error reply's text, a page read into its destination, or a value.
+/// Reads `req`'s reply (a page read as ranged where `ranged`, as [`write_pipeline`] sent
+/// it): an error reply's text, a page read into its destination, or a value.
 async fn read_reply(
     conn: &mut Conn,
     req: &Request<'_>,
     dst: &Dst<'_, '_>,
     max_value: usize,
+    ranged: bool,
 ) -> Result<Result<Reply, String>, ReplyError> {
     let Some((key, slot)) = req.read_into else {
         return Ok(
@@ -582,16 +690,15 @@ async fn read_reply(
         )));
     };
     let mut d = cell.lock().await;
-    Ok(
-        match conn
-            .read_page(&key, &mut d, max_value)
-            .await
-            .map_err(ReplyError::Conn)?
-        {
-            PageRead::Frame(Frame::Error(e)) => Err(e),
-            p => Ok(Reply::Page(p)),
-        },
-    )
+    let read = if ranged && req.chunk > 0 {
+        conn.read_page_chunked(&key, &mut d, req.chunk).await
+    } else {
+        conn.read_page(&key, &mut d, max_value).await
+    };
+    Ok(match read.map_err(ReplyError::Conn)? {
+        PageRead::Frame(Frame::Error(e)) => Err(e),
+        p => Ok(Reply::Page(p)),
+    })
 }
 
 /// Reads `WAIT`'s answer: whether at least `n` replicas acknowledged the pipeline's writes.
@@ -622,6 +729,37 @@ mod tests {
         );
         assert_eq!(redirect_target("ASK 3999"), None);
         assert_eq!(redirect_target("ASK 1 host:notaport"), None);
+    }
+
+    #[test]
+    fn permission_refusals_of_ranged_reads_are_told_from_other_errors() {
+        for yes in [
+            "NOPERM this user has no permissions to run the 'multi' command",
+            "NOPERM User u has no permissions to run the 'getrange' command",
+            "EXECABORT Transaction discarded because of: NOPERM this user has no permissions to run the 'exec' command",
+        ] {
+            assert!(refused_for_permissions(yes), "{yes}");
+        }
+        for no in [
+            "MOVED 1 127.0.0.1:7000",
+            "ASK 1 127.0.0.1:7000",
+            "EXECABORT Transaction discarded because of previous errors.",
+            "WRONGTYPE Operation against a key holding the wrong kind of value",
+            "ERR EXEC without MULTI",
+        ] {
+            assert!(!refused_for_permissions(no), "{no}");
+        }
+    }
+
+    #[test]
+    fn a_page_read_keeps_its_get_for_when_ranges_are_refused() {
+        let k = hicache_core::PageKey::default();
+        let plain = Request::get_page(b"key", k, 0, 100, 4096);
+        assert!(plain.ranged.is_empty() && plain.chunk == 0);
+        let r = Request::get_page(b"key", k, 0, 10_000, 4096);
+        assert_eq!(r.chunk, 4096);
+        assert_eq!(r.head, plain.head, "one GET");
+        assert!(r.ranged.starts_with(MULTI) && r.ranged.ends_with(EXEC));
     }
 
     #[test]

@@ -15,7 +15,9 @@
 //!   connections (a small pool per node, TCP or rustls TLS, ACL auth): a `SET` is one vectored
 //!   write of a small command head, the header, the page's bytes from the caller's buffer and
 //!   a small tail; a `GET` reply's header is verified before its bytes are read straight into
-//!   the caller's page buffer. The slot map and the checks at open use the same connections
+//!   the caller's page buffer. A value longer than `read_chunk_bytes` (1 MiB) is read as
+//!   `GETRANGE`s in one `MULTI`/`EXEC` instead, each range straight into the buffer: Redis
+//!   gives a `GET` reply of 8 MiB or more fresh memory every time (page faults on the server); an ACL user that may not run those commands gets one `GET` per page after the first refusal. The slot map and the checks at open use the same connections
 //!   ([`nodes`]); every reply is read within the bound of what its command can return.
 //! - **One budget per call** ([`deadline`]): `timeout_ms` covers everything a call does —
 //!   connecting, redirections, slot-map refreshes, retries, each `SCAN` round of `clear` —
@@ -40,7 +42,7 @@
 //!
 //! See [`RedisOptions`]: `nodes` (required), `cluster`, `username`, `password`, `tls`,
 //! `tls_ca_file`, `key_prefix`, `ttl_s`, `min_replicas_acked`, `timeout_ms`,
-//! `max_inflight_bytes`.
+//! `max_inflight_bytes`, `read_chunk_bytes`.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

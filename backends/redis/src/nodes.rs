@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
@@ -110,6 +110,10 @@ pub struct Nodes {
     protocol_errors: AtomicU64,
     /// Largest value a node accepts (`proto-max-bulk-len`), read at open.
     pub max_value_bytes: u64,
+    /// Whether page reads may be ranged (`MULTI`, `STRLEN`, `GETRANGE`s, `EXEC`; see
+    /// [`RedisOptions::read_chunk_bytes`]): on until a node refuses one for permissions
+    /// ([`Nodes::refuse_ranged_reads`]), then off for the rest of the backend's life.
+    ranged_reads: AtomicBool,
 }
 
 impl Nodes {
@@ -138,6 +142,7 @@ impl Nodes {
             round_trips: Mutex::new(HashMap::new()),
             protocol_errors: AtomicU64::new(0),
             max_value_bytes: DEFAULT_MAX_BULK,
+            ranged_reads: AtomicBool::new(true),
         };
         let budget = Budget::new("open", nodes.opts.timeout);
         let seeds = nodes.opts.nodes.clone();
@@ -379,6 +384,28 @@ impl Nodes {
     pub fn note(&self, e: &ConnError) {
         if e.is_protocol() {
             self.protocol_errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether page reads longer than `read_chunk_bytes` are still made in ranges (no node
+    /// refused one for permissions).
+    pub fn ranged_reads(&self) -> bool {
+        self.ranged_reads.load(Ordering::Relaxed)
+    }
+
+    /// `addr` refused a ranged page read for permissions (`why`, its `NOPERM`: the ACL user
+    /// lacks `MULTI`, `EXEC`, `STRLEN` or `GETRANGE`): page reads are one `GET` each from now
+    /// on, for the rest of the backend's life (said once, in a warning).
+    pub fn refuse_ranged_reads(&self, addr: &str, why: &str) {
+        if self.ranged_reads.swap(false, Ordering::Relaxed) {
+            tracing::warn!(
+                node = %addr,
+                reply = %why,
+                "redis: a ranged page read (MULTI, STRLEN, GETRANGE, EXEC) was refused for \
+                 permissions; page values are read with one GET each from now on. Allow \
+                 those commands to the ACL user, or set read_chunk_bytes to 0 to read with GET \
+                 from the start without this warning"
+            );
         }
     }
 

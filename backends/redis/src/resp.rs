@@ -199,6 +199,49 @@ pub fn parse_bulk_head(
     }
 }
 
+/// What the front of a buffer says about the next reply, for [`parse_array_head`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum ArrayHead {
+    /// An array of this many elements follows.
+    Len(usize),
+    /// A nil reply, whole (`*-1` or `_`): the bytes taken are the reply.
+    Nil,
+    /// Another kind of reply: nothing taken; read it with [`parse`].
+    Other,
+}
+
+/// Reads the head of the next reply: for an array (`*n`) its head line only (the elements
+/// follow), for a nil the whole nil. `n` above [`Limits::max_elements`] is an error.
+/// `Ok(None)`: more bytes are needed.
+pub fn parse_array_head(
+    buf: &[u8],
+    limits: &Limits,
+) -> Result<Option<(ArrayHead, usize)>, RespError> {
+    let Some(&t) = buf.first() else {
+        return Ok(None);
+    };
+    if t != b'*' && t != b'_' {
+        return Ok(Some((ArrayHead::Other, 0)));
+    }
+    let mut c = Cursor { buf, pos: 1 };
+    let Some(line) = c.line()? else {
+        return Ok(None);
+    };
+    if t == b'_' {
+        if !line.is_empty() {
+            return Err(malformed("null", "`_` followed by bytes"));
+        }
+        return Ok(Some((ArrayHead::Nil, c.pos)));
+    }
+    match length(line, "aggregate length")? {
+        None => Ok(Some((ArrayHead::Nil, c.pos))),
+        Some(n) => {
+            check(n, limits.max_elements, "aggregate")?;
+            Ok(Some((ArrayHead::Len(n as usize), c.pos)))
+        }
+    }
+}
+
 /// Parses one reply from the front of `buf`: the reply and the bytes it took, or `Ok(None)`
 /// where `buf` holds only part of it.
 pub fn parse(buf: &[u8], limits: &Limits) -> Result<Option<(Frame, usize)>, RespError> {

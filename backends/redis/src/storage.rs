@@ -76,9 +76,7 @@ impl RedisStorage {
 
     /// The Redis key a page is stored under: `key_prefix` + the page key in hex.
     pub fn redis_key(&self, key: &PageKey) -> Vec<u8> {
-        let mut k = self.opts.key_prefix.as_bytes().to_vec();
-        k.extend_from_slice(key.to_hex().as_bytes());
-        k
+        key_name(self.opts.key_prefix.as_bytes(), key)
     }
 
     /// Pipelines of page commands sent per node (`host:port`) since open, each one network
@@ -238,6 +236,19 @@ impl RedisStorage {
     }
 }
 
+/// `prefix` + `key` in lowercase hex ([`PageKey::to_hex`]), written straight into one buffer
+/// (a batch names up to 1024 keys per call).
+fn key_name(prefix: &[u8], key: &PageKey) -> Vec<u8> {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut k = Vec::with_capacity(prefix.len() + 2 * PageKey::LEN);
+    k.extend_from_slice(prefix);
+    for b in key.to_bytes() {
+        k.push(HEX[usize::from(b >> 4)]);
+        k.push(HEX[usize::from(b & 15)]);
+    }
+    k
+}
+
 /// The cursor and the keys of a `SCAN` reply from `addr`.
 fn scan_reply(addr: &str, reply: Frame) -> std::result::Result<(u64, Vec<Vec<u8>>), RedisError> {
     let bad = |detail: String| RedisError::Protocol {
@@ -300,8 +311,10 @@ impl Storage for RedisStorage {
     #[tracing::instrument(skip_all, fields(pages = keys.len()))]
     async fn batch_exists(&self, keys: &[PageKey]) -> Result<usize> {
         check_batch("batch_exists", MAX_BATCH, keys.len(), keys.len())?;
-        let rkeys: Vec<Vec<u8>> = keys.iter().map(|k| self.redis_key(k)).collect();
-        let reqs: Vec<Request<'_>> = rkeys.iter().map(|k| Request::simple("EXISTS", k)).collect();
+        let reqs: Vec<Request<'_>> = keys
+            .iter()
+            .map(|k| Request::simple_owned("EXISTS", self.redis_key(k)))
+            .collect();
         let replies = self.run(&reqs, false, &self.budget("batch_exists")).await;
         let mut run = 0;
         for r in &replies {
@@ -326,13 +339,14 @@ impl Storage for RedisStorage {
     ) -> Result<Vec<PageOutcome>> {
         check_batch("batch_get", MAX_BATCH, keys.len(), dst.len())?;
         let budget = self.budget("batch_get");
+        let chunk = usize::try_from(self.opts.read_chunk_bytes).unwrap_or(usize::MAX);
         let rkeys: Vec<Vec<u8>> = keys.iter().map(|k| self.redis_key(k)).collect();
         let reqs: Vec<Request<'_>> = rkeys
             .iter()
             .zip(keys)
             .zip(dst.iter())
             .enumerate()
-            .map(|(i, ((rk, k), d))| Request::get_page(rk, *k, i, HEADER_LEN + d.len()))
+            .map(|(i, ((rk, k), d))| Request::get_page(rk, *k, i, HEADER_LEN + d.len(), chunk))
             .collect();
         let replies = {
             let cells: Vec<Mutex<&mut PageBufMut<'_>>> = dst.iter_mut().map(Mutex::new).collect();
@@ -531,5 +545,22 @@ impl Storage for RedisStorage {
             self.bytes.load(Ordering::Relaxed),
             None,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hicache_storage::pattern::{namespace, page_key};
+
+    #[test]
+    fn key_names_are_the_prefix_and_the_hex_page_key() {
+        for i in 0..64 {
+            let k = page_key(namespace(i), i * 7 + 1, i);
+            assert_eq!(
+                key_name(b"hicache:", &k),
+                format!("hicache:{}", k.to_hex()).into_bytes()
+            );
+        }
     }
 }

@@ -11,7 +11,65 @@ pub const SLOTS: usize = 16384;
 
 /// The slot of `key` (the whole key: our keys have no hash tag).
 pub fn slot(key: &[u8]) -> u16 {
-    crc16::State::<crc16::XMODEM>::calculate(key) % SLOTS as u16
+    crc16_xmodem(key) % SLOTS as u16
+}
+
+/// CRC16-XMODEM (polynomial 0x1021, initial value 0, not reflected), as Redis Cluster hashes
+/// keys, eight bytes per step (slicing-by-8): a page key is about 100 bytes and a batch
+/// routes up to 1024 of them per call, where one byte per step took a quarter of the client's
+/// time of `batch_exists`.
+pub fn crc16_xmodem(data: &[u8]) -> u16 {
+    let t = &CRC16_TABLES;
+    let mut crc = 0u16;
+    let mut chunks = data.chunks_exact(8);
+    for c in &mut chunks {
+        let [hi, lo] = crc.to_be_bytes();
+        crc = t[7][usize::from(c[0] ^ hi)]
+            ^ t[6][usize::from(c[1] ^ lo)]
+            ^ t[5][usize::from(c[2])]
+            ^ t[4][usize::from(c[3])]
+            ^ t[3][usize::from(c[4])]
+            ^ t[2][usize::from(c[5])]
+            ^ t[1][usize::from(c[6])]
+            ^ t[0][usize::from(c[7])];
+    }
+    for &b in chunks.remainder() {
+        crc = (crc << 8) ^ t[0][usize::from((crc >> 8) as u8 ^ b)];
+    }
+    crc
+}
+
+/// `CRC16_TABLES[k][b]`: the CRC of byte `b` followed by `k` zero bytes.
+static CRC16_TABLES: [[u16; 256]; 8] = crc16_tables();
+
+const fn crc16_tables() -> [[u16; 256]; 8] {
+    let mut t = [[0u16; 256]; 8];
+    let mut i = 0;
+    while i < 256 {
+        let mut c = (i as u16) << 8;
+        let mut bit = 0;
+        while bit < 8 {
+            c = if c & 0x8000 != 0 {
+                (c << 1) ^ 0x1021
+            } else {
+                c << 1
+            };
+            bit += 1;
+        }
+        t[0][i] = c;
+        i += 1;
+    }
+    let mut k = 1;
+    while k < 8 {
+        let mut i = 0;
+        while i < 256 {
+            let prev = t[k - 1][i];
+            t[k][i] = (prev << 8) ^ t[0][(prev >> 8) as usize];
+            i += 1;
+        }
+        k += 1;
+    }
+    t
 }
 
 /// Which node owns each slot. A standalone server owns every slot.
@@ -93,8 +151,13 @@ impl Topology {
 
     /// The address owning `slot`, if any node serves it.
     pub fn owner(&self, slot: u16) -> Option<&str> {
-        let i = *self.owner.get(slot as usize)?;
-        self.nodes.get(i as usize).map(String::as_str)
+        self.owner_index(slot).map(|i| self.nodes[i].as_str())
+    }
+
+    /// The index into [`nodes`](Self::nodes) of the primary that owns `slot`.
+    pub fn owner_index(&self, slot: u16) -> Option<usize> {
+        let i = *self.owner.get(slot as usize)? as usize;
+        (i < self.nodes.len()).then_some(i)
     }
 
     /// How many slots no node serves.
@@ -106,6 +169,17 @@ impl Topology {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn crc16_by_eight_bytes_equals_the_reference(data in proptest::collection::vec(any::<u8>(), 0..300)) {
+            prop_assert_eq!(
+                crc16_xmodem(&data),
+                crc16::State::<crc16::XMODEM>::calculate(&data)
+            );
+        }
+    }
 
     #[test]
     fn slots_match_redis() {

@@ -96,6 +96,17 @@ pub fn verify<'v>(key: &PageKey, value: &'v [u8]) -> Result<(Header, &'v [u8]), 
     Ok((h, body))
 }
 
+/// The byte ranges `(start, len)` a value of `total` bytes is read in with reads of at most
+/// `chunk` bytes: as few ranges as that allows, of equal length but the last (no longer
+/// than the others), so with `chunk ≥ 2 × HEADER_LEN` the first holds the whole header.
+pub fn read_ranges(total: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
+    let size = total.div_ceil(total.div_ceil(chunk.max(1)).max(1)).max(1);
+    (0..total.div_ceil(size)).map(move |i| {
+        let start = i * size;
+        (start, size.min(total - start))
+    })
+}
+
 fn layout_from_tag(tag: u8) -> Option<LayoutKind> {
     [
         LayoutKind::LayerFirst,
@@ -116,6 +127,30 @@ mod tests {
         let mut v = header(key, &page).to_vec();
         v.extend_from_slice(data);
         v
+    }
+
+    #[test]
+    fn read_ranges_cover_the_value_once_in_order() {
+        for (total, chunk) in [
+            (8_388_680usize, 524_288usize),
+            (8_388_680, 4096),
+            (10_000, 4096),
+            (8193, 4096),
+            (4097, 4096),
+            (512 << 20, 4096),
+            (100, 4096),
+        ] {
+            let r: Vec<(usize, usize)> = read_ranges(total, chunk).collect();
+            assert!(r.len() <= total.div_ceil(chunk), "{total}/{chunk}");
+            assert!(r[0].1 >= HEADER_LEN.min(total));
+            let mut at = 0;
+            for &(s, l) in &r {
+                assert_eq!(s, at);
+                assert!(l <= chunk && l > 0 && l <= r[0].1, "{total}/{chunk}");
+                at += l;
+            }
+            assert_eq!(at, total);
+        }
     }
 
     #[test]

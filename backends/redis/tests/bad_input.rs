@@ -203,6 +203,83 @@ fn evicted_pages_are_misses_never_wrong() {
     assert!(rt.block_on(s.batch_exists(&ks)).unwrap() < ks.len());
 }
 
+/// An ACL user that may not run the commands of a ranged read (`MULTI`/`EXEC` refused
+/// outright, `EXEC` alone refused, `GETRANGE` refused as it is queued) reads pages longer
+/// than `read_chunk_bytes` all the same: the first refusal turns ranged reads off and the
+/// page is read again with one `GET` (a hit, never an error or a miss), and no later read
+/// tries ranges again; a user allowed everything keeps ranged reads.
+#[test]
+fn ranged_reads_fall_back_to_get_for_users_without_their_commands() {
+    if !redis_available("ranged_reads_fall_back_to_get_for_users_without_their_commands") {
+        return;
+    }
+    let rt = rt();
+    let server = RedisServer::start(&[]);
+    let users = [
+        ("notx", "-@transaction"),
+        ("noexec", "-exec"),
+        ("norange", "-getrange"),
+        ("all", "+@all"),
+    ];
+    for (i, (user, minus)) in users.into_iter().enumerate() {
+        let acl = cli(
+            server.port,
+            &["ACL", "SETUSER", user, "on", ">pw", "~*", "+@all", minus],
+        );
+        assert_eq!(acl.trim(), "OK", "{acl}");
+        let mut o = standalone(server.addr());
+        o.username = Some(user.into());
+        o.password = Some("pw".into());
+        o.read_chunk_bytes = 4096;
+        let s = rt.block_on(RedisStorage::open(o)).unwrap();
+        // Pages over the range size, and small ones (one GET either way), in one batch.
+        let ks = keys(20 + i as u64, 24);
+        let pages: Vec<Vec<u8>> = ks
+            .iter()
+            .enumerate()
+            .map(|(j, k)| page_bytes(k, if j % 4 == 3 { 1024 } else { 64 << 10 }))
+            .collect();
+        let bufs: Vec<PageBuf<'_>> = pages
+            .iter()
+            .map(|d| PageBuf::contiguous(LayoutKind::PageFirst, d))
+            .collect();
+        let out = rt.block_on(s.batch_set(&ks, &bufs)).unwrap();
+        assert!(
+            out.iter().all(|o| *o == PageOutcome::Stored),
+            "{user}: {out:?}"
+        );
+        for round in 0..2 {
+            cli(server.port, &["CONFIG", "RESETSTAT"]);
+            let mut back: Vec<Vec<u8>> = pages.iter().map(|p| vec![0u8; p.len()]).collect();
+            let mut dst: Vec<PageBufMut<'_>> = back
+                .iter_mut()
+                .map(|d| PageBufMut::contiguous(LayoutKind::PageFirst, d))
+                .collect();
+            let out = rt.block_on(s.batch_get(&ks, &mut dst)).unwrap();
+            drop(dst);
+            assert!(
+                out.iter().all(PageOutcome::is_hit),
+                "{user}, round {round}: {out:?}"
+            );
+            assert!(back == pages, "{user}, round {round}: bytes differ");
+            let stats = cli(server.port, &["INFO", "commandstats"]);
+            let ranged = stats.contains("cmdstat_getrange:") || stats.contains("cmdstat_multi:");
+            if user == "all" {
+                let refused = stats
+                    .lines()
+                    .any(|l| l.starts_with("cmdstat_") && !l.contains("rejected_calls=0,"));
+                assert!(ranged && !refused, "{stats}");
+            } else if round == 1 {
+                assert!(
+                    !ranged,
+                    "{user}: ranges tried again after a refusal: {stats}"
+                );
+            }
+        }
+        assert_eq!(s.stats().get_corrupt, 0, "{user}");
+    }
+}
+
 #[test]
 fn two_backends_on_different_nodes_share_pages() {
     if !redis_available("two_backends_on_different_nodes_share_pages") {
@@ -681,5 +758,114 @@ fn garbage_dropped_connections_and_redirection_loops_are_told_apart() {
             "{e}"
         );
         assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    });
+}
+
+/// Servers before Redis 6.2 answer an `EXEC` the ACL refuses with a bare `NOPERM` and keep
+/// the transaction open (what follows on the connection is queued). A fake of such a server
+/// (pages kept as `SET`): the pipeline that met it fails, its connection is closed, ranged
+/// reads are turned off and every page is read again with one `GET`: all hits, and no later
+/// read sends `MULTI`.
+#[test]
+fn an_exec_refused_with_the_transaction_left_open_falls_back_to_get() {
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use hicache_backend_redis::resp::{self, Frame, Limits};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    type Store = Arc<Mutex<HashMap<Vec<u8>, Vec<u8>>>>;
+    /// One connection: a server that keeps a refused transaction open.
+    async fn serve(mut s: tokio::net::TcpStream, store: Store, multis: Arc<AtomicU64>, port: u16) {
+        let (mut buf, mut chunk, mut in_multi) = (Vec::new(), vec![0u8; 64 << 10], false);
+        loop {
+            while let Ok(Some((f, n))) = resp::parse(&buf, &Limits::default()) {
+                buf.drain(..n);
+                let Frame::Array(items) = f else { return };
+                let args: Vec<Vec<u8>> = items
+                    .into_iter()
+                    .map(|a| match a {
+                        Frame::Bulk(b) => b,
+                        _ => Vec::new(),
+                    })
+                    .collect();
+                let text: Vec<String> = args
+                    .iter()
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+                    .collect();
+                let cmd = text[0].to_ascii_uppercase();
+                let reply = match fake::open_replies(&text, false, 512 << 20, port) {
+                    Some(fake::Act::Reply(r)) => r,
+                    _ if cmd == "EXEC" => {
+                        b"-NOPERM this user has no permissions to run the 'exec' command\r\n"
+                            .to_vec()
+                    }
+                    _ if in_multi => b"+QUEUED\r\n".to_vec(),
+                    _ => match cmd.as_str() {
+                        "MULTI" => {
+                            multis.fetch_add(1, Ordering::Relaxed);
+                            in_multi = true;
+                            b"+OK\r\n".to_vec()
+                        }
+                        "SET" => {
+                            store
+                                .lock()
+                                .unwrap()
+                                .insert(args[1].clone(), args[2].clone());
+                            b"+OK\r\n".to_vec()
+                        }
+                        "GET" => match store.lock().unwrap().get(&args[1]) {
+                            Some(v) => {
+                                let mut out = Vec::new();
+                                resp::put_bulk(&mut out, v);
+                                out
+                            }
+                            None => b"$-1\r\n".to_vec(),
+                        },
+                        _ => b"-ERR unknown command\r\n".to_vec(),
+                    },
+                };
+                if s.write_all(&reply).await.is_err() {
+                    return;
+                }
+            }
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    }
+
+    let rt = rt();
+    rt.block_on(async {
+        let store = Store::default();
+        let multis = Arc::new(AtomicU64::new(0));
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let port = fake::port(&addr);
+        let (st, m) = (store.clone(), multis.clone());
+        tokio::spawn(async move {
+            while let Ok((s, _)) = l.accept().await {
+                tokio::spawn(serve(s, st.clone(), m.clone(), port));
+            }
+        });
+        let mut o = fast(addr, false, 5000);
+        o.read_chunk_bytes = 4096;
+        let s = RedisStorage::open(o).await.unwrap();
+        let ks = keys(23, 8);
+        let out = set(&s, &ks, 64 << 10).await;
+        assert!(out.iter().all(|o| *o == PageOutcome::Stored), "{out:?}");
+        let out = get(&s, &ks, 64 << 10).await;
+        assert!(out.iter().all(PageOutcome::is_hit), "{out:?}");
+        let tried = multis.load(Ordering::Relaxed);
+        assert!(tried >= 1, "the first read was ranged");
+        let out = get(&s, &ks, 64 << 10).await;
+        assert!(out.iter().all(PageOutcome::is_hit), "{out:?}");
+        assert_eq!(
+            multis.load(Ordering::Relaxed),
+            tried,
+            "no MULTI after the refusal"
+        );
     });
 }

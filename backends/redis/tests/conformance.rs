@@ -19,6 +19,8 @@ struct RedisHarness {
     seeds: Vec<String>,
     cluster: bool,
     next: AtomicU64,
+    /// `read_chunk_bytes` of every backend opened (`None`: the default).
+    read_chunk: Option<u64>,
 }
 
 impl RedisHarness {
@@ -26,6 +28,9 @@ impl RedisHarness {
         let mut o = RedisOptions::new(self.seeds.clone());
         o.cluster = self.cluster;
         o.key_prefix = format!("conf{}:", self.next.fetch_add(1, Ordering::Relaxed));
+        if let Some(c) = self.read_chunk {
+            o.read_chunk_bytes = c;
+        }
         o
     }
 
@@ -103,6 +108,7 @@ fn conformance_on_a_three_shard_cluster_with_replicas() {
         seeds: cluster.seeds(),
         cluster: true,
         next: AtomicU64::new(0),
+        read_chunk: None,
     });
     // The reverse mismatch: a cluster node configured as a standalone server.
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -125,5 +131,22 @@ fn conformance_on_a_standalone_server() {
         seeds: vec![server.addr()],
         cluster: false,
         next: AtomicU64::new(0),
+        read_chunk: None,
+    });
+}
+
+/// The suite again with every page above 4 KiB read in ranges (`MULTI`, `STRLEN`,
+/// `GETRANGE`s, `EXEC`), where the default reads only values above 1 MiB so.
+#[test]
+fn conformance_with_ranged_reads_on_a_cluster() {
+    if !redis_available("conformance_with_ranged_reads_on_a_cluster") {
+        return;
+    }
+    let cluster = RedisCluster::start(3, 0, &[]);
+    run_suite(RedisHarness {
+        seeds: cluster.seeds(),
+        cluster: true,
+        next: AtomicU64::new(0),
+        read_chunk: Some(4096),
     });
 }

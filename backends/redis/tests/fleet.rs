@@ -318,3 +318,61 @@ fn two_caches_share_pages_and_namespaces_stay_separate() {
     assert_eq!(rt.block_on(star.batch_exists(&few)).unwrap(), 0);
     assert_eq!(rt.block_on(xy.batch_exists(&few)).unwrap(), 8);
 }
+
+/// Reads follow `ASK` while a slot migrates and `MOVED` once it moved, on a real cluster,
+/// for one `GET` per page and for ranged reads (`ASKING` in front of `MULTI`: the flag lasts
+/// through the transaction); every page read back is exact.
+#[test]
+fn reads_follow_ask_and_moved_while_a_slot_migrates() {
+    if !redis_available("reads_follow_ask_and_moved_while_a_slot_migrates") {
+        return;
+    }
+    let rt = rt();
+    let cluster = RedisCluster::start(3, 0, &[]);
+    let ports: Vec<u16> = cluster.servers.iter().map(|s| s.port).collect();
+    let open = |chunk: u64| {
+        let mut o = RedisOptions::new(cluster.seeds());
+        o.read_chunk_bytes = chunk;
+        rt.block_on(RedisStorage::open(o)).unwrap()
+    };
+    let (ranged, plain) = (open(4096), open(0));
+    let len = 64 << 10;
+    let ks = keys(3, 1, 8);
+    let pages: Vec<Vec<u8>> = ks.iter().map(|k| page_bytes(k, len)).collect();
+    let out = rt.block_on(set(&ranged, &ks, &pages));
+    assert!(out.iter().all(|o| *o == PageOutcome::Stored), "{out:?}");
+
+    let name = String::from_utf8(ranged.redis_key(&ks[0])).unwrap();
+    let slot = cli(ports[0], &["CLUSTER", "KEYSLOT", &name])
+        .trim()
+        .to_string();
+    let src = *ports
+        .iter()
+        .find(|p| cli(**p, &["EXISTS", &name]).trim() == "1")
+        .expect("a node holds the page");
+    let dst = *ports.iter().find(|p| **p != src).unwrap();
+    let id = |p: u16| cli(p, &["CLUSTER", "MYID"]).trim().to_string();
+    let (src_id, dst_id) = (id(src), id(dst));
+    cli(dst, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &src_id]);
+    cli(src, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &dst_id]);
+    let moved = cli(
+        src,
+        &["MIGRATE", "127.0.0.1", &dst.to_string(), &name, "0", "5000"],
+    );
+    assert_eq!(moved.trim(), "OK", "{moved}");
+    let ask = cli(src, &["GET", &name]);
+    assert!(ask.contains("ASK"), "the source answers ASK: {ask}");
+    let check = |what: &str| {
+        for s in [&ranged, &plain] {
+            let (out, back) = rt.block_on(get(s, &ks, len));
+            assert!(out.iter().all(PageOutcome::is_hit), "{what}: {out:?}");
+            assert_eq!(back, pages, "{what}");
+        }
+    };
+    check("ASK (slot migrating)");
+    for p in &ports {
+        cli(*p, &["CLUSTER", "SETSLOT", &slot, "NODE", &dst_id]);
+    }
+    check("MOVED (slot moved)");
+    assert_eq!(ranged.stats().get_corrupt, 0);
+}
