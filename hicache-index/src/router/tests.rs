@@ -45,6 +45,7 @@ const BACKED_UP: LoadReport = LoadReport {
     queued_prefill_tokens: 100_000,
     requests: 50,
     running_tokens: 0,
+    prefetching_requests: 0,
 };
 
 fn req(id: u64, tokens: &[u32], session: Option<u64>) -> RouteRequest<'_> {
@@ -106,6 +107,7 @@ fn hicache_avoids_an_instance_whose_memory_cannot_hold_the_request() {
         queued_prefill_tokens: 0,
         requests: 1,
         running_tokens: 560,
+        ..LoadReport::default()
     };
     let sized: Vec<InstanceInfo> = infos
         .iter()
@@ -137,6 +139,7 @@ fn a_lost_index_falls_back_to_least_load_and_is_counted() {
                 queued_prefill_tokens: 0,
                 requests: 3,
                 running_tokens: 0,
+                ..LoadReport::default()
             },
         );
         let d = r.route(&Down, &req(1, &prompt, None));
@@ -152,6 +155,7 @@ fn a_lost_index_falls_back_to_least_load_and_is_counted() {
                 queued_prefill_tokens: 0,
                 requests: 3,
                 running_tokens: 0,
+                ..LoadReport::default()
             },
         );
         let d = r.route(&Slow(&idx), &req(2, &prompt, None));
@@ -192,6 +196,7 @@ fn sessions_stay_together_when_costs_tie() {
             queued_prefill_tokens: 10_000,
             requests: 5,
             running_tokens: 0,
+            ..LoadReport::default()
         },
     );
     assert_eq!(r.route(&idx, &req(5, &a, Some(8))).instance, 0);
@@ -337,6 +342,7 @@ fn a_restored_router_decides_as_the_one_that_saved_its_state() {
                 queued_prefill_tokens: 40,
                 requests: 2,
                 running_tokens: 100,
+                ..LoadReport::default()
             },
         );
         let state = a.state();
