@@ -99,6 +99,10 @@ struct Load {
     queued_prefill_tokens: u64,
     requests: u64,
     running_tokens: u64,
+    /// Requests waiting for their L3 prefetch before admission (optional: 0 when not
+    /// reported).
+    #[serde(default)]
+    prefetching_requests: u64,
 }
 
 #[derive(Deserialize)]
@@ -263,6 +267,7 @@ async fn handle<T: Transport>(
                     queued_prefill_tokens: l.queued_prefill_tokens,
                     requests: l.requests,
                     running_tokens: l.running_tokens,
+                    prefetching_requests: l.prefetching_requests,
                 };
                 match hub.service().lock().report_load(&l.instance, report) {
                     Ok(()) => json_raw(StatusCode::OK, &serde_json::json!({})),

@@ -365,6 +365,17 @@ impl Scheduler {
         waiting + self.prefilling.iter().map(|a| a.to_compute).sum::<usize>()
     }
 
+    /// Waiting requests whose modelled L3 prefetch ends after the clock.
+    pub fn prefetching_requests(&self) -> usize {
+        self.waiting
+            .iter()
+            .filter(|w| {
+                w.prefetch
+                    .is_some_and(|(pages, done)| pages > 0 && done > self.now)
+            })
+            .count()
+    }
+
     /// KV tokens of decoding requests.
     pub fn running_tokens(&self) -> usize {
         self.decoding.iter().map(|a| a.cached + a.produced).sum()

@@ -41,7 +41,21 @@
 //! ```
 //!
 //! An idle fleet has `behind = 0`: the score is the request's own `ttft`; an overloaded one
-//! weighs saved work (cache affinity) by how many requests it will serve sooner. The lowest
+//! weighs saved work (cache affinity) by how many requests it will serve sooner.
+//!
+//! **Requests it overtakes.** An engine admits a request whose L3 prefetch is still running
+//! only once the prefetch ends, and meanwhile prefills what arrives after it; once a prompt's
+//! prefill has started its chunks go first. So a request sent to an instance where
+//! `prefetching` requests wait for their prefetch (the instance's report, plus the requests
+//! the router sent there with an L3 overlap since) delays each of them by its own prefill:
+//!
+//! ```text
+//! overtaken = prefetching · work
+//! score     = ttft + overtaken + queue_externality · behind · work
+//! ```
+//!
+//! (Each waits at most `work` more; one whose prefetch ends after the newcomer's prefill waits
+//! less: the term is an upper bound, weighed 1:1 with the request's own time.) The lowest
 //! `score` wins. **Session tie-break**: among instances within `tie_tolerance` of the best
 //! (relative) the one that served the request's session last wins, so a conversation stays
 //! where its next turn will hit; else fewest requests, then the lowest index.
@@ -118,6 +132,8 @@ pub struct Busy {
     pub running_tokens: f64,
     /// KV tokens its device memory holds, when known (`None`: no memory term).
     pub kv_capacity_tokens: Option<f64>,
+    /// Requests waiting for their L3 prefetch before admission.
+    pub prefetching_requests: f64,
 }
 
 /// What the model expects of one request on one instance.
@@ -127,6 +143,9 @@ pub struct Expected {
     pub ttft: f64,
     /// The time its prefill occupies the instance, `max(compute, load)` (s).
     pub work: f64,
+    /// The delay it adds to the first tokens of the requests waiting there for their L3
+    /// prefetch, `prefetching · work` (s).
+    pub overtaken: f64,
 }
 
 impl CostModel {
@@ -136,10 +155,10 @@ impl CostModel {
         self.expect(prompt, o, l3_read_bytes_per_s, busy).ttft
     }
 
-    /// The score of the module docs: `ttft + queue_externality · behind · work`, `behind`
-    /// being the fleet's backlog per instance in requests of this size.
+    /// The score of the module docs: `ttft + overtaken + queue_externality · behind · work`,
+    /// `behind` being the fleet's backlog per instance in requests of this size.
     pub fn score(&self, e: &Expected, behind: f64) -> f64 {
-        e.ttft + self.queue_externality * behind * e.work
+        e.ttft + e.overtaken + self.queue_externality * behind * e.work
     }
 
     /// Expected TTFT and work of a prompt of `prompt` tokens with `overlap` on an instance
@@ -187,6 +206,7 @@ impl CostModel {
         Expected {
             ttft: wait.max(fetch) + work,
             work,
+            overtaken: busy.prefetching_requests * work,
         }
     }
 }
@@ -244,8 +264,47 @@ mod tests {
             requests: 1.0,
             running_tokens: 0.0,
             kv_capacity_tokens: None,
+            ..Busy::default()
         };
         assert!((t(none, &queued) - 1.5).abs() < 1e-9);
+    }
+
+    /// Requests it overtakes: an instance where two requests wait for their L3 prefetch and
+    /// nothing is queued, against one 200 tokens behind. A 1000-token prompt with 600 tokens
+    /// in L2 on both: 0.6 s of work (the load; compute 0.4 s). First instance: ttft 0.6 s, but
+    /// it delays both waiting requests by its 0.6 s: score 1.8 s. Second: ttft 0.2 + 0.6 =
+    /// 0.8 s, nobody overtaken: score 0.8 s, it wins. The same prompt wholly in L1 (no work)
+    /// delays nobody: score 0 on the first.
+    #[test]
+    fn a_request_is_charged_the_delay_it_adds_to_requests_awaiting_their_prefetch() {
+        let m = model();
+        let host = Overlap {
+            l1: 0,
+            l2: 600,
+            l3: 600,
+        };
+        let prefetching = Busy {
+            requests: 2.0,
+            prefetching_requests: 2.0,
+            ..Busy::default()
+        };
+        let behind = Busy {
+            queued_prefill_tokens: 200.0,
+            requests: 1.0,
+            ..Busy::default()
+        };
+        let a = m.expect(1000, &host, 2e6, &prefetching);
+        let b = m.expect(1000, &host, 2e6, &behind);
+        assert!((a.ttft - 0.6).abs() < 1e-9 && (a.overtaken - 1.2).abs() < 1e-9);
+        assert!((m.score(&a, 0.0) - 1.8).abs() < 1e-9);
+        assert!((b.ttft - 0.8).abs() < 1e-9 && b.overtaken == 0.0);
+        assert!(m.score(&b, 0.0) < m.score(&a, 0.0));
+        let all = Overlap {
+            l1: 1000,
+            l2: 1000,
+            l3: 1000,
+        };
+        assert!(m.score(&m.expect(1000, &all, 2e6, &prefetching), 0.0).abs() < 1e-12);
     }
 
     /// The delay imposed on others: an instance holding 600 tokens in L2 but 500 tokens
@@ -266,6 +325,7 @@ mod tests {
             requests: 1.0,
             running_tokens: 0.0,
             kv_capacity_tokens: None,
+            ..Busy::default()
         };
         let a = m.expect(1000, &host, 2e6, &queued);
         let b = m.expect(1000, &Overlap::default(), 2e6, &Busy::default());
@@ -299,6 +359,7 @@ mod tests {
             requests: 2.0,
             running_tokens: running,
             kv_capacity_tokens: capacity,
+            ..Busy::default()
         };
         let base = |running: f64| 0.5 + (0.010 + running * 1e-6) / 2.0;
         let t = |o: &Overlap, b: &Busy| m.ttft(1000, o, 2e6, b);

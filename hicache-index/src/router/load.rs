@@ -19,6 +19,8 @@ pub struct LoadReport {
     pub requests: u64,
     /// Tokens of KV the running requests hold (prompt and answer so far).
     pub running_tokens: u64,
+    /// Requests waiting for their L3 prefetch before admission (0 when not reported).
+    pub prefetching_requests: u64,
 }
 
 /// One instance's load as the router sees it.
@@ -30,6 +32,8 @@ pub struct InstanceLoad {
     pub requests: f64,
     /// KV tokens of running requests.
     pub running_tokens: f64,
+    /// Requests waiting for their L3 prefetch.
+    pub prefetching_requests: f64,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -38,6 +42,8 @@ struct Slot {
     d_prefill: i64,
     d_requests: i64,
     d_running: i64,
+    /// Requests routed since the report with an L3 overlap credited (their prefetch runs).
+    d_prefetching: i64,
 }
 
 /// A routed request the router still counts.
@@ -97,6 +103,14 @@ impl LoadTracker {
         );
     }
 
+    /// The request routed last to `instance` waits for an L3 prefetch there (until the
+    /// instance's next report, which counts it if it still waits).
+    pub fn prefetching(&mut self, instance: usize) {
+        if let Some(s) = self.slots.get_mut(instance) {
+            s.d_prefetching += 1;
+        }
+    }
+
     /// `request` finished (or was cancelled). Returns the instance it had gone to; an unknown
     /// request is ignored (`None`).
     pub fn finished(&mut self, request: u64) -> Option<usize> {
@@ -144,6 +158,8 @@ impl LoadTracker {
             requests: s.report.requests,
             running_tokens: s.report.running_tokens,
             deltas: [s.d_prefill, s.d_requests, s.d_running],
+            prefetching_requests: s.report.prefetching_requests,
+            prefetching_delta: s.d_prefetching,
         })
     }
 
@@ -166,10 +182,12 @@ impl LoadTracker {
                 queued_prefill_tokens: s.queued_prefill_tokens,
                 requests: s.requests,
                 running_tokens: s.running_tokens,
+                prefetching_requests: s.prefetching_requests,
             },
             d_prefill: s.deltas[0],
             d_requests: s.deltas[1],
             d_running: s.deltas[2],
+            d_prefetching: s.prefetching_delta,
         };
     }
 
@@ -190,10 +208,14 @@ impl LoadTracker {
     pub fn load(&self, instance: usize) -> InstanceLoad {
         let s = &self.slots[instance];
         let f = |base: u64, d: i64| (base as i64 + d).max(0) as f64;
+        let requests = f(s.report.requests, s.d_requests);
         InstanceLoad {
             queued_prefill_tokens: f(s.report.queued_prefill_tokens, s.d_prefill),
-            requests: f(s.report.requests, s.d_requests),
+            requests,
             running_tokens: f(s.report.running_tokens, s.d_running),
+            // A request that finished before the next report no longer waits: never more
+            // than the requests the instance holds.
+            prefetching_requests: f(s.report.prefetching_requests, s.d_prefetching).min(requests),
         }
     }
 
@@ -236,6 +258,7 @@ mod tests {
                 queued_prefill_tokens: 7,
                 requests: 3,
                 running_tokens: 900,
+                ..LoadReport::default()
             },
         );
         assert_eq!(t.load(0).queued_prefill_tokens, 7.0);
@@ -245,6 +268,40 @@ mod tests {
         t.finished(2);
         assert_eq!(t.load(0).requests, 2.0);
         assert_eq!(t.load(0).queued_prefill_tokens, 0.0);
+    }
+
+    #[test]
+    fn requests_awaiting_a_prefetch_count_until_the_next_report() {
+        let mut t = LoadTracker::new(2);
+        t.routed(1, 0, 100, 10);
+        t.prefetching(0);
+        t.routed(2, 0, 100, 100);
+        assert_eq!(t.load(0).prefetching_requests, 1.0);
+        assert_eq!(t.load(1).prefetching_requests, 0.0);
+        // The report says which still wait: here none (request 1 was admitted).
+        t.report(
+            0,
+            LoadReport {
+                queued_prefill_tokens: 50,
+                requests: 2,
+                running_tokens: 100,
+                prefetching_requests: 0,
+            },
+        );
+        assert_eq!(t.load(0).prefetching_requests, 0.0);
+        t.report(
+            0,
+            LoadReport {
+                requests: 2,
+                prefetching_requests: 1,
+                ..LoadReport::default()
+            },
+        );
+        assert_eq!(t.load(0).prefetching_requests, 1.0);
+        // Never more than the requests it holds.
+        t.finished(1);
+        t.finished(2);
+        assert_eq!(t.load(0).prefetching_requests, 0.0);
     }
 
     #[test]

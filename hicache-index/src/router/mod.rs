@@ -453,6 +453,9 @@ impl Router {
         let new_tokens = prompt - overlap.l3.min(prompt);
         self.load
             .routed(req.request, instance, prompt as u64, new_tokens as u64);
+        if overlap.l3 > overlap.l2 {
+            self.load.prefetching(instance);
+        }
         if let Some(s) = req.session {
             self.remember_session(s, instance);
         }
@@ -535,6 +538,7 @@ impl Router {
             requests: l.requests,
             running_tokens: l.running_tokens,
             kv_capacity_tokens: self.instances[i].kv_capacity_tokens.map(|c| c as f64),
+            prefetching_requests: l.prefetching_requests,
         }
     }
 

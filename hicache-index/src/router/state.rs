@@ -29,6 +29,12 @@ pub struct SlotState {
     pub running_tokens: u64,
     /// The router's deltas since that report (prefill tokens, requests, running tokens).
     pub deltas: [i64; 3],
+    /// Last report: requests waiting for their L3 prefetch (0 in a state saved before it).
+    #[serde(default)]
+    pub prefetching_requests: u64,
+    /// The router's delta of those since that report.
+    #[serde(default)]
+    pub prefetching_delta: i64,
 }
 
 /// A request routed and not finished.

@@ -45,6 +45,7 @@ const BACKED_UP: LoadReport = LoadReport {
     queued_prefill_tokens: 100_000,
     requests: 50,
     running_tokens: 0,
+    prefetching_requests: 0,
 };
 
 fn req(id: u64, tokens: &[u32], session: Option<u64>) -> RouteRequest<'_> {
@@ -106,6 +107,7 @@ fn hicache_avoids_an_instance_whose_memory_cannot_hold_the_request() {
         queued_prefill_tokens: 0,
         requests: 1,
         running_tokens: 560,
+        ..LoadReport::default()
     };
     let sized: Vec<InstanceInfo> = infos
         .iter()
@@ -137,6 +139,7 @@ fn a_lost_index_falls_back_to_least_load_and_is_counted() {
                 queued_prefill_tokens: 0,
                 requests: 3,
                 running_tokens: 0,
+                ..LoadReport::default()
             },
         );
         let d = r.route(&Down, &req(1, &prompt, None));
@@ -152,6 +155,7 @@ fn a_lost_index_falls_back_to_least_load_and_is_counted() {
                 queued_prefill_tokens: 0,
                 requests: 3,
                 running_tokens: 0,
+                ..LoadReport::default()
             },
         );
         let d = r.route(&Slow(&idx), &req(2, &prompt, None));
@@ -192,6 +196,7 @@ fn sessions_stay_together_when_costs_tie() {
             queued_prefill_tokens: 10_000,
             requests: 5,
             running_tokens: 0,
+            ..LoadReport::default()
         },
     );
     assert_eq!(r.route(&idx, &req(5, &a, Some(8))).instance, 0);
@@ -337,6 +342,7 @@ fn a_restored_router_decides_as_the_one_that_saved_its_state() {
                 queued_prefill_tokens: 40,
                 requests: 2,
                 running_tokens: 100,
+                ..LoadReport::default()
             },
         );
         let state = a.state();
@@ -464,4 +470,50 @@ fn an_l3_run_below_the_prefetch_threshold_earns_no_credit() {
     infos[0].l3_prefetch_threshold_tokens = None;
     store(&mut idx, &mut feeds[0], &tokens[..5 * PS], "DISK", 0);
     assert_eq!(overlap(&infos, &idx).l3, 5 * PS);
+}
+
+/// Requests it overtakes, through the router: two instances reading one store that holds a
+/// prompt's prefix. The prompt goes to instance 0 (a tie, lowest index) with its prefix
+/// credited from L3, so its prefetch runs there. Instance 1 then reports the same load
+/// without a prefetch. A fresh prompt would delay the waiting request on instance 0 by its
+/// whole prefill: it goes to instance 1. Once instance 0 reports that nothing waits for a
+/// prefetch, the next fresh prompt ties again and goes to instance 0.
+#[test]
+fn hicache_does_not_send_a_prompt_to_overtake_a_request_awaiting_its_prefetch() {
+    let mut idx = Index::new(None);
+    let s = idx.add_holder(HolderKind::Store).unwrap();
+    let mut feeds = Vec::new();
+    let mut infos = Vec::new();
+    for _ in 0..2 {
+        let h = idx.add_holder(HolderKind::Instance).unwrap();
+        idx.attach(h, s).unwrap();
+        feeds.push(InstanceFeed::new(h, s, PS as u32));
+        infos.push(InstanceInfo {
+            holder: h,
+            l3: L3Access::Shared(1e9),
+            kv_capacity_tokens: None,
+            l3_prefetch_threshold_tokens: None,
+        });
+    }
+    let cached: Vec<u32> = (0..401).collect();
+    store(&mut idx, &mut feeds[0], &cached[..400], "EXTERNAL", 100);
+    let mut r = Router::new(Policy::Hicache, infos, RouterConfig::new(PS));
+    let d = r.route(&idx, &req(1, &cached, None));
+    assert_eq!(d.instance, 0);
+    assert!(d.overlap.l3 == 400 && d.overlap.l2 == 0);
+    assert_eq!(r.load().load(0).prefetching_requests, 1.0);
+    let same = LoadReport {
+        queued_prefill_tokens: 1,
+        requests: 1,
+        running_tokens: 401,
+        ..LoadReport::default()
+    };
+    r.report_load(1, same);
+    let fresh: Vec<u32> = (1000..1401).collect();
+    assert_eq!(r.route(&idx, &req(2, &fresh, None)).instance, 1);
+    r.finished(2);
+    r.report_load(1, same);
+    r.report_load(0, same);
+    let other: Vec<u32> = (2000..2401).collect();
+    assert_eq!(r.route(&idx, &req(3, &other, None)).instance, 0);
 }

@@ -459,6 +459,7 @@ pub fn run(
                         queued_prefill_tokens: inst.queued_prefill_tokens(convs) as u64,
                         requests: inst.requests() as u64,
                         running_tokens: inst.running_tokens() as u64,
+                        prefetching_requests: inst.prefetching_requests() as u64,
                     },
                 );
             }
