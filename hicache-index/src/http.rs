@@ -11,7 +11,7 @@
 //! | `GET /dump` | | the state as a snapshot file (see [`crate::snapshot`]) |
 //! | `POST /route` | `{"model", "token_ids", "request"?: u64, "session"?: u64}` | `{"instance": ID, "request", "policy", "fallback", "overlap": {"l1", "l2", "l3"}, "expected_ttft_ms"?}` (see [`crate::routing::RouteAnswer`]) |
 //! | `POST /finished` | `{"request": u64}` | `{"released": bool, "instance"?: ID}`: always 200; an unknown request is `released: false` and counted |
-//! | `POST /load` | `{"instance": ID, "queued_prefill_tokens", "requests", "running_tokens"}` | `{}`; 404 for an unknown instance, 503 for one dropped as dead |
+//! | `POST /load` | `{"instance": ID, "queued_prefill_tokens", "requests", "running_tokens", "prefetching_requests" (optional, 0)}` | `{}`; 404 for an unknown instance, 503 for one dropped as dead |
 //!
 //! `/route` chooses among the model's registered instances with the `--router` policy (one
 //! router per model, [`crate::routing`]): 404 when no instance of the model is registered, 503
