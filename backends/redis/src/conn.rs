@@ -32,7 +32,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::config::{RedisOptions, split_addr};
-use crate::resp::{self, ArrayHead, BulkHead, Frame, Limits, RespError};
+use crate::resp::{self, Frame, Head, Limits, RespError};
 use crate::value::{self, Damage, HEADER_LEN};
 
 /// Bytes of the read buffer kept per connection.
@@ -307,11 +307,11 @@ impl Conn {
             }
         };
         let len = match head {
-            BulkHead::Nil => return Ok(PageRead::Nil),
-            BulkHead::Other => {
+            Head::Nil => return Ok(PageRead::Nil),
+            Head::Other => {
                 return Ok(PageRead::Frame(self.read_frame(&Limits::reply()).await?));
             }
-            BulkHead::Len(len) => len,
+            Head::Len(len) => len,
         };
         if len < HEADER_LEN {
             self.skip(len).await?;
@@ -389,8 +389,8 @@ impl Conn {
             }
         };
         match (head, queued) {
-            (ArrayHead::Len(k), None) if k == n + 1 => {}
-            (ArrayHead::Other, queued) => {
+            (Head::Len(k), None) if k == n + 1 => {}
+            (Head::Other, queued) => {
                 return match (self.read_frame(&Limits::reply()).await?, queued) {
                     // EXECABORT: the error of the command that was refused says why.
                     (Frame::Error(_), Some(e)) => Ok(PageRead::Frame(Frame::Error(e))),
@@ -485,12 +485,12 @@ impl Conn {
             }
         };
         match head {
-            BulkHead::Len(len) if len == want => Ok(len),
-            BulkHead::Len(len) => Err(chunk_error(format!(
+            Head::Len(len) if len == want => Ok(len),
+            Head::Len(len) => Err(chunk_error(format!(
                 "GETRANGE answered {len} bytes where STRLEN implies {want}"
             ))),
-            BulkHead::Nil => Err(chunk_error("GETRANGE answered nil".into())),
-            BulkHead::Other => {
+            Head::Nil => Err(chunk_error("GETRANGE answered nil".into())),
+            Head::Other => {
                 let f = self.read_frame(&Limits::reply()).await?;
                 Err(chunk_error(format!("GETRANGE answered {f:?}")))
             }

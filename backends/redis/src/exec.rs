@@ -87,9 +87,14 @@ impl<'a> Request<'a> {
     pub fn command(name: &'static str, key: &[u8], args: &[&[u8]]) -> Self {
         let mut head = Vec::with_capacity(16 + args.iter().map(|a| a.len() + 16).sum::<usize>());
         resp::put_command(&mut head, args);
+        Self::whole(name, key.to_vec(), head)
+    }
+
+    /// A request `name` on `key` whose command is `head` whole: no page carried or read.
+    fn whole(name: &'static str, key: Vec<u8>, head: Vec<u8>) -> Self {
         Self {
             name,
-            key: key.to_vec(),
+            key,
             bytes: 0,
             head,
             page: &[],
@@ -109,17 +114,7 @@ impl<'a> Request<'a> {
     pub fn simple_owned(name: &'static str, key: Vec<u8>) -> Self {
         let mut head = Vec::with_capacity(32 + name.len() + key.len());
         resp::put_command(&mut head, &[name.as_bytes(), &key]);
-        Self {
-            name,
-            key,
-            bytes: 0,
-            head,
-            page: &[],
-            tail: Vec::new(),
-            read_into: None,
-            chunk: 0,
-            ranged: Vec::new(),
-        }
+        Self::whole(name, key, head)
     }
 
     /// `SET key <header><page> [NX] [EX ttl]`.
@@ -148,15 +143,10 @@ impl<'a> Request<'a> {
             resp::put_bulk(&mut tail, t.as_bytes());
         }
         Self {
-            name: "SET",
-            key: key.to_vec(),
             bytes: header.len() + page_len,
-            head,
             page,
             tail,
-            read_into: None,
-            chunk: 0,
-            ranged: Vec::new(),
+            ..Self::whole("SET", key.to_vec(), head)
         }
     }
 

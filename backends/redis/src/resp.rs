@@ -157,12 +157,14 @@ fn malformed(what: &'static str, detail: impl Into<String>) -> RespError {
     }
 }
 
-/// What the front of a buffer says about the next reply, for [`parse_bulk_head`].
+/// What the front of a buffer says about the next reply, for [`parse_bulk_head`] and
+/// [`parse_array_head`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum BulkHead {
-    /// A bulk string of this many bytes follows (then CRLF).
+pub enum Head {
+    /// A bulk string of this many bytes (then CRLF), or an array of this many elements,
+    /// follows.
     Len(usize),
-    /// A nil reply, whole (`$-1` or `_`): the bytes taken are the reply.
+    /// A nil reply, whole (`$-1`, `*-1` or `_`): the bytes taken are the reply.
     Nil,
     /// Another kind of reply: nothing taken; read it with [`parse`].
     Other,
@@ -170,58 +172,38 @@ pub enum BulkHead {
 
 /// Reads the head of the next reply: for a bulk string its `$len` line (the bytes taken are
 /// that line only), for a nil the whole nil. `Ok(None)`: more bytes are needed.
-pub fn parse_bulk_head(
-    buf: &[u8],
-    limits: &Limits,
-) -> Result<Option<(BulkHead, usize)>, RespError> {
-    let Some(&t) = buf.first() else {
-        return Ok(None);
-    };
-    if t != b'$' && t != b'_' {
-        return Ok(Some((BulkHead::Other, 0)));
-    }
-    let mut c = Cursor { buf, pos: 1 };
-    let Some(line) = c.line()? else {
-        return Ok(None);
-    };
-    if t == b'_' {
-        if !line.is_empty() {
-            return Err(malformed("null", "`_` followed by bytes"));
-        }
-        return Ok(Some((BulkHead::Nil, c.pos)));
-    }
-    match length(line, "bulk length")? {
-        None => Ok(Some((BulkHead::Nil, c.pos))),
-        Some(n) => {
-            check(n, limits.max_bulk, "bulk string")?;
-            Ok(Some((BulkHead::Len(n as usize), c.pos)))
-        }
-    }
-}
-
-/// What the front of a buffer says about the next reply, for [`parse_array_head`].
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum ArrayHead {
-    /// An array of this many elements follows.
-    Len(usize),
-    /// A nil reply, whole (`*-1` or `_`): the bytes taken are the reply.
-    Nil,
-    /// Another kind of reply: nothing taken; read it with [`parse`].
-    Other,
+pub fn parse_bulk_head(buf: &[u8], limits: &Limits) -> Result<Option<(Head, usize)>, RespError> {
+    parse_head(buf, b'$', "bulk length", limits.max_bulk, "bulk string")
 }
 
 /// Reads the head of the next reply: for an array (`*n`) its head line only (the elements
 /// follow), for a nil the whole nil. `n` above [`Limits::max_elements`] is an error.
 /// `Ok(None)`: more bytes are needed.
-pub fn parse_array_head(
+pub fn parse_array_head(buf: &[u8], limits: &Limits) -> Result<Option<(Head, usize)>, RespError> {
+    parse_head(
+        buf,
+        b'*',
+        "aggregate length",
+        limits.max_elements,
+        "aggregate",
+    )
+}
+
+/// The head of a reply of type `marker` whose length line is `length_what` and bounded by
+/// `max` (`bound_what` in the error), or a nil (`_` or a length of -1) whole; any other
+/// reply is [`Head::Other`] with nothing taken.
+fn parse_head(
     buf: &[u8],
-    limits: &Limits,
-) -> Result<Option<(ArrayHead, usize)>, RespError> {
+    marker: u8,
+    length_what: &'static str,
+    max: usize,
+    bound_what: &'static str,
+) -> Result<Option<(Head, usize)>, RespError> {
     let Some(&t) = buf.first() else {
         return Ok(None);
     };
-    if t != b'*' && t != b'_' {
-        return Ok(Some((ArrayHead::Other, 0)));
+    if t != marker && t != b'_' {
+        return Ok(Some((Head::Other, 0)));
     }
     let mut c = Cursor { buf, pos: 1 };
     let Some(line) = c.line()? else {
@@ -231,13 +213,13 @@ pub fn parse_array_head(
         if !line.is_empty() {
             return Err(malformed("null", "`_` followed by bytes"));
         }
-        return Ok(Some((ArrayHead::Nil, c.pos)));
+        return Ok(Some((Head::Nil, c.pos)));
     }
-    match length(line, "aggregate length")? {
-        None => Ok(Some((ArrayHead::Nil, c.pos))),
+    match length(line, length_what)? {
+        None => Ok(Some((Head::Nil, c.pos))),
         Some(n) => {
-            check(n, limits.max_elements, "aggregate")?;
-            Ok(Some((ArrayHead::Len(n as usize), c.pos)))
+            check(n, max, bound_what)?;
+            Ok(Some((Head::Len(n as usize), c.pos)))
         }
     }
 }
@@ -584,17 +566,11 @@ mod tests {
         }
         assert_eq!(
             parse_bulk_head(b"$8\r\nabcdefgh\r\n", &l),
-            Ok(Some((BulkHead::Len(8), 4)))
+            Ok(Some((Head::Len(8), 4)))
         );
-        assert_eq!(
-            parse_bulk_head(b"$-1\r\n", &l),
-            Ok(Some((BulkHead::Nil, 5)))
-        );
-        assert_eq!(parse_bulk_head(b"_\r\n", &l), Ok(Some((BulkHead::Nil, 3))));
-        assert_eq!(
-            parse_bulk_head(b"-MOVED", &l),
-            Ok(Some((BulkHead::Other, 0)))
-        );
+        assert_eq!(parse_bulk_head(b"$-1\r\n", &l), Ok(Some((Head::Nil, 5))));
+        assert_eq!(parse_bulk_head(b"_\r\n", &l), Ok(Some((Head::Nil, 3))));
+        assert_eq!(parse_bulk_head(b"-MOVED", &l), Ok(Some((Head::Other, 0))));
         assert_eq!(parse_bulk_head(b"$12", &l), Ok(None));
     }
 
