@@ -170,6 +170,9 @@ pub enum Head {
     Other,
 }
 
+/// The name [`parse_bulk_head`]'s result had before arrays shared it; kept for callers.
+pub type BulkHead = Head;
+
 /// Reads the head of the next reply: for a bulk string its `$len` line (the bytes taken are
 /// that line only), for a nil the whole nil. `Ok(None)`: more bytes are needed.
 pub fn parse_bulk_head(buf: &[u8], limits: &Limits) -> Result<Option<(Head, usize)>, RespError> {
