@@ -42,6 +42,10 @@ pub(crate) struct L3Ops {
     write_warn: WarnLimit,
     /// Warnings of prefetches that lost pages to storage errors (the dense tier's).
     read_warn: WarnLimit,
+    /// Between `poll` and `start_loading` (the scheduling part of a tick): a prefetch
+    /// started then is queued for `start_loading`'s flush; outside it, handed over at once
+    /// (no flush follows before the next tick).
+    pub scheduling: bool,
 }
 
 impl Default for L3Ops {
@@ -52,6 +56,7 @@ impl Default for L3Ops {
             draining: Fifo::default(),
             write_warn: WarnLimit::default(),
             read_warn: WarnLimit::default(),
+            scheduling: false,
         }
     }
 }
@@ -167,8 +172,20 @@ impl HybridCache {
         !self.l3_ops.backups.is_empty() || !self.l3_ops.prefetches.is_empty()
     }
 
+    /// Hands the L3 tasks queued since the last flush (this tick's backups and lookups) to
+    /// the runtime with one wake-up (the dense tier's submission rule, `L3Engine`'s module
+    /// docs): at `start_loading`, at the start of `poll`, at an arrival outside the
+    /// scheduling part of a tick, and before every wait for L3 work (a queued task never
+    /// runs by itself).
+    pub(crate) fn flush_l3(&self) {
+        if let Some(l3) = &self.l3 {
+            l3.engine.flush();
+        }
+    }
+
     /// Blocks until every background backup and every prefetch's current step finished.
     pub(crate) fn wait_l3(&self) {
+        self.flush_l3();
         for b in &self.l3_ops.backups {
             b.wait();
         }
@@ -255,7 +272,10 @@ impl HybridCache {
             ],
             missing: missing.clone(),
         };
-        l3.engine.spawn(run_prefetch(task, shared.clone()));
+        l3.engine.defer(run_prefetch(task, shared.clone()));
+        if !self.l3_ops.scheduling {
+            l3.engine.flush();
+        }
         let host_lock = self.tree.lock_host(m.host_node)?;
         let seq = self.l3_ops.prefetches.insert(PrefetchOp {
             req,
@@ -408,6 +428,7 @@ impl HybridCache {
     /// Waits for every ended prefetch's task to exit and frees its slots (every rank calls
     /// it at the same point: `flush`, shutdown).
     pub(crate) fn collect_drained(&mut self) -> Result<()> {
+        self.flush_l3();
         for (shared, host) in std::mem::take(&mut self.l3_ops.draining) {
             shared.wait_exited();
             self.free_host_units(&host)?;
@@ -418,6 +439,7 @@ impl HybridCache {
     /// Closes L3: every prefetch ended (nothing inserted), every task awaited, every backup
     /// finished, the runtime stopped.
     pub(crate) fn close_l3(&mut self) -> Result<()> {
+        self.flush_l3();
         let seqs = self.l3_ops.prefetches.seqs();
         for seq in seqs {
             self.end_prefetch(seq, false)?;

@@ -303,6 +303,7 @@ mod tests {
         let slots = p.slots.iter().map(|&s| HostSlot(s)).collect();
         let chain = Chain::new(None, p.keys.iter().copied());
         let shared = engine.backup(Arc::new(source), chain, slots, space.layout);
+        engine.flush();
         shared.done.wait();
         engine.close();
         let stored = shared.stored_pages.load(Ordering::Relaxed) as usize;

@@ -49,6 +49,9 @@ impl HybridCache {
         if self.is_closed() {
             return Err(crate::HiCacheError::Closed);
         }
+        // L3 work queued since the last flush (arrivals after `start_loading`).
+        self.flush_l3();
+        self.l3_ops.scheduling = true;
         self.tick(false)?;
         self.launch_writes()?;
         self.publish();
@@ -86,6 +89,9 @@ impl HybridCache {
         if self.is_closed() {
             return Err(crate::HiCacheError::Closed);
         }
+        self.l3_ops.scheduling = false;
+        // The tick's L3 work (this poll's backups, this tick's lookups) in one hand-off.
+        self.flush_l3();
         Ok(self.copies.close_batch())
     }
 

@@ -247,8 +247,7 @@ impl L3 {
         } else {
             let pool = tiers.host_pool.clone();
             // Handed to the runtime at the tick's next flush (one wake-up per tick).
-            self.engine
-                .backup_deferred(pool, p.chain, p.slots, self.layout)
+            self.engine.backup(pool, p.chain, p.slots, self.layout)
         };
         self.backups.push(BackupOp {
             kind: p.kind,

@@ -5,11 +5,11 @@
 //!
 //! **Submission.** Handing a task to the runtime wakes a parked worker thread: a futex wake
 //! that costs the engine thread several microseconds on a loaded machine. Work a controller
-//! starts during one tick (lookups at arrival, backups at poll) can instead be queued
-//! ([`L3Engine::defer`], [`L3Engine::backup_deferred`]) and handed over together by
-//! [`L3Engine::flush`]: one wake per flush, whatever the number of tasks. A controller that
-//! defers flushes at its tick's boundaries and before every wait for deferred work (queued
-//! work never runs by itself).
+//! starts during one tick (lookups at arrival, backups at poll) is therefore queued
+//! ([`L3Engine::defer`], [`L3Engine::backup`]) and handed over together by
+//! [`L3Engine::flush`]: one wake per flush, whatever the number of tasks. Both controllers
+//! flush at their tick's boundaries and before every wait for queued work (queued work never
+//! runs by itself).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -58,11 +58,6 @@ impl L3Engine {
         }
     }
 
-    /// Spawns a task on the runtime.
-    pub fn spawn(&self, f: impl Future<Output = ()> + Send + 'static) {
-        self.runtime.spawn(f);
-    }
-
     /// Queues a task for the next [`L3Engine::flush`] (see the module's submission rule).
     pub fn defer(&self, f: impl Future<Output = ()> + Send + 'static) {
         self.deferred.lock().push(Box::pin(f));
@@ -97,23 +92,11 @@ impl L3Engine {
         self.runtime.block_on(f)
     }
 
-    /// Starts storing the pages of `slots` (read from `pool`, stored with `layout`) under the
-    /// keys of `chain` in the background; the job's shared state tells when it is done and
-    /// what it stored. The caller keeps the slots host-protected until then.
+    /// Queues the storing of the pages of `slots` (read from `pool`, stored with `layout`)
+    /// under the keys of `chain` for the next [`L3Engine::flush`], then in the background;
+    /// the job's shared state tells when it is done and what it stored. The caller keeps the
+    /// slots host-protected until then.
     pub fn backup(
-        &self,
-        pool: Arc<dyn PageSource>,
-        chain: Chain,
-        slots: Vec<HostSlot>,
-        layout: LayoutKind,
-    ) -> Arc<BackupShared> {
-        let (job, shared) = self.backup_job(pool, chain, slots, layout);
-        self.runtime.spawn(job.run());
-        shared
-    }
-
-    /// [`L3Engine::backup`], queued for the next [`L3Engine::flush`].
-    pub fn backup_deferred(
         &self,
         pool: Arc<dyn PageSource>,
         chain: Chain,
