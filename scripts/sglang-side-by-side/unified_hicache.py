@@ -25,13 +25,17 @@ controller or tree function is replaced):
 
 import torch
 
-from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+from sglang.srt.managers.schedule_policy import PrefillAdder
 from sglang.srt.mem_cache.pool_host import common as pool_host_common
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.runtime_context import get_server_args
 
 # The columns a replay with a host tier adds (UNIFIED_PROTOCOL.md §10).
 HOST_COLUMNS = "\thost_hit\tev_host_full\tev_host_aux"
+
+# The columns a replay with a host tier ends with (§10 step 1a): the match's Full host hit
+# (what the admission budget counted), and 1 when that budget refused the request.
+ADMISSION_COLUMNS = "\thost_match\trefused"
 
 
 def _cpu_host_alloc(dims, *, dtype, device, pin_memory, allocator,
@@ -156,41 +160,34 @@ class HostRecorder:
             self.ev[k] = 0
 
 
-def load_back(cache, req):
-    """The scheduler's load-back of a host hit (``PrefillAdder.add_one_req``: its
-    ``_lock_node(req.last_node)`` around admission, and inside it
-    ``_lock_node(req.best_match_node, lock_host=True)``, which host-locks and locks the best
-    match, around ``init_load_back``), then the copy started and completed
-    (``ready_to_load_host_cache``, ``loading_check``). Returns the tokens the reused prefix
-    grew by (``req.host_loaded_length``)."""
-    if not req.needs_host_load_back():
-        return 0
-    best = req.best_match_node
-    admission = cache.lock(req.last_node)
-    try:
-        host_lock = cache.inc_host_lock_ref(best).to_dec_params()
-        try:
-            lock = cache.lock(best)
-            try:
-                loaded = cache.init_load_back(
-                    InitLoadBackParams(
-                        best_match_node=best,
-                        host_hit_length=req.host_hit_length,
-                        req=req,
-                    )
-                )
-            finally:
-                cache.unlock(lock)
-        finally:
-            cache.dec_host_lock_ref(best, host_lock)
-    finally:
-        cache.unlock(admission)
-    loaded_len, req.last_node = loaded
-    req.host_loaded_length = loaded_len
-    req.prefix_len += loaded_len
-    req.kv.cache_protected_len = req.prefix_len
+# The prefill token budget of one scheduling round (SGLang's default ``max_prefill_tokens``);
+# it only bounds a second request of the same round, and the replay admits one per round.
+MAX_PREFILL_TOKENS = 16384
+
+
+def admit(cache, req, page_size):
+    """The scheduler's admission of one matched request (UNIFIED_PROTOCOL.md §10 step 1a),
+    by SGLang's own ``PrefillAdder.add_one_req`` on a new adder (one scheduling round, no
+    running batch, no chunked prefill): its budget check with the host hit counted, the
+    load-back (``init_load_back``) under its locks, the check again without the hit when
+    nothing was loaded (the recompute fallback), and the admission lock
+    (``_commit_prefill_admission``). Then the queued copies are started and retired.
+    Returns the tokens the reused prefix grew by (``req.host_loaded_length``), or ``None``
+    when the budget refused the request (it would stay in the waiting queue)."""
+    adder = PrefillAdder(
+        page_size,
+        cache,
+        cache.token_to_kv_pool_allocator,
+        None,
+        1.0,
+        MAX_PREFILL_TOKENS,
+        None,
+    )
+    adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+    if req not in adder.can_run_list:
+        return None
     complete_loads(cache)
-    return loaded_len
+    return req.host_loaded_length
 
 
 def complete_loads(cache):

@@ -370,20 +370,29 @@ class Replay:
         branch = m.swa_branching_seqlen
         if self.mamba and not self.both:
             branch = m.mamba_branching_seqlen
-        host_hit = 0
+        host_hit, refused = 0, 0
+        host_match = req.host_hit_length
         if self.host is not None:
-            host_hit = unified_hicache.load_back(cache, req)
+            # SGLang's admission: budget check, load-back, admission lock (§10 step 1a)
+            host_hit = unified_hicache.admit(cache, req, self.a.page_size)
+            if host_hit is None:
+                host_hit, refused = 0, 1
+        else:
+            # admission: the whole prompt is one extend (no chunking, max_new_tokens = 1)
+            req.extend_end = len(tokens)
+            req.lock = cache.lock(req.last_node)
         matched = req.prefix_len
-        # admission: the whole prompt is one extend (no chunking, max_new_tokens = 1)
-        req.extend_end = len(tokens)
-        req.lock = cache.lock(req.last_node)
-        prefix = cache.prefix_device_indices(req) if matched else None
         skipped = 0
-        rows, out = self.allocate(req, prefix, matched, len(tokens))
-        if out is None:
-            skipped = 1
+        if refused:
+            out = None
             self.abort(req)
         else:
+            prefix = cache.prefix_device_indices(req) if matched else None
+            rows, out = self.allocate(req, prefix, matched, len(tokens))
+            if out is None:
+                skipped = 1
+                self.abort(req)
+        if out is not None:
             row = rows[0]
             kv = torch.cat([prefix, out]) if matched else out
             cache.req_to_token_pool.write((row, slice(0, len(tokens))), kv.to(torch.int32))
@@ -398,7 +407,7 @@ class Replay:
             release_kv_cache(req, cache, checkpoint=True)
         if self.host is not None:
             unified_hicache.complete_writes(cache)
-        inserted = cache_inserted(req, skipped)
+        inserted = cache_inserted(req, skipped or refused)
         sizes = self.tree_sizes()
         ev_aux = rec.ev[2] if self.mamba and not self.both else rec.ev[1]
         row = [matched, m.full_kv_hit_length, branch, inserted, rec.ev[0], ev_aux,
@@ -413,6 +422,7 @@ class Replay:
             row += [host_hit, ev[ComponentType.FULL], ev[aux_type]]
             if self.both:
                 row.append(ev[ComponentType.MAMBA])
+            row += [host_match, refused]
         return row
 
     def allocate(self, req, prefix, matched, length):
@@ -441,9 +451,17 @@ class Replay:
 
     def abort(self, req):
         """A request whose request slots or KV could not be allocated after eviction
-        (SGLang's own allocators raise): it gives back what it took, in SGLang's pool
-        calls, inserts nothing and drops its admission lock."""
+        (SGLang's own allocators raise), or that the admission budget refused (§10 step 1a;
+        the protocol drops it from the waiting queue): it gives back what it took, in
+        SGLang's pool calls, inserts nothing and drops its admission lock."""
         pool = self.cache.req_to_token_pool
+        if req.lock is None:
+            # Refused by the admission budget: it holds no row and no lock, at most the
+            # Mamba slot of its match's copy-on-write.
+            if req.kv.holds_mamba:
+                pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
+                req.kv.mamba_pool_idx = None
+            return
         if req.kv.holds_kv and self.mamba:
             pool.free_mamba_cache(req)
         elif req.kv.holds_mamba:
@@ -501,6 +519,9 @@ def write_log(path, rows, final, host=False, both=False):
         if both:
             header += HOST_MAMBA_COLUMN
             extra.append(("ev_host_mamba", base + 3))
+        header += unified_hicache.ADMISSION_COLUMNS
+        last = base + (4 if both else 3)
+        extra += [("host_match", last), ("refused", last + 1)]
     tot = dict.fromkeys(cols + [k for k, _ in extra], 0)
     lines = [header]
     for i, row in enumerate(rows):

@@ -32,7 +32,9 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use hicache_core::{Component, EvictRequest, Evicted, InsertParams, UnifiedConfig, UnifiedTree};
+use hicache_core::{
+    Component, EvictRequest, Evicted, InsertParams, UnifiedConfig, UnifiedMatch, UnifiedTree,
+};
 use hicache_sim::trace::Request;
 
 use crate::error::{BenchError, Result};
@@ -42,6 +44,11 @@ pub const HEADER: &str = "idx\tid\tprompt\tmatched\tfull_hit\tbranch\tinserted\t
 
 /// The columns a replay with a host tier adds (see `hybrid_host`).
 pub const HOST_COLUMNS: &str = "\thost_hit\tev_host_full\tev_host_aux";
+
+/// The columns a replay with a host tier ends with (see `hybrid_host`): the match's Full
+/// host hit, which the admission budget counted, and whether that budget refused the
+/// request.
+pub const ADMISSION_COLUMNS: &str = "\thost_match\trefused";
 
 /// Ping-pong tracking slots of SGLang's `extra_buffer` strategy (overlap schedule on).
 const TRACKING_SLOTS: usize = 2;
@@ -137,6 +144,10 @@ pub struct HybridOutcome {
     pub ev_mamba: u64,
     /// With both SWA and Mamba: Mamba states in the tree after.
     pub tree_mamba: u64,
+    /// The match's Full host hit, before any load-back (host tier only).
+    pub host_match: usize,
+    /// Whether the scheduler's admission budget refused the request (host tier only).
+    pub refused: bool,
 }
 
 /// A replay in progress: the tree and the free Mamba slots.
@@ -216,19 +227,11 @@ impl HybridReplay {
         (self.free_mamba.len() >= n).then(|| (0..n).filter_map(|_| self.free_mamba.pop()).collect())
     }
 
-    /// Runs one request (see the module documentation).
-    pub fn run_one(&mut self, tokens: &[u32]) -> Result<HybridOutcome> {
-        let ps = self.ps();
-        let l = tokens.len();
-        let mamba = self.tree.has(Component::Mamba);
-        let (mut ev, mut ev_host) = ([0u64; 3], [0u64; 3]);
-        let m = self.tree.match_prefix(&tokens[..l.saturating_sub(1)])?;
-        let (m, host_hit) = match self.host {
-            Some(_) => self.load_back(&tokens[..l.saturating_sub(1)], m, &mut ev)?,
-            None => (m, 0),
-        };
-        let mut held: Vec<u32> = Vec::new();
-        if mamba && m.mamba_slot.is_some() {
+    /// The Mamba slot of a match's copy-on-write (step 1): one slot when the match has a
+    /// state, evicting one state (the matched node locked) when none is free.
+    fn copy_on_write(&mut self, m: &UnifiedMatch, ev: &mut [u64; 3]) -> Result<Vec<u32>> {
+        let mut held = Vec::new();
+        if self.tree.has(Component::Mamba) && m.mamba_slot.is_some() {
             if self.free_mamba.len() == 0 {
                 let r = self.tree.lock(m.node, false)?;
                 self.evict(
@@ -236,12 +239,28 @@ impl HybridReplay {
                         mamba: 1,
                         ..Default::default()
                     },
-                    &mut ev,
+                    ev,
                 );
                 self.tree.unlock(&r)?;
             }
             held.extend(self.free_mamba.pop());
         }
+        Ok(held)
+    }
+
+    /// Runs one request (see the module documentation).
+    pub fn run_one(&mut self, tokens: &[u32]) -> Result<HybridOutcome> {
+        let ps = self.ps();
+        let l = tokens.len();
+        let mamba = self.tree.has(Component::Mamba);
+        let (mut ev, mut ev_host) = ([0u64; 3], [0u64; 3]);
+        let m = self.tree.match_prefix(&tokens[..l.saturating_sub(1)])?;
+        let host_match = m.host_hit_len;
+        let (m, host_hit, refused) = match self.host {
+            Some(_) => self.admit(&tokens[..l.saturating_sub(1)], m, l, &mut ev)?,
+            None => (m, 0, false),
+        };
+        let mut held = self.copy_on_write(&m, &mut ev)?;
         let matched = m.device_prefix_len;
         let mut out = HybridOutcome {
             prompt: l,
@@ -255,8 +274,8 @@ impl HybridReplay {
             ..Default::default()
         };
         let receipt = self.tree.lock(m.node, false)?;
-        let mut ok = true;
-        if mamba {
+        let mut ok = !refused;
+        if ok && mamba {
             let need = usize::from(held.is_empty()) + TRACKING_SLOTS;
             match self.take_mamba(need, &mut ev) {
                 Some(s) => held.extend(s),
@@ -290,7 +309,9 @@ impl HybridReplay {
                 self.backup(r.node, &mut ev_host)?;
             }
         }
-        out.skipped = !ok;
+        out.skipped = !ok && !refused;
+        out.refused = refused;
+        out.host_match = host_match;
         self.tree.unlock(&receipt)?;
         self.free_mamba.give(&held);
         // Per component ([Full, SWA, Mamba]) to the log's columns: aux is SWA's when the
@@ -392,6 +413,23 @@ pub const MAMBA_COLUMNS: &str = "\tbranch_mamba\tev_mamba\ttree_mamba";
 /// The host column `[Full, SWA, Mamba]` adds after the host tier's.
 pub const HOST_MAMBA_COLUMN: &str = "\tev_host_mamba";
 
+/// The header line of a log with `cols`.
+fn header(cols: LogColumns) -> String {
+    let mut s = String::from(HEADER);
+    if cols.mamba {
+        s.push_str(MAMBA_COLUMNS);
+    }
+    if cols.host {
+        s.push_str(HOST_COLUMNS);
+        if cols.mamba {
+            s.push_str(HOST_MAMBA_COLUMN);
+        }
+        s.push_str(ADMISSION_COLUMNS);
+    }
+    s.push('\n');
+    s
+}
+
 /// The log text: header, one line per request, the totals line; `cols` adds the Mamba
 /// columns of `[Full, SWA, Mamba]` and the host tier's, with their totals, after the others.
 /// `fin`: the final tree's Full tokens, aux size and Mamba states.
@@ -401,19 +439,8 @@ pub fn log_text(
     fin: [u64; 3],
     cols: LogColumns,
 ) -> String {
-    let mut s = String::new();
-    s.push_str(HEADER);
-    if cols.mamba {
-        s.push_str(MAMBA_COLUMNS);
-    }
-    if cols.host {
-        s.push_str(HOST_COLUMNS);
-        if cols.mamba {
-            s.push_str(HOST_MAMBA_COLUMN);
-        }
-    }
-    s.push('\n');
-    let mut tot = [0u64; 12];
+    let mut s = header(cols);
+    let mut tot = [0u64; 14];
     for (i, (req, o)) in trace.iter().zip(rows).enumerate() {
         let dash = |b: Option<usize>| b.map_or_else(|| "-".to_string(), |b| b.to_string());
         let branch = dash(o.branch);
@@ -440,6 +467,7 @@ pub fn log_text(
             if cols.mamba {
                 let _ = write!(s, "\t{}", o.ev_host[2]);
             }
+            let _ = write!(s, "\t{}\t{}", o.host_match, u8::from(o.refused));
         }
         s.push('\n');
         let row = [
@@ -455,6 +483,8 @@ pub fn log_text(
             o.ev_host[1],
             o.ev_host[2],
             o.ev_mamba,
+            u64::from(o.refused),
+            o.host_match as u64,
         ];
         for (t, v) in tot.iter_mut().zip(row) {
             *t += v;
@@ -486,6 +516,7 @@ pub fn log_text(
         if cols.mamba {
             let _ = write!(s, " ev_host_mamba={}", tot[10]);
         }
+        let _ = write!(s, " host_match={} refused={}", tot[13], tot[12]);
     }
     s.push('\n');
     s
@@ -651,7 +682,7 @@ mod tests {
                 mamba: false,
             };
             let log = log_text(&t, &rows, [0, 0, 0], cols);
-            assert!(log.starts_with(&format!("{HEADER}{HOST_COLUMNS}\n")));
+            assert!(log.starts_with(&format!("{HEADER}{HOST_COLUMNS}{ADMISSION_COLUMNS}\n")));
             assert!(log.contains(" host_hit="), "{log}");
         }
     }
