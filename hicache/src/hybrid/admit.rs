@@ -36,7 +36,9 @@
 //!    together, the rest past the device prefix alone is tried: it fits only when states
 //!    were short, and then the host part is recomputed (SGLang's `init_load_back` fallback,
 //!    whose budget check counts tokens, not states). Whenever pages are short the request
-//!    waits with its hit.
+//!    waits with its hit. With [`MambaLoadBack::Tree`] in the config (SGLang's mode) every
+//!    host state is loaded into the tree and copied into the request's slot: one state more,
+//!    so when only states are short the host part is recomputed as without a Mamba slot.
 //! 6. **SGLang's budget first.** Before anything is allocated, the scheduler's token budget
 //!    ([`UnifiedTree::admission_fits`], the one `hicache-bench tree --host-capacity-pages`
 //!    replays against SGLang) must admit the request with its host hit counted: the part
@@ -54,9 +56,9 @@ use hicache_core::{
     UnifiedLoadPlan, UnifiedMatch,
 };
 
-use super::StateSlot;
 use super::cache::{HybridCache, Req, Units};
 use super::types::{HybridAdmission, HybridDemand, HybridExtent, HybridSlots};
+use super::{MambaLoadBack, StateSlot};
 use crate::error::{HiCacheError, Result};
 
 /// Matches one `try_admit` makes at most before it refuses: the eviction of the first one
@@ -177,8 +179,11 @@ impl HybridCache {
             // may hold their Full pages on device already, and lack only another component).
             let prefix = self.tree.depth_tokens(m.host_node)?;
             // A state on host goes straight into the request's working slot (invariant 5),
-            // one of its own: no slot beside it for the tree's copy.
-            let tree_state = p.mamba.is_some() && extent.mamba_slots == 0;
+            // one of its own: no slot beside it for the tree's copy; in SGLang's mode it
+            // goes into the tree and is copied into the request's slot.
+            let into_tree =
+                extent.mamba_slots == 0 || self.config().mamba_load_back == MambaLoadBack::Tree;
+            let tree_state = p.mamba.is_some() && into_tree;
             let detached = p.mamba.is_some() && !tree_state;
             let load = (p.full_pages(), p.swa_pages(), usize::from(tree_state));
             match self.alloc_units(demand(prefix, load)) {
