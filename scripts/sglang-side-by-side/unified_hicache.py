@@ -25,7 +25,6 @@ controller or tree function is replaced):
 
 import torch
 
-from sglang.srt.managers.schedule_policy import PrefillAdder
 from sglang.srt.mem_cache.pool_host import common as pool_host_common
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.runtime_context import get_server_args
@@ -33,9 +32,9 @@ from sglang.srt.runtime_context import get_server_args
 # The columns a replay with a host tier adds (UNIFIED_PROTOCOL.md §10).
 HOST_COLUMNS = "\thost_hit\tev_host_full\tev_host_aux"
 
-# The columns a replay with a host tier ends with (§10 step 1a): the match's Full host hit
-# (what the admission budget counted), and 1 when that budget refused the request.
-ADMISSION_COLUMNS = "\thost_match\trefused"
+# The column a replay with a host tier adds before `refused` (§10 step 1a): the match's Full
+# host hit, which the admission budget counted.
+HOST_MATCH_COLUMN = "\thost_match"
 
 
 def _cpu_host_alloc(dims, *, dtype, device, pin_memory, allocator,
@@ -158,36 +157,6 @@ class HostRecorder:
     def start(self):
         for k in self.ev:
             self.ev[k] = 0
-
-
-# The prefill token budget of one scheduling round (SGLang's default ``max_prefill_tokens``);
-# it only bounds a second request of the same round, and the replay admits one per round.
-MAX_PREFILL_TOKENS = 16384
-
-
-def admit(cache, req, page_size):
-    """The scheduler's admission of one matched request (UNIFIED_PROTOCOL.md §10 step 1a),
-    by SGLang's own ``PrefillAdder.add_one_req`` on a new adder (one scheduling round, no
-    running batch, no chunked prefill): its budget check with the host hit counted, the
-    load-back (``init_load_back``) under its locks, the check again without the hit when
-    nothing was loaded (the recompute fallback), and the admission lock
-    (``_commit_prefill_admission``). Then the queued copies are started and retired.
-    Returns the tokens the reused prefix grew by (``req.host_loaded_length``), or ``None``
-    when the budget refused the request (it would stay in the waiting queue)."""
-    adder = PrefillAdder(
-        page_size,
-        cache,
-        cache.token_to_kv_pool_allocator,
-        None,
-        1.0,
-        MAX_PREFILL_TOKENS,
-        None,
-    )
-    adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
-    if req not in adder.can_run_list:
-        return None
-    complete_loads(cache)
-    return req.host_loaded_length
 
 
 def complete_loads(cache):

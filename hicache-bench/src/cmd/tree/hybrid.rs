@@ -10,7 +10,11 @@
 //!    state takes one slot for the copy-on-write (evicting one state, node locked, if none is
 //!    free). `matched` = the valid prefix, `full_hit` = Full tokens walked, `branch` = the
 //!    branching length of SWA or Mamba.
-//! 2. **Lock** the matched node.
+//! 2. **Admission** (SGLang's `PrefillAdder.add_one_req`): the scheduler's token budget
+//!    ([`UnifiedTree::admission_fits`], the matched node locked, the host hit counted, with
+//!    a host tier the load-back and the recompute fallback's second check: `hybrid_host`);
+//!    a request it refuses is dropped (`refused`: it gives back its copy-on-write slot,
+//!    nothing else happens). Then **lock** the matched node.
 //! 3. **Mamba slots** (`alloc_req_slots`): the request needs 1 (unless it took the COW slot)
 //!    + 2 ping-pong slots; if fewer are free, evict the difference in states.
 //! 4. **KV** (`alloc_paged_token_slots_extend`): demand = (L − matched) + P tokens; evict
@@ -26,7 +30,8 @@
 //! Columns: `ev_full` / `ev_aux` sum every eviction of the request (Full tokens; SWA tokens
 //! or Mamba states, cascades included); `tree_full` / `tree_aux` are the tree's sizes after it.
 //! With `full,swa,mamba` the aux columns are SWA's and Mamba's follow (`MAMBA_COLUMNS`:
-//! `branch_mamba`, `ev_mamba`, `tree_mamba`); SGLang's insert length is then Mamba's.
+//! `branch_mamba`, `ev_mamba`, `tree_mamba`); SGLang's insert length is then Mamba's. The
+//! last column, `refused`, is 1 when the admission budget refused the request.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -45,10 +50,12 @@ pub const HEADER: &str = "idx\tid\tprompt\tmatched\tfull_hit\tbranch\tinserted\t
 /// The columns a replay with a host tier adds (see `hybrid_host`).
 pub const HOST_COLUMNS: &str = "\thost_hit\tev_host_full\tev_host_aux";
 
-/// The columns a replay with a host tier ends with (see `hybrid_host`): the match's Full
-/// host hit, which the admission budget counted, and whether that budget refused the
-/// request.
-pub const ADMISSION_COLUMNS: &str = "\thost_match\trefused";
+/// The column a replay with a host tier adds after its others: the match's Full host hit,
+/// which the admission budget counted (see `hybrid_host`).
+pub const HOST_MATCH_COLUMN: &str = "\thost_match";
+
+/// The column every log ends with: whether the admission budget refused the request.
+pub const REFUSED_COLUMN: &str = "\trefused";
 
 /// Ping-pong tracking slots of SGLang's `extra_buffer` strategy (overlap schedule on).
 const TRACKING_SLOTS: usize = 2;
@@ -146,7 +153,7 @@ pub struct HybridOutcome {
     pub tree_mamba: u64,
     /// The match's Full host hit, before any load-back (host tier only).
     pub host_match: usize,
-    /// Whether the scheduler's admission budget refused the request (host tier only).
+    /// Whether the scheduler's admission budget refused the request.
     pub refused: bool,
 }
 
@@ -256,10 +263,7 @@ impl HybridReplay {
         let (mut ev, mut ev_host) = ([0u64; 3], [0u64; 3]);
         let m = self.tree.match_prefix(&tokens[..l.saturating_sub(1)])?;
         let host_match = m.host_hit_len;
-        let (m, host_hit, refused) = match self.host {
-            Some(_) => self.admit(&tokens[..l.saturating_sub(1)], m, l, &mut ev)?,
-            None => (m, 0, false),
-        };
+        let (m, host_hit, refused) = self.admit(&tokens[..l.saturating_sub(1)], m, l, &mut ev)?;
         let mut held = self.copy_on_write(&m, &mut ev)?;
         let matched = m.device_prefix_len;
         let mut out = HybridOutcome {
@@ -424,8 +428,9 @@ fn header(cols: LogColumns) -> String {
         if cols.mamba {
             s.push_str(HOST_MAMBA_COLUMN);
         }
-        s.push_str(ADMISSION_COLUMNS);
+        s.push_str(HOST_MATCH_COLUMN);
     }
+    s.push_str(REFUSED_COLUMN);
     s.push('\n');
     s
 }
@@ -467,8 +472,9 @@ pub fn log_text(
             if cols.mamba {
                 let _ = write!(s, "\t{}", o.ev_host[2]);
             }
-            let _ = write!(s, "\t{}\t{}", o.host_match, u8::from(o.refused));
+            let _ = write!(s, "\t{}", o.host_match);
         }
+        let _ = write!(s, "\t{}", u8::from(o.refused));
         s.push('\n');
         let row = [
             o.prompt as u64,
@@ -516,8 +522,9 @@ pub fn log_text(
         if cols.mamba {
             let _ = write!(s, " ev_host_mamba={}", tot[10]);
         }
-        let _ = write!(s, " host_match={} refused={}", tot[13], tot[12]);
+        let _ = write!(s, " host_match={}", tot[13]);
     }
+    let _ = write!(s, " refused={}", tot[12]);
     s.push('\n');
     s
 }
@@ -580,34 +587,41 @@ mod tests {
         let log = log_text(&t, &rows, fin, LogColumns::default());
         assert!(log.starts_with(HEADER));
         assert!(log.ends_with(
-            "# totals requests=3 prompt=430 matched=96 full_hit=96 inserted=416 ev_full=0 ev_aux=0 skipped=0 final_tree_full=320 final_tree_aux=320\n"
+            "# totals requests=3 prompt=430 matched=96 full_hit=96 inserted=416 ev_full=0 ev_aux=0 skipped=0 final_tree_full=320 final_tree_aux=320 refused=0\n"
         ));
     }
 
     #[test]
     fn a_small_swa_pool_tombstones_the_older_window() {
-        // SWA pool of 9 pages: the second turn's extend needs 7 + 1 pages while the first
+        // SWA pool of 11 pages: the second turn's extend needs 7 + 1 pages while the first
         // turn holds 6 (a 64-token node and its 32-token window leaf, locked by the match):
         // the older node becomes a tombstone, Full stays.
-        let (rows, _) = replay(&setup(Some(32), None, 1000, 9), &trace()).unwrap();
+        let (rows, _) = replay(&setup(Some(32), None, 1000, 11), &trace()).unwrap();
         assert_eq!((rows[1].ev_full, rows[1].ev_aux), (0, 64), "{:?}", rows[1]);
-        assert!(!rows[1].skipped);
-        // With 8 pages the tombstone frees too little: the request is skipped.
-        let (rows, _) = replay(&setup(Some(32), None, 1000, 8), &trace()).unwrap();
-        assert!(rows[1].skipped);
+        assert!(!rows[1].skipped && !rows[1].refused);
+        // With 10 pages SGLang's budget refuses it before any eviction: its SWA estimate
+        // (80 past the window + 32 + a spare page = 128 tokens) is not below the 128 free
+        // or evictable (the match's window locked).
+        let (rows, _) = replay(&setup(Some(32), None, 1000, 10), &trace()).unwrap();
+        assert!(rows[1].refused && !rows[1].skipped, "{:?}", rows[1]);
+        assert_eq!(
+            (rows[1].ev_full, rows[1].ev_aux, rows[1].inserted),
+            (0, 0, 0)
+        );
     }
 
     #[test]
-    fn mamba_replay_tracks_chunk_checkpoints_and_skips_without_room() {
+    fn mamba_replay_tracks_chunk_checkpoints_and_refuses_without_room() {
         let t = trace();
         let (rows, fin) = replay(&setup(None, Some(64), 1000, 16), &t).unwrap();
         assert_eq!(rows[0].inserted, 64, "the checkpoint at 64 of 100 tokens");
         assert_eq!(rows[1].matched, 64);
         assert_eq!(rows[1].inserted, 192);
         assert_eq!(fin[1], 3, "one state per inserted checkpoint");
-        // 4 pages cannot hold a 100-token extend plus a spare page: skipped, nothing held.
+        // 4 pages cannot hold a 100-token extend, a decoded token and a spare page: SGLang's
+        // budget refuses every request, nothing held.
         let (rows, fin) = replay(&setup(None, Some(64), 4, 16), &t).unwrap();
-        assert!(rows.iter().all(|r| r.skipped));
+        assert!(rows.iter().all(|r| r.refused && !r.skipped));
         assert_eq!(fin, [0, 0, 0]);
     }
 
@@ -626,7 +640,7 @@ mod tests {
         };
         let log = log_text(&t, &rows, fin, cols);
         assert!(
-            log.starts_with(&format!("{HEADER}{MAMBA_COLUMNS}\n")),
+            log.starts_with(&format!("{HEADER}{MAMBA_COLUMNS}{REFUSED_COLUMN}\n")),
             "{log}"
         );
         let last = log.lines().last().unwrap();
@@ -635,7 +649,7 @@ mod tests {
             "{last}"
         );
         let first = log.lines().nth(1).unwrap();
-        assert_eq!(first.split('\t').count(), 15, "{first}");
+        assert_eq!(first.split('\t').count(), 16, "{first}");
     }
 
     fn host(setup: HybridSetup, full: u64, swa: u64, mamba: u64) -> HybridSetup {
@@ -682,7 +696,9 @@ mod tests {
                 mamba: false,
             };
             let log = log_text(&t, &rows, [0, 0, 0], cols);
-            assert!(log.starts_with(&format!("{HEADER}{HOST_COLUMNS}{ADMISSION_COLUMNS}\n")));
+            assert!(log.starts_with(&format!(
+                "{HEADER}{HOST_COLUMNS}{HOST_MATCH_COLUMN}{REFUSED_COLUMN}\n"
+            )));
             assert!(log.contains(" host_hit="), "{log}");
         }
     }
