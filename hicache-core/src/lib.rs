@@ -52,7 +52,7 @@ pub use tree::{
     TreeStats, WriteId, page_aligned,
 };
 pub use unified::{
-    BackupId, Component, DeviceLoad, EvictRequest, Evicted, HostBackup, HostLockReceipt,
-    InsertParams, InsertSlots, LockReceipt, UnifiedBackupPlan, UnifiedConfig, UnifiedInsert,
-    UnifiedLoadId, UnifiedLoadPlan, UnifiedMatch, UnifiedTree,
+    AdmissionAsk, BackupId, Component, DeviceFree, DeviceLoad, EvictRequest, Evicted, HostBackup,
+    HostLockReceipt, InsertParams, InsertSlots, LockReceipt, UnifiedBackupPlan, UnifiedConfig,
+    UnifiedInsert, UnifiedLoadId, UnifiedLoadPlan, UnifiedMatch, UnifiedTree,
 };

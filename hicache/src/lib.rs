@@ -101,7 +101,7 @@ pub use config::{HiCacheConfig, HostMemoryMode, IoBackendKind, StorageWriteMode}
 pub use error::{HiCacheError, Result};
 pub use hybrid::{
     ComponentTotals, HybridAdmission, HybridArrival, HybridCache, HybridCacheBuilder, HybridConfig,
-    HybridDemand, HybridExtent, HybridSlots, HybridTotals, StateSlot,
+    HybridDemand, HybridExtent, HybridSlots, HybridTotals, MambaLoadBack, StateSlot,
 };
 pub use l3::L3_WRITE_BATCHES_IN_FLIGHT;
 pub use l3::RequestId;

@@ -8,7 +8,7 @@ mod hybrid_common;
 
 use hicache::{
     Component, HiCacheError, HybridAdmission, HybridCache, HybridConfig, HybridDemand, HybridSlots,
-    KvEvent, Medium,
+    KvEvent, MambaLoadBack, Medium,
 };
 use hybrid_common::{Engine, extended, prompt};
 
@@ -523,8 +523,9 @@ fn refused_load_back_waits_and_keeps_its_hit(cfg: HybridConfig) {
     let (c_adm, c_new) = e
         .try_admit(running, &c)
         .expect("room for the running request");
-    // Turn two of `a` (16 pages, its first 10 on host) does not fit beside it.
-    let a2 = extended(&a, 4, 24);
+    // Turn two of `a` (14 pages, its first 10 on host) does not fit beside it (SGLang's
+    // budget asks one spare page more: 15 of the 16 once the running request ended).
+    let a2 = extended(&a, 4, 16);
     let (device, reusable) = e.cache.reusable_tokens(&a2).unwrap();
     assert_eq!(device, 0);
     assert!(reusable >= 32, "an L2 hit: {reusable}");
@@ -628,7 +629,12 @@ type Running = (u64, Vec<u32>, HybridAdmission, HybridSlots);
 /// running requests, with turn one of `a` on host; the running requests, `a` and the turn
 /// two to admit with its host hit (its reusable tokens).
 fn states_short() -> (Engine, Vec<Running>, Vec<u32>, usize) {
-    let mut e = Engine::new(cache(config(None, Some(8)), 32));
+    states_short_with(config(None, Some(8)))
+}
+
+/// [`states_short`] with the configuration `cfg` (Mamba, no SWA).
+fn states_short_with(cfg: HybridConfig) -> (Engine, Vec<Running>, Vec<u32>, usize) {
+    let mut e = Engine::new(cache(cfg, 32));
     let a = prompt(1, 40);
     e.turn(&a);
     e.turn(&prompt(2, 100));
@@ -717,6 +723,66 @@ fn try_admit_without_a_state_slot_recomputes_when_states_are_short() {
     assert_eq!(e.cache.metrics().full.pages_h2d, before.full.pages_h2d);
     e.complete(req, &a2, adm, new);
     e.complete(last, &p, l_adm, l_new);
+    for (req, p, adm, new) in running {
+        e.complete(req, &p, adm, new);
+    }
+    e.settle();
+    e.cache.shutdown().unwrap();
+}
+
+/// SGLang's mode ([`MambaLoadBack::Tree`]): a host hit's state is loaded into the tree and
+/// copied into the request's slot. With room for both, the whole hit is admitted, the
+/// tree's state is back on device (the next match reuses the whole hit from device) and the
+/// request's state holds its bytes.
+#[test]
+fn try_admit_in_sglangs_mode_loads_a_host_state_into_the_tree() {
+    let mut cfg = config(None, Some(8));
+    cfg.mamba_load_back = MambaLoadBack::Tree;
+    let mut e = Engine::new(cache(cfg, 32));
+    let a = prompt(1, 40);
+    e.turn(&a);
+    e.turn(&prompt(2, 100));
+    let a2 = extended(&a, 4, 24);
+    let (device, reusable) = e.cache.reusable_tokens(&a2).unwrap();
+    assert_eq!(device, 0);
+    assert!(reusable >= 32, "an L2 hit: {reusable}");
+    let before = e.cache.metrics();
+    let req = e.arrive(&a2);
+    let (adm, new) = e.try_admit(req, &a2).expect("room for the hit");
+    assert_eq!(adm.host_tokens, reusable, "the whole hit: {adm:?}");
+    assert_eq!(
+        e.cache.reusable_tokens(&a2).unwrap(),
+        (reusable, reusable),
+        "the tree's state is on device again"
+    );
+    let moved = e.cache.metrics().mamba.pages_h2d - before.mamba.pages_h2d;
+    assert_eq!(moved, 1, "one state loaded");
+    let run = e.complete(req, &a2, adm, new);
+    assert_eq!(run.checked[2], 1, "the copied state's bytes checked");
+    e.settle();
+    e.cache.shutdown().unwrap();
+}
+
+/// SGLang's mode with one state slot left: the load-back needs two (the tree's and the
+/// request's), so the host part is recomputed past the device prefix once the budget
+/// admits it without the hit, as SGLang's `init_load_back` fallback does; the default mode
+/// loads the same hit ([`try_admit_loads_a_host_state_into_the_request_slot`]).
+#[test]
+fn try_admit_in_sglangs_mode_recomputes_when_states_are_short() {
+    let mut cfg = config(None, Some(8));
+    cfg.mamba_load_back = MambaLoadBack::Tree;
+    let (mut e, running, a2, _) = states_short_with(cfg);
+    let before = e.cache.metrics();
+    let req = e.arrive(&a2);
+    let (adm, new) = e.try_admit(req, &a2).expect("room past the device prefix");
+    assert_eq!(
+        adm.cached_tokens(),
+        0,
+        "the host part is recomputed: {adm:?}"
+    );
+    assert_eq!(e.cache.metrics().full.pages_h2d, before.full.pages_h2d);
+    assert_eq!(e.cache.metrics().mamba.pages_h2d, before.mamba.pages_h2d);
+    e.complete(req, &a2, adm, new);
     for (req, p, adm, new) in running {
         e.complete(req, &p, adm, new);
     }

@@ -25,13 +25,16 @@ controller or tree function is replaced):
 
 import torch
 
-from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 from sglang.srt.mem_cache.pool_host import common as pool_host_common
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.runtime_context import get_server_args
 
 # The columns a replay with a host tier adds (UNIFIED_PROTOCOL.md §10).
 HOST_COLUMNS = "\thost_hit\tev_host_full\tev_host_aux"
+
+# The column a replay with a host tier adds before `refused` (§10 step 1a): the match's Full
+# host hit, which the admission budget counted.
+HOST_MATCH_COLUMN = "\thost_match"
 
 
 def _cpu_host_alloc(dims, *, dtype, device, pin_memory, allocator,
@@ -154,43 +157,6 @@ class HostRecorder:
     def start(self):
         for k in self.ev:
             self.ev[k] = 0
-
-
-def load_back(cache, req):
-    """The scheduler's load-back of a host hit (``PrefillAdder.add_one_req``: its
-    ``_lock_node(req.last_node)`` around admission, and inside it
-    ``_lock_node(req.best_match_node, lock_host=True)``, which host-locks and locks the best
-    match, around ``init_load_back``), then the copy started and completed
-    (``ready_to_load_host_cache``, ``loading_check``). Returns the tokens the reused prefix
-    grew by (``req.host_loaded_length``)."""
-    if not req.needs_host_load_back():
-        return 0
-    best = req.best_match_node
-    admission = cache.lock(req.last_node)
-    try:
-        host_lock = cache.inc_host_lock_ref(best).to_dec_params()
-        try:
-            lock = cache.lock(best)
-            try:
-                loaded = cache.init_load_back(
-                    InitLoadBackParams(
-                        best_match_node=best,
-                        host_hit_length=req.host_hit_length,
-                        req=req,
-                    )
-                )
-            finally:
-                cache.unlock(lock)
-        finally:
-            cache.dec_host_lock_ref(best, host_lock)
-    finally:
-        cache.unlock(admission)
-    loaded_len, req.last_node = loaded
-    req.host_loaded_length = loaded_len
-    req.prefix_len += loaded_len
-    req.kv.cache_protected_len = req.prefix_len
-    complete_loads(cache)
-    return loaded_len
 
 
 def complete_loads(cache):

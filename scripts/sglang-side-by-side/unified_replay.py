@@ -51,6 +51,7 @@ logging.disable(logging.CRITICAL)
 import torch  # noqa: E402
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape  # noqa: E402
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from sglang.srt.managers.schedule_policy import PrefillAdder  # noqa: E402
 from sglang.srt.mem_cache.allocation import (  # noqa: E402
     alloc_paged_token_slots_extend,
     alloc_req_slots,
@@ -79,7 +80,12 @@ HEADER = (
     "idx\tid\tprompt\tmatched\tfull_hit\tbranch\tinserted\t"
     "ev_full\tev_aux\ttree_full\ttree_aux\tskipped"
 )
+# The column every log ends with: 1 when the admission budget refused the request (§3 step 2).
+REFUSED_COLUMN = "\trefused"
 REQ_SLOTS = 4
+# The prefill token budget of one scheduling round (SGLang's default ``max_prefill_tokens``);
+# it only bounds a second request of the same round, and the replay admits one per round.
+MAX_PREFILL_TOKENS = 16384
 DTYPE = torch.bfloat16
 # The token the one decoded position samples; never part of any insert (its KV is never
 # computed with max_new_tokens = 1).
@@ -370,20 +376,27 @@ class Replay:
         branch = m.swa_branching_seqlen
         if self.mamba and not self.both:
             branch = m.mamba_branching_seqlen
-        host_hit = 0
-        if self.host is not None:
-            host_hit = unified_hicache.load_back(cache, req)
+        host_match = req.host_hit_length
+        # SGLang's admission: budget, load-back, admission lock (§3 step 2, §10 step 1a)
+        host_hit, refused = 0, 0
+        if admit(cache, req, self.a.page_size):
+            host_hit = req.host_loaded_length
+            if self.host is not None:
+                unified_hicache.complete_loads(cache)
+        else:
+            refused = 1
         matched = req.prefix_len
-        # admission: the whole prompt is one extend (no chunking, max_new_tokens = 1)
-        req.extend_end = len(tokens)
-        req.lock = cache.lock(req.last_node)
-        prefix = cache.prefix_device_indices(req) if matched else None
         skipped = 0
-        rows, out = self.allocate(req, prefix, matched, len(tokens))
-        if out is None:
-            skipped = 1
+        if refused:
+            out = None
             self.abort(req)
         else:
+            prefix = cache.prefix_device_indices(req) if matched else None
+            rows, out = self.allocate(req, prefix, matched, len(tokens))
+            if out is None:
+                skipped = 1
+                self.abort(req)
+        if out is not None:
             row = rows[0]
             kv = torch.cat([prefix, out]) if matched else out
             cache.req_to_token_pool.write((row, slice(0, len(tokens))), kv.to(torch.int32))
@@ -398,7 +411,7 @@ class Replay:
             release_kv_cache(req, cache, checkpoint=True)
         if self.host is not None:
             unified_hicache.complete_writes(cache)
-        inserted = cache_inserted(req, skipped)
+        inserted = cache_inserted(req, skipped or refused)
         sizes = self.tree_sizes()
         ev_aux = rec.ev[2] if self.mamba and not self.both else rec.ev[1]
         row = [matched, m.full_kv_hit_length, branch, inserted, rec.ev[0], ev_aux,
@@ -413,6 +426,8 @@ class Replay:
             row += [host_hit, ev[ComponentType.FULL], ev[aux_type]]
             if self.both:
                 row.append(ev[ComponentType.MAMBA])
+            row.append(host_match)
+        row.append(refused)
         return row
 
     def allocate(self, req, prefix, matched, length):
@@ -441,9 +456,17 @@ class Replay:
 
     def abort(self, req):
         """A request whose request slots or KV could not be allocated after eviction
-        (SGLang's own allocators raise): it gives back what it took, in SGLang's pool
-        calls, inserts nothing and drops its admission lock."""
+        (SGLang's own allocators raise), or that the admission budget refused (§3 step 2;
+        the protocol drops it from the waiting queue): it gives back what it took, in
+        SGLang's pool calls, inserts nothing and drops its admission lock."""
         pool = self.cache.req_to_token_pool
+        if req.lock is None:
+            # Refused by the admission budget: it holds no row and no lock, at most the
+            # Mamba slot of its match's copy-on-write.
+            if req.kv.holds_mamba:
+                pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
+                req.kv.mamba_pool_idx = None
+            return
         if req.kv.holds_kv and self.mamba:
             pool.free_mamba_cache(req)
         elif req.kv.holds_mamba:
@@ -453,6 +476,27 @@ class Replay:
             pool.free(req)
         self.cache.unlock(req.lock)
         req.lock = None
+
+
+def admit(cache, req, page_size):
+    """The scheduler's admission of one matched request (UNIFIED_PROTOCOL.md §3 step 2,
+    §10 step 1a), by SGLang's own ``PrefillAdder.add_one_req`` on a new adder (one
+    scheduling round, no running batch, no chunked prefill): its budget check with the host
+    hit counted, with a host tier the load-back (``init_load_back``) under its locks and the
+    check again without the hit when nothing was loaded (the recompute fallback), and the
+    admission lock (``_commit_prefill_admission``). Whether it admitted the request (a
+    refused one would stay in the waiting queue)."""
+    adder = PrefillAdder(
+        page_size,
+        cache,
+        cache.token_to_kv_pool_allocator,
+        None,
+        1.0,
+        MAX_PREFILL_TOKENS,
+        None,
+    )
+    adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+    return req in adder.can_run_list
 
 
 def cache_inserted(req, skipped):
@@ -487,20 +531,27 @@ HOST_MAMBA_COLUMN = "\tev_host_mamba"
 def write_log(path, rows, final, host=False, both=False):
     """The header, one line per request and the totals line (UNIFIED_PROTOCOL.md §5); with
     both auxiliary components, the Mamba columns (§11); with a host tier, its columns and
-    totals after the others (§10)."""
+    totals after the others (§10); `refused` last."""
     header = HEADER
     cols = ["prompt", "matched", "full_hit", "inserted", "ev_full", "ev_aux", "skipped"]
     extra = []  # (total name, row index) of the columns after `skipped`
+    nxt = 11  # the row index of the next column
     if both:
         header += MAMBA_COLUMNS
         extra.append(("ev_mamba", 12))
+        nxt = 14
     if host:
         header += unified_hicache.HOST_COLUMNS
-        base = 14 if both else 11
-        extra += [("host_hit", base), ("ev_host_full", base + 1), ("ev_host_aux", base + 2)]
+        names = ["host_hit", "ev_host_full", "ev_host_aux"]
         if both:
             header += HOST_MAMBA_COLUMN
-            extra.append(("ev_host_mamba", base + 3))
+            names.append("ev_host_mamba")
+        header += unified_hicache.HOST_MATCH_COLUMN
+        names.append("host_match")
+        extra += [(k, nxt + j) for j, k in enumerate(names)]
+        nxt += len(names)
+    header += REFUSED_COLUMN
+    extra.append(("refused", nxt))
     tot = dict.fromkeys(cols + [k for k, _ in extra], 0)
     lines = [header]
     for i, row in enumerate(rows):

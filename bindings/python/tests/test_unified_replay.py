@@ -1,7 +1,8 @@
 """Issue 26, "Identical to SGLang": for every configuration in
 ``hicache-bench/tests/fixtures/unified/configs.txt`` SGLang 0.5.23's own ``UnifiedRadixCache``
-(replayed by ``scripts/sglang-side-by-side/unified_replay.py``, protocol in
-``UNIFIED_PROTOCOL.md`` there) and ``hicache-bench tree --components ...`` must write
+admitted by its own scheduler code (``PrefillAdder.add_one_req``'s budget), replayed by
+``scripts/sglang-side-by-side/unified_replay.py`` (protocol in ``UNIFIED_PROTOCOL.md``
+there), and ``hicache-bench tree --components ...`` must write
 byte-identical logs. SGLang's logs are also committed (``expected/<name>.log`` beside the
 configurations, for Rust-only tests); SGLang's replay must reproduce them exactly.
 
@@ -54,6 +55,23 @@ def test_configs_cover_every_component_and_page_size():
     pages = {int(o[o.index("--page-size") + 1]) for _, _, o in CASES}
     assert any(all(w % p == 0 for p in pages) for w in windows)
     assert any(all(w % p != 0 for p in pages) for w in windows)
+
+
+def test_budget_refuses_requests_that_do_not_fit(sglang_logs):
+    """SGLang's admission budget (``PrefillAdder.add_one_req``, UNIFIED_PROTOCOL.md §3 step 2)
+    is part of the replay: every log ends with ``refused``; the ``*-skip`` configurations of
+    both kinds have requests it refuses, which lock, evict and insert nothing."""
+    for name, _, _ in CASES:
+        lines = (sglang_logs / f"{name}.log").read_text().rstrip("\n").split("\n")
+        header = lines[0].split("\t")
+        assert header[-1] == "refused", name
+        rows = [dict(zip(header, r.split("\t"))) for r in lines[1:-1]]
+        refused = [r for r in rows if r["refused"] == "1"]
+        if name.endswith("-skip"):
+            assert refused, name
+        for r in refused:
+            assert (r["inserted"], r["ev_full"], r["ev_aux"], r["skipped"]) == (
+                "0", "0", "0", "0"), (name, r)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])

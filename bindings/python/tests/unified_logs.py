@@ -17,6 +17,8 @@ REPLAY = os.path.join(ROOT, "scripts", "sglang-side-by-side", "unified_replay.py
 
 #: The per-request columns summed into the totals line when a log has them (host tier).
 HOST_COLUMNS = ("host_hit", "ev_host_full", "ev_host_aux", "ev_host_mamba")
+# The admission columns a host-tier log ends with (UNIFIED_PROTOCOL.md §10 step 1a).
+ADMISSION_COLUMNS = ("host_match", "refused")
 
 
 def read_configs(path):
@@ -87,7 +89,7 @@ def expected_totals(header, rows):
     if "ev_mamba" in header:
         want["ev_mamba"] = sum(int(c["ev_mamba"]) for c in cols)
         want["final_tree_mamba"] = int(cols[-1]["tree_mamba"]) if cols else 0
-    for k in HOST_COLUMNS:
+    for k in HOST_COLUMNS + ADMISSION_COLUMNS:
         if k in header:
             want[k] = sum(int(c[k]) for c in cols)
     return "# totals " + " ".join(f"{k}={v}" for k, v in want.items())

@@ -58,6 +58,7 @@
 use crate::error::{CoreError, Result};
 use crate::tree::NodeId;
 
+mod admit;
 mod components;
 mod evict;
 mod host;
@@ -76,6 +77,7 @@ mod slots;
 #[cfg(test)]
 mod tests;
 
+pub use admit::{AdmissionAsk, DeviceFree};
 pub use evict::{EvictRequest, Evicted};
 pub use host::{BackupId, HostBackup, UnifiedBackupPlan};
 pub use host_insert::HostInsert;

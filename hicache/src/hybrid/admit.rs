@@ -36,17 +36,29 @@
 //!    together, the rest past the device prefix alone is tried: it fits only when states
 //!    were short, and then the host part is recomputed (SGLang's `init_load_back` fallback,
 //!    whose budget check counts tokens, not states). Whenever pages are short the request
-//!    waits with its hit.
+//!    waits with its hit. With [`MambaLoadBack::Tree`] in the config (SGLang's mode) every
+//!    host state is loaded into the tree and copied into the request's slot: one state more,
+//!    so when only states are short the host part is recomputed as without a Mamba slot.
+//! 6. **SGLang's budget first.** Before anything is allocated, the scheduler's token budget
+//!    ([`UnifiedTree::admission_fits`], the one `hicache-bench tree --host-capacity-pages`
+//!    replays against SGLang) must admit the request with its host hit counted: the part
+//!    past the device prefix, the tokens it may decode (`extent` past the prompt) and one
+//!    spare page strictly below the free and evictable Full tokens, and with SWA its window
+//!    estimate below the SWA room. A refusal there evicts nothing. When the load-back does
+//!    not fit (states short), the budget is checked again without the hit before the
+//!    fallback recomputes it.
 //!
 //! [`UnifiedTree::commit_load_back_detached`]: hicache_core::UnifiedTree::commit_load_back_detached
+//! [`UnifiedTree::admission_fits`]: hicache_core::UnifiedTree::admission_fits
 
 use hicache_core::{
-    Component, CoreError, DeviceSlot, LockReceipt, NodeId, UnifiedLoadPlan, UnifiedMatch,
+    AdmissionAsk, Component, CoreError, DeviceFree, DeviceSlot, LockReceipt, NodeId,
+    UnifiedLoadPlan, UnifiedMatch,
 };
 
-use super::StateSlot;
 use super::cache::{HybridCache, Req, Units};
 use super::types::{HybridAdmission, HybridDemand, HybridExtent, HybridSlots};
+use super::{MambaLoadBack, StateSlot};
 use crate::error::{HiCacheError, Result};
 
 /// Matches one `try_admit` makes at most before it refuses: the eviction of the first one
@@ -156,13 +168,22 @@ impl HybridCache {
             }
         };
         let guard = self.tree.lock(m.node, false)?;
+        // SGLang's budget, the host hit counted (invariant 6): a refusal evicts nothing.
+        let ask = AdmissionAsk::new(&m, tokens.len(), extent.pages * ps - tokens.len());
+        if !self.budget_fits(ask) {
+            self.tree.unlock(&guard)?;
+            return Ok(Reserve::Refused);
+        }
         if let Some(p) = &plan {
             // The prefix once loaded: the path to the load-back's node (some of whose nodes
             // may hold their Full pages on device already, and lack only another component).
             let prefix = self.tree.depth_tokens(m.host_node)?;
             // A state on host goes straight into the request's working slot (invariant 5),
-            // one of its own: no slot beside it for the tree's copy.
-            let tree_state = p.mamba.is_some() && extent.mamba_slots == 0;
+            // one of its own: no slot beside it for the tree's copy; in SGLang's mode it
+            // goes into the tree and is copied into the request's slot.
+            let into_tree =
+                extent.mamba_slots == 0 || self.config().mamba_load_back == MambaLoadBack::Tree;
+            let tree_state = p.mamba.is_some() && into_tree;
             let detached = p.mamba.is_some() && !tree_state;
             let load = (p.full_pages(), p.swa_pages(), usize::from(tree_state));
             match self.alloc_units(demand(prefix, load)) {
@@ -189,7 +210,12 @@ impl HybridCache {
             }
         }
         // No host hit, or no room for it: the rest past the device prefix (which needs as
-        // many Full and SWA pages as with the load-back or more, fewer states only).
+        // many Full and SWA pages as with the load-back or more, fewer states only), once
+        // the budget admits recomputing a Full hit (SGLang's second check).
+        if plan.is_some() && m.host_hit_len > 0 && !self.budget_fits(ask.without_host()) {
+            self.tree.unlock(&guard)?;
+            return Ok(Reserve::Refused);
+        }
         let prefix = m.device_prefix_len;
         match self.alloc_units(demand(prefix, (0, 0, 0))) {
             Ok(Some(units)) => Ok(Reserve::Ready(Box::new(Reserved {
@@ -299,6 +325,19 @@ impl HybridCache {
             mamba_host_hit: false,
             ..after
         }
+    }
+
+    /// [`UnifiedTree::admission_fits`] on the free device pages (the caller holds the
+    /// match's lock).
+    ///
+    /// [`UnifiedTree::admission_fits`]: hicache_core::UnifiedTree::admission_fits
+    fn budget_fits(&self, ask: AdmissionAsk) -> bool {
+        let ps = self.ps() as u64;
+        let free = DeviceFree {
+            full: self.pools.dev_available(Component::Full) as u64 * ps,
+            swa: self.pools.dev_available(Component::Swa) as u64 * ps,
+        };
+        self.tree.admission_fits(ask, free)
     }
 
     /// Frees the last `surplus` Full (and SWA) pages of the rest: a match that reaches

@@ -59,5 +59,5 @@ pub use state::StateSlot;
 pub use tick::{HYBRID_EXCHANGE_BACKUPS, HYBRID_EXCHANGE_LOADS};
 pub use types::{
     ComponentTotals, HybridAdmission, HybridArrival, HybridConfig, HybridDemand, HybridExtent,
-    HybridSlots, HybridTotals,
+    HybridSlots, HybridTotals, MambaLoadBack,
 };

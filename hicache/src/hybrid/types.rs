@@ -41,6 +41,29 @@ pub struct HybridConfig {
     /// split over the components in proportion to their device pools' bytes; 0 uses
     /// `hicache_ratio`.
     pub hicache_size: f64,
+    /// Where [`HybridCache::try_admit`](super::HybridCache::try_admit) loads a host hit's
+    /// Mamba state when the request asks state slots (default
+    /// [`MambaLoadBack::Request`]).
+    pub mamba_load_back: MambaLoadBack,
+}
+
+/// Where `try_admit` loads a host hit's Mamba state.
+///
+/// SGLang loads it into the tree (the node's state back on device) and copies it into the
+/// request's slot: two copies on the admission's path and one state more than recomputing
+/// the hit, so with the state pool held by running requests the hit is recomputed. Loading
+/// it straight into the request's slot is one host → device copy and no state beside the
+/// request's; the node's state stays on host only, so a later request with the same prefix
+/// loads it again (each admission pays one copy either way). Only the tree's Mamba sizes and
+/// the later matches of that node differ; `hicache-bench tree --host-capacity-pages` replays
+/// SGLang's mode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MambaLoadBack {
+    /// Straight into the request's working slot (one copy; the tree's state stays on host).
+    #[default]
+    Request,
+    /// Into the tree, then copied into the request's slot (SGLang's `init_load_back`).
+    Tree,
 }
 
 impl Default for HybridConfig {
@@ -58,6 +81,7 @@ impl Default for HybridConfig {
             prefetch_timeout_max: Duration::from_secs(30),
             hicache_ratio: 1.0,
             hicache_size: 0.0,
+            mamba_load_back: MambaLoadBack::Request,
         }
     }
 }

@@ -10,7 +10,11 @@
 //!    state takes one slot for the copy-on-write (evicting one state, node locked, if none is
 //!    free). `matched` = the valid prefix, `full_hit` = Full tokens walked, `branch` = the
 //!    branching length of SWA or Mamba.
-//! 2. **Lock** the matched node.
+//! 2. **Admission** (SGLang's `PrefillAdder.add_one_req`): the scheduler's token budget
+//!    ([`UnifiedTree::admission_fits`], the matched node locked, the host hit counted, with
+//!    a host tier the load-back and the recompute fallback's second check: `hybrid_host`);
+//!    a request it refuses is dropped (`refused`: it gives back its copy-on-write slot,
+//!    nothing else happens). Then **lock** the matched node.
 //! 3. **Mamba slots** (`alloc_req_slots`): the request needs 1 (unless it took the COW slot)
 //!    + 2 ping-pong slots; if fewer are free, evict the difference in states.
 //! 4. **KV** (`alloc_paged_token_slots_extend`): demand = (L − matched) + P tokens; evict
@@ -26,13 +30,16 @@
 //! Columns: `ev_full` / `ev_aux` sum every eviction of the request (Full tokens; SWA tokens
 //! or Mamba states, cascades included); `tree_full` / `tree_aux` are the tree's sizes after it.
 //! With `full,swa,mamba` the aux columns are SWA's and Mamba's follow (`MAMBA_COLUMNS`:
-//! `branch_mamba`, `ev_mamba`, `tree_mamba`); SGLang's insert length is then Mamba's.
+//! `branch_mamba`, `ev_mamba`, `tree_mamba`); SGLang's insert length is then Mamba's. The
+//! last column, `refused`, is 1 when the admission budget refused the request.
 
 use std::fmt::Write as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use hicache_core::{Component, EvictRequest, Evicted, InsertParams, UnifiedConfig, UnifiedTree};
+use hicache_core::{
+    Component, EvictRequest, Evicted, InsertParams, UnifiedConfig, UnifiedMatch, UnifiedTree,
+};
 use hicache_sim::trace::Request;
 
 use crate::error::{BenchError, Result};
@@ -42,6 +49,13 @@ pub const HEADER: &str = "idx\tid\tprompt\tmatched\tfull_hit\tbranch\tinserted\t
 
 /// The columns a replay with a host tier adds (see `hybrid_host`).
 pub const HOST_COLUMNS: &str = "\thost_hit\tev_host_full\tev_host_aux";
+
+/// The column a replay with a host tier adds after its others: the match's Full host hit,
+/// which the admission budget counted (see `hybrid_host`).
+pub const HOST_MATCH_COLUMN: &str = "\thost_match";
+
+/// The column every log ends with: whether the admission budget refused the request.
+pub const REFUSED_COLUMN: &str = "\trefused";
 
 /// Ping-pong tracking slots of SGLang's `extra_buffer` strategy (overlap schedule on).
 const TRACKING_SLOTS: usize = 2;
@@ -137,6 +151,10 @@ pub struct HybridOutcome {
     pub ev_mamba: u64,
     /// With both SWA and Mamba: Mamba states in the tree after.
     pub tree_mamba: u64,
+    /// The match's Full host hit, before any load-back (host tier only).
+    pub host_match: usize,
+    /// Whether the scheduler's admission budget refused the request.
+    pub refused: bool,
 }
 
 /// A replay in progress: the tree and the free Mamba slots.
@@ -216,19 +234,11 @@ impl HybridReplay {
         (self.free_mamba.len() >= n).then(|| (0..n).filter_map(|_| self.free_mamba.pop()).collect())
     }
 
-    /// Runs one request (see the module documentation).
-    pub fn run_one(&mut self, tokens: &[u32]) -> Result<HybridOutcome> {
-        let ps = self.ps();
-        let l = tokens.len();
-        let mamba = self.tree.has(Component::Mamba);
-        let (mut ev, mut ev_host) = ([0u64; 3], [0u64; 3]);
-        let m = self.tree.match_prefix(&tokens[..l.saturating_sub(1)])?;
-        let (m, host_hit) = match self.host {
-            Some(_) => self.load_back(&tokens[..l.saturating_sub(1)], m, &mut ev)?,
-            None => (m, 0),
-        };
-        let mut held: Vec<u32> = Vec::new();
-        if mamba && m.mamba_slot.is_some() {
+    /// The Mamba slot of a match's copy-on-write (step 1): one slot when the match has a
+    /// state, evicting one state (the matched node locked) when none is free.
+    fn copy_on_write(&mut self, m: &UnifiedMatch, ev: &mut [u64; 3]) -> Result<Vec<u32>> {
+        let mut held = Vec::new();
+        if self.tree.has(Component::Mamba) && m.mamba_slot.is_some() {
             if self.free_mamba.len() == 0 {
                 let r = self.tree.lock(m.node, false)?;
                 self.evict(
@@ -236,12 +246,25 @@ impl HybridReplay {
                         mamba: 1,
                         ..Default::default()
                     },
-                    &mut ev,
+                    ev,
                 );
                 self.tree.unlock(&r)?;
             }
             held.extend(self.free_mamba.pop());
         }
+        Ok(held)
+    }
+
+    /// Runs one request (see the module documentation).
+    pub fn run_one(&mut self, tokens: &[u32]) -> Result<HybridOutcome> {
+        let ps = self.ps();
+        let l = tokens.len();
+        let mamba = self.tree.has(Component::Mamba);
+        let (mut ev, mut ev_host) = ([0u64; 3], [0u64; 3]);
+        let m = self.tree.match_prefix(&tokens[..l.saturating_sub(1)])?;
+        let host_match = m.host_hit_len;
+        let (m, host_hit, refused) = self.admit(&tokens[..l.saturating_sub(1)], m, l, &mut ev)?;
+        let mut held = self.copy_on_write(&m, &mut ev)?;
         let matched = m.device_prefix_len;
         let mut out = HybridOutcome {
             prompt: l,
@@ -255,8 +278,8 @@ impl HybridReplay {
             ..Default::default()
         };
         let receipt = self.tree.lock(m.node, false)?;
-        let mut ok = true;
-        if mamba {
+        let mut ok = !refused;
+        if ok && mamba {
             let need = usize::from(held.is_empty()) + TRACKING_SLOTS;
             match self.take_mamba(need, &mut ev) {
                 Some(s) => held.extend(s),
@@ -290,7 +313,9 @@ impl HybridReplay {
                 self.backup(r.node, &mut ev_host)?;
             }
         }
-        out.skipped = !ok;
+        out.skipped = !ok && !refused;
+        out.refused = refused;
+        out.host_match = host_match;
         self.tree.unlock(&receipt)?;
         self.free_mamba.give(&held);
         // Per component ([Full, SWA, Mamba]) to the log's columns: aux is SWA's when the
@@ -392,6 +417,24 @@ pub const MAMBA_COLUMNS: &str = "\tbranch_mamba\tev_mamba\ttree_mamba";
 /// The host column `[Full, SWA, Mamba]` adds after the host tier's.
 pub const HOST_MAMBA_COLUMN: &str = "\tev_host_mamba";
 
+/// The header line of a log with `cols`.
+fn header(cols: LogColumns) -> String {
+    let mut s = String::from(HEADER);
+    if cols.mamba {
+        s.push_str(MAMBA_COLUMNS);
+    }
+    if cols.host {
+        s.push_str(HOST_COLUMNS);
+        if cols.mamba {
+            s.push_str(HOST_MAMBA_COLUMN);
+        }
+        s.push_str(HOST_MATCH_COLUMN);
+    }
+    s.push_str(REFUSED_COLUMN);
+    s.push('\n');
+    s
+}
+
 /// The log text: header, one line per request, the totals line; `cols` adds the Mamba
 /// columns of `[Full, SWA, Mamba]` and the host tier's, with their totals, after the others.
 /// `fin`: the final tree's Full tokens, aux size and Mamba states.
@@ -401,19 +444,8 @@ pub fn log_text(
     fin: [u64; 3],
     cols: LogColumns,
 ) -> String {
-    let mut s = String::new();
-    s.push_str(HEADER);
-    if cols.mamba {
-        s.push_str(MAMBA_COLUMNS);
-    }
-    if cols.host {
-        s.push_str(HOST_COLUMNS);
-        if cols.mamba {
-            s.push_str(HOST_MAMBA_COLUMN);
-        }
-    }
-    s.push('\n');
-    let mut tot = [0u64; 12];
+    let mut s = header(cols);
+    let mut tot = [0u64; 14];
     for (i, (req, o)) in trace.iter().zip(rows).enumerate() {
         let dash = |b: Option<usize>| b.map_or_else(|| "-".to_string(), |b| b.to_string());
         let branch = dash(o.branch);
@@ -440,7 +472,9 @@ pub fn log_text(
             if cols.mamba {
                 let _ = write!(s, "\t{}", o.ev_host[2]);
             }
+            let _ = write!(s, "\t{}", o.host_match);
         }
+        let _ = write!(s, "\t{}", u8::from(o.refused));
         s.push('\n');
         let row = [
             o.prompt as u64,
@@ -455,6 +489,8 @@ pub fn log_text(
             o.ev_host[1],
             o.ev_host[2],
             o.ev_mamba,
+            u64::from(o.refused),
+            o.host_match as u64,
         ];
         for (t, v) in tot.iter_mut().zip(row) {
             *t += v;
@@ -486,7 +522,9 @@ pub fn log_text(
         if cols.mamba {
             let _ = write!(s, " ev_host_mamba={}", tot[10]);
         }
+        let _ = write!(s, " host_match={}", tot[13]);
     }
+    let _ = write!(s, " refused={}", tot[12]);
     s.push('\n');
     s
 }
@@ -549,34 +587,41 @@ mod tests {
         let log = log_text(&t, &rows, fin, LogColumns::default());
         assert!(log.starts_with(HEADER));
         assert!(log.ends_with(
-            "# totals requests=3 prompt=430 matched=96 full_hit=96 inserted=416 ev_full=0 ev_aux=0 skipped=0 final_tree_full=320 final_tree_aux=320\n"
+            "# totals requests=3 prompt=430 matched=96 full_hit=96 inserted=416 ev_full=0 ev_aux=0 skipped=0 final_tree_full=320 final_tree_aux=320 refused=0\n"
         ));
     }
 
     #[test]
     fn a_small_swa_pool_tombstones_the_older_window() {
-        // SWA pool of 9 pages: the second turn's extend needs 7 + 1 pages while the first
+        // SWA pool of 11 pages: the second turn's extend needs 7 + 1 pages while the first
         // turn holds 6 (a 64-token node and its 32-token window leaf, locked by the match):
         // the older node becomes a tombstone, Full stays.
-        let (rows, _) = replay(&setup(Some(32), None, 1000, 9), &trace()).unwrap();
+        let (rows, _) = replay(&setup(Some(32), None, 1000, 11), &trace()).unwrap();
         assert_eq!((rows[1].ev_full, rows[1].ev_aux), (0, 64), "{:?}", rows[1]);
-        assert!(!rows[1].skipped);
-        // With 8 pages the tombstone frees too little: the request is skipped.
-        let (rows, _) = replay(&setup(Some(32), None, 1000, 8), &trace()).unwrap();
-        assert!(rows[1].skipped);
+        assert!(!rows[1].skipped && !rows[1].refused);
+        // With 10 pages SGLang's budget refuses it before any eviction: its SWA estimate
+        // (80 past the window + 32 + a spare page = 128 tokens) is not below the 128 free
+        // or evictable (the match's window locked).
+        let (rows, _) = replay(&setup(Some(32), None, 1000, 10), &trace()).unwrap();
+        assert!(rows[1].refused && !rows[1].skipped, "{:?}", rows[1]);
+        assert_eq!(
+            (rows[1].ev_full, rows[1].ev_aux, rows[1].inserted),
+            (0, 0, 0)
+        );
     }
 
     #[test]
-    fn mamba_replay_tracks_chunk_checkpoints_and_skips_without_room() {
+    fn mamba_replay_tracks_chunk_checkpoints_and_refuses_without_room() {
         let t = trace();
         let (rows, fin) = replay(&setup(None, Some(64), 1000, 16), &t).unwrap();
         assert_eq!(rows[0].inserted, 64, "the checkpoint at 64 of 100 tokens");
         assert_eq!(rows[1].matched, 64);
         assert_eq!(rows[1].inserted, 192);
         assert_eq!(fin[1], 3, "one state per inserted checkpoint");
-        // 4 pages cannot hold a 100-token extend plus a spare page: skipped, nothing held.
+        // 4 pages cannot hold a 100-token extend, a decoded token and a spare page: SGLang's
+        // budget refuses every request, nothing held.
         let (rows, fin) = replay(&setup(None, Some(64), 4, 16), &t).unwrap();
-        assert!(rows.iter().all(|r| r.skipped));
+        assert!(rows.iter().all(|r| r.refused && !r.skipped));
         assert_eq!(fin, [0, 0, 0]);
     }
 
@@ -595,7 +640,7 @@ mod tests {
         };
         let log = log_text(&t, &rows, fin, cols);
         assert!(
-            log.starts_with(&format!("{HEADER}{MAMBA_COLUMNS}\n")),
+            log.starts_with(&format!("{HEADER}{MAMBA_COLUMNS}{REFUSED_COLUMN}\n")),
             "{log}"
         );
         let last = log.lines().last().unwrap();
@@ -604,7 +649,7 @@ mod tests {
             "{last}"
         );
         let first = log.lines().nth(1).unwrap();
-        assert_eq!(first.split('\t').count(), 15, "{first}");
+        assert_eq!(first.split('\t').count(), 16, "{first}");
     }
 
     fn host(setup: HybridSetup, full: u64, swa: u64, mamba: u64) -> HybridSetup {
@@ -651,7 +696,9 @@ mod tests {
                 mamba: false,
             };
             let log = log_text(&t, &rows, [0, 0, 0], cols);
-            assert!(log.starts_with(&format!("{HEADER}{HOST_COLUMNS}\n")));
+            assert!(log.starts_with(&format!(
+                "{HEADER}{HOST_COLUMNS}{HOST_MATCH_COLUMN}{REFUSED_COLUMN}\n"
+            )));
             assert!(log.contains(" host_hit="), "{log}");
         }
     }

@@ -22,8 +22,8 @@
 //! `ev_host_aux` (host SWA tokens or Mamba states evicted).
 
 use hicache_core::{
-    Component, DeviceLoad, EvictRequest, Evicted, HostBackup, InsertParams, InsertSlots, NodeId,
-    UnifiedInsert, UnifiedMatch,
+    AdmissionAsk, Component, DeviceFree, DeviceLoad, EvictRequest, Evicted, HostBackup,
+    InsertParams, InsertSlots, NodeId, UnifiedInsert, UnifiedMatch,
 };
 
 use super::hybrid::HybridReplay;
@@ -70,7 +70,46 @@ impl HostTier {
     }
 }
 
+/// Tokens each request may decode (`max_new_tokens = 1`, nothing decoded yet).
+const MAX_NEW: usize = 1;
+
 impl HybridReplay {
+    /// The scheduler's admission of a matched request of `prompt` tokens (module
+    /// documentation): the budget with the host hit counted, the load-back, and the budget
+    /// again without the hit when a Full hit was not loaded. The match to use, the tokens
+    /// the reused prefix grew by, and whether the budget refused the request.
+    pub(super) fn admit(
+        &mut self,
+        key: &[u32],
+        m: UnifiedMatch,
+        prompt: usize,
+        ev: &mut [u64; 3],
+    ) -> Result<(UnifiedMatch, usize, bool)> {
+        let ask = AdmissionAsk::new(&m, prompt, MAX_NEW);
+        if !self.budget_fits(&m, ask)? {
+            return Ok((m, 0, true));
+        }
+        let promised = m.host_hit_len;
+        let (m, grown) = self.load_back(key, m, ev)?;
+        if promised > 0 && grown == 0 && !self.budget_fits(&m, ask.without_host())? {
+            return Ok((m, 0, true));
+        }
+        Ok((m, grown, false))
+    }
+
+    /// [`UnifiedTree::admission_fits`] with the match's device node locked, as the
+    /// scheduler checks.
+    fn budget_fits(&mut self, m: &UnifiedMatch, ask: AdmissionAsk) -> Result<bool> {
+        let lock = self.tree.lock(m.node, false)?;
+        let free = DeviceFree {
+            full: self.available(Component::Full),
+            swa: self.available(Component::Swa),
+        };
+        let fits = self.tree.admission_fits(ask, free);
+        self.tree.unlock(&lock)?;
+        Ok(fits)
+    }
+
     /// Inserts `key` with the request's slots when the tree tracks them (the host tier).
     pub(super) fn insert(
         &mut self,
