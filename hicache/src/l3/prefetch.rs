@@ -281,9 +281,10 @@ impl L3 {
     }
 
     /// This rank's view of every tracked prefetch for the per-tick exchange, in the agreed
-    /// (creation) order.
-    pub fn prefetch_counts(&self, page_size: usize) -> Gathered<PrefetchCounts> {
-        self.prefetches.gather(|op| self.op_counts(op, page_size))
+    /// (creation) order, into `out` (its buffers reused).
+    pub fn prefetch_counts(&self, page_size: usize, out: &mut Gathered<PrefetchCounts>) {
+        self.prefetches
+            .gather_into(out, |op| self.op_counts(op, page_size));
     }
 
     /// This rank's view of one prefetch ([`prefetch_counts`]).
