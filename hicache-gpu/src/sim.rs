@@ -158,8 +158,6 @@ enum Task {
     Run(Box<dyn FnOnce() + Send>),
     Signal(SimEvent, u64),
     Wait(SimEvent, u64),
-    /// The tasks of one [`SimStream::batch`], in queue order.
-    Batch(Vec<Task>),
 }
 
 impl Task {
@@ -168,7 +166,6 @@ impl Task {
             Task::Run(f) => f(),
             Task::Signal(e, g) => e.complete(g),
             Task::Wait(e, g) => e.wait_for(g),
-            Task::Batch(tasks) => tasks.into_iter().for_each(Task::run),
         }
     }
 }
@@ -203,11 +200,29 @@ impl Shared {
             return Err(GpuError::StreamStopped("the worker thread exited".into()));
         }
         q.tasks.push(task);
+        self.wake_if_parked(&mut q);
+        Ok(())
+    }
+
+    /// Moves every task of `tasks` (a closed batch, in queue order) to the queue in one
+    /// hand-off; `tasks` keeps its buffer for the next batch.
+    fn push_all(&self, tasks: &mut Vec<Task>) -> Result<()> {
+        let mut q = self.queue.lock();
+        if q.closed {
+            tasks.clear();
+            return Err(GpuError::StreamStopped("the worker thread exited".into()));
+        }
+        q.tasks.append(tasks);
+        self.wake_if_parked(&mut q);
+        Ok(())
+    }
+
+    /// Semantics 5: only a sleeping worker is woken.
+    fn wake_if_parked(&self, q: &mut Queue) {
         if q.parked {
             q.parked = false;
             self.bell.notify_one();
         }
-        Ok(())
     }
 
     /// Wakes a napping or sleeping worker now (someone blocks on its work).
@@ -262,18 +277,27 @@ impl Shared {
 /// A sim stream: a worker thread running its queue in order.
 pub struct SimStream {
     shared: Arc<Shared>,
-    /// The open batch's tasks (semantics 4); `None` outside a batch. Pushes take this lock
-    /// and queue under it, so the queue order is the push order across threads.
-    open: Mutex<Option<Vec<Task>>>,
+    /// The open batch (semantics 4). Pushes take this lock and queue under it, so the queue
+    /// order is the push order across threads.
+    open: Mutex<Batch>,
     worker: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for SimStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SimStream")
-            .field("batching", &self.open.lock().is_some())
+            .field("batching", &self.open.lock().open)
             .finish_non_exhaustive()
     }
+}
+
+/// A stream's batch (semantics 4); its buffer is kept from batch to batch.
+#[derive(Default)]
+struct Batch {
+    /// A [`SimStream::batch`] is running: pushes are held here until it closes.
+    open: bool,
+    /// The held tasks, in queue order (empty while no batch is open).
+    tasks: Vec<Task>,
 }
 
 /// Closes a batch when dropped (also on unwind), so tasks queued in it are never lost.
@@ -310,7 +334,7 @@ impl SimStream {
         };
         Ok(Self {
             shared,
-            open: Mutex::new(None),
+            open: Mutex::new(Batch::default()),
             worker: Some(worker),
         })
     }
@@ -320,22 +344,22 @@ impl SimStream {
     }
 
     fn push(&self, task: Task) -> Result<()> {
-        let mut open = self.open.lock();
-        match open.as_mut() {
-            Some(batch) => {
-                batch.push(task);
-                Ok(())
-            }
-            None => self.send(task),
+        let mut batch = self.open.lock();
+        if batch.open {
+            batch.tasks.push(task);
+            Ok(())
+        } else {
+            self.send(task)
         }
     }
 
     fn close_batch(&self) -> Result<()> {
-        let mut open = self.open.lock();
-        match open.take() {
-            Some(tasks) if !tasks.is_empty() => self.send(Task::Batch(tasks)),
-            _ => Ok(()),
+        let mut batch = self.open.lock();
+        batch.open = false;
+        if batch.tasks.is_empty() {
+            return Ok(());
         }
+        self.shared.push_all(&mut batch.tasks)
     }
 
     /// Runs `f`; what it queues on this stream reaches the worker as one hand-off when `f`
@@ -344,12 +368,12 @@ impl SimStream {
     /// must not block on work it queues here.
     pub fn batch<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
         {
-            let mut open = self.open.lock();
-            if open.is_some() {
-                drop(open);
+            let mut batch = self.open.lock();
+            if batch.open {
+                drop(batch);
                 return Ok(f());
             }
-            *open = Some(Vec::new());
+            batch.open = true;
         }
         let batch = OpenBatch { stream: self };
         let r = f();
