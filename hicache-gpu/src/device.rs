@@ -428,7 +428,7 @@ impl Stream {
     }
 
     /// Queues the page copy kernel (sim: its CPU reference). `scratch` must hold the index
-    /// lists the params point at.
+    /// lists the params point at (the device's and the host's pages).
     ///
     /// # Safety
     /// The params must satisfy [`copy::copy_reference`]'s contract (on sim) or reach only
@@ -440,20 +440,18 @@ impl Stream {
         word_bytes: u32,
         ctas: u32,
         threads: u32,
-        scratch: &[&Scratch],
+        scratch: [&Scratch; 2],
     ) -> Result<()> {
         match (&self.inner, self.device.backend()) {
             (StreamInner::Cuda(s), Backend::Cuda(c)) => {
                 c.launch_copy(s, &params, word_bytes, ctas, threads)
             }
             (StreamInner::Sim(s), _) => {
-                let keep: Vec<Arc<Vec<u32>>> = scratch
-                    .iter()
-                    .filter_map(|x| match x {
-                        Scratch::Sim(v) => Some(v.clone()),
-                        Scratch::Cuda(_) => None,
-                    })
-                    .collect();
+                // Held by the task, inline (no allocation per launch).
+                let keep = scratch.map(|x| match x {
+                    Scratch::Sim(v) => Some(v.clone()),
+                    Scratch::Cuda(_) => None,
+                });
                 let payload = self.device.moves_payload();
                 s.run(move || {
                     if payload {

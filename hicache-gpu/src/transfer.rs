@@ -736,7 +736,7 @@ impl TransferEngine {
                 word_bytes,
                 self.config.ctas,
                 self.config.threads_per_cta,
-                &[&scratch[0], &scratch[1]],
+                [&scratch[0], &scratch[1]],
             )
         }
     }

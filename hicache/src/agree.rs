@@ -85,19 +85,27 @@ macro_rules! exchanged_counts {
 pub(crate) use exchanged_counts;
 
 /// Replaces `fixed` and every one of `items` with every rank's minimum, through one
-/// exchange of `fixed.len() + C::LEN * items.len()` values (rules 1 and 2).
+/// exchange of `fixed.len() + C::LEN * items.len()` values (rules 1 and 2), encoded into
+/// `wire` (cleared first; kept by the caller so that a tick allocates nothing). A group whose
+/// exchange is the identity ([`RankGroup::is_identity`]) leaves every value as it is, so
+/// nothing is encoded.
 pub(crate) fn agree<C: Counts>(
     rank: &dyn RankGroup,
     fixed: &mut [u64],
     items: &mut [C],
+    wire: &mut Vec<u64>,
 ) -> Result<()> {
-    let mut v = Vec::with_capacity(fixed.len() + C::LEN * items.len());
-    v.extend_from_slice(fixed);
-    for item in items.iter() {
-        item.encode_into(&mut v);
+    if rank.is_identity() {
+        return Ok(());
     }
-    rank.exchange(&mut v, &mut [])?;
-    let (head, per) = v.split_at(fixed.len());
+    wire.clear();
+    wire.reserve(fixed.len() + C::LEN * items.len());
+    wire.extend_from_slice(fixed);
+    for item in items.iter() {
+        item.encode_into(wire);
+    }
+    rank.exchange(wire, &mut [])?;
+    let (head, per) = wire.split_at(fixed.len());
     fixed.copy_from_slice(head);
     for (item, agreed) in items.iter_mut().zip(per.chunks_exact(C::LEN)) {
         *item = C::decode(agreed);
@@ -204,21 +212,28 @@ impl<T> Tracked<T> {
     }
 
     /// This rank's [`Counts`] of every item (by `counts`), in creation order, for
-    /// [`agree`].
-    pub fn gather<C>(&self, counts: impl FnMut(&T) -> C) -> Gathered<C> {
-        Gathered {
-            seqs: self.seqs.iter().copied().collect(),
-            counts: self.items.iter().map(counts).collect(),
-        }
+    /// [`agree`], into `out` (its previous contents replaced; its buffers reused, so that a
+    /// tick allocates nothing once they have grown to the tracked count).
+    pub fn gather_into<C>(&self, out: &mut Gathered<C>, counts: impl FnMut(&T) -> C) {
+        out.seqs.clear();
+        out.seqs.extend(self.seqs.iter().copied());
+        out.counts.clear();
+        out.counts.extend(self.items.iter().map(counts));
     }
 }
 
 /// The counts of every tracked item, with their sequence numbers: this rank's from
-/// [`Tracked::gather`], every rank's minimum after [`Gathered::agree`].
+/// [`Tracked::gather_into`], every rank's minimum after [`Gathered::agree`]. Kept by its
+/// owner from tick to tick and refilled (no allocation per tick).
+///
+/// Invariant: `seqs[i]` is the sequence number of `counts[i]` (both filled together by
+/// [`Tracked::gather_into`]; [`agree`] replaces counts in place).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Gathered<C> {
     seqs: Vec<u64>,
     counts: Vec<C>,
+    /// The exchange's buffer ([`agree`]), reused.
+    wire: Vec<u64>,
 }
 
 impl<C> Default for Gathered<C> {
@@ -226,24 +241,26 @@ impl<C> Default for Gathered<C> {
         Self {
             seqs: Vec::new(),
             counts: Vec::new(),
+            wire: Vec::new(),
         }
     }
 }
 
-impl<C: Counts> Gathered<C> {
+impl<C: Counts + Copy> Gathered<C> {
     /// Replaces `fixed` and the counts with every rank's minimum ([`agree`]).
     pub fn agree(&mut self, rank: &dyn RankGroup, fixed: &mut [u64]) -> Result<()> {
-        agree(rank, fixed, &mut self.counts)
+        agree(rank, fixed, &mut self.counts, &mut self.wire)
     }
-}
-
-impl<C> IntoIterator for Gathered<C> {
-    type Item = (u64, C);
-    type IntoIter = std::iter::Zip<std::vec::IntoIter<u64>, std::vec::IntoIter<C>>;
 
     /// Each item's sequence number and counts, in creation order.
-    fn into_iter(self) -> Self::IntoIter {
-        self.seqs.into_iter().zip(self.counts)
+    pub fn iter(&self) -> impl Iterator<Item = (u64, C)> + '_ {
+        self.seqs.iter().copied().zip(self.counts.iter().copied())
+    }
+
+    /// Forgets every item (the buffers are kept).
+    pub fn clear(&mut self) {
+        self.seqs.clear();
+        self.counts.clear();
     }
 }
 
@@ -387,11 +404,12 @@ mod tests {
         let mut fixed = [5, 2];
         let mut items = [pair(7, true), pair(2, true)];
         assert_eq!(Pair::LEN, 2);
-        agree(&group, &mut fixed, &mut items).unwrap();
+        let mut wire = vec![42; 9];
+        agree(&group, &mut fixed, &mut items, &mut wire).unwrap();
         assert_eq!(fixed, [1, 2]);
         assert_eq!(items, [pair(4, false), pair(2, true)]);
         // A different shape on the peer is the group's error, passed on.
-        let err = agree(&group, &mut [1], &mut [pair(0, false)]).unwrap_err();
+        let err = agree(&group, &mut [1], &mut [pair(0, false)], &mut wire).unwrap_err();
         assert!(err.to_string().contains("shape 3"), "{err}");
     }
 
@@ -411,7 +429,10 @@ mod tests {
         let group = Peer {
             peer: vec![0, 1, 9, 1, 0],
         };
-        let mut g = t.gather(|s| Pair {
+        // A gather replaces what the buffers held before.
+        let mut g = Gathered::default();
+        t.gather_into(&mut g, |_| Pair { n: 7, flag: false });
+        t.gather_into(&mut g, |s| Pair {
             n: s.len() as u64,
             flag: true,
         });
@@ -419,8 +440,13 @@ mod tests {
         g.agree(&group, &mut fixed).unwrap();
         assert_eq!(fixed, [0]);
         let pair = |n, flag| Pair { n, flag };
-        let agreed: Vec<_> = g.into_iter().collect();
+        let agreed: Vec<_> = g.iter().collect();
         assert_eq!(agreed, [(b, pair(1, true)), (c, pair(1, false))]);
+        // The single rank's exchange is the identity: the values stay this rank's.
+        g.agree(&crate::rank::SingleRank, &mut fixed).unwrap();
+        assert_eq!(g.iter().collect::<Vec<_>>(), agreed);
+        g.clear();
+        assert_eq!(g.iter().count(), 0);
         assert_eq!(max_tracked(5, 4), 1022);
     }
 

@@ -69,6 +69,14 @@ pub trait RankGroup: Send + Sync {
     fn barrier(&self) -> Result<(), RankError> {
         self.exchange(&mut [], &mut [])
     }
+
+    /// Whether [`exchange`](Self::exchange) always leaves both vectors as they are (a group
+    /// of one that does not alter values): callers may then skip encoding the per-tick
+    /// values. `false` unless a group says otherwise, so a group that holds values back
+    /// (even of one rank) is always asked.
+    fn is_identity(&self) -> bool {
+        false
+    }
 }
 
 /// The group of one: every collective is the identity.
@@ -84,6 +92,9 @@ impl RankGroup for SingleRank {
     }
     fn exchange(&self, _min: &mut [u64], _max: &mut [u64]) -> Result<(), RankError> {
         Ok(())
+    }
+    fn is_identity(&self) -> bool {
+        true
     }
 }
 

@@ -109,17 +109,32 @@ pub(crate) struct TickParts<'a> {
 }
 
 impl TickCounts {
-    /// This rank's counts.
-    pub fn gather(copies: &Copies, l3: Option<&L3>, tiers: &Tiers) -> Result<Self> {
+    /// This rank's counts; the prefetches' into `scratch` (the buffers of an earlier tick's
+    /// [`into_scratch`](Self::into_scratch), reused).
+    pub fn gather(
+        copies: &Copies,
+        l3: Option<&L3>,
+        tiers: &Tiers,
+        mut scratch: Gathered<PrefetchCounts>,
+    ) -> Result<Self> {
         let ps = tiers.page_size();
+        match l3 {
+            Some(l3) => l3.prefetch_counts(ps, &mut scratch),
+            None => scratch.clear(),
+        }
         Ok(Self {
             writes: copies.ready_writes()?,
             loads: copies.ready_loads()?,
             backups: l3.map_or(0, L3::ready_backups),
             host_free: tiers.host_pool.available(),
             backups_incomplete: l3.map_or(usize::MAX, L3::first_incomplete_backup),
-            prefetches: l3.map_or_else(Gathered::default, |l3| l3.prefetch_counts(ps)),
+            prefetches: scratch,
         })
+    }
+
+    /// The prefetches' buffers, for the next tick's [`gather`](Self::gather).
+    pub fn into_scratch(self) -> Gathered<PrefetchCounts> {
+        self.prefetches
     }
 
     /// Every rank's minimum, through one exchange ([`Gathered::agree`]).
@@ -144,7 +159,7 @@ impl TickCounts {
     /// Applies the agreed counts: finishes the copies and backups every rank finished
     /// (starting the L3 backups of finished writes), advances or ends prefetches, then
     /// launches the D2H batch of the nodes that became due.
-    pub fn apply(self, p: TickParts<'_>) -> Result<PollReport> {
+    pub fn apply(&self, p: TickParts<'_>) -> Result<PollReport> {
         let TickParts {
             tiers,
             copies,
@@ -171,7 +186,7 @@ impl TickCounts {
             // Exclusive tiering: make host room from cold pages before new pages need it (and
             // before this tick's prefetched pages arrive: they are for requests about to run).
             l3.demote_cold(tiers)?;
-            for (seq, agreed) in self.prefetches {
+            for (seq, agreed) in self.prefetches.iter() {
                 if let Some(end) = l3.apply_prefetch(seq, agreed, tiers)? {
                     requests.prefetch_ended(end);
                 }

@@ -35,8 +35,9 @@ impl HiCache {
             l3.flush();
             l3.collect_leftovers(false, &self.tiers)?;
         }
-        let agreed =
-            TickCounts::gather(&self.copies, self.l3.as_ref(), &self.tiers)?.agree(&*self.rank)?;
+        let scratch = std::mem::take(&mut self.tick_scratch);
+        let agreed = TickCounts::gather(&self.copies, self.l3.as_ref(), &self.tiers, scratch)?
+            .agree(&*self.rank)?;
         self.scheduling = true;
         let report = agreed.apply(TickParts {
             tiers: &mut self.tiers,
@@ -44,7 +45,9 @@ impl HiCache {
             l3: self.l3.as_mut(),
             requests: &mut self.requests,
             events: &mut self.events,
-        })?;
+        });
+        self.tick_scratch = agreed.into_scratch();
+        let report = report?;
         self.tiers.refresh_gauges();
         self.publish_events();
         Ok(report)

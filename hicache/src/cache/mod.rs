@@ -75,6 +75,9 @@ pub struct HiCache {
     /// during the forward pass) it is handed over at once, so a lookup never waits for the
     /// next tick.
     scheduling: bool,
+    /// The per-tick exchange's buffers (prefetch counts), kept from poll to poll so that a
+    /// poll allocates nothing for them.
+    tick_scratch: crate::agree::Gathered<crate::l3::PrefetchCounts>,
 }
 
 impl std::fmt::Debug for HiCache {
@@ -110,6 +113,7 @@ impl HiCache {
             endpoints: p.endpoints,
             closed: false,
             scheduling: false,
+            tick_scratch: Default::default(),
         }
     }
 

@@ -46,6 +46,8 @@ pub(crate) struct L3Ops {
     /// started then is queued for `start_loading`'s flush; outside it, handed over at once
     /// (no flush follows before the next tick).
     pub scheduling: bool,
+    /// The per-tick exchange's buffers (prefetch counts), kept from tick to tick.
+    pub scratch: Gathered<PrefetchCounts>,
 }
 
 impl Default for L3Ops {
@@ -57,6 +59,7 @@ impl Default for L3Ops {
             write_warn: WarnLimit::default(),
             read_warn: WarnLimit::default(),
             scheduling: false,
+            scratch: Gathered::default(),
         }
     }
 }
@@ -196,16 +199,22 @@ impl HybridCache {
 
     /// This rank's L3 values for the tick's exchange: backups finished and drained
     /// prefetches into `fixed` (see `tick`), and each tracked prefetch's counts with its
-    /// sequence number (none without L3).
-    pub(crate) fn gather_l3(&self, fixed: &mut [u64; FIXED_VALUES]) -> Gathered<PrefetchCounts> {
+    /// sequence number (none without L3), into `out` (its buffers reused).
+    pub(crate) fn gather_l3(
+        &self,
+        fixed: &mut [u64; FIXED_VALUES],
+        out: &mut Gathered<PrefetchCounts>,
+    ) {
         let Some(l3) = &self.l3 else {
-            return Default::default();
+            out.clear();
+            return;
         };
         let ops = &self.l3_ops;
         fixed[EXCHANGE_L3_BACKUPS] = ops.backups.leading_ok(L3BackupOp::is_done) as u64;
         fixed[EXCHANGE_DRAINED] = ops.draining.leading_ok(|(s, _)| s.progress.exited()) as u64;
         let ps = self.cfg.page_size as usize;
-        ops.prefetches.gather(|p| p.counts(&l3.prefetch, ps))
+        ops.prefetches
+            .gather_into(out, |p| p.counts(&l3.prefetch, ps));
     }
 
     /// The L3 part of a tick, from the agreed values: the `backups` oldest background
@@ -214,7 +223,7 @@ impl HybridCache {
     pub(crate) fn apply_l3(
         &mut self,
         (backups, drained): (u64, u64),
-        prefetches: Gathered<PrefetchCounts>,
+        prefetches: &Gathered<PrefetchCounts>,
     ) -> Result<()> {
         for _ in 0..backups {
             let op = self.l3_ops.backups.pop().expect("counted above");
@@ -224,7 +233,7 @@ impl HybridCache {
             let (_, host) = self.l3_ops.draining.pop().expect("counted above");
             self.free_host_units(&host)?;
         }
-        for (seq, agreed) in prefetches {
+        for (seq, agreed) in prefetches.iter() {
             self.advance_prefetch(seq, agreed)?;
         }
         Ok(())

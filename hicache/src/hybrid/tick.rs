@@ -112,11 +112,14 @@ impl HybridCache {
         let mut fixed = [0; FIXED_VALUES];
         fixed[HYBRID_EXCHANGE_BACKUPS] = self.copies.backups_done()? as u64;
         fixed[HYBRID_EXCHANGE_LOADS] = self.copies.loads_done()? as u64;
-        let mut prefetches = self.gather_l3(&mut fixed);
+        let mut prefetches = std::mem::take(&mut self.l3_ops.scratch);
+        self.gather_l3(&mut fixed, &mut prefetches);
         prefetches.agree(&*self.rank, &mut fixed)?;
         self.finish_copies(&fixed)?;
         let ended = (fixed[EXCHANGE_L3_BACKUPS], fixed[EXCHANGE_DRAINED]);
-        self.apply_l3(ended, prefetches)
+        let r = self.apply_l3(ended, &prefetches);
+        self.l3_ops.scratch = prefetches;
+        r
     }
 
     /// Finishes the copies every rank has seen land (the agreed `fixed`), starting the L3

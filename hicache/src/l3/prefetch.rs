@@ -281,9 +281,10 @@ impl L3 {
     }
 
     /// This rank's view of every tracked prefetch for the per-tick exchange, in the agreed
-    /// (creation) order.
-    pub fn prefetch_counts(&self, page_size: usize) -> Gathered<PrefetchCounts> {
-        self.prefetches.gather(|op| self.op_counts(op, page_size))
+    /// (creation) order, into `out` (its buffers reused).
+    pub fn prefetch_counts(&self, page_size: usize, out: &mut Gathered<PrefetchCounts>) {
+        self.prefetches
+            .gather_into(out, |op| self.op_counts(op, page_size));
     }
 
     /// This rank's view of one prefetch ([`prefetch_counts`]).
@@ -493,7 +494,8 @@ impl L3 {
             // A queued task never exits by itself.
             self.engine.flush();
         }
-        let deadline = Instant::now() + LEFTOVER_WAIT;
+        // Read the clock only when waiting: a poll (`!wait`) never needs the deadline.
+        let deadline = wait.then(|| Instant::now() + LEFTOVER_WAIT);
         let mut back = Vec::new();
         self.draining.retain(|s| {
             if !wait && !s.progress.exited() {
@@ -508,9 +510,9 @@ impl L3 {
                     }
                     return false;
                 }
-                if !wait {
+                let Some(deadline) = deadline else {
                     return true;
-                }
+                };
                 // Woken when the task sets `exited` (under this lock, so no wake-up is lost).
                 if s.exited.wait_until(&mut st, deadline).timed_out() && !st.exited {
                     tracing::warn!(
