@@ -73,6 +73,9 @@ pub(crate) struct Copies {
     queued_loads: Vec<QueuedLoad>,
     /// Launched H2D batches, oldest first.
     loads: Fifo<LoadBatch>,
+    /// `launch_writes`' slot lists (device, host) of the batch it launches: empty between
+    /// calls, kept so that a poll allocates no list for them.
+    write_slots: (Vec<DeviceSlot>, Vec<HostSlot>),
 }
 
 impl Copies {
@@ -94,6 +97,7 @@ impl Copies {
             writes: Fifo::default(),
             queued_loads: Vec::new(),
             loads: Fifo::default(),
+            write_slots: (Vec::new(), Vec::new()),
         }
     }
 
@@ -178,8 +182,23 @@ impl Copies {
         } else {
             with_unbacked_ancestors(&tiers.tree, due)?
         };
-        let mut dev = Vec::new();
-        let mut host = Vec::new();
+        let (mut dev, mut host) = std::mem::take(&mut self.write_slots);
+        let launched = self.plan_writes(due, tiers, &mut dev, &mut host);
+        dev.clear();
+        host.clear();
+        self.write_slots = (dev, host);
+        launched
+    }
+
+    /// `launch_writes`' body: commits the backup of each `due` node that finds host room,
+    /// gathering the batch's slots in `dev` and `host`, and launches the batch.
+    fn plan_writes(
+        &mut self,
+        due: Vec<NodeId>,
+        tiers: &mut Tiers,
+        dev: &mut Vec<DeviceSlot>,
+        host: &mut Vec<HostSlot>,
+    ) -> Result<usize> {
         let mut ids = Vec::new();
         for node in due {
             let plan = match tiers.tree.begin_backup(node) {
@@ -221,8 +240,8 @@ impl Copies {
         }
         tracing::Span::current().record("pages", dev.len());
         let after = self.after_compute()?;
-        let after: Vec<&Event> = after.iter().collect();
-        let done = self.engine.backup(&dev, &host, &after)?;
+        let after = after.as_ref();
+        let done = self.engine.backup(dev, host, after.as_slice())?;
         self.writes.push(WriteBatch {
             done,
             ids,
