@@ -75,7 +75,10 @@ impl UnifiedTree {
     pub fn admission_fits(&self, ask: AdmissionAsk, free: DeviceFree) -> bool {
         let ps = self.ps();
         let past = ask.prompt.saturating_sub(ask.device_prefix) as u64;
-        let total = past + ask.max_new as u64 + ps as u64;
+        // Saturating: a caller's `max_new` may be any size (it is refused, never a panic).
+        let total = past
+            .saturating_add(ask.max_new as u64)
+            .saturating_add(ps as u64);
         if total >= free.full + self.evictable_size(Component::Full) {
             return false;
         }
@@ -94,7 +97,7 @@ impl UnifiedTree {
                 .saturating_sub(ask.host_hit),
         );
         let needed = ext.saturating_sub(window)
-            + (ext + ask.max_new).min(window)
+            + ext.saturating_add(ask.max_new).min(window)
             + ps
             + page_up(ask.swa_host_hit);
         (needed as u64) < free.swa + self.evictable_size(Component::Swa)
@@ -156,5 +159,20 @@ mod tests {
         // Recomputed: ext 208 → 144 + 64 + 16 = 224.
         assert!(!t.admission_fits(a.without_host(), free(224)));
         assert!(t.admission_fits(a.without_host(), free(225)));
+    }
+
+    #[test]
+    fn an_ask_of_any_size_is_refused_never_a_panic() {
+        let huge = AdmissionAsk {
+            max_new: usize::MAX,
+            ..ask(200, 0, 128, 64)
+        };
+        for t in [tree(None), tree(Some(64))] {
+            let all = DeviceFree {
+                full: u64::MAX - 1,
+                swa: u64::MAX - 1,
+            };
+            assert!(!t.admission_fits(huge, all));
+        }
     }
 }

@@ -169,7 +169,9 @@ impl HybridCache {
         };
         let guard = self.tree.lock(m.node, false)?;
         // SGLang's budget, the host hit counted (invariant 6): a refusal evicts nothing.
-        let ask = AdmissionAsk::new(&m, tokens.len(), extent.pages * ps - tokens.len());
+        // `try_admit` checked `extent.pages · ps ≥ tokens.len()` with the same saturating product.
+        let max_new = extent.pages.saturating_mul(ps) - tokens.len();
+        let ask = AdmissionAsk::new(&m, tokens.len(), max_new);
         if !self.budget_fits(ask) {
             self.tree.unlock(&guard)?;
             return Ok(Reserve::Refused);

@@ -171,7 +171,8 @@ impl L3Part {
     }
 
     /// Queues a job's writes for the next flush (then they run in the background), one
-    /// backup job per component with pages. The caller releases `host_lock` (the job's node) once the op is done and agreed.
+    /// backup job per component with pages. The caller releases `host_lock` (the job's
+    /// node) once the op is done and agreed.
     pub fn spawn_backup(&self, job: L3Job, host_lock: HostLockReceipt) -> Result<L3BackupOp> {
         let part_slots = [
             job.parts[0].slots.clone(),
