@@ -39,7 +39,9 @@ the same SGLang calls (the controller's ``_page_set_zero_copy`` / ``_page_get_ze
 ``batch_exists``) on one host pool of 8 MiB pages, ``--mooncake-batch`` (128) pages a call:
 our ``memory`` backend against Mooncake with its segment in this process, and our ``redis``
 backend (a 3-node Redis Cluster on loopback) against Mooncake with its segment in a separate
-store process over TCP. Fresh keys every round; both sides' pages are deleted after each
+store process over TCP, twice: the cluster's servers as docs/user-guide.md deploys them for
+an L3 (jemalloc keeping freed memory: ``redis`` rows) and with the allocator's defaults
+(``redis-default-alloc`` rows). Fresh keys every round; both sides' pages are deleted after each
 round. Without an importable ``mooncake`` these rows are skipped with a message saying how
 to install it (bindings/python/README.md).
 ``--before-site DIR`` runs the whole bench alternately against the package installed in DIR
@@ -752,13 +754,19 @@ def bench_l3_references(batch, repeats, root, segment_bytes=None):
         ours.close()
         ref.store.close()
         del ref
+    # Two clusters against the same Mooncake store: the servers as the user guide deploys them
+    # for an L3 (jemalloc keeps freed memory, as Mooncake keeps its preallocated segment),
+    # then with the allocator's defaults (freed pages go back to the kernel and every value of
+    # 8 MiB or more is page-faulted in again on the server).
     with l3_services.mooncake_master(logs) as (master, meta), \
-            l3_services.mooncake_store_process(master, meta, segment_bytes, logs), \
-            l3_services.redis_cluster() as nodes:
+            l3_services.mooncake_store_process(master, meta, segment_bytes, logs):
         ref = _mooncake_backend(pool, master, meta, 0)
-        ours = _ours_backend(pool, {"backend": "redis", "nodes": nodes})
-        add("redis", "mooncake-tcp-store", run_pair(ours, ref, 2))
-        ours.close()
+        for tag, (name, keep) in enumerate((("redis", True), ("redis-default-alloc", False)),
+                                           start=2):
+            with l3_services.redis_cluster(keep_freed_memory=keep) as nodes:
+                ours = _ours_backend(pool, {"backend": "redis", "nodes": nodes})
+                add(name, "mooncake-tcp-store", run_pair(ours, ref, tag))
+                ours.close()
         ref.store.close()
         del ref
     shutil.rmtree(logs, ignore_errors=True)

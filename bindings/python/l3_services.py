@@ -156,14 +156,40 @@ def _redis_cli(port, *args):
                           capture_output=True, text=True, timeout=30).stdout
 
 
+# jemalloc options that make a server keep the memory of freed values for the next ones
+# (``MALLOC_CONF`` for a redis-server linked to the system's jemalloc, as Debian's and
+# Ubuntu's packages are; ``JE_MALLOC_CONF`` for Redis's or Valkey's bundled jemalloc, built with
+# the ``je_`` prefix). By default jemalloc hands freed pages back to the kernel within
+# ``dirty_decay_ms`` (10 s) and at once for allocations of 8 MiB or more (its oversize arena),
+# so a server storing 8 MiB pages page-faults every byte of every value it receives or sends.
+KEEP_FREED_MEMORY = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+
+
+def _server_keeps_freed_memory(port):
+    """Whether the server's allocator runs with ``KEEP_FREED_MEMORY`` (its
+    ``MEMORY MALLOC-STATS`` names the options jemalloc runs with)."""
+    stats = _redis_cli(port, "memory", "malloc-stats")
+    return "opt.dirty_decay_ms: -1" in stats and "opt.muzzy_decay_ms: -1" in stats
+
+
 @contextlib.contextmanager
-def redis_cluster(primaries=3):
+def redis_cluster(primaries=3, keep_freed_memory=False):
     """A Redis Cluster of ``primaries`` nodes on loopback (apt's redis-server and redis-cli,
-    no persistence), healthy before it is yielded. Yields the nodes' ``host:port``."""
+    no persistence), healthy before it is yielded. Yields the nodes' ``host:port``.
+
+    ``keep_freed_memory``: the servers run with ``KEEP_FREED_MEMORY`` (what
+    docs/user-guide.md recommends for an L3 cluster of large pages); a server whose allocator
+    did not take it (not jemalloc) fails the start with that said."""
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         raise RuntimeError("redis-server and redis-cli are needed (apt-get install redis-server)")
     work = tempfile.mkdtemp(prefix="hicache-bench-redis-")
     procs, ports = [], []
+    env = dict(os.environ)
+    for name in ("MALLOC_CONF", "JE_MALLOC_CONF"):
+        if keep_freed_memory:
+            env[name] = KEEP_FREED_MEMORY
+        else:
+            env.pop(name, None)
     try:
         for i in range(primaries):
             port = _redis_port()
@@ -173,10 +199,13 @@ def redis_cluster(primaries=3):
                 ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
                  "--appendonly", "no", "--cluster-enabled", "yes",
                  "--cluster-config-file", os.path.join(d, "nodes.conf"), "--dir", d],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
             ports.append(port)
         for p, port in zip(procs, ports):
             _wait_port(port, p, "redis-server")
+            if keep_freed_memory and not _server_keeps_freed_memory(port):
+                raise RuntimeError(f"redis-server on port {port} did not take the allocator "
+                                   f"options {KEEP_FREED_MEMORY} (is it linked to jemalloc?)")
         nodes = [f"127.0.0.1:{p}" for p in ports]
         out = subprocess.run(["redis-cli", "--cluster", "create", *nodes, "--cluster-yes"],
                              stdin=subprocess.DEVNULL, capture_output=True, text=True,
