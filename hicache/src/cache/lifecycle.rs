@@ -31,14 +31,14 @@ impl HiCache {
     #[tracing::instrument(level = "trace", skip_all)]
     fn poll_inner(&mut self) -> Result<PollReport> {
         if let Some(l3) = &mut self.l3 {
-            // L3 work queued since the last flush (arrivals after `start_loading`).
-            l3.flush();
+            // L3 work queued since the last flush (arrivals after `start_loading`) is handed
+            // over; this tick's lookups wait for `start_loading`.
+            l3.begin_scheduling();
             l3.collect_leftovers(false, &self.tiers)?;
         }
         let scratch = std::mem::take(&mut self.tick_scratch);
         let agreed = TickCounts::gather(&self.copies, self.l3.as_ref(), &self.tiers, scratch)?
             .agree(&*self.rank)?;
-        self.scheduling = true;
         let report = agreed.apply(TickParts {
             tiers: &mut self.tiers,
             copies: &mut self.copies,
@@ -60,10 +60,9 @@ impl HiCache {
     pub fn start_loading(&mut self) -> Result<Option<usize>> {
         self.check_open()?;
         let producer = self.copies.start_loading()?;
-        self.scheduling = false;
         if let Some(l3) = &self.l3 {
             // The tick's L3 work (this poll's backups, this tick's lookups) in one hand-off.
-            l3.flush();
+            l3.end_scheduling();
         }
         Ok(producer)
     }

@@ -70,11 +70,6 @@ pub struct HiCache {
     /// KV-event publisher and metrics endpoint (stopped when the cache is dropped).
     endpoints: crate::observe::Endpoints,
     closed: bool,
-    /// Between `poll` and `start_loading` (the scheduling part of a tick): L3 work started
-    /// now is handed over by `start_loading`, moments later; outside it (e.g. an arrival
-    /// during the forward pass) it is handed over at once, so a lookup never waits for the
-    /// next tick.
-    scheduling: bool,
     /// The per-tick exchange's buffers (prefetch counts), kept from poll to poll so that a
     /// poll allocates nothing for them.
     tick_scratch: crate::agree::Gathered<crate::l3::PrefetchCounts>,
@@ -112,7 +107,6 @@ impl HiCache {
             events: Vec::new(),
             endpoints: p.endpoints,
             closed: false,
-            scheduling: false,
             tick_scratch: Default::default(),
         }
     }

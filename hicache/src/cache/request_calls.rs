@@ -63,10 +63,6 @@ impl HiCache {
         {
             request.prefetch = Some(seq);
             arrival.prefetch_pages = pages;
-            if !self.scheduling {
-                // No `start_loading` follows before the next tick: hand the lookup over now.
-                l3.flush();
-            }
         }
         self.requests.insert(req, request);
         Ok(arrival)

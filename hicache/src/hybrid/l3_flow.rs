@@ -42,10 +42,6 @@ pub(crate) struct L3Ops {
     write_warn: WarnLimit,
     /// Warnings of prefetches that lost pages to storage errors (the dense tier's).
     read_warn: WarnLimit,
-    /// Between `poll` and `start_loading` (the scheduling part of a tick): a prefetch
-    /// started then is queued for `start_loading`'s flush; outside it, handed over at once
-    /// (no flush follows before the next tick).
-    pub scheduling: bool,
     /// The per-tick exchange's buffers (prefetch counts), kept from tick to tick.
     pub scratch: Gathered<PrefetchCounts>,
 }
@@ -58,7 +54,6 @@ impl Default for L3Ops {
             draining: Fifo::default(),
             write_warn: WarnLimit::default(),
             read_warn: WarnLimit::default(),
-            scheduling: false,
             scratch: Gathered::default(),
         }
     }
@@ -175,14 +170,28 @@ impl HybridCache {
         !self.l3_ops.backups.is_empty() || !self.l3_ops.prefetches.is_empty()
     }
 
-    /// Hands the L3 tasks queued since the last flush (this tick's backups and lookups) to
-    /// the runtime with one wake-up (the dense tier's submission rule, `L3Engine`'s module
-    /// docs): at `start_loading`, at the start of `poll`, at an arrival outside the
-    /// scheduling part of a tick, and before every wait for L3 work (a queued task never
+    /// Hands the L3 tasks queued since the last flush to the runtime with one wake-up
+    /// (`L3Engine`'s submission rule): before every wait for L3 work (a queued task never
     /// runs by itself).
     pub(crate) fn flush_l3(&self) {
         if let Some(l3) = &self.l3 {
             l3.engine.flush();
+        }
+    }
+
+    /// The start of a tick's scheduling part (`poll`) on the L3 engine: a flush, then this
+    /// tick's lookups wait for [`HybridCache::l3_end_scheduling`].
+    pub(crate) fn l3_begin_scheduling(&self) {
+        if let Some(l3) = &self.l3 {
+            l3.engine.begin_scheduling();
+        }
+    }
+
+    /// The end of a tick's scheduling part (`start_loading`): the tick's L3 work in one
+    /// hand-off; lookups started after it are handed over at once.
+    pub(crate) fn l3_end_scheduling(&self) {
+        if let Some(l3) = &self.l3 {
+            l3.engine.end_scheduling();
         }
     }
 
@@ -281,10 +290,9 @@ impl HybridCache {
             ],
             missing: missing.clone(),
         };
-        l3.engine.defer(run_prefetch(task, shared.clone()));
-        if !self.l3_ops.scheduling {
-            l3.engine.flush();
-        }
+        // Handed over with the tick's flush, or at once outside the scheduling part of a
+        // tick (the engine's submission rule).
+        l3.engine.lookup(run_prefetch(task, shared.clone()));
         let host_lock = self.tree.lock_host(m.host_node)?;
         let seq = self.l3_ops.prefetches.insert(PrefetchOp {
             req,

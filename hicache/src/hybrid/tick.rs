@@ -49,9 +49,9 @@ impl HybridCache {
         if self.is_closed() {
             return Err(crate::HiCacheError::Closed);
         }
-        // L3 work queued since the last flush (arrivals after `start_loading`).
-        self.flush_l3();
-        self.l3_ops.scheduling = true;
+        // L3 work queued since the last flush (arrivals after `start_loading`) is handed
+        // over; this tick's lookups wait for `start_loading`.
+        self.l3_begin_scheduling();
         self.tick(false)?;
         self.launch_writes()?;
         self.publish();
@@ -89,9 +89,8 @@ impl HybridCache {
         if self.is_closed() {
             return Err(crate::HiCacheError::Closed);
         }
-        self.l3_ops.scheduling = false;
         // The tick's L3 work (this poll's backups, this tick's lookups) in one hand-off.
-        self.flush_l3();
+        self.l3_end_scheduling();
         Ok(self.copies.close_batch())
     }
 

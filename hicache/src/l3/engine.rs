@@ -8,12 +8,16 @@
 //! starts during one tick (lookups at arrival, backups at poll) is therefore queued
 //! ([`L3Engine::defer`], [`L3Engine::backup`]) and handed over together by
 //! [`L3Engine::flush`]: one wake per flush, whatever the number of tasks. Both controllers
-//! flush at their tick's boundaries and before every wait for queued work (queued work never
-//! runs by itself).
+//! mark their tick's boundaries on the engine ([`L3Engine::begin_scheduling`] at `poll`,
+//! [`L3Engine::end_scheduling`] at `start_loading`, each a flush) and flush before every wait
+//! for queued work (queued work never runs by itself). A lookup a request starts
+//! ([`L3Engine::lookup`]) waits for `start_loading`'s flush when it starts between the two, and
+//! is handed over at once otherwise, where no flush follows before the next tick.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use hicache_core::HostSlot;
 use hicache_storage::{LayoutKind, STORAGE_BATCH_SIZE, Storage};
@@ -34,6 +38,10 @@ pub(crate) struct L3Engine {
     pub batch: usize,
     /// Tasks queued by `defer`, handed to the runtime by `flush`.
     deferred: Mutex<Vec<Task>>,
+    /// Between `begin_scheduling` and `end_scheduling` (a tick's `poll` .. `start_loading`):
+    /// a lookup started then is queued for `end_scheduling`'s flush. Only the controller's
+    /// thread reads and writes it (relaxed: no other memory is published through it).
+    scheduling: AtomicBool,
 }
 
 /// A task queued for the runtime.
@@ -55,6 +63,33 @@ impl L3Engine {
             write_permits: Arc::new(Semaphore::new(L3_WRITE_BATCHES_IN_FLIGHT)),
             batch,
             deferred: Mutex::new(Vec::new()),
+            scheduling: AtomicBool::new(false),
+        }
+    }
+
+    /// The start of a tick's scheduling part (its `poll`): hands over what was queued since
+    /// the last flush, then queues the lookups started from now on for
+    /// [`L3Engine::end_scheduling`].
+    pub fn begin_scheduling(&self) {
+        self.flush();
+        self.scheduling.store(true, Ordering::Relaxed);
+    }
+
+    /// The end of a tick's scheduling part (its `start_loading`): everything queued during it
+    /// (the poll's backups, the tick's lookups) in one hand-off; lookups started after it are
+    /// handed over at once.
+    pub fn end_scheduling(&self) {
+        self.scheduling.store(false, Ordering::Relaxed);
+        self.flush();
+    }
+
+    /// Queues a lookup a request started (an arrival's prefetch): it waits for the tick's
+    /// flush when started in the scheduling part of a tick, and is handed over at once
+    /// outside it (no flush follows before the next tick).
+    pub fn lookup(&self, f: impl Future<Output = ()> + Send + 'static) {
+        self.defer(f);
+        if !self.scheduling.load(Ordering::Relaxed) {
+            self.flush();
         }
     }
 
@@ -134,5 +169,73 @@ impl L3Engine {
     pub fn close(self) {
         self.flush();
         self.runtime.shutdown_timeout(SHUTDOWN_WAIT);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+
+    use hicache_storage::memory::{MemoryBackend, MemoryOptions};
+
+    use super::*;
+
+    fn engine() -> L3Engine {
+        let storage: Arc<dyn Storage> = Arc::new(MemoryBackend::new(MemoryOptions::default()));
+        L3Engine::new(storage, crate::l3::new_runtime().unwrap(), None)
+    }
+
+    fn queued(e: &L3Engine) -> usize {
+        e.deferred.lock().len()
+    }
+
+    /// The submission rule: a lookup started outside a tick's scheduling part runs without
+    /// any later flush; one started inside it is queued until `end_scheduling`, then runs.
+    #[test]
+    fn lookups_wait_for_the_ticks_flush_only_inside_its_scheduling_part() {
+        let e = engine();
+        let (tx, rx) = mpsc::channel();
+
+        let t = tx.clone();
+        e.lookup(async move { t.send("outside").unwrap() });
+        assert_eq!(
+            queued(&e),
+            0,
+            "outside the scheduling part: handed over at once"
+        );
+        assert_eq!(rx.recv().unwrap(), "outside");
+
+        e.begin_scheduling();
+        let t = tx.clone();
+        e.lookup(async move { t.send("inside").unwrap() });
+        let t = tx.clone();
+        e.defer(async move { t.send("backup").unwrap() });
+        assert_eq!(queued(&e), 2, "inside: queued for start_loading's flush");
+        e.end_scheduling();
+        assert_eq!(queued(&e), 0);
+        let mut got = [rx.recv().unwrap(), rx.recv().unwrap()];
+        got.sort();
+        assert_eq!(got, ["backup", "inside"]);
+
+        // After the tick, arrivals are handed over at once again.
+        e.lookup(async move { tx.send("after").unwrap() });
+        assert_eq!(queued(&e), 0);
+        assert_eq!(rx.recv().unwrap(), "after");
+        e.close();
+    }
+
+    /// `begin_scheduling` hands over what arrivals queued before it (nothing is left for
+    /// the tick after).
+    #[test]
+    fn begin_scheduling_flushes_what_was_queued_before() {
+        let e = engine();
+        let (tx, rx) = mpsc::channel();
+        e.defer(async move { tx.send(1).unwrap() });
+        assert_eq!(queued(&e), 1);
+        e.begin_scheduling();
+        assert_eq!(queued(&e), 0);
+        assert_eq!(rx.recv().unwrap(), 1);
+        e.end_scheduling();
+        e.close();
     }
 }

@@ -190,11 +190,22 @@ impl L3 {
     }
 
     /// Hands the lookups and backups queued since the last flush to the runtime, with one
-    /// wake-up (see [`L3Engine::flush`]). The controller flushes at the start of `poll`, at
-    /// `start_loading`, at an arrival outside `poll`..`start_loading`, and before it reports
-    /// what is in flight; every blocking wait of this tier flushes first.
+    /// wake-up (see [`L3Engine::flush`]). Besides the tick's boundaries below, the controller
+    /// flushes before it reports what is in flight; every blocking wait of this tier flushes
+    /// first.
     pub fn flush(&self) {
         self.engine.flush();
+    }
+
+    /// The start of a tick's scheduling part (`poll`): see [`L3Engine::begin_scheduling`].
+    pub fn begin_scheduling(&self) {
+        self.engine.begin_scheduling();
+    }
+
+    /// The end of a tick's scheduling part (`start_loading`): see
+    /// [`L3Engine::end_scheduling`].
+    pub fn end_scheduling(&self) {
+        self.engine.end_scheduling();
     }
 
     /// The backend's name.

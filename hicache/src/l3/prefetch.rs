@@ -263,8 +263,9 @@ impl L3 {
             layout: self.layout,
             shared: shared.clone(),
         };
-        // Handed to the runtime at the tick's next flush (one wake-up per tick).
-        self.engine.defer(job.run());
+        // Handed to the runtime with the tick's flush, or at once outside the scheduling
+        // part of a tick (the engine's submission rule).
+        self.engine.lookup(job.run());
         let seq = self.prefetches.insert(PrefetchOp {
             req,
             tenant,
