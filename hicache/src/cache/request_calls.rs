@@ -111,10 +111,15 @@ impl HiCache {
         let (tenant, storage_pages, carried, prompt_tokens) =
             (r.tenant, r.storage_pages, r.carried_loaded, r.prompt_tokens);
         let key = self.aligned(tokens);
-        let m = self.tiers.tree.match_prefix(tenant, key)?;
+        let mut m = self.tiers.tree.match_prefix(tenant, key)?;
+        let device_pages = m.device_pages();
         // Pages an undone admission loaded are at the end of the device prefix now.
-        let carried = carried.min(m.device_pages());
-        let mut prefix = m.device_slots.clone();
+        let carried = carried.min(device_pages);
+        // The match's slots become the admission's (moved, not copied), with room for one
+        // slot per page of the whole prompt (a partial last page included): the engine
+        // appends the slots it allocates for the rest without growing the vector.
+        let mut prefix = std::mem::take(&mut m.device_slots);
+        prefix.reserve_exact(tokens.len().div_ceil(self.page_size()) - device_pages);
         let mut lock = m.last_device_node;
         let mut loaded = 0;
         if let Some((node, slots)) = self.load_back(req, &m, mem_quota_pages)? {
@@ -126,7 +131,7 @@ impl HiCache {
         let from_host = loaded + carried;
         let storage = storage_pages.min(from_host);
         let admission = Admission {
-            device_pages: m.device_pages() - carried,
+            device_pages: device_pages - carried,
             host_pages: from_host - storage,
             storage_pages: storage,
             prefix_slots: prefix,
@@ -293,6 +298,7 @@ impl HiCache {
             tokens,
             slots,
             admitted.shared_pages,
+            &mut self.slot_marks,
         )?;
         let r = self.requests.get(req)?;
         let (tenant, priority) = (r.tenant, r.priority);
