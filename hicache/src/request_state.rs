@@ -290,3 +290,29 @@ pub(crate) fn check_slots(
         _ => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::SlotMarks;
+    use hicache_core::DeviceSlot;
+
+    fn slots(v: &[u32]) -> Vec<DeviceSlot> {
+        v.iter().copied().map(DeviceSlot).collect()
+    }
+
+    #[test]
+    fn slot_marks_find_the_first_repeat_and_are_left_clear() {
+        let mut m = SlotMarks::default();
+        for cap in [16, 64, 65, 1000] {
+            assert_eq!(m.first_repeat(&slots(&[3, 1, 2]), cap), None);
+            assert_eq!(m.first_repeat(&slots(&[5, 1, 7, 1, 5]), cap), Some(3));
+            assert_eq!(m.first_repeat(&slots(&[5, 6, 5, 6]), cap), Some(2));
+            assert_eq!(m.first_repeat(&[], cap), None);
+            // Out of the pool: not marked (reported as unallocated by the caller).
+            assert_eq!(m.first_repeat(&slots(&[9999, 9999, 4]), cap), None);
+            assert!(m.bits.iter().all(|&w| w == 0), "marks left set (cap {cap})");
+            // Marks of an earlier check never count in the next one.
+            assert_eq!(m.first_repeat(&slots(&[1, 2, 3, 5, 6, 7]), cap), None);
+        }
+    }
+}

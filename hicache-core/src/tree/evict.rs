@@ -220,6 +220,8 @@ impl HiRadixTree {
     /// and host-protected nodes are never chosen.
     pub fn evict_host(&mut self, pages: usize) -> EvictHostOutcome {
         let mut out = EvictHostOutcome::default();
+        // Sized once for the pages asked for, never beyond what the tree holds on host.
+        out.host_slots.reserve(pages.min(self.host_pages));
         let ps = self.ps;
         while out.freed_pages < pages {
             let Some(x) = self.host.pop(&mut self.arena) else {
