@@ -233,9 +233,18 @@ impl HiCache {
         } = self.insert_request(req, tokens, slots, false)?;
         self.tiers.tree.unlock(admitted.lock)?;
         record_hits(&self.tiers.metrics, self.page_size(), admitted);
-        let mut free = slots[lo..res.prefix_pages].to_vec();
-        free.extend_from_slice(&slots[n..]);
-        self.tiers.free_device(&free)?;
+        // The duplicates and the partial page's slot (at most one) are freed in one call; a
+        // vector joins them only when there are both.
+        let (dup, partial) = (&slots[lo..res.prefix_pages], &slots[n..]);
+        if dup.is_empty() || partial.is_empty() {
+            self.tiers
+                .free_device(if dup.is_empty() { partial } else { dup })?;
+        } else {
+            let mut free = Vec::with_capacity(dup.len() + partial.len());
+            free.extend_from_slice(dup);
+            free.extend_from_slice(partial);
+            self.tiers.free_device(&free)?;
+        }
         self.copies.queue_writes(res.write_through);
         self.requests.remove(req)?;
         Ok(())
