@@ -447,7 +447,7 @@ impl TransferEngine {
         }
         // Host-page order: consecutive host pages land in consecutive staging pages, so each
         // contiguous host run is one DMA copy per part.
-        let mut pairs: Vec<(u32, u32)> = hst.into_iter().zip(dev).collect();
+        let mut pairs: Vec<(u32, u32)> = hst.iter().copied().zip(dev.iter().copied()).collect();
         pairs.sort_unstable();
         let host_layout = self.host.pool().layout();
         let host_base = self.host.pool().base_ptr() as u64;
@@ -647,7 +647,7 @@ impl TransferEngine {
         device: &[DeviceSlot],
         host: &[HostSlot],
         layers: &Range<u32>,
-    ) -> Result<(Vec<u32>, Vec<u32>)> {
+    ) -> Result<(Arc<[u32]>, Arc<[u32]>)> {
         if device.len() != host.len() {
             return Err(GpuError::LengthMismatch {
                 what: "device pages vs host pages",
@@ -675,7 +675,7 @@ impl TransferEngine {
         Ok((dev, hst))
     }
 
-    fn upload(&self, stream: &Stream, dev: Vec<u32>, hst: Vec<u32>) -> Result<[Scratch; 2]> {
+    fn upload(&self, stream: &Stream, dev: Arc<[u32]>, hst: Arc<[u32]>) -> Result<[Scratch; 2]> {
         Ok([stream.upload_u32(dev)?, stream.upload_u32(hst)?])
     }
 
@@ -790,22 +790,28 @@ fn first_duplicate(pages: &[u32], cap: usize, marks: &mut Vec<u64>) -> Option<u3
     found
 }
 
-fn check_pages<S: Slot>(pool: &'static str, slots: &[S], capacity: usize) -> Result<Vec<u32>> {
-    // Sized once: collecting through `Result` loses the length and grows the vector.
-    let mut out = Vec::with_capacity(slots.len());
-    for (position, s) in slots.iter().enumerate() {
-        let page = s.index();
-        if (page as usize) >= capacity {
-            return Err(GpuError::PageOutOfRange {
-                pool,
-                page,
-                position,
-                capacity,
-            });
-        }
-        out.push(page);
+/// The raw page indices of `slots`, each checked below `capacity`: one allocation, shared
+/// as is by the sim device's queued work (an index list is never copied there).
+fn check_pages<S: Slot>(
+    pool: &'static str,
+    slots: &[S],
+    capacity: usize,
+) -> Result<Arc<[u32]>> {
+    if let Some((position, page)) = slots
+        .iter()
+        .map(|s| s.index())
+        .enumerate()
+        .find(|&(_, page)| page as usize >= capacity)
+    {
+        return Err(GpuError::PageOutOfRange {
+            pool,
+            page,
+            position,
+            capacity,
+        });
     }
-    Ok(out)
+    // A slice iterator knows its length: the shared slice is allocated once, filled in place.
+    Ok(slots.iter().map(|s| s.index()).collect())
 }
 
 impl Drop for TransferEngine {
