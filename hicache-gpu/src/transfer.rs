@@ -792,11 +792,7 @@ fn first_duplicate(pages: &[u32], cap: usize, marks: &mut Vec<u64>) -> Option<u3
 
 /// The raw page indices of `slots`, each checked below `capacity`: one allocation, shared
 /// as is by the sim device's queued work (an index list is never copied there).
-fn check_pages<S: Slot>(
-    pool: &'static str,
-    slots: &[S],
-    capacity: usize,
-) -> Result<Arc<[u32]>> {
+fn check_pages<S: Slot>(pool: &'static str, slots: &[S], capacity: usize) -> Result<Arc<[u32]>> {
     if let Some((position, page)) = slots
         .iter()
         .map(|s| s.index())
@@ -840,7 +836,10 @@ mod tests {
             // A page marked by an earlier check is not a repeat in this one.
             assert_eq!(first_duplicate(&[1, 2, 3, 5, 6, 7], cap, &mut marks), None);
         }
-        assert_eq!(first_duplicate(&[4095, 0, 4095], 4096, &mut marks), Some(4095));
+        assert_eq!(
+            first_duplicate(&[4095, 0, 4095], 4096, &mut marks),
+            Some(4095)
+        );
         assert!(marks.iter().all(|&w| w == 0));
     }
 }
