@@ -647,7 +647,7 @@ impl TransferEngine {
         device: &[DeviceSlot],
         host: &[HostSlot],
         layers: &Range<u32>,
-    ) -> Result<(Arc<[u32]>, Arc<[u32]>)> {
+    ) -> Result<(PageList, PageList)> {
         if device.len() != host.len() {
             return Err(GpuError::LengthMismatch {
                 what: "device pages vs host pages",
@@ -675,7 +675,7 @@ impl TransferEngine {
         Ok((dev, hst))
     }
 
-    fn upload(&self, stream: &Stream, dev: Arc<[u32]>, hst: Arc<[u32]>) -> Result<[Scratch; 2]> {
+    fn upload(&self, stream: &Stream, dev: PageList, hst: PageList) -> Result<[Scratch; 2]> {
         Ok([stream.upload_u32(dev)?, stream.upload_u32(hst)?])
     }
 
@@ -763,6 +763,9 @@ impl TransferEngine {
     }
 }
 
+/// A transfer's raw page indices of one pool, in pair order, shared with the queued work.
+type PageList = Arc<[u32]>;
+
 /// The first page of `pages` (in order) that repeats an earlier one; pages are below `cap`.
 /// `marks` is a bitmap of at least `cap` bits, all clear (grown here when shorter); they are
 /// all clear again on return: only the bits this call set are cleared, so the cost is the
@@ -792,7 +795,7 @@ fn first_duplicate(pages: &[u32], cap: usize, marks: &mut Vec<u64>) -> Option<u3
 
 /// The raw page indices of `slots`, each checked below `capacity`: one allocation, shared
 /// as is by the sim device's queued work (an index list is never copied there).
-fn check_pages<S: Slot>(pool: &'static str, slots: &[S], capacity: usize) -> Result<Arc<[u32]>> {
+fn check_pages<S: Slot>(pool: &'static str, slots: &[S], capacity: usize) -> Result<PageList> {
     if let Some((position, page)) = slots
         .iter()
         .map(|s| s.index())
