@@ -298,7 +298,7 @@ impl std::fmt::Debug for Stream {
 /// Index lists uploaded for one transfer; released in stream order.
 pub(crate) enum Scratch {
     Cuda(#[allow(dead_code)] StreamScratch),
-    Sim(Arc<Vec<u32>>),
+    Sim(Arc<[u32]>),
 }
 
 impl Scratch {
@@ -419,10 +419,10 @@ impl Stream {
     }
 
     /// Uploads a list of page indices, freed in stream order when the returned scratch drops.
-    pub(crate) fn upload_u32(&self, data: Vec<u32>) -> Result<Scratch> {
+    pub(crate) fn upload_u32(&self, data: Arc<[u32]>) -> Result<Scratch> {
         match (&self.inner, self.device.backend()) {
             (StreamInner::Cuda(s), Backend::Cuda(c)) => Ok(Scratch::Cuda(c.upload_u32(s, &data)?)),
-            (StreamInner::Sim(_), _) => Ok(Scratch::Sim(Arc::new(data))),
+            (StreamInner::Sim(_), _) => Ok(Scratch::Sim(data)),
             _ => unreachable!("a stream's backend is its device's"),
         }
     }

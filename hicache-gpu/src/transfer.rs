@@ -240,6 +240,11 @@ pub struct TransferEngine {
     write_stream: Stream,
     load_stream: Stream,
     staging: Option<Staging>,
+    /// Marks of destination pages for the duplicate check, one bit per page of the pool
+    /// written, kept between transfers so that the check allocates, sorts and zeroes
+    /// nothing. Invariant: every bit is clear between checks ([`first_duplicate`] clears the
+    /// bits it set before it returns).
+    dup_marks: Mutex<Vec<u64>>,
 }
 
 /// Device staging of backups (see [`TransferConfig::staged_backup_pages`]).
@@ -357,6 +362,7 @@ impl TransferEngine {
             host,
             config,
             word_bytes,
+            dup_marks: Mutex::new(Vec::new()),
         })
     }
 
@@ -441,7 +447,7 @@ impl TransferEngine {
         }
         // Host-page order: consecutive host pages land in consecutive staging pages, so each
         // contiguous host run is one DMA copy per part.
-        let mut pairs: Vec<(u32, u32)> = hst.into_iter().zip(dev).collect();
+        let mut pairs: Vec<(u32, u32)> = hst.iter().copied().zip(dev.iter().copied()).collect();
         pairs.sort_unstable();
         let host_layout = self.host.pool().layout();
         let host_base = self.host.pool().base_ptr() as u64;
@@ -641,7 +647,7 @@ impl TransferEngine {
         device: &[DeviceSlot],
         host: &[HostSlot],
         layers: &Range<u32>,
-    ) -> Result<(Vec<u32>, Vec<u32>)> {
+    ) -> Result<(PageList, PageList)> {
         if device.len() != host.len() {
             return Err(GpuError::LengthMismatch {
                 what: "device pages vs host pages",
@@ -663,13 +669,13 @@ impl TransferEngine {
             Direction::ToHost => ("host", &hst, self.host.pool().num_pages()),
             Direction::ToDevice => ("device", &dev, self.dev_pool.num_pages()),
         };
-        if let Some(page) = first_duplicate(dst, cap) {
+        if let Some(page) = first_duplicate(dst, cap, &mut self.dup_marks.lock()) {
             return Err(GpuError::DuplicateDestination { pool, page });
         }
         Ok((dev, hst))
     }
 
-    fn upload(&self, stream: &Stream, dev: Vec<u32>, hst: Vec<u32>) -> Result<[Scratch; 2]> {
+    fn upload(&self, stream: &Stream, dev: PageList, hst: PageList) -> Result<[Scratch; 2]> {
         Ok([stream.upload_u32(dev)?, stream.upload_u32(hst)?])
     }
 
@@ -757,47 +763,54 @@ impl TransferEngine {
     }
 }
 
+/// A transfer's raw page indices of one pool, in pair order, shared with the queued work.
+type PageList = Arc<[u32]>;
+
 /// The first page of `pages` (in order) that repeats an earlier one; pages are below `cap`.
-/// A short list (a tick's pages) is checked with a sorted copy; a long one with a bitmap of
-/// the pool, whose zeroing would otherwise dominate.
-fn first_duplicate(pages: &[u32], cap: usize) -> Option<u32> {
-    if pages.len() * 64 < cap {
-        let mut order: Vec<(u32, usize)> = pages.iter().copied().zip(0..).collect();
-        order.sort_unstable();
-        // In (page, position) order the second position of a repeated page follows its first.
-        return order
-            .windows(2)
-            .filter(|w| w[0].0 == w[1].0)
-            .min_by_key(|w| w[1].1)
-            .map(|w| w[0].0);
+/// `marks` is a bitmap of at least `cap` bits, all clear (grown here when shorter); they are
+/// all clear again on return: only the bits this call set are cleared, so the cost is the
+/// list's length, never the pool's size.
+fn first_duplicate(pages: &[u32], cap: usize, marks: &mut Vec<u64>) -> Option<u32> {
+    let words = cap.div_ceil(64);
+    if marks.len() < words {
+        marks.resize(words, 0);
     }
-    let mut seen = vec![0u64; cap.div_ceil(64)];
-    for &p in pages {
+    let mut found = None;
+    let mut marked = pages.len();
+    for (position, &p) in pages.iter().enumerate() {
         let (w, b) = (p as usize / 64, 1u64 << (p % 64));
-        if seen[w] & b != 0 {
-            return Some(p);
+        if marks[w] & b != 0 {
+            found = Some(p);
+            marked = position;
+            break;
         }
-        seen[w] |= b;
+        marks[w] |= b;
     }
-    None
+    // Restore the invariant (a repeat found at `marked` set no bit of its own).
+    for &p in &pages[..marked] {
+        marks[p as usize / 64] &= !(1u64 << (p % 64));
+    }
+    found
 }
 
-fn check_pages<S: Slot>(pool: &'static str, slots: &[S], capacity: usize) -> Result<Vec<u32>> {
-    // Sized once: collecting through `Result` loses the length and grows the vector.
-    let mut out = Vec::with_capacity(slots.len());
-    for (position, s) in slots.iter().enumerate() {
-        let page = s.index();
-        if (page as usize) >= capacity {
-            return Err(GpuError::PageOutOfRange {
-                pool,
-                page,
-                position,
-                capacity,
-            });
-        }
-        out.push(page);
+/// The raw page indices of `slots`, each checked below `capacity`: one allocation, shared
+/// as is by the sim device's queued work (an index list is never copied there).
+fn check_pages<S: Slot>(pool: &'static str, slots: &[S], capacity: usize) -> Result<PageList> {
+    if let Some((position, page)) = slots
+        .iter()
+        .map(|s| s.index())
+        .enumerate()
+        .find(|&(_, page)| page as usize >= capacity)
+    {
+        return Err(GpuError::PageOutOfRange {
+            pool,
+            page,
+            position,
+            capacity,
+        });
     }
-    Ok(out)
+    // A slice iterator knows its length: the shared slice is allocated once, filled in place.
+    Ok(slots.iter().map(|s| s.index()).collect())
 }
 
 impl Drop for TransferEngine {
@@ -813,13 +826,23 @@ mod tests {
     use super::first_duplicate;
 
     #[test]
-    fn the_first_repeated_page_is_found_both_ways() {
-        // Short lists against a large pool take the sorted path, long ones the bitmap.
-        for cap in [4096, 8] {
-            assert_eq!(first_duplicate(&[3, 1, 2], cap), None);
-            assert_eq!(first_duplicate(&[5, 1, 7, 1, 5], cap), Some(1));
-            assert_eq!(first_duplicate(&[5, 6, 5, 6], cap), Some(5));
-            assert_eq!(first_duplicate(&[], cap), None);
+    fn the_first_repeated_page_is_found_and_the_marks_are_left_clear() {
+        // One bitmap reused across checks and pool sizes, as the engine reuses it.
+        let mut marks = Vec::new();
+        for cap in [4096, 8, 64, 65] {
+            assert_eq!(first_duplicate(&[3, 1, 2], cap, &mut marks), None);
+            assert_eq!(first_duplicate(&[5, 1, 7, 1, 5], cap, &mut marks), Some(1));
+            assert_eq!(first_duplicate(&[5, 6, 5, 6], cap, &mut marks), Some(5));
+            assert_eq!(first_duplicate(&[], cap, &mut marks), None);
+            assert_eq!(first_duplicate(&[7, 7], cap, &mut marks), Some(7));
+            assert!(marks.iter().all(|&w| w == 0), "marks left set (cap {cap})");
+            // A page marked by an earlier check is not a repeat in this one.
+            assert_eq!(first_duplicate(&[1, 2, 3, 5, 6, 7], cap, &mut marks), None);
         }
+        assert_eq!(
+            first_duplicate(&[4095, 0, 4095], 4096, &mut marks),
+            Some(4095)
+        );
+        assert!(marks.iter().all(|&w| w == 0));
     }
 }

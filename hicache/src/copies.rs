@@ -338,7 +338,7 @@ impl Copies {
         let mut out = Vec::with_capacity(ids.len());
         for &id in ids {
             let fin = tiers.tree.finish_backup(id)?;
-            pages += fin.host_slots().len() as u64;
+            pages += fin.pages() as u64;
             out.push(fin);
         }
         tiers.metrics.transfer(

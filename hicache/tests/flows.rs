@@ -54,6 +54,28 @@ fn l1_hit_serves_the_whole_prompt() {
 }
 
 #[test]
+fn an_admission_has_room_for_the_slots_of_the_whole_prompt() {
+    let mut e = Engine::new(cache(test_config(4), 64));
+    let p = prompt(3, 40);
+    e.run(None, &p);
+    // 10 cached pages, then 3 pages and a partial one of new tokens: the engine appends its
+    // 4 fresh slots to the prefix without the vector growing.
+    let mut longer = p.clone();
+    longer.extend(prompt(4, 14));
+    e.cache.arrive(7, &longer).unwrap();
+    let adm = e.cache.admit(7, &longer).unwrap();
+    assert_eq!(adm.device_pages, 10);
+    assert!(adm.prefix_slots.capacity() >= longer.len().div_ceil(4));
+    let mut slots = adm.prefix_slots;
+    let fresh = e.cache.alloc_device(4).unwrap().unwrap();
+    let before = slots.as_ptr();
+    slots.extend(fresh);
+    assert_eq!(slots.as_ptr(), before, "the admission's vector grew");
+    e.cache.cache_finished(7, &longer, &slots).unwrap();
+    e.settle();
+}
+
+#[test]
 fn l2_hit_after_l1_eviction_loads_back_with_layer_waits() {
     // 12 device pages: a second 8-page prompt forces the first out of L1 (to L2, as
     // write-through backed it up).

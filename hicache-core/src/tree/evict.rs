@@ -78,6 +78,9 @@ impl HiRadixTree {
     /// freed leaf's parent becomes a candidate once it has no device child and no lock.
     pub fn evict(&mut self, pages: usize, host: &mut dyn HostAllocator) -> EvictOutcome {
         let mut out = EvictOutcome::default();
+        // Sized once for the pages asked for (whole nodes may free a few more); never more
+        // than the tree holds (a caller may ask for everything with a huge count).
+        out.device_slots.reserve(pages.min(self.device_pages));
         let mut skipped = Vec::new();
         let write_back = !self.cfg.write_policy.host_prefix_closed();
         while out.freed_pages < pages {
@@ -86,8 +89,7 @@ impl HiRadixTree {
             };
             let p = self.node(x).pages as usize;
             if self.node(x).backed() {
-                let slots = self.clear_device(x);
-                out.device_slots.extend_from_slice(&slots);
+                self.clear_device_into(x, &mut out.device_slots);
                 out.demoted_pages += p;
                 out.freed_pages += p;
             } else if write_back {
@@ -104,9 +106,8 @@ impl HiRadixTree {
                 }
             } else if self.node(x).first_child == NIL {
                 self.emit_removed(x, Medium::Gpu);
-                let slots: Vec<DeviceSlot> = self.node(x).device(self.ps).collect();
+                out.device_slots.extend(self.node(x).device(self.ps));
                 self.remove_node(x);
-                out.device_slots.extend_from_slice(&slots);
                 out.deleted_pages += p;
                 out.freed_pages += p;
             } else if let Some((slots, dropped)) = self.drop_subtree(x, host) {
@@ -219,6 +220,8 @@ impl HiRadixTree {
     /// and host-protected nodes are never chosen.
     pub fn evict_host(&mut self, pages: usize) -> EvictHostOutcome {
         let mut out = EvictHostOutcome::default();
+        // Sized once for the pages asked for, never beyond what the tree holds on host.
+        out.host_slots.reserve(pages.min(self.host_pages));
         let ps = self.ps;
         while out.freed_pages < pages {
             let Some(x) = self.host.pop(&mut self.arena) else {

@@ -875,12 +875,20 @@ impl HiRadixTree {
 
     /// Takes a node's device slots away (demotion to host-only, or before deletion).
     fn clear_device(&mut self, i: u32) -> Vec<DeviceSlot> {
+        let mut slots = Vec::new();
+        self.clear_device_into(i, &mut slots);
+        slots
+    }
+
+    /// [`HiRadixTree::clear_device`], appending the slots to `slots` (an eviction gathers
+    /// every node's slots in one vector).
+    fn clear_device_into(&mut self, i: u32, slots: &mut Vec<DeviceSlot>) {
         let ps = self.ps;
         self.emit_removed(i, Medium::Gpu);
         let fp = self.arena_fingerprint(i);
         let n = &mut self.arena.nodes[i as usize];
         debug_assert!(n.on_device() && n.lock_ref == 0);
-        let slots: Vec<DeviceSlot> = n.device(ps).collect();
+        slots.extend(n.device(ps));
         let p = n.pages;
         n.set(DEVICE, false);
         let parent = n.parent;
@@ -896,7 +904,6 @@ impl HiRadixTree {
         self.node_mut(parent).dev_children -= 1;
         self.refresh(i);
         self.refresh(parent);
-        slots
     }
 
     fn arena_fingerprint(&self, i: u32) -> u64 {

@@ -326,6 +326,12 @@ fn backup_requires_backed_parent_and_survives_splits() {
     assert_eq!(f.fragments.len(), 2);
     assert_eq!(f.fragments[0].node, upper);
     assert_eq!(f.host_slots(), hs([50, 51, 52]));
+    assert_eq!(f.pages(), 3);
+    // By value: the nodes root-first, the slots and hashes concatenated in page order.
+    let (nodes, slots, hashes) = f.clone().into_parts();
+    assert_eq!(nodes, vec![upper, na]);
+    assert_eq!(slots, f.host_slots());
+    assert_eq!(hashes, f.hashes());
     assert_eq!(t.protected_pages(), 0);
     assert!(!t.node_info(upper).unwrap().write_pending);
     assert!(t.finish_backup(w).is_err());
@@ -585,6 +591,12 @@ fn page_hashes_chain_through_splits_and_events_report_tiers() {
     let f = backup(&mut t, upper, 100);
     assert_eq!(f.hashes(), vec![want[0]]);
     assert_eq!(f.prior_hash, None);
+    // One fragment: its own vectors, by value.
+    let (nodes, slots, hashes) = f.clone().into_parts();
+    assert_eq!(
+        (nodes, slots, hashes),
+        (vec![upper], f.host_slots(), vec![want[0]])
+    );
     let f = backup(&mut t, na, 200);
     assert_eq!(f.prior_hash, Some(want[0]));
     let ev = t.drain_events();

@@ -66,6 +66,28 @@ pub struct FinishedBackup {
 }
 
 impl FinishedBackup {
+    /// Pages written (the fragments' host slots together).
+    pub fn pages(&self) -> usize {
+        self.fragments.iter().map(|f| f.host_slots.len()).sum()
+    }
+
+    /// The fragments' nodes, and all host slots and all page hashes of the write, in page
+    /// order: the one fragment's vectors themselves when the write covers one node (the
+    /// common case; nothing is copied), concatenated otherwise.
+    pub fn into_parts(self) -> (Vec<NodeId>, Vec<HostSlot>, Vec<PageHash>) {
+        let nodes = self.fragments.iter().map(|f| f.node).collect();
+        let mut fragments = self.fragments.into_iter();
+        let (mut slots, mut hashes) = match fragments.next() {
+            Some(f) => (f.host_slots, f.hashes),
+            None => (Vec::new(), Vec::new()),
+        };
+        for f in fragments {
+            slots.extend_from_slice(&f.host_slots);
+            hashes.extend_from_slice(&f.hashes);
+        }
+        (nodes, slots, hashes)
+    }
+
     /// All host slots of the write, in page order.
     pub fn host_slots(&self) -> Vec<HostSlot> {
         self.fragments
@@ -215,27 +237,29 @@ impl HiRadixTree {
         let i = self.get(rec.node)?;
         self.writes.remove(&write_id);
         let ps = self.ps;
-        let mut chain = Vec::new();
+        // The write's nodes, deepest first: the node and, when it was split since the
+        // commit, the upper parts above it, until the pages written are covered.
+        let mut fragments = Vec::with_capacity(1);
         let mut covered = 0u32;
         let mut n = i;
         while covered < rec.pages && !self.node(n).is_root() {
-            chain.push(n);
-            covered += self.node(n).pages;
-            n = self.node(n).parent;
-        }
-        chain.reverse();
-        let top_parent = self.node(chain[0]).parent;
-        let prior_hash = self.prior_of(top_parent);
-        let mut fragments = Vec::with_capacity(chain.len());
-        for &c in &chain {
-            self.node_mut(c).set(WRITE_PENDING, false);
-            self.emit_stored(c, Medium::CpuPinned);
-            let node = self.node(c);
+            let node = self.node(n);
             fragments.push(BackupFragment {
-                node: self.id(c),
+                node: self.id(n),
                 host_slots: node.host(ps).collect(),
                 hashes: node.hashes.to_vec(),
             });
+            covered += node.pages;
+            n = node.parent;
+        }
+        fragments.reverse();
+        // `n` is the parent of the top fragment.
+        let prior_hash = self.prior_of(n);
+        for f in &fragments {
+            // Made from live indices just above, with nothing deleted since.
+            let c = f.node.index();
+            self.node_mut(c).set(WRITE_PENDING, false);
+            self.emit_stored(c, Medium::CpuPinned);
         }
         match rec.kind {
             WriteKind::Through => self.unlock_idx(i),

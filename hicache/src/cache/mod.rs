@@ -73,6 +73,9 @@ pub struct HiCache {
     /// The per-tick exchange's buffers (prefetch counts), kept from poll to poll so that a
     /// poll allocates nothing for them.
     tick_scratch: crate::agree::Gathered<crate::l3::PrefetchCounts>,
+    /// Marks for the repeat check of the slots a finished request hands back, kept from call
+    /// to call (all clear between calls).
+    slot_marks: crate::request_state::SlotMarks,
 }
 
 impl std::fmt::Debug for HiCache {
@@ -108,6 +111,7 @@ impl HiCache {
             endpoints: p.endpoints,
             closed: false,
             tick_scratch: Default::default(),
+            slot_marks: Default::default(),
         }
     }
 

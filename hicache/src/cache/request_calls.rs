@@ -107,10 +107,15 @@ impl HiCache {
         let (tenant, storage_pages, carried, prompt_tokens) =
             (r.tenant, r.storage_pages, r.carried_loaded, r.prompt_tokens);
         let key = self.aligned(tokens);
-        let m = self.tiers.tree.match_prefix(tenant, key)?;
+        let mut m = self.tiers.tree.match_prefix(tenant, key)?;
+        let device_pages = m.device_pages();
         // Pages an undone admission loaded are at the end of the device prefix now.
-        let carried = carried.min(m.device_pages());
-        let mut prefix = m.device_slots.clone();
+        let carried = carried.min(device_pages);
+        // The match's slots become the admission's (moved, not copied), with room for one
+        // slot per page of the whole prompt (a partial last page included): the engine
+        // appends the slots it allocates for the rest without growing the vector.
+        let mut prefix = std::mem::take(&mut m.device_slots);
+        prefix.reserve_exact(tokens.len().div_ceil(self.page_size()) - device_pages);
         let mut lock = m.last_device_node;
         let mut loaded = 0;
         if let Some((node, slots)) = self.load_back(req, &m, mem_quota_pages)? {
@@ -122,7 +127,7 @@ impl HiCache {
         let from_host = loaded + carried;
         let storage = storage_pages.min(from_host);
         let admission = Admission {
-            device_pages: m.device_pages() - carried,
+            device_pages: device_pages - carried,
             host_pages: from_host - storage,
             storage_pages: storage,
             prefix_slots: prefix,
@@ -224,9 +229,18 @@ impl HiCache {
         } = self.insert_request(req, tokens, slots, false)?;
         self.tiers.tree.unlock(admitted.lock)?;
         record_hits(&self.tiers.metrics, self.page_size(), admitted);
-        let mut free = slots[lo..res.prefix_pages].to_vec();
-        free.extend_from_slice(&slots[n..]);
-        self.tiers.free_device(&free)?;
+        // The duplicates and the partial page's slot (at most one) are freed in one call; a
+        // vector joins them only when there are both.
+        let (dup, partial) = (&slots[lo..res.prefix_pages], &slots[n..]);
+        if dup.is_empty() || partial.is_empty() {
+            self.tiers
+                .free_device(if dup.is_empty() { partial } else { dup })?;
+        } else {
+            let mut free = Vec::with_capacity(dup.len() + partial.len());
+            free.extend_from_slice(dup);
+            free.extend_from_slice(partial);
+            self.tiers.free_device(&free)?;
+        }
         self.copies.queue_writes(res.write_through);
         self.requests.remove(req)?;
         Ok(())
@@ -289,6 +303,7 @@ impl HiCache {
             tokens,
             slots,
             admitted.shared_pages,
+            &mut self.slot_marks,
         )?;
         let r = self.requests.get(req)?;
         let (tenant, priority) = (r.tenant, r.priority);

@@ -123,8 +123,7 @@ impl L3 {
         let Some(start) = tiers.tree.chain_start(fin.tenant)? else {
             return Ok(());
         };
-        let hashes = fin.hashes();
-        let all_slots = fin.host_slots();
+        let (nodes, all_slots, hashes) = fin.into_parts();
         if hashes.len() != all_slots.len() {
             // Pages without hashes cannot be named in L3.
             return Ok(());
@@ -132,7 +131,7 @@ impl L3 {
         let to_send = ToSend {
             kind: BackupKind::Admission,
             namespace: start.namespace_id,
-            nodes: fin.fragments.iter().map(|f| f.node).collect(),
+            nodes,
             hashes,
             slots: all_slots,
             dedup: tiers.tiering.dedups_admission(),
@@ -181,7 +180,12 @@ impl L3 {
             nodes,
             hashes,
             chain,
-            slots: slots[skip..].to_vec(),
+            slots: {
+                // The pages sent, in place (no copy of the rest).
+                let mut slots = slots;
+                slots.drain(..skip);
+                slots
+            },
         })
     }
 

@@ -358,9 +358,16 @@ pub(crate) struct Chain {
 
 impl Chain {
     /// The chain of `keys` after `prefix` (`None`: prefix keys are not passed).
-    pub fn new(prefix: Option<&[PageKey]>, keys: impl IntoIterator<Item = PageKey>) -> Self {
-        let mut all = prefix.map(<[PageKey]>::to_vec).unwrap_or_default();
-        let base = all.len();
+    pub fn new<I>(prefix: Option<&[PageKey]>, keys: I) -> Self
+    where
+        I: IntoIterator<Item = PageKey>,
+        I::IntoIter: ExactSizeIterator,
+    {
+        let keys = keys.into_iter();
+        let base = prefix.map_or(0, <[PageKey]>::len);
+        // Sized once for the prefix and the keys.
+        let mut all = Vec::with_capacity(base + keys.len());
+        all.extend_from_slice(prefix.unwrap_or_default());
         all.extend(keys);
         Self {
             all,
