@@ -50,7 +50,15 @@ pub struct RedisOptions {
     /// backend's life (one warning) and the page is read again with one `GET`, so the
     /// caller sees a normal hit; `0` reads with `GET` from the start, without the warning.
     pub read_chunk_bytes: u64,
+    /// Most keys per node the client-side presence cache of `batch_exists` holds
+    /// ([`presence`](crate::presence)); `0` (default): no cache, every `batch_exists` asks
+    /// the servers. Needs `CLIENT` and `SUBSCRIBE` (channel `__redis__:invalidate`) for the
+    /// ACL user; without them the cache turns itself off at its first refusal (one warning).
+    pub presence_cache_keys: u64,
 }
+
+/// Largest [`RedisOptions::presence_cache_keys`].
+pub const MAX_PRESENCE_CACHE_KEYS: u64 = 1 << 26;
 
 /// Default of [`RedisOptions::read_chunk_bytes`].
 pub const DEFAULT_READ_CHUNK: u64 = 1 << 20;
@@ -75,6 +83,7 @@ impl RedisOptions {
             timeout: Duration::from_millis(10_000),
             max_inflight_bytes: 256 << 20,
             read_chunk_bytes: DEFAULT_READ_CHUNK,
+            presence_cache_keys: 0,
         }
     }
 
@@ -180,6 +189,7 @@ impl RedisOptions {
                 format!("0 (always GET) or at least {MIN_READ_CHUNK} bytes"),
             ));
         }
+        o.presence_cache_keys = f.u64("presence_cache_keys", 0, 0..=MAX_PRESENCE_CACHE_KEYS)?;
         f.finish()?;
         Ok(o)
     }
@@ -215,6 +225,13 @@ mod tests {
     fn fields_parse_and_bad_ones_name_themselves() {
         let o = parse(json!({"nodes": ["127.0.0.1:7000", "[::1]:7001"], "min_replicas_acked": 1, "ttl_s": 60, "timeout_ms": 500, "max_inflight_bytes": "64MiB", "key_prefix": "fleet:", "username": "u", "password": "p", "read_chunk_bytes": "1MiB"})).unwrap();
         assert_eq!(o.read_chunk_bytes, 1 << 20);
+        assert_eq!(o.presence_cache_keys, 0);
+        let cached = parse(json!({"nodes": ["h:1"], "presence_cache_keys": 4096})).unwrap();
+        assert_eq!(cached.presence_cache_keys, 4096);
+        for bad in [json!(-1), json!("many"), json!(MAX_PRESENCE_CACHE_KEYS + 1)] {
+            let e = parse(json!({"nodes": ["h:1"], "presence_cache_keys": bad})).unwrap_err();
+            assert!(e.to_string().contains("presence_cache_keys"), "{e}");
+        }
         let plain = parse(json!({"nodes": ["h:1"], "read_chunk_bytes": 0})).unwrap();
         assert_eq!(plain.read_chunk_bytes, 0);
         assert_eq!(

@@ -25,7 +25,10 @@
 //! - **Routing** ([`exec`]): a batch is split by the primary owning each key's slot (the slot
 //!   map from `CLUSTER SLOTS`, [`topology`]); each shard gets pipelines (one round trip each),
 //!   all shards at once, bytes in flight bounded by `max_inflight_bytes`. `batch_exists` of a
-//!   batch is one pipeline of `EXISTS` per shard: one round trip per shard.
+//!   batch is one pipeline of `EXISTS` per shard: one round trip per shard, or none for keys
+//!   the opt-in presence cache ([`presence`], `presence_cache_keys`) knows: it keeps what the
+//!   servers confirmed, and the servers' own invalidation messages (`CLIENT TRACKING`) take
+//!   back every key another client changes, deletes or evicts.
 //! - **Writes** are `SET key value NX [EX ttl_s]` (one round trip for a new page); a key that
 //!   exists is `Present` if its stored header has the same layout and length, else it is
 //!   overwritten. With `min_replicas_acked: n ≥ 1` every pipeline ends with `WAIT n
@@ -52,6 +55,7 @@ pub mod deadline;
 pub mod error;
 pub mod exec;
 pub mod nodes;
+pub mod presence;
 pub mod resp;
 pub mod storage;
 #[cfg(feature = "testing")]

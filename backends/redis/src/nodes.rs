@@ -101,7 +101,7 @@ impl Lease {
 /// Node connections and the slot map.
 pub struct Nodes {
     opts: Arc<RedisOptions>,
-    connector: Connector,
+    connector: Arc<Connector>,
     pools: Mutex<HashMap<String, Arc<Pool>>>,
     topology: RwLock<Arc<Topology>>,
     /// Pipelines sent per node (each one network round trip), for [`Nodes::round_trips`].
@@ -137,7 +137,7 @@ impl Nodes {
         let mut nodes = Self {
             topology: RwLock::new(Arc::new(Topology::standalone(&opts.nodes[0]))),
             opts,
-            connector,
+            connector: Arc::new(connector),
             pools: Mutex::new(HashMap::new()),
             round_trips: Mutex::new(HashMap::new()),
             protocol_errors: AtomicU64::new(0),
@@ -498,6 +498,12 @@ impl Nodes {
             pool,
             _slot: slot,
         })
+    }
+
+    /// How this backend opens its connections (TLS, credentials), for connections kept
+    /// outside the pools ([`presence`](crate::presence)).
+    pub fn connector(&self) -> Arc<Connector> {
+        self.connector.clone()
     }
 
     /// Counts one pipeline (one network round trip) sent to `addr`.

@@ -18,6 +18,7 @@ use crate::deadline::Budget;
 use crate::error::RedisError;
 use crate::exec::{Inflight, Reply, Request, execute};
 use crate::nodes::Nodes;
+use crate::presence::Presence;
 use crate::resp::{Frame, Limits};
 use crate::value::{self, HEADER_LEN};
 
@@ -37,6 +38,8 @@ const SCAN_COUNT: usize = 1024;
 pub struct RedisStorage {
     opts: Arc<RedisOptions>,
     nodes: Nodes,
+    /// The presence cache of `batch_exists` (`presence_cache_keys` > 0).
+    presence: Option<Presence>,
     inflight: Inflight,
     stats: StatsCounters,
     /// Pages this process stored minus those it deleted (the cluster's own count is not
@@ -59,7 +62,14 @@ impl RedisStorage {
     pub async fn open(opts: RedisOptions) -> std::result::Result<Self, RedisError> {
         let opts = Arc::new(opts);
         let nodes = Nodes::open(opts.clone()).await?;
+        let presence = (opts.presence_cache_keys > 0).then(|| {
+            Presence::new(
+                nodes.connector(),
+                usize::try_from(opts.presence_cache_keys).unwrap_or(usize::MAX),
+            )
+        });
         Ok(Self {
+            presence,
             inflight: Inflight::new(opts.max_inflight_bytes),
             opts,
             nodes,
@@ -67,6 +77,11 @@ impl RedisStorage {
             pages: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
         })
+    }
+
+    /// Keys `batch_exists` answered from the presence cache since open (0 without one).
+    pub fn presence_hits(&self) -> u64 {
+        self.presence.as_ref().map_or(0, Presence::hits)
     }
 
     /// The options the backend was opened with.
@@ -184,6 +199,11 @@ impl RedisStorage {
     /// number removed. Counted by the caller (`deleted_pages` or `cleared_pages`).
     async fn delete_within(&self, keys: &[PageKey], budget: &Budget) -> Result<usize> {
         let named: Vec<(PageKey, Vec<u8>)> = keys.iter().map(|k| (*k, self.redis_key(k))).collect();
+        if let Some(p) = &self.presence {
+            // Forgotten before the deletion: an `exists` from now on asks the servers.
+            let names: Vec<Vec<u8>> = named.iter().map(|(_, rk)| rk.clone()).collect();
+            p.forget(&names, &self.nodes.topology());
+        }
         let headers = self.headers(&named, budget).await;
         let reqs: Vec<Request<'_>> = named
             .iter()
@@ -311,11 +331,24 @@ impl Storage for RedisStorage {
     #[tracing::instrument(skip_all, fields(pages = keys.len()))]
     async fn batch_exists(&self, keys: &[PageKey]) -> Result<usize> {
         check_batch("batch_exists", MAX_BATCH, keys.len(), keys.len())?;
+        let budget = self.budget("batch_exists");
+        if let Some(p) = &self.presence {
+            let named: Vec<Vec<u8>> = keys.iter().map(|k| self.redis_key(k)).collect();
+            // Half of what is left: the uncached path keeps the rest if the cache's ask fails.
+            let within = budget
+                .end()
+                .saturating_duration_since(tokio::time::Instant::now())
+                / 2;
+            if let Some(run) = p.exists(&named, &self.nodes.topology(), within).await {
+                self.stats.record_exists((run + 1).min(keys.len()), run);
+                return Ok(run);
+            }
+        }
         let reqs: Vec<Request<'_>> = keys
             .iter()
             .map(|k| Request::simple_owned("EXISTS", self.redis_key(k)))
             .collect();
-        let replies = self.run(&reqs, false, &self.budget("batch_exists")).await;
+        let replies = self.run(&reqs, false, &budget).await;
         let mut run = 0;
         for r in &replies {
             match r {

@@ -21,6 +21,8 @@ struct RedisHarness {
     next: AtomicU64,
     /// `read_chunk_bytes` of every backend opened (`None`: the default).
     read_chunk: Option<u64>,
+    /// `presence_cache_keys` of every backend opened.
+    presence: u64,
 }
 
 impl RedisHarness {
@@ -31,6 +33,7 @@ impl RedisHarness {
         if let Some(c) = self.read_chunk {
             o.read_chunk_bytes = c;
         }
+        o.presence_cache_keys = self.presence;
         o
     }
 
@@ -109,6 +112,7 @@ fn conformance_on_a_three_shard_cluster_with_replicas() {
         cluster: true,
         next: AtomicU64::new(0),
         read_chunk: None,
+        presence: 0,
     });
     // The reverse mismatch: a cluster node configured as a standalone server.
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -132,6 +136,7 @@ fn conformance_on_a_standalone_server() {
         cluster: false,
         next: AtomicU64::new(0),
         read_chunk: None,
+        presence: 0,
     });
 }
 
@@ -148,5 +153,23 @@ fn conformance_with_ranged_reads_on_a_cluster() {
         cluster: true,
         next: AtomicU64::new(0),
         read_chunk: Some(4096),
+        presence: 0,
+    });
+}
+
+/// The suite again with the presence cache of `batch_exists` on (a small one, so that it
+/// also empties itself when full).
+#[test]
+fn conformance_with_the_presence_cache_on_a_cluster() {
+    if !redis_available("conformance_with_the_presence_cache_on_a_cluster") {
+        return;
+    }
+    let cluster = RedisCluster::start(3, 0, &[]);
+    run_suite(RedisHarness {
+        seeds: cluster.seeds(),
+        cluster: true,
+        next: AtomicU64::new(0),
+        read_chunk: None,
+        presence: 64,
     });
 }
