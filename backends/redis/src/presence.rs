@@ -197,10 +197,10 @@ impl Presence {
     /// caller runs on), and again where the last one ended (see invariant 4).
     fn node(&self, addr: &str) -> Arc<Node> {
         let mut nodes = self.nodes.lock();
-        let node = nodes
-            .entry(addr.to_string())
-            .or_insert_with(|| {
-                Arc::new(Node {
+        let node = match nodes.get(addr) {
+            Some(n) => n.clone(),
+            None => {
+                let n = Arc::new(Node {
                     addr: addr.to_string(),
                     connector: self.connector.clone(),
                     state: Mutex::new(NodeState {
@@ -208,9 +208,11 @@ impl Presence {
                         ..NodeState::default()
                     }),
                     tracking: tokio::sync::Mutex::new(None),
-                })
-            })
-            .clone();
+                });
+                nodes.insert(addr.to_string(), n.clone());
+                n
+            }
+        };
         drop(nodes);
         let start = {
             let mut s = node.state.lock();
@@ -239,35 +241,45 @@ impl Presence {
         if self.refused.load(Ordering::Relaxed) {
             return None;
         }
+        // Each key's owner (an index into the slot map's primaries), each primary's part
+        // resolved once per call.
+        let mut nodes: Vec<Option<Arc<Node>>> = vec![None; topology.nodes.len()];
         let mut owners = Vec::with_capacity(keys.len());
         for k in keys {
-            owners.push(self.node(topology.owner(slot(k))?));
+            let o = topology.owner_index(slot(k))?;
+            if nodes[o].is_none() {
+                nodes[o] = Some(self.node(&topology.nodes[o]));
+            }
+            owners.push(o);
         }
+        let node = |o: usize| nodes[o].as_ref().expect("every owner was resolved above");
         let known = keys
             .iter()
             .zip(&owners)
-            .take_while(|(k, n)| n.state.lock().present(k))
+            .take_while(|&(k, &o)| node(o).state.lock().present(k))
             .count();
         if known == keys.len() {
             self.hits.fetch_add(known as u64, Ordering::Relaxed);
             return Some(known);
         }
-        // Ask for every key after the known run, grouped by node, all nodes at once.
-        let mut groups: Vec<(Arc<Node>, Vec<usize>)> = Vec::new();
-        for (i, owner) in owners.iter().enumerate().skip(known) {
-            match groups.iter_mut().find(|(n, _)| Arc::ptr_eq(n, owner)) {
-                Some((_, idx)) => idx.push(i),
-                None => groups.push((owner.clone(), vec![i])),
-            }
+        // Ask for every key after the known run, grouped by owner, all owners at once.
+        let mut groups: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
+        for (i, &o) in owners.iter().enumerate().skip(known) {
+            groups[o].push(i);
         }
+        let asked: Vec<(usize, &Vec<usize>)> = groups
+            .iter()
+            .enumerate()
+            .filter(|(_, idx)| !idx.is_empty())
+            .collect();
         let answers = join_all(
-            groups
+            asked
                 .iter()
-                .map(|(node, idx)| node.ask(keys, idx, within, &self.refused)),
+                .map(|&(o, idx)| node(o).ask(keys, idx, within, &self.refused)),
         )
         .await;
         let mut present = vec![false; keys.len()];
-        for ((_, idx), answer) in groups.iter().zip(answers) {
+        for (&(_, idx), answer) in asked.iter().zip(answers) {
             for (&i, exists) in idx.iter().zip(answer?) {
                 present[i] = exists;
             }
@@ -278,7 +290,7 @@ impl Presence {
 
     /// Forgets `keys` (this client deleted them, or found them missing or damaged), at once
     /// rather than when their invalidations arrive.
-    pub fn forget(&self, keys: &[Vec<u8>], topology: &Topology) {
+    pub fn forget<'k>(&self, keys: impl IntoIterator<Item = &'k [u8]>, topology: &Topology) {
         let nodes = self.nodes.lock();
         for k in keys {
             if let Some(n) = topology.owner(slot(k)).and_then(|a| nodes.get(a)) {

@@ -201,8 +201,10 @@ impl RedisStorage {
         let named: Vec<(PageKey, Vec<u8>)> = keys.iter().map(|k| (*k, self.redis_key(k))).collect();
         if let Some(p) = &self.presence {
             // Forgotten before the deletion: an `exists` from now on asks the servers.
-            let names: Vec<Vec<u8>> = named.iter().map(|(_, rk)| rk.clone()).collect();
-            p.forget(&names, &self.nodes.topology());
+            p.forget(
+                named.iter().map(|(_, rk)| rk.as_slice()),
+                &self.nodes.topology(),
+            );
         }
         let headers = self.headers(&named, budget).await;
         let reqs: Vec<Request<'_>> = named
@@ -332,8 +334,8 @@ impl Storage for RedisStorage {
     async fn batch_exists(&self, keys: &[PageKey]) -> Result<usize> {
         check_batch("batch_exists", MAX_BATCH, keys.len(), keys.len())?;
         let budget = self.budget("batch_exists");
+        let named: Vec<Vec<u8>> = keys.iter().map(|k| self.redis_key(k)).collect();
         if let Some(p) = &self.presence {
-            let named: Vec<Vec<u8>> = keys.iter().map(|k| self.redis_key(k)).collect();
             // Half of what is left: the uncached path keeps the rest if the cache's ask fails.
             let within = budget
                 .end()
@@ -344,9 +346,9 @@ impl Storage for RedisStorage {
                 return Ok(run);
             }
         }
-        let reqs: Vec<Request<'_>> = keys
-            .iter()
-            .map(|k| Request::simple_owned("EXISTS", self.redis_key(k)))
+        let reqs: Vec<Request<'_>> = named
+            .into_iter()
+            .map(|rk| Request::simple_owned("EXISTS", rk))
             .collect();
         let replies = self.run(&reqs, false, &budget).await;
         let mut run = 0;

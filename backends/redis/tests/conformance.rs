@@ -26,6 +26,17 @@ struct RedisHarness {
 }
 
 impl RedisHarness {
+    /// A harness on `seeds` opening backends with their defaults.
+    fn new(seeds: Vec<String>, cluster: bool) -> Self {
+        Self {
+            seeds,
+            cluster,
+            next: AtomicU64::new(0),
+            read_chunk: None,
+            presence: 0,
+        }
+    }
+
     fn options(&self) -> RedisOptions {
         let mut o = RedisOptions::new(self.seeds.clone());
         o.cluster = self.cluster;
@@ -107,13 +118,7 @@ fn conformance_on_a_three_shard_cluster_with_replicas() {
         return;
     }
     let cluster = RedisCluster::start(3, 1, &[]);
-    run_suite(RedisHarness {
-        seeds: cluster.seeds(),
-        cluster: true,
-        next: AtomicU64::new(0),
-        read_chunk: None,
-        presence: 0,
-    });
+    run_suite(RedisHarness::new(cluster.seeds(), true));
     // The reverse mismatch: a cluster node configured as a standalone server.
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -131,13 +136,7 @@ fn conformance_on_a_standalone_server() {
         return;
     }
     let server = RedisServer::start(&[]);
-    run_suite(RedisHarness {
-        seeds: vec![server.addr()],
-        cluster: false,
-        next: AtomicU64::new(0),
-        read_chunk: None,
-        presence: 0,
-    });
+    run_suite(RedisHarness::new(vec![server.addr()], false));
 }
 
 /// The suite again with every page above 4 KiB read in ranges (`MULTI`, `STRLEN`,
@@ -149,11 +148,8 @@ fn conformance_with_ranged_reads_on_a_cluster() {
     }
     let cluster = RedisCluster::start(3, 0, &[]);
     run_suite(RedisHarness {
-        seeds: cluster.seeds(),
-        cluster: true,
-        next: AtomicU64::new(0),
         read_chunk: Some(4096),
-        presence: 0,
+        ..RedisHarness::new(cluster.seeds(), true)
     });
 }
 
@@ -166,10 +162,7 @@ fn conformance_with_the_presence_cache_on_a_cluster() {
     }
     let cluster = RedisCluster::start(3, 0, &[]);
     run_suite(RedisHarness {
-        seeds: cluster.seeds(),
-        cluster: true,
-        next: AtomicU64::new(0),
-        read_chunk: None,
         presence: 64,
+        ..RedisHarness::new(cluster.seeds(), true)
     });
 }
