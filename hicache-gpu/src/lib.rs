@@ -38,6 +38,7 @@ pub mod error;
 #[cfg(feature = "cuda")]
 pub mod kernels;
 pub mod layer;
+pub mod marks;
 pub mod plan;
 pub mod pool;
 pub mod registration;
@@ -50,6 +51,7 @@ pub use device::{Device, DeviceBuffer, DeviceKind, Event, SimGate, Stream};
 pub use error::{GpuError, Result};
 pub use hicache_core::DeviceSlot;
 pub use layer::LayerDoneCounter;
+pub use marks::PageMarks;
 pub use plan::{DeviceCopy, Direction, MemcpyOp};
 pub use pool::{DevicePool, DeviceRegion, EngineLayer};
 pub use registration::{HostRegistration, RegistrableMemory, Registration, StateRegistration};

@@ -38,6 +38,7 @@ use parking_lot::Mutex;
 use crate::copy::CopyParams;
 use crate::device::{Device, DeviceBuffer, DeviceKind, Event, Scratch, Stream};
 use crate::error::{GpuError, Result};
+use crate::marks::PageMarks;
 use crate::plan::{self, Direction, MemcpyOp, PlanGeometry};
 use crate::pool::DevicePool;
 use crate::registration::HostRegistration;
@@ -240,11 +241,9 @@ pub struct TransferEngine {
     write_stream: Stream,
     load_stream: Stream,
     staging: Option<Staging>,
-    /// Marks of destination pages for the duplicate check, one bit per page of the pool
-    /// written, kept between transfers so that the check allocates, sorts and zeroes
-    /// nothing. Invariant: every bit is clear between checks ([`first_duplicate`] clears the
-    /// bits it set before it returns).
-    dup_marks: Mutex<Vec<u64>>,
+    /// Marks of destination pages for the duplicate check, kept between transfers so that
+    /// the check allocates, sorts and zeroes nothing (all clear between checks).
+    dup_marks: Mutex<PageMarks>,
 }
 
 /// Device staging of backups (see [`TransferConfig::staged_backup_pages`]).
@@ -362,7 +361,7 @@ impl TransferEngine {
             host,
             config,
             word_bytes,
-            dup_marks: Mutex::new(Vec::new()),
+            dup_marks: Mutex::new(PageMarks::default()),
         })
     }
 
@@ -766,31 +765,10 @@ impl TransferEngine {
 /// A transfer's raw page indices of one pool, in pair order, shared with the queued work.
 type PageList = Arc<[u32]>;
 
-/// The first page of `pages` (in order) that repeats an earlier one; pages are below `cap`.
-/// `marks` is a bitmap of at least `cap` bits, all clear (grown here when shorter); they are
-/// all clear again on return: only the bits this call set are cleared, so the cost is the
-/// list's length, never the pool's size.
-fn first_duplicate(pages: &[u32], cap: usize, marks: &mut Vec<u64>) -> Option<u32> {
-    let words = cap.div_ceil(64);
-    if marks.len() < words {
-        marks.resize(words, 0);
-    }
-    let mut found = None;
-    let mut marked = pages.len();
-    for (position, &p) in pages.iter().enumerate() {
-        let (w, b) = (p as usize / 64, 1u64 << (p % 64));
-        if marks[w] & b != 0 {
-            found = Some(p);
-            marked = position;
-            break;
-        }
-        marks[w] |= b;
-    }
-    // Restore the invariant (a repeat found at `marked` set no bit of its own).
-    for &p in &pages[..marked] {
-        marks[p as usize / 64] &= !(1u64 << (p % 64));
-    }
-    found
+/// The first page of `pages` (in order) that repeats an earlier one; pages are below `cap`
+/// (checked before), `marks` the engine's reused bitmap.
+fn first_duplicate(pages: &[u32], cap: usize, marks: &mut PageMarks) -> Option<u32> {
+    marks.first_repeat(pages, |&p| p, cap).map(|i| pages[i])
 }
 
 /// The raw page indices of `slots`, each checked below `capacity`: one allocation, shared
@@ -824,18 +802,19 @@ impl Drop for TransferEngine {
 #[cfg(test)]
 mod tests {
     use super::first_duplicate;
+    use crate::marks::PageMarks;
 
     #[test]
     fn the_first_repeated_page_is_found_and_the_marks_are_left_clear() {
         // One bitmap reused across checks and pool sizes, as the engine reuses it.
-        let mut marks = Vec::new();
+        let mut marks = PageMarks::default();
         for cap in [4096, 8, 64, 65] {
             assert_eq!(first_duplicate(&[3, 1, 2], cap, &mut marks), None);
             assert_eq!(first_duplicate(&[5, 1, 7, 1, 5], cap, &mut marks), Some(1));
             assert_eq!(first_duplicate(&[5, 6, 5, 6], cap, &mut marks), Some(5));
             assert_eq!(first_duplicate(&[], cap, &mut marks), None);
             assert_eq!(first_duplicate(&[7, 7], cap, &mut marks), Some(7));
-            assert!(marks.iter().all(|&w| w == 0), "marks left set (cap {cap})");
+            assert!(marks.is_clear(), "marks left set (cap {cap})");
             // A page marked by an earlier check is not a repeat in this one.
             assert_eq!(first_duplicate(&[1, 2, 3, 5, 6, 7], cap, &mut marks), None);
         }
@@ -843,6 +822,6 @@ mod tests {
             first_duplicate(&[4095, 0, 4095], 4096, &mut marks),
             Some(4095)
         );
-        assert!(marks.iter().all(|&w| w == 0));
+        assert!(marks.is_clear());
     }
 }

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use hicache_core::{DeviceSlot, NodeId, TenantId};
-use hicache_gpu::DevicePool;
+use hicache_gpu::{DevicePool, PageMarks};
 
 use crate::error::{HiCacheError, Result};
 use crate::l3::{LookedUp, PrefetchEnd, RequestId};
@@ -188,52 +188,6 @@ pub(crate) fn record_hits(metrics: &Metrics, page_size: usize, a: Admitted) {
     }
 }
 
-/// Marks of device slots seen, one bit per device page, kept between calls so that checking
-/// a request's slots for repeats allocates and sorts nothing.
-///
-/// Invariant: between calls every bit is clear ([`SlotMarks::first_repeat`] clears the bits
-/// it set before it returns), so a check never sees another call's marks.
-#[derive(Debug, Default)]
-pub(crate) struct SlotMarks {
-    bits: Vec<u64>,
-}
-
-impl SlotMarks {
-    /// The first position in `slots` whose slot already occurs at an earlier position, among
-    /// slots below `capacity` (a slot at or above it is not a device page at all, and its
-    /// first occurrence is reported as such before any repeat of it).
-    pub fn first_repeat(&mut self, slots: &[DeviceSlot], capacity: usize) -> Option<usize> {
-        let words = capacity.div_ceil(64);
-        if self.bits.len() < words {
-            self.bits.resize(words, 0);
-        }
-        let mut repeat = None;
-        let mut marked = slots.len();
-        for (position, s) in slots.iter().enumerate() {
-            let page = s.0 as usize;
-            if page >= capacity {
-                continue;
-            }
-            let (w, b) = (page / 64, 1u64 << (page % 64));
-            if self.bits[w] & b != 0 {
-                repeat = Some(position);
-                marked = position;
-                break;
-            }
-            self.bits[w] |= b;
-        }
-        // Keep the invariant: clear exactly the bits this call set (positions before
-        // `marked`; a repeat found at `marked` set nothing new).
-        for s in &slots[..marked] {
-            let page = s.0 as usize;
-            if page < capacity {
-                self.bits[page / 64] &= !(1u64 << (page % 64));
-            }
-        }
-        repeat
-    }
-}
-
 /// Checks the slots the engine hands back for `tokens`: one per page (including a partial
 /// last page), covering the `shared` pages it was admitted with, each an allocated device
 /// page given once (`marks`: the cache's reused marks for the repeat check).
@@ -244,7 +198,7 @@ pub(crate) fn check_slots(
     tokens: &[u32],
     slots: &[DeviceSlot],
     shared: usize,
-    marks: &mut SlotMarks,
+    marks: &mut PageMarks,
 ) -> Result<()> {
     let want = tokens.len().div_ceil(page_size);
     if slots.len() != want {
@@ -270,7 +224,7 @@ pub(crate) fn check_slots(
     // twice, would end up freed twice (and its page reused while cached). The first page
     // (in order) that is either is reported. One pool lock and one pass over the marks.
     let unallocated = pool.first_unallocated(slots);
-    let again = marks.first_repeat(slots, pool.num_pages());
+    let again = marks.first_repeat(slots, |s| s.0, pool.num_pages());
     match (unallocated, again) {
         (Some(page), again) if again.is_none_or(|a| page < a) => Err(HiCacheError::request(
             req,
@@ -288,31 +242,5 @@ pub(crate) fn check_slots(
             ),
         )),
         _ => Ok(()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::SlotMarks;
-    use hicache_core::DeviceSlot;
-
-    fn slots(v: &[u32]) -> Vec<DeviceSlot> {
-        v.iter().copied().map(DeviceSlot).collect()
-    }
-
-    #[test]
-    fn slot_marks_find_the_first_repeat_and_are_left_clear() {
-        let mut m = SlotMarks::default();
-        for cap in [16, 64, 65, 1000] {
-            assert_eq!(m.first_repeat(&slots(&[3, 1, 2]), cap), None);
-            assert_eq!(m.first_repeat(&slots(&[5, 1, 7, 1, 5]), cap), Some(3));
-            assert_eq!(m.first_repeat(&slots(&[5, 6, 5, 6]), cap), Some(2));
-            assert_eq!(m.first_repeat(&[], cap), None);
-            // Out of the pool: not marked (reported as unallocated by the caller).
-            assert_eq!(m.first_repeat(&slots(&[9999, 9999, 4]), cap), None);
-            assert!(m.bits.iter().all(|&w| w == 0), "marks left set (cap {cap})");
-            // Marks of an earlier check never count in the next one.
-            assert_eq!(m.first_repeat(&slots(&[1, 2, 3, 5, 6, 7]), cap), None);
-        }
     }
 }

@@ -75,7 +75,7 @@ pub struct HiCache {
     tick_scratch: crate::agree::Gathered<crate::l3::PrefetchCounts>,
     /// Marks for the repeat check of the slots a finished request hands back, kept from call
     /// to call (all clear between calls).
-    slot_marks: crate::request_state::SlotMarks,
+    slot_marks: hicache_gpu::PageMarks,
 }
 
 impl std::fmt::Debug for HiCache {
